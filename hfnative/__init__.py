@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ModelArgs": "hfnative.models.args",
     "Transformer": "hfnative.models.decoder",
-    "load_model": "hfnative.converters.loading",
+    "load_pretrained": "hfnative.converters.loading",
     "export_hf": "hfnative.converters.export",
 }
 

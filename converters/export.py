@@ -1,0 +1,186 @@
+"""Write a native model back out as a Hub-format folder that transformers loads unchanged.
+
+Weights go to safetensors under their Hub names (re-fusing or un-stacking per the family's
+pieces), sharded with ``model.safetensors.index.json`` past ``max_shard_size``; config.json is
+the original, field for field; generation config and tokenizer files come along.
+Every file is written under a temporary name and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from .families import Piece, model_pieces
+from .loading import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, ConvertedModel
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def parse_size(size: int | str) -> int:
+    """'5GB' / '500MB' / '10KiB' / an int -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Assemble one Hub tensor from its native piece(s)."""
+    if len(pieces) == 1 and pieces[0].native_index is None:
+        return native[pieces[0].native_key].detach()
+    parts = []
+    for piece in pieces:
+        value = native[piece.native_key].detach()
+        parts.append(value[piece.native_index] if piece.native_index is not None else value)
+    return torch.cat(parts) if pieces[0].hf_rows is not None else parts[0]
+
+
+def hub_state_dict_pieces(converted: ConvertedModel) -> dict[str, list[Piece]]:
+    pieces_of = defaultdict(list)
+    for piece in model_pieces(converted.family, converted.args):
+        pieces_of[piece.hf_key].append(piece)
+    return pieces_of
+
+
+def _numel(pieces: list[Piece], native: dict[str, torch.Tensor]) -> int:
+    tensors = [native[p.native_key] for p in pieces]
+    if pieces[0].native_index is not None:  # one expert of a stacked tensor
+        return tensors[0][0].numel()
+    return sum(t.numel() for t in tensors)
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    shards, current, current_bytes = [], [], 0
+    for key, size in sizes.items():
+        if current and current_bytes + size > max_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(key)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _write_atomically(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int | str = "5GB") -> list[str]:
+    """Write the weights as safetensors shards; returns the file names written."""
+    from safetensors.torch import save_file
+
+    native = dict(converted.model.state_dict())
+    pieces_of = hub_state_dict_pieces(converted)
+    numels = {key: _numel(pieces, native) for key, pieces in pieces_of.items()}
+    sizes = {key: numel * native[pieces_of[key][0].native_key].element_size() for key, numel in numels.items()}
+    shards = _plan_shards(sizes, parse_size(max_shard_size))
+    names = (
+        [SAFETENSORS_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, keys in zip(names, shards):
+        tensors = {key: hub_tensor(pieces_of[key], native).to("cpu").contiguous() for key in keys}
+        _write_atomically(out_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+        del tensors
+    stale_index = out_dir / SAFETENSORS_INDEX
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(sizes.values()), "total_parameters": sum(numels.values())},
+            "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+        }
+        _write_atomically(stale_index, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+    elif stale_index.exists():
+        stale_index.unlink()
+    return names
+
+
+def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
+    """The source config.json byte for byte; only ``dtype`` follows the weights if they changed."""
+    dtype_name = _DTYPE_NAMES.get(next(converted.model.parameters()).dtype)
+    source = converted.source_dir / "config.json" if converted.source_dir else None
+    if source is not None and source.exists():
+        text = source.read_text()
+        fields = json.loads(text)
+        key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
+        if dtype_name and fields.get(key) not in (None, dtype_name):
+            fields[key] = dtype_name
+            text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+    else:
+        fields = converted.config.to_dict()
+        if dtype_name:
+            fields["dtype"] = dtype_name
+        text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
+    _write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
+
+
+def _save_generation_config(converted: ConvertedModel, out_dir: Path, generation_config=None) -> None:
+    source = converted.source_dir / "generation_config.json" if converted.source_dir else None
+    if generation_config is not None:
+        text = generation_config.to_json_string()
+    elif source is not None and source.exists():
+        text = source.read_text()
+    else:
+        return
+    _write_atomically(out_dir / "generation_config.json", lambda tmp: tmp.write_text(text))
+
+
+def save_tokenizer(out_dir: Path, processing_class=None, source_dir: Path | None = None) -> None:
+    """The tokenizer via its own save_pretrained, or the source folder's tokenizer files copied."""
+    if processing_class is not None:
+        processing_class.save_pretrained(str(out_dir))
+        return
+    if source_dir is None:
+        return
+    for name in TOKENIZER_FILES:
+        if (source_dir / name).exists():
+            _write_atomically(out_dir / name, lambda tmp, name=name: shutil.copyfile(source_dir / name, tmp))
+
+
+def export_hf(
+    converted: ConvertedModel,
+    out_dir: str | os.PathLike,
+    *,
+    processing_class=None,
+    generation_config=None,
+    max_shard_size: int | str = "5GB",
+) -> Path:
+    """Write ``converted`` as a Hub-format folder: safetensors, config.json, generation config, tokenizer."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = save_weights(converted, out_dir, max_shard_size)
+    for stale in out_dir.glob("model*.safetensors"):
+        if stale.name not in names:
+            stale.unlink()  # shards of an earlier save with a different layout
+    _save_config(converted, out_dir)
+    _save_generation_config(converted, out_dir, generation_config)
+    save_tokenizer(out_dir, processing_class, converted.source_dir)
+    return out_dir

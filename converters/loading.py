@@ -1,0 +1,255 @@
+"""Load a Hub-format checkpoint into a native model, tensor by tensor.
+
+The model is built on the meta device, the checkpoint's key set and shapes are checked against
+it before any memory is allocated, then each Hub tensor is read from its safetensors shard and
+copied straight into the native parameter(s) it maps to. Peak memory stays near one copy of the
+weights plus the largest single tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hfnative.models.args import ModelArgs
+from hfnative.models.decoder import Transformer
+
+from .families import Family, Piece, UnsupportedModelError, family_for_config, model_pieces
+from .hub import resolve_model_dir
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config: missing, unexpected or mis-shaped tensors, bad files."""
+
+
+@dataclass
+class ConvertedModel:
+    """A native model plus what is needed to write it back out in Hub format."""
+
+    model: Transformer
+    config: object  # the transformers PretrainedConfig it was built from
+    family: Family
+    source_dir: Path | None = None  # the checkpoint folder (None when converted from an object)
+
+    @property
+    def args(self) -> ModelArgs:
+        return self.model.args
+
+
+def _is_ignorable(key: str, args: ModelArgs) -> bool:
+    # tied checkpoints sometimes still carry the head; rotary buffers were saved by old versions
+    return (args.tie_embeddings and key == "lm_head.weight") or key.endswith("rotary_emb.inv_freq")
+
+
+# --- where Hub tensors come from: safetensors files, or an in-memory state dict --------------------
+
+
+class SafetensorsSource:
+    """The tensors of a (possibly sharded) safetensors checkpoint folder, read lazily."""
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        index_path = model_dir / SAFETENSORS_INDEX
+        if index_path.exists():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise CheckpointError(f"{index_path}: not a valid safetensors index ({err})") from err
+        elif (model_dir / SAFETENSORS_SINGLE).exists():
+            weight_map = None
+        else:
+            others = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+            hint = f" (found {others}: hfnative loads weights only from safetensors)" if others else ""
+            raise CheckpointError(f"{model_dir}: no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}{hint}")
+        files = sorted(set(weight_map.values())) if weight_map else [SAFETENSORS_SINGLE]
+        missing_files = [f for f in files if not (model_dir / f).exists()]
+        if missing_files:
+            keys = sorted(k for k, f in weight_map.items() if f in missing_files)
+            raise CheckpointError(
+                f"{model_dir}: shard file(s) {missing_files} listed in {SAFETENSORS_INDEX} are missing "
+                f"(they hold {len(keys)} tensors, e.g. {keys[:5]}); re-download the checkpoint"
+            )
+        self.file_of: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for name in files:
+            for key, shape in self._read_header(model_dir / name).items():
+                self.file_of[key] = name
+                self.shapes[key] = shape
+        if weight_map:
+            absent = sorted(k for k in weight_map if k not in self.file_of)
+            if absent:
+                raise CheckpointError(f"{model_dir}: tensors listed in the index are not in their shard: {absent[:10]}")
+
+    @staticmethod
+    def _read_header(path: Path) -> dict[str, tuple[int, ...]]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as err:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"{path}: unreadable safetensors file ({err}); it may be truncated — re-download it") from err
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def iter_tensors(self, wanted: set[str]):
+        """Yield (key, tensor) file by file, one tensor in memory at a time."""
+        from safetensors import safe_open
+
+        by_file = defaultdict(list)
+        for key in wanted:
+            by_file[self.file_of[key]].append(key)
+        for name in sorted(by_file):
+            with safe_open(str(self.model_dir / name), framework="pt") as f:
+                for key in sorted(by_file[name]):
+                    yield key, f.get_tensor(key)
+
+
+class StateDictSource:
+    """Hub-format tensors held in memory (from a transformers model object)."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]):
+        self.state_dict = state_dict
+        self.shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def iter_tensors(self, wanted: set[str]):
+        for key in sorted(wanted):
+            yield key, self.state_dict[key]
+
+
+# --- checking and copying ------------------------------------------------------------------------
+
+
+def _expected_hf_shapes(pieces: list[Piece], model: Transformer) -> dict[str, tuple[int, ...]]:
+    native_shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for piece in pieces:
+        native = native_shapes[piece.native_key]
+        if piece.native_index is not None:
+            shapes[piece.hf_key] = native[1:]
+        elif piece.hf_rows is not None:  # a fused tensor is as tall as its last row block ends
+            rows_so_far = shapes.get(piece.hf_key, (0,))[0]
+            shapes[piece.hf_key] = (max(rows_so_far, piece.hf_rows[1]),) + native[1:]
+        else:
+            shapes[piece.hf_key] = native
+    return shapes
+
+
+def check_checkpoint(source, pieces: list[Piece], model: Transformer, where: str) -> None:
+    """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor."""
+    expected = _expected_hf_shapes(pieces, model)
+    found = source.shapes
+    missing = sorted(k for k in expected if k not in found)
+    unexpected = sorted(k for k in found if k not in expected and not _is_ignorable(k, model.args))
+    wrong_shape = sorted(
+        f"{k}: checkpoint {list(found[k])}, config implies {list(expected[k])}"
+        for k in expected
+        if k in found and tuple(found[k]) != expected[k]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {unexpected}")
+    if wrong_shape:
+        problems.append(f"tensors with the wrong shape ({len(wrong_shape)}): {wrong_shape}")
+    if problems:
+        raise CheckpointError(f"{where} does not match its config.json:\n  " + "\n  ".join(problems))
+
+
+def copy_into_model(source, pieces: list[Piece], model: Transformer) -> None:
+    params = model.state_dict(keep_vars=True)
+    pieces_of = defaultdict(list)
+    for piece in pieces:
+        pieces_of[piece.hf_key].append(piece)
+    written = set()
+    with torch.no_grad():
+        for hf_key, tensor in source.iter_tensors(set(pieces_of)):
+            for piece in pieces_of[hf_key]:
+                value = tensor if piece.hf_rows is None else tensor[piece.hf_rows[0] : piece.hf_rows[1]]
+                target = params[piece.native_key]
+                if piece.native_index is not None:
+                    target = target[piece.native_index]
+                target.copy_(value)
+                written.add((piece.native_key, piece.native_index))
+            del tensor
+    assert written == {(p.native_key, p.native_index) for p in pieces}, "some native tensors were not loaded"
+
+
+def _config_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype
+
+
+def load_pretrained(
+    model: str | os.PathLike | object,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str = "cpu",
+    revision: str | None = None,
+    cache_dir: str | None = None,
+    token: str | bool | None = None,
+) -> ConvertedModel:
+    """Load a checkpoint folder, a Hub id or a transformers PreTrainedModel as a native model.
+
+    dtype: None keeps the config's dtype (float32 when it names none).
+    """
+    from transformers import AutoConfig, PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        config, source_dir = model.config, None
+        source = StateDictSource(_hub_state_dict(model))
+        where = f"the {type(model).__name__} object"
+    else:
+        source_dir = resolve_model_dir(model, revision=revision, cache_dir=cache_dir, token=token)
+        if not (source_dir / "config.json").exists():
+            raise CheckpointError(f"{source_dir}: no config.json; is this a Hub-format model folder?")
+        config = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
+        source = SafetensorsSource(source_dir)
+        where = str(source_dir)
+    family = family_for_config(config)
+    args = family.config_to_args(config)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype) if dtype != "auto" else None
+    dtype = dtype or _config_dtype(config)
+
+    pieces = model_pieces(family, args)
+    with torch.device("meta"):
+        native = Transformer(args)
+    check_checkpoint(source, pieces, native, where)  # before any memory is allocated
+    native = native.to(dtype=dtype).to_empty(device=device)
+    copy_into_model(source, pieces, native)
+    native.init_buffers()
+    return ConvertedModel(native, config, family, source_dir)
+
+
+def _hub_state_dict(model) -> dict[str, torch.Tensor]:
+    """A transformers model's tensors under their Hub checkpoint names (undoing in-memory fusions)."""
+    state_dict = model.state_dict()
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state_dict
+    return revert_weight_conversion(model, state_dict)
+
+
+__all__ = [
+    "CheckpointError",
+    "ConvertedModel",
+    "UnsupportedModelError",
+    "load_pretrained",
+]

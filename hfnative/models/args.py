@@ -1,0 +1,92 @@
+"""ModelArgs: every number and switch that distinguishes one decoder family from another.
+
+The decoder in ``decoder.py`` is built only from this dataclass; families differ by the values
+they put here (see ``hfnative/converters/families``), never by code paths of their own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RopeArgs:
+    """Rotary position embedding parameters (the ``rope_parameters`` of a transformers config)."""
+
+    theta: float = 10000.0
+    scaling: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass
+class MoEArgs:
+    """Token-choice top-k mixture of experts (Qwen3-MoE, Mixtral)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool = True  # renormalise the k routing weights to sum to one
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    norm_eps: float = 1e-6
+    # (1 + w) * x_normed instead of w * x_normed (Gemma)
+    norm_unit_offset: bool = False
+    activation: str = "silu"  # silu | gelu_tanh
+    qkv_bias: bool = False
+    output_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Gemma's sandwich norms: a norm after attention and after the feed-forward, before the residual add
+    post_sublayer_norms: bool = False
+    tie_embeddings: bool = False
+    embedding_scale: float | None = None
+    attention_scale: float | None = None  # None -> head_dim ** -0.5
+    final_logit_softcap: float | None = None
+    rope: RopeArgs = field(default_factory=RopeArgs)
+    # RoPE for sliding-window layers when it differs from the global one (Gemma 3's local base)
+    local_rope: RopeArgs | None = None
+    sliding_window: int | None = None
+    # per layer: "full_attention" or "sliding_attention"; None -> all full
+    layer_types: list[str] | None = None
+    moe: MoEArgs | None = None
+    # per layer: True where the feed-forward is the MoE block; None -> all MoE when moe is set
+    moe_layers: list[bool] | None = None
+
+    def __post_init__(self):
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.n_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if self.moe_layers is not None and len(self.moe_layers) != self.n_layers:
+            raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.n_layers} layers")
+
+    def layer_type(self, layer_id: int) -> str:
+        return "full_attention" if self.layer_types is None else self.layer_types[layer_id]
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        if self.moe is None:
+            return False
+        return True if self.moe_layers is None else self.moe_layers[layer_id]

@@ -1,0 +1,126 @@
+"""Shared decoder blocks: RMSNorm, attention masks, grouped-query attention, gated MLP.
+
+Shapes: B batch, S sequence, D model dim, H query heads, K key/value heads, d head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .args import ModelArgs
+from .rope import apply_rotary
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32; ``unit_offset`` scales by (1 + w) as Gemma does."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        super().__init__()
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self):
+        nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * normed.to(x.dtype)
+
+
+def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Packed documents: a new document starts wherever the position does not follow its predecessor."""
+    previous = torch.cat([position_ids_BS[:, :1] - 1, position_ids_BS[:, :-1]], dim=1)
+    return (position_ids_BS != previous + 1).cumsum(dim=1)
+
+
+def build_attention_mask(
+    seq_len: int,
+    device: torch.device,
+    padding_mask_BS: torch.Tensor | None = None,
+    document_ids_BS: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask [B|1, 1, S, S] (True = attend), or None when plain causal attention suffices.
+
+    Every query may attend at least to itself, so rows of padding stay finite (their outputs are
+    never used); keys that are padding, in another document, in the future or outside the
+    sliding window are masked.
+    """
+    if padding_mask_BS is None and document_ids_BS is None and sliding_window is None:
+        return None
+    positions = torch.arange(seq_len, device=device)
+    allowed_SS = positions[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        allowed_SS = allowed_SS & (positions[None, :] > positions[:, None] - sliding_window)
+    allowed = allowed_SS[None, None]
+    if document_ids_BS is not None:
+        allowed = allowed & (document_ids_BS[:, None, :, None] == document_ids_BS[:, None, None, :])
+    if padding_mask_BS is not None:
+        allowed = allowed & padding_mask_BS.bool()[:, None, None, :]
+    return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.scale = args.attention_scale if args.attention_scale is not None else args.head_dim**-0.5
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.output_proj_bias)
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
+            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        xq_BHSd = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        xk_BKSd = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xv_BKSd = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            xq_BHSd, xk_BKSd = self.q_norm(xq_BHSd), self.k_norm(xk_BKSd)
+        cos, sin = cos_sin
+        xq_BHSd, xk_BKSd = apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin)
+        out_BHSd = F.scaled_dot_product_attention(
+            xq_BHSd,
+            xk_BKSd,
+            xv_BKSd,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )
+        return self.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: w2(act(w1 x) * w3 x) — w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str, bias: bool = False):
+        super().__init__()
+        self.act = ACTIVATIONS[activation]
+        self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
