@@ -70,6 +70,11 @@ def rope_args(config, params: dict) -> RopeArgs:
     )
 
 
+def _padding_idx(config) -> int | None:
+    pad = getattr(config, "pad_token_id", None)
+    return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
+
+
 def dense_args(config, **overrides) -> ModelArgs:
     """ModelArgs for the Llama-shaped fields every family shares; families pass their differences."""
     activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
@@ -87,6 +92,7 @@ def dense_args(config, **overrides) -> ModelArgs:
         norm_eps=config.rms_norm_eps,
         activation=ACTIVATIONS[activation],
         tie_embeddings=bool(config.tie_word_embeddings),
+        padding_idx=_padding_idx(config),
     )
     fields.update(overrides)
     if "rope" not in fields:

@@ -60,6 +60,8 @@ class ModelArgs:
     # Gemma's sandwich norms: a norm after attention and after the feed-forward, before the residual add
     post_sublayer_norms: bool = False
     tie_embeddings: bool = False
+    # the embedding row of this token gets no gradient from the lookup (transformers' padding_idx)
+    padding_idx: int | None = None
     embedding_scale: float | None = None
     attention_scale: float | None = None  # None -> head_dim ** -0.5
     final_logit_softcap: float | None = None

@@ -52,7 +52,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim, padding_idx=args.padding_idx)
         self.rope = RotaryEmbedding(args.rope, args.head_dim)
         self.local_rope = RotaryEmbedding(args.local_rope, args.head_dim) if args.local_rope else None
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
