@@ -1,0 +1,291 @@
+"""hfnative.optim against transformers 5.x as the oracle: schedules, warmup rounding, decay groups, optimizers."""
+
+import copy
+import math
+import sys
+
+import pytest
+import torch
+from torch import nn
+from transformers import Qwen3Config, Qwen3ForCausalLM, Trainer, TrainingArguments
+from transformers.optimization import Adafactor as HFAdafactor
+from transformers.optimization import get_scheduler
+from transformers.trainer_utils import SchedulerType
+
+from hfnative.optim import (
+    Adafactor,
+    build_lr_scheduler,
+    build_optimizer,
+    decay_parameter_names,
+    lr_lambda_for,
+    optimizer_class_and_kwargs,
+    parse_optim_args,
+    resolve_warmup_steps,
+    split_decay_groups,
+)
+
+NUM_TRAINING_STEPS = 40
+
+# (lr_scheduler_type, num_warmup_steps, lr_scheduler_kwargs)
+SCHEDULE_CASES = [
+    ("linear", 8, {}),
+    ("linear", 0, {}),
+    ("linear", 50, {}),  # warmup longer than training
+    ("cosine", 8, {}),
+    ("cosine", 3, {"num_cycles": 1.3}),  # goes below 0 and is clamped
+    ("cosine_with_restarts", 8, {}),
+    ("cosine_with_restarts", 5, {"num_cycles": 3}),
+    ("polynomial", 8, {}),
+    ("polynomial", 4, {"lr_end": 1e-5, "power": 2.0}),
+    ("constant", 8, {}),
+    ("constant", 8, {"num_cycles": 3}),  # transformers ignores kwargs here
+    ("constant_with_warmup", 8, {}),
+    ("inverse_sqrt", 8, {}),
+    ("inverse_sqrt", 0, {}),
+    ("inverse_sqrt", 6, {"timescale": 25}),
+    ("cosine_with_min_lr", 8, {"min_lr_rate": 0.1}),
+    ("cosine_with_min_lr", 5, {"min_lr": 2e-5, "num_cycles": 0.75}),
+    ("cosine_warmup_with_min_lr", 8, {"min_lr_rate": 0.1}),
+    ("cosine_warmup_with_min_lr", 8, {"min_lr": 2e-5, "warmup_lr_rate": 0.2}),
+    ("warmup_stable_decay", 8, {"num_decay_steps": 12}),
+    (
+        "warmup_stable_decay",
+        8,
+        {"num_decay_steps": 12, "warmup_type": "cosine", "decay_type": "1-sqrt", "min_lr_ratio": 0.1},
+    ),
+    (
+        "warmup_stable_decay",
+        6,
+        {"num_decay_steps": 10, "num_stable_steps": 5, "warmup_type": "1-sqrt", "decay_type": "linear"},
+    ),
+]
+
+
+def _lrs_over_training(scheduler, optimizer, num_steps):
+    lrs = [scheduler.get_last_lr()[0]]
+    for _ in range(num_steps):
+        optimizer.step()  # no grads: a no-op that keeps LambdaLR from warning about the call order
+        scheduler.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    return lrs
+
+
+@pytest.mark.filterwarnings("ignore:Both num_training_steps and num_stable_steps")
+@pytest.mark.parametrize("base_lr", [1.0, 3e-4])
+@pytest.mark.parametrize("name,num_warmup_steps,kwargs", SCHEDULE_CASES)
+def test_schedule_matches_transformers(name, num_warmup_steps, kwargs, base_lr):
+    ours_optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base_lr)
+    hf_optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=base_lr)
+    hf = get_scheduler(name, hf_optimizer, num_warmup_steps, NUM_TRAINING_STEPS, dict(kwargs))
+    ours = build_lr_scheduler(ours_optimizer, name, num_warmup_steps, NUM_TRAINING_STEPS, dict(kwargs))
+
+    hf_lrs = _lrs_over_training(hf, hf_optimizer, NUM_TRAINING_STEPS + 2)
+    ours_lrs = _lrs_over_training(ours, ours_optimizer, NUM_TRAINING_STEPS + 2)
+    assert len(set(hf_lrs)) > 1 or name == "constant"  # the case exercises a schedule
+    for step, (expected, actual) in enumerate(zip(hf_lrs, ours_lrs)):
+        assert math.isclose(actual, expected, rel_tol=1e-12, abs_tol=1e-15), (step, actual, expected)
+
+    # the pure function is the same schedule, for per-parameter optimizers that share it
+    lr_lambda = lr_lambda_for(name, num_warmup_steps, NUM_TRAINING_STEPS, base_lr=base_lr, **kwargs)
+    for step, expected in enumerate(hf_lrs):
+        assert math.isclose(base_lr * lr_lambda(step), expected, rel_tol=1e-12, abs_tol=1e-15), step
+
+
+def test_schedule_accepts_transformers_enum_and_rejects_unknown():
+    assert lr_lambda_for(SchedulerType.LINEAR, 2, 10)(1) == 0.5
+    for name in ("reduce_lr_on_plateau", "greedy", "cosine_annealing"):
+        with pytest.raises(ValueError, match="warmup_stable_decay"):
+            lr_lambda_for(name, 0, 10)
+    with pytest.raises(ValueError, match="num_cycles"):
+        lr_lambda_for("cosine", 0, 10, min_lr=0.1)
+    with pytest.raises(ValueError, match="num_decay_steps"):
+        lr_lambda_for("warmup_stable_decay", 0, 10)
+    with pytest.raises(ValueError, match="min_lr"):
+        lr_lambda_for("cosine_with_min_lr", 0, 10)
+    with pytest.raises(ValueError, match="lr_end"):
+        lr_lambda_for("polynomial", 0, 10, base_lr=1e-8)
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 0.0, 0.1, 0.03, 0.05, 0.07, 0.5, 0.999, 1, 1.0, 2.7, 5])
+def test_warmup_rounding_matches_training_arguments(warmup_steps, tmp_path):
+    args = TrainingArguments(output_dir=str(tmp_path), warmup_steps=warmup_steps, use_cpu=True, report_to="none")
+    for num_training_steps in (1, 7, 10, 30, 33, 100, 999, 1000, 12345):
+        expected = args.get_warmup_steps(num_training_steps)
+        assert resolve_warmup_steps(warmup_steps, num_training_steps) == expected, num_training_steps
+    # the float product is rounded up: 100 * 0.07 == 7.000000000000001 -> 8 warmup steps
+    assert resolve_warmup_steps(0.07, 100) == 8
+    with pytest.raises(ValueError):
+        resolve_warmup_steps(-1, 10)
+
+
+def _tiny_qwen3(tie_word_embeddings=False, attention_bias=True):
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attention_bias=attention_bias,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def _hf_trainer_optimizer(model, tmp_path, **training_args):
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **training_args)
+    return Trainer(model=model, args=args).create_optimizer()
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [False, True])
+def test_decay_split_matches_trainer(tie_word_embeddings, tmp_path):
+    model = _tiny_qwen3(tie_word_embeddings)
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    hf_names = set(Trainer.get_decay_parameter_names(None, model))
+    names = {name for name, _ in model.named_parameters()}
+    assert decay_parameter_names(model) == hf_names & names
+    assert any("bias" in name for name in names) and any("norm" in name for name in names)
+
+    hf_groups = _hf_trainer_optimizer(model, tmp_path, optim="sgd", weight_decay=0.1).param_groups
+    ours = split_decay_groups(model, 0.1)
+    assert [group["weight_decay"] for group in ours] == [group["weight_decay"] for group in hf_groups] == [0.1, 0.0]
+    for our_group, hf_group in zip(ours, hf_groups):
+        assert [id(p) for p in our_group["params"]] == [id(p) for p in hf_group["params"]]
+
+
+def test_decay_split_detects_norm_modules_by_structure():
+    class FancyNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+    model = nn.ModuleDict(
+        {"proj": nn.Linear(4, 4), "ln_f": nn.LayerNorm(4), "post": FancyNorm(), "gate": nn.RMSNorm(4)}
+    )
+    assert decay_parameter_names(model) == {"proj.weight"}
+
+
+OPTIMIZER_CASES = [
+    ("adamw_torch", None),
+    ("adamw_torch_fused", None),
+    ("sgd", None),
+    ("sgd", "momentum=0.9, nesterov=True,dampening=0"),
+    ("adagrad", "lr_decay=0.01,eps=1e-9"),
+    ("rmsprop", "momentum=0.5,centered=true,alpha=0.95"),
+    ("adafactor", None),
+    ("adamw_torch_8bit", None),
+    ("adamw_torch_4bit", "bf16_stochastic_round=true"),
+]
+HYPERPARAMETERS = dict(learning_rate=3e-4, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7)
+
+
+@pytest.mark.parametrize("optim,optim_args", OPTIMIZER_CASES)
+def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
+    if "bit" in optim:
+        pytest.importorskip("torchao.optim")
+    model = _tiny_qwen3()
+    hf = _hf_trainer_optimizer(model, tmp_path, optim=optim, optim_args=optim_args, **HYPERPARAMETERS)
+    ours = build_optimizer(model, optim, optim_args=optim_args, **HYPERPARAMETERS)
+
+    expected_cls = Adafactor if isinstance(hf, HFAdafactor) else type(hf)
+    assert type(ours) is expected_cls
+    assert ours.defaults == hf.defaults
+    assert len(ours.param_groups) == len(hf.param_groups) == 2
+    for our_group, hf_group in zip(ours.param_groups, hf.param_groups):
+        assert {k: v for k, v in our_group.items() if k != "params"} == {
+            k: v for k, v in hf_group.items() if k != "params"
+        }
+        assert [id(p) for p in our_group["params"]] == [id(p) for p in hf_group["params"]]
+    if optim == "adamw_torch_fused":
+        assert ours.defaults["fused"] is True  # transformers sets it unconditionally; torch has CPU kernels
+        model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
+        ours.step()  # the fused CPU kernel runs
+
+
+def test_low_bit_names_build_torchao():
+    torchao_optim = pytest.importorskip("torchao.optim")
+    model = nn.Linear(8, 8)
+    assert type(build_optimizer(model, "adamw_8bit")) is torchao_optim.AdamW8bit
+    assert type(build_optimizer(model, "adamw_torch_8bit")) is torchao_optim.AdamW8bit
+    assert type(build_optimizer(model, "adamw_torch_4bit")) is torchao_optim.AdamW4bit
+    _, kwargs = optimizer_class_and_kwargs("adamw_torch_4bit", optim_args="block_size=128")
+    assert kwargs["block_size"] == 128  # an int, where transformers would pass the string "128"
+
+
+def test_missing_torchao_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.optim", None)  # makes the import fail
+    with pytest.raises(ImportError, match=r"pip install hfnative\[quant\]"):
+        build_optimizer(nn.Linear(2, 2), "adamw_torch_8bit")
+
+
+def test_optimizer_input_errors():
+    with pytest.raises(ValueError, match="adamw_torch_fused"):
+        build_optimizer(nn.Linear(2, 2), "lion_32bit")
+    with pytest.raises(ValueError, match="key=value"):
+        parse_optim_args("momentum")
+    assert parse_optim_args("a=1, b=x") == {"a": "1", "b": "x"}
+    with pytest.warns(UserWarning, match="mometum"):
+        optimizer_class_and_kwargs("sgd", optim_args="mometum=0.9")
+    with pytest.raises(ValueError, match="requires_grad"):
+        build_optimizer(nn.Linear(2, 2).requires_grad_(False), "sgd")
+
+
+def test_adafactor_trainer_settings_match_transformers(tmp_path):
+    hf_model = _tiny_qwen3()
+    our_model = copy.deepcopy(hf_model)
+    hf = _hf_trainer_optimizer(hf_model, tmp_path, optim="adafactor", learning_rate=1e-2, weight_decay=0.1)
+    ours = build_optimizer(our_model, "adafactor", learning_rate=1e-2, weight_decay=0.1)
+    input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for model, optimizer in ((hf_model, hf), (our_model, ours)):
+            model(input_ids, labels=input_ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    start = _tiny_qwen3()
+    for (name, hf_param), our_param, start_param in zip(
+        hf_model.named_parameters(), our_model.parameters(), start.parameters()
+    ):
+        assert not torch.equal(hf_param, start_param), name  # every parameter moved
+        torch.testing.assert_close(our_param, hf_param, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(lr=None),  # relative step, scaled by parameter RMS
+        dict(lr=None, warmup_init=True, weight_decay=0.1, beta1=0.9),
+        dict(lr=1e-2, relative_step=False, scale_parameter=True, clip_threshold=0.5, decay_rate=-0.5),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adafactor_options_match_transformers(options, dtype):
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(6, 5), (5,), (2, 3, 4)]
+    hf_params = [nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+    our_params = [nn.Parameter(p.detach().clone()) for p in hf_params]
+    hf, ours = HFAdafactor(hf_params, **options), Adafactor(our_params, **options)
+    for _ in range(3):
+        for hf_param, our_param in zip(hf_params, our_params):
+            hf_param.grad = torch.randn(hf_param.shape, generator=generator).to(dtype)
+            our_param.grad = hf_param.grad.clone()
+        hf.step()
+        ours.step()
+    for hf_param, our_param in zip(hf_params, our_params):
+        torch.testing.assert_close(our_param, hf_param, rtol=0, atol=1e-6)
+
+
+def test_adafactor_resumes_from_transformers_state():
+    generator = torch.Generator().manual_seed(0)
+    hf_param = nn.Parameter(torch.randn(6, 5, generator=generator))
+    hf = HFAdafactor([hf_param], lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9)
+    hf_param.grad = torch.randn(6, 5, generator=generator)
+    hf.step()
+    our_param = nn.Parameter(hf_param.detach().clone())
+    ours = Adafactor([our_param], lr=1e-2, relative_step=False, scale_parameter=False, beta1=0.9)
+    ours.load_state_dict(copy.deepcopy(hf.state_dict()))  # as if through a checkpoint file
+    our_param.grad = hf_param.grad.clone()
+    hf.step()
+    ours.step()
+    torch.testing.assert_close(our_param, hf_param, rtol=0, atol=1e-6)
