@@ -1,0 +1,322 @@
+"""`prepare_sft_dataset`: a raw SFT dataset in, the rows TRL 1.16's SFTTrainer trains on out.
+
+The path, in TRL's order:
+  formatting_func -> ShareGPT to ChatML -> per row: check format, EOS, tokenize, labels, truncate
+  -> drop rows with no label token -> [shuffle -> pack -> drop packed rows with no label token] -> shuffle
+
+The result keeps the columns TRL keeps: the original ones (text with EOS appended), "input_ids",
+"labels", and "completion_mask" when it was not applied (prompt-completion with
+completion_only_loss=False); packed datasets have only "input_ids", "labels" and, for "bfd",
+"seq_lengths".
+"""
+
+import logging
+import re
+from dataclasses import dataclass
+
+from datasets import Dataset, IterableDataset
+
+from .formats import (
+    CONVERSATIONAL_FORMATS,
+    LANGUAGE_MODELING,
+    PRETOKENIZED,
+    PROMPT_COMPLETION,
+    PROMPT_COMPLETION_FORMATS,
+    check_row_format,
+    column_names,
+    format_error,
+    from_value_to_chatml,
+    is_from_value_messages,
+    row_format,
+)
+from .packing import PACKING_STRATEGIES, pack_dataset
+from .tokenize import has_label_token, labels_from_masks, tokenize_row, truncate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowRecipe:
+    """What `prepare_row` does to every row."""
+
+    row_format: str
+    check_format: bool
+    processing_class: object
+    text_field: str
+    eos_token: str | None
+    eos_override: str | None
+    assistant_only_loss: bool
+    mask_columns: tuple[str, ...]  # masks folded into the labels (none when the dataset has "labels")
+    build_labels: bool
+    max_length: int | None  # truncate to this (None when packing: packing cuts rows itself)
+    truncation_mode: str
+
+
+def prepare_row(row: dict, index: int, recipe: RowRecipe) -> dict:
+    """Check one row's format, tokenize it, build its labels and truncate it; returns the columns to set."""
+    if recipe.check_format:
+        check_row_format(row, index, recipe.row_format, recipe.text_field)
+    if recipe.row_format == PRETOKENIZED:
+        output = {}
+    else:
+        output = tokenize_row(
+            row,
+            recipe.row_format,
+            recipe.processing_class,
+            text_field=recipe.text_field,
+            eos_token=recipe.eos_token,
+            eos_override=recipe.eos_override,
+            assistant_only_loss=recipe.assistant_only_loss,
+        )
+    if "assistant_masks" in output and 1 not in output["assistant_masks"]:
+        raise ValueError(
+            f"Row {index} has no assistant token, so assistant_only_loss=True would train on nothing. The chat "
+            "template must wrap assistant replies in {% generation %} ... {% endgeneration %}, and every "
+            "conversation needs an assistant turn."
+        )
+    columns = {**row, **output}
+    if recipe.build_labels:
+        masks = [columns[name] for name in recipe.mask_columns]
+        output["labels"] = labels_from_masks(columns["input_ids"], masks)
+        for name in recipe.mask_columns:
+            output.pop(name, None)
+    if recipe.max_length is not None:
+        labels = output.get("labels", columns.get("labels"))
+        output["input_ids"] = truncate(columns["input_ids"], recipe.max_length, recipe.truncation_mode)
+        output["labels"] = truncate(labels, recipe.max_length, recipe.truncation_mode)
+    return output
+
+
+def applied_masks(fmt: str, columns: list[str], completion_only_loss: bool, assistant_only_loss: bool) -> list[str]:
+    """The mask columns folded into the labels, as TRL: "completion_mask" only with completion_only_loss,
+    "assistant_masks" whenever present (tokenizing makes it only with assistant_only_loss)."""
+    has_completion_mask = fmt in PROMPT_COMPLETION_FORMATS or "completion_mask" in columns
+    has_assistant_masks = (assistant_only_loss and fmt in CONVERSATIONAL_FORMATS) or "assistant_masks" in columns
+    return (["completion_mask"] if completion_only_loss and has_completion_mask else []) + (
+        ["assistant_masks"] if has_assistant_masks else []
+    )
+
+
+def drop_rows_without_labels(dataset, what: str, num_proc: int | None = None):
+    """Drop rows whose labels are all -100 (they add no loss), logging how many went."""
+    if isinstance(dataset, IterableDataset):  # no length up front: log the first drop as rows stream by
+        return dataset.filter(_LabelFilter(what))
+    kept = dataset.filter(lambda row: has_label_token(row["labels"]), num_proc=num_proc)
+    if len(kept) < len(dataset):
+        logger.warning(
+            "Dropped %d of %d %s with no label token left (e.g. a prompt that fills max_length).",
+            len(dataset) - len(kept),
+            len(dataset),
+            what,
+        )
+    return kept
+
+
+class _LabelFilter:
+    def __init__(self, what: str):
+        self.what, self.logged = what, False
+
+    def __call__(self, row: dict) -> bool:
+        keep = has_label_token(row["labels"])
+        if not keep and not self.logged:
+            self.logged = True
+            logger.warning("Dropping %s with no label token left; later drops are not logged.", self.what)
+        return keep
+
+
+def has_generation_markers(chat_template) -> bool:
+    if isinstance(chat_template, dict):
+        chat_template = chat_template.get("default")
+    return isinstance(chat_template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", chat_template) is not None
+
+
+def _as_dataset(dataset):
+    if isinstance(dataset, (Dataset, IterableDataset)):
+        if isinstance(dataset, Dataset) and dataset.format["type"] == "custom":
+            raise ValueError(
+                "Cannot prepare a dataset that uses `Dataset.with_transform()`: preparation calls `map`, which would "
+                "bake the transform's output in. Materialize the transform with `Dataset.map()` first, or pass "
+                "dataset_kwargs={'skip_prepare_dataset': True} with trainer-ready rows."
+            )
+        return dataset
+    if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
+        # the union of the rows' keys (Dataset.from_list keeps only the first row's): a row with a
+        # misnamed field then shows it in the error instead of losing it silently
+        names = list(dict.fromkeys(key for row in dataset for key in row))
+        return Dataset.from_dict({name: [row.get(name) for row in dataset] for name in names})
+    raise TypeError(
+        f"The dataset must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts, got "
+        f"{type(dataset).__name__}."
+    )
+
+
+def _first_row(dataset) -> dict:
+    for row in dataset:
+        return row
+    raise ValueError("The dataset is empty: SFT needs at least one row.")
+
+
+def _check_options(packing, packing_strategy, padding_free, max_length, truncation_mode):
+    if packing_strategy not in PACKING_STRATEGIES:
+        raise ValueError(f"packing_strategy must be one of {PACKING_STRATEGIES}, got {packing_strategy!r}.")
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be 'keep_start' or 'keep_end', got {truncation_mode!r}.")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be a positive number of tokens or None, got {max_length}.")
+    if packing and max_length is None:
+        raise ValueError("packing=True needs max_length: it is the length of a packed row.")
+    if padding_free and not packing and max_length is not None:
+        raise ValueError(
+            "padding_free=True without packing does not enforce max_length. Enable packing "
+            "(packing=True, packing_strategy='bfd'), or set max_length=None with rows already short enough."
+        )
+
+
+def prepare_sft_dataset(
+    dataset,
+    processing_class,
+    *,
+    dataset_text_field: str = "text",
+    max_length: int | None = 1024,
+    packing: bool = False,
+    packing_strategy: str = "bfd",
+    padding_free: bool = False,
+    completion_only_loss: bool | None = None,
+    assistant_only_loss: bool = False,
+    eos_token: str | None = None,
+    formatting_func=None,
+    dataset_num_proc: int | None = None,
+    dataset_kwargs: dict | None = None,
+    truncation_mode: str = "keep_start",
+    shuffle_dataset: bool = False,
+    seed: int = 42,
+):
+    """Tokenize, mask, truncate and pack an SFT dataset the way TRL 1.16's SFTTrainer does.
+
+    `dataset` is a `datasets.Dataset`, an `IterableDataset` (returned lazily, as an IterableDataset) or
+    a list of dicts; the keyword arguments are SFTConfig's fields of the same names (`seed` is
+    TrainingArguments.seed). Each output row has "input_ids" [L] and "labels" [L] (-100 where not
+    trained), L <= max_length, and "seq_lengths" [D] when packed with "bfd" / "bfd_split".
+    Raises ValueError for a row in no accepted format (naming the row) or a missing column.
+    """
+    if packing_strategy == "bfd-requeue":  # TRL's deprecated name for it
+        packing_strategy = "bfd_split"
+    _check_options(packing, packing_strategy, padding_free, max_length, truncation_mode)
+    dataset = _as_dataset(dataset)
+    if (dataset_kwargs or {}).get("skip_prepare_dataset", False):
+        return _unprepared(dataset)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    first_row = _first_row(dataset)
+    if "image" in first_row or "images" in first_row:
+        raise ValueError("Vision datasets (an 'image' or 'images' column) are not supported by the text SFT path.")
+    if eos_token is not None and eos_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"eos_token {eos_token!r} is not in the vocabulary of {type(tokenizer).__name__}; pass a token it has."
+        )
+    if completion_only_loss is None:  # as TRL: decided by the columns, before any formatting
+        completion_only_loss = "prompt" in first_row and "completion" in first_row
+    if completion_only_loss and formatting_func is not None:
+        raise ValueError(
+            "formatting_func turns rows into plain text, so there is no completion to restrict the loss to; "
+            "apply the formatting before passing the dataset, or set completion_only_loss=False."
+        )
+    num_proc = dataset_num_proc if isinstance(dataset, Dataset) else None  # IterableDataset.map has no num_proc
+
+    dataset, fmt, text_field = _to_known_format(dataset, first_row, formatting_func, dataset_text_field, num_proc)
+    effective_eos = eos_token or tokenizer.eos_token
+    _check_format_options(fmt, assistant_only_loss, tokenizer, effective_eos)
+    columns = column_names(dataset)
+    build_labels = "labels" not in columns  # a dataset's own labels are used as they are
+    mask_columns = applied_masks(fmt, columns, completion_only_loss, assistant_only_loss) if build_labels else []
+    recipe = RowRecipe(
+        row_format=fmt,
+        check_format=formatting_func is None or fmt == PRETOKENIZED,  # formatted rows are text, whatever else
+        processing_class=processing_class,
+        text_field=text_field,
+        eos_token=effective_eos,
+        eos_override=eos_token,
+        assistant_only_loss=assistant_only_loss,
+        mask_columns=tuple(mask_columns),
+        build_labels=build_labels,
+        max_length=None if packing else max_length,
+        truncation_mode=truncation_mode,
+    )
+    dataset = dataset.map(
+        prepare_row,
+        with_indices=True,
+        fn_kwargs={"recipe": recipe},
+        remove_columns=[name for name in mask_columns if name in columns],
+        **_parallel(num_proc),
+    )
+
+    if not packing:
+        dataset = drop_rows_without_labels(dataset, "rows", num_proc)
+    else:
+        dataset = dataset.select_columns(["input_ids", "labels"])
+        if shuffle_dataset:  # as TRL: also before packing, so that packed neighbours are not correlated
+            dataset = dataset.shuffle(seed=seed)
+        dataset = pack_dataset(dataset, max_length, packing_strategy, num_proc=num_proc)
+        dataset = drop_rows_without_labels(dataset, "packed rows", num_proc)
+    if shuffle_dataset:
+        dataset = dataset.shuffle(seed=seed)
+    return dataset
+
+
+def _unprepared(dataset):
+    """The dataset as it is (skip_prepare_dataset), refused when it has masks that nothing would apply."""
+    columns = column_names(dataset)
+    if "labels" not in columns and ("completion_mask" in columns or "assistant_masks" in columns):
+        raise ValueError(
+            "The dataset has mask columns but no 'labels', and skip_prepare_dataset=True skips building labels, "
+            "so it would train on the full sequence. Add a 'labels' column (-100 for tokens not trained on) or "
+            "drop skip_prepare_dataset."
+        )
+    return dataset
+
+
+def _to_known_format(dataset, first_row: dict, formatting_func, text_field: str, num_proc: int | None):
+    """Apply `formatting_func` (its text goes to a "text" column) or turn ShareGPT "conversations" into
+    "messages"; returns the dataset, its format (from row 0) and the text column."""
+    if "input_ids" in first_row:
+        if formatting_func is not None:
+            logger.warning("The dataset is already tokenized (it has 'input_ids'): formatting_func is ignored.")
+        return dataset, PRETOKENIZED, text_field
+    if formatting_func is not None:
+        dataset = dataset.map(lambda row: {"text": _formatted(formatting_func, row)}, **_parallel(num_proc))
+        return dataset, LANGUAGE_MODELING, "text"
+    if is_from_value_messages(first_row.get("conversations")):
+        dataset = dataset.map(
+            lambda row: {"messages": from_value_to_chatml(row["conversations"])},
+            remove_columns="conversations",
+            **_parallel(num_proc),
+        )
+        first_row = _first_row(dataset)
+    fmt = row_format(first_row, text_field)
+    if fmt is None:
+        raise format_error(0, first_row, text_field)
+    return dataset, fmt, text_field
+
+
+def _check_format_options(fmt: str, assistant_only_loss: bool, tokenizer, eos_token: str | None) -> None:
+    if assistant_only_loss and fmt not in (*CONVERSATIONAL_FORMATS, PRETOKENIZED):
+        raise ValueError(f"assistant_only_loss=True needs a conversational dataset (messages), but this one is {fmt}.")
+    if assistant_only_loss and fmt != PRETOKENIZED and not has_generation_markers(tokenizer.chat_template):
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that marks assistant replies with "
+            "{% generation %} ... {% endgeneration %}; this tokenizer's template has no such markers. Set "
+            "processing_class.chat_template to a template that has them."
+        )
+    if fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION) and eos_token is None:
+        raise ValueError("The tokenizer has no eos_token to end each text with; pass eos_token=<a token it has>.")
+
+
+def _parallel(num_proc: int | None) -> dict:
+    """`map` keyword for worker processes (IterableDataset.map takes none)."""
+    return {"num_proc": num_proc} if num_proc is not None else {}
+
+
+def _formatted(formatting_func, row: dict) -> str:
+    text = formatting_func(row)
+    if not isinstance(text, str):
+        raise ValueError(f"formatting_func must return one string per row, got {type(text).__name__}.")
+    return text
