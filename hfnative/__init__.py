@@ -14,6 +14,10 @@ _LAZY = {
     "Transformer": "hfnative.models.decoder",
     "load_pretrained": "hfnative.converters.loading",
     "export_hf": "hfnative.converters.export",
+    "TrainingArguments": "hfnative.trainers",
+    "Trainer": "hfnative.trainers",
+    "SFTConfig": "hfnative.trainers",
+    "SFTTrainer": "hfnative.trainers",
 }
 
 

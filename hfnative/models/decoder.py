@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 
 from .args import ModelArgs
 from .layers import Attention, FeedForward, RMSNorm, build_attention_mask, document_ids
@@ -58,6 +59,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
         self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # blocks whose activations are recomputed in backward instead of kept (activation checkpointing)
+        self.checkpointed_layers: frozenset[int] = frozenset()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -116,11 +119,12 @@ class Transformer(nn.Module):
         if any(layer.is_sliding for layer in self.layers):
             sliding_mask = build_attention_mask(S, h.device, attention_mask_BS, doc_ids, self.args.sliding_window)
             local_cos_sin = self.local_rope(position_ids_BS, h.dtype) if self.local_rope else cos_sin
-        for layer in self.layers:
-            if layer.is_sliding:
-                h = layer(h, local_cos_sin, sliding_mask)
+        for layer_id, layer in enumerate(self.layers):
+            layer_inputs = (h, local_cos_sin, sliding_mask) if layer.is_sliding else (h, cos_sin, global_mask)
+            if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
             else:
-                h = layer(h, cos_sin, global_mask)
+                h = layer(*layer_inputs)
         return self.norm(h)
 
     def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:

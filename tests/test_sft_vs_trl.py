@@ -1,0 +1,106 @@
+"""hfnative's SFTTrainer against TRL's on the same tiny model, data, order and settings (fp32).
+
+Per step: loss, grad_norm, mean_token_accuracy and num_tokens agree within 1e-4 relative; the
+learning rate is identical. TRL (a dev dependency) is the oracle.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+import hfnative
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+DATA = ROOT / "examples" / "data"
+STEPS = 5
+
+
+def _rows(name: str, n: int = 24) -> list[dict]:
+    with open(DATA / name) as f:
+        return [json.loads(line) for line in f][:n]
+
+
+def _dataset(fmt: str) -> Dataset:
+    if fmt == "text":
+        return Dataset.from_list(_rows("sft_text.jsonl"))
+    if fmt == "messages":
+        return Dataset.from_list(_rows("sft_messages.jsonl"))
+    if fmt == "prompt-completion":
+        return Dataset.from_list(_rows("sft_prompt_completion.jsonl"))
+    if fmt == "conversational-prompt-completion":
+        rows = [{"prompt": r["messages"][:-1], "completion": r["messages"][-1:]} for r in _rows("sft_messages.jsonl")]
+        return Dataset.from_list(rows)
+    if fmt == "pretokenized":
+        tokenizer = AutoTokenizer.from_pretrained(MODEL)
+        return Dataset.from_list([{"input_ids": tokenizer(r["text"])["input_ids"]} for r in _rows("sft_text.jsonl")])
+    raise KeyError(fmt)
+
+
+def _config(module, output_dir, accumulation, **extra):
+    return module.SFTConfig(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        disable_tqdm=True,
+        max_steps=STEPS,
+        logging_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=accumulation,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=0.2,
+        weight_decay=0.01,
+        max_length=64,
+        **extra,
+    )
+
+
+def _run(module, fmt, tmp_path, accumulation, **extra):
+    trainer = module.SFTTrainer(
+        model=MODEL,
+        args=_config(module, tmp_path / module.__name__, accumulation, **extra),
+        train_dataset=_dataset(fmt),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _assert_same_logs(ours, theirs):
+    assert len(ours) == len(theirs) == STEPS
+    for mine, reference in zip(ours, theirs):
+        step = reference["step"]
+        assert mine["step"] == step
+        assert mine["learning_rate"] == pytest.approx(reference["learning_rate"], rel=1e-12), step
+        assert mine["num_tokens"] == reference["num_tokens"], step
+        for key in ("loss", "grad_norm", "entropy", "mean_token_accuracy"):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (step, key, mine[key], reference[key])
+        assert mine["epoch"] == pytest.approx(reference["epoch"]), step
+
+
+FORMATS = ["text", "messages", "prompt-completion", "conversational-prompt-completion", "pretokenized"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_per_step_logs_match_trl(fmt, accumulation, tmp_path):
+    trl = pytest.importorskip("trl")
+    extra = {"assistant_only_loss": True} if fmt == "messages" else {}
+    theirs = _run(trl, fmt, tmp_path, accumulation, **extra)
+    ours = _run(hfnative, fmt, tmp_path, accumulation, **extra)
+    _assert_same_logs(ours, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "wrapped"])
+def test_packed_logs_match_trl(strategy, tmp_path):
+    trl = pytest.importorskip("trl")
+    extra = dict(packing=True, packing_strategy=strategy)
+    theirs = _run(trl, "messages", tmp_path, 2, **extra)
+    ours = _run(hfnative, "messages", tmp_path, 2, **extra)
+    _assert_same_logs(ours, theirs)

@@ -1,0 +1,70 @@
+"""The ``output_dir/checkpoint-N`` layout transformers' Trainer writes and reads back.
+
+checkpoint-N/: model (Hub format) + tokenizer + training_args.bin, optimizer.pt, scheduler.pt,
+rng_state.pth, trainer_state.json. Each folder is written aside and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+PREFIX_CHECKPOINT_DIR = "checkpoint"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+TRAINER_STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+RNG_STATE_NAME = "rng_state.pth"
+TRAINING_ARGS_NAME = "training_args.bin"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    match = _CHECKPOINT_RE.match(path.name)
+    return int(match.group(1)) if match and path.is_dir() else None
+
+
+def sorted_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoint folders, oldest step first (folders being written are hidden)."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in output_dir.iterdir()]
+    return [p for step, p in sorted((s, p) for s, p in found if s is not None)]
+
+
+def get_last_checkpoint(output_dir: str | Path) -> Path | None:
+    checkpoints = sorted_checkpoints(output_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def rotate_checkpoints(output_dir: str | Path, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
+    """Delete the oldest checkpoints beyond ``save_total_limit``; the newest and the best are kept."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    checkpoints = sorted_checkpoints(output_dir)
+    protected = {checkpoints[-1].resolve()} if checkpoints else set()
+    if best_model_checkpoint:
+        protected.add(Path(best_model_checkpoint).resolve())
+    keep = max(save_total_limit, len(protected))
+    for path in list(checkpoints):
+        if len(checkpoints) <= keep:
+            break
+        if path.resolve() in protected:
+            continue
+        shutil.rmtree(path)
+        checkpoints.remove(path)
+
+
+def save_training_args(args, path: Path) -> None:
+    """training_args.bin as transformers writes it — but never with the Hub token inside."""
+    args = copy.copy(args)
+    args.hub_token = None
+    torch.save(args, path)
+
+
+def load_torch(path: Path, device) -> dict:
+    return torch.load(path, map_location=device, weights_only=False)

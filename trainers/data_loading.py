@@ -1,0 +1,70 @@
+"""Batches in the order transformers' Trainer produces them, resumable mid-epoch.
+
+Epoch ``e`` visits the dataset in ``torch.randperm(n, Generator().manual_seed(seed + e))`` order
+(accelerate's seedable sampler, which the Trainer uses), in batches of ``batch_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+
+class EpochBatchSampler(Sampler):
+    """Seeded per-epoch permutation cut into batches; ``skip`` drops the first batches once."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = False):
+        self.num_samples, self.batch_size = num_samples, batch_size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.epoch, self.skip_batches = 0, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def order(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.num_samples, generator=generator).tolist()
+
+    def __iter__(self):
+        order = self.order()
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order), self.batch_size)]
+        if self.drop_last and batches and len(batches[-1]) < self.batch_size:
+            batches.pop()
+        skip, self.skip_batches = self.skip_batches, 0
+        yield from batches[skip:]
+
+    def __len__(self) -> int:
+        full, rest = divmod(self.num_samples, self.batch_size)
+        return full + (0 if self.drop_last or rest == 0 else 1)
+
+
+def has_length(dataset) -> bool:
+    try:
+        return len(dataset) is not None
+    except (TypeError, NotImplementedError):
+        return False
+
+
+def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False, num_workers: int = 0):
+    """A DataLoader over a sized dataset (seeded epochs) or an iterable one (stream order)."""
+    if has_length(dataset):
+        batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers)
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
+
+
+def start_epoch(dataloader: DataLoader, epoch: int, skip_batches: int = 0):
+    """An iterator over the epoch's batches, the first ``skip_batches`` left out."""
+    sampler = dataloader.batch_sampler
+    if isinstance(sampler, EpochBatchSampler):
+        sampler.set_epoch(epoch)
+        sampler.skip_batches = skip_batches
+        return iter(dataloader)
+    if hasattr(dataloader.dataset, "set_epoch"):
+        dataloader.dataset.set_epoch(epoch)
+    iterator = iter(dataloader)
+    for _ in range(skip_batches):
+        next(iterator, None)
+    return iterator

@@ -1,0 +1,633 @@
+"""Trainer: transformers' Trainer interface over hfnative's native engine.
+
+The loop reads top to bottom in ``train``: for each optimizer step it fetches the step's
+micro-batches, counts their label tokens, runs forward + loss + backward per micro-batch
+(each loss divided by the whole step's token count), clips, steps the optimizer and scheduler,
+then logs / evaluates / saves as transformers' DefaultFlowCallback decides. Callbacks are
+transformers' own classes, so users' callbacks work unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import fields
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import transformers
+from transformers.trainer_callback import (
+    CallbackHandler,
+    DefaultFlowCallback,
+    ExportableState,
+    PrinterCallback,
+    ProgressCallback,
+    TrainerControl,
+    TrainerState,
+)
+from transformers.trainer_utils import EvalPrediction, TrainOutput
+
+from hfnative.checkpoint import atomic_directory, load_rng_state, save_rng_state
+from hfnative.converters.families import model_pieces
+from hfnative.converters.loading import ConvertedModel, SafetensorsSource, check_checkpoint, copy_into_model
+from hfnative.losses.cross_entropy import (
+    CrossEntropyOutput,
+    fused_linear_cross_entropy,
+    label_positions,
+    linear_cross_entropy,
+    shift_labels,
+)
+from hfnative.models.decoder import Transformer
+from hfnative.optim import build_lr_scheduler, build_optimizer
+
+from . import checkpoints as ckpt
+from .arguments import TrainingArguments
+from .data_loading import has_length, make_dataloader, start_epoch
+from .model_loading import load_processing_class, resolve_model
+
+# dataset columns a batch may carry into the model and loss (others are dropped when
+# remove_unused_columns is on, as transformers drops what the model's forward does not take)
+MODEL_INPUT_COLUMNS = ("input_ids", "attention_mask", "position_ids", "labels", "seq_lengths", "completion_mask", "assistant_masks")
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def resolve_device(args) -> torch.device:
+    if args.use_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def as_hfnative_args(args, cls):
+    """Accept transformers' (or TRL's) argument objects: same fields, our class."""
+    if isinstance(args, cls):
+        return args
+    names = {f.name for f in fields(cls) if f.init}
+    values = {f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in names}
+    return cls(**values)
+
+
+class _Logits(NamedTuple):
+    """What a ``compute_loss_func`` receives as model outputs (it reads ``.logits``)."""
+
+    logits: torch.Tensor
+
+
+class Trainer:
+    """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
+
+    ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
+    an hfnative ConvertedModel, or a native ``Transformer``.
+    """
+
+    algorithm_name = "the Trainer"
+    _tag_names: list[str] = []
+    dataset_name: str | None = None  # shown on the model card (the CLI sets it)
+
+    def __init__(
+        self,
+        model=None,
+        args: TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        *,
+        model_init_kwargs: dict | None = None,
+    ):
+        if args is None:
+            args = TrainingArguments(output_dir="tmp_trainer")
+        self.args = as_hfnative_args(args, self._args_class())
+        set_seed(self.args.seed)
+        self.device = resolve_device(self.args)
+        if model is None and model_init is None:
+            raise ValueError("Trainer needs a `model` (a path, a Hub id or a model object) or a `model_init`")
+        self.model_init = model_init
+        self._model_init_kwargs = model_init_kwargs or {}
+        self._set_model(model if model is not None else model_init())
+        self.processing_class = processing_class if processing_class is not None else load_processing_class(self.converted)
+
+        self.compute_loss_func = compute_loss_func
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel):
+            raise ValueError(
+                "optimizers=(optimizer, scheduler) were built over the transformers model's parameters, but hfnative "
+                "trains a native copy of it; pass `optimizer_cls_and_kwargs=(cls, kwargs)` instead"
+            )
+        self.data_collator = data_collator
+        self.train_dataset, self.eval_dataset = self._prepare_datasets(train_dataset, eval_dataset)
+        if self.data_collator is None:
+            self.data_collator = self._default_collator()
+
+        default_callbacks = [DefaultFlowCallback, *transformers.integrations.get_reporting_integration_callbacks(self.args.report_to)]
+        progress = PrinterCallback if self.args.disable_tqdm else ProgressCallback
+        self.callback_handler = CallbackHandler(
+            default_callbacks + list(callbacks or []) + [progress], self.model, self.processing_class, self.optimizer, self.lr_scheduler
+        )
+        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        self.control = TrainerControl()
+        self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+
+    # --- hooks subclasses specialise -----------------------------------------------------------
+
+    @staticmethod
+    def _args_class():
+        return TrainingArguments
+
+    def _prepare_datasets(self, train_dataset, eval_dataset):
+        return self._drop_unused_columns(train_dataset), self._drop_unused_columns(eval_dataset)
+
+    def _default_collator(self):
+        from transformers import DataCollatorForLanguageModeling
+
+        if self.processing_class is None:
+            raise ValueError("no data_collator and no processing_class to build one from")
+        return DataCollatorForLanguageModeling(self.processing_class, mlm=False)
+
+    # --- model ---------------------------------------------------------------------------------
+
+    def _set_model(self, model) -> None:
+        converted = resolve_model(model, self.device, self._model_init_kwargs)
+        self.converted: ConvertedModel | None = converted if isinstance(converted, ConvertedModel) else None
+        self.model: Transformer = converted.model if self.converted else converted
+        self.model.to(self.device)
+        if self.args.checkpoint_activations:
+            every = 2 if self.args.activation_checkpointing_mode == "selective" else 1
+            self.model.checkpointed_layers = frozenset(range(0, self.model.args.n_layers, every))
+        embedding_params = self.model.tok_embeddings.weight.numel()
+        self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
+
+    def _drop_unused_columns(self, dataset):
+        if dataset is None or not self.args.remove_unused_columns or not hasattr(dataset, "column_names"):
+            return dataset
+        if isinstance(dataset, dict):
+            return {name: self._drop_unused_columns(d) for name, d in dataset.items()}
+        columns = dataset.column_names or []
+        unused = [c for c in columns if c not in MODEL_INPUT_COLUMNS]
+        return dataset.remove_columns(unused) if unused and len(unused) < len(columns) else dataset
+
+    # --- optimizer and schedule ----------------------------------------------------------------
+
+    def create_optimizer(self):
+        if self.optimizer is None:
+            if self.optimizer_cls_and_kwargs is not None:
+                cls, kwargs = self.optimizer_cls_and_kwargs
+                trainable = [p for p in self.model.parameters() if p.requires_grad]
+                self.optimizer = cls(trainable, **kwargs)
+            else:
+                a = self.args
+                self.optimizer = build_optimizer(
+                    self.model, a.optim, a.learning_rate, a.weight_decay, a.adam_beta1, a.adam_beta2, a.adam_epsilon, a.optim_args
+                )
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            a = self.args
+            self.lr_scheduler = build_lr_scheduler(
+                optimizer or self.optimizer,
+                str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)),
+                a.get_warmup_steps(num_training_steps),
+                num_training_steps,
+                a.lr_scheduler_kwargs or {},
+            )
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int):
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps)
+
+    # --- data ----------------------------------------------------------------------------------
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError("Trainer.train() needs a train_dataset")
+        a = self.args
+        shuffle = a.train_sampling_strategy != "sequential" if hasattr(a, "train_sampling_strategy") else True
+        seed = a.data_seed if a.data_seed is not None else a.seed
+        return make_dataloader(
+            self.train_dataset, a.per_device_train_batch_size, self.data_collator,
+            seed=seed, shuffle=shuffle, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate() needs an eval_dataset")
+        a = self.args
+        return make_dataloader(dataset, a.per_device_eval_batch_size, self.data_collator, seed=a.seed, shuffle=False,
+                               drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers)
+
+    def _to_device(self, inputs: dict) -> dict:
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    # --- forward and loss ------------------------------------------------------------------------
+
+    def _autocast(self):
+        if self.args.bf16 or self.args.fp16:
+            dtype = torch.bfloat16 if self.args.bf16 else torch.float16
+            return torch.autocast(self.device.type, dtype=dtype)
+        return nullcontext()
+
+    def _model_inputs(self, inputs: dict) -> dict:
+        return dict(attention_mask_BS=inputs.get("attention_mask"), position_ids_BS=inputs.get("position_ids"))
+
+    def token_cross_entropy(self, model, inputs: dict) -> CrossEntropyOutput:
+        """Summed next-token NLL (+ entropy and accuracy sums) over the batch's label tokens."""
+        hidden_BSD = model.hidden_states(inputs["input_ids"], **self._model_inputs(inputs))
+        hidden_ND, targets_N = label_positions(hidden_BSD, shift_labels(inputs["labels"]))
+        use_fused = self.args.fused_loss or self.args.use_liger_kernel
+        loss_fn = fused_linear_cross_entropy if use_fused else linear_cross_entropy
+        return loss_fn(hidden_ND, model.output_weight, targets_N, softcap=model.args.final_logit_softcap)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Summed token NLL / num_items_in_batch (the whole optimizer step's label tokens), or the
+        batch's token mean when that count is not given (evaluation)."""
+        if self.compute_loss_func is not None:
+            logits = model(inputs["input_ids"], **self._model_inputs(inputs))
+            loss = self.compute_loss_func(_Logits(logits), inputs["labels"], num_items_in_batch=num_items_in_batch)
+            return (loss, _Logits(logits)) if return_outputs else loss
+        stats = self.token_cross_entropy(model, inputs)
+        denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
+        loss = stats.loss_sum / denominator
+        return (loss, stats) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        model.train()
+        inputs = self._to_device(inputs)
+        with self._autocast():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is None:
+            loss = loss / self._current_accumulation_steps
+        loss.backward()
+        return loss.detach()
+
+    @staticmethod
+    def _count_label_tokens(batches: list[dict]) -> int | None:
+        if not batches or "labels" not in batches[0]:
+            return None
+        return int(sum((b["labels"][:, 1:] != -100).sum() for b in batches))
+
+    # --- the loop --------------------------------------------------------------------------------
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
+        args = self.args
+        if self.model_init is not None:
+            set_seed(args.seed)
+            self._set_model(self.model_init())
+            self.optimizer = self.lr_scheduler = None
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+
+        dataloader = self.get_train_dataloader()
+        accumulation = args.gradient_accumulation_steps
+        if has_length(dataloader.dataset):
+            batches_per_epoch = len(dataloader)
+            steps_per_epoch = max(math.ceil(batches_per_epoch / accumulation), 1)
+            if args.max_steps > 0:
+                max_steps = args.max_steps
+                num_epochs = math.ceil(max_steps / steps_per_epoch)
+            else:
+                max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+                num_epochs = math.ceil(args.num_train_epochs)
+        elif args.max_steps > 0:
+            max_steps, num_epochs = args.max_steps, sys.maxsize
+            steps_per_epoch, batches_per_epoch = max_steps, max_steps * accumulation
+        else:
+            raise ValueError("train_dataset has no length (an IterableDataset): set max_steps > 0")
+        num_train_samples = max_steps * args.per_device_train_batch_size * accumulation
+
+        self.state = TrainerState(
+            is_local_process_zero=True,
+            is_world_process_zero=True,
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)],
+        )
+        self.state.max_steps, self.state.num_train_epochs = max_steps, num_epochs
+        self.state.train_batch_size = args.per_device_train_batch_size
+        self.state.compute_steps(args, max_steps)
+        self.create_optimizer_and_scheduler(max_steps)
+        if checkpoint is not None:
+            self._load_checkpoint(checkpoint)
+        self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer
+        self.callback_handler.lr_scheduler, self.callback_handler.train_dataloader = self.lr_scheduler, dataloader
+
+        epochs_trained = self.state.global_step // steps_per_epoch
+        batches_to_skip = (self.state.global_step % steps_per_epoch) * accumulation
+        start_time = time.time()
+        initial_step = self.state.global_step
+        self._tr_loss = torch.zeros((), device=self.device)
+        self._total_loss_scalar = 0.0
+        self._globalstep_last_logged = self.state.global_step
+        self.model.zero_grad(set_to_none=True)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start:
+            self._evaluate_and_track_best()
+
+        grad_norm = learning_rate = None
+        for epoch in range(epochs_trained, num_epochs):
+            skip = batches_to_skip if epoch == epochs_trained else 0
+            if checkpoint is not None and epoch == epochs_trained:
+                self._restore_rng(checkpoint)
+            epoch_iterator = start_epoch(dataloader, epoch, skip)
+            self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+            step = skip - 1
+            last_group = batches_per_epoch % accumulation or accumulation
+            for update_step in range(skip // accumulation, steps_per_epoch):
+                wanted = accumulation if update_step != steps_per_epoch - 1 else last_group
+                batches = [b for _, b in zip(range(wanted), epoch_iterator)]
+                if not batches:
+                    break
+                num_items = self._count_label_tokens(batches)
+                self._current_accumulation_steps = len(batches)
+                for index, inputs in enumerate(batches):
+                    step += 1
+                    if index == 0:
+                        self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                    loss = self.training_step(self.model, inputs, num_items)
+                    if args.logging_nan_inf_filter and not torch.isfinite(loss):
+                        loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                    self._tr_loss += loss
+                    self.state.total_flos += 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
+                    if index < len(batches) - 1:
+                        self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+                grad_norm, learning_rate = self._optimizer_step()
+                self.state.global_step += 1
+                self.state.epoch = epoch + (step + 1) / batches_per_epoch
+                self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                self._maybe_log_save_evaluate(grad_norm, learning_rate, start_time)
+                if self.control.should_epoch_stop or self.control.should_training_stop:
+                    break
+            self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+            self._maybe_log_save_evaluate(grad_norm, learning_rate, start_time)
+            if self.control.should_training_stop:
+                break
+        return self._finish_training(start_time, initial_step, num_train_samples)
+
+    def _optimizer_step(self):
+        args = self.args
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+        self.optimizer.step()
+        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        learning_rate = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+        return grad_norm, learning_rate
+
+    def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            tr_loss = self._tr_loss.item()
+            self._tr_loss.zero_()
+            logs = {"loss": tr_loss / (self.state.global_step - self._globalstep_last_logged)}
+            if grad_norm is not None:
+                logs["grad_norm"] = float(grad_norm)
+            logs["learning_rate"] = learning_rate
+            self._total_loss_scalar += tr_loss
+            self._globalstep_last_logged = self.state.global_step
+            self.log(logs, start_time)
+        if self.control.should_evaluate:
+            is_new_best = self._evaluate_and_track_best()
+            if self.args.save_strategy == "best":
+                self.control.should_save = is_new_best
+        if self.control.should_save:
+            self._save_checkpoint()
+            self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _finish_training(self, start_time, initial_step, num_train_samples) -> TrainOutput:
+        self._total_loss_scalar += self._tr_loss.item()
+        steps_done = self.state.global_step - initial_step
+        train_loss = self._total_loss_scalar / max(steps_done, 0.001)
+        runtime = time.time() - start_time
+        samples = num_train_samples * steps_done / max(self.state.max_steps, 1)
+        metrics = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(samples / runtime, 3),
+            "train_steps_per_second": round(steps_done / runtime, 3),
+            "total_flos": self.state.total_flos,
+            "train_loss": train_loss,
+        }
+        self.log(metrics)
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
+            self._load_model_weights(Path(self.state.best_model_checkpoint))
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(self.state.global_step, train_loss, metrics)
+
+    # --- logging and evaluation ------------------------------------------------------------------
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.state.epoch is not None:
+            logs["epoch"] = self.state.epoch
+        self.state.log_history.append({**logs, "step": self.state.global_step})
+        self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
+        inputs = self._to_device(inputs)
+        with torch.no_grad(), self._autocast():
+            loss = self.compute_loss(model, inputs) if "labels" in inputs else None
+            logits = None
+            if not prediction_loss_only:
+                logits = model(inputs["input_ids"], **self._model_inputs(inputs))
+                if self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
+        return loss, logits, inputs.get("labels")
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        if isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict):
+            datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
+            metrics = {}
+            for name, dataset in datasets.items():
+                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        dataloader = self.get_eval_dataloader(eval_dataset)
+        self.callback_handler.eval_dataloader = dataloader
+        start = time.time()
+        self.model.eval()
+        losses, all_logits, all_labels, num_samples, num_batches = [], [], [], 0, 0
+        want_predictions = self.compute_metrics is not None
+        for inputs in dataloader:
+            loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only=not want_predictions)
+            batch_size = inputs["input_ids"].shape[0]
+            if loss is not None and torch.isfinite(loss):
+                losses.append(loss.detach().float().repeat(batch_size))
+            if want_predictions:
+                all_logits.append(logits.float().cpu())
+                all_labels.append(labels.cpu())
+            num_samples += batch_size
+            num_batches += 1
+            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
+        # the model stays in eval mode until the next training step, as in transformers (log() reads it)
+        metrics = {}
+        if want_predictions:
+            predictions = _concat_padded(all_logits, 0.0)
+            label_ids = _concat_padded(all_labels, -100)
+            metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions.numpy(), label_ids=label_ids.numpy())))
+        if losses:
+            metrics["loss"] = torch.cat(losses).mean().item()
+        runtime = time.time() - start
+        metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
+                       steps_per_second=round(num_batches / runtime, 3))
+        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def _evaluate_and_track_best(self) -> bool:
+        metrics = self.evaluate()
+        name = self.args.metric_for_best_model
+        if name is None:
+            return False
+        key = name if name.startswith("eval_") else f"eval_{name}"
+        if key not in metrics:
+            raise KeyError(f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}")
+        value = metrics[key]
+        greater = self.args.greater_is_better
+        best = self.state.best_metric
+        if best is None or (value > best if greater else value < best):
+            self.state.best_metric = value
+            self.state.best_global_step = self.state.global_step
+            return True
+        return False
+
+    # --- saving ----------------------------------------------------------------------------------
+
+    def _save(self, output_dir: Path) -> None:
+        """Model (Hub format), tokenizer and training_args.bin into ``output_dir``."""
+        from hfnative.converters.export import export_hf, save_tokenizer
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if self.converted is not None:
+            export_hf(self.converted, output_dir, processing_class=self.processing_class)
+        else:
+            from safetensors.torch import save_file
+
+            state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+            save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+            save_tokenizer(output_dir, self.processing_class)
+        ckpt.save_training_args(self.args, output_dir / ckpt.TRAINING_ARGS_NAME)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model in Hub format (safetensors + config.json + tokenizer) and a model card."""
+        from .model_card import write_model_card
+
+        output_dir = Path(output_dir or self.args.output_dir)
+        self._save(output_dir)
+        if not _internal_call:
+            write_model_card(self, output_dir)
+
+    def save_state(self) -> None:
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.state.save_to_json(str(Path(self.args.output_dir) / ckpt.TRAINER_STATE_NAME))
+
+    def _save_checkpoint(self) -> None:
+        args = self.args
+        run_dir = Path(args.output_dir)
+        final = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.state.best_global_step is not None:
+            best = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best == final or best.exists():
+                self.state.best_model_checkpoint = str(best)
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+        with atomic_directory(final) as tmp:
+            self._save(tmp)
+            if not args.save_only_model:
+                torch.save(self.optimizer.state_dict(), tmp / ckpt.OPTIMIZER_NAME)
+                torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
+                save_rng_state(tmp / ckpt.RNG_STATE_NAME)
+            self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+        ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
+
+    # --- resuming --------------------------------------------------------------------------------
+
+    def _resolve_checkpoint(self, resume_from_checkpoint) -> Path | None:
+        if resume_from_checkpoint in (None, False):
+            return None
+        if resume_from_checkpoint is True:
+            found = ckpt.get_last_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            return found
+        path = Path(resume_from_checkpoint)
+        if not (path / ckpt.TRAINER_STATE_NAME).exists():
+            raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a checkpoint folder (no {ckpt.TRAINER_STATE_NAME})")
+        return path
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
+        if self.converted is None:
+            from safetensors.torch import load_file
+
+            self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+            return
+        source = SafetensorsSource(checkpoint)
+        pieces = model_pieces(self.converted.family, self.model.args)
+        check_checkpoint(source, pieces, self.model, str(checkpoint))
+        copy_into_model(source, pieces, self.model)
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        saved = TrainerState.load_from_json(str(checkpoint / ckpt.TRAINER_STATE_NAME))
+        for name in ("global_step", "epoch", "log_history", "total_flos", "best_metric", "best_global_step",
+                     "best_model_checkpoint", "num_input_tokens_seen", "logging_steps", "eval_steps", "save_steps"):
+            setattr(self.state, name, getattr(saved, name))
+        if self.args.restore_callback_states_from_checkpoint:
+            self.state.stateful_callbacks = saved.stateful_callbacks
+        self._load_model_weights(checkpoint)
+        if (checkpoint / ckpt.OPTIMIZER_NAME).exists():
+            self.optimizer.load_state_dict(ckpt.load_torch(checkpoint / ckpt.OPTIMIZER_NAME, self.device))
+            self.lr_scheduler.load_state_dict(ckpt.load_torch(checkpoint / ckpt.SCHEDULER_NAME, "cpu"))
+
+    def _restore_rng(self, checkpoint: Path) -> None:
+        if (checkpoint / ckpt.RNG_STATE_NAME).exists():
+            load_rng_state(checkpoint / ckpt.RNG_STATE_NAME)
+
+    def model_tags(self) -> list[str]:
+        return ["generated_from_trainer", "hfnative", *self._tag_names]
+
+    def dataset_names(self) -> list[str] | None:
+        return [self.dataset_name] if self.dataset_name else None
+
+    # --- callbacks -------------------------------------------------------------------------------
+
+    def add_callback(self, callback):
+        self.callback_handler.add_callback(callback)
+
+    def pop_callback(self, callback):
+        return self.callback_handler.pop_callback(callback)
+
+    def remove_callback(self, callback):
+        self.callback_handler.remove_callback(callback)
+
+
+def _concat_padded(tensors: list[torch.Tensor], pad_value) -> torch.Tensor:
+    """Concatenate [B, S, ...] batches whose S differ, right-padding to the longest."""
+    longest = max(t.shape[1] for t in tensors)
+    padded = []
+    for t in tensors:
+        pad = [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]]
+        padded.append(torch.nn.functional.pad(t, pad, value=pad_value))
+    return torch.cat(padded)
