@@ -41,7 +41,7 @@ def _dataset(fmt: str) -> Dataset:
 
 
 def _config(module, output_dir, accumulation, **extra):
-    return module.SFTConfig(
+    settings = dict(
         output_dir=str(output_dir),
         use_cpu=True,
         bf16=False,
@@ -57,8 +57,8 @@ def _config(module, output_dir, accumulation, **extra):
         warmup_steps=0.2,
         weight_decay=0.01,
         max_length=64,
-        **extra,
     )
+    return module.SFTConfig(**{**settings, **extra})
 
 
 def _run(module, fmt, tmp_path, accumulation, **extra):
@@ -104,3 +104,42 @@ def test_packed_logs_match_trl(strategy, tmp_path):
     theirs = _run(trl, "messages", tmp_path, 2, **extra)
     ours = _run(hfnative, "messages", tmp_path, 2, **extra)
     _assert_same_logs(ours, theirs)
+
+
+@pytest.mark.parametrize(
+    "optim, scheduler, scheduler_kwargs",
+    [
+        ("adamw_torch", "linear", None),
+        ("sgd", "constant_with_warmup", None),
+        ("adafactor", "polynomial", {"power": 2.0}),
+        ("adamw_torch_fused", "cosine_with_min_lr", {"min_lr_rate": 0.1}),
+        ("adamw_torch", "warmup_stable_decay", {"num_decay_steps": 2}),
+    ],
+)
+def test_optimizers_and_schedules_match_trl(optim, scheduler, scheduler_kwargs, tmp_path):
+    trl = pytest.importorskip("trl")
+    extra = dict(optim=optim, lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs)
+    theirs = _run(trl, "text", tmp_path, 1, **extra)
+    ours = _run(hfnative, "text", tmp_path, 1, **extra)
+    _assert_same_logs(ours, theirs)
+
+
+def test_evaluation_metrics_match_trl(tmp_path):
+    trl = pytest.importorskip("trl")
+    evaluation = Dataset.from_list(_rows("eval_messages.jsonl", 10))
+    metrics = {}
+    for module in (trl, hfnative):
+        trainer = module.SFTTrainer(
+            model=MODEL,
+            args=_config(module, tmp_path / module.__name__, 1, per_device_eval_batch_size=4),
+            train_dataset=_dataset("messages"),
+            eval_dataset=evaluation,
+            processing_class=AutoTokenizer.from_pretrained(MODEL),
+        )
+        trainer.train()
+        metrics[module.__name__] = trainer.evaluate()
+    ours, theirs = metrics["hfnative"], metrics["trl"]
+    assert {k for k in theirs if not k.endswith(("runtime", "per_second"))} == {k for k in ours if not k.endswith(("runtime", "per_second"))}
+    for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
+    assert ours["eval_num_tokens"] == theirs["eval_num_tokens"]

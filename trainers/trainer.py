@@ -47,6 +47,7 @@ from hfnative.models.decoder import Transformer
 from hfnative.optim import build_lr_scheduler, build_optimizer
 
 from . import checkpoints as ckpt
+from . import hub
 from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
 from .model_loading import load_processing_class, resolve_model
@@ -95,6 +96,7 @@ class Trainer:
     algorithm_name = "the Trainer"
     _tag_names: list[str] = []
     dataset_name: str | None = None  # shown on the model card (the CLI sets it)
+    hub_model_id: str | None = None  # the Hub repository's full id, set by the first push (trainers/hub.py)
 
     def __init__(
         self,
@@ -435,6 +437,7 @@ class Trainer:
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
             self._load_model_weights(Path(self.state.best_model_checkpoint))
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        hub.wait_for_push(self)  # the last checkpoint's upload
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
     # --- logging and evaluation ------------------------------------------------------------------
@@ -492,7 +495,7 @@ class Trainer:
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
                        steps_per_second=round(num_batches / runtime, 3))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(dict(metrics))
+        self.log(metrics)  # log() adds epoch (and SFT metrics) to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
 
@@ -538,6 +541,13 @@ class Trainer:
         self._save(output_dir)
         if not _internal_call:
             write_model_card(self, output_dir)
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, private: bool | None = None, **kwargs):
+        """Save the model and card into output_dir and upload it to ``hub_model_id`` (see trainers/hub.py)."""
+        return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def save_state(self) -> None:
         Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -561,6 +571,8 @@ class Trainer:
                 torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
                 save_rng_state(tmp / ckpt.RNG_STATE_NAME)
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+        if args.push_to_hub:
+            hub.push_checkpoint(self, final)
         ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
 
     # --- resuming --------------------------------------------------------------------------------
