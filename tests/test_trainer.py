@@ -209,3 +209,43 @@ def test_training_args_bin_never_holds_the_hub_token(tmp_path):
     for path in (tmp_path / "out").rglob("*"):
         if path.is_file():
             assert b"hf_do_not_leak" not in path.read_bytes(), path
+
+
+def test_report_to_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    trainer = _trainer(tmp_path, max_steps=2, report_to=["tensorboard", "wandb"])
+    trainer.train()
+    assert list((tmp_path / "out" / "runs").glob("*/events.out.tfevents.*"))
+    assert list(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    wandb.finish()
+
+
+def test_model_objects_optimizers_and_compute_metrics(tmp_path):
+    """A transformers model object, an explicit optimizer class, and compute_metrics on eval logits."""
+    hf_model = AutoModelForCausalLM.from_pretrained(MODEL)
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["shapes"] = (prediction.predictions.shape, prediction.label_ids.shape)
+        return {"answer_tokens": float((prediction.label_ids != -100).sum())}
+
+    trainer = SFTTrainer(
+        model=hf_model,
+        args=_config(tmp_path, max_steps=2, per_device_eval_batch_size=4),
+        train_dataset=Dataset.from_list(_rows()),
+        eval_dataset=Dataset.from_list(_rows("eval_messages.jsonl", 6)),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+        optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.1}),
+        compute_metrics=compute_metrics,
+    )
+    assert isinstance(trainer.create_optimizer(), torch.optim.SGD)
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_answer_tokens"] > 0 and seen["shapes"][0][:2] == seen["shapes"][1]
+    with pytest.raises(ValueError, match="optimizer_cls_and_kwargs"):
+        SFTTrainer(model=hf_model, args=_config(tmp_path), train_dataset=_rows(),
+                   processing_class=AutoTokenizer.from_pretrained(MODEL),
+                   optimizers=(torch.optim.SGD(hf_model.parameters(), lr=0.1), None))
