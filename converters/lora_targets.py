@@ -1,0 +1,277 @@
+"""Which modules a LoRA config adapts, decided by peft 0.21's rules on Hub module names.
+
+Users name modules as peft does, by their paths in the transformers model
+("model.layers.0.self_attn.q_proj"): a list of names matched as suffixes, a regex fully matched,
+"all-linear", or None for peft's per-architecture default; layers_to_transform, exclude_modules,
+rank/alpha patterns and modules_to_save apply as in peft. The family's ``Piece`` list says which native
+linear(s) each Hub module is (``hub_modules``), so the mapping is stated once. A fused Hub projection
+(Phi-3's qkv_proj, gate_up_proj) becomes one ``LoraTarget`` over the native projections it splits into.
+
+Not adaptable: MoE experts (transformers 5 keeps them as stacked 3-D parameters, not modules; peft
+adapts them through ``target_parameters``, hfnative not at all), MoE routers (not nn.Linear in
+transformers 5), the output head and the embedding (they can train in full through modules_to_save).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from hfnative.peft import LoraSettings, LoraTarget, lora_settings
+
+from .families import Piece, model_pieces
+from .loading import ConvertedModel
+
+ALL_LINEAR = "all-linear"
+# peft 0.21 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, for hfnative's families (phi3 and
+# qwen3_moe have no entry there: peft asks for target_modules)
+DEFAULT_TARGET_MODULES = {
+    "llama": ["q_proj", "v_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "mixtral": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "qwen3": ["q_proj", "v_proj"],
+    "gemma3_text": ["q_proj", "v_proj"],
+}
+# peft condenses a target list this long into distinguishing suffixes before saving it
+MIN_TARGET_MODULES_FOR_OPTIMIZATION = 20
+
+
+# --- Hub modules and their native counterparts ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubModule:
+    """A module of the transformers model that holds a ``weight``, and the native linear(s) it is."""
+
+    path: str  # "model.layers.0.self_attn.qkv_proj"
+    native: tuple[str, ...]  # native module names, in the Hub tensor's row order
+    rows: tuple[tuple[int, int] | None, ...]
+    lora_ok: bool  # an nn.Linear in both models that LoRA may adapt
+
+
+def _module_of(key: str) -> str:
+    return key.rpartition(".")[0]
+
+
+def hub_parameter_pieces(converted: ConvertedModel) -> dict[str, list[Piece]]:
+    """Hub parameter key -> its native piece(s), with ``lm_head.weight`` -> ``output.weight`` for tied
+    models too (their head only exists natively once modules_to_save unties it)."""
+    pieces_of = defaultdict(list)
+    for piece in model_pieces(converted.family, converted.args):
+        pieces_of[piece.hf_key].append(piece)
+    if converted.args.tie_embeddings:
+        pieces_of["lm_head.weight"].append(Piece("lm_head.weight", "output.weight"))
+    return dict(pieces_of)
+
+
+def hub_modules(converted: ConvertedModel) -> dict[str, HubModule]:
+    """Every Hub module with a weight (stacked expert slices excluded), in checkpoint order."""
+    model = converted.model
+    modules = {}
+    for hf_key, pieces in hub_parameter_pieces(converted).items():
+        if not hf_key.endswith(".weight") or any(p.native_index is not None for p in pieces):
+            continue
+        path = _module_of(hf_key)
+        native = tuple(_module_of(p.native_key) for p in pieces)
+        lora_ok = (
+            path != "lm_head"
+            and all(n != "output" and not n.endswith(".router") for n in native)
+            and all(isinstance(model.get_submodule(n), nn.Linear) for n in native)
+        )
+        modules[path] = HubModule(path, native, tuple(p.hf_rows for p in pieces), lora_ok)
+    return modules
+
+
+def _module_paths(pieces_of: dict[str, list[Piece]], with_experts: bool = False) -> list[str]:
+    """The module paths peft matches names against (named_modules(): every dotted prefix of a parameter
+    key). Per-expert paths are left out unless asked for: transformers 5 has no such modules."""
+    paths = {}
+    for key, pieces in pieces_of.items():
+        if not with_experts and any(p.native_index is not None for p in pieces):
+            continue
+        parts = key.split(".")[:-1]
+        for end in range(1, len(parts) + 1):
+            paths.setdefault(".".join(parts[:end]), None)
+    return list(paths)
+
+
+# --- which modules: peft's matching rules ------------------------------------------------------------
+
+
+def _layer_index_allowed(settings: LoraSettings, key: str) -> bool:
+    layers = settings.layers_to_transform
+    pattern = settings.layers_pattern
+    match = None
+    if not pattern:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)  # the first numbered segment
+    else:
+        for layer_pattern in [pattern] if isinstance(pattern, str) else pattern:
+            match = re.match(rf"(?:^|.*?\.){layer_pattern}\.(?P<idx>\d+)\.", key)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == layers if isinstance(layers, int) else index in layers
+
+
+def _is_target(settings: LoraSettings, target_modules, key: str) -> bool:
+    """peft 0.21's check_target_module_exists."""
+    exclude = settings.exclude_modules
+    if exclude:
+        if isinstance(exclude, str):
+            if re.fullmatch(exclude, key):
+                return False
+        elif key in exclude or any(key.endswith(f".{e}") for e in exclude):
+            return False
+    if settings.modules_to_save and any(re.match(rf"(^|.*\.){m}($|\..*)", key) for m in settings.modules_to_save):
+        return False
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, key) is not None
+    if key in target_modules:  # an exact path is taken as is (layers_to_transform does not apply)
+        return True
+    found = any(key.endswith(f".{t}") for t in target_modules)
+    layers = settings.layers_to_transform
+    if found and layers is not None and (not isinstance(layers, list) or len(layers) > 0):
+        found = _layer_index_allowed(settings, key)
+    return found
+
+
+def _minimal_target_modules(targets: set[str], others: set[str]) -> set[str]:
+    """peft's _find_minimal_target_modules: the shortest suffixes that single out ``targets``."""
+
+    def suffixes(name):
+        parts = name.split(".")
+        return [".".join(parts[i:]) for i in range(len(parts))][::-1]
+
+    other_suffixes = {s for name in others for s in suffixes(name)}
+    required: set[str] = set()
+    for item, item_suffixes in sorted(((t, suffixes(t)) for t in targets), key=lambda pair: pair[1]):
+        for suffix in item_suffixes:  # shortest first
+            if suffix in required or suffix in other_suffixes:
+                continue
+            if not any(item.endswith("." + req) for req in required):
+                required.add(suffix)
+                break
+    return required or set(targets)
+
+
+def resolved_target_modules(converted: ConvertedModel, settings: LoraSettings):
+    """target_modules as peft stores it after resolving: a regex string, or a set of names/paths."""
+    target_modules = settings.target_modules
+    model_type = getattr(converted.config, "model_type", None)
+    if target_modules is None:
+        if model_type not in DEFAULT_TARGET_MODULES:
+            raise ValueError(
+                f"LoRA target_modules=None: peft has no default target modules for model_type={model_type!r}; "
+                "pass target_modules, e.g. ['q_proj', 'v_proj'] or 'all-linear'"
+            )
+        return set(DEFAULT_TARGET_MODULES[model_type])
+    if isinstance(target_modules, str):
+        if target_modules.lower() != ALL_LINEAR:
+            return target_modules
+        target_modules = {m.path for m in hub_modules(converted).values() if m.lora_ok}
+    target_modules = set(target_modules)
+    if len(target_modules) >= MIN_TARGET_MODULES_FOR_OPTIMIZATION:
+        paths = _module_paths(hub_parameter_pieces(converted))
+        endings = tuple("." + t for t in target_modules)
+        others = {p for p in paths if p not in target_modules and not p.endswith(endings)}
+        minimal = _minimal_target_modules(target_modules, others)
+        if len(minimal) < len(target_modules):
+            target_modules = minimal
+    return target_modules
+
+
+def _pattern_value(patterns: dict, key: str, default):
+    """peft's get_pattern_key: the first pattern that matches the end of the module path."""
+    for pattern in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return patterns[pattern]
+    return default
+
+
+def _reject_expert_targets(converted: ConvertedModel, settings: LoraSettings, pieces_of) -> None:
+    """peft 0.21 turns MoE expert (and, for all-linear, router) targets into ``target_parameters`` LoRA on
+    transformers 5's stacked expert tensors; hfnative has no LoRA for stacked experts, so it says so
+    rather than adapting fewer modules than peft would."""
+    target_modules = settings.target_modules
+    expert_paths = [p for p in _module_paths(pieces_of, with_experts=True) if ".experts." in p]
+    if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
+        hit = expert_paths[:1]
+    else:
+        hit = [p for p in expert_paths if _is_target(settings, target_modules, p)][:3]
+    if hit:
+        raise ValueError(
+            f"LoRA target_modules={target_modules!r} reaches the MoE experts of this {converted.family.name} model "
+            f"(e.g. {hit[0]}); hfnative does not put LoRA on stacked experts (peft does it through "
+            "target_parameters). Target the attention projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']"
+        )
+
+
+@dataclass
+class LoraPlan:
+    """What ``apply_lora`` will do, in both namings."""
+
+    adapted: list[str]  # Hub module paths that get an adapter
+    targets: list[LoraTarget]  # the same, natively
+    copies: list[str]  # native parameter names trained in full (modules_to_save)
+    untie: bool  # a tied head/embedding is among modules_to_save
+
+
+def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
+    """Resolve target_modules / layers_to_transform / modules_to_save against the model, as peft does."""
+    settings = lora_settings(settings)
+    modules = hub_modules(converted)
+    pieces_of = hub_parameter_pieces(converted)
+    target_modules = resolved_target_modules(converted, settings)
+    if converted.args.moe is not None:
+        _reject_expert_targets(converted, settings, pieces_of)
+    adapted, targets, unsupported = [], [], []
+    for path in _module_paths(pieces_of):
+        if not _is_target(settings, target_modules, path):
+            continue
+        module = modules.get(path)
+        if module is None or not module.lora_ok:
+            unsupported.append(path)
+            continue
+        r = _pattern_value(settings.rank_pattern, path, settings.r)
+        alpha = _pattern_value(settings.alpha_pattern, path, settings.lora_alpha)
+        adapted.append(path)
+        targets.append(LoraTarget(module.native, r, alpha))
+    if unsupported:
+        raise ValueError(
+            f"LoRA target_modules={settings.target_modules!r} matches modules hfnative cannot adapt: {unsupported[:8]}. "
+            "LoRA applies to the nn.Linear projections of attention and dense MLPs; the output head and the "
+            "embedding can train in full with modules_to_save=['lm_head'] / ['embed_tokens']"
+        )
+    if not adapted:
+        note = f" (layers_to_transform={settings.layers_to_transform})" if settings.layers_to_transform is not None else ""
+        linear = sorted({m.path.rpartition(".")[2] for m in modules.values() if m.lora_ok})
+        raise ValueError(
+            f"LoRA target_modules={settings.target_modules!r} not found in the {converted.family.name} model{note}; "
+            f"its adaptable modules are {linear}"
+        )
+
+    copies = []
+    for name in settings.modules_to_save or []:
+        matched = [p for p in _module_paths(pieces_of, with_experts=True) if p.endswith(name)]  # peft: key.endswith(name)
+        if not matched:
+            raise ValueError(f"modules_to_save: {name!r} matches no module of the {converted.family.name} model")
+        for path in matched:
+            for hf_key, pieces in pieces_of.items():
+                if not hf_key.startswith(path + "."):
+                    continue
+                if any(p.native_index is not None for p in pieces):
+                    raise ValueError(f"modules_to_save: {hf_key} is a stacked MoE expert weight, which hfnative cannot copy")
+                for piece in pieces:
+                    if piece.native_key not in copies:
+                        copies.append(piece.native_key)
+    untie = converted.args.tie_embeddings and any(k in copies for k in ("tok_embeddings.weight", "output.weight"))
+    return LoraPlan(adapted, targets, copies, untie)
+
+
+__all__ = ["DEFAULT_TARGET_MODULES", "HubModule", "LoraPlan", "hub_modules", "hub_parameter_pieces", "plan_lora", "resolved_target_modules"]

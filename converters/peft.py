@@ -1,0 +1,320 @@
+"""PEFT adapter folders (adapter_config.json + adapter_model.safetensors) and LoRA by Hub names.
+
+``apply_lora`` puts adapters on a loaded model (which modules: ``lora_targets.plan_lora``);
+``save_adapter`` writes what peft's ``save_pretrained`` writes, so ``PeftModel.from_pretrained`` loads
+it; ``load_adapter`` / ``load_adapter_weights`` read a peft-saved folder back (to continue training or
+to resume). A fused Hub projection's lora_B (and DoRA magnitude) is the row-wise concatenation of the
+native projections' parts; their lora_A is one shared tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from hfnative.peft import (
+    LoraSettings,
+    add_lora,
+    add_trainable_copies,
+    lora_modules,
+    lora_settings,
+    mark_trainable,
+    nf4_settings,
+    quantize_base_nf4,
+    trainable_copies,
+    untie_output_head,
+)
+
+from .export import _write_atomically, hub_tensor
+from .loading import ConvertedModel
+from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora, resolved_target_modules
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"
+ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> the transformers model
+
+
+# --- applying -------------------------------------------------------------------------------------------
+
+
+def apply_lora(
+    converted: ConvertedModel,
+    settings,
+    *,
+    load_in_4bit: bool = False,
+    quantization_config=None,
+) -> list[str]:
+    """Put LoRA (or DoRA) adapters on ``converted.model`` in place; returns the Hub paths adapted.
+
+    settings: a peft.LoraConfig, a dict of its fields, or LoraSettings.
+    load_in_4bit / quantization_config (BitsAndBytesConfig-shaped): QLoRA - every linear except the
+    output head, MoE routers and modules_to_save copies is stored as NF4 before the adapters go on
+    (so DoRA's magnitude starts from the quantized weight, as peft does with bitsandbytes).
+    Afterwards only the adapters, modules_to_save copies and (per ``bias``) biases require grad.
+    """
+    settings = lora_settings(settings)
+    model = converted.model
+    if lora_modules(model):
+        raise ValueError("the model already has LoRA adapters; merge_lora() it first or start from the base model")
+    plan = plan_lora(converted, settings)
+    if plan.untie:
+        untie_output_head(model)
+    add_trainable_copies(model, plan.copies)
+    nf4 = nf4_settings(load_in_4bit, quantization_config)
+    if nf4 is not None:
+        quantize_base_nf4(model, nf4.compute_dtype)
+    add_lora(model, plan.targets, settings)
+    mark_trainable(model, settings.bias, trainable=not settings.inference_mode)
+    return plan.adapted
+
+
+# --- writing and reading PEFT folders ------------------------------------------------------------------
+
+
+def _peft_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("peft")
+    except Exception:  # peft is optional; its version is informative only
+        return None
+
+
+def _auto_mapping(converted: ConvertedModel, settings: LoraSettings) -> dict | None:
+    if settings.task_type is not None:  # PeftModelForCausalLM records nothing
+        return None
+    import transformers
+
+    architecture = (getattr(converted.config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, architecture, None) if architecture else None
+    return {"base_model_class": architecture, "parent_library": cls.__module__ if cls else None}
+
+
+def _json_list(value):
+    return sorted(value) if isinstance(value, (set, list, tuple)) else value
+
+
+def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path: str | None = None) -> dict:
+    """adapter_config.json's fields, keys and values as peft 0.21's save_pretrained writes them."""
+    settings = lora_settings(settings)
+    config = {
+        "alora_invocation_tokens": None,
+        "alpha_pattern": dict(settings.alpha_pattern),
+        "arrow_config": None,
+        "auto_mapping": _auto_mapping(converted, settings),
+        "base_model_name_or_path": base_model_name_or_path,
+        "bias": settings.bias,
+        "corda_config": None,
+        "ensure_weight_tying": False,
+        "eva_config": None,
+        "exclude_modules": _json_list(settings.exclude_modules),
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": settings.init_lora_weights,
+        "kasa_config": None,
+        "layer_replication": None,
+        "layers_pattern": settings.layers_pattern,
+        "layers_to_transform": settings.layers_to_transform,
+        "loftq_config": {},
+        "lora_alpha": settings.lora_alpha,
+        "lora_bias": False,
+        "lora_dropout": settings.lora_dropout,
+        "lora_ga_config": None,
+        "megatron_config": None,
+        "megatron_core": "megatron.core",
+        "modules_to_save": settings.modules_to_save,
+        "monteclora_config": None,
+        "peft_type": "LORA",
+        "peft_version": _peft_version(),
+        "qalora_group_size": 16,
+        "r": settings.r,
+        "rank_pattern": dict(settings.rank_pattern),
+        "revision": None,
+        "target_modules": _json_list(resolved_target_modules(converted, settings)),
+        "target_parameters": None,
+        "task_type": settings.task_type,
+        "trainable_token_indices": None,
+        "use_bdlora": None,
+        "use_dora": settings.use_dora,
+        "use_qalora": False,
+        "use_rslora": settings.use_rslora,
+        "velora_config": None,
+    }
+    if config["peft_version"] is None:
+        del config["peft_version"]
+    return config
+
+
+def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none") -> dict[str, torch.Tensor]:
+    """The adapter's tensors under the keys peft saves (``base_model.model.<hub path>.lora_A.weight``,
+    ``.lora_B.weight``, ``.lora_magnitude_vector``, modules_to_save and bias tensors by their Hub keys,
+    biases of adapted modules as ``<path>.base_layer.bias``)."""
+    model = converted.model
+    native = dict(model.named_parameters(remove_duplicate=False))
+    loras = lora_modules(model)
+    tensors: dict[str, torch.Tensor] = {}
+    adapted_paths = set()
+    for module in hub_modules(converted).values():
+        parts = [loras.get(name) for name in module.native]
+        if not any(parts):
+            continue
+        if not all(parts) or any(p.lora_A is not parts[0].lora_A for p in parts):
+            raise ValueError(f"{module.path}: its native modules {module.native} do not carry one shared adapter")
+        prefix = PEFT_PREFIX + module.path
+        adapted_paths.add(module.path)
+        tensors[f"{prefix}.lora_A.weight"] = parts[0].lora_A.detach()
+        tensors[f"{prefix}.lora_B.weight"] = torch.cat([p.lora_B.detach() for p in parts])
+        if parts[0].lora_magnitude_vector is not None:
+            tensors[f"{prefix}.lora_magnitude_vector"] = torch.cat([p.lora_magnitude_vector.detach() for p in parts])
+
+    copies = {name for name, _, _ in trainable_copies(model)}
+    for hf_key, pieces in hub_parameter_pieces(converted).items():
+        natives = [p.native_key for p in pieces]
+        if not all(n in native for n in natives):
+            continue  # a tied head that was never untied
+        is_copy = all(n in copies for n in natives)
+        path, _, leaf = hf_key.rpartition(".")
+        is_bias = leaf == "bias" and (bias == "all" or (bias == "lora_only" and path in adapted_paths))
+        if not (is_copy or is_bias):
+            continue
+        key = f"{path}.base_layer.{leaf}" if (path in adapted_paths and not is_copy) else hf_key
+        tensors[PEFT_PREFIX + key] = hub_tensor(pieces, native)
+    return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
+
+
+def save_adapter(
+    converted: ConvertedModel,
+    out_dir: str | os.PathLike,
+    settings,
+    base_model_name_or_path: str | None = None,
+) -> Path:
+    """Write a PEFT adapter folder that ``PeftModel.from_pretrained(base, out_dir)`` loads.
+
+    base_model_name_or_path: recorded in adapter_config.json; None -> the folder the model came from.
+    """
+    from safetensors.torch import save_file
+
+    settings = lora_settings(settings)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base_model_name_or_path is None and converted.source_dir is not None:
+        base_model_name_or_path = str(converted.source_dir)
+    loras = lora_modules(converted.model)
+    if not loras:
+        raise ValueError("the model has no LoRA adapters to save; call apply_lora() first")
+    planned = {n for target in plan_lora(converted, settings).targets for n in target.modules}
+    if planned != set(loras):
+        raise ValueError(
+            "save_adapter: the settings do not describe the model's adapters (they would target "
+            f"{sorted(planned - set(loras))[:5]} and leave out {sorted(set(loras) - planned)[:5]}); "
+            "pass the settings given to apply_lora"
+        )
+    config = adapter_config(converted, settings, base_model_name_or_path)
+    tensors = hub_adapter_state_dict(converted, settings.bias)
+    _write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    _write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))
+    return out_dir
+
+
+def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraSettings:
+    path = Path(adapter_dir) / ADAPTER_CONFIG_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{adapter_dir}: no {ADAPTER_CONFIG_NAME}; is this a PEFT adapter folder?")
+    return lora_settings(json.loads(path.read_text()))
+
+
+def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLike) -> None:
+    """Copy a PEFT adapter's tensors into a model that already carries the matching adapters (e.g. on
+    resume). Raises ValueError naming any key that maps nowhere or any adapter tensor left unset."""
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{adapter_dir}: no {ADAPTER_WEIGHTS_NAME} (hfnative reads adapters only from safetensors)")
+    state = load_file(str(path))
+    model = converted.model
+    modules = hub_modules(converted)
+    pieces_of = hub_parameter_pieces(converted)
+    loras = lora_modules(model)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    written, unexpected, wrong_shape = set(), [], []
+
+    def put(native_name: str, value: torch.Tensor, key: str):
+        target = params.get(native_name)
+        if target is None:
+            unexpected.append(key)
+        elif tuple(target.shape) != tuple(value.shape):
+            wrong_shape.append(f"{key}: adapter {list(value.shape)}, model {list(target.shape)}")
+        else:
+            target.copy_(value)
+            written.add(native_name)
+
+    with torch.no_grad():
+        for key, value in state.items():
+            hub_key = key.removeprefix(PEFT_PREFIX)
+            lora_kind = next((k for k in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector") if hub_key.endswith(k)), None)
+            if lora_kind is not None:
+                module = modules.get(hub_key[: -len(lora_kind)])
+                if module is None or not all(n in loras for n in module.native):
+                    unexpected.append(key)
+                    continue
+                attr = lora_kind.split(".")[1]
+                for name, rows in zip(module.native, module.rows):
+                    part = value if attr == "lora_A" or rows is None else value[rows[0] : rows[1]]
+                    put(f"{name}.{attr}", part, key)
+                continue
+            hub_key = hub_key.replace(".base_layer.", ".")
+            pieces = pieces_of.get(hub_key)
+            if pieces is None or any(p.native_index is not None for p in pieces):
+                unexpected.append(key)
+                continue
+            for piece in pieces:
+                rows = piece.hf_rows
+                put(piece.native_key, value if rows is None else value[rows[0] : rows[1]], key)
+    expected = {f"{name}.{attr}" for name, m in loras.items() for attr in ("lora_A", "lora_B", "lora_magnitude_vector") if getattr(m, attr) is not None}
+    expected |= {name for name, _, _ in trainable_copies(model)}
+    missing = sorted(expected - written)
+    problems = []
+    if unexpected:
+        problems.append(f"tensors that match no adapted module ({len(unexpected)}): {sorted(unexpected)[:10]}")
+    if wrong_shape:
+        problems.append(f"tensors with the wrong shape ({len(wrong_shape)}): {wrong_shape[:10]}")
+    if missing:
+        problems.append(f"adapter tensors the file does not set ({len(missing)}): {missing[:10]}")
+    if problems:
+        raise ValueError(f"{path} does not match the model's adapters:\n  " + "\n  ".join(problems))
+
+
+def load_adapter(
+    converted: ConvertedModel,
+    adapter_dir: str | os.PathLike,
+    *,
+    is_trainable: bool = True,
+    load_in_4bit: bool = False,
+    quantization_config=None,
+) -> LoraSettings:
+    """Apply the adapter described by a PEFT folder's adapter_config.json and load its weights; returns
+    its settings (to continue training with, and to save with). is_trainable=False freezes it (peft's
+    default for PeftModel.from_pretrained)."""
+    settings = read_adapter_config(adapter_dir)
+    settings.inference_mode = not is_trainable
+    apply_lora(converted, settings, load_in_4bit=load_in_4bit, quantization_config=quantization_config)
+    load_adapter_weights(converted, adapter_dir)
+    return settings
+
+
+__all__ = [
+    "ADAPTER_CONFIG_NAME",
+    "ADAPTER_WEIGHTS_NAME",
+    "adapter_config",
+    "apply_lora",
+    "hub_adapter_state_dict",
+    "load_adapter",
+    "load_adapter_weights",
+    "read_adapter_config",
+    "save_adapter",
+]

@@ -1,0 +1,45 @@
+"""LoRA, DoRA and QLoRA on native models, numerically matching peft 0.21.
+
+The engine side, in native module names. Choosing modules by Hub names and reading/writing PEFT
+adapter folders lives in ``hfnative.converters.peft`` (``apply_lora``, ``save_adapter``, ``load_adapter``).
+"""
+
+from .adapters import (
+    LoraTarget,
+    adapter_parameters,
+    add_lora,
+    add_trainable_copies,
+    disable_adapters,
+    load_lora_state_dict,
+    lora_modules,
+    lora_state_dict,
+    mark_trainable,
+    merge_lora,
+    trainable_copies,
+    untie_output_head,
+)
+from .lora import LoraLinear
+from .quantize import NF4Linear, quantize_base_nf4
+from .settings import LoraSettings, NF4Settings, lora_settings, nf4_settings
+
+__all__ = [
+    "LoraLinear",
+    "LoraSettings",
+    "LoraTarget",
+    "NF4Linear",
+    "NF4Settings",
+    "adapter_parameters",
+    "add_lora",
+    "add_trainable_copies",
+    "disable_adapters",
+    "load_lora_state_dict",
+    "lora_modules",
+    "lora_settings",
+    "lora_state_dict",
+    "mark_trainable",
+    "merge_lora",
+    "nf4_settings",
+    "quantize_base_nf4",
+    "trainable_copies",
+    "untie_output_head",
+]

@@ -1,0 +1,126 @@
+"""The LoRA layer: an nn.Linear whose frozen ``weight``/``bias`` keep their names, plus an adapter.
+
+    y = x W^T + b + dropout(x) A^T B^T * scaling                                  (LoRA)
+    y = x W^T + b + (m / |W + s B A|_row - 1) (x W^T) + (m / |W + s B A|_row) s x A^T B^T   (DoRA)
+
+computed as peft 0.21 computes them (tuners/lora/layer.py, dora.py): the adapter runs in its own
+dtype (float32 when the base is bf16/fp16), and DoRA's weight norm is detached from the graph
+(DoRA paper, section 4.3). Shapes: A is [r, in], B is [out, r], the DoRA magnitude m is [out].
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .quantize import dequantize, frozen_linear
+
+
+class LoraLinear(nn.Linear):
+    """A frozen linear with a low-rank adapter; ``adapter_enabled = False`` runs the base alone.
+
+    lora_A: pass an existing parameter to share it (a fused Hub projection such as Phi-3's qkv_proj
+    is one A and one B whose row blocks are this model's separate wq / wk / wv).
+    """
+
+    def __init__(
+        self,
+        base: nn.Linear,
+        r: int,
+        scaling: float,
+        *,
+        dropout: float = 0.0,
+        use_dora: bool = False,
+        init: bool | str = True,
+        adapter_dtype: torch.dtype | None = None,
+        lora_A: nn.Parameter | None = None,
+    ):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias  # the same parameters: names and key maps unchanged
+        self.r, self.scaling = r, scaling
+        self.adapter_enabled = True
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        dtype = adapter_dtype or base.weight.dtype
+        device = base.weight.device
+        if lora_A is None:
+            lora_A = nn.Parameter(torch.empty(r, self.in_features, dtype=dtype, device=device))
+            _init_lora_A(lora_A, r, init)
+        elif tuple(lora_A.shape) != (r, self.in_features):
+            raise ValueError(f"shared lora_A has shape {list(lora_A.shape)}, expected {[r, self.in_features]}")
+        self.lora_A = lora_A
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, r, dtype=dtype, device=device))
+        if init is False:  # peft leaves both at nn.Linear's default init
+            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
+        self.lora_magnitude_vector = None
+        if use_dora:  # m starts as |W + s B A|_row, computed in the base dtype as peft does
+            with torch.no_grad():
+                weight = dequantize(self.weight)
+                magnitude = self.weight_norm(weight, self.delta_weight().to(weight.dtype))
+            self.lora_magnitude_vector = nn.Parameter(magnitude.to(dtype))
+
+    # --- the pieces of the computation ----------------------------------------------------------
+
+    def delta_weight(self) -> torch.Tensor:
+        """s B A: the [out, in] update the adapter adds to W."""
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+    @staticmethod
+    def weight_norm(weight: torch.Tensor, delta_weight: torch.Tensor) -> torch.Tensor:
+        """|W + dW| per output row (peft's get_weight_norm), in the promoted dtype of the sum."""
+        merged = weight + delta_weight
+        return torch.linalg.norm(merged, dim=1).to(merged.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = frozen_linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return result
+        result_dtype = result.dtype
+        x = x.to(self.lora_A.dtype)
+        if self.lora_magnitude_vector is None:
+            result = result + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+        else:
+            result = result + self._dora_extra(x, result)
+        return result.to(result_dtype)
+
+    def _dora_extra(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        """What DoRA adds to the base output (peft's DoraLinearLayer.forward)."""
+        weight = dequantize(self.weight).to(x.dtype)
+        if isinstance(self.lora_dropout, nn.Identity) or not self.training:
+            base_result = result if self.bias is None else result - self.bias
+        else:  # dropout applies to the input of the whole rescaled layer
+            x = self.lora_dropout(x)
+            base_result = F.linear(x, weight)
+        lora_weight = (self.lora_B @ self.lora_A).to(x.dtype)
+        # the norm is treated as a constant: no gradient flows through it (DoRA section 4.3)
+        weight_norm = self.weight_norm(weight, self.scaling * lora_weight.detach()).detach()
+        mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
+        lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
+
+    # --- folding back ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """W with the adapter folded in (peft's merge), in the base compute dtype."""
+        weight = dequantize(self.weight)
+        delta = self.delta_weight()  # in the adapter dtype; the sum promotes, then rounds once to W's dtype
+        if self.lora_magnitude_vector is None:
+            return (weight + delta).to(weight.dtype)
+        factor = (self.lora_magnitude_vector / self.weight_norm(weight, delta)).view(-1, 1)
+        return (factor * (weight + delta)).to(weight.dtype)
+
+    def extra_repr(self) -> str:
+        dora = ", dora" if self.lora_magnitude_vector is not None else ""
+        return f"{super().extra_repr()}, r={self.r}, scaling={self.scaling:g}{dora}"
+
+
+def _init_lora_A(lora_A: nn.Parameter, r: int, init: bool | str) -> None:
+    with torch.no_grad():
+        if init == "gaussian":
+            nn.init.normal_(lora_A, std=1 / r)
+        else:  # True and False both: nn.Linear's default (kaiming-uniform, a = sqrt 5)
+            nn.init.kaiming_uniform_(lora_A, a=math.sqrt(5))

@@ -1,0 +1,160 @@
+"""LoRA and 4-bit settings under the names peft and transformers users already pass.
+
+``lora_settings`` accepts a ``peft.LoraConfig`` (read field by field, so peft stays optional), a dict of
+the same fields (e.g. a loaded ``adapter_config.json``) or a ``LoraSettings``. ``nf4_settings`` reads
+``load_in_4bit=True`` or a ``quantization_config`` shaped like transformers' ``BitsAndBytesConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+BIAS_MODES = ("none", "all", "lora_only")
+INIT_MODES = (True, False, "gaussian")
+
+
+@dataclass
+class LoraSettings:
+    """The LoraConfig fields hfnative implements, with peft 0.21's defaults."""
+
+    r: int = 8
+    lora_alpha: float = 8
+    lora_dropout: float = 0.0
+    # HF module names (["q_proj", "v_proj"]), a regex fully matched against HF module paths,
+    # "all-linear", or None for peft's per-architecture default
+    target_modules: list[str] | str | None = None
+    exclude_modules: list[str] | str | None = None
+    bias: str = "none"  # none | all | lora_only: which base biases train alongside the adapter
+    use_rslora: bool = False  # scaling lora_alpha / sqrt(r) instead of lora_alpha / r
+    use_dora: bool = False
+    modules_to_save: list[str] | None = None  # HF module names trained in full (e.g. lm_head)
+    layers_to_transform: list[int] | int | None = None
+    layers_pattern: list[str] | str | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    init_lora_weights: bool | str = True  # True: A kaiming-uniform(a=sqrt 5), B zeros; "gaussian"; False
+    task_type: str | None = "CAUSAL_LM"
+    inference_mode: bool = False
+    # peft's get_peft_model(autocast_adapter_dtype=True): bf16/fp16 adapters are kept in float32
+    autocast_adapter_dtype: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.target_modules, (set, tuple)):
+            self.target_modules = sorted(self.target_modules)
+        if isinstance(self.exclude_modules, (set, tuple)):
+            self.exclude_modules = sorted(self.exclude_modules)
+        if isinstance(self.modules_to_save, (set, tuple)):
+            self.modules_to_save = list(self.modules_to_save)
+        if not isinstance(self.r, int) or self.r <= 0:
+            raise ValueError(f"LoRA r={self.r!r}: expected a positive integer")
+        if self.bias not in BIAS_MODES:
+            raise ValueError(f"LoRA bias={self.bias!r}: expected one of {BIAS_MODES}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"lora_dropout={self.lora_dropout!r}: expected a probability in [0, 1)")
+        if self.init_lora_weights not in INIT_MODES:
+            raise ValueError(
+                f"init_lora_weights={self.init_lora_weights!r} is not supported by hfnative; use one of {INIT_MODES}"
+            )
+        if self.task_type not in (None, "CAUSAL_LM"):
+            raise ValueError(f"task_type={self.task_type!r}: hfnative trains causal LMs; use 'CAUSAL_LM'")
+
+    def scaling(self, r: int | None = None, lora_alpha: float | None = None) -> float:
+        r = self.r if r is None else r
+        lora_alpha = self.lora_alpha if lora_alpha is None else lora_alpha
+        return lora_alpha / r**0.5 if self.use_rslora else lora_alpha / r
+
+
+# LoraConfig fields hfnative does not implement, with the value that means "not used"
+UNSUPPORTED_DEFAULTS = {
+    "fan_in_fan_out": False,
+    "lora_bias": False,
+    "use_qalora": False,
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "arrow_config": None,
+    "use_bdlora": None,
+    "velora_config": None,
+    "monteclora_config": None,
+    "kasa_config": None,
+    "megatron_config": None,
+    "ensure_weight_tying": False,
+}
+_FIELDS = [f.name for f in dataclasses.fields(LoraSettings)]
+
+
+def _enum_value(value):
+    return getattr(value, "value", value)  # peft's TaskType / PeftType are str enums
+
+
+def lora_settings(config) -> LoraSettings:
+    """A peft LoraConfig, a dict of its fields, or LoraSettings -> LoraSettings.
+
+    Raises ValueError for another PEFT method or a LoRA option hfnative does not implement.
+    """
+    if isinstance(config, LoraSettings):
+        return config
+    if config is None:
+        raise ValueError("no LoRA config given: pass a peft.LoraConfig, a dict of its fields or a LoraSettings")
+    get = config.get if isinstance(config, dict) else (lambda name, default=None: getattr(config, name, default))
+    peft_type = _enum_value(get("peft_type", "LORA"))
+    if peft_type not in (None, "LORA"):
+        raise ValueError(f"peft_type={peft_type!r}: hfnative implements LoRA (and DoRA) adapters only")
+    used = []
+    for name, default in UNSUPPORTED_DEFAULTS.items():
+        value = get(name, default)
+        if value not in (default, None) and not (isinstance(value, (dict, list)) and not value):
+            used.append(f"{name}={value!r}")
+    if used:
+        raise ValueError(f"LoRA options not supported by hfnative: {', '.join(used)}; remove them from the LoraConfig")
+    defaults = LoraSettings()
+    values = {}
+    for name in _FIELDS:
+        value = get(name, getattr(defaults, name))
+        values[name] = _enum_value(value)
+    for name in ("rank_pattern", "alpha_pattern"):
+        values[name] = dict(values[name] or {})
+    return LoraSettings(**values)
+
+
+@dataclass(frozen=True)
+class NF4Settings:
+    """QLoRA base weights: NF4 with torchao; matmuls run in ``compute_dtype``.
+
+    torchao always quantizes the per-block scales a second time (bitsandbytes' double quantization),
+    so ``bnb_4bit_use_double_quant=False`` cannot be honoured; it is accepted and has no effect.
+    """
+
+    compute_dtype: torch.dtype = torch.float32
+
+
+def _dtype(value) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and isinstance(getattr(torch, value.removeprefix("torch."), None), torch.dtype):
+        return getattr(torch, value.removeprefix("torch."))
+    raise ValueError(f"bnb_4bit_compute_dtype={value!r}: expected a torch dtype or its name, e.g. 'bfloat16'")
+
+
+def nf4_settings(load_in_4bit: bool = False, quantization_config=None) -> NF4Settings | None:
+    """``load_in_4bit`` / a BitsAndBytesConfig (or a dict of its fields) -> NF4Settings, or None for no quantization."""
+    if quantization_config is None:
+        return NF4Settings() if load_in_4bit else None
+    get = (
+        quantization_config.get
+        if isinstance(quantization_config, dict)
+        else (lambda name, default=None: getattr(quantization_config, name, default))
+    )
+    if get("load_in_8bit", False):
+        raise ValueError("quantization_config.load_in_8bit=True: hfnative's QLoRA supports 4-bit NF4 only (load_in_4bit=True)")
+    if not (get("load_in_4bit", False) or load_in_4bit):
+        return None
+    quant_type = get("bnb_4bit_quant_type", "nf4")
+    if quant_type != "nf4":
+        raise ValueError(f"bnb_4bit_quant_type={quant_type!r}: hfnative quantizes with torchao's NF4 only; use 'nf4'")
+    compute_dtype = get("bnb_4bit_compute_dtype", None)
+    return NF4Settings(torch.float32 if compute_dtype is None else _dtype(compute_dtype))

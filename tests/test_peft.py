@@ -1,0 +1,395 @@
+"""LoRA, DoRA and QLoRA on native models, with peft 0.21 as the oracle.
+
+Each case builds the same tiny transformers checkpoint twice: peft wraps one (``get_peft_model``),
+hfnative the other (``apply_lora``). peft's adapter weights are perturbed (so lora_B is non-zero and
+the DoRA magnitude is not just the weight norm), saved with peft's own ``save_pretrained`` and copied
+into the native adapters; then logits, saved folders, merges and training steps must agree.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+from hf_configs import VOCAB, save_hf_model  # noqa: E402
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from hfnative.converters.export import export_hf  # noqa: E402
+from hfnative.converters.loading import load_pretrained  # noqa: E402
+from hfnative.converters.peft import (  # noqa: E402
+    apply_lora,
+    load_adapter,
+    load_adapter_weights,
+    save_adapter,
+)
+from hfnative.peft import (  # noqa: E402
+    LoraLinear,
+    adapter_parameters,
+    disable_adapters,
+    lora_settings,
+    lora_state_dict,
+    merge_lora,
+    nf4_settings,
+)
+
+TOLERANCE = 1e-5  # fp32 logits, max abs difference
+# peft warns about the configurations under test (bias with disabled adapters, tied modules_to_save)
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:peft")
+
+# (case id, checkpoint, LoraConfig fields)
+CASES = [
+    ("lora-default-targets", "llama-gqa", dict(r=4, lora_alpha=16)),
+    ("rslora-dropout-eval", "qwen3-gqa", dict(r=4, lora_alpha=8, use_rslora=True, lora_dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
+    ("dora-all-linear", "qwen3-gqa", dict(r=4, use_dora=True, target_modules="all-linear")),
+    ("dora-bias-all", "llama-linear-headdim12-bias", dict(r=4, use_dora=True, bias="all", target_modules=["q_proj", "o_proj"])),
+    ("bias-lora-only", "llama-linear-headdim12-bias", dict(r=2, bias="lora_only", target_modules=["q_proj", "up_proj"])),
+    ("modules-to-save-lm-head", "llama-gqa", dict(r=4, target_modules="all-linear", modules_to_save=["lm_head"])),
+    ("tied-modules-to-save", "qwen3-mha-tied-bias", dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "embed_tokens"])),
+    ("regex", "llama-gqa", dict(r=4, target_modules=r".*\.0\.self_attn\.(q|v)_proj")),
+    ("layers-to-transform", "llama-gqa", dict(r=4, target_modules=["q_proj", "down_proj"], layers_to_transform=[1])),
+    ("rank-alpha-pattern", "llama-gqa", dict(r=4, target_modules=["q_proj", "v_proj"], rank_pattern={"v_proj": 2}, alpha_pattern={r"layers\.1\.self_attn\.q_proj": 3})),
+    ("phi3-fused-dora", "phi3-gqa", dict(r=4, use_dora=True, target_modules=["qkv_proj", "gate_up_proj"])),
+    ("phi3-all-linear", "phi3-gqa", dict(r=4, target_modules="all-linear", exclude_modules=["o_proj"])),
+    # 3 layers x 7 linears >= 20: peft condenses the resolved all-linear paths to suffixes before saving
+    ("all-linear-condensed", "gemma3-alternating", dict(r=2, target_modules="all-linear")),
+]
+MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern"]
+_BY_ID = {case_id: (checkpoint, fields) for case_id, checkpoint, fields in CASES}
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    """checkpoint name -> a saved tiny transformers model folder (made once per module)."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = tmp_path_factory.mktemp(name)
+            save_hf_model(name, made[name])
+        return made[name]
+
+    return get
+
+
+def _input_ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _peft_model(base_dir, fields: dict, seed: int = 1):
+    """peft's model over the checkpoint, its trainable tensors perturbed (lora_B included) reproducibly."""
+    hf_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = get_peft_model(hf_model, LoraConfig(task_type="CAUSAL_LM", **fields))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def _native_pair(base_dir, fields: dict, tmp_path):
+    """(peft model, native ConvertedModel carrying the same adapter)."""
+    peft_model = _peft_model(base_dir, fields)
+    peft_dir = tmp_path / "peft-adapter"
+    peft_model.save_pretrained(str(peft_dir))
+    converted = load_pretrained(base_dir)
+    apply_lora(converted, fields)
+    load_adapter_weights(converted, peft_dir)  # raises unless our targets are exactly peft's
+    converted.model.eval()
+    return peft_model, converted
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@torch.no_grad()
+def _logits(model, ids) -> torch.Tensor:
+    out = model(input_ids=ids) if hasattr(model, "config") else model(ids)
+    return getattr(out, "logits", out)
+
+
+# --- (a) logits and (b) saved adapter folders ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in CASES])
+def test_logits_and_saved_adapter_match_peft(case_id, checkpoint_dir, tmp_path):
+    checkpoint, fields = _BY_ID[case_id]
+    base_dir = checkpoint_dir(checkpoint)
+    peft_model, converted = _native_pair(base_dir, fields, tmp_path)
+    ids = _input_ids()
+    expected = _logits(peft_model, ids)
+    with peft_model.disable_adapter():
+        base = _logits(peft_model, ids)
+    assert _max_diff(expected, base) > 1e-3, "the adapter should change the logits"
+    assert _max_diff(_logits(converted.model, ids), expected) <= TOLERANCE
+
+    # our folder loads in peft and gives the same logits
+    ours_dir = save_adapter(converted, tmp_path / "ours", fields, base_model_name_or_path=str(base_dir))
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(base_dir)), str(ours_dir)).eval()
+    assert _max_diff(_logits(reloaded, ids), expected) <= TOLERANCE
+
+    # adapter_config.json: the keys and values peft writes for the same LoraConfig
+    ours = json.loads((ours_dir / "adapter_config.json").read_text())
+    theirs = json.loads((tmp_path / "peft-adapter" / "adapter_config.json").read_text())
+    assert sorted(ours) == sorted(theirs)
+    for key in ("target_modules", "exclude_modules"):  # sets in peft, written in no particular order
+        if isinstance(theirs[key], list):
+            assert sorted(ours.pop(key)) == sorted(theirs.pop(key)), key
+    assert ours == theirs
+
+    # and the same tensor names and shapes as peft's adapter_model.safetensors
+    from safetensors.torch import load_file
+
+    ours_tensors = load_file(str(ours_dir / "adapter_model.safetensors"))
+    theirs_tensors = load_file(str(tmp_path / "peft-adapter" / "adapter_model.safetensors"))
+    assert {k: tuple(v.shape) for k, v in ours_tensors.items()} == {k: tuple(v.shape) for k, v in theirs_tensors.items()}
+
+
+# --- (c) merged export -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case_id", MERGE_CASES)
+def test_merged_export_matches_merge_and_unload(case_id, checkpoint_dir, tmp_path):
+    checkpoint, fields = _BY_ID[case_id]
+    base_dir = checkpoint_dir(checkpoint)
+    peft_model, converted = _native_pair(base_dir, fields, tmp_path)
+    ids = _input_ids()
+    expected = _logits(peft_model.merge_and_unload(), ids)
+
+    merge_lora(converted.model)
+    assert not any(isinstance(m, LoraLinear) for m in converted.model.modules())
+    assert all(p.requires_grad for p in converted.model.parameters())
+    export_hf(converted, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+    assert _max_diff(_logits(merged, ids), expected) <= TOLERANCE
+
+
+def test_merge_refuses_a_tied_head_trained_apart(checkpoint_dir, tmp_path):
+    _, converted = _native_pair(checkpoint_dir("qwen3-mha-tied-bias"), _BY_ID["tied-modules-to-save"][1], tmp_path)
+    with pytest.raises(ValueError, match="tie_word_embeddings=False"):
+        merge_lora(converted.model)
+
+
+# --- (d) what trains, and training steps ------------------------------------------------------------------
+
+
+def _sgd_steps(model, ids, steps: int, lr: float = 0.5):
+    """A few SGD steps on next-token cross-entropy; returns the logits after each step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr)
+    model.train()
+    history = []
+    for _ in range(steps):
+        out = model(input_ids=ids) if hasattr(model, "config") else model(ids)
+        logits = getattr(out, "logits", out)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        model.eval()
+        history.append(_logits(model, ids))
+        model.train()
+    model.eval()
+    return history
+
+
+def test_only_adapters_train_and_steps_match_peft(checkpoint_dir, tmp_path):
+    fields = dict(r=4, use_dora=True, bias="lora_only", target_modules=["q_proj", "v_proj", "down_proj"], modules_to_save=["lm_head"])
+    peft_model, converted = _native_pair(checkpoint_dir("llama-linear-headdim12-bias"), fields, tmp_path)
+    model = converted.model
+
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    loras = {name for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+    expected = {f"{m}.{a}" for m in loras for a in ("lora_A", "lora_B", "lora_magnitude_vector")}
+    expected |= {f"{m}.bias" for m in loras if model.get_submodule(m).bias is not None} | {"output.weight"}
+    assert trainable == expected
+    assert sum(p.numel() for p in adapter_parameters(model)) == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    adapter_before = {n: t.clone() for n, t in lora_state_dict(model).items()}
+    ours = _sgd_steps(model, _input_ids(), steps=3)
+    theirs = _sgd_steps(peft_model, _input_ids(), steps=3)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert _max_diff(a, b) <= TOLERANCE, f"step {step + 1}"
+    for name, value in frozen_before.items():
+        assert torch.equal(dict(model.named_parameters())[name], value), f"{name} changed"
+    after = lora_state_dict(model)
+    for name, value in adapter_before.items():
+        assert not torch.equal(after[name], value), f"{name} did not train"
+
+
+@pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save"])
+def test_disable_adapters_runs_the_base_model(case_id, checkpoint_dir, tmp_path):
+    checkpoint, fields = _BY_ID[case_id]
+    fields = dict(fields, use_dora=True)
+    peft_model, converted = _native_pair(checkpoint_dir(checkpoint), fields, tmp_path)
+    ids = _input_ids()
+    base = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir(checkpoint))).eval()
+    adapted = _logits(converted.model, ids)
+    with disable_adapters(converted.model):
+        assert _max_diff(_logits(converted.model, ids), _logits(base, ids)) <= TOLERANCE
+    assert torch.equal(_logits(converted.model, ids), adapted)
+    assert _max_diff(adapted, _logits(peft_model, ids)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("use_dora", [False, True])
+def test_dropout_in_training_matches_peft(use_dora, checkpoint_dir, tmp_path):
+    """Same seed, same module order -> the same dropout masks as peft, so training-mode logits agree."""
+    fields = dict(r=4, lora_dropout=0.3, use_dora=use_dora, target_modules="all-linear")
+    peft_model, converted = _native_pair(checkpoint_dir("qwen3-gqa"), fields, tmp_path)
+    peft_model.train()
+    converted.model.train()
+    ids = _input_ids()
+    torch.manual_seed(5)
+    theirs = peft_model(input_ids=ids).logits
+    torch.manual_seed(5)
+    ours = converted.model(ids)
+    assert _max_diff(ours, theirs) <= TOLERANCE
+    with torch.no_grad():
+        torch.manual_seed(6)
+        assert _max_diff(converted.model(ids), ours) > 1e-4, "dropout should be active in training mode"
+
+
+def test_bf16_base_keeps_float32_adapters(checkpoint_dir, tmp_path):
+    """peft's autocast_adapter_dtype: a bf16 base gets float32 adapters; logits agree to bf16 precision
+    (the base models themselves differ by about 3e-3 in bf16)."""
+    base_dir = checkpoint_dir("qwen3-gqa")
+    fields = dict(r=4, use_dora=True, target_modules="all-linear")
+    _peft_model(base_dir, fields).save_pretrained(str(tmp_path / "peft"))
+    hf_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
+    peft_model = PeftModel.from_pretrained(hf_model, str(tmp_path / "peft")).eval()
+    converted = load_pretrained(base_dir, dtype=torch.bfloat16)
+    load_adapter(converted, tmp_path / "peft")
+    converted.model.eval()
+    assert {p.dtype for p in adapter_parameters(converted.model)} == {torch.float32}
+    ids = _input_ids()
+    ours = _logits(converted.model, ids)
+    assert ours.dtype == torch.bfloat16
+    assert _max_diff(ours.float(), _logits(peft_model, ids).float()) <= 2e-2
+
+
+# --- (e) continuing from a peft-saved adapter -------------------------------------------------------------
+
+
+def test_load_adapter_continues_a_peft_adapter(checkpoint_dir, tmp_path):
+    base_dir = checkpoint_dir("qwen3-gqa")
+    fields = dict(r=4, lora_alpha=16, use_dora=True, target_modules="all-linear")
+    peft_model = _peft_model(base_dir, fields)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+
+    converted = load_pretrained(base_dir)
+    settings = load_adapter(converted, tmp_path / "peft")  # settings from adapter_config.json alone
+    converted.model.eval()
+    assert settings.use_dora and settings.lora_alpha == 16 and settings.r == 4
+    assert all(p.requires_grad for p in adapter_parameters(converted.model))
+    ids = _input_ids(3)
+    assert _max_diff(_logits(converted.model, ids), _logits(peft_model, ids)) <= TOLERANCE
+
+    # a training step from there, as peft would take it
+    peft_model.train()  # peft keeps inference-mode off after get_peft_model
+    ours, theirs = _sgd_steps(converted.model, ids, 2), _sgd_steps(peft_model, ids, 2)
+    assert _max_diff(ours[-1], theirs[-1]) <= TOLERANCE
+
+    # resume: save, rebuild from the base, reload -> the same adapter tensors
+    save_adapter(converted, tmp_path / "ckpt", settings)
+    resumed = load_pretrained(base_dir)
+    apply_lora(resumed, settings)
+    load_adapter_weights(resumed, tmp_path / "ckpt")
+    saved, restored = lora_state_dict(converted.model), lora_state_dict(resumed.model)
+    assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
+# --- settings and errors ----------------------------------------------------------------------------------
+
+
+def test_settings_read_from_loraconfig_dict_and_dataclass():
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=["q_proj", "v_proj"], use_dora=True, task_type="CAUSAL_LM")
+    from_config = lora_settings(config)
+    assert (from_config.r, from_config.lora_alpha, from_config.lora_dropout, from_config.use_dora) == (16, 32, 0.05, True)
+    assert from_config.target_modules == ["q_proj", "v_proj"]
+    assert lora_settings(config.to_dict()) == from_config
+    assert lora_settings(from_config) is from_config
+    assert lora_settings(dict(r=4, use_rslora=True, lora_alpha=8)).scaling() == pytest.approx(8 / 2)
+    with pytest.raises(ValueError, match="lora_bias"):
+        lora_settings(LoraConfig(r=4, lora_bias=True))
+    with pytest.raises(ValueError, match="LoRA"):
+        lora_settings({"peft_type": "IA3"})
+
+
+def test_unsupported_targets_raise_clear_errors(checkpoint_dir):
+    converted = load_pretrained(checkpoint_dir("llama-gqa"))
+    with pytest.raises(ValueError, match="modules_to_save"):
+        apply_lora(converted, dict(target_modules=["lm_head"]))
+    with pytest.raises(ValueError, match="not found"):
+        apply_lora(converted, dict(target_modules=["qkv_proj"]))
+    phi3 = load_pretrained(checkpoint_dir("phi3-gqa"))
+    with pytest.raises(ValueError, match="no default target modules"):
+        apply_lora(phi3, dict(r=4))
+    moe = load_pretrained(checkpoint_dir("qwen3moe-sparse-step"))
+    with pytest.raises(ValueError, match="stacked experts"):
+        apply_lora(moe, dict(target_modules="all-linear"))
+    assert len(apply_lora(moe, dict(target_modules=["q_proj", "o_proj"]))) == 6
+
+
+def test_quantization_config_shapes():
+    assert nf4_settings() is None
+    assert nf4_settings(load_in_4bit=True).compute_dtype == torch.float32
+    bnb = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16", bnb_4bit_use_double_quant=True)
+    assert nf4_settings(quantization_config=bnb).compute_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="nf4"):
+        nf4_settings(quantization_config=dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"))
+    with pytest.raises(ValueError, match="4-bit"):
+        nf4_settings(quantization_config=dict(load_in_8bit=True))
+
+
+# --- (f) QLoRA ---------------------------------------------------------------------------------------------
+
+# NF4 keeps 16 levels per 64-weight block. On this tiny random model the quantized-base logits differ
+# from the full-precision LoRA model's by ~3.5% in relative L2 norm (max abs ~0.013 on logits up to
+# ~0.36), in float32 and bfloat16 compute alike; allow 10%.
+QLORA_RELATIVE_TOLERANCE = 0.1
+
+
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_qlora_nf4_base_trains_the_adapter_only(compute_dtype, checkpoint_dir, tmp_path):
+    pytest.importorskip("torchao")
+    base_dir = checkpoint_dir("llama-gqa")
+    fields = dict(r=4, use_dora=True, target_modules="all-linear")
+    peft_model = _peft_model(base_dir, fields)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    quantization_config = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_use_double_quant=True)
+
+    converted = load_pretrained(base_dir)
+    load_adapter(converted, tmp_path / "peft", quantization_config=quantization_config)
+    model = converted.model.eval()
+    quantized = {n: p for n, p in model.named_parameters() if type(p).__name__ == "NF4Tensor"}
+    assert len(quantized) == 2 * 7  # every projection of both layers; not the head or the embedding
+    before = {n: p.get_original_weight().clone() for n, p in quantized.items()}
+
+    assert {p.dtype for p in quantized.values()} == {getattr(torch, compute_dtype)}
+    ids = _input_ids()
+    ours, full_precision = _logits(model, ids), _logits(peft_model, ids)
+    assert ours.dtype == torch.float32  # computed in compute_dtype, returned in the input's dtype
+    assert ((ours - full_precision).norm() / full_precision.norm()).item() <= QLORA_RELATIVE_TOLERANCE
+
+    model.train()
+    logits = model(ids)
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+    trainable = adapter_parameters(model)
+    assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+    assert all(not p.requires_grad and p.grad is None for p in quantized.values())
+    torch.optim.AdamW(trainable, lr=1e-2).step()
+    for name, param in dict(model.named_parameters()).items():
+        if name in before:
+            assert type(param).__name__ == "NF4Tensor" and torch.equal(param.get_original_weight(), before[name])
+
+    # the merged export is a plain checkpoint (weights dequantized)
+    merge_lora(model)
+    assert not any(type(p).__name__ == "NF4Tensor" for p in model.parameters())
+    export_hf(converted, tmp_path / "merged")
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
