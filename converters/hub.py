@@ -18,7 +18,8 @@ MODEL_FILE_PATTERNS = [
 ]
 
 
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# a Hub repository id: "name" or "namespace/name"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def resolve_model_dir(
@@ -35,7 +36,7 @@ def resolve_model_dir(
     if path.is_dir():
         return path
     name = str(name_or_path)
-    if path.exists() or not _HUB_ID.match(name):
+    if path.exists() or not HUB_ID.match(name):
         raise FileNotFoundError(
             f"model_name_or_path={name!r} is not a folder; pass a folder holding config.json and "
             f"*.safetensors, or a Hub repository id such as 'Qwen/Qwen3-0.6B'"

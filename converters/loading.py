@@ -219,6 +219,7 @@ def load_pretrained(
         if not (source_dir / "config.json").exists():
             raise CheckpointError(f"{source_dir}: no config.json; is this a Hub-format model folder?")
         config = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
+        config._name_or_path = str(model)  # the name passed (a Hub id, not its cache folder), as transformers keeps it
         source = SafetensorsSource(source_dir)
         where = str(source_dir)
     family = family_for_config(config)

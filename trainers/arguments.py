@@ -45,7 +45,7 @@ class TrainingArguments(transformers.TrainingArguments):
 
     @property
     def checkpoint_activations(self) -> bool:
-        return bool(self.activation_checkpointing or self.gradient_checkpointing)
+        return bool(self.activation_checkpointing)
 
     def to_sanitized_dict(self) -> dict[str, Any]:
         sanitized = super().to_sanitized_dict()
@@ -58,31 +58,56 @@ class SFTConfig(TrainingArguments):
     """TRL's SFTConfig: the same fields and defaults (learning_rate 2e-5, logging_steps 10,
     activation checkpointing on, bf16 unless fp16)."""
 
-    learning_rate: float = 2e-5
-    logging_steps: float = 10
-    activation_checkpointing: bool = True
-    bf16: bool | None = None
-    model_init_kwargs: dict[str, Any] | str | None = None
-    trust_remote_code: bool = False
-    router_aux_loss_coef: float | None = None
-    chat_template_path: str | None = None
-    dataset_text_field: str = "text"
-    dataset_kwargs: dict[str, Any] | str | None = None
-    dataset_num_proc: int | None = None
-    eos_token: str | None = None
-    max_length: int | None = 1024
-    truncation_mode: str = "keep_start"
-    shuffle_dataset: bool = False
-    packing: bool = False
-    packing_strategy: str = "bfd"
-    padding_free: bool = False
-    pad_to_multiple_of: int | None = None
-    eval_packing: bool | None = None
-    completion_only_loss: bool | None = None
-    assistant_only_loss: bool = False
-    loss_type: str = "nll"
-    activation_offloading: bool = False
-    pad_token: str | None = None
+    learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
+    # TRL's default; transformers resolves it into activation_checkpointing, so gradient_checkpointing=False turns it off
+    gradient_checkpointing: bool | None = field(
+        default=True, metadata={"help": "Recompute activations in backward to save memory (about 20%% slower)."}
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16 (needs a GPU, or use_cpu)."}
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "How to load the model when it is given by name (JSON): dtype, revision, ..."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "Weight of the MoE load-balancing loss (None: the model config's value)."}
+    )
+    chat_template_path: str | None = field(
+        default=None, metadata={"help": "A .jinja chat template file, or a tokenizer folder whose template to use."}
+    )
+    dataset_text_field: str = field(default="text", metadata={"help": "The column holding the text of language-modeling rows."})
+    dataset_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "Dataset preparation options (JSON), e.g. {\"skip_prepare_dataset\": true}."}
+    )
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    eos_token: str | None = field(
+        default=None, metadata={"help": "The end-of-turn / end-of-sequence token (default: the tokenizer's)."}
+    )
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Truncate tokenized sequences to this length (the block length when packing)."}
+    )
+    truncation_mode: str = field(default="keep_start", metadata={"help": "Which end to keep when truncating: keep_start or keep_end."})
+    shuffle_dataset: bool = field(default=False, metadata={"help": "Shuffle the dataset before preparing it."})
+    packing: bool = field(default=False, metadata={"help": "Pack several sequences into each max_length block."})
+    packing_strategy: str = field(
+        default="bfd", metadata={"help": "bfd (best-fit decreasing), bfd_split (splits what overflows) or wrapped."}
+    )
+    padding_free: bool = field(default=False, metadata={"help": "Flatten each batch into one sequence, without padding."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={"help": "Pad sequences to a multiple of this length."})
+    eval_packing: bool | None = field(default=None, metadata={"help": "Pack the eval dataset (default: as packing)."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "Loss on completions only (default: yes for prompt-completion data)."}
+    )
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Loss on assistant turns only (conversational data; the chat template marks them)."}
+    )
+    loss_type: str = field(default="nll", metadata={"help": "nll (negative log-likelihood) or dft (Dynamic Fine-Tuning)."})
+    activation_offloading: bool = field(default=False, metadata={"help": "Offload activations to the CPU."})
+    pad_token: str | None = field(default=None, metadata={"help": "Deprecated in TRL: the padding token to set on the tokenizer."})
 
     _VALID_DICT_FIELDS = transformers.TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "dataset_kwargs"]
 

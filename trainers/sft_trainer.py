@@ -15,6 +15,7 @@ from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sf
 from hfnative.losses.cross_entropy import CrossEntropyOutput, label_positions, shift_labels
 
 from .arguments import SFTConfig
+from .model_card import write_model_card
 from .trainer import Trainer, as_hfnative_args, set_seed
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,28 @@ class SFTTrainer(Trainer):
     @staticmethod
     def _args_class():
         return SFTConfig
+
+    def _add_adapters(self) -> None:
+        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
+        kwargs = self._model_init_kwargs
+        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
+        if self.peft_config is None:
+            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
+                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
+            return
+        if self.lora_settings is not None:
+            raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
+        if self.converted is None:
+            raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
+        from hfnative.converters.peft import apply_lora
+        from hfnative.peft import lora_settings
+
+        self.lora_settings = lora_settings(self.peft_config)
+        apply_lora(self.converted, self.lora_settings, **quantization)
+
+    def _save_checkpoint(self) -> None:
+        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
+        super()._save_checkpoint()
 
     # --- data --------------------------------------------------------------------------------
 

@@ -171,15 +171,21 @@ class Trainer:
     # --- model ---------------------------------------------------------------------------------
 
     def _set_model(self, model) -> None:
-        converted = resolve_model(model, self.device, self._model_init_kwargs)
-        self.converted: ConvertedModel | None = converted if isinstance(converted, ConvertedModel) else None
-        self.model: Transformer = converted.model if self.converted else converted
+        loaded = resolve_model(model, self.device, self._model_init_kwargs)
+        self.converted: ConvertedModel | None = loaded.converted
+        self.model: Transformer = loaded.model
+        self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
+        self.base_model_name_or_path = loaded.base_model_name_or_path
+        self._add_adapters()
         self.model.to(self.device)
         if self.args.checkpoint_activations:
             every = 2 if self.args.activation_checkpointing_mode == "selective" else 1
             self.model.checkpointed_layers = frozenset(range(0, self.model.args.n_layers, every))
         embedding_params = self.model.tok_embeddings.weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
+
+    def _add_adapters(self) -> None:
+        """Hook: SFTTrainer puts LoRA adapters on the model here when given a peft_config."""
 
     def _drop_unused_columns(self, dataset):
         if dataset is None or not self.args.remove_unused_columns or not hasattr(dataset, "column_names"):
@@ -523,7 +529,12 @@ class Trainer:
         from hfnative.converters.export import export_hf, save_tokenizer
 
         output_dir.mkdir(parents=True, exist_ok=True)
-        if self.converted is not None:
+        if self.lora_settings is not None:
+            from hfnative.converters.peft import save_adapter
+
+            save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
+            save_tokenizer(output_dir, self.processing_class)
+        elif self.converted is not None:
             export_hf(self.converted, output_dir, processing_class=self.processing_class)
         else:
             from safetensors.torch import save_file
@@ -595,6 +606,11 @@ class Trainer:
             from safetensors.torch import load_file
 
             self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+            return
+        if self.lora_settings is not None:
+            from hfnative.converters.peft import load_adapter_weights
+
+            load_adapter_weights(self.converted, checkpoint)
             return
         source = SafetensorsSource(checkpoint)
         pieces = model_pieces(self.converted.family, self.model.args)

@@ -1,0 +1,260 @@
+"""hfnative-train and examples/sft.py: TRL's flags, YAML configs, dataset sources, clear usage errors,
+and an output folder with the same files as TRL's (TRL runs the same script beside ours)."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hfnative import SFTConfig
+from hfnative.trainers import cli
+from hfnative.trainers.script_arguments import (
+    ModelArguments,
+    ScriptArguments,
+    load_dataset_dict,
+    model_init_kwargs_from,
+    peft_config_from,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "tiny-qwen3")
+DATA = ROOT / "examples" / "data"
+QUICK = ["--use_cpu", "--bf16", "false", "--report_to", "none", "--disable_tqdm", "--max_length", "64",
+         "--per_device_train_batch_size", "4", "--logging_steps", "1"]
+# subprocesses: offline, no telemetry, one thread each so two can share the machine's cores
+SUBPROCESS_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+                  "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _rows(name: str, n: int) -> list[dict]:
+    with open(DATA / name) as f:
+        return [json.loads(line) for line, _ in zip(f, range(n))]
+
+
+def _saved_args(output_dir: Path):
+    return torch.load(output_dir / "training_args.bin", weights_only=False)
+
+
+def _usage_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("hfnative-train: error: "), err
+    return err
+
+
+# --- help ----------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_field_grouped(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    groups = ["script arguments:", "model arguments:", "training arguments (SFTConfig):"]
+    assert all(g in text for g in groups) and text.index(groups[1]) < text.index(groups[2])
+    for dtype in (ScriptArguments, ModelArguments, SFTConfig):
+        for f in dataclasses.fields(dtype):
+            if f.init:
+                assert f"\n  --{f.name} " in text or f"\n  --{f.name}\n" in text, f.name
+    assert "--learning_rate FLOAT" in text and "(default: 2e-05)" in text and "--no_logging_nan_inf_filter" in text
+    assert max(len(line) for line in text.splitlines()) <= 140  # readable: no screen-wide usage line
+
+
+def test_console_script_help():
+    script = Path(sys.executable).parent / "hfnative-train"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: hfnative-train sft") and "model arguments:" in done.stdout
+
+
+# --- usage errors: one line on stderr, exit status 2 --------------------------------------------
+
+
+def test_usage_errors_are_one_line_and_exit_2(capsys, tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("learning_rate: 1e-3\nmax_steps: [3\n")
+    misspelt = tmp_path / "misspelt.yaml"
+    misspelt.write_text("lerning_rate: 1e-3\n")
+    a_list = tmp_path / "list.yaml"
+    a_list.write_text("- learning_rate\n")
+    run = ["--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out"), *QUICK]
+
+    assert "unknown argument '--lerning_rate' (did you mean '--learning_rate'?)" in _usage_error(capsys, ["--lerning_rate", "1"])
+    assert "unknown command 'sfft' (did you mean 'sft'?)" in _usage_error(capsys, ["sfft", "--model_name_or_path", TINY])
+    assert "not valid YAML at line 3" in _usage_error(capsys, ["--config", str(broken)])
+    assert "unknown argument 'lerning_rate'" in _usage_error(capsys, ["--config", str(misspelt)])
+    assert "expected a mapping" in _usage_error(capsys, ["--config", str(a_list)])
+    assert "cannot read it" in _usage_error(capsys, ["--config", str(tmp_path / "absent.yaml")])
+    assert "invalid float value: 'fast'" in _usage_error(capsys, ["--learning_rate", "fast"])
+    assert "invalid choice: 'cosin'" in _usage_error(capsys, ["--lr_scheduler_type", "cosin"])
+    assert "dataset_name is required" in _usage_error(capsys, run)
+    jsonl = ["--dataset_name", str(DATA / "sft_text.jsonl")]
+    assert "no split 'trian' (available: train)" in _usage_error(capsys, run + jsonl + ["--dataset_train_split", "trian"])
+    assert "no split 'test' (available: train)" in _usage_error(capsys, run + jsonl + ["--eval_strategy", "steps"])
+    assert "no such file or folder" in _usage_error(capsys, run + ["--dataset_name", str(tmp_path / "absent.jsonl")])
+    assert "load_in_8bit is not supported" in _usage_error(capsys, run + jsonl + ["--load_in_8bit"])
+    if not torch.cuda.is_available():  # TRL's bf16 default on a CPU-only machine
+        cpu_run = ["--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out"), *jsonl]
+        assert "pass --bf16 false" in _usage_error(capsys, cpu_run)
+    assert not (tmp_path / "out").exists()
+
+
+# --- runs ----------------------------------------------------------------------------------------
+
+
+def test_yaml_config_bare_and_no_flags(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    config = tmp_path / "sft.yaml"
+    config.write_text(
+        f"model_name_or_path: {TINY}\ndataset_name: {DATA / 'sft_messages.jsonl'}\noutput_dir: {out}\n"
+        "learning_rate: 1e-3\nweight_decay: 1e-2\nmax_steps: 3\nsave_steps: 3\nlr_scheduler_type: cosine\n"
+        "env:\n  HFNATIVE_CLI_TEST: from-yaml\n"
+    )
+    monkeypatch.delenv("HFNATIVE_CLI_TEST", raising=False)
+    assert cli.main(["sft", "--config", str(config), *QUICK, "--learning_rate", "3e-3",
+                     "--logging_first_step", "--no_logging_nan_inf_filter", "--assistant_only_loss"]) == 0
+    args = _saved_args(out)
+    assert args.learning_rate == 3e-3  # the flag beats the YAML
+    assert args.max_steps == 3 and args.lr_scheduler_type.value == "cosine"  # from the YAML
+    assert args.weight_decay == 0.01  # YAML reads 1e-2 as a string; the flag's type makes it a float
+    assert args.logging_first_step is True and args.assistant_only_loss is True  # bare flags
+    assert args.logging_nan_inf_filter is False and args.bf16 is False  # --no_flag, "--bf16 false"
+    assert args.model_init_kwargs == {"revision": "main", "dtype": "float32"}
+    assert os.environ["HFNATIVE_CLI_TEST"] == "from-yaml"
+    monkeypatch.delenv("HFNATIVE_CLI_TEST")
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2, 3]
+    # a Hub-format folder transformers loads, with the trained weights
+    model = AutoModelForCausalLM.from_pretrained(str(out))
+    assert not torch.equal(model.model.embed_tokens.weight, AutoModelForCausalLM.from_pretrained(TINY).model.embed_tokens.weight)
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template
+    assert (out / "README.md").read_text().startswith("---\n")
+
+
+def _save_to_disk_with_test_split(path: Path) -> Path:
+    DatasetDict({"train": Dataset.from_list(_rows("sft_messages.jsonl", 16)),
+                 "test": Dataset.from_list(_rows("eval_messages.jsonl", 8))}).save_to_disk(str(path))
+    return path
+
+
+def _csv(path: Path) -> Path:
+    Dataset.from_list(_rows("sft_prompt_completion.jsonl", 16)).to_csv(str(path), index=False)
+    return path
+
+
+def _parquet(path: Path) -> Path:
+    Dataset.from_list(_rows("sft_text.jsonl", 16)).to_parquet(str(path))
+    return path
+
+
+@pytest.mark.parametrize("make, name, evaluate", [
+    (_save_to_disk_with_test_split, "saved", True),
+    (_csv, "data.csv", False),
+    (_parquet, "data.parquet", False),
+])
+def test_dataset_sources(make, name, evaluate, tmp_path):
+    dataset = make(tmp_path / name)
+    out = tmp_path / "out"
+    extra = ["--eval_strategy", "steps", "--eval_steps", "2"] if evaluate else []
+    cli.main(["--model_name_or_path", TINY, "--dataset_name", str(dataset), "--output_dir", str(out), *QUICK,
+              "--max_steps", "2", "--save_steps", "2", *extra])
+    log = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in log if "loss" in e] == [1, 2]
+    assert any("eval_loss" in e for e in log) == evaluate  # the test split is evaluated when eval_strategy asks
+    AutoModelForCausalLM.from_pretrained(str(out))
+
+
+def test_local_folders_of_files_and_saved_datasets(tmp_path):
+    files = tmp_path / "files"
+    files.mkdir()
+    Dataset.from_list(_rows("sft_text.jsonl", 6)).to_json(str(files / "train.jsonl"))
+    Dataset.from_list(_rows("sft_text.jsonl", 3)).to_json(str(files / "test.jsonl"))
+    splits = load_dataset_dict(str(files))
+    assert {name: len(split) for name, split in splits.items()} == {"train": 6, "test": 3}
+    Dataset.from_list(_rows("sft_text.jsonl", 5)).save_to_disk(str(tmp_path / "one"))
+    assert {name: len(split) for name, split in load_dataset_dict(str(tmp_path / "one")).items()} == {"train": 5}
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"\.txt file; expected one of \.json, \.jsonl, \.parquet, \.csv"):
+        load_dataset_dict(str(tmp_path / "notes.txt"))
+
+
+# --- LoRA / 4-bit flags --------------------------------------------------------------------------
+
+
+def test_peft_and_4bit_flags_reach_the_trainer(tmp_path, monkeypatch):
+    received = {}
+
+    class Recorder:
+        def __init__(self, **kwargs):
+            received.update(kwargs)
+            raise KeyboardInterrupt  # stop before loading anything
+
+    monkeypatch.setitem(cli.COMMANDS, "sft", dataclasses.replace(cli.COMMANDS["sft"], trainer_class=Recorder))
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(["--model_name_or_path", TINY, "--dataset_name", str(DATA / "sft_text.jsonl"), "--output_dir",
+                  str(tmp_path), *QUICK, "--use_peft", "--lora_r", "8", "--lora_target_modules", "q_proj", "v_proj",
+                  "--lora_modules_to_save", "lm_head", "--load_in_4bit", "--dtype", "bfloat16"])
+    assert received["peft_config"] == {"r": 8, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": ["q_proj", "v_proj"],
+                                       "modules_to_save": ["lm_head"], "bias": "none", "task_type": "CAUSAL_LM"}
+    assert received["args"].model_init_kwargs == {"revision": "main", "dtype": "bfloat16", "load_in_4bit": True}
+
+    # examples/sft_lora.yaml: one target module ("all-linear") is passed on as a string, as in TRL
+    parser = cli.COMMANDS["sft"].parser("sft")
+    script_args, training_args, model_args = parser.parse(["--config", str(ROOT / "examples" / "sft_lora.yaml")])
+    assert peft_config_from(model_args) == {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "target_modules": "all-linear",
+                                            "modules_to_save": None, "bias": "none", "task_type": "CAUSAL_LM"}
+    assert model_init_kwargs_from(model_args, training_args) == {"revision": "main", "dtype": "float32"}
+    assert peft_config_from(ModelArguments()) is None
+
+
+def test_lora_config_trains_an_adapter(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the example config's paths are relative to the repository root
+    out = tmp_path / "lora"
+    cli.main(["--config", "examples/sft_lora.yaml", "--output_dir", str(out), "--max_steps", "2", "--disable_tqdm"])
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert (adapter["peft_type"], adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == ("LORA", 16, 32, 0.05)
+    adapted = {name.rsplit(".", 1)[-1] for name in adapter["target_modules"]}  # all-linear
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= adapted
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    assert "library_name: peft" in (out / "README.md").read_text()
+
+
+# --- examples/sft.py, on hfnative and on TRL -----------------------------------------------------
+
+
+def test_example_script_writes_the_same_files_as_trl(tmp_path):
+    script = (ROOT / "examples" / "sft.py").read_text()
+    ours_import = "from hfnative import SFTConfig, SFTTrainer\n"
+    assert ours_import in script
+    trl_script = tmp_path / "sft_trl.py"
+    trl_script.write_text(script.replace(ours_import, "from trl import SFTConfig, SFTTrainer\n"))
+    overrides = ["--max_steps", "2", "--save_steps", "2", "--logging_steps", "1", "--disable_tqdm"]
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, str(path), "--config", "examples/sft_full.yaml", "--output_dir", str(tmp_path / name), *overrides],
+            cwd=ROOT, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for name, path in [("ours", ROOT / "examples" / "sft.py"), ("trl", trl_script)]
+    }
+    for name, process in runs.items():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{name}:\n{output[-3000:]}"
+
+    def names(folder: Path) -> set[str]:
+        return {p.name for p in folder.iterdir()}
+
+    assert names(tmp_path / "ours") == names(tmp_path / "trl")
+    assert names(tmp_path / "ours" / "checkpoint-2") == names(tmp_path / "trl" / "checkpoint-2")
+    assert {"README.md", "model.safetensors", "config.json", "tokenizer.json", "training_args.bin", "checkpoint-2"} <= names(tmp_path / "ours")
+    losses = {name: [e["loss"] for e in json.loads((tmp_path / name / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
+                     if "loss" in e] for name in runs}
+    assert losses["ours"] == pytest.approx(losses["trl"], rel=1e-4)
