@@ -45,6 +45,8 @@ from hfnative.losses.cross_entropy import (
 )
 from hfnative.models.decoder import Transformer
 from hfnative.optim import build_lr_scheduler, build_optimizer
+from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
 from . import checkpoints as ckpt
 from . import hub
@@ -94,6 +96,8 @@ class Trainer:
     """
 
     algorithm_name = "the Trainer"
+    _last_micro_batch = True  # is the micro-batch in training_step the optimizer step's last one
+    _current_accumulation_steps = 1
     _tag_names: list[str] = []
     dataset_name: str | None = None  # shown on the model card (the CLI sets it)
     hub_model_id: str | None = None  # the Hub repository's full id, set by the first push (trainers/hub.py)
@@ -119,6 +123,8 @@ class Trainer:
         if args is None:
             args = TrainingArguments(output_dir="tmp_trainer")
         self.args = as_hfnative_args(args, self._args_class())
+        if self.args.optimizer_in_backward:
+            check_optimizer_in_backward_args(self.args.max_grad_norm)
         set_seed(self.args.seed)
         self.device = resolve_device(self.args)
         if model is None and model_init is None:
@@ -179,8 +185,9 @@ class Trainer:
         self._add_adapters()
         self.model.to(self.device)
         if self.args.checkpoint_activations:
-            every = 2 if self.args.activation_checkpointing_mode == "selective" else 1
-            self.model.checkpointed_layers = frozenset(range(0, self.model.args.n_layers, every))
+            apply_activation_checkpointing(self.model, self.args.activation_checkpointing_mode)
+        if self.args.torch_compile:
+            apply_compile(self.model)
         embedding_params = self.model.tok_embeddings.weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
 
@@ -200,10 +207,19 @@ class Trainer:
 
     def create_optimizer(self):
         if self.optimizer is None:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
-                trainable = [p for p in self.model.parameters() if p.requires_grad]
-                self.optimizer = cls(trainable, **kwargs)
+                if self.args.optimizer_in_backward:
+                    self.optimizer = OptimizerInBackward(trainable, cls, kwargs, max_grad_norm=self.args.max_grad_norm)
+                else:
+                    self.optimizer = cls(trainable, **kwargs)
+            elif self.args.optimizer_in_backward:
+                a = self.args
+                self.optimizer = OptimizerInBackward.from_model(
+                    self.model, a.optim, a.learning_rate, a.weight_decay, a.adam_beta1, a.adam_beta2, a.adam_epsilon,
+                    a.optim_args, max_grad_norm=a.max_grad_norm,
+                )
             else:
                 a = self.args
                 self.optimizer = build_optimizer(
@@ -289,7 +305,10 @@ class Trainer:
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None:
             loss = loss / self._current_accumulation_steps
-        loss.backward()
+        # with optimizer-in-backward, parameters step inside the last micro-batch's backward only
+        accumulate_only = isinstance(self.optimizer, OptimizerInBackward) and not self._last_micro_batch
+        with self.optimizer.accumulating() if accumulate_only else nullcontext():
+            loss.backward()
         return loss.detach()
 
     @staticmethod
@@ -306,6 +325,8 @@ class Trainer:
         args = self.args
         if self.model_init is not None:
             set_seed(args.seed)
+            if isinstance(self.optimizer, OptimizerInBackward):
+                self.optimizer.remove_hooks()
             self._set_model(self.model_init())
             self.optimizer = self.lr_scheduler = None
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
@@ -372,6 +393,7 @@ class Trainer:
                 self._current_accumulation_steps = len(batches)
                 for index, inputs in enumerate(batches):
                     step += 1
+                    self._last_micro_batch = index == len(batches) - 1
                     if index == 0:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     loss = self.training_step(self.model, inputs, num_items)
@@ -396,11 +418,19 @@ class Trainer:
 
     def _optimizer_step(self):
         args = self.args
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        if not in_backward:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-        self.optimizer.step()
+        # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
+        # one step per parameter shape costs far more than it saves there
+        eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
+        with eager:
+            self.optimizer.step()  # in backward: only parameters the last backward did not reach
+        if in_backward:
+            grad_norm = self.optimizer.grad_norm()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()

@@ -14,8 +14,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-_CHUNK_ELEMENTS = 1 << 23  # logits elements per chunk (32 MiB in fp32)
+from ._chunks import (
+    IGNORE_INDEX,
+    ChunkBuffers,
+    HeadGradients,
+    SoftmaxStats,
+    chunk_logits,
+    chunk_size_for,
+    logit_grad_to_raw,
+    matmul_inputs,
+    no_autocast,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CrossEntropyOutput",
+    "fused_linear_cross_entropy",
+    "label_positions",
+    "linear_cross_entropy",
+    "shift_labels",
+]
 
 
 @dataclass
@@ -43,56 +61,66 @@ def _softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def _chunk_size(vocab: int) -> int:
-    return max(1, _CHUNK_ELEMENTS // vocab)
-
-
-def _entropy_and_correct(z_CV: torch.Tensor, log_z_C: torch.Tensor, targets_C: torch.Tensor):
-    probs = torch.exp(z_CV - log_z_C[:, None])
-    entropy = (log_z_C - (probs * z_CV).sum(-1)).sum()
-    correct = (z_CV.argmax(-1) == targets_C).sum()
+def _entropy_and_correct(z_NV: torch.Tensor, log_z_N: torch.Tensor, targets_N: torch.Tensor):
+    probs = torch.exp(z_NV - log_z_N[:, None])
+    entropy = (log_z_N - (probs * z_NV).sum(-1)).sum()
+    correct = (z_NV.argmax(-1) == targets_N).sum()
     return entropy, correct
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Summed NLL; forward also computes (and saves) dNLL/dhidden and dNLL/dweight, chunk by chunk."""
+
     @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, needs_grad):
+    def forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight):
+        with no_autocast(hidden_ND.device):
+            return _FusedLinearCrossEntropy._forward(
+                ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight
+            )
+
+    @staticmethod
+    def _forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight):
         N, V = hidden_ND.shape[0], weight_VD.shape[0]
-        loss = hidden_ND.new_zeros((), dtype=torch.float32)
-        entropy = torch.zeros((), dtype=torch.float32, device=hidden_ND.device)
-        correct = torch.zeros((), dtype=torch.int64, device=hidden_ND.device)
-        grad_hidden = torch.empty_like(hidden_ND) if needs_grad else None
-        grad_weight = torch.zeros(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if needs_grad else None
-        for start in range(0, N, _chunk_size(V)):
-            h_CD = hidden_ND[start : start + _chunk_size(V)]
-            t_C = targets_N[start : start + _chunk_size(V)]
-            raw_CV = (h_CD @ weight_VD.T).float()
-            capped_CV = _softcap(raw_CV, softcap)
-            z_CV = capped_CV / temperature
-            log_z_C = torch.logsumexp(z_CV, dim=-1)
-            loss += (log_z_C - z_CV.gather(1, t_C[:, None])[:, 0]).sum()
-            chunk_entropy, chunk_correct = _entropy_and_correct(z_CV, log_z_C, t_C)
-            entropy += chunk_entropy
-            correct += chunk_correct
+        device = hidden_ND.device
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        entropy = torch.zeros((), dtype=torch.float32, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        needs_grad = need_hidden or need_weight
+        grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / temperature) if needs_grad else None
+        chunk = chunk_size_for(N, V, chunk_size)
+        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, device) if N else None
+        for start in range(0, N, chunk):
+            h_CD = hidden_ND[start : start + chunk]
+            t_C = targets_N[start : start + chunk]
+            z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
+            chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
+            stats = SoftmaxStats(z_CV, t_C, probs_CV)
+            loss -= stats.log_probs().sum()
+            # the logits are needed after this only to differentiate the soft-cap
+            entropy += stats.entropy(overwrite_logits=softcap is None).sum()
+            correct += stats.correct_C.sum()
             if needs_grad:
-                # d(nll)/dz = softmax(z) - onehot(target), then back through temperature and soft-cap
-                grad_z = torch.exp(z_CV - log_z_C[:, None])
-                grad_z[torch.arange(t_C.shape[0], device=t_C.device), t_C] -= 1.0
-                grad_raw = grad_z / temperature
-                if softcap is not None:
-                    grad_raw = grad_raw * (1.0 - torch.tanh(raw_CV / softcap) ** 2)
-                grad_raw = grad_raw.to(hidden_ND.dtype)
-                grad_hidden[start : start + h_CD.shape[0]] = grad_raw @ weight_VD
-                grad_weight.addmm_(grad_raw.T.float(), h_CD.float())
+                # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer
+                rows = torch.arange(t_C.shape[0], device=device)
+                probs_CV[rows, t_C] -= 1.0
+                logit_grad_to_raw(probs_CV, z_CV, softcap, temperature)
+                grads.add_chunk(start, probs_CV, h_CD, low_CV)
+        del buffers
         if needs_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight_VD.dtype))
+            grad_hidden, grad_weight = grads.finish()
+            ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
         ctx.mark_non_differentiable(entropy, correct)
         return loss, entropy, correct
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy, _grad_correct):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None, None, None
+        if ctx.need_hidden:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if ctx.need_weight:
+            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -101,10 +129,24 @@ def fused_linear_cross_entropy(
     targets_N: torch.Tensor,
     softcap: float | None = None,
     temperature: float = 1.0,
+    chunk_size: int | None = None,
 ) -> CrossEntropyOutput:
-    """Summed NLL of ``targets_N`` under softmax(softcap(hidden @ weight.T) / temperature)."""
-    needs_grad = torch.is_grad_enabled() and (hidden_ND.requires_grad or weight_VD.requires_grad)
-    loss, entropy, correct = _FusedLinearCrossEntropy.apply(hidden_ND, weight_VD, targets_N, softcap, temperature, needs_grad)
+    """Summed NLL of ``targets_N`` under softmax(softcap(hidden @ weight.T) / temperature).
+
+    hidden_ND: [N, D] states of the label positions only (drop ignored ones with ``label_positions``).
+    weight_VD: [V, D] head (the embedding matrix when tied; its gradient adds to the lookup's).
+    targets_N: [N] token ids, all real labels.
+    chunk_size: tokens per chunk (default: about 16M logits per chunk, at least 256 tokens).
+    Under torch.autocast the projection runs in the autocast dtype, as the plain path's matmul would.
+    Returns loss, entropy and correct-prediction sums; fp32 statistics whatever the input dtype.
+    """
+    hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
+    needs_grad = torch.is_grad_enabled()
+    need_hidden = needs_grad and hidden_ND.requires_grad
+    need_weight = needs_grad and weight_VD.requires_grad
+    loss, entropy, correct = _FusedLinearCrossEntropy.apply(
+        hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight
+    )
     return CrossEntropyOutput(loss, entropy, correct, targets_N.shape[0])
 
 

@@ -1,0 +1,168 @@
+"""The chunk loop shared by the fused losses: logits of a chunk of tokens, their softmax statistics,
+and the projection of a logit gradient back onto the hidden states and the head weight.
+
+Shapes: N tokens, D hidden dim, V vocabulary, C tokens in a chunk.
+
+Logits are z = softcap(h @ W.T) / temperature with softcap(x) = cap * tanh(x / cap). The
+cross-entropy and log-prob loops keep every [C, V] tensor in two fp32 buffers reused across chunks
+(plus one in the input dtype for bf16/fp16); nothing of size [N, V] is ever allocated.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# Chunk of about 16M logits (two fp32 buffers of 64 MiB), but never under 256 tokens: on CPU (2048
+# tokens, D=256, fp32) time is flat from 128 to 1024 tokens at V=32000, and at V=151936 chunks under
+# 256 tokens are slower (each chunk rereads and rewrites the whole [V, D] weight gradient).
+_CHUNK_ELEMENTS = 1 << 24
+_MIN_CHUNK = 256
+
+
+def chunk_size_for(num_tokens: int, vocab_size: int, chunk_size: int | None = None) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else about _CHUNK_ELEMENTS logits, at least _MIN_CHUNK tokens."""
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size}: expected a positive number of tokens")
+        return chunk_size
+    return max(1, min(num_tokens, max(_MIN_CHUNK, _CHUNK_ELEMENTS // vocab_size)))
+
+
+def matmul_inputs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The operands in the dtype the projection runs in: the autocast dtype when autocast is on (as
+    ``hidden @ weight.T`` would be; gradients flow back through the cast), else their common dtype."""
+    device_type = hidden_ND.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return hidden_ND.to(dtype), weight_VD.to(dtype)
+    if hidden_ND.dtype != weight_VD.dtype:
+        raise ValueError(
+            f"hidden states are {hidden_ND.dtype} but the head weight is {weight_VD.dtype}: cast one of them, or run "
+            "under torch.autocast"
+        )
+    return hidden_ND, weight_VD
+
+
+def no_autocast(device: torch.device):
+    """The chunk loops choose their own precisions (fp32 softmax, explicit out= buffers)."""
+    return torch.autocast(device.type, enabled=False)
+
+
+class ChunkBuffers:
+    """The [C, V] scratch tensors one chunk loop reuses: logits z (fp32), probabilities/gradient (fp32),
+    and, for bf16/fp16 inputs, a low-precision one for the matmuls."""
+
+    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, probs: bool = True):
+        self.logits = torch.empty(chunk, vocab, dtype=torch.float32, device=device)
+        self.probs = torch.empty(chunk, vocab, dtype=torch.float32, device=device) if probs else None
+        self.low_precision = None if dtype == torch.float32 else torch.empty(chunk, vocab, dtype=dtype, device=device)
+
+    def views(self, rows: int):
+        probs = None if self.probs is None else self.probs[:rows]
+        low = None if self.low_precision is None else self.low_precision[:rows]
+        return self.logits[:rows], probs, low
+
+
+def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV) -> torch.Tensor:
+    """z = softcap(h @ W.T) / temperature, written into z_CV (fp32)."""
+    scale = 1.0 / softcap if softcap is not None else 1.0 / temperature
+    if low_CV is None:
+        if scale == 1.0:
+            torch.mm(h_CD, weight_VD.T, out=z_CV)
+        else:
+            torch.addmm(z_CV, h_CD, weight_VD.T, beta=0.0, alpha=scale, out=z_CV)
+    else:
+        torch.mm(h_CD, weight_VD.T, out=low_CV)
+        z_CV.copy_(low_CV)
+        if scale != 1.0:
+            z_CV.mul_(scale)
+    if softcap is not None:
+        z_CV.tanh_().mul_(softcap / temperature)
+    return z_CV
+
+
+class SoftmaxStats:
+    """Per-token statistics of one chunk, from z [C, V]; fills probs_CV with softmax(z)."""
+
+    def __init__(self, z_CV: torch.Tensor, targets_C: torch.Tensor, probs_CV: torch.Tensor):
+        max_C, argmax_C = z_CV.max(dim=-1)
+        torch.softmax(z_CV, dim=-1, out=probs_CV)
+        # p[argmax] = 1 / sum(exp(z - max)) >= 1/V never underflows, so log Z = max - log p[argmax]
+        self.log_z_C = max_C - probs_CV.gather(1, argmax_C[:, None])[:, 0].log()
+        self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
+        self.correct_C = argmax_C == targets_C
+        self.probs_CV = probs_CV
+        self._z_CV = z_CV
+
+    def log_probs(self) -> torch.Tensor:
+        return self.target_logit_C - self.log_z_C
+
+    def entropy(self, overwrite_logits: bool) -> torch.Tensor:
+        """H = log Z - sum_v p_v z_v. With ``overwrite_logits`` the product p * z is formed in the logits
+        buffer (faster than a batched dot product); otherwise a temporary [C, V] is allocated."""
+        if overwrite_logits:
+            expected_z_C = self._z_CV.mul_(self.probs_CV).sum(dim=-1)
+        else:
+            expected_z_C = torch.linalg.vecdot(self.probs_CV, self._z_CV)
+        return self.log_z_C - expected_z_C
+
+
+def logit_grad_to_raw(grad_z_CV, z_CV, softcap, temperature) -> None:
+    """In place: dL/dz -> dL/d(h @ W.T) without the 1/temperature factor (folded into the matmuls).
+
+    With soft-capping, dz/draw = (1 - tanh^2) / temperature and tanh = z * temperature / cap.
+    Overwrites z_CV.
+    """
+    if softcap is not None:
+        tanh_sq = z_CV.mul_(temperature / softcap).square_()
+        grad_z_CV.addcmul_(grad_z_CV, tanh_sq, value=-1.0)
+
+
+class HeadGradients:
+    """Accumulates dL/dh [N, D] and dL/dW [V, D] chunk by chunk from each chunk's dL/draw [C, V].
+
+    dL/dW is summed in fp32 with one addmm per chunk; for bf16/fp16 inputs on CPU the addmm runs in
+    fp32 (CPU has no mixed-precision addmm), on accelerators in the input precision.
+    """
+
+    def __init__(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool, scale: float):
+        self.weight_VD, self.scale = weight_VD, scale
+        self.grad_hidden = torch.empty_like(hidden_ND) if need_hidden else None
+        self.grad_weight = (
+            torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_weight else None
+        )
+        self._weight_started = False
+
+    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV) -> None:
+        rows = h_CD.shape[0]
+        low_precision = low_CV is not None
+        if low_precision:
+            low_CV.copy_(grad_raw_CV)
+        operand_CV = low_CV if low_precision else grad_raw_CV
+        if self.grad_hidden is not None:
+            out = self.grad_hidden[start : start + rows]
+            torch.addmm(out, operand_CV, self.weight_VD, beta=0.0, alpha=self.scale, out=out)
+        if self.grad_weight is not None:
+            beta = 1.0 if self._weight_started else 0.0
+            if not low_precision:
+                torch.addmm(self.grad_weight, grad_raw_CV.T, h_CD, beta=beta, alpha=self.scale, out=self.grad_weight)
+            elif grad_raw_CV.device.type == "cpu":
+                torch.addmm(
+                    self.grad_weight, grad_raw_CV.T, h_CD.float(), beta=beta, alpha=self.scale, out=self.grad_weight
+                )
+            else:
+                chunk_grad = torch.mm(low_CV.T, h_CD)
+                if self._weight_started:
+                    self.grad_weight.add_(chunk_grad, alpha=self.scale)
+                else:
+                    torch.mul(chunk_grad, self.scale, out=self.grad_weight)
+            self._weight_started = True
+
+    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        grad_weight = self.grad_weight
+        if grad_weight is not None:
+            if not self._weight_started:  # no tokens
+                grad_weight.zero_()
+            grad_weight = grad_weight.to(self.weight_VD.dtype)
+        return self.grad_hidden, grad_weight

@@ -1,0 +1,165 @@
+"""Knowledge distillation: the generalized Jensen-Shannon divergence between the student's and the
+teacher's next-token distributions, fused with the student's head and chunked over tokens.
+
+Shapes: N tokens, D student hidden dim, Dt teacher hidden dim, V vocabulary (shared), C chunk.
+
+p_s = softmax(z_s / T), p_t = softmax(z_t / T), m = beta p_t + (1 - beta) p_s,
+JSD_beta = beta KL(p_t || m) + (1 - beta) KL(p_s || m), summed over the vocabulary;
+beta = 0 is KL(p_t || p_s) and beta = 1 is KL(p_s || p_t) (TRL's generalized_jsd_loss).
+As in the fused cross-entropy, the gradient w.r.t. the student's hidden states and head is formed
+chunk by chunk during forward; the teacher gets none. Nothing of size [N, V] is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ._chunks import (
+    ChunkBuffers,
+    HeadGradients,
+    chunk_logits,
+    chunk_size_for,
+    logit_grad_to_raw,
+    matmul_inputs,
+    no_autocast,
+)
+
+
+@dataclass
+class DistillationOutput:
+    """Sums over the tokens; divide by the step's token count to get means."""
+
+    loss_sum: torch.Tensor  # scalar, differentiable w.r.t. the student
+    student_entropy_sum: torch.Tensor  # scalar, no grad: entropy of p_s (at the temperature)
+    num_tokens: int
+
+
+def _divergence_and_grad(log_ps_CV, log_pt_CV, beta: float):
+    """Per-token JSD_beta [C] and dJSD/dz_s [C, V] (z_s the student's logits after temperature)."""
+    ps_CV = log_ps_CV.exp()
+    if beta == 0.0:
+        pt_CV = log_pt_CV.exp()
+        divergence_C = (pt_CV * (log_pt_CV - log_ps_CV)).sum(-1)
+        return divergence_C, ps_CV.sub_(pt_CV)
+    if beta == 1.0:
+        gap_CV = log_ps_CV - log_pt_CV
+        divergence_C = (ps_CV * gap_CV).sum(-1)
+        # dKL(p_s||p_t)/dz_s = p_s * (log p_s - log p_t - KL)
+        return divergence_C, gap_CV.sub_(divergence_C[:, None]).mul_(ps_CV)
+    log_m_CV = torch.logaddexp(log_ps_CV + math.log1p(-beta), log_pt_CV + math.log(beta))
+    kl_teacher_C = (log_pt_CV.exp() * (log_pt_CV - log_m_CV)).sum(-1)
+    student_gap_CV = log_ps_CV - log_m_CV
+    kl_student_C = (ps_CV * student_gap_CV).sum(-1)
+    divergence_C = beta * kl_teacher_C + (1 - beta) * kl_student_C
+    # dJSD/dp_s = (1 - beta)(log p_s - log m); through the softmax: p_s * (g - <p_s, g>)
+    grad_CV = student_gap_CV.sub_(kl_student_C[:, None]).mul_(ps_CV).mul_(1 - beta)
+    return divergence_C, grad_CV
+
+
+class _FusedLinearJSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature,
+                student_softcap, chunk_size, need_hidden, need_weight):
+        with no_autocast(student_hidden_ND.device):
+            return _FusedLinearJSD._forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens,
+                                            beta, temperature, student_softcap, chunk_size, need_hidden, need_weight)
+
+    @staticmethod
+    def _forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature,
+                 student_softcap, chunk_size, need_hidden, need_weight):
+        V = student_weight_VD.shape[0]
+        device = student_hidden_ND.device
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        entropy = torch.zeros((), dtype=torch.float32, device=device)
+        needs_grad = need_hidden or need_weight
+        grads = HeadGradients(student_hidden_ND, student_weight_VD, need_hidden, need_weight, 1.0 / temperature)
+        chunk = chunk_size_for(num_tokens, V, chunk_size)
+        buffers = ChunkBuffers(min(chunk, num_tokens), V, student_hidden_ND.dtype, device) if num_tokens else None
+        for start in range(0, num_tokens, chunk):
+            h_CD = student_hidden_ND[start : start + chunk]
+            z_CV, log_ps_CV, low_CV = buffers.views(h_CD.shape[0])
+            chunk_logits(h_CD, student_weight_VD, student_softcap, temperature, z_CV, low_CV)
+            torch.log_softmax(z_CV, dim=-1, out=log_ps_CV)
+            log_pt_CV = F.log_softmax(teacher_logits_fn(start, start + h_CD.shape[0]), dim=-1)
+            entropy -= (log_ps_CV.exp() * log_ps_CV).sum()
+            divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, beta)
+            loss += divergence_C.sum()
+            if needs_grad:
+                logit_grad_to_raw(grad_z_CV, z_CV, student_softcap, temperature)
+                grads.add_chunk(start, grad_z_CV, h_CD, low_CV)
+        if needs_grad:
+            ctx.save_for_backward(*grads.finish())
+        ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
+        ctx.mark_non_differentiable(entropy)
+        return loss, entropy
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_entropy):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if ctx.need_hidden:
+            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
+        if ctx.need_weight:
+            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+
+
+def fused_linear_generalized_jsd(
+    student_hidden_ND: torch.Tensor,
+    student_weight_VD: torch.Tensor,
+    teacher_hidden_ND: torch.Tensor | None = None,
+    teacher_weight_VD: torch.Tensor | None = None,
+    teacher_logits_NV: torch.Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    student_softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    chunk_size: int | None = None,
+) -> DistillationOutput:
+    """Summed generalized JSD between student softmax(softcap(h_s @ W_s.T) / T) and the teacher's.
+
+    student_hidden_ND: [N, D] states of the label positions only; student_weight_VD: [V, D].
+    The teacher is either its states and head (teacher_hidden_ND [N, Dt], teacher_weight_VD [V, Dt],
+    projected chunk by chunk, with teacher_softcap) or its final logits teacher_logits_NV [N, V]
+    (soft-capping already applied; divided by the temperature here). The teacher gets no gradient.
+    beta in [0, 1]: 0 is KL(teacher || student), 1 is KL(student || teacher).
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta}: the generalized JSD needs 0 <= beta <= 1")
+    from_logits = teacher_logits_NV is not None
+    if from_logits == (teacher_hidden_ND is not None or teacher_weight_VD is not None):
+        raise ValueError("pass the teacher either as teacher_logits_NV or as teacher_hidden_ND and teacher_weight_VD")
+    student_hidden_ND, student_weight_VD = matmul_inputs(student_hidden_ND, student_weight_VD)
+    num_tokens, vocab = student_hidden_ND.shape[0], student_weight_VD.shape[0]
+    teacher_vocab = teacher_logits_NV.shape[-1] if from_logits else teacher_weight_VD.shape[0]
+    if teacher_vocab != vocab:
+        raise ValueError(f"the teacher's vocabulary ({teacher_vocab}) differs from the student's ({vocab})")
+
+    if from_logits:
+        teacher_logits_NV = teacher_logits_NV.detach()
+
+        def teacher_logits_fn(start, end):
+            return teacher_logits_NV[start:end].float() / temperature
+    else:
+        teacher_hidden_ND, teacher_weight_VD = matmul_inputs(teacher_hidden_ND.detach(), teacher_weight_VD.detach())
+        teacher_buffer = None
+
+        def teacher_logits_fn(start, end):
+            nonlocal teacher_buffer
+            if teacher_buffer is None:
+                teacher_buffer = ChunkBuffers(
+                    end - start, vocab, teacher_hidden_ND.dtype, teacher_hidden_ND.device, probs=False
+                )
+            z_CV, _, low_CV = teacher_buffer.views(end - start)
+            h_CD = teacher_hidden_ND[start:end]
+            return chunk_logits(h_CD, teacher_weight_VD, teacher_softcap, temperature, z_CV, low_CV)
+
+    needs_grad = torch.is_grad_enabled()
+    loss, entropy = _FusedLinearJSD.apply(
+        student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature, student_softcap,
+        chunk_size, needs_grad and student_hidden_ND.requires_grad, needs_grad and student_weight_VD.requires_grad,
+    )
+    return DistillationOutput(loss, entropy, num_tokens)

@@ -1,0 +1,128 @@
+"""apply_compile and apply_activation_checkpointing against the eager, un-checkpointed model as the oracle."""
+
+import copy
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hfnative.models.args import ModelArgs
+from hfnative.models.decoder import Transformer
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
+
+VOCAB = 64
+
+# inductor compiles C++ kernels on CPU
+needs_compile = pytest.mark.skipif(
+    not torch._dynamo.is_dynamo_supported() or not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="torch.compile is unavailable here (no dynamo support or no C++ compiler)",
+)
+
+
+def tiny_model(n_layers=2, seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    args = ModelArgs(vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, head_dim=8,
+                     intermediate_size=64)
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+def batch(batch_size, seq_len, packed=False, seed=0):
+    generator = torch.Generator().manual_seed(seed + seq_len)
+    input_ids = torch.randint(0, VOCAB, (batch_size, seq_len), generator=generator)
+    position_ids = None
+    if packed:  # three documents per row: positions restart at each document
+        cuts = [seq_len // 3, seq_len // 3, seq_len - 2 * (seq_len // 3)]
+        position_ids = torch.cat([torch.arange(n) for n in cuts])[None].expand(batch_size, seq_len)
+    return input_ids, position_ids
+
+
+def loss_and_grads(model, input_ids, position_ids=None):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids, position_ids_BS=position_ids)
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+    loss.backward()
+    return logits.detach(), loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def count_block_forwards(model) -> list[int]:
+    calls = [0] * len(model.layers)
+    for index, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda module, args, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
+
+
+def assert_same(actual, expected, atol):
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    torch._dynamo.reset()
+    eager = tiny_model()
+    compiled = apply_compile(copy.deepcopy(eager))
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # parameter names unchanged
+    return eager, compiled
+
+
+@needs_compile
+@pytest.mark.parametrize("packed", [False, True], ids=["padded-free", "packed"])
+def test_compiled_blocks_match_eager(compiled_pair, packed):
+    eager, compiled = compiled_pair
+    input_ids, position_ids = batch(2, 13, packed=packed)
+    logits, loss, grads = loss_and_grads(eager, input_ids, position_ids)
+    c_logits, c_loss, c_grads = loss_and_grads(compiled, input_ids, position_ids)
+    torch.testing.assert_close(c_logits, logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(c_loss, loss, rtol=0, atol=1e-5)
+    assert_same(c_grads, grads, atol=1e-5)
+
+
+@needs_compile
+@pytest.mark.parametrize("packed", [False, True], ids=["padded-free", "packed"])
+def test_new_sequence_lengths_do_not_recompile(compiled_pair, packed):
+    _, compiled = compiled_pair
+    for warmup_len in (9, 15):
+        loss_and_grads(compiled, *batch(2, warmup_len, packed=packed))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1
+    for seq_len in (7, 12, 21, 30):
+        loss_and_grads(compiled, *batch(2, seq_len, packed=packed))
+    loss_and_grads(compiled, *batch(3, 17, packed=packed))  # a different batch size too
+    assert counters["stats"]["unique_graphs"] == graphs, "a new sequence length recompiled a block"
+
+
+@pytest.mark.parametrize("mode, checkpointed", [("full", {0, 1, 2, 3}), ("selective", {0, 2})])
+def test_activation_checkpointing_is_exact_and_recomputes(mode, checkpointed):
+    input_ids, position_ids = batch(2, 11, packed=True)
+    reference = tiny_model(n_layers=4)
+    _, loss, grads = loss_and_grads(reference, input_ids, position_ids)
+
+    model = apply_activation_checkpointing(tiny_model(n_layers=4), mode)
+    assert model.checkpointed_layers == frozenset(checkpointed)
+    calls = count_block_forwards(model)
+    _, ac_loss, ac_grads = loss_and_grads(model, input_ids, position_ids)
+    assert torch.equal(ac_loss, loss)
+    assert_same(ac_grads, grads, atol=0)
+    # a checkpointed block runs twice (forward, then recomputed in backward), the others once
+    assert calls == [2 if i in checkpointed else 1 for i in range(4)]
+
+
+def test_activation_checkpointing_mode_is_checked():
+    with pytest.raises(ValueError, match="'full' or 'selective'"):
+        apply_activation_checkpointing(tiny_model(), "everything")
+
+
+@needs_compile
+def test_compile_and_activation_checkpointing_compose(compiled_pair):
+    eager, compiled = compiled_pair
+    input_ids, position_ids = batch(2, 10, packed=True)
+    _, loss, grads = loss_and_grads(eager, input_ids, position_ids)
+    checkpointed = apply_activation_checkpointing(copy.deepcopy(compiled), "full")
+    calls = count_block_forwards(checkpointed)
+    _, c_loss, c_grads = loss_and_grads(checkpointed, input_ids, position_ids)
+    torch.testing.assert_close(c_loss, loss, rtol=0, atol=1e-5)
+    assert_same(c_grads, grads, atol=1e-5)
+    assert calls == [2, 2]
