@@ -155,6 +155,18 @@ def mlp_pieces(args: ModelArgs, layer_id: int, hf_prefix: str = "mlp") -> list[P
     return pieces
 
 
+def moe_pieces(args: ModelArgs, layer_id: int, block: str, gate: str, up: str, down: str) -> list[Piece]:
+    """Router + per-expert Hub tensors ``model.layers.{i}.{block}.experts.{e}.{gate|up|down}.weight``."""
+    hf, nat = f"model.layers.{layer_id}.{block}.", f"layers.{layer_id}.moe."
+    experts = args.moe.num_experts
+    return (
+        [rename(f"{hf}gate.weight", f"{nat}router.weight")]
+        + stacked(lambda e: f"{hf}experts.{e}.{gate}.weight", f"{nat}experts.w1", experts)
+        + stacked(lambda e: f"{hf}experts.{e}.{up}.weight", f"{nat}experts.w3", experts)
+        + stacked(lambda e: f"{hf}experts.{e}.{down}.weight", f"{nat}experts.w2", experts)
+    )
+
+
 def llama_norm_pieces(layer_id: int) -> list[Piece]:
     hf, nat = f"model.layers.{layer_id}.", f"layers.{layer_id}."
     return [

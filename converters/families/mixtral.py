@@ -2,7 +2,7 @@
 
 from hfnative.models.args import MoEArgs
 
-from .common import Family, all_layers_sliding, attention_pieces, dense_args, llama_norm_pieces, rename, stacked
+from .common import Family, all_layers_sliding, attention_pieces, dense_args, llama_norm_pieces, moe_pieces
 
 
 def config_to_args(config):
@@ -19,16 +19,8 @@ def config_to_args(config):
 
 
 def layer_pieces(args, layer_id):
-    hf, nat = f"model.layers.{layer_id}.block_sparse_moe.", f"layers.{layer_id}.moe."
-    experts = args.moe.num_experts
-    return (
-        attention_pieces(args, layer_id)
-        + [rename(f"{hf}gate.weight", f"{nat}router.weight")]
-        + stacked(lambda e: f"{hf}experts.{e}.w1.weight", f"{nat}experts.w1", experts)
-        + stacked(lambda e: f"{hf}experts.{e}.w3.weight", f"{nat}experts.w3", experts)
-        + stacked(lambda e: f"{hf}experts.{e}.w2.weight", f"{nat}experts.w2", experts)
-        + llama_norm_pieces(layer_id)
-    )
+    moe = moe_pieces(args, layer_id, "block_sparse_moe", "w1", "w3", "w2")
+    return attention_pieces(args, layer_id) + moe + llama_norm_pieces(layer_id)
 
 
 FAMILY = Family("mixtral", ("MixtralForCausalLM",), config_to_args, layer_pieces)

@@ -2,7 +2,7 @@
 
 from hfnative.models.args import MoEArgs
 
-from .common import Family, all_layers_sliding, attention_pieces, dense_args, llama_norm_pieces, mlp_pieces, rename, stacked
+from .common import Family, all_layers_sliding, attention_pieces, dense_args, llama_norm_pieces, mlp_pieces, moe_pieces
 
 
 def config_to_args(config):
@@ -31,16 +31,8 @@ def config_to_args(config):
 def layer_pieces(args, layer_id):
     if not args.is_moe_layer(layer_id):
         return attention_pieces(args, layer_id) + mlp_pieces(args, layer_id) + llama_norm_pieces(layer_id)
-    hf, nat = f"model.layers.{layer_id}.mlp.", f"layers.{layer_id}.moe."
-    experts = args.moe.num_experts
-    return (
-        attention_pieces(args, layer_id)
-        + [rename(f"{hf}gate.weight", f"{nat}router.weight")]
-        + stacked(lambda e: f"{hf}experts.{e}.gate_proj.weight", f"{nat}experts.w1", experts)
-        + stacked(lambda e: f"{hf}experts.{e}.up_proj.weight", f"{nat}experts.w3", experts)
-        + stacked(lambda e: f"{hf}experts.{e}.down_proj.weight", f"{nat}experts.w2", experts)
-        + llama_norm_pieces(layer_id)
-    )
+    moe = moe_pieces(args, layer_id, "mlp", "gate_proj", "up_proj", "down_proj")
+    return attention_pieces(args, layer_id) + moe + llama_norm_pieces(layer_id)
 
 
 FAMILY = Family("qwen3_moe", ("Qwen3MoeForCausalLM",), config_to_args, layer_pieces)
