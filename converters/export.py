@@ -109,8 +109,8 @@ def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int |
     )
     for name, keys in zip(names, shards):
         tensors = {key: hub_tensor(pieces_of[key], native).to("cpu").contiguous() for key in keys}
-        _write_atomically(out_dir / name, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-        del tensors
+        _write_atomically(out_dir / name, lambda tmp, shard=tensors: save_file(shard, str(tmp), metadata={"format": "pt"}))
+        del tensors  # one shard in memory at a time
     stale_index = out_dir / SAFETENSORS_INDEX
     if len(shards) > 1:
         index = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,28 +91,74 @@ class SafetensorsSource:
 
     @staticmethod
     def _read_header(path: Path) -> dict[str, tuple[int, ...]]:
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
-        except Exception as err:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"{path}: unreadable safetensors file ({err}); it may be truncated — re-download it") from err
+        return {key: tuple(entry["shape"]) for key, entry in read_safetensors_header(path)[0].items()}
 
     def keys(self):
         return self.shapes.keys()
 
     def iter_tensors(self, wanted: set[str]):
-        """Yield (key, tensor) file by file, one tensor in memory at a time."""
-        from safetensors import safe_open
+        """Yield (key, tensor) file by file, one tensor in memory at a time.
 
+        Tensors are read with plain file reads rather than a memory map: mapped pages of the file
+        would count as resident memory next to the model, doubling the peak while loading.
+        """
         by_file = defaultdict(list)
         for key in wanted:
             by_file[self.file_of[key]].append(key)
         for name in sorted(by_file):
-            with safe_open(str(self.model_dir / name), framework="pt") as f:
-                for key in sorted(by_file[name]):
-                    yield key, f.get_tensor(key)
+            path = self.model_dir / name
+            header, data_start = read_safetensors_header(path)
+            with open(path, "rb", buffering=0) as f:
+                for key in sorted(by_file[name], key=lambda k: header[k]["data_offsets"][0]):
+                    yield key, _read_tensor(f, path, key, header[key], data_start)
+
+
+# safetensors: an 8-byte little-endian header length, a JSON header, then the raw tensor bytes
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """The tensor entries of a safetensors file and the offset where their data starts."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(f.read(length))
+        header.pop("__metadata__", None)
+        end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        unknown = sorted({entry["dtype"] for entry in header.values()} - set(_SAFETENSORS_DTYPES))
+    except (struct.error, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({err}); it may be truncated — re-download it") from err
+    if 8 + length + end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size} bytes, its header describes {8 + length + end}); re-download it"
+        )
+    if unknown:
+        raise CheckpointError(f"{path}: tensor dtypes {unknown} are not supported")
+    return header, 8 + length
+
+
+def _read_tensor(f, path: Path, key: str, entry: dict, data_start: int) -> torch.Tensor:
+    tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+    begin, end = entry["data_offsets"]
+    if end - begin != tensor.numel() * tensor.element_size():
+        raise CheckpointError(f"{path}: tensor {key} holds {end - begin} bytes, its shape and dtype need more")
+    if tensor.numel():
+        f.seek(data_start + begin)
+        buffer = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        read = 0
+        while read < len(buffer):
+            chunk = f.readinto(buffer[read:])
+            if not chunk:
+                raise CheckpointError(f"{path}: truncated while reading {key}; re-download it")
+            read += chunk
+    return tensor
 
 
 class StateDictSource:

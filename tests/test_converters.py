@@ -1,6 +1,9 @@
 """Checkpoint loading, export round trips, error reporting and the parity command."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 import pytest
 import torch
 from hf_configs import ONE_PER_FAMILY, VOCAB, make_hf_model, save_hf_model
@@ -220,3 +223,33 @@ def test_bad_checkpoint_is_rejected_before_any_tensor_is_read(tmp_path, monkeypa
     monkeypatch.setattr(loading, "copy_into_model", never)
     with pytest.raises(CheckpointError, match="model.norm.weight"):
         load_pretrained(tmp_path)
+
+
+_PEAK_SCRIPT = r"""
+import re, sys
+from hfnative.converters.loading import load_pretrained
+def mem(field):
+    return int(re.search(field + r":\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+load_pretrained(sys.argv[1])  # warm up: every import loading needs
+before = mem("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
+converted = load_pretrained(sys.argv[2])
+params = list(converted.model.parameters())
+print(mem("VmHWM") - before, sum(p.numel() * p.element_size() for p in params), max(p.numel() * p.element_size() for p in params))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak memory")
+def test_loading_peak_memory_is_one_copy_of_the_weights(tmp_path):
+    """Peak memory while loading: the weights plus about one tensor, not two copies."""
+    from transformers import LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path / "big"))
+    save_hf_model("llama-gqa", tmp_path / "small")
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path / "small"), str(tmp_path / "big")],
+                         capture_output=True, text=True, check=True).stdout.split()
+    growth, weights, largest = map(int, out[-3:])
+    assert growth <= weights + 2 * largest + 24 * 2**20, f"peak grew {growth / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights"

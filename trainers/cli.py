@@ -239,7 +239,7 @@ class Command:
             (self.script_args_class, self.config_class, self.model_args_class),
             titles=("script arguments", f"training arguments ({self.config_class.__name__})", "model arguments"),
             prog=f"{PROG} {name}",
-            usage=f"%(prog)s --model_name_or_path MODEL --dataset_name DATASET [--config YAML] [--<argument> VALUE ...]",
+            usage="%(prog)s --model_name_or_path MODEL --dataset_name DATASET [--config YAML] [--<argument> VALUE ...]",
             description=f"{self.help}. Commands: {', '.join(COMMANDS)} (default: {DEFAULT_COMMAND}).",
         )
 
