@@ -31,11 +31,9 @@ from transformers.trainer_callback import (
     TrainerControl,
     TrainerState,
 )
-from transformers.trainer_utils import EvalPrediction, TrainOutput
+from transformers.trainer_utils import TrainOutput
 
-from hfnative.checkpoint import atomic_directory, load_rng_state, save_rng_state
-from hfnative.converters.families import model_pieces
-from hfnative.converters.loading import ConvertedModel, SafetensorsSource, check_checkpoint, copy_into_model
+from hfnative.converters.loading import ConvertedModel
 from hfnative.losses.cross_entropy import (
     CrossEntropyOutput,
     fused_linear_cross_entropy,
@@ -48,11 +46,12 @@ from hfnative.optim import build_lr_scheduler, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
-from . import checkpoints as ckpt
 from . import hub
 from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
+from .evaluation import EvaluationMixin
 from .model_loading import load_processing_class, resolve_model
+from .saving import SavingMixin
 
 # dataset columns a batch may carry into the model and loss (others are dropped when
 # remove_unused_columns is on, as transformers drops what the model's forward does not take)
@@ -88,7 +87,7 @@ class _Logits(NamedTuple):
     logits: torch.Tensor
 
 
-class Trainer:
+class Trainer(EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -484,191 +483,6 @@ class Trainer:
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
-    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
-        inputs = self._to_device(inputs)
-        with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs) if "labels" in inputs else None
-            logits = None
-            if not prediction_loss_only:
-                logits = model(inputs["input_ids"], **self._model_inputs(inputs))
-                if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
-        return loss, logits, inputs.get("labels")
-
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        if isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict):
-            datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
-            metrics = {}
-            for name, dataset in datasets.items():
-                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        dataloader = self.get_eval_dataloader(eval_dataset)
-        self.callback_handler.eval_dataloader = dataloader
-        start = time.time()
-        self.model.eval()
-        losses, all_logits, all_labels, num_samples, num_batches = [], [], [], 0, 0
-        want_predictions = self.compute_metrics is not None
-        for inputs in dataloader:
-            loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only=not want_predictions)
-            batch_size = inputs["input_ids"].shape[0]
-            if loss is not None and torch.isfinite(loss):
-                losses.append(loss.detach().float().repeat(batch_size))
-            if want_predictions:
-                all_logits.append(logits.float().cpu())
-                all_labels.append(labels.cpu())
-            num_samples += batch_size
-            num_batches += 1
-            self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
-        # the model stays in eval mode until the next training step, as in transformers (log() reads it)
-        metrics = {}
-        if want_predictions:
-            predictions = _concat_padded(all_logits, 0.0)
-            label_ids = _concat_padded(all_labels, -100)
-            metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions.numpy(), label_ids=label_ids.numpy())))
-        if losses:
-            metrics["loss"] = torch.cat(losses).mean().item()
-        runtime = time.time() - start
-        metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
-                       steps_per_second=round(num_batches / runtime, 3))
-        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(metrics)  # log() adds epoch (and SFT metrics) to this same dict, as transformers does
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-        return metrics
-
-    def _evaluate_and_track_best(self) -> bool:
-        metrics = self.evaluate()
-        name = self.args.metric_for_best_model
-        if name is None:
-            return False
-        key = name if name.startswith("eval_") else f"eval_{name}"
-        if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}")
-        value = metrics[key]
-        greater = self.args.greater_is_better
-        best = self.state.best_metric
-        if best is None or (value > best if greater else value < best):
-            self.state.best_metric = value
-            self.state.best_global_step = self.state.global_step
-            return True
-        return False
-
-    # --- saving ----------------------------------------------------------------------------------
-
-    def _save(self, output_dir: Path) -> None:
-        """Model (Hub format), tokenizer and training_args.bin into ``output_dir``."""
-        from hfnative.converters.export import export_hf, save_tokenizer
-
-        output_dir.mkdir(parents=True, exist_ok=True)
-        if self.lora_settings is not None:
-            from hfnative.converters.peft import save_adapter
-
-            save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
-            save_tokenizer(output_dir, self.processing_class)
-        elif self.converted is not None:
-            export_hf(self.converted, output_dir, processing_class=self.processing_class)
-        else:
-            from safetensors.torch import save_file
-
-            state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
-            save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
-            save_tokenizer(output_dir, self.processing_class)
-        ckpt.save_training_args(self.args, output_dir / ckpt.TRAINING_ARGS_NAME)
-
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the model in Hub format (safetensors + config.json + tokenizer) and a model card."""
-        from .model_card import write_model_card
-
-        output_dir = Path(output_dir or self.args.output_dir)
-        self._save(output_dir)
-        if not _internal_call:
-            write_model_card(self, output_dir)
-            if self.args.push_to_hub:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-
-    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
-                    revision: str | None = None, private: bool | None = None, **kwargs):
-        """Save the model and card into output_dir and upload it to ``hub_model_id`` (see trainers/hub.py)."""
-        return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
-
-    def save_state(self) -> None:
-        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
-        self.state.save_to_json(str(Path(self.args.output_dir) / ckpt.TRAINER_STATE_NAME))
-
-    def _save_checkpoint(self) -> None:
-        args = self.args
-        run_dir = Path(args.output_dir)
-        final = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        if self.state.best_global_step is not None:
-            best = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
-            if best == final or best.exists():
-                self.state.best_model_checkpoint = str(best)
-        for callback in self.callback_handler.callbacks + [self.control]:
-            if isinstance(callback, ExportableState):
-                self.state.stateful_callbacks[type(callback).__name__] = callback.state()
-        with atomic_directory(final) as tmp:
-            self._save(tmp)
-            if not args.save_only_model:
-                torch.save(self.optimizer.state_dict(), tmp / ckpt.OPTIMIZER_NAME)
-                torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
-                save_rng_state(tmp / ckpt.RNG_STATE_NAME)
-            self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
-        if args.push_to_hub:
-            hub.push_checkpoint(self, final)
-        ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
-
-    # --- resuming --------------------------------------------------------------------------------
-
-    def _resolve_checkpoint(self, resume_from_checkpoint) -> Path | None:
-        if resume_from_checkpoint in (None, False):
-            return None
-        if resume_from_checkpoint is True:
-            found = ckpt.get_last_checkpoint(self.args.output_dir)
-            if found is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-            return found
-        path = Path(resume_from_checkpoint)
-        if not (path / ckpt.TRAINER_STATE_NAME).exists():
-            raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a checkpoint folder (no {ckpt.TRAINER_STATE_NAME})")
-        return path
-
-    def _load_model_weights(self, checkpoint: Path) -> None:
-        if self.converted is None:
-            from safetensors.torch import load_file
-
-            self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
-            return
-        if self.lora_settings is not None:
-            from hfnative.converters.peft import load_adapter_weights
-
-            load_adapter_weights(self.converted, checkpoint)
-            return
-        source = SafetensorsSource(checkpoint)
-        pieces = model_pieces(self.converted.family, self.model.args)
-        check_checkpoint(source, pieces, self.model, str(checkpoint))
-        copy_into_model(source, pieces, self.model)
-
-    def _load_checkpoint(self, checkpoint: Path) -> None:
-        saved = TrainerState.load_from_json(str(checkpoint / ckpt.TRAINER_STATE_NAME))
-        for name in ("global_step", "epoch", "log_history", "total_flos", "best_metric", "best_global_step",
-                     "best_model_checkpoint", "num_input_tokens_seen", "logging_steps", "eval_steps", "save_steps"):
-            setattr(self.state, name, getattr(saved, name))
-        if self.args.restore_callback_states_from_checkpoint:
-            self.state.stateful_callbacks = saved.stateful_callbacks
-        self._load_model_weights(checkpoint)
-        if (checkpoint / ckpt.OPTIMIZER_NAME).exists():
-            self.optimizer.load_state_dict(ckpt.load_torch(checkpoint / ckpt.OPTIMIZER_NAME, self.device))
-            self.lr_scheduler.load_state_dict(ckpt.load_torch(checkpoint / ckpt.SCHEDULER_NAME, "cpu"))
-
-    def _restore_rng(self, checkpoint: Path) -> None:
-        if (checkpoint / ckpt.RNG_STATE_NAME).exists():
-            load_rng_state(checkpoint / ckpt.RNG_STATE_NAME)
-
-    def model_tags(self) -> list[str]:
-        return ["generated_from_trainer", "hfnative", *self._tag_names]
-
-    def dataset_names(self) -> list[str] | None:
-        return [self.dataset_name] if self.dataset_name else None
-
     # --- callbacks -------------------------------------------------------------------------------
 
     def add_callback(self, callback):
@@ -679,13 +493,3 @@ class Trainer:
 
     def remove_callback(self, callback):
         self.callback_handler.remove_callback(callback)
-
-
-def _concat_padded(tensors: list[torch.Tensor], pad_value) -> torch.Tensor:
-    """Concatenate [B, S, ...] batches whose S differ, right-padding to the longest."""
-    longest = max(t.shape[1] for t in tensors)
-    padded = []
-    for t in tensors:
-        pad = [0, 0] * (t.dim() - 2) + [0, longest - t.shape[1]]
-        padded.append(torch.nn.functional.pad(t, pad, value=pad_value))
-    return torch.cat(padded)

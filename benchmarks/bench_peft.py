@@ -1,0 +1,298 @@
+"""Full fine-tuning vs LoRA vs QLoRA: peak memory, tokens/s and loss, TRL + PEFT beside hfnative.
+
+Six runners train the same saved model on the same token rows with the same SFTConfig; the PEFT
+runners get the same ``peft.LoraConfig`` (and the QLoRA runners the same 4-bit quantization config):
+
+    trl-full   trl-lora   trl-qlora (bitsandbytes; reported unavailable where it cannot run)
+    ours-full  ours-lora  ours-qlora (NF4 base via torchao)
+
+Every run is its own child process (peak RSS is that runner's alone, VmHWM), runners alternate over
+--rounds, and the setup, training arguments, timing and the results file are bench_sft.py's.
+
+    python benchmarks/bench_peft.py --preset smoke
+    python benchmarks/bench_peft.py --preset 100m --write-results
+
+LoRA's B starts at zero, so the first step's loss is the base model's and every runner's step-1 loss
+must agree (QLoRA's up to the NF4 rounding of the base). peft and hfnative draw A from their own
+random streams, so LoRA losses part after step 1; full fine-tuning must agree at every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sft import (  # noqa: E402  (benchmarks/ is not a package)
+    PRESETS,
+    RESULTS,
+    Shape,
+    _max_relative_difference,
+    _Unavailable,
+    append_results,
+    build_dataset,
+    build_model,
+    child_main,
+    machine_description,
+    rss_mib,
+    run_child,
+    train_and_measure,
+    training_arguments,
+)
+
+RUNNERS = ("trl-full", "trl-lora", "trl-qlora", "ours-full", "ours-lora", "ours-qlora")
+PEFT_PRESETS = {
+    "smoke": dataclasses.replace(PRESETS["smoke"], batch=4, steps=4, warmup=2),
+    # 24.6M embedding + 12 x 6.29M blocks = 100.1M parameters
+    "100m": dataclasses.replace(PRESETS["100m"], batch=4, seq=256, steps=6, warmup=2),
+}
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="float32")
+
+
+# ------------------------------------------------------------------------------------------------
+# child: one runner, one training run
+
+
+def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
+    """One SFT run: full fine-tuning, LoRA or QLoRA (``method``) with TRL or hfnative (``library``)."""
+    rss_after_imports = rss_mib()
+    shape = Shape(**spec["shape"])
+    library, method = runner.split("-")
+    dataset = datasets.load_from_disk(spec["data_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    arguments = dict(training_arguments(runner, spec), max_length=shape.seq, packing=False)
+    if method == "qlora":  # the TRL user's QLoRA recipe, unchanged for both
+        arguments["model_init_kwargs"] = {"quantization_config": transformers.BitsAndBytesConfig(**NF4)}
+    peft_config = None
+    if method != "full":
+        import peft
+
+        peft_config = peft.LoraConfig(**LORA)
+
+    if library == "trl":
+        import trl
+
+        try:
+            trainer = trl.SFTTrainer(model=spec["model_dir"], args=trl.SFTConfig(**arguments), train_dataset=dataset,
+                                     processing_class=tokenizer, peft_config=peft_config)
+        except ImportError as error:  # bitsandbytes missing or without a backend for this device
+            if method != "qlora":
+                raise
+            raise _Unavailable(f"TRL 4-bit needs bitsandbytes: {type(error).__name__}: {error}") from error
+    else:
+        import hfnative
+
+        trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=hfnative.SFTConfig(**arguments),
+                                      train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
+
+    rss_after_setup = rss_mib()  # model loaded (and quantized), adapters on, nothing trained yet
+    result, _ = train_and_measure(trainer, shape, is_cuda=False)
+    return {
+        **result,
+        "rss_after_imports_mib": rss_after_imports,
+        "rss_after_setup_mib": rss_after_setup,
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def summarize(results: list[dict], runners: list[str], total_params: int) -> str:
+    """Table, ratios, step-1 agreement and per-step losses of the runners that finished."""
+    header = (f"{'runner':<12}{'peak RSS MiB':>14}{'RSS@import':>12}{'RSS@setup':>11}{'tokens/s':>10}{'min..max':>16}"
+              f"{'final loss':>12}{'trainable params':>22}")
+    lines, summary = [header, "-" * len(header)], {}
+    for runner in runners:
+        runs = [r for r in results if r["runner"] == runner]
+        ok = [r for r in runs if r["status"] == "ok"]
+        if not ok:
+            reason = (runs[0].get("note") or "").strip().splitlines()[-1:] if runs else ["not run"]
+            lines.append(f"{runner:<12}{runs[0]['status'] if runs else 'skipped':>14}  {' '.join(reason)}")
+            continue
+        rates = [r["tokens_per_second"] for r in ok]
+        summary[runner] = s = {
+            "peak": max(r["peak_rss_mib"] for r in ok),
+            "tokens_per_second": statistics.median(rates),
+            "losses": ok[0]["losses"],
+            "trainable": ok[0]["trainable_params"],
+            "checkpointing": ok[0]["activation_checkpointing"],
+        }
+        trainable = f"{s['trainable']:,} ({s['trainable'] / total_params:.2%})"
+        lines.append(
+            f"{runner:<12}{s['peak']:>14,.0f}{statistics.median(r['rss_after_imports_mib'] for r in ok):>12,.0f}"
+            f"{statistics.median(r['rss_after_setup_mib'] for r in ok):>11,.0f}"
+            f"{s['tokens_per_second']:>10,.0f}{f'{min(rates):,.0f}..{max(rates):,.0f}':>16}"
+            f"{s['losses'][-1]:>12.6f}{trainable:>22}"
+        )
+
+    lines.append("")
+    for ours, other in (("ours-full", "trl-full"), ("ours-lora", "trl-lora"), ("ours-qlora", "trl-qlora"),
+                        ("ours-lora", "ours-full"), ("ours-qlora", "ours-lora"), ("trl-lora", "trl-full")):
+        if ours in summary and other in summary:
+            a, b = summary[ours], summary[other]
+            lines.append(f"{ours + ' / ' + other:<24} peak RSS x{a['peak'] / b['peak']:.2f}, "
+                         f"tokens/s x{a['tokens_per_second'] / b['tokens_per_second']:.2f}")
+
+    names = list(summary)
+    if names:
+        reference = names[0]
+        first = summary[reference]["losses"][0]
+        lines += ["", "step-1 loss (LoRA's B starts at 0, so before the first update every runner computes the base "
+                      "model's loss;", "QLoRA's differs by the NF4 rounding of the base weights):"]
+        for name in names:
+            loss = summary[name]["losses"][0]
+            lines.append(f"  {name:<12}{loss:>12.6f}   rel. diff to {reference} {abs(loss - first) / abs(first):.2e}")
+        lines += ["", "per-step loss (maxrel: the largest relative difference to the TRL runner of the same method over all",
+                  "steps; it must be fp32 round-off for full fine-tuning, while LoRA runs part after step 1 because peft",
+                  "and hfnative draw lora_A from different random streams):"]
+        widths = [max(12, len(n) + 2) for n in names]
+        lines.append(f"{'step':>6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)))
+        for i in range(len(summary[reference]["losses"])):
+            row = [summary[n]["losses"][i] if i < len(summary[n]["losses"]) else float("nan") for n in names]
+            lines.append(f"{i + 1:>6}" + "".join(f"{v:>{w}.6f}" for v, w in zip(row, widths)))
+        peers = {n: n.replace("ours-", "trl-") for n in names if n.startswith("ours-")}
+        lines.append(f"{'maxrel':>6}" + "".join(
+            f"{_max_relative_difference(summary[n]['losses'], summary[peers[n]]['losses']):>{w}.2e}"
+            if peers.get(n) in summary else f"{'':>{w}}" for n, w in zip(names, widths)))
+
+    notes = sorted({f"{r['runner']}: {n}" for r in results for n in r.get("notes", [])})
+    for ours in ("ours-full", "ours-lora", "ours-qlora"):
+        peer = ours.replace("ours-", "trl-")
+        if ours in summary and peer in summary and summary[ours]["trainable"] != summary[peer]["trainable"]:
+            notes.append(f"{ours} trains {summary[ours]['trainable']:,} parameters, {peer} {summary[peer]['trainable']:,}")
+    checkpointing = {n: summary[n]["checkpointing"] for n in names}
+    if any(checkpointing.values()):
+        notes.append(f"activation checkpointing was on for some runner (it was asked off for all): {checkpointing}")
+    if notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in notes]
+    return "\n".join(lines)
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
+    machine = machine_description("cpu")
+    return "\n".join([
+        f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}",
+        f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
+        f"trl {machine['trl']}, peft {_version('peft')}, torchao {_version('torchao')}, "
+        f"bitsandbytes {_version('bitsandbytes')}; date {machine['date']}; load average {machine['load_average']}",
+        f"model: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
+        f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, tied; "
+        f"{total_params / 1e6:.2f}M parameters",
+        f"training: fp32 (use_cpu, bf16=False), seq {shape.seq}, batch {shape.batch}, {shape.steps} steps "
+        f"({shape.warmup} warm-up steps not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, "
+        f"no gradient checkpointing, seed {cli.seed}; data: {data['rows']} rows of {shape.seq} tokens",
+        "LoRA: peft.LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in LORA.items()) + ")",
+        "QLoRA: SFTConfig(model_init_kwargs={'quantization_config': BitsAndBytesConfig("
+        + ", ".join(f"{k}={v!r}" for k, v in NF4.items()) + ")}) + the LoRA config",
+    ])
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PEFT_PRESETS), default="100m")
+    parser.add_argument("--rounds", type=int, default=1, help="each round runs every runner once, in turn")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated subset of {','.join(RUNNERS)}")
+    parser.add_argument("--max_grad_norm", "--max-grad-norm", type=float, default=1.0, help="the same for every runner")
+    for name in ("seq", "batch", "steps", "warmup"):
+        parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per runner process")
+    parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    cli = parse_args()
+    if cli.child:
+        child_main(cli.child, Path(cli.spec), Path(cli.out), train=train_peft)
+        return
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    shape = dataclasses.replace(PEFT_PRESETS[cli.preset], **{k: getattr(cli, k) for k in ("seq", "batch", "steps", "warmup")
+                                                              if getattr(cli, k) is not None})
+    if not 1 <= shape.warmup < shape.steps:
+        sys.exit(f"--warmup must be in [1, steps); got warmup {shape.warmup}, steps {shape.steps}")
+    runners = cli.runners.split(",")
+    unknown = [r for r in runners if r not in RUNNERS]
+    if unknown:
+        sys.exit(f"--runners: unknown runner(s) {', '.join(unknown)}; use a subset of {','.join(RUNNERS)}")
+
+    work = Path(tempfile.mkdtemp(prefix="bench_peft_"))
+    try:
+        model_dir, data_dir = work / "model", work / "data"
+        total_params = build_model(shape, model_dir, cli.seed)
+        data = build_dataset(shape, data_dir, packing=False, seed=cli.seed)
+        setup = describe_setup(cli, shape, total_params, data)
+        print(setup, flush=True)
+
+        spec = {"device": "cpu", "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
+                "data_dir": str(data_dir), "work_dir": str(work), "packing": False,
+                "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
+        spec_path = work / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        results = []
+        for round_index in range(cli.rounds):
+            for runner in runners:
+                if round_index and any(r["runner"] == runner and r["status"] != "ok" for r in results):
+                    continue  # failed or unavailable once: do not retry every round
+                result = run_child(runner, spec_path, work / "result.json", cli.timeout, script=__file__)
+                results.append(result)
+                shown = (f"peak RSS {result['peak_rss_mib']:,.0f} MiB, {result['tokens_per_second']:,.0f} tokens/s, "
+                         f"final loss {result['losses'][-1]:.6f}") if result["status"] == "ok" else result.get("note", "")
+                print(f"round {round_index + 1}/{cli.rounds} {runner}: {result['status']} {shown}", flush=True)
+
+        report = summarize(results, runners, total_params)
+        setup += f"\nload average after: {[round(x, 2) for x in os.getloadavg()]}; rounds {cli.rounds}"
+        print("\n" + report)
+        if cli.write_results and not any(r["status"] == "ok" for r in results):
+            print("\nnothing to write: no runner finished")
+        elif cli.write_results:
+            title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`), preset `{cli.preset}`, cpu"
+            if cli.preset == "smoke":
+                title += " — SMOKE RUN (checks the script end to end; not a measurement)"
+            append_results(title, setup, report, script=__file__)
+            print(f"\nappended to {RESULTS}")
+    finally:
+        if cli.keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Saving and resuming for the Trainer: Hub-format model folders, atomic checkpoints, exact resume."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers.trainer_callback import ExportableState, TrainerState
+
+from hfnative.checkpoint import atomic_directory, load_rng_state, save_rng_state
+from hfnative.converters.families import model_pieces
+from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
+
+from . import checkpoints as ckpt
+from . import hub
+
+
+class SavingMixin:
+    """save_model / save_state / push_to_hub, checkpoint-N writing and resume_from_checkpoint."""
+
+    def _save(self, output_dir: Path) -> None:
+        """Model (Hub format), tokenizer and training_args.bin into ``output_dir``."""
+        from hfnative.converters.export import export_hf, save_tokenizer
+
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if self.lora_settings is not None:
+            from hfnative.converters.peft import save_adapter
+
+            save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
+            save_tokenizer(output_dir, self.processing_class)
+        elif self.converted is not None:
+            export_hf(self.converted, output_dir, processing_class=self.processing_class)
+        else:
+            from safetensors.torch import save_file
+
+            state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+            save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
+            save_tokenizer(output_dir, self.processing_class)
+        ckpt.save_training_args(self.args, output_dir / ckpt.TRAINING_ARGS_NAME)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the model in Hub format (safetensors + config.json + tokenizer) and a model card."""
+        from .model_card import write_model_card
+
+        output_dir = Path(output_dir or self.args.output_dir)
+        self._save(output_dir)
+        if not _internal_call:
+            write_model_card(self, output_dir)
+            if self.args.push_to_hub:
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token: str | None = None,
+                    revision: str | None = None, private: bool | None = None, **kwargs):
+        """Save the model and card into output_dir and upload it to ``hub_model_id`` (see trainers/hub.py)."""
+        return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    def save_state(self) -> None:
+        Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+        self.state.save_to_json(str(Path(self.args.output_dir) / ckpt.TRAINER_STATE_NAME))
+
+    def _save_checkpoint(self) -> None:
+        args = self.args
+        run_dir = Path(args.output_dir)
+        final = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        if self.state.best_global_step is not None:
+            best = run_dir / f"{ckpt.PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}"
+            if best == final or best.exists():
+                self.state.best_model_checkpoint = str(best)
+        for callback in self.callback_handler.callbacks + [self.control]:
+            if isinstance(callback, ExportableState):
+                self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+        with atomic_directory(final) as tmp:
+            self._save(tmp)
+            if not args.save_only_model:
+                torch.save(self.optimizer.state_dict(), tmp / ckpt.OPTIMIZER_NAME)
+                torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
+                save_rng_state(tmp / ckpt.RNG_STATE_NAME)
+            self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+        if args.push_to_hub:
+            hub.push_checkpoint(self, final)
+        ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
+
+    # --- resuming --------------------------------------------------------------------------------
+
+    def _resolve_checkpoint(self, resume_from_checkpoint) -> Path | None:
+        if resume_from_checkpoint in (None, False):
+            return None
+        if resume_from_checkpoint is True:
+            found = ckpt.get_last_checkpoint(self.args.output_dir)
+            if found is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+            return found
+        path = Path(resume_from_checkpoint)
+        if not (path / ckpt.TRAINER_STATE_NAME).exists():
+            raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a checkpoint folder (no {ckpt.TRAINER_STATE_NAME})")
+        return path
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
+        if self.converted is None:
+            from safetensors.torch import load_file
+
+            self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+            return
+        if self.lora_settings is not None:
+            from hfnative.converters.peft import load_adapter_weights
+
+            load_adapter_weights(self.converted, checkpoint)
+            return
+        source = SafetensorsSource(checkpoint)
+        pieces = model_pieces(self.converted.family, self.model.args)
+        check_checkpoint(source, pieces, self.model, str(checkpoint))
+        copy_into_model(source, pieces, self.model)
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        saved = TrainerState.load_from_json(str(checkpoint / ckpt.TRAINER_STATE_NAME))
+        for name in ("global_step", "epoch", "log_history", "total_flos", "best_metric", "best_global_step",
+                     "best_model_checkpoint", "num_input_tokens_seen", "logging_steps", "eval_steps", "save_steps"):
+            setattr(self.state, name, getattr(saved, name))
+        if self.args.restore_callback_states_from_checkpoint:
+            self.state.stateful_callbacks = saved.stateful_callbacks
+        self._load_model_weights(checkpoint)
+        if (checkpoint / ckpt.OPTIMIZER_NAME).exists():
+            self.optimizer.load_state_dict(ckpt.load_torch(checkpoint / ckpt.OPTIMIZER_NAME, self.device))
+            self.lr_scheduler.load_state_dict(ckpt.load_torch(checkpoint / ckpt.SCHEDULER_NAME, "cpu"))
+
+    def _restore_rng(self, checkpoint: Path) -> None:
+        if (checkpoint / ckpt.RNG_STATE_NAME).exists():
+            load_rng_state(checkpoint / ckpt.RNG_STATE_NAME)
+
+    def model_tags(self) -> list[str]:
+        return ["generated_from_trainer", "hfnative", *self._tag_names]
+
+    def dataset_names(self) -> list[str] | None:
+        return [self.dataset_name] if self.dataset_name else None
