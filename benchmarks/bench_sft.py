@@ -295,7 +295,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     if variant == "compile":
         from torch._dynamo.utils import counters
 
-        if not counters["frames"]["ok"]:
+        if not counters["stats"]["unique_graphs"]:
             notes.append("torch_compile=True was accepted but torch.compile compiled no frame: the option is ignored")
     if variant == "optimizer_in_backward" and clock.gradients_seen_before_step:
         notes.append("optimizer_in_backward=True was accepted but parameters still held a .grad at "
