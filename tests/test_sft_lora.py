@@ -125,3 +125,22 @@ def test_qlora_without_peft_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="peft_config"):
         hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path, model_init_kwargs={"load_in_4bit": True}),
                             train_dataset=_rows())
+
+
+def test_lora_with_fused_loss_compile_and_optimizer_in_backward(tmp_path):
+    """Every engine option on a LoRA run reproduces the plain LoRA run (itself checked against TRL+peft)."""
+    def losses(name, **options):
+        args = _config(hfnative, tmp_path / name, **{"max_grad_norm": 0.0, "fused_loss": False, **options})
+        trainer = hfnative.SFTTrainer(model=MODEL, args=args, train_dataset=_rows(), peft_config=_lora(use_dora=True))
+        trainer.train()
+        return [(e["loss"], e["grad_norm"]) for e in _losses(trainer)]
+
+    plain = losses("plain")
+    for name, options in {
+        "fused": dict(fused_loss=True),
+        "in_backward": dict(optimizer_in_backward=True),
+        "all": dict(fused_loss=True, optimizer_in_backward=True, torch_compile=True, activation_checkpointing=True),
+    }.items():
+        for (loss, grad_norm), (plain_loss, plain_grad_norm) in zip(losses(name, **options), plain, strict=True):
+            assert loss == pytest.approx(plain_loss, rel=1e-5), name
+            assert grad_norm == pytest.approx(plain_grad_norm, rel=1e-4), name
