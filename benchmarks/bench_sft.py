@@ -314,7 +314,7 @@ def training_arguments(runner: str, spec: dict) -> dict:
         warmup_steps=0, weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
         dataloader_num_workers=0,
         # both names: transformers 5 resolves gradient_checkpointing into activation_checkpointing
-        gradient_checkpointing=False, activation_checkpointing=False,
+        gradient_checkpointing=spec.get("checkpointing", False), activation_checkpointing=spec.get("checkpointing", False),
     )
 
 
@@ -492,7 +492,7 @@ def describe_setup(cli, shape: Shape, flops: dict, data: dict, peak_gflops: floa
         f"{flops['total_params'] / 1e6:.2f}M parameters ({flops['body_params'] / 1e6:.2f}M in blocks)",
         f"training: {precision}, seq {shape.seq}, batch {shape.batch}, {shape.steps} steps ({shape.warmup} warm-up steps "
         f"not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, packing {cli.packing}, "
-        f"no activation checkpointing, seed {cli.seed}; data: {data['rows']} rows, {data['tokens']:,} tokens",
+        f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}, seed {cli.seed}; data: {data['rows']} rows, {data['tokens']:,} tokens",
         f"FLOPs/token {flops['flops_per_token'] / 1e6:.1f}M = 6*(N_body + V*D) + 12*L*H*d_head*S; "
         f"matmul peak {peak_gflops:,.1f} GFLOP/s ({'fp32 2048^3 mm' if cli.device == 'cpu' else 'bf16 8192^3 mm'})",
     ])
@@ -528,6 +528,8 @@ def parse_args(argv=None):
     parser.add_argument("--ours_variants", "--ours-variants", default="default",
                         help=f"comma-separated from {','.join(OURS_VARIANTS)}")
     parser.add_argument("--packing", action="store_true", help="variable-length documents packed to seq (no hf runner)")
+    parser.add_argument("--activation_checkpointing", action="store_true",
+                        help="activation checkpointing for every runner (TRL's default; the peak then sits at the optimizer step)")
     parser.add_argument("--max_grad_norm", "--max-grad-norm", type=float, default=1.0,
                         help="the same for every runner; 0 turns clipping off (optimizer_in_backward needs 0)")
     for name in ("seq", "batch", "steps", "warmup", "vocab"):
@@ -601,6 +603,7 @@ def main() -> None:
 
         spec = {"device": cli.device, "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
                 "data_dir": str(data_dir), "work_dir": str(work), "packing": cli.packing,
+                "checkpointing": cli.activation_checkpointing,
                 "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
