@@ -83,7 +83,7 @@ def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
-def _write_atomically(path: Path, write) -> None:
+def write_atomically(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
@@ -109,7 +109,7 @@ def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int |
     )
     for name, keys in zip(names, shards):
         tensors = {key: hub_tensor(pieces_of[key], native).to("cpu").contiguous() for key in keys}
-        _write_atomically(out_dir / name, lambda tmp, shard=tensors: save_file(shard, str(tmp), metadata={"format": "pt"}))
+        write_atomically(out_dir / name, lambda tmp, shard=tensors: save_file(shard, str(tmp), metadata={"format": "pt"}))
         del tensors  # one shard in memory at a time
     stale_index = out_dir / SAFETENSORS_INDEX
     if len(shards) > 1:
@@ -117,7 +117,7 @@ def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int |
             "metadata": {"total_size": sum(sizes.values()), "total_parameters": sum(numels.values())},
             "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
         }
-        _write_atomically(stale_index, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+        write_atomically(stale_index, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
     elif stale_index.exists():
         stale_index.unlink()
     return names
@@ -139,7 +139,7 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
         if dtype_name:
             fields["dtype"] = dtype_name
         text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
-    _write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
+    write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
 
 
 def _save_generation_config(converted: ConvertedModel, out_dir: Path, generation_config=None) -> None:
@@ -150,7 +150,7 @@ def _save_generation_config(converted: ConvertedModel, out_dir: Path, generation
         text = source.read_text()
     else:
         return
-    _write_atomically(out_dir / "generation_config.json", lambda tmp: tmp.write_text(text))
+    write_atomically(out_dir / "generation_config.json", lambda tmp: tmp.write_text(text))
 
 
 def save_tokenizer(out_dir: Path, processing_class=None, source_dir: Path | None = None) -> None:
@@ -162,7 +162,7 @@ def save_tokenizer(out_dir: Path, processing_class=None, source_dir: Path | None
         return
     for name in TOKENIZER_FILES:
         if (source_dir / name).exists():
-            _write_atomically(out_dir / name, lambda tmp, name=name: shutil.copyfile(source_dir / name, tmp))
+            write_atomically(out_dir / name, lambda tmp, name=name: shutil.copyfile(source_dir / name, tmp))
 
 
 def export_hf(

@@ -15,14 +15,14 @@ transformers 5), the output head and the embedding (they can train in full throu
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 from hfnative.peft import LoraSettings, LoraTarget, lora_settings
 
-from .families import Piece, model_pieces
+from .export import hub_state_dict_pieces
+from .families import Piece
 from .loading import ConvertedModel
 
 ALL_LINEAR = "all-linear"
@@ -60,9 +60,7 @@ def _module_of(key: str) -> str:
 def hub_parameter_pieces(converted: ConvertedModel) -> dict[str, list[Piece]]:
     """Hub parameter key -> its native piece(s), with ``lm_head.weight`` -> ``output.weight`` for tied
     models too (their head only exists natively once modules_to_save unties it)."""
-    pieces_of = defaultdict(list)
-    for piece in model_pieces(converted.family, converted.args):
-        pieces_of[piece.hf_key].append(piece)
+    pieces_of = hub_state_dict_pieces(converted)
     if converted.args.tie_embeddings:
         pieces_of["lm_head.weight"].append(Piece("lm_head.weight", "output.weight"))
     return dict(pieces_of)

@@ -28,7 +28,7 @@ from hfnative.peft import (
     untie_output_head,
 )
 
-from .export import _write_atomically, hub_tensor
+from .export import write_atomically, hub_tensor
 from .loading import ConvertedModel
 from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora, resolved_target_modules
 
@@ -214,9 +214,9 @@ def save_adapter(
         )
     config = adapter_config(converted, settings, base_model_name_or_path)
     tensors = hub_adapter_state_dict(converted, settings.bias)
-    _write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-    _write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))
+    write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))
     return out_dir
 
 
