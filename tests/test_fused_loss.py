@@ -107,6 +107,25 @@ def test_plain_linear_cross_entropy_agrees_with_fused():
     assert fused.correct_sum == plain.correct_sum and fused.num_tokens == plain.num_tokens
 
 
+@pytest.mark.parametrize("grad", [True, False])
+def test_token_accuracy_breaks_ties_like_argmax(grad):
+    """Duplicated head rows give exactly tied logits: only the first of the tied ids counts as correct,
+    as with torch.argmax on materialized logits (what TRL's mean_token_accuracy uses)."""
+    torch.manual_seed(0)
+    weight = torch.randn(V, D)
+    weight[7] = weight[3] = weight[5] * 4.0  # ids 3 and 7 share one long row: tied, and the max for hidden ~ it
+    hidden = weight[3][None, :].repeat(12, 1) + 0.01 * torch.randn(12, D)
+    targets = torch.tensor([3, 7, 3, 7, 1, 3, 7, 2, 3, 3, 7, 0])
+    logits = hidden @ weight.T
+    assert (logits[:, 3] == logits[:, 7]).all() and (logits.argmax(-1) == 3).all()
+    with torch.set_grad_enabled(grad):
+        out = fused_linear_cross_entropy(hidden.requires_grad_(grad), weight, targets, chunk_size=5)
+    assert out.correct_sum.item() == (logits.argmax(-1) == targets).sum().item() == 5
+    probs = logits.double().softmax(-1)
+    entropy = -(probs * probs.log()).sum()
+    torch.testing.assert_close(out.entropy_sum.double(), entropy, rtol=1e-5, atol=1e-5)
+
+
 def test_frozen_head_gets_no_gradient_and_no_tokens_is_zero():
     hidden = torch.randn(9, D, requires_grad=True)
     head = torch.randn(V, D)  # requires_grad=False, as a frozen head under LoRA

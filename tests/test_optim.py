@@ -22,6 +22,7 @@ from hfnative.optim import (
     parse_optim_args,
     resolve_warmup_steps,
     split_decay_groups,
+    with_fused_kernel,
 )
 
 NUM_TRAINING_STEPS = 40
@@ -191,17 +192,40 @@ def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
 
     expected_cls = Adafactor if isinstance(hf, HFAdafactor) else type(hf)
     assert type(ours) is expected_cls
-    assert ours.defaults == hf.defaults
+    # the one deliberate difference: adamw_torch runs torch's fused kernel (same update, see below)
+    differs = {"params", "fused"} if optim == "adamw_torch" else {"params"}
+    if optim == "adamw_torch":
+        assert ours.defaults["fused"] is True and hf.defaults["fused"] is None
+    assert {k: v for k, v in ours.defaults.items() if k not in differs} == {
+        k: v for k, v in hf.defaults.items() if k not in differs
+    }
     assert len(ours.param_groups) == len(hf.param_groups) == 2
     for our_group, hf_group in zip(ours.param_groups, hf.param_groups):
-        assert {k: v for k, v in our_group.items() if k != "params"} == {
-            k: v for k, v in hf_group.items() if k != "params"
+        assert {k: v for k, v in our_group.items() if k not in differs} == {
+            k: v for k, v in hf_group.items() if k not in differs
         }
         assert [id(p) for p in our_group["params"]] == [id(p) for p in hf_group["params"]]
     if optim == "adamw_torch_fused":
         assert ours.defaults["fused"] is True  # transformers sets it unconditionally; torch has CPU kernels
         model(torch.arange(8)[None], labels=torch.arange(8)[None]).loss.backward()
         ours.step()  # the fused CPU kernel runs
+
+
+def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
+    """adamw_torch: the fused kernel we pick gives torch's default (for-loop) AdamW parameters, step after step."""
+    ours_model, hf_model = _tiny_qwen3(), _tiny_qwen3()  # same seed inside: same weights
+    ours = build_optimizer(ours_model, "adamw_torch", **HYPERPARAMETERS)
+    hf = _hf_trainer_optimizer(hf_model, tmp_path, optim="adamw_torch", **HYPERPARAMETERS)
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(4):
+        for model, optimizer in ((ours_model, ours), (hf_model, hf)):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, a), b in zip(ours_model.named_parameters(), hf_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    # a parameter the fused kernel does not take keeps torch's default
+    assert "fused" not in with_fused_kernel("adamw_torch", {}, [nn.Parameter(torch.zeros(2, device="meta"))])
 
 
 def test_low_bit_names_build_torchao():

@@ -83,15 +83,20 @@ def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV) -> torch.T
 
 
 class SoftmaxStats:
-    """Per-token statistics of one chunk, from z [C, V]; fills probs_CV with softmax(z)."""
+    """Per-token statistics of one chunk, from z [C, V]; fills probs_CV with softmax(z).
+
+    Three cheap passes besides the softmax: the row max (``amax``), the largest probability, and
+    the row max with each target masked (the tie check of top-1 accuracy). ``max(dim)``/``argmax``
+    would give the same but on CPU cost as much as the softmax itself.
+    """
 
     def __init__(self, z_CV: torch.Tensor, targets_C: torch.Tensor, probs_CV: torch.Tensor):
-        max_C, argmax_C = z_CV.max(dim=-1)
+        max_C = z_CV.amax(dim=-1)
         torch.softmax(z_CV, dim=-1, out=probs_CV)
-        # p[argmax] = 1 / sum(exp(z - max)) >= 1/V never underflows, so log Z = max - log p[argmax]
-        self.log_z_C = max_C - probs_CV.gather(1, argmax_C[:, None])[:, 0].log()
+        # the largest probability is exp(0) / sum(exp(z - max)) >= 1/V, never underflows: log Z = max - log p_max
+        self.log_z_C = max_C - probs_CV.amax(dim=-1).log()
         self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
-        self.correct_C = argmax_C == targets_C
+        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C)
         self.probs_CV = probs_CV
         self._z_CV = z_CV
 
@@ -106,6 +111,34 @@ class SoftmaxStats:
         else:
             expected_z_C = torch.linalg.vecdot(self.probs_CV, self._z_CV)
         return self.log_z_C - expected_z_C
+
+
+def top1_matches(z_CV: torch.Tensor, max_C: torch.Tensor, target_logit_C: torch.Tensor, targets_C: torch.Tensor):
+    """argmax(z) == target per row, with ``torch.argmax``'s rule for tied maxima (the first index wins).
+
+    A row matches when its target logit is the row max and no other entry reaches it; the max over
+    the row with the target masked decides that. Rows where another entry ties the max (rare) get
+    an exact argmax. z_CV is restored before returning.
+    """
+    hits_C = target_logit_C == max_C
+    rows_C = torch.arange(z_CV.shape[0], device=z_CV.device)
+    z_CV[rows_C, targets_C] = float("-inf")
+    others_max_C = z_CV.amax(dim=-1)
+    z_CV[rows_C, targets_C] = target_logit_C
+    tied_C = hits_C & (others_max_C == max_C)
+    if tied_C.any():
+        tied = tied_C.nonzero()[:, 0]
+        hits_C[tied] = z_CV[tied].argmax(dim=-1) == targets_C[tied]
+    return hits_C
+
+
+def expected_logit_from_hidden_grad(h_CD, grad_hidden_CD, target_logit_C) -> torch.Tensor:
+    """sum_v p_v z_v per row, from the hidden-state gradient of the chunk instead of a pass over [C, V].
+
+    With z = h @ W.T / T (no soft-cap) and g = dNLL/dh = (p - onehot(t)) @ W / T:
+    h . g = sum_v p_v z_v - z_t, so the expectation is h . g + z_t: O(C * D) instead of O(C * V).
+    """
+    return torch.linalg.vecdot(h_CD.float(), grad_hidden_CD.float()) + target_logit_C
 
 
 def logit_grad_to_raw(grad_z_CV, z_CV, softcap, temperature) -> None:

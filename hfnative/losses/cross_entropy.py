@@ -21,6 +21,7 @@ from ._chunks import (
     SoftmaxStats,
     chunk_logits,
     chunk_size_for,
+    expected_logit_from_hidden_grad,
     logit_grad_to_raw,
     matmul_inputs,
     no_autocast,
@@ -96,15 +97,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
             stats = SoftmaxStats(z_CV, t_C, probs_CV)
             loss -= stats.log_probs().sum()
-            # the logits are needed after this only to differentiate the soft-cap
-            entropy += stats.entropy(overwrite_logits=softcap is None).sum()
             correct += stats.correct_C.sum()
+            # linear logits in fp32 and dNLL/dh computed: the entropy comes from dNLL/dh (no [C, V] pass)
+            entropy_from_grad = need_hidden and softcap is None and low_CV is None
+            if not entropy_from_grad:
+                # the logits are needed after this only to differentiate the soft-cap
+                entropy += stats.entropy(overwrite_logits=softcap is None).sum()
             if needs_grad:
                 # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer
                 rows = torch.arange(t_C.shape[0], device=device)
                 probs_CV[rows, t_C] -= 1.0
                 logit_grad_to_raw(probs_CV, z_CV, softcap, temperature)
                 grads.add_chunk(start, probs_CV, h_CD, low_CV)
+            if entropy_from_grad:
+                grad_h_CD = grads.grad_hidden[start : start + h_CD.shape[0]]
+                entropy += (stats.log_z_C - expected_logit_from_hidden_grad(h_CD, grad_h_CD, stats.target_logit_C)).sum()
         del buffers
         if needs_grad:
             grad_hidden, grad_weight = grads.finish()

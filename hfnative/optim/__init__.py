@@ -8,6 +8,7 @@ from hfnative.optim.factory import (
     optimizer_class_and_kwargs,
     parse_optim_args,
     split_decay_groups,
+    with_fused_kernel,
 )
 from hfnative.optim.schedules import SUPPORTED_SCHEDULERS, build_lr_scheduler, lr_lambda_for, resolve_warmup_steps
 
@@ -23,4 +24,5 @@ __all__ = [
     "parse_optim_args",
     "resolve_warmup_steps",
     "split_decay_groups",
+    "with_fused_kernel",
 ]

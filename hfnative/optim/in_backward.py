@@ -32,7 +32,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .factory import optimizer_class_and_kwargs, split_decay_groups
+from .factory import optimizer_class_and_kwargs, split_decay_groups, with_fused_kernel
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr")
 
@@ -102,7 +102,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         optimizer_cls, kwargs = optimizer_class_and_kwargs(
             optim, learning_rate, adam_beta1, adam_beta2, adam_epsilon, optim_args
         )
-        return cls(split_decay_groups(model, weight_decay), optimizer_cls, kwargs, max_grad_norm, compile_step)
+        groups = split_decay_groups(model, weight_decay)
+        kwargs = with_fused_kernel(optim, kwargs, groups)
+        return cls(groups, optimizer_cls, kwargs, max_grad_norm, compile_step)
 
     # --- the step, inside backward -------------------------------------------------------------
 
