@@ -319,3 +319,14 @@ def test_fused_losses_never_save_token_by_vocab_tensors():
         .loss_sum.backward()
     )
     assert distillation <= max(vocab * dim, num_tokens * dim)
+
+
+def test_second_backward_through_the_fused_loss_is_refused_not_wrong():
+    """Backward scales the gradients computed in forward in place; a second backward through the same
+    graph must fail loudly rather than apply the scale twice."""
+    hidden = torch.randn(6, D, requires_grad=True)
+    weight = torch.randn(V, D, requires_grad=True)
+    loss = fused_linear_cross_entropy(hidden, weight, torch.randint(0, V, (6,))).loss_sum
+    (loss * 0.5).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -42,6 +42,7 @@ from hfnative.losses.cross_entropy import (
     shift_labels,
 )
 from hfnative.models.decoder import Transformer
+from hfnative.allocator import keep_freed_cpu_memory
 from hfnative.optim import build_lr_scheduler, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
@@ -329,6 +330,8 @@ class Trainer(EvaluationMixin, SavingMixin):
             self._set_model(self.model_init())
             self.optimizer = self.lr_scheduler = None
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        if self.device.type == "cpu":
+            keep_freed_cpu_memory()
 
         dataloader = self.get_train_dataloader()
         accumulation = args.gradient_accumulation_steps

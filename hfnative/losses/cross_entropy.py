@@ -23,6 +23,7 @@ from ._chunks import (
     chunk_size_for,
     expected_logit_from_hidden_grad,
     logit_grad_to_raw,
+    scaled_saved_gradients,
     matmul_inputs,
     no_autocast,
 )
@@ -122,11 +123,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy, _grad_correct):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if ctx.need_hidden:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if ctx.need_weight:
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        grad_hidden, grad_weight = scaled_saved_gradients(ctx, grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
@@ -143,7 +140,7 @@ def fused_linear_cross_entropy(
     hidden_ND: [N, D] states of the label positions only (drop ignored ones with ``label_positions``).
     weight_VD: [V, D] head (the embedding matrix when tied; its gradient adds to the lookup's).
     targets_N: [N] token ids, all real labels.
-    chunk_size: tokens per chunk (default: about 16M logits per chunk, at least 256 tokens).
+    chunk_size: tokens per chunk (default: about 4M logits per chunk, at least 128 tokens).
     Under torch.autocast the projection runs in the autocast dtype, as the plain path's matmul would.
     Returns loss, entropy and correct-prediction sums; fp32 statistics whatever the input dtype.
     """

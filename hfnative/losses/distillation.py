@@ -26,6 +26,7 @@ from ._chunks import (
     logit_grad_to_raw,
     matmul_inputs,
     no_autocast,
+    scaled_saved_gradients,
 )
 
 
@@ -99,11 +100,7 @@ class _FusedLinearJSD(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_entropy):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if ctx.need_hidden:
-            grad_hidden = grad_hidden * grad_loss.to(grad_hidden.dtype)
-        if ctx.need_weight:
-            grad_weight = grad_weight * grad_loss.to(grad_weight.dtype)
+        grad_hidden, grad_weight = scaled_saved_gradients(ctx, grad_loss)
         return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 

@@ -13,6 +13,45 @@ from .args import ModelArgs
 from .rope import apply_rotary
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that keeps only its input and 1/rms for backward (autograd on the op sequence would also
+    keep the normalized [..., D] tensor); the normalized tensor is recomputed in backward. Forward is
+    transformers' op sequence; backward gives autograd's gradients of it, including the cast of the
+    gradient to the input dtype that ``normed.to(x.dtype)`` implies."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, unit_offset: bool):
+        x_float = x.float()
+        rstd = torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+        normed = x_float * rstd
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.unit_offset = unit_offset
+        if unit_offset:
+            return (normed * (1.0 + weight.float())).type_as(x)
+        return weight * normed.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        reduce_dims = tuple(range(grad_out.dim() - 1))
+        grad_weight = grad_normed = None
+        if ctx.unit_offset:
+            grad_float = grad_out.float()
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_float * normed).sum(reduce_dims).to(weight.dtype)
+            grad_normed = grad_float * (1.0 + weight.float())
+        else:
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad_out * normed.to(x.dtype)).sum(reduce_dims).to(weight.dtype)
+            grad_normed = (grad_out * weight).to(x.dtype).float()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
+            grad_x = (rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_weight, None, None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; ``unit_offset`` scales by (1 + w) as Gemma does."""
 
@@ -25,11 +64,7 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.unit_offset)
 
 
 def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -110,6 +145,32 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+# d act(x)/dx applied to a gradient: the aten kernels autograd itself uses for these activations
+_ACTIVATION_BACKWARD = {
+    "silu": lambda grad, x: torch.ops.aten.silu_backward(grad, x),
+    "gelu_tanh": lambda grad, x: torch.ops.aten.gelu_backward(grad, x, approximate="tanh"),
+}
+
+
+class _GatedActivation(torch.autograd.Function):
+    """act(gate) * up keeping only gate and up for backward; act(gate) is recomputed there (autograd
+    on the two ops would also keep act(gate), a third [tokens, hidden_dim] tensor). Same gradients."""
+
+    @staticmethod
+    def forward(ctx, gate, up, activation: str):
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        return ACTIVATIONS[activation](gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up = ctx.saved_tensors
+        grad_gate = grad_up = None
+        if ctx.needs_input_grad[1]:
+            grad_up = grad_out * ACTIVATIONS[ctx.activation](gate)
+        if ctx.needs_input_grad[0]:
+            grad_gate = _ACTIVATION_BACKWARD[ctx.activation](grad_out * up, gate)
+        return grad_gate, grad_up, None
 
 
 class FeedForward(nn.Module):
@@ -117,10 +178,11 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, activation: str, bias: bool = False):
         super().__init__()
+        self.activation = activation
         self.act = ACTIVATIONS[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(x)) * self.w3(x))
+        return self.w2(_GatedActivation.apply(self.w1(x), self.w3(x), self.activation))
