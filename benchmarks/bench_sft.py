@@ -20,6 +20,8 @@ MFU = tokens/s * F / peak, peak = 2 n^3 / t of a timed n x n torch.mm loop (fp32
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import dataclasses
 import datetime
 import json
@@ -33,6 +35,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +103,55 @@ def peak_rss_mib() -> float:
     a child's ru_maxrss is at least the parent's RSS when it forked."""
     peak = rss_mib("VmHWM")
     return peak if peak == peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _MallinfoFields(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapPeak:
+    """Peak of the bytes malloc has handed out and not yet taken back (glibc's mallinfo2: in-use heap
+    chunks + mmapped chunks), sampled on a thread every ``interval`` seconds while running.
+
+    The CPU counterpart of torch.cuda.max_memory_allocated: the live set, whatever the allocator keeps
+    cached and without the ~0.5 GB of library code and interpreter memory that RSS also counts.
+    ``peak_mib`` is None where the C library is not glibc >= 2.33.
+    """
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak_bytes = interval, 0
+        try:
+            self._libc = ctypes.CDLL(ctypes.util.find_library("c"))
+            self._libc.mallinfo2.restype = _MallinfoFields
+        except (OSError, AttributeError, TypeError):
+            self._libc = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        info = self._libc.mallinfo2()
+        self.peak_bytes = max(self.peak_bytes, info.uordblks + info.hblkhd)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        if self._libc is not None:
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._libc is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+
+    @property
+    def peak_mib(self) -> float | None:
+        return self.peak_bytes / 2**20 if self._libc is not None else None
 
 
 def machine_description(device: str) -> dict:
@@ -327,7 +379,8 @@ def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: boo
     trainer.add_callback(clock)
     if is_cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer.train()
+    with HeapPeak() as heap:
+        trainer.train()
 
     steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
     if len(clock.step_end_times) < shape.steps:
@@ -346,6 +399,7 @@ def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: boo
         "step_seconds": [b - a for a, b in zip(times, times[1:])],
         "peak_rss_mib": peak_rss_mib(),
         "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if is_cuda else None,
+        "peak_heap_mib": heap.peak_mib,
         "activation_checkpointing": _checkpointing_on(trainer),
         "torch_threads": torch.get_num_threads(),
     }, clock
@@ -405,7 +459,7 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
     lines, summary = [], {}
     memory = "peak GPU MiB" if device == "cuda" else "peak RSS MiB"
     header = (f"{'runner':<28}{'tokens/s':>10}{'min..max':>20}{'step-median':>13}{memory:>14}{'RSS@import':>12}"
-              f"{'final loss':>12}{'MFU':>8}")
+              f"{'peak heap':>11}{'final loss':>12}{'MFU':>8}")
     lines += [header, "-" * len(header)]
     for runner in runners:
         runs = [r for r in results if r["runner"] == runner]
@@ -426,13 +480,14 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
             "checkpointing": ok[0]["activation_checkpointing"],
             "timed_tokens": ok[0]["timed_tokens"],
             "rounds_agree": all(r["losses"] == ok[0]["losses"] for r in ok),
+            "peak_heap_mib": max((r.get("peak_heap_mib") or float("nan") for r in ok), default=float("nan")),
         }
         s = summary[runner]
         step_median = statistics.median(r["median_step_tokens_per_second"] for r in ok)
         lines.append(
             f"{runner:<28}{median:>10,.0f}{f'{min(rates):,.0f}..{max(rates):,.0f}':>20}{step_median:>13,.0f}"
             f"{peak_mem:>14,.0f}{statistics.median(r['rss_after_imports_mib'] for r in ok):>12,.0f}"
-            f"{s['losses'][-1]:>12.6f}{s['mfu']:>8.2%}"
+            f"{s['peak_heap_mib']:>11,.0f}{s['losses'][-1]:>12.6f}{s['mfu']:>8.2%}"
         )
     notes = sorted({f"{r['runner']}: {n}" for r in results for n in r.get("notes", [])} |
                    {f"{r['runner']}: {r['note'].splitlines()[-1]}" for r in results if r["status"] == "unavailable"})
@@ -442,13 +497,22 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
         for peer in ("trl", "hf"):
             if peer in summary:
                 ours, other = summary["ours"], summary[peer]
+                heap = (f", peak heap x{ours['peak_heap_mib'] / other['peak_heap_mib']:.2f}"
+                        if device != "cuda" else "")
                 lines.append(
                     f"ours / {peer}: tokens/s x{ours['tokens_per_second'] / other['tokens_per_second']:.2f}, "
-                    f"{memory} x{ours['peak_memory_mib'] / other['peak_memory_mib']:.2f}"
+                    f"{memory} x{ours['peak_memory_mib'] / other['peak_memory_mib']:.2f}{heap}"
                 )
     for runner in summary:
         if runner != "ours" and runner.startswith("ours:") and "ours" in summary:
-            lines.append(f"{runner} / ours: tokens/s x{summary[runner]['tokens_per_second'] / summary['ours']['tokens_per_second']:.2f}")
+            variant, ours = summary[runner], summary["ours"]
+            line = (f"{runner} / ours: tokens/s x{variant['tokens_per_second'] / ours['tokens_per_second']:.2f}, "
+                    f"{memory} {variant['peak_memory_mib'] - ours['peak_memory_mib']:+,.0f}")
+            if device != "cuda":
+                line += f", peak heap MiB {variant['peak_heap_mib'] - ours['peak_heap_mib']:+,.0f}"
+            if runner == "ours:optimizer_in_backward":  # fp32 parameters, so fp32 gradients
+                line += f" (gradients: {flops['total_params'] * 4 / 2**20:,.0f} MiB)"
+            lines.append(line)
 
     reference = next((r for r in ("trl", "hf", "ours") if r in summary), None)
     if reference:
