@@ -68,3 +68,41 @@ def test_optimizer_in_backward_refuses_clipping(tmp_path):
     args = SFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, optimizer_in_backward=True)  # max_grad_norm 1.0
     with pytest.raises(ValueError, match="max_grad_norm=0"):
         SFTTrainer(model=MODEL, args=args, train_dataset=[{"text": "hello"}])
+
+
+_ALLOCATOR_PROBE = """
+import ctypes, json
+import torch
+from hfnative.allocator import keep_freed_cpu_memory
+
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+first = keep_freed_cpu_memory()
+heap_before = libc.mallinfo2().arena
+tensor = torch.ones(64 * 2**20 // 4)  # 64 MiB: above glibc's largest default mmap threshold
+mapped = libc.mallinfo2().hblkhd
+del tensor
+print(json.dumps({"first": first, "again": keep_freed_cpu_memory(), "mapped": mapped >= 64 * 2**20,
+                  "kept": libc.mallinfo2().arena - heap_before >= 64 * 2**20}))
+"""
+
+
+@pytest.mark.parametrize("switch,expected", [(None, True), ("0", False)])
+def test_cpu_allocator_setting_is_applied_once_and_can_be_switched_off(switch, expected):
+    import os
+    import platform
+    import subprocess
+    import sys
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        pytest.skip("the setting exists only on glibc")
+    env = {k: v for k, v in os.environ.items() if k != "HFNATIVE_KEEP_FREED_CPU_MEMORY"}
+    if switch is not None:
+        env["HFNATIVE_KEEP_FREED_CPU_MEMORY"] = switch
+    done = subprocess.run([sys.executable, "-c", _ALLOCATOR_PROBE], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    # on: the block comes from the heap and stays there once freed; off: glibc maps it and unmaps it on free
+    assert result == {"first": expected, "again": expected, "mapped": not expected, "kept": expected}

@@ -11,6 +11,7 @@ from hfnative.losses.cross_entropy import (
     linear_cross_entropy,
     shift_labels,
 )
+from hfnative.losses._chunks import chunk_size_for
 from hfnative.losses.distillation import fused_linear_generalized_jsd
 from hfnative.losses.logprobs import fused_linear_token_logprobs
 
@@ -330,3 +331,14 @@ def test_second_backward_through_the_fused_loss_is_refused_not_wrong():
     (loss * 0.5).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("vocab,hidden", [(32000, 256), (32000, 768), (151936, 1024), (151936, 4096), (262144, 5376)])
+def test_default_chunk_keeps_loss_scratch_within_the_head_gradient(vocab, hidden):
+    """The two fp32 [chunk, V] buffers take no more than the fp32 [V, D] weight gradient (or 128 tokens'
+    worth when D < 256), and one buffer never exceeds 256 MiB."""
+    chunk = chunk_size_for(100_000, vocab, hidden)
+    assert 2 * chunk * vocab <= max(vocab * hidden, 2 * 128 * vocab)
+    assert chunk * vocab * 4 <= 256 * 2**20
+    assert chunk >= min(128, (1 << 26) // vocab)
+    assert chunk_size_for(50, vocab, hidden) == 50  # never more than the tokens there are

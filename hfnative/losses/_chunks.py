@@ -13,22 +13,24 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-# Chunk of about 4M logits (two fp32 buffers of 16 MiB), but never under 128 tokens. Measured on CPU
-# (2 cores, fp32, 2040 tokens, forward + backward): at V=32000, D=256 chunks of 128..1024 tokens take
-# the same time (446 vs 446 ms at 512); at D=768, 128 tokens cost 11% more than 512 (1251 vs 1122 ms)
-# and at V=151936 4% more (each chunk rereads and rewrites the [V, D] weight gradient) - for a quarter
-# of the buffer memory, which is what sets the loss's share of the training peak.
-_CHUNK_ELEMENTS = 1 << 22
+# Tokens per chunk: half the hidden size D, so the two [C, V] fp32 buffers together are as large as
+# the [V, D] fp32 weight gradient the loss keeps anyway (the loss adds at most that much again to the
+# training peak); at least 128 tokens, at most 64M logits (256 MiB) per buffer. Measured on CPU
+# (2 cores, fp32, 2040 tokens, forward + backward), against chunks of 512 tokens: V=32000, D=256 -> 128
+# tokens, same time (446 vs 446 ms); D=768 -> 384 tokens, +2..4% (128 tokens would be +11%: every
+# chunk rereads and rewrites the [V, D] gradient); V=151936, D=256 -> 128 tokens, +4%.
 _MIN_CHUNK = 128
+_MAX_CHUNK_ELEMENTS = 1 << 26
 
 
-def chunk_size_for(num_tokens: int, vocab_size: int, chunk_size: int | None = None) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else about _CHUNK_ELEMENTS logits, at least _MIN_CHUNK tokens."""
+def chunk_size_for(num_tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else hidden_size / 2 within [128, 64M / vocab_size]."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: expected a positive number of tokens")
         return chunk_size
-    return max(1, min(num_tokens, max(_MIN_CHUNK, _CHUNK_ELEMENTS // vocab_size)))
+    default = min(max(hidden_size // 2, _MIN_CHUNK), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
+    return max(1, min(num_tokens, default))
 
 
 def matmul_inputs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

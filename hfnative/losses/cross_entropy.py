@@ -89,7 +89,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.int64, device=device)
         needs_grad = need_hidden or need_weight
         grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / temperature) if needs_grad else None
-        chunk = chunk_size_for(N, V, chunk_size)
+        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size)
         buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, device) if N else None
         for start in range(0, N, chunk):
             h_CD = hidden_ND[start : start + chunk]
@@ -140,7 +140,7 @@ def fused_linear_cross_entropy(
     hidden_ND: [N, D] states of the label positions only (drop ignored ones with ``label_positions``).
     weight_VD: [V, D] head (the embedding matrix when tied; its gradient adds to the lookup's).
     targets_N: [N] token ids, all real labels.
-    chunk_size: tokens per chunk (default: about 4M logits per chunk, at least 128 tokens).
+    chunk_size: tokens per chunk (default: hidden size / 2, at least 128, at most 64M logits per chunk).
     Under torch.autocast the projection runs in the autocast dtype, as the plain path's matmul would.
     Returns loss, entropy and correct-prediction sums; fp32 statistics whatever the input dtype.
     """

@@ -78,7 +78,7 @@ class _FusedLinearJSD(torch.autograd.Function):
         entropy = torch.zeros((), dtype=torch.float32, device=device)
         needs_grad = need_hidden or need_weight
         grads = HeadGradients(student_hidden_ND, student_weight_VD, need_hidden, need_weight, 1.0 / temperature)
-        chunk = chunk_size_for(num_tokens, V, chunk_size)
+        chunk = chunk_size_for(num_tokens, V, student_weight_VD.shape[1], chunk_size)
         buffers = ChunkBuffers(min(chunk, num_tokens), V, student_hidden_ND.dtype, device) if num_tokens else None
         for start in range(0, num_tokens, chunk):
             h_CD = student_hidden_ND[start : start + chunk]

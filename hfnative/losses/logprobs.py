@@ -41,7 +41,7 @@ class _FusedLinearTokenLogprobs(torch.autograd.Function):
         safe_targets_N = torch.where(valid_N, targets_N, 0)
         logprobs = torch.zeros(N, dtype=torch.float32, device=hidden_ND.device)
         entropy = torch.zeros(N, dtype=torch.float32, device=hidden_ND.device)
-        chunk = chunk_size_for(N, V, chunk_size)
+        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size)
         buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device) if N else None
         for start in range(0, N, chunk):
             h_CD = hidden_ND[start : start + chunk]
