@@ -335,10 +335,29 @@ def test_second_backward_through_the_fused_loss_is_refused_not_wrong():
 
 @pytest.mark.parametrize("vocab,hidden", [(32000, 256), (32000, 768), (151936, 1024), (151936, 4096), (262144, 5376)])
 def test_default_chunk_keeps_loss_scratch_within_the_head_gradient(vocab, hidden):
-    """The two fp32 [chunk, V] buffers take no more than the fp32 [V, D] weight gradient (or 128 tokens'
-    worth when D < 256), and one buffer never exceeds 256 MiB."""
-    chunk = chunk_size_for(100_000, vocab, hidden)
-    assert 2 * chunk * vocab <= max(vocab * hidden, 2 * 128 * vocab)
-    assert chunk * vocab * 4 <= 256 * 2**20
-    assert chunk >= min(128, (1 << 26) // vocab)
-    assert chunk_size_for(50, vocab, hidden) == 50  # never more than the tokens there are
+    """The fp32 [chunk, V] buffers (two, or one when the softmax runs in place) take no more than the fp32
+    [V, D] weight gradient (or 256 tokens' worth when D < 256), and one buffer never exceeds 256 MiB."""
+    for buffers in (1, 2):
+        chunk = chunk_size_for(100_000, vocab, hidden, buffers=buffers)
+        assert buffers * chunk * vocab <= max(vocab * hidden, 2 * 128 * vocab)
+        assert chunk * vocab * 4 <= 256 * 2**20
+        assert chunk >= min(256 // buffers, (1 << 26) // vocab)
+        assert chunk_size_for(50, vocab, hidden, buffers=buffers) == 50  # never more than the tokens there are
+
+
+def test_two_buffer_path_gives_the_in_place_results(monkeypatch):
+    """Devices without the in-place softmax take two [C, V] buffers: the same loss, statistics and gradients."""
+    import hfnative.losses.cross_entropy as cross_entropy
+
+    torch.manual_seed(0)
+    hidden = torch.randn(37, D, requires_grad=True)
+    weight = torch.randn(V, D, requires_grad=True)
+    targets = torch.randint(0, V, (37,))
+    results = []
+    for verified in (True, False):
+        monkeypatch.setattr(cross_entropy, "softmax_in_place_verified", lambda device: verified)
+        out = fused_linear_cross_entropy(hidden, weight, targets, chunk_size=8)
+        grads = torch.autograd.grad(out.loss_sum, (hidden, weight))
+        results.append((out.loss_sum, out.entropy_sum, out.correct_sum, *grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

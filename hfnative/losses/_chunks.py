@@ -23,13 +23,18 @@ _MIN_CHUNK = 128
 _MAX_CHUNK_ELEMENTS = 1 << 26
 
 
-def chunk_size_for(num_tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else hidden_size / 2 within [128, 64M / vocab_size]."""
+def chunk_size_for(
+    num_tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None, buffers: int = 2
+) -> int:
+    """Tokens per chunk: ``chunk_size`` if given, else hidden_size / 2 within [128, 64M / vocab_size]
+    (hidden_size with a single [C, V] buffer: the same scratch memory)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: expected a positive number of tokens")
         return chunk_size
-    default = min(max(hidden_size // 2, _MIN_CHUNK), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
+    per_buffer = hidden_size * vocab_size // buffers  # logits: all buffers together = one [V, D] gradient
+    floor = _MIN_CHUNK * 2 // buffers
+    default = min(max(per_buffer // vocab_size, floor), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
     return max(1, min(num_tokens, default))
 
 
@@ -86,6 +91,12 @@ def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV) -> torch.T
     return z_CV
 
 
+def softmax_in_place_verified(device: torch.device) -> bool:
+    """Whether the chunk loops may softmax the logits buffer in place: checked (bit-identical to the
+    out-of-place softmax) on CPU; other devices keep a second buffer."""
+    return device.type == "cpu"
+
+
 class SoftmaxStats:
     """Per-token statistics of one chunk, from z [C, V]; fills probs_CV with softmax(z).
 
@@ -95,14 +106,16 @@ class SoftmaxStats:
     """
 
     def __init__(self, z_CV: torch.Tensor, targets_C: torch.Tensor, probs_CV: torch.Tensor):
+        """``probs_CV`` may be ``z_CV`` itself: the softmax then overwrites the logits (one buffer instead
+        of two; ``entropy`` is unavailable then)."""
         max_C = z_CV.amax(dim=-1)
+        self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
+        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C)
         torch.softmax(z_CV, dim=-1, out=probs_CV)
         # the largest probability is exp(0) / sum(exp(z - max)) >= 1/V, never underflows: log Z = max - log p_max
         self.log_z_C = max_C - probs_CV.amax(dim=-1).log()
-        self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
-        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C)
         self.probs_CV = probs_CV
-        self._z_CV = z_CV
+        self._z_CV = None if probs_CV is z_CV else z_CV
 
     def log_probs(self) -> torch.Tensor:
         return self.target_logit_C - self.log_z_C
@@ -110,6 +123,8 @@ class SoftmaxStats:
     def entropy(self, overwrite_logits: bool) -> torch.Tensor:
         """H = log Z - sum_v p_v z_v. With ``overwrite_logits`` the product p * z is formed in the logits
         buffer (faster than a batched dot product); otherwise a temporary [C, V] is allocated."""
+        if self._z_CV is None:
+            raise RuntimeError("the softmax overwrote the logits (probs_CV is z_CV): no entropy from them")
         if overwrite_logits:
             expected_z_C = self._z_CV.mul_(self.probs_CV).sum(dim=-1)
         else:

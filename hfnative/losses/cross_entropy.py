@@ -24,6 +24,7 @@ from ._chunks import (
     expected_logit_from_hidden_grad,
     logit_grad_to_raw,
     scaled_saved_gradients,
+    softmax_in_place_verified,
     matmul_inputs,
     no_autocast,
 )
@@ -89,18 +90,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros((), dtype=torch.int64, device=device)
         needs_grad = need_hidden or need_weight
         grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / temperature) if needs_grad else None
-        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size)
-        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, device) if N else None
+        # linear logits in fp32 and dNLL/dh computed: the entropy comes from dNLL/dh (no [C, V] pass), and
+        # the logits are not needed once softmaxed. On CPU the softmax then runs in place (one [C, V] buffer,
+        # so chunks twice as long for the same memory).
+        entropy_from_grad = need_hidden and softcap is None and hidden_ND.dtype == torch.float32
+        in_place = entropy_from_grad and softmax_in_place_verified(device)
+        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size, buffers=1 if in_place else 2)
+        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, device, probs=not in_place) if N else None
         for start in range(0, N, chunk):
             h_CD = hidden_ND[start : start + chunk]
             t_C = targets_N[start : start + chunk]
             z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
+            if in_place:
+                probs_CV = z_CV
             chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
             stats = SoftmaxStats(z_CV, t_C, probs_CV)
             loss -= stats.log_probs().sum()
             correct += stats.correct_C.sum()
-            # linear logits in fp32 and dNLL/dh computed: the entropy comes from dNLL/dh (no [C, V] pass)
-            entropy_from_grad = need_hidden and softcap is None and low_CV is None
             if not entropy_from_grad:
                 # the logits are needed after this only to differentiate the soft-cap
                 entropy += stats.entropy(overwrite_logits=softcap is None).sum()
