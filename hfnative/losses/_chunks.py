@@ -5,7 +5,8 @@ Shapes: N tokens, D hidden dim, V vocabulary, C tokens in a chunk.
 
 Logits are z = softcap(h @ W.T) / temperature with softcap(x) = cap * tanh(x / cap). The
 cross-entropy and log-prob loops keep every [C, V] tensor in two fp32 buffers reused across chunks
-(plus one in the input dtype for bf16/fp16); nothing of size [N, V] is ever allocated.
+(plus one in the input dtype for bf16/fp16; the cross-entropy on CPU in fp32 needs only one, its
+softmax running in place); nothing of size [N, V] is ever allocated.
 """
 
 from __future__ import annotations
