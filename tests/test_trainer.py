@@ -92,8 +92,15 @@ def test_sigkilled_run_resumes_to_the_same_losses(tmp_path, kill_mode):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     after_resume = json.loads((tmp_path / "run" / "losses-resume.json").read_text())
     assert after_resume.keys() == uninterrupted.keys()
+    resumed_from = int(latest.name.split("-")[1])
     for step, loss in uninterrupted.items():
-        assert after_resume[step] == loss, (step, after_resume[step], loss)
+        if int(step) <= resumed_from:  # from the checkpoint's log history: exactly the killed run's
+            assert after_resume[step] == loss, (step, after_resume[step], loss)
+        else:
+            # trained again after the resume. Bit-identical in repeated runs outside pytest, but under
+            # pytest about 1 run in 6 lands 2 ulps away (6.354042 vs 6.354041) at the first resumed step:
+            # fp32 rounding, not a different batch, LR or optimizer state (those move the loss by >1e-3)
+            assert after_resume[step] == pytest.approx(loss, rel=1e-6, abs=0), (step, after_resume[step], loss)
 
 
 # --- callbacks ---------------------------------------------------------------------------------
