@@ -333,7 +333,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             args = hfnative.SFTConfig(**common, **sft, **extra)
             trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
                                           processing_class=tokenizer)
-        except (TypeError, ValueError, NotImplementedError) as error:
+        except (TypeError, ValueError) as error:
             if variant:
                 raise _Unavailable(f"{type(error).__name__}: {error}") from error
             raise

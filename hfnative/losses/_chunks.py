@@ -33,9 +33,8 @@ def chunk_size_for(
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: expected a positive number of tokens")
         return chunk_size
-    per_buffer = hidden_size * vocab_size // buffers  # logits: all buffers together = one [V, D] gradient
-    floor = _MIN_CHUNK * 2 // buffers
-    default = min(max(per_buffer // vocab_size, floor), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
+    # all buffers together hold as many logits as the [V, D] gradient has entries
+    default = min(max(hidden_size // buffers, _MIN_CHUNK * 2 // buffers), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
     return max(1, min(num_tokens, default))
 
 

@@ -179,7 +179,6 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, activation: str, bias: bool = False):
         super().__init__()
         self.activation = activation
-        self.act = ACTIVATIONS[activation]
         self.w1 = nn.Linear(dim, hidden_dim, bias=bias)
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
