@@ -20,8 +20,6 @@ MFU = tokens/s * F / peak, peak = 2 n^3 / t of a timed n x n torch.mm loop (fp32
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import dataclasses
 import datetime
 import json
@@ -44,6 +42,8 @@ import torch
 import torch._dynamo
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, TrainerCallback
+
+from hfnative.allocator import heap_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_DIR = ROOT / "examples" / "tiny-qwen3"  # a BPE tokenizer (ids < 1024) the runners load
@@ -105,11 +105,6 @@ def peak_rss_mib() -> float:
     return peak if peak == peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-class _MallinfoFields(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
 class HeapPeak:
     """Peak of the bytes malloc has handed out and not yet taken back (glibc's mallinfo2: in-use heap
     chunks + mmapped chunks), sampled on a thread every ``interval`` seconds while running.
@@ -121,37 +116,32 @@ class HeapPeak:
 
     def __init__(self, interval: float = 0.002):
         self.interval, self.peak_bytes = interval, 0
-        try:
-            self._libc = ctypes.CDLL(ctypes.util.find_library("c"))
-            self._libc.mallinfo2.restype = _MallinfoFields
-        except (OSError, AttributeError, TypeError):
-            self._libc = None
+        self.available = heap_stats() is not None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
-        info = self._libc.mallinfo2()
-        self.peak_bytes = max(self.peak_bytes, info.uordblks + info.hblkhd)
+        self.peak_bytes = max(self.peak_bytes, heap_stats().in_use)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             self._sample()
 
     def __enter__(self):
-        if self._libc is not None:
+        if self.available:
             self._sample()
             self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        if self._libc is not None:
+        if self.available:
             self._stop.set()
             self._thread.join()
             self._sample()
 
     @property
     def peak_mib(self) -> float | None:
-        return self.peak_bytes / 2**20 if self._libc is not None else None
+        return self.peak_bytes / 2**20 if self.available else None
 
 
 def machine_description(device: str) -> dict:

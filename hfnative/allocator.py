@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
+from typing import NamedTuple
 
-__all__ = ["keep_freed_cpu_memory"]
+__all__ = ["HeapStats", "heap_stats", "keep_freed_cpu_memory"]
 
 ENV_SWITCH = "HFNATIVE_KEEP_FREED_CPU_MEMORY"
 # mallopt parameter numbers from glibc's malloc.h
@@ -34,6 +36,21 @@ _THRESHOLD_BYTES = 1 << 30
 _applied: bool | None = None
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapStats(NamedTuple):
+    """glibc's ``mallinfo2``, in bytes: ``heap`` the size of the heap arenas, ``mapped`` the blocks served by
+    their own mmap, ``in_use`` the bytes handed out and not freed (in the arenas + mapped)."""
+
+    heap: int
+    mapped: int
+    in_use: int
+
+
+@functools.cache
 def _glibc():
     name = ctypes.util.find_library("c")
     if name is None:
@@ -44,7 +61,18 @@ def _glibc():
         libc.mallopt
     except (OSError, AttributeError):
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _Mallinfo2
     return libc
+
+
+def heap_stats() -> HeapStats | None:
+    """The C library's allocation counters now; None where it is not glibc >= 2.33 (no ``mallinfo2``)."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    info = libc.mallinfo2()
+    return HeapStats(heap=info.arena, mapped=info.hblkhd, in_use=info.uordblks + info.hblkhd)
 
 
 def keep_freed_cpu_memory() -> bool:

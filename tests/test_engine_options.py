@@ -71,22 +71,17 @@ def test_optimizer_in_backward_refuses_clipping(tmp_path):
 
 
 _ALLOCATOR_PROBE = """
-import ctypes, json
+import json
 import torch
-from hfnative.allocator import keep_freed_cpu_memory
+from hfnative.allocator import heap_stats, keep_freed_cpu_memory
 
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = Info
 first = keep_freed_cpu_memory()
-heap_before = libc.mallinfo2().arena
+heap_before = heap_stats().heap
 tensor = torch.ones(64 * 2**20 // 4)  # 64 MiB: above glibc's largest default mmap threshold
-mapped = libc.mallinfo2().hblkhd
+mapped = heap_stats().mapped
 del tensor
 print(json.dumps({"first": first, "again": keep_freed_cpu_memory(), "mapped": mapped >= 64 * 2**20,
-                  "kept": libc.mallinfo2().arena - heap_before >= 64 * 2**20}))
+                  "kept": heap_stats().heap - heap_before >= 64 * 2**20}))
 """
 
 

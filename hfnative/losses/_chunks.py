@@ -109,8 +109,9 @@ class SoftmaxStats:
         """``probs_CV`` may be ``z_CV`` itself: the softmax then overwrites the logits (one buffer instead
         of two; ``entropy`` is unavailable then)."""
         max_C = z_CV.amax(dim=-1)
+        self.rows_C = torch.arange(z_CV.shape[0], device=z_CV.device)  # with targets_C: each row's target entry
         self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
-        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C)
+        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C, self.rows_C)
         torch.softmax(z_CV, dim=-1, out=probs_CV)
         # the largest probability is exp(0) / sum(exp(z - max)) >= 1/V, never underflows: log Z = max - log p_max
         self.log_z_C = max_C - probs_CV.amax(dim=-1).log()
@@ -132,7 +133,7 @@ class SoftmaxStats:
         return self.log_z_C - expected_z_C
 
 
-def top1_matches(z_CV: torch.Tensor, max_C: torch.Tensor, target_logit_C: torch.Tensor, targets_C: torch.Tensor):
+def top1_matches(z_CV, max_C, target_logit_C, targets_C, rows_C) -> torch.Tensor:
     """argmax(z) == target per row, with ``torch.argmax``'s rule for tied maxima (the first index wins).
 
     A row matches when its target logit is the row max and no other entry reaches it; the max over
@@ -140,7 +141,6 @@ def top1_matches(z_CV: torch.Tensor, max_C: torch.Tensor, target_logit_C: torch.
     an exact argmax. z_CV is restored before returning.
     """
     hits_C = target_logit_C == max_C
-    rows_C = torch.arange(z_CV.shape[0], device=z_CV.device)
     z_CV[rows_C, targets_C] = float("-inf")
     others_max_C = z_CV.amax(dim=-1)
     z_CV[rows_C, targets_C] = target_logit_C

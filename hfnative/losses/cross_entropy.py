@@ -112,8 +112,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 entropy += stats.entropy(overwrite_logits=softcap is None).sum()
             if needs_grad:
                 # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer
-                rows = torch.arange(t_C.shape[0], device=device)
-                probs_CV[rows, t_C] -= 1.0
+                probs_CV[stats.rows_C, t_C] -= 1.0
                 logit_grad_to_raw(probs_CV, z_CV, softcap, temperature)
                 grads.add_chunk(start, probs_CV, h_CD, low_CV)
             if entropy_from_grad:
