@@ -43,6 +43,7 @@ from bench_sft import (  # noqa: E402  (benchmarks/ is not a package)
     Shape,
     _max_relative_difference,
     _Unavailable,
+    add_run_arguments,
     append_results,
     build_dataset,
     build_model,
@@ -222,14 +223,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_grad_norm", "--max-grad-norm", type=float, default=1.0, help="the same for every runner")
     for name in ("seq", "batch", "steps", "warmup"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
-    parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per runner process")
-    parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
-    parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--spec", help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    add_run_arguments(parser, timeout=1800)
     return parser.parse_args(argv)
 
 

@@ -588,16 +588,22 @@ def parse_args(argv=None):
                         help="the same for every runner; 0 turns clipping off (optimizer_in_backward needs 0)")
     for name in ("seq", "batch", "steps", "warmup", "vocab"):
         parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    parser.add_argument("--peak_seconds", "--peak-seconds", type=float, default=2.0, help="matmul peak timing length")
+    add_run_arguments(parser, timeout=3600)
+    return parser.parse_args(argv)
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, timeout: float) -> None:
+    """The options every benchmark script here shares: seed, threads, per-runner timeout, results file,
+    keeping the work folder, and the hidden ones a child process is started with."""
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
-    parser.add_argument("--peak_seconds", "--peak-seconds", type=float, default=2.0, help="matmul peak timing length")
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds per runner process")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per runner process")
     parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
 
 
 def main() -> None:
