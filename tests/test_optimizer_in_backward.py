@@ -11,7 +11,7 @@ from transformers import get_scheduler
 
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
-from hfnative.optim import build_lr_scheduler, build_optimizer
+from hfnative.optim import build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 
 STEPS, ACCUMULATION, WARMUP = 5, 2, 2
@@ -39,7 +39,7 @@ def micro_batch_loss(model, input_ids):
 def run_plain(model, optim, batches, schedule="linear", optim_args=None, weight_decay=0.1, steps=STEPS):
     """The reference loop; returns per-step params, grad norms, scheduler LRs and losses."""
     optimizer = build_optimizer(model, optim, LR, weight_decay, optim_args=optim_args)
-    scheduler = build_lr_scheduler(optimizer, schedule, WARMUP, steps)
+    scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     params = [p for p in model.parameters() if p.requires_grad]
     history = {"params": [], "grad_norm": [], "lr": [], "loss": []}
     for step in range(steps):
@@ -62,7 +62,7 @@ def run_in_backward(model, optim, batches, schedule="linear", optim_args=None, w
                     optimizer=None, scheduler=None, first_step=0):
     if optimizer is None:
         optimizer = OptimizerInBackward.from_model(model, optim, LR, weight_decay, optim_args=optim_args)
-        scheduler = build_lr_scheduler(optimizer, schedule, WARMUP, steps)
+        scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     history = {"params": [], "grad_norm": [], "lr": [], "effective_lr": [], "loss": []}
     for step in range(first_step, steps):
@@ -138,7 +138,7 @@ def test_resume_from_state_dict_is_bit_identical():
     # the first 3 steps, then save, rebuild everything from the checkpoint and run the rest
     model = tiny_model()
     optimizer = OptimizerInBackward.from_model(model, "adamw_torch", LR, 0.1)
-    scheduler = build_lr_scheduler(optimizer, "linear", WARMUP, STEPS)
+    scheduler = get_scheduler("linear", optimizer, WARMUP, STEPS)
     head, optimizer, scheduler = run_in_backward(model, "adamw_torch", batches, steps=3, optimizer=optimizer,
                                                  scheduler=scheduler)
     buffer = io.BytesIO()
@@ -151,7 +151,7 @@ def test_resume_from_state_dict_is_bit_identical():
     resumed_model = tiny_model(seed=123)  # different init: everything must come from the checkpoint
     resumed_model.load_state_dict(saved["model"])
     resumed_optimizer = OptimizerInBackward.from_model(resumed_model, "adamw_torch", LR, 0.1)
-    resumed_scheduler = build_lr_scheduler(resumed_optimizer, "linear", WARMUP, STEPS)
+    resumed_scheduler = get_scheduler("linear", resumed_optimizer, WARMUP, STEPS)
     resumed_optimizer.load_state_dict(saved["optimizer"])
     resumed_scheduler.load_state_dict(saved["scheduler"])
     tail, _, _ = run_in_backward(resumed_model, "adamw_torch", batches, steps=STEPS, optimizer=resumed_optimizer,

@@ -5,9 +5,9 @@ One optimizer per trainable parameter, stepped from a ``register_post_accumulate
 object is itself a ``torch.optim.Optimizer`` whose ``param_groups`` (transformers' decay / no-decay
 groups) are the single source of truth for hyperparameters: every hook copies its group's ``lr``
 (and any other hyperparameter) into the parameter's optimizer just before stepping it, so any torch
-LR scheduler built over this object — ``build_lr_scheduler(optimizer, ...)`` included — reaches
-every parameter (torchtune's version only changes an outer group the per-parameter optimizers never
-read).
+LR scheduler built over this object — ``transformers.get_scheduler(name, optimizer, ...)`` included —
+reaches every parameter (torchtune's version only changes an outer group the per-parameter optimizers
+never read).
 
 Usage per optimizer step with gradient accumulation::
 
