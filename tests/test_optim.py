@@ -13,6 +13,7 @@ from transformers.optimization import get_scheduler
 
 from hfnative.optim import (
     Adafactor,
+    OptimizerSettings,
     build_optimizer,
     decay_parameter_names,
     optimizer_class_and_kwargs,
@@ -154,7 +155,7 @@ def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
         pytest.importorskip("torchao.optim")
     model = _tiny_qwen3()
     hf = _hf_trainer_optimizer(model, tmp_path, optim=optim, optim_args=optim_args, **HYPERPARAMETERS)
-    ours = build_optimizer(model, optim, optim_args=optim_args, **HYPERPARAMETERS)
+    ours = build_optimizer(model, OptimizerSettings(optim, optim_args=optim_args, **HYPERPARAMETERS))
 
     expected_cls = Adafactor if isinstance(hf, HFAdafactor) else type(hf)
     assert type(ours) is expected_cls
@@ -180,7 +181,7 @@ def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
 def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
     """adamw_torch: the fused kernel we pick gives torch's default (for-loop) AdamW parameters, step after step."""
     ours_model, hf_model = _tiny_qwen3(), _tiny_qwen3()  # same seed inside: same weights
-    ours = build_optimizer(ours_model, "adamw_torch", **HYPERPARAMETERS)
+    ours = build_optimizer(ours_model, OptimizerSettings("adamw_torch", **HYPERPARAMETERS))
     hf = _hf_trainer_optimizer(hf_model, tmp_path, optim="adamw_torch", **HYPERPARAMETERS)
     ids = torch.randint(0, 64, (2, 12))
     for _ in range(4):
@@ -197,36 +198,36 @@ def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
 def test_low_bit_names_build_torchao():
     torchao_optim = pytest.importorskip("torchao.optim")
     model = nn.Linear(8, 8)
-    assert type(build_optimizer(model, "adamw_8bit")) is torchao_optim.AdamW8bit
-    assert type(build_optimizer(model, "adamw_torch_8bit")) is torchao_optim.AdamW8bit
-    assert type(build_optimizer(model, "adamw_torch_4bit")) is torchao_optim.AdamW4bit
-    _, kwargs = optimizer_class_and_kwargs("adamw_torch_4bit", optim_args="block_size=128")
+    assert type(build_optimizer(model, OptimizerSettings("adamw_8bit"))) is torchao_optim.AdamW8bit
+    assert type(build_optimizer(model, OptimizerSettings("adamw_torch_8bit"))) is torchao_optim.AdamW8bit
+    assert type(build_optimizer(model, OptimizerSettings("adamw_torch_4bit"))) is torchao_optim.AdamW4bit
+    _, kwargs = optimizer_class_and_kwargs(OptimizerSettings("adamw_torch_4bit", optim_args="block_size=128"))
     assert kwargs["block_size"] == 128  # an int, where transformers would pass the string "128"
 
 
 def test_missing_torchao_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.optim", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install hfnative\[quant\]"):
-        build_optimizer(nn.Linear(2, 2), "adamw_torch_8bit")
+        build_optimizer(nn.Linear(2, 2), OptimizerSettings("adamw_torch_8bit"))
 
 
 def test_optimizer_input_errors():
     with pytest.raises(ValueError, match="adamw_torch_fused"):
-        build_optimizer(nn.Linear(2, 2), "lion_32bit")
+        build_optimizer(nn.Linear(2, 2), OptimizerSettings("lion_32bit"))
     with pytest.raises(ValueError, match="key=value"):
         parse_optim_args("momentum")
     assert parse_optim_args("a=1, b=x") == {"a": "1", "b": "x"}
     with pytest.warns(UserWarning, match="mometum"):
-        optimizer_class_and_kwargs("sgd", optim_args="mometum=0.9")
+        optimizer_class_and_kwargs(OptimizerSettings("sgd", optim_args="mometum=0.9"))
     with pytest.raises(ValueError, match="requires_grad"):
-        build_optimizer(nn.Linear(2, 2).requires_grad_(False), "sgd")
+        build_optimizer(nn.Linear(2, 2).requires_grad_(False), OptimizerSettings("sgd"))
 
 
 def test_adafactor_trainer_settings_match_transformers(tmp_path):
     hf_model = _tiny_qwen3()
     our_model = copy.deepcopy(hf_model)
     hf = _hf_trainer_optimizer(hf_model, tmp_path, optim="adafactor", learning_rate=1e-2, weight_decay=0.1)
-    ours = build_optimizer(our_model, "adafactor", learning_rate=1e-2, weight_decay=0.1)
+    ours = build_optimizer(our_model, OptimizerSettings("adafactor", learning_rate=1e-2, weight_decay=0.1))
     input_ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         for model, optimizer in ((hf_model, hf), (our_model, ours)):

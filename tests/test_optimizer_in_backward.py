@@ -11,7 +11,7 @@ from transformers import get_scheduler
 
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
-from hfnative.optim import build_optimizer
+from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 
 STEPS, ACCUMULATION, WARMUP = 5, 2, 2
@@ -32,13 +32,13 @@ def micro_batches(vocab_size=64, steps=STEPS, seed=1):
 
 
 def micro_batch_loss(model, input_ids):
-    logits = model(input_ids[:, :-1])
+    logits = model(input_ids[:, :-1]).logits
     return F.cross_entropy(logits.flatten(0, 1), input_ids[:, 1:].flatten()) / ACCUMULATION
 
 
 def run_plain(model, optim, batches, schedule="linear", optim_args=None, weight_decay=0.1, steps=STEPS):
     """The reference loop; returns per-step params, grad norms, scheduler LRs and losses."""
-    optimizer = build_optimizer(model, optim, LR, weight_decay, optim_args=optim_args)
+    optimizer = build_optimizer(model, OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args))
     scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     params = [p for p in model.parameters() if p.requires_grad]
     history = {"params": [], "grad_norm": [], "lr": [], "loss": []}
@@ -61,7 +61,8 @@ def run_plain(model, optim, batches, schedule="linear", optim_args=None, weight_
 def run_in_backward(model, optim, batches, schedule="linear", optim_args=None, weight_decay=0.1, steps=STEPS,
                     optimizer=None, scheduler=None, first_step=0):
     if optimizer is None:
-        optimizer = OptimizerInBackward.from_model(model, optim, LR, weight_decay, optim_args=optim_args)
+        settings = OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args)
+        optimizer = OptimizerInBackward.from_model(model, settings)
         scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     history = {"params": [], "grad_norm": [], "lr": [], "effective_lr": [], "loss": []}
@@ -137,7 +138,7 @@ def test_resume_from_state_dict_is_bit_identical():
 
     # the first 3 steps, then save, rebuild everything from the checkpoint and run the rest
     model = tiny_model()
-    optimizer = OptimizerInBackward.from_model(model, "adamw_torch", LR, 0.1)
+    optimizer = OptimizerInBackward.from_model(model, OptimizerSettings("adamw_torch", LR, 0.1))
     scheduler = get_scheduler("linear", optimizer, WARMUP, STEPS)
     head, optimizer, scheduler = run_in_backward(model, "adamw_torch", batches, steps=3, optimizer=optimizer,
                                                  scheduler=scheduler)
@@ -150,7 +151,7 @@ def test_resume_from_state_dict_is_bit_identical():
 
     resumed_model = tiny_model(seed=123)  # different init: everything must come from the checkpoint
     resumed_model.load_state_dict(saved["model"])
-    resumed_optimizer = OptimizerInBackward.from_model(resumed_model, "adamw_torch", LR, 0.1)
+    resumed_optimizer = OptimizerInBackward.from_model(resumed_model, OptimizerSettings("adamw_torch", LR, 0.1))
     resumed_scheduler = get_scheduler("linear", resumed_optimizer, WARMUP, STEPS)
     resumed_optimizer.load_state_dict(saved["optimizer"])
     resumed_scheduler.load_state_dict(saved["scheduler"])
@@ -173,8 +174,8 @@ def test_tied_embeddings_and_parameters_the_last_backward_misses():
     plain_model.register_parameter("extra", extra_plain)
     fused_model.register_parameter("extra", extra_fused)
 
-    plain_opt = build_optimizer(plain_model, "adamw_torch", LR, 0.0)
-    fused_opt = OptimizerInBackward.from_model(fused_model, "adamw_torch", LR, 0.0)
+    plain_opt = build_optimizer(plain_model, OptimizerSettings("adamw_torch", LR))
+    fused_opt = OptimizerInBackward.from_model(fused_model, OptimizerSettings("adamw_torch", LR))
     for model, extra, optimizer, in_backward in ((plain_model, extra_plain, plain_opt, False),
                                                  (fused_model, extra_fused, fused_opt, True)):
         for step in range(2):
@@ -193,15 +194,15 @@ def test_max_grad_norm_is_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="max_grad_norm=0"):
         check_optimizer_in_backward_args(1.0)
     with pytest.raises(ValueError, match="max_grad_norm=1.0"):
-        OptimizerInBackward.from_model(tiny_model(), "adamw_torch", LR, max_grad_norm=1.0)
+        OptimizerInBackward.from_model(tiny_model(), OptimizerSettings("adamw_torch", LR), max_grad_norm=1.0)
     check_optimizer_in_backward_args(0.0)
     check_optimizer_in_backward_args(None)
 
 
 def test_loading_a_plain_optimizer_state_is_refused():
     model = tiny_model()
-    plain_state = build_optimizer(model, "adamw_torch", LR).state_dict()
-    optimizer = OptimizerInBackward.from_model(model, "adamw_torch", LR)
+    plain_state = build_optimizer(model, OptimizerSettings("adamw_torch", LR)).state_dict()
+    optimizer = OptimizerInBackward.from_model(model, OptimizerSettings("adamw_torch", LR))
     with pytest.raises(ValueError, match="optimizer_in_backward"):
         optimizer.load_state_dict(plain_state)
 

@@ -4,9 +4,11 @@ get_scheduler, built in trainers/)."""
 from hfnative.optim.factory import (
     SUPPORTED_OPTIMIZERS,
     Adafactor,
+    OptimizerSettings,
     build_optimizer,
     decay_parameter_names,
     optimizer_class_and_kwargs,
+    optimizer_parts,
     parse_optim_args,
     split_decay_groups,
     with_fused_kernel,
@@ -15,9 +17,11 @@ from hfnative.optim.factory import (
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "Adafactor",
+    "OptimizerSettings",
     "build_optimizer",
     "decay_parameter_names",
     "optimizer_class_and_kwargs",
+    "optimizer_parts",
     "parse_optim_args",
     "split_decay_groups",
     "with_fused_kernel",

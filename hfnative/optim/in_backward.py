@@ -32,7 +32,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from .factory import optimizer_class_and_kwargs, split_decay_groups, with_fused_kernel
+from .factory import OptimizerSettings, optimizer_parts
 
 _NOT_HYPERPARAMETERS = ("params", "initial_lr")
 
@@ -50,9 +50,9 @@ def check_optimizer_in_backward_args(max_grad_norm: float | None) -> None:
 class OptimizerInBackward(torch.optim.Optimizer):
     """Per-parameter optimizers stepped inside backward, behind one torch Optimizer interface.
 
-    param_groups: as for any torch optimizer (e.g. ``split_decay_groups(model, weight_decay)``).
-    optimizer_cls, optimizer_kwargs: the optimizer each parameter gets (e.g. from
-        ``optimizer_class_and_kwargs``): AdamW, SGD, Adafactor, torchao's AdamW8bit/AdamW4bit, ...
+    param_groups, optimizer_cls, optimizer_kwargs: as ``optimizer_parts`` returns them; each parameter gets
+        its own ``optimizer_cls`` (AdamW, SGD, Adafactor, torchao's AdamW8bit/AdamW4bit, ...) with its group's
+        hyperparameters.
     max_grad_norm: must be 0 or None (see ``check_optimizer_in_backward_args``).
     compile_step: let optimizers that torch.compile their step (torchao's low-bit AdamW) do so. None:
         only when the parameters are on an accelerator; on CPU the first compiled step of a tiny model
@@ -88,22 +88,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def from_model(
         cls,
         model: nn.Module,
-        optim: str = "adamw_torch_fused",
-        learning_rate: float = 5e-5,
-        weight_decay: float = 0.0,
-        adam_beta1: float = 0.9,
-        adam_beta2: float = 0.999,
-        adam_epsilon: float = 1e-8,
-        optim_args: str | None = None,
+        settings: OptimizerSettings,
         max_grad_norm: float | None = 0.0,
         compile_step: bool | None = None,
     ) -> OptimizerInBackward:
         """The per-parameter twin of ``build_optimizer``: same `optim` names, kwargs and decay groups."""
-        optimizer_cls, kwargs = optimizer_class_and_kwargs(
-            optim, learning_rate, adam_beta1, adam_beta2, adam_epsilon, optim_args
-        )
-        groups = split_decay_groups(model, weight_decay)
-        kwargs = with_fused_kernel(optim, kwargs, groups)
+        optimizer_cls, groups, kwargs = optimizer_parts(model, settings)
         return cls(groups, optimizer_cls, kwargs, max_grad_norm, compile_step)
 
     # --- the step, inside backward -------------------------------------------------------------
