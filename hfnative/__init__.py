@@ -4,9 +4,28 @@ Public names are re-exported lazily so that ``import hfnative`` stays fast and t
 engine never imports the trainer layer at import time.
 """
 
+import logging
 from importlib import import_module
 
 __version__ = "0.1.0"
+
+
+class _DropImportNoise(logging.Filter):
+    """Drops the records of one logger whose message template starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+# transformers imports torchao (through peft) on every start; torchao then logs these two at WARNING on every
+# import: its optional CUDA/other-Python kernels not loading, and its Enum registration torch now deprecates.
+# Neither is actionable by a user of hfnative, so only these two messages are dropped; the loggers stay on.
+logging.getLogger("torchao").addFilter(_DropImportNoise("Failed to load "))
+logging.getLogger("torch.utils._pytree").addFilter(_DropImportNoise("%s is an Enum subclass and is now natively supported"))
 
 # public name -> module that defines it
 _LAZY = {

@@ -71,11 +71,27 @@ def test_help_lists_every_field_grouped(capsys):
     assert max(len(line) for line in text.splitlines()) <= 140  # readable: no screen-wide usage line
 
 
-def test_console_script_help():
+def _console_script(*args: str) -> subprocess.CompletedProcess:
     script = Path(sys.executable).parent / "hfnative-train"
-    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
+    return subprocess.run([str(script), *args], capture_output=True, text=True, timeout=120, env=SUBPROCESS_ENV)
+
+
+def test_console_script_help_without_library_noise():
+    done = _console_script("--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: hfnative-train sft") and "model arguments:" in done.stdout
+    # torchao's "Failed to load ..." and torch's pytree deprecation, logged while transformers imports torchao
+    # (the indented "Deprecated ..." lines are the help of deprecated flags, not a warning)
+    noise = [line for line in (done.stdout + done.stderr).splitlines()
+             if "Failed to load" in line or ("deprecat" in line.lower() and not line.startswith(" "))]
+    assert done.stderr == "" and not noise, noise
+
+
+def test_console_script_bad_flag_prints_one_line():
+    done = _console_script("--bogus")
+    lines = (done.stdout + done.stderr).splitlines()
+    assert done.returncode == 2
+    assert lines == ["hfnative-train: error: unknown argument '--bogus'; see hfnative-train sft --help"], lines
 
 
 # --- usage errors: one line on stderr, exit status 2 --------------------------------------------

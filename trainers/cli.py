@@ -19,6 +19,7 @@ import argparse
 import difflib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from copy import copy
 from dataclasses import dataclass, fields
@@ -101,6 +102,8 @@ class TrainingArgumentParser(HfArgumentParser):
         """The dataclass instances for ``args`` (after ``--config``'s values); raises UsageError."""
         config_path = _config_path(args)
         from_config = self._config_values(config_path) if config_path is not None else argparse.Namespace()
+        named = set(vars(from_config)) | {self._option_string_actions[a.split("=")[0]].dest  # what the user set
+                                          for a in args if a.split("=")[0] in self._option_string_actions}
         namespace, unknown = self.parse_known_args(args, namespace=from_config)  # flags overwrite config values
         if unknown:
             known = [o for a in self._actions for o in a.option_strings]
@@ -110,7 +113,10 @@ class TrainingArgumentParser(HfArgumentParser):
         for dtype in self.dataclass_types:
             values = {f.name: getattr(namespace, f.name) for f in fields(dtype) if f.init}
             try:
-                outputs.append(dtype(**values))
+                with warnings.catch_warnings():
+                    if "gradient_checkpointing" not in named:  # TRL's default for the old name, not the user's choice
+                        warnings.filterwarnings("ignore", "`gradient_checkpointing` is deprecated", FutureWarning)
+                    outputs.append(dtype(**values))
             except (ValueError, TypeError) as err:
                 raise UsageError(_explain_invalid_arguments(err)) from err
         return tuple(outputs)
