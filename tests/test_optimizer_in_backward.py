@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import get_scheduler
+from transformers import Adafactor, get_scheduler
 
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
@@ -38,7 +38,8 @@ def micro_batch_loss(model, input_ids):
 
 def run_plain(model, optim, batches, schedule="linear", optim_args=None, weight_decay=0.1, steps=STEPS):
     """The reference loop; returns per-step params, grad norms, scheduler LRs and losses."""
-    optimizer = build_optimizer(model, OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args))
+    settings = OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args, adafactor_class=Adafactor)
+    optimizer = build_optimizer(model, settings)
     scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     params = [p for p in model.parameters() if p.requires_grad]
     history = {"params": [], "grad_norm": [], "lr": [], "loss": []}
@@ -61,7 +62,7 @@ def run_plain(model, optim, batches, schedule="linear", optim_args=None, weight_
 def run_in_backward(model, optim, batches, schedule="linear", optim_args=None, weight_decay=0.1, steps=STEPS,
                     optimizer=None, scheduler=None, first_step=0):
     if optimizer is None:
-        settings = OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args)
+        settings = OptimizerSettings(optim, LR, weight_decay, optim_args=optim_args, adafactor_class=Adafactor)
         optimizer = OptimizerInBackward.from_model(model, settings)
         scheduler = get_scheduler(schedule, optimizer, WARMUP, steps)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -3,7 +3,6 @@ get_scheduler, built in trainers/)."""
 
 from hfnative.optim.factory import (
     SUPPORTED_OPTIMIZERS,
-    Adafactor,
     OptimizerSettings,
     build_optimizer,
     decay_parameter_names,
@@ -16,7 +15,6 @@ from hfnative.optim.factory import (
 
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
-    "Adafactor",
     "OptimizerSettings",
     "build_optimizer",
     "decay_parameter_names",

@@ -6,7 +6,6 @@ optimizer per parameter with the same class, kwargs and weight decay.
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -35,7 +34,11 @@ SUPPORTED_OPTIMIZERS = (
 
 @dataclass
 class OptimizerSettings:
-    """TrainingArguments' optimizer fields, with their names and defaults (trainers/ builds one per run)."""
+    """TrainingArguments' optimizer fields, with their names and defaults (trainers/ builds one per run).
+
+    adafactor_class: what ``optim="adafactor"`` builds: transformers.optimization.Adafactor, handed in by
+        trainers/ so the engine imports no transformers.
+    """
 
     optim: str = "adamw_torch_fused"
     learning_rate: float = 5e-5
@@ -44,123 +47,10 @@ class OptimizerSettings:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     optim_args: str | None = None
+    adafactor_class: type[torch.optim.Optimizer] | None = None
 
     def __post_init__(self):
         self.optim = str(getattr(self.optim, "value", self.optim))  # accepts transformers' OptimizerNames enum too
-
-
-class Adafactor(torch.optim.Optimizer):
-    """Adafactor with transformers' update rule, option names, defaults and state keys.
-
-    torch.optim.Adafactor is a different rule (its step size is always min(lr, 1/sqrt(t)) scaled by the
-    parameter RMS, and it adds eps1 elsewhere), so it cannot stand in for the Trainer's
-    scale_parameter=False, relative_step=False Adafactor.
-    Matrices (ndim >= 2) keep factored row/column second moments; other tensors keep a full one.
-    fp16/bf16 parameters are updated in fp32 and copied back.
-    """
-
-    def __init__(
-        self,
-        params,
-        lr: float | None = None,
-        eps: tuple[float, float] = (1e-30, 1e-3),
-        clip_threshold: float = 1.0,
-        decay_rate: float = -0.8,
-        beta1: float | None = None,
-        weight_decay: float = 0.0,
-        scale_parameter: bool = True,
-        relative_step: bool = True,
-        warmup_init: bool = False,
-    ):
-        if lr is not None and relative_step:
-            raise ValueError("Adafactor: pass lr=None with relative_step=True, or relative_step=False with an lr")
-        if lr is None and not relative_step:
-            raise ValueError("Adafactor: relative_step=False needs an lr")
-        if warmup_init and not relative_step:
-            raise ValueError("Adafactor: warmup_init=True needs relative_step=True")
-        defaults = {
-            "lr": lr,
-            "eps": eps,
-            "clip_threshold": clip_threshold,
-            "decay_rate": decay_rate,
-            "beta1": beta1,
-            "weight_decay": weight_decay,
-            "scale_parameter": scale_parameter,
-            "relative_step": relative_step,
-            "warmup_init": warmup_init,
-        }
-        super().__init__(params, defaults)
-
-    @staticmethod
-    def _rms(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.norm(2) / (tensor.numel() ** 0.5)
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError("Adafactor does not support sparse gradients")
-                self._update(param, group)
-        return loss
-
-    def _update(self, param: torch.Tensor, group: dict) -> None:
-        grad = param.grad.float() if param.grad.dtype in (torch.float16, torch.bfloat16) else param.grad
-        factored = grad.ndim >= 2
-        state = self.state[param]
-        if not state:
-            state["step"] = 0
-            if group["beta1"] is not None:
-                state["exp_avg"] = torch.zeros_like(grad)
-            if factored:
-                state["exp_avg_sq_row"] = grad.new_zeros(grad.shape[:-1])
-                state["exp_avg_sq_col"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:])
-            else:
-                state["exp_avg_sq"] = torch.zeros_like(grad)
-        else:
-            # load_state_dict casts state to the parameter's dtype (bf16 for bf16 params); keep it fp32
-            for key in ("exp_avg", "exp_avg_sq_row", "exp_avg_sq_col", "exp_avg_sq"):
-                if key in state:
-                    state[key] = state[key].to(grad)
-        param_fp32 = param.float() if param.dtype in (torch.float16, torch.bfloat16) else param
-
-        state["step"] += 1
-        step_size = group["lr"]
-        if group["relative_step"]:
-            min_step = 1e-6 * state["step"] if group["warmup_init"] else 1e-2
-            step_size = min(min_step, 1.0 / math.sqrt(state["step"]))
-        if group["scale_parameter"]:
-            step_size = max(group["eps"][1], self._rms(param_fp32)) * step_size
-
-        beta2t = 1.0 - math.pow(state["step"], group["decay_rate"])
-        update = grad**2 + group["eps"][0]
-        if factored:
-            row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2t).add_(update.mean(dim=-1), alpha=1.0 - beta2t)
-            col.mul_(beta2t).add_(update.mean(dim=-2), alpha=1.0 - beta2t)
-            # rank-1 estimate of the second moment: row * col / mean(row)
-            row_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            update = torch.mul(row_factor, col.unsqueeze(-2).rsqrt()).mul_(grad)
-        else:
-            exp_avg_sq = state["exp_avg_sq"]
-            exp_avg_sq.mul_(beta2t).add_(update, alpha=1.0 - beta2t)
-            update = exp_avg_sq.rsqrt().mul_(grad)
-        update.div_((self._rms(update) / group["clip_threshold"]).clamp_(min=1.0))
-        update.mul_(step_size)
-        if group["beta1"] is not None:
-            update = state["exp_avg"].mul_(group["beta1"]).add_(update, alpha=1 - group["beta1"])
-
-        if group["weight_decay"] != 0:
-            param_fp32.add_(param_fp32, alpha=-group["weight_decay"] * step_size)
-        param_fp32.add_(-update)
-        if param_fp32 is not param:
-            param.copy_(param_fp32)
 
 
 def _is_norm_module(module: nn.Module) -> bool:
@@ -248,7 +138,12 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
         kwargs.update({key: take(key, float) for key in float_keys if key in extra})
         kwargs.update({key: take(key, _to_bool) for key in bool_keys if key in extra})
     elif optim == "adafactor":
-        optimizer_cls = Adafactor
+        if settings.adafactor_class is None:
+            raise ValueError(
+                "optim='adafactor' needs OptimizerSettings(adafactor_class=transformers.optimization.Adafactor) "
+                "(hfnative's Trainer passes it)"
+            )
+        optimizer_cls = settings.adafactor_class
         # the Trainer's settings: an external learning rate, no scaling by parameter RMS
         kwargs.update({"scale_parameter": False, "relative_step": False})
     elif optim in ("adamw_torch_8bit", "adamw_torch_4bit", "adamw_8bit"):
