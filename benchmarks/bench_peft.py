@@ -7,7 +7,7 @@ runners get the same ``peft.LoraConfig`` (and the QLoRA runners the same 4-bit q
     ours-full  ours-lora  ours-qlora (NF4 base via torchao)
 
 Every run is its own child process (peak RSS is that runner's alone, VmHWM), runners alternate over
---rounds, and the setup, training arguments, timing and the results file are bench_sft.py's.
+--rounds, and the setup, training arguments, timing and the results file are the shared harness's (harness.py).
 
     python benchmarks/bench_peft.py --preset smoke
     python benchmarks/bench_peft.py --preset 100m --write-results
@@ -22,37 +22,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.metadata
-import json
-import os
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import datasets
-import torch
 import transformers
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_sft import (  # noqa: E402  (benchmarks/ is not a package)
+from harness import (  # noqa: E402  (benchmarks/ is not a package)
     PRESETS,
-    RESULTS,
     Shape,
-    _max_relative_difference,
-    _Unavailable,
+    Unavailable,
     add_run_arguments,
-    append_results,
-    build_dataset,
-    build_model,
     child_main,
+    finish,
+    loss_rows,
     machine_description,
+    max_relative_difference,
+    not_finished_line,
+    package_version,
+    prepare_workload,
     rss_mib,
-    run_child,
+    run_notes,
+    run_rounds,
+    start_parent,
     train_and_measure,
     training_arguments,
+    work_folder,
 )
 
 RUNNERS = ("trl-full", "trl-lora", "trl-qlora", "ours-full", "ours-lora", "ours-qlora")
@@ -94,7 +92,7 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
         except ImportError as error:  # bitsandbytes missing or without a backend for this device
             if method != "qlora":
                 raise
-            raise _Unavailable(f"TRL 4-bit needs bitsandbytes: {type(error).__name__}: {error}") from error
+            raise Unavailable(f"TRL 4-bit needs bitsandbytes: {type(error).__name__}: {error}") from error
     else:
         import hfnative
 
@@ -124,8 +122,7 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
         runs = [r for r in results if r["runner"] == runner]
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
-            reason = (runs[0].get("note") or "").strip().splitlines()[-1:] if runs else ["not run"]
-            lines.append(f"{runner:<12}{runs[0]['status'] if runs else 'skipped':>14}  {' '.join(reason)}")
+            lines.append(not_finished_line(runner, runs, runner_width=12, status_width=14))
             continue
         rates = [r["tokens_per_second"] for r in ok]
         summary[runner] = s = {
@@ -163,17 +160,15 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
         lines += ["", "per-step loss (maxrel: the largest relative difference to the TRL runner of the same method over all",
                   "steps; it must be fp32 round-off for full fine-tuning, while LoRA runs part after step 1 because peft",
                   "and hfnative draw lora_A from different random streams):"]
-        widths = [max(12, len(n) + 2) for n in names]
-        lines.append(f"{'step':>6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths)))
-        for i in range(len(summary[reference]["losses"])):
-            row = [summary[n]["losses"][i] if i < len(summary[n]["losses"]) else float("nan") for n in names]
-            lines.append(f"{i + 1:>6}" + "".join(f"{v:>{w}.6f}" for v, w in zip(row, widths)))
+        rows, widths = loss_rows({n: summary[n]["losses"] for n in names}, range(len(summary[reference]["losses"])),
+                                 min_width=12)
+        lines += rows
         peers = {n: n.replace("ours-", "trl-") for n in names if n.startswith("ours-")}
         lines.append(f"{'maxrel':>6}" + "".join(
-            f"{_max_relative_difference(summary[n]['losses'], summary[peers[n]]['losses']):>{w}.2e}"
+            f"{max_relative_difference(summary[n]['losses'], summary[peers[n]]['losses']):>{w}.2e}"
             if peers.get(n) in summary else f"{'':>{w}}" for n, w in zip(names, widths)))
 
-    notes = sorted({f"{r['runner']}: {n}" for r in results for n in r.get("notes", [])})
+    notes = sorted(run_notes(results))
     for ours in ("ours-full", "ours-lora", "ours-qlora"):
         peer = ours.replace("ours-", "trl-")
         if ours in summary and peer in summary and summary[ours]["trainable"] != summary[peer]["trainable"]:
@@ -186,20 +181,13 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
     return "\n".join(lines)
 
 
-def _version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
     machine = machine_description("cpu")
     return "\n".join([
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}",
         f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}, "
-        f"trl {machine['trl']}, peft {_version('peft')}, torchao {_version('torchao')}, "
-        f"bitsandbytes {_version('bitsandbytes')}; date {machine['date']}; load average {machine['load_average']}",
+        f"trl {machine['trl']}, peft {package_version('peft')}, torchao {package_version('torchao')}, "
+        f"bitsandbytes {package_version('bitsandbytes')}; date {machine['date']}; load average {machine['load_average']}",
         f"model: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
         f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, tied; "
         f"{total_params / 1e6:.2f}M parameters",
@@ -218,74 +206,36 @@ def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PEFT_PRESETS), default="100m")
-    parser.add_argument("--rounds", type=int, default=1, help="each round runs every runner once, in turn")
     parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated subset of {','.join(RUNNERS)}")
-    parser.add_argument("--max_grad_norm", "--max-grad-norm", type=float, default=1.0, help="the same for every runner")
-    for name in ("seq", "batch", "steps", "warmup"):
-        parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
-    add_run_arguments(parser, timeout=1800)
+    add_run_arguments(parser, timeout=1800, rounds=1, overrides=("seq", "batch", "steps", "warmup"))
     return parser.parse_args(argv)
 
 
 def main() -> None:
     cli = parse_args()
     if cli.child:
-        child_main(cli.child, Path(cli.spec), Path(cli.out), train=train_peft)
+        child_main(cli, train=train_peft)
         return
 
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    if cli.threads:
-        torch.set_num_threads(cli.threads)
-    shape = dataclasses.replace(PEFT_PRESETS[cli.preset], **{k: getattr(cli, k) for k in ("seq", "batch", "steps", "warmup")
-                                                              if getattr(cli, k) is not None})
-    if not 1 <= shape.warmup < shape.steps:
-        sys.exit(f"--warmup must be in [1, steps); got warmup {shape.warmup}, steps {shape.steps}")
+    shape = start_parent(cli, PEFT_PRESETS)
     runners = cli.runners.split(",")
     unknown = [r for r in runners if r not in RUNNERS]
     if unknown:
         sys.exit(f"--runners: unknown runner(s) {', '.join(unknown)}; use a subset of {','.join(RUNNERS)}")
 
-    work = Path(tempfile.mkdtemp(prefix="bench_peft_"))
-    try:
-        model_dir, data_dir = work / "model", work / "data"
-        total_params = build_model(shape, model_dir, cli.seed)
-        data = build_dataset(shape, data_dir, packing=False, seed=cli.seed)
-        setup = describe_setup(cli, shape, total_params, data)
+    with work_folder("bench_peft_", cli.keep) as work:
+        workload = prepare_workload(work, shape, cli, device="cpu", packing=False)
+        setup = describe_setup(cli, shape, workload.parameters, workload.data)
         print(setup, flush=True)
 
-        spec = {"device": "cpu", "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
-                "data_dir": str(data_dir), "work_dir": str(work), "packing": False,
-                "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
-        spec_path = work / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        results = []
-        for round_index in range(cli.rounds):
-            for runner in runners:
-                if round_index and any(r["runner"] == runner and r["status"] != "ok" for r in results):
-                    continue  # failed or unavailable once: do not retry every round
-                result = run_child(runner, spec_path, work / "result.json", cli.timeout, script=__file__)
-                results.append(result)
-                shown = (f"peak RSS {result['peak_rss_mib']:,.0f} MiB, {result['tokens_per_second']:,.0f} tokens/s, "
-                         f"final loss {result['losses'][-1]:.6f}") if result["status"] == "ok" else result.get("note", "")
-                print(f"round {round_index + 1}/{cli.rounds} {runner}: {result['status']} {shown}", flush=True)
+        def shown(result: dict) -> str:
+            return (f"peak RSS {result['peak_rss_mib']:,.0f} MiB, {result['tokens_per_second']:,.0f} tokens/s, "
+                    f"final loss {result['losses'][-1]:.6f}")
 
-        report = summarize(results, runners, total_params)
-        setup += f"\nload average after: {[round(x, 2) for x in os.getloadavg()]}; rounds {cli.rounds}"
-        print("\n" + report)
-        if cli.write_results and not any(r["status"] == "ok" for r in results):
-            print("\nnothing to write: no runner finished")
-        elif cli.write_results:
-            title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`), preset `{cli.preset}`, cpu"
-            if cli.preset == "smoke":
-                title += " — SMOKE RUN (checks the script end to end; not a measurement)"
-            append_results(title, setup, report, script=__file__)
-            print(f"\nappended to {RESULTS}")
-    finally:
-        if cli.keep:
-            print(f"kept {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        results = run_rounds(runners, workload, cli, __file__, shown)
+        report = summarize(results, runners, workload.parameters)
+        title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`), preset `{cli.preset}`, cpu"
+        finish(cli, setup, report, results, title, __file__)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,493 @@
+"""The measurement harness every benchmark script here shares.
+
+A benchmark script names its runners and how one runner trains (``train(runner, spec, notes) -> metrics``);
+this module does the rest the same way for all of them:
+
+- the workload: a Qwen3-shaped model (``Shape``, ``PRESETS``) saved once with random weights, token rows
+  cut from examples/data/sft_text.jsonl, the TrainingArguments every runner gets;
+- the measurement: step times (after a device sync on CUDA), trained tokens, peak RSS (VmHWM), peak live
+  heap (glibc mallinfo2, sampled), peak CUDA memory;
+- the orchestration: each run of each runner in its own child process (``script --child runner``), runners
+  alternating over rounds, a failed or unavailable runner reported and never retried;
+- the report: machine and library versions, result table helpers, appending to RESULTS.md;
+- the command-line options all scripts share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import resource
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import hfnative  # noqa: F401  (first: importing it drops torchao's import-time noise that transformers triggers)
+import datasets
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, TrainerCallback
+
+from hfnative.allocator import heap_stats
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_DIR = ROOT / "examples" / "tiny-qwen3"  # a BPE tokenizer (ids < 1024) the runners load
+CORPUS = ROOT / "examples" / "data" / "sft_text.jsonl"
+RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+
+
+@dataclasses.dataclass
+class Shape:
+    """A Qwen3-shaped model and the training batch it sees."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    seq: int
+    batch: int
+    steps: int
+    warmup: int
+
+
+PRESETS = {
+    "smoke": Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024,
+                   seq=64, batch=8, steps=5, warmup=2),
+    "reference": Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=32000,
+                       seq=256, batch=8, steps=30, warmup=3),
+    "vocab152k": Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=151936,
+                       seq=256, batch=8, steps=30, warmup=3),
+    # 24.6M embedding + 12 x 6.29M blocks = 100.1M parameters
+    "100m": Shape(hidden=768, layers=12, heads=12, kv_heads=4, head_dim=64, intermediate=2048, vocab=32000,
+                  seq=256, batch=8, steps=10, warmup=2),
+    # Qwen3-0.6B's shape, for --device cuda
+    "qwen3_0.6b": Shape(hidden=1024, layers=28, heads=16, kv_heads=8, head_dim=128, intermediate=3072, vocab=151936,
+                        seq=2048, batch=8, steps=30, warmup=5),
+}
+
+
+# ------------------------------------------------------------------------------------------------
+# memory (used by parent and children)
+
+
+def rss_mib(field: str = "VmRSS") -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM, not ru_maxrss: Linux carries ru_maxrss across fork + exec, so
+    a child's ru_maxrss is at least the parent's RSS when it forked."""
+    peak = rss_mib("VmHWM")
+    return peak if peak == peak else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class HeapPeak:
+    """Peak of the bytes malloc has handed out and not yet taken back (glibc's mallinfo2: in-use heap
+    chunks + mmapped chunks), sampled on a thread every ``interval`` seconds while running.
+
+    The CPU counterpart of torch.cuda.max_memory_allocated: the live set, whatever the allocator keeps
+    cached and without the ~0.5 GB of library code and interpreter memory that RSS also counts.
+    ``peak_mib`` is None where the C library is not glibc >= 2.33.
+    """
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak_bytes = interval, 0
+        self.available = heap_stats() is not None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, heap_stats().in_use)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self):
+        if self.available:
+            self._sample()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.available:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+
+    @property
+    def peak_mib(self) -> float | None:
+        return self.peak_bytes / 2**20 if self.available else None
+
+
+def package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def machine_description(device: str) -> dict:
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "transformers": package_version("transformers"),
+        "trl": package_version("trl"),
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ------------------------------------------------------------------------------------------------
+# the workload: model, data, training arguments
+
+
+def build_model(shape: Shape, folder: Path, seed: int) -> int:
+    """Save a randomly initialised Qwen3 (fp32, tied embeddings) and the tiny tokenizer to ``folder``."""
+    config = Qwen3Config(
+        vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate, max_position_embeddings=max(shape.seq, 2048),
+        tie_word_embeddings=True, pad_token_id=0, eos_token_id=2, bos_token_id=None, dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TOKENIZER_DIR / name, folder / name)
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_dataset(shape: Shape, folder: Path, packing: bool, seed: int) -> dict:
+    """Token rows from examples/data/sft_text.jsonl (each text + EOS, cycled).
+
+    Without packing: rows of exactly ``seq`` tokens cut from the token stream, so no runner pads.
+    With packing: one row per document (variable length); the trainers pack them to ``seq``.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    with open(CORPUS) as f:
+        texts = [json.loads(line)["text"] for line in f]
+    documents = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    if any(tokenizer.pad_token_id in doc for doc in documents):
+        raise RuntimeError("the corpus contains the pad token; transformers' collator would mask it")
+    needed = int(shape.steps * shape.batch * shape.seq * 1.2) + shape.seq
+    rng = random.Random(seed)
+    rows, total = [], 0
+    while total < needed:  # cycle the corpus, reshuffled each pass
+        order = list(range(len(documents)))
+        rng.shuffle(order)
+        for i in order:
+            rows.append(documents[i])
+            total += len(documents[i])
+    if not packing:
+        stream = [t for doc in rows for t in doc]
+        rows = [stream[i : i + shape.seq] for i in range(0, len(stream) - shape.seq + 1, shape.seq)]
+    datasets.Dataset.from_dict({"input_ids": rows}).save_to_disk(str(folder))
+    return {"rows": len(rows), "tokens": sum(len(r) for r in rows)}
+
+
+@dataclasses.dataclass
+class Workload:
+    """What ``prepare_workload`` saved: the model's parameter count, the data's size, the children's spec file."""
+
+    parameters: int
+    data: dict
+    spec_path: Path
+
+
+def prepare_workload(work: Path, shape: Shape, cli, device: str, packing: bool, **spec_extra) -> Workload:
+    """Save the model and data under ``work`` and the spec every child process reads."""
+    model_dir, data_dir = work / "model", work / "data"
+    parameters = build_model(shape, model_dir, cli.seed)
+    data = build_dataset(shape, data_dir, packing, cli.seed)
+    spec = {"device": device, "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
+            "data_dir": str(data_dir), "work_dir": str(work), "packing": packing, **spec_extra,
+            "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    return Workload(parameters, data, spec_path)
+
+
+def training_arguments(runner: str, spec: dict) -> dict:
+    """The TrainingArguments every runner gets (the SFT-specific ones come on top)."""
+    shape, is_cuda = Shape(**spec["shape"]), spec["device"] == "cuda"
+    return dict(
+        output_dir=str(Path(spec["work_dir"]) / f"out-{runner.replace(':', '-')}"),
+        use_cpu=not is_cuda, bf16=is_cuda, report_to="none", save_strategy="no", disable_tqdm=True,
+        logging_steps=1, max_steps=shape.steps, per_device_train_batch_size=shape.batch,
+        gradient_accumulation_steps=1, learning_rate=1e-3, optim="adamw_torch", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
+        dataloader_num_workers=0,
+        # both names: transformers 5 resolves gradient_checkpointing into activation_checkpointing
+        gradient_checkpointing=spec.get("checkpointing", False), activation_checkpointing=spec.get("checkpointing", False),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# one training run, measured (in the child)
+
+
+def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: bool = False) -> tuple[dict, "_StepClock"]:
+    """``trainer.train()`` with a step clock and a token counter: losses, tokens/s after the warm-up steps,
+    peak memory. Also returns the clock (it knows whether gradients were present before each step)."""
+    counter = _CountingCollator(trainer.data_collator)
+    trainer.data_collator = counter
+    clock = _StepClock(is_cuda, watch_gradients=watch_gradients)
+    trainer.add_callback(clock)
+    if is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    with HeapPeak() as heap:
+        trainer.train()
+
+    steps = [e for e in trainer.state.log_history if "loss" in e and "train_loss" not in e]
+    if len(clock.step_end_times) < shape.steps:
+        raise RuntimeError(f"only {len(clock.step_end_times)} of {shape.steps} steps ran")
+    warmup, times = shape.warmup, clock.step_end_times
+    timed_seconds = times[shape.steps - 1] - times[warmup - 1]
+    timed_tokens = sum(counter.tokens[warmup : shape.steps])  # gradient_accumulation_steps == 1
+    per_step_rates = [counter.tokens[i] / (times[i] - times[i - 1]) for i in range(warmup, shape.steps)]
+    return {
+        "losses": [e["loss"] for e in steps],
+        "grad_norms": [e.get("grad_norm") for e in steps],
+        "tokens_per_second": timed_tokens / timed_seconds,
+        "timed_tokens": timed_tokens,
+        "timed_seconds": timed_seconds,
+        "median_step_tokens_per_second": statistics.median(per_step_rates),  # robust to a preempted step
+        "step_seconds": [b - a for a, b in zip(times, times[1:])],
+        "peak_rss_mib": peak_rss_mib(),
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if is_cuda else None,
+        "peak_heap_mib": heap.peak_mib,
+        "activation_checkpointing": _checkpointing_on(trainer),
+        "torch_threads": torch.get_num_threads(),
+    }, clock
+
+
+class _CountingCollator:
+    """Wraps a collator; remembers the trained input tokens of every batch, in order."""
+
+    def __init__(self, inner):
+        self.inner, self.tokens = inner, []
+
+    def __call__(self, features):
+        batch = self.inner(features)
+        mask = batch.get("attention_mask")
+        self.tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        return batch
+
+
+class _StepClock(TrainerCallback):
+    """Wall-clock time at the end of every optimizer step (after a device sync on CUDA)."""
+
+    def __init__(self, sync: bool, watch_gradients: bool = False):
+        self.sync, self.watch_gradients = sync, watch_gradients
+        self.step_end_times: list[float] = []
+        self.gradients_seen_before_step = False
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if self.watch_gradients and model is not None:
+            self.gradients_seen_before_step |= any(p.grad is not None for p in model.parameters())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.sync:
+            torch.cuda.synchronize()
+        self.step_end_times.append(time.perf_counter())
+
+
+def _checkpointing_on(trainer) -> bool:
+    model = trainer.model
+    if hasattr(model, "checkpointed_layers"):  # hfnative's Transformer
+        return bool(model.checkpointed_layers)
+    return bool(getattr(model, "is_gradient_checkpointing", False))
+
+
+# ------------------------------------------------------------------------------------------------
+# child processes, rounds
+
+
+class Unavailable(Exception):
+    """A variant the trainer does not offer (yet): reported, never fatal."""
+
+
+def child_main(cli, train: Callable[[str, dict, list], dict]) -> None:
+    """Child process: ``train(runner, spec, notes) -> metrics`` for ``--child``, written as JSON to ``--out``."""
+    spec = json.loads(Path(cli.spec).read_text())
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    result = {"runner": cli.child, "status": "ok", "notes": []}
+    try:
+        result.update(train(cli.child, spec, result["notes"]))
+    except Unavailable as unavailable:
+        result.update(status="unavailable", note=str(unavailable))
+    Path(cli.out).write_text(json.dumps(result))
+
+
+def run_child(runner: str, spec_path: Path, out_path: Path, timeout: float, script: str) -> dict:
+    """Run ``script --child runner`` in a fresh process; its result JSON, or a failed entry with the stderr tail."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
+    command = [sys.executable, script, "--child", runner, "--spec", str(spec_path), "--out", str(out_path)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"runner": runner, "status": "failed", "note": f"timed out after {timeout:.0f} s"}
+    if out_path.exists():
+        result = json.loads(out_path.read_text())
+        out_path.unlink()
+        return result
+    tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
+    return {"runner": runner, "status": "failed", "note": f"exit {done.returncode}: " + "\n".join(tail)}
+
+
+def run_rounds(runners: list[str], workload: Workload, cli, script: str, shown: Callable[[dict], str]) -> list[dict]:
+    """Every runner once per round, in turn, each in its own process; ``shown(result)`` is printed per
+    finished run. A runner that failed or was unavailable is not retried in later rounds."""
+    results = []
+    for round_index in range(cli.rounds):
+        for runner in runners:
+            if round_index and any(r["runner"] == runner and r["status"] != "ok" for r in results):
+                continue
+            result = run_child(runner, workload.spec_path, workload.spec_path.parent / "result.json", cli.timeout, script)
+            results.append(result)
+            detail = shown(result) if result["status"] == "ok" else result.get("note", "")
+            print(f"round {round_index + 1}/{cli.rounds} {runner}: {result['status']} {detail}", flush=True)
+    return results
+
+
+@contextlib.contextmanager
+def work_folder(prefix: str, keep: bool):
+    """A temporary folder for the model, data and outputs; removed afterwards unless ``keep``."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def start_parent(cli, presets: dict[str, Shape]) -> Shape:
+    """Quiet progress bars, set torch's threads; the preset's shape with the command line's overrides."""
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    overrides = {k: getattr(cli, k) for k in ("seq", "batch", "steps", "warmup", "vocab") if getattr(cli, k, None) is not None}
+    shape = dataclasses.replace(presets[cli.preset], **overrides)
+    if not 1 <= shape.warmup < shape.steps:
+        sys.exit(f"--warmup must be in [1, steps); got warmup {shape.warmup}, steps {shape.steps}")
+    return shape
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def max_relative_difference(a: list, b: list) -> float:
+    pairs = [(x, y) for x, y in zip(a, b) if x is not None and y is not None]
+    if not pairs or len(a) != len(b):
+        return float("nan")
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs)
+
+
+def not_finished_line(runner: str, runs: list[dict], runner_width: int, status_width: int) -> str:
+    """The table row of a runner with no finished run: its status and the last line of its note."""
+    note = (runs[0].get("note") or "").strip() if runs else "not run"
+    status = runs[0]["status"] if runs else "skipped"
+    return f"{runner:<{runner_width}}{status:>{status_width}}  {note.splitlines()[-1] if note else ''}"
+
+
+def loss_rows(losses: dict[str, list], steps, min_width: int) -> tuple[list[str], list[int]]:
+    """A per-step loss table, one column per runner: header and the rows for ``steps`` (0-based), and the
+    column widths (for a summary row below it)."""
+    names = list(losses)
+    widths = [max(min_width, len(n) + 2) for n in names]
+    lines = [f"{'step':>6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths))]
+    for i in steps:
+        row = [losses[n][i] if i < len(losses[n]) else float("nan") for n in names]
+        lines.append(f"{i + 1:>6}" + "".join(f"{v:>{w}.6f}" for v, w in zip(row, widths)))
+    return lines, widths
+
+
+def run_notes(results: list[dict]) -> set[str]:
+    """Every run's notes, as ``runner: note``."""
+    return {f"{r['runner']}: {n}" for r in results for n in r.get("notes", [])}
+
+
+def finish(cli, setup: str, report: str, results: list[dict], title: str, script: str) -> None:
+    """Print the report; with --write-results append it to RESULTS.md under ``title`` (marked when smoke)."""
+    setup += f"\nload average after: {[round(x, 2) for x in os.getloadavg()]}; rounds {cli.rounds}"
+    print("\n" + report)
+    if cli.write_results and not any(r["status"] == "ok" for r in results):
+        print("\nnothing to write: no runner finished")
+    elif cli.write_results:
+        if cli.preset == "smoke":
+            title += " — SMOKE RUN (checks the script end to end; not a measurement)"
+        append_results(title, setup, report, script)
+        print(f"\nappended to {RESULTS}")
+
+
+def append_results(title: str, setup: str, report: str, script: str) -> None:
+    """Append a dated section to RESULTS.md: the title, the exact command line of ``script``, setup and report."""
+    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(script, ROOT), *sys.argv[1:]])
+    if not RESULTS.exists():
+        RESULTS.write_text("# SFT benchmark results\n\n")
+    with open(RESULTS, "a") as f:
+        f.write(f"\n{title}\n\nCommand: `{command}`\n\n```\n{setup}\n\n{report}\n```\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, timeout: float, rounds: int, overrides: tuple[str, ...]) -> None:
+    """The options every benchmark script here shares: rounds, gradient clipping, the preset ``overrides``,
+    seed, threads, per-runner timeout, results file, keeping the work folder, and the hidden ones a child
+    process is started with."""
+    parser.add_argument("--rounds", type=int, default=rounds, help="each round runs every runner once, in turn")
+    parser.add_argument("--max_grad_norm", "--max-grad-norm", type=float, default=1.0,
+                        help="the same for every runner; 0 turns clipping off")
+    for name in overrides:
+        parser.add_argument(f"--{name}", type=int, default=None, help="override the preset")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads in every process (0: torch's default)")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds per runner process")
+    parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
