@@ -15,9 +15,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
 
 from .families import Piece, model_pieces
-from .loading import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, ConvertedModel
+from .loading import SAFETENSORS_INDEX, ConvertedModel
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -31,18 +32,6 @@ TOKENIZER_FILES = (
     "added_tokens.json",
 )
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-def parse_size(size: int | str) -> int:
-    """'5GB' / '500MB' / '10KiB' / an int -> bytes."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
 
 
 def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -70,19 +59,6 @@ def _numel(pieces: list[Piece], native: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() for t in tensors)
 
 
-def _plan_shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
-    shards, current, current_bytes = [], [], 0
-    for key, size in sizes.items():
-        if current and current_bytes + size > max_bytes:
-            shards.append(current)
-            current, current_bytes = [], 0
-        current.append(key)
-        current_bytes += size
-    if current:
-        shards.append(current)
-    return shards
-
-
 def write_atomically(path: Path, write) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -94,33 +70,33 @@ def write_atomically(path: Path, write) -> None:
 
 
 def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int | str = "5GB") -> list[str]:
-    """Write the weights as safetensors shards; returns the file names written."""
+    """Write the weights as safetensors shards, split as transformers' save_pretrained splits them
+    (``max_shard_size``: bytes, or a string such as "5GB"); returns the file names written."""
     from safetensors.torch import save_file
 
     native = dict(converted.model.state_dict())
     pieces_of = hub_state_dict_pieces(converted)
-    numels = {key: _numel(pieces, native) for key, pieces in pieces_of.items()}
-    sizes = {key: numel * native[pieces_of[key][0].native_key].element_size() for key, numel in numels.items()}
-    shards = _plan_shards(sizes, parse_size(max_shard_size))
-    names = (
-        [SAFETENSORS_SINGLE]
-        if len(shards) == 1
-        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    )
-    for name, keys in zip(names, shards):
+    # the split needs only each Hub tensor's size and dtype: empty meta tensors stand in for them
+    stand_ins = {
+        key: torch.empty(_numel(pieces, native), dtype=native[pieces[0].native_key].dtype, device="meta")
+        for key, pieces in pieces_of.items()
+    }
+    split = split_torch_state_dict_into_shards(stand_ins, max_shard_size=max_shard_size)
+    for name, keys in split.filename_to_tensors.items():
         tensors = {key: hub_tensor(pieces_of[key], native).to("cpu").contiguous() for key in keys}
         write_atomically(out_dir / name, lambda tmp, shard=tensors: save_file(shard, str(tmp), metadata={"format": "pt"}))
         del tensors  # one shard in memory at a time
     stale_index = out_dir / SAFETENSORS_INDEX
-    if len(shards) > 1:
+    if split.is_sharded:
+        total_parameters = sum(tensor.numel() for tensor in stand_ins.values())
         index = {
-            "metadata": {"total_size": sum(sizes.values()), "total_parameters": sum(numels.values())},
-            "weight_map": {key: name for name, keys in zip(names, shards) for key in keys},
+            "metadata": {**split.metadata, "total_parameters": total_parameters},
+            "weight_map": split.tensor_to_filename,
         }
         write_atomically(stale_index, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
     elif stale_index.exists():
         stale_index.unlink()
-    return names
+    return list(split.filename_to_tensors)
 
 
 def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
