@@ -1,11 +1,12 @@
-"""README.md model cards with Hub metadata (base_model, library_name, tags, datasets)."""
+"""README.md model cards: huggingface_hub's ModelCardData holds the Hub metadata (base_model,
+library_name, tags, datasets) and ModelCard renders the text below, laid out as TRL's card."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-import yaml
+from huggingface_hub import ModelCard, ModelCardData
 
 from hfnative.converters.hub import HUB_ID
 
@@ -28,64 +29,60 @@ _CARD_ARGS = (
     "beta",
 )
 
+# a Jinja template for ModelCard.from_template; base_model and model_name come from the card data
+_TEMPLATE = """\
+---
+{{ card_data }}
+---
+
+# Model Card for {{ model_name }}
+
+This model is {{ "a LoRA adapter for" if adapter else "a fine-tuned version of" }} \
+{% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}.
+
+It was trained with {{ algorithm }} using [hfnative](https://pypi.org/project/hfnative/), a drop-in, \
+Hugging Face-compatible post-training engine.
+{% if adapter and base_model %}
+## Quick start
+
+```python
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{{ base_model }}"), "{{ repo_id }}")
+```
+{% elif not adapter %}
+## Quick start
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{{ repo_id }}")
+```
+{% endif %}
+## Training hyperparameters
+
+| hyperparameter | value |
+|---|---|
+{% for name, value in hyperparameters.items() %}| {{ name }} | {{ value }} |
+{% endfor %}{% if results %}
+## Final metrics
+
+| metric | value |
+|---|---|
+{% for name, value in results.items() %}| {{ name }} | {{ value }} |
+{% endfor %}{% endif %}
+## Framework versions
+
+{% for name, version in versions.items() %}- {{ name }}: {{ version }}
+{% endfor %}"""
+
 
 def hub_id(name_or_path: str | None) -> str | None:
     """``name_or_path`` when it names a Hub repository; None for local files and folders."""
     if not name_or_path or os.path.exists(name_or_path) or not HUB_ID.match(str(name_or_path)):
         return None
     return str(name_or_path)
-
-
-def card_metadata(
-    base_model: str | None,
-    tags: list[str],
-    datasets: list[str] | None,
-    model_name: str,
-    *,
-    adapter: bool = False,
-    license: str | None = None,
-    language: str | list[str] | None = None,
-) -> dict:
-    """The README's YAML front matter, in the Hub's metadata names."""
-    metadata = {"library_name": "peft" if adapter else "transformers", "model_name": model_name, "tags": tags}
-    if base_model:
-        metadata["base_model"] = base_model
-    if datasets:
-        metadata["datasets"] = datasets
-    if license:
-        metadata["license"] = license
-    if language:
-        metadata["language"] = language
-    return metadata
-
-
-def render_model_card(
-    metadata: dict, *, algorithm: str, hyperparameters: dict, results: dict, adapter: bool = False, repo_id: str | None = None
-) -> str:
-    """The card's text; ``repo_id`` (the Hub repository, when known) is what the quick start loads."""
-    base = metadata.get("base_model")
-    name = metadata["model_name"]
-    repo_id = repo_id or name
-    lines = ["---", yaml.safe_dump(metadata, sort_keys=True).strip(), "---", "", f"# {name}", ""]
-    what = "a LoRA adapter for" if adapter else "a fine-tuned version of"
-    lines.append(
-        f"This model is {what} [{base}](https://huggingface.co/{base})." if base else f"This model is {what} a local base model."
-    )
-    lines += ["", f"It was trained with {algorithm} using [hfnative](https://pypi.org/project/hfnative/), a drop-in, "
-              "Hugging Face-compatible post-training engine.", ""]
-    if adapter and base:
-        lines += ["## Quick start", "", "```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM", "",
-                  f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{base}"), "{repo_id}")', "```", ""]
-    elif not adapter:
-        lines += ["## Quick start", "", "```python", "from transformers import pipeline", "",
-                  f'generator = pipeline("text-generation", model="{repo_id}")', "```", ""]
-    lines += ["## Training hyperparameters", "", "| hyperparameter | value |", "|---|---|"]
-    lines += [f"| {k} | {v} |" for k, v in hyperparameters.items()]
-    if results:
-        lines += ["", "## Final metrics", "", "| metric | value |", "|---|---|"]
-        lines += [f"| {k} | {v:.6g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in results.items()]
-    lines += ["", "## Framework versions", ""] + [f"- {k}: {v}" for k, v in _versions().items()] + [""]
-    return "\n".join(lines)
 
 
 def _versions() -> dict:
@@ -134,20 +131,29 @@ def write_model_card(
     if adapter is None:
         adapter = (output_dir / "adapter_config.json").exists()
     config = getattr(trainer.converted, "config", None)
-    base_model = hub_id(finetuned_from or getattr(config, "_name_or_path", None))
-    model_name = model_name or (args.hub_model_id or Path(args.output_dir).name).split("/")[-1]
     names = _as_list(dataset_name) + _as_list(dataset) or trainer.dataset_names() or []
-    datasets = [name for name in map(hub_id, names) if name]
-    all_tags = list(dict.fromkeys(trainer.model_tags() + _as_list(tags)))
-    metadata = card_metadata(base_model, all_tags, datasets, model_name, adapter=adapter, license=license, language=language)
+    card_data = ModelCardData(
+        base_model=hub_id(finetuned_from or getattr(config, "_name_or_path", None)),
+        datasets=[name for name in map(hub_id, names) if name] or None,
+        language=language,
+        library_name="peft" if adapter else "transformers",
+        license=license,
+        model_name=model_name or (args.hub_model_id or Path(args.output_dir).name).split("/")[-1],
+        tags=list(dict.fromkeys(trainer.model_tags() + _as_list(tags))),
+    )
     hyperparameters = {k: getattr(args, k) for k in _CARD_ARGS if hasattr(args, k)}
-    hyperparameters = {k: str(getattr(v, "value", v)) for k, v in hyperparameters.items()}
-    text = render_model_card(
-        metadata, algorithm=trainer.algorithm_name, hyperparameters=hyperparameters,
-        results=_final_metrics(trainer.state.log_history), adapter=adapter,
-        repo_id=getattr(trainer, "hub_model_id", None) or args.hub_model_id,
+    results = _final_metrics(trainer.state.log_history)
+    card = ModelCard.from_template(
+        card_data,
+        template_str=_TEMPLATE,
+        adapter=adapter,
+        algorithm=trainer.algorithm_name,
+        repo_id=getattr(trainer, "hub_model_id", None) or args.hub_model_id or card_data.model_name,
+        hyperparameters={k: str(getattr(v, "value", v)) for k, v in hyperparameters.items()},
+        results={k: f"{v:.6g}" if isinstance(v, float) else v for k, v in results.items()},
+        versions=_versions(),
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "README.md"
-    path.write_text(text)
+    card.save(path)
     return path
