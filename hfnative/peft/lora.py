@@ -16,10 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .quantize import dequantize, frozen_linear
+from .quantize import FrozenLinear, dequantize
 
 
-class LoraLinear(nn.Linear):
+class LoraLinear(FrozenLinear):
     """A frozen linear with a low-rank adapter; ``adapter_enabled = False`` runs the base alone.
 
     lora_A: pass an existing parameter to share it (a fused Hub projection such as Phi-3's qkv_proj
@@ -75,7 +75,7 @@ class LoraLinear(nn.Linear):
         return torch.linalg.norm(merged, dim=1).to(merged.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = frozen_linear(x, self.weight, self.bias)
+        result = super().forward(x)  # the frozen base, plain or NF4
         if not self.adapter_enabled:
             return result
         result_dtype = result.dtype

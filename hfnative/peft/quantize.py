@@ -68,7 +68,18 @@ def to_nf4_parameter(weight: torch.Tensor, compute_dtype: torch.dtype, name: str
     return nn.Parameter(nf4, requires_grad=False)
 
 
-class NF4Linear(nn.Linear):
+class FrozenLinear(nn.Linear):
+    """An nn.Linear computed through ``frozen_linear``, so its weight may be plain or NF4.
+
+    quantize_base_nf4 swaps the weight of such a layer in place (a LoraLinear keeps its adapter) and
+    replaces any other nn.Linear by an NF4Linear.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return frozen_linear(x, self.weight, self.bias)
+
+
+class NF4Linear(FrozenLinear):
     """A frozen nn.Linear whose weight is NF4 (the same ``weight``/``bias`` names, so key maps still apply)."""
 
     def __init__(self, base: nn.Linear, compute_dtype: torch.dtype, name: str = "weight"):
@@ -76,9 +87,6 @@ class NF4Linear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = to_nf4_parameter(base.weight, compute_dtype, name)
         self.bias = base.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return frozen_linear(x, self.weight, self.bias)
 
 
 def quantize_base_nf4(
@@ -95,8 +103,6 @@ def quantize_base_nf4(
     copy (modules_to_save). A LoRA layer keeps its adapter and gets an NF4 base. Stacked expert weights
     ([E, ...]) are not quantized. A quantized weight is frozen.
     """
-    from .lora import LoraLinear
-
     if module_names is None:
         module_names = [
             name
@@ -113,7 +119,7 @@ def quantize_base_nf4(
             raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: it cannot be quantized to NF4")
         if is_nf4(module.weight):
             continue
-        if isinstance(module, LoraLinear):
+        if isinstance(module, FrozenLinear):
             module.weight = to_nf4_parameter(module.weight, compute_dtype, f"{name}.weight")
         else:
             parent_name, _, child = name.rpartition(".")
