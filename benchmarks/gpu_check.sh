@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Every GPU check in one run, in under 5 minutes on a machine with one NVIDIA GPU and no network:
+#
+#   1 env          nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
+#   2 install      missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
+#   3 parity-fp32  logits vs transformers on CUDA, fp32 (max |Δ| <= 1e-5, KL <= 1e-9)
+#   4 parity-bf16  logits vs transformers on CUDA, bf16 (error vs fp32 at most 2x transformers' own)
+#   5 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
+#                  the model under flash / efficient; hfnative's variable-length path vs its dense path
+#   6 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
+#   7 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
+#
+#   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
+#   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
+#
+# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 285 by default); a
+# failing check never stops the next. The full output and a summary table go to
+# benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that is set. PYTHON picks the
+# interpreter (default: python3 or python, whichever imports torch). hfnative is imported from this tree
+# without being installed.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+DEVICE=cuda
+if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,20p' "$0"; exit 2; }
+if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
+  for candidate in python3 python; do
+    if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
+  done
+fi
+PYTHON=${PYTHON:-python3}
+BUDGET=${GPU_CHECK_BUDGET:-285}
+START=$SECONDS
+
+RESULTS_DIR=benchmarks/gpu_results
+mkdir -p "$RESULTS_DIR"
+RESULT=$RESULTS_DIR/$(date -u +%Y-%m-%dT%H-%M-%SZ)$([[ $DEVICE == cpu ]] && echo -cpu-rehearsal).txt
+WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
+trap 'rm -rf "$WORK"' EXIT
+
+# hfnative without installing it: its package layout (converters/ and trainers/ are hfnative.converters and
+# hfnative.trainers, pyproject's package-dir) rebuilt from links; wheels installed by check 2 go to $SITE
+STAGE=$WORK/stage SITE=$WORK/site
+mkdir -p "$STAGE/hfnative" "$SITE"
+for entry in "$ROOT"/hfnative/*; do ln -s "$entry" "$STAGE/hfnative/"; done
+ln -s "$ROOT/converters" "$STAGE/hfnative/converters"
+ln -s "$ROOT/trainers" "$STAGE/hfnative/trainers"
+export PYTHONPATH="$STAGE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+
+NAMES=() STATUSES=() DURATIONS=() NOTES=()
+
+# run_check NAME TIMEOUT VERDICT COMMAND...: runs COMMAND under its timeout (cut to what is left of the budget),
+# appends its output to the results file; VERDICT (a function of the log file) turns a zero exit into
+# PASS / FAIL / WARN and a note.
+run_check() {
+  local name=$1 limit=$2 verdict=$3
+  shift 3
+  local left=$((BUDGET - (SECONDS - START)))
+  if ((left < 15)); then
+    record "$name" SKIP 0 "not started: the ${BUDGET} s budget is spent"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  local log=$WORK/$name.log begin=$SECONDS rc
+  printf '\n=== %s (timeout %s s): %s\n' "$name" "$limit" "$*" >>"$RESULT"
+  echo "--- $name (timeout ${limit} s)"
+  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  rc=$?
+  cat "$log" >>"$RESULT"
+  local seconds=$((SECONDS - begin)) status note
+  if ((rc == 124 || rc == 137)); then
+    status=TIMEOUT note="killed after ${limit} s; last line: $(last_line "$log")"
+  elif ((rc != 0)); then
+    status=FAIL note="exit $rc: $(last_line "$log")"
+  else
+    read -r status note < <("$verdict" "$log")
+  fi
+  record "$name" "$status" "$seconds" "$note"
+}
+
+record() {
+  NAMES+=("$1") STATUSES+=("$2") DURATIONS+=("$3") NOTES+=("$4")
+  echo "    $2 ($3 s) $4"
+}
+
+last_line() { grep -v '^\s*$' "$1" | tail -n 1 | cut -c1-160; }
+
+# verdicts: print "STATUS note"
+checks_verdict() { echo "PASS $(last_line "$1")"; }  # gpu_checks.py exits 1 on any FAIL line
+
+env_verdict() {
+  if grep -q "CUDA available True" "$1" || [[ $DEVICE == cpu ]]; then
+    echo "PASS $(grep -m1 -E '^  cuda:0|^torch ' "$1" | sed 's/^ *//' | cut -c1-150)"
+  else
+    echo "FAIL torch sees no CUDA device"
+  fi
+}
+
+install_verdict() {
+  local problems
+  problems=$(grep -o 'NOT MET: .*' "$1" | cut -c1-150)
+  if [[ -n $problems ]]; then echo "WARN $problems"; else echo "PASS $(grep -c '^  install ' "$1") wheels installed; pyproject dependencies met"; fi
+}
+
+bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lines
+  local ratios
+  ratios=$(grep -E '^ours(:[a-z_]+)? / ' "$1" | sed 's/, peak heap.*//' | paste -sd ';' | cut -c1-200)
+  if grep -qE '^round [0-9/]+ [^ ]+: failed|the option is ignored' "$1"; then
+    echo "FAIL $(grep -m1 -E ': failed|the option is ignored' "$1" | cut -c1-160)"
+  elif grep -qE '^round [0-9/]+ [^ ]+: unavailable' "$1"; then
+    echo "WARN $(grep -m1 ': unavailable' "$1" | cut -c1-160)"
+  else
+    echo "PASS ${ratios:-no ratio line}"
+  fi
+}
+
+{
+  echo "# GPU checks, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), device $DEVICE, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  echo "python: $(command -v "$PYTHON"); budget ${BUDGET} s"
+} >"$RESULT"
+
+if [[ $DEVICE == cuda ]]; then
+  SFT_SMALL=(--preset smoke --steps 6 --warmup 2 --peak_seconds 0.5 --timeout 100)
+  SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
+else
+  SFT_SMALL=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
+  SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
+fi
+
+run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
+run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
+run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
+run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
+run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
+run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
+  --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
+run_check bench 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 "${SFT_BENCH[@]}"
+
+{
+  echo
+  echo "=== summary ($((SECONDS - START)) s in all)"
+  printf '%-12s %-8s %8s  %s\n' check status seconds note
+  for i in "${!NAMES[@]}"; do
+    printf '%-12s %-8s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${DURATIONS[$i]}" "${NOTES[$i]}"
+  done
+} | tee -a "$RESULT"
+echo "results: $RESULT"
+if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then cp "$RESULT" "$OUT/"; fi

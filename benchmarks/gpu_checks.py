@@ -1,0 +1,291 @@
+"""Numerical GPU checks: logits parity against transformers on a device and dtype, and the attention kernels.
+
+    python benchmarks/gpu_checks.py parity --device cuda --dtype fp32
+    python benchmarks/gpu_checks.py parity --device cuda --dtype bf16
+    python benchmarks/gpu_checks.py attention --device cuda
+
+Both run on CPU too (that is how they are tested without a GPU). Each output line is one comparison,
+``PASS`` / ``FAIL`` / ``SKIP``, its name and numbers; the exit status is 1 when any comparison failed.
+
+parity: the tests' tiny transformers models (tests/hf_configs.py, one per family unless --all), saved in
+fp32, loaded by transformers (SDPA) and by hfnative on ``--device``, compared on the parity batches of
+converters/parity.py (plain, right- and left-padded, packed). fp32: max |Δlogit| <= 1e-5 and KL <= 1e-9,
+DESIGN.md's contract. bf16: two bf16 implementations differ by rounding, not by a fixed bound, so both are
+measured against transformers' fp32 logits and ours may be off by at most twice transformers' own bf16
+error (or 1e-2, about one bf16 step at magnitude 1, whichever is larger).
+
+attention: (1) each SDPA backend on a causal batch against fp32 math; (2) a packed row of documents through
+``torch.nn.attention.varlen.varlen_attn`` and ``flex_attention`` against SDPA with the dense block-diagonal
+mask; (3) hfnative's model with SDPA forced to flash / efficient / cuDNN against math; (4) hfnative's own
+variable-length path (when the model offers ``attention_implementation = "varlen"``) against its dense-mask
+path on packed and padded batches. Low-precision results follow the bf16 rule above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import hfnative  # noqa: F401  (before anything imports torchao: hfnative quiets its import-time lines)
+from hfnative.converters.loading import load_pretrained
+from hfnative.converters.parity import compare_logits, parity_batches
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from hf_configs import CONFIGS, ONE_PER_FAMILY, save_hf_model  # noqa: E402  (the parity tests' models)
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP32_MAX_ABS, FP32_KL = 1e-5, 1e-9  # DESIGN.md's parity contract
+LOW_PRECISION_FLOOR = 1e-2  # about one bf16 step at magnitude 1: below it a difference is rounding
+
+
+class Tally:
+    """Prints one line per comparison and counts the failures."""
+
+    def __init__(self):
+        self.failures = 0
+
+    def __call__(self, status: str, name: str, detail: str = "") -> None:
+        self.failures += status == "FAIL"
+        print(f"{status:<5} {name:<56} {detail}", flush=True)
+
+    def check(self, ok: bool, name: str, detail: str) -> None:
+        self("PASS" if ok else "FAIL", name, detail)
+
+
+def low_precision_ok(error: float, reference_error: float) -> bool:
+    """A low-precision result is as good as the reference's own low-precision result, up to 2x."""
+    return error <= max(2 * reference_error, LOW_PRECISION_FLOOR)
+
+
+def _on(inputs: dict, device: torch.device) -> dict:
+    return {name: tensor.to(device) for name, tensor in inputs.items()}
+
+
+def _native_logits(model, inputs: dict) -> torch.Tensor:
+    return model(inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                 position_ids=inputs.get("position_ids")).logits.float()
+
+
+# ------------------------------------------------------------------------------------------------
+# parity
+
+
+def parity(tally: Tally, device: torch.device, dtype: torch.dtype, names: list[str], batch: int = 3, seq_len: int = 16) -> None:
+    for name in names:
+        with tempfile.TemporaryDirectory() as folder:
+            reference = save_hf_model(name, folder).to(device)  # fp32, as the tests build it
+            reference_low = None
+            if dtype != torch.float32:
+                reference_low = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+                reference_low = reference_low.to(device).eval()
+            native = load_pretrained(folder, dtype=dtype, device=device).model.eval()
+            with torch.no_grad():
+                for case, inputs, valid in parity_batches(native.args.vocab_size, batch, seq_len):
+                    inputs, valid = _on(inputs, device), valid.to(device)
+                    expected = reference(**inputs, use_cache=False).logits.float()
+                    ours = compare_logits(case, expected, _native_logits(native, inputs), valid)
+                    label = f"parity {name} {case}"
+                    if reference_low is None:
+                        tally.check(ours.max_abs_diff <= FP32_MAX_ABS and ours.kl <= FP32_KL, label,
+                                    f"max|Δ| {ours.max_abs_diff:.2e}  KL {ours.kl:.1e}")
+                        continue
+                    theirs = compare_logits(case, expected, reference_low(**inputs, use_cache=False).logits.float(), valid)
+                    tally.check(low_precision_ok(ours.max_abs_diff, theirs.max_abs_diff), label,
+                                f"vs fp32: ours max|Δ| {ours.max_abs_diff:.2e} KL {ours.kl:.1e}, "
+                                f"transformers {theirs.max_abs_diff:.2e} KL {theirs.kl:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# attention kernels
+
+
+def _milliseconds(function, device: torch.device, repeats: int = 5) -> float:
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    function()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def _random_qkv(device, dtype, heads: int, kv_heads: int, seq_len: int, head_dim: int = 128, batch: int = 1):
+    generator = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(batch, heads, seq_len, head_dim, device=device, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, seq_len, head_dim, device=device, generator=generator).to(dtype)
+    v = torch.randn(batch, kv_heads, seq_len, head_dim, device=device, generator=generator).to(dtype)
+    return q, k, v
+
+
+def _fp32_math(q, k, v, **kwargs) -> torch.Tensor:
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
+
+
+def sdpa_backends(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len: int) -> None:
+    """Every SDPA backend on a causal batch (GQA) against fp32 math."""
+    q, k, v = _random_qkv(device, dtype, heads=8, kv_heads=2, seq_len=seq_len, batch=2)
+    expected = _fp32_math(q, k, v, is_causal=True, enable_gqa=True)
+    math_error = (_fp32_math(q, k, v, is_causal=True, enable_gqa=True).to(dtype).float() - expected).abs().max().item()
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        label = f"sdpa {backend.name.lower()} causal {tuple(q.shape)} {str(dtype)[6:]}"
+        try:
+            error = (run().float() - expected).abs().max().item()
+        except RuntimeError as err:
+            tally("SKIP", label, f"no kernel here: {str(err).splitlines()[0][:100]}")
+            continue
+        ok = error <= FP32_MAX_ABS if dtype == torch.float32 else low_precision_ok(error, math_error)
+        tally.check(ok, label, f"max|Δ| vs fp32 math {error:.2e}, {_milliseconds(run, device):.2f} ms")
+
+
+def packed_kernels(tally: Tally, device: torch.device, dtype: torch.dtype, lengths: list[int]) -> None:
+    """One packed row of documents: varlen_attn and flex_attention against SDPA with the dense mask."""
+    seq_len, heads, kv_heads = sum(lengths), 8, 2
+    q, k, v = _random_qkv(device, dtype, heads, kv_heads, seq_len)
+    documents = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device))
+    positions = torch.arange(seq_len, device=device)
+    mask = (documents[:, None] == documents[None, :]) & (positions[None, :] <= positions[:, None])
+    expected = _fp32_math(q, k, v, attn_mask=mask, enable_gqa=True)
+    dense = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # noqa: E731
+    dense_error = (dense().float() - expected).abs().max().item()
+    tally.check(dense_error <= FP32_MAX_ABS if dtype == torch.float32 else dense_error <= LOW_PRECISION_FLOOR,
+                f"packed {lengths} dense-mask sdpa", f"max|Δ| vs fp32 math {dense_error:.2e}, {_milliseconds(dense, device):.2f} ms")
+
+    def judge(name: str, run) -> None:
+        error = (run().float() - expected).abs().max().item()
+        ok = error <= FP32_MAX_ABS if dtype == torch.float32 else low_precision_ok(error, dense_error)
+        tally.check(ok, f"packed {lengths} {name}", f"max|Δ| vs fp32 math {error:.2e}, {_milliseconds(run, device):.2f} ms")
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        tally("SKIP", "packed varlen_attn", f"not available: torch {torch.__version__} has no torch.nn.attention.varlen")
+    else:
+        if device.type != "cuda" or dtype == torch.float32:
+            tally("SKIP", "packed varlen_attn", "not available: flash kernels need CUDA and bf16/fp16")
+        else:
+            cu_seq = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+            parameters = inspect.signature(varlen_attn).parameters
+            causal = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+            repeat = 1 if "enable_gqa" in parameters else heads // kv_heads
+            extra = {"enable_gqa": True} if "enable_gqa" in parameters else {}
+
+            def tokens(x, times=1):  # [1, h, S, d] -> [S, h * times, d]
+                return x[0].repeat_interleave(times, dim=0).transpose(0, 1)
+
+            def run_varlen():
+                out = varlen_attn(tokens(q), tokens(k, repeat), tokens(v, repeat), cu_seq, cu_seq, max(lengths),
+                                  max(lengths), **causal, **extra)
+                return out.transpose(0, 1)[None]
+
+            judge("varlen_attn", run_varlen)
+
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        tally("SKIP", "packed flex_attention", f"not available in torch {torch.__version__}")
+        return
+
+    def document_causal(b, h, q_index, kv_index):
+        return (documents[q_index] == documents[kv_index]) & (kv_index <= q_index)
+
+    block_mask = create_block_mask(document_causal, None, None, seq_len, seq_len, device=device)
+    flex = torch.compile(flex_attention) if device.type == "cuda" else flex_attention  # eager is the reference path on CPU
+    warnings.filterwarnings("ignore", "flex_attention called without torch.compile", UserWarning)
+    judge("flex_attention" + (" (compiled)" if device.type == "cuda" else ""),
+          lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True))
+
+
+def model_attention(tally: Tally, device: torch.device, dtype: torch.dtype, config: str = "qwen3-gqa") -> None:
+    """hfnative's model with each SDPA backend forced, and its variable-length path against its dense one."""
+    with tempfile.TemporaryDirectory() as folder:
+        save_hf_model(config, folder)
+        model = load_pretrained(folder, dtype=dtype, device=device).model.eval()
+        model_fp32 = load_pretrained(folder, dtype=torch.float32, device=device).model.eval()
+    vocab = model.args.vocab_size
+    ids = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        expected = _native_logits(model_fp32, {"input_ids": ids})
+        with sdpa_kernel(SDPBackend.MATH):
+            math_error = (_native_logits(model, {"input_ids": ids}) - expected).abs().max().item()
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            label = f"model {config} plain batch, sdpa {backend.name.lower()}"
+            try:
+                with sdpa_kernel(backend):
+                    error = (_native_logits(model, {"input_ids": ids}) - expected).abs().max().item()
+            except RuntimeError as err:
+                # a plain causal batch is what flash is for: on CUDA in bf16 it must take it
+                must = backend == SDPBackend.FLASH_ATTENTION and device.type == "cuda" and dtype != torch.float32
+                tally("FAIL" if must else "SKIP", label, f"no kernel: {str(err).splitlines()[0][:100]}")
+                continue
+            ok = error <= FP32_MAX_ABS if dtype == torch.float32 else low_precision_ok(error, math_error)
+            tally.check(ok, label, f"max|Δ| vs fp32 {error:.2e} (math backend {math_error:.2e})")
+
+        if getattr(model, "attention_implementation", None) is None:
+            tally("SKIP", "hfnative varlen path", "not available: hfnative.models offers no variable-length attention")
+            return
+        for case, inputs, valid in parity_batches(vocab, batch=3, seq_len=64, seed=1):
+            if case == "plain":
+                continue
+            inputs, valid = _on(inputs, device), valid.to(device)
+            model_fp32.attention_implementation = "sdpa"
+            expected = _native_logits(model_fp32, inputs)
+            errors = {}
+            for implementation in ("sdpa", "varlen"):
+                model.attention_implementation = implementation
+                errors[implementation] = (_native_logits(model, inputs) - expected)[valid].abs().max().item()
+            ok = (errors["varlen"] <= FP32_MAX_ABS if dtype == torch.float32
+                  else low_precision_ok(errors["varlen"], errors["sdpa"]))
+            tally.check(ok, f"hfnative varlen path, {case}",
+                        f"max|Δ| vs fp32 dense: varlen {errors['varlen']:.2e}, dense mask {errors['sdpa']:.2e}")
+
+
+def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
+    seq_len = 2048 if device.type == "cuda" else 256
+    sdpa_backends(tally, device, dtype, seq_len)
+    packed_kernels(tally, device, dtype, [seq_len * 3 // 8, seq_len // 2, seq_len // 8])
+    model_attention(tally, device, dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("check", choices=("parity", "attention"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="parity: fp32 by default; attention: bf16 on cuda, fp32 on cpu by default")
+    parser.add_argument("--all", action="store_true", help="parity: every tiny config, not one per family")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" for every tiny model
+    tally = Tally()
+    if args.check == "parity":
+        parity(tally, device, DTYPES[args.dtype or "fp32"], sorted(CONFIGS) if args.all else ONE_PER_FAMILY)
+    else:
+        attention(tally, device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
+    print(f"{tally.failures} failed" if tally.failures else "all passed")
+    return 1 if tally.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
