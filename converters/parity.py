@@ -70,7 +70,7 @@ def run_parity(model_name_or_path: str, *, batch: int = 2, seq_len: int = 32, dt
     with torch.no_grad():
         for case, inputs, valid in parity_batches(converted.args.vocab_size, batch, seq_len, seed):
             ref_logits = reference(**inputs, use_cache=False).logits
-            nat_logits = native(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"))
+            nat_logits = native(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")).logits
             reports.append(compare_logits(case, ref_logits, nat_logits, valid))
     return reports
 

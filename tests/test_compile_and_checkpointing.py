@@ -41,7 +41,7 @@ def batch(batch_size, seq_len, packed=False, seed=0):
 
 def loss_and_grads(model, input_ids, position_ids=None):
     model.zero_grad(set_to_none=True)
-    logits = model(input_ids, position_ids_BS=position_ids)
+    logits = model(input_ids, position_ids=position_ids).logits
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
     loss.backward()
     return logits.detach(), loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}

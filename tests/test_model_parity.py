@@ -22,7 +22,7 @@ def pair(request, tmp_path_factory):
 
 
 def _native_kwargs(inputs):
-    return dict(attention_mask_BS=inputs.get("attention_mask"), position_ids_BS=inputs.get("position_ids"))
+    return dict(attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"))
 
 
 def test_logits_match_transformers(pair):
@@ -30,7 +30,7 @@ def test_logits_match_transformers(pair):
     with torch.no_grad():
         for case, inputs, valid in parity_batches(VOCAB, batch=3, seq_len=SEQ):
             expected = reference(**inputs, use_cache=False).logits
-            got = converted.model(inputs["input_ids"], **_native_kwargs(inputs))
+            got = converted.model(inputs["input_ids"], **_native_kwargs(inputs)).logits
             diff = (expected[valid] - got[valid]).abs().max().item()
             assert diff <= 1e-5, f"{case}: max |Δlogit| = {diff:.2e}"
             kl = F.kl_div(F.log_softmax(got[valid].double(), -1), F.log_softmax(expected[valid].double(), -1), log_target=True, reduction="batchmean")
@@ -44,8 +44,8 @@ def test_packed_documents_do_not_attend_across_boundaries(pair):
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(1))
     position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
     with torch.no_grad():
-        packed = converted.model(ids, position_ids_BS=position_ids)
-        alone = torch.cat([converted.model(chunk) for chunk in ids.split(lengths, dim=1)], dim=1)
+        packed = converted.model(ids, position_ids=position_ids).logits
+        alone = torch.cat([converted.model(chunk).logits for chunk in ids.split(lengths, dim=1)], dim=1)
     assert (packed - alone).abs().max().item() <= 1e-5
 
 
@@ -63,7 +63,7 @@ def test_gradients_match_transformers(pair):
     reference.zero_grad()
     converted.model.zero_grad()
     _masked_nll(reference(**inputs, use_cache=False).logits, inputs["input_ids"], valid).backward()
-    _masked_nll(converted.model(inputs["input_ids"], **_native_kwargs(inputs)), inputs["input_ids"], valid).backward()
+    _masked_nll(converted.model(inputs["input_ids"], **_native_kwargs(inputs)).logits, inputs["input_ids"], valid).backward()
 
     reference_grads = {name: p.grad for name, p in reference.named_parameters() if p.grad is not None}
     reference_grads = revert_weight_conversion(reference, reference_grads)  # Hub key names
@@ -74,3 +74,40 @@ def test_gradients_match_transformers(pair):
         scale = expected.abs().max().clamp_min(1e-5)  # a gradient that is zero in exact arithmetic
         rel = ((got - expected).abs().max() / scale).item()
         assert rel <= 1e-5, f"{hf_key}: relative gradient difference {rel:.2e} (max |grad| {scale.item():.2e})"
+
+
+def _logits_and_grads(model, implementation, ids, **kwargs):
+    model.attention_implementation = implementation
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, **kwargs).logits
+    valid = kwargs["attention_mask"].bool() if "attention_mask" in kwargs else torch.ones_like(ids, dtype=torch.bool)
+    (logits[valid].float().square().mean()).backward()  # gradients through every real position
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.attention_implementation = "varlen"
+    return logits.detach(), valid, grads
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_varlen_attention_equals_dense_mask(pair, layout):
+    """Per-document attention (no [S, S] mask) gives the dense-mask path's logits and gradients."""
+    _, converted = pair
+    generator = torch.Generator().manual_seed(5)
+    if layout == "packed":  # two rows of 3 documents; SEQ > the sliding window of the sliding configs
+        lengths = [[7, 5, 12], [3, 13, 8]]
+        ids = torch.randint(0, VOCAB, (2, 24), generator=generator)
+        kwargs = {"position_ids": torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])}
+    else:  # right and left padding
+        ids = torch.randint(0, VOCAB, (2, 20), generator=generator)
+        mask = torch.ones(2, 20, dtype=torch.long)
+        mask[0, 15:] = 0
+        mask[1, :6] = 0
+        kwargs = {"attention_mask": mask}
+    plan = converted.model.plan_attention(ids, **{k + "_BS": v for k, v in kwargs.items()})
+    assert plan.kind == "varlen" and plan.global_mask is None
+    dense_logits, valid, dense_grads = _logits_and_grads(converted.model, "sdpa", ids, **kwargs)
+    varlen_logits, _, varlen_grads = _logits_and_grads(converted.model, "varlen", ids, **kwargs)
+    assert (varlen_logits[valid] - dense_logits[valid]).abs().max().item() <= 1e-5
+    assert dense_grads.keys() == varlen_grads.keys()
+    for name, expected in dense_grads.items():
+        scale = expected.abs().max().clamp_min(1e-5)
+        assert ((varlen_grads[name] - expected).abs().max() / scale).item() <= 1e-5, name

@@ -248,11 +248,11 @@ def test_dropout_in_training_matches_peft(use_dora, checkpoint_dir, tmp_path):
     torch.manual_seed(5)
     theirs = peft_model(input_ids=ids).logits
     torch.manual_seed(5)
-    ours = converted.model(ids)
+    ours = converted.model(ids).logits
     assert _max_diff(ours, theirs) <= TOLERANCE
     with torch.no_grad():
         torch.manual_seed(6)
-        assert _max_diff(converted.model(ids), ours) > 1e-4, "dropout should be active in training mode"
+        assert _max_diff(converted.model(ids).logits, ours) > 1e-4, "dropout should be active in training mode"
 
 
 def test_bf16_base_keeps_float32_adapters(checkpoint_dir, tmp_path):
@@ -378,7 +378,7 @@ def test_qlora_nf4_base_trains_the_adapter_only(compute_dtype, checkpoint_dir, t
     assert ((ours - full_precision).norm() / full_precision.norm()).item() <= QLORA_RELATIVE_TOLERANCE
 
     model.train()
-    logits = model(ids)
+    logits = model(ids).logits
     torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
     trainable = adapter_parameters(model)
     assert trainable and all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)

@@ -83,7 +83,7 @@ def test_adapter_export_loads_in_peft_and_base_is_untouched(tmp_path):
     ids = torch.tensor([[1, 40, 50, 60, 2, 7, 9]])
     trainer.model.eval()
     with torch.no_grad():
-        assert (reloaded(ids).logits - trainer.model(ids)).abs().max() <= 1e-5
+        assert (reloaded(ids).logits - trainer.model(ids).logits).abs().max() <= 1e-5
 
 
 def test_training_continues_from_an_adapter_folder(tmp_path):
@@ -97,7 +97,7 @@ def test_training_continues_from_an_adapter_folder(tmp_path):
     first.model.eval()
     again.model.eval()
     with torch.no_grad():
-        assert (first.model(ids) - again.model(ids)).abs().max() <= 1e-6  # the adapter was loaded, not re-initialised
+        assert (first.model(ids).logits - again.model(ids).logits).abs().max() <= 1e-6  # the adapter was loaded, not re-initialised
     again.train()
     again.save_model()
     config = json.loads((tmp_path / "again" / "adapter_config.json").read_text())

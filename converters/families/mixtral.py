@@ -13,6 +13,7 @@ def config_to_args(config):
             top_k=config.num_experts_per_tok,
             intermediate_size=config.intermediate_size,
             normalize_top_k=True,
+            aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0),
         ),
         **all_layers_sliding(config),
     )

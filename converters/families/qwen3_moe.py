@@ -22,6 +22,7 @@ def config_to_args(config):
             top_k=config.num_experts_per_tok,
             intermediate_size=config.moe_intermediate_size,
             normalize_top_k=config.norm_topk_prob,
+            aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0),
         ),
         moe_layers=moe_layers,
         **all_layers_sliding(config),

@@ -38,6 +38,8 @@ class MoEArgs:
     top_k: int
     intermediate_size: int
     normalize_top_k: bool = True  # renormalise the k routing weights to sum to one
+    # weight of the router's load-balancing loss in training (the checkpoint's router_aux_loss_coef)
+    aux_loss_coef: float = 0.0
 
 
 @dataclass

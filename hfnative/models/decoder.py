@@ -5,13 +5,19 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
+from hfnative.losses import shift_labels as shift_labels_of
+
 from .args import ModelArgs
-from .layers import Attention, FeedForward, RMSNorm, build_attention_mask, document_ids
-from .moe import GroupedExperts, MoE
+from .attention import AttentionPlan, plan_attention
+from .head import OutputHead, TokenCrossEntropy
+from .layers import Attention, FeedForward, RMSNorm
+from .moe import GroupedExperts, MoE, load_balancing_loss
 from .rope import RotaryEmbedding
 
 
@@ -35,20 +41,49 @@ class TransformerBlock(nn.Module):
         else:
             self.post_attention_norm = self.post_ffn_norm = None
 
-    def forward(self, x_BSD: torch.Tensor, cos_sin, mask) -> torch.Tensor:
-        attn_out = self.attention(self.attention_norm(x_BSD), cos_sin, mask)
+    def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
+        attn_out = self.attention(self.attention_norm(x_BSD), cos_sin, plan, self.is_sliding)
         if self.post_attention_norm is not None:
             attn_out = self.post_attention_norm(attn_out)
         h = x_BSD + attn_out
-        ffn = self.moe if self.moe is not None else self.feed_forward
-        ffn_out = ffn(self.ffn_norm(h))
+        if self.moe is not None:
+            ffn_out = self.moe(self.ffn_norm(h), router_logits)
+        else:
+            ffn_out = self.feed_forward(self.ffn_norm(h))
         if self.post_ffn_norm is not None:
             ffn_out = self.post_ffn_norm(ffn_out)
         return h + ffn_out
 
 
+@dataclass
+class CausalLMOutput:
+    """What ``Transformer.forward`` returns, with the names transformers' outputs use.
+
+    loss: mean next-token NLL over the label tokens (summed / num_items_in_batch when given), plus
+    aux_loss_coef * aux_loss for MoE when the aux loss is on; None without labels.
+    logits: [B, S, V], computed on first access (a loss alone never builds them).
+    head_output: what ``head_loss`` returned, when one was given.
+    """
+
+    hidden_states: torch.Tensor  # final normed states [B, S, D]
+    head: OutputHead = field(repr=False)
+    loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    head_output: object = None
+    _logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.head(self.hidden_states)
+        return self._logits
+
+    def __getitem__(self, key: str):  # outputs["loss"], as with transformers' ModelOutput
+        return getattr(self, key)
+
+
 class Transformer(nn.Module):
-    """A causal LM. ``forward`` returns logits [B, S, V]; ``hidden_states`` the normed final states."""
+    """A causal LM. ``forward`` takes transformers' input names and returns a CausalLMOutput."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -58,14 +93,14 @@ class Transformer(nn.Module):
         self.local_rope = RotaryEmbedding(args.local_rope, args.head_dim) if args.local_rope else None
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        self.output = None if args.tie_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        tied = self.tok_embeddings if args.tie_embeddings else None
+        self.output = OutputHead(args.dim, args.vocab_size, args.final_logit_softcap, tied_embedding=tied)
         # blocks whose activations are recomputed in backward instead of kept (activation checkpointing)
         self.checkpointed_layers: frozenset[int] = frozenset()
-
-    @property
-    def output_weight(self) -> torch.Tensor:
-        """The [V, D] head matrix (the embedding when tied)."""
-        return self.tok_embeddings.weight if self.output is None else self.output.weight
+        # "varlen": packed and padded batches attend per document with no [S, S] mask; "sdpa": dense masks
+        self.attention_implementation = "varlen"
+        # MoE: compute the router's load-balancing loss (the trainer turns it on as TRL does)
+        self.aux_loss_enabled = False
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers, e.g. after materializing from the meta device."""
@@ -80,64 +115,98 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, OutputHead) and not module.is_tied:
+                nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std)
         self.init_buffers()
 
+    def plan_attention(
+        self,
+        input_ids_BS: torch.Tensor,
+        attention_mask_BS: torch.Tensor | None = None,
+        position_ids_BS: torch.Tensor | None = None,
+        device: torch.device | None = None,
+    ) -> AttentionPlan:
+        """How attention runs for this batch (see attention.py); call it on host tensors to avoid a sync."""
+        B, S = input_ids_BS.shape
+        has_sliding = any(layer.is_sliding for layer in self.layers)
+        return plan_attention(
+            B, S, device or input_ids_BS.device, attention_mask_BS, position_ids_BS,
+            self.args.sliding_window if has_sliding else None, self.attention_implementation,
+        )
+
     def hidden_states(
         self,
         input_ids_BS: torch.Tensor,
         attention_mask_BS: torch.Tensor | None = None,
         position_ids_BS: torch.Tensor | None = None,
+        attention_plan: AttentionPlan | None = None,
+        router_logits: list | None = None,
     ) -> torch.Tensor:
         """Final normed hidden states [B, S, D].
 
         attention_mask_BS: 1 for real tokens, 0 for padding (either side).
         position_ids_BS: per-token positions; without a padding mask, a position that does not
         follow its predecessor starts a new document (packed sequences never attend across it).
+        attention_plan: made by ``plan_attention`` (made here when not given).
+        router_logits: a list that MoE layers append their router logits [B * S, E] to.
         """
         B, S = input_ids_BS.shape
+        if attention_plan is None:
+            attention_plan = self.plan_attention(input_ids_BS, attention_mask_BS, position_ids_BS)
         if position_ids_BS is None:
             position_ids_BS = torch.arange(S, device=input_ids_BS.device).expand(B, S)
-            doc_ids = None
         else:
             position_ids_BS = position_ids_BS.expand(B, S)
-            doc_ids = document_ids(position_ids_BS) if attention_mask_BS is None else None
-            if doc_ids is not None and bool((doc_ids[:, -1] == 0).all()):
-                doc_ids = None
-        if attention_mask_BS is not None and bool(attention_mask_BS.all()):
-            attention_mask_BS = None
 
         h = self.tok_embeddings(input_ids_BS)
         if self.args.embedding_scale is not None:
             h = h * torch.tensor(self.args.embedding_scale).to(h.dtype)
-        global_mask = build_attention_mask(S, h.device, attention_mask_BS, doc_ids)
         cos_sin = self.rope(position_ids_BS, h.dtype)
-        sliding_mask = local_cos_sin = None
-        if any(layer.is_sliding for layer in self.layers):
-            sliding_mask = build_attention_mask(S, h.device, attention_mask_BS, doc_ids, self.args.sliding_window)
-            local_cos_sin = self.local_rope(position_ids_BS, h.dtype) if self.local_rope else cos_sin
+        local_cos_sin = cos_sin
+        if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
+            local_cos_sin = self.local_rope(position_ids_BS, h.dtype)
         for layer_id, layer in enumerate(self.layers):
-            layer_inputs = (h, local_cos_sin, sliding_mask) if layer.is_sliding else (h, cos_sin, global_mask)
+            layer_inputs = (h, local_cos_sin if layer.is_sliding else cos_sin, attention_plan)
+            if layer.moe is not None:
+                layer_inputs += (router_logits,)
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
             else:
                 h = layer(*layer_inputs)
         return self.norm(h)
 
-    def logits(self, h_BSD: torch.Tensor) -> torch.Tensor:
-        logits = h_BSD @ self.output_weight.T
-        cap = self.args.final_logit_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
     def forward(
         self,
-        input_ids_BS: torch.Tensor,
-        attention_mask_BS: torch.Tensor | None = None,
-        position_ids_BS: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids_BS, attention_mask_BS, position_ids_BS))
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        shift_labels: torch.Tensor | None = None,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        attention_plan: AttentionPlan | None = None,
+        head_loss=None,
+        **unused,
+    ) -> CausalLMOutput:
+        """input_ids [B, S]; labels [B, S] unshifted (or shift_labels [B, S], already shifted), as
+        transformers' causal LMs take them. head_loss: a loss spec from ``hfnative.models.head``
+        computed through the head (its result is ``head_output``). Other transformers keyword
+        arguments (use_cache, cu_seq_lens_*, ...) are accepted and not needed."""
+        router_logits = [] if self.aux_loss_enabled and self.args.moe is not None else None
+        hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
+        out = CausalLMOutput(hidden_BSD, self.output)
+        if router_logits:
+            out.aux_loss = load_balancing_loss(router_logits, self.args.moe.num_experts, self.args.moe.top_k, attention_mask)
+        if head_loss is not None:
+            out.head_output = self.output(hidden_BSD, loss=head_loss)
+        if labels is not None or shift_labels is not None:
+            targets_BS = shift_labels if shift_labels is not None else shift_labels_of(labels)
+            stats = self.output(hidden_BSD, loss=TokenCrossEntropy(targets_BS))
+            denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
+            out.loss = stats.loss_sum / denominator
+            if out.aux_loss is not None:
+                out.loss = out.loss + self.args.moe.aux_loss_coef * out.aux_loss
+        return out

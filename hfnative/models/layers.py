@@ -1,4 +1,4 @@
-"""Shared decoder blocks: RMSNorm, attention masks, grouped-query attention, gated MLP.
+"""Shared decoder blocks: RMSNorm, grouped-query attention, gated MLP.
 
 Shapes: B batch, S sequence, D model dim, H query heads, K key/value heads, d head_dim.
 """
@@ -10,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import ModelArgs
+from .attention import AttentionPlan, attend
 from .rope import apply_rotary
 
 
@@ -67,39 +68,6 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.unit_offset)
 
 
-def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
-    """Packed documents: a new document starts wherever the position does not follow its predecessor."""
-    previous = torch.cat([position_ids_BS[:, :1] - 1, position_ids_BS[:, :-1]], dim=1)
-    return (position_ids_BS != previous + 1).cumsum(dim=1)
-
-
-def build_attention_mask(
-    seq_len: int,
-    device: torch.device,
-    padding_mask_BS: torch.Tensor | None = None,
-    document_ids_BS: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-) -> torch.Tensor | None:
-    """Boolean mask [B|1, 1, S, S] (True = attend), or None when plain causal attention suffices.
-
-    Every query may attend at least to itself, so rows of padding stay finite (their outputs are
-    never used); keys that are padding, in another document, in the future or outside the
-    sliding window are masked.
-    """
-    if padding_mask_BS is None and document_ids_BS is None and sliding_window is None:
-        return None
-    positions = torch.arange(seq_len, device=device)
-    allowed_SS = positions[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        allowed_SS = allowed_SS & (positions[None, :] > positions[:, None] - sliding_window)
-    allowed = allowed_SS[None, None]
-    if document_ids_BS is not None:
-        allowed = allowed & (document_ids_BS[:, None, :, None] == document_ids_BS[:, None, None, :])
-    if padding_mask_BS is not None:
-        allowed = allowed & padding_mask_BS.bool()[:, None, None, :]
-    return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
-
-
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -119,7 +87,8 @@ class Attention(nn.Module):
         self,
         x_BSD: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        plan: AttentionPlan,
+        sliding: bool = False,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
         xq_BHSd = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
@@ -129,16 +98,8 @@ class Attention(nn.Module):
             xq_BHSd, xk_BKSd = self.q_norm(xq_BHSd), self.k_norm(xk_BKSd)
         cos, sin = cos_sin
         xq_BHSd, xk_BKSd = apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin)
-        out_BHSd = F.scaled_dot_product_attention(
-            xq_BHSd,
-            xk_BKSd,
-            xv_BKSd,
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=self.scale,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )
-        return self.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
+        out_BHSd = attend(xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale)
+        return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 
 ACTIVATIONS = {

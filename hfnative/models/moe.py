@@ -1,6 +1,7 @@
-"""Token-choice top-k mixture of experts with experts stored stacked ([E, ...] tensors).
+"""Token-choice top-k mixture of experts with experts stored stacked ([E, ...] tensors), and the
+router's load-balancing auxiliary loss.
 
-Shapes: T tokens, D model dim, E experts, I expert hidden dim, k experts per token.
+Shapes: T tokens, D model dim, E experts, I expert hidden dim, k experts per token, L MoE layers.
 """
 
 from __future__ import annotations
@@ -10,15 +11,28 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import MoEArgs
-from .layers import ACTIVATIONS
+from .layers import _GatedActivation
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the upstream gradient contiguous (grouped_mm's backward rejects
+    the stride-0 gradients that e.g. ``.sum()`` produces)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 class GroupedExperts(nn.Module):
-    """E gated MLPs held as three stacked weights so all experts run as one grouped matmul."""
+    """E gated MLPs held as three stacked weights, run as grouped matmuls over the tokens sorted by expert."""
 
     def __init__(self, dim: int, moe: MoEArgs, activation: str):
         super().__init__()
-        self.act = ACTIVATIONS[activation]
+        self.activation = activation
         self.w1 = nn.Parameter(torch.empty(moe.num_experts, moe.intermediate_size, dim))  # gate
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, dim, moe.intermediate_size))  # down
         self.w3 = nn.Parameter(torch.empty(moe.num_experts, moe.intermediate_size, dim))  # up
@@ -27,17 +41,16 @@ class GroupedExperts(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=std)
 
-    def forward(self, x_TD: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
-        """x_TD holds the routed tokens sorted by expert; returns each token's expert output."""
-        outputs = []
-        for expert, x_chunk in enumerate(torch.split(x_TD, tokens_per_expert)):
-            if x_chunk.shape[0] == 0:
-                continue
-            hidden = self.act(x_chunk @ self.w1[expert].T) * (x_chunk @ self.w3[expert].T)
-            outputs.append(hidden @ self.w2[expert].T)
-        if not outputs:
-            return x_TD.new_zeros(x_TD.shape)
-        return torch.cat(outputs)
+    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        """x_TD: the routed tokens sorted by expert; tokens_per_expert_E: how many each expert gets (a
+        tensor: no host sync). Returns each token's expert output [T, D]."""
+        offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+
+        def grouped(x, w_EOI):  # x [T, I] @ w[e].T for each expert's rows
+            return _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
+
+        hidden_TI = _GatedActivation.apply(grouped(x_TD, self.w1), grouped(x_TD, self.w3), self.activation)
+        return grouped(hidden_TI, self.w2)
 
 
 class MoE(nn.Module):
@@ -48,9 +61,13 @@ class MoE(nn.Module):
         self.router = nn.Linear(dim, moe.num_experts, bias=False)
         self.experts = GroupedExperts(dim, moe, activation)
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
+        """router_logits: when a list, this layer's router logits [T, E] are appended (for the aux loss)."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        probs_TE = F.softmax(self.router(x_TD), dim=-1, dtype=torch.float32)
+        logits_TE = self.router(x_TD)
+        if router_logits is not None:
+            router_logits.append(logits_TE)
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
         weights_Tk, experts_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalize_top_k:
             weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
@@ -59,8 +76,36 @@ class MoE(nn.Module):
         # sort the (token, slot) pairs by expert so each expert sees one contiguous chunk
         order = torch.argsort(experts_Tk.reshape(-1), stable=True)
         token_of_slot = order // self.top_k
-        tokens_per_expert = torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts).tolist()
-        routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert)
+        tokens_per_expert_E = torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
+        routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert_E)
         routed_out = routed_out * weights_Tk.reshape(-1)[order, None]
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_of_slot, routed_out)
         return out_TD.view_as(x_BSD)
+
+
+def load_balancing_loss(
+    router_logits: list[torch.Tensor], num_experts: int, top_k: int, attention_mask_BS: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Switch-Transformer load balancing over all MoE layers' tokens together (transformers' definition):
+    E * sum_e f_e * P_e, with f_e the fraction of top-k assignments and P_e the mean router probability
+    of expert e, both over (layer, token) rows that are not padding.
+
+    router_logits: L tensors [T, E]; attention_mask_BS: 1 for real tokens (T = B * S), or None.
+    """
+    assignments_E = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
+    prob_sum_E = torch.zeros_like(assignments_E)
+    rows = 0.0
+    weight_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).to(assignments_E)
+    for logits_TE in router_logits:
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        experts_Tk = torch.topk(probs_TE, top_k, dim=-1).indices
+        if weight_T is None:
+            assignments_E = assignments_E + torch.bincount(experts_Tk.reshape(-1), minlength=num_experts)
+            prob_sum_E = prob_sum_E + probs_TE.sum(0)
+            rows = rows + probs_TE.shape[0]
+        else:
+            slot_weight = weight_T.repeat_interleave(top_k)
+            assignments_E = assignments_E.scatter_add(0, experts_Tk.reshape(-1), slot_weight)
+            prob_sum_E = prob_sum_E + (probs_TE * weight_T[:, None]).sum(0)
+            rows = rows + weight_T.sum()
+    return num_experts * torch.sum((assignments_E / rows) * (prob_sum_E / rows))

@@ -72,14 +72,9 @@ def add_lora(model: nn.Module, targets: list[LoraTarget], settings) -> None:
 
 
 def untie_output_head(model: nn.Module) -> None:
-    """Give a tied model an ``output`` module holding the embedding parameter itself, so that the head and
-    the embedding can each be replaced by a trainable copy (peft's modules_to_save unties them too)."""
-    if getattr(model, "output", None) is not None:
-        return
-    embedding = model.tok_embeddings.weight
-    head = nn.Linear(embedding.shape[1], embedding.shape[0], bias=False, device="meta")
-    head.weight = embedding
-    model.output = head
+    """Let a tied model's head hold the embedding parameter itself, so that the head and the embedding
+    can each be replaced by a trainable copy (peft's modules_to_save unties them too)."""
+    model.output.untie()
 
 
 def add_trainable_copies(model: nn.Module, parameter_names: list[str]) -> None:
@@ -186,8 +181,8 @@ def disable_adapters(model: nn.Module):
 
 def _tied_head_diverged(model: nn.Module) -> bool:
     args = getattr(model, "args", None)
-    output = getattr(model, "output", None)
-    return bool(getattr(args, "tie_embeddings", False)) and output is not None and output.weight is not model.tok_embeddings.weight
+    head = model.output
+    return bool(getattr(args, "tie_embeddings", False)) and not head.is_tied and head.weight is not model.tok_embeddings.weight
 
 
 @torch.no_grad()
@@ -212,8 +207,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
             _set_submodule(model, name, plain)
     for _, module, attr in trainable_copies(model):
         del module._buffers[ORIGINAL_PREFIX + attr]
-    if getattr(model, "output", None) is not None and getattr(model.args, "tie_embeddings", False):
-        model.output = None  # untied only structurally (see untie_output_head); tied again
+    if getattr(model.args, "tie_embeddings", False):
+        model.output.tie(model.tok_embeddings)  # untied only structurally (see untie_output_head); tied again
     for param in model.parameters():
         param.requires_grad_(True)
     return model

@@ -1,0 +1,222 @@
+"""The inner attention, swappable per batch: one ``AttentionPlan`` is made before the blocks run and
+every layer's ``attend`` follows it.
+
+Shapes: B batch, S sequence, H query heads, K key/value heads, d head_dim, T real tokens.
+
+Kinds of plan:
+- "causal": no padding, one document per row: SDPA with ``is_causal`` (flash kernels on GPU).
+- "dense":  SDPA with a boolean [B|1, 1, S, S] mask (padding, packed documents, sliding windows).
+- "varlen": each document attends only to itself, with no [S, S] mask: on CUDA in bf16/fp16
+  ``torch.nn.attention.varlen.varlen_attn`` over the real tokens (cu_seq_lens), elsewhere one SDPA
+  call per document. Padding positions get a zero output (no loss or real token ever reads it).
+
+``plan_attention`` reads positions and padding on the host once per batch, so no layer makes a
+host-side decision from a device tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+IMPLEMENTATIONS = ("varlen", "sdpa")
+
+
+def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
+    """Packed documents: a new document starts wherever the position does not follow its predecessor."""
+    previous = torch.cat([position_ids_BS[:, :1] - 1, position_ids_BS[:, :-1]], dim=1)
+    return (position_ids_BS != previous + 1).cumsum(dim=1)
+
+
+def build_attention_mask(
+    seq_len: int,
+    device: torch.device,
+    padding_mask_BS: torch.Tensor | None = None,
+    document_ids_BS: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor | None:
+    """Boolean mask [B|1, 1, S, S] (True = attend), or None when plain causal attention suffices.
+
+    Every query may attend at least to itself, so rows of padding stay finite (their outputs are
+    never used); keys that are padding, in another document, in the future or outside the
+    sliding window are masked.
+    """
+    if padding_mask_BS is None and document_ids_BS is None and sliding_window is None:
+        return None
+    positions = torch.arange(seq_len, device=device)
+    allowed_SS = positions[None, :] <= positions[:, None]
+    if sliding_window is not None:
+        allowed_SS = allowed_SS & (positions[None, :] > positions[:, None] - sliding_window)
+    allowed = allowed_SS[None, None]
+    if document_ids_BS is not None:
+        allowed = allowed & (document_ids_BS[:, None, :, None] == document_ids_BS[:, None, None, :])
+    if padding_mask_BS is not None:
+        allowed = allowed & padding_mask_BS.bool()[:, None, None, :]
+    return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How attention runs for one batch (see the module docstring for the kinds)."""
+
+    kind: str
+    seq_len: int
+    sliding_window: int | None = None
+    # dense (and causal with a sliding window shorter than the sequence): the masks, on the device
+    global_mask: torch.Tensor | None = None
+    sliding_mask: torch.Tensor | None = None
+    # varlen: per row, its documents' [start, end) spans; positions outside every span are padding
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()
+    # varlen on flash kernels: the real tokens of the flattened [B * S] batch and their documents
+    token_index: torch.Tensor | None = None  # [T] (None: every position is a real token)
+    cu_seq_lens: torch.Tensor | None = None  # [documents + 1] int32
+    max_len: int = 0
+
+    def to(self, device: torch.device) -> AttentionPlan:
+        moved = {
+            name: getattr(self, name).to(device)
+            for name in ("global_mask", "sliding_mask", "token_index", "cu_seq_lens")
+            if getattr(self, name) is not None
+        }
+        return replace(self, **moved)
+
+
+def _row_spans(attention_mask_BS, position_ids_BS, batch_size: int, seq_len: int):
+    """Per row, the [start, end) of each document; None when the real tokens of a row are not contiguous."""
+    rows = []
+    if attention_mask_BS is not None:
+        for mask in attention_mask_BS.tolist():
+            real = [i for i, keep in enumerate(mask) if keep]
+            if real and real[-1] - real[0] + 1 != len(real):
+                return None
+            rows.append(((real[0], real[-1] + 1),) if real else ())
+        return tuple(rows)
+    if position_ids_BS is None:
+        return tuple(((0, seq_len),) for _ in range(batch_size))
+    for positions in position_ids_BS.expand(batch_size, seq_len).tolist():
+        starts = [0] + [i for i in range(1, seq_len) if positions[i] != positions[i - 1] + 1]
+        rows.append(tuple(zip(starts, starts[1:] + [seq_len])))
+    return tuple(rows)
+
+
+def plan_attention(
+    batch_size: int,
+    seq_len: int,
+    device: torch.device,
+    attention_mask_BS: torch.Tensor | None = None,
+    position_ids_BS: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    implementation: str = "varlen",
+) -> AttentionPlan:
+    """Decide, once per batch, how attention runs.
+
+    attention_mask_BS: 1 for real tokens, 0 for padding (either side); position_ids_BS: without a
+    padding mask, a position that does not follow its predecessor starts a new document.
+    implementation: "varlen" (no [S, S] mask for packed or padded batches) or "sdpa" (dense masks).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"attention implementation {implementation!r}: expected one of {IMPLEMENTATIONS}")
+    host_mask = None
+    if attention_mask_BS is not None:
+        host_mask = attention_mask_BS.detach().cpu()
+        if bool(host_mask.all()):
+            host_mask = None
+    host_positions = position_ids_BS.detach().cpu() if (position_ids_BS is not None and host_mask is None) else None
+    spans = _row_spans(host_mask, host_positions, batch_size, seq_len)
+    one_document_per_row = spans is not None and all(row == ((0, seq_len),) for row in spans)
+    window = sliding_window if sliding_window is not None and sliding_window < seq_len else None
+
+    if one_document_per_row:
+        sliding_mask = build_attention_mask(seq_len, device, sliding_window=window) if window else None
+        return AttentionPlan("causal", seq_len, window, sliding_mask=sliding_mask)
+    if implementation == "varlen" and spans is not None:
+        return _varlen_plan(spans, batch_size, seq_len, window, device)
+    padding = attention_mask_BS.to(device) if host_mask is not None else None
+    doc_ids = document_ids(position_ids_BS.to(device).expand(batch_size, seq_len)) if host_positions is not None else None
+    global_mask = build_attention_mask(seq_len, device, padding, doc_ids)
+    sliding_mask = build_attention_mask(seq_len, device, padding, doc_ids, window) if window else None
+    return AttentionPlan("dense", seq_len, window, global_mask=global_mask, sliding_mask=sliding_mask)
+
+
+def _varlen_plan(spans, batch_size: int, seq_len: int, window: int | None, device: torch.device) -> AttentionPlan:
+    lengths = [end - start for row in spans for start, end in row]
+    covered = sum(lengths) == batch_size * seq_len
+    token_index = None
+    if not covered:
+        token_index = torch.tensor(
+            [row * seq_len + i for row, row_spans in enumerate(spans) for start, end in row_spans for i in range(start, end)],
+            dtype=torch.long,
+        ).to(device)
+    cu_seq_lens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    return AttentionPlan(
+        "varlen", seq_len, window, spans=spans, token_index=token_index, cu_seq_lens=cu_seq_lens,
+        max_len=max(lengths, default=0),
+    )
+
+
+def _flash_varlen_available(q: torch.Tensor) -> bool:
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, H, S, d = q_BHSd.shape
+
+    def tokens(x_BHSd):  # -> [T, heads, d]
+        x_Nhd = x_BHSd.transpose(1, 2).reshape(B * S, x_BHSd.shape[1], d)
+        return x_Nhd if plan.token_index is None else x_Nhd.index_select(0, plan.token_index)
+
+    out_THd = varlen_attn(
+        tokens(q_BHSd), tokens(k_BKSd), tokens(v_BKSd), plan.cu_seq_lens, plan.cu_seq_lens, plan.max_len,
+        plan.max_len, scale=scale, window_size=(window - 1 if window else -1, 0),
+        enable_gqa=k_BKSd.shape[1] != H,
+    )
+    if plan.token_index is not None:
+        out_THd = out_THd.new_zeros(B * S, H, d).index_copy(0, plan.token_index, out_THd)
+    return out_THd.view(B, S, H, d).transpose(1, 2)
+
+
+@torch.compiler.disable
+def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float) -> torch.Tensor:
+    """Documents attend only within themselves; padding positions get zeros. Runs eagerly under
+    torch.compile (the spans change every batch and would otherwise be baked into the graph)."""
+    if _flash_varlen_available(q_BHSd):
+        return _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
+    gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
+    rows = []
+    for row, row_spans in enumerate(plan.spans):
+        pieces, position = [], 0
+        for start, end in row_spans:
+            if start > position:
+                pieces.append(q_BHSd.new_zeros(q_BHSd.shape[1], start - position, q_BHSd.shape[3]))
+            mask = build_attention_mask(end - start, q_BHSd.device, sliding_window=window) if window and end - start > window else None
+            pieces.append(F.scaled_dot_product_attention(
+                q_BHSd[row, :, start:end], k_BKSd[row, :, start:end], v_BKSd[row, :, start:end],
+                attn_mask=None if mask is None else mask[0, 0], is_causal=mask is None, scale=scale, enable_gqa=gqa,
+            ))
+            position = end
+        if position < plan.seq_len:
+            pieces.append(q_BHSd.new_zeros(q_BHSd.shape[1], plan.seq_len - position, q_BHSd.shape[3]))
+        rows.append(torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0])
+    return torch.stack(rows)
+
+
+def attend(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, sliding: bool, scale: float) -> torch.Tensor:
+    """Attention output [B, H, S, d] for one layer; ``sliding``: the layer uses the sliding window."""
+    window = plan.sliding_window if sliding else None
+    if plan.kind == "varlen":
+        return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
+    mask = plan.sliding_mask if window else plan.global_mask
+    return F.scaled_dot_product_attention(
+        q_BHSd, k_BKSd, v_BKSd, attn_mask=mask, is_causal=mask is None, scale=scale,
+        enable_gqa=k_BKSd.shape[1] != q_BHSd.shape[1],
+    )

@@ -1,0 +1,123 @@
+"""The output head: the [V, D] projection to the vocabulary and the losses computed through it.
+
+Shapes: B batch, S sequence, D model dim, V vocabulary, N label tokens.
+
+Every use of the head goes through a module call (``head(hidden)`` for logits, ``head(hidden,
+loss=...)`` for a loss), so wrappers that hook a module's forward (FSDP2's all-gather, a
+vocab-parallel head) see each one. The losses are chunked: no [N, V] tensor is kept for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from hfnative.losses import (
+    CrossEntropyOutput,
+    DistillationOutput,
+    fused_linear_cross_entropy,
+    fused_linear_generalized_jsd,
+    fused_linear_token_logprobs,
+    label_positions,
+    linear_cross_entropy,
+    linear_token_logprobs,
+)
+
+
+@dataclass
+class TokenCrossEntropy:
+    """Summed next-token NLL over the positions whose target is not IGNORE_INDEX, with entropy and
+    top-1 sums. targets_BS: the shifted labels (position t's target is token t + 1)."""
+
+    targets_BS: torch.Tensor
+    fused: bool = True
+
+    def __call__(self, hidden_BSD, weight_VD, softcap) -> CrossEntropyOutput:
+        hidden_ND, targets_N = label_positions(hidden_BSD, self.targets_BS)
+        loss_fn = fused_linear_cross_entropy if self.fused else linear_cross_entropy
+        return loss_fn(hidden_ND, weight_VD, targets_N, softcap=softcap)
+
+
+@dataclass
+class TokenLogprobs:
+    """Per-position log-prob of the target under softmax(logits / temperature), and the entropy:
+    ([B, S], [B, S]) with zeros where the target is IGNORE_INDEX."""
+
+    targets_BS: torch.Tensor
+    temperature: float = 1.0
+    fused: bool = True
+
+    def __call__(self, hidden_BSD, weight_VD, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+        B, S, D = hidden_BSD.shape
+        logprobs_fn = fused_linear_token_logprobs if self.fused else linear_token_logprobs
+        logprobs_N, entropy_N = logprobs_fn(
+            hidden_BSD.reshape(B * S, D), weight_VD, self.targets_BS.reshape(-1), softcap=softcap,
+            temperature=self.temperature,
+        )
+        return logprobs_N.view(B, S), entropy_N.view(B, S)
+
+
+@dataclass
+class GeneralizedJSD:
+    """Summed generalized JSD between this head's distribution and a teacher's, over the positions
+    whose target is not IGNORE_INDEX. The teacher: its final hidden states [B, S, Dt] and head."""
+
+    targets_BS: torch.Tensor
+    teacher_hidden_BSD: torch.Tensor
+    teacher_head: OutputHead
+    beta: float = 0.5
+    temperature: float = 1.0
+
+    def __call__(self, hidden_BSD, weight_VD, softcap) -> DistillationOutput:
+        keep = self.targets_BS != -100
+        return fused_linear_generalized_jsd(
+            hidden_BSD[keep], weight_VD, teacher_hidden_ND=self.teacher_hidden_BSD[keep],
+            teacher_weight_VD=self.teacher_head.projection(), beta=self.beta, temperature=self.temperature,
+            student_softcap=softcap, teacher_softcap=self.teacher_head.softcap,
+        )
+
+
+class OutputHead(nn.Module):
+    """softcap(hidden @ weight.T). ``weight`` [V, D] is the head's own parameter, or the embedding's
+    when tied (then the head holds no parameter: the embedding module owns it)."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: float | None = None, tied_embedding: nn.Embedding | None = None):
+        super().__init__()
+        self.softcap = softcap
+        self._tied_embedding: tuple[nn.Embedding, ...] = ()  # in a tuple: not registered as a submodule
+        if tied_embedding is None:
+            self.weight = nn.Parameter(torch.empty(vocab_size, dim))
+        else:
+            self.tie(tied_embedding)
+
+    @property
+    def is_tied(self) -> bool:
+        return "weight" not in self._parameters
+
+    def tie(self, embedding: nn.Embedding) -> None:
+        """Use the embedding's weight (dropping a parameter of the head's own, if any)."""
+        self._parameters.pop("weight", None)
+        self._tied_embedding = (embedding,)
+
+    def untie(self) -> None:
+        """Hold the tied embedding's parameter as ``weight`` too (one tensor, two names), so either
+        can later be replaced on its own (peft's modules_to_save)."""
+        if self.is_tied:
+            self.weight = self._tied_embedding[0].weight
+
+    def projection(self) -> torch.Tensor:
+        """The [V, D] head matrix."""
+        return self._tied_embedding[0].weight if self.is_tied else self.weight
+
+    def forward(self, hidden_BSD: torch.Tensor, loss=None):
+        """Logits [B, S, V] (soft-capped), or ``loss(hidden, weight, softcap)`` for a loss spec
+        (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD)."""
+        weight_VD = self.projection()
+        if loss is not None:
+            return loss(hidden_BSD, weight_VD, self.softcap)
+        logits = hidden_BSD @ weight_VD.T
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
