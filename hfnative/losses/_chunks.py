@@ -1,5 +1,6 @@
 """The chunk loop shared by the fused losses: logits of a chunk of tokens, their softmax statistics,
-and the projection of a logit gradient back onto the hidden states and the head weight.
+the projection of a logit gradient back onto the hidden states and the head weight, and the one
+autograd wrapper (``fused_head_loss``) that runs a loss's per-chunk ``ChunkKernel`` in that loop.
 
 Shapes: N tokens, D hidden dim, V vocabulary, C tokens in a chunk.
 
@@ -220,15 +221,106 @@ class HeadGradients:
         return self.grad_hidden, grad_weight
 
 
-def scaled_saved_gradients(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Backward of a loss whose dL/dh and dL/dW were computed in forward: scale them by dloss, in place.
+class Chunk:
+    """Rows ``rows`` of the loop: their states h_CD, logits z_CV (fp32), a second fp32 buffer probs_CV (z_CV
+    itself when the kernel's softmax runs in place) and, when gradients are wanted, where dL/dz goes."""
 
-    In place means no second [V, D] tensor at backward time. A second backward through the same graph
-    (retain_graph=True) then fails autograd's saved-tensor version check instead of reusing them.
+    def __init__(self, start, h_CD, z_CV, probs_CV, low_CV, kernel: ChunkKernel, grads: HeadGradients | None):
+        self.rows = slice(start, start + h_CD.shape[0])
+        self.h_CD, self.z_CV, self.probs_CV, self.low_CV = h_CD, z_CV, probs_CV, low_CV
+        self.needs_grad = grads is not None
+        self._kernel, self._grads = kernel, grads
+
+    def backpropagate(self, grad_z_CV: torch.Tensor) -> torch.Tensor | None:
+        """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (overwrites it and z_CV); returns the
+        chunk's rows of dL/dh [C, D] (None when the hidden states need no gradient)."""
+        logit_grad_to_raw(grad_z_CV, self.z_CV, self._kernel.softcap, self._kernel.temperature)
+        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV)
+        return None if self._grads.grad_hidden is None else self._grads.grad_hidden[self.rows]
+
+
+class ChunkKernel:
+    """What one fused loss computes on each chunk of its logits z = softcap(h @ W.T) / temperature; ``fused_head_loss``
+    runs the chunk loop and the autograd plumbing around it.
+
+    With ``gradient_in_forward`` (a scalar loss) forward_chunk hands dL/dz to ``chunk.backpropagate`` and backward only
+    scales the result by the upstream gradient; otherwise (a loss per token, its upstream gradient known only in
+    backward) backward recomputes each chunk's logits and calls backward_chunk.
     """
-    grad_hidden, grad_weight = ctx.saved_tensors
-    if ctx.need_hidden:
-        grad_hidden = grad_hidden.mul_(grad_loss.to(grad_hidden.dtype))
-    if ctx.need_weight:
-        grad_weight = grad_weight.mul_(grad_loss.to(grad_weight.dtype))
-    return grad_hidden, grad_weight
+
+    gradient_in_forward = True
+    softmax_in_place = False  # True: one [C, V] buffer, chunk.probs_CV is chunk.z_CV
+
+    def __init__(self, softcap: float | None, temperature: float, chunk_size: int | None):
+        self.softcap, self.temperature, self.chunk_size = softcap, temperature, chunk_size
+
+    def prepare(self, hidden_ND: torch.Tensor, need_hidden: bool) -> tuple[torch.Tensor, ...]:
+        """Before the forward loop, with the operands in their matmul dtype: the outputs to accumulate into (the
+        first one differentiable, the rest statistics). May set ``softmax_in_place``."""
+        raise NotImplementedError
+
+    def forward_chunk(self, chunk: Chunk, *outputs: torch.Tensor) -> None:
+        """Adds the chunk's part to the outputs (in place); with gradient_in_forward, passes dL/dz on when
+        ``chunk.needs_grad``."""
+        raise NotImplementedError
+
+    def backward_chunk(self, chunk: Chunk, grad_output: torch.Tensor) -> None:
+        """Only without ``gradient_in_forward``: hands the chunk's dL/dz under grad_output to chunk.backpropagate."""
+        raise NotImplementedError
+
+
+def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradients | None, step) -> None:
+    """Computes each chunk's logits and calls step(chunk); the [C, V] buffers are freed on return."""
+    N, V = hidden_ND.shape[0], weight_VD.shape[0]
+    one_buffer = kernel.softmax_in_place
+    chunk = chunk_size_for(N, V, weight_VD.shape[1], kernel.chunk_size, buffers=1 if one_buffer else 2)
+    buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device, probs=not one_buffer) if N else None
+    for start in range(0, N, chunk):
+        h_CD = hidden_ND[start : start + chunk]
+        z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
+        chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV)
+        step(Chunk(start, h_CD, z_CV, z_CV if one_buffer else probs_CV, low_CV, kernel, grads))
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, kernel: ChunkKernel, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool):
+        grads = None
+        if kernel.gradient_in_forward and (need_hidden or need_weight):
+            grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / kernel.temperature)
+        with no_autocast(hidden_ND.device):
+            outputs = kernel.prepare(hidden_ND, need_hidden)
+            _for_each_chunk(kernel, hidden_ND, weight_VD, grads, lambda chunk: kernel.forward_chunk(chunk, *outputs))
+        if grads is not None:
+            ctx.save_for_backward(*grads.finish())
+        elif not kernel.gradient_in_forward:
+            ctx.save_for_backward(hidden_ND, weight_VD)
+        ctx.kernel = None if kernel.gradient_in_forward else kernel  # it holds no outputs: no reference cycle
+        ctx.mark_non_differentiable(*outputs[1:])
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_output, *_grad_statistics):
+        kernel = ctx.kernel
+        if kernel is None:
+            # in place: no second [V, D] tensor; a second backward (retain_graph=True) then fails autograd's
+            # saved-tensor version check instead of applying the scale twice
+            grads = [None if grad is None else grad.mul_(grad_output.to(grad.dtype)) for grad in ctx.saved_tensors]
+        else:
+            hidden_ND, weight_VD = ctx.saved_tensors
+            need_hidden, need_weight = ctx.needs_input_grad[1:3]
+            recomputed = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / kernel.temperature)
+            with no_autocast(hidden_ND.device):
+                _for_each_chunk(kernel, hidden_ND, weight_VD, recomputed,
+                                lambda chunk: kernel.backward_chunk(chunk, grad_output))
+            grads = recomputed.finish()
+        return None, *grads, None, None
+
+
+def fused_head_loss(kernel: ChunkKernel, hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernel's outputs over hidden [N, D] and the head weight [V, D] (projected in the dtype ``matmul_inputs``
+    gives); the first output is differentiable w.r.t. both, the others are statistics without gradient."""
+    hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
+    grad_enabled = torch.is_grad_enabled()
+    need_hidden, need_weight = grad_enabled and hidden_ND.requires_grad, grad_enabled and weight_VD.requires_grad
+    return _FusedHeadLoss.apply(kernel, hidden_ND, weight_VD, need_hidden, need_weight)

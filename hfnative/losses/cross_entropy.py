@@ -16,17 +16,11 @@ import torch.nn.functional as F
 
 from ._chunks import (
     IGNORE_INDEX,
-    ChunkBuffers,
-    HeadGradients,
+    ChunkKernel,
     SoftmaxStats,
-    chunk_logits,
-    chunk_size_for,
     expected_logit_from_hidden_grad,
-    logit_grad_to_raw,
-    scaled_saved_gradients,
+    fused_head_loss,
     softmax_in_place_verified,
-    matmul_inputs,
-    no_autocast,
 )
 
 __all__ = [
@@ -71,65 +65,39 @@ def _entropy_and_correct(z_NV: torch.Tensor, log_z_N: torch.Tensor, targets_N: t
     return entropy, correct
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Summed NLL; forward also computes (and saves) dNLL/dhidden and dNLL/dweight, chunk by chunk."""
+class _CrossEntropyKernel(ChunkKernel):
+    """Summed NLL, entropy and top-1 hits; dNLL/dhidden and dNLL/dweight are formed chunk by chunk in forward."""
 
-    @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight):
-        with no_autocast(hidden_ND.device):
-            return _FusedLinearCrossEntropy._forward(
-                ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight
-            )
+    def __init__(self, targets_N, softcap, temperature, chunk_size):
+        super().__init__(softcap, temperature, chunk_size)
+        self.targets_N = targets_N
 
-    @staticmethod
-    def _forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight):
-        N, V = hidden_ND.shape[0], weight_VD.shape[0]
-        device = hidden_ND.device
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-        entropy = torch.zeros((), dtype=torch.float32, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        needs_grad = need_hidden or need_weight
-        grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / temperature) if needs_grad else None
+    def prepare(self, hidden_ND, need_hidden):
         # linear logits in fp32 and dNLL/dh computed: the entropy comes from dNLL/dh (no [C, V] pass), and
         # the logits are not needed once softmaxed. On CPU the softmax then runs in place (one [C, V] buffer,
         # so chunks twice as long for the same memory).
-        entropy_from_grad = need_hidden and softcap is None and hidden_ND.dtype == torch.float32
-        in_place = entropy_from_grad and softmax_in_place_verified(device)
-        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size, buffers=1 if in_place else 2)
-        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, device, probs=not in_place) if N else None
-        for start in range(0, N, chunk):
-            h_CD = hidden_ND[start : start + chunk]
-            t_C = targets_N[start : start + chunk]
-            z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
-            if in_place:
-                probs_CV = z_CV
-            chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
-            stats = SoftmaxStats(z_CV, t_C, probs_CV)
-            loss -= stats.log_probs().sum()
-            correct += stats.correct_C.sum()
-            if not entropy_from_grad:
-                # the logits are needed after this only to differentiate the soft-cap
-                entropy += stats.entropy(overwrite_logits=softcap is None).sum()
-            if needs_grad:
-                # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer
-                probs_CV[stats.rows_C, t_C] -= 1.0
-                logit_grad_to_raw(probs_CV, z_CV, softcap, temperature)
-                grads.add_chunk(start, probs_CV, h_CD, low_CV)
-            if entropy_from_grad:
-                grad_h_CD = grads.grad_hidden[start : start + h_CD.shape[0]]
-                entropy += (stats.log_z_C - expected_logit_from_hidden_grad(h_CD, grad_h_CD, stats.target_logit_C)).sum()
-        del buffers
-        if needs_grad:
-            grad_hidden, grad_weight = grads.finish()
-            ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
-        ctx.mark_non_differentiable(entropy, correct)
-        return loss, entropy, correct
+        self.entropy_from_grad = need_hidden and self.softcap is None and hidden_ND.dtype == torch.float32
+        self.softmax_in_place = self.entropy_from_grad and softmax_in_place_verified(hidden_ND.device)
+        device = hidden_ND.device
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+        entropy = torch.zeros((), dtype=torch.float32, device=device)
+        return loss, entropy, torch.zeros((), dtype=torch.int64, device=device)
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_entropy, _grad_correct):
-        grad_hidden, grad_weight = scaled_saved_gradients(ctx, grad_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None
+    def forward_chunk(self, chunk, loss, entropy, correct):
+        t_C = self.targets_N[chunk.rows]
+        stats = SoftmaxStats(chunk.z_CV, t_C, chunk.probs_CV)
+        loss -= stats.log_probs().sum()
+        correct += stats.correct_C.sum()
+        if not self.entropy_from_grad:
+            # the logits are needed after this only to differentiate the soft-cap
+            entropy += stats.entropy(overwrite_logits=self.softcap is None).sum()
+        if chunk.needs_grad:
+            # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer
+            chunk.probs_CV[stats.rows_C, t_C] -= 1.0
+            grad_h_CD = chunk.backpropagate(chunk.probs_CV)
+        if self.entropy_from_grad:
+            expected_logit_C = expected_logit_from_hidden_grad(chunk.h_CD, grad_h_CD, stats.target_logit_C)
+            entropy += (stats.log_z_C - expected_logit_C).sum()
 
 
 def fused_linear_cross_entropy(
@@ -149,13 +117,8 @@ def fused_linear_cross_entropy(
     Under torch.autocast the projection runs in the autocast dtype, as the plain path's matmul would.
     Returns loss, entropy and correct-prediction sums; fp32 statistics whatever the input dtype.
     """
-    hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
-    needs_grad = torch.is_grad_enabled()
-    need_hidden = needs_grad and hidden_ND.requires_grad
-    need_weight = needs_grad and weight_VD.requires_grad
-    loss, entropy, correct = _FusedLinearCrossEntropy.apply(
-        hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size, need_hidden, need_weight
-    )
+    kernel = _CrossEntropyKernel(targets_N, softcap, temperature, chunk_size)
+    loss, entropy, correct = fused_head_loss(kernel, hidden_ND, weight_VD)
     return CrossEntropyOutput(loss, entropy, correct, targets_N.shape[0])
 
 

@@ -18,16 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._chunks import (
-    ChunkBuffers,
-    HeadGradients,
-    chunk_logits,
-    chunk_size_for,
-    logit_grad_to_raw,
-    matmul_inputs,
-    no_autocast,
-    scaled_saved_gradients,
-)
+from ._chunks import ChunkBuffers, ChunkKernel, chunk_logits, fused_head_loss, matmul_inputs
 
 
 @dataclass
@@ -61,47 +52,24 @@ def _divergence_and_grad(log_ps_CV, log_pt_CV, beta: float):
     return divergence_C, grad_CV
 
 
-class _FusedLinearJSD(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature,
-                student_softcap, chunk_size, need_hidden, need_weight):
-        with no_autocast(student_hidden_ND.device):
-            return _FusedLinearJSD._forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens,
-                                            beta, temperature, student_softcap, chunk_size, need_hidden, need_weight)
+class _GeneralizedJSDKernel(ChunkKernel):
+    """Summed JSD_beta and student entropy; the student's gradients are formed chunk by chunk in forward."""
 
-    @staticmethod
-    def _forward(ctx, student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature,
-                 student_softcap, chunk_size, need_hidden, need_weight):
-        V = student_weight_VD.shape[0]
-        device = student_hidden_ND.device
-        loss = torch.zeros((), dtype=torch.float32, device=device)
-        entropy = torch.zeros((), dtype=torch.float32, device=device)
-        needs_grad = need_hidden or need_weight
-        grads = HeadGradients(student_hidden_ND, student_weight_VD, need_hidden, need_weight, 1.0 / temperature)
-        chunk = chunk_size_for(num_tokens, V, student_weight_VD.shape[1], chunk_size)
-        buffers = ChunkBuffers(min(chunk, num_tokens), V, student_hidden_ND.dtype, device) if num_tokens else None
-        for start in range(0, num_tokens, chunk):
-            h_CD = student_hidden_ND[start : start + chunk]
-            z_CV, log_ps_CV, low_CV = buffers.views(h_CD.shape[0])
-            chunk_logits(h_CD, student_weight_VD, student_softcap, temperature, z_CV, low_CV)
-            torch.log_softmax(z_CV, dim=-1, out=log_ps_CV)
-            log_pt_CV = F.log_softmax(teacher_logits_fn(start, start + h_CD.shape[0]), dim=-1)
-            entropy -= (log_ps_CV.exp() * log_ps_CV).sum()
-            divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, beta)
-            loss += divergence_C.sum()
-            if needs_grad:
-                logit_grad_to_raw(grad_z_CV, z_CV, student_softcap, temperature)
-                grads.add_chunk(start, grad_z_CV, h_CD, low_CV)
-        if needs_grad:
-            ctx.save_for_backward(*grads.finish())
-        ctx.need_hidden, ctx.need_weight = need_hidden, need_weight
-        ctx.mark_non_differentiable(entropy)
-        return loss, entropy
+    def __init__(self, teacher_logits_fn, beta, temperature, student_softcap, chunk_size):
+        super().__init__(student_softcap, temperature, chunk_size)
+        self.teacher_logits_fn, self.beta = teacher_logits_fn, beta
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_entropy):
-        grad_hidden, grad_weight = scaled_saved_gradients(ctx, grad_loss)
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+    def prepare(self, hidden_ND, need_hidden):
+        return tuple(torch.zeros((), dtype=torch.float32, device=hidden_ND.device) for _ in range(2))
+
+    def forward_chunk(self, chunk, loss, entropy):
+        log_ps_CV = torch.log_softmax(chunk.z_CV, dim=-1, out=chunk.probs_CV)
+        log_pt_CV = F.log_softmax(self.teacher_logits_fn(chunk.rows), dim=-1)
+        entropy -= (log_ps_CV.exp() * log_ps_CV).sum()
+        divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, self.beta)
+        loss += divergence_C.sum()
+        if chunk.needs_grad:
+            chunk.backpropagate(grad_z_CV)
 
 
 def fused_linear_generalized_jsd(
@@ -129,7 +97,6 @@ def fused_linear_generalized_jsd(
     from_logits = teacher_logits_NV is not None
     if from_logits == (teacher_hidden_ND is not None or teacher_weight_VD is not None):
         raise ValueError("pass the teacher either as teacher_logits_NV or as teacher_hidden_ND and teacher_weight_VD")
-    student_hidden_ND, student_weight_VD = matmul_inputs(student_hidden_ND, student_weight_VD)
     num_tokens, vocab = student_hidden_ND.shape[0], student_weight_VD.shape[0]
     teacher_vocab = teacher_logits_NV.shape[-1] if from_logits else teacher_weight_VD.shape[0]
     if teacher_vocab != vocab:
@@ -138,25 +105,20 @@ def fused_linear_generalized_jsd(
     if from_logits:
         teacher_logits_NV = teacher_logits_NV.detach()
 
-        def teacher_logits_fn(start, end):
-            return teacher_logits_NV[start:end].float() / temperature
+        def teacher_logits_fn(rows: slice):
+            return teacher_logits_NV[rows].float() / temperature
     else:
         teacher_hidden_ND, teacher_weight_VD = matmul_inputs(teacher_hidden_ND.detach(), teacher_weight_VD.detach())
         teacher_buffer = None
 
-        def teacher_logits_fn(start, end):
+        def teacher_logits_fn(rows: slice):
             nonlocal teacher_buffer
+            h_CD = teacher_hidden_ND[rows]
             if teacher_buffer is None:
-                teacher_buffer = ChunkBuffers(
-                    end - start, vocab, teacher_hidden_ND.dtype, teacher_hidden_ND.device, probs=False
-                )
-            z_CV, _, low_CV = teacher_buffer.views(end - start)
-            h_CD = teacher_hidden_ND[start:end]
+                teacher_buffer = ChunkBuffers(h_CD.shape[0], vocab, h_CD.dtype, h_CD.device, probs=False)
+            z_CV, _, low_CV = teacher_buffer.views(h_CD.shape[0])
             return chunk_logits(h_CD, teacher_weight_VD, teacher_softcap, temperature, z_CV, low_CV)
 
-    needs_grad = torch.is_grad_enabled()
-    loss, entropy = _FusedLinearJSD.apply(
-        student_hidden_ND, student_weight_VD, teacher_logits_fn, num_tokens, beta, temperature, student_softcap,
-        chunk_size, needs_grad and student_hidden_ND.requires_grad, needs_grad and student_weight_VD.requires_grad,
-    )
+    kernel = _GeneralizedJSDKernel(teacher_logits_fn, beta, temperature, student_softcap, chunk_size)
+    loss, entropy = fused_head_loss(kernel, student_hidden_ND, student_weight_VD)
     return DistillationOutput(loss, entropy, num_tokens)

@@ -13,77 +13,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._chunks import (
-    IGNORE_INDEX,
-    ChunkBuffers,
-    HeadGradients,
-    SoftmaxStats,
-    chunk_logits,
-    chunk_size_for,
-    logit_grad_to_raw,
-    matmul_inputs,
-    no_autocast,
-)
+from ._chunks import IGNORE_INDEX, ChunkKernel, SoftmaxStats, fused_head_loss
 
 
-class _FusedLinearTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size):
-        with no_autocast(hidden_ND.device):
-            return _FusedLinearTokenLogprobs._forward(
-                ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size
-            )
+class _TokenLogprobsKernel(ChunkKernel):
+    """log p(target) and the entropy per token; ignored targets give 0 and get no gradient."""
 
-    @staticmethod
-    def _forward(ctx, hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size):
-        N, V = hidden_ND.shape[0], weight_VD.shape[0]
-        valid_N = targets_N != IGNORE_INDEX
-        safe_targets_N = torch.where(valid_N, targets_N, 0)
-        logprobs = torch.zeros(N, dtype=torch.float32, device=hidden_ND.device)
-        entropy = torch.zeros(N, dtype=torch.float32, device=hidden_ND.device)
-        chunk = chunk_size_for(N, V, weight_VD.shape[1], chunk_size)
-        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device) if N else None
-        for start in range(0, N, chunk):
-            h_CD = hidden_ND[start : start + chunk]
-            z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
-            chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
-            stats = SoftmaxStats(z_CV, safe_targets_N[start : start + chunk], probs_CV)
-            logprobs[start : start + chunk] = stats.log_probs()
-            entropy[start : start + chunk] = stats.entropy(overwrite_logits=True)
-        logprobs.masked_fill_(~valid_N, 0.0)
-        entropy.masked_fill_(~valid_N, 0.0)
-        ctx.save_for_backward(hidden_ND, weight_VD, safe_targets_N, valid_N)
-        ctx.softcap, ctx.temperature, ctx.chunk = softcap, temperature, chunk
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+    gradient_in_forward = False
 
-    @staticmethod
-    def backward(ctx, grad_logprobs_N, _grad_entropy):
-        with no_autocast(grad_logprobs_N.device):
-            return _FusedLinearTokenLogprobs._backward(ctx, grad_logprobs_N)
+    def __init__(self, targets_N, softcap, temperature, chunk_size):
+        super().__init__(softcap, temperature, chunk_size)
+        self.valid_N = targets_N != IGNORE_INDEX
+        self.targets_N = torch.where(self.valid_N, targets_N, 0)
 
-    @staticmethod
-    def _backward(ctx, grad_logprobs_N):
-        hidden_ND, weight_VD, targets_N, valid_N = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        softcap, temperature, chunk = ctx.softcap, ctx.temperature, ctx.chunk
-        N, V = hidden_ND.shape[0], weight_VD.shape[0]
-        grad_N = torch.where(valid_N, grad_logprobs_N.float(), 0.0)
-        grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / temperature)
-        buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device) if N else None
-        for start in range(0, N, chunk):
-            h_CD = hidden_ND[start : start + chunk]
-            t_C, g_C = targets_N[start : start + chunk], grad_N[start : start + chunk]
-            z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
-            chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV)
-            torch.softmax(z_CV, dim=-1, out=probs_CV)
-            # g * d logp / dz = g * (onehot - p), built in the probabilities buffer
-            probs_CV.mul_(-g_C[:, None])
-            probs_CV[torch.arange(t_C.shape[0], device=t_C.device), t_C] += g_C
-            logit_grad_to_raw(probs_CV, z_CV, softcap, temperature)
-            grads.add_chunk(start, probs_CV, h_CD, low_CV)
-        grad_hidden, grad_weight = grads.finish()
-        return grad_hidden, grad_weight, None, None, None, None
+    def prepare(self, hidden_ND, need_hidden):
+        N = hidden_ND.shape[0]
+        return tuple(torch.zeros(N, dtype=torch.float32, device=hidden_ND.device) for _ in range(2))
+
+    def forward_chunk(self, chunk, logprobs_N, entropy_N):
+        stats = SoftmaxStats(chunk.z_CV, self.targets_N[chunk.rows], chunk.probs_CV)
+        valid_C = self.valid_N[chunk.rows]
+        logprobs_N[chunk.rows] = torch.where(valid_C, stats.log_probs(), 0.0)
+        entropy_N[chunk.rows] = torch.where(valid_C, stats.entropy(overwrite_logits=True), 0.0)
+
+    def backward_chunk(self, chunk, grad_logprobs_N):
+        t_C = self.targets_N[chunk.rows]
+        g_C = torch.where(self.valid_N[chunk.rows], grad_logprobs_N[chunk.rows].float(), 0.0)
+        probs_CV = torch.softmax(chunk.z_CV, dim=-1, out=chunk.probs_CV)
+        # g * d logp / dz = g * (onehot - p), built in the probabilities buffer
+        probs_CV.mul_(-g_C[:, None])
+        probs_CV[torch.arange(t_C.shape[0], device=t_C.device), t_C] += g_C
+        chunk.backpropagate(probs_CV)
 
 
 def fused_linear_token_logprobs(
@@ -102,8 +62,7 @@ def fused_linear_token_logprobs(
     Returns (logprobs_N, entropy_N), fp32; logprobs_N is differentiable w.r.t. hidden and weight for
     any upstream gradient, entropy_N is not (a logged statistic).
     """
-    hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
-    return _FusedLinearTokenLogprobs.apply(hidden_ND, weight_VD, targets_N, softcap, temperature, chunk_size)
+    return fused_head_loss(_TokenLogprobsKernel(targets_N, softcap, temperature, chunk_size), hidden_ND, weight_VD)
 
 
 def linear_token_logprobs(
