@@ -3,7 +3,8 @@
 Weights go to safetensors under their Hub names (re-fusing or un-stacking per the family's
 pieces), sharded with ``model.safetensors.index.json`` past ``max_shard_size``; config.json is
 the original, field for field; generation config and tokenizer files come along.
-Every file is written under a temporary name and renamed into place when complete.
+The files are written aside and renamed into place when complete, the index and config.json last,
+so a crash never leaves a folder that loads as a model with files missing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
+
+from hfnative.checkpoint import atomic_files
 
 from .families import Piece, model_pieces
 from .loading import SAFETENSORS_INDEX, ConvertedModel
@@ -31,6 +34,10 @@ TOKENIZER_FILES = (
     "merges.txt",
     "added_tokens.json",
 )
+# the files a loader starts from, renamed into a model folder after the files they refer to
+LOADED_FIRST = (SAFETENSORS_INDEX, "adapter_config.json", "config.json")
+# an earlier save's weight files, deleted when a new save no longer has them
+WEIGHT_FILES = ("model*.safetensors", SAFETENSORS_INDEX)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -86,16 +93,14 @@ def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int |
         tensors = {key: hub_tensor(pieces_of[key], native).to("cpu").contiguous() for key in keys}
         write_atomically(out_dir / name, lambda tmp, shard=tensors: save_file(shard, str(tmp), metadata={"format": "pt"}))
         del tensors  # one shard in memory at a time
-    stale_index = out_dir / SAFETENSORS_INDEX
     if split.is_sharded:
         total_parameters = sum(tensor.numel() for tensor in stand_ins.values())
         index = {
             "metadata": {**split.metadata, "total_parameters": total_parameters},
             "weight_map": split.tensor_to_filename,
         }
-        write_atomically(stale_index, lambda tmp: tmp.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
-    elif stale_index.exists():
-        stale_index.unlink()
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        write_atomically(out_dir / SAFETENSORS_INDEX, lambda tmp: tmp.write_text(text))
     return list(split.filename_to_tensors)
 
 
@@ -149,14 +154,12 @@ def export_hf(
     generation_config=None,
     max_shard_size: int | str = "5GB",
 ) -> Path:
-    """Write ``converted`` as a Hub-format folder: safetensors, config.json, generation config, tokenizer."""
+    """Write ``converted`` as a Hub-format folder: safetensors, config.json, generation config, tokenizer.
+    Weight files of an earlier save into ``out_dir`` that this one does not write are removed."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    names = save_weights(converted, out_dir, max_shard_size)
-    for stale in out_dir.glob("model*.safetensors"):
-        if stale.name not in names:
-            stale.unlink()  # shards of an earlier save with a different layout
-    _save_config(converted, out_dir)
-    _save_generation_config(converted, out_dir, generation_config)
-    save_tokenizer(out_dir, processing_class, converted.source_dir)
+    with atomic_files(out_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
+        save_weights(converted, stage, max_shard_size)
+        _save_config(converted, stage)
+        _save_generation_config(converted, stage, generation_config)
+        save_tokenizer(stage, processing_class, converted.source_dir)
     return out_dir

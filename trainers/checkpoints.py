@@ -41,6 +41,32 @@ def get_last_checkpoint(output_dir: str | Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def resolve_checkpoint(resume_from_checkpoint, output_dir: str | Path) -> Path | None:
+    """``resume_from_checkpoint`` as the checkpoint folder to resume from: None / False -> None; True (or
+    "true" from a command line, when no folder has that name) -> output_dir's latest checkpoint; a path
+    -> that folder. Raises ValueError saying what to do when there is none."""
+    text = str(resume_from_checkpoint)
+    if isinstance(resume_from_checkpoint, str) and text.lower() in ("true", "false") and not Path(text).exists():
+        resume_from_checkpoint = text.lower() == "true"
+    if resume_from_checkpoint in (None, False):
+        return None
+    if resume_from_checkpoint is True:
+        found = get_last_checkpoint(output_dir)
+        if found is None:
+            raise ValueError(
+                f"resume_from_checkpoint=True but output_dir {str(output_dir)!r} has no {PREFIX_CHECKPOINT_DIR}-N "
+                "folder to resume from; drop resume_from_checkpoint to start a new run, or pass a checkpoint folder"
+            )
+        return found
+    path = Path(text)
+    if not (path / TRAINER_STATE_NAME).exists():
+        raise ValueError(
+            f"resume_from_checkpoint={text!r} is not a checkpoint folder (no {TRAINER_STATE_NAME} in it); "
+            f"pass a {PREFIX_CHECKPOINT_DIR}-N folder, or True for output_dir's latest"
+        )
+    return path
+
+
 def rotate_checkpoints(output_dir: str | Path, save_total_limit: int | None, best_model_checkpoint: str | None) -> None:
     """Delete the oldest checkpoints beyond ``save_total_limit``; the newest and the best are kept."""
     if not save_total_limit or save_total_limit <= 0:
@@ -64,7 +90,3 @@ def save_training_args(args, path: Path) -> None:
     args = copy.copy(args)
     args.hub_token = None
     torch.save(args, path)
-
-
-def load_torch(path: Path, device) -> dict:
-    return torch.load(path, map_location=device, weights_only=False)

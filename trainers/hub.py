@@ -22,6 +22,9 @@ import logging
 import shutil
 from pathlib import Path
 
+from hfnative.checkpoint import atomic_files
+from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
+
 from . import checkpoints as ckpt
 
 logger = logging.getLogger(__name__)
@@ -152,14 +155,16 @@ def push_checkpoint(trainer, checkpoint_dir: Path) -> None:
         init_repo(trainer)
     from .model_card import write_model_card
 
-    # the model folder gets the checkpoint's model files instead of a second export of the weights
+    # the model folder gets the checkpoint's model files instead of a second export of the weights,
+    # renamed in whole as save_model's are
     output_dir = Path(args.output_dir)
-    for name in _model_files(checkpoint_dir):
-        shutil.copy(checkpoint_dir / name, output_dir / name)
-    if trainer.processing_class is not None:
-        trainer.processing_class.save_pretrained(str(output_dir))
-    ckpt.save_training_args(args, output_dir / ckpt.TRAINING_ARGS_NAME)
-    write_model_card(trainer, output_dir)
+    with atomic_files(output_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
+        for name in _model_files(checkpoint_dir):
+            shutil.copy(checkpoint_dir / name, stage / name)
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(stage))
+        ckpt.save_training_args(args, stage / ckpt.TRAINING_ARGS_NAME)
+        write_model_card(trainer, stage)
 
     save_strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
     if save_strategy == "epoch":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from hfnative.converters.export import write_atomically
 from hfnative.converters.hub import HUB_ID
 
 # the hyperparameters worth showing on a card, in this order
@@ -155,5 +156,5 @@ def write_model_card(
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     path = output_dir / "README.md"
-    card.save(path)
+    write_atomically(path, card.save)
     return path

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
-from hfnative.checkpoint import atomic_directory, load_rng_state, save_rng_state
+from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
+from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
 from hfnative.converters.families import model_pieces
 from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
 
@@ -39,13 +40,18 @@ class SavingMixin:
         ckpt.save_training_args(self.args, output_dir / ckpt.TRAINING_ARGS_NAME)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the model in Hub format (safetensors + config.json + tokenizer) and a model card."""
+        """Write the model in Hub format (safetensors + config.json + tokenizer) and a model card.
+
+        Every file is written aside and renamed in whole, config.json last: a crash leaves the previous
+        save or nothing that loads, never a model folder with files missing."""
         from .model_card import write_model_card
 
         output_dir = Path(output_dir or self.args.output_dir)
-        self._save(output_dir)
+        with atomic_files(output_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
+            self._save(stage)
+            if not _internal_call:
+                write_model_card(self, stage)
         if not _internal_call:
-            write_model_card(self, output_dir)
             if self.args.push_to_hub:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -83,17 +89,7 @@ class SavingMixin:
     # --- resuming --------------------------------------------------------------------------------
 
     def _resolve_checkpoint(self, resume_from_checkpoint) -> Path | None:
-        if resume_from_checkpoint in (None, False):
-            return None
-        if resume_from_checkpoint is True:
-            found = ckpt.get_last_checkpoint(self.args.output_dir)
-            if found is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-            return found
-        path = Path(resume_from_checkpoint)
-        if not (path / ckpt.TRAINER_STATE_NAME).exists():
-            raise ValueError(f"resume_from_checkpoint={str(path)!r} is not a checkpoint folder (no {ckpt.TRAINER_STATE_NAME})")
-        return path
+        return ckpt.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
 
     def _load_model_weights(self, checkpoint: Path) -> None:
         if self.converted is None:
@@ -120,8 +116,9 @@ class SavingMixin:
             self.state.stateful_callbacks = saved.stateful_callbacks
         self._load_model_weights(checkpoint)
         if (checkpoint / ckpt.OPTIMIZER_NAME).exists():
-            self.optimizer.load_state_dict(ckpt.load_torch(checkpoint / ckpt.OPTIMIZER_NAME, self.device))
-            self.lr_scheduler.load_state_dict(ckpt.load_torch(checkpoint / ckpt.SCHEDULER_NAME, "cpu"))
+            # weights_only loading: a checkpoint from someone else cannot run code here
+            self.optimizer.load_state_dict(safe_torch_load(checkpoint / ckpt.OPTIMIZER_NAME, self.device))
+            self.lr_scheduler.load_state_dict(safe_torch_load(checkpoint / ckpt.SCHEDULER_NAME, "cpu"))
 
     def _restore_rng(self, checkpoint: Path) -> None:
         if (checkpoint / ckpt.RNG_STATE_NAME).exists():
