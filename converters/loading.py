@@ -242,6 +242,20 @@ def _config_dtype(config) -> torch.dtype:
     return dtype
 
 
+def _check_config_json(path: Path) -> None:
+    """config.json exists and is a JSON object (transformers' own error for a broken one loses where)."""
+    if not path.exists():
+        raise CheckpointError(f"{path.parent}: no config.json; is this a Hub-format model folder?")
+    try:
+        fields = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        where = f" at line {err.lineno}, column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
+        reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        raise CheckpointError(f"{path} is not valid JSON{where} ({reason}); fix it or download the model again") from err
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(fields).__name__}, not the object of a model config")
+
+
 def load_pretrained(
     model: str | os.PathLike | object,
     *,
@@ -263,8 +277,7 @@ def load_pretrained(
         where = f"the {type(model).__name__} object"
     else:
         source_dir = resolve_model_dir(model, revision=revision, cache_dir=cache_dir, token=token)
-        if not (source_dir / "config.json").exists():
-            raise CheckpointError(f"{source_dir}: no config.json; is this a Hub-format model folder?")
+        _check_config_json(source_dir / "config.json")
         config = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
         config._name_or_path = str(model)  # the name passed (a Hub id, not its cache folder), as transformers keeps it
         source = SafetensorsSource(source_dir)

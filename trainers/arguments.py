@@ -16,7 +16,12 @@ import transformers
 HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode")
 
 
-@dataclass
+# counts a run divides by: 0 would fail deep inside the loop
+_AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+
+
+# repr=False keeps transformers' __repr__, which masks the *_token fields (hub_token); a regenerated one prints it
+@dataclass(repr=False)
 class TrainingArguments(transformers.TrainingArguments):
     """transformers.TrainingArguments plus hfnative's engine switches.
 
@@ -37,6 +42,9 @@ class TrainingArguments(transformers.TrainingArguments):
     )
 
     def __post_init__(self):
+        for name in _AT_LEAST_ONE:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}; it must be at least 1")
         super().__post_init__()
         if self.activation_checkpointing_mode not in ("full", "selective"):
             raise ValueError(
@@ -53,7 +61,7 @@ class TrainingArguments(transformers.TrainingArguments):
         return sanitized
 
 
-@dataclass
+@dataclass(repr=False)
 class SFTConfig(TrainingArguments):
     """TRL's SFTConfig: the same fields and defaults (learning_rate 2e-5, logging_steps 10,
     activation checkpointing on, bf16 unless fp16)."""

@@ -78,10 +78,21 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
 
 
 def load_processing_class(converted: ConvertedModel | None):
-    """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder)."""
+    """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder).
+
+    Raises ValueError naming the folder when it holds no tokenizer: transformers would then build one
+    from config.json alone, with a single token, and every row would be dropped or trained as nothing.
+    """
     if converted is None or converted.source_dir is None:
         name = getattr(getattr(converted, "config", None), "_name_or_path", None)
         if not name:
             return None
-        return transformers.AutoTokenizer.from_pretrained(name)
-    return transformers.AutoTokenizer.from_pretrained(str(converted.source_dir))
+    else:
+        name = str(converted.source_dir)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    if len(tokenizer) <= 1:
+        raise ValueError(
+            f"model {name!r} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): copy the base "
+            "model's tokenizer files into it, or pass processing_class=AutoTokenizer.from_pretrained(<the base model>)"
+        )
+    return tokenizer

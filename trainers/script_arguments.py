@@ -7,7 +7,9 @@ unchanged. Errors a user can cause are ValueError / FileNotFoundError naming the
 
 from __future__ import annotations
 
+import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,26 +141,80 @@ def load_dataset_dict(name: str, config: str | None = None, streaming: bool = Fa
     import datasets
 
     path = Path(name).expanduser()
+    builder = DATA_FILE_BUILDERS.get(path.suffix.lower()) if path.is_file() else None
+    if path.is_file():
+        if builder is None:
+            raise ValueError(f"dataset_name={name!r} is a {path.suffix or 'suffix-less'} file; expected one of "
+                             f"{', '.join(DATA_FILE_BUILDERS)}")
+        if path.stat().st_size == 0:
+            raise ValueError(f"dataset_name={name!r} is an empty file: it holds no rows to train on")
+    elif not path.is_dir() and (path.exists() or not HUB_ID.match(name)):
+        raise FileNotFoundError(f"dataset_name={name!r}: no such file or folder, and not a Hub dataset id")
     try:
-        if path.is_file():
-            builder = DATA_FILE_BUILDERS.get(path.suffix.lower())
-            if builder is None:
-                raise ValueError(f"dataset_name={name!r} is a {path.suffix or 'suffix-less'} file; expected one of "
-                                 f"{', '.join(DATA_FILE_BUILDERS)}")
-            return datasets.load_dataset(builder, data_files=str(path), streaming=streaming)
-        if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
-            saved = datasets.load_from_disk(str(path))
-            return saved if isinstance(saved, datasets.DatasetDict) else datasets.DatasetDict({default_split: saved})
-        if path.is_dir():
-            return datasets.load_dataset(str(path), name=config, streaming=streaming)
-        if path.exists() or not HUB_ID.match(name):
-            raise FileNotFoundError(f"dataset_name={name!r}: no such file or folder, and not a Hub dataset id")
-        return datasets.load_dataset(name, name=config, streaming=streaming)
-    except (ValueError, FileNotFoundError):
-        raise
+        with _file_reader_errors_raised_only():
+            if builder is not None:
+                return datasets.load_dataset(builder, data_files=str(path), streaming=streaming)
+            if path.is_dir() and ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+                saved = datasets.load_from_disk(str(path))
+                return saved if isinstance(saved, datasets.DatasetDict) else datasets.DatasetDict({default_split: saved})
+            return datasets.load_dataset(str(path) if path.is_dir() else name, name=config, streaming=streaming)
     except Exception as err:  # datasets' own errors (offline Hub, unreadable files, ...) named with the input
-        message = " ".join(str(err).split())
-        raise ValueError(f"dataset_name={name!r} could not be loaded: {type(err).__name__}: {message}") from err
+        problem = _json_file_problem(path) if builder == "json" else None
+        raise ValueError(f"dataset_name={name!r} could not be loaded: {problem or _error_and_cause(err)}") from err
+
+
+@contextmanager
+def _file_reader_errors_raised_only():
+    """datasets' JSON and CSV readers log a failure before raising it; the error raised here carries it."""
+    readers = [logging.getLogger(f"datasets.packaged_modules.{kind}.{kind}") for kind in ("json", "csv")]
+    for reader in readers:
+        reader.addFilter(_below_error)
+    try:
+        yield
+    finally:
+        for reader in readers:
+            reader.removeFilter(_below_error)
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text).split())
+
+
+def _error_and_cause(err: BaseException) -> str:
+    """"DatasetGenerationError: ... (caused by ArrowInvalid: ... in row 3)": the root cause holds the detail."""
+    root = err
+    while root.__cause__ is not None or root.__context__ is not None:
+        root = root.__cause__ or root.__context__
+    text = f"{type(err).__name__}: {_one_line(err)}"
+    return text if root is err else f"{text} (caused by {type(root).__name__}: {_one_line(root)})"
+
+
+def _json_file_problem(path: Path) -> str | None:
+    """Where a .json / .jsonl file stops being JSON, read by us (datasets' reader counts rows per block)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        return "the file holds no rows (only blank lines)"
+    try:
+        json.loads(text)
+        return None  # one JSON document: what datasets rejects is its content, not its syntax
+    except json.JSONDecodeError as err:
+        if text.lstrip().startswith("["):
+            return f"not valid JSON at line {err.lineno}, column {err.colno} ({err.msg})"
+    row = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except json.JSONDecodeError as err:
+            return (f"line {number} (row {row}) is not valid JSON ({err.msg}, column {err.colno}); "
+                    "each line of a JSON Lines file must be one complete JSON object")
+        row += 1
+    return None
 
 
 def dataset_split(splits, split: str, name: str, argument: str):
@@ -166,7 +222,10 @@ def dataset_split(splits, split: str, name: str, argument: str):
     if split not in splits:
         raise ValueError(f"dataset_name={name!r} has no split {split!r} (available: {', '.join(splits)}); "
                          f"set {argument} to one of them")
-    return splits[split]
+    rows = splits[split]
+    if getattr(rows, "num_rows", None) == 0:
+        raise ValueError(f"dataset_name={name!r}: split {split!r} has no rows")
+    return rows
 
 
 def train_and_eval_datasets(script_args: ScriptArguments, training_args):

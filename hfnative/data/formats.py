@@ -69,6 +69,9 @@ def format_error(index: int, row: dict, text_field: str) -> ValueError:
         hints.append('a "prompt" needs a "completion" for SFT (prompt-only data is for GRPO/DPO-style trainers)')
     if "prompt" in present and "completion" in present:
         hints.append('"prompt" and "completion" must both be strings or both be lists of messages')
+    problem = malformed_message(row)
+    if problem:
+        hints.append(f"{problem}; each message needs a 'role' and a 'content'")
     if text_field not in row:
         strings = [key for key in present if isinstance(row[key], str)]
         if strings and not {"prompt", "completion"} & set(present):
@@ -96,6 +99,24 @@ def check_row_format(row: dict, index: int, expected: str, text_field: str) -> N
             f"Row {index} is {found} but the dataset is {expected} (decided by row 0). "
             "All rows of one dataset must share a format; split the dataset or convert the rows."
         )
+
+
+def malformed_message(row: dict) -> str | None:
+    """Where a conversational row's first message that is not {"role": str, "content": str} is, and what
+    it has instead; None when every message has both (a hint for the error when a template fails)."""
+    for column in ("messages", "prompt", "completion"):
+        messages = row.get(column)
+        if not isinstance(messages, list):
+            continue
+        for position, message in enumerate(messages):
+            role = message.get("role") if isinstance(message, dict) else None
+            if not isinstance(role, str):
+                return f"{column}[{position}] has no 'role'"
+            content = message.get("content")
+            if not isinstance(content, str):
+                has = "no 'content'" if content is None else f"content of type {type(content).__name__}"
+                return f"{column}[{position}] (role {role!r}) has {has}"
+    return None
 
 
 def from_value_to_chatml(conversation: list[dict]) -> list[dict]:

@@ -27,8 +27,10 @@ from .formats import (
     format_error,
     from_value_to_chatml,
     is_from_value_messages,
+    malformed_message,
     row_format,
 )
+from .from_rows import dataset_from_rows
 from .packing import PACKING_STRATEGIES, pack_dataset
 from .tokenize import has_label_token, labels_from_masks, tokenize_row, truncate
 
@@ -59,15 +61,20 @@ def prepare_row(row: dict, index: int, recipe: RowRecipe) -> dict:
     if recipe.row_format == PRETOKENIZED:
         output = {}
     else:
-        output = tokenize_row(
-            row,
-            recipe.row_format,
-            recipe.processing_class,
-            text_field=recipe.text_field,
-            eos_token=recipe.eos_token,
-            eos_override=recipe.eos_override,
-            assistant_only_loss=recipe.assistant_only_loss,
-        )
+        try:
+            output = tokenize_row(
+                row,
+                recipe.row_format,
+                recipe.processing_class,
+                text_field=recipe.text_field,
+                eos_token=recipe.eos_token,
+                eos_override=recipe.eos_override,
+                assistant_only_loss=recipe.assistant_only_loss,
+            )
+        except Exception as err:  # the chat template's own error (jinja, or its raise_exception) lacks the row
+            if recipe.row_format not in CONVERSATIONAL_FORMATS:
+                raise
+            raise _chat_template_error(index, row, err) from err
     if "assistant_masks" in output and 1 not in output["assistant_masks"]:
         raise ValueError(
             f"Row {index} has no assistant token, so assistant_only_loss=True would train on nothing. The chat "
@@ -87,6 +94,15 @@ def prepare_row(row: dict, index: int, recipe: RowRecipe) -> dict:
     return output
 
 
+def _chat_template_error(index: int, row: dict, err: Exception) -> ValueError:
+    problem = malformed_message(row)
+    return ValueError(
+        f"Row {index}: the chat template could not render its messages ({type(err).__name__}: "
+        f"{' '.join(str(err).split())}){': ' + problem if problem else ''}. Each message needs a 'role' the "
+        "template accepts and a 'content' string; fix or drop the row."
+    )
+
+
 def applied_masks(fmt: str, columns: list[str], completion_only_loss: bool, assistant_only_loss: bool) -> list[str]:
     """The mask columns folded into the labels, as TRL: "completion_mask" only with completion_only_loss,
     "assistant_masks" whenever present (tokenizing makes it only with assistant_only_loss)."""
@@ -97,11 +113,15 @@ def applied_masks(fmt: str, columns: list[str], completion_only_loss: bool, assi
     )
 
 
-def drop_rows_without_labels(dataset, what: str, num_proc: int | None = None):
-    """Drop rows whose labels are all -100 (they add no loss), logging how many went."""
+def drop_rows_without_labels(dataset, what: str, num_proc: int | None = None, why: str = "no row has a label token"):
+    """Drop rows whose labels are all -100 (they add no loss), logging how many went. When that is every
+    row, a ValueError says how many and ``why`` (a run on nothing would report success and save the
+    untouched model); a stream's rows are counted only as they go by, so the trainer checks it instead."""
     if isinstance(dataset, IterableDataset):  # no length up front: log the first drop as rows stream by
         return dataset.filter(_LabelFilter(what))
     kept = dataset.filter(lambda row: has_label_token(row["labels"]), num_proc=num_proc)
+    if len(kept) == 0 and len(dataset) > 0:
+        raise ValueError(f"All {len(dataset)} {what} of the dataset were dropped, so there is nothing to train on: {why}.")
     if len(kept) < len(dataset):
         logger.warning(
             "Dropped %d of %d %s with no label token left (e.g. a prompt that fills max_length).",
@@ -140,10 +160,7 @@ def _as_dataset(dataset):
             )
         return dataset
     if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
-        # the union of the rows' keys (Dataset.from_list keeps only the first row's): a row with a
-        # misnamed field then shows it in the error instead of losing it silently
-        names = list(dict.fromkeys(key for row in dataset for key in row))
-        return Dataset.from_dict({name: [row.get(name) for row in dataset] for name in names})
+        return dataset_from_rows(dataset)
     raise TypeError(
         f"The dataset must be a datasets.Dataset, a datasets.IterableDataset or a list of dicts, got "
         f"{type(dataset).__name__}."
@@ -249,17 +266,37 @@ def prepare_sft_dataset(
         **_parallel(num_proc),
     )
 
+    why = _why_no_label_token(recipe, completion_only_loss)
     if not packing:
-        dataset = drop_rows_without_labels(dataset, "rows", num_proc)
+        dataset = drop_rows_without_labels(dataset, "rows", num_proc, why)
     else:
         dataset = dataset.select_columns(["input_ids", "labels"])
         if shuffle_dataset:  # as TRL: also before packing, so that packed neighbours are not correlated
             dataset = dataset.shuffle(seed=seed)
         dataset = pack_dataset(dataset, max_length, packing_strategy, num_proc=num_proc)
-        dataset = drop_rows_without_labels(dataset, "packed rows", num_proc)
+        dataset = drop_rows_without_labels(dataset, "packed rows", num_proc, why)
     if shuffle_dataset:
         dataset = dataset.shuffle(seed=seed)
     return dataset
+
+
+def _why_no_label_token(recipe: RowRecipe, completion_only_loss: bool) -> str:
+    """Why a row can be left with no token to train on, and what to do, for the error when all are."""
+    if not recipe.build_labels:
+        trained = "the dataset's own 'labels' (every one is -100)"
+    elif "assistant_masks" in recipe.mask_columns:
+        trained = "an assistant turn"
+    elif completion_only_loss and "completion_mask" in recipe.mask_columns:
+        trained = "the completion"
+    else:
+        trained = "its text"
+    if recipe.max_length is None:
+        return f"no row has a token of {trained} to train on"
+    return (
+        f"after truncation to max_length={recipe.max_length} (truncation_mode={recipe.truncation_mode!r}) no row "
+        f"keeps a token of {trained}, e.g. each prompt fills max_length. Raise max_length, shorten the prompts, "
+        "or set truncation_mode='keep_end'"
+    )
 
 
 def _unprepared(dataset):
