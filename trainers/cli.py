@@ -6,8 +6,10 @@ The flags are generated from the argument dataclasses (ScriptArguments, ModelArg
 command's config class) by transformers' HfArgumentParser, so names, types, bare ``--flag`` (True)
 and ``--no_flag`` (False) behave as in TRL. ``--config`` YAML values replace the defaults and flags
 on the command line override them; a YAML ``env:`` mapping sets environment variables, as in TRL.
-Usage mistakes (an unknown flag or command, a bad config file or value, a missing dataset split)
-print one line on stderr and exit with status 2.
+Usage mistakes (an unknown flag or command, a bad config file or value, a missing, empty or malformed
+dataset, an unusable model folder, an output_dir that cannot be written or that another run is using,
+no checkpoint to resume, nothing left to train on) print one line on stderr and exit with status 2;
+README.md's bad-input table lists them.
 
 A command is registered in ``COMMANDS`` with its config class, trainer class, script-arguments
 class and the function that runs it; ``sft`` is the default when none is named.
@@ -21,6 +23,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable
+from contextlib import ExitStack
 from copy import copy
 from dataclasses import dataclass, fields
 from typing import get_type_hints
@@ -30,7 +33,11 @@ import yaml
 from transformers import HfArgumentParser
 from transformers.hf_argparser import string_to_bool
 
+from hfnative.checkpoint import RefusedCheckpointFile
+
 from .arguments import SFTConfig
+from .checkpoints import resolve_checkpoint
+from .run_guard import RunError, output_dir_claimed
 from .script_arguments import (
     ModelArguments,
     ScriptArguments,
@@ -251,30 +258,37 @@ class Command:
 
 
 def train_model(command: Command, script_args, training_args, model_args) -> None:
-    """Load the data and model, train, then save (and push) the result — TRL's sft.py flow."""
-    try:
-        train_dataset, eval_dataset = train_and_eval_datasets(script_args, training_args)
-        if not model_args.model_name_or_path:
-            raise ValueError("model_name_or_path is required: a local model folder or a Hub model id")
-        training_args.model_init_kwargs = model_init_kwargs_from(model_args, training_args)
-        trainer = command.trainer_class(
-            model=model_args.model_name_or_path,
-            args=training_args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            peft_config=peft_config_from(model_args),
-        )
-    except (ValueError, FileNotFoundError) as err:
-        raise UsageError(err) from err
-    trainer.dataset_name = script_args.dataset_name
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if training_args.push_to_hub:
-        # push_to_hub saves the model and card into output_dir first (save_model would push a second time)
-        commit = trainer.push_to_hub(dataset_name=script_args.dataset_name)
-        print(f"Model saved to {training_args.output_dir} and pushed to {commit.commit_url}")
-    else:
-        trainer.save_model(training_args.output_dir)
-        print(f"Model saved to {training_args.output_dir}")
+    """Load the data and model, train, then save (and push) the result — TRL's sft.py flow. output_dir is
+    claimed first, so a second run on it, or an unwritable one, stops before anything is loaded."""
+    with ExitStack() as claim:
+        try:
+            claim.enter_context(output_dir_claimed(training_args.output_dir))
+            checkpoint = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir)
+            train_dataset, eval_dataset = train_and_eval_datasets(script_args, training_args)
+            if not model_args.model_name_or_path:
+                raise ValueError("model_name_or_path is required: a local model folder or a Hub model id")
+            training_args.model_init_kwargs = model_init_kwargs_from(model_args, training_args)
+            trainer = command.trainer_class(
+                model=model_args.model_name_or_path,
+                args=training_args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                peft_config=peft_config_from(model_args),
+            )
+        except (ValueError, FileNotFoundError) as err:
+            raise UsageError(err) from err
+        trainer.dataset_name = script_args.dataset_name
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        except (RunError, RefusedCheckpointFile) as err:  # nothing to train on; a checkpoint holding code
+            raise UsageError(err) from err
+        if training_args.push_to_hub:
+            # push_to_hub saves the model and card into output_dir first (save_model would push a second time)
+            commit = trainer.push_to_hub(dataset_name=script_args.dataset_name)
+            print(f"Model saved to {training_args.output_dir} and pushed to {commit.commit_url}")
+        else:
+            trainer.save_model(training_args.output_dir)
+            print(f"Model saved to {training_args.output_dir}")
 
 
 COMMANDS: dict[str, Command] = {
