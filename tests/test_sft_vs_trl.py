@@ -143,3 +143,11 @@ def test_evaluation_metrics_match_trl(tmp_path):
     for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
         assert ours[key] == pytest.approx(theirs[key], rel=1e-4), key
     assert ours["eval_num_tokens"] == theirs["eval_num_tokens"]
+
+
+@pytest.mark.parametrize("fused_loss", [True, False], ids=["chunked", "materialized"])
+def test_dft_loss_matches_trl(fused_loss, tmp_path):
+    trl = pytest.importorskip("trl")
+    theirs = _run(trl, "prompt-completion", tmp_path, 2, loss_type="dft")
+    ours = _run(hfnative, "prompt-completion", tmp_path, 2, loss_type="dft", fused_loss=fused_loss)
+    _assert_same_logs(ours, theirs)

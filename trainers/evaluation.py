@@ -12,12 +12,12 @@ class EvaluationMixin:
     """evaluate() / prediction_step() as transformers' Trainer, on the native model."""
 
     def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
-        inputs = self._to_device(inputs)
+        inputs = self._prepare_inputs(inputs)
         with torch.no_grad(), self._autocast():
             loss = self.compute_loss(model, inputs) if "labels" in inputs else None
             logits = None
             if not prediction_loss_only:
-                logits = model(inputs["input_ids"], **self._model_inputs(inputs))
+                logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
         return loss, logits, inputs.get("labels")

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import transformers
 
 from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
-from hfnative.losses.cross_entropy import CrossEntropyOutput, label_positions, shift_labels
+from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
 from .arguments import SFTConfig
 from .model_card import write_model_card
+from .objective import LanguageModelingObjective
 from .trainer import Trainer, as_hfnative_args, set_seed
 
 logger = logging.getLogger(__name__)
@@ -66,8 +65,6 @@ class SFTTrainer(Trainer):
             model_init_kwargs = {}
         self.formatting_func = formatting_func
         self.peft_config = peft_config
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        self._total_train_tokens = 0
         super().__init__(
             model=model,
             args=args,
@@ -87,6 +84,9 @@ class SFTTrainer(Trainer):
     @staticmethod
     def _args_class():
         return SFTConfig
+
+    def _make_objective(self):
+        return SFTObjective(self)
 
     def _add_adapters(self) -> None:
         """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
@@ -115,46 +115,6 @@ class SFTTrainer(Trainer):
     def _tokenizer(self):
         return getattr(self.processing_class, "tokenizer", self.processing_class)
 
-    def _prepare_datasets(self, train_dataset, eval_dataset):
-        if self.processing_class is None:
-            raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
-        if self.args.chat_template_path is not None:
-            self._load_chat_template(self.args.chat_template_path)
-        tokenizer = self._tokenizer()
-        if self.args.pad_token is not None:
-            tokenizer.pad_token = self.args.pad_token
-        self._pad_token_id = pad_token_id_for(self.processing_class, self.args.eos_token)
-        train = self._prepare(train_dataset, self.args.packing)
-        eval_packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
-        if isinstance(eval_dataset, dict):
-            evaluation = {name: self._prepare(d, eval_packing) for name, d in eval_dataset.items()}
-        else:
-            evaluation = self._prepare(eval_dataset, eval_packing)
-        return train, evaluation
-
-    def _prepare(self, dataset, packing: bool):
-        if dataset is None:
-            return None
-        a = self.args
-        return prepare_sft_dataset(
-            dataset,
-            self.processing_class,
-            dataset_text_field=a.dataset_text_field,
-            max_length=a.max_length,
-            packing=packing,
-            packing_strategy=a.packing_strategy,
-            padding_free=a.padding_free,
-            completion_only_loss=a.completion_only_loss,
-            assistant_only_loss=a.assistant_only_loss,
-            eos_token=a.eos_token,
-            formatting_func=self.formatting_func,
-            dataset_num_proc=a.dataset_num_proc,
-            dataset_kwargs=_as_dict(a.dataset_kwargs),
-            truncation_mode=a.truncation_mode,
-            shuffle_dataset=a.shuffle_dataset,
-            seed=a.seed,
-        )
-
     def _load_chat_template(self, path: str) -> None:
         path = Path(path)
         if path.is_dir():
@@ -165,57 +125,121 @@ class SFTTrainer(Trainer):
             raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja file or a tokenizer folder")
         self._tokenizer().chat_template = template
 
-    def _default_collator(self):
-        a = self.args
+
+class SFTObjective(LanguageModelingObjective):
+    """SFT: TRL's dataset preparation and collator; loss "nll" or "dft" over the completion tokens;
+    metrics entropy, mean_token_accuracy, num_tokens (and aux_loss for MoE), as TRL logs them."""
+
+    def __init__(self, trainer: SFTTrainer):
+        super().__init__(trainer)
+        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self.aux_loss_coef = self._enable_aux_loss(trainer.model, trainer.args.router_aux_loss_coef)
+
+    @staticmethod
+    def _enable_aux_loss(model, coef: float | None) -> float:
+        """TRL's rule: None takes the model config's coefficient; a non-zero coefficient on a model
+        without experts is an error; 0.0 turns the router's load-balancing loss off."""
+        moe = getattr(getattr(model, "args", None), "moe", None)
+        if coef and moe is None:
+            raise ValueError(
+                f"`router_aux_loss_coef` is set to {coef} but {type(model).__name__} is not a Mixture-of-Experts model "
+                "that returns its router logits, so there is no auxiliary loss to weight."
+            )
+        if moe is None:
+            return 0.0
+        moe.aux_loss_coef = moe.aux_loss_coef if coef is None else coef
+        model.aux_loss_enabled = moe.aux_loss_coef != 0.0
+        return moe.aux_loss_coef
+
+    # --- data -----------------------------------------------------------------------------------
+    def prepare_datasets(self, train_dataset, eval_dataset):
+        trainer, args = self.trainer, self.trainer.args
+        if trainer.processing_class is None:
+            raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
+        if args.chat_template_path is not None:
+            trainer._load_chat_template(args.chat_template_path)
+        tokenizer = trainer._tokenizer()
+        if args.pad_token is not None:
+            tokenizer.pad_token = args.pad_token
+        self._pad_token_id = pad_token_id_for(trainer.processing_class, args.eos_token)
+        train = self._prepare(train_dataset, args.packing)
+        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+        if isinstance(eval_dataset, dict):
+            evaluation = {name: self._prepare(d, eval_packing) for name, d in eval_dataset.items()}
+        else:
+            evaluation = self._prepare(eval_dataset, eval_packing)
+        return train, evaluation
+
+    def _prepare(self, dataset, packing: bool):
+        if dataset is None:
+            return None
+        a = self.trainer.args
+        return prepare_sft_dataset(
+            dataset,
+            self.trainer.processing_class,
+            dataset_text_field=a.dataset_text_field,
+            max_length=a.max_length,
+            packing=packing,
+            packing_strategy=a.packing_strategy,
+            padding_free=a.padding_free,
+            completion_only_loss=a.completion_only_loss,
+            assistant_only_loss=a.assistant_only_loss,
+            eos_token=a.eos_token,
+            formatting_func=self.trainer.formatting_func,
+            dataset_num_proc=a.dataset_num_proc,
+            dataset_kwargs=_as_dict(a.dataset_kwargs),
+            truncation_mode=a.truncation_mode,
+            shuffle_dataset=a.shuffle_dataset,
+            seed=a.seed,
+        )
+
+    def default_collator(self):
+        a = self.trainer.args
         return LanguageModelingCollator(
             pad_token_id=self._pad_token_id,
             padding_free=uses_padding_free(a.padding_free, a.packing, a.packing_strategy),
             pad_to_multiple_of=a.pad_to_multiple_of,
         )
 
-    # --- loss and metrics --------------------------------------------------------------------------
-
-    def _dft_stats(self, model, inputs) -> CrossEntropyOutput:
-        """DFT: each token's NLL weighted by its (detached) probability."""
-        hidden_BSD = model.hidden_states(inputs["input_ids"], **self._model_inputs(inputs))
-        hidden_ND, targets_N = label_positions(hidden_BSD, shift_labels(inputs["labels"]))
-        z_NV = (hidden_ND @ model.output_weight.T).float()
-        cap = model.args.final_logit_softcap
-        if cap is not None:
-            z_NV = torch.tanh(z_NV / cap) * cap
-        logp_N = -F.cross_entropy(z_NV, targets_N, reduction="none")
-        with torch.no_grad():
-            logp_NV = torch.log_softmax(z_NV, -1)
-            entropy = -(logp_NV.exp() * logp_NV).sum()
-            correct = (z_NV.argmax(-1) == targets_N).sum()
-        return CrossEntropyOutput((-logp_N * logp_N.exp().detach()).sum(), entropy, correct, targets_N.shape[0])
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        mode = "train" if model.training else "eval"
-        if self.compute_loss_func is not None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        stats = self._dft_stats(model, inputs) if self.args.loss_type == "dft" else self.token_cross_entropy(model, inputs)
-        denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
-        loss = stats.loss_sum / denominator
-        self._record_metrics(mode, stats, inputs)
-        return (loss, stats) if return_outputs else loss
-
-    def _record_metrics(self, mode: str, stats: CrossEntropyOutput, inputs: dict) -> None:
-        valid = stats.num_tokens
-        self._metrics[mode]["entropy"].append(stats.entropy_sum.item() / valid if valid else 0.0)
-        self._metrics[mode]["mean_token_accuracy"].append(stats.correct_sum.item() / valid if valid else 0.0)
-        if mode == "train":
+    # --- loss and metrics -------------------------------------------------------------------------
+    def loss(self, model, inputs, num_items_in_batch):
+        fused = self.trainer.args.fused_loss or self.trainer.args.use_liger_kernel
+        targets_BS = inputs["shift_labels"]
+        if self.trainer.args.loss_type == "dft":
+            outputs = self.forward(model, inputs, TokenLogprobs(targets_BS, fused=fused))
+            logprobs_BS, entropy_BS = outputs.head_output
+            # DFT: each token's NLL weighted by its (detached) probability
+            loss_sum = -(logprobs_BS * logprobs_BS.exp().detach()).sum()
+            valid = targets_BS != -100
+            num_valid = valid.sum()
+            entropy_sum = entropy_BS.sum()
+            correct_sum = self._top1_hits(model, outputs.hidden_states, targets_BS)
+        else:
+            outputs = self.forward(model, inputs, TokenCrossEntropy(targets_BS, fused=fused))
+            stats = outputs.head_output
+            loss_sum, entropy_sum, correct_sum = stats.loss_sum, stats.entropy_sum, stats.correct_sum
+            num_valid = torch.tensor(stats.num_tokens, device=loss_sum.device)
+        denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
+        loss = loss_sum / denominator
+        metrics = {
+            "entropy": torch.where(num_valid > 0, entropy_sum / num_valid.clamp(min=1), 0.0),
+            "mean_token_accuracy": torch.where(num_valid > 0, correct_sum / num_valid.clamp(min=1), 0.0),
+        }
+        if outputs.aux_loss is not None:
+            # a per-micro-batch mean: with a step-wide normalizer, averaged over the accumulation steps (TRL)
+            steps = self.trainer._current_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.aux_loss_coef * outputs.aux_loss / steps
+            metrics["aux_loss"] = outputs.aux_loss
+        if model.training:
             if "attention_mask" in inputs:
-                self._total_train_tokens += int(inputs["attention_mask"].sum())
+                self._total_train_tokens += inputs["attention_mask"].sum()
             else:
                 self._total_train_tokens += inputs["position_ids"].size(1)
-        self._metrics[mode]["num_tokens"] = [float(self._total_train_tokens)]
+        metrics["num_tokens"] = self._total_train_tokens
+        return loss, metrics
 
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
-        metrics = {key: sum(values) / len(values) for key, values in self._metrics[mode].items() if values}
-        if mode == "eval":
-            metrics = {f"eval_{key}": value for key, value in metrics.items()}
-        logs.update(metrics)
-        super().log(logs, start_time)
-        self._metrics[mode].clear()
+    @staticmethod
+    @torch.no_grad()
+    def _top1_hits(model, hidden_BSD, targets_BS) -> torch.Tensor:
+        """Label tokens whose target is the argmax (a chunked pass through the head, no gradient)."""
+        return model.output(hidden_BSD.detach(), loss=TokenCrossEntropy(targets_BS)).correct_sum

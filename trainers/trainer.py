@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import sys
 import time
 from contextlib import nullcontext
 from dataclasses import fields
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 import transformers
+from transformers import set_seed
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -34,16 +32,10 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import TrainOutput
 
 from hfnative.converters.loading import ConvertedModel
-from hfnative.losses.cross_entropy import (
-    CrossEntropyOutput,
-    fused_linear_cross_entropy,
-    label_positions,
-    linear_cross_entropy,
-    shift_labels,
-)
+from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory
-from hfnative.optim import build_lr_scheduler, build_optimizer
+from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
@@ -52,19 +44,15 @@ from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
 from .evaluation import EvaluationMixin
 from .model_loading import load_processing_class, resolve_model
+from .objective import LanguageModelingObjective, MetricAverages
+from .run_guard import check_run_can_start
 from .saving import SavingMixin
 
 # dataset columns a batch may carry into the model and loss (others are dropped when
 # remove_unused_columns is on, as transformers drops what the model's forward does not take)
-MODEL_INPUT_COLUMNS = ("input_ids", "attention_mask", "position_ids", "labels", "seq_lengths", "completion_mask", "assistant_masks")
-
-
-def set_seed(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
+MODEL_INPUT_COLUMNS = (
+    "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
+)
 
 
 def resolve_device(args) -> torch.device:
@@ -80,12 +68,6 @@ def as_hfnative_args(args, cls):
     names = {f.name for f in fields(cls) if f.init}
     values = {f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in names}
     return cls(**values)
-
-
-class _Logits(NamedTuple):
-    """What a ``compute_loss_func`` receives as model outputs (it reads ``.logits``)."""
-
-    logits: torch.Tensor
 
 
 class Trainer(EvaluationMixin, SavingMixin):
@@ -145,9 +127,11 @@ class Trainer(EvaluationMixin, SavingMixin):
                 "trains a native copy of it; pass `optimizer_cls_and_kwargs=(cls, kwargs)` instead"
             )
         self.data_collator = data_collator
-        self.train_dataset, self.eval_dataset = self._prepare_datasets(train_dataset, eval_dataset)
+        self.objective = self._make_objective()
+        self._metrics = {"train": MetricAverages(), "eval": MetricAverages()}
+        self.train_dataset, self.eval_dataset = self.objective.prepare_datasets(train_dataset, eval_dataset)
         if self.data_collator is None:
-            self.data_collator = self._default_collator()
+            self.data_collator = self.objective.default_collator()
 
         default_callbacks = [DefaultFlowCallback, *transformers.integrations.get_reporting_integration_callbacks(self.args.report_to)]
         progress = PrinterCallback if self.args.disable_tqdm else ProgressCallback
@@ -164,15 +148,9 @@ class Trainer(EvaluationMixin, SavingMixin):
     def _args_class():
         return TrainingArguments
 
-    def _prepare_datasets(self, train_dataset, eval_dataset):
-        return self._drop_unused_columns(train_dataset), self._drop_unused_columns(eval_dataset)
-
-    def _default_collator(self):
-        from transformers import DataCollatorForLanguageModeling
-
-        if self.processing_class is None:
-            raise ValueError("no data_collator and no processing_class to build one from")
-        return DataCollatorForLanguageModeling(self.processing_class, mlm=False)
+    def _make_objective(self):
+        """The algorithm's piece of the loop (see trainers/objective.py)."""
+        return LanguageModelingObjective(self)
 
     # --- model ---------------------------------------------------------------------------------
 
@@ -214,28 +192,31 @@ class Trainer(EvaluationMixin, SavingMixin):
                     self.optimizer = OptimizerInBackward(trainable, cls, kwargs, max_grad_norm=self.args.max_grad_norm)
                 else:
                     self.optimizer = cls(trainable, **kwargs)
-            elif self.args.optimizer_in_backward:
-                a = self.args
-                self.optimizer = OptimizerInBackward.from_model(
-                    self.model, a.optim, a.learning_rate, a.weight_decay, a.adam_beta1, a.adam_beta2, a.adam_epsilon,
-                    a.optim_args, max_grad_norm=a.max_grad_norm,
-                )
             else:
                 a = self.args
-                self.optimizer = build_optimizer(
-                    self.model, a.optim, a.learning_rate, a.weight_decay, a.adam_beta1, a.adam_beta2, a.adam_epsilon, a.optim_args
+                settings = OptimizerSettings(
+                    optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+                    adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
+                    adafactor_class=transformers.Adafactor,
                 )
+                if a.optimizer_in_backward:
+                    self.optimizer = OptimizerInBackward.from_model(self.model, settings, max_grad_norm=a.max_grad_norm)
+                else:
+                    self.optimizer = build_optimizer(self.model, settings)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
             a = self.args
-            self.lr_scheduler = build_lr_scheduler(
+            if a.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
+                raise ValueError(f"lr_scheduler_type={a.lr_scheduler_type.value!r} steps on an evaluation metric, "
+                                 "which hfnative's loop does not pass; choose a schedule that follows the step count")
+            self.lr_scheduler = transformers.get_scheduler(
+                a.lr_scheduler_type,
                 optimizer or self.optimizer,
-                str(getattr(a.lr_scheduler_type, "value", a.lr_scheduler_type)),
-                a.get_warmup_steps(num_training_steps),
-                num_training_steps,
-                a.lr_scheduler_kwargs or {},
+                num_warmup_steps=a.get_warmup_steps(num_training_steps),
+                num_training_steps=num_training_steps,
+                scheduler_specific_kwargs=a.lr_scheduler_kwargs,
             )
         return self.lr_scheduler
 
@@ -264,10 +245,26 @@ class Trainer(EvaluationMixin, SavingMixin):
         return make_dataloader(dataset, a.per_device_eval_batch_size, self.data_collator, seed=a.seed, shuffle=False,
                                drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers)
 
-    def _to_device(self, inputs: dict) -> dict:
+    def _prepare_inputs(self, inputs: dict) -> dict:
+        """Add what the model needs once per batch (shifted targets, the attention plan, made from the
+        host tensors so no device sync), then move the tensors to the device."""
+        inputs = dict(inputs)
+        if "labels" in inputs and "shift_labels" not in inputs:
+            inputs["shift_labels"] = shift_labels(inputs["labels"])
+        if "attention_plan" not in inputs and hasattr(self.model, "plan_attention"):
+            inputs["attention_plan"] = self.model.plan_attention(
+                inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
+            )
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     # --- forward and loss ------------------------------------------------------------------------
+
+    def _activation_offloading(self):
+        """SFTConfig.activation_offloading: tensors kept for backward live in (pinned) CPU memory
+        until backward needs them; on a CPU device they stay where they are."""
+        if getattr(self.args, "activation_offloading", False) and self.device.type != "cpu":
+            return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return nullcontext()
 
     def _autocast(self):
         if self.args.bf16 or self.args.fp16:
@@ -275,33 +272,34 @@ class Trainer(EvaluationMixin, SavingMixin):
             return torch.autocast(self.device.type, dtype=dtype)
         return nullcontext()
 
-    def _model_inputs(self, inputs: dict) -> dict:
-        return dict(attention_mask_BS=inputs.get("attention_mask"), position_ids_BS=inputs.get("position_ids"))
-
-    def token_cross_entropy(self, model, inputs: dict) -> CrossEntropyOutput:
-        """Summed next-token NLL (+ entropy and accuracy sums) over the batch's label tokens."""
-        hidden_BSD = model.hidden_states(inputs["input_ids"], **self._model_inputs(inputs))
-        hidden_ND, targets_N = label_positions(hidden_BSD, shift_labels(inputs["labels"]))
-        use_fused = self.args.fused_loss or self.args.use_liger_kernel
-        loss_fn = fused_linear_cross_entropy if use_fused else linear_cross_entropy
-        return loss_fn(hidden_ND, model.output_weight, targets_N, softcap=model.args.final_logit_softcap)
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Summed token NLL / num_items_in_batch (the whole optimizer step's label tokens), or the
-        batch's token mean when that count is not given (evaluation)."""
+        """The objective's loss (summed over label tokens / num_items_in_batch, the whole optimizer
+        step's count, or the batch's token mean when no count is given); its metrics are kept for
+        the next log. With ``compute_loss_func``: that function on the model's outputs, as transformers."""
         if self.compute_loss_func is not None:
-            logits = model(inputs["input_ids"], **self._model_inputs(inputs))
-            loss = self.compute_loss_func(_Logits(logits), inputs["labels"], num_items_in_batch=num_items_in_batch)
-            return (loss, _Logits(logits)) if return_outputs else loss
-        stats = self.token_cross_entropy(model, inputs)
-        denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
-        loss = stats.loss_sum / denominator
-        return (loss, stats) if return_outputs else loss
+            model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+            outputs = model(**model_inputs)
+            loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
+            return (loss, outputs) if return_outputs else loss
+        loss, metrics = self.objective.loss(model, inputs, num_items_in_batch)
+        self._record_metrics(metrics, "train" if model.training else "eval")
+        if return_outputs:
+            with torch.no_grad():
+                outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+            return loss, outputs
+        return loss
+
+    def _record_metrics(self, metrics: dict, mode: str) -> None:
+        for name, value in metrics.items():
+            if name == "num_tokens":
+                self._metrics[mode].set(name, value)
+            else:
+                self._metrics[mode].add(name, value)
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
-        inputs = self._to_device(inputs)
-        with self._autocast():
+        inputs = self._prepare_inputs(inputs)
+        with self._autocast(), self._activation_offloading():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None:
             loss = loss / self._current_accumulation_steps
@@ -310,12 +308,6 @@ class Trainer(EvaluationMixin, SavingMixin):
         with self.optimizer.accumulating() if accumulate_only else nullcontext():
             loss.backward()
         return loss.detach()
-
-    @staticmethod
-    def _count_label_tokens(batches: list[dict]) -> int | None:
-        if not batches or "labels" not in batches[0]:
-            return None
-        return int(sum((b["labels"][:, 1:] != -100).sum() for b in batches))
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -350,6 +342,7 @@ class Trainer(EvaluationMixin, SavingMixin):
         else:
             raise ValueError("train_dataset has no length (an IterableDataset): set max_steps > 0")
         num_train_samples = max_steps * args.per_device_train_batch_size * accumulation
+        check_run_can_start(self, dataloader)  # something to train on; output_dir writable and not in use
 
         self.state = TrainerState(
             is_local_process_zero=True,
@@ -388,10 +381,11 @@ class Trainer(EvaluationMixin, SavingMixin):
             last_group = batches_per_epoch % accumulation or accumulation
             for update_step in range(skip // accumulation, steps_per_epoch):
                 wanted = accumulation if update_step != steps_per_epoch - 1 else last_group
-                batches = [b for _, b in zip(range(wanted), epoch_iterator)]
+                batches = self.objective.micro_batches(epoch_iterator, wanted)
                 if not batches:
                     break
-                num_items = self._count_label_tokens(batches)
+                batches = [self._prepare_inputs(b) for b in batches]
+                num_items = self.objective.normalizer(batches)
                 self._current_accumulation_steps = len(batches)
                 for index, inputs in enumerate(batches):
                     step += 1
@@ -437,6 +431,7 @@ class Trainer(EvaluationMixin, SavingMixin):
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
         self.model.zero_grad(set_to_none=True)
+        self.objective.after_optimizer_step()
         return grad_norm, learning_rate
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
@@ -481,6 +476,12 @@ class Trainer(EvaluationMixin, SavingMixin):
     # --- logging and evaluation ------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the objective's metrics since the last log (eval_-prefixed in evaluation) and the epoch."""
+        mode = "train" if self.model.training else "eval"
+        metrics = self._metrics[mode].pop()
+        if mode == "eval":
+            metrics = {f"eval_{key}": value for key, value in metrics.items()}
+        logs.update(metrics)
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})

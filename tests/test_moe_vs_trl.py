@@ -1,0 +1,65 @@
+"""MoE SFT against TRL's SFTTrainer at default settings: the router's load-balancing auxiliary loss
+is added as TRL adds it (coef from the model config, / accumulation steps), and 0.0 turns it off.
+
+Per step: loss, grad_norm, aux_loss, entropy and mean_token_accuracy agree within 1e-4 relative.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen3MoeConfig
+
+import hfnative
+from test_sft_vs_trl import MODEL, STEPS, _assert_same_logs, _config, _dataset
+
+TOKENIZER = AutoTokenizer.from_pretrained(MODEL)
+COMMON = dict(vocab_size=len(TOKENIZER), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+# a large coefficient so the aux term moves the loss and the gradients visibly
+CONFIGS = {
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                                        num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.5),
+    "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                     router_aux_loss_coef=0.5),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def moe_model(request, tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS[request.param]()).save_pretrained(str(directory))
+    TOKENIZER.save_pretrained(str(directory))
+    return directory
+
+
+def _run(module, model_dir, tmp_path, **extra):
+    trainer = module.SFTTrainer(
+        model=str(model_dir),
+        args=_config(module, tmp_path / module.__name__, 2, **extra),
+        train_dataset=_dataset("text"),
+        processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("coef", [None, 0.0], ids=["config-coef", "off"])
+def test_moe_logs_match_trl_with_aux_loss(moe_model, coef, tmp_path):
+    trl = pytest.importorskip("trl")
+    theirs = _run(trl, moe_model, tmp_path, router_aux_loss_coef=coef)
+    ours = _run(hfnative, moe_model, tmp_path, router_aux_loss_coef=coef)
+    _assert_same_logs(ours, theirs)
+    if coef is None:
+        assert all(entry["aux_loss"] > 0 for entry in theirs)
+        for mine, reference in zip(ours, theirs):
+            assert mine["aux_loss"] == pytest.approx(reference["aux_loss"], rel=1e-4)
+    else:
+        assert not any("aux_loss" in entry for entry in ours + theirs)
+    assert len(ours) == STEPS
+
+
+def test_aux_loss_coef_on_a_dense_model_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="not a Mixture-of-Experts model"):
+        _run(hfnative, MODEL, tmp_path, router_aux_loss_coef=0.1)
