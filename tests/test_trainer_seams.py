@@ -71,3 +71,24 @@ def test_custom_callback_sees_logs_and_stops_training(tmp_path):
     for entry in step_logs:
         assert {"loss", "grad_norm", "learning_rate", "entropy", "mean_token_accuracy", "num_tokens", "epoch"} <= set(entry)
     assert [entry["num_tokens"] for entry in step_logs] == sorted(entry["num_tokens"] for entry in step_logs)
+
+
+def test_objective_auxiliary_models_are_loaded_frozen_and_placed_like_the_policy(tmp_path):
+    from hfnative.trainers.sft_trainer import SFTObjective
+
+    class WithTeacher(SFTObjective):
+        def __init__(self, trainer):
+            super().__init__(trainer)
+            self.auxiliary_models["teacher"] = MODEL
+
+    class TeacherTrainer(hfnative.SFTTrainer):
+        def _make_objective(self):
+            return WithTeacher(self)
+
+    trainer = TeacherTrainer(model=MODEL, args=_config(hfnative, tmp_path, 1), train_dataset=_dataset("text"))
+    teacher = trainer.objective.auxiliary_models["teacher"]
+    assert type(teacher) is type(trainer.model) and teacher is not trainer.model
+    assert not teacher.training and not any(p.requires_grad for p in teacher.parameters())
+    assert {p.device for p in teacher.parameters()} == {trainer.device}
+    for (name, theirs), ours in zip(teacher.state_dict().items(), trainer.model.state_dict().values()):
+        assert (theirs == ours).all(), name  # same checkpoint, same weights

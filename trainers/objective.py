@@ -63,7 +63,9 @@ class LanguageModelingObjective:
 
     def __init__(self, trainer):
         self.trainer = trainer
-        self.auxiliary_models: dict[str, torch.nn.Module] = {}
+        # frozen models this algorithm needs, by name: a path, Hub id or model object until the trainer
+        # replaces each by the loaded, frozen, placed native model
+        self.auxiliary_models: dict[str, object] = {}
 
     # --- data -------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):

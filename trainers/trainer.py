@@ -128,6 +128,7 @@ class Trainer(EvaluationMixin, SavingMixin):
             )
         self.data_collator = data_collator
         self.objective = self._make_objective()
+        self._build_auxiliary_models()
         self._metrics = {"train": MetricAverages(), "eval": MetricAverages()}
         self.train_dataset, self.eval_dataset = self.objective.prepare_datasets(train_dataset, eval_dataset)
         if self.data_collator is None:
@@ -161,13 +162,27 @@ class Trainer(EvaluationMixin, SavingMixin):
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
         self._add_adapters()
-        self.model.to(self.device)
-        if self.args.checkpoint_activations:
-            apply_activation_checkpointing(self.model, self.args.activation_checkpointing_mode)
-        if self.args.torch_compile:
-            apply_compile(self.model)
+        self._place(self.model)
         embedding_params = self.model.tok_embeddings.weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
+
+    def _place(self, model) -> None:
+        """Put a model on the device with the run's engine options (the policy and, frozen, every
+        auxiliary model go through here, so they are laid out alike)."""
+        model.to(self.device)
+        if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
+            apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
+        if self.args.torch_compile:
+            apply_compile(model)
+
+    def _build_auxiliary_models(self) -> None:
+        """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
+        object, loaded like the policy, frozen, in eval mode, placed like the policy."""
+        for name, source in list(self.objective.auxiliary_models.items()):
+            model = resolve_model(source, self.device, {}).model
+            model.requires_grad_(False).eval()
+            self._place(model)
+            self.objective.auxiliary_models[name] = model
 
     def _add_adapters(self) -> None:
         """Hook: SFTTrainer puts LoRA adapters on the model here when given a peft_config."""
