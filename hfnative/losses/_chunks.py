@@ -12,6 +12,8 @@ softmax running in place); nothing of size [N, V] is ever allocated.
 
 from __future__ import annotations
 
+import abc
+
 import torch
 
 IGNORE_INDEX = -100
@@ -239,7 +241,7 @@ class Chunk:
         return None if self._grads.grad_hidden is None else self._grads.grad_hidden[self.rows]
 
 
-class ChunkKernel:
+class ChunkKernel(abc.ABC):
     """What one fused loss computes on each chunk of its logits z = softcap(h @ W.T) / temperature; ``fused_head_loss``
     runs the chunk loop and the autograd plumbing around it.
 
@@ -254,19 +256,19 @@ class ChunkKernel:
     def __init__(self, softcap: float | None, temperature: float, chunk_size: int | None):
         self.softcap, self.temperature, self.chunk_size = softcap, temperature, chunk_size
 
+    @abc.abstractmethod
     def prepare(self, hidden_ND: torch.Tensor, need_hidden: bool) -> tuple[torch.Tensor, ...]:
         """Before the forward loop, with the operands in their matmul dtype: the outputs to accumulate into (the
         first one differentiable, the rest statistics). May set ``softmax_in_place``."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def forward_chunk(self, chunk: Chunk, *outputs: torch.Tensor) -> None:
         """Adds the chunk's part to the outputs (in place); with gradient_in_forward, passes dL/dz on when
         ``chunk.needs_grad``."""
-        raise NotImplementedError
 
     def backward_chunk(self, chunk: Chunk, grad_output: torch.Tensor) -> None:
         """Only without ``gradient_in_forward``: hands the chunk's dL/dz under grad_output to chunk.backpropagate."""
-        raise NotImplementedError
+        raise TypeError(f"{type(self).__name__} sets gradient_in_forward = False, so it must define backward_chunk")
 
 
 def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradients | None, step) -> None:
