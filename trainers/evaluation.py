@@ -7,6 +7,8 @@ import time
 import torch
 from transformers.trainer_utils import EvalPrediction
 
+from .objective import without_labels
+
 
 class EvaluationMixin:
     """evaluate() / prediction_step() as transformers' Trainer, on the native model."""
@@ -17,7 +19,7 @@ class EvaluationMixin:
             loss = self.compute_loss(model, inputs) if "labels" in inputs else None
             logits = None
             if not prediction_loss_only:
-                logits = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}).logits
+                logits = model(**without_labels(inputs)).logits
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
         return loss, logits, inputs.get("labels")

@@ -50,6 +50,11 @@ class MetricAverages:
         return dict(zip(names, torch.stack(values).tolist()))
 
 
+def without_labels(inputs: dict) -> dict:
+    """The batch as model inputs for a forward that leaves the loss to the caller."""
+    return {key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")}
+
+
 def count_label_tokens(batches: list[dict]) -> int | None:
     """The number of (shifted) label tokens in a step's micro-batches; None when they carry no labels."""
     if not batches or "shift_labels" not in batches[0]:

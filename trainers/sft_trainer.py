@@ -10,6 +10,7 @@ import torch
 import transformers
 
 from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
+from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
 from .arguments import SFTConfig
@@ -210,8 +211,7 @@ class SFTObjective(LanguageModelingObjective):
             logprobs_BS, entropy_BS = outputs.head_output
             # DFT: each token's NLL weighted by its (detached) probability
             loss_sum = -(logprobs_BS * logprobs_BS.exp().detach()).sum()
-            valid = targets_BS != -100
-            num_valid = valid.sum()
+            num_valid = (targets_BS != IGNORE_INDEX).sum()
             entropy_sum = entropy_BS.sum()
             correct_sum = self._top1_hits(model, outputs.hidden_states, targets_BS)
         else:

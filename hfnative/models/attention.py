@@ -16,7 +16,7 @@ host-side decision from a device tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,14 +73,6 @@ class AttentionPlan:
     token_index: torch.Tensor | None = None  # [T] (None: every position is a real token)
     cu_seq_lens: torch.Tensor | None = None  # [documents + 1] int32
     max_len: int = 0
-
-    def to(self, device: torch.device) -> AttentionPlan:
-        moved = {
-            name: getattr(self, name).to(device)
-            for name in ("global_mask", "sliding_mask", "token_index", "cu_seq_lens")
-            if getattr(self, name) is not None
-        }
-        return replace(self, **moved)
 
 
 def _row_spans(attention_mask_BS, position_ids_BS, batch_size: int, seq_len: int):

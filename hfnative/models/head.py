@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from hfnative.losses import (
+    IGNORE_INDEX,
     CrossEntropyOutput,
     DistillationOutput,
     fused_linear_cross_entropy,
@@ -71,7 +72,7 @@ class GeneralizedJSD:
     temperature: float = 1.0
 
     def __call__(self, hidden_BSD, weight_VD, softcap) -> DistillationOutput:
-        keep = self.targets_BS != -100
+        keep = self.targets_BS != IGNORE_INDEX
         return fused_linear_generalized_jsd(
             hidden_BSD[keep], weight_VD, teacher_hidden_ND=self.teacher_hidden_BSD[keep],
             teacher_weight_VD=self.teacher_head.projection(), beta=self.beta, temperature=self.temperature,
