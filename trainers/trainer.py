@@ -35,7 +35,6 @@ from hfnative.converters.loading import ConvertedModel
 from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory
-from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
@@ -44,7 +43,8 @@ from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
 from .evaluation import EvaluationMixin
 from .model_loading import load_processing_class, resolve_model
-from .objective import LanguageModelingObjective, MetricAverages
+from .objective import LanguageModelingObjective, MetricAverages, without_labels
+from .optimization import OptimizationMixin
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
 
@@ -70,7 +70,7 @@ def as_hfnative_args(args, cls):
     return cls(**values)
 
 
-class Trainer(EvaluationMixin, SavingMixin):
+class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -196,49 +196,6 @@ class Trainer(EvaluationMixin, SavingMixin):
         unused = [c for c in columns if c not in MODEL_INPUT_COLUMNS]
         return dataset.remove_columns(unused) if unused and len(unused) < len(columns) else dataset
 
-    # --- optimizer and schedule ----------------------------------------------------------------
-
-    def create_optimizer(self):
-        if self.optimizer is None:
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
-            if self.optimizer_cls_and_kwargs is not None:
-                cls, kwargs = self.optimizer_cls_and_kwargs
-                if self.args.optimizer_in_backward:
-                    self.optimizer = OptimizerInBackward(trainable, cls, kwargs, max_grad_norm=self.args.max_grad_norm)
-                else:
-                    self.optimizer = cls(trainable, **kwargs)
-            else:
-                a = self.args
-                settings = OptimizerSettings(
-                    optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-                    adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
-                    adafactor_class=transformers.Adafactor,
-                )
-                if a.optimizer_in_backward:
-                    self.optimizer = OptimizerInBackward.from_model(self.model, settings, max_grad_norm=a.max_grad_norm)
-                else:
-                    self.optimizer = build_optimizer(self.model, settings)
-        return self.optimizer
-
-    def create_scheduler(self, num_training_steps: int, optimizer=None):
-        if self.lr_scheduler is None:
-            a = self.args
-            if a.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
-                raise ValueError(f"lr_scheduler_type={a.lr_scheduler_type.value!r} steps on an evaluation metric, "
-                                 "which hfnative's loop does not pass; choose a schedule that follows the step count")
-            self.lr_scheduler = transformers.get_scheduler(
-                a.lr_scheduler_type,
-                optimizer or self.optimizer,
-                num_warmup_steps=a.get_warmup_steps(num_training_steps),
-                num_training_steps=num_training_steps,
-                scheduler_specific_kwargs=a.lr_scheduler_kwargs,
-            )
-        return self.lr_scheduler
-
-    def create_optimizer_and_scheduler(self, num_training_steps: int):
-        self.create_optimizer()
-        self.create_scheduler(num_training_steps)
-
     # --- data ----------------------------------------------------------------------------------
 
     def get_train_dataloader(self):
@@ -292,15 +249,14 @@ class Trainer(EvaluationMixin, SavingMixin):
         step's count, or the batch's token mean when no count is given); its metrics are kept for
         the next log. With ``compute_loss_func``: that function on the model's outputs, as transformers."""
         if self.compute_loss_func is not None:
-            model_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-            outputs = model(**model_inputs)
+            outputs = model(**without_labels(inputs))
             loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
         loss, metrics = self.objective.loss(model, inputs, num_items_in_batch)
         self._record_metrics(metrics, "train" if model.training else "eval")
         if return_outputs:
             with torch.no_grad():
-                outputs = model(**{k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")})
+                outputs = model(**without_labels(inputs))
             return loss, outputs
         return loss
 
@@ -426,28 +382,6 @@ class Trainer(EvaluationMixin, SavingMixin):
             if self.control.should_training_stop:
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
-
-    def _optimizer_step(self):
-        args = self.args
-        in_backward = isinstance(self.optimizer, OptimizerInBackward)
-        if not in_backward:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
-        # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
-        # one step per parameter shape costs far more than it saves there
-        eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
-        with eager:
-            self.optimizer.step()  # in backward: only parameters the last backward did not reach
-        if in_backward:
-            grad_norm = self.optimizer.grad_norm()
-        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-        learning_rate = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
-        self.model.zero_grad(set_to_none=True)
-        self.objective.after_optimizer_step()
-        return grad_norm, learning_rate
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:

@@ -1,0 +1,79 @@
+"""Optimizer, LR schedule and the optimizer step for the Trainer (transformers' method names)."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import transformers
+
+from hfnative.optim import OptimizerSettings, build_optimizer
+from hfnative.optim.in_backward import OptimizerInBackward
+
+
+class OptimizationMixin:
+    """create_optimizer / create_scheduler as transformers' Trainer names them (users override them),
+    and the step that clips, steps the optimizer and scheduler, and clears the gradients."""
+
+    def create_optimizer(self):
+        if self.optimizer is None:
+            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            if self.optimizer_cls_and_kwargs is not None:
+                cls, kwargs = self.optimizer_cls_and_kwargs
+                if self.args.optimizer_in_backward:
+                    self.optimizer = OptimizerInBackward(trainable, cls, kwargs, max_grad_norm=self.args.max_grad_norm)
+                else:
+                    self.optimizer = cls(trainable, **kwargs)
+            else:
+                a = self.args
+                settings = OptimizerSettings(
+                    optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+                    adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
+                    adafactor_class=transformers.Adafactor,
+                )
+                if a.optimizer_in_backward:
+                    self.optimizer = OptimizerInBackward.from_model(self.model, settings, max_grad_norm=a.max_grad_norm)
+                else:
+                    self.optimizer = build_optimizer(self.model, settings)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        if self.lr_scheduler is None:
+            a = self.args
+            if a.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
+                raise ValueError(f"lr_scheduler_type={a.lr_scheduler_type.value!r} steps on an evaluation metric, "
+                                 "which hfnative's loop does not pass; choose a schedule that follows the step count")
+            self.lr_scheduler = transformers.get_scheduler(
+                a.lr_scheduler_type,
+                optimizer or self.optimizer,
+                num_warmup_steps=a.get_warmup_steps(num_training_steps),
+                num_training_steps=num_training_steps,
+                scheduler_specific_kwargs=a.lr_scheduler_kwargs,
+            )
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int):
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps)
+
+    def _optimizer_step(self):
+        args = self.args
+        in_backward = isinstance(self.optimizer, OptimizerInBackward)
+        if not in_backward:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+        # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
+        # one step per parameter shape costs far more than it saves there
+        eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
+        with eager:
+            self.optimizer.step()  # in backward: only parameters the last backward did not reach
+        if in_backward:
+            grad_norm = self.optimizer.grad_norm()
+        self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        learning_rate = self.lr_scheduler.get_last_lr()[0]
+        self.lr_scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+        self.objective.after_optimizer_step()
+        return grad_norm, learning_rate
