@@ -31,6 +31,7 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import TrainOutput
 
+from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import ConvertedModel
 from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
@@ -162,8 +163,13 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
         self._add_adapters()
+        if isinstance(self.model, Transformer):  # transformers' model surface for callbacks and user code
+            attach_hub_surface(self.model, self.converted, adapter_settings=self.lora_settings,
+                               base_model_name_or_path=self.base_model_name_or_path)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
         self._place(self.model)
-        embedding_params = self.model.tok_embeddings.weight.numel()
+        embedding_params = self.model.get_input_embeddings().weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
 
     def _place(self, model) -> None:
@@ -435,6 +441,32 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+
+    # --- what code written for transformers' Trainer reads ---------------------------------------------
+
+    @property
+    def accelerator(self):
+        """accelerate's ``Accelerator`` for this process, as transformers' Trainer has one: rank and device
+        (``is_main_process``, ``num_processes``, ``process_index``, ``device``), ``gather_for_metrics``,
+        ``split_between_processes``, ``unwrap_model``, ``wait_for_everyone``. Created on first use; the
+        training loop itself does not go through it."""
+        accelerator = self.__dict__.get("_accelerator")
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = self._accelerator = Accelerator(cpu=self.device.type == "cpu" and self.args.use_cpu)
+        return accelerator
+
+    @property
+    def model_wrapped(self):
+        """The model the loop runs (transformers' Trainer keeps a wrapped copy here; hfnative wraps in place)."""
+        return self.model
+
+    def is_world_process_zero(self) -> bool:
+        return self.state.is_world_process_zero
+
+    def is_local_process_zero(self) -> bool:
+        return self.state.is_local_process_zero
 
     # --- callbacks -------------------------------------------------------------------------------
 

@@ -1,0 +1,188 @@
+"""What TRL users' callbacks and scripts read on ``trainer.model`` and ``trainer.accelerator``.
+
+Oracles: transformers' own model loaded from what we save, peft's own model with the same LoraConfig,
+and TRL's SFTTrainer running the same TRL callback on the same data.
+"""
+
+import contextlib
+import io
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
+
+import hfnative
+from hfnative.converters.hub_model import NativeCausalLM
+from test_sft_vs_trl import MODEL, _config, _dataset
+
+PROMPTS = ["Once upon a time", "The cat sat", "Hello"]
+
+
+def _sft(module, tmp_path, steps=3, **extra):
+    config = _config(module, tmp_path / module.__name__, 1, **extra)
+    config.max_steps = steps
+    return module.SFTTrainer(
+        model=MODEL, args=config, train_dataset=_dataset("prompt-completion"),
+        processing_class=AutoTokenizer.from_pretrained(MODEL),
+    )
+
+
+def _greedy(model, tokenizer):
+    tokenizer.padding_side = "left"
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    return model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+
+
+def test_trained_model_has_transformers_surface(tmp_path):
+    trainer = _sft(hfnative, tmp_path)
+    trainer.train()
+    model = trainer.model
+    reference = AutoModelForCausalLM.from_pretrained(MODEL)
+    assert type(model.config) is type(reference.config) and model.config.vocab_size == reference.config.vocab_size
+    assert model.generation_config.to_dict() == reference.generation_config.to_dict()
+    assert {"trl", "sft"} <= set(model.model_tags)
+    assert model.num_parameters() == reference.num_parameters()
+    assert model.num_parameters(exclude_embeddings=True) == reference.num_parameters(exclude_embeddings=True)
+    assert model.get_input_embeddings().weight.shape == reference.get_input_embeddings().weight.shape
+    assert model.device == torch.device("cpu") and model.dtype == torch.float32 and model.can_generate()
+
+    # save_pretrained writes a folder transformers loads, with our logits; generate = transformers' generate
+    model.save_pretrained(tmp_path / "saved")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    ids = torch.tensor([[3, 14, 15, 9, 26, 5]])
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, loaded(ids).logits, rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    assert torch.equal(_greedy(model, tokenizer), _greedy(loaded, tokenizer))
+
+    # weights change -> generation follows them (no stale copy)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(-1.0)
+        loaded.get_input_embeddings().weight.mul_(-1.0)
+    assert torch.equal(_greedy(model, tokenizer), _greedy(loaded, tokenizer))
+
+
+def test_rebuilding_from_config_round_trips_state_dict(tmp_path):
+    trainer = _sft(hfnative, tmp_path, steps=1)
+    model = trainer.model
+    copy = type(model)(model.config)
+    assert isinstance(copy, NativeCausalLM)
+    copy.load_state_dict(model.state_dict())
+    ids = torch.tensor([[3, 14, 15, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(copy.eval()(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
+
+
+def test_lora_model_surface_matches_peft(tmp_path):
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+    config = _config(hfnative, tmp_path / "run", 1)
+    config.max_steps = 1
+    trainer = hfnative.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("prompt-completion"),
+                                  processing_class=AutoTokenizer.from_pretrained(MODEL), peft_config=lora)
+    model = trainer.model
+    reference = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), lora)
+    assert model.get_nb_trainable_parameters() == reference.get_nb_trainable_parameters()
+    printed = [io.StringIO(), io.StringIO()]
+    for out, m in zip(printed, (model, reference)):
+        with contextlib.redirect_stdout(out):
+            m.print_trainable_parameters()
+    assert printed[0].getvalue() == printed[1].getvalue()
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_A" in name or "lora_B" in name for name in trainable)
+
+    trainer.train()
+    ids = torch.tensor([[3, 14, 15, 9, 26]])
+    model.eval()
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    with torch.no_grad(), model.disable_adapter():
+        torch.testing.assert_close(model(ids).logits, base(ids).logits, rtol=0, atol=1e-5)
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, loaded(ids).logits, rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    assert torch.equal(_greedy(model, tokenizer), _greedy(loaded, tokenizer))
+
+
+def test_accelerator_surface(tmp_path):
+    trainer = _sft(hfnative, tmp_path, steps=1)
+    accelerator = trainer.accelerator
+    assert accelerator.is_main_process and accelerator.is_local_main_process
+    assert (accelerator.num_processes, accelerator.process_index) == (1, 0)
+    assert accelerator.device.type == "cpu"
+    assert accelerator.unwrap_model(trainer.model) is trainer.model is trainer.model_wrapped
+    values = torch.arange(4.0)
+    assert torch.equal(accelerator.gather_for_metrics(values), values)
+    with accelerator.split_between_processes(["a", "b", "c"]) as share:
+        assert share == ["a", "b", "c"]
+    accelerator.wait_for_everyone()
+    assert trainer.is_world_process_zero() and trainer.is_local_process_zero()
+
+
+class _RecordModels(TrainerCallback):
+    def __init__(self):
+        self.seen = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.seen.append((model.config.model_type, model.training))
+
+
+def test_callbacks_receive_the_surface(tmp_path):
+    recorder = _RecordModels()
+    trainer = _sft(hfnative, tmp_path, steps=2)
+    trainer.add_callback(recorder)
+    trainer.train()
+    assert recorder.seen == [("qwen3", True), ("qwen3", True)]
+
+
+# --- TRL's own callbacks inside hfnative's trainer, against TRL's trainer running them ---------------
+
+
+def test_trl_bema_callback_matches_trl(tmp_path):
+    trl = pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    saved = {}
+    for module in (trl, hfnative):
+        trainer = _sft(module, tmp_path, steps=4)
+        trainer.add_callback(trl.BEMACallback(update_freq=1, update_after=1))
+        trainer.train()
+        saved[module.__name__] = load_file(str(tmp_path / module.__name__ / "bema" / "model.safetensors"))
+    assert set(saved["hfnative"]) == set(saved["trl"])
+    for key, reference in saved["trl"].items():
+        torch.testing.assert_close(saved["hfnative"][key], reference, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_trl_log_completions_callback_matches_trl(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    tables = {}
+    eval_rows = Dataset.from_list([{"prompt": p, "completion": " done."} for p in PROMPTS])
+    for module in (trl, hfnative):
+        config = _config(module, tmp_path / module.__name__, 1, eval_strategy="steps", eval_steps=2,
+                         per_device_eval_batch_size=2)
+        config.max_steps = 2
+        trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("prompt-completion"),
+                                    eval_dataset=eval_rows, processing_class=AutoTokenizer.from_pretrained(MODEL))
+        callback = trl.LogCompletionsCallback(
+            trainer, generation_config=GenerationConfig(max_new_tokens=5, do_sample=False), freq=1
+        )
+        trainer.add_callback(callback)
+        trainer.train()
+        tables[module.__name__] = callback.table
+    assert [row[:2] for row in tables["hfnative"]] == [row[:2] for row in tables["trl"]]
+    assert len(tables["hfnative"]) == 2 * len(PROMPTS)
+    assert tables["hfnative"] == tables["trl"]
+
+
+def test_trl_rich_progress_callback_runs(tmp_path):
+    trl = pytest.importorskip("trl")
+    pytest.importorskip("rich")
+    trainer = _sft(hfnative, tmp_path, steps=2)
+    trainer.add_callback(trl.RichProgressCallback())
+    output = trainer.train()
+    assert output.global_step == 2
