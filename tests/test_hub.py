@@ -170,3 +170,16 @@ def test_cli_pushes_the_trained_model_once(hub, tmp_path, capfd):
     out, err = capfd.readouterr()
     assert f"{hub.url}/org/cli-sft" in out
     _assert_token_written_nowhere(hub, tmp_path / "cli-out", out + err)
+
+
+def test_model_push_to_hub_uploads_a_loadable_folder(hub, tmp_path):
+    """``trainer.model.push_to_hub`` (transformers' model method) uploads what save_pretrained writes."""
+    trainer = SFTTrainer(model=str(TINY), args=SFTConfig(str(tmp_path / "run"), max_steps=1, report_to="none",
+                                                        use_cpu=True), train_dataset=Dataset.from_list(_rows()))
+    trainer.model.push_to_hub(REPO, token=TOKEN)
+    files = hub.files(REPO)
+    assert {"config.json", "generation_config.json", "model.safetensors"} <= set(files)
+    from safetensors.torch import load as load_safetensors
+
+    weights = load_safetensors(files["model.safetensors"])
+    assert torch.equal(weights["model.embed_tokens.weight"], trainer.model.get_input_embeddings().weight.detach())
