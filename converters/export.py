@@ -43,12 +43,13 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Tensor:
     """Assemble one Hub tensor from its native piece(s)."""
-    if len(pieces) == 1 and pieces[0].native_index is None:
-        return native[pieces[0].native_key].detach()
     parts = []
     for piece in pieces:
         value = native[piece.native_key].detach()
-        parts.append(value[piece.native_index] if piece.native_index is not None else value)
+        parts.append(piece.to_hub(value[piece.native_index] if piece.native_index is not None else value))
+    if pieces[0].interleaved is not None:  # element by element along the last dim, in piece order
+        parts = sorted(zip((p.interleaved[0] for p in pieces), parts), key=lambda pair: pair[0])
+        return torch.stack([part for _, part in parts], dim=-1).flatten(-2)
     return torch.cat(parts) if pieces[0].hf_rows is not None else parts[0]
 
 

@@ -184,6 +184,10 @@ def _expected_hf_shapes(pieces: list[Piece], model: Transformer) -> dict[str, tu
     shapes: dict[str, tuple[int, ...]] = {}
     for piece in pieces:
         native = native_shapes[piece.native_key]
+        if piece.transposed:
+            native = native[:-2] + (native[-1], native[-2])
+        if piece.interleaved is not None:
+            native = native[:-1] + (native[-1] * piece.interleaved[1],)
         if piece.native_index is not None:
             shapes[piece.hf_key] = native[1:]
         elif piece.hf_rows is not None:  # a fused tensor is as tall as its last row block ends
@@ -225,7 +229,7 @@ def copy_into_model(source, pieces: list[Piece], model: Transformer) -> None:
     with torch.no_grad():
         for hf_key, tensor in source.iter_tensors(set(pieces_of)):
             for piece in pieces_of[hf_key]:
-                value = tensor if piece.hf_rows is None else tensor[piece.hf_rows[0] : piece.hf_rows[1]]
+                value = piece.from_hub(tensor)
                 target = params[piece.native_key]
                 if piece.native_index is not None:
                     target = target[piece.native_index]

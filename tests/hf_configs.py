@@ -13,6 +13,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Olmo3Config,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -129,6 +130,31 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    "olmo3-sliding-gqa": lambda: Olmo3Config(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
+    "olmo3-tied-yarn-bias-full": lambda: Olmo3Config(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        layer_types=["full_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 1.2},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
 }
 
 ONE_PER_FAMILY = [
@@ -140,6 +166,7 @@ ONE_PER_FAMILY = [
     "mixtral-top2",
     "phi3-gqa",
     "gemma3-softcap-linear-untied",
+    "olmo3-sliding-gqa",
 ]
 
 

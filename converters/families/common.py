@@ -1,14 +1,18 @@
 """What every family declaration is built from: config reading and HF <-> native key pieces.
 
 A ``Piece`` says that rows ``hf_rows`` of the Hub tensor ``hf_key`` are the native tensor
-``native_key`` (or its slice ``[native_index]`` for stacked experts). One list of pieces drives
-loading, export and adapter key mapping, so a family states its key layout exactly once.
+``native_key`` (or its slice ``[native_index]`` for stacked experts); a Hub tensor may also hold
+native tensors interleaved along its last dim, and store them with the last two dims swapped.
+One list of pieces drives loading, export and adapter key mapping, so a family states its key
+layout exactly once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from hfnative.models.args import ModelArgs, RopeArgs
 from hfnative.models.rope import SUPPORTED_ROPE_SCALING
@@ -24,6 +28,22 @@ class Piece:
     native_key: str
     hf_rows: tuple[int, int] | None = None  # a row range of a fused Hub tensor
     native_index: int | None = None  # an expert's slice of a stacked native tensor
+    # (i, n): the Hub tensor's last dim interleaves n native tensors element by element; this is
+    # the i-th (hub[..., i::n]), e.g. GPT-OSS's gate/up columns
+    interleaved: tuple[int, int] | None = None
+    transposed: bool = False  # the Hub tensor (after de-interleaving) is the native one with its last two dims swapped
+
+    def from_hub(self, hub: torch.Tensor) -> torch.Tensor:
+        """This piece's part of the Hub tensor, in the native layout (a view)."""
+        if self.hf_rows is not None:
+            hub = hub[self.hf_rows[0] : self.hf_rows[1]]
+        if self.interleaved is not None:
+            hub = hub[..., self.interleaved[0] :: self.interleaved[1]]
+        return hub.transpose(-2, -1) if self.transposed else hub
+
+    def to_hub(self, native: torch.Tensor) -> torch.Tensor:
+        """The native tensor in the Hub layout, before fusing or interleaving with other pieces."""
+        return native.transpose(-2, -1) if self.transposed else native
 
 
 @dataclass(frozen=True)

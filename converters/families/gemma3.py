@@ -16,7 +16,7 @@ def config_to_args(config):
         qk_norm=True,
         qkv_bias=config.attention_bias,
         output_proj_bias=config.attention_bias,
-        post_sublayer_norms=True,
+        norm_placement="sandwich",
         embedding_scale=config.hidden_size**0.5,
         attention_scale=config.query_pre_attn_scalar**-0.5,
         final_logit_softcap=config.final_logit_softcapping,

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+NORM_PLACEMENTS = ("pre", "sandwich", "post")
+QK_NORM_SCOPES = ("head", "projection")
+
+
 @dataclass
 class RopeArgs:
     """Rotary position embedding parameters (the ``rope_parameters`` of a transformers config)."""
@@ -32,12 +36,21 @@ class RopeArgs:
 
 @dataclass
 class MoEArgs:
-    """Token-choice top-k mixture of experts (Qwen3-MoE, Mixtral)."""
+    """Token-choice top-k mixture of experts (Qwen3-MoE, Mixtral, GPT-OSS)."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     normalize_top_k: bool = True  # renormalise the k routing weights to sum to one
+    # False: softmax over all experts, then top-k (Qwen3-MoE, Mixtral); True: top-k over the router
+    # logits, then softmax over the k chosen (GPT-OSS; normalize_top_k does not apply)
+    softmax_after_top_k: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False  # a bias on each expert's gate, up and down projections
+    # clamped SwiGLU (GPT-OSS): (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit);
+    # None -> the model's gated activation act(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
     # weight of the router's load-balancing loss in training (the checkpoint's router_aux_loss_coef)
     aux_loss_coef: float = 0.0
 
@@ -59,8 +72,18 @@ class ModelArgs:
     output_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    # Gemma's sandwich norms: a norm after attention and after the feed-forward, before the residual add
-    post_sublayer_norms: bool = False
+    # what the q/k norms normalize: "head" (each head's head_dim channels, Qwen3, Gemma 3) or
+    # "projection" (all heads of the q or k projection together, before the head split: OLMo 2/3)
+    qk_norm_scope: str = "head"
+    # where each block's norms sit: "pre" x + f(norm(x)) (Llama); "sandwich" x + norm(f(norm(x)))
+    # (Gemma); "post" x + norm(f(x)) (OLMo 2/3)
+    norm_placement: str = "pre"
+    # norms multiply by their weight in float32 and cast after (OLMo, GPT-OSS) instead of casting first
+    norm_scale_in_float32: bool = False
+    # RoPE cos/sin and the rotation in float32, cast to the activations' dtype after (OLMo 3)
+    rotary_in_float32: bool = False
+    # a learned logit per query head in each softmax denominator, with no value (GPT-OSS)
+    attention_sinks: bool = False
     tie_embeddings: bool = False
     # the embedding row of this token gets no gradient from the lookup (transformers' padding_idx)
     padding_idx: int | None = None
@@ -78,6 +101,10 @@ class ModelArgs:
     moe_layers: list[bool] | None = None
 
     def __post_init__(self):
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"norm_placement={self.norm_placement!r}: expected one of {NORM_PLACEMENTS}")
+        if self.qk_norm_scope not in QK_NORM_SCOPES:
+            raise ValueError(f"qk_norm_scope={self.qk_norm_scope!r}: expected one of {QK_NORM_SCOPES}")
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}"

@@ -10,6 +10,10 @@ Kinds of plan:
   ``torch.nn.attention.varlen.varlen_attn`` over the real tokens (cu_seq_lens), elsewhere one SDPA
   call per document. Padding positions get a zero output (no loss or real token ever reads it).
 
+Attention sinks (GPT-OSS: one learned logit per query head joins every softmax denominator, with no
+value) have no SDPA or flash kernel; layers with sinks take ``_attend_with_sinks``, an explicit
+softmax over the [S, S] scores, for every kind of plan (varlen: per document).
+
 ``plan_attention`` reads positions and padding on the host once per batch, so no layer makes a
 host-side decision from a device tensor.
 """
@@ -177,23 +181,52 @@ def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
     return out_THd.view(B, S, H, d).transpose(1, 2)
 
 
+def _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, allowed, sinks_H: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax over [scores, sink] per query, the sink's probability dropped: the output is the plain
+    attention output scaled by sigmoid(logsumexp(scores) - sink). allowed: boolean [B|1, 1, S, S]
+    (True = attend), or None for causal. Materializes the [B, H, S, S] scores."""
+    H, S = q_BHSd.shape[1], q_BHSd.shape[2]
+    if k_BKSd.shape[1] != H:
+        k_BKSd = k_BKSd.repeat_interleave(H // k_BKSd.shape[1], dim=1)
+        v_BKSd = v_BKSd.repeat_interleave(H // v_BKSd.shape[1], dim=1)
+    if allowed is None:
+        allowed = torch.ones(S, S, dtype=torch.bool, device=q_BHSd.device).tril()
+    scores_BHSS = torch.matmul(q_BHSd, k_BKSd.transpose(-2, -1)) * scale
+    scores_BHSS = scores_BHSS.masked_fill(~allowed, float("-inf"))
+    sinks_BHS1 = sinks_H.to(scores_BHSS.dtype).view(1, H, 1, 1).expand(scores_BHSS.shape[0], H, S, 1)
+    logits = torch.cat([scores_BHSS, sinks_BHS1], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers does (bf16 overflow)
+    probs_BHSS = torch.softmax(logits.float(), dim=-1)[..., :-1]
+    return torch.matmul(probs_BHSS.to(v_BKSd.dtype), v_BKSd)
+
+
+def _document_attention(q_BhSd, k_BkSd, v_BkSd, window: int | None, scale: float, sinks_H) -> torch.Tensor:
+    """One document [heads, S, d], causal (and windowed): SDPA, or the explicit path with sinks."""
+    S = q_BhSd.shape[1]
+    mask = build_attention_mask(S, q_BhSd.device, sliding_window=window) if window and S > window else None
+    if sinks_H is not None:
+        allowed = mask[0] if mask is not None else None
+        return _attend_with_sinks(q_BhSd[None], k_BkSd[None], v_BkSd[None], allowed, sinks_H, scale)[0]
+    return F.scaled_dot_product_attention(
+        q_BhSd, k_BkSd, v_BkSd, attn_mask=None if mask is None else mask[0, 0], is_causal=mask is None, scale=scale,
+        enable_gqa=k_BkSd.shape[0] != q_BhSd.shape[0],
+    )
+
+
 @torch.compiler.disable
-def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float) -> torch.Tensor:
+def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None) -> torch.Tensor:
     """Documents attend only within themselves; padding positions get zeros. Runs eagerly under
     torch.compile (the spans change every batch and would otherwise be baked into the graph)."""
-    if _flash_varlen_available(q_BHSd):
+    if sinks_H is None and _flash_varlen_available(q_BHSd):
         return _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
-    gqa = k_BKSd.shape[1] != q_BHSd.shape[1]
     rows = []
     for row, row_spans in enumerate(plan.spans):
         pieces, position = [], 0
         for start, end in row_spans:
             if start > position:
                 pieces.append(q_BHSd.new_zeros(q_BHSd.shape[1], start - position, q_BHSd.shape[3]))
-            mask = build_attention_mask(end - start, q_BHSd.device, sliding_window=window) if window and end - start > window else None
-            pieces.append(F.scaled_dot_product_attention(
-                q_BHSd[row, :, start:end], k_BKSd[row, :, start:end], v_BKSd[row, :, start:end],
-                attn_mask=None if mask is None else mask[0, 0], is_causal=mask is None, scale=scale, enable_gqa=gqa,
+            pieces.append(_document_attention(
+                q_BHSd[row, :, start:end], k_BKSd[row, :, start:end], v_BKSd[row, :, start:end], window, scale, sinks_H,
             ))
             position = end
         if position < plan.seq_len:
@@ -202,12 +235,17 @@ def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, sca
     return torch.stack(rows)
 
 
-def attend(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, sliding: bool, scale: float) -> torch.Tensor:
-    """Attention output [B, H, S, d] for one layer; ``sliding``: the layer uses the sliding window."""
+def attend(
+    q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, sliding: bool, scale: float, sinks_H: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Attention output [B, H, S, d] for one layer; ``sliding``: the layer uses the sliding window;
+    ``sinks_H``: the layer's attention-sink logits [H], or None."""
     window = plan.sliding_window if sliding else None
     if plan.kind == "varlen":
-        return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
+        return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H)
     mask = plan.sliding_mask if window else plan.global_mask
+    if sinks_H is not None:
+        return _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, mask, sinks_H, scale)
     return F.scaled_dot_product_attention(
         q_BHSd, k_BKSd, v_BKSd, attn_mask=mask, is_causal=mask is None, scale=scale,
         enable_gqa=k_BKSd.shape[1] != q_BHSd.shape[1],

@@ -16,43 +16,43 @@ from hfnative.losses import shift_labels as shift_labels_of
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
 from .head import OutputHead, TokenCrossEntropy
-from .layers import Attention, FeedForward, RMSNorm
+from .layers import Attention, FeedForward, RMSNorm, model_norm
 from .moe import GroupedExperts, MoE, load_balancing_loss
 from .rope import RotaryEmbedding
 
 
+def _norm_if(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    return x if norm is None else norm(x)
+
+
 class TransformerBlock(nn.Module):
+    """One decoder layer; with pre-norms (the default) ``h = x + attention(attention_norm(x))``,
+    ``out = h + feed_forward(ffn_norm(h))``; ``args.norm_placement`` adds or moves norms after the sublayers."""
+
     def __init__(self, layer_id: int, args: ModelArgs):
         super().__init__()
         self.layer_id = layer_id
         self.is_sliding = args.layer_type(layer_id) == "sliding_attention"
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        pre_norms = args.norm_placement in ("pre", "sandwich")
+        post_norms = args.norm_placement in ("sandwich", "post")
+        self.attention_norm = model_norm(args) if pre_norms else None
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        self.post_attention_norm = model_norm(args) if post_norms else None
+        self.ffn_norm = model_norm(args) if pre_norms else None
         if args.is_moe_layer(layer_id):
             self.moe = MoE(args.dim, args.moe, args.activation)
             self.feed_forward = None
         else:
             self.feed_forward = FeedForward(args.dim, args.intermediate_size, args.activation, args.mlp_bias)
             self.moe = None
-        if args.post_sublayer_norms:
-            self.post_attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-            self.post_ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
-        else:
-            self.post_attention_norm = self.post_ffn_norm = None
+        self.post_ffn_norm = model_norm(args) if post_norms else None
 
     def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
-        attn_out = self.attention(self.attention_norm(x_BSD), cos_sin, plan, self.is_sliding)
-        if self.post_attention_norm is not None:
-            attn_out = self.post_attention_norm(attn_out)
-        h = x_BSD + attn_out
-        if self.moe is not None:
-            ffn_out = self.moe(self.ffn_norm(h), router_logits)
-        else:
-            ffn_out = self.feed_forward(self.ffn_norm(h))
-        if self.post_ffn_norm is not None:
-            ffn_out = self.post_ffn_norm(ffn_out)
-        return h + ffn_out
+        attn_out = self.attention(_norm_if(self.attention_norm, x_BSD), cos_sin, plan, self.is_sliding)
+        h = x_BSD + _norm_if(self.post_attention_norm, attn_out)
+        ffn_in = _norm_if(self.ffn_norm, h)
+        ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
+        return h + _norm_if(self.post_ffn_norm, ffn_out)
 
 
 @dataclass
@@ -92,7 +92,7 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(args.rope, args.head_dim)
         self.local_rope = RotaryEmbedding(args.local_rope, args.head_dim) if args.local_rope else None
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_unit_offset)
+        self.norm = model_norm(args)
         tied = self.tok_embeddings if args.tie_embeddings else None
         self.output = OutputHead(args.dim, args.vocab_size, args.final_logit_softcap, tied_embedding=tied)
         # blocks whose activations are recomputed in backward instead of kept (activation checkpointing)
@@ -121,6 +121,8 @@ class Transformer(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, GroupedExperts):
                 module.reset_parameters(std)
+            elif isinstance(module, Attention) and module.sinks is not None:
+                nn.init.normal_(module.sinks, std=std)
         self.init_buffers()
 
     def plan_attention(
@@ -165,10 +167,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids_BS)
         if self.args.embedding_scale is not None:
             h = h * torch.tensor(self.args.embedding_scale).to(h.dtype)
-        cos_sin = self.rope(position_ids_BS, h.dtype)
+        rope_dtype = torch.float32 if self.args.rotary_in_float32 else h.dtype
+        cos_sin = self.rope(position_ids_BS, rope_dtype)
         local_cos_sin = cos_sin
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
-            local_cos_sin = self.local_rope(position_ids_BS, h.dtype)
+            local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
         for layer_id, layer in enumerate(self.layers):
             layer_inputs = (h, local_cos_sin if layer.is_sliding else cos_sin, attention_plan)
             if layer.moe is not None:

@@ -17,18 +17,20 @@ from .rope import apply_rotary
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm that keeps only its input and 1/rms for backward (autograd on the op sequence would also
     keep the normalized [..., D] tensor); the normalized tensor is recomputed in backward. Forward is
-    transformers' op sequence; backward gives autograd's gradients of it, including the cast of the
-    gradient to the input dtype that ``normed.to(x.dtype)`` implies."""
+    transformers' op sequence; backward gives autograd's gradients of it, including the casts it implies.
+
+    float_offset None: ``weight * normed.to(x.dtype)`` (Llama); a number c: ``(normed * (c + weight))``
+    in float32, cast to x's dtype after (c = 1: Gemma's (1 + w); c = 0: OLMo, GPT-OSS)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, unit_offset: bool):
+    def forward(ctx, x, weight, eps: float, float_offset: float | None):
         x_float = x.float()
         rstd = torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
         normed = x_float * rstd
         ctx.save_for_backward(x, weight, rstd)
-        ctx.unit_offset = unit_offset
-        if unit_offset:
-            return (normed * (1.0 + weight.float())).type_as(x)
+        ctx.float_offset = float_offset
+        if float_offset is not None:
+            return (normed * (float_offset + weight.float())).type_as(x)
         return weight * normed.to(x.dtype)
 
     @staticmethod
@@ -37,11 +39,11 @@ class _RMSNormFunction(torch.autograd.Function):
         normed = x.float() * rstd
         reduce_dims = tuple(range(grad_out.dim() - 1))
         grad_weight = grad_normed = None
-        if ctx.unit_offset:
+        if ctx.float_offset is not None:
             grad_float = grad_out.float()
             if ctx.needs_input_grad[1]:
                 grad_weight = (grad_float * normed).sum(reduce_dims).to(weight.dtype)
-            grad_normed = grad_float * (1.0 + weight.float())
+            grad_normed = grad_float * (ctx.float_offset + weight.float())
         else:
             if ctx.needs_input_grad[1]:
                 grad_weight = (grad_out * normed.to(x.dtype)).sum(reduce_dims).to(weight.dtype)
@@ -54,18 +56,25 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32; ``unit_offset`` scales by (1 + w) as Gemma does."""
+    """RMSNorm computed in float32; ``unit_offset`` scales by (1 + w) as Gemma does; ``scale_in_float32``
+    multiplies by the weight before the cast back to the input dtype instead of after."""
 
-    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False, scale_in_float32: bool = False):
         super().__init__()
         self.eps, self.unit_offset = eps, unit_offset
+        self.float_offset = 1.0 if unit_offset else (0.0 if scale_in_float32 else None)
         self.weight = nn.Parameter(torch.empty(dim))
 
     def reset_parameters(self):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps, self.unit_offset)
+        return _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset)
+
+
+def model_norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
+    """An RMSNorm over ``dim`` (default: the model dim) with the family's norm settings."""
+    return RMSNorm(args.dim if dim is None else dim, args.norm_eps, args.norm_unit_offset, args.norm_scale_in_float32)
 
 
 class Attention(nn.Module):
@@ -77,11 +86,15 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.output_proj_bias)
+        self.qk_norm_over_projection = args.qk_norm_scope == "projection"
         if args.qk_norm:
-            self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
-            self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_unit_offset)
+            q_dim, k_dim = args.head_dim, args.head_dim
+            if self.qk_norm_over_projection:
+                q_dim, k_dim = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+            self.q_norm, self.k_norm = model_norm(args, q_dim), model_norm(args, k_dim)
         else:
             self.q_norm = self.k_norm = None
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None  # [H]
 
     def forward(
         self,
@@ -91,14 +104,17 @@ class Attention(nn.Module):
         sliding: bool = False,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        xq_BHSd = self.wq(x_BSD).view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        xk_BKSd = self.wk(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        xv_BKSd = self.wv(x_BSD).view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        xq, xk, xv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.q_norm is not None and self.qk_norm_over_projection:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq_BHSd = xq.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
+        xk_BKSd = xk.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        xv_BKSd = xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and not self.qk_norm_over_projection:
             xq_BHSd, xk_BKSd = self.q_norm(xq_BHSd), self.k_norm(xk_BKSd)
         cos, sin = cos_sin
         xq_BHSd, xk_BKSd = apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin)
-        out_BHSd = attend(xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale)
+        out_BHSd = attend(xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 
@@ -132,6 +148,13 @@ class _GatedActivation(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_gate = _ACTIVATION_BACKWARD[ctx.activation](grad_out * up, gate)
         return grad_gate, grad_up, None
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gated unit: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class FeedForward(nn.Module):

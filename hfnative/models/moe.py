@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .args import MoEArgs
-from .layers import _GatedActivation
+from .layers import _GatedActivation, clamped_swiglu
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -28,38 +28,66 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class GroupedExperts(nn.Module):
-    """E gated MLPs held as three stacked weights, run as grouped matmuls over the tokens sorted by expert."""
+    """E gated MLPs held as three stacked weights (plus stacked biases when ``moe.expert_bias``), run as
+    grouped matmuls over the tokens sorted by expert."""
 
     def __init__(self, dim: int, moe: MoEArgs, activation: str):
         super().__init__()
         self.activation = activation
-        self.w1 = nn.Parameter(torch.empty(moe.num_experts, moe.intermediate_size, dim))  # gate
-        self.w2 = nn.Parameter(torch.empty(moe.num_experts, dim, moe.intermediate_size))  # down
-        self.w3 = nn.Parameter(torch.empty(moe.num_experts, moe.intermediate_size, dim))  # up
+        self.swiglu_limit, self.swiglu_alpha = moe.swiglu_limit, moe.swiglu_alpha
+        E, I = moe.num_experts, moe.intermediate_size
+        self.w1 = nn.Parameter(torch.empty(E, I, dim))  # gate
+        self.w2 = nn.Parameter(torch.empty(E, dim, I))  # down
+        self.w3 = nn.Parameter(torch.empty(E, I, dim))  # up
+        if moe.expert_bias:
+            self.b1, self.b2, self.b3 = (nn.Parameter(torch.empty(E, n)) for n in (I, dim, I))
+        else:
+            self.b1 = self.b2 = self.b3 = None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):
             nn.init.normal_(w, std=std)
+        for b in (self.b1, self.b2, self.b3):
+            if b is not None:
+                nn.init.zeros_(b)
 
-    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor, expert_of_row_T: torch.Tensor | None = None) -> torch.Tensor:
         """x_TD: the routed tokens sorted by expert; tokens_per_expert_E: how many each expert gets (a
-        tensor: no host sync). Returns each token's expert output [T, D]."""
+        tensor: no host sync); expert_of_row_T: each row's expert (needed with biases).
+        Returns each token's expert output [T, D]."""
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
 
-        def grouped(x, w_EOI):  # x [T, I] @ w[e].T for each expert's rows
-            return _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
+        def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
+            out = _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
+            return out if b_EO is None else out + b_EO[expert_of_row_T]
 
-        hidden_TI = _GatedActivation.apply(grouped(x_TD, self.w1), grouped(x_TD, self.w3), self.activation)
-        return grouped(hidden_TI, self.w2)
+        gate_TI, up_TI = grouped(x_TD, self.w1, self.b1), grouped(x_TD, self.w3, self.b3)
+        if self.swiglu_limit is not None:
+            hidden_TI = clamped_swiglu(gate_TI, up_TI, self.swiglu_alpha, self.swiglu_limit)
+        else:
+            hidden_TI = _GatedActivation.apply(gate_TI, up_TI, self.activation)
+        return grouped(hidden_TI, self.w2, self.b2)
 
 
 class MoE(nn.Module):
     def __init__(self, dim: int, moe: MoEArgs, activation: str):
         super().__init__()
         self.top_k, self.normalize_top_k = moe.top_k, moe.normalize_top_k
+        self.softmax_after_top_k = moe.softmax_after_top_k
         self.num_experts = moe.num_experts
-        self.router = nn.Linear(dim, moe.num_experts, bias=False)
+        self.router = nn.Linear(dim, moe.num_experts, bias=moe.router_bias)
         self.experts = GroupedExperts(dim, moe, activation)
+
+    def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's k routing weights and experts [T, k]."""
+        if self.softmax_after_top_k:
+            top_logits_Tk, experts_Tk = torch.topk(logits_TE, self.top_k, dim=-1)
+            return F.softmax(top_logits_Tk, dim=-1), experts_Tk
+        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
+        weights_Tk, experts_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.normalize_top_k:
+            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        return weights_Tk, experts_Tk
 
     def forward(self, x_BSD: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
         """router_logits: when a list, this layer's router logits [T, E] are appended (for the aux loss)."""
@@ -67,17 +95,14 @@ class MoE(nn.Module):
         logits_TE = self.router(x_TD)
         if router_logits is not None:
             router_logits.append(logits_TE)
-        probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        weights_Tk, experts_Tk = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.normalize_top_k:
-            weights_Tk = weights_Tk / weights_Tk.sum(dim=-1, keepdim=True)
+        weights_Tk, experts_Tk = self.route(logits_TE)
         weights_Tk = weights_Tk.to(x_TD.dtype)
 
         # sort the (token, slot) pairs by expert so each expert sees one contiguous chunk
         order = torch.argsort(experts_Tk.reshape(-1), stable=True)
         token_of_slot = order // self.top_k
         tokens_per_expert_E = torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
-        routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert_E)
+        routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert_E, experts_Tk.reshape(-1)[order])
         routed_out = routed_out * weights_Tk.reshape(-1)[order, None]
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_of_slot, routed_out)
         return out_TD.view_as(x_BSD)

@@ -105,10 +105,11 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x_BHSd: torch.Tensor, cos_BSr: torch.Tensor, sin_BSr: torch.Tensor) -> torch.Tensor:
-    """Rotate the first r channels of each head (all of them unless the rotary factor is partial)."""
+    """Rotate the first r channels of each head (all of them unless the rotary factor is partial), in
+    cos/sin's dtype when it is wider than x's; the result has x's dtype."""
     cos, sin = cos_BSr.unsqueeze(1), sin_BSr.unsqueeze(1)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x_BHSd.shape[-1]:
-        return x_BHSd * cos + _rotate_half(x_BHSd) * sin
+        return (x_BHSd * cos + _rotate_half(x_BHSd) * sin).to(x_BHSd.dtype)
     x_rot, x_pass = x_BHSd[..., :rotary_dim], x_BHSd[..., rotary_dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return torch.cat(((x_rot * cos + _rotate_half(x_rot) * sin).to(x_BHSd.dtype), x_pass), dim=-1)
