@@ -11,11 +11,17 @@ completion_only_loss=False); packed datasets have only "input_ids", "labels" and
 """
 
 import logging
-import re
 from dataclasses import dataclass
 
 from datasets import Dataset, IterableDataset
 
+from .chat_templates import (
+    KNOWN_TEMPLATES,
+    has_generation_markers,
+    template_text,
+    training_chat_template,
+    training_template_name,
+)
 from .formats import (
     CONVERSATIONAL_FORMATS,
     LANGUAGE_MODELING,
@@ -35,6 +41,7 @@ from .packing import PACKING_STRATEGIES, pack_dataset
 from .tokenize import has_label_token, labels_from_masks, tokenize_row, truncate
 
 logger = logging.getLogger(__name__)
+_announced_templates: set[str] = set()  # training versions already announced in the log
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class RowRecipe:
     eos_token: str | None
     eos_override: str | None
     assistant_only_loss: bool
+    chat_template: str | None  # replaces the tokenizer's template (a training version of it), or None
     mask_columns: tuple[str, ...]  # masks folded into the labels (none when the dataset has "labels")
     build_labels: bool
     max_length: int | None  # truncate to this (None when packing: packing cuts rows itself)
@@ -70,6 +78,7 @@ def prepare_row(row: dict, index: int, recipe: RowRecipe) -> dict:
                 eos_token=recipe.eos_token,
                 eos_override=recipe.eos_override,
                 assistant_only_loss=recipe.assistant_only_loss,
+                chat_template=recipe.chat_template,
             )
         except Exception as err:  # the chat template's own error (jinja, or its raise_exception) lacks the row
             if recipe.row_format not in CONVERSATIONAL_FORMATS:
@@ -77,9 +86,10 @@ def prepare_row(row: dict, index: int, recipe: RowRecipe) -> dict:
             raise _chat_template_error(index, row, err) from err
     if "assistant_masks" in output and 1 not in output["assistant_masks"]:
         raise ValueError(
-            f"Row {index} has no assistant token, so assistant_only_loss=True would train on nothing. The chat "
-            "template must wrap assistant replies in {% generation %} ... {% endgeneration %}, and every "
-            "conversation needs an assistant turn."
+            f"Row {index} has no assistant token, so assistant_only_loss=True would train on nothing. Every "
+            "conversation needs an assistant turn, and the chat template must wrap assistant replies in "
+            "{% generation %} ... {% endgeneration %} (known templates are swapped for a training version that "
+            "does: " + ", ".join(KNOWN_TEMPLATES) + ")."
         )
     columns = {**row, **output}
     if recipe.build_labels:
@@ -142,12 +152,6 @@ class _LabelFilter:
             self.logged = True
             logger.warning("Dropping %s with no label token left; later drops are not logged.", self.what)
         return keep
-
-
-def has_generation_markers(chat_template) -> bool:
-    if isinstance(chat_template, dict):
-        chat_template = chat_template.get("default")
-    return isinstance(chat_template, str) and re.search(r"\{%-?\s*generation\s*-?%\}", chat_template) is not None
 
 
 def _as_dataset(dataset):
@@ -214,6 +218,8 @@ def prepare_sft_dataset(
     a list of dicts; the keyword arguments are SFTConfig's fields of the same names (`seed` is
     TrainingArguments.seed). Each output row has "input_ids" [L] and "labels" [L] (-100 where not
     trained), L <= max_length, and "seq_lengths" [D] when packed with "bfd" / "bfd_split".
+    With assistant_only_loss=True and a released chat template that has no generation markers,
+    conversations are rendered with hfnative's training version of it (`chat_templates.py`).
     Raises ValueError for a row in no accepted format (naming the row) or a missing column.
     """
     if packing_strategy == "bfd-requeue":  # TRL's deprecated name for it
@@ -241,7 +247,8 @@ def prepare_sft_dataset(
 
     dataset, fmt, text_field = _to_known_format(dataset, first_row, formatting_func, dataset_text_field, num_proc)
     effective_eos = eos_token or tokenizer.eos_token
-    _check_format_options(fmt, assistant_only_loss, tokenizer, effective_eos)
+    _check_format_options(fmt, assistant_only_loss, effective_eos)
+    chat_template = _assistant_mask_template(processing_class) if assistant_only_loss and fmt != PRETOKENIZED else None
     columns = column_names(dataset)
     build_labels = "labels" not in columns  # a dataset's own labels are used as they are
     mask_columns = applied_masks(fmt, columns, completion_only_loss, assistant_only_loss) if build_labels else []
@@ -253,6 +260,7 @@ def prepare_sft_dataset(
         eos_token=effective_eos,
         eos_override=eos_token,
         assistant_only_loss=assistant_only_loss,
+        chat_template=chat_template,
         mask_columns=tuple(mask_columns),
         build_labels=build_labels,
         max_length=None if packing else max_length,
@@ -334,17 +342,39 @@ def _to_known_format(dataset, first_row: dict, formatting_func, text_field: str,
     return dataset, fmt, text_field
 
 
-def _check_format_options(fmt: str, assistant_only_loss: bool, tokenizer, eos_token: str | None) -> None:
+def _check_format_options(fmt: str, assistant_only_loss: bool, eos_token: str | None) -> None:
     if assistant_only_loss and fmt not in (*CONVERSATIONAL_FORMATS, PRETOKENIZED):
         raise ValueError(f"assistant_only_loss=True needs a conversational dataset (messages), but this one is {fmt}.")
-    if assistant_only_loss and fmt != PRETOKENIZED and not has_generation_markers(tokenizer.chat_template):
-        raise ValueError(
-            "assistant_only_loss=True needs a chat template that marks assistant replies with "
-            "{% generation %} ... {% endgeneration %}; this tokenizer's template has no such markers. Set "
-            "processing_class.chat_template to a template that has them."
-        )
     if fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION) and eos_token is None:
         raise ValueError("The tokenizer has no eos_token to end each text with; pass eos_token=<a token it has>.")
+
+
+def _assistant_mask_template(processing_class) -> str | None:
+    """The template to render conversations with for assistant_only_loss: None (the tokenizer's own) when it
+    has generation markers, else the training version of a known template, as TRL swaps one in for tokenizing
+    only (the tokenizer, and so the saved chat template, keep the original). An unknown one is an error."""
+    if has_generation_markers(template_text(processing_class)):
+        return None
+    template = training_chat_template(processing_class)
+    if template is None:
+        raise ValueError(
+            "assistant_only_loss=True needs a chat template that marks assistant replies with "
+            "{% generation %} ... {% endgeneration %}; this tokenizer's template has no such markers and is not one "
+            "that hfnative swaps for a training version automatically (recognised by their exact text: "
+            + ", ".join(KNOWN_TEMPLATES)
+            + "). Set processing_class.chat_template (or chat_template_path) to a template that has the markers, "
+            "or set assistant_only_loss=False."
+        )
+    name = training_template_name(processing_class)
+    if name not in _announced_templates:
+        _announced_templates.add(name)
+        logger.info(
+            "assistant_only_loss=True: the %s chat template has no {%% generation %%} markers, so conversations are "
+            "tokenized with hfnative's training version of it (same text, assistant replies marked). The tokenizer "
+            "and its saved chat template are unchanged.",
+            name,
+        )
+    return template
 
 
 def _parallel(num_proc: int | None) -> dict:

@@ -20,12 +20,14 @@ IGNORE_INDEX = -100  # label of a token that is not trained on
 _warned_prefix = False
 
 
-def chat_template_kwargs(row: dict, eos_token: str | None) -> dict:
+def chat_template_kwargs(row: dict, eos_token: str | None, chat_template: str | None = None) -> dict:
     """Keyword arguments for `apply_chat_template` from the row's optional "tools" (a list, or JSON text)
     and "chat_template_kwargs" columns. An `eos_token` override is passed as the template's variable,
-    as the tokenizer's own eos_token would be."""
+    as the tokenizer's own eos_token would be; `chat_template` (a template text) replaces the tokenizer's."""
     tools = row.get("tools")
     kwargs = {"tools": json.loads(tools) if isinstance(tools, str) else tools}
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     if eos_token is not None:
         kwargs["eos_token"] = eos_token
     kwargs.update(row.get("chat_template_kwargs") or {})
@@ -74,10 +76,12 @@ def tokenize_row(
     eos_token: str,
     eos_override: str | None,
     assistant_only_loss: bool,
+    chat_template: str | None = None,
 ) -> dict:
     """The columns tokenization adds or changes for one row, in TRL's column order: the text or
     completion with EOS appended (text formats), "input_ids", then "completion_mask" (prompt-completion)
-    and "assistant_masks" (conversational, when `assistant_only_loss`)."""
+    and "assistant_masks" (conversational, when `assistant_only_loss`). Conversations are rendered with
+    `chat_template` when given (a training version of the tokenizer's template), else the tokenizer's."""
     if row_format == LANGUAGE_MODELING:
         text = with_eos(row[text_field], eos_token)
         return {text_field: text, "input_ids": processing_class(text=text)["input_ids"]}
@@ -92,7 +96,7 @@ def tokenize_row(
             "completion_mask": completion_mask_for(processing_class, prompt_ids, full_ids),
         }
 
-    kwargs = chat_template_kwargs(row, eos_override)
+    kwargs = chat_template_kwargs(row, eos_override, chat_template)
     if row_format == CONVERSATIONAL:
         rendered = render_chat(
             processing_class, row["messages"], return_assistant_tokens_mask=assistant_only_loss, **kwargs
