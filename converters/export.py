@@ -2,7 +2,8 @@
 
 Weights go to safetensors under their Hub names (re-fusing or un-stacking per the family's
 pieces), sharded with ``model.safetensors.index.json`` past ``max_shard_size``; config.json is
-the original, field for field; generation config and tokenizer files come along.
+the original, field for field; generation config and tokenizer files come along. A checkpoint loaded
+from MXFP4 is written dequantized, in the model's dtype, and its config without quantization_config.
 The files are written aside and renamed into place when complete, the index and config.json last,
 so a crash never leaves a folder that loads as a model with files missing.
 """
@@ -106,18 +107,23 @@ def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int |
 
 
 def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
-    """The source config.json byte for byte; only ``dtype`` follows the weights if they changed."""
+    """The source config.json byte for byte; only ``dtype`` follows the weights if they changed, and a
+    ``quantization_config`` goes (the weights are written dequantized)."""
     dtype_name = _DTYPE_NAMES.get(next(converted.model.parameters()).dtype)
     source = converted.source_dir / "config.json" if converted.source_dir else None
     if source is not None and source.exists():
         text = source.read_text()
         fields = json.loads(text)
         key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
+        changed = fields.pop("quantization_config", None) is not None
         if dtype_name and fields.get(key) not in (None, dtype_name):
             fields[key] = dtype_name
+            changed = True
+        if changed:
             text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     else:
         fields = converted.config.to_dict()
+        fields.pop("quantization_config", None)
         if dtype_name:
             fields["dtype"] = dtype_name
         text = json.dumps(fields, indent=2, sort_keys=True) + "\n"

@@ -22,6 +22,7 @@ from hfnative.models.decoder import Transformer
 
 from .families import Family, Piece, UnsupportedModelError, family_for_config, model_pieces
 from .hub import resolve_model_dir
+from .mxfp4 import Mxfp4Source, quant_method
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -271,7 +272,8 @@ def load_pretrained(
 ) -> ConvertedModel:
     """Load a checkpoint folder, a Hub id or a transformers PreTrainedModel as a native model.
 
-    dtype: None keeps the config's dtype (float32 when it names none).
+    dtype: None keeps the config's dtype (float32 when it names none). MXFP4-quantized tensors
+    (``quantization_config.quant_method == "mxfp4"``) are dequantized into parameters of that dtype.
     """
     from transformers import AutoConfig, PreTrainedModel
 
@@ -292,6 +294,8 @@ def load_pretrained(
         dtype = getattr(torch, dtype) if dtype != "auto" else None
     dtype = dtype or _config_dtype(config)
 
+    source = dequantizing_source(source, config, dtype, where)
+
     pieces = model_pieces(family, args)
     with torch.device("meta"):
         native = Transformer(args)
@@ -300,6 +304,20 @@ def load_pretrained(
     copy_into_model(source, pieces, native)
     native.init_buffers()
     return ConvertedModel(native, config, family, source_dir)
+
+
+def dequantizing_source(source, config, dtype: torch.dtype, where: str):
+    """The source as the native model reads it: MXFP4 tensors dequantized to ``dtype`` on the way
+    (every loader of a Hub folder wraps its source with this)."""
+    method = quant_method(config)
+    if method is None:
+        return source
+    if method == "mxfp4":
+        return Mxfp4Source(source, dtype)
+    raise UnsupportedModelError(
+        f"{where}: quantization_config.quant_method={method!r} is not supported by hfnative's native models; "
+        "supported: 'mxfp4' (dequantized on load); load the unquantized checkpoint instead"
+    )
 
 
 def _hub_state_dict(model) -> dict[str, torch.Tensor]:

@@ -26,8 +26,8 @@ from .families import Piece
 from .loading import ConvertedModel
 
 ALL_LINEAR = "all-linear"
-# peft 0.21 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, for hfnative's families (phi3 and
-# qwen3_moe have no entry there: peft asks for target_modules)
+# peft 0.21 TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING, for hfnative's families (phi3,
+# qwen3_moe, olmo3 and gpt_oss have no entry there: peft asks for target_modules)
 DEFAULT_TARGET_MODULES = {
     "llama": ["q_proj", "v_proj"],
     "mistral": ["q_proj", "v_proj"],
@@ -263,7 +263,7 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
             for hf_key, pieces in pieces_of.items():
                 if not hf_key.startswith(path + "."):
                     continue
-                if any(p.native_index is not None for p in pieces):
+                if any(p.native_index is not None or ".moe.experts." in p.native_key for p in pieces):
                     raise ValueError(f"modules_to_save: {hf_key} is a stacked MoE expert weight, which hfnative cannot copy")
                 for piece in pieces:
                     if piece.native_key not in copies:

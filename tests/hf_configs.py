@@ -10,6 +10,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
@@ -155,7 +156,38 @@ CONFIGS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    "gptoss-alternating-yarn": lambda: GptOssConfig(
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64,
+        },
+    ),
+    # a clamp limit the tiny activations reach, so the clamped SwiGLU's both sides are exercised
+    "gptoss-tied-top1-clamped": lambda: GptOssConfig(
+        **{**COMMON, "num_hidden_layers": 3},
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        swiglu_limit=0.1,
+        swiglu_alpha=1.3,
+        tie_word_embeddings=True,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
+# transformers runs these model types only with its eager attention (no SDPA path)
+EAGER_ONLY = {"gpt_oss"}
 
 ONE_PER_FAMILY = [
     "llama-gqa",
@@ -167,16 +199,21 @@ ONE_PER_FAMILY = [
     "phi3-gqa",
     "gemma3-softcap-linear-untied",
     "olmo3-sliding-gqa",
+    "gptoss-alternating-yarn",
 ]
 
 
 def make_hf_model(name: str, dtype: torch.dtype = torch.float32, seed: int = 0):
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=dtype, attn_implementation="sdpa")
+    config = CONFIGS[name]()
+    attention = "eager" if config.model_type in EAGER_ONLY else "sdpa"
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     with torch.no_grad():  # norms start at exactly 1 (or 0 for Gemma); perturb them so they are tested
         for param_name, param in model.named_parameters():
             if "norm" in param_name:
                 param.add_(torch.randn_like(param) * 0.1)
+            elif param_name.endswith("sinks") or param_name.endswith("_bias"):  # GPT-OSS: small or zero at init
+                param.add_(torch.randn_like(param))
     return model.eval()
 
 

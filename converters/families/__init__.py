@@ -1,9 +1,9 @@
 """The supported model families, looked up by the ``architectures`` entry of a config."""
 
-from . import gemma3, llama, mistral, mixtral, olmo3, phi3, qwen2, qwen3, qwen3_moe
+from . import gemma3, gpt_oss, llama, mistral, mixtral, olmo3, phi3, qwen2, qwen3, qwen3_moe
 from .common import Family, Piece, UnsupportedModelError, model_pieces
 
-FAMILIES = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma3, olmo3)]
+FAMILIES = [m.FAMILY for m in (llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, phi3, gemma3, olmo3, gpt_oss)]
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 SUPPORTED_ARCHITECTURES = sorted(_BY_ARCHITECTURE)
 

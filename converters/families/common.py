@@ -163,6 +163,8 @@ def attention_pieces(args: ModelArgs, layer_id: int) -> list[Piece]:
         pieces.append(rename(f"{hf}o_proj.bias", f"{nat}wo.bias"))
     if args.qk_norm:
         pieces += [rename(f"{hf}{a}_norm.weight", f"{nat}{a}_norm.weight") for a in "qk"]
+    if args.attention_sinks:
+        pieces.append(rename(f"{hf}sinks", f"{nat}sinks"))
     return pieces
 
 

@@ -196,7 +196,7 @@ def _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, allowed, sinks_H: torch.Tensor, s
     sinks_BHS1 = sinks_H.to(scores_BHSS.dtype).view(1, H, 1, 1).expand(scores_BHSS.shape[0], H, S, 1)
     logits = torch.cat([scores_BHSS, sinks_BHS1], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values  # as transformers does (bf16 overflow)
-    probs_BHSS = torch.softmax(logits.float(), dim=-1)[..., :-1]
+    probs_BHSS = F.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))[..., :-1]
     return torch.matmul(probs_BHSS.to(v_BKSd.dtype), v_BKSd)
 
 
