@@ -55,6 +55,24 @@ def parity_batches(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
     yield "packed", dict(input_ids=ids[:1], position_ids=position_ids), torch.ones_like(ids[:1], dtype=torch.bool)
 
 
+def _reference_attention(config) -> str:
+    """SDPA where transformers' model has it, else its eager attention (e.g. GPT-OSS's sinks)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if model_class is None or getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def _per_document_logits(reference, inputs) -> torch.Tensor:
+    """Logits of a packed row [1, S], each document (positions restarting at 0) run separately."""
+    positions = inputs["position_ids"][0]
+    starts = [i for i in range(len(positions)) if positions[i] == 0] + [len(positions)]
+    pieces = [
+        reference(input_ids=inputs["input_ids"][:, a:b], use_cache=False).logits for a, b in zip(starts, starts[1:])
+    ]
+    return torch.cat(pieces, dim=1)
+
+
 def run_parity(model_name_or_path: str, *, batch: int = 2, seq_len: int = 32, dtype: str = "float32", seed: int = 0):
     from transformers import AutoModelForCausalLM
 
@@ -63,13 +81,16 @@ def run_parity(model_name_or_path: str, *, batch: int = 2, seq_len: int = 32, dt
     torch_dtype = getattr(torch, dtype)
     converted = load_pretrained(model_name_or_path, dtype=torch_dtype)
     reference = AutoModelForCausalLM.from_pretrained(
-        str(converted.source_dir), dtype=torch_dtype, attn_implementation="sdpa"
+        str(converted.source_dir), dtype=torch_dtype, attn_implementation=_reference_attention(converted.config)
     ).eval()
     native = converted.model.eval()
     reports = []
     with torch.no_grad():
         for case, inputs, valid in parity_batches(converted.args.vocab_size, batch, seq_len, seed):
-            ref_logits = reference(**inputs, use_cache=False).logits
+            if case == "packed":  # the reference runs each document on its own: some transformers
+                ref_logits = _per_document_logits(reference, inputs)  # models attend across them
+            else:
+                ref_logits = reference(**inputs, use_cache=False).logits
             nat_logits = native(inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids")).logits
             reports.append(compare_logits(case, ref_logits, nat_logits, valid))
     return reports

@@ -181,8 +181,9 @@ def test_hub_id_resolves_from_the_cache_offline(tmp_path, monkeypatch):
 # --- hfnative-parity --------------------------------------------------------------------------------
 
 
-def test_parity_command_passes_on_a_faithful_checkpoint(tmp_path, capsys):
-    save_hf_model("gemma3-alternating", tmp_path)
+@pytest.mark.parametrize("name", ["gemma3-alternating", "gptoss-alternating-yarn"])  # SDPA / eager reference
+def test_parity_command_passes_on_a_faithful_checkpoint(name, tmp_path, capsys):
+    save_hf_model(name, tmp_path)
     assert parity.main(["--model_name_or_path", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "packed" in out and "left-padded" in out and "PASS" in out
