@@ -7,10 +7,13 @@ transformers'. hfnative's own fields are listed in ``HFNATIVE_FIELDS`` and docum
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import transformers
+
+from hfnative.data.packing import PACKING_STRATEGIES
 
 # hfnative's own arguments (everything else is transformers' / TRL's)
 HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode")
@@ -122,13 +125,56 @@ class SFTConfig(TrainingArguments):
     def __post_init__(self):
         self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
+        # TRL's deprecations, warned as TRL warns them; loss_type, packing_strategy and truncation_mode values
+        # are checked by SFTTrainer when it is built, as TRL does (a config alone is never refused for them)
         if self.loss_type == "chunked_nll":
+            _deprecated("`loss_type='chunked_nll'` is deprecated; use `loss_type='nll'` (the default), which computes "
+                        "the loss the same way, without materializing the full logits.")
             self.loss_type = "nll"
-        if self.loss_type not in ("nll", "dft"):
-            raise ValueError(f"loss_type={self.loss_type!r} is not supported; use 'nll' or 'dft'")
+        if self.pad_token is not None:
+            _deprecated("`pad_token` is deprecated; set `tokenizer.pad_token` directly and pass it as "
+                        "`processing_class` to the trainer instead.")
+        if self.truncation_mode == "keep_end":
+            _deprecated("The `'keep_end'` truncation mode is deprecated; use `truncation_mode='keep_start'`.")
         if self.packing_strategy == "bfd-requeue":
+            _deprecated("The `bfd-requeue` packing strategy has been renamed to `bfd_split`; use the new name.")
             self.packing_strategy = "bfd_split"
-        if self.packing_strategy not in ("bfd", "bfd_split", "wrapped"):
-            raise ValueError(f"packing_strategy={self.packing_strategy!r}; use 'bfd', 'bfd_split' or 'wrapped'")
+
+    def check_for_trainer(self) -> None:
+        """TRL's checks of these arguments, made (as TRL makes them) when an SFTTrainer is built from them,
+        with TRL's messages. Raises ValueError."""
+        if self.loss_type not in ("nll", "dft"):
+            raise ValueError(f"Invalid `loss_type` {self.loss_type} passed: use 'nll' or 'dft'.")
+        if self.packing_strategy not in PACKING_STRATEGIES:
+            raise ValueError(f"Invalid packing strategy {self.packing_strategy!r}, must be one of {PACKING_STRATEGIES}")
         if self.truncation_mode not in ("keep_start", "keep_end"):
-            raise ValueError(f"truncation_mode={self.truncation_mode!r}; use 'keep_start' or 'keep_end'")
+            raise ValueError(f"Unsupported truncation mode: {self.truncation_mode}; use 'keep_start' or 'keep_end'")
+        if self.max_length is None and (self.packing or self.eval_packing):
+            raise ValueError("When packing is enabled, `max_length` can't be `None`: it is the length of a packed row.")
+        if self.padding_free and not self.packing and self.max_length is not None:
+            raise ValueError(
+                "When `padding_free=True` without packing, `max_length` is not enforced: enable packing "
+                "(packing=True, packing_strategy='bfd'), or set max_length=None with rows already short enough."
+            )
+        checkpointing = self.gradient_checkpointing_kwargs or {}
+        if checkpointing.get("selective") and not self.activation_checkpointing:
+            raise ValueError("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`")
+        if checkpointing.get("selective") and checkpointing.get("use_reentrant"):
+            raise ValueError(
+                "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing: "
+                "leave `use_reentrant` unset or False."
+            )
+        if self.use_liger_kernel and (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
+            raise ValueError(
+                '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: the loss is already '
+                "computed by a fused linear-cross-entropy (hfnative's fused_loss)."
+            )
+        if self.label_smoothing_factor > 0:
+            raise ValueError(
+                f"`label_smoothing_factor` is deprecated in `SFTTrainer` (TRL) and hfnative does not implement it "
+                f"(label_smoothing_factor={self.label_smoothing_factor}): set it to 0.0."
+            )
+
+
+def _deprecated(message: str) -> None:
+    warnings.warn(f"{message} (TRL removes it in v2.0.0.)", FutureWarning, stacklevel=4)

@@ -25,13 +25,18 @@ class EvaluationMixin:
         return loss, logits, inputs.get("labels")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        if isinstance(eval_dataset if eval_dataset is not None else self.eval_dataset, dict):
-            datasets = eval_dataset if eval_dataset is not None else self.eval_dataset
+        """transformers' evaluate: ``eval_dataset`` None (the trainer's), a dataset (prepared as the trainer's
+        own, see ``objective.prepare_eval_dataset``), a name in the trainer's dict of eval datasets, or a dict
+        (each evaluated, its metrics named ``{metric_key_prefix}_{name}_...``). Every metric, the objective's
+        included, is named ``{metric_key_prefix}_...``."""
+        given = eval_dataset is not None
+        datasets = eval_dataset if given else self.eval_dataset
+        if isinstance(datasets, dict):
             metrics = {}
             for name, dataset in datasets.items():
-                metrics.update(self.evaluate(dataset, ignore_keys, f"{metric_key_prefix}_{name}"))
+                metrics.update(self.evaluate(dataset if given else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
-        dataloader = self.get_eval_dataloader(eval_dataset)
+        dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
         self.callback_handler.eval_dataloader = dataloader
         start = time.time()
         self.model.eval()
@@ -59,10 +64,29 @@ class EvaluationMixin:
         runtime = time.time() - start
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
                        steps_per_second=round(num_batches / runtime, 3))
+        # the objective's metrics (entropy, mean_token_accuracy, ...) take the prefix too, so each eval dataset
+        # of a dict keeps its own (TRL names them eval_* whatever the prefix, and the last dataset's win)
+        metrics.update(self._metrics["eval"].pop())
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(metrics)  # log() adds epoch (and SFT metrics) to this same dict, as transformers does
+        self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
+
+    def _dataset_to_evaluate(self, eval_dataset):
+        """None: the trainer's eval dataset; a str: that entry of the trainer's dict of eval datasets; a dataset:
+        prepared as the trainer's own were (a raw dataset in any format the trainer takes)."""
+        if eval_dataset is None:
+            if self.eval_dataset is None:
+                raise ValueError("Trainer: evaluation requires an eval_dataset. Pass `eval_dataset` to the trainer "
+                                 "or to evaluate().")
+            return self.eval_dataset
+        if isinstance(eval_dataset, str):
+            names = list(self.eval_dataset) if isinstance(self.eval_dataset, dict) else []
+            if eval_dataset not in names:
+                raise KeyError(f"evaluate(eval_dataset={eval_dataset!r}) names an eval dataset, but the trainer's eval "
+                               f"datasets are {names if names else 'not a dict of named datasets'}")
+            return self.eval_dataset[eval_dataset]
+        return self.objective.prepare_eval_dataset(eval_dataset)
 
     def _evaluate_and_track_best(self) -> bool:
         metrics = self.evaluate()
@@ -71,7 +95,11 @@ class EvaluationMixin:
             return False
         key = name if name.startswith("eval_") else f"eval_{name}"
         if key not in metrics:
-            raise KeyError(f"metric_for_best_model={name!r} is not among the evaluation metrics {sorted(metrics)}")
+            raise KeyError(
+                f"The `metric_for_best_model` training argument is set to '{key}', which is not found in the "
+                f"evaluation metrics. The available evaluation metrics are: {list(metrics)}. Name one of them, or "
+                "return it from compute_metrics."
+            )
         value = metrics[key]
         greater = self.args.greater_is_better
         best = self.state.best_metric

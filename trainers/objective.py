@@ -5,9 +5,9 @@ The loop asks its objective, in this order, for each optimizer step:
   normalizer(batches)             what every micro-batch's loss is divided by (label tokens)
   loss(model, inputs, n)          the loss and the metrics to log (device scalars, no host sync)
   after_optimizer_step()          e.g. push new weights to a rollout engine
-and once, before training, for ``prepare_datasets`` and ``default_collator``. Frozen auxiliary
-models (a reference, a teacher) are listed in ``auxiliary_models`` so the trainer builds, places
-and shards them with the same code as the policy.
+and once, before training, for ``prepare_datasets`` and ``default_collator`` (and ``prepare_eval_dataset``
+for a dataset given to ``evaluate``). Frozen auxiliary models (a reference, a teacher) are listed in
+``auxiliary_models`` so the trainer builds, places and shards them with the same code as the policy.
 """
 
 from __future__ import annotations
@@ -74,7 +74,26 @@ class LanguageModelingObjective:
 
     # --- data -------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
-        return self.trainer._drop_unused_columns(train_dataset), self.trainer._drop_unused_columns(eval_dataset)
+        """The datasets given at construction, ready for the collator; ``eval_dataset`` may be a dict of them."""
+        args = self.trainer.args
+        if args.eval_strategy != "no" and eval_dataset is None:  # transformers checks it when the Trainer is built
+            raise ValueError(
+                f"You have set `args.eval_strategy` to {args.eval_strategy} but you didn't pass an `eval_dataset` to "
+                "`Trainer`: pass one, or set eval_strategy='no'."
+            )
+        if isinstance(eval_dataset, dict):
+            evaluation = {name: self.prepare_eval_dataset(dataset) for name, dataset in eval_dataset.items()}
+        else:
+            evaluation = self.prepare_eval_dataset(eval_dataset)
+        return self.prepare_train_dataset(train_dataset), evaluation
+
+    def prepare_train_dataset(self, dataset):
+        return self.trainer._drop_unused_columns(dataset)
+
+    def prepare_eval_dataset(self, dataset):
+        """One evaluation dataset ready for the collator: used at construction and by ``evaluate`` for a
+        dataset given there, so both are prepared alike. A dataset already prepared comes back unchanged."""
+        return self.trainer._drop_unused_columns(dataset)
 
     def default_collator(self):
         from transformers import DataCollatorForLanguageModeling

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from pathlib import Path
 
 import torch
 import transformers
+from datasets import Dataset, IterableDataset
 
-from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
+from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, row_format, uses_padding_free
+from hfnative.data.formats import LANGUAGE_MODELING, PROMPT_COMPLETION, format_error, is_from_value_messages
 from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
@@ -30,6 +33,100 @@ def _model_name(model) -> str:
 
 def _as_dict(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
+
+
+def _first_row(dataset):
+    """Row 0 of a Dataset, IterableDataset or list of dicts, read alone; None when there is none."""
+    return None if dataset is None else next(iter(dataset), None)
+
+
+class RowFormatError(ValueError, KeyError):
+    """A dataset row in no format SFT accepts. A ValueError that names the row, and a KeyError, as TRL raises
+    for the column it looks for and does not find (e.g. a misspelt `dataset_text_field`)."""
+
+    __str__ = Exception.__str__  # the message, not KeyError's repr of it
+
+
+def _check_train_dataset(train_dataset) -> None:
+    """TRL's checks: a train dataset is required, and it is a Dataset or IterableDataset (hfnative also takes a
+    list of dicts)."""
+    if train_dataset is None:
+        raise ValueError(
+            "`train_dataset` is required: pass the rows to train on (a datasets.Dataset, an IterableDataset or a list "
+            "of dicts)"
+        )
+    if isinstance(train_dataset, (Dataset, IterableDataset)):
+        return
+    if isinstance(train_dataset, list) and all(isinstance(row, dict) for row in train_dataset):
+        return
+    raise TypeError(
+        f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`. "
+        "(hfnative also accepts a list of dicts.)"
+    )
+
+
+def _check_peft_config(peft_config, model) -> None:
+    """TRL requires a peft.PeftConfig; hfnative also takes a dict of LoraConfig's fields (the CLI's) or LoraSettings."""
+    from hfnative.peft import LoraSettings
+
+    if peft_config is not None and type(model).__name__.startswith("PeftModel"):
+        raise ValueError(
+            "You passed a `PeftModel` instance together with a `peft_config`: a model has one adapter here. To keep "
+            "training the existing adapter, save it and pass its folder as `model` without `peft_config`; for a new "
+            "adapter, merge the old one into the base (merge_and_unload), save that and pass it as `model`."
+        )
+    if peft_config is None or isinstance(peft_config, (dict, LoraSettings)):
+        return
+    try:
+        from peft import PeftConfig
+    except ImportError:
+        PeftConfig = ()
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError(
+            "`peft_config` must be a `peft.PeftConfig` instance (e.g. `peft.LoraConfig`), got "
+            f"{type(peft_config).__name__}."
+        )
+
+
+def _check_trainer_arguments(args: SFTConfig, data_collator, compute_loss_func) -> None:
+    """TRL's checks of the arguments together with the trainer's own (collator, loss function), and its warnings."""
+    args.check_for_trainer()
+    if args.loss_type == "dft" and compute_loss_func is not None:
+        raise ValueError(
+            "You passed a `compute_loss_func` together with `loss_type='dft'`: the DFT loss is the trainer's loss "
+            "then. Drop `compute_loss_func`, or use `loss_type='nll'` with it."
+        )
+    if uses_padding_free(args.padding_free, args.packing, args.packing_strategy):
+        if data_collator is not None:
+            raise ValueError(
+                "Passing a custom data collator is not supported when using padding-free (`padding_free=True`, or "
+                "packing with the 'bfd' / 'bfd_split' strategy, which flattens each batch into one sequence)."
+            )
+        if args.packing and args.packing_strategy == "wrapped":
+            logger.warning(
+                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not recommended: "
+                "wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
+                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'."
+            )
+        if args.per_device_train_batch_size == 1 and not args.packing:
+            logger.warning(
+                "You are using a per_device_train_batch_size of 1 with padding-free training: one row per batch has "
+                "no padding to remove, so padding-free saves nothing. Use a batch size of at least 2."
+            )
+    if compute_loss_func is not None:
+        warnings.warn(
+            "`compute_loss_func` is deprecated (TRL removes it in v2.0.0). Subclass `SFTTrainer` and override "
+            "`compute_loss` instead: the loss then needs the full logits, an extra forward pass each step.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if args.use_liger_kernel:
+        warnings.warn(
+            "`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's loss is already a fused "
+            "linear-cross-entropy (`fused_loss`, on by default).",
+            FutureWarning,
+            stacklevel=3,
+        )
 
 
 class SFTTrainer(Trainer):
@@ -53,17 +150,37 @@ class SFTTrainer(Trainer):
         optimizers=(None, None),
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
+        quantization_config=None,
         peft_config=None,
         formatting_func=None,
     ):
         if args is None:
             args = SFTConfig(f"{_model_name(model)}-SFT")
         args = as_hfnative_args(args, SFTConfig)
+        _check_train_dataset(train_dataset)
+        _check_peft_config(peft_config, model)
+        _check_trainer_arguments(args, data_collator, compute_loss_func)
         set_seed(args.seed)
         model_init_kwargs = _as_dict(args.model_init_kwargs)
-        if model_init_kwargs and not isinstance(model, (str, Path)):
-            logger.warning("model_init_kwargs are ignored: the model is already instantiated")
+        if not isinstance(model, (str, Path)):
+            if model_init_kwargs:
+                logger.warning(
+                    "You passed `model_init_kwargs` to the `SFTConfig`, but the model is already instantiated, so the "
+                    "`model_init_kwargs` will be ignored (they apply when `model` is a path or Hub id)."
+                )
+            if quantization_config is not None:
+                logger.warning(
+                    "You passed `quantization_config` to the trainer, but the model is already instantiated, so the "
+                    "`quantization_config` will be ignored (it applies when `model` is a path or Hub id)."
+                )
             model_init_kwargs = {}
+        elif quantization_config is not None:
+            if "quantization_config" in model_init_kwargs:
+                raise ValueError(
+                    "You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`: keep "
+                    "one of them (the trainer argument, say)."
+                )
+            model_init_kwargs["quantization_config"] = quantization_config
         self.formatting_func = formatting_func
         self.peft_config = peft_config
         super().__init__(
@@ -120,10 +237,10 @@ class SFTTrainer(Trainer):
         path = Path(path)
         if path.is_dir():
             template = transformers.AutoTokenizer.from_pretrained(str(path)).chat_template
-        elif path.suffix == ".jinja" and path.exists():
+        elif path.suffix in (".jinja", ".j2") and path.is_file():
             template = path.read_text()
         else:
-            raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja file or a tokenizer folder")
+            raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
         self._tokenizer().chat_template = template
 
 
@@ -157,24 +274,55 @@ class SFTObjective(LanguageModelingObjective):
         trainer, args = self.trainer, self.trainer.args
         if trainer.processing_class is None:
             raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
+        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
+        if not isinstance(trainer.processing_class, tokenizer_types):
+            raise TypeError(
+                "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
+                f"{type(trainer.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
+            )
         if args.chat_template_path is not None:
             trainer._load_chat_template(args.chat_template_path)
         tokenizer = trainer._tokenizer()
-        if args.pad_token is not None:
-            tokenizer.pad_token = args.pad_token
-        self._pad_token_id = pad_token_id_for(trainer.processing_class, args.eos_token)
-        train = self._prepare(train_dataset, args.packing)
-        eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-        if isinstance(eval_dataset, dict):
-            evaluation = {name: self._prepare(d, eval_packing) for name, d in eval_dataset.items()}
-        else:
-            evaluation = self._prepare(eval_dataset, eval_packing)
-        return train, evaluation
+        if args.eos_token is not None and args.eos_token not in tokenizer.get_vocab():
+            raise ValueError(
+                f"The specified `eos_token` ('{args.eos_token}') is not found in the vocabulary of the given "
+                f"`processing_class` ({type(trainer.processing_class).__name__}): set `eos_token` to a token it has "
+                f"(its own is {tokenizer.eos_token!r})."
+            )
+        if trainer.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
+            pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
+            if pad_token not in tokenizer.get_vocab():
+                raise ValueError(
+                    f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
+                    f"`processing_class` ({type(trainer.processing_class).__name__}): set `tokenizer.pad_token` to a "
+                    "token it has."
+                )
+            if args.pad_token is not None:
+                tokenizer.pad_token = args.pad_token
+            self._pad_token_id = pad_token_id_for(trainer.processing_class, args.eos_token)
+        self._completion_only_loss = args.completion_only_loss
+        if self._completion_only_loss is None:  # as TRL: decided once, by the train dataset's rows, for every dataset
+            row = _first_row(train_dataset)
+            self._completion_only_loss = isinstance(row, dict) and "prompt" in row and "completion" in row
+        return super().prepare_datasets(train_dataset, eval_dataset)
+
+    def prepare_train_dataset(self, dataset):
+        return self._prepare(dataset, self.trainer.args.packing)
+
+    def prepare_eval_dataset(self, dataset):
+        """Tokenized, masked, truncated (and packed with eval_packing) as the train dataset. A dataset already
+        packed (it has "seq_lengths") is returned as it is; anything else already prepared comes back the same,
+        so a prepared dataset may be passed again (e.g. ``evaluate(trainer.eval_dataset)``)."""
+        if dataset is None or "seq_lengths" in (getattr(dataset, "column_names", None) or []):
+            return dataset
+        args = self.trainer.args
+        return self._prepare(dataset, args.packing if args.eval_packing is None else args.eval_packing)
 
     def _prepare(self, dataset, packing: bool):
         if dataset is None:
             return None
         a = self.trainer.args
+        self._check_dataset(dataset)
         return prepare_sft_dataset(
             dataset,
             self.trainer.processing_class,
@@ -183,7 +331,7 @@ class SFTObjective(LanguageModelingObjective):
             packing=packing,
             packing_strategy=a.packing_strategy,
             padding_free=a.padding_free,
-            completion_only_loss=a.completion_only_loss,
+            completion_only_loss=self._completion_only_loss,
             assistant_only_loss=a.assistant_only_loss,
             eos_token=a.eos_token,
             formatting_func=self.trainer.formatting_func,
@@ -193,6 +341,41 @@ class SFTObjective(LanguageModelingObjective):
             shuffle_dataset=a.shuffle_dataset,
             seed=a.seed,
         )
+
+    def _check_dataset(self, dataset) -> None:
+        """TRL's errors, with TRL's messages, for a dataset these settings cannot prepare, judged on its first row;
+        the data layer checks every row."""
+        a, formatting_func = self.trainer.args, self.trainer.formatting_func
+        row = _first_row(dataset)
+        if not isinstance(row, dict):
+            return  # empty, or not rows: the data layer's errors
+        if "image" in row or "images" in row:
+            raise ValueError(
+                "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
+                "does not seem to be a vision-language model: hfnative's SFTTrainer trains text models only."
+            )
+        fmt = row_format(row, a.dataset_text_field)
+        if a.assistant_only_loss and fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION):
+            raise ValueError(
+                f"You set `assistant_only_loss=True`, but the dataset is not conversational: it is {fmt}. Assistant "
+                "turns exist only in conversational datasets (messages)."
+            )
+        if _as_dict(a.dataset_kwargs).get("skip_prepare_dataset", False):
+            return
+        if isinstance(dataset, Dataset) and dataset.format["type"] == "custom":
+            raise ValueError(
+                "SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`: preparation calls "
+                "`Dataset.map()`, which would bake the transform's output in. Materialize the transform with "
+                "`Dataset.map()` first."
+            )
+        if self._completion_only_loss and formatting_func is not None:
+            raise ValueError(
+                "A formatting function was provided while `completion_only_loss=True`, which is incompatible: "
+                "formatting_func turns rows into plain text, so there is no completion to restrict the loss to. Apply "
+                "the formatting before passing the dataset, or set completion_only_loss=False."
+            )
+        if fmt is None and formatting_func is None and not is_from_value_messages(row.get("conversations")):
+            raise RowFormatError(str(format_error(0, row, a.dataset_text_field)))
 
     def default_collator(self):
         a = self.trainer.args
