@@ -239,3 +239,38 @@ def test_batch_size_below_one_is_refused_by_the_config(tmp_path):
     """transformers fails only once training starts (torch's "batch_size should be a positive integer value")."""
     with pytest.raises(ValueError, match=r"per_device_train_batch_size=0; it must be at least 1"):
         _config(hfnative, tmp_path, per_device_train_batch_size=0)
+
+
+# --- transformers' Trainer checks, on hfnative.Trainer ---------------------------------------------
+
+
+def _plain_trainer_cases(tmp_path):
+    import torch
+
+    args = hfnative.TrainingArguments(str(tmp_path / "plain"), use_cpu=True, report_to="none")
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    return [
+        (RuntimeError, "requires either a `model` or `model_init`", dict(args=args)),
+        (RuntimeError, "Passing both `optimizers` and `optimizer_cls_and_kwargs`",
+         dict(model=MODEL, args=args, optimizers=(optimizer, None), optimizer_cls_and_kwargs=(torch.optim.SGD, {}))),
+        (RuntimeError, "Passing a `model_init` is incompatible with providing the `optimizers`",
+         dict(model_init=lambda: MODEL, args=args, optimizers=(optimizer, None))),
+    ]
+
+
+def test_plain_trainer_construction_errors_match_transformers(tmp_path):
+    import transformers
+
+    for error, phrase, kwargs in _plain_trainer_cases(tmp_path):
+        with pytest.raises(error, match=re.escape(phrase)):
+            hfnative.Trainer(**kwargs)
+        if "model" not in kwargs and "model_init" not in kwargs:  # transformers checks this one first too
+            with pytest.raises(error, match=re.escape(phrase)):
+                transformers.Trainer(args=transformers.TrainingArguments(str(tmp_path / "hf"), use_cpu=True, report_to="none"))
+
+
+def test_plain_trainer_train_without_dataset(tmp_path):
+    args = hfnative.TrainingArguments(str(tmp_path / "plain"), use_cpu=True, report_to="none", max_steps=1)
+    trainer = hfnative.Trainer(model=MODEL, args=args)
+    with pytest.raises(ValueError, match=re.escape("Trainer: training requires a train_dataset.")):
+        trainer.train()

@@ -111,7 +111,9 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         set_seed(self.args.seed)
         self.device = resolve_device(self.args)
         if model is None and model_init is None:
-            raise ValueError("Trainer needs a `model` (a path, a Hub id or a model object) or a `model_init`")
+            raise RuntimeError(
+                "`Trainer` requires either a `model` or `model_init` argument (a path, a Hub id or a model object)"
+            )
         self.model_init = model_init
         self._model_init_kwargs = model_init_kwargs or {}
         self._set_model(model if model is not None else model_init())
@@ -122,6 +124,13 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
+        if self.optimizer_cls_and_kwargs is not None and self.optimizer is not None:
+            raise RuntimeError("Passing both `optimizers` and `optimizer_cls_and_kwargs` arguments is incompatible.")
+        if self.model_init is not None and (self.optimizer is not None or self.lr_scheduler is not None):
+            raise RuntimeError(
+                "Passing a `model_init` is incompatible with providing the `optimizers` argument: the model (and its "
+                "parameters) is rebuilt at train(); subclass the trainer and override `create_optimizer_and_scheduler`"
+            )
         if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel):
             raise ValueError(
                 "optimizers=(optimizer, scheduler) were built over the transformers model's parameters, but hfnative "
@@ -185,7 +194,10 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
         object, loaded like the policy, frozen, in eval mode, placed like the policy."""
         for name, source in list(self.objective.auxiliary_models.items()):
-            model = resolve_model(source, self.device, {}).model
+            loaded = resolve_model(source, self.device, {})
+            model = loaded.model
+            if isinstance(model, Transformer):
+                attach_hub_surface(model, loaded.converted, base_model_name_or_path=loaded.base_model_name_or_path)
             model.requires_grad_(False).eval()
             self._place(model)
             self.objective.auxiliary_models[name] = model
@@ -206,7 +218,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
+            raise ValueError("Trainer: training requires a train_dataset.")
         a = self.args
         shuffle = a.train_sampling_strategy != "sequential" if hasattr(a, "train_sampling_strategy") else True
         seed = a.data_seed if a.data_seed is not None else a.seed
