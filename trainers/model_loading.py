@@ -1,4 +1,5 @@
-"""What the trainers accept as ``model`` and ``processing_class``, turned into native objects."""
+"""What the trainers accept as ``model`` and ``processing_class``, turned into the model the loop runs: a
+native model, or transformers' own module wrapped for the loop (converters/fallback.py) where there is none."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ from pathlib import Path
 import torch
 import transformers
 
-from hfnative.converters.loading import ConvertedModel, load_pretrained
+from hfnative.converters import fallback
+from hfnative.converters.fallback import (
+    TransformersCausalLM,
+    TransformersModel,
+    load_transformers_model,
+    warn_fallback,
+    wrap_transformers_model,
+)
+from hfnative.converters.hub import resolve_model_dir
+from hfnative.converters.loading import ConvertedModel, UnsupportedModelError, load_pretrained
 from hfnative.models.decoder import Transformer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,9 +41,10 @@ def model_dtype(value) -> torch.dtype | None:
 
 @dataclass
 class LoadedModel:
-    model: Transformer
-    converted: ConvertedModel | None  # None for a bare native Transformer (no Hub export possible)
-    lora_settings: object | None = None  # when ``model`` was a PEFT adapter folder
+    model: Transformer | TransformersCausalLM
+    # None for a bare native Transformer (no Hub export possible); a TransformersModel on the fallback
+    converted: ConvertedModel | TransformersModel | None
+    lora_settings: object | None = None  # when ``model`` was a LoRA adapter folder (native LoRA)
     base_model_name_or_path: str | None = None
 
 
@@ -41,43 +52,113 @@ def _is_adapter_folder(model) -> bool:
     return isinstance(model, (str, os.PathLike)) and (Path(model) / "adapter_config.json").is_file()
 
 
+def _check_fallback(config, error: UnsupportedModelError, model_class_name: str | None = None) -> None:
+    """Re-raise the native loader's error when transformers' module cannot stand in either."""
+    refusal = fallback.fallback_refusal(config, model_class_name)
+    if refusal is not None:
+        raise UnsupportedModelError(f"{error}; and it cannot train through transformers' modeling code: {refusal}") from error
+
+
 def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> LoadedModel:
-    """A path / Hub id / PEFT adapter folder / transformers model / ConvertedModel / Transformer -> native model."""
+    """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
+    Transformer -> the model the trainer runs. An architecture without a native implementation (or a
+    PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``."""
     if isinstance(model, Transformer):
         return LoadedModel(model, None)
-    if isinstance(model, ConvertedModel):
+    if isinstance(model, TransformersCausalLM):
+        return LoadedModel(model, TransformersModel(model, model.config), base_model_name_or_path=model.name_or_path)
+    if isinstance(model, (ConvertedModel, TransformersModel)):
         return LoadedModel(model.model, model, base_model_name_or_path=getattr(model.config, "_name_or_path", None))
-    if type(model).__name__.startswith("PeftModel"):
-        raise TypeError(
-            "model is a peft PeftModel: pass the adapter folder instead (model='path/to/adapter', which loads its "
-            "base model and continues training the adapter), or the base model together with peft_config="
-        )
     kwargs = dict(model_init_kwargs or {})
     dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    if fallback._is_peft_model(model):
+        return _from_peft_model(model, device, dtype)
     if isinstance(model, transformers.PreTrainedModel):
-        converted = load_pretrained(model, dtype=dtype or next(model.parameters()).dtype, device=device)
-        return LoadedModel(converted.model, converted, base_model_name_or_path=model.config._name_or_path)
+        name = model.config._name_or_path
+        try:
+            converted = load_pretrained(model, dtype=dtype or next(model.parameters()).dtype, device=device)
+        except UnsupportedModelError as error:  # transformers' module itself trains, in place
+            _check_fallback(model.config, error, type(model).__name__)
+            loaded = wrap_transformers_model(model)
+            warn_fallback(fallback._architecture(loaded.config), str(error))
+            return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
+        return LoadedModel(converted.model, converted, base_model_name_or_path=name)
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(
-            f"model must be a path or Hub id, a transformers PreTrainedModel, a ConvertedModel or an hfnative "
-            f"Transformer; got {type(model).__name__}"
+            f"model must be a path or Hub id, a transformers PreTrainedModel, a peft PeftModel, a ConvertedModel or "
+            f"an hfnative Transformer; got {type(model).__name__}"
         )
     hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
     quantization = dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config"))
     if _is_adapter_folder(model):
-        from hfnative.converters.peft import load_adapter
-
-        base = json.loads((Path(model) / "adapter_config.json").read_text()).get("base_model_name_or_path")
-        if not base:
-            raise ValueError(f"{model}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
-        converted = load_pretrained(base, dtype=dtype, device=device, **hub)
-        settings = load_adapter(converted, model, is_trainable=True, **quantization)
-        return LoadedModel(converted.model, converted, settings, base)
-    converted = load_pretrained(model, dtype=dtype, device=device, **hub)
+        return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"))
+    try:
+        converted = load_pretrained(model, dtype=dtype, device=device, **hub)
+    except UnsupportedModelError as error:
+        _check_fallback(_config_of(model, hub), error)
+        _refuse_quantization(quantization)
+        attn_implementation = kwargs.get("attn_implementation")
+        loaded = load_transformers_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
+        warn_fallback(fallback._architecture(loaded.config), str(error))
+        return LoadedModel(loaded.model, loaded, base_model_name_or_path=str(model))
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
 
 
-def load_processing_class(converted: ConvertedModel | None):
+def _config_of(name_or_path, hub: dict):
+    return transformers.AutoConfig.from_pretrained(str(resolve_model_dir(name_or_path, **hub)), trust_remote_code=False)
+
+
+def _refuse_quantization(quantization: dict) -> None:
+    if quantization["load_in_4bit"] or quantization["quantization_config"]:
+        raise ValueError(
+            "load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native models only; this model "
+            "trains through transformers' modeling code: drop the quantization"
+        )
+
+
+def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: dict, attn_implementation) -> LoadedModel:
+    """A PEFT adapter folder: native LoRA when hfnative implements the adapter on a native base, else peft's
+    ``PeftModel.from_pretrained`` on transformers' base model. Its adapter keeps training."""
+    from hfnative.converters.peft import load_adapter
+
+    config = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
+    reason = fallback.native_lora_refusal(config)
+    if reason is None:
+        try:
+            converted = load_pretrained(base, dtype=dtype, device=device, **hub)
+        except UnsupportedModelError as error:
+            reason = str(error)
+        else:
+            settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
+            return LoadedModel(converted.model, converted, settings, base)
+    _refuse_quantization(quantization)
+    refusal = fallback.fallback_refusal(_config_of(base, hub))
+    if refusal is not None:
+        raise UnsupportedModelError(f"the adapter in {adapter_dir} cannot train: {reason}; and through transformers: {refusal}")
+    loaded = load_transformers_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
+    warn_fallback(f"the {config.get('peft_type', 'LORA')} adapter on {fallback._architecture(loaded.config)}", reason)
+    loaded = fallback.load_peft_adapter(adapter_dir, loaded, is_trainable=True)
+    return LoadedModel(loaded.model, loaded, base_model_name_or_path=base)
+
+
+def _from_peft_model(peft_model, device, dtype) -> LoadedModel:
+    """A peft PeftModel object: LoRA that hfnative implements on a native architecture becomes native LoRA (a
+    copy, as a transformers model given as ``model`` is); anything else trains through peft, the object itself."""
+    peft_config = peft_model.active_peft_config
+    base_name = getattr(peft_config, "base_model_name_or_path", None)
+    reason = fallback.native_lora_refusal(peft_config, peft_model.get_base_model().config)
+    if reason is None:
+        converted, settings = fallback.native_lora_from_peft_model(peft_model, dtype=dtype, device=device)
+        return LoadedModel(converted.model, converted, settings, base_name)
+    loaded = wrap_transformers_model(peft_model)
+    warn_fallback(f"the {peft_config.peft_type} PeftModel on {fallback._architecture(loaded.config)}", reason)
+    return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
+
+
+def load_processing_class(converted: ConvertedModel | TransformersModel | None):
     """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder).
 
     Raises ValueError naming the folder when it holds no tokenizer: transformers would then build one

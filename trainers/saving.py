@@ -9,6 +9,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 
 from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
 from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
+from hfnative.converters.fallback import TransformersModel, load_checkpoint_weights, save_hub_folder
 from hfnative.converters.families import model_pieces
 from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
 
@@ -24,7 +25,10 @@ class SavingMixin:
         from hfnative.converters.export import export_hf, save_tokenizer
 
         output_dir.mkdir(parents=True, exist_ok=True)
-        if self.lora_settings is not None:
+        if isinstance(self.converted, TransformersModel):  # transformers' / peft's own save_pretrained
+            save_hub_folder(self.converted.model, output_dir)
+            save_tokenizer(output_dir, self.processing_class, self.converted.source_dir)
+        elif self.lora_settings is not None:
             from hfnative.converters.peft import save_adapter
 
             save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
@@ -92,6 +96,9 @@ class SavingMixin:
         return ckpt.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
 
     def _load_model_weights(self, checkpoint: Path) -> None:
+        if isinstance(self.converted, TransformersModel):
+            load_checkpoint_weights(self.converted.model, checkpoint)
+            return
         if self.converted is None:
             from safetensors.torch import load_file
 

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 
-def _call_compiled(self, *inputs):
-    return self._compiled_forward(self, *inputs)
+def _call_compiled(self, *inputs, **kwargs):
+    # keyword arguments pass through: transformers' decoder layers (the fallback wrapper's) take them
+    return self._compiled_forward(self, *inputs, **kwargs)
 
 
 def _compile_forward(module: nn.Module, compiled_by_type: dict) -> None:
