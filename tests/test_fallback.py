@@ -17,10 +17,13 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     Cohere2Config,
+    Gemma2Config,
     GptOssConfig,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    GraniteConfig,
     Lfm2Config,
+    PhiConfig,
     Qwen2MoeConfig,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -315,6 +318,25 @@ def test_moe_router_aux_loss_is_transformers(tmp_path):
     theirs = causal_lm(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), output_router_logits=True)
     torch.testing.assert_close(ours.aux_loss, theirs.aux_loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=0)
+
+
+HEADS = {  # what transformers' causal LMs do to their logits besides lm_head's matrix
+    "lm_head bias": lambda: PhiConfig(**COMMON),
+    "logits_scaling": lambda: GraniteConfig(**COMMON, logits_scaling=4.0),
+    "final_logit_softcapping": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=8, final_logit_softcapping=2.0),
+}
+
+
+@pytest.mark.parametrize("head", sorted(HEADS))
+def test_head_folds_what_transformers_does_to_the_logits(head):
+    torch.manual_seed(0)
+    causal_lm = AutoModelForCausalLM.from_config(HEADS[head]()).eval()
+    model = TransformersCausalLM(causal_lm)
+    assert not model.logits_from_transformers
+    ids = torch.randint(0, len(TOKENIZER), (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, causal_lm(input_ids=ids).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(ids, labels=ids).loss, causal_lm(input_ids=ids, labels=ids).loss, rtol=1e-6, atol=0)
 
 
 class _OffsetLogits(GPTNeoXForCausalLM):
