@@ -31,7 +31,7 @@ from transformers import (
 
 import hfnative
 from hfnative.converters import fallback
-from hfnative.converters.fallback import TransformersCausalLM, apply_peft, peft_route_reason
+from hfnative.converters.fallback import TransformersCausalLM
 from hfnative.converters.loading import CheckpointError, UnsupportedModelError
 from hfnative.models.decoder import Transformer
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
@@ -81,17 +81,6 @@ def _config(module, output_dir, **extra):
         learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=0.2, weight_decay=0.01, max_length=64,
     )
     return module.SFTConfig(**{**settings, **extra})
-
-
-class PeftSFTTrainer(hfnative.SFTTrainer):
-    """SFTTrainer with the peft route in _add_adapters (as sft_trainer.py takes it)."""
-
-    def _add_adapters(self):
-        if self.peft_config is not None and peft_route_reason(self.converted, self.peft_config) is not None:
-            self.converted = apply_peft(self.converted, self.peft_config)
-            self.model = self.converted.model
-            return
-        super()._add_adapters()
 
 
 def _run(module, model, tmp_path, data="sft_messages.jsonl", trainer_class=None, peft_config=None, **extra):
@@ -153,7 +142,7 @@ def test_prompt_tuning_trains_like_trl_and_saves_an_adapter(neox_dir, tmp_path):
 
     settings = dict(data="sft_prompt_completion.jsonl", learning_rate=3e-2)
     _, theirs = _run(trl, neox_dir, tmp_path, peft_config=prompt_tuning(), **settings)
-    trainer, ours = _run(hfnative, neox_dir, tmp_path, trainer_class=PeftSFTTrainer, peft_config=prompt_tuning(), **settings)
+    trainer, ours = _run(hfnative, neox_dir, tmp_path, peft_config=prompt_tuning(), **settings)
     _assert_same_logs(ours, theirs)
     assert [n for n, p in trainer.model.named_parameters() if p.requires_grad] == [
         "module.prompt_encoder.default.embedding.weight"

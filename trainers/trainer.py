@@ -131,7 +131,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
                 "Passing a `model_init` is incompatible with providing the `optimizers` argument: the model (and its "
                 "parameters) is rebuilt at train(); subclass the trainer and override `create_optimizer_and_scheduler`"
             )
-        if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel):
+        if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel) and isinstance(self.model, Transformer):
             raise ValueError(
                 "optimizers=(optimizer, scheduler) were built over the transformers model's parameters, but hfnative "
                 "trains a native copy of it; pass `optimizer_cls_and_kwargs=(cls, kwargs)` instead"
