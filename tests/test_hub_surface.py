@@ -186,3 +186,24 @@ def test_trl_rich_progress_callback_runs(tmp_path):
     trainer.add_callback(trl.RichProgressCallback())
     output = trainer.train()
     assert output.global_step == 2
+
+
+def test_trainer_model_passed_to_a_new_trainer_keeps_its_hub_layout_and_tags(tmp_path):
+    import yaml
+
+    first = _sft(hfnative, tmp_path / "first", steps=1)
+    first.train()
+    first.model.add_model_tags(["my-tag"])
+    config = _config(hfnative, tmp_path / "second", 1)
+    config.max_steps = 1
+    second = hfnative.SFTTrainer(model=first.model, args=config, train_dataset=_dataset("prompt-completion"),
+                                 processing_class=AutoTokenizer.from_pretrained(MODEL))
+    second.train()
+    second.save_model()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "second")
+    ids = torch.tensor([[3, 14, 15, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(second.model.eval()(ids).logits, loaded(ids).logits, rtol=0, atol=1e-5)
+    card = (tmp_path / "second" / "README.md").read_text()
+    tags = yaml.safe_load(card.split("---")[1])["tags"]
+    assert {"my-tag", "trl", "sft", "hfnative"} <= set(tags)

@@ -63,8 +63,10 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
     Transformer -> the model the trainer runs. An architecture without a native implementation (or a
     PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``."""
-    if isinstance(model, Transformer):
-        return LoadedModel(model, None)
+    if isinstance(model, Transformer):  # with its Hub record when it came from a trainer (trainer.model)
+        converted = model.__dict__.get("_hub_converted")
+        name = getattr(converted.config, "_name_or_path", None) if converted is not None else None
+        return LoadedModel(model, converted, base_model_name_or_path=name)
     if isinstance(model, TransformersCausalLM):
         return LoadedModel(model, TransformersModel(model, model.config), base_model_name_or_path=model.name_or_path)
     if isinstance(model, (ConvertedModel, TransformersModel)):

@@ -132,7 +132,8 @@ class SavingMixin:
             load_rng_state(checkpoint / ckpt.RNG_STATE_NAME)
 
     def model_tags(self) -> list[str]:
-        return ["generated_from_trainer", "hfnative", *self._tag_names]
+        tags = ["generated_from_trainer", "hfnative", *self._tag_names]
+        return tags + [tag for tag in (getattr(self.model, "model_tags", None) or []) if tag not in tags]
 
     def dataset_names(self) -> list[str] | None:
         return [self.dataset_name] if self.dataset_name else None
