@@ -1,7 +1,31 @@
-"""Applying parallelism and memory/speed transforms to a native model (activation checkpointing,
-compile), in the order: TP -> activation checkpointing -> compile -> FSDP2."""
+"""Parallelism and memory/speed transforms for a native model: ``ParallelDims`` builds the named DeviceMesh,
+``parallelize`` applies, in this order, tensor/sequence parallel -> activation checkpointing -> compile -> FSDP2.
+
+The distributed pieces load on first use (PEP 562), so single-process callers do not import
+torch.distributed's tensor-parallel and FSDP modules."""
+
+from importlib import import_module
 
 from hfnative.parallel.activation_checkpoint import AC_MODES, apply_activation_checkpointing
 from hfnative.parallel.compile import apply_compile
 
-__all__ = ["AC_MODES", "apply_activation_checkpointing", "apply_compile"]
+_LAZY = {
+    "ParallelDims": "dims",
+    "apply_fsdp": "fsdp",
+    "mixed_precision_policy": "fsdp",
+    "parallelize": "parallelize",
+    "apply_tensor_parallel": "tensor_parallel",
+    "check_tensor_parallel": "tensor_parallel",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(import_module(f"hfnative.parallel.{_LAZY[name]}"), name)
+        # cached here; this also replaces the submodule "parallelize" that its import bound to the same name
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hfnative.parallel' has no attribute {name!r}")
+
+
+__all__ = ["AC_MODES", "apply_activation_checkpointing", "apply_compile", *_LAZY]

@@ -1,0 +1,80 @@
+"""The one place that applies parallelism and the memory/speed transforms to a native model, in this order:
+
+1. tensor + sequence parallel (``mesh["tp"]``), with the vocabulary-parallel embedding and loss-parallel head;
+2. activation checkpointing (which blocks recompute their activations in backward);
+3. torch.compile, block by block (compiled after TP so the graphs see the split shapes, before FSDP so its
+   hooks stay outside the graphs);
+4. FSDP2 over the data-parallel ranks (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP),
+   last, so it shards the (TP-split) parameters that the steps above left in place.
+
+Build the model on the meta device, call ``parallelize``, then materialize it (``model.to_empty(device=...)``)
+and load each rank's slice of the checkpoint (``hfnative.converters.sharded_loading.load_sharded``), or
+``init_weights`` for training from scratch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from hfnative.models.decoder import Transformer
+
+from .activation_checkpoint import apply_activation_checkpointing
+from .compile import apply_compile
+from .dims import MESH_DIMS, ParallelDims
+from .fsdp import apply_fsdp
+from .tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: str | None = None,
+    compile: bool = False,
+    mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to ``model`` (a native Transformer); in place.
+
+    dims, mesh: the layout and the mesh ``dims.build_mesh`` made.
+    activation_checkpointing: None, "full" or "selective" (see ``apply_activation_checkpointing``).
+    mixed_precision: FSDP2's policy, or a dtype for "parameters in that dtype, gradients reduced in float32"
+        (see ``mixed_precision_policy``); with a single data-parallel rank FSDP2 is still applied, over that one
+        rank, to carry the policy.
+    reshard_after_forward: FSDP2's choice for the blocks (see ``apply_fsdp``).
+    Returns the model.
+    """
+    if not isinstance(model, Transformer):
+        raise ValueError(
+            f"parallelize takes hfnative's native Transformer, not a {type(model).__name__}: models without a native "
+            "implementation cannot be sharded by hfnative yet"
+        )
+    if mesh.mesh_dim_names != MESH_DIMS or tuple(mesh.shape) != dims.shape:
+        raise ValueError(
+            f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {MESH_DIMS} of "
+            f"sizes {dims.shape}; pass the mesh dims.build_mesh(device_type) returns"
+        )
+    if compile and dims.tp_enabled:
+        raise ValueError(
+            "compile=True with tensor parallelism (tp>1) is not supported yet: torch 2.13's inductor fails "
+            "(RecursionError) on the tensor-parallel feed-forward compiled with dynamic shapes; use compile with tp=1, "
+            "or tp without compile"
+        )
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, mesh["tp"])
+    if activation_checkpointing is not None:
+        apply_activation_checkpointing(model, activation_checkpointing)
+    if compile:
+        apply_compile(model)
+    if dims.dp_enabled or mixed_precision is not None:
+        apply_fsdp(
+            model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward
+        )
+    return model
+
+
+__all__ = ["parallelize"]

@@ -1,0 +1,225 @@
+"""Tensor + sequence parallelism for the native decoder, with a vocabulary-parallel embedding and head.
+
+Shapes: B batch, S sequence, D model dim, V vocabulary, P tensor-parallel ranks.
+
+Between the blocks' sublayers activations are split along the sequence ([B, S/P, D] per rank, sequence
+parallel), so the norms run on a 1/P of the tokens. Each sublayer gathers the sequence, runs on its
+share of the heads / hidden units, and reduce-scatters back to the sequence split:
+
+    tok_embeddings   rows (vocabulary) split: each rank looks up its rows, the partial sums reduce-scattered
+                     over the sequence
+    *_norm, norm     sequence parallel (weights replicated, as DTensors, so their gradients are summed)
+    attention        wq, wk, wv column-split (H/P query and K/P key/value heads per rank), wo row-split;
+                     q/k norms over head_dim run on the local heads
+    feed_forward     w1, w3 column-split, w2 row-split
+    output           rows (vocabulary) split: the losses run vocabulary-parallel (hfnative.losses.vocab_parallel)
+                     on the gathered hidden states, so no rank holds full-vocabulary logits; plain logits
+                     (``head(hidden)``) are gathered, for evaluation and generation
+
+Mixture-of-experts layers are refused (expert parallelism is their way to split), as are q/k norms over the
+whole projection and attention sinks.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hfnative.losses import label_positions
+from hfnative.losses.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_token_logprobs
+from hfnative.models.head import OutputHead, TokenCrossEntropy, TokenLogprobs
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Raise a ValueError naming what in ``model`` cannot be split over ``tp`` ranks."""
+    args = model.args
+    problems = []
+    for name, count in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+        if count % tp:
+            problems.append(f"{name}={count} is not divisible by tp={tp} (each rank takes a whole number of heads)")
+    if args.moe is not None:
+        problems.append(
+            "mixture-of-experts layers are not split by tensor parallelism (expert parallelism is not available yet)"
+        )
+    if args.qk_norm and args.qk_norm_scope == "projection":
+        problems.append(
+            "q/k norms over the whole projection (qk_norm_scope='projection') would need a norm across ranks"
+        )
+    if args.attention_sinks:
+        problems.append("attention sinks are not split by tensor parallelism yet")
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") and type(module) is not nn.Linear:
+            problems.append(
+                f"{name} is a {type(module).__name__}, not an nn.Linear (adapters and quantized layers are not split)"
+            )
+            break
+    if problems:
+        raise ValueError(f"tensor parallelism over tp={tp} ranks cannot split this model: " + "; ".join(problems))
+
+
+class _GatherSequence(ParallelStyle):
+    """A sublayer's first input: from the sequence split (Shard(1)) to whole sequences (Replicate), as a DTensor, so
+    the column-split projections inside see full sequences and their input gradient is reduce-scattered back. The
+    other inputs (rotary tables, attention plan) are left alone."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def gather(module, inputs):
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return (x.redistribute(placements=(Replicate(),)), *inputs[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """The embedding with its [V, D] weight split by rows. Each rank looks up the ids in its rows (zeros elsewhere)
+    and the partial sums are reduce-scattered over the sequence. Unlike torch's RowwiseParallel on an embedding,
+    the weight's gradient is computed from this rank's rows only, so it is born split (no [V, D] gradient on
+    every rank)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, nn.Embedding), type(module)
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, (Shard(0),), src_data_rank=None))
+        module.forward = types.MethodType(_vocab_parallel_embedding_forward, module)
+        return module
+
+
+def _vocab_parallel_embedding_forward(self: nn.Embedding, input_ids_BS: torch.Tensor) -> torch.Tensor:
+    """[B, S] ids (the same on every rank) -> this rank's part of the sequence of embeddings, [B, S/P, D] (a local
+    tensor, as the residual stream between the blocks' sublayers is kept)."""
+    weight = self.weight
+    mesh = weight.device_mesh
+    if input_ids_BS.shape[1] % mesh.size():
+        raise ValueError(
+            f"sequence length {input_ids_BS.shape[1]} is not divisible by tp={mesh.size()}: sequence parallelism "
+            f"splits every sequence evenly across the tensor-parallel ranks; pad batches to a multiple of "
+            f"{mesh.size()} tokens"
+        )
+    rows, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    start, local_rows = offset[0], rows[0]
+    local_ids_BS = input_ids_BS - start
+    mine_BS = (local_ids_BS >= 0) & (local_ids_BS < local_rows)
+    padding_idx = self.padding_idx
+    local_padding = padding_idx - start if padding_idx is not None and 0 <= padding_idx - start < local_rows else None
+    partial_BSD = F.embedding(torch.where(mine_BS, local_ids_BS, 0), weight.to_local(), padding_idx=local_padding)
+    partial_BSD = partial_BSD * mine_BS[..., None].to(partial_BSD.dtype)
+    partial = DTensor.from_local(partial_BSD, mesh, (Partial(),), run_check=False)
+    return partial.redistribute(placements=(Shard(1),)).to_local()
+
+
+class LossParallelHead(ParallelStyle):
+    """The output head with its [V, D] weight split by rows (the tied embedding's, when tied: the embedding's
+    row split is the same); its forward runs the loss specs vocabulary-parallel."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, OutputHead), type(module)
+        if not module.is_tied:
+            module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, (Shard(0),), src_data_rank=None))
+        # the instance's forward (as apply_compile does): hooks on the module (FSDP2's) still run around it
+        module.forward = types.MethodType(_loss_parallel_head_forward, module)
+        return module
+
+
+def _replicated_hidden(hidden_BSD: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """The hidden states as a Replicate DTensor: gathered over the sequence when they come sequence-split."""
+    if not isinstance(hidden_BSD, DTensor):
+        # the same states on every rank (e.g. a head call on detached states): their gradient is summed over ranks
+        return DTensor.from_local(hidden_BSD, mesh, (Replicate(),), run_check=False)
+    return hidden_BSD.redistribute(placements=(Replicate(),))
+
+
+def _loss_parallel_head_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss=None):
+    """OutputHead.forward over a row-split weight: logits gathered to [B, S, V], or a loss spec run
+    vocabulary-parallel (TokenCrossEntropy, TokenLogprobs)."""
+    weight = self.projection()
+    mesh = weight.device_mesh
+    hidden = _replicated_hidden(hidden_BSD, mesh)
+    if loss is None:
+        logits = hidden @ weight.T  # [B, S, V] split over V
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.full_tensor()
+    # each rank's gradient of the (replicated) states is its vocabulary rows' share: a partial sum
+    hidden_local = hidden.to_local(grad_placements=(Partial(),))
+    weight_local = weight.to_local()
+    _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    split = dict(vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group(), softcap=self.softcap)
+    if isinstance(loss, TokenCrossEntropy):
+        hidden_ND, targets_N = label_positions(hidden_local, loss.targets_BS)
+        return vocab_parallel_cross_entropy(hidden_ND, weight_local, targets_N, **split)
+    if isinstance(loss, TokenLogprobs):
+        B, S, D = hidden_local.shape
+        logprobs_N, entropy_N = vocab_parallel_token_logprobs(
+            hidden_local.reshape(B * S, D), weight_local, loss.targets_BS.reshape(-1), temperature=loss.temperature,
+            **split,
+        )
+        return logprobs_N.view(B, S), entropy_N.view(B, S)
+    raise NotImplementedError(
+        f"{type(loss).__name__} through a tensor-parallel head is not available yet (supported: TokenCrossEntropy, "
+        "TokenLogprobs); run without tensor parallelism (tp=1) for this loss"
+    )
+
+
+def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {
+        "attention": _GatherSequence(),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward": _GatherSequence(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for norm in ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"):
+        if getattr(block, norm) is not None:
+            plan[norm] = SequenceParallel()
+    if block.attention.q_norm is not None:
+        # the q/k norms see [B, H/P, S, d]: split over the head dim (1), each head normed on its own rank
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split ``model`` (a native Transformer) over the 1-D ``tp_mesh``; in place. Every parameter becomes a DTensor
+    on ``tp_mesh``, each rank keeping its slice of the values it holds: build the model on the meta device (and load
+    afterwards), or with the same values on every rank. Raises ValueError for what cannot be split.
+
+    Under it the model takes sequences whose length is a multiple of tp, ``hidden_states`` returns a DTensor split
+    over the sequence, and ``model.output`` runs the losses vocabulary-parallel."""
+    tp = tp_mesh.size()
+    check_tensor_parallel(model, tp)
+    tied_head = model.output.is_tied or model.output.weight is model.tok_embeddings.weight
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": VocabParallelEmbedding(),
+        "norm": SequenceParallel(),
+    })
+    if tied_head:
+        model.output.tie(model.tok_embeddings)  # the head reads the embedding's (now split) parameter
+    parallelize_module(model.output, tp_mesh, LossParallelHead())
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, _block_plan(block))
+        # the attention reshapes its projections by its head counts: each rank now holds 1/tp of the heads
+        block.attention.n_heads //= tp
+        block.attention.n_kv_heads //= tp
+    return model
+
+
+__all__ = ["LossParallelHead", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tensor_parallel"]

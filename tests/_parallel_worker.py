@@ -1,0 +1,380 @@
+"""The distributed layouts, in one launch of 4 CPU processes and one of 2 (gloo), each against a single-process run.
+
+usage: torchrun --standalone --nproc_per_node {4|2} _parallel_worker.py OUTPUT_DIR MODELS_DIR
+MODELS_DIR holds Hub-format checkpoints untied/, tied/ and moe/ (see test_parallel.py).
+Writes OUTPUT_DIR/world<n>-rank<r>.json: per check, the measured worst relative differences (or the error).
+
+Each layout: the model is built on the meta device, parallelized, and loaded from the Hub checkpoint rank by
+rank; then 5 AdamW steps on the same global batches as the single-process run (the reference every rank
+computes itself), each data-parallel rank taking its rows, the loss summed over the rows and divided by the
+step's label-token count all-reduced over the data-parallel ranks. Steps alternate padded rows and packed
+rows (position_ids restarting: one document after another), so both attention paths run.
+
+On 4 processes: HSDP 2x2, FSDP2 x TP2 and the vocabulary-parallel losses over 4 ranks; on 2 processes: FSDP2
+(with micro-batches, optimizer-in-backward, mixture of experts, LoRA, bf16 mixed precision), TP2 and plain
+replication (LAYOUTS).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hfnative.converters.loading import load_pretrained
+from hfnative.converters.sharded_loading import copy_shard, load_sharded, meta_model
+from hfnative.losses import (
+    IGNORE_INDEX,
+    fused_linear_cross_entropy,
+    fused_linear_token_logprobs,
+    linear_token_logprobs,
+)
+from hfnative.losses.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_token_logprobs
+from hfnative.models.head import GeneralizedJSD
+from hfnative.optim import OptimizerSettings, build_optimizer
+from hfnative.optim.in_backward import OptimizerInBackward
+from hfnative.parallel import ParallelDims, parallelize
+from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
+from hfnative.peft.settings import LoraSettings
+
+STEPS, ROWS, SEQ, VOCAB = 5, 4, 16, 96
+PADDING_ID = 1
+SETTINGS = OptimizerSettings("adamw_torch", learning_rate=1e-2, weight_decay=0.1)
+MAX_GRAD_NORM = 1.0
+
+
+def global_batches(seed: int = 0) -> list[dict]:
+    """STEPS global batches of ROWS x SEQ: even steps padded rows (right padding, prompt tokens unlabelled),
+    odd steps packed rows (positions restart where a new document starts)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+        ids[:, 4] = PADDING_ID  # the tied model's padding_idx: its embedding row gets no gradient from the lookup
+        labels = ids.clone()
+        batch = {"input_ids": ids}
+        if step % 2 == 0:
+            lengths = [SEQ, SEQ - 5, SEQ - 2, 7]
+            mask = torch.zeros(ROWS, SEQ, dtype=torch.long)
+            for row, length in enumerate(lengths):
+                mask[row, :length] = 1
+                labels[row, : 2 + row] = IGNORE_INDEX  # a prompt
+            labels[mask == 0] = IGNORE_INDEX
+            batch["attention_mask"] = mask
+        else:
+            starts = [[0, 6], [0, 3, 11], [0], [0, 9]]
+            positions = torch.zeros(ROWS, SEQ, dtype=torch.long)
+            for row, row_starts in enumerate(starts):
+                for start, end in zip(row_starts, row_starts[1:] + [SEQ]):
+                    positions[row, start:end] = torch.arange(end - start)
+                    labels[row, end - 1] = IGNORE_INDEX  # no target across a document boundary
+            batch["position_ids"] = positions
+        batch["labels"] = labels
+        batches.append(batch)
+    return batches
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rows_of(batch: dict, part: int, parts: int) -> dict:
+    per = batch["input_ids"].shape[0] // parts
+    return {key: value[part * per : (part + 1) * per] for key, value in batch.items()}
+
+
+def label_tokens(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def train(model, batches, *, dims=None, mesh=None, in_backward=False, accumulation=1) -> dict:
+    """STEPS optimizer steps; returns the global losses, grad norms and final (full) weights."""
+    dp_group = dims.dp_mesh(mesh).get_group() if dims is not None else None
+    dp_size, dp_rank = (dims.dp_size, dims.dp_rank(mesh)) if dims is not None else (1, 0)
+    if in_backward:
+        optimizer = OptimizerInBackward.from_model(model, SETTINGS)
+    else:
+        optimizer = build_optimizer(model, SETTINGS)
+    losses, grad_norms, compute_dtype = [], [], None
+    for batch in batches:
+        local = rows_of(batch, dp_rank, dp_size)
+        # the step's normalizer: label tokens over all data-parallel ranks
+        num_tokens = torch.tensor(label_tokens(local["labels"]))
+        if dp_group is not None:
+            dist.all_reduce(num_tokens, group=dp_group)
+        loss = torch.zeros(())
+        for micro_index in range(accumulation):
+            micro = rows_of(local, micro_index, accumulation)
+            last = micro_index == accumulation - 1
+            with optimizer.accumulating() if in_backward and not last else nullcontext():
+                out = model(**micro, num_items_in_batch=num_tokens)
+                out.loss.backward()
+            loss += out.loss.detach().float()
+            compute_dtype = str(out.hidden_states.dtype)
+        if dp_group is not None:
+            dist.all_reduce(loss, group=dp_group)
+        if in_backward:
+            optimizer.step()
+            grad_norm = optimizer.grad_norm()
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        grad_norms.append(full(grad_norm).item())
+    weights = {name: full(param.detach()).clone() for name, param in model.named_parameters()}
+    return {"loss": losses, "grad_norm": grad_norms, "weights": weights, "compute_dtype": compute_dtype}
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def weights_difference(run: dict, reference: dict) -> tuple[float, str]:
+    """The worst tensor's max |w - w_ref| / max |w_ref|, and its name."""
+    assert run["weights"].keys() == reference["weights"].keys()
+    per_tensor = {
+        name: float((run["weights"][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+        for name, ref in reference["weights"].items()
+    }
+    worst = max(per_tensor, key=per_tensor.get)
+    return per_tensor[worst], worst
+
+
+def compare(run: dict, reference: dict) -> dict:
+    weights, worst = weights_difference(run, reference)
+    return {
+        "loss": max(relative(a, b) for a, b in zip(run["loss"], reference["loss"])),
+        "grad_norm": max(relative(a, b) for a, b in zip(run["grad_norm"], reference["grad_norm"])),
+        "weights": weights,
+        "worst_weight": worst,
+        "losses": run["loss"],
+        "reference_losses": reference["loss"],
+        "compute_dtype": run["compute_dtype"],
+    }
+
+
+LORA_TARGETS = [
+    LoraTarget((f"layers.{layer}.attention.{name}",), r=4, lora_alpha=8.0)
+    for layer in range(2)
+    for name in ("wq", "wv")
+]
+
+
+def add_adapters(model) -> None:
+    """LoRA on the q and v projections; only the adapters train."""
+    add_lora(model, LORA_TARGETS, LoraSettings(r=4, lora_alpha=8))
+    mark_trainable(model)
+
+
+def init_adapters(model) -> None:
+    """The same adapter values on every rank and in the single-process run (B non-zero, so A trains too)."""
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                copy_shard(param, torch.randn(tuple(param.shape), generator=generator) * 0.1)
+
+
+class References:
+    """Single-process runs, computed once per (model, optimizer kind, LoRA, micro-batches)."""
+
+    def __init__(self, model_dirs: dict, batches):
+        self.model_dirs, self.batches, self.cache = model_dirs, batches, {}
+
+    def loaded(self, name: str, lora: bool = False):
+        model = load_pretrained(self.model_dirs[name]).model
+        if lora:
+            add_adapters(model)
+            init_adapters(model)
+        return model
+
+    def run(self, name: str, in_backward: bool, lora: bool = False, accumulation: int = 1) -> dict:
+        key = (name, in_backward, lora, accumulation)
+        if key not in self.cache:
+            model = self.loaded(name, lora)
+            self.cache[key] = train(model, self.batches, in_backward=in_backward, accumulation=accumulation)
+        return self.cache[key]
+
+    def round_off(self, name: str, in_backward: bool, lora: bool) -> float:
+        """How far fp32 round-off alone moves the final weights: the single-process run against itself with each
+        step's gradient summed in other orders (2 or 4 micro-batches instead of 1). AdamW divides each gradient by
+        its own running magnitude, so an entry whose gradient is near zero turns a round-off difference into a
+        visible one (up to ~1e-4 of the largest weight here)."""
+        reference = self.run(name, in_backward, lora)
+        return max(
+            weights_difference(self.run(name, in_backward, lora, accumulation=parts), reference)[0] for parts in (2, 4)
+        )
+
+
+def parallel_run(refs: References, name: str, dims: ParallelDims, mesh, accumulation: int = 1,
+                 in_backward: bool = False, lora: bool = False, **parallelize_options) -> dict:
+    converted = meta_model(refs.model_dirs[name])
+    if lora:
+        add_adapters(converted.model)  # before sharding: the adapters are sharded with their blocks
+    parallelize(converted.model, dims, mesh, **parallelize_options)
+    load_sharded(converted, "cpu")
+    if lora:
+        init_adapters(converted.model)
+    single = refs.loaded(name, lora).state_dict()
+    load_diff = max(
+        float((full(param.detach()) - single[param_name]).abs().max())
+        for param_name, param in converted.model.named_parameters()
+    )
+    run = train(converted.model, refs.batches, dims=dims, mesh=mesh, in_backward=in_backward, accumulation=accumulation)
+    result = compare(run, refs.run(name, in_backward, lora))
+    return {**result, "load_max_abs_diff": load_diff, "weights_round_off": refs.round_off(name, in_backward, lora)}
+
+
+def max_relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got - expected).abs().max() / expected.abs().max())
+
+
+def vocab_parallel_check(mesh) -> dict:
+    """The vocabulary-parallel CE and log-probs over the ranks of ``mesh`` (95 rows split unevenly over 4 ranks),
+    plain and with a soft-cap and a temperature, against the single-process fused losses: values and gradients
+    (the hidden states' gradient summed over the ranks, the weight's compared on this rank's rows)."""
+    group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
+    generator = torch.Generator().manual_seed(3)
+    N, D, V = 21, 16, 95
+    hidden = torch.randn(N, D, generator=generator)
+    weight = torch.randn(V, D, generator=generator) * 0.5
+    weight[60] = weight[7]  # the same top logit in two ranks' rows: top-1 ties go to the first index
+    hidden[:2] = weight[7] * 4
+    targets = torch.randint(0, V, (N,), generator=generator)
+    targets[0], targets[1] = 7, 60
+    logprob_targets = targets.clone()
+    logprob_targets[5] = IGNORE_INDEX
+    upstream = torch.randn(N, generator=generator)
+    rows = torch.tensor_split(torch.arange(V), size)[rank]
+    start, end = int(rows[0]), int(rows[-1]) + 1
+
+    def leaves():  # (single-process hidden, weight), (this rank's hidden, weight rows)
+        return ((hidden.clone().requires_grad_(), weight.clone().requires_grad_()),
+                (hidden.clone().requires_grad_(), weight[start:end].clone().requires_grad_()))
+
+    def gradients(reference, split) -> dict:
+        (h_ref, w_ref), (h, w) = reference, split
+        grad_h = h.grad.clone()
+        dist.all_reduce(grad_h, group=group)
+        return {"grad_hidden": max_relative(grad_h, h_ref.grad),
+                "grad_weight": float((w.grad - w_ref.grad[start:end]).abs().max() / w_ref.grad.abs().max())}
+
+    results = {}
+    for softcap, temperature in ((None, 1.0), (3.0, 0.7)):
+        head = dict(softcap=softcap, temperature=temperature, chunk_size=8)
+        on_group = dict(vocab_start=start, vocab_size=V, group=group, **head)
+        reference, split = leaves()
+        expected = fused_linear_cross_entropy(*reference, targets, **head)
+        got = vocab_parallel_cross_entropy(*split, targets, **on_group)
+        (expected.loss_sum * 0.5).backward()
+        (got.loss_sum * 0.5).backward()
+        results[f"ce softcap={softcap} T={temperature}"] = {
+            "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
+            "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
+            "correct": [int(got.correct_sum), int(expected.correct_sum)],
+            **gradients(reference, split),
+        }
+
+        reference, split = leaves()
+        expected_logprobs, expected_entropy = fused_linear_token_logprobs(*reference, logprob_targets, **head)
+        got_logprobs, got_entropy = vocab_parallel_token_logprobs(*split, logprob_targets, **on_group)
+        (expected_logprobs * upstream).sum().backward()
+        (got_logprobs * upstream).sum().backward()
+        plain_logprobs, _ = linear_token_logprobs(hidden, weight, logprob_targets, softcap=softcap,
+                                                  temperature=temperature)
+        results[f"logprobs softcap={softcap} T={temperature}"] = {
+            "logprobs": max_relative(got_logprobs.detach(), expected_logprobs.detach()),
+            "logprobs_vs_plain": max_relative(got_logprobs.detach(), plain_logprobs),
+            "entropy": max_relative(got_entropy, expected_entropy),
+            "ignored_is_zero": bool(got_logprobs[5] == 0 and got_entropy[5] == 0),
+            **gradients(reference, split),
+        }
+    return results
+
+
+def refusals_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
+    """What tensor parallelism cannot do yet fails with a message naming it; returns the messages."""
+    messages = {}
+    with pytest.raises(ValueError) as caught:
+        parallelize(meta_model(refs.model_dirs["untied"]).model, dims, mesh, compile=True)
+    messages["compile"] = str(caught.value)
+    converted = meta_model(refs.model_dirs["untied"])
+    parallelize(converted.model, dims, mesh)
+    load_sharded(converted, "cpu")
+    with pytest.raises(ValueError) as caught:
+        converted.model(torch.zeros(1, SEQ - 1, dtype=torch.long))
+    messages["odd sequence length"] = str(caught.value)
+    hidden = converted.model.hidden_states(torch.zeros(1, SEQ, dtype=torch.long))
+    teacher_head = refs.loaded("untied").output
+    distillation = GeneralizedJSD(torch.zeros(1, SEQ, dtype=torch.long), hidden.full_tensor(), teacher_head)
+    with pytest.raises(NotImplementedError) as caught:
+        converted.model.output(hidden, loss=distillation)
+    messages["distillation loss"] = str(caught.value)
+    return messages
+
+
+def record(results: dict, name: str, fn) -> None:
+    started = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+    results[name]["seconds"] = round(time.perf_counter() - started, 2)
+
+
+# (name, model, ParallelDims sizes, options: accumulation, in_backward, lora, and parallelize's keywords)
+LAYOUTS = {
+    4: [
+        ("HSDP 2x2 (untied, qk-norm), activation checkpointing", "untied", dict(dp_replicate=2, dp_shard=2),
+         {"activation_checkpointing": "full"}),
+        ("FSDP2 x TP2 (tied, bias, padding_idx), selective activation checkpointing", "tied", dict(dp_shard=2, tp=2),
+         {"activation_checkpointing": "selective"}),
+        ("FSDP2 x TP2 (untied, qk-norm), optimizer in backward", "untied", dict(dp_shard=2, tp=2),
+         {"in_backward": True}),
+    ],
+    2: [
+        ("FSDP2 (tied), 2 micro-batches", "tied", dict(dp_shard=2), {"accumulation": 2}),
+        ("FSDP2 (untied), optimizer in backward", "untied", dict(dp_shard=2), {"in_backward": True}),
+        ("FSDP2 (mixture of experts)", "moe", dict(dp_shard=2), {}),
+        ("FSDP2 + LoRA (adapters sharded with their blocks)", "untied", dict(dp_shard=2), {"lora": True}),
+        ("TP2 (untied, qk-norm)", "untied", dict(dp_shard=1, tp=2), {}),
+        ("TP2 (tied, bias, padding_idx)", "tied", dict(dp_shard=1, tp=2), {}),
+        ("replicate only (dp_replicate=2, DDP-like)", "untied", dict(dp_replicate=2, dp_shard=1), {}),
+        ("FSDP2, bf16 parameters, fp32 reduction", "untied", dict(dp_shard=2), {"mixed_precision": "bf16"}),
+        ("FSDP2, compiled blocks", "untied", dict(dp_shard=2), {"compile": True}),
+    ],
+}
+
+
+def main(output_dir: str, models_dir: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    refs = References({name: str(Path(models_dir, name)) for name in ("untied", "tied", "moe")}, global_batches())
+    results = {}
+    for name, model, sizes, options in LAYOUTS[world]:
+        dims = ParallelDims(**sizes, world_size=world)
+        mesh = dims.build_mesh("cpu")
+        record(results, name, lambda: parallel_run(refs, model, dims, mesh, **options))
+    if world == 4:
+        tp_mesh = ParallelDims(dp_shard=1, tp=4, world_size=4).build_mesh("cpu")["tp"]
+        record(results, "vocab-parallel losses over 4 ranks", lambda: vocab_parallel_check(tp_mesh))
+    else:
+        tp2 = ParallelDims(dp_shard=1, tp=2, world_size=2)
+        tp2_mesh = tp2.build_mesh("cpu")
+        record(results, "refusals under TP2", lambda: refusals_under_tp(refs, tp2, tp2_mesh))
+    Path(output_dir, f"world{world}-rank{rank}.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

@@ -1,0 +1,177 @@
+"""Distributed training on CPU with gloo, in real processes: FSDP2, HSDP, TP + sequence parallel with loss
+parallel, FSDP2 x TP, each against the single-process run over the same global batches.
+
+Two launches run side by side (tests/_parallel_worker.py: one of 4 processes, one of 2); every check below
+reads what they measured. The oracle is always the single-process run (built and loaded by the ordinary
+single-process path, trained by the same loop), computed inside the launch by every rank.
+
+Tolerances (fp32): losses and gradient norms 1e-5 relative (measured <= ~1e-6); weights loaded rank by rank
+exactly equal. Final weights after 5 AdamW steps: AdamW divides each gradient entry by its own running
+magnitude, so entries whose gradient is near zero turn fp32 round-off into visible differences; the
+single-process run itself, with each step's gradient merely summed in another order (micro-batches), moves
+its worst entry by up to ~1.5e-4 of the tensor's largest weight. Each layout's weights must stay within 10x
+that measured round-off (and never need to be closer than 1e-5); a wrong reduction or a shard left
+unchanged moves them by ~1e-1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_configs import save_hf_model
+from hfnative.models.args import ModelArgs
+from hfnative.models.decoder import Transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("_parallel_worker.py")
+# one thread per process: 6 processes share the machine's cores
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+       "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+sys.path.insert(0, str(Path(__file__).parent))
+from _parallel_worker import LAYOUTS  # noqa: E402
+
+TOLERANCE = 1e-5
+WEIGHTS_OVER_ROUND_OFF = 10.0
+PADDING_ID = 1
+
+
+def _save_models(models_dir: Path) -> None:
+    save_hf_model("qwen3-gqa", models_dir / "untied")  # GQA, q/k norms, untied head
+    save_hf_model("qwen3moe-topk-norm", models_dir / "moe")
+    tied = models_dir / "tied"  # tied head, q/k/v/o biases, and a padding_idx the embedding must honour
+    save_hf_model("qwen3-mha-tied-bias", tied)
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "pad_token_id": PADDING_ID}))
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict:
+    """{world size: [each rank's results]} from one 4-process and one 2-process launch, run side by side."""
+    base = tmp_path_factory.mktemp("parallel")
+    _save_models(base / "models")
+    started = time.perf_counter()
+    launches = {
+        world: subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}", str(WORKER),
+             str(base), str(base / "models")],
+            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for world in (4, 2)
+    }
+    for world, launch in launches.items():
+        output, _ = launch.communicate(timeout=300)
+        assert launch.returncode == 0, f"the {world}-process launch failed:\n{output[-6000:]}"
+    print(f"\nparallel launches: {time.perf_counter() - started:.1f} s")
+    return {
+        world: [json.loads((base / f"world{world}-rank{rank}.json").read_text()) for rank in range(world)]
+        for world in launches
+    }
+
+
+def _per_rank(measured, world: int, name: str) -> list[dict]:
+    per_rank = [results[name] for results in measured[world]]
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+    return per_rank
+
+
+def _result(measured, world: int, name: str) -> dict:
+    per_rank = _per_rank(measured, world, name)
+    # every rank reports the same global numbers
+    assert all(r["losses"] == per_rank[0]["losses"] for r in per_rank), [r["losses"] for r in per_rank]
+    return per_rank[0]
+
+
+LAYOUT_CASES = [(world, name) for world, layouts in LAYOUTS.items() for name, *_ in layouts if "bf16" not in name]
+
+
+@pytest.mark.parametrize("world, name", LAYOUT_CASES, ids=[name for _, name in LAYOUT_CASES])
+def test_layout_matches_single_process(measured, world, name):
+    result = _result(measured, world, name)
+    print(f"\n{name}: loss {result['loss']:.1e}, grad norm {result['grad_norm']:.1e}, weights {result['weights']:.1e} "
+          f"(round-off {result['weights_round_off']:.1e}; worst {result['worst_weight']}), {result['seconds']} s")
+    assert result["load_max_abs_diff"] == 0.0, "the sharded load differs from the single-process load"
+    assert result["compute_dtype"] == "torch.float32"
+    assert result["loss"] <= TOLERANCE, (result["losses"], result["reference_losses"])
+    assert result["grad_norm"] <= TOLERANCE
+    weights_tolerance = max(TOLERANCE, WEIGHTS_OVER_ROUND_OFF * result["weights_round_off"])
+    assert result["weights"] <= weights_tolerance, result["worst_weight"]
+
+
+def test_mixed_precision_computes_in_bf16(measured):
+    """bf16 parameters for compute and fp32 gradient reduction: the forward runs in bf16, the losses stay
+    close to the fp32 run's (bf16 keeps ~3 significant digits)."""
+    result = _result(measured, 2, "FSDP2, bf16 parameters, fp32 reduction")
+    assert result["compute_dtype"] == "torch.bfloat16"
+    assert result["load_max_abs_diff"] == 0.0
+    assert result["loss"] <= 1e-2, (result["losses"], result["reference_losses"])
+    assert result["grad_norm"] <= 1e-1
+
+
+def test_vocab_parallel_losses_match_the_fused_losses(measured):
+    """Cross-entropy and per-token log-probs with the head split unevenly (95 rows over 4 ranks), with and without
+    soft-cap and temperature: values, entropy, top-1 hits (a tie across two ranks' rows included) and gradients."""
+    for rank, result in enumerate(_per_rank(measured, 4, "vocab-parallel losses over 4 ranks")):
+        for case, numbers in result.items():
+            if case == "seconds":
+                continue
+            for metric, value in numbers.items():
+                if metric == "correct":
+                    assert value[0] == value[1], (rank, case, value)
+                elif metric == "ignored_is_zero":
+                    assert value, (rank, case)
+                else:
+                    assert value <= TOLERANCE, (rank, case, metric, value)
+
+
+def test_tensor_parallel_refuses_what_it_cannot_do_yet(measured):
+    messages = _per_rank(measured, 2, "refusals under TP2")[0]
+    assert "compile=True with tensor parallelism (tp>1) is not supported yet" in messages["compile"]
+    assert "sequence length 15 is not divisible by tp=2" in messages["odd sequence length"]
+    assert "GeneralizedJSD through a tensor-parallel head is not available yet" in messages["distillation loss"]
+
+
+# --- without processes: sizes and refusals ---------------------------------------------------------
+
+
+def test_parallel_dims_sizes_and_errors():
+    from hfnative.parallel import ParallelDims
+
+    dims = ParallelDims(dp_replicate=2, tp=2, world_size=8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 2, 2)
+    assert dims.dp_size == 4 and dims.fsdp_enabled and dims.hsdp_enabled and dims.tp_enabled and dims.dp_enabled
+    only_tp = ParallelDims(tp=2, world_size=2)
+    assert only_tp.dp_size == 1 and not only_tp.dp_enabled and not only_tp.fsdp_enabled
+    with pytest.raises(ValueError, match=r"dp_replicate=2 x dp_shard=3 x tp=1 = 6, but the world size is 4"):
+        ParallelDims(dp_replicate=2, dp_shard=3, world_size=4)
+    with pytest.raises(ValueError, match=r"tp=3 = 3 does not divide the world size 4"):
+        ParallelDims(tp=3, world_size=4)
+    with pytest.raises(ValueError, match=r"tp=0"):
+        ParallelDims(tp=0, world_size=2)
+
+
+def _meta_model(**overrides) -> Transformer:
+    args = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=48)
+    with torch.device("meta"):
+        return Transformer(ModelArgs(**{**args, **overrides}))
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split():
+    from hfnative.models.args import MoEArgs
+    from hfnative.parallel import check_tensor_parallel
+
+    check_tensor_parallel(_meta_model(), 2)
+    with pytest.raises(ValueError, match=r"n_kv_heads=2 is not divisible by tp=4"):
+        check_tensor_parallel(_meta_model(), 4)
+    with pytest.raises(ValueError, match=r"mixture-of-experts"):
+        check_tensor_parallel(_meta_model(moe=MoEArgs(num_experts=4, top_k=2, intermediate_size=16)), 2)
+    with pytest.raises(ValueError, match=r"qk_norm_scope='projection'"):
+        check_tensor_parallel(_meta_model(qk_norm=True, qk_norm_scope="projection"), 2)
