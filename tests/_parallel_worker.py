@@ -45,8 +45,9 @@ from hfnative.parallel import ParallelDims, parallelize
 from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
 
-STEPS, ROWS, SEQ, VOCAB = 5, 4, 16, 96
-PADDING_ID = 1
+STEPS, ROWS, SEQ = 5, 4, 16
+VOCAB = 95  # the tied model's vocabulary (the others have 96): split unevenly over 2 or 4 ranks
+PADDING_ID = 94  # the tied model's padding_idx, in the last rank's rows
 SETTINGS = OptimizerSettings("adamw_torch", learning_rate=1e-2, weight_decay=0.1)
 MAX_GRAD_NORM = 1.0
 

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _parallel_worker import LAYOUTS, PADDING_ID, VOCAB
+from hf_configs import CONFIGS, save_hf_model
+from transformers import AutoModelForCausalLM
 
-from hf_configs import save_hf_model
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
 
@@ -35,21 +37,19 @@ WORKER = Path(__file__).with_name("_parallel_worker.py")
 # one thread per process: 6 processes share the machine's cores
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
        "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
-sys.path.insert(0, str(Path(__file__).parent))
-from _parallel_worker import LAYOUTS  # noqa: E402
 
 TOLERANCE = 1e-5
 WEIGHTS_OVER_ROUND_OFF = 10.0
-PADDING_ID = 1
 
 
 def _save_models(models_dir: Path) -> None:
     save_hf_model("qwen3-gqa", models_dir / "untied")  # GQA, q/k norms, untied head
     save_hf_model("qwen3moe-topk-norm", models_dir / "moe")
-    tied = models_dir / "tied"  # tied head, q/k/v/o biases, and a padding_idx the embedding must honour
-    save_hf_model("qwen3-mha-tied-bias", tied)
-    config = json.loads((tied / "config.json").read_text())
-    (tied / "config.json").write_text(json.dumps({**config, "pad_token_id": PADDING_ID}))
+    # tied head, q/k/v/o biases, a vocabulary that splits unevenly (95 rows) and a padding_idx the embedding honours
+    config = CONFIGS["qwen3-mha-tied-bias"]()
+    config.vocab_size, config.pad_token_id = VOCAB, PADDING_ID
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(models_dir / "tied"))
 
 
 @pytest.fixture(scope="module")
