@@ -22,7 +22,14 @@ from hfnative.models.decoder import Transformer
 
 from .families import family_for_config, model_pieces
 from .hub import resolve_model_dir
-from .loading import ConvertedModel, SafetensorsSource, _check_config_json, _config_dtype, check_checkpoint
+from .loading import (
+    ConvertedModel,
+    SafetensorsSource,
+    _check_config_json,
+    _config_dtype,
+    check_checkpoint,
+    dequantizing_source,
+)
 
 
 def meta_model(
@@ -93,12 +100,15 @@ def load_sharded(converted: ConvertedModel, device: torch.device | str) -> Conve
     """Materialize ``converted.model`` (built by ``meta_model``, then parallelized) on ``device`` and load this
     rank's slice of every tensor of its checkpoint; rotary tables are recomputed. Returns ``converted``.
 
-    Raises CheckpointError (before allocating) when the checkpoint's tensors do not match the config.
+    Raises CheckpointError (before allocating) when the checkpoint's tensors do not match the config. MXFP4 tensors
+    are dequantized to the model's dtype on the way, as the single-process load does.
     """
     model = converted.model
-    source = SafetensorsSource(converted.source_dir)
+    where = str(converted.source_dir)
+    dtype = next(model.parameters()).dtype
+    source = dequantizing_source(SafetensorsSource(converted.source_dir), converted.config, dtype, where)
     pieces = model_pieces(converted.family, model.args)
-    check_checkpoint(source, pieces, model, str(converted.source_dir))
+    check_checkpoint(source, pieces, model, where)
     model.to_empty(device=device)
     copy_shards_into_model(source, pieces, model)
     model.init_buffers()

@@ -61,8 +61,9 @@ def apply_fsdp(
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     head_group = [model.norm, model.output]
-    if model.output.is_tied:
-        # the head reads the embedding's parameter: one unit, so calling either gathers it
+    if model.output.projection() is model.tok_embeddings.weight:
+        # the head uses the embedding's parameter (tied, or untied to one tensor under two names): one unit, so
+        # calling either gathers it
         fully_shard([model.tok_embeddings, *head_group], reshard_after_forward=reshard_after_forward, **shard)
     else:
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **shard)
