@@ -78,12 +78,15 @@ def write_atomically(path: Path, write) -> None:
             tmp.unlink()
 
 
-def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int | str = "5GB") -> list[str]:
+def save_weights(converted: ConvertedModel, out_dir: Path, max_shard_size: int | str = "5GB",
+                 native_state: dict[str, torch.Tensor] | None = None) -> list[str]:
     """Write the weights as safetensors shards, split as transformers' save_pretrained splits them
-    (``max_shard_size``: bytes, or a string such as "5GB"); returns the file names written."""
+    (``max_shard_size``: bytes, or a string such as "5GB"); returns the file names written.
+    native_state: the model's whole tensors under native names (gathered from a sharded model), instead of
+    ``converted.model.state_dict()``."""
     from safetensors.torch import save_file
 
-    native = dict(converted.model.state_dict())
+    native = dict(native_state if native_state is not None else converted.model.state_dict())
     pieces_of = hub_state_dict_pieces(converted)
     # the split needs only each Hub tensor's size and dtype: empty meta tensors stand in for them
     stand_ins = {
@@ -160,12 +163,14 @@ def export_hf(
     processing_class=None,
     generation_config=None,
     max_shard_size: int | str = "5GB",
+    native_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``converted`` as a Hub-format folder: safetensors, config.json, generation config, tokenizer.
-    Weight files of an earlier save into ``out_dir`` that this one does not write are removed."""
+    Weight files of an earlier save into ``out_dir`` that this one does not write are removed.
+    native_state: see ``save_weights`` (a sharded model's gathered tensors)."""
     out_dir = Path(out_dir)
     with atomic_files(out_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
-        save_weights(converted, stage, max_shard_size)
+        save_weights(converted, stage, max_shard_size, native_state)
         _save_config(converted, stage)
         _save_generation_config(converted, stage, generation_config)
         save_tokenizer(stage, processing_class, converted.source_dir)

@@ -1,7 +1,10 @@
 """Batches in the order transformers' Trainer produces them, resumable mid-epoch.
 
 Epoch ``e`` visits the dataset in ``torch.randperm(n, Generator().manual_seed(seed + e))`` order
-(accelerate's seedable sampler, which the Trainer uses), in batches of ``batch_size``.
+(accelerate's seedable sampler, which the Trainer uses), in batches of ``batch_size``. With several
+data-parallel ranks, rank r takes the batches accelerate's ``BatchSamplerShard`` gives it (batch i goes
+to rank i mod ranks; the last round is completed from the epoch's first batches), so a run launched with
+torchrun or accelerate sees the batches transformers' Trainer would.
 """
 
 from __future__ import annotations
@@ -40,6 +43,41 @@ class EpochBatchSampler(Sampler):
         return full + (0 if self.drop_last or rest == 0 else 1)
 
 
+class ShardedEpochBatchSampler(Sampler):
+    """This data-parallel rank's share of an EpochBatchSampler, through accelerate's own BatchSamplerShard
+    (``even_batches``: every rank gets as many batches); ``skip`` drops this rank's first batches once."""
+
+    def __init__(self, batches: EpochBatchSampler, num_shards: int, shard_index: int):
+        self.batches, self.num_shards, self.shard_index = batches, num_shards, shard_index
+        self.skip_batches = 0
+
+    # the batch size and drop_last of the underlying sampler: what BatchSamplerShard reads
+    @property
+    def batch_size(self) -> int:
+        return self.batches.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self.batches.drop_last
+
+    def set_epoch(self, epoch: int) -> None:
+        self.batches.set_epoch(epoch)
+
+    def _shard(self):
+        from accelerate.data_loader import BatchSamplerShard
+
+        return BatchSamplerShard(self.batches, self.num_shards, self.shard_index, split_batches=False, even_batches=True)
+
+    def __iter__(self):
+        skip, self.skip_batches = self.skip_batches, 0
+        for index, batch in enumerate(self._shard()):
+            if index >= skip:
+                yield batch
+
+    def __len__(self) -> int:
+        return len(self._shard())
+
+
 def has_length(dataset) -> bool:
     try:
         return len(dataset) is not None
@@ -47,18 +85,27 @@ def has_length(dataset) -> bool:
         return False
 
 
-def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False, num_workers: int = 0):
-    """A DataLoader over a sized dataset (seeded epochs) or an iterable one (stream order)."""
+def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False,
+                    num_workers: int = 0, num_shards: int = 1, shard_index: int = 0):
+    """A DataLoader over a sized dataset (seeded epochs) or an iterable one (stream order); with
+    ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only."""
     if has_length(dataset):
         batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last)
+        if num_shards > 1:
+            batch_sampler = ShardedEpochBatchSampler(batch_sampler, num_shards, shard_index)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers)
+    if num_shards > 1:
+        raise ValueError(
+            "an IterableDataset (streaming) train/eval dataset cannot be split over data-parallel ranks yet: pass a "
+            "map-style datasets.Dataset, or run on one process"
+        )
     return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
 
 
 def start_epoch(dataloader: DataLoader, epoch: int, skip_batches: int = 0):
     """An iterator over the epoch's batches, the first ``skip_batches`` left out."""
     sampler = dataloader.batch_sampler
-    if isinstance(sampler, EpochBatchSampler):
+    if isinstance(sampler, (EpochBatchSampler, ShardedEpochBatchSampler)):
         sampler.set_epoch(epoch)
         sampler.skip_batches = skip_batches
         return iter(dataloader)

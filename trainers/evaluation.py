@@ -54,6 +54,9 @@ class EvaluationMixin:
             num_batches += 1
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         # the model stays in eval mode until the next training step, as in transformers (log() reads it)
+        if self.distributed is not None:  # every data-parallel rank's share, in rank order
+            all_logits, all_labels, losses = (self._gathered(x) for x in (all_logits, all_labels, losses))
+            num_samples = sum(self._gathered([num_samples]))
         metrics = {}
         if want_predictions:
             predictions = _concat_padded(all_logits, 0.0)
@@ -66,11 +69,21 @@ class EvaluationMixin:
                        steps_per_second=round(num_batches / runtime, 3))
         # the objective's metrics (entropy, mean_token_accuracy, ...) take the prefix too, so each eval dataset
         # of a dict keeps its own (TRL names them eval_* whatever the prefix, and the last dataset's win)
-        metrics.update(self._metrics["eval"].pop())
+        metrics.update(self._metrics["eval"].pop(self._reduce_metrics))
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
+
+    def _gathered(self, items: list) -> list:
+        """The lists of every data-parallel rank, concatenated in rank order (tensors moved to the CPU)."""
+        run = self.distributed
+        items = [x.cpu() if isinstance(x, torch.Tensor) else x for x in items]
+        if run.dp_size == 1:
+            return items
+        parts = [None] * run.dp_size
+        torch.distributed.all_gather_object(parts, items, group=run.dp_mesh.get_group())
+        return [x for part in parts for x in part]
 
     def _dataset_to_evaluate(self, eval_dataset):
         """None: the trainer's eval dataset; a str: that entry of the trainer's dict of eval datasets; a dataset:

@@ -112,11 +112,15 @@ def push_to_hub(
 
     args = trainer.args
     token = token if token is not None else args.hub_token
-    if trainer.hub_model_id is None:
+    main = trainer.state.is_world_process_zero  # in a distributed run every rank saves (gathers), rank 0 pushes
+    if main and trainer.hub_model_id is None:
         init_repo(trainer, token=token, private=private)
     output_dir = Path(args.output_dir)
-    wait_for_push(trainer)  # a background upload may still be reading output_dir
+    if main:
+        wait_for_push(trainer)  # a background upload may still be reading output_dir
     trainer.save_model(str(output_dir), _internal_call=True)
+    if not main:
+        return None
     write_model_card(trainer, output_dir, **card_kwargs)
     job = _api(trainer).upload_folder(
         repo_id=trainer.hub_model_id,

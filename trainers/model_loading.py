@@ -160,6 +160,31 @@ def _from_peft_model(peft_model, device, dtype) -> LoadedModel:
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
 
 
+def load_meta_model(model, model_init_kwargs: dict) -> LoadedModel | None:
+    """A native model of the Hub-format folder or id ``model`` built on the meta device, for a distributed run to
+    parallelize and then load rank by rank (``load_sharded``); None when it cannot be (a PEFT adapter folder, an
+    architecture without a native implementation)."""
+    from hfnative.converters.sharded_loading import meta_model
+
+    if _is_adapter_folder(model):
+        return None
+    kwargs = dict(model_init_kwargs or {})
+    dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    try:
+        converted = meta_model(model, dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
+                               token=kwargs.get("token"))
+    except UnsupportedModelError:
+        return None
+    return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
+
+
+def load_sharded(converted: ConvertedModel, device: torch.device) -> None:
+    """Materialize a parallelized meta model on ``device`` with this rank's slice of every checkpoint tensor."""
+    from hfnative.converters.sharded_loading import load_sharded as load_rank_slices
+
+    load_rank_slices(converted, device)
+
+
 def load_processing_class(converted: ConvertedModel | TransformersModel | None):
     """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder).
 

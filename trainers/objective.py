@@ -38,16 +38,21 @@ class MetricAverages:
     def set(self, name: str, value: torch.Tensor) -> None:
         self._latest[name] = value.detach().double()
 
-    def pop(self) -> dict[str, float]:
-        """The averages since the last pop (cleared), as floats."""
+    def pop(self, reduce=None) -> dict[str, float]:
+        """The averages since the last pop (cleared), as floats. ``reduce(values, summed)``: combines the
+        stacked values over data-parallel ranks (``summed[i]``: a running total, summed; else averaged)."""
         names = list(self._sums) + list(self._latest)
         values = [self._sums[n] / self._counts[n] for n in self._sums] + list(self._latest.values())
+        summed = [False] * len(self._sums) + [True] * len(self._latest)
         self._sums.clear()
         self._counts.clear()
         self._latest.clear()
         if not values:
             return {}
-        return dict(zip(names, torch.stack(values).tolist()))
+        stacked = torch.stack(values)
+        if reduce is not None:
+            stacked = reduce(stacked, summed)
+        return dict(zip(names, stacked.tolist()))
 
 
 def without_labels(inputs: dict) -> dict:

@@ -71,6 +71,8 @@ class OptimizationMixin:
             self.optimizer.step()  # in backward: only parameters the last backward did not reach
         if in_backward:
             grad_norm = self.optimizer.grad_norm()
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded parameters): the norm over every shard
+            grad_norm = grad_norm.full_tensor()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import torch
@@ -20,8 +22,33 @@ from . import hub
 class SavingMixin:
     """save_model / save_state / push_to_hub, checkpoint-N writing and resume_from_checkpoint."""
 
-    def _save(self, output_dir: Path) -> None:
-        """Model (Hub format), tokenizer and training_args.bin into ``output_dir``."""
+    @contextlib.contextmanager
+    def _whole_model(self):
+        """In a distributed run, the whole model for writing it out (every rank enters; rank 0 writes): yields
+        the gathered native tensors (on rank 0), or None when the adapters are written from the model itself,
+        its FSDP2 units unsharded for the duration. A single process yields None."""
+        if self.distributed is None:
+            yield None
+            return
+        if self.lora_settings is None:
+            from .distributed import full_state_dict
+
+            yield full_state_dict(self.model)
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield None
+        finally:
+            for unit in units:
+                unit.reshard()
+
+    def _save(self, output_dir: Path, native_state: dict | None = None) -> None:
+        """Model (Hub format), tokenizer and training_args.bin into ``output_dir``. native_state: a sharded
+        model's gathered tensors (see ``_whole_model``)."""
         from hfnative.converters.export import export_hf, save_tokenizer
 
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -34,7 +61,7 @@ class SavingMixin:
             save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
             save_tokenizer(output_dir, self.processing_class)
         elif self.converted is not None:
-            export_hf(self.converted, output_dir, processing_class=self.processing_class)
+            export_hf(self.converted, output_dir, processing_class=self.processing_class, native_state=native_state)
         else:
             from safetensors.torch import save_file
 
@@ -51,10 +78,14 @@ class SavingMixin:
         from .model_card import write_model_card
 
         output_dir = Path(output_dir or self.args.output_dir)
-        with atomic_files(output_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
-            self._save(stage)
-            if not _internal_call:
-                write_model_card(self, stage)
+        with self._whole_model() as native_state:
+            if self.state.is_world_process_zero:
+                with atomic_files(output_dir, last=LOADED_FIRST, replaces=WEIGHT_FILES) as stage:
+                    self._save(stage, native_state)
+                    if not _internal_call:
+                        write_model_card(self, stage)
+        if self.distributed is not None:
+            self.distributed.barrier()  # the folder is complete before any rank goes on
         if not _internal_call:
             if self.args.push_to_hub:
                 self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -65,6 +96,8 @@ class SavingMixin:
         return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
 
     def save_state(self) -> None:
+        if not self.state.is_world_process_zero:
+            return
         Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
         self.state.save_to_json(str(Path(self.args.output_dir) / ckpt.TRAINER_STATE_NAME))
 

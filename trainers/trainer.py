@@ -33,17 +33,18 @@ from transformers.trainer_utils import TrainOutput
 
 from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import ConvertedModel
-from hfnative.losses import shift_labels
+from hfnative.losses import IGNORE_INDEX, shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
-from hfnative.parallel import apply_activation_checkpointing, apply_compile
+from hfnative.parallel import apply_activation_checkpointing, apply_compile, parallelize
 
 from . import hub
 from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
+from .distributed import start_distributed
 from .evaluation import EvaluationMixin
-from .model_loading import load_processing_class, resolve_model
+from .model_loading import load_meta_model, load_processing_class, load_sharded, resolve_model
 from .objective import LanguageModelingObjective, MetricAverages, without_labels
 from .optimization import OptimizationMixin
 from .run_guard import check_run_can_start
@@ -54,6 +55,28 @@ from .saving import SavingMixin
 MODEL_INPUT_COLUMNS = (
     "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
 )
+
+
+def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
+    """Pad every [B, S] tensor of a batch at the end to a sequence length divisible by ``multiple`` (tensor
+    parallel splits the sequence over its ranks). The added positions change nothing: attention is causal, they
+    carry no label, padding masks mark them padding, and position ids run on past the last token."""
+    length = inputs["input_ids"].shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return inputs
+    fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0,
+            "assistant_masks": 0, "input_ids": 0}
+    padded = dict(inputs)
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
+            continue
+        if key == "position_ids":
+            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device)
+        else:
+            tail = torch.full((value.shape[0], extra), fill.get(key, 0), dtype=value.dtype, device=value.device)
+        padded[key] = torch.cat([value, tail], dim=1)
+    return padded
 
 
 def resolve_device(args) -> torch.device:
@@ -110,6 +133,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             check_optimizer_in_backward_args(self.args.max_grad_norm)
         set_seed(self.args.seed)
         self.device = resolve_device(self.args)
+        self.distributed = start_distributed(self.args, self.device)  # None for a single process
         if model is None and model_init is None:
             raise RuntimeError(
                 "`Trainer` requires either a `model` or `model_init` argument (a path, a Hub id or a model object)"
@@ -149,7 +173,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         self.callback_handler = CallbackHandler(
             default_callbacks + list(callbacks or []) + [progress], self.model, self.processing_class, self.optimizer, self.lr_scheduler
         )
-        self.state = TrainerState(is_local_process_zero=True, is_world_process_zero=True)
+        self.state = self._new_state()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
 
@@ -165,8 +189,19 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     # --- model ---------------------------------------------------------------------------------
 
+    def _new_state(self, **fields) -> TrainerState:
+        run = self.distributed
+        return TrainerState(is_local_process_zero=run is None or run.local_rank == 0,
+                            is_world_process_zero=run is None or run.is_main, **fields)
+
     def _set_model(self, model) -> None:
-        loaded = resolve_model(model, self.device, self._model_init_kwargs)
+        loaded = None
+        if self.distributed is not None and self._may_load_sharded(model):
+            # built on the meta device; each rank loads its slice of the checkpoint once parallelized
+            loaded = load_meta_model(model, self._model_init_kwargs)
+        sharded = loaded is not None
+        if loaded is None:
+            loaded = resolve_model(model, self.device, self._model_init_kwargs)
         self.converted: ConvertedModel | None = loaded.converted
         self.model: Transformer = loaded.model
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
@@ -178,17 +213,48 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
         self._place(self.model)
+        if sharded:
+            load_sharded(self.converted, self.device)
         embedding_params = self.model.get_input_embeddings().weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
 
+    def _may_load_sharded(self, model) -> bool:
+        """Whether each rank may read just its slice of ``model``'s checkpoint: a Hub-format folder or id with
+        nothing to add before parallelizing (adapters, quantization). Others are loaded whole, then sharded."""
+        kwargs = self._model_init_kwargs
+        return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
+                and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
+
     def _place(self, model) -> None:
         """Put a model on the device with the run's engine options (the policy and, frozen, every
-        auxiliary model go through here, so they are laid out alike)."""
+        auxiliary model go through here, so they are laid out alike). In a distributed run:
+        ``hfnative.parallel.parallelize`` with the run's layout."""
+        if self.distributed is not None:
+            self._parallelize(model)
+            return
         model.to(self.device)
         if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
             apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
         if self.args.torch_compile:
             apply_compile(model)
+
+    def _parallelize(self, model) -> None:
+        run, args = self.distributed, self.args
+        if not isinstance(model, Transformer):
+            raise ValueError(
+                f"{type(model).__name__} (transformers' own module: no native implementation) cannot be sharded by "
+                f"hfnative yet; this run was launched on {run.world_size} processes ({run.plan.describe()}): run it "
+                "on one process, or use a natively supported architecture"
+            )
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(self.device)
+        trainable = any(p.requires_grad for p in model.parameters())
+        parallelize(
+            model, run.dims, run.mesh,
+            activation_checkpointing=args.activation_checkpointing_mode if args.checkpoint_activations and trainable else None,
+            compile=args.torch_compile, mixed_precision=run.plan.mixed_precision,
+            reshard_after_forward=run.plan.reshard_after_forward,
+        )
 
     def _build_auxiliary_models(self) -> None:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
@@ -225,7 +291,12 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         return make_dataloader(
             self.train_dataset, a.per_device_train_batch_size, self.data_collator,
             seed=seed, shuffle=shuffle, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
+            **self._data_shard(),
         )
+
+    def _data_shard(self) -> dict:
+        run = self.distributed
+        return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -233,7 +304,8 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
         a = self.args
         return make_dataloader(dataset, a.per_device_eval_batch_size, self.data_collator, seed=a.seed, shuffle=False,
-                               drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers)
+                               drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
+                               **self._data_shard())
 
     def _prepare_inputs(self, inputs: dict) -> dict:
         """Add what the model needs once per batch (shifted targets, the attention plan, made from the
@@ -241,6 +313,8 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         inputs = dict(inputs)
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = shift_labels(inputs["labels"])
+        if self.distributed is not None and self.distributed.dims.tp_enabled:
+            inputs = pad_sequence_to_multiple(inputs, self.distributed.dims.tp)
         if "attention_plan" not in inputs and hasattr(self.model, "plan_attention"):
             inputs["attention_plan"] = self.model.plan_attention(
                 inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
@@ -333,9 +407,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         num_train_samples = max_steps * args.per_device_train_batch_size * accumulation
         check_run_can_start(self, dataloader)  # something to train on; output_dir writable and not in use
 
-        self.state = TrainerState(
-            is_local_process_zero=True,
-            is_world_process_zero=True,
+        self.state = self._new_state(
             stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)],
         )
         self.state.max_steps, self.state.num_train_epochs = max_steps, num_epochs
@@ -374,7 +446,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
                 if not batches:
                     break
                 batches = [self._prepare_inputs(b) for b in batches]
-                num_items = self.objective.normalizer(batches)
+                num_items = self._over_all_ranks(self.objective.normalizer(batches))
                 self._current_accumulation_steps = len(batches)
                 for index, inputs in enumerate(batches):
                     step += 1
@@ -403,7 +475,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
-            tr_loss = self._tr_loss.item()
+            tr_loss = self._summed_over_ranks(self._tr_loss).item()
             self._tr_loss.zero_()
             logs = {"loss": tr_loss / (self.state.global_step - self._globalstep_last_logged)}
             if grad_norm is not None:
@@ -421,7 +493,7 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
 
     def _finish_training(self, start_time, initial_step, num_train_samples) -> TrainOutput:
-        self._total_loss_scalar += self._tr_loss.item()
+        self._total_loss_scalar += self._summed_over_ranks(self._tr_loss).item()
         steps_done = self.state.global_step - initial_step
         train_loss = self._total_loss_scalar / max(steps_done, 0.001)
         runtime = time.time() - start_time
@@ -440,12 +512,35 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         hub.wait_for_push(self)  # the last checkpoint's upload
         return TrainOutput(self.state.global_step, train_loss, metrics)
 
+    # --- reductions over the data-parallel ranks -------------------------------------------------------
+
+    def _over_all_ranks(self, count: int | None) -> int | None:
+        """A step's normalizer (label tokens) over every data-parallel rank."""
+        if self.distributed is None or count is None:
+            return count
+        return int(self.distributed.sum_over_dp(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+
+    def _summed_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Each rank's loss is its tokens' share of the step's loss: the step's loss is their sum."""
+        if self.distributed is None:
+            return value
+        return self.distributed.sum_over_dp(value.detach().clone())
+
+    def _reduce_metrics(self, values: torch.Tensor, summed: list[bool]) -> torch.Tensor:
+        """Metrics over the data-parallel ranks: running totals summed, per-batch averages averaged."""
+        if self.distributed is None:
+            return values
+        values = self.distributed.sum_over_dp(values.clone())
+        divide = torch.tensor([1.0 if s else float(self.distributed.dp_size) for s in summed], dtype=values.dtype,
+                              device=values.device)
+        return values / divide
+
     # --- logging and evaluation ------------------------------------------------------------------
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the objective's metrics since the last log (eval_-prefixed in evaluation) and the epoch."""
         mode = "train" if self.model.training else "eval"
-        metrics = self._metrics[mode].pop()
+        metrics = self._metrics[mode].pop(self._reduce_metrics)
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
         logs.update(metrics)

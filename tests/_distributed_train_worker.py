@@ -1,0 +1,61 @@
+"""SFTTrainer as one rank of a torchrun launch, for tests/test_distributed_trainer.py.
+
+usage: torchrun --standalone --nproc_per_node 4 _distributed_train_worker.py OUTPUT_DIR LAYOUT [LAYOUT ...]
+Each LAYOUT (a key of LAYOUTS) trains the tiny model with that parallelism_config and writes, from rank 0,
+OUTPUT_DIR/LAYOUT/log.json (the log history) and the saved model in OUTPUT_DIR/LAYOUT/.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from accelerate.parallelism_config import ParallelismConfig
+from datasets import Dataset
+
+from hfnative import SFTConfig, SFTTrainer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+STEPS = 4
+PER_DEVICE = 2
+
+# name -> (ParallelismConfig sizes, SFTConfig settings): every layout trains on 4 processes
+LAYOUTS = {
+    "fsdp4-in-backward": (dict(dp_shard_size=4), dict(optimizer_in_backward=True, max_grad_norm=0.0)),
+    "hsdp2x2-packed": (dict(dp_replicate_size=2, dp_shard_size=2), dict(packing=True, max_length=48)),
+    "fsdp2xtp2-accumulation": (dict(dp_shard_size=2, tp_size=2), dict(gradient_accumulation_steps=2)),
+    "ddp2xtp2": (dict(dp_replicate_size=2, dp_shard_size=1, tp_size=2), {}),
+}
+
+
+def rows(n: int = 48) -> list[dict]:
+    with open(ROOT / "examples" / "data" / "sft_prompt_completion.jsonl") as f:
+        return [json.loads(line) for line, _ in zip(f, range(n))]
+
+
+def config(output_dir: str, per_device: int, **extra) -> SFTConfig:
+    settings = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01, max_length=64, seed=7,
+    )
+    settings.update(extra)
+    return SFTConfig(**settings)
+
+
+def main(output_dir: str, layouts: list[str]) -> None:
+    rank = int(os.environ["RANK"])
+    for name in layouts:
+        sizes, extra = LAYOUTS[name]
+        out = Path(output_dir) / name
+        args = config(str(out), PER_DEVICE, parallelism_config=ParallelismConfig(**sizes), **extra)
+        trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()))
+        trainer.train()
+        trainer.save_model()
+        if rank == 0:
+            (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,102 @@
+"""hfnative's trainer launched with torchrun on 4 CPU processes (gloo): FSDP2, HSDP 2x2, FSDP2 x TP2 and
+DDP x TP2 train the same model as one process over the same global batches — per-step losses and grad
+norms within 1e-5 relative (fp32), final weights within the fp32 round-off that summing a step's gradient
+in another order gives (AdamW magnifies it where gradients are near zero; see tests/test_parallel.py).
+One launch runs every layout; the single-process references run here."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from safetensors.torch import load_file
+
+import _distributed_train_worker as worker
+from hfnative import SFTTrainer
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("distributed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(HERE / "_distributed_train_worker.py"), str(out), *worker.LAYOUTS]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return out
+
+
+def _reference(tmp_path, sizes: dict, extra: dict):
+    """One process over the same global batches: per_device x the data-parallel ranks."""
+    dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
+    args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
+    trainer = SFTTrainer(model=worker.MODEL, args=args, train_dataset=Dataset.from_list(worker.rows()))
+    trainer.train()
+    trainer.save_model()
+    return trainer.state.log_history, load_file(str(tmp_path / "reference" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("layout", list(worker.LAYOUTS))
+def test_layout_trains_like_one_process(launched, layout, tmp_path):
+    sizes, extra = worker.LAYOUTS[layout]
+    reference_logs, reference_weights = _reference(tmp_path, sizes, extra)
+    logs = json.loads((launched / layout / "log.json").read_text())
+    steps = [entry for entry in logs if "loss" in entry]
+    reference_steps = [entry for entry in reference_logs if "loss" in entry]
+    assert len(steps) == len(reference_steps) == worker.STEPS
+    for mine, reference in zip(steps, reference_steps):
+        for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens"):
+            assert mine[key] == pytest.approx(reference[key], rel=1e-5), (layout, reference["step"], key)
+    weights = load_file(str(launched / layout / "model.safetensors"))
+    assert set(weights) == set(reference_weights)
+    for key, value in reference_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)
+
+
+# --- pieces the launch relies on, in one process --------------------------------------------------
+
+
+@pytest.mark.parametrize("num_samples,batch_size,ranks", [(10, 2, 3), (12, 3, 2), (7, 4, 4)])
+def test_rank_batches_are_accelerates(num_samples, batch_size, ranks):
+    """Each rank's batches are what accelerate's BatchSamplerShard gives transformers' Trainer; a resumed
+    epoch skips this rank's first batches."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from hfnative.trainers.data_loading import EpochBatchSampler, ShardedEpochBatchSampler
+
+    order = EpochBatchSampler(num_samples, batch_size, seed=3).order()
+    base = BatchSampler(order, batch_size, drop_last=False)
+    for rank in range(ranks):
+        ours = ShardedEpochBatchSampler(EpochBatchSampler(num_samples, batch_size, seed=3), ranks, rank)
+        expected = list(BatchSamplerShard(base, ranks, rank, split_batches=False, even_batches=True))
+        assert list(ours) == expected and len(ours) == len(expected)
+        ours.skip_batches = 1
+        assert list(ours) == expected[1:]
+
+
+def test_padding_to_a_multiple_changes_no_loss():
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.losses import shift_labels
+    from hfnative.trainers.trainer import pad_sequence_to_multiple
+
+    model = load_pretrained(worker.MODEL).model.eval()
+    ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    cases = [dict(attention_mask=torch.tensor([[1] * 7, [1] * 5 + [0] * 2])),
+             dict(position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]] * 2)), {}]
+    for extra in cases:
+        batch = dict(input_ids=ids, labels=labels, shift_labels=shift_labels(labels), **extra)
+        padded = pad_sequence_to_multiple(batch, 4)
+        assert all(v.shape[1] == 8 for v in padded.values())
+        with torch.no_grad():
+            plain = model(**{k: v for k, v in batch.items() if k != "labels"}).loss
+            longer = model(**{k: v for k, v in padded.items() if k != "labels"}).loss
+        torch.testing.assert_close(longer, plain, rtol=1e-6, atol=0)
