@@ -25,11 +25,11 @@ LAYOUTS = {
     "fsdp4-in-backward": (dict(dp_shard_size=4), dict(optimizer_in_backward=True, max_grad_norm=0.0)),
     "hsdp2x2-packed": (dict(dp_replicate_size=2, dp_shard_size=2), dict(packing=True, max_length=48)),
     "fsdp2xtp2-accumulation": (dict(dp_shard_size=2, tp_size=2), dict(gradient_accumulation_steps=2)),
-    "ddp2xtp2": (dict(dp_replicate_size=2, dp_shard_size=1, tp_size=2), {}),
+    "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
 }
 
 
-def rows(n: int = 48) -> list[dict]:
+def rows(n: int = 200) -> list[dict]:
     with open(ROOT / "examples" / "data" / "sft_prompt_completion.jsonl") as f:
         return [json.loads(line) for line, _ in zip(f, range(n))]
 

@@ -1,5 +1,5 @@
 """hfnative's trainer launched with torchrun on 4 CPU processes (gloo): FSDP2, HSDP 2x2, FSDP2 x TP2 and
-DDP x TP2 train the same model as one process over the same global batches — per-step losses and grad
+replication (DDP) train the same model as one process over the same global batches — per-step losses and grad
 norms within 1e-5 relative (fp32), final weights within the fp32 round-off that summing a step's gradient
 in another order gives (AdamW magnifies it where gradients are near zero; see tests/test_parallel.py).
 One launch runs every layout; the single-process references run here."""

@@ -1,7 +1,9 @@
 """The ``output_dir/checkpoint-N`` layout transformers' Trainer writes and reads back.
 
 checkpoint-N/: model (Hub format) + tokenizer + training_args.bin, optimizer.pt, scheduler.pt,
-rng_state.pth, trainer_state.json. Each folder is written aside and renamed when complete.
+rng_state.pth, trainer_state.json. A distributed run writes training_state/ (model, optimizer,
+scheduler, per-rank RNG; safetensors + JSON) instead of the three .pt/.pth files. Each folder is
+written aside and renamed when complete.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
 RNG_STATE_NAME = "rng_state.pth"
 TRAINING_ARGS_NAME = "training_args.bin"
+TRAINING_STATE_DIR = "training_state"  # a distributed run's model + optimizer + scheduler + RNG (DCP, no pickle)
 
 
 def checkpoint_step(path: Path) -> int | None:

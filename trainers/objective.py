@@ -21,38 +21,57 @@ from hfnative.models.head import TokenCrossEntropy
 class MetricAverages:
     """Metrics kept on the device between logging steps and read with one host sync when logged.
 
-    ``add``: one value per micro-batch, logged as their mean (as TRL averages its per-micro-batch
-    ratios); ``set``: logged as the last value set (running totals such as num_tokens).
+    ``add``: one value per micro-batch, logged as their mean (as TRL averages its per-micro-batch values);
+    ``add_ratio``: one (numerator, denominator) per micro-batch, logged as the mean of the ratios, each
+    ratio taken over every data-parallel rank's sums (TRL's entropy and mean_token_accuracy: gathered sums
+    divided); ``set``: logged as the last value set (running totals such as num_tokens, summed over ranks).
     """
 
     def __init__(self):
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._latest: dict[str, torch.Tensor] = {}
+        self._ratios: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def add(self, name: str, value: torch.Tensor) -> None:
         value = value.detach().double()
         self._sums[name] = self._sums[name] + value if name in self._sums else value
         self._counts[name] = self._counts.get(name, 0) + 1
 
+    def add_ratio(self, name: str, numerator: torch.Tensor, denominator: torch.Tensor) -> None:
+        pair = (torch.as_tensor(numerator).detach().double(), torch.as_tensor(denominator).detach().double())
+        self._ratios.setdefault(name, []).append(pair)
+
     def set(self, name: str, value: torch.Tensor) -> None:
         self._latest[name] = value.detach().double()
 
     def pop(self, reduce=None) -> dict[str, float]:
-        """The averages since the last pop (cleared), as floats. ``reduce(values, summed)``: combines the
-        stacked values over data-parallel ranks (``summed[i]``: a running total, summed; else averaged)."""
+        """The values since the last pop (cleared), as floats. ``reduce(values, summed)``: combines the stacked
+        values over data-parallel ranks (``summed[i]``: summed over ranks; else averaged)."""
         names = list(self._sums) + list(self._latest)
         values = [self._sums[n] / self._counts[n] for n in self._sums] + list(self._latest.values())
         summed = [False] * len(self._sums) + [True] * len(self._latest)
+        pairs = [(name, pair) for name, entries in self._ratios.items() for pair in entries]
+        for _, (numerator, denominator) in pairs:
+            values += [numerator, denominator]
+            summed += [True, True]
         self._sums.clear()
         self._counts.clear()
         self._latest.clear()
+        self._ratios.clear()
         if not values:
             return {}
-        stacked = torch.stack(values)
+        stacked = torch.stack([v.to(values[0].device) for v in values])
         if reduce is not None:
             stacked = reduce(stacked, summed)
-        return dict(zip(names, stacked.tolist()))
+        flat = stacked.tolist()
+        result = dict(zip(names, flat[: len(names)]))
+        ratios: dict[str, list[float]] = {}
+        for index, (name, _) in enumerate(pairs):
+            numerator, denominator = flat[len(names) + 2 * index], flat[len(names) + 2 * index + 1]
+            ratios.setdefault(name, []).append(numerator / denominator if denominator > 0 else 0.0)
+        result.update({name: sum(r) / len(r) for name, r in ratios.items()})
+        return result
 
 
 def without_labels(inputs: dict) -> dict:

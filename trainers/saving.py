@@ -10,6 +10,7 @@ import torch
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
+from hfnative.checkpoint.atomic import staging_directory
 from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
 from hfnative.converters.fallback import TransformersModel, load_checkpoint_weights, save_hub_folder
 from hfnative.converters.families import model_pieces
@@ -112,6 +113,18 @@ class SavingMixin:
         for callback in self.callback_handler.callbacks + [self.control]:
             if isinstance(callback, ExportableState):
                 self.state.stateful_callbacks[type(callback).__name__] = callback.state()
+        if self.distributed is not None:
+            self._save_distributed_checkpoint(final)
+        else:
+            self._save_single_process_checkpoint(final)
+        if args.push_to_hub and self.state.is_world_process_zero:
+            hub.push_checkpoint(self, final)
+        if self.state.is_world_process_zero:
+            ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _save_single_process_checkpoint(self, final: Path) -> None:
+        """transformers' checkpoint-N layout: the model in Hub format, optimizer.pt, scheduler.pt, rng_state.pth."""
+        args = self.args
         with atomic_directory(final) as tmp:
             self._save(tmp)
             if not args.save_only_model:
@@ -119,9 +132,28 @@ class SavingMixin:
                 torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
                 save_rng_state(tmp / ckpt.RNG_STATE_NAME)
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
-        if args.push_to_hub:
-            hub.push_checkpoint(self, final)
-        ckpt.rotate_checkpoints(run_dir, args.save_total_limit, self.state.best_model_checkpoint)
+
+    def _save_distributed_checkpoint(self, final: Path) -> None:
+        """checkpoint-N of a distributed run: the model in Hub format (gathered, written by rank 0) and, unless
+        save_only_model, ``training_state/`` (model, optimizer, scheduler and per-rank RNG through
+        torch.distributed.checkpoint, as safetensors + JSON: see hfnative.checkpoint.distributed), which resumes
+        under any layout. Staged by rank 0 and renamed when every rank has written its part."""
+        from hfnative.checkpoint import save_training_state
+
+        run = self.distributed
+        staging = atomic_directory(final) if run.is_main else contextlib.nullcontext(staging_directory(final))
+        with staging as tmp:
+            run.barrier()  # rank 0 has made the staging folder
+            with self._whole_model() as native_state:
+                if run.is_main:
+                    self._save(tmp, native_state)
+            if not self.args.save_only_model:
+                save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
+                                    lr_scheduler=self.lr_scheduler, extra={"global_step": self.state.global_step})
+            if run.is_main:
+                self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+            run.barrier()  # every rank's part is written before rank 0 renames the folder
+        run.barrier()
 
     # --- resuming --------------------------------------------------------------------------------
 
@@ -137,15 +169,23 @@ class SavingMixin:
 
             self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
             return
-        if self.lora_settings is not None:
+        if self.lora_settings is not None and self.distributed is None:
             from hfnative.converters.peft import load_adapter_weights
 
             load_adapter_weights(self.converted, checkpoint)
             return
+        if self.distributed is not None and self.lora_settings is not None:
+            raise ValueError("load_best_model_at_end with LoRA in a distributed run is not supported yet: resume the "
+                             f"best checkpoint ({checkpoint}) on one process")
         source = SafetensorsSource(checkpoint)
         pieces = model_pieces(self.converted.family, self.model.args)
         check_checkpoint(source, pieces, self.model, str(checkpoint))
-        copy_into_model(source, pieces, self.model)
+        if self.distributed is not None:  # each rank copies its slice of every tensor
+            from hfnative.converters.sharded_loading import copy_shards_into_model
+
+            copy_shards_into_model(source, pieces, self.model)
+        else:
+            copy_into_model(source, pieces, self.model)
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
         saved = TrainerState.load_from_json(str(checkpoint / ckpt.TRAINER_STATE_NAME))
@@ -154,6 +194,17 @@ class SavingMixin:
             setattr(self.state, name, getattr(saved, name))
         if self.args.restore_callback_states_from_checkpoint:
             self.state.stateful_callbacks = saved.stateful_callbacks
+        if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
+            from hfnative.checkpoint import load_training_state
+
+            load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
+                                lr_scheduler=self.lr_scheduler)
+            return
+        if self.distributed is not None:
+            raise ValueError(
+                f"{checkpoint} was written by a single process (transformers' layout: optimizer.pt); a distributed run "
+                "resumes only from a distributed run's checkpoint (training_state/). Resume it on one process"
+            )
         self._load_model_weights(checkpoint)
         if (checkpoint / ckpt.OPTIMIZER_NAME).exists():
             # weights_only loading: a checkpoint from someone else cannot run code here

@@ -413,10 +413,8 @@ class SFTObjective(LanguageModelingObjective):
             num_valid = torch.tensor(stats.num_tokens, device=loss_sum.device)
         denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
         loss = loss_sum / denominator
-        metrics = {
-            "entropy": torch.where(num_valid > 0, entropy_sum / num_valid.clamp(min=1), 0.0),
-            "mean_token_accuracy": torch.where(num_valid > 0, correct_sum / num_valid.clamp(min=1), 0.0),
-        }
+        # (sum, count) pairs: each micro-batch's ratio is taken over every data-parallel rank's sums, as TRL does
+        metrics = {"entropy": (entropy_sum, num_valid), "mean_token_accuracy": (correct_sum, num_valid)}
         if outputs.aux_loss is not None:
             # a per-micro-batch mean: with a step-wide normalizer, averaged over the accumulation steps (TRL)
             steps = self.trainer._current_accumulation_steps if num_items_in_batch is not None else 1

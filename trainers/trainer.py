@@ -354,7 +354,9 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     def _record_metrics(self, metrics: dict, mode: str) -> None:
         for name, value in metrics.items():
-            if name == "num_tokens":
+            if isinstance(value, tuple):  # (numerator, denominator): a ratio over all ranks' sums
+                self._metrics[mode].add_ratio(name, *value)
+            elif name == "num_tokens":
                 self._metrics[mode].set(name, value)
             else:
                 self._metrics[mode].add(name, value)
@@ -414,6 +416,13 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         self.create_optimizer_and_scheduler(max_steps)
+        saves_optimizer = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model
+        if self.distributed is not None and isinstance(self.optimizer, OptimizerInBackward) and saves_optimizer:
+            raise ValueError(
+                "optimizer_in_backward in a distributed run cannot write checkpoints yet (its per-parameter optimizers "
+                "have no distributed checkpoint): set save_strategy='no' or save_only_model=True, or turn "
+                "optimizer_in_backward off"
+            )
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer

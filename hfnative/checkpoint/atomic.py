@@ -26,6 +26,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(dir_fd)
 
 
+def staging_directory(final: str | os.PathLike) -> Path:
+    """Where ``atomic_directory(final)`` stages its contents (for other processes writing into it)."""
+    final = Path(final)
+    return final.with_name(f".tmp-{final.name}")
+
+
 @contextmanager
 def atomic_directory(final: str | os.PathLike):
     """Yield a temporary sibling folder; on success it replaces ``final`` in one rename.
@@ -34,7 +40,7 @@ def atomic_directory(final: str | os.PathLike):
     only a hidden ``.tmp-*`` folder behind, which nothing treats as a checkpoint.
     """
     final = Path(final)
-    tmp = final.with_name(f".tmp-{final.name}")
+    tmp = staging_directory(final)
     if tmp.exists():
         shutil.rmtree(tmp)  # left by an earlier crash
     tmp.mkdir(parents=True)
