@@ -100,3 +100,52 @@ def test_padding_to_a_multiple_changes_no_loss():
             plain = model(**{k: v for k, v in batch.items() if k != "labels"}).loss
             longer = model(**{k: v for k, v in padded.items() if k != "labels"}).loss
         torch.testing.assert_close(longer, plain, rtol=1e-6, atol=0)
+
+
+# --- a rank killed mid-run; the run resumed under another layout and on one process ----------------
+
+
+def _torchrun(nproc: int, *arguments, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(HERE / "_distributed_resume_worker.py"), *map(str, arguments)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stderr[-6000:]
+    return result
+
+
+def test_killed_rank_run_resumes_under_other_layouts(tmp_path):
+    import shutil
+
+    import _distributed_resume_worker as resume
+
+    killed = tmp_path / "killed"
+    result = _torchrun(2, killed, "fsdp2", "kill", check=False)
+    assert result.returncode != 0  # the launcher tore the job down when rank 1 died
+    assert sorted(p.name for p in killed.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    checkpoint = killed / "checkpoint-4"
+    assert (checkpoint / "training_state").is_dir() and (checkpoint / "model.safetensors").is_file()
+    assert not list(checkpoint.rglob("*.pt")) and not list(checkpoint.rglob("*.pth"))
+
+    # the uninterrupted run, on one process over the same global batches
+    reference = SFTTrainer(model=worker.MODEL, args=resume.run_config(str(tmp_path / "reference"), 2 * resume.PER_DEVICE),
+                           train_dataset=Dataset.from_list(worker.rows()))
+    reference.train()
+    expected = {e["step"]: e for e in reference.state.log_history if "loss" in e}
+
+    resumed = {}
+    other = tmp_path / "fsdp2xtp2"
+    shutil.copytree(killed, other)
+    _torchrun(4, other, "fsdp2xtp2", "resume")
+    resumed["fsdp2xtp2"] = json.loads((other / "resumed-fsdp2xtp2.json").read_text())
+    one = SFTTrainer(model=worker.MODEL, args=resume.run_config(str(killed), 2 * resume.PER_DEVICE),
+                     train_dataset=Dataset.from_list(worker.rows()))
+    one.train(resume_from_checkpoint=True)
+    resumed["one process"] = one.state.log_history
+    for layout, logs in resumed.items():
+        steps = {e["step"]: e for e in logs if "loss" in e and e["step"] > 4}
+        assert sorted(steps) == [5, 6], layout
+        for step, entry in steps.items():
+            for key in ("loss", "grad_norm", "learning_rate"):
+                assert entry[key] == pytest.approx(expected[step][key], rel=1e-5), (layout, step, key)

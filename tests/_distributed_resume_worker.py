@@ -1,0 +1,46 @@
+"""A distributed SFT run that loses a rank mid-run, and its resumption under another layout.
+
+usage: torchrun ... _distributed_resume_worker.py OUTPUT_DIR LAYOUT MODE
+  LAYOUT  fsdp2 (2 processes) | fsdp2xtp2 (4 processes): both read 2 data shards of PER_DEVICE rows
+  MODE    kill    train, saving every 2 steps; rank 1 SIGKILLs itself in step 5 (the launcher ends the job)
+          resume  resume_from_checkpoint=True; rank 0 writes OUTPUT_DIR/resumed-LAYOUT.json (the log history)
+"""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+from accelerate.parallelism_config import ParallelismConfig
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from _distributed_train_worker import MODEL, config, rows
+from hfnative import SFTTrainer
+
+STEPS, PER_DEVICE, SHARDS = 6, 2, 2
+LAYOUTS = {"fsdp2": dict(dp_shard_size=2), "fsdp2xtp2": dict(dp_shard_size=2, tp_size=2)}
+
+
+class KillRankOneInStepFive(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 4 and int(os.environ["RANK"]) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_config(output_dir: str, per_device: int, **extra):
+    return config(output_dir, per_device, max_steps=STEPS, save_strategy="steps", save_steps=2, **extra)
+
+
+def main(output_dir: str, layout: str, mode: str) -> None:
+    args = run_config(output_dir, PER_DEVICE, parallelism_config=ParallelismConfig(**LAYOUTS[layout]))
+    callbacks = [KillRankOneInStepFive()] if mode == "kill" else []
+    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=mode == "resume")
+    if mode == "resume" and int(os.environ["RANK"]) == 0:
+        Path(output_dir, f"resumed-{layout}.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
