@@ -2,6 +2,7 @@
 and an output folder with the same files as TRL's (TRL runs the same script beside ours)."""
 
 import dataclasses
+import importlib.resources
 import json
 import os
 import subprocess
@@ -276,3 +277,123 @@ def test_example_script_writes_the_same_files_as_trl(tmp_path):
     losses = {name: [e["loss"] for e in json.loads((tmp_path / name / "checkpoint-2" / "trainer_state.json").read_text())["log_history"]
                      if "loss" in e] for name in runs}
     assert losses["ours"] == pytest.approx(losses["trl"], rel=1e-4)
+
+
+# --- launching processes: TRL's --num_processes / --accelerate_config --------------------------------
+
+
+def _launched_with(monkeypatch, argv, outcome=None) -> list:
+    """cli.main(argv) with accelerate's launch_command replaced by a recorder (``outcome``: what it raises);
+    returns [(main's exit status, the parsed accelerate launch arguments, the marker the processes see)]."""
+    calls = []
+
+    def launch_command(args):
+        calls.append((args, os.environ.get(cli.LAUNCHED_BY_CLI)))
+        if outcome is not None:
+            raise outcome
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", launch_command)
+    status = cli.main(argv)
+    return [(status, *call) for call in calls]
+
+
+def test_launch_flags_start_the_run_through_accelerate_launch(monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    training = ["--model_name_or_path", TINY, "--dataset_name", str(DATA / "sft_text.jsonl"), *QUICK,
+                "--output_dir", str(tmp_path / "out"), "--debug", "underflow_overflow"]
+    argv = ["sft", *training[:2], "--num_processes", "2", *training[2:], "--accelerate_config", "fsdp2",
+            "--mixed_precision=no", "--main_process_port", "29555"]
+    [(status, launch, marker)] = _launched_with(monkeypatch, argv)
+    assert status == 0 and marker == "1" and cli.LAUNCHED_BY_CLI not in os.environ
+    trl_fsdp2 = Path(importlib.resources.files("trl.accelerate_configs").joinpath("fsdp2.yaml"))
+    assert Path(launch.config_file) == trl_fsdp2
+    assert (launch.num_processes, launch.mixed_precision, launch.main_process_port) == (2, "no", 29555)
+    # every process runs this command again, without the launch flags (--debug is the training argument, as in TRL)
+    assert launch.module and launch.training_script == "hfnative.trainers.cli"
+    assert launch.training_script_args == ["sft", *training]
+    assert not launch.multi_gpu and not (tmp_path / "out").exists()  # the config decides; nothing trained here
+
+    # no accelerate config: accelerate would start one process where it finds fewer than two GPUs
+    monkeypatch.setattr("accelerate.commands.config.config_args.default_config_file", str(tmp_path / "none.yaml"))
+    [(status, launch, _)] = _launched_with(monkeypatch, ["--num_processes", "2", "--model_name_or_path", TINY])
+    assert launch.multi_gpu and launch.config_file is None and launch.training_script_args == ["sft", "--model_name_or_path", TINY]
+
+    # an accelerate config file given by path, and the launch settings of a --config YAML (TRL passes them on too)
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model_name_or_path: {TINY}\nnum_processes: 2\naccelerate_config: {trl_fsdp2}\nmax_steps: 3\n")
+    [(status, launch, _)] = _launched_with(monkeypatch, ["--config", str(config), "--num_processes", "3"])
+    assert Path(launch.config_file) == trl_fsdp2 and launch.num_processes == 3  # the command line beats the YAML
+    assert launch.training_script_args == ["sft", "--config", str(config)]
+    # in the processes it started, the YAML's launch settings were applied already
+    monkeypatch.setenv(cli.LAUNCHED_BY_CLI, "1")
+    parser = cli.COMMANDS["sft"].parser("sft")
+    assert parser.launch_arguments(["--config", str(config), "--bf16", "false"]) == ([], ["--config", str(config), "--bf16", "false"])
+    assert parser.parse(["--config", str(config), "--bf16", "false"])[1].max_steps == 3
+
+
+def test_launch_exit_status_is_the_runs(monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    argv = ["--num_processes", "2", "--accelerate_config", "multi_gpu", "--model_name_or_path", TINY]
+    [(status, _, _)] = _launched_with(monkeypatch, argv, subprocess.CalledProcessError(3, ["python"]))
+    assert status == 3
+    for exitcode, expected in [(2, 2), (-9, 137)]:  # a usage error in the processes; a process killed by SIGKILL
+        failure = ProcessFailure(local_rank=1, pid=1, exitcode=exitcode, error_file="<N/A>")
+        [(status, _, _)] = _launched_with(monkeypatch, argv, ChildFailedError("hfnative.trainers.cli", {1: failure}))
+        assert status == expected
+
+
+def test_launch_usage_errors(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: pytest.fail("launched"))
+    monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
+    run = ["--model_name_or_path", TINY]
+    assert "not one of TRL's configs (fsdp1, fsdp2, multi_gpu, single_gpu, zero1, zero2, zero3) (did you mean 'fsdp2'?)" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "fsdp3"])
+    assert "runs DeepSpeed, and deepspeed is not installed: pip install deepspeed" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "zero3"])
+    assert "distributed_type is NO (one process): use --accelerate_config multi_gpu or fsdp2" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "single_gpu", "--num_processes", "2"])
+    assert "accelerate starts several CPU processes only through MPI" in _usage_error(capsys, [*run, "--cpu", "--num_processes", "2"])
+    assert "-m is not for hfnative-train" in _usage_error(capsys, [*run, "-m", "--num_processes", "2"])
+    assert "accelerate launch: argument --num_processes/--num-processes: invalid int value: 'two'" \
+        in _usage_error(capsys, [*run, "--num_processes", "two"])
+    assert "--accelerate_config and --config_file both name an accelerate config" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "fsdp2", "--config_file", "x.yaml"])
+    assert "unknown argument '--bogus'" in _usage_error(capsys, [*run, "--num_processes", "2", "--bogus"])  # before launching
+    # inside a process torchrun or accelerate launch started, the launch flags are refused
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--num_processes asks hfnative-train to start the processes, not in a process a launcher started (WORLD_SIZE=2)" \
+        in _usage_error(capsys, [*run, "--num_processes", "2"])
+    config = tmp_path / "sft.yaml"
+    config.write_text(f"model_name_or_path: {TINY}\nnum_processes: 2\n")
+    assert "--num_processes asks hfnative-train to start the processes" in _usage_error(capsys, ["--config", str(config)])
+    # a script's parser (examples/sft.py) names the launcher a launch setting belongs to
+    monkeypatch.delenv("WORLD_SIZE")
+    parser = cli.COMMANDS["sft"].parser("sft")
+    with pytest.raises(cli.UsageError, match="--num_processes is a flag of accelerate launch"):
+        parser.parse(["--num_processes", "2"])
+    with pytest.raises(cli.UsageError, match="num_processes is an accelerate launch setting, which hfnative-train applies"):
+        parser.parse(["--config", str(config)])
+
+
+def test_parallelism_config_flag_takes_json(capsys, tmp_path):
+    parser = cli.COMMANDS["sft"].parser("sft")
+    _, training_args, _ = parser.parse(["--parallelism_config", '{"dp_shard_size": 2, "tp_size": 2}', "--bf16", "false"])
+    assert (training_args.parallelism_config.dp_shard_size, training_args.parallelism_config.tp_size) == (2, 2)
+    config = tmp_path / "sft.yaml"
+    config.write_text("parallelism_config:\n  dp_replicate_size: 2\nbf16: false\n")
+    assert parser.parse(["--config", str(config)])[1].parallelism_config.dp_replicate_size == 2
+    assert "invalid parallelism_config '{dp_shard_size: 2}': not a JSON object" \
+        in _usage_error(capsys, ["--parallelism_config", "{dp_shard_size: 2}"])
+
+
+def test_console_script_launches_the_processes(tmp_path):
+    """A real accelerate launch of two processes (each stops at its arguments' check): the processes run this
+    command, and the run's exit status is theirs."""
+    done = _console_script("--num_processes", "2", "--accelerate_config", "multi_gpu", "--mixed_precision", "no",
+                           "--main_process_port", "0", "--model_name_or_path", TINY, "--per_device_train_batch_size", "0",
+                           "--bf16", "false", "--output_dir", str(tmp_path / "out"))
+    errors = [line for line in done.stderr.splitlines() if line.startswith("hfnative-train: error: ")]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert errors == ["hfnative-train: error: invalid arguments: per_device_train_batch_size=0; it must be at least 1"] * 2

@@ -11,6 +11,13 @@ dataset, an unusable model folder, an output_dir that cannot be written or that 
 no checkpoint to resume, nothing left to train on) print one line on stderr and exit with status 2;
 README.md's bad-input table lists them.
 
+Launching processes, as ``trl`` does: ``--num_processes N``, ``--accelerate_config NAME|PATH`` (TRL's
+shipped configs fsdp2, fsdp1, multi_gpu, single_gpu, zero1-3, or an accelerate config file) and any other
+``accelerate launch`` flag, on the command line or in the ``--config`` YAML, start the run through accelerate's
+launcher with this command (minus those flags) in every process; the exit status is the run's. Inside a
+process torchrun or accelerate launch started, they are refused. ``trainers/parallel_plan.py`` turns the
+launch's settings into the layout.
+
 A command is registered in ``COMMANDS`` with its config class, trainer class, script-arguments
 class and the function that runs it; ``sft`` is the default when none is named.
 """
@@ -19,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import os
+import subprocess
 import sys
 import warnings
 from collections.abc import Callable, Iterable
@@ -37,6 +46,7 @@ from hfnative.checkpoint import RefusedCheckpointFile
 
 from .arguments import SFTConfig
 from .checkpoints import resolve_checkpoint
+from .parallel_plan import parallelism_config_from
 from .run_guard import RunError, output_dir_claimed
 from .script_arguments import (
     ModelArguments,
@@ -79,6 +89,8 @@ class TrainingArgumentParser(HfArgumentParser):
         super().__init__(dataclass_types, **kwargs)
         self.add_argument("--config", metavar="YAML", help="a YAML file of argument values; command-line flags override it")
         for action in self._actions:
+            if action.dest == "parallelism_config":  # accelerate's ParallelismConfig, written as a JSON object
+                action.type, action.metavar = _parallelism_config_value, "JSON"
             _tidy_for_help(action)
         # short groups first in --help, so data and model flags are not buried under 150 training flags
         self._action_groups.sort(key=lambda g: len(g._group_actions) if g.title in self._titles.values() else -1)
@@ -107,15 +119,7 @@ class TrainingArgumentParser(HfArgumentParser):
 
     def parse(self, args: list[str]) -> tuple:
         """The dataclass instances for ``args`` (after ``--config``'s values); raises UsageError."""
-        config_path = _config_path(args)
-        from_config = self._config_values(config_path) if config_path is not None else argparse.Namespace()
-        named = set(vars(from_config)) | {self._option_string_actions[a.split("=")[0]].dest  # what the user set
-                                          for a in args if a.split("=")[0] in self._option_string_actions}
-        namespace, unknown = self.parse_known_args(args, namespace=from_config)  # flags overwrite config values
-        if unknown:
-            known = [o for a in self._actions for o in a.option_strings]
-            hint = _did_you_mean(unknown[0].split("=")[0], known) if unknown[0].startswith("-") else ""
-            raise UsageError(f"unknown argument {unknown[0]!r}{hint}; see {self.prog} --help")
+        namespace, named = self.parse_namespace(args)
         outputs = []
         for dtype in self.dataclass_types:
             values = {f.name: getattr(namespace, f.name) for f in fields(dtype) if f.init}
@@ -128,6 +132,34 @@ class TrainingArgumentParser(HfArgumentParser):
                 raise UsageError(_explain_invalid_arguments(err)) from err
         return tuple(outputs)
 
+    def parse_namespace(self, args: list[str]) -> tuple[argparse.Namespace, set[str]]:
+        """The flags' values (``--config``'s first) and the names the user set, before the dataclasses check them;
+        raises UsageError."""
+        config_path = _config_path(args)
+        from_config = self._config_values(config_path) if config_path is not None else argparse.Namespace()
+        named = set(vars(from_config)) | {self._option_string_actions[a.split("=")[0]].dest  # what the user set
+                                          for a in args if a.split("=")[0] in self._option_string_actions}
+        namespace, unknown = self.parse_known_args(args, namespace=from_config)  # flags overwrite config values
+        if unknown:
+            flag = unknown[0].split("=")[0]
+            if flag in _launch_options():
+                raise UsageError(f"{flag} is a flag of accelerate launch, which starts the processes: pass it to "
+                                 "hfnative-train, or to accelerate launch before the script's name")
+            known = [o for a in self._actions for o in a.option_strings]
+            hint = _did_you_mean(flag, known) if unknown[0].startswith("-") else ""
+            raise UsageError(f"unknown argument {unknown[0]!r}{hint}; see {self.prog} --help")
+        return namespace, named
+
+    def launch_arguments(self, args: list[str]) -> tuple[list[str], list[str]]:
+        """(accelerate launch's flags, from the ``--config`` YAML and then the command line; the other arguments).
+        A flag both have (--debug, --gradient_accumulation_steps) is a training argument, as in TRL."""
+        launch, rest = split_launch_flags(args, self._option_string_actions)
+        config_path = _config_path(rest)
+        if config_path is not None and os.environ.get(LAUNCHED_BY_CLI) is None:  # else applied by the parent already
+            values = _read_config(config_path)
+            launch = [*_launch_flags_from_config(values, self._option_string_actions), *launch]
+        return launch, rest
+
     def parse_args_and_config(self, args: list[str] | None = None) -> tuple:
         """TrlParser's name: ``parse`` on ``sys.argv``, a usage error printed in one line (exit status 2)."""
         try:
@@ -137,18 +169,7 @@ class TrainingArgumentParser(HfArgumentParser):
 
     def _config_values(self, path: str) -> argparse.Namespace:
         """The YAML file's values, typed by their flags (``learning_rate: 1e-3`` is a string to YAML)."""
-        try:
-            with open(path) as f:
-                values = yaml.safe_load(f)
-        except OSError as err:
-            raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from err
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem_mark", None)
-            line = f" at line {where.line + 1}" if where is not None else ""
-            raise UsageError(f"--config {path}: not valid YAML{line}: {_one_line(getattr(err, 'problem', err))}") from err
-        values = {} if values is None else values
-        if not isinstance(values, dict):
-            raise UsageError(f"--config {path}: expected a mapping of argument names to values, got a {type(values).__name__}")
+        values = _read_config(path)
         env = values.pop("env", None) or {}
         if not isinstance(env, dict):
             raise UsageError(f"--config {path}: 'env' must be a mapping of variable names to values")
@@ -156,6 +177,12 @@ class TrainingArgumentParser(HfArgumentParser):
         for action in self._actions:  # a flag's own action, not its --no_ complement
             if action.option_strings and action.dest not in ("help", "config"):
                 actions.setdefault(action.dest, action)
+        launch = [key for key in values if key not in actions and f"--{key}" in _launch_options()]
+        if launch and os.environ.get(LAUNCHED_BY_CLI) is None:
+            raise UsageError(f"--config {path}: {launch[0]} is an accelerate launch setting, which hfnative-train applies "
+                             f"when it starts the processes itself{_launched_note()}; remove it from the file")
+        for key in launch:  # hfnative-train read them when it started this process
+            del values[key]
         unknown = [key for key in values if key not in actions]
         if unknown:
             raise UsageError(f"--config {path}: unknown argument {unknown[0]!r}{_did_you_mean(unknown[0], actions)}")
@@ -163,7 +190,7 @@ class TrainingArgumentParser(HfArgumentParser):
             os.environ[str(name)] = str(value)
         namespace = argparse.Namespace()
         for name, value in values.items():
-            if isinstance(value, str):
+            if isinstance(value, str) or (isinstance(value, dict) and actions[name].type is _parallelism_config_value):
                 try:
                     value = self._get_value(actions[name], value)  # as argparse types a string default
                     if actions[name].choices is not None:
@@ -172,6 +199,30 @@ class TrainingArgumentParser(HfArgumentParser):
                     raise UsageError(f"--config {path}: {name}: {err.message}") from err
             setattr(namespace, name, value)
         return namespace
+
+
+def _read_config(path: str) -> dict:
+    """The ``--config`` YAML file as a mapping; UsageError when it cannot be read or is not one."""
+    try:
+        with open(path) as f:
+            values = yaml.safe_load(f)
+    except OSError as err:
+        raise UsageError(f"--config {path}: cannot read it ({err.strerror})") from err
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise UsageError(f"--config {path}: not valid YAML{line}: {_one_line(getattr(err, 'problem', err))}") from err
+    values = {} if values is None else values
+    if not isinstance(values, dict):
+        raise UsageError(f"--config {path}: expected a mapping of argument names to values, got a {type(values).__name__}")
+    return values
+
+
+def _parallelism_config_value(value):
+    try:
+        return parallelism_config_from(value)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"invalid parallelism_config {value!r}: {_one_line(err)}") from err
 
 
 _METAVARS = {int: "INT", float: "FLOAT", str: "STR", string_to_bool: "BOOL"}
@@ -232,6 +283,190 @@ def _exit_with_usage_error(prog: str, err: Exception):
     raise SystemExit(2)
 
 
+# --- launching the processes (TRL's --num_processes / --accelerate_config) ------------------------
+
+# set for the processes hfnative-train starts: the launch settings in their --config file were applied already
+LAUNCHED_BY_CLI = "HFNATIVE_LAUNCHED_BY_CLI"
+ACCELERATE_CONFIG = "--accelerate_config"
+LAUNCH_HELP = (
+    "Launching: --num_processes N, --accelerate_config NAME|PATH (TRL's configs fsdp2, fsdp1, multi_gpu, single_gpu, "
+    "zero1, zero2, zero3, or an accelerate config file) and any other `accelerate launch` flag (--mixed_precision, "
+    "--main_process_port, --num_machines, ...), here or in the --config file, start the run through accelerate launch, "
+    "with this command in every process. Under torchrun or accelerate launch, leave them out."
+)
+
+
+@functools.cache
+def _launch_options() -> dict[str, int | str | None]:
+    """accelerate launch's flags (and TRL's --accelerate_config) -> how many values each takes (argparse nargs)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = {option: action.nargs for option, action in launch_command_parser()._option_string_actions.items()}
+    for ours in ("-h", "--help"):
+        options.pop(ours, None)
+    return {**options, ACCELERATE_CONFIG: None, "--accelerate-config": None}
+
+
+def _value_count(nargs, following: list[str]) -> int:
+    if nargs == 0:
+        return 0
+    if nargs is None:
+        return min(1, len(following))
+    if nargs == "?":
+        return int(bool(following) and not following[0].startswith("-"))
+    if isinstance(nargs, int):
+        return nargs
+    return next((i for i, arg in enumerate(following) if arg.startswith("-")), len(following))
+
+
+def split_launch_flags(args: list[str], training_options) -> tuple[list[str], list[str]]:
+    """(accelerate launch's flags in ``args`` with their values, the other arguments), each in its order.
+    ``training_options``: the training parser's flags, which keep theirs."""
+    launch, rest, index = [], [], 0
+    while index < len(args):
+        flag = args[index].split("=", 1)[0]
+        if flag in training_options or flag not in _launch_options():
+            rest.append(args[index])
+            index += 1
+            continue
+        count = 0 if "=" in args[index] else _value_count(_launch_options()[flag], args[index + 1:])
+        launch += args[index:index + 1 + count]
+        index += 1 + count
+    return launch, rest
+
+
+def _launch_flags_from_config(values: dict, training_options) -> list[str]:
+    """The launch settings of a ``--config`` mapping (``num_processes: 2``, ``accelerate_config: fsdp2``) as flags."""
+    flags = []
+    for key, value in values.items():
+        flag = f"--{key}"
+        if flag in training_options or flag not in _launch_options():
+            continue
+        if _launch_options()[flag] == 0:  # an on/off switch
+            flags += [flag] if value is True or str(value).lower() == "true" else []
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _launched_note() -> str:
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK")
+    return f", not in a process a launcher started (WORLD_SIZE={world})" if world is not None else ""
+
+
+def _accelerate_config_path(launch_args: list[str]) -> list[str]:
+    """``--accelerate_config NAME|PATH`` as accelerate's ``--config_file PATH`` (a NAME is one of TRL's shipped
+    configs, trl/accelerate_configs/NAME.yaml); the other launch flags unchanged."""
+    result, name = [], None
+    index = 0
+    while index < len(launch_args):
+        flag, _, value = launch_args[index].partition("=")
+        if flag in (ACCELERATE_CONFIG, "--accelerate-config"):
+            if not value:
+                index += 1
+                if index == len(launch_args):
+                    raise UsageError(f"{ACCELERATE_CONFIG} needs a value: fsdp2, fsdp1, multi_gpu, single_gpu, zero1, "
+                                     "zero2, zero3 or an accelerate config file")
+                value = launch_args[index]
+            name = value
+        else:
+            result.append(launch_args[index])
+        index += 1
+    if name is None:
+        return result
+    if any(arg.split("=")[0] in ("--config_file", "--config-file") for arg in result):
+        raise UsageError(f"{ACCELERATE_CONFIG} and --config_file both name an accelerate config; keep one")
+    return ["--config_file", _shipped_config(name), *result]
+
+
+def _shipped_config(name: str) -> str:
+    if os.path.isfile(name):
+        return name
+    from importlib import resources
+
+    try:
+        shipped = resources.files("trl.accelerate_configs")
+    except ModuleNotFoundError:
+        raise UsageError(f"{ACCELERATE_CONFIG} {name}: no such file, and TRL's named configs need trl installed "
+                         "(pip install trl); or pass the path of an accelerate config file") from None
+    names = sorted(f.name.removesuffix(".yaml") for f in shipped.iterdir() if f.name.endswith(".yaml"))
+    if name not in names:
+        raise UsageError(f"{ACCELERATE_CONFIG} {name}: no such file, and not one of TRL's configs ({', '.join(names)})"
+                         f"{_did_you_mean(name, names)}")
+    return str(shipped.joinpath(f"{name}.yaml"))
+
+
+def _check_launch(launch: argparse.Namespace) -> None:
+    """Refuse a launch that would not start what it asks for: a DeepSpeed config without deepspeed (accelerate's
+    launcher would stop with an ImportError), several processes where accelerate would start one. On a machine
+    with fewer GPUs than processes and no accelerate config, accelerate's multi-process launcher (torchrun) is
+    chosen, as it is on a multi-GPU machine: the processes then use gloo on the CPU."""
+    from accelerate.commands.config.config_args import default_config_file, load_config_from_file
+    from accelerate.utils import DistributedType, is_deepspeed_available
+
+    # the config file accelerate launch reads: the given one, else `accelerate config`'s default (not with --cpu)
+    path = launch.config_file or (default_config_file if os.path.isfile(default_config_file) and not launch.cpu else None)
+    try:
+        distributed = load_config_from_file(path).distributed_type if path else None
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(f"accelerate config {path}: {_one_line(err)}") from err
+    if (launch.use_deepspeed or distributed == DistributedType.DEEPSPEED) and not is_deepspeed_available():
+        raise UsageError(f"accelerate config {path or '(--use_deepspeed)'} runs DeepSpeed, and deepspeed is not installed: "
+                         "pip install deepspeed (hfnative runs its ZeRO stage as FSDP2), or use --accelerate_config fsdp2")
+    processes = launch.num_processes
+    if processes is None or processes <= 1 or launch.mpirun_hostfile:
+        return
+    if launch.cpu:
+        raise UsageError(f"--cpu with --num_processes {processes}: accelerate starts several CPU processes only through "
+                         "MPI (--mpirun_hostfile); drop --cpu (without a GPU the processes run on the CPU with gloo; "
+                         "--use_cpu keeps them on the CPU beside a GPU)")
+    if launch.multi_gpu or launch.use_fsdp or launch.use_deepspeed or launch.use_megatron_lm or launch.tpu:
+        return
+    if distributed is None:
+        launch.multi_gpu = True  # accelerate would start a single process where it finds fewer than two GPUs
+    elif distributed == DistributedType.NO:
+        raise UsageError(f"--num_processes {processes} with accelerate config {path}, whose distributed_type is NO "
+                         "(one process): use --accelerate_config multi_gpu or fsdp2")
+
+
+def launch_processes(command_name: str, launch_args: list[str], args: list[str], parser: TrainingArgumentParser) -> int:
+    """Start the run through accelerate launch (``launch_args``: its flags), ``hfnative-train command_name args`` in
+    every process, as ``trl`` does; wait for it; the run's exit status (a process's, when one failed)."""
+    if os.environ.get("WORLD_SIZE") or os.environ.get("LOCAL_RANK"):
+        raise UsageError(f"{launch_args[0].split('=')[0]} asks hfnative-train to start the processes{_launched_note()}: "
+                         "leave out the launch flags under torchrun or accelerate launch")
+    own = [arg for arg in launch_args if arg.split("=")[0] in ("-m", "--module", "--no_python", "--no-python")]
+    if own:
+        raise UsageError(f"{own[0]} is not for hfnative-train, which starts its own module in every process")
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.utils import patch_environment
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launch_parser = launch_command_parser()
+    launch_parser.error = _accelerate_usage_error
+    launch = launch_parser.parse_args(
+        [*_accelerate_config_path(launch_args), "--module", "hfnative.trainers.cli", command_name, *args]
+    )
+    _check_launch(launch)
+    with patch_environment(**{LAUNCHED_BY_CLI: "1"}):
+        parser.parse_namespace(args)  # a usage mistake is reported once, here, rather than by every process
+        try:
+            launch_command(launch)
+        except subprocess.CalledProcessError as err:  # the single-process launcher
+            return err.returncode
+        except ChildFailedError as err:  # torchrun's: the first process that failed
+            _, failure = err.get_first_failure()
+            code = failure.exitcode
+            return 128 - code if code < 0 else code or 1  # killed by signal n: 128 + n, as a shell reports it
+        except (ValueError, FileNotFoundError) as err:  # accelerate's checks of its flags and config
+            raise UsageError(f"accelerate launch: {_one_line(err)}") from err
+    return 0
+
+
+def _accelerate_usage_error(message: str):
+    raise UsageError(f"accelerate launch: {message}")
+
+
 # --- commands --------------------------------------------------------------------------------------
 
 
@@ -254,6 +489,7 @@ class Command:
             prog=f"{PROG} {name}",
             usage="%(prog)s --model_name_or_path MODEL --dataset_name DATASET [--config YAML] [--<argument> VALUE ...]",
             description=f"{self.help}. Commands: {', '.join(COMMANDS)} (default: {DEFAULT_COMMAND}).",
+            epilog=LAUNCH_HELP,
         )
 
 
@@ -285,10 +521,12 @@ def train_model(command: Command, script_args, training_args, model_args) -> Non
         if training_args.push_to_hub:
             # push_to_hub saves the model and card into output_dir first (save_model would push a second time)
             commit = trainer.push_to_hub(dataset_name=script_args.dataset_name)
-            print(f"Model saved to {training_args.output_dir} and pushed to {commit.commit_url}")
+            if trainer.is_world_process_zero():  # one line per run, not per process
+                print(f"Model saved to {training_args.output_dir} and pushed to {commit.commit_url}")
         else:
             trainer.save_model(training_args.output_dir)
-            print(f"Model saved to {training_args.output_dir}")
+            if trainer.is_world_process_zero():
+                print(f"Model saved to {training_args.output_dir}")
 
 
 COMMANDS: dict[str, Command] = {
@@ -311,7 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         name, args = _pick_command(args)
         command = COMMANDS[name]
-        script_args, training_args, model_args = command.parser(name).parse(args)
+        parser = command.parser(name)
+        launch_args, args = parser.launch_arguments(args)
+        if launch_args:
+            return launch_processes(name, launch_args, args, parser)
+        script_args, training_args, model_args = parser.parse(args)
         command.run(command, script_args, training_args, model_args)
     except UsageError as err:
         _exit_with_usage_error(PROG, err)
