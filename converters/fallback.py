@@ -728,13 +728,19 @@ def native_lora_from_peft_model(peft_model, *, dtype: torch.dtype | None, device
 # --- saving and resuming ---------------------------------------------------------------------------------
 
 
-def save_hub_folder(wrapper: TransformersCausalLM, out_dir: os.PathLike, max_shard_size="5GB") -> None:
+def save_hub_folder(wrapper: TransformersCausalLM, out_dir: os.PathLike, max_shard_size="5GB",
+                    wrapper_state: dict[str, torch.Tensor] | None = None) -> None:
     """The model as transformers' ``save_pretrained`` writes it (safetensors + config.json +
-    generation_config.json), or the adapter as peft's ``save_pretrained`` writes it."""
+    generation_config.json), or the adapter as peft's ``save_pretrained`` writes it.
+    wrapper_state: the wrapper's whole tensors (``wrapper.state_dict()`` names, gathered from a sharded model)
+    to write instead of the live ones."""
+    state = None
+    if wrapper_state is not None:  # the wrapper's keys are its one submodule's, prefixed "module."
+        state = {key.removeprefix("module."): value for key, value in wrapper_state.items()}
     if wrapper.peft_model is not None:
-        wrapper.peft_model.save_pretrained(str(out_dir))
+        wrapper.peft_model.save_pretrained(str(out_dir), state_dict=state)
     else:
-        wrapper.hf_model.save_pretrained(str(out_dir), max_shard_size=max_shard_size)
+        wrapper.hf_model.save_pretrained(str(out_dir), max_shard_size=max_shard_size, state_dict=state)
 
 
 def load_checkpoint_weights(wrapper: TransformersCausalLM, checkpoint: Path) -> None:

@@ -26,7 +26,17 @@ LAYOUTS = {
     "hsdp2x2-packed": (dict(dp_replicate_size=2, dp_shard_size=2), dict(packing=True, max_length=48)),
     "fsdp2xtp2-accumulation": (dict(dp_shard_size=2, tp_size=2), dict(gradient_accumulation_steps=2)),
     "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
+    # transformers' own module (no native implementation): FSDP2 per decoder layer. SGD: GPT-NeoX's key bias has
+    # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
+    "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
 }
+
+
+def model_of(extra: dict) -> tuple[str, dict]:
+    """The model a layout trains (the fallback layout's comes from $FALLBACK_MODEL) and its other settings."""
+    extra = dict(extra)
+    model = extra.pop("model", MODEL)
+    return (os.environ[model] if model == "FALLBACK_MODEL" else model), extra
 
 
 def rows(n: int = 200) -> list[dict]:
@@ -48,9 +58,10 @@ def main(output_dir: str, layouts: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for name in layouts:
         sizes, extra = LAYOUTS[name]
+        model, extra = model_of(extra)
         out = Path(output_dir) / name
         args = config(str(out), PER_DEVICE, parallelism_config=ParallelismConfig(**sizes), **extra)
-        trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()))
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
         trainer.train()
         trainer.save_model()
         if rank == 0:

@@ -22,9 +22,25 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
+def fallback_model(tmp_path_factory) -> str:
+    """A GPT-NeoX-shaped tiny checkpoint: no native implementation, trained through transformers' module."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GPTNeoXConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(worker.MODEL)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5, initializer_range=0.2,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    directory = tmp_path_factory.mktemp("neox")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, fallback_model):
     out = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), FALLBACK_MODEL=fallback_model)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(HERE / "_distributed_train_worker.py"), str(out), *worker.LAYOUTS]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -35,15 +51,17 @@ def launched(tmp_path_factory):
 def _reference(tmp_path, sizes: dict, extra: dict):
     """One process over the same global batches: per_device x the data-parallel ranks."""
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
+    model, extra = worker.model_of(extra)
     args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
-    trainer = SFTTrainer(model=worker.MODEL, args=args, train_dataset=Dataset.from_list(worker.rows()))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(worker.rows()))
     trainer.train()
     trainer.save_model()
     return trainer.state.log_history, load_file(str(tmp_path / "reference" / "model.safetensors"))
 
 
 @pytest.mark.parametrize("layout", list(worker.LAYOUTS))
-def test_layout_trains_like_one_process(launched, layout, tmp_path):
+def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, monkeypatch):
+    monkeypatch.setenv("FALLBACK_MODEL", fallback_model)
     sizes, extra = worker.LAYOUTS[layout]
     reference_logs, reference_weights = _reference(tmp_path, sizes, extra)
     logs = json.loads((launched / layout / "log.json").read_text())

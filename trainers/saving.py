@@ -26,15 +26,15 @@ class SavingMixin:
     @contextlib.contextmanager
     def _whole_model(self):
         """In a distributed run, the whole model for writing it out (every rank enters; rank 0 writes): yields
-        the gathered native tensors (on rank 0), or None when the adapters are written from the model itself,
-        its FSDP2 units unsharded for the duration. A single process yields None."""
+        the gathered tensors under the model's own names (on rank 0), or None when native LoRA adapters are written
+        from the model itself, its FSDP2 units unsharded for the duration. A single process yields None."""
         if self.distributed is None:
             yield None
             return
         if self.lora_settings is None:
             from .distributed import full_state_dict
 
-            yield full_state_dict(self.model)
+            yield full_state_dict(self.model)  # the model's own names; TP and FSDP shards gathered
             return
         from torch.distributed.fsdp import FSDPModule
 
@@ -54,7 +54,7 @@ class SavingMixin:
 
         output_dir.mkdir(parents=True, exist_ok=True)
         if isinstance(self.converted, TransformersModel):  # transformers' / peft's own save_pretrained
-            save_hub_folder(self.converted.model, output_dir)
+            save_hub_folder(self.converted.model, output_dir, wrapper_state=native_state)
             save_tokenizer(output_dir, self.processing_class, self.converted.source_dir)
         elif self.lora_settings is not None:
             from hfnative.converters.peft import save_adapter

@@ -240,12 +240,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     def _parallelize(self, model) -> None:
         run, args = self.distributed, self.args
-        if not isinstance(model, Transformer):
-            raise ValueError(
-                f"{type(model).__name__} (transformers' own module: no native implementation) cannot be sharded by "
-                f"hfnative yet; this run was launched on {run.world_size} processes ({run.plan.describe()}): run it "
-                "on one process, or use a natively supported architecture"
-            )
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device)
         trainable = any(p.requires_grad for p in model.parameters())

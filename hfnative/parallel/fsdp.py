@@ -69,13 +69,35 @@ def apply_fsdp(
         fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **shard)
         fully_shard(head_group, reshard_after_forward=False, **shard)
     fully_shard(model, **shard)
+    _sum_gradients(model)
+    return model
+
+
+def apply_fsdp_per_layer(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard a model the engine does not know block by block (``model.layers``: transformers' decoder layers
+    behind hfnative's fallback wrapper) plus the root, which holds the rest (embedding, final norm, head); in place.
+    Gradients are summed over the data-parallel ranks, as in ``apply_fsdp``."""
+    shard = dict(mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision))
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
+    fully_shard(model, **shard)
+    _sum_gradients(model)
+    return model
+
+
+def _sum_gradients(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # summed, not averaged: the loss is already divided by the step's token count over all ranks
             # (plain SUM collectives: gloo has no pre-multiplied sum)
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
-    return model
 
 
-__all__ = ["apply_fsdp", "mixed_precision_policy"]
+__all__ = ["apply_fsdp", "apply_fsdp_per_layer", "mixed_precision_policy"]

@@ -24,7 +24,7 @@ from hfnative.models.decoder import Transformer
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .dims import MESH_DIMS, ParallelDims
-from .fsdp import apply_fsdp
+from .fsdp import apply_fsdp, apply_fsdp_per_layer
 from .tensor_parallel import apply_tensor_parallel
 
 
@@ -49,10 +49,8 @@ def parallelize(
     Returns the model.
     """
     if not isinstance(model, Transformer):
-        raise ValueError(
-            f"parallelize takes hfnative's native Transformer, not a {type(model).__name__}: models without a native "
-            "implementation cannot be sharded by hfnative yet"
-        )
+        return _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision,
+                                    reshard_after_forward)
     if mesh.mesh_dim_names != MESH_DIMS or tuple(mesh.shape) != dims.shape:
         raise ValueError(
             f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {MESH_DIMS} of "
@@ -74,6 +72,27 @@ def parallelize(
         apply_fsdp(
             model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward
         )
+    return model
+
+
+def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision, reshard_after_forward):
+    """A model the engine has no native implementation of (hfnative's wrapper around transformers' module, which
+    lists its decoder layers as ``model.layers``): activation checkpointing -> compile -> FSDP2 per decoder layer.
+    Tensor parallelism needs the native layers' plans and is refused."""
+    if not hasattr(model, "layers"):
+        raise ValueError(f"parallelize: {type(model).__name__} lists no decoder layers (model.layers) to shard")
+    if dims.tp_enabled:
+        raise ValueError(
+            f"tensor parallelism (tp={dims.tp}) needs hfnative's native model; {type(model).__name__} (transformers' "
+            "own module) can only be sharded with FSDP2 per decoder layer: set tp_size=1"
+        )
+    if activation_checkpointing is not None:
+        apply_activation_checkpointing(model, activation_checkpointing)
+    if compile:
+        apply_compile(model)
+    if dims.dp_enabled or mixed_precision is not None:
+        apply_fsdp_per_layer(model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision,
+                             reshard_after_forward=reshard_after_forward)
     return model
 
 
