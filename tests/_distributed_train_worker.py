@@ -28,6 +28,8 @@ LAYOUTS = {
     "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
     # transformers' own module (no native implementation): FSDP2 per decoder layer. SGD: GPT-NeoX's key bias has
     # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
+    # transformers' own fsdp argument (no parallelism_config), with CPU offload of the sharded state
+    "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
 }
 
@@ -60,7 +62,8 @@ def main(output_dir: str, layouts: list[str]) -> None:
         sizes, extra = LAYOUTS[name]
         model, extra = model_of(extra)
         out = Path(output_dir) / name
-        args = config(str(out), PER_DEVICE, parallelism_config=ParallelismConfig(**sizes), **extra)
+        layout = dict(parallelism_config=ParallelismConfig(**sizes)) if sizes else {}
+        args = config(str(out), PER_DEVICE, **layout, **extra)
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
         trainer.train()
         trainer.save_model()

@@ -50,8 +50,9 @@ def launched(tmp_path_factory, fallback_model):
 
 def _reference(tmp_path, sizes: dict, extra: dict):
     """One process over the same global batches: per_device x the data-parallel ranks."""
-    dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
+    dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1) if sizes else 4  # fsdp: all 4 shard
     model, extra = worker.model_of(extra)
+    extra.pop("fsdp", None)
     args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
     trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(worker.rows()))
     trainer.train()

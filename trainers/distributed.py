@@ -82,10 +82,12 @@ class DistributedRun:
 
 def start_distributed(args, device: torch.device) -> DistributedRun | None:
     """Join the launched run (None for a single process): the process group, the layout, the mesh."""
+    from .parallel_plan import resolve_parallel_plan
+
     world_size = launched_world_size()
     if world_size <= 1:
+        resolve_parallel_plan(args, 1)  # refuses what no layout can honour; says when a setting is a no-op here
         return None
-    from .parallel_plan import resolve_parallel_plan
 
     if not dist.is_initialized():
         if device.type == "cuda":

@@ -243,11 +243,12 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device)
         trainable = any(p.requires_grad for p in model.parameters())
+        checkpointing = (args.checkpoint_activations or run.plan.activation_checkpointing) and trainable
         parallelize(
             model, run.dims, run.mesh,
-            activation_checkpointing=args.activation_checkpointing_mode if args.checkpoint_activations and trainable else None,
-            compile=args.torch_compile, mixed_precision=run.plan.mixed_precision,
-            reshard_after_forward=run.plan.reshard_after_forward,
+            activation_checkpointing=args.activation_checkpointing_mode if checkpointing else None,
+            compile=args.torch_compile or run.plan.compile, mixed_precision=run.plan.mixed_precision,
+            reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
 
     def _build_auxiliary_models(self) -> None:

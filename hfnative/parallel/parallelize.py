@@ -37,6 +37,7 @@ def parallelize(
     compile: bool = False,
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to ``model`` (a native Transformer); in place.
 
@@ -46,11 +47,12 @@ def parallelize(
         (see ``mixed_precision_policy``); with a single data-parallel rank FSDP2 is still applied, over that one
         rank, to carry the policy.
     reshard_after_forward: FSDP2's choice for the blocks (see ``apply_fsdp``).
+    cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer step in CPU memory.
     Returns the model.
     """
     if not isinstance(model, Transformer):
         return _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision,
-                                    reshard_after_forward)
+                                    reshard_after_forward, cpu_offload)
     if mesh.mesh_dim_names != MESH_DIMS or tuple(mesh.shape) != dims.shape:
         raise ValueError(
             f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {MESH_DIMS} of "
@@ -68,14 +70,16 @@ def parallelize(
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)
-    if dims.dp_enabled or mixed_precision is not None:
+    if dims.dp_enabled or mixed_precision is not None or cpu_offload:
         apply_fsdp(
-            model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward
+            model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
         )
     return model
 
 
-def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision, reshard_after_forward):
+def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision, reshard_after_forward,
+                         cpu_offload):
     """A model the engine has no native implementation of (hfnative's wrapper around transformers' module, which
     lists its decoder layers as ``model.layers``): activation checkpointing -> compile -> FSDP2 per decoder layer.
     Tensor parallelism needs the native layers' plans and is refused."""
@@ -90,9 +94,9 @@ def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, m
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)
-    if dims.dp_enabled or mixed_precision is not None:
+    if dims.dp_enabled or mixed_precision is not None or cpu_offload:
         apply_fsdp_per_layer(model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision,
-                             reshard_after_forward=reshard_after_forward)
+                             reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     return model
 
 
