@@ -30,15 +30,24 @@ LAYOUTS = {
     # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
     # transformers' own fsdp argument (no parallelism_config), with CPU offload of the sharded state
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
+    # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from the unsharded units
+    "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
 }
 
 
-def model_of(extra: dict) -> tuple[str, dict]:
-    """The model a layout trains (the fallback layout's comes from $FALLBACK_MODEL) and its other settings."""
+def model_of(extra: dict) -> tuple[str, dict, dict]:
+    """The model a layout trains (the fallback layout's comes from $FALLBACK_MODEL), the trainer's other keyword
+    arguments (peft_config) and the config's settings."""
     extra = dict(extra)
     model = extra.pop("model", MODEL)
-    return (os.environ[model] if model == "FALLBACK_MODEL" else model), extra
+    peft = extra.pop("peft", None)
+    trainer_kwargs = {}
+    if peft is not None:
+        from peft import LoraConfig
+
+        trainer_kwargs["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **peft)
+    return (os.environ[model] if model == "FALLBACK_MODEL" else model), trainer_kwargs, extra
 
 
 def rows(n: int = 200) -> list[dict]:
@@ -60,11 +69,14 @@ def main(output_dir: str, layouts: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for name in layouts:
         sizes, extra = LAYOUTS[name]
-        model, extra = model_of(extra)
+        model, trainer_kwargs, extra = model_of(extra)
         out = Path(output_dir) / name
         layout = dict(parallelism_config=ParallelismConfig(**sizes)) if sizes else {}
         args = config(str(out), PER_DEVICE, **layout, **extra)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
+        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()), **trainer_kwargs)
+        accelerator = trainer.accelerator  # rank-aware, as under transformers' Trainer
+        assert (accelerator.num_processes, accelerator.process_index) == (int(os.environ["WORLD_SIZE"]), rank)
+        assert accelerator.is_main_process == (rank == 0) == trainer.is_world_process_zero()
         trainer.train()
         trainer.save_model()
         if rank == 0:

@@ -51,13 +51,17 @@ def launched(tmp_path_factory, fallback_model):
 def _reference(tmp_path, sizes: dict, extra: dict):
     """One process over the same global batches: per_device x the data-parallel ranks."""
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1) if sizes else 4  # fsdp: all 4 shard
-    model, extra = worker.model_of(extra)
+    model, trainer_kwargs, extra = worker.model_of(extra)
     extra.pop("fsdp", None)
     args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(worker.rows()))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(worker.rows()), **trainer_kwargs)
     trainer.train()
     trainer.save_model()
-    return trainer.state.log_history, load_file(str(tmp_path / "reference" / "model.safetensors"))
+    return trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs)))
+
+
+def _weights_file(trainer_kwargs: dict) -> str:
+    return "adapter_model.safetensors" if "peft_config" in trainer_kwargs else "model.safetensors"
 
 
 @pytest.mark.parametrize("layout", list(worker.LAYOUTS))
@@ -72,7 +76,7 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
     for mine, reference in zip(steps, reference_steps):
         for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens"):
             assert mine[key] == pytest.approx(reference[key], rel=1e-5), (layout, reference["step"], key)
-    weights = load_file(str(launched / layout / "model.safetensors"))
+    weights = load_file(str(launched / layout / _weights_file(worker.model_of(extra)[1])))
     assert set(weights) == set(reference_weights)
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)
