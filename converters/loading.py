@@ -221,7 +221,14 @@ def check_checkpoint(source, pieces: list[Piece], model: Transformer, where: str
         raise CheckpointError(f"{where} does not match its config.json:\n  " + "\n  ".join(problems))
 
 
-def copy_into_model(source, pieces: list[Piece], model: Transformer) -> None:
+def _copy_whole(target: torch.Tensor, value: torch.Tensor, index: int | None = None) -> None:
+    (target if index is None else target[index]).copy_(value)
+
+
+def copy_into_model(source, pieces: list[Piece], model: Transformer, copy=_copy_whole) -> None:
+    """Copy every Hub tensor of ``source`` into the native tensor(s) its pieces name, one Hub tensor in memory at
+    a time. copy(target, value, native_index): how a native tensor receives its value (a rank of a sharded model
+    copies only its slice: ``sharded_loading.copy_shard``)."""
     params = model.state_dict(keep_vars=True)
     pieces_of = defaultdict(list)
     for piece in pieces:
@@ -230,11 +237,7 @@ def copy_into_model(source, pieces: list[Piece], model: Transformer) -> None:
     with torch.no_grad():
         for hf_key, tensor in source.iter_tensors(set(pieces_of)):
             for piece in pieces_of[hf_key]:
-                value = piece.from_hub(tensor)
-                target = params[piece.native_key]
-                if piece.native_index is not None:
-                    target = target[piece.native_index]
-                target.copy_(value)
+                copy(params[piece.native_key], piece.from_hub(tensor), piece.native_index)
                 written.add((piece.native_key, piece.native_index))
             del tensor
     assert written == {(p.native_key, p.native_index) for p in pieces}, "some native tensors were not loaded"

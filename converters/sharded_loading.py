@@ -12,7 +12,6 @@ no rank ever holds the whole model; peak memory is the rank's shards plus the la
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,6 +27,7 @@ from .loading import (
     _check_config_json,
     _config_dtype,
     check_checkpoint,
+    copy_into_model,
     dequantizing_source,
 )
 
@@ -82,18 +82,7 @@ def copy_shard(target: torch.Tensor, full: torch.Tensor, index: int | None = Non
 
 def copy_shards_into_model(source, pieces, model: Transformer) -> None:
     """Like ``copy_into_model``, each native tensor receiving only this rank's slice."""
-    params = model.state_dict(keep_vars=True)
-    pieces_of = defaultdict(list)
-    for piece in pieces:
-        pieces_of[piece.hf_key].append(piece)
-    written = set()
-    with torch.no_grad():
-        for hf_key, tensor in source.iter_tensors(set(pieces_of)):
-            for piece in pieces_of[hf_key]:
-                copy_shard(params[piece.native_key], piece.from_hub(tensor), piece.native_index)
-                written.add((piece.native_key, piece.native_index))
-            del tensor
-    assert written == {(p.native_key, p.native_index) for p in pieces}, "some native tensors were not loaded"
+    copy_into_model(source, pieces, model, copy=copy_shard)
 
 
 def load_sharded(converted: ConvertedModel, device: torch.device | str) -> ConvertedModel:
