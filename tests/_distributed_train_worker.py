@@ -2,7 +2,8 @@
 
 usage: torchrun --standalone --nproc_per_node 4 _distributed_train_worker.py OUTPUT_DIR LAYOUT [LAYOUT ...]
 Each LAYOUT (a key of LAYOUTS) trains the tiny model with that parallelism_config and writes, from rank 0,
-OUTPUT_DIR/LAYOUT/log.json (the log history) and the saved model in OUTPUT_DIR/LAYOUT/.
+OUTPUT_DIR/LAYOUT/log.json (the log history), the saved model in OUTPUT_DIR/LAYOUT/ and the model saved before
+training in OUTPUT_DIR/LAYOUT/before-training/.
 """
 
 import json
@@ -17,7 +18,7 @@ from hfnative import SFTConfig, SFTTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")
-STEPS = 4
+STEPS = 5
 PER_DEVICE = 2
 
 # name -> (ParallelismConfig sizes, SFTConfig settings): every layout trains on 4 processes
@@ -74,6 +75,7 @@ def main(output_dir: str, layouts: list[str]) -> None:
         layout = dict(parallelism_config=ParallelismConfig(**sizes)) if sizes else {}
         args = config(str(out), PER_DEVICE, **layout, **extra)
         trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()), **trainer_kwargs)
+        trainer.save_model(str(out / "before-training"))  # gathered from the shards, before any step
         accelerator = trainer.accelerator  # rank-aware, as under transformers' Trainer
         assert (accelerator.num_processes, accelerator.process_index) == (int(os.environ["WORLD_SIZE"]), rank)
         assert accelerator.is_main_process == (rank == 0) == trainer.is_world_process_zero()

@@ -65,6 +65,15 @@ def test_cli_launches_its_processes(one_process, tmp_path):
     _assert_same_training(_logged(out), one_process)
 
 
+def test_tensor_parallel_from_the_command_line(one_process, tmp_path):
+    """TP2 on 2 torchrun processes (both ranks read the same rows), set with --parallelism_config."""
+    out = tmp_path / "tp2"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+          str(ROOT / "examples" / "sft.py"), *_script_arguments(out, 2 * PER_DEVICE),
+          "--parallelism_config", '{"dp_shard_size": 1, "tp_size": 2}'])
+    _assert_same_training(_logged(out), one_process)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

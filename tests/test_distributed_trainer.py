@@ -82,6 +82,27 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
         torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)
 
 
+@pytest.mark.parametrize("layout", [name for name, (_, extra) in worker.LAYOUTS.items() if "model" not in extra])
+def test_sharded_save_equals_single_process_export(launched, layout, tmp_path):
+    """Saved from the shards before training: tensor for tensor what one process exports from the checkpoint (with
+    LoRA: the adapter one process saves with the same seed)."""
+    sizes, extra = worker.LAYOUTS[layout]
+    model, trainer_kwargs, settings = worker.model_of(extra)
+    settings.pop("fsdp", None)
+    name = _weights_file(trainer_kwargs)
+    if trainer_kwargs:
+        one = SFTTrainer(model=model, args=worker.config(str(tmp_path / "one"), worker.PER_DEVICE, **settings),
+                         train_dataset=Dataset.from_list(worker.rows()), **trainer_kwargs)
+        one.save_model()
+        expected = load_file(str(tmp_path / "one" / name))
+    else:
+        expected = load_file(str(Path(worker.MODEL) / name))
+    saved = load_file(str(launched / layout / "before-training" / name))
+    assert set(saved) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(saved[key], value), key
+
+
 # --- pieces the launch relies on, in one process --------------------------------------------------
 
 

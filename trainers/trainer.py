@@ -240,6 +240,13 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     def _parallelize(self, model) -> None:
         run, args = self.distributed, self.args
+        from hfnative.peft.quantize import is_nf4
+
+        if any(is_nf4(p) for p in model.parameters()):
+            raise ValueError(
+                f"QLoRA (load_in_4bit / an NF4 base) cannot be sharded yet; this run was launched on {run.world_size} "
+                f"processes ({run.plan.describe()}): train LoRA without quantization there, or QLoRA on one process"
+            )
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device)
         trainable = any(p.requires_grad for p in model.parameters())
