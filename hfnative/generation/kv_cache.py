@@ -1,0 +1,73 @@
+"""A preallocated key/value cache for a batch of left-padded sequences.
+
+Shapes: B batch, K key/value heads, d head_dim, S new tokens, L cache entries of a layer.
+
+Every row of the batch is left-padded to the same number of prompt slots P, so slot s of every row is
+written at the same step (the prompt at prefill, slot P + t at decode step t) and a row's token
+positions are ``slot - pad_B`` (its first real token at position 0, as transformers numbers
+left-padded rows).
+
+- Full-attention layers hold every slot: [B, K, P + max_new_tokens, d], slot s at entry s.
+- Sliding-window layers (window W smaller than that) hold only the last W slots, a ring
+  [B, K, W, d] with slot s at entry s % W: a query sees at most W keys, itself included
+  (transformers' window), and nothing older is ever read again.
+
+Each buffer length has one ``entry_slot`` [L]: the slot each entry holds (-1 when empty), shared by the
+layers of that length since they are written in lockstep. An entry is visible to row b when it holds
+a slot at or after the row's padding: ``entry_slot >= pad_B[b]``; the ring's overwrite keeps older slots
+out of the window and empty or future entries hold -1 or are not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        sliding_layers: list[bool],
+        sliding_window: int | None,
+        batch_size: int,
+        n_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        pad_B: torch.Tensor,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        """sliding_layers: per layer, whether it uses the sliding window; num_slots: prompt slots +
+        max_new_tokens; pad_B: each row's left padding (long, on ``device``)."""
+        ring = sliding_window if sliding_window is not None and sliding_window < num_slots else None
+        self.lengths = [ring if (sliding and ring) else num_slots for sliding in sliding_layers]
+        self.pad_B = pad_B
+        self.entry_slot = {n: torch.full((n,), -1, dtype=torch.long, device=device) for n in set(self.lengths)}
+        shape = lambda n: (batch_size, n_kv_heads, n, head_dim)  # noqa: E731
+        self.keys = [torch.zeros(shape(n), dtype=dtype, device=device) for n in self.lengths]
+        self.values = [torch.zeros(shape(n), dtype=dtype, device=device) for n in self.lengths]
+        # per buffer length, set by ``start``: the entries this step's slots go to, and who sees what
+        self.index: dict[int, torch.Tensor] = {}
+        self.visible: dict[int, torch.Tensor] = {}
+
+    def start(self, slots_S: torch.Tensor) -> None:
+        """Claim the entries of the slots written next (consecutive, increasing); a ring keeps only
+        the last of them that fit."""
+        for n, entry_slot in self.entry_slot.items():
+            kept = slots_S[-n:]
+            index = kept % n
+            entry_slot.index_copy_(0, index, kept)
+            self.index[n] = index
+            self.visible[n] = (entry_slot[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
+
+    def write(self, layer_id: int, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this step's keys and values; returns the layer's whole buffers [B, K, L, d]."""
+        n = self.lengths[layer_id]
+        index = self.index[n]
+        keys, values = self.keys[layer_id], self.values[layer_id]
+        keys.index_copy_(2, index, k_BKSd[:, :, -index.shape[0]:])
+        values.index_copy_(2, index, v_BKSd[:, :, -index.shape[0]:])
+        return keys, values
+
+    def mask(self, layer_id: int) -> torch.Tensor:
+        """Boolean [B, 1, 1, L]: which entries of the layer each row's query may attend to."""
+        return self.visible[self.lengths[layer_id]]

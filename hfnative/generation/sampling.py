@@ -1,0 +1,156 @@
+"""Sampling settings and the logits processing every backend applies before choosing a token.
+
+Shapes: B batch, V vocabulary.
+
+The processing follows transformers' ``generate`` (and TRL, which calls it) step for step:
+repetition penalty (greedy and sampling) -> temperature -> top-k -> top-p -> min-p, each with
+transformers' definition. The log-probs a rollout returns are ``log_softmax(logits / temperature)``
+of the model's own logits, before any of that (what GRPO recomputes as its old log-probs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def _token_ids(value, what: str) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = (value,) if isinstance(value, int) else tuple(value)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{what}={value!r}: expected a token id (int >= 0) or a list of them")
+    return ids
+
+
+@dataclass
+class SamplingParams:
+    """How to decode (transformers' ``generate`` argument names and defaults).
+
+    eos_token_id: a token id or a list of them; generation of a sequence stops after one of them or
+    one of ``stop_token_ids`` (the stop token is part of the completion). seed: a torch.Generator is
+    seeded with it, so the same prompts and settings give the same samples; None uses torch's global RNG.
+    Greedy when ``do_sample`` is False (temperature, top-k, top-p and min-p are then ignored; the
+    repetition penalty still applies, as in transformers).
+    """
+
+    max_new_tokens: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    eos_token_id: int | list[int] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}: expected an int >= 1")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}: expected > 0 when sampling (use do_sample=False for greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p}: expected a float in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k!r}: expected an int >= 0 (0 keeps every token)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p}: expected a float in [0, 1]")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty={self.repetition_penalty}: expected > 0 (1.0: no penalty)")
+        self.stop_ids = tuple(dict.fromkeys(
+            _token_ids(self.eos_token_id, "eos_token_id") + _token_ids(self.stop_token_ids, "stop_token_ids")
+        ))
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the returned log-probs: 1 for greedy."""
+        return self.temperature if self.do_sample else 1.0
+
+
+def apply_repetition_penalty(scores_BV: torch.Tensor, seen_BV: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' definition: a token already in the sequence (prompt or completion) has its logit
+    divided by ``penalty`` when positive and multiplied by it when negative. seen_BV: boolean."""
+    if penalty == 1.0:
+        return scores_BV
+    penalized = torch.where(scores_BV < 0, scores_BV * penalty, scores_BV / penalty)
+    return torch.where(seen_BV, penalized, scores_BV)
+
+
+def filter_top_k(scores_BV: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep the tokens whose logit is at least the k-th largest (ties with it included); 0: all."""
+    if top_k == 0 or top_k >= scores_BV.shape[-1]:
+        return scores_BV
+    kth_B1 = torch.topk(scores_BV, top_k, dim=-1).values[:, -1:]
+    return scores_BV.masked_fill(scores_BV < kth_B1, float("-inf"))
+
+
+def filter_top_p(scores_BV: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus: keep the most likely tokens whose cumulative probability reaches ``top_p``. As
+    transformers computes it: in ascending order, drop a token while the mass up to and including it
+    is <= 1 - top_p; the most likely token always stays."""
+    if top_p >= 1.0:
+        return scores_BV
+    sorted_scores, order = torch.sort(scores_BV, dim=-1)
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = cumulative <= 1 - top_p
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return scores_BV.masked_fill(drop, float("-inf"))
+
+
+def filter_min_p(scores_BV: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the most likely token's; the most likely stays."""
+    if min_p == 0.0:
+        return scores_BV
+    probs_BV = scores_BV.softmax(dim=-1)
+    drop = probs_BV < min_p * probs_BV.amax(dim=-1, keepdim=True)
+    drop.scatter_(-1, probs_BV.argmax(dim=-1, keepdim=True), False)
+    return scores_BV.masked_fill(drop, float("-inf"))
+
+
+def processed_scores(logits_BV: torch.Tensor, sampling: SamplingParams, seen_BV: torch.Tensor | None = None) -> torch.Tensor:
+    """The scores tokens are chosen from (float32): penalty, then (when sampling) temperature, top-k,
+    top-p, min-p. Filtered tokens are -inf. seen_BV: tokens already in each sequence (for the penalty)."""
+    scores_BV = logits_BV.float()
+    if sampling.repetition_penalty != 1.0:
+        if seen_BV is None:
+            raise ValueError("a repetition penalty needs the tokens each sequence has seen (seen_BV)")
+        scores_BV = apply_repetition_penalty(scores_BV, seen_BV, sampling.repetition_penalty)
+    if not sampling.do_sample:
+        return scores_BV
+    if sampling.temperature != 1.0:
+        scores_BV = scores_BV / sampling.temperature
+    scores_BV = filter_top_k(scores_BV, sampling.top_k)
+    scores_BV = filter_top_p(scores_BV, sampling.top_p)
+    return filter_min_p(scores_BV, sampling.min_p)
+
+
+def sampling_distribution(logits_BV: torch.Tensor, sampling: SamplingParams, seen_BV: torch.Tensor | None = None) -> torch.Tensor:
+    """The distribution the next token is drawn from [B, V] (float32; greedy: one-hot on the argmax)."""
+    scores_BV = processed_scores(logits_BV, sampling, seen_BV)
+    if not sampling.do_sample:
+        return F.one_hot(scores_BV.argmax(dim=-1), scores_BV.shape[-1]).float()
+    return scores_BV.softmax(dim=-1)
+
+
+def choose_tokens(
+    logits_BV: torch.Tensor,
+    sampling: SamplingParams,
+    seen_BV: torch.Tensor | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The next token of each sequence [B] and its log-prob [B] under log_softmax(logits / temperature)."""
+    logits_BV = logits_BV.float()
+    scores_BV = processed_scores(logits_BV, sampling, seen_BV)
+    if sampling.do_sample:
+        tokens_B = torch.multinomial(scores_BV.softmax(dim=-1), 1, generator=generator)[:, 0]
+    else:
+        tokens_B = scores_BV.argmax(dim=-1)
+    if sampling.logprob_temperature != 1.0:
+        logits_BV = logits_BV / sampling.logprob_temperature
+    # log_softmax at the chosen token only: no [B, V] output to write
+    return tokens_B, logits_BV.gather(-1, tokens_B[:, None])[:, 0] - torch.logsumexp(logits_BV, dim=-1)
