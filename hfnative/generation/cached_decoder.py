@@ -3,8 +3,8 @@
 Shapes: B batch, S sequence, D model dim, H query heads, K key/value heads, d head_dim, L cache entries,
 V vocabulary.
 
-``prefill`` runs the left-padded prompts in one pass (attention planned as the training forward
-plans it) and fills the cache; ``decode_step`` runs one new token per row against the cache. Both
+``prefill`` runs the prompts in one pass, packed as the training forward runs packed documents
+(no padding computed), and fills the cache; ``decode_step`` runs one new token per row against the cache. Both
 call the block's submodules (norms, projections, q/k norms, MoE, feed-forward, head) as modules, so
 LoRA adapters and any later weight update are what runs; the layer order of operations mirrors
 ``TransformerBlock.forward`` and ``Attention.forward`` in hfnative/models (the parity tests in
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend
+from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock
 from hfnative.models.layers import Attention
 from hfnative.models.rope import apply_rotary
@@ -56,14 +56,15 @@ def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, visible_
 def _block_forward(
     block: TransformerBlock, x_BSD: torch.Tensor, cos_sin, cache: KVCache, plan: AttentionPlan | None
 ) -> torch.Tensor:
-    """One block; ``plan``: the prompts' attention plan at prefill, None for a decode step (S = 1)."""
+    """One block; ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
     attention = block.attention
     B, S, _ = x_BSD.shape
     q_BHSd, k_BKSd, v_BKSd = _project_qkv(attention, _norm_if(block.attention_norm, x_BSD), cos_sin)
-    keys_BKLd, values_BKLd = cache.write(block.layer_id, k_BKSd, v_BKSd)
-    if plan is not None:  # prefill: the prompts attend among themselves
+    if plan is not None:  # prefill: each prompt attends within itself
+        cache.write_prompts(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)
     else:
+        keys_BKLd, values_BKLd = cache.write(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache.mask(block.layer_id))
     attn_out = attention.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
     h = x_BSD + _norm_if(block.post_attention_norm, attn_out)
@@ -72,9 +73,9 @@ def _block_forward(
     return h + _norm_if(block.post_ffn_norm, ffn_out)
 
 
-def _last_logits(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
-                 plan: AttentionPlan | None) -> torch.Tensor:
-    """Run the blocks over ``tokens_BS`` (writing the cache); the logits of each row's last token [B, V]."""
+def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
+            plan: AttentionPlan | None) -> torch.Tensor:
+    """Embedding and blocks over ``tokens_BS`` (writing the cache): hidden states [B, S, D] before the final norm."""
     h = model.tok_embeddings(tokens_BS)
     if model.args.embedding_scale is not None:
         h = h * torch.tensor(model.args.embedding_scale).to(h.dtype)
@@ -83,17 +84,28 @@ def _last_logits(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torc
     local_cos_sin = model.local_rope(positions_BS, rope_dtype) if model.local_rope is not None else cos_sin
     for layer in model.layers:
         h = _block_forward(layer, h, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
-    return model.output(model.norm(h[:, -1:]))[:, 0]
+    return h
 
 
-def prefill(model: Transformer, tokens_BP: torch.Tensor, attention_mask_BP: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """All prompts in one pass, left-padded to P slots (attention_mask_BP: 1 for real tokens); fills
-    slots 0..P-1 of the cache. Returns the logits of the last prompt token [B, V]."""
-    B, P = tokens_BP.shape
-    positions_BP = (torch.arange(P, device=tokens_BP.device)[None, :] - cache.pad_B[:, None]).clamp(min=0)
-    plan = model.plan_attention(tokens_BP, attention_mask_BP.cpu())
-    cache.start(torch.arange(P, device=tokens_BP.device))
-    return _last_logits(model, tokens_BP, positions_BP, cache, plan)
+def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cache: KVCache) -> torch.Tensor:
+    """All prompts in one pass, packed in one row with no padding (each attends only within itself);
+    fills the cache's prompt slots, each prompt ending at slot ``prompt_slots - 1``. Returns the logits
+    of each prompt's last token [B, V]."""
+    device = cache.pad_B.device
+    lengths = [len(p) for p in prompts]
+    P = prompt_slots
+    tokens_1N = torch.tensor([t for p in prompts for t in p], device=device)[None]
+    positions_N = torch.cat([torch.arange(n) for n in lengths])
+    rows_N = torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(lengths))
+    slots_N = positions_N + torch.tensor([P - n for n in lengths])[rows_N]
+    last_B = torch.tensor(lengths).cumsum(0) - 1
+    has_sliding = any(layer.is_sliding for layer in model.layers)
+    # packed documents attend per document with no [N, N] mask (flash varlen kernels on GPU)
+    plan = plan_attention(1, tokens_1N.shape[1], device, None, positions_N[None],
+                          model.args.sliding_window if has_sliding else None, "varlen")
+    cache.start_prompts(rows_N.to(device), slots_N.to(device), P)
+    h_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, plan)
+    return model.output(model.norm(h_1ND[:, last_B.to(device)]))[0]
 
 
 def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -101,4 +113,5 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, 
     slot); returns its logits [B, V]."""
     positions_B1 = (slot - cache.pad_B)[:, None]
     cache.start(slot.reshape(1))
-    return _last_logits(model, tokens_B[:, None], positions_B1, cache, None)
+    h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, None)
+    return model.output(model.norm(h_B1D))[:, 0]

@@ -3,9 +3,10 @@
 Shapes: B batch, K key/value heads, d head_dim, S new tokens, L cache entries of a layer.
 
 Every row of the batch is left-padded to the same number of prompt slots P, so slot s of every row is
-written at the same step (the prompt at prefill, slot P + t at decode step t) and a row's token
+written at the same step (the prompts at prefill, slot P + t at decode step t) and a row's token
 positions are ``slot - pad_B`` (its first real token at position 0, as transformers numbers
-left-padded rows).
+left-padded rows). Prefill runs the prompts packed in one row, without the padding, and writes each
+token to its row and slot (``start_prompts`` / ``write_prompts``).
 
 - Full-attention layers hold every slot: [B, K, P + max_new_tokens, d], slot s at entry s.
 - Sliding-window layers (window W smaller than that) hold only the last W slots, a ring
@@ -48,6 +49,8 @@ class KVCache:
         # per buffer length, set by ``start``: the entries this step's slots go to, and who sees what
         self.index: dict[int, torch.Tensor] = {}
         self.visible: dict[int, torch.Tensor] = {}
+        # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
+        self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def start(self, slots_S: torch.Tensor) -> None:
         """Claim the entries of the slots written next (consecutive, increasing); a ring keeps only
@@ -59,8 +62,23 @@ class KVCache:
             self.index[n] = index
             self.visible[n] = (entry_slot[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
 
+    def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
+        """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
+        slot slots_N[i]; a ring keeps only the tokens of its last slots."""
+        self.start(torch.arange(prompt_slots, device=slots_N.device))
+        for n in self.entry_slot:
+            kept_N = slots_N >= prompt_slots - n
+            self.prompt_index[n] = (kept_N.nonzero()[:, 0], rows_N[kept_N], slots_N[kept_N] % n)
+
+    def write_prompts(self, layer_id: int, k_1KNd: torch.Tensor, v_1KNd: torch.Tensor) -> None:
+        """Store the packed prompt tokens' keys and values [1, K, N, d] in their rows and slots."""
+        token_M, rows_M, entries_M = self.prompt_index[self.lengths[layer_id]]
+        self.keys[layer_id][rows_M, :, entries_M] = k_1KNd[0, :, token_M].transpose(0, 1)
+        self.values[layer_id][rows_M, :, entries_M] = v_1KNd[0, :, token_M].transpose(0, 1)
+
     def write(self, layer_id: int, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this step's keys and values; returns the layer's whole buffers [B, K, L, d]."""
+        """Store the keys and values of the slots ``start`` claimed (the same slots in every row);
+        returns the layer's whole buffers [B, K, L, d]."""
         n = self.lengths[layer_id]
         index = self.index[n]
         keys, values = self.keys[layer_id], self.values[layer_id]

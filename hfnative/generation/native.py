@@ -92,12 +92,7 @@ class NativeRolloutEngine(RolloutEngine):
         args = model.args
         B, longest = len(prompts), max(len(p) for p in prompts)
         P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
-        tokens_BP = torch.zeros(B, P, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            tokens_BP[row, P - len(prompt):] = torch.tensor(prompt)
-        pad_B = torch.tensor([P - len(p) for p in prompts])
-        mask_BP = torch.arange(P)[None, :] >= pad_B[:, None]
-        tokens_BP, pad_B = tokens_BP.to(device), pad_B.to(device)
+        pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
 
         cache = KVCache(
             [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
@@ -106,8 +101,8 @@ class NativeRolloutEngine(RolloutEngine):
         seen_BV = None
         if sampling.repetition_penalty != 1.0:  # the prompt's tokens count as seen, as in transformers
             seen_BV = torch.zeros(B, args.vocab_size, dtype=torch.bool, device=device)
-            rows, columns = mask_BP.nonzero(as_tuple=True)
-            seen_BV[rows.to(device), tokens_BP[rows.to(device), columns.to(device)]] = True
+            rows = torch.repeat_interleave(torch.arange(B), torch.tensor([len(p) for p in prompts]))
+            seen_BV[rows.to(device), torch.tensor([t for p in prompts for t in p], device=device)] = True
         stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
         check_every = 1 if device.type == "cpu" else 8  # reading `finished` waits for the device
 
@@ -115,7 +110,7 @@ class NativeRolloutEngine(RolloutEngine):
         logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=device)
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
-        logits_BV = prefill(model, tokens_BP, mask_BP.to(device), cache)
+        logits_BV = prefill(model, prompts, P, cache)
         for t in range(T):
             token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, generator)
             tokens_BT[:, t], logprobs_BT[:, t] = token_B, logprob_B

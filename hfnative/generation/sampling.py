@@ -152,5 +152,4 @@ def choose_tokens(
         tokens_B = scores_BV.argmax(dim=-1)
     if sampling.logprob_temperature != 1.0:
         logits_BV = logits_BV / sampling.logprob_temperature
-    # log_softmax at the chosen token only: no [B, V] output to write
-    return tokens_B, logits_BV.gather(-1, tokens_B[:, None])[:, 0] - torch.logsumexp(logits_BV, dim=-1)
+    return tokens_B, F.log_softmax(logits_BV, dim=-1).gather(-1, tokens_B[:, None])[:, 0]
