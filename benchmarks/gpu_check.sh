@@ -8,7 +8,9 @@
 #   5 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
 #                  the model under flash / efficient; hfnative's variable-length path vs its dense path
 #   6 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
-#   7 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
+#   7 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2 and TP2 on 2 NCCL ranks (bf16); the
+#                  2-rank layouts need 2 GPUs and are reported unavailable (WARN) on one
+#   8 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
@@ -105,6 +107,16 @@ install_verdict() {
   if [[ -n $problems ]]; then echo "WARN $problems"; else echo "PASS $(grep -c '^  install ' "$1") wheels installed; pyproject dependencies met"; fi
 }
 
+distributed_verdict() {  # bench_distributed.py exits 0 even when a layout fails: read its lines
+  if grep -qE '^round [0-9/]+ [^ ]+: failed' "$1"; then
+    echo "FAIL $(grep -m1 -E ': failed' "$1" | cut -c1-160)"
+  elif grep -qE '^[a-z0-9-]+ +unavailable' "$1"; then
+    echo "WARN $(grep -E '^[a-z0-9-]+ +unavailable' "$1" | tr -s ' ' | paste -sd ';' | cut -c1-160)"
+  else
+    echo "PASS tokens/s vs 1 process: $(awk '$1 ~ /^(fsdp2|tp2)$/ && $2 ~ /^[0-9]+$/ {printf "%s %s, ", $1, $8}' "$1")loss $(grep -m1 -E '^maxrel' "$1" | tr -s ' ' | cut -c1-120)"
+  fi
+}
+
 bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lines
   local ratios
   ratios=$(grep -E '^ours(:[a-z_]+)? / ' "$1" | sed 's/, peak heap.*//' | paste -sd ';' | cut -c1-200)
@@ -125,9 +137,11 @@ bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lin
 if [[ $DEVICE == cuda ]]; then
   SFT_SMALL=(--preset smoke --steps 6 --warmup 2 --peak_seconds 0.5 --timeout 100)
   SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
+  DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
 else
   SFT_SMALL=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
+  DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
 fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
@@ -137,6 +151,8 @@ run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parit
 run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
 run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
   --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
+run_check distributed 70 distributed_verdict "$PYTHON" benchmarks/bench_distributed.py --device "$DEVICE" --rounds 1 \
+  "${DISTRIBUTED[@]}"
 run_check bench 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 "${SFT_BENCH[@]}"
 
 {

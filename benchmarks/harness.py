@@ -27,6 +27,7 @@ import random
 import resource
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -343,7 +344,8 @@ class Unavailable(Exception):
 
 
 def child_main(cli, train: Callable[[str, dict, list], dict]) -> None:
-    """Child process: ``train(runner, spec, notes) -> metrics`` for ``--child``, written as JSON to ``--out``."""
+    """Child process: ``train(runner, spec, notes) -> metrics`` for ``--child``, written as JSON to ``--out``.
+    In a launched run (torchrun sets RANK) every rank trains and rank 0 writes."""
     spec = json.loads(Path(cli.spec).read_text())
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
@@ -352,35 +354,68 @@ def child_main(cli, train: Callable[[str, dict, list], dict]) -> None:
         result.update(train(cli.child, spec, result["notes"]))
     except Unavailable as unavailable:
         result.update(status="unavailable", note=str(unavailable))
-    Path(cli.out).write_text(json.dumps(result))
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(cli.out).write_text(json.dumps(result))
 
 
-def run_child(runner: str, spec_path: Path, out_path: Path, timeout: float, script: str) -> dict:
-    """Run ``script --child runner`` in a fresh process; its result JSON, or a failed entry with the stderr tail."""
+# how a runner's process starts: interpreter arguments before the script (a launcher such as
+# ["-m", "torch.distributed.run", "--nproc_per_node", "2"]) and environment variables on top of ours
+Launch = Callable[[str], tuple[list[str], dict[str, str]]]
+
+
+def run_child(runner: str, spec_path: Path, out_path: Path, timeout: float, script: str,
+              launcher: list[str] = (), env_extra: dict[str, str] | None = None) -> dict:
+    """Run ``script --child runner`` in a fresh process (``python *launcher script ...``); its result JSON,
+    or a failed entry with the stderr tail. On timeout the process and all its descendants are killed (torchrun
+    starts its ranks in sessions of their own, out of reach of a process-group kill)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore")
-    command = [sys.executable, script, "--child", runner, "--spec", str(spec_path), "--out", str(out_path)]
+               TRANSFORMERS_VERBOSITY="error", PYTHONWARNINGS="ignore", **(env_extra or {}))
+    command = [sys.executable, *launcher, script, "--child", runner, "--spec", str(spec_path), "--out", str(out_path)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        for pid in [process.pid, *_descendants(process.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.communicate()
         return {"runner": runner, "status": "failed", "note": f"timed out after {timeout:.0f} s"}
     if out_path.exists():
         result = json.loads(out_path.read_text())
         out_path.unlink()
         return result
-    tail = (done.stderr or done.stdout).strip().splitlines()[-15:]
-    return {"runner": runner, "status": "failed", "note": f"exit {done.returncode}: " + "\n".join(tail)}
+    tail = (stderr or stdout).strip().splitlines()[-15:]
+    return {"runner": runner, "status": "failed", "note": f"exit {process.returncode}: " + "\n".join(tail)}
 
 
-def run_rounds(runners: list[str], workload: Workload, cli, script: str, shown: Callable[[dict], str]) -> list[dict]:
-    """Every runner once per round, in turn, each in its own process; ``shown(result)`` is printed per
-    finished run. A runner that failed or was unavailable is not retried in later rounds."""
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (children first), from the parent ids in /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue += children.get(child, [])
+    return found
+
+
+def run_rounds(runners: list[str], workload: Workload, cli, script: str, shown: Callable[[dict], str],
+               launch: Launch | None = None) -> list[dict]:
+    """Every runner once per round, in turn, each in its own process (started as ``launch(runner)`` says);
+    ``shown(result)`` is printed per finished run. A runner that failed or was unavailable is not retried
+    in later rounds."""
     results = []
     for round_index in range(cli.rounds):
         for runner in runners:
             if round_index and any(r["runner"] == runner and r["status"] != "ok" for r in results):
                 continue
-            result = run_child(runner, workload.spec_path, workload.spec_path.parent / "result.json", cli.timeout, script)
+            launcher, env_extra = launch(runner) if launch else ((), None)
+            result = run_child(runner, workload.spec_path, workload.spec_path.parent / "result.json", cli.timeout, script,
+                               launcher, env_extra)
             results.append(result)
             detail = shown(result) if result["status"] == "ok" else result.get("note", "")
             print(f"round {round_index + 1}/{cli.rounds} {runner}: {result['status']} {detail}", flush=True)
