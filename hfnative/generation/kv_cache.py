@@ -43,9 +43,8 @@ class KVCache:
         self.lengths = [ring if (sliding and ring) else num_slots for sliding in sliding_layers]
         self.pad_B = pad_B
         self.entry_slot = {n: torch.full((n,), -1, dtype=torch.long, device=device) for n in set(self.lengths)}
-        shape = lambda n: (batch_size, n_kv_heads, n, head_dim)  # noqa: E731
-        self.keys = [torch.zeros(shape(n), dtype=dtype, device=device) for n in self.lengths]
-        self.values = [torch.zeros(shape(n), dtype=dtype, device=device) for n in self.lengths]
+        self.keys = [torch.zeros(batch_size, n_kv_heads, n, head_dim, dtype=dtype, device=device) for n in self.lengths]
+        self.values = [torch.zeros_like(keys) for keys in self.keys]
         # per buffer length, set by ``start``: the entries this step's slots go to, and who sees what
         self.index: dict[int, torch.Tensor] = {}
         self.visible: dict[int, torch.Tensor] = {}

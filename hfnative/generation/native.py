@@ -60,7 +60,9 @@ class NativeRolloutEngine(RolloutEngine):
                         "(native names are expected, e.g. 'layers.0.attention.wq.weight')"
                     )
                 if tuple(target.shape) != tuple(tensor.shape):
-                    raise ValueError(f"load_weights: {name} has shape {list(tensor.shape)}, the model's is {list(target.shape)}")
+                    raise ValueError(
+                        f"load_weights: {name} has shape {list(tensor.shape)}, the model's is {list(target.shape)}"
+                    )
                 if target.data_ptr() != tensor.data_ptr():
                     target.copy_(tensor)
 
@@ -117,7 +119,7 @@ class NativeRolloutEngine(RolloutEngine):
             lengths_B += ~finished_B
             if stop_ids.numel():
                 finished_B |= torch.isin(token_B, stop_ids)
-            if t == T - 1 or ((t + 1) % check_every == 0 and bool(finished_B.all())):
+            if t == T - 1 or (stop_ids.numel() and (t + 1) % check_every == 0 and bool(finished_B.all())):
                 break
             if seen_BV is not None:
                 seen_BV[torch.arange(B, device=device), token_B] = True

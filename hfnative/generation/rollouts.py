@@ -6,6 +6,7 @@ step the trainer calls ``load_weights`` so the next rollouts come from the updat
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -58,8 +59,8 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
         ids = prompt.tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
         if not ids:
             raise ValueError(f"prompt {index} is empty: every prompt needs at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index} holds {bad[0]!r}: expected token ids in [0, {vocab_size})")
-        checked.append(ids)
+        for token in ids:
+            if isinstance(token, bool) or not hasattr(token, "__index__") or not 0 <= operator.index(token) < vocab_size:
+                raise ValueError(f"prompt {index} holds {token!r}: expected token ids in [0, {vocab_size})")
+        checked.append([operator.index(t) for t in ids])
     return checked
