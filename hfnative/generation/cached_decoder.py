@@ -108,10 +108,12 @@ def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cac
     return model.output(model.norm(h_1ND[:, last_B.to(device)]))[0]
 
 
-def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache,
+                read_upto: int | None = None) -> torch.Tensor:
     """One new token per row at ``slot`` (a 0-d long tensor, so a compiled step is reused at every
-    slot); returns its logits [B, V]."""
+    slot); returns its logits [B, V]. read_upto: slot + 1 to read only the filled part of the cache
+    (eager), None to read all of it, masked (compiled: one shape)."""
     positions_B1 = (slot - cache.pad_B)[:, None]
-    cache.start(slot.reshape(1))
+    cache.start(slot.reshape(1), read_upto)
     h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, None)
     return model.output(model.norm(h_B1D))[:, 0]

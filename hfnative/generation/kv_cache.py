@@ -40,6 +40,7 @@ class KVCache:
         """sliding_layers: per layer, whether it uses the sliding window; num_slots: prompt slots +
         max_new_tokens; pad_B: each row's left padding (long, on ``device``)."""
         ring = sliding_window if sliding_window is not None and sliding_window < num_slots else None
+        self.num_slots = num_slots
         self.lengths = [ring if (sliding and ring) else num_slots for sliding in sliding_layers]
         self.pad_B = pad_B
         self.entry_slot = {n: torch.full((n,), -1, dtype=torch.long, device=device) for n in set(self.lengths)}
@@ -48,18 +49,23 @@ class KVCache:
         # per buffer length, set by ``start``: the entries this step's slots go to, and who sees what
         self.index: dict[int, torch.Tensor] = {}
         self.visible: dict[int, torch.Tensor] = {}
+        self.read_upto = num_slots  # full-length buffers: entries past this are empty and not read
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
-    def start(self, slots_S: torch.Tensor) -> None:
+    def start(self, slots_S: torch.Tensor, read_upto: int | None = None) -> None:
         """Claim the entries of the slots written next (consecutive, increasing); a ring keeps only
-        the last of them that fit."""
+        the last of them that fit. read_upto: one past the last slot written so far, when known on the
+        host: attention then reads only that prefix of full-length buffers (eager decoding); None reads
+        them whole, masked (one shape for every step of a compiled decode step)."""
+        self.read_upto = self.num_slots if read_upto is None else read_upto
         for n, entry_slot in self.entry_slot.items():
             kept = slots_S[-n:]
             index = kept % n
             entry_slot.index_copy_(0, index, kept)
             self.index[n] = index
-            self.visible[n] = (entry_slot[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            read = entry_slot if n != self.num_slots else entry_slot[: self.read_upto]
+            self.visible[n] = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
 
     def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
         """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
@@ -77,12 +83,14 @@ class KVCache:
 
     def write(self, layer_id: int, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys and values of the slots ``start`` claimed (the same slots in every row);
-        returns the layer's whole buffers [B, K, L, d]."""
+        returns the layer's buffers [B, K, L, d] (full-length ones up to ``read_upto``)."""
         n = self.lengths[layer_id]
         index = self.index[n]
         keys, values = self.keys[layer_id], self.values[layer_id]
         keys.index_copy_(2, index, k_BKSd[:, :, -index.shape[0]:])
         values.index_copy_(2, index, v_BKSd[:, :, -index.shape[0]:])
+        if n == self.num_slots and self.read_upto < n:
+            return keys[:, :, : self.read_upto], values[:, :, : self.read_upto]
         return keys, values
 
     def mask(self, layer_id: int) -> torch.Tensor:

@@ -123,7 +123,9 @@ class NativeRolloutEngine(RolloutEngine):
                 break
             if seen_BV is not None:
                 seen_BV[torch.arange(B, device=device), token_B] = True
-            logits_BV = self._decode_step(model, token_B, torch.tensor(P + t, device=device), cache)
+            slot = P + t
+            logits_BV = self._decode_step(model, token_B, torch.tensor(slot, device=device), cache,
+                                          None if self.compile else slot + 1)
 
         lengths = lengths_B.tolist()
         tokens, logprobs, finished = tokens_BT.tolist(), logprobs_BT.tolist(), finished_B.tolist()
