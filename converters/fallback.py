@@ -107,7 +107,7 @@ class LogitsHead(nn.Module):
     softcap = None
 
     def projection(self) -> torch.Tensor:
-        raise NotImplementedError("this model's logits come from transformers' forward: it has no [V, D] head matrix")
+        raise ValueError("this model's logits come from transformers' forward: it has no [V, D] head matrix")
 
     def forward(self, logits_BSV: torch.Tensor, loss=None):
         if loss is None:
@@ -128,7 +128,7 @@ class LogitsHead(nn.Module):
             logprobs = logp_BSV.gather(-1, loss.targets_BS.clamp(min=0)[..., None])[..., 0]
             entropy = -(logp_BSV.exp() * logp_BSV).sum(-1).detach()
             return torch.where(valid_BS, logprobs, 0.0), torch.where(valid_BS, entropy, 0.0)
-        raise NotImplementedError(f"{type(loss).__name__} needs a [V, D] head: this model's logits come from transformers")
+        raise ValueError(f"{type(loss).__name__} needs a [V, D] head: this model's logits come from transformers")
 
 
 # --- packed rows ------------------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def _loss_parallel_head_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss
             **split,
         )
         return logprobs_N.view(B, S), entropy_N.view(B, S)
-    raise NotImplementedError(
+    raise ValueError(
         f"{type(loss).__name__} through a tensor-parallel head is not available yet (supported: TokenCrossEntropy, "
         "TokenLogprobs); run without tensor parallelism (tp=1) for this loss"
     )
