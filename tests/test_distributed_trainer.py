@@ -128,7 +128,7 @@ def test_rank_batches_are_accelerates(num_samples, batch_size, ranks):
 def test_padding_to_a_multiple_changes_no_loss():
     from hfnative.converters.loading import load_pretrained
     from hfnative.losses import shift_labels
-    from hfnative.trainers.trainer import pad_sequence_to_multiple
+    from hfnative.trainers.distributed import pad_sequence_to_multiple
 
     model = load_pretrained(worker.MODEL).model.eval()
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from transformers.trainer_callback import TrainerState
+
+from hfnative.losses import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,91 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
     return run
 
 
+def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
+    """Pad every [B, S] tensor of a batch at the end to a sequence length divisible by ``multiple`` (tensor
+    parallel splits the sequence over its ranks). The added positions change nothing: attention is causal, they
+    carry no label, padding masks mark them padding, and position ids run on past the last token."""
+    length = inputs["input_ids"].shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return inputs
+    fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0,
+            "assistant_masks": 0, "input_ids": 0}
+    padded = dict(inputs)
+    for key, value in inputs.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
+            continue
+        if key == "position_ids":
+            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device)
+        else:
+            tail = torch.full((value.shape[0], extra), fill.get(key, 0), dtype=value.dtype, device=value.device)
+        padded[key] = torch.cat([value, tail], dim=1)
+    return padded
+
+
+class DistributedMixin:
+    """The Trainer's side of a distributed run (``self.distributed``: a DistributedRun, or None for one process):
+    rank-aware state, parallelizing each model, the data shard, and reductions over the data-parallel ranks."""
+
+    def _new_state(self, **fields) -> TrainerState:
+        run = self.distributed
+        return TrainerState(is_local_process_zero=run is None or run.local_rank == 0,
+                            is_world_process_zero=run is None or run.is_main, **fields)
+
+    def _may_load_sharded(self, model) -> bool:
+        """Whether each rank may read just its slice of ``model``'s checkpoint: a Hub-format folder or id with
+        nothing to add before parallelizing (adapters, quantization). Others are loaded whole, then sharded."""
+        kwargs = self._model_init_kwargs
+        return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
+                and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
+
+    def _parallelize(self, model) -> None:
+        from hfnative.parallel import parallelize
+        from hfnative.peft.quantize import is_nf4
+
+        run, args = self.distributed, self.args
+        if any(is_nf4(p) for p in model.parameters()):
+            raise ValueError(
+                f"QLoRA (load_in_4bit / an NF4 base) cannot be sharded yet; this run was launched on {run.world_size} "
+                f"processes ({run.plan.describe()}): train LoRA without quantization there, or QLoRA on one process"
+            )
+        if not any(p.is_meta for p in model.parameters()):
+            model.to(self.device)
+        trainable = any(p.requires_grad for p in model.parameters())
+        checkpointing = (args.checkpoint_activations or run.plan.activation_checkpointing) and trainable
+        parallelize(
+            model, run.dims, run.mesh,
+            activation_checkpointing=args.activation_checkpointing_mode if checkpointing else None,
+            compile=args.torch_compile or run.plan.compile, mixed_precision=run.plan.mixed_precision,
+            reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
+        )
+
+    def _data_shard(self) -> dict:
+        run = self.distributed
+        return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
+
+    def _over_all_ranks(self, count: int | None) -> int | None:
+        """A step's normalizer (label tokens) over every data-parallel rank."""
+        if self.distributed is None or count is None:
+            return count
+        return int(self.distributed.sum_over_dp(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+
+    def _summed_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """Each rank's loss is its tokens' share of the step's loss: the step's loss is their sum."""
+        if self.distributed is None:
+            return value
+        return self.distributed.sum_over_dp(value.detach().clone())
+
+    def _reduce_metrics(self, values: torch.Tensor, summed: list[bool]) -> torch.Tensor:
+        """Metrics over the data-parallel ranks: running totals summed, per-batch averages averaged."""
+        if self.distributed is None:
+            return values
+        values = self.distributed.sum_over_dp(values.clone())
+        divide = torch.tensor([1.0 if s else float(self.distributed.dp_size) for s in summed], dtype=values.dtype,
+                              device=values.device)
+        return values / divide
+
+
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """The model's whole tensors under its native names, on the CPU of rank 0 (an empty dict on the other
     ranks); every rank must call it (the shards are gathered)."""
@@ -109,4 +197,11 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-__all__ = ["DistributedRun", "full_state_dict", "launched_world_size", "start_distributed"]
+__all__ = [
+    "DistributedMixin",
+    "DistributedRun",
+    "full_state_dict",
+    "launched_world_size",
+    "pad_sequence_to_multiple",
+    "start_distributed",
+]

@@ -27,22 +27,21 @@ from transformers.trainer_callback import (
     PrinterCallback,
     ProgressCallback,
     TrainerControl,
-    TrainerState,
 )
 from transformers.trainer_utils import TrainOutput
 
 from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import ConvertedModel
-from hfnative.losses import IGNORE_INDEX, shift_labels
+from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
-from hfnative.parallel import apply_activation_checkpointing, apply_compile, parallelize
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
 from . import hub
 from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
-from .distributed import start_distributed
+from .distributed import DistributedMixin, pad_sequence_to_multiple, start_distributed
 from .evaluation import EvaluationMixin
 from .model_loading import load_meta_model, load_processing_class, load_sharded, resolve_model
 from .objective import LanguageModelingObjective, MetricAverages, without_labels
@@ -55,28 +54,6 @@ from .saving import SavingMixin
 MODEL_INPUT_COLUMNS = (
     "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
 )
-
-
-def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
-    """Pad every [B, S] tensor of a batch at the end to a sequence length divisible by ``multiple`` (tensor
-    parallel splits the sequence over its ranks). The added positions change nothing: attention is causal, they
-    carry no label, padding masks mark them padding, and position ids run on past the last token."""
-    length = inputs["input_ids"].shape[1]
-    extra = -length % multiple
-    if extra == 0:
-        return inputs
-    fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0,
-            "assistant_masks": 0, "input_ids": 0}
-    padded = dict(inputs)
-    for key, value in inputs.items():
-        if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] != length:
-            continue
-        if key == "position_ids":
-            tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype, device=value.device)
-        else:
-            tail = torch.full((value.shape[0], extra), fill.get(key, 0), dtype=value.dtype, device=value.device)
-        padded[key] = torch.cat([value, tail], dim=1)
-    return padded
 
 
 def resolve_device(args) -> torch.device:
@@ -94,7 +71,7 @@ def as_hfnative_args(args, cls):
     return cls(**values)
 
 
-class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
+class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -189,11 +166,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
 
     # --- model ---------------------------------------------------------------------------------
 
-    def _new_state(self, **fields) -> TrainerState:
-        run = self.distributed
-        return TrainerState(is_local_process_zero=run is None or run.local_rank == 0,
-                            is_world_process_zero=run is None or run.is_main, **fields)
-
     def _set_model(self, model) -> None:
         loaded = None
         if self.distributed is not None and self._may_load_sharded(model):
@@ -218,13 +190,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         embedding_params = self.model.get_input_embeddings().weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
 
-    def _may_load_sharded(self, model) -> bool:
-        """Whether each rank may read just its slice of ``model``'s checkpoint: a Hub-format folder or id with
-        nothing to add before parallelizing (adapters, quantization). Others are loaded whole, then sharded."""
-        kwargs = self._model_init_kwargs
-        return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
-                and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
-
     def _place(self, model) -> None:
         """Put a model on the device with the run's engine options (the policy and, frozen, every
         auxiliary model go through here, so they are laid out alike). In a distributed run:
@@ -237,26 +202,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
         if self.args.torch_compile:
             apply_compile(model)
-
-    def _parallelize(self, model) -> None:
-        run, args = self.distributed, self.args
-        from hfnative.peft.quantize import is_nf4
-
-        if any(is_nf4(p) for p in model.parameters()):
-            raise ValueError(
-                f"QLoRA (load_in_4bit / an NF4 base) cannot be sharded yet; this run was launched on {run.world_size} "
-                f"processes ({run.plan.describe()}): train LoRA without quantization there, or QLoRA on one process"
-            )
-        if not any(p.is_meta for p in model.parameters()):
-            model.to(self.device)
-        trainable = any(p.requires_grad for p in model.parameters())
-        checkpointing = (args.checkpoint_activations or run.plan.activation_checkpointing) and trainable
-        parallelize(
-            model, run.dims, run.mesh,
-            activation_checkpointing=args.activation_checkpointing_mode if checkpointing else None,
-            compile=args.torch_compile or run.plan.compile, mixed_precision=run.plan.mixed_precision,
-            reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
-        )
 
     def _build_auxiliary_models(self) -> None:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
@@ -295,10 +240,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
             seed=seed, shuffle=shuffle, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
             **self._data_shard(),
         )
-
-    def _data_shard(self) -> dict:
-        run = self.distributed
-        return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -522,29 +463,6 @@ class Trainer(OptimizationMixin, EvaluationMixin, SavingMixin):
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         hub.wait_for_push(self)  # the last checkpoint's upload
         return TrainOutput(self.state.global_step, train_loss, metrics)
-
-    # --- reductions over the data-parallel ranks -------------------------------------------------------
-
-    def _over_all_ranks(self, count: int | None) -> int | None:
-        """A step's normalizer (label tokens) over every data-parallel rank."""
-        if self.distributed is None or count is None:
-            return count
-        return int(self.distributed.sum_over_dp(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
-
-    def _summed_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
-        """Each rank's loss is its tokens' share of the step's loss: the step's loss is their sum."""
-        if self.distributed is None:
-            return value
-        return self.distributed.sum_over_dp(value.detach().clone())
-
-    def _reduce_metrics(self, values: torch.Tensor, summed: list[bool]) -> torch.Tensor:
-        """Metrics over the data-parallel ranks: running totals summed, per-batch averages averaged."""
-        if self.distributed is None:
-            return values
-        values = self.distributed.sum_over_dp(values.clone())
-        divide = torch.tensor([1.0 if s else float(self.distributed.dp_size) for s in summed], dtype=values.dtype,
-                              device=values.device)
-        return values / divide
 
     # --- logging and evaluation ------------------------------------------------------------------
 
