@@ -19,28 +19,12 @@ import torch.nn.functional as F
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock
 from hfnative.models.layers import Attention
-from hfnative.models.rope import apply_rotary
 
 from .kv_cache import KVCache
 
 
 def _norm_if(norm, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
-
-
-def _project_qkv(attention: Attention, x_BSD: torch.Tensor, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotated queries [B, H, S, d], keys and values [B, K, S, d] (as ``Attention.forward`` makes them)."""
-    B, S, _ = x_BSD.shape
-    xq, xk, xv = attention.wq(x_BSD), attention.wk(x_BSD), attention.wv(x_BSD)
-    if attention.q_norm is not None and attention.qk_norm_over_projection:
-        xq, xk = attention.q_norm(xq), attention.k_norm(xk)
-    xq_BHSd = xq.view(B, S, attention.n_heads, attention.head_dim).transpose(1, 2)
-    xk_BKSd = xk.view(B, S, attention.n_kv_heads, attention.head_dim).transpose(1, 2)
-    xv_BKSd = xv.view(B, S, attention.n_kv_heads, attention.head_dim).transpose(1, 2)
-    if attention.q_norm is not None and not attention.qk_norm_over_projection:
-        xq_BHSd, xk_BKSd = attention.q_norm(xq_BHSd), attention.k_norm(xk_BKSd)
-    cos, sin = cos_sin
-    return apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin), xv_BKSd
 
 
 def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, visible_B11L) -> torch.Tensor:
@@ -59,7 +43,7 @@ def _block_forward(
     """One block; ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
     attention = block.attention
     B, S, _ = x_BSD.shape
-    q_BHSd, k_BKSd, v_BKSd = _project_qkv(attention, _norm_if(block.attention_norm, x_BSD), cos_sin)
+    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(_norm_if(block.attention_norm, x_BSD), cos_sin)
     if plan is not None:  # prefill: each prompt attends within itself
         cache.write_prompts(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)

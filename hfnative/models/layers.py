@@ -96,13 +96,10 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None  # [H]
 
-    def forward(
-        self,
-        x_BSD: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        sliding: bool = False,
-    ) -> torch.Tensor:
+    def project_qkv(
+        self, x_BSD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied)."""
         B, S, _ = x_BSD.shape
         xq, xk, xv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.q_norm is not None and self.qk_norm_over_projection:
@@ -113,7 +110,16 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_over_projection:
             xq_BHSd, xk_BKSd = self.q_norm(xq_BHSd), self.k_norm(xk_BKSd)
         cos, sin = cos_sin
-        xq_BHSd, xk_BKSd = apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin)
+        return apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin), xv_BKSd
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        sliding: bool = False,
+    ) -> torch.Tensor:
+        xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin)
         out_BHSd = attend(xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
