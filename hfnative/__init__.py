@@ -37,6 +37,10 @@ _LAZY = {
     "Trainer": "hfnative.trainers",
     "SFTConfig": "hfnative.trainers",
     "SFTTrainer": "hfnative.trainers",
+    **{name: "hfnative.trainers" for name in (
+        "DPOConfig", "DPOTrainer", "DistillationConfig", "DistillationTrainer", "GKDConfig", "GKDTrainer",
+        "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer",
+    )},
 }
 
 

@@ -1,7 +1,34 @@
 """The familiar front door: transformers / TRL argument classes and trainers on hfnative's engine."""
 
+from importlib import import_module
+
 from .arguments import SFTConfig, TrainingArguments
 from .sft_trainer import SFTTrainer
 from .trainer import Trainer
 
-__all__ = ["SFTConfig", "SFTTrainer", "Trainer", "TrainingArguments"]
+# the other algorithms' trainers, imported on first use: name -> module under hfnative.trainers
+_LAZY = {
+    "DPOConfig": "dpo_trainer",
+    "DPOTrainer": "dpo_trainer",
+    "DistillationConfig": "distillation_trainer",
+    "DistillationTrainer": "distillation_trainer",
+    "GKDConfig": "distillation_trainer",
+    "GKDTrainer": "distillation_trainer",
+    "GRPOConfig": "grpo_trainer",
+    "GRPOTrainer": "grpo_trainer",
+    "RLOOConfig": "rloo_trainer",
+    "RLOOTrainer": "rloo_trainer",
+    "AsyncGRPOConfig": "async_grpo",
+    "AsyncGRPOTrainer": "async_grpo",
+}
+
+__all__ = ["SFTConfig", "SFTTrainer", "Trainer", "TrainingArguments", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hfnative.trainers' has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

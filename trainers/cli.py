@@ -19,7 +19,9 @@ process torchrun or accelerate launch started, they are refused. ``trainers/para
 launch's settings into the layout.
 
 A command is registered in ``COMMANDS`` with its config class, trainer class, script-arguments
-class and the function that runs it; ``sft`` is the default when none is named.
+class and the function that runs it; ``sft`` is the default when none is named. The other algorithms'
+commands are named there as ``"module:function"`` and imported only when run: ``function()`` returns the
+module's ``Command``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from copy import copy
 from dataclasses import dataclass, fields
+from importlib import import_module
 from typing import get_type_hints
 
 import torch
@@ -481,6 +484,8 @@ class Command:
     run: Callable
     script_args_class: type = ScriptArguments
     model_args_class: type = ModelArguments
+    # extra keyword arguments of the trainer, from the parsed arguments: (script_args, training_args, model_args) -> dict
+    trainer_kwargs: Callable | None = None
 
     def parser(self, name: str) -> TrainingArgumentParser:
         return TrainingArgumentParser(
@@ -504,12 +509,14 @@ def train_model(command: Command, script_args, training_args, model_args) -> Non
             if not model_args.model_name_or_path:
                 raise ValueError("model_name_or_path is required: a local model folder or a Hub model id")
             training_args.model_init_kwargs = model_init_kwargs_from(model_args, training_args)
+            extra = command.trainer_kwargs(script_args, training_args, model_args) if command.trainer_kwargs else {}
             trainer = command.trainer_class(
                 model=model_args.model_name_or_path,
                 args=training_args,
                 train_dataset=train_dataset,
                 eval_dataset=eval_dataset,
                 peft_config=peft_config_from(model_args),
+                **extra,
             )
         except (ValueError, FileNotFoundError) as err:
             raise UsageError(err) from err
@@ -529,10 +536,24 @@ def train_model(command: Command, script_args, training_args, model_args) -> Non
                 print(f"Model saved to {training_args.output_dir}")
 
 
-COMMANDS: dict[str, Command] = {
+COMMANDS: dict[str, Command | str] = {
     "sft": Command("Supervised fine-tuning (TRL's `trl sft`)", SFTConfig, SFTTrainer, train_model),
+    "dpo": "hfnative.trainers.dpo_trainer:cli_command",
+    "distillation": "hfnative.trainers.distillation_trainer:distillation_cli_command",
+    "gkd": "hfnative.trainers.distillation_trainer:gkd_cli_command",
+    "grpo": "hfnative.trainers.grpo_trainer:cli_command",
+    "rloo": "hfnative.trainers.rloo_trainer:cli_command",
 }
 DEFAULT_COMMAND = "sft"
+
+
+def command_named(name: str) -> Command:
+    """The registered command, importing its module when it is registered as ``"module:function"``."""
+    entry = COMMANDS[name]
+    if isinstance(entry, str):
+        module_name, function = entry.split(":")
+        entry = COMMANDS[name] = getattr(import_module(module_name), function)()
+    return entry
 
 
 def _pick_command(args: list[str]) -> tuple[str, list[str]]:
@@ -548,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
         name, args = _pick_command(args)
-        command = COMMANDS[name]
+        command = command_named(name)
         parser = command.parser(name)
         launch_args, args = parser.launch_arguments(args)
         if launch_args:
