@@ -33,6 +33,9 @@ LAYOUTS = {
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
     # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from the unsharded units
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
+    # QLoRA: the NF4 base kept whole on every rank, the adapters (and norms, embedding) sharded
+    "fsdp4-qlora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
+                                               model_init_kwargs=dict(load_in_4bit=True))),
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
 }
 

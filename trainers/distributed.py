@@ -147,10 +147,11 @@ class DistributedMixin:
         from hfnative.peft.quantize import is_nf4
 
         run, args = self.distributed, self.args
-        if any(is_nf4(p) for p in model.parameters()):
+        if run.dims.tp_enabled and any(is_nf4(p) for p in model.parameters()):
             raise ValueError(
-                f"QLoRA (load_in_4bit / an NF4 base) cannot be sharded yet; this run was launched on {run.world_size} "
-                f"processes ({run.plan.describe()}): train LoRA without quantization there, or QLoRA on one process"
+                f"QLoRA (load_in_4bit / an NF4 base) cannot be split by tensor parallelism ({run.plan.describe()}): "
+                "its 4-bit weights are kept whole on every rank; use data parallelism (FSDP2 / DDP) for QLoRA, "
+                "or LoRA without quantization with tp_size > 1"
             )
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device)

@@ -11,6 +11,10 @@ grouped with ``fully_shard([...])``: the decoder calls the norm inside its forwa
 Parameters that are already DTensors on a tensor-parallel mesh (after ``apply_tensor_parallel``) are
 sharded further over the data-parallel mesh (both meshes must be slices of one root mesh).
 
+A 4-bit (NF4) frozen base, QLoRA's, is not sharded: every rank keeps the whole quantized base (an eighth of
+its fp32 size), FSDP2 leaves those parameters out of its units (``ignored_params``: no all-gather, no gradient),
+and shards everything else — the adapters, norms, embedding and head.
+
 Gradients are summed over the data-parallel ranks, not averaged: each rank's loss is its share of the sum
 over the global batch, divided by the global label-token count (all-reduced before the division), so the sum
 of the ranks' gradients is the single-process gradient of the whole batch.
@@ -66,7 +70,8 @@ def apply_fsdp(
     keeps its own parameters (none, in the native decoder) gathered.
     """
     policy = mixed_precision_policy(mixed_precision)
-    shard = dict(mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy(cpu_offload, dp_mesh))
+    shard = dict(mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy(cpu_offload, dp_mesh),
+                 ignored_params=quantized_parameters(model))
     for block in model.layers:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
     head_group = [model.norm, model.output]
@@ -94,12 +99,19 @@ def apply_fsdp_per_layer(
     behind hfnative's fallback wrapper) plus the root, which holds the rest (embedding, final norm, head); in place.
     Gradients are summed over the data-parallel ranks, as in ``apply_fsdp``."""
     shard = dict(mesh=dp_mesh, mp_policy=mixed_precision_policy(mixed_precision),
-                 offload_policy=offload_policy(cpu_offload, dp_mesh))
+                 offload_policy=offload_policy(cpu_offload, dp_mesh), ignored_params=quantized_parameters(model))
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **shard)
     fully_shard(model, **shard)
     _sum_gradients(model)
     return model
+
+
+def quantized_parameters(model: nn.Module) -> set[nn.Parameter]:
+    """The frozen NF4 (4-bit) parameters: kept whole on every rank, outside FSDP2's units."""
+    from hfnative.peft.quantize import is_nf4
+
+    return {p for p in model.parameters() if is_nf4(p)}
 
 
 def _sum_gradients(model: nn.Module) -> None:
@@ -111,4 +123,4 @@ def _sum_gradients(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-__all__ = ["apply_fsdp", "apply_fsdp_per_layer", "mixed_precision_policy"]
+__all__ = ["apply_fsdp", "apply_fsdp_per_layer", "mixed_precision_policy", "quantized_parameters"]
