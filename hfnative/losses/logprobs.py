@@ -15,25 +15,52 @@ import torch.nn.functional as F
 
 from ._chunks import IGNORE_INDEX, ChunkKernel, SoftmaxStats, fused_head_loss
 
+# per-token statistics the log-prob losses may also return (no gradient): the mean logit over the vocabulary,
+# whether the target is the argmax (first index on ties, as torch.argmax), and log sum_v p_v^2
+TOKEN_STATISTICS = ("mean_logits", "is_top1", "log_sum_sq_probs")
+
+
+def _check_statistics(statistics) -> tuple[str, ...]:
+    unknown = [name for name in statistics if name not in TOKEN_STATISTICS]
+    if unknown:
+        raise ValueError(f"unknown token statistics {unknown}; choose from {list(TOKEN_STATISTICS)}")
+    return tuple(statistics)
+
 
 class _TokenLogprobsKernel(ChunkKernel):
-    """log p(target) and the entropy per token; ignored targets give 0 and get no gradient."""
+    """log p(target) and the entropy per token (and the ``statistics`` asked for); ignored targets give 0
+    and get no gradient."""
 
     gradient_in_forward = False
 
-    def __init__(self, targets_N, softcap, temperature, chunk_size):
+    def __init__(self, targets_N, softcap, temperature, chunk_size, statistics=()):
         super().__init__(softcap, temperature, chunk_size)
         self.valid_N = targets_N != IGNORE_INDEX
         self.targets_N = torch.where(self.valid_N, targets_N, 0)
+        self.statistics = _check_statistics(statistics)
 
     def prepare(self, hidden_ND, need_hidden):
         N = hidden_ND.shape[0]
-        return tuple(torch.zeros(N, dtype=torch.float32, device=hidden_ND.device) for _ in range(2))
+        outputs = [torch.zeros(N, dtype=torch.float32, device=hidden_ND.device) for _ in range(2)]
+        for name in self.statistics:
+            dtype = torch.bool if name == "is_top1" else torch.float32
+            outputs.append(torch.zeros(N, dtype=dtype, device=hidden_ND.device))
+        return tuple(outputs)
 
-    def forward_chunk(self, chunk, logprobs_N, entropy_N):
-        stats = SoftmaxStats(chunk.z_CV, self.targets_N[chunk.rows], chunk.probs_CV)
+    def forward_chunk(self, chunk, logprobs_N, entropy_N, *statistics_N):
         valid_C = self.valid_N[chunk.rows]
+        # the mean logit is read before the softmax statistics overwrite the logits buffer
+        mean_logits_C = chunk.z_CV.mean(dim=-1) if "mean_logits" in self.statistics else None
+        stats = SoftmaxStats(chunk.z_CV, self.targets_N[chunk.rows], chunk.probs_CV)
         logprobs_N[chunk.rows] = torch.where(valid_C, stats.log_probs(), 0.0)
+        for name, out_N in zip(self.statistics, statistics_N):
+            if name == "mean_logits":
+                out_N[chunk.rows] = torch.where(valid_C, mean_logits_C, 0.0)
+            elif name == "is_top1":
+                out_N[chunk.rows] = stats.correct_C & valid_C
+            else:  # log sum_v p_v^2, a dot product per row (no [C, V] temporary)
+                log_sum_sq_C = torch.linalg.vecdot(stats.probs_CV, stats.probs_CV).log()
+                out_N[chunk.rows] = torch.where(valid_C, log_sum_sq_C, 0.0)
         entropy_N[chunk.rows] = torch.where(valid_C, stats.entropy(overwrite_logits=True), 0.0)
 
     def backward_chunk(self, chunk, grad_logprobs_N):
@@ -53,7 +80,8 @@ def fused_linear_token_logprobs(
     softcap: float | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    statistics: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, ...]:
     """log softmax(softcap(hidden @ weight.T) / temperature)[target] per token, and the entropy.
 
     hidden_ND: [N, D]; weight_VD: [V, D] (the embedding when tied); targets_N: [N] token ids.
@@ -61,8 +89,11 @@ def fused_linear_token_logprobs(
     still projected: drop them first with ``label_positions`` when many are ignored).
     Returns (logprobs_N, entropy_N), fp32; logprobs_N is differentiable w.r.t. hidden and weight for
     any upstream gradient, entropy_N is not (a logged statistic).
+    ``statistics``: names from TOKEN_STATISTICS, returned after the entropy in that order ([N] each, 0 / False
+    where ignored; is_top1 bool), computed in the same chunk loop.
     """
-    return fused_head_loss(_TokenLogprobsKernel(targets_N, softcap, temperature, chunk_size), hidden_ND, weight_VD)
+    kernel = _TokenLogprobsKernel(targets_N, softcap, temperature, chunk_size, statistics)
+    return fused_head_loss(kernel, hidden_ND, weight_VD)
 
 
 def linear_token_logprobs(
@@ -71,7 +102,8 @@ def linear_token_logprobs(
     targets_N: torch.Tensor,
     softcap: float | None = None,
     temperature: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    statistics: tuple[str, ...] = (),
+) -> tuple[torch.Tensor, ...]:
     """The same on materialized [N, V] logits (the plain reference; autograd keeps [N, V])."""
     logits_NV = (hidden_ND @ weight_VD.T).float()
     if softcap is not None:
@@ -81,4 +113,13 @@ def linear_token_logprobs(
     logprobs_N = logp_NV.gather(1, torch.where(valid_N, targets_N, 0)[:, None])[:, 0] * valid_N
     with torch.no_grad():
         entropy_N = -(logp_NV.exp() * logp_NV).sum(-1) * valid_N
-    return logprobs_N, entropy_N
+        extra = []
+        for name in _check_statistics(statistics):
+            z_NV = logits_NV / temperature
+            if name == "mean_logits":
+                extra.append(z_NV.mean(-1) * valid_N)
+            elif name == "is_top1":
+                extra.append((z_NV.argmax(-1) == targets_N) & valid_N)
+            else:
+                extra.append(torch.logsumexp(2 * logp_NV, dim=-1) * valid_N)
+    return (logprobs_N, entropy_N, *extra)

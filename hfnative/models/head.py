@@ -44,20 +44,35 @@ class TokenCrossEntropy:
 @dataclass
 class TokenLogprobs:
     """Per-position log-prob of the target under softmax(logits / temperature), and the entropy:
-    ([B, S], [B, S]) with zeros where the target is IGNORE_INDEX."""
+    ([B, S], [B, S]) with zeros where the target is IGNORE_INDEX.
+
+    statistics: names from ``hfnative.losses.logprobs.TOKEN_STATISTICS`` ("mean_logits", "is_top1",
+    "log_sum_sq_probs"); when given, a third item maps each name to its [B, S] tensor (no gradient).
+    compact: project only the positions whose target is not IGNORE_INDEX (the others cost nothing)."""
 
     targets_BS: torch.Tensor
     temperature: float = 1.0
     fused: bool = True
+    statistics: tuple[str, ...] = ()
+    compact: bool = False
 
-    def __call__(self, hidden_BSD, weight_VD, softcap) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, hidden_BSD, weight_VD, softcap) -> tuple:
         B, S, D = hidden_BSD.shape
         logprobs_fn = fused_linear_token_logprobs if self.fused else linear_token_logprobs
-        logprobs_N, entropy_N = logprobs_fn(
-            hidden_BSD.reshape(B * S, D), weight_VD, self.targets_BS.reshape(-1), softcap=softcap,
-            temperature=self.temperature,
+        keep_BS = self.targets_BS != IGNORE_INDEX if self.compact else None
+        hidden_ND = hidden_BSD[keep_BS] if self.compact else hidden_BSD.reshape(B * S, D)
+        targets_N = self.targets_BS[keep_BS] if self.compact else self.targets_BS.reshape(-1)
+        outputs = logprobs_fn(
+            hidden_ND, weight_VD, targets_N, softcap=softcap, temperature=self.temperature,
+            statistics=tuple(self.statistics),
         )
-        return logprobs_N.view(B, S), entropy_N.view(B, S)
+        if self.compact:  # back to [B, S]; masked_scatter keeps an all-ignored batch connected to the graph
+            outputs = [x.new_zeros((B, S)).masked_scatter(keep_BS, x) for x in outputs]
+        else:
+            outputs = [x.view(B, S) for x in outputs]
+        if not self.statistics:
+            return outputs[0], outputs[1]
+        return outputs[0], outputs[1], dict(zip(self.statistics, outputs[2:]))
 
 
 @dataclass

@@ -1,0 +1,524 @@
+"""DPOTrainer: TRL's Direct Preference Optimization front door on the one loop.
+
+Each batch holds B preference pairs as [2B, S] (chosen rows, then rejected rows) and runs through the
+policy once; the sequence log-probs come from the head's chunked log-prob loss (no [2B, S, V] logits).
+The reference's log-probs come, without a graph, from a frozen copy of the checkpoint, a given
+``ref_model``, the policy with its LoRA adapters disabled, or columns precomputed before training.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from datasets import Dataset, IterableDataset
+from torch import nn
+
+from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
+from hfnative.losses import IGNORE_INDEX, shift_labels
+from hfnative.losses.preference import (
+    F_DIVERGENCE_LOSS_TYPES,
+    F_DIVERGENCES,
+    LOSS_TYPES,
+    SORTING_LOSS_TYPES,
+    PreferenceLogps,
+    preference_loss,
+)
+from hfnative.models.decoder import Transformer
+from hfnative.models.head import TokenLogprobs
+
+from .arguments import TrainingArguments, _deprecated
+from .model_card import write_model_card
+from .objective import LanguageModelingObjective
+from .sft_trainer import SFTObjective, SFTTrainer, _as_dict, _check_peft_config, _model_name
+from .trainer import Trainer, as_hfnative_args, set_seed
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(repr=False)
+class DPOConfig(TrainingArguments):
+    """TRL's DPOConfig: the same fields and defaults (learning_rate 1e-6, logging_steps 10, activation
+    checkpointing on, bf16 unless fp16, beta 0.1, loss_type ["sigmoid"], max_length 1024)."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
+    gradient_checkpointing: bool | None = field(
+        default=True, metadata={"help": "Recompute activations in backward to save memory (about 20%% slower)."}
+    )
+    bf16: bool | None = field(
+        default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16 (needs a GPU, or use_cpu)."}
+    )
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None, metadata={"help": "How to load the model when it is given by name (JSON): dtype, revision, ..."}
+    )
+    trust_remote_code: bool = field(
+        default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
+    )
+    router_aux_loss_coef: float | None = field(
+        default=None, metadata={"help": "Weight of the MoE load-balancing loss (None: the model config's value)."}
+    )
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model and reference model."})
+    dataset_num_proc: int | None = field(default=None, metadata={"help": "Processes used to tokenize the dataset."})
+    max_length: int | None = field(
+        default=1024, metadata={"help": "Truncate each prompt + completion sequence to this length (None: no truncation)."}
+    )
+    truncation_mode: str = field(
+        default="keep_start", metadata={"help": "Which end to keep when truncating: keep_start or keep_end (deprecated)."}
+    )
+    padding_free: bool = field(
+        default=False, metadata={"help": "Unavailable in TRL 1.16 (falls back to padding with a warning); kept for its name."}
+    )
+    pad_to_multiple_of: int | str | None = field(
+        default="auto", metadata={"help": "Pad sequences to a multiple of this length ('auto': no padding off Neuron)."}
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False, metadata={"help": "Compute the reference log-probs of every row once, before training."}
+    )
+    precompute_ref_batch_size: int | None = field(
+        default=None, metadata={"help": "Batch size of that pass (default: the per-device train / eval batch size)."}
+    )
+    loss_type: list[str] = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={"help": f"One or more of {', '.join(LOSS_TYPES)} (several are summed with loss_weights)."},
+    )
+    loss_weights: list[float] | None = field(
+        default=None, metadata={"help": "The weight of each loss_type (default: 1.0 each)."}
+    )
+    ld_alpha: float | None = field(
+        default=None, metadata={"help": "LD-DPO: weight of the completion tokens past the shorter completion's length."}
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl", metadata={"help": f"The f-divergence of f-DPO: {', '.join(F_DIVERGENCES)}."}
+    )
+    f_alpha_divergence_coef: float = field(default=0.5, metadata={"help": "alpha of the alpha-divergence."})
+    label_smoothing: float = field(
+        default=0.0, metadata={"help": "Label-flip probability (robust, aot: in [0, 0.5)); EXO's epsilon (exo_pair: > 0)."}
+    )
+    beta: float = field(default=0.1, metadata={"help": "Deviation from the reference model (IPO: its tau)."})
+    use_weighting: bool = field(default=False, metadata={"help": "WPO: weight pairs by their length-normalized probabilities."})
+    discopop_tau: float = field(default=0.05, metadata={"help": "Temperature of the DiscoPOP blend."})
+    activation_offloading: bool = field(default=False, metadata={"help": "Offload activations to the CPU."})
+    sync_ref_model: bool = field(
+        default=False, metadata={"help": "TR-DPO: mix the policy into the reference every ref_model_sync_steps steps."}
+    )
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO: ref = alpha * policy + (1 - alpha) * ref."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: steps between reference updates."})
+    pad_token: str | None = field(default=None, metadata={"help": "Deprecated in TRL: the padding token to set on the tokenizer."})
+
+    _VALID_DICT_FIELDS = transformers.TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        if isinstance(self.loss_type, str):
+            self.loss_type = [self.loss_type]
+        if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
+            raise ValueError(
+                "`loss_weights` must have the same length as `loss_type` when combining multiple losses. "
+                f"Got {len(self.loss_weights)} weights for {len(self.loss_type)} loss types."
+            )
+        if self.pad_token is not None:
+            _deprecated("`pad_token` is deprecated; set `tokenizer.pad_token` directly and pass it as "
+                        "`processing_class` to the trainer instead.")
+        if self.truncation_mode == "keep_end":
+            _deprecated("The `'keep_end'` truncation mode is deprecated; use `truncation_mode='keep_start'`.")
+        super().__post_init__()
+        if isinstance(self.pad_to_multiple_of, str):  # the CLI passes a string; "auto" pads only on Neuron
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
+
+    def check_for_trainer(self) -> None:
+        """TRL's checks of the loss settings (made when a DPOTrainer is built, as TRL makes them; an unknown loss
+        type is refused here rather than at the first step)."""
+        unknown = [name for name in self.loss_type if name not in LOSS_TYPES]
+        if unknown:
+            raise ValueError(f"Unknown loss type: {unknown[0]}. Should be one of {list(LOSS_TYPES)}")
+        if self.f_divergence_type not in F_DIVERGENCES:
+            raise ValueError(f"Unknown f_divergence_type: {self.f_divergence_type}; use one of {list(F_DIVERGENCES)}")
+        if self.f_divergence_type != "reverse_kl" and not set(self.loss_type) <= set(F_DIVERGENCE_LOSS_TYPES):
+            raise ValueError(
+                f"`f_divergence_type='{self.f_divergence_type}'` is only supported for the following loss types: "
+                f"{sorted(F_DIVERGENCE_LOSS_TYPES)}. You provided {self.loss_type}. Use the default "
+                "`f_divergence_type='reverse_kl'` with these losses."
+            )
+        if self.use_weighting and set(self.loss_type) & set(SORTING_LOSS_TYPES):
+            raise UnsupportedSettings(
+                "WPO-style weighting is not implemented for 'aot' or 'aot_unpaired' because those losses sort "
+                "samples, which would misalign per-pair weights: set use_weighting=False or use another loss_type."
+            )
+        if "robust" in self.loss_type and not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(
+                f"The `label_smoothing` parameter must lie in [0.0, 0.5) for the 'robust' loss (it is the probability "
+                f"that a preference label is flipped); you provided {self.label_smoothing}."
+            )
+        if "exo_pair" in self.loss_type and self.label_smoothing == 0.0:
+            raise ValueError(
+                "Label smoothing must be greater than 0.0 when using 'exo_pair' loss. The EXO paper recommends a "
+                "value of 1e-3."
+            )
+        if self.ld_alpha is not None and not 0.0 <= self.ld_alpha <= 1.0:
+            raise ValueError(f"`ld_alpha` must be in [0.0, 1.0]; you provided {self.ld_alpha}.")
+        if self.truncation_mode not in ("keep_start", "keep_end"):
+            raise ValueError(f"Unsupported truncation mode: {self.truncation_mode}, expected 'keep_start' or 'keep_end'")
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            raise ValueError(
+                "You cannot use `sync_ref_model=True` together with `precompute_ref_log_probs=True`: the reference "
+                "model changes during training, so log-probs computed before it would be stale. Set "
+                "`precompute_ref_log_probs=False` or disable `sync_ref_model`."
+            )
+
+
+class UnsupportedSettings(ValueError, NotImplementedError):
+    """Settings TRL refuses with NotImplementedError: a ValueError here, and still that for code catching it."""
+
+
+class DPOTrainer(Trainer):
+    """TRL's DPOTrainer: same constructor and DPOConfig; logs loss, grad_norm, learning_rate, rewards/chosen,
+    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen,
+    logits/rejected, entropy, mean_token_accuracy, num_tokens (aux_loss for MoE), eval_* in evaluation."""
+
+    algorithm_name = "DPO"
+    _tag_names = ["trl", "dpo"]
+    _add_adapters = SFTTrainer._add_adapters  # LoRA / DoRA / QLoRA from peft_config, as SFT
+
+    def __init__(
+        self,
+        model,
+        ref_model=None,
+        args: DPOConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        optimizer_cls_and_kwargs=None,
+    ):
+        if args is None:
+            args = DPOConfig(f"{_model_name(model)}-DPO")
+        args = as_hfnative_args(args, DPOConfig)
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: pass preference rows ('prompt', 'chosen', 'rejected')")
+        if not isinstance(train_dataset, (Dataset, IterableDataset, list)):
+            raise TypeError(f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`.")
+        if ref_model is not None and ref_model is model:
+            raise ValueError(
+                "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
+                "we'll initialize it to a copy of `model` for you."
+            )
+        _check_peft_config(peft_config, model)
+        if peft_config is not None and args.sync_ref_model:
+            raise UnsupportedSettings(
+                "You passed `sync_ref_model=True` while using a PEFT model: with PEFT the reference is the base model "
+                "with the adapter disabled, so there is no separate reference model to synchronize. Use "
+                "`sync_ref_model=False`, or full fine-tuning for a synchronized reference."
+            )
+        args.check_for_trainer()
+        if args.padding_free:
+            logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
+        set_seed(args.seed)
+        model_init_kwargs = _as_dict(args.model_init_kwargs)
+        if not isinstance(model, (str, Path)):
+            if model_init_kwargs:
+                logger.warning("You passed `model_init_kwargs` to the `DPOConfig`, but your model is already "
+                               "instantiated. The `model_init_kwargs` will be ignored.")
+            if quantization_config is not None:
+                raise ValueError(
+                    "You passed `quantization_config` to the trainer, but your model is already instantiated: pass the "
+                    "model as a path or Hub id, or omit `quantization_config`."
+                )
+            model_init_kwargs = {}
+        elif quantization_config is not None:
+            if "quantization_config" in model_init_kwargs:
+                raise ValueError("You set `quantization_config` both as a trainer argument and in "
+                                 "`args.model_init_kwargs`: keep one of them (the trainer argument, say).")
+            model_init_kwargs["quantization_config"] = quantization_config
+        if args.use_liger_kernel:
+            warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
+                          "already computed by a chunked head.", FutureWarning, stacklevel=2)
+        self.peft_config = peft_config
+        # the reference: a given model, else (unless LoRA or precomputed) a frozen copy of the policy's checkpoint
+        self._ref_source = ref_model
+        if ref_model is None and isinstance(model, Transformer):  # an object already native: copied, not shared
+            self._ref_source = copy.deepcopy(model)
+        elif ref_model is None:
+            self._ref_source = model
+        self._ref_given = ref_model is not None
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            model_init_kwargs=model_init_kwargs,
+        )
+        self.objective.finish_setup()
+
+    @staticmethod
+    def _args_class():
+        return DPOConfig
+
+    def _make_objective(self):
+        return DPOObjective(self)
+
+    @property
+    def ref_model(self):
+        """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
+        return self.objective.auxiliary_models.get("ref_model")
+
+    def _save_checkpoint(self) -> None:
+        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
+        super()._save_checkpoint()
+
+
+def _disable_dropout(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+class DPOObjective(LanguageModelingObjective):
+    """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
+    policy's and the reference's sequence log-probs; TRL's DPO metrics."""
+
+    def __init__(self, trainer: DPOTrainer):
+        super().__init__(trainer)
+        args = trainer.args
+        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        self.aux_loss_coef = SFTObjective._enable_aux_loss(trainer.model, args.router_aux_loss_coef)
+        self.uses_adapters = trainer.lora_settings is not None or getattr(trainer.model, "_has_adapters", lambda: False)()
+        if trainer.distributed is not None and trainer.distributed.dims.tp_enabled:
+            raise ValueError("DPOTrainer needs the log-prob statistics of an unsplit head: run with tp=1 "
+                             "(data-parallel / FSDP layouts are supported)")
+        if trainer._ref_given:
+            self.auxiliary_models["ref_model"] = trainer._ref_source
+        elif not self.uses_adapters and not args.precompute_ref_log_probs:
+            self.auxiliary_models["ref_model"] = trainer._ref_source
+        trainer._ref_source = None  # loaded (or not needed): do not keep a second reference to it
+        if args.disable_dropout:
+            _disable_dropout(trainer.model)
+
+    def finish_setup(self) -> None:
+        """After the reference is loaded and the datasets are prepared: the reference in the policy's dtype,
+        dropout off in it too."""
+        ref = self.auxiliary_models.get("ref_model")
+        if ref is None:
+            return
+        policy_dtype = next(self.trainer.model.parameters()).dtype
+        if next(ref.parameters()).dtype != policy_dtype:
+            ref.to(policy_dtype)
+        if self.trainer.args.disable_dropout:
+            _disable_dropout(ref)
+
+    # --- data -----------------------------------------------------------------------------------
+    def _tokenizer(self):
+        processing_class = self.trainer.processing_class
+        return getattr(processing_class, "tokenizer", processing_class)
+
+    def prepare_datasets(self, train_dataset, eval_dataset):
+        trainer, args = self.trainer, self.trainer.args
+        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
+        if not isinstance(trainer.processing_class, tokenizer_types):
+            raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
+        tokenizer = self._tokenizer()
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if trainer.data_collator is None:
+            pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
+            if pad_token not in tokenizer.get_vocab():
+                raise ValueError(
+                    f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
+                    f"`processing_class` ({type(trainer.processing_class).__name__}). Ensure that the `pad_token` "
+                    "exists in the vocabulary before using it as a padding token."
+                )
+            tokenizer.pad_token = pad_token
+        return super().prepare_datasets(train_dataset, eval_dataset)
+
+    def prepare_train_dataset(self, dataset):
+        return self._prepare(dataset, self.trainer.args.per_device_train_batch_size)
+
+    def prepare_eval_dataset(self, dataset):
+        return self._prepare(dataset, self.trainer.args.per_device_eval_batch_size)
+
+    def _prepare(self, dataset, batch_size: int):
+        if dataset is None:
+            return None
+        args = self.trainer.args
+        first = next(iter(dataset), None)
+        if isinstance(first, dict) and ("image" in first or "images" in first):
+            raise ValueError("The dataset appears to be vision-related (contains 'image' or 'images' keys): "
+                             "hfnative's DPOTrainer trains text models only.")
+        dataset = prepare_preference_dataset(
+            dataset, self.trainer.processing_class, max_length=args.max_length, truncation_mode=args.truncation_mode,
+            dataset_num_proc=args.dataset_num_proc, remove_unused_columns=args.remove_unused_columns,
+        )
+        if args.precompute_ref_log_probs and "ref_chosen_logps" not in (dataset.column_names or []):
+            dataset = self._precompute_reference(dataset, args.precompute_ref_batch_size or batch_size)
+        return dataset
+
+    def _precompute_reference(self, dataset, batch_size: int):
+        """The dataset with "ref_chosen_logps" / "ref_rejected_logps" columns, from one pass in order."""
+        trainer = self.trainer
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
+                             "map-style Dataset or set `precompute_ref_log_probs=False`.")
+        state = getattr(trainer, "state", None)
+        if "ref_model" not in self.auxiliary_models and not self.uses_adapters and state is not None and state.global_step > 0:
+            raise ValueError(
+                "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started, "
+                "because `precompute_ref_log_probs=True` and no `ref_model` was provided (full fine-tuning): the "
+                "reference is only available before training. Provide this dataset as `eval_dataset` at "
+                "initialization, pass an explicit `ref_model`, or set `precompute_ref_log_probs=False`."
+            )
+        collator = trainer.data_collator or self.default_collator()
+        chosen, rejected = [], []
+        for start in range(0, len(dataset), batch_size):
+            rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
+            inputs = trainer._prepare_inputs(collator(rows))
+            with trainer._autocast():
+                ref_chosen, ref_rejected = self.reference_logps(inputs, self._targets(inputs))
+            chosen += ref_chosen.float().cpu().tolist()
+            rejected += ref_rejected.float().cpu().tolist()
+        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+
+    def default_collator(self):
+        args = self.trainer.args
+        return PreferenceCollator(
+            pad_token_id=self._tokenizer().pad_token_id, max_length=args.max_length,
+            truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of,
+        )
+
+    # --- one optimizer step ---------------------------------------------------------------------------
+    def normalizer(self, batches):
+        return None  # each micro-batch's loss is a mean over its pairs; the loop averages over accumulation
+
+    def after_optimizer_step(self) -> None:
+        """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
+        args = self.trainer.args
+        ref = self.auxiliary_models.get("ref_model")
+        if not args.sync_ref_model or ref is None:
+            return
+        if (self.trainer.state.global_step + 1) % args.ref_model_sync_steps != 0:  # the step just taken
+            return
+        alpha = args.ref_model_mixup_alpha
+        with torch.no_grad():
+            for ref_param, param in zip(ref.parameters(), self.trainer.model.parameters(), strict=True):
+                ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
+
+    # --- log-probs ------------------------------------------------------------------------------------
+    @staticmethod
+    def _targets(inputs) -> torch.Tensor:
+        """Next-token targets [2B, S]: the completion tokens, IGNORE_INDEX elsewhere."""
+        return shift_labels(inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX))
+
+    def _sequence_logps(self, token_logps_BS, targets_BS) -> torch.Tensor:
+        """Summed completion log-probs per row [2B]; with ld_alpha, the tokens past the shorter completion of the
+        pair weighted by it (LD-DPO)."""
+        alpha = self.trainer.args.ld_alpha
+        if alpha is None:
+            return token_logps_BS.sum(dim=1)
+        mask_BS = targets_BS != IGNORE_INDEX
+        position_BS = mask_BS.cumsum(dim=1)
+        chosen_lengths, rejected_lengths = mask_BS.sum(dim=1).chunk(2, dim=0)
+        shared_B2 = torch.minimum(chosen_lengths, rejected_lengths).repeat(2)
+        shared_BS = (position_BS > 0) & (position_BS <= shared_B2[:, None])
+        tail_BS = position_BS > shared_B2[:, None]
+        return (token_logps_BS * shared_BS).sum(dim=1) + alpha * (token_logps_BS * tail_BS).sum(dim=1)
+
+    @torch.no_grad()
+    def reference_logps(self, inputs, targets_BS) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen [B], rejected [B]) sequence log-probs under the reference, without a graph."""
+        head_loss = TokenLogprobs(targets_BS, fused=self.trainer.args.fused_loss, compact=True)
+        ref = self.auxiliary_models.get("ref_model")
+        if ref is not None:
+            token_logps_BS, _ = self.forward(ref, inputs, head_loss).head_output
+        else:
+            policy = self.trainer.model
+            aux_enabled = getattr(policy, "aux_loss_enabled", False)
+            policy.aux_loss_enabled = False  # the reference needs no router loss
+            try:
+                with policy.disable_adapter() if self.uses_adapters else nullcontext():
+                    token_logps_BS, _ = self.forward(policy, inputs, head_loss).head_output
+            finally:
+                policy.aux_loss_enabled = aux_enabled
+        return self._sequence_logps(token_logps_BS, targets_BS).chunk(2, dim=0)
+
+    # --- loss and metrics -------------------------------------------------------------------------
+    def loss(self, model, inputs, num_items_in_batch):
+        args = self.trainer.args
+        targets_BS = self._targets(inputs)
+        mask_BS = targets_BS != IGNORE_INDEX
+        statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if args.use_weighting else ())
+        head_loss = TokenLogprobs(targets_BS, fused=args.fused_loss, statistics=statistics, compact=True)
+        outputs = self.forward(model, inputs, head_loss)
+        token_logps_BS, entropy_BS, stats = outputs.head_output
+        chosen_logps, rejected_logps = self._sequence_logps(token_logps_BS, targets_BS).chunk(2, dim=0)
+        if "ref_chosen_logps" in inputs:
+            ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps.dtype)
+            ref_rejected_logps = inputs["ref_rejected_logps"].to(chosen_logps.dtype)
+        else:
+            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs, targets_BS)
+        logps = PreferenceLogps(
+            chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+            token_logps_BS=token_logps_BS, token_mask_BS=mask_BS,
+            completion_lengths_B2=inputs["completion_mask"].sum(dim=1), log_sum_sq_probs_BS=stats.get("log_sum_sq_probs"),
+        )
+        loss = preference_loss(
+            logps, loss_type=args.loss_type, loss_weights=args.loss_weights, beta=args.beta,
+            label_smoothing=args.label_smoothing, f_divergence_type=args.f_divergence_type,
+            f_alpha_divergence_coef=args.f_alpha_divergence_coef, discopop_tau=args.discopop_tau,
+            use_weighting=args.use_weighting,
+        )
+        metrics = {}
+        if outputs.aux_loss is not None:
+            loss = loss + self.aux_loss_coef * outputs.aux_loss
+            metrics["aux_loss"] = outputs.aux_loss
+        metrics.update(self._metrics(logps, entropy_BS, stats, mask_BS))
+        if model.training:
+            self._total_train_tokens += inputs["attention_mask"].sum()
+        metrics["num_tokens"] = self._total_train_tokens
+        return loss, metrics
+
+    def _metrics(self, logps: PreferenceLogps, entropy_BS, stats, mask_BS) -> dict:
+        """TRL's DPO metrics: per micro-batch means, and (sum, count) pairs for the token-weighted ones."""
+        beta = self.trainer.args.beta
+        chosen_rewards = beta * (logps.chosen_logps - logps.ref_chosen_logps).detach()
+        rejected_rewards = beta * (logps.rejected_logps - logps.ref_rejected_logps).detach()
+        chosen_mask, rejected_mask = mask_BS.chunk(2, dim=0)
+        chosen_mean_logits, rejected_mean_logits = stats["mean_logits"].chunk(2, dim=0)
+        chosen_top1, _ = stats["is_top1"].chunk(2, dim=0)
+        chosen_tokens, rejected_tokens = chosen_mask.sum(), rejected_mask.sum()
+        return {
+            "entropy": ((entropy_BS * mask_BS).sum(), mask_BS.sum()),
+            "logits/chosen": ((chosen_mean_logits * chosen_mask).sum(), chosen_tokens),
+            "logits/rejected": ((rejected_mean_logits * rejected_mask).sum(), rejected_tokens),
+            "mean_token_accuracy": ((chosen_top1 & chosen_mask).sum(), chosen_tokens),
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/chosen": logps.chosen_logps.detach().mean(),
+            "logps/rejected": logps.rejected_logps.detach().mean(),
+        }
+
+
+def cli_command():
+    """``hfnative-train dpo``: TRL's ``trl dpo`` flags (script, DPOConfig and model arguments)."""
+    from . import cli
+
+    return cli.Command("Direct Preference Optimization (TRL's `trl dpo`)", DPOConfig, DPOTrainer, cli.train_model)
