@@ -1,0 +1,82 @@
+"""The two Ray actors of asynchronous RL: a generator (a copy of the policy and a rollout engine on it)
+and a reward scorer. Plain classes here; ``RolloutPipeline`` makes them Ray actors, so importing this
+module needs no Ray.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hfnative.generation import NativeRolloutEngine, RolloutEngine, SamplingParams
+
+
+def _use_assigned_threads() -> None:
+    """One actor, its own cores: torch's intra-op threads follow OMP_NUM_THREADS (Ray sets it to the CPUs it
+    assigned to the actor when the caller did not set it)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+class RolloutGenerator:
+    """Generates completions with its copy of the policy; ``version`` is the optimizer step its weights are from.
+
+    policy: the policy as ``pipeline.policy_bytes`` pickled it (a native Transformer), loaded on this actor's device.
+    engine_factory: model -> RolloutEngine (default: the native KV-cache engine). Tasks run in the order the
+    trainer submitted them, so a ``load_weights`` lands between the generations before and after it.
+    """
+
+    def __init__(self, policy: bytes, version: int, engine_factory: Callable[[Any], RolloutEngine] | None = None):
+        _use_assigned_threads()
+        # bytes the trainer's process wrote from its own model, not a file a user handed over
+        model = torch.load(io.BytesIO(policy), weights_only=False, map_location="cpu")
+        if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES"):
+            model = model.to("cuda")
+        self.model = model.requires_grad_(False).eval()
+        self.engine = (engine_factory or NativeRolloutEngine)(model)
+        self.version = version
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> dict:
+        """Completions of ``prompt_ids``: completion_ids, logprobs (at generation time), finish_reason,
+        the policy version that produced them and the seconds it took."""
+        start = time.perf_counter()
+        rollouts = self.engine.generate(prompt_ids, sampling)
+        return {
+            "version": self.version,
+            "completion_ids": rollouts.completion_ids,
+            "logprobs": rollouts.logprobs,
+            "finish_reason": rollouts.finish_reason,
+            "generation_s": time.perf_counter() - start,
+        }
+
+    def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
+        """Copy the trainer's updated tensors in (native names) and take on their policy version."""
+        self.engine.load_weights(named_tensors.items())
+        self.version = version
+        return version
+
+    def ping(self) -> int:
+        return self.version
+
+
+class RewardScorer:
+    """Scores generated completions with ``score_fn(generated, payload) -> dict`` (the trainer's rewards and
+    advantages); ``payload``: what the trainer sent along with the prompts (e.g. the dataset rows)."""
+
+    def __init__(self, score_fn: Callable[[dict, Any], dict]):
+        _use_assigned_threads()
+        self.score_fn = score_fn
+
+    def score(self, generated: dict, payload: Any) -> dict:
+        start = time.perf_counter()
+        scored = self.score_fn(generated, payload)
+        return {**generated, **scored, "scoring_s": time.perf_counter() - start}
+
+    def ping(self) -> bool:
+        return True
