@@ -1,0 +1,709 @@
+"""GRPOTrainer: TRL's Group Relative Policy Optimization on the one loop.
+
+Shapes: N completions of a generation batch (G per prompt, consecutive), B completions of a micro-batch,
+P prompt tokens (left-padded), T completion tokens (right-padded), D hidden dim.
+
+Every ``steps_per_generation * num_iterations`` micro-batches the objective takes a generation batch of
+prompts, samples G completions of each with the native rollout engine (the training model's own weights,
+no copy), scores them with the reward functions, turns the rewards into advantages, shuffles the batch and
+cuts it into ``steps_per_generation`` micro-batches of ``per_device_train_batch_size`` completions, which
+the following micro-batches train on (``num_iterations`` times). Log-probs of the completion tokens come
+from the chunked head loss (no [B, T, V] logits kept); the loss is hfnative.losses.policy's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hfnative.generation import NativeRolloutEngine, SamplingParams
+from hfnative.losses import IGNORE_INDEX
+from hfnative.losses.policy import (
+    LOSS_TYPES,
+    MEAN_LOSS_TYPES,
+    clipped_policy_loss,
+    group_advantages,
+    high_entropy_mask,
+    nanstd,
+    normalize_then_sum_advantages,
+    weighted_rewards,
+)
+from hfnative.models.head import TokenLogprobs
+from hfnative.peft import disable_adapters
+
+from .arguments import TrainingArguments
+from .data_loading import EpochBatchSampler
+from .objective import LanguageModelingObjective
+from .rewards import RewardFunctions
+from .script_arguments import ScriptArguments
+from .sft_trainer import SFTTrainer
+from .trainer import Trainer
+
+# TRL 1.16 fields that select features hfnative does not run (vLLM, tools, continuous batching,
+# multimodal logging, entropy bonus): accepted at their defaults, refused otherwise
+_UNSUPPORTED_UNLESS_DEFAULT = ("use_vllm", "use_transformers_continuous_batching", "use_transformers_paged",
+                               "sync_ref_model", "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold",
+                               "max_tool_calling_iterations", "log_completions_hub_repo")
+
+
+@dataclass(repr=False)
+class GRPOConfig(TrainingArguments):
+    """TRL 1.16's GRPOConfig: the same fields and defaults (learning_rate 1e-6, logging_steps 10, activation
+    checkpointing on, bf16 unless fp16, remove_unused_columns False). ``per_device_train_batch_size`` counts
+    completions; ``generation_batch_size`` (or ``steps_per_generation``) sets how many are generated at once."""
+
+    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
+    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio)."})
+    gradient_checkpointing: bool | None = field(default=True, metadata={"help": "Recompute activations in backward."})
+    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16."})
+    # model and reference model
+    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": "How to load a model given by name (JSON)."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted; hfnative never runs a model's own code."})
+    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
+    disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout probability to 0."})
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Accepted; the head's log-probs are fp32 already."})
+    # data
+    remove_unused_columns: bool | None = field(default=False, metadata={"help": "Keep the dataset's columns (rewards read them)."})
+    num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})
+    num_generations_eval: int | None = field(default=None, metadata={"help": "G in evaluation (default num_generations)."})
+    max_completion_length: int | None = field(default=512, metadata={"help": "Maximum length of a completion."})
+    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "Accepted (DeepSpeed ZeRO-3 only)."})
+    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
+    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": "Pad prompts and completions to a multiple of this."})
+    # generation
+    generation_batch_size: int | None = field(default=None, metadata={"help": "Completions generated at once (per device)."})
+    steps_per_generation: int | None = field(default=None, metadata={"help": "Micro-batches per generation (default gradient_accumulation_steps)."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied to the trained log-probs)."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
+    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
+    min_p: float | None = field(default=None, metadata={"help": "Minimum probability relative to the most likely token."})
+    generation_kwargs: dict | str | None = field(default=None, metadata={"help": "More sampling settings (JSON)."})
+    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "Keyword arguments of the chat template (JSON)."})
+    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty."})
+    cache_implementation: str | None = field(default=None, metadata={"help": "Accepted; the native engine has its own cache."})
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (not available: the native engine runs)."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM: server or colocate."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "vLLM structured outputs regex."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (s)."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-update group port."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM GPU memory share."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM context length."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor-parallel size."})
+    # training
+    beta: float = field(default=0.0, metadata={"help": "KL coefficient (> 0 loads a reference model)."})
+    num_iterations: int = field(default=1, metadata={"help": "Optimization passes over each generation batch (μ)."})
+    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio."})
+    delta: float | None = field(default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping)."})
+    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default epsilon)."})
+    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature, negative advantages."})
+    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature, positive advantages."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
+    importance_sampling_level: str = field(default="token", metadata={"help": "token or sequence (GSPO) ratios."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
+    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "sum_then_normalize or normalize_then_sum."})
+    scale_rewards: str = field(default="group", metadata={"help": "Divide advantages by the std of: group, batch or none."})
+    loss_type: str = field(default="dapo", metadata={"help": "grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions cut at max length out of the loss."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (not available)."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup alpha."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period."})
+    top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top q highest-entropy tokens."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus (not available)."})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adaptive entropy bonus (not available)."})
+    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy lower bound."})
+    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy upper bound."})
+    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy step."})
+    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy target."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool calling (not available)."})
+    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "vLLM importance correction."})
+    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM importance mode."})
+    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "vLLM importance cap."})
+    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "vLLM importance floor."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Off-policy sequence mask (not available)."})
+    use_bias_correction_kl: bool = field(default=True, metadata={"help": "Weight the KL by the importance ratio."})
+    # logging
+    log_completions: bool = field(default=False, metadata={"help": "Print prompts, completions, rewards at each log."})
+    log_multimodal: bool = field(default=True, metadata={"help": "Log images (multimodal)."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
+    log_completions_hub_repo: str | None = field(default=None, metadata={"help": "Hub dataset for completions (not available)."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "transformers' continuous batching."})
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
+    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Deprecated: vllm_importance_sampling_clip_max."})
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
+    ]
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+        if isinstance(self.pad_to_multiple_of, str):
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        resolve_generation_batch(self)
+
+
+def resolve_generation_batch(args) -> None:
+    """TRL's rules: generation_batch_size and steps_per_generation follow from each other (default: one
+    optimizer step's completions); the batch holds whole groups; G >= 2."""
+    global_batch = args.per_device_train_batch_size * args.world_size
+    if args.generation_batch_size is None and args.steps_per_generation is None:
+        args.steps_per_generation = args.gradient_accumulation_steps
+        args.generation_batch_size = global_batch * args.steps_per_generation
+    elif args.generation_batch_size is not None and args.steps_per_generation is None:
+        if args.generation_batch_size % global_batch:
+            raise ValueError(
+                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global batch size "
+                f"({global_batch})."
+            )
+        args.steps_per_generation = args.generation_batch_size // global_batch
+    elif args.generation_batch_size is None:
+        args.generation_batch_size = global_batch * args.steps_per_generation
+    else:
+        raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time")
+    if args.generation_batch_size % args.num_generations:
+        raise ValueError(
+            f"generation_batch_size ({args.generation_batch_size}) must be divisible by num_generations "
+            f"({args.num_generations})."
+        )
+    if args.num_generations < 2:
+        raise ValueError(
+            "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+            f"{args.num_generations}, which is less than the minimum required."
+        )
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+
+class GenerationBatchSampler(EpochBatchSampler):
+    """Batches of ``prompts_per_batch`` prompt indices in the epoch's seeded order (an incomplete last batch
+    dropped), each yielded ``repeat`` times in a row: the loop reads one per micro-batch, and the objective
+    generates on the first of each run (TRL's RepeatSampler, without the per-completion repeats)."""
+
+    def __init__(self, num_samples: int, prompts_per_batch: int, repeat: int, seed: int, shuffle: bool = True):
+        super().__init__(num_samples, prompts_per_batch, seed, shuffle=shuffle, drop_last=True)
+        self.repeat = repeat
+
+    def __iter__(self):
+        order = self.order()
+        batches = [order[i : i + self.batch_size] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+        repeated = [batch for batch in batches for _ in range(self.repeat)]
+        skip, self.skip_batches = self.skip_batches, 0
+        yield from repeated[skip:]
+
+    def __len__(self) -> int:
+        return (self.num_samples // self.batch_size) * self.repeat
+
+
+def _rows(batch):
+    """The collator: the dataset rows as they are."""
+    return list(batch)
+
+
+def pad_left(sequences: list[list[int]], value: int) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    return torch.tensor([[value] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
+
+
+def pad_right(sequences: list[list], value, dtype=torch.long) -> torch.Tensor:
+    width = max(len(s) for s in sequences)
+    return torch.tensor([list(s) + [value] * (width - len(s)) for s in sequences], dtype=dtype)
+
+
+@dataclass
+class CompletionLogprobs:
+    """Head loss: log-prob and entropy (at ``temperature``) of each completion token [B, T], zeros where the
+    target is IGNORE_INDEX. Only the positions that predict completion tokens reach the head."""
+
+    targets_BT: torch.Tensor
+    prompt_length: int
+    temperature: float = 1.0
+
+    def __call__(self, hidden_BSD, weight_VD, softcap):
+        T = self.targets_BT.shape[1]
+        hidden_BTD = hidden_BSD[:, self.prompt_length - 1 : self.prompt_length - 1 + T]
+        return TokenLogprobs(self.targets_BT, self.temperature)(hidden_BTD, weight_VD, softcap)
+
+
+# --- the objective ---------------------------------------------------------------------------------------------
+
+
+class GRPOObjective(LanguageModelingObjective):
+    """Generation, scoring and the GRPO loss (see the module docstring). Subclasses (RLOO) change
+    ``advantages`` and ``policy_loss``."""
+
+    # log-probs of the policy at generation time, summed per sequence or per token: None (only when the
+    # buffer outlives an optimizer step, as TRL), "rollout" (the engine's sampling log-probs) or "forward"
+    old_logprobs_source = "rollout"
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        args = trainer.args
+        self.args = args
+        self.num_generations = args.num_generations
+        self.loss_type = getattr(args, "loss_type", None)
+        if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
+        for name in _UNSUPPORTED_UNLESS_DEFAULT:
+            if getattr(args, name, None) not in (None, False, 0.0):
+                raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's {type(trainer).__name__}: "
+                                 "leave it at its default (generation runs on the native engine)")
+        self.rewards = RewardFunctions(
+            trainer._reward_funcs, args.reward_weights, trainer._reward_processing_classes, trainer.device,
+            chat_template_kwargs=self._chat_template_kwargs(),
+        )
+        self.engine = NativeRolloutEngine(trainer.model)
+        self.tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
+        self.eos_token_ids = self._eos_token_ids()
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        extra = args.generation_kwargs or {}
+        self.sampling = SamplingParams(
+            max_new_tokens=args.max_completion_length, do_sample=extra.get("do_sample", True),
+            temperature=extra.get("temperature", args.temperature), top_p=extra.get("top_p", args.top_p),
+            top_k=extra.get("top_k", args.top_k), min_p=extra.get("min_p", args.min_p or 0.0),
+            repetition_penalty=extra.get("repetition_penalty", args.repetition_penalty),
+            eos_token_id=self.eos_token_ids,
+        )
+        self.generate_every = args.steps_per_generation * args.num_iterations
+        self.use_reference_adapters_off = False
+        if args.beta != 0.0:
+            if trainer.lora_settings is not None or getattr(trainer, "peft_config", None) is not None:
+                self.use_reference_adapters_off = True  # the base model, adapters disabled, is the reference
+            else:
+                self.auxiliary_models["ref"] = trainer._reference_source()
+        self._step = 0  # micro-batches trained so far (TRL's _step)
+        self._buffer: list[dict] | None = None
+        self._step_started = None
+        maxlen = args.generation_batch_size
+        self.logged = {"prompt": deque(maxlen=maxlen), "completion": deque(maxlen=maxlen),
+                       "rewards": {name: deque(maxlen=maxlen) for name in self.rewards.names},
+                       "advantages": deque(maxlen=maxlen), "extra": {}}
+        self._pending_extra: dict[str, list] = {}
+        self._pending_metrics: dict[str, list[float]] = {}
+
+    def _chat_template_kwargs(self) -> dict:
+        kwargs = self.trainer.args.chat_template_kwargs
+        return dict(kwargs or {})
+
+    def _eos_token_ids(self) -> list[int]:
+        """TRL's stop tokens: the tokenizer's EOS first, then the model's generation_config EOS ids."""
+        config = getattr(self.trainer.model, "generation_config", None)
+        ids = getattr(config, "eos_token_id", None)
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
+            ids = [self.tokenizer.eos_token_id, *ids]
+        if not ids:
+            raise ValueError("the tokenizer has no eos_token and the model no generation_config.eos_token_id: set one")
+        return ids
+
+    # --- data -------------------------------------------------------------------------------------------------
+    def prepare_datasets(self, train_dataset, eval_dataset):
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required: rows with a 'prompt' column (text or a list of messages)")
+        first = next(iter(train_dataset), None)
+        if not isinstance(first, dict) or "prompt" not in first:
+            raise ValueError(
+                f"train_dataset: row 0 is {first!r}; expected a dict with a 'prompt' column (a string, or a list of "
+                "{'role', 'content'} messages for conversations)"
+            )
+        if self.trainer.args.eval_strategy != "no":
+            raise ValueError(f"{type(self.trainer).__name__} does not evaluate yet: set eval_strategy='no'")
+        return train_dataset, None
+
+    def default_collator(self):
+        return _rows
+
+    def train_dataloader(self, dataset):
+        from torch.utils.data import DataLoader
+
+        args = self.trainer.args
+        prompts_per_batch = args.generation_batch_size // self.num_generations
+        if len(dataset) < prompts_per_batch:
+            raise ValueError(
+                f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
+                f"({args.generation_batch_size} completions / {self.num_generations} generations): add prompts or "
+                "lower per_device_train_batch_size / steps_per_generation"
+            )
+        sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, self.generate_every,
+                                         seed=args.data_seed if args.data_seed is not None else args.seed,
+                                         shuffle=args.shuffle_dataset)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.trainer.data_collator, num_workers=0)
+
+    # --- one optimizer step ------------------------------------------------------------------------------------
+    def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
+        self._step_started = time.perf_counter()
+        batches = []
+        for _, rows in zip(range(count), epoch_iterator):
+            if self._step % self.generate_every == 0 or self._buffer is None:
+                self._buffer = self.generate_and_score(rows)
+            batches.append(self._buffer[self._step % self.args.steps_per_generation])
+            self._step += 1
+        return batches
+
+    def normalizer(self, batches: list[dict]):
+        if self.loss_type in MEAN_LOSS_TYPES:
+            return None  # each micro-batch's loss is a mean: the loop divides by the accumulation steps
+        # TRL: the generation batch's completion tokens, rescaled to one optimizer step
+        return batches[0]["num_items_in_generation"] * len(batches) / self.args.steps_per_generation
+
+    def after_optimizer_step(self) -> None:
+        if not self.engine.reads_live_weights:
+            self.engine.load_weights(self.trainer.model.state_dict().items())
+        if self._step_started is not None:
+            self.trainer._metrics["train"].add("step_time", torch.tensor(time.perf_counter() - self._step_started))
+
+    # --- generation and scoring ------------------------------------------------------------------------------------
+    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
+        if isinstance(prompts[0], list):  # conversational: the chat template with the generation prompt
+            encoded = self.trainer.processing_class.apply_chat_template(
+                prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **self._chat_template_kwargs()
+            )
+            return [list(ids) for ids in encoded["input_ids"]]
+        return [list(ids) for ids in self.trainer.processing_class(text=prompts)["input_ids"]]
+
+    def decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        if isinstance(prompts[0], list):
+            return [[{"role": "assistant", "content": text}] for text in texts]
+        return texts
+
+    @torch.no_grad()
+    def generate_and_score(self, rows: list[dict]) -> list[dict]:
+        """Sample G completions per row, score them, and return the generation batch's micro-batches."""
+        trainer, args, G = self.trainer, self.args, self.num_generations
+        rows = [row for row in rows for _ in range(G)]
+        prompts = [row["prompt"] for row in rows]
+        prompt_ids = self.tokenize_prompts(prompts)
+        rollouts = self.engine.generate(prompt_ids, self.sampling)
+        completion_ids = rollouts.completion_ids
+        completions = self.decode(prompts, completion_ids)
+        self._log_generation(prompt_ids, completion_ids)
+
+        batch = self._tensors(prompt_ids, completion_ids, rollouts.logprobs)
+        rewards_NF = self.rewards.score(
+            prompts, completions, completion_ids, rows, trainer_state=trainer.state,
+            log_extra=self._log_extra, log_metric=self._log_metric,
+        )
+        model_logprobs = self._model_logprobs(batch)
+        batch.update(model_logprobs)
+        advantages = self.advantages(rewards_NF, batch)
+        batch["advantages"] = advantages.advantages_N
+        self._log_rewards(rewards_NF, advantages)
+        self.logged["prompt"].extend(prompts)
+        self.logged["completion"].extend(completions)
+        for index, name in enumerate(self.rewards.names):
+            self.logged["rewards"][name].extend(rewards_NF[:, index].tolist())
+        self.logged["advantages"].extend(advantages.advantages_N.tolist())
+        self._flush_reward_logs(len(prompts))
+        return self._split(batch)
+
+    def _tensors(self, prompt_ids, completion_ids, sampling_logprobs) -> dict:
+        is_truncated = torch.tensor([ids[-1] not in (*self.eos_token_ids, self.pad_token_id) for ids in completion_ids])
+        completion_mask_NT = pad_right([[1] * len(ids) for ids in completion_ids], 0)
+        if self.args.mask_truncated_completions:
+            completion_mask_NT = completion_mask_NT * (~is_truncated)[:, None].long()
+        return {
+            "prompt_ids": pad_left(prompt_ids, self.pad_token_id),
+            "prompt_mask": pad_left([[1] * len(ids) for ids in prompt_ids], 0),
+            "completion_ids": pad_right(completion_ids, self.pad_token_id),
+            "completion_mask": completion_mask_NT,
+            "sampling_logprobs": pad_right(sampling_logprobs, 0.0, dtype=torch.float32),
+            "completion_lengths": torch.tensor([len(ids) for ids in completion_ids]),
+        }
+
+    def _needs_old_logprobs(self) -> bool:
+        """TRL: only when the generation batch is trained on after an optimizer step has changed the policy."""
+        return self.args.gradient_accumulation_steps % self.generate_every != 0
+
+    def _model_logprobs(self, batch: dict) -> dict:
+        """Generation-time per-token log-probs: the reference model's (beta > 0) and the policy's old ones."""
+        out = {}
+        if self.args.beta != 0.0:
+            if self.use_reference_adapters_off:
+                with disable_adapters(self.trainer.model):
+                    out["ref_logprobs"] = self._forward_logprobs(self.trainer.model, batch)
+            else:
+                out["ref_logprobs"] = self._forward_logprobs(self.auxiliary_models["ref"], batch)
+        if self._needs_old_logprobs():
+            if self.old_logprobs_source == "forward":
+                out["old_logprobs"] = self._forward_logprobs(self.trainer.model, batch)
+            else:
+                out["old_logprobs"] = batch["sampling_logprobs"]
+        return out
+
+    def _forward_logprobs(self, model, batch: dict) -> torch.Tensor:
+        """Per-token log-probs [N, T] of the completions under ``model``, no grad, in micro-batch-sized chunks."""
+        size = self.args.per_device_train_batch_size
+        parts = []
+        was_training = model.training
+        model.eval()
+        try:
+            for start in range(0, batch["prompt_ids"].shape[0], size):
+                chunk = {k: v[start : start + size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                inputs = self.trainer._prepare_inputs(self._model_inputs(chunk))
+                with self.trainer._autocast():
+                    logprobs, _ = self.forward(model, inputs, self._head_loss(inputs)).head_output
+                parts.append(logprobs.float().cpu())
+        finally:
+            model.train(was_training)
+        return torch.cat(parts)
+
+    def _model_inputs(self, batch: dict) -> dict:
+        """input_ids / attention_mask of prompt + completion, the completion targets and the prompt width."""
+        targets_BT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+        return {
+            **batch,
+            "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+            "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+            "completion_targets": targets_BT,
+            "prompt_length": batch["prompt_ids"].shape[1],
+        }
+
+    def _head_loss(self, inputs: dict) -> CompletionLogprobs:
+        return CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"], self.sampling.logprob_temperature)
+
+    def advantages(self, rewards_NF: torch.Tensor, batch: dict):
+        weights_F = self.rewards.weights_F
+        if self.args.multi_objective_aggregation == "normalize_then_sum":
+            return normalize_then_sum_advantages(rewards_NF, weights_F, self.num_generations)
+        if self.args.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError(f"multi_objective_aggregation={self.args.multi_objective_aggregation!r}: expected "
+                             "'sum_then_normalize' or 'normalize_then_sum'")
+        return group_advantages(weighted_rewards(rewards_NF, weights_F), self.num_generations, self.args.scale_rewards)
+
+    def _split(self, batch: dict) -> list[dict]:
+        """Shuffle the generation batch (torch's global RNG, as TRL) and cut it into steps_per_generation
+        micro-batches, each trimmed to its own longest prompt and completion."""
+        N = batch["prompt_ids"].shape[0]
+        order = torch.randperm(N)
+        num_items = float(batch["completion_mask"].sum())
+        size = N // self.args.steps_per_generation
+        micro_batches = []
+        for start in range(0, N, size):
+            rows = order[start : start + size]
+            part = {key: value[rows] for key, value in batch.items()}
+            prompt_width = int(part["prompt_mask"].sum(1).max())
+            completion_width = int(part["completion_lengths"].max())
+            for key in ("prompt_ids", "prompt_mask"):
+                part[key] = part[key][:, part[key].shape[1] - prompt_width :]
+            for key in ("completion_ids", "completion_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs"):
+                if key in part and part[key].dim() == 2:
+                    part[key] = part[key][:, :completion_width]
+            micro_batch = self._model_inputs(part)
+            micro_batch["num_items_in_generation"] = num_items
+            micro_batches.append(micro_batch)
+        return micro_batches
+
+    # --- the loss -----------------------------------------------------------------------------------------------
+    def loss(self, model, inputs: dict, num_items_in_batch):
+        logprobs_BT, entropy_BT = self.forward(model, inputs, self._head_loss(inputs)).head_output
+        mask_BT = inputs["completion_mask"]
+        out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
+        return out.loss, out.metrics
+
+    def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
+        args = self.args
+        old = inputs.get("old_logprobs")
+        token_weights = None
+        if args.top_entropy_quantile < 1.0:
+            token_weights = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
+        return clipped_policy_loss(
+            logprobs_BT, logprobs_BT.detach() if old is None else old, inputs["advantages"], mask_BT,
+            loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
+            beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
+            importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
+            num_items=num_items_in_batch, token_weights_BT=token_weights, entropy_BT=entropy_BT,
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+        )
+
+    # --- logging -------------------------------------------------------------------------------------------------
+    def _add(self, name: str, value: float) -> None:
+        if value == value:  # NaN (e.g. a function that scored nothing) is left out, as TRL's log does
+            self.trainer._metrics["train"].add(name, torch.tensor(float(value)))
+
+    def _log_generation(self, prompt_ids, completion_ids) -> None:
+        state = self.trainer.state
+        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
+        state.num_input_tokens_seen += int(sum(len(ids) for ids in prompt_ids) + lengths.sum())
+        self.trainer._metrics["train"].set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))
+        self._add("completions/mean_length", lengths.mean())
+        self._add("completions/min_length", lengths.min())
+        self._add("completions/max_length", lengths.max())
+        truncated = torch.tensor([ids[-1] not in (*self.eos_token_ids, self.pad_token_id) for ids in completion_ids])
+        self._add("completions/clipped_ratio", truncated.double().mean())
+        terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1, dtype=torch.float64)
+        self._add("completions/mean_terminated_length", terminated.mean())
+        self._add("completions/min_terminated_length", terminated.min())
+        self._add("completions/max_terminated_length", terminated.max())
+
+    def _log_rewards(self, rewards_NF, advantages) -> None:
+        for index, name in enumerate(self.rewards.names):
+            self._add(f"rewards/{name}/mean", torch.nanmean(rewards_NF[:, index]))
+            self._add(f"rewards/{name}/std", nanstd(rewards_NF[:, index]))
+        rewards_N = weighted_rewards(rewards_NF, self.rewards.weights_F)
+        self._add("reward", torch.nanmean(rewards_N))
+        self._add("reward_std", nanstd(rewards_N))
+        self._add("frac_reward_zero_std", advantages.is_std_zero_N.float().mean())
+
+    def _log_extra(self, column: str, values: list) -> None:
+        self._pending_extra.setdefault(column, []).extend(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self._pending_metrics.setdefault(name, []).append(float(value))
+
+    def _flush_reward_logs(self, count: int) -> None:
+        for column, values in self._pending_extra.items():
+            self.logged["extra"].setdefault(column, deque(maxlen=self.args.generation_batch_size)).extend(values)
+        self._pending_extra.clear()
+        for name, values in self._pending_metrics.items():
+            self._add(name, sum(values) / len(values))
+        self._pending_metrics.clear()
+
+
+# --- the trainer -----------------------------------------------------------------------------------------------
+
+
+class GRPOTrainer(Trainer):
+    """TRL's GRPOTrainer: ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+    reward_processing_classes, callbacks, optimizers, peft_config)``. ``model``: a folder, Hub id, transformers
+    model or native model; ``reward_funcs``: a callable, a reward model (path or model), a built-in name or a
+    dotted import path, or a list of them (see trainers/rewards.py)."""
+
+    algorithm_name = "GRPO"
+    _tag_names = ["trl", "grpo"]
+    objective_class = GRPOObjective
+
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
+        if reward_funcs is None:
+            raise ValueError("reward_funcs is required: a callable, a reward model, a built-in name or a list of them")
+        if tools or rollout_func is not None or environment_factory is not None:
+            raise ValueError("tools, rollout_func and environment_factory are not available in hfnative's trainer")
+        if args is None:
+            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
+            args = self._args_class()(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self.algorithm_name}")
+        self._reward_funcs, self._reward_processing_classes = reward_funcs, reward_processing_classes
+        self._model_source = model
+        self.peft_config = peft_config
+        model_init_kwargs = dict(args.model_init_kwargs or {}) if isinstance(args.model_init_kwargs, (dict, type(None))) else {}
+        if quantization_config is not None:
+            model_init_kwargs["quantization_config"] = quantization_config
+        super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
+                         processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
+                         model_init_kwargs=model_init_kwargs)
+        if self.args.disable_dropout:
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+
+    @staticmethod
+    def _args_class():
+        return GRPOConfig
+
+    def _make_objective(self):
+        return self.objective_class(self)
+
+    _add_adapters = SFTTrainer._add_adapters  # LoRA from peft_config exactly as SFT adds it
+
+    def _reference_source(self):
+        """What the reference model loads from: the policy's source when it is a path, else a copy of the
+        policy as it is before training."""
+        if isinstance(self._model_source, (str, os.PathLike)):
+            return self._model_source
+        return copy.deepcopy(self.model)
+
+    def get_train_dataloader(self):
+        return self.objective.train_dataloader(self.train_dataset)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        super().log(logs, start_time)
+        if self.args.log_completions and self.state.is_world_process_zero and "train_runtime" not in logs:
+            print_completions(self.objective.logged, self.state.global_step, self.args.num_completions_to_print,
+                              self.args.log_unique_prompts)
+
+
+def print_completions(logged: dict, step: int, limit: int | None, unique_prompts: bool = False) -> None:
+    """The latest prompts, completions, rewards and advantages as a table (rich's when installed)."""
+    names = list(logged["rewards"])
+    extra = list(logged["extra"])
+    rows = []
+    seen = set()
+    for index, (prompt, completion) in enumerate(zip(logged["prompt"], logged["completion"])):
+        if unique_prompts and str(prompt) in seen:
+            continue
+        seen.add(str(prompt))
+        prompt_text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+        completion_text = completion if isinstance(completion, str) else completion[-1]["content"]
+        values = [f"{logged['rewards'][n][index]:.2f}" for n in names]
+        extras = [str(logged["extra"][c][index]) if index < len(logged["extra"][c]) else "" for c in extra]
+        rows.append([prompt_text, completion_text, *values, *extras, f"{logged['advantages'][index]:.2f}"])
+    if limit is not None:
+        rows = rows[:limit]
+    header = ["Prompt", "Completion", *names, *extra, "Advantage"]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(f"Step {step}")
+        print(" | ".join(header))
+        for row in rows:
+            print(" | ".join(row))
+        return
+    table = Table(*header, title=f"Step {step}", show_lines=True)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+def cli_command():
+    """``hfnative-train grpo``: TRL's GRPO script arguments (reward_funcs by built-in name or dotted path,
+    reward_model_name_or_path)."""
+    from . import cli
+
+    return cli.Command("Group Relative Policy Optimization (TRL's `trl grpo`)", GRPOConfig, GRPOTrainer, cli.train_model,
+                       script_args_class=RLScriptArguments, trainer_kwargs=rl_trainer_kwargs)
+
+
+@dataclass
+class RLScriptArguments(ScriptArguments):
+    """TRL's GRPO/RLOO script arguments: the dataset, and the reward model and functions."""
+
+    reward_model_name_or_path: str | None = field(
+        default=None, metadata={"help": "A reward model: a local folder or a Hub id of a sequence-classification model."}
+    )
+    reward_funcs: list[str] | None = field(
+        default=None,
+        metadata={"help": "Reward functions: built-ins (exact_match, think_format_reward, get_soft_overlong_punishment, "
+                          "completion_length) or dotted import paths (my_package.rewards.my_reward)."},
+    )
+
+
+def rl_trainer_kwargs(script_args, training_args, model_args) -> dict:
+    """reward_funcs from the script arguments (the reward model first, as TRL's script)."""
+    reward_funcs = []
+    if script_args.reward_model_name_or_path:
+        reward_funcs.append(script_args.reward_model_name_or_path)
+    reward_funcs += list(script_args.reward_funcs or [])
+    if not reward_funcs:
+        raise ValueError("no reward: pass --reward_funcs (a built-in name or a dotted import path) or "
+                         "--reward_model_name_or_path")
+    return {"reward_funcs": reward_funcs}
