@@ -7,7 +7,9 @@ statistic are compared with TRL's code, not a copy of it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 import types
 from collections import defaultdict
 
@@ -21,6 +23,11 @@ from hfnative.losses.policy import (
     nanstd,
     weighted_rewards,
 )
+
+# tests/vllm (a folder of tests, importable as a namespace package from here) is not vLLM: keep TRL from taking it for one
+_vllm = importlib.util.find_spec("vllm")
+if _vllm is not None and _vllm.origin is None:
+    sys.modules["vllm"] = None
 
 # --- the loss functions against TRL's _compute_loss ----------------------------------------------------------
 
@@ -130,3 +137,114 @@ def test_advantages_follow_the_formulas():
     assert float(nanstd(torch.tensor([1.0, float("nan"), 3.0]))) == pytest.approx(math.sqrt(2.0))
     both = weighted_rewards(torch.tensor([[1.0, float("nan")], [float("nan"), float("nan")]]), torch.tensor([2.0, 3.0]))
     assert float(both[0]) == 2.0 and math.isnan(float(both[1]))
+
+
+# --- the trainer against TRL's GRPOTrainer on fixed rollouts ---------------------------------------------------
+
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+EOS = 2  # tiny-qwen3's <|im_end|>
+G = 4
+
+
+def fixed_completion(prompt_ids: list[int], index: int, max_length: int) -> list[int]:
+    """A completion that depends only on the prompt and its place in the group: some stop with EOS, some are
+    cut at max_length."""
+    j, seed = index % G, sum(prompt_ids)
+    length = 2 + (seed + 5 * j) % (max_length - 1)
+    tokens = [10 + (seed * 7 + 13 * j + 31 * k) % 300 for k in range(length)]
+    return tokens + [EOS] if (seed + j) % 3 and length < max_length else tokens[:max_length]
+
+
+def even_fraction(completion_ids, log_metric, **kwargs):
+    """Fraction of even token ids; None (no opinion) when the first token is a multiple of 5."""
+    rewards = [None if ids[0] % 5 == 0 else sum(t % 2 == 0 for t in ids) / len(ids) for ids in completion_ids]
+    log_metric("custom/first_token", float(sum(ids[0] for ids in completion_ids)) / len(completion_ids))
+    return rewards
+
+
+async def near_target_length(completions, target, **kwargs):
+    """Async, reads the dataset's `target` column: 1 / (1 + |characters - target|)."""
+    return [1.0 / (1.0 + abs(len(c) - t)) for c, t in zip(completions, target)]
+
+
+def _prompts(n: int = 12) -> list[dict]:
+    words = ["sky", "fox", "robot", "count", "blue", "grass", "tree", "sun", "moon", "lake", "road", "bird"]
+    return [{"prompt": f"Tell me about the {words[i % len(words)]} number {i}", "target": 5 + 3 * i} for i in range(n)]
+
+
+def _settings(tmp_path, name, **extra):
+    return dict(
+        output_dir=str(tmp_path / name), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=8, gradient_accumulation_steps=2,
+        num_generations=G, max_completion_length=10, learning_rate=1e-2, seed=0, gradient_checkpointing=False,
+        reward_weights=[1.0, 0.5], **extra,
+    )
+
+
+def _run_trl(tmp_path, monkeypatch, **extra):
+    import trl
+    import trl.trainer.grpo_trainer as trl_grpo
+    from datasets import Dataset
+
+    monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    max_length = extra.get("max_completion_length", 10)
+
+    def generate(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        return [fixed_completion(list(p), i, max_length) for i, p in enumerate(prompt_ids)], None
+
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", generate)
+    trainer = trl.GRPOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length],
+                              args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
+                              train_dataset=Dataset.from_list(_prompts()))
+    trainer.train()
+    return trainer.state.log_history[:-1]
+
+
+def _run_ours(tmp_path, **extra):
+    import hfnative
+    from datasets import Dataset
+    from hfnative.generation import Rollouts
+
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length],
+                                   args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
+                                   train_dataset=Dataset.from_list(_prompts()))
+    objective = trainer.objective
+    max_length = trainer.args.max_completion_length
+
+    def generate(prompts, sampling):
+        completions = [fixed_completion(list(p), i, max_length) for i, p in enumerate(prompts)]
+        return Rollouts(completions, [[0.0] * len(c) for c in completions], ["stop"] * len(completions))
+
+    objective.engine.generate = generate
+    objective.shuffled_order = torch.arange
+    objective.old_logprobs_source = "forward"  # TRL recomputes them with a forward; the engine's equal it to ~1e-6
+    trainer.train()
+    return trainer.state.log_history[:-1]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(loss_type="dapo", scale_rewards="group", beta=0.04),
+        dict(loss_type="grpo", scale_rewards="batch", epsilon_high=0.28, delta=1.5),
+        dict(loss_type="bnpo", scale_rewards="none", mask_truncated_completions=True),
+        dict(loss_type="dr_grpo", scale_rewards="group", beta=0.1, num_iterations=2),
+    ],
+    ids=lambda extra: "-".join(f"{k}={v}" for k, v in extra.items()),
+)
+def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
+    theirs = _run_trl(tmp_path, monkeypatch, **extra)
+    ours = _run_ours(tmp_path, **extra)
+    assert len(ours) == len(theirs) == 2
+    for step, (mine, reference) in enumerate(zip(ours, theirs), start=1):
+        names = set(reference) - {"step_time"}
+        assert names <= set(mine), f"step {step}: missing {sorted(names - set(mine))}"
+        for name in sorted(names):
+            tolerance = 1e-6
+            if name == "grad_norm":
+                assert mine[name] == pytest.approx(reference[name], rel=1e-4), (step, name)
+            else:
+                assert mine[name] == pytest.approx(reference[name], abs=tolerance, rel=tolerance), (step, name)

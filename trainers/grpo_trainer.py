@@ -53,10 +53,11 @@ _UNSUPPORTED_UNLESS_DEFAULT = ("use_vllm", "use_transformers_continuous_batching
 
 
 @dataclass(repr=False)
-class GRPOConfig(TrainingArguments):
-    """TRL 1.16's GRPOConfig: the same fields and defaults (learning_rate 1e-6, logging_steps 10, activation
-    checkpointing on, bf16 unless fp16, remove_unused_columns False). ``per_device_train_batch_size`` counts
-    completions; ``generation_batch_size`` (or ``steps_per_generation``) sets how many are generated at once."""
+class OnlineRLConfig(TrainingArguments):
+    """The fields TRL 1.16's GRPOConfig and RLOOConfig share, with their defaults (learning_rate 1e-6,
+    logging_steps 10, activation checkpointing on, bf16 unless fp16, remove_unused_columns False).
+    ``per_device_train_batch_size`` counts completions; ``generation_batch_size`` (or ``steps_per_generation``)
+    sets how many are generated at once."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio)."})
@@ -67,7 +68,6 @@ class GRPOConfig(TrainingArguments):
     trust_remote_code: bool = field(default=False, metadata={"help": "Accepted; hfnative never runs a model's own code."})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
     disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout probability to 0."})
-    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Accepted; the head's log-probs are fp32 already."})
     # data
     remove_unused_columns: bool | None = field(default=False, metadata={"help": "Keep the dataset's columns (rewards read them)."})
     num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})
@@ -104,8 +104,40 @@ class GRPOConfig(TrainingArguments):
     beta: float = field(default=0.0, metadata={"help": "KL coefficient (> 0 loads a reference model)."})
     num_iterations: int = field(default=1, metadata={"help": "Optimization passes over each generation batch (μ)."})
     epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio."})
-    delta: float | None = field(default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping)."})
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default epsilon)."})
+    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
+    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions cut at max length out of the loss."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (not available)."})
+    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup alpha."})
+    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period."})
+    # logging
+    log_completions: bool = field(default=False, metadata={"help": "Print prompts, completions, rewards at each log."})
+    log_multimodal: bool = field(default=True, metadata={"help": "Log images (multimodal)."})
+    num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "transformers' continuous batching."})
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
+    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
+
+    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
+        "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
+    ]
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+        if isinstance(self.pad_to_multiple_of, str):
+            text = self.pad_to_multiple_of.lower()
+            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
+        resolve_generation_batch(self)
+
+
+@dataclass(repr=False)
+class GRPOConfig(OnlineRLConfig):
+    """TRL 1.16's GRPOConfig: the shared fields plus GRPO's loss settings, same names and defaults."""
+
+    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Accepted; the head's log-probs are fp32 already."})
+    delta: float | None = field(default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping)."})
     sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature, negative advantages."})
     sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature, positive advantages."})
     vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
@@ -113,14 +145,9 @@ class GRPOConfig(TrainingArguments):
     vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
     vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token or sequence (GSPO) ratios."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "sum_then_normalize or normalize_then_sum."})
     scale_rewards: str = field(default="group", metadata={"help": "Divide advantages by the std of: group, batch or none."})
     loss_type: str = field(default="dapo", metadata={"help": "grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo."})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions cut at max length out of the loss."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (not available)."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup alpha."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period."})
     top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top q highest-entropy tokens."})
     entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus (not available)."})
     use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adaptive entropy bonus (not available)."})
@@ -135,29 +162,12 @@ class GRPOConfig(TrainingArguments):
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "vLLM importance floor."})
     off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Off-policy sequence mask (not available)."})
     use_bias_correction_kl: bool = field(default=True, metadata={"help": "Weight the KL by the importance ratio."})
-    # logging
-    log_completions: bool = field(default=False, metadata={"help": "Print prompts, completions, rewards at each log."})
-    log_multimodal: bool = field(default=True, metadata={"help": "Log images (multimodal)."})
-    num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
     log_completions_hub_repo: str | None = field(default=None, metadata={"help": "Hub dataset for completions (not available)."})
-    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "transformers' continuous batching."})
-    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
-    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
     vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Deprecated: vllm_importance_sampling_clip_max."})
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
-    ]
-
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
-        if isinstance(self.pad_to_multiple_of, str):
-            text = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-        resolve_generation_batch(self)
 
 
 def resolve_generation_batch(args) -> None:
@@ -493,7 +503,7 @@ class GRPOObjective(LanguageModelingObjective):
         """Shuffle the generation batch (torch's global RNG, as TRL) and cut it into steps_per_generation
         micro-batches, each trimmed to its own longest prompt and completion."""
         N = batch["prompt_ids"].shape[0]
-        order = torch.randperm(N)
+        order = self.shuffled_order(N)
         num_items = float(batch["completion_mask"].sum())
         size = N // self.args.steps_per_generation
         micro_batches = []
@@ -511,6 +521,10 @@ class GRPOObjective(LanguageModelingObjective):
             micro_batch["num_items_in_generation"] = num_items
             micro_batches.append(micro_batch)
         return micro_batches
+
+    @staticmethod
+    def shuffled_order(count: int) -> torch.Tensor:
+        return torch.randperm(count)
 
     # --- the loss -----------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
