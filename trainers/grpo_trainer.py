@@ -194,8 +194,9 @@ def resolve_generation_batch(args) -> None:
             f"({args.num_generations})."
         )
     if args.num_generations < 2:
+        algorithm = type(args).__name__.removesuffix("Config")
         raise ValueError(
-            "GRPO requires at least 2 generations per prompt to calculate the advantages. You provided "
+            f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
             f"{args.num_generations}, which is less than the minimum required."
         )
 
