@@ -1,5 +1,6 @@
 """What the trainers accept as ``model`` and ``processing_class``, turned into the model the loop runs: a
-native model, or transformers' own module wrapped for the loop (converters/fallback.py) where there is none."""
+native model, or transformers' own module wrapped for the loop where there is none (converters/fallback.py,
+converters/fallback_loading.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,9 @@ from pathlib import Path
 import torch
 import transformers
 
-from hfnative.converters import fallback
-from hfnative.converters.fallback import (
-    TransformersCausalLM,
-    TransformersModel,
-    load_transformers_model,
-    warn_fallback,
-    wrap_transformers_model,
-)
+from hfnative.converters import fallback, fallback_loading
+from hfnative.converters.fallback import TransformersCausalLM, warn_fallback
+from hfnative.converters.fallback_loading import TransformersModel, load_transformers_model, wrap_transformers_model
 from hfnative.converters.hub import resolve_model_dir
 from hfnative.converters.loading import ConvertedModel, UnsupportedModelError, load_pretrained
 from hfnative.models.decoder import Transformer
@@ -54,7 +50,7 @@ def _is_adapter_folder(model) -> bool:
 
 def _check_fallback(config, error: UnsupportedModelError, model_class_name: str | None = None) -> None:
     """Re-raise the native loader's error when transformers' module cannot stand in either."""
-    refusal = fallback.fallback_refusal(config, model_class_name)
+    refusal = fallback_loading.fallback_refusal(config, model_class_name)
     if refusal is not None:
         raise UnsupportedModelError(f"{error}; and it cannot train through transformers' modeling code: {refusal}") from error
 
@@ -82,7 +78,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         except UnsupportedModelError as error:  # transformers' module itself trains, in place
             _check_fallback(model.config, error, type(model).__name__)
             loaded = wrap_transformers_model(model)
-            warn_fallback(fallback._architecture(loaded.config), str(error))
+            warn_fallback(fallback_loading._architecture(loaded.config), str(error))
             return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
         return LoadedModel(converted.model, converted, base_model_name_or_path=name)
     if not isinstance(model, (str, os.PathLike)):
@@ -101,7 +97,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         _refuse_quantization(quantization)
         attn_implementation = kwargs.get("attn_implementation")
         loaded = load_transformers_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
-        warn_fallback(fallback._architecture(loaded.config), str(error))
+        warn_fallback(fallback_loading._architecture(loaded.config), str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=str(model))
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
 
@@ -127,7 +123,7 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
     base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
-    reason = fallback.native_lora_refusal(config)
+    reason = fallback_loading.native_lora_refusal(config)
     if reason is None:
         try:
             converted = load_pretrained(base, dtype=dtype, device=device, **hub)
@@ -137,12 +133,12 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
             settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
             return LoadedModel(converted.model, converted, settings, base)
     _refuse_quantization(quantization)
-    refusal = fallback.fallback_refusal(_config_of(base, hub))
+    refusal = fallback_loading.fallback_refusal(_config_of(base, hub))
     if refusal is not None:
         raise UnsupportedModelError(f"the adapter in {adapter_dir} cannot train: {reason}; and through transformers: {refusal}")
     loaded = load_transformers_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
-    warn_fallback(f"the {config.get('peft_type', 'LORA')} adapter on {fallback._architecture(loaded.config)}", reason)
-    loaded = fallback.load_peft_adapter(adapter_dir, loaded, is_trainable=True)
+    warn_fallback(f"the {config.get('peft_type', 'LORA')} adapter on {fallback_loading._architecture(loaded.config)}", reason)
+    loaded = fallback_loading.load_peft_adapter(adapter_dir, loaded, is_trainable=True)
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base)
 
 
@@ -151,12 +147,12 @@ def _from_peft_model(peft_model, device, dtype) -> LoadedModel:
     copy, as a transformers model given as ``model`` is); anything else trains through peft, the object itself."""
     peft_config = peft_model.active_peft_config
     base_name = getattr(peft_config, "base_model_name_or_path", None)
-    reason = fallback.native_lora_refusal(peft_config, peft_model.get_base_model().config)
+    reason = fallback_loading.native_lora_refusal(peft_config, peft_model.get_base_model().config)
     if reason is None:
-        converted, settings = fallback.native_lora_from_peft_model(peft_model, dtype=dtype, device=device)
+        converted, settings = fallback_loading.native_lora_from_peft_model(peft_model, dtype=dtype, device=device)
         return LoadedModel(converted.model, converted, settings, base_name)
     loaded = wrap_transformers_model(peft_model)
-    warn_fallback(f"the {peft_config.peft_type} PeftModel on {fallback._architecture(loaded.config)}", reason)
+    warn_fallback(f"the {peft_config.peft_type} PeftModel on {fallback_loading._architecture(loaded.config)}", reason)
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
 
 

@@ -12,7 +12,7 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
 from hfnative.checkpoint.atomic import staging_directory
 from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
-from hfnative.converters.fallback import TransformersModel, load_checkpoint_weights, save_hub_folder
+from hfnative.converters.fallback_loading import TransformersModel, load_checkpoint_weights, save_hub_folder
 from hfnative.converters.families import model_pieces
 from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
 

@@ -218,7 +218,7 @@ class SFTTrainer(Trainer):
             raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
         if self.converted is None:
             raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
-        from hfnative.converters.fallback import apply_peft, peft_route_reason
+        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
 
         if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
             if quantization["load_in_4bit"] or quantization["quantization_config"]:
