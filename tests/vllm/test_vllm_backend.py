@@ -1,0 +1,132 @@
+"""The vLLM backend against the native engine on examples/tiny-qwen3-hd32 (float32, CPU build of vLLM).
+
+The oracle is hfnative's native engine, itself checked token for token against transformers' generate
+in tests/test_generation.py: greedy completions must be the same tokens (where the two best logits are
+within NEAR_TIE either token is right, and the sequences may part there), log-probs within LOGPROB_TOL.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not importable: scripts/vllm_env.sh builds .venv-vllm to run these")
+
+import torch  # noqa: E402
+
+from hfnative.converters.loading import load_pretrained  # noqa: E402
+from hfnative.generation import NativeRolloutEngine, SamplingParams  # noqa: E402
+from hfnative.generation.engines import make_rollout_engine  # noqa: E402
+from hfnative.generation.vllm_backend import (  # noqa: E402
+    VLLMColocateEngine,
+    VLLMServerEngine,
+    hub_named_tensors,
+)
+
+NEAR_TIE = 1e-4
+LOGPROB_TOL = 1e-4
+EOS = 2  # <|im_end|>
+
+# ragged prompts (ids of the tiny tokenizer's vocabulary, 3 to 19 tokens)
+PROMPTS = [
+    [1, 882, 198, 383, 374, 279],
+    [17, 29, 400, 5],
+    [100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 11, 12, 13, 14, 15, 16, 17, 18, 19],
+    [1, 77, 912],
+    [640, 760, 287, 3, 4, 5, 6, 7],
+]
+GREEDY = SamplingParams(max_new_tokens=24, do_sample=False, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def converted(model_dir):
+    return load_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def colocated(model_dir):
+    args = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
+                           vllm_tensor_parallel_size=1, vllm_max_model_length=256)
+    engine = make_rollout_engine(str(model_dir), args, enforce_eager=True)  # eager: no compile on start
+    assert isinstance(engine, VLLMColocateEngine)
+    assert engine.llm.llm_engine.model_config.dtype == torch.float32  # the checkpoint's, not vLLM's CPU default
+    return engine
+
+
+def perturbed(converted, seed: int):
+    """The model's weights, each with seeded noise of 30% of its own scale added (norm weights included)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in converted.model.parameters():
+            noise = torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype)
+            parameter.add_(noise * 0.3 * parameter.abs().mean())
+
+
+def assert_same_greedy(ours, reference, model, prompts):
+    """Token for token, except at a near-tie of the reference model (then the rest may differ)."""
+    for index, (prompt, got, want) in enumerate(zip(prompts, ours.completion_ids, reference.completion_ids)):
+        parted = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if parted is None:
+            assert got == want, f"prompt {index}: lengths differ: {got} vs {want}"
+            assert ours.finish_reason[index] == reference.finish_reason[index]
+            torch.testing.assert_close(torch.tensor(ours.logprobs[index]), torch.tensor(reference.logprobs[index]),
+                                       atol=LOGPROB_TOL, rtol=0)
+            continue
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + want[:parted]])).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        assert top2[0] - top2[1] < NEAR_TIE, (
+            f"prompt {index} parts at token {parted} ({got[parted]} vs {want[parted]}) with a logit gap of "
+            f"{(top2[0] - top2[1]).item():.3g}: not a near-tie"
+        )
+        torch.testing.assert_close(torch.tensor(ours.logprobs[index][:parted]),
+                                   torch.tensor(reference.logprobs[index][:parted]), atol=LOGPROB_TOL, rtol=0)
+
+
+def test_colocated_greedy_equals_native(colocated, converted):
+    reference = NativeRolloutEngine(converted.model).generate(PROMPTS, GREEDY)
+    ours = colocated.generate(PROMPTS, GREEDY)
+    assert len(ours) == len(PROMPTS)
+    assert_same_greedy(ours, reference, converted.model, PROMPTS)
+    # the stop token ends a sequence and is kept; with no stop token every sequence runs to the limit
+    unstopped = colocated.generate(PROMPTS, SamplingParams(max_new_tokens=24, do_sample=False))
+    assert all(len(c) == 24 for c in unstopped.completion_ids) and set(unstopped.finish_reason) == {"length"}
+    for tokens, reason in zip(ours.completion_ids, ours.finish_reason):
+        assert (reason == "stop") == (tokens[-1] == EOS)
+
+
+def test_colocated_sampling_is_seeded(colocated):
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7)
+    first, second = colocated.generate(PROMPTS, sampling), colocated.generate(PROMPTS, sampling)
+    assert first.completion_ids == second.completion_ids
+    other = colocated.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.8, seed=8))
+    assert other.completion_ids != first.completion_ids
+
+
+def test_colocated_load_weights_gives_the_updated_models_greedy(colocated, model_dir):
+    updated = load_pretrained(model_dir)
+    perturbed(updated, seed=1)
+    before = colocated.generate(PROMPTS, GREEDY)
+    colocated.load_weights(hub_named_tensors(updated))
+    after = colocated.generate(PROMPTS, GREEDY)
+    reference = NativeRolloutEngine(updated.model).generate(PROMPTS, GREEDY)
+    assert after.completion_ids != before.completion_ids  # the update changed what greedy decodes
+    assert_same_greedy(after, reference, updated.model, PROMPTS)
+    colocated.load_weights(hub_named_tensors(load_pretrained(model_dir)))  # back to the checkpoint
+    assert colocated.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids
+
+
+def test_server_greedy_and_weight_reload(vllm_server, converted, model_dir, tmp_path):
+    args = SimpleNamespace(use_vllm=True, vllm_mode="server", vllm_server_base_url=vllm_server,
+                           vllm_server_timeout=60, vllm_weight_transport="files", vllm_weights_dir=str(tmp_path))
+    engine = make_rollout_engine(str(model_dir), args)
+    assert isinstance(engine, VLLMServerEngine)
+    reference = NativeRolloutEngine(converted.model).generate(PROMPTS, GREEDY)
+    ours = engine.generate(PROMPTS, GREEDY)
+    assert_same_greedy(ours, reference, converted.model, PROMPTS)
+
+    updated = load_pretrained(model_dir)
+    perturbed(updated, seed=2)
+    engine.load_weights(hub_named_tensors(updated))
+    after = engine.generate(PROMPTS, GREEDY)
+    assert after.completion_ids != ours.completion_ids
+    assert_same_greedy(after, NativeRolloutEngine(updated.model).generate(PROMPTS, GREEDY), updated.model, PROMPTS)
