@@ -78,11 +78,11 @@ def _config(module, output_dir, **extra):
     return module.DPOConfig(**{**settings, **extra})
 
 
-def _trainer(module, model, tmp_path, rows, ref_model=None, peft_config=None, **extra):
+def _trainer(module, model, tmp_path, rows, ref_model=None, peft_config=None, eval_rows=None, **extra):
     return module.DPOTrainer(
         model=model, ref_model=ref_model, args=_config(module, tmp_path / module.__name__, **extra),
-        train_dataset=Dataset.from_list(rows), processing_class=AutoTokenizer.from_pretrained(MODEL),
-        peft_config=peft_config,
+        train_dataset=Dataset.from_list(rows), eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+        processing_class=AutoTokenizer.from_pretrained(MODEL), peft_config=peft_config,
     )
 
 
@@ -168,10 +168,12 @@ def _train_logs(module, models, tmp_path, case):
         extra = dict(learning_rate=2e-2)
     elif case == "separate-ref":
         ref_model = models["reference"] if module is hfnative else AutoModelForCausalLM.from_pretrained(models["reference"])
-        extra = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5)
+        extra = dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, eval_strategy="steps",
+                     eval_steps=STEPS, per_device_eval_batch_size=3)
     elif case == "precompute":
         extra = dict(precompute_ref_log_probs=True, loss_type=["sigmoid", "sft"])
-    trainer = _trainer(module, models["policy"], tmp_path, rows, ref_model=ref_model, peft_config=peft_config, **extra)
+    trainer = _trainer(module, models["policy"], tmp_path, rows, ref_model=ref_model, peft_config=peft_config,
+                       eval_rows=_rows(50)[40:] if "eval_strategy" in extra else None, **extra)
     if case == "lora" and module is trl:  # peft's random initial A, given to both
         trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
     elif case == "lora":
@@ -179,13 +181,18 @@ def _train_logs(module, models, tmp_path, case):
 
         load_adapter_weights(trainer.converted, tmp_path / "initial-adapter")
     trainer.train()
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
+    return [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
 
 
 @pytest.mark.parametrize("case", ["copy", "lora", "separate-ref", "precompute", "text"])
 def test_training_matches_trl_per_step(models, tmp_path, case):
     theirs = _train_logs(trl, models, tmp_path, case)
     ours = _train_logs(hfnative, models, tmp_path, case)
+    if case == "separate-ref":  # evaluated after the last step: eval_-prefixed metrics
+        (evaluation,), (reference,) = ([e for e in logs if "eval_loss" in e] for logs in (ours, theirs))
+        for key in ("loss", *PER_STEP_KEYS[2:], "num_tokens"):
+            assert evaluation[f"eval_{key}"] == pytest.approx(reference[f"eval_{key}"], rel=1e-4, abs=1e-6), key
+        ours, theirs = ([e for e in logs if "eval_loss" not in e] for logs in (ours, theirs))
     assert len(ours) == len(theirs) == STEPS
     for mine, reference in zip(ours, theirs):
         step = reference["step"]

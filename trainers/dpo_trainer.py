@@ -281,6 +281,15 @@ class DPOTrainer(Trainer):
         """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
         return self.objective.auxiliary_models.get("ref_model")
 
+    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
+        """The DPO loss (and its metrics, for the eval_ log) on an evaluation batch, which carries no labels;
+        for compute_metrics also the logits of a plain forward and the input ids as labels, as TRL returns."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self._autocast():
+            loss = self.compute_loss(model, inputs)
+            logits = None if prediction_loss_only else self.objective.forward(model, inputs, None).logits
+        return loss, logits, (None if prediction_loss_only else inputs["input_ids"])
+
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
         super()._save_checkpoint()

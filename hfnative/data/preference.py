@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import Dataset
 
 from .collate import pad_right
 from .formats import is_messages
