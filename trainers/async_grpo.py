@@ -13,6 +13,7 @@ tokens and divided by their count (then by the accumulation steps).
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +175,20 @@ def async_group_advantages(rewards_N: torch.Tensor, num_generations: int) -> tup
     std_P1 = variance_P1.sqrt()
     advantages_PG = torch.where(scored_PG, (grouped_PG - mean_P1) / (std_P1 + ASYNC_ADVANTAGE_EPSILON), 0.0)
     return advantages_PG.reshape(-1), std_P1.expand_as(grouped_PG).reshape(-1)
+
+
+def ship_reward_code_by_value(functions) -> None:
+    """Reward functions from the user's own modules (not an installed package) travel to the reward actor as
+    code, so the actor needs no import of a module that may live only beside the training script."""
+    from ray import cloudpickle
+
+    for function in functions:
+        module = sys.modules.get(getattr(function, "__module__", None) or "")
+        if module is None or module.__name__ == "__main__" or module.__name__.split(".")[0] == "hfnative":
+            continue  # __main__ is pickled by value anyway; hfnative is installed wherever the actors run
+        if "site-packages" in (getattr(module, "__file__", None) or "site-packages"):
+            continue
+        cloudpickle.register_pickle_by_value(module)
 
 
 def _nan_mean(values) -> float:
@@ -384,6 +399,7 @@ class AsyncGRPOTrainer(Trainer):
             return self._pipeline
         from hfnative.rl import RolloutPipeline
 
+        ship_reward_code_by_value(self.reward_functions.functions)
         a = self.args
         per_step = a.per_device_train_batch_size * a.gradient_accumulation_steps
         inflight = a.max_inflight_tasks if a.max_inflight_tasks > 0 else max(a.max_staleness, 1) * per_step

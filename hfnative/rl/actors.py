@@ -64,6 +64,12 @@ class RolloutGenerator:
     def ping(self) -> int:
         return self.version
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class RewardScorer:
     """Scores generated completions with ``score_fn(generated, payload) -> dict`` (the trainer's rewards and

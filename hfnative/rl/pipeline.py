@@ -78,7 +78,7 @@ class RolloutPipeline:
 
     model: the policy being trained (its current weights seed the generator). score_fn(generated, payload) ->
     dict: runs in the reward actor; ``generated`` holds completion_ids, logprobs, finish_reason, version.
-    sampling: how the generator decodes (its seed, when set, is advanced per micro-batch).
+    sampling: how the generator decodes (its seed, when set, is offset by each micro-batch's place in the run).
     micro_batches_per_step: micro-batches one optimizer step consumes (for the lag of work submitted ahead).
     max_inflight: micro-batches submitted and not yet consumed, at most. version: the optimizer steps the
     policy has taken (a resumed run starts at its checkpoint's step).
@@ -128,7 +128,6 @@ class RolloutPipeline:
         self._retry: deque[tuple[list[list[int]], Any]] = deque()
         self._pending_syncs: list = []
         self._consumed_in_step = 0
-        self._submitted = 0
         self._wait_s = 0.0
         self._sync_s: list[float] = []
         self._generation_s: list[float] = []
@@ -144,6 +143,19 @@ class RolloutPipeline:
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
         self.generator = generator.remote(policy_bytes(self.model), self.version, self.engine_factory)
         self.scorer = scorer.remote(self.score_fn)
+        startup_s = max(self.heartbeat_stale_after_s, 300.0)
+        ready, _ = ray.wait([self.generator.ping.remote(), self.scorer.ping.remote()], num_returns=2, timeout=startup_s)
+        if len(ready) < 2:
+            self.close()
+            raise RolloutStalledError(
+                f"the rollout actors did not start within {startup_s:.0f} s: does a Ray node have the resources "
+                f"asked for (generator {self.generator_options}, reward scorer {self.scorer_options})?"
+            )
+        try:
+            ray.get(ready)
+        except ray.exceptions.RayError as error:
+            self.close()
+            raise RolloutActorError(f"a rollout actor failed to start: {_describe(error)}") from error
 
     def close(self) -> None:
         """Stop the actors (and Ray, when this pipeline started it)."""
@@ -223,9 +235,9 @@ class RolloutPipeline:
                     return
                 prompt_ids, payload = work
             sampling = self.sampling
-            if sampling.seed is not None:
-                sampling = dataclasses.replace(sampling, seed=sampling.seed + self._submitted)
-            self._submitted += 1
+            if sampling.seed is not None:  # seeded by the micro-batch's place in the run, so a resumed run draws alike
+                place = self.version * self.micro_batches_per_step + self._consumed_in_step + len(self._queue)
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + place)
             generated = self.generator.generate.remote(prompt_ids, sampling)
             scored = self.scorer.score.remote(generated, payload)
             self._queue.append(_Task(prompt_ids, payload, generated, scored))
@@ -279,4 +291,7 @@ def _describe(error: Exception) -> str:
         cause = cause.cause
     if isinstance(cause, BaseException):
         return f"{type(cause).__name__}: {cause}"
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"  # Ray's account, and the error it ends with

@@ -1,0 +1,239 @@
+"""Asynchronous GRPO on Ray: a tiny random model learns a verifiable toy task from the reward alone, every
+trained sample's policy lag stays within max_staleness (read from the logged versions), max_staleness=0 is
+on-policy (the trainer's log-probs equal the generator's), a failing or hung reward actor stops the run with
+its error, a checkpoint resumes exactly, and the generator can run on another node of a Ray cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from datasets import Dataset  # noqa: E402
+from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback  # noqa: E402
+
+from _tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
+from hfnative import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
+from hfnative.rl import RolloutActorError, RolloutStalledError, StalenessFilter  # noqa: E402
+from hfnative.trainers.async_grpo import async_group_advantages  # noqa: E402
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every actor
+
+# the toy task: the fraction of the completion's tokens in a set of 32 of the 320 ids (about 0.1 at random)
+TARGET_IDS = frozenset(range(100, 132))
+PROMPTS = ["Count: one two", "The sky is", "def add(a, b):", "Once upon a time"]
+
+
+def target_fraction(completion_ids, **kwargs):
+    return [sum(t in TARGET_IDS for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A random 2-layer Qwen3 (hidden 32) with the 320-token test tokenizer, saved to a folder."""
+    folder = tmp_path_factory.mktemp("async-grpo") / "model"
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _config(output_dir, **overrides) -> AsyncGRPOConfig:
+    settings = dict(
+        output_dir=str(output_dir), per_device_train_batch_size=16, num_generations=8, max_completion_length=8,
+        learning_rate=2e-2, max_steps=4, bf16=False, gradient_checkpointing=False, report_to=[], save_strategy="no",
+        disable_tqdm=True, seed=0,
+    )
+    settings.update(overrides)
+    return AsyncGRPOConfig(**settings)
+
+
+def _dataset(copies: int = 16) -> Dataset:
+    return Dataset.from_dict({"prompt": PROMPTS * copies})
+
+
+def _train_logs(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+# --- pure pieces -----------------------------------------------------------------------------------------------
+
+
+def test_config_has_trl_async_names_and_defaults():
+    from trl.experimental.async_grpo import AsyncGRPOConfig as TRLAsyncGRPOConfig
+
+    theirs = TRLAsyncGRPOConfig("out", use_cpu=True)
+    ours = AsyncGRPOConfig("out", use_cpu=True)
+    names = [f.name for f in dataclasses.fields(theirs) if f.init]
+    missing = [name for name in names if not hasattr(ours, name)]
+    assert missing == []
+    different = {n: (getattr(ours, n), getattr(theirs, n)) for n in names
+                 if n not in ("accelerator_config", "logging_dir") and getattr(ours, n) != getattr(theirs, n)}
+    assert different == {}
+    assert (ours.max_completion_length, ours.lr_scheduler_type, ours.logging_steps, ours.max_staleness) == (2048, "constant", 1, 4)
+    for removed in ("beta", "loss_type", "scale_rewards"):
+        assert not hasattr(ours, removed)
+    with pytest.raises(ValueError, match="weight_sync_steps"):
+        AsyncGRPOConfig("out", use_cpu=True, max_staleness=0, weight_sync_steps=2)
+    with pytest.raises(ValueError, match="multiple of num_generations"):
+        AsyncGRPOConfig("out", use_cpu=True, per_device_train_batch_size=12, num_generations=8)
+
+
+def test_advantages_are_trl_async_formula():
+    rewards = np.array([1.0, 0.0, 0.5, np.nan, 2.0, 2.0, 2.0, 2.0])
+    advantages, std = async_group_advantages(torch.tensor(rewards, dtype=torch.float64), 4)
+    for group in range(2):
+        r = rewards[4 * group : 4 * group + 4]
+        scored = r[~np.isnan(r)]
+        expected = np.where(np.isnan(r), 0.0, (r - scored.mean()) / (scored.std() + 1e-8))  # TRL's _score_group
+        np.testing.assert_allclose(advantages[4 * group : 4 * group + 4].numpy(), expected, atol=1e-12)
+        np.testing.assert_allclose(std[4 * group].item(), scored.std(), atol=1e-12)
+
+
+def test_staleness_filter_drops_and_counts():
+    rule = StalenessFilter(max_staleness=2)
+    kept = [rule.keep(step, version, 8) for step, version in [(0, 0), (3, 1), (3, 0), (5, 3), (6, 3)]]
+    assert kept == [True, True, False, True, False]  # kept iff step - version <= 2
+    metrics = rule.pop_metrics()
+    assert metrics["sample/dropped_stale_total"] == 16 and rule.dropped_total == 16
+    assert metrics["sample/staleness_max"] == 2 and metrics["sample/staleness_mean"] == pytest.approx(4 / 3)
+    assert rule.pop_metrics() == {"sample/dropped_stale_total": 0.0}
+
+
+# --- runs on Ray ----------------------------------------------------------------------------------------------
+
+
+def test_learns_from_reward_alone_within_bounded_staleness(tiny_model, local_ray, tmp_path):
+    """Reward rises clearly from its start; every trained sample was generated at most max_staleness steps ago,
+    read from the versions the generator stamped on its rollouts (a step-s log covers training at version s - 1)."""
+    k = 2
+    args = _config(tmp_path, max_steps=40, max_staleness=k, max_inflight_tasks=48)
+    trainer = AsyncGRPOTrainer(tiny_model, reward_funcs=target_fraction, args=args, train_dataset=_dataset())
+    start = time.perf_counter()
+    trainer.train()
+    elapsed = time.perf_counter() - start
+    logs = _train_logs(trainer)
+    assert len(logs) == 40
+    for entry in logs:
+        policy = entry["step"] - 1
+        assert policy - entry["sample/model_version_min"] <= k
+        assert entry["sample/model_version_max"] <= policy
+        assert entry["sample/staleness_max"] <= k
+        assert entry["sample/dropped_stale_total"] == 0
+    assert max(entry["sample/staleness_max"] for entry in logs) >= 1  # generation ran ahead of training
+    rewards = [entry["reward"] for entry in logs]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.25 and last > first + 0.4, (first, last)
+    print(f"async: {elapsed:.1f} s for 40 steps; reward {first:.3f} -> {last:.3f}")
+
+
+def _raises(completion_ids, **kwargs):
+    raise ValueError("reward boom")
+
+
+def _hangs(completion_ids, **kwargs):
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("reward, error, message", [
+    (_raises, RolloutActorError, r"reward actor failed: ValueError: reward boom"),
+    (_hangs, RolloutStalledError, r"reward actor \(scoring\) produced nothing for 3 s"),
+])
+def test_failed_or_hung_reward_actor_stops_the_run(tiny_model, local_ray, tmp_path, reward, error, message):
+    args = _config(tmp_path, max_steps=3, heartbeat_stale_after_s=3)
+    trainer = AsyncGRPOTrainer(tiny_model, reward_funcs=reward, args=args, train_dataset=_dataset())
+    start = time.perf_counter()
+    with pytest.raises(error, match=message):
+        trainer.train()
+    assert time.perf_counter() - start < 60
+    assert trainer._pipeline is None  # the actors were stopped
+    assert trainer.state.global_step == 0
+
+
+def test_max_staleness_zero_is_on_policy_and_resumes_from_a_checkpoint(tiny_model, local_ray, tmp_path):
+    """max_staleness=0: every sample comes from the weights being trained (two micro-batches a step), so the
+    trainer's recomputed log-probs equal the generator's (importance ratio 1, KL 0). Steps 4-6 of a run resumed
+    from checkpoint-3 equal the uninterrupted run's: the generator restarts from the checkpoint's weights at its
+    policy version, with the same prompts and samples."""
+    settings = dict(max_steps=6, max_staleness=0, gradient_accumulation_steps=2, save_strategy="steps", save_steps=3)
+    whole = AsyncGRPOTrainer(tiny_model, reward_funcs=target_fraction, args=_config(tmp_path, **settings),
+                             train_dataset=_dataset())
+    whole.train()
+    expected = {e["step"]: e for e in _train_logs(whole)}
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    for entry in expected.values():
+        assert entry["sample/model_version_min"] == entry["sample/model_version_max"] == entry["step"] - 1
+        assert entry["sample/staleness_max"] == 0 and entry["sample/dropped_stale_total"] == 0
+        assert abs(entry["ratio"] - 1) < 1e-4 and abs(entry["kl"]) < 1e-6
+    del whole  # frees output_dir for the resumed run
+    gc.collect()
+
+    resumed = AsyncGRPOTrainer(tiny_model, reward_funcs=target_fraction, args=_config(tmp_path, **settings),
+                               train_dataset=_dataset())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    logs = [e for e in _train_logs(resumed) if e["step"] > 3]  # steps 1-3 come back from the checkpoint's state
+    assert [e["step"] for e in logs] == [4, 5, 6]
+    for entry in logs:
+        assert entry["sample/model_version_min"] == entry["step"] - 1
+        assert abs(entry["ratio"] - 1) < 1e-4  # the generator holds the checkpoint's weights
+        for key in ("loss", "reward", "grad_norm", "entropy"):
+            assert math.isclose(entry[key], expected[entry["step"]][key], rel_tol=1e-5, abs_tol=1e-7), key
+
+
+class _GeneratorNode(TrainerCallback):
+    def __init__(self, trainer):
+        self.trainer, self.node = trainer, None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.node is None:
+            self.node = ray.get(self.trainer._pipeline.generator.node_id.remote())
+
+
+def test_generator_runs_on_another_node_of_a_cluster(tiny_model, tmp_path):
+    """Two Ray nodes on this machine: the trainer joins the cluster by address and its generator actor is
+    placed on the node that has the resource asked for, not the trainer's."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        cluster.add_node(num_cpus=1, resources={"rollout_node": 1})
+        cluster.wait_for_nodes()
+        args = _config(tmp_path, max_steps=2, ray_address=cluster.address,
+                       rollout_actor_options={"resources": {"rollout_node": 1}})
+        trainer = AsyncGRPOTrainer(tiny_model, reward_funcs=target_fraction, args=args, train_dataset=_dataset())
+        probe = _GeneratorNode(trainer)
+        trainer.add_callback(probe)
+        trainer.train()
+        worker_node = [n for n in cluster.list_all_nodes() if n is not cluster.head_node][0]
+        assert probe.node == worker_node.node_id != cluster.head_node.node_id
+        assert len(_train_logs(trainer)) == 2
+        assert not ray.is_initialized()  # the trainer joined the cluster itself and left it
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        cluster.shutdown()
