@@ -12,7 +12,7 @@ import torch
 
 import test_grpo  # noqa: F401  (keeps the tests/vllm folder from passing for vLLM when TRL looks for it)
 from hfnative.losses.policy import sequence_policy_loss
-from test_grpo import G, MODEL, _prompts, even_fraction, fixed_completion, near_target_length
+from test_grpo import G, LEARN_SETTINGS, MODEL, _prompts, even_fraction, fixed_completion, letter_e, near_target_length
 
 
 def test_sequence_policy_loss_equals_trl():
@@ -117,3 +117,20 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
                 assert mine[name] == pytest.approx(reference[name], rel=1e-4), (step, name)
             else:
                 assert mine[name] == pytest.approx(reference[name], abs=1e-6, rel=1e-6), (step, name)
+
+
+def test_rloo_learns_from_the_reward(tmp_path):
+    """RLOO loads a reference model by default (beta 0.05); without the KL it raises the toy reward clearly."""
+    import hfnative
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    args = hfnative.RLOOConfig(output_dir=str(tmp_path / "rloo"), max_steps=30, learning_rate=1e-2, **LEARN_SETTINGS)
+    trainer = hfnative.RLOOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    assert args.beta == 0.05 and isinstance(trainer.objective.auxiliary_models["ref"], torch.nn.Module)
+    # on this toy task the KL in the reward (0.05 x a 16-token log-ratio sum) soon outweighs the letter reward
+    args = hfnative.RLOOConfig(output_dir=str(tmp_path / "rloo"), max_steps=30, learning_rate=1e-2, beta=0.0, **LEARN_SETTINGS)
+    trainer = hfnative.RLOOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    trainer.train()
+    rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    assert sum(rewards[-5:]) / 5 > 2 * sum(rewards[:5]) / 5, rewards
