@@ -76,7 +76,7 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
     if mode not in VLLM_MODES:
         raise ValueError(f"vllm_mode={mode!r}: expected 'colocate' or 'server'")
     try:
-        import vllm  # noqa: F401
+        from vllm import LLM  # noqa: F401  (a name, not just the package: a folder named vllm on sys.path is no vllm)
     except ImportError as err:
         raise ImportError(
             f"use_vllm=True needs vllm, which is not importable here ({err}). Install it (`pip install vllm`, or "
