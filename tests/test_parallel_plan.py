@@ -280,11 +280,11 @@ def test_parallelism_config_from_accelerate_launch(monkeypatch, tmp_path):
 
 
 def test_parallelism_config_refusals(monkeypatch, tmp_path):
-    with pytest.raises(ValueError, match="cp_size=2: context / sequence parallelism is not available in hfnative yet"):
-        resolve_parallel_plan(training_args(tmp_path, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2)), 4)
+    with pytest.raises(ValueError, match="ep_size=3 must divide dp_shard_size=2"):
+        resolve_parallel_plan(training_args(tmp_path, parallelism_config={"dp_shard_size": 2, "ep_size": 3}), 2)
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
     monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "2")
-    with pytest.raises(ValueError, match="sp_size=2: context / sequence parallelism is not available"):
+    with pytest.raises(ValueError, match="sp_size=2: DeepSpeed-Ulysses sequence parallelism is not available"):
         resolve_parallel_plan(training_args(tmp_path), 2)
     monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG")
     monkeypatch.delenv("PARALLELISM_CONFIG_SP_SIZE")  # an explicit ParallelismConfig reads what it is not given

@@ -7,10 +7,13 @@ the launch's settings into one layout (``trainers/parallel_plan.py``: transforme
   - parallelizes every model it trains or runs frozen through ``hfnative.parallel.parallelize``
     (TP → activation checkpointing → compile → FSDP2), loading each rank's slice straight from the
     checkpoint when it can;
-  - reads its data-parallel rank's batches (accelerate's ``BatchSamplerShard`` split);
-  - divides each step's summed loss by the label tokens of the whole step over all data-parallel
-    ranks (gradients are summed across ranks), so every layout trains the same model;
-  - reduces logged losses and metrics over the data-parallel ranks, logs and writes from rank 0.
+  - reads its data-parallel rank's batches (accelerate's ``BatchSamplerShard`` split); with context
+    parallel (cp > 1) each batch is then split along the sequence over the cp ranks (its collator's
+    output goes through ``hfnative.parallel.context_parallel.split_batch``: shifted labels from the
+    whole sequence, load-balanced chunks, the ring-attention plan);
+  - divides each step's summed loss by the label tokens of the whole step over all data-parallel and
+    context-parallel ranks (gradients are summed across ranks), so every layout trains the same model;
+  - reduces logged losses and metrics over those ranks, logs and writes from rank 0.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class DistributedRun:
     world_size: int
     local_rank: int
     _dp_mesh: object = field(default=None, repr=False)
+    _loss_mesh: object = field(default=None, repr=False)
 
     @property
     def dims(self):
@@ -59,6 +63,17 @@ class DistributedRun:
         return self.dims.dp_size
 
     @property
+    def loss_mesh(self):
+        """The ranks holding different tokens of a step (data parallel x context parallel), flattened."""
+        if self._loss_mesh is None:
+            self._loss_mesh = self.dims.loss_mesh(self.mesh)
+        return self._loss_mesh
+
+    @property
+    def loss_ranks(self) -> int:
+        return self.dims.dp_size * self.dims.cp
+
+    @property
     def dp_rank(self) -> int:
         return self.dims.dp_rank(self.mesh)
 
@@ -67,10 +82,11 @@ class DistributedRun:
         return self.rank == 0
 
     def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the data-parallel ranks (in place; returned). The tp ranks of a
-        data-parallel group hold the same values and take no part."""
-        if self.dp_size > 1:
-            dist.all_reduce(tensor, group=self.dp_mesh.get_group())
+        """``tensor`` summed over the ranks holding different tokens: the data-parallel ranks, times the
+        context-parallel ranks that split each sequence (in place; returned). The tp ranks of a group hold
+        the same values and take no part."""
+        if self.loss_ranks > 1:
+            dist.all_reduce(tensor, group=self.loss_mesh.get_group())
         return tensor
 
     def barrier(self) -> None:
@@ -128,7 +144,39 @@ def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
 
 class DistributedMixin:
     """The Trainer's side of a distributed run (``self.distributed``: a DistributedRun, or None for one process):
-    rank-aware state, parallelizing each model, the data shard, and reductions over the data-parallel ranks."""
+    rank-aware state, parallelizing each model, the data shard (and its sequence split over context-parallel
+    ranks), and reductions over the data-parallel ranks."""
+
+    @property
+    def data_collator(self):
+        return self.__dict__.get("_data_collator")
+
+    @data_collator.setter
+    def data_collator(self, collator):
+        """With context parallel the collator's batches are split along the sequence over the cp ranks."""
+        run = getattr(self, "distributed", None)
+        if collator is not None and run is not None and run.dims.cp_enabled:
+            collator = self._context_parallel_collator(collator)
+        self.__dict__["_data_collator"] = collator
+
+    def _context_parallel_collator(self, collator):
+        from hfnative.parallel.context_parallel import ContextParallelCollator
+
+        run = self.distributed
+        if isinstance(collator, ContextParallelCollator):
+            return collator
+        if getattr(self, "compute_loss_func", None) is not None:
+            raise ValueError(
+                f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
+                "sequence, so a loss over the model's outputs and labels cannot be computed there; set cp_size=1 or "
+                "drop compute_loss_func"
+            )
+        model_args = getattr(self.model, "args", None)
+        sliding = model_args is not None and any(layer.is_sliding for layer in self.model.layers)
+        return ContextParallelCollator(
+            collator, run.dims.cp, run.mesh["cp"].get_local_rank(), run.mesh["cp"].get_group(), multiple=run.dims.tp,
+            sliding_window=model_args.sliding_window if sliding else None,
+        )
 
     def _new_state(self, **fields) -> TrainerState:
         run = self.distributed
@@ -169,7 +217,7 @@ class DistributedMixin:
         return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
 
     def _over_all_ranks(self, count: int | None) -> int | None:
-        """A step's normalizer (label tokens) over every data-parallel rank."""
+        """A step's normalizer (label tokens) over every data-parallel (and context-parallel) rank."""
         if self.distributed is None or count is None:
             return count
         return int(self.distributed.sum_over_dp(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
@@ -185,7 +233,7 @@ class DistributedMixin:
         if self.distributed is None:
             return values
         values = self.distributed.sum_over_dp(values.clone())
-        divide = torch.tensor([1.0 if s else float(self.distributed.dp_size) for s in summed], dtype=values.dtype,
+        divide = torch.tensor([1.0 if s else float(self.distributed.loss_ranks) for s in summed], dtype=values.dtype,
                               device=values.device)
         return values / divide
 

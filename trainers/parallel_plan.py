@@ -26,7 +26,9 @@ Mapping (world = number of processes, local = processes per node, ``LOCAL_WORLD_
     shard_grad_op, reshard_after_forward=False, ZeRO-1/2    dp_shard=world, kept gathered until backward
     hybrid_shard / hybrid_shard_zero2 (FSDP1)               dp_replicate=world/local, dp_shard=local
     no_shard (FSDP1), ZeRO-0, DDP, nothing set              dp_replicate=world (replicated weights)
-    parallelism_config                                      its dp_replicate / dp_shard / tp sizes
+    parallelism_config                                      its dp_replicate / dp_shard / tp / cp sizes, and
+                                                            hfnative's own ep_size (experts split over ep of
+                                                            the dp_shard ranks)
     offload, FSDP offload_params, ZeRO offload to cpu       cpu_offload
 """
 
@@ -97,6 +99,10 @@ class ParallelPlan:
         parts = [layout]
         if d.tp_enabled:
             parts.append(f"{d.tp}-way tensor parallel")
+        if d.cp_enabled:
+            parts.append(f"{d.cp}-way context parallel (ring attention)")
+        if d.ep_enabled:
+            parts.append(f"{d.ep}-way expert parallel")
         if d.fsdp_enabled:
             parts.append("resharded after forward" if self.reshard_after_forward else "kept gathered until backward")
         if self.cpu_offload:
@@ -132,10 +138,11 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         layout = _Layout(_DEFAULT_SOURCE, world_size, 1)
     sizes = _parallelism_config(args, world_size)
     if sizes is not None:
-        layout.replicate, layout.shard, layout.tp = sizes
+        layout.replicate, layout.shard, layout.tp, layout.cp, layout.ep = sizes
         layout.source = "parallelism_config" + ("" if layout.source == _DEFAULT_SOURCE else f" with {layout.source}")
     try:
-        dims = ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, world_size=world_size)
+        dims = ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, world_size=world_size,
+                            cp=layout.cp, ep=layout.ep)
     except ValueError as err:
         raise ValueError(f"{layout.source}: {err}") from err
     if world_size == 1 and (fsdp is not None or deepspeed is not None):
@@ -152,7 +159,8 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
 
 
 def parallelism_config_from(value):
-    """A ParallelismConfig from a JSON object (a command-line value) or a mapping (a YAML config's value)."""
+    """A ParallelismConfig from a JSON object (a command-line value) or a mapping (a YAML config's value).
+    ``ep_size`` (hfnative's own: expert parallel) is kept as an attribute of the config."""
     from accelerate import ParallelismConfig
 
     if isinstance(value, str):
@@ -162,7 +170,14 @@ def parallelism_config_from(value):
             raise ValueError(f"not a JSON object ({err.msg}), e.g. '{{\"dp_shard_size\": 2, \"tp_size\": 2}}'") from err
     if not isinstance(value, Mapping):
         raise ValueError("expected a JSON object of sizes, e.g. '{\"dp_shard_size\": 2, \"tp_size\": 2}'")
-    return ParallelismConfig(**value)
+    value = dict(value)
+    ep_size = value.pop("ep_size", 1)
+    if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
+        raise ValueError(f"ep_size={ep_size!r}: expected a positive integer (the ranks each MoE layer's experts are "
+                         "split over)")
+    config = ParallelismConfig(**value)
+    config.ep_size = ep_size
+    return config
 
 
 # --- the pieces --------------------------------------------------------------------------------------
@@ -177,6 +192,8 @@ class _Layout:
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     activation_checkpointing: bool = False
+    cp: int = 1
+    ep: int = 1
 
 
 def _say(message: str) -> None:
@@ -316,8 +333,8 @@ def _deepspeed_layout(plugin, world_size: int) -> _Layout:
     return layout
 
 
-def _parallelism_config(args, world_size: int) -> tuple[int, int, int] | None:
-    """(dp_replicate, dp_shard, tp) from ``args.parallelism_config``, else from accelerate's
+def _parallelism_config(args, world_size: int) -> tuple[int, int, int, int, int] | None:
+    """(dp_replicate, dp_shard, tp, cp, ep) from ``args.parallelism_config``, else from accelerate's
     ``PARALLELISM_CONFIG_*`` environment; None when neither asks for more than one rank."""
     from accelerate import ParallelismConfig
     from accelerate.utils import parse_flag_from_env
@@ -329,22 +346,26 @@ def _parallelism_config(args, world_size: int) -> tuple[int, int, int] | None:
         config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* itself
     if config is None:
         return None
-    for name in ("cp_size", "sp_size"):
-        if getattr(config, name, 1) > 1:
-            raise ValueError(
-                f"parallelism_config {name}={getattr(config, name)}: context / sequence parallelism is not available "
-                f"in hfnative yet; set {name}=1 (tensor parallelism: tp_size)"
-            )
-    if config.total_size == 1:  # accelerate then falls back to plain data parallelism; so does the layout
+    if getattr(config, "sp_size", 1) > 1:
+        raise ValueError(
+            f"parallelism_config sp_size={config.sp_size}: DeepSpeed-Ulysses sequence parallelism is not available in "
+            "hfnative; use cp_size (ring attention) to split sequences, and set sp_size=1"
+        )
+    ep_size = getattr(config, "ep_size", 1)
+    if config.total_size == 1 and ep_size == 1:  # accelerate then falls back to plain data parallelism; so does the layout
         return None
-    sizes = config.dp_replicate_size, config.dp_shard_size, config.tp_size
+    sizes = config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size
     if config.total_size != world_size:
-        named = " x ".join(f"{name}={size}" for name, size in zip(("dp_replicate_size", "dp_shard_size", "tp_size"), sizes))
-        others = config.dp_replicate_size * config.tp_size
+        names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+        named = " x ".join(f"{name}={size}" for name, size in zip(names, sizes) if name != "cp_size" or size > 1)
+        others = config.dp_replicate_size * config.tp_size * config.cp_size
         hint = f" (e.g. dp_shard_size={world_size // others})" if world_size % others == 0 else ""
         raise ValueError(f"parallelism_config: {named} = {config.total_size}, but {world_size} processes were launched; "
                          f"the sizes must multiply to the number of processes{hint}")
-    return sizes
+    if ep_size > 1 and config.dp_shard_size % ep_size:
+        raise ValueError(f"parallelism_config ep_size={ep_size} must divide dp_shard_size={config.dp_shard_size}: the "
+                         "experts are split over ep of the FSDP (dp_shard) ranks")
+    return (*sizes, ep_size)
 
 
 def _mixed_precision(args) -> str | None:

@@ -6,6 +6,8 @@ Shapes: B batch, S sequence, H query heads, K key/value heads, d head_dim, T rea
 Kinds of plan:
 - "causal": no padding, one document per row: SDPA with ``is_causal`` (flash kernels on GPU).
 - "dense":  SDPA with a boolean [B|1, 1, S, S] mask (padding, packed documents, sliding windows).
+- "context_parallel": the sequence is split over context-parallel ranks; ring attention
+  (``hfnative.parallel.context_parallel``) with the plan it carries.
 - "varlen": each document attends only to itself, with no [S, S] mask: on CUDA in bf16/fp16
   ``torch.nn.attention.varlen.varlen_attn`` over the real tokens (cu_seq_lens), elsewhere one SDPA
   call per document. Padding positions get a zero output (no loss or real token ever reads it).
@@ -77,6 +79,8 @@ class AttentionPlan:
     token_index: torch.Tensor | None = None  # [T] (None: every position is a real token)
     cu_seq_lens: torch.Tensor | None = None  # [documents + 1] int32
     max_len: int = 0
+    # "context_parallel": this rank's ring-attention plan (hfnative.parallel.context_parallel)
+    context_parallel: object = None
 
 
 def _row_spans(attention_mask_BS, position_ids_BS, batch_size: int, seq_len: int):
@@ -240,6 +244,8 @@ def attend(
 ) -> torch.Tensor:
     """Attention output [B, H, S, d] for one layer; ``sliding``: the layer uses the sliding window;
     ``sinks_H``: the layer's attention-sink logits [H], or None."""
+    if plan.context_parallel is not None:
+        return plan.context_parallel.attend(q_BHSd, k_BKSd, v_BKSd, sliding, scale, sinks_H)
     window = plan.sliding_window if sliding else None
     if plan.kind == "varlen":
         return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H)

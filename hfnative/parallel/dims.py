@@ -9,6 +9,16 @@ FSDP2 shards over ``mesh["dp_shard"]``; HSDP replicates over dp_replicate and sh
 ``mesh["dp_replicate", "dp_shard"]`` (see ``fsdp_mesh``). Tensor parallelism uses ``mesh["tp"]``.
 Ranks are laid out with tp innermost (neighbouring ranks share a tensor-parallel group, which on
 GPUs keeps its frequent collectives inside a node).
+
+Context parallel (cp > 1) adds a ``"cp"`` dim between dp_shard and tp: the cp ranks of a group hold the same
+sequences, split along the sequence. Parameters are sharded over dp_shard x cp together (flattened
+``"dp_shard_cp"``, as torchtitan does), and the loss's token count is reduced over dp_replicate x dp_shard x cp
+(flattened ``"dp_cp"``, see ``loss_mesh``).
+
+Expert parallel (ep > 1) takes its ranks from dp_shard: the dim splits into ``("dp_shard_mod_ep", "ep")``.
+Experts are split over ``"ep"`` and sharded by FSDP2 over ``"dp_shard_mod_ep"``, the data-parallel ranks left;
+the other parameters are sharded over ``"ep"`` and replicated over ``"dp_shard_mod_ep"`` (HSDP on the same 2-D
+mesh), so every parameter is a DTensor of one mesh and the gradient norm reduces over it as one.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+CP_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass
@@ -33,28 +45,44 @@ class ParallelDims:
     dp_shard: int = -1
     tp: int = 1
     world_size: int = 1
+    cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        named = {"dp_replicate": self.dp_replicate, "tp": self.tp, "world_size": self.world_size}
+        named = {"dp_replicate": self.dp_replicate, "tp": self.tp, "world_size": self.world_size, "cp": self.cp,
+                 "ep": self.ep}
         for name, size in named.items():
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size!r}: expected a positive integer")
         if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ValueError(f"dp_shard={self.dp_shard!r}: expected a positive integer, or -1 to fill the world size")
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.tp
+            others = self.dp_replicate * self.cp * self.tp
             if self.world_size % others:
                 raise ValueError(
-                    f"dp_replicate={self.dp_replicate} x tp={self.tp} = {others} does not divide the world size "
+                    f"dp_replicate={self.dp_replicate}{cp} x tp={self.tp} = {others} does not divide the world size "
                     f"{self.world_size}, so dp_shard=-1 cannot fill it; choose sizes whose product is {self.world_size}"
                 )
             self.dp_shard = self.world_size // others
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} = {product}, but the "
+                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} = {product}, but the "
                 f"world size is {self.world_size}; the sizes must multiply to the number of ranks"
             )
+        if self.ep > 1:
+            if self.dp_shard % self.ep:
+                raise ValueError(
+                    f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism takes its ranks from the "
+                    f"FSDP (dp_shard) ranks; choose an ep_size that divides {self.dp_shard}"
+                )
+            for name in ("dp_replicate", "cp", "tp"):
+                if getattr(self, name) > 1:
+                    raise ValueError(
+                        f"ep={self.ep} with {name}={getattr(self, name)}: expert parallelism composes with FSDP2 "
+                        f"(dp_shard) only; set {name} to 1 or ep_size to 1"
+                    )
 
     @property
     def dp_size(self) -> int:
@@ -82,34 +110,69 @@ class ParallelDims:
         return self.tp > 1
 
     @property
-    def shape(self) -> tuple[int, int, int]:
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """MESH_DIMS, or CP_MESH_DIMS with context parallel, or EP_MESH_DIMS with expert parallel."""
+        if self.ep_enabled:
+            return EP_MESH_DIMS
+        return CP_MESH_DIMS if self.cp_enabled else MESH_DIMS
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The mesh's size along each of ``mesh_dim_names``."""
+        if self.ep_enabled:
+            return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        if self.cp_enabled:
+            return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return (self.dp_replicate, self.dp_shard, self.tp)
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named DeviceMesh over ranks 0 .. world_size - 1 (dims MESH_DIMS), with its flattened data-parallel
-        mesh made too. Every rank calls it (process groups are created collectively)."""
+        """The named DeviceMesh over ranks 0 .. world_size - 1 (dims ``mesh_dim_names``), with its flattened
+        meshes made too. Every rank calls it (process groups are created collectively)."""
         if dist.is_initialized() and dist.get_world_size() != self.world_size:
             raise ValueError(
                 f"ParallelDims(world_size={self.world_size}) but {dist.get_world_size()} processes were launched; "
                 "pass world_size=torch.distributed.get_world_size()"
             )
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_DIMS)
-        self.dp_mesh(mesh)  # its process group is made now, on every rank together
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
+        # their process groups are made now, on every rank together
+        self.dp_mesh(mesh)
+        if self.cp_enabled:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            self.loss_mesh(mesh)
         return mesh
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The 1-D mesh of the data-parallel ranks (dp_replicate x dp_shard flattened): the batch split and the
-        token-count all-reduce."""
+        """The 1-D mesh of the data-parallel ranks (dp_replicate x dp_shard flattened): the batch split."""
+        if self.ep_enabled:
+            return mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
         return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
+    def loss_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of the ranks holding different tokens (dp x cp): the token-count and loss all-reduce."""
+        if not self.cp_enabled:
+            return self.dp_mesh(mesh)
+        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP2 shards over: ``dp_shard`` (1-D), or ``(dp_replicate, dp_shard)`` (2-D: HSDP, and plain
-        replication when dp_shard is 1)."""
-        return mesh["dp_replicate", "dp_shard"] if self.dp_replicate_enabled else mesh["dp_shard"]
+        """The mesh FSDP2 shards over: ``dp_shard`` (1-D; ``dp_shard_cp`` with context parallel), or
+        ``(dp_replicate, dp_shard)`` (2-D: HSDP, and plain replication when dp_shard is 1); with expert parallel
+        ``(dp_shard_mod_ep, ep)`` (2-D: sharded over ep, replicated over the rest)."""
+        if self.ep_enabled:
+            return mesh["dp_shard_mod_ep", "ep"]
+        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        return mesh["dp_replicate", shard] if self.dp_replicate_enabled else mesh[shard]
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's data shard: which part of the global batch it reads (tp ranks of a group read the same)."""
         return self.dp_mesh(mesh).get_local_rank()
 
 
-__all__ = ["MESH_DIMS", "ParallelDims"]
+__all__ = ["CP_MESH_DIMS", "EP_MESH_DIMS", "MESH_DIMS", "ParallelDims"]

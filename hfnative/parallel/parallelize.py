@@ -1,11 +1,14 @@
 """The one place that applies parallelism and the memory/speed transforms to a native model, in this order:
 
 1. tensor + sequence parallel (``mesh["tp"]``), with the vocabulary-parallel embedding and loss-parallel head;
+   expert parallel (``mesh["ep"]``: each MoE layer's experts split over the ep ranks, see expert_parallel.py);
+   context parallel needs no change to the model (its batches carry the ring-attention plan);
 2. activation checkpointing (which blocks recompute their activations in backward);
 3. torch.compile, block by block (compiled after TP so the graphs see the split shapes, before FSDP so its
    hooks stay outside the graphs);
-4. FSDP2 over the data-parallel ranks (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP),
-   last, so it shards the (TP-split) parameters that the steps above left in place.
+4. FSDP2 over the data-parallel ranks (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP;
+   ``"dp_shard_cp"`` with context parallel), last, so it shards the (TP/EP-split) parameters that the steps above
+   left in place; with expert parallel the experts are their own units over ``mesh["dp_shard_mod_ep"]``.
 
 Build the model on the meta device, call ``parallelize``, then materialize it (``model.to_empty(device=...)``)
 and load each rank's slice of the checkpoint (``hfnative.converters.sharded_loading.load_sharded``), or
@@ -23,7 +26,7 @@ from hfnative.models.decoder import Transformer
 
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
-from .dims import MESH_DIMS, ParallelDims
+from .dims import ParallelDims
 from .fsdp import apply_fsdp, apply_fsdp_per_layer
 from .tensor_parallel import apply_tensor_parallel
 
@@ -53,9 +56,9 @@ def parallelize(
     if not isinstance(model, Transformer):
         return _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision,
                                     reshard_after_forward, cpu_offload)
-    if mesh.mesh_dim_names != MESH_DIMS or tuple(mesh.shape) != dims.shape:
+    if mesh.mesh_dim_names != dims.mesh_dim_names or tuple(mesh.shape) != dims.shape:
         raise ValueError(
-            f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {MESH_DIMS} of "
+            f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {dims.mesh_dim_names} of "
             f"sizes {dims.shape}; pass the mesh dims.build_mesh(device_type) returns"
         )
     if compile and dims.tp_enabled:
@@ -66,11 +69,26 @@ def parallelize(
         )
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
+    if model.args.moe is not None and not dims.tp_enabled and (dims.dp_enabled or dims.cp_enabled):
+        from .expert_parallel import apply_expert_parallel, set_router_loss_group
+
+        # the router's loss over every rank's tokens, as one process takes it over the whole batch
+        set_router_loss_group(model, dims.loss_mesh(mesh).get_group())
+        if dims.ep_enabled:
+            apply_expert_parallel(model, mesh["ep"])
+    elif dims.ep_enabled:
+        raise ValueError(f"ep_size={dims.ep}: {type(model).__name__} has no mixture-of-experts layers to split; "
+                         "set ep_size=1")
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)
-    if dims.dp_enabled or mixed_precision is not None or cpu_offload:
+    if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
+        if dims.ep_enabled:
+            from .expert_parallel import shard_experts
+
+            shard_experts(model, mesh["dp_shard_mod_ep"], mixed_precision=mixed_precision,
+                          reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         apply_fsdp(
             model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
@@ -85,6 +103,12 @@ def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, m
     Tensor parallelism needs the native layers' plans and is refused."""
     if not hasattr(model, "layers"):
         raise ValueError(f"parallelize: {type(model).__name__} lists no decoder layers (model.layers) to shard")
+    for name, size in (("context", dims.cp), ("expert", dims.ep)):
+        if size > 1:
+            raise ValueError(
+                f"{name} parallelism ({name[0]}p={size}) needs hfnative's native model; {type(model).__name__} "
+                f"(transformers' own module) can only be sharded with FSDP2 per decoder layer: set {name[0]}p_size=1"
+            )
     if dims.tp_enabled:
         raise ValueError(
             f"tensor parallelism (tp={dims.tp}) needs hfnative's native model; {type(model).__name__} (transformers' "

@@ -1,0 +1,392 @@
+"""Context parallelism: every sequence is split over the ``cp`` ranks and attention runs as ring attention.
+
+Shapes: B batch, S (padded) sequence, c chunk length (S / (2 cp)), H query heads, K key/value heads, d head_dim.
+
+Load balance: the padded sequence is cut into 2 cp chunks; rank r holds chunk r (head) and chunk 2 cp - 1 - r
+(its mirrored tail), so under a causal mask every rank computes the same number of (query chunk, key chunk)
+blocks. Each rank runs the model on its 2 c tokens; only attention needs the other ranks' keys and values.
+
+Attention (``ring_attention``): the ranks' keys and values are passed around the cp group (one all-gather of the
+un-expanded K/V, which for the small cp sizes on one host is the ring's every step at once). Each local query
+chunk attends to each key chunk it may see as one block — the diagonal block causal, earlier blocks in full, and
+a boolean block mask where documents (packing), padding or a sliding window cut in — and the blocks' partial
+outputs are merged by their log-sum-exp. Backward walks the same blocks with the merged output and log-sum-exp
+(the flash backward of each block), and the key/value gradients go back to the ranks that own them (a sum over
+the cp group). On CPU each block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and
+log-sum-exp; its backward takes them), on other devices an explicit softmax over the block.
+
+Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
+(``split_batch``), so no layer makes a host-side decision. Rotary embeddings see the unsplit sequence's
+position ids; lengths that are not a multiple of 2 cp are padded at the end (padding is masked and carries no
+label, so it never counts in the loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hfnative.losses import IGNORE_INDEX
+from hfnative.losses import shift_labels as shift_labels_of
+from hfnative.models.attention import AttentionPlan, document_ids
+
+# block kinds
+_CAUSAL, _FULL, _MASKED = "causal", "full", "masked"
+
+
+def chunk_order(cp_size: int, cp_rank: int) -> tuple[int, int]:
+    """The two global chunks rank ``cp_rank`` holds: its head chunk and the mirrored tail chunk."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Indices [2 c] into the padded sequence of the tokens rank ``cp_rank`` holds (seq_len divisible by 2 cp)."""
+    c = seq_len // (2 * cp_size)
+    head, tail = chunk_order(cp_size, cp_rank)
+    return torch.cat([torch.arange(head * c, (head + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
+
+
+@dataclass
+class _Block:
+    half: int  # which local query chunk (0: head, 1: tail)
+    key_chunk: int  # global key chunk index
+    kind: str  # _CAUSAL, _FULL or _MASKED
+    mask: torch.Tensor | None = None  # [B, 1, c, c] bool (True = attend), for _MASKED
+    has_key: torch.Tensor | None = None  # [B, 1, c] bool: the query row sees at least one key of the block
+
+
+@dataclass(eq=False)
+class ContextParallelAttention:
+    """One batch's ring-attention plan for this rank: the blocks for global and sliding-window layers."""
+
+    group: object  # the cp process group
+    cp_size: int
+    cp_rank: int
+    chunk_len: int
+    blocks: dict  # "global" / "sliding" -> list[_Block]
+    # "flash_cpu" (aten's CPU flash kernel) or "math" (explicit softmax); None: flash_cpu on CPU, math elsewhere
+    kernel: str | None = None
+    _device_masks: dict = field(default_factory=dict, repr=False)
+
+    def attend(self, q_BHSd, k_BKSd, v_BKSd, sliding: bool, scale: float, sinks_H=None) -> torch.Tensor:
+        if sinks_H is not None:
+            raise ValueError("context parallelism (cp_size > 1) does not support attention sinks (GPT-OSS) yet; "
+                             "set cp_size=1 for this model")
+        blocks = self.blocks["sliding" if sliding and "sliding" in self.blocks else "global"]
+        return ring_attention(q_BHSd, k_BKSd, v_BKSd, self, blocks, scale)
+
+    def _mask(self, block: _Block, dtype: torch.dtype, device: torch.device):
+        """The block's additive mask [B, H|1, c, c] and its rows that see a key, on the device (cached per batch)."""
+        key = (id(block), dtype, device)
+        if key not in self._device_masks:
+            additive = torch.zeros(block.mask.shape, dtype=dtype).masked_fill_(~block.mask, float("-inf"))
+            self._device_masks[key] = (additive.to(device), block.has_key.to(device))
+        return self._device_masks[key]
+
+
+def _block_masks(
+    key_chunk: int, query_chunk: int, c: int, padding_BS, doc_BS, window: int | None
+) -> tuple[str, torch.Tensor | None]:
+    """The kind of block (query chunk x key chunk) and, when masked, its mask [B, 1, c, c] (None: skip it)."""
+    if padding_BS is None and doc_BS is None and window is None:
+        return (_CAUSAL if key_chunk == query_chunk else _FULL), None
+    q = torch.arange(query_chunk * c, (query_chunk + 1) * c)
+    k = torch.arange(key_chunk * c, (key_chunk + 1) * c)
+    allowed = (k[None, :] <= q[:, None])[None]
+    if window is not None:
+        allowed = allowed & (k[None, :] > q[:, None] - window)[None]
+    if doc_BS is not None:
+        allowed = allowed & (doc_BS[:, q, None] == doc_BS[:, None, k])
+    if padding_BS is not None:
+        allowed = allowed & padding_BS[:, None, k]
+    if key_chunk == query_chunk:  # every query sees itself, so padding rows stay finite (as the dense plan does)
+        allowed = allowed | torch.eye(c, dtype=torch.bool)[None]
+    if not allowed.any():
+        return None, None
+    if key_chunk == query_chunk and bool((allowed == torch.ones(c, c, dtype=torch.bool).tril()[None]).all()):
+        return _CAUSAL, None
+    if key_chunk < query_chunk and bool(allowed.all()):
+        return _FULL, None
+    return _MASKED, allowed[:, None]
+
+
+def plan_context_parallel(
+    seq_len: int, cp_size: int, cp_rank: int, group, padding_BS=None, doc_BS=None, sliding_window: int | None = None
+) -> ContextParallelAttention:
+    """The blocks rank ``cp_rank`` computes for a padded sequence of ``seq_len`` (divisible by 2 cp).
+
+    padding_BS: bool, True for real tokens (None: no padding); doc_BS: document ids of packed rows (None: one
+    document per row); sliding_window: the sliding layers' window (None: no sliding layers).
+    """
+    c = seq_len // (2 * cp_size)
+    kinds = {"global": None}
+    if sliding_window is not None and sliding_window < seq_len:
+        kinds["sliding"] = sliding_window
+    blocks = {}
+    for name, window in kinds.items():
+        entries = []
+        for half, query_chunk in enumerate(chunk_order(cp_size, cp_rank)):
+            for key_chunk in range(query_chunk + 1):
+                kind, mask = _block_masks(key_chunk, query_chunk, c, padding_BS, doc_BS, window)
+                if kind is not None:
+                    entries.append(_Block(half, key_chunk, kind, mask, None if mask is None else mask.any(-1)))
+        blocks[name] = entries
+    return ContextParallelAttention(group, cp_size, cp_rank, c, blocks)
+
+
+# --- one block: output and log-sum-exp, and its backward ---------------------------------------------
+
+
+def _use_flash_cpu(q: torch.Tensor, kernel: str | None) -> bool:
+    return kernel == "flash_cpu" or (kernel is None and q.device.type == "cpu")
+
+
+def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
+    """Output [B, H, c, d] and log-sum-exp [B, H, c] (float32; -inf for rows that see no key of the block)."""
+    if _use_flash_cpu(q, kernel):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
+        if has_key is not None:  # the op returns 0 (not -inf) for a row with every key masked
+            lse = lse.masked_fill(~has_key, float("-inf"))
+        return out, lse.to(_accumulation(q))
+    scores = _scores(q, k, kind, mask, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    return torch.matmul(probs.to(v.dtype), v), lse
+
+
+def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None):
+    """(dq, dk, dv) of one block, given the merged output and log-sum-exp of its query rows."""
+    if _use_flash_cpu(q, kernel):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
+    scores = _scores(q, k, kind, mask, scale)
+    acc = scores.dtype
+    probs = torch.exp(scores - lse[..., None])
+    grad_acc = grad_out.to(acc)
+    dv = torch.matmul(probs.transpose(-2, -1), grad_acc)
+    dprobs = torch.matmul(grad_acc, v.to(acc).transpose(-2, -1))
+    delta = (grad_acc * out.to(acc)).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.matmul(dscores, k.to(acc))
+    dk = torch.matmul(dscores.transpose(-2, -1), q.to(acc))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _accumulation(x: torch.Tensor) -> torch.dtype:
+    """float32, or the tensor's own dtype when wider (log-sum-exps and partial sums are kept in it)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _scores(q, k, kind, mask, scale):
+    acc = _accumulation(q)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    if kind == _CAUSAL:
+        c = q.shape[-2]
+        scores = scores.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    elif mask is not None:
+        scores = scores + mask.to(acc)
+    return scores
+
+
+# --- the ring -----------------------------------------------------------------------------------------
+
+
+def _gather_chunks(x_BKSd: torch.Tensor, plan: ContextParallelAttention) -> list[torch.Tensor]:
+    """Every rank's K or V, as the 2 cp global chunks in sequence order ([B, K, c, d] each)."""
+    parts = [torch.empty_like(x_BKSd) for _ in range(plan.cp_size)]
+    dist.all_gather(parts, x_BKSd.contiguous(), group=plan.group)
+    c, chunks = plan.chunk_len, [None] * (2 * plan.cp_size)
+    for rank, part in enumerate(parts):
+        head, tail = chunk_order(plan.cp_size, rank)
+        chunks[head], chunks[tail] = part[:, :, :c], part[:, :, c:]
+    return chunks
+
+
+def _expand(x_BKcd: torch.Tensor, heads: int) -> torch.Tensor:
+    return x_BKcd if x_BKcd.shape[1] == heads else x_BKcd.repeat_interleave(heads // x_BKcd.shape[1], dim=1)
+
+
+def _masks(plan, block, q):
+    if block.kind != _MASKED:
+        return None, None
+    return plan._mask(block, q.dtype, q.device)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHSd, k_BKSd, v_BKSd, plan, blocks, scale):
+        H, c = q_BHSd.shape[1], plan.chunk_len
+        k_chunks, v_chunks = _gather_chunks(k_BKSd, plan), _gather_chunks(v_BKSd, plan)
+        outs, lses = [], []
+        for half in (0, 1):
+            q = q_BHSd[:, :, half * c:(half + 1) * c].contiguous()
+            partial = []
+            for block in blocks:
+                if block.half != half:
+                    continue
+                mask, has_key = _masks(plan, block, q)
+                k, v = _expand(k_chunks[block.key_chunk], H), _expand(v_chunks[block.key_chunk], H)
+                partial.append(_block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel))
+            lse_stack = torch.stack([lse for _, lse in partial])  # [n, B, H, c]
+            lse = torch.logsumexp(lse_stack, dim=0)
+            weights = torch.exp(lse_stack - lse[None])[..., None]
+            out = sum(w * o.to(w.dtype) for w, (o, _) in zip(weights, partial)).to(q.dtype)
+            outs.append(out)
+            lses.append(lse)
+        out_BHSd = torch.cat(outs, dim=2)
+        ctx.save_for_backward(q_BHSd, k_BKSd, v_BKSd, out_BHSd, torch.cat(lses, dim=2))
+        ctx.plan, ctx.blocks, ctx.scale = plan, blocks, scale
+        return out_BHSd
+
+    @staticmethod
+    def backward(ctx, grad_BHSd):
+        q_BHSd, k_BKSd, v_BKSd, out_BHSd, lse_BHS = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        H, K, c = q_BHSd.shape[1], k_BKSd.shape[1], plan.chunk_len
+        # keys and values gathered again (not kept from forward: each rank keeps only its own 2 c tokens)
+        k_chunks, v_chunks = _gather_chunks(k_BKSd, plan), _gather_chunks(v_BKSd, plan)
+        acc = _accumulation(q_BHSd)
+        dq_BHSd = torch.zeros_like(q_BHSd, dtype=acc)
+        dk_chunks = [None] * (2 * plan.cp_size)
+        dv_chunks = [None] * (2 * plan.cp_size)
+        grad_BHSd = grad_BHSd.contiguous()
+        for block in ctx.blocks:
+            rows = slice(block.half * c, (block.half + 1) * c)
+            q = q_BHSd[:, :, rows].contiguous()
+            mask, _ = _masks(plan, block, q)
+            k, v = _expand(k_chunks[block.key_chunk], H), _expand(v_chunks[block.key_chunk], H)
+            dq, dk, dv = _block_backward(grad_BHSd[:, :, rows].contiguous(), q, k, v,
+                                         out_BHSd[:, :, rows].contiguous(), lse_BHS[:, :, rows].contiguous(),
+                                         block.kind, mask, scale, plan.kernel)
+            dq_BHSd[:, :, rows] += dq.to(acc)
+            j = block.key_chunk
+            dk, dv = _reduce_heads(dk.to(acc), K), _reduce_heads(dv.to(acc), K)
+            dk_chunks[j] = dk if dk_chunks[j] is None else dk_chunks[j] + dk
+            dv_chunks[j] = dv if dv_chunks[j] is None else dv_chunks[j] + dv
+        dk_BKSd = _return_to_owners(dk_chunks, k_BKSd, plan)
+        dv_BKSd = _return_to_owners(dv_chunks, v_BKSd, plan)
+        return dq_BHSd.to(q_BHSd.dtype), dk_BKSd, dv_BKSd, None, None, None
+
+
+def _reduce_heads(x_BHcd: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of an expanded K/V summed back over the query heads that shared each key/value head."""
+    B, H, c, d = x_BHcd.shape
+    return x_BHcd if H == kv_heads else x_BHcd.view(B, kv_heads, H // kv_heads, c, d).sum(2)
+
+
+def _return_to_owners(chunks: list, like_BKSd: torch.Tensor, plan: ContextParallelAttention) -> torch.Tensor:
+    """Each global chunk's gradient summed over the ranks that computed with it, back on the rank that holds it."""
+    c = plan.chunk_len
+    by_rank = torch.zeros((plan.cp_size, *like_BKSd.shape), dtype=_accumulation(like_BKSd), device=like_BKSd.device)
+    for rank in range(plan.cp_size):
+        for half, chunk in enumerate(chunk_order(plan.cp_size, rank)):
+            if chunks[chunk] is not None:
+                by_rank[rank, :, :, half * c:(half + 1) * c] = chunks[chunk]
+    dist.all_reduce(by_rank, group=plan.group)
+    return by_rank[plan.cp_rank].to(like_BKSd.dtype)
+
+
+def ring_attention(q_BHSd, k_BKSd, v_BKSd, plan: ContextParallelAttention, blocks, scale: float) -> torch.Tensor:
+    """Attention output [B, H, 2 c, d] of this rank's query chunks over the whole sequence's keys (see the module
+    docstring). q_BHSd, k_BKSd, v_BKSd: this rank's head and tail chunks, concatenated."""
+    return _RingAttention.apply(q_BHSd, k_BKSd, v_BKSd, plan, blocks, scale)
+
+
+# --- the batch split ------------------------------------------------------------------------------------
+
+
+def split_batch(
+    batch: dict, cp_size: int, cp_rank: int, group, *, multiple: int = 1, sliding_window: int | None = None
+) -> dict:
+    """This rank's share of a collated batch (host tensors [B, S]), with the ring-attention plan as
+    ``attention_plan``.
+
+    Shifted labels are taken from the whole sequence before the split; position ids of the unsplit sequence are
+    added when absent (rotary embeddings and document boundaries read them). The sequence is padded at the end
+    to a multiple of 2 cp x ``multiple``: padding is masked (an attention mask is added when the batch has
+    none), carries no label, and its position ids run on past the last token.
+    sliding_window: the model's window when it has sliding-window layers, else None.
+    """
+    if "input_ids" not in batch:
+        raise ValueError(f"context parallelism splits batches of token sequences (input_ids [B, S]); this batch has "
+                         f"{sorted(batch)}: set cp_size=1 for this trainer")
+    batch = dict(batch)
+    input_ids = batch["input_ids"]
+    B, S = input_ids.shape
+    if "labels" in batch and "shift_labels" not in batch:
+        batch["shift_labels"] = shift_labels_of(batch["labels"])
+    mask = batch.get("attention_mask")
+    padded_rows = mask is not None and not bool(mask.bool().all())
+    positions_given = "position_ids" in batch
+    if not positions_given:
+        batch["position_ids"] = torch.arange(S, dtype=torch.long).expand(B, S).clone()
+    extra = -S % (2 * cp_size * multiple)
+    if extra and mask is None:
+        batch["attention_mask"] = torch.ones(B, S, dtype=torch.long)
+    batch = _pad_end(batch, S, extra)
+    seq_len = S + extra
+    padding_BS = batch["attention_mask"].bool() if (padded_rows or extra) else None
+    # packed documents, read from the position ids as the single-process plan reads them (not with padded rows)
+    doc_BS = document_ids(batch["position_ids"].expand(B, seq_len)) if positions_given and not padded_rows else None
+    if doc_BS is not None and bool((doc_BS == doc_BS[:, :1]).all()):
+        doc_BS = None
+    plan = plan_context_parallel(seq_len, cp_size, cp_rank, group, padding_BS, doc_BS, sliding_window)
+    index = local_positions(seq_len, cp_size, cp_rank)
+    local = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == seq_len:
+            value = value.expand(B, seq_len) if value.shape[0] == 1 else value
+            local[key] = value[:, index]
+        else:
+            local[key] = value
+    local["attention_plan"] = AttentionPlan("context_parallel", 2 * plan.chunk_len, sliding_window, context_parallel=plan)
+    return local
+
+
+def _pad_end(batch: dict, length: int, extra: int) -> dict:
+    if extra == 0:
+        return batch
+    fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0,
+            "assistant_masks": 0}
+    padded = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[1] == length:
+            if key == "position_ids":
+                tail = value[:, -1:] + torch.arange(1, extra + 1, dtype=value.dtype)
+            else:
+                tail = torch.full((value.shape[0], extra), fill.get(key, 0), dtype=value.dtype)
+            value = torch.cat([value, tail], dim=1)
+        padded[key] = value
+    return padded
+
+
+class ContextParallelCollator:
+    """A collator whose batches are split over the cp ranks (``split_batch``) after ``collator`` builds them."""
+
+    def __init__(self, collator, cp_size: int, cp_rank: int, group, *, multiple: int = 1,
+                 sliding_window: int | None = None):
+        self.collator, self.cp_size, self.cp_rank, self.group = collator, cp_size, cp_rank, group
+        self.multiple, self.sliding_window = multiple, sliding_window
+
+    def __call__(self, features):
+        return split_batch(self.collator(features), self.cp_size, self.cp_rank, self.group, multiple=self.multiple,
+                           sliding_window=self.sliding_window)
+
+    def __getattr__(self, name):  # the wrapped collator's settings (pad_token_id, ...)
+        if name == "collator":
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+
+__all__ = [
+    "ContextParallelAttention",
+    "ContextParallelCollator",
+    "chunk_order",
+    "local_positions",
+    "plan_context_parallel",
+    "ring_attention",
+    "split_batch",
+]

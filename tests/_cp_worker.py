@@ -1,0 +1,171 @@
+"""Context parallelism as ranks of a torchrun launch, for tests/test_context_parallel.py.
+
+usage: torchrun --standalone --nproc_per_node N _cp_worker.py OUTPUT_DIR CHECK [CHECK ...]
+CHECK "attention" (pairs of ranks form cp=2 groups): ring attention against SDPA over the whole sequence for
+causal, sliding-window, packed and padded inputs; rank 0 writes OUTPUT_DIR/attention.json. Any other CHECK is a
+key of LAYOUTS: the SFTTrainer with that parallelism_config; rank 0 writes OUTPUT_DIR/LAYOUT/log.json and the
+saved model in OUTPUT_DIR/LAYOUT/.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+STEPS = 5
+PER_DEVICE = 2
+
+# name -> (ParallelismConfig sizes, SFTConfig settings). max_length 61 / 45: not multiples of 2 x cp
+LAYOUTS = {
+    "cp2": (dict(cp_size=2, dp_shard_size=1), dict(max_length=61)),
+    "cp2-packed": (dict(cp_size=2, dp_shard_size=1), dict(packing=True, max_length=45)),
+    "fsdp2xcp2": (dict(cp_size=2, dp_shard_size=2), dict(max_length=61)),
+    "fsdp2xcp2-packed": (dict(cp_size=2, dp_shard_size=2), dict(packing=True, max_length=45)),
+}
+
+# (name, batch of host tensors, sliding window)
+def attention_cases():
+    B, S = 2, 13
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3]])
+    padded = torch.ones(B, S, dtype=torch.long)
+    padded[1, 9:] = 0
+    ids = torch.zeros(B, S, dtype=torch.long)
+    return [
+        ("causal", dict(input_ids=ids), None),
+        ("sliding", dict(input_ids=ids), 4),
+        ("packed", dict(input_ids=ids, position_ids=packed), None),
+        ("packed-sliding", dict(input_ids=ids, position_ids=packed), 3),
+        ("padded", dict(input_ids=ids, attention_mask=padded), None),
+    ]
+
+
+def reference_mask(batch: dict, S: int, window):
+    """True = attend, [B, 1, S, S], written out here from the definitions (causal, window, documents, padding)."""
+    i = torch.arange(S)
+    allowed = (i[None, :] <= i[:, None])[None, None]
+    if window is not None:
+        allowed = allowed & (i[None, :] > i[:, None] - window)
+    if "position_ids" in batch:
+        pos = batch["position_ids"]
+        doc = torch.cumsum(torch.cat([torch.ones_like(pos[:, :1]), (pos[:, 1:] != pos[:, :-1] + 1).long()], 1), 1)
+        allowed = allowed & (doc[:, None, :, None] == doc[:, None, None, :])
+    if "attention_mask" in batch:
+        allowed = allowed & batch["attention_mask"].bool()[:, None, None, :]
+    return allowed | torch.eye(S, dtype=torch.bool)
+
+
+def check_attention(out_dir: Path):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group, cp_rank = groups[rank // 2], rank % 2
+    results = {}
+    for kernel in ("flash_cpu", "math"):
+        for name, batch, window in attention_cases():
+            results[f"{name}/{kernel}"] = attention_errors(batch, window, kernel, group, cp_rank)
+    if rank == 0:
+        (out_dir / "attention.json").write_text(json.dumps(results))
+
+
+def attention_errors(batch, window, kernel, group, cp_rank) -> dict:
+    """Largest differences of ring attention (this cp=2 group) from SDPA over the whole sequence: output and the
+    gradients of queries, keys and values, float64."""
+    from hfnative.parallel.context_parallel import local_positions, split_batch
+
+    B, S = batch["input_ids"].shape
+    H, K, d, scale = 4, 2, 8, 0.3
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, n, S, d, generator=gen, dtype=torch.float64) for n in (H, K, K))
+    grad = torch.randn(B, H, S, d, generator=gen, dtype=torch.float64)
+    # reference: SDPA over the whole sequence, keys and values expanded for the query heads
+    q_ref, k_ref, v_ref = (x.clone().requires_grad_() for x in (q, k, v))
+    out_ref = F.scaled_dot_product_attention(q_ref, k_ref.repeat_interleave(2, 1), v_ref.repeat_interleave(2, 1),
+                                             attn_mask=reference_mask(batch, S, window), scale=scale)
+    real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones(B, S, dtype=torch.bool)
+    (out_ref * grad * real[:, None, :, None]).sum().backward()
+
+    local = split_batch(batch, 2, cp_rank, group, sliding_window=window)
+    seq_len = local["input_ids"].shape[1] * 2
+    index = local_positions(seq_len, 2, cp_rank)
+
+    def padded_local(x):
+        full = torch.cat([x, torch.zeros(*x.shape[:2], seq_len - S, x.shape[3], dtype=x.dtype)], dim=2)
+        return full[:, :, index]
+
+    q_l, k_l, v_l = (padded_local(x).requires_grad_() for x in (q, k, v))
+    plan = local["attention_plan"].context_parallel
+    plan.kernel = kernel
+    out_l = plan.attend(q_l, k_l, v_l, window is not None, scale)
+    real_l = torch.cat([real, torch.zeros(B, seq_len - S, dtype=torch.bool)], 1)[:, index]
+    (out_l * padded_local(grad) * real_l[:, None, :, None]).sum().backward()
+
+    def whole(x_local):  # every rank's positions put back in sequence order
+        parts = [torch.empty_like(x_local) for _ in range(2)]
+        dist.all_gather(parts, x_local.contiguous(), group=group)
+        full = torch.zeros(*x_local.shape[:2], seq_len, x_local.shape[3], dtype=x_local.dtype)
+        for r, part in enumerate(parts):
+            full[:, :, local_positions(seq_len, 2, r)] = part
+        return full[:, :, :S]
+
+    keep = real[:, None, :, None]
+    return {
+        "out": (whole(out_l.detach()) - out_ref.detach()).mul(keep).abs().max().item(),
+        "dq": (whole(q_l.grad) - q_ref.grad).abs().max().item(),
+        "dk": (whole(k_l.grad) - k_ref.grad).abs().max().item(),
+        "dv": (whole(v_l.grad) - v_ref.grad).abs().max().item(),
+        "scale": out_ref.abs().max().item(),
+    }
+
+
+def rows(n: int = 200) -> list[dict]:
+    with open(ROOT / "examples" / "data" / "sft_prompt_completion.jsonl") as f:
+        return [json.loads(line) for line, _ in zip(f, range(n))]
+
+
+def config(output_dir: str, per_device: int, **extra):
+    from hfnative import SFTConfig
+
+    settings = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, learning_rate=3e-3,
+        lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01, seed=7,
+    )
+    settings.update(extra)
+    return SFTConfig(**settings)
+
+
+def train_layout(out_dir: Path, name: str):
+    from accelerate.parallelism_config import ParallelismConfig
+    from datasets import Dataset
+
+    from hfnative import SFTTrainer
+
+    sizes, extra = LAYOUTS[name]
+    out = out_dir / name
+    args = config(str(out), PER_DEVICE, parallelism_config=ParallelismConfig(**sizes), **extra)
+    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()))
+    trainer.train()
+    trainer.save_model()
+    if dist.get_rank() == 0:
+        (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+
+
+def main(out_dir: str, checks: list[str]) -> None:
+    out = Path(out_dir)
+    for check in checks:
+        if check == "attention":
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+            check_attention(out)
+        else:
+            train_layout(out, check)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    main(sys.argv[1], sys.argv[2:])
