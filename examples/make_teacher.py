@@ -10,7 +10,6 @@ Usage (from the repository root, after examples/make_tiny_model.py):
 
 import os
 import shutil
-from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything here is local; never reach for the Hub
 

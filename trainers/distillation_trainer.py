@@ -12,7 +12,6 @@ student's live weights (LoRA included), seeded, so a run is reproducible.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,150 +27,12 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD
 
-from .arguments import SFTConfig, TrainingArguments
 from .data_loading import make_dataloader
+from .distillation_config import DistillationConfig, GKDConfig
 from .model_loading import resolve_model
 from .objective import LanguageModelingObjective
 from .sft_trainer import SFTTrainer, _as_dict, _check_peft_config, _check_train_dataset, _model_name
 from .trainer import Trainer, as_hfnative_args, set_seed
-
-logger = logging.getLogger(__name__)
-
-
-# --- configurations --------------------------------------------------------------------------------------
-
-
-@dataclass(repr=False)
-class GKDConfig(SFTConfig):
-    """TRL's GKDConfig (trl.experimental.gkd): SFTConfig plus the distillation fields, same defaults.
-
-    With probability ``lmbda`` a micro-batch's completions are sampled from the student (at ``temperature``);
-    otherwise, with ``seq_kd``, from the teacher; otherwise the dataset's are used. The loss is the generalized
-    JSD with ``beta`` at temperature 1, as TRL's GKDTrainer computes it.
-    """
-
-    temperature: float = field(default=0.9, metadata={"help": "Sampling temperature of on-policy completions."})
-    lmbda: float = field(default=0.5, metadata={"help": "Fraction of micro-batches with student-generated completions."})
-    beta: float = field(
-        default=0.5, metadata={"help": "Generalized JSD interpolation: 0.0 is KL(teacher||student), 1.0 KL(student||teacher)."}
-    )
-    max_new_tokens: int = field(default=128, metadata={"help": "Maximum number of tokens generated per completion."})
-    teacher_model_name_or_path: str | None = field(
-        default=None, metadata={"help": "The teacher: a local model folder or a Hub model id."}
-    )
-    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "How to load the teacher when it is given by name (JSON): dtype, revision, ..."}
-    )
-    disable_dropout: bool = field(default=True, metadata={"help": "Turn dropout off in the student."})
-    seq_kd: bool = field(
-        default=False, metadata={"help": "Sequence-level KD: off-policy micro-batches train on teacher-generated completions."}
-    )
-
-    _VALID_DICT_FIELDS = SFTConfig._VALID_DICT_FIELDS + ["teacher_model_init_kwargs"]
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 0.0 <= self.lmbda <= 1.0:
-            raise ValueError("lmbda must be in the range [0.0, 1.0].")
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError("beta must be in the range [0.0, 1.0].")
-
-
-@dataclass(repr=False)
-class DistillationConfig(TrainingArguments):
-    """TRL's DistillationConfig: every field and default of TRL 1.16 (learning_rate 1e-6, logging_steps 10,
-    gradient checkpointing on, bf16 unless fp16, beta 1.0, temperature 1.0 for sampling and the loss).
-
-    Generation runs on hfnative's native engine: ``use_vllm`` and the ``vllm_*`` fields are accepted and
-    ``use_vllm=True`` is refused; ``cache_implementation`` and ``ds3_gather_for_generation`` have no effect.
-    """
-
-    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
-    gradient_checkpointing: bool | None = field(
-        default=True, metadata={"help": "Recompute activations in backward to save memory (about 20%% slower)."}
-    )
-    bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16 (needs a GPU, or use_cpu)."}
-    )
-    # the model and the teacher
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "How to load the model when it is given by name (JSON): dtype, revision, ..."}
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
-    )
-    teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "Model name or path of the teacher."})
-    teacher_model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the teacher."})
-    teacher_model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "How to load the teacher when it is given by name (JSON): dtype, revision, ..."}
-    )
-    disable_dropout: bool = field(default=False, metadata={"help": "Turn dropout off in the student."})
-    # data
-    remove_unused_columns: bool | None = field(
-        default=False, metadata={"help": "Keep only the 'prompt' column (the trainer reads the raw prompts)."}
-    )
-    max_completion_length: int | None = field(default=512, metadata={"help": "Maximum number of tokens generated per completion."})
-    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "DeepSpeed ZeRO-3 only; no effect here."})
-    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training dataset."})
-    pad_to_multiple_of: int | str | None = field(
-        default="auto", metadata={"help": "Pad prompt and completion ids to a multiple of this ('auto': no padding here)."}
-    )
-    # generation
-    temperature: float = field(default=1.0, metadata={"help": "Temperature for sampling and for the loss."})
-    top_p: float = field(default=1.0, metadata={"help": "Top-p (nucleus) sampling."})
-    top_k: int = field(default=0, metadata={"help": "Top-k sampling; 0 disables it."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum token probability relative to the most likely."})
-    generation_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Sampling settings that override the ones above (JSON), e.g. max_new_tokens."}
-    )
-    chat_template_kwargs: dict | str | None = field(
-        default=None, metadata={"help": "Keyword arguments for apply_chat_template when tokenizing prompts (JSON)."}
-    )
-    repetition_penalty: float = field(default=1.0, metadata={"help": "Penalty on tokens already in the sequence."})
-    cache_implementation: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility; no effect."})
-    # vLLM (TRL's fields, accepted; generation runs on the native engine)
-    use_vllm: bool = field(default=False, metadata={"help": "Not available: completions come from the native engine."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "Accepted for TRL compatibility."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "Accepted for TRL compatibility."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Accepted for TRL compatibility."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_max_model_length: int | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "Accepted for TRL compatibility."})
-    # training and logging
-    beta: float = field(
-        default=1.0, metadata={"help": "Generalized JSD interpolation: 0.0 forward KL, 0.5 JSD, 1.0 reverse KL."}
-    )
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
-    log_completions: bool = field(default=False, metadata={"help": "Print a sample of prompts and completions when logging."})
-    num_completions_to_print: int | None = field(default=None, metadata={"help": "How many completions to print."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})
-
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs",
-    ]
-
-    def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
-        super().__post_init__()
-        if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
-            value = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if value in ("none", "null") else int(value)
-        if self.pad_to_multiple_of == "auto":
-            self.pad_to_multiple_of = None  # TRL pads to 128 on Neuron only
-        if not 0.0 <= self.beta <= 1.0:
-            raise ValueError(f"beta must be in [0.0, 1.0], got {self.beta}.")
-        if self.use_vllm:
-            raise ValueError(
-                "use_vllm=True: hfnative's DistillationTrainer generates with its native KV-cache engine on the "
-                "training model itself; drop use_vllm."
-            )
 
 
 # --- data ---------------------------------------------------------------------------------------------
@@ -279,10 +140,10 @@ class PromptCollator:
                     "list of messages); the completions are generated by the student"
                 )
             prompts.append(_prompt_ids(self.processing_class, row["prompt"], self.chat_template_kwargs))
-        rows_ = [torch.tensor(p, dtype=torch.long) for p in prompts]
+        tensors = [torch.tensor(p, dtype=torch.long) for p in prompts]
         return {
-            "input_ids": pad_right(rows_, self.pad_token_id),
-            "attention_mask": pad_right([torch.ones_like(r) for r in rows_], 0),
+            "input_ids": pad_right(tensors, self.pad_token_id),
+            "attention_mask": pad_right([torch.ones_like(t) for t in tensors], 0),
             "prompt_ids": prompts,
         }
 
@@ -310,6 +171,13 @@ class _DistillationObjective(LanguageModelingObjective):
     @property
     def teacher(self):
         return self.auxiliary_models["teacher"]
+
+    # the collator reads the raw rows (the prompt and completion columns), so no column is dropped
+    def prepare_train_dataset(self, dataset):
+        return dataset
+
+    def prepare_eval_dataset(self, dataset):
+        return dataset
 
     def loss(self, model, inputs, num_items_in_batch):
         out = self.divergence(model, inputs)
@@ -345,7 +213,8 @@ class _DistillationObjective(LanguageModelingObjective):
 
 class GKDObjective(_DistillationObjective):
     """GKD: dataset, student or teacher completions per micro-batch (TRL's coin: on-policy when a uniform draw is
-    <= lmbda); the generalized JSD at temperature 1, summed over completion tokens / the step's count."""
+    <= lmbda); the generalized JSD at temperature 1, summed over completion tokens / the step's count. The count is
+    taken over the completions trained on (TRL counts the dataset's, before generation replaces them)."""
 
     loss_temperature = 1.0
 
@@ -356,12 +225,6 @@ class GKDObjective(_DistillationObjective):
         eos = getattr(getattr(trainer.model, "generation_config", None), "eos_token_id", None)
         self.sampling = dict(max_new_tokens=args.max_new_tokens, do_sample=True, temperature=args.temperature,
                              top_k=0, top_p=1.0, eos_token_id=eos)
-
-    def prepare_datasets(self, train_dataset, eval_dataset):
-        return train_dataset, eval_dataset
-
-    def prepare_eval_dataset(self, dataset):
-        return dataset
 
     def default_collator(self):
         trainer = self.trainer
@@ -415,12 +278,6 @@ class OnPolicyDistillationObjective(_DistillationObjective):
                 )
             sampling[key] = value
         return sampling
-
-    def prepare_datasets(self, train_dataset, eval_dataset):
-        return train_dataset, eval_dataset
-
-    def prepare_eval_dataset(self, dataset):
-        return dataset
 
     def default_collator(self):
         trainer = self.trainer
