@@ -4,7 +4,8 @@
   every logged metric equal TRL's on one batch within 1e-5.
 - 5 training steps agree with TRL per step within 1e-4 relative: with a frozen copy of the checkpoint as the
   reference (and gradient accumulation), with LoRA (the base with adapters disabled), with a separate
-  ref_model (and TR-DPO syncing), with precomputed reference log-probs.
+  ref_model (and TR-DPO syncing, then evaluation), with precomputed reference log-probs, on text rows, and
+  on a MoE model (aux_loss).
 - The fused log-prob head's gradients equal materialized logits' within 1e-6.
 - Tokenization and batches equal TRL's for explicit / implicit prompts, text / conversational rows.
 - Bad settings get TRL's errors; the CLI and examples/dpo.py train on the shipped data.
@@ -19,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 import hfnative
 from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
@@ -66,6 +67,13 @@ def models(tmp_path_factory):
         model.save_pretrained(root / name)
         AutoTokenizer.from_pretrained(MODEL).save_pretrained(root / name)
         paths[name] = str(root / name)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    moe = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=24, num_experts=4,
+                         num_experts_per_tok=2, router_aux_loss_coef=0.5, max_position_embeddings=256)
+    AutoModelForCausalLM.from_config(moe).save_pretrained(root / "moe")
+    tokenizer.save_pretrained(root / "moe")
+    paths["moe"] = str(root / "moe")
     return paths
 
 
@@ -172,7 +180,8 @@ def _train_logs(module, models, tmp_path, case):
                      eval_steps=STEPS, per_device_eval_batch_size=3)
     elif case == "precompute":
         extra = dict(precompute_ref_log_probs=True, loss_type=["sigmoid", "sft"])
-    trainer = _trainer(module, models["policy"], tmp_path, rows, ref_model=ref_model, peft_config=peft_config,
+    model = models["moe"] if case == "moe" else models["policy"]
+    trainer = _trainer(module, model, tmp_path, rows, ref_model=ref_model, peft_config=peft_config,
                        eval_rows=_rows(50)[40:] if "eval_strategy" in extra else None, **extra)
     if case == "lora" and module is trl:  # peft's random initial A, given to both
         trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
@@ -184,7 +193,7 @@ def _train_logs(module, models, tmp_path, case):
     return [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
 
 
-@pytest.mark.parametrize("case", ["copy", "lora", "separate-ref", "precompute", "text"])
+@pytest.mark.parametrize("case", ["copy", "lora", "separate-ref", "precompute", "text", "moe"])
 def test_training_matches_trl_per_step(models, tmp_path, case):
     theirs = _train_logs(trl, models, tmp_path, case)
     ours = _train_logs(hfnative, models, tmp_path, case)
@@ -201,6 +210,8 @@ def test_training_matches_trl_per_step(models, tmp_path, case):
         assert mine["learning_rate"] == pytest.approx(reference["learning_rate"], rel=1e-12)
         for key in PER_STEP_KEYS:
             assert mine[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), (case, step, key, mine[key], reference[key])
+        if case == "moe":  # the router's load-balancing loss, weighted by the config's coefficient
+            assert mine["aux_loss"] == pytest.approx(reference["aux_loss"], rel=1e-4), step
     assert theirs[-1]["rewards/margins"] != theirs[0]["rewards/margins"]  # the policy moved
 
 

@@ -314,9 +314,13 @@ class DPOObjective(LanguageModelingObjective):
         if trainer.distributed is not None and trainer.distributed.dims.tp_enabled:
             raise ValueError("DPOTrainer needs the log-prob statistics of an unsplit head: run with tp=1 "
                              "(data-parallel / FSDP layouts are supported)")
+        # a new adapter starts at zero, so the base with adapters disabled is the initial policy; an adapter the
+        # model came with (an adapter folder, a PeftModel) is not, and its reference is a frozen copy of it (TRL's
+        # "ref" adapter)
+        self.reference_is_base = self.uses_adapters and trainer.peft_config is not None
         if trainer._ref_given:
             self.auxiliary_models["ref_model"] = trainer._ref_source
-        elif not self.uses_adapters and not args.precompute_ref_log_probs:
+        elif not self.reference_is_base and not args.precompute_ref_log_probs:
             self.auxiliary_models["ref_model"] = trainer._ref_source
         trainer._ref_source = None  # loaded (or not needed): do not keep a second reference to it
         if args.disable_dropout:
@@ -387,7 +391,8 @@ class DPOObjective(LanguageModelingObjective):
             raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
                              "map-style Dataset or set `precompute_ref_log_probs=False`.")
         state = getattr(trainer, "state", None)
-        if "ref_model" not in self.auxiliary_models and not self.uses_adapters and state is not None and state.global_step > 0:
+        trained = state is not None and state.global_step > 0
+        if trained and "ref_model" not in self.auxiliary_models and not self.reference_is_base:
             raise ValueError(
                 "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started, "
                 "because `precompute_ref_log_probs=True` and no `ref_model` was provided (full fine-tuning): the "
@@ -461,7 +466,7 @@ class DPOObjective(LanguageModelingObjective):
             aux_enabled = getattr(policy, "aux_loss_enabled", False)
             policy.aux_loss_enabled = False  # the reference needs no router loss
             try:
-                with policy.disable_adapter() if self.uses_adapters else nullcontext():
+                with policy.disable_adapter() if self.reference_is_base else nullcontext():
                     token_logps_BS, _ = self.forward(policy, inputs, head_loss).head_output
             finally:
                 policy.aux_loss_enabled = aux_enabled
