@@ -17,7 +17,7 @@ from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, model_norm
-from .moe import GroupedExperts, MoE, load_balancing_loss
+from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .rope import RotaryEmbedding
 
 
@@ -198,7 +198,7 @@ class Transformer(nn.Module):
         transformers' causal LMs take them. head_loss: a loss spec from ``hfnative.models.head``
         computed through the head (its result is ``head_output``). Other transformers keyword
         arguments (use_cache, cu_seq_lens_*, ...) are accepted and not needed."""
-        router_logits = [] if self.aux_loss_enabled and self.args.moe is not None else None
+        router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
         hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
         out = CausalLMOutput(hidden_BSD, self.output)
         if router_logits:

@@ -14,6 +14,26 @@ from .args import MoEArgs
 from .layers import _GatedActivation, clamped_swiglu
 
 
+class RouterLogits:
+    """What MoE layers append their router logits to: a sequence, but not a list, so FSDP2's pre-forward hooks
+    (which rebuild the lists and tuples among a module's arguments) hand every layer this same object."""
+
+    def __init__(self):
+        self._items: list[torch.Tensor] = []
+
+    def append(self, logits_TE: torch.Tensor) -> None:
+        self._items.append(logits_TE)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __getitem__(self, index):
+        return self._items[index]
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """Identity whose backward makes the upstream gradient contiguous (grouped_mm's backward rejects
     the stride-0 gradients that e.g. ``.sum()`` produces)."""
@@ -56,17 +76,23 @@ class GroupedExperts(nn.Module):
         tensor: no host sync); expert_of_row_T: each row's expert (needed with biases).
         Returns each token's expert output [T, D]."""
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
+        # under expert parallelism the stacked weights are DTensors split over the experts: this rank's experts
+        w1, w2, w3, b1, b2, b3 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
             out = _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
             return out if b_EO is None else out + b_EO[expert_of_row_T]
 
-        gate_TI, up_TI = grouped(x_TD, self.w1, self.b1), grouped(x_TD, self.w3, self.b3)
+        gate_TI, up_TI = grouped(x_TD, w1, b1), grouped(x_TD, w3, b3)
         if self.swiglu_limit is not None:
             hidden_TI = clamped_swiglu(gate_TI, up_TI, self.swiglu_alpha, self.swiglu_limit)
         else:
             hidden_TI = _GatedActivation.apply(gate_TI, up_TI, self.activation)
-        return grouped(hidden_TI, self.w2, self.b2)
+        return grouped(hidden_TI, w2, b2)
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class MoE(nn.Module):
@@ -77,6 +103,10 @@ class MoE(nn.Module):
         self.num_experts = moe.num_experts
         self.router = nn.Linear(dim, moe.num_experts, bias=moe.router_bias)
         self.experts = GroupedExperts(dim, moe, activation)
+        # expert parallel (hfnative.parallel.expert_parallel): the exchange of routed rows with the ep ranks
+        self.expert_parallel = None
+        # distributed runs: the group of ranks holding different tokens, over which the router's loss is taken
+        self.token_group = None
 
     def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k routing weights and experts [T, k]."""
@@ -94,6 +124,8 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         logits_TE = self.router(x_TD)
         if router_logits is not None:
+            if self.token_group is not None:
+                logits_TE.token_group = self.token_group  # read by load_balancing_loss
             router_logits.append(logits_TE)
         weights_Tk, experts_Tk = self.route(logits_TE)
         weights_Tk = weights_Tk.to(x_TD.dtype)
@@ -102,7 +134,10 @@ class MoE(nn.Module):
         order = torch.argsort(experts_Tk.reshape(-1), stable=True)
         token_of_slot = order // self.top_k
         tokens_per_expert_E = torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
-        routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert_E, experts_Tk.reshape(-1)[order])
+        if self.expert_parallel is not None:
+            routed_out = self.expert_parallel(x_TD[token_of_slot], tokens_per_expert_E, self.experts)
+        else:
+            routed_out = self.experts(x_TD[token_of_slot], tokens_per_expert_E, experts_Tk.reshape(-1)[order])
         routed_out = routed_out * weights_Tk.reshape(-1)[order, None]
         out_TD = torch.zeros_like(x_TD).index_add_(0, token_of_slot, routed_out)
         return out_TD.view_as(x_BSD)
@@ -116,6 +151,9 @@ def load_balancing_loss(
     of expert e, both over (layer, token) rows that are not padding.
 
     router_logits: L tensors [T, E]; attention_mask_BS: 1 for real tokens (T = B * S), or None.
+    When the logits carry a ``token_group`` (a distributed run: the ranks holding different tokens), f_e and
+    the row count are taken over every rank of the group and P_e's numerator over this rank's rows, so the
+    ranks' losses sum to the loss over all their tokens, and their gradients to its gradient.
     """
     assignments_E = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     prob_sum_E = torch.zeros_like(assignments_E)
@@ -133,4 +171,12 @@ def load_balancing_loss(
             assignments_E = assignments_E.scatter_add(0, experts_Tk.reshape(-1), slot_weight)
             prob_sum_E = prob_sum_E + (probs_TE * weight_T[:, None]).sum(0)
             rows = rows + weight_T.sum()
+    group = getattr(router_logits[0], "token_group", None)
+    if group is not None:
+        import torch.distributed as dist
+
+        totals = torch.cat([assignments_E.detach(), torch.as_tensor(rows, dtype=torch.float32,
+                                                                    device=assignments_E.device).reshape(1)])
+        dist.all_reduce(totals, group=group)
+        assignments_E, rows = totals[:-1], totals[-1]
     return num_experts * torch.sum((assignments_E / rows) * (prob_sum_E / rows))
