@@ -38,6 +38,7 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     TOKENIZER_DIR,
     HeapPeak,
     Shape,
+    _CountingCollator,
     _StepClock,
     add_run_arguments,
     build_model,
@@ -88,7 +89,7 @@ def build_rows(shape: Shape, completion: int, folder: Path, tokenizer) -> dict:
         key = json.dumps(ids)
         if key not in completions:
             completions[key] = stream[offset + prompt_length : offset + shape.seq]
-            rows.append({"prompt": text})
+            rows.append({"prompt": text, "completion": tokenizer.decode(completions[key])})
         offset += shape.seq
     datasets.Dataset.from_list(rows).save_to_disk(str(folder / "data"))
     (folder / "completions.json").write_text(json.dumps(completions))
@@ -123,10 +124,25 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     device, shape = spec["device"], Shape(**spec["shape"])
     work = Path(spec["work_dir"])
     dataset = datasets.load_from_disk(str(work / "data"))
-    completions = {tuple(json.loads(k)): v for k, v in json.loads((work / "completions.json").read_text()).items()}
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
-    common = dict(training_arguments(runner, spec), beta=spec["beta"], temperature=spec["temperature"],
-                  max_completion_length=spec["completion"], shuffle_dataset=True)
+    common = dict(training_arguments(runner, spec), beta=spec["beta"], temperature=spec["temperature"])
+    if spec.get("trainer") == "gkd":  # off-policy: the conversations as they are
+        rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
+                for r in dataset]
+        dataset = datasets.Dataset.from_list(rows)
+        if runner == "trl":
+            from trl.experimental.gkd import GKDConfig, GKDTrainer
+        else:
+            from hfnative import GKDConfig, GKDTrainer
+        args = GKDConfig(**common, lmbda=0.0)
+        trainer = GKDTrainer(model=spec["model_dir"], teacher_model=spec["teacher_dir"], args=args,
+                             train_dataset=dataset, processing_class=tokenizer)
+        counter = _CountingCollator(trainer.data_collator)
+        trainer.data_collator = counter
+        return train_and_measure(trainer, shape, device == "cuda", lambda: counter.tokens)
+
+    completions = {tuple(json.loads(k)): v for k, v in json.loads((work / "completions.json").read_text()).items()}
+    common.update(max_completion_length=spec["completion"], shuffle_dataset=True)
 
     def fixed(prompt_ids) -> list[list[int]]:
         return [list(completions[tuple(p)]) for p in prompt_ids]
@@ -149,10 +165,12 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
                                                train_dataset=dataset, processing_class=tokenizer)
     else:
         raise ValueError(f"unknown runner {runner!r}")
-    return train_and_measure(trainer, shape, device == "cuda")
+    # fixed-length prompts and completions: every step trains batch * seq tokens
+    return train_and_measure(trainer, shape, device == "cuda", lambda: [shape.batch * shape.seq] * shape.steps)
 
 
-def train_and_measure(trainer, shape: Shape, is_cuda: bool) -> dict:
+def train_and_measure(trainer, shape: Shape, is_cuda: bool, step_tokens) -> dict:
+    """``trainer.train()`` timed per optimizer step; ``step_tokens()``: the tokens each step trained, in order."""
     clock = _StepClock(is_cuda)
     trainer.add_callback(clock)
     if is_cuda:
@@ -165,7 +183,7 @@ def train_and_measure(trainer, shape: Shape, is_cuda: bool) -> dict:
         raise RuntimeError(f"only {len(clock.step_end_times)} of {shape.steps} steps ran")
     times = clock.step_end_times
     timed_seconds = times[shape.steps - 1] - times[shape.warmup - 1]
-    timed_tokens = (shape.steps - shape.warmup) * shape.batch * shape.seq  # fixed-length prompts and completions
+    timed_tokens = sum(step_tokens()[shape.warmup : shape.steps])
     return {
         "losses": [e["loss"] for e in steps],
         "grad_norms": [e.get("grad_norm") for e in steps],
@@ -217,6 +235,9 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(TEACHERS), default=None,
                         help="student shape (default: reference on cpu, 100m on cuda); the teacher is ~2x")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--trainer", choices=("distillation", "gkd"), default="distillation",
+                        help="DistillationTrainer with fixed completions (TRL's chunked divergence), or GKDTrainer "
+                             "off-policy (lmbda=0; TRL's materializes both models' logits)")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of trl,ours")
     parser.add_argument("--completion", type=int, default=None, help="completion tokens per row (default: seq / 2)")
     parser.add_argument("--beta", type=float, default=0.5)
@@ -246,7 +267,7 @@ def main() -> None:
         teacher_params = build_teacher(teacher_shape, work / "teacher", cli.seed)
         data = build_rows(shape, completion, work, AutoTokenizer.from_pretrained(str(TOKENIZER_DIR)))
         spec = {"device": cli.device, "shape": dataclasses.asdict(shape), "model_dir": str(work / "model"),
-                "teacher_dir": str(work / "teacher"), "work_dir": str(work), "completion": completion,
+                "teacher_dir": str(work / "teacher"), "work_dir": str(work), "completion": completion, "trainer": cli.trainer,
                 "beta": cli.beta, "temperature": cli.temperature, "max_grad_norm": cli.max_grad_norm, "seed": cli.seed,
                 "threads": cli.threads, "checkpointing": cli.activation_checkpointing}
         (work / "spec.json").write_text(json.dumps(spec))
@@ -259,7 +280,7 @@ def main() -> None:
             f"student: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, "
             f"{student_params / 1e6:.2f}M parameters; teacher: hidden {teacher_shape.hidden}, {teacher_shape.layers} "
             f"layers, {teacher_params / 1e6:.2f}M parameters ({teacher_params / student_params:.2f}x)",
-            f"training: {'bf16 autocast' if cli.device == 'cuda' else 'fp32'}, {shape.batch} rows of "
+            f"training: {cli.trainer}, {'bf16 autocast' if cli.device == 'cuda' else 'fp32'}, {shape.batch} rows of "
             f"{shape.seq - completion} prompt + {completion} fixed completion tokens, {shape.steps} steps "
             f"({shape.warmup} warm-up not timed), beta {cli.beta}, temperature {cli.temperature}, AdamW lr 1e-3, "
             f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}; "
@@ -276,7 +297,7 @@ def main() -> None:
 
         workload = Workload(student_params, data, work / "spec.json")
         results = run_rounds(runners, workload, cli, __file__, shown)
-        title = f"## {datetime.date.today().isoformat()} — knowledge distillation, preset `{cli.preset}`, {cli.device}"
+        title = f"## {datetime.date.today().isoformat()} — knowledge distillation ({cli.trainer}), preset `{cli.preset}`, {cli.device}"
         finish(cli, setup, summarize(results, cli.device), results, title, __file__)
 
 
