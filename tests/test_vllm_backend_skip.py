@@ -51,7 +51,9 @@ def test_use_vllm_without_vllm_says_what_to_do(tmp_path):
 def test_vllm_runs_in_the_models_dtype():
     assert vllm_dtype(str(TINY)) == "float32"  # from config.json; vLLM's "auto" would pick bfloat16 on CPU
     assert vllm_dtype(load_pretrained(TINY, dtype=torch.bfloat16).model) == "bfloat16"
+    assert vllm_dtype(load_pretrained(TINY)) == "float32"
     assert vllm_model_folder(str(TINY)) == str(TINY)
+    assert vllm_model_folder(load_pretrained(TINY)) == str(TINY)  # the folder it was loaded from
 
 
 def test_sampling_settings_in_vllms_terms():

@@ -24,8 +24,7 @@ def _field(args, name: str, default):
 def vllm_model_folder(model) -> str:
     """A Hub-format folder (or Hub id) vLLM can load ``model`` from: a path or id as given; the folder a
     model was loaded from (``name_or_path`` / ``source_dir``) when it still exists; else the model is
-    exported to a new temporary folder. vLLM reads only the architecture from it when weights are
-    pushed after each step, but its weights are the first rollouts'."""
+    exported to a new temporary folder. ``make_rollout_engine`` then loads the model's live weights."""
     if isinstance(model, (str, os.PathLike)):
         return str(model)
     for candidate in (getattr(model, "name_or_path", None), getattr(getattr(model, "_hub_converted", None), "source_dir", None),
@@ -52,7 +51,9 @@ def vllm_dtype(model) -> str:
             dtype = config.get("dtype") or config.get("torch_dtype")
             return dtype if isinstance(dtype, str) else "auto"
         return "auto"
-    parameter = next((p for p in model.parameters() if p.is_floating_point()), None) if hasattr(model, "parameters") else None
+    module = model.model if hasattr(model, "family") else model  # a ConvertedModel holds the module
+    parameters = module.parameters() if hasattr(module, "parameters") else ()
+    parameter = next((p for p in parameters if p.is_floating_point()), None)
     return str(parameter.dtype).removeprefix("torch.") if parameter is not None else "auto"
 
 
@@ -95,7 +96,7 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
             weights_dir=_field(args, "vllm_weights_dir", None),
             **engine_kwargs,
         )
-    return VLLMColocateEngine(
+    engine = VLLMColocateEngine(
         vllm_model_folder(model),
         tensor_parallel_size=_field(args, "vllm_tensor_parallel_size", 1),
         gpu_memory_utilization=_field(args, "vllm_gpu_memory_utilization", 0.3),
@@ -105,3 +106,8 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
         dtype=_field(args, "vllm_dtype", None) or vllm_dtype(model),
         **engine_kwargs,
     )
+    if not isinstance(model, (str, os.PathLike)):  # the live weights (adapters merged), not the folder's
+        from .vllm_backend import hub_named_tensors
+
+        engine.load_weights(hub_named_tensors(model))
+    return engine

@@ -44,9 +44,11 @@ def converted(model_dir):
 
 @pytest.fixture(scope="module")
 def colocated(model_dir):
+    """Built as a trainer builds it: from the loaded model (vLLM starts from its folder, then takes its
+    live weights) and TRL's argument names."""
     args = SimpleNamespace(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3,
                            vllm_tensor_parallel_size=1, vllm_max_model_length=256)
-    engine = make_rollout_engine(str(model_dir), args, enforce_eager=True)  # eager: no compile on start
+    engine = make_rollout_engine(load_pretrained(model_dir), args, enforce_eager=True)  # eager: no compile on start
     assert isinstance(engine, VLLMColocateEngine)
     assert engine.llm.llm_engine.model_config.dtype == torch.float32  # the checkpoint's, not vLLM's CPU default
     return engine
@@ -94,12 +96,18 @@ def test_colocated_greedy_equals_native(colocated, converted):
         assert (reason == "stop") == (tokens[-1] == EOS)
 
 
-def test_colocated_sampling_is_seeded(colocated):
+def test_colocated_sampling_is_seeded_with_the_native_logprobs(colocated, converted):
     sampling = SamplingParams(max_new_tokens=16, temperature=0.8, seed=7)
     first, second = colocated.generate(PROMPTS, sampling), colocated.generate(PROMPTS, sampling)
     assert first.completion_ids == second.completion_ids
     other = colocated.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.8, seed=8))
     assert other.completion_ids != first.completion_ids
+    # log_softmax(logits / temperature) of the sampled tokens, from a forward pass of the checkpoint
+    for prompt, tokens, logprobs in zip(PROMPTS, first.completion_ids, first.logprobs):
+        with torch.no_grad():
+            logits = converted.model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float() / 0.8, dim=-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_TOL, rtol=0)
 
 
 def test_colocated_load_weights_gives_the_updated_models_greedy(colocated, model_dir):
