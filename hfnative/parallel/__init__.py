@@ -1,5 +1,6 @@
 """Parallelism and memory/speed transforms for a native model: ``ParallelDims`` builds the named DeviceMesh,
-``parallelize`` applies, in this order, tensor/sequence parallel -> activation checkpointing -> compile -> FSDP2.
+``parallelize`` applies, in this order, tensor/sequence (and expert) parallel -> activation checkpointing -> compile ->
+FSDP2; context parallel (``ring_attention``, ``split_batch``) splits each batch along the sequence.
 
 The distributed pieces load on first use (PEP 562), so single-process callers do not import
 torch.distributed's tensor-parallel and FSDP modules."""
@@ -16,6 +17,9 @@ _LAZY = {
     "parallelize": "parallelize",
     "apply_tensor_parallel": "tensor_parallel",
     "check_tensor_parallel": "tensor_parallel",
+    "ring_attention": "context_parallel",
+    "split_batch": "context_parallel",
+    "apply_expert_parallel": "expert_parallel",
 }
 
 
