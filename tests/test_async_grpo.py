@@ -71,6 +71,11 @@ def _config(output_dir, **overrides) -> AsyncGRPOConfig:
     return AsyncGRPOConfig(**settings)
 
 
+_SHARED_SETTINGS = ("output_dir", "per_device_train_batch_size", "num_generations", "max_completion_length",
+                    "learning_rate", "max_steps", "bf16", "gradient_checkpointing", "report_to", "save_strategy",
+                    "disable_tqdm", "seed", "logging_steps", "lr_scheduler_type", "epsilon")
+
+
 def _dataset(copies: int = 16) -> Dataset:
     return Dataset.from_dict({"prompt": PROMPTS * copies})
 
@@ -147,7 +152,21 @@ def test_learns_from_reward_alone_within_bounded_staleness(tiny_model, local_ray
     rewards = [entry["reward"] for entry in logs]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.25 and last > first + 0.4, (first, last)
-    print(f"async: {elapsed:.1f} s for 40 steps; reward {first:.3f} -> {last:.3f}")
+
+    # the synchronous GRPOTrainer on the same model, task, seed and settings
+    from hfnative import GRPOConfig, GRPOTrainer
+
+    sync_args = GRPOConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig)
+                              if f.init and f.name in _SHARED_SETTINGS})
+    sync = GRPOTrainer(tiny_model, reward_funcs=target_fraction, args=sync_args, train_dataset=_dataset())
+    sync_start = time.perf_counter()
+    sync.train()
+    sync_elapsed = time.perf_counter() - sync_start
+    sync_rewards = [entry["reward"] for entry in _train_logs(sync)]
+    sync_last = sum(sync_rewards[-5:]) / 5
+    assert last >= 0.8 * sync_last, (last, sync_last)
+    print(f"40 steps: async {elapsed:.1f} s (actor start included), reward {first:.3f} -> {last:.3f}; "
+          f"sync {sync_elapsed:.1f} s, reward {sum(sync_rewards[:5]) / 5:.3f} -> {sync_last:.3f}")
 
 
 def _raises(completion_ids, **kwargs):
