@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from datasets import Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")
@@ -23,7 +24,7 @@ PER_DEVICE = 2
 
 # name -> (ParallelismConfig sizes, SFTConfig settings). max_length 61 / 45: not multiples of 2 x cp
 LAYOUTS = {
-    "cp2": (dict(cp_size=2, dp_shard_size=1), dict(max_length=61)),
+    "cp2": (dict(cp_size=2, dp_shard_size=1), dict(max_length=61, eval_strategy="steps", eval_steps=5)),
     "cp2-packed": (dict(cp_size=2, dp_shard_size=1), dict(packing=True, max_length=45)),
     "fsdp2xcp2": (dict(cp_size=2, dp_shard_size=2), dict(max_length=61)),
     "fsdp2xcp2-packed": (dict(cp_size=2, dp_shard_size=2), dict(packing=True, max_length=45)),
@@ -127,6 +128,12 @@ def rows(n: int = 200) -> list[dict]:
         return [json.loads(line) for line, _ in zip(f, range(n))]
 
 
+def datasets(extra: dict) -> dict:
+    """The train dataset, and an eval dataset when the layout evaluates."""
+    evaluation = {"eval_dataset": Dataset.from_list(rows(8))} if extra.get("eval_strategy") else {}
+    return dict(train_dataset=Dataset.from_list(rows()), **evaluation)
+
+
 def config(output_dir: str, per_device: int, **extra):
     from hfnative import SFTConfig
 
@@ -141,14 +148,13 @@ def config(output_dir: str, per_device: int, **extra):
 
 def train_layout(out_dir: Path, name: str):
     from accelerate.parallelism_config import ParallelismConfig
-    from datasets import Dataset
 
     from hfnative import SFTTrainer
 
     sizes, extra = LAYOUTS[name]
     out = out_dir / name
     args = config(str(out), PER_DEVICE, parallelism_config=ParallelismConfig(**sizes), **extra)
-    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()))
+    trainer = SFTTrainer(model=MODEL, args=args, **datasets(extra))
     trainer.train()
     trainer.save_model()
     if dist.get_rank() == 0:

@@ -4,7 +4,7 @@ Ring attention over cp=2 ranks against SDPA over the whole sequence (float64: ou
 value gradients within 1e-12) for causal, sliding-window, packed and padded inputs with grouped-query heads, on
 both block kernels. hfnative's SFTTrainer with cp=2 (2 processes) and FSDP2 x cp=2 (4 processes), with and
 without packing, at lengths that are not multiples of 2 x cp, against one process over the same global batches:
-5 steps whose losses, grad norms and logged metrics agree within 1e-5 relative (fp32: the gradients are summed
+5 steps whose losses, grad norms and logged metrics (and cp2's evaluation) agree within 1e-5 relative (fp32: the gradients are summed
 over the ranks in another order), and final weights within 2e-4 (AdamW magnifies that round-off where gradients
 are near zero; see tests/test_distributed_trainer.py).
 """
@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from safetensors.torch import load_file
 
 import _cp_worker as worker
@@ -56,7 +55,7 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path):
     sizes, extra = worker.LAYOUTS[layout]
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1)
     args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
-    reference = SFTTrainer(model=worker.MODEL, args=args, train_dataset=Dataset.from_list(worker.rows()))
+    reference = SFTTrainer(model=worker.MODEL, args=args, **worker.datasets(extra))
     reference.train()
     reference.save_model()
     steps = [e for e in json.loads((launched / layout / "log.json").read_text()) if "loss" in e]
@@ -65,6 +64,12 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path):
     for mine, theirs in zip(steps, expected):
         for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, theirs["step"], key)
+    evaluations = [e for e in json.loads((launched / layout / "log.json").read_text()) if "eval_loss" in e]
+    expected = [e for e in reference.state.log_history if "eval_loss" in e]
+    assert len(evaluations) == len(expected) == (1 if "eval_strategy" in extra else 0)
+    for mine, theirs in zip(evaluations, expected):
+        for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, key)
     weights = load_file(str(launched / layout / "model.safetensors"))
     reference_weights = load_file(str(tmp_path / "reference" / "model.safetensors"))
     assert set(weights) == set(reference_weights)

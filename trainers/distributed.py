@@ -212,6 +212,28 @@ class DistributedMixin:
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
 
+    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
+        """With context parallel: each batch's loss over its tokens on every cp rank (the ranks' sums divided by
+        their label-token count), so evaluation reports the loss one process would."""
+        run = self.distributed
+        if run is None or not run.dims.cp_enabled:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        if not prediction_loss_only:
+            raise ValueError(
+                f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
+                "sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1"
+            )
+        inputs = self._prepare_inputs(inputs)
+        if "labels" not in inputs:
+            return None, None, None
+        group = run.mesh["cp"].get_group()
+        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        dist.all_reduce(count, group=group)
+        with torch.no_grad(), self._autocast():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1)).detach().clone()
+        dist.all_reduce(loss, group=group)
+        return loss, None, inputs.get("labels")
+
     def _data_shard(self) -> dict:
         run = self.distributed
         return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
