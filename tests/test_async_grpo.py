@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import math
 import os
+import sys
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ from hfnative.rl import RolloutActorError, RolloutStalledError, StalenessFilter 
 from hfnative.trainers.async_grpo import async_group_advantages  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every actor
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import this test module
 
 # the toy task: the fraction of the completion's tokens in a set of 32 of the 320 ids (about 0.1 at random)
 TARGET_IDS = frozenset(range(100, 132))
@@ -173,23 +175,57 @@ def _raises(completion_ids, **kwargs):
     raise ValueError("reward boom")
 
 
-def _hangs(completion_ids, **kwargs):
-    time.sleep(600)
-
-
-@pytest.mark.parametrize("reward, error, message", [
-    (_raises, RolloutActorError, r"reward actor failed: ValueError: reward boom"),
-    (_hangs, RolloutStalledError, r"reward actor \(scoring\) produced nothing for 3 s"),
-])
-def test_failed_or_hung_reward_actor_stops_the_run(tiny_model, local_ray, tmp_path, reward, error, message):
-    args = _config(tmp_path, max_steps=3, heartbeat_stale_after_s=3)
-    trainer = AsyncGRPOTrainer(tiny_model, reward_funcs=reward, args=args, train_dataset=_dataset())
+def test_failing_reward_function_stops_the_run_with_its_error(tiny_model, local_ray, tmp_path):
+    args = _config(tmp_path, max_steps=3)
+    trainer = AsyncGRPOTrainer(tiny_model, reward_funcs=_raises, args=args, train_dataset=_dataset())
     start = time.perf_counter()
-    with pytest.raises(error, match=message):
+    with pytest.raises(RolloutActorError, match=r"reward actor failed: ValueError: reward boom"):
         trainer.train()
     assert time.perf_counter() - start < 60
     assert trainer._pipeline is None  # the actors were stopped
     assert trainer.state.global_step == 0
+
+
+def _sleeping_score(generated, payload):
+    time.sleep(600)
+
+
+def _no_score(generated, payload):
+    return {}
+
+
+def test_hung_scorer_and_dead_generator_are_reported(tiny_model, local_ray):
+    """The pipeline alone: a scorer that holds its work past heartbeat_stale_after_s is reported as hung; a
+    generator killed mid-run is reported as dead. Neither waits forever."""
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.generation import SamplingParams
+    from hfnative.rl import RolloutPipeline
+
+    model = load_pretrained(tiny_model).model
+    work = [([[5, 6, 7], [5, 6, 7]], None)] * 4
+    settings = dict(micro_batches_per_step=1, max_staleness=1, max_inflight=2, heartbeat_stale_after_s=3)
+    hung = RolloutPipeline(model, _sleeping_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
+    hung.start()
+    try:
+        hung.set_source(iter(work))
+        start = time.perf_counter()
+        with pytest.raises(RolloutStalledError, match=r"reward actor \(scoring\) produced nothing for 3 s"):
+            hung.next_batch()
+        assert time.perf_counter() - start < 20
+    finally:
+        hung.close()
+
+    dead = RolloutPipeline(model, _no_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
+    dead.start()
+    try:
+        dead.set_source(iter(work))
+        assert dead.next_batch()["version"] == 0
+        ray.kill(dead.generator)
+        with pytest.raises(RolloutActorError, match=r"the generation actor failed: .*(died|dead)"):
+            dead.next_batch()
+            dead.next_batch()
+    finally:
+        dead.close()
 
 
 def test_max_staleness_zero_is_on_policy_and_resumes_from_a_checkpoint(tiny_model, local_ray, tmp_path):
