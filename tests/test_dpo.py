@@ -11,6 +11,7 @@
 - Bad settings get TRL's errors; the CLI and examples/dpo.py train on the shipped data.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -281,6 +282,14 @@ def test_malformed_row_names_its_index():
 def test_bad_settings_are_refused(tmp_path, settings, error, message):
     with pytest.raises(error, match=message):
         _trainer(hfnative, MODEL, tmp_path, _rows(4), **settings)
+
+
+def test_config_has_trls_fields_and_defaults():
+    theirs, ours = trl.DPOConfig("unused", use_cpu=True), hfnative.DPOConfig("unused", use_cpu=True)
+    names = {f.name for f in dataclasses.fields(theirs)} - {"accelerator_config"}
+    assert names <= {f.name for f in dataclasses.fields(ours)}
+    assert {n: getattr(ours, n) for n in names} == {n: getattr(theirs, n) for n in names}
+    assert ours.learning_rate == 1e-6 and ours.loss_type == ["sigmoid"] and ours.beta == 0.1
 
 
 def test_bad_config_is_refused_when_built():
