@@ -267,8 +267,11 @@ class VLLMColocateEngine(RolloutEngine):
 
 
 class VLLMServerEngine(RolloutEngine):
-    """A running vLLM server (``vllm serve MODEL``): rollouts through its OpenAI completions endpoint
-    with token-id prompts, weights through ``weight_transport``.
+    """A running vLLM server (``vllm serve MODEL``, or TRL's ``trl vllm-serve``, which starts one with the
+    NCCL weight transfer): rollouts through its OpenAI completions endpoint with token-id prompts, weights
+    through ``weight_transport``. Start the server with ``--logprobs-mode processed_logprobs`` (as
+    ``trl vllm-serve`` does) for the log-probs the colocated engine returns; vLLM's default gives the
+    log-probs at temperature 1.
 
     base_url: e.g. "http://127.0.0.1:8000" (else built from host and port). timeout: seconds to wait
     for the server's /health. weight_transport: "files" (see the module docstring for the server's flags),

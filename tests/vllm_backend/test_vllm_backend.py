@@ -84,6 +84,15 @@ def assert_same_greedy(ours, reference, model, prompts):
                                    torch.tensor(reference.logprobs[index][:parted]), atol=LOGPROB_TOL, rtol=0)
 
 
+def assert_native_logprobs(model, rollouts, temperature: float):
+    """log_softmax(logits / temperature) of the sampled tokens, from a forward pass of ``model``."""
+    for prompt, tokens, logprobs in zip(PROMPTS, rollouts.completion_ids, rollouts.logprobs):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_TOL, rtol=0)
+
+
 def test_colocated_greedy_equals_native(colocated, converted):
     reference = NativeRolloutEngine(converted.model).generate(PROMPTS, GREEDY)
     ours = colocated.generate(PROMPTS, GREEDY)
@@ -102,12 +111,7 @@ def test_colocated_sampling_is_seeded_with_the_native_logprobs(colocated, conver
     assert first.completion_ids == second.completion_ids
     other = colocated.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.8, seed=8))
     assert other.completion_ids != first.completion_ids
-    # log_softmax(logits / temperature) of the sampled tokens, from a forward pass of the checkpoint
-    for prompt, tokens, logprobs in zip(PROMPTS, first.completion_ids, first.logprobs):
-        with torch.no_grad():
-            logits = converted.model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
-        expected = torch.log_softmax(logits.float() / 0.8, dim=-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_TOL, rtol=0)
+    assert_native_logprobs(converted.model, first, temperature=0.8)
 
 
 def test_colocated_load_weights_gives_the_updated_models_greedy(colocated, model_dir):
@@ -131,6 +135,8 @@ def test_server_greedy_and_weight_reload(vllm_server, converted, model_dir, tmp_
     reference = NativeRolloutEngine(converted.model).generate(PROMPTS, GREEDY)
     ours = engine.generate(PROMPTS, GREEDY)
     assert_same_greedy(ours, reference, converted.model, PROMPTS)
+    sampled = engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0.8, seed=7))
+    assert_native_logprobs(converted.model, sampled, temperature=0.8)
 
     updated = load_pretrained(model_dir)
     perturbed(updated, seed=2)
