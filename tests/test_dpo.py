@@ -25,6 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 import hfnative
 from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
+from hfnative.losses import IGNORE_INDEX
+from hfnative.models.head import OutputHead, TokenLogprobs
 
 trl = pytest.importorskip("trl")
 
@@ -234,6 +236,35 @@ def test_fused_logprob_gradients_equal_materialized_logits(models, tmp_path):
     for name, grad in grads[0].items():
         torch.testing.assert_close(grad, grads[1][name], rtol=0, atol=1e-6, msg=name)
     assert any(g.abs().max() > 1e-3 for g in grads[0].values())
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_head_statistics_equal_materialized_logits(softcap):
+    """Mean logit, top-1 hits and log sum p^2 from the chunk loop equal those of full logits; the compact
+    path (only label positions projected) equals projecting every position."""
+    torch.manual_seed(0)
+    head = OutputHead(16, 50, softcap=softcap)
+    torch.nn.init.normal_(head.weight, std=2.0)
+    hidden_BSD = torch.randn(3, 40, 16, requires_grad=True)
+    targets_BS = torch.randint(0, 50, (3, 40))
+    targets_BS[:, :7] = IGNORE_INDEX
+    targets_BS[1, ::3] = IGNORE_INDEX
+    statistics = ("mean_logits", "is_top1", "log_sum_sq_probs")
+    runs = [head(hidden_BSD, loss=TokenLogprobs(targets_BS, fused=fused, statistics=statistics, compact=compact))
+            for fused, compact in ((False, False), (True, False), (True, True))]
+    logits_BSV = head(hidden_BSD).detach()
+    valid_BS = targets_BS != IGNORE_INDEX
+    expected = {"mean_logits": logits_BSV.mean(-1) * valid_BS, "is_top1": (logits_BSV.argmax(-1) == targets_BS) & valid_BS,
+                "log_sum_sq_probs": torch.log((logits_BSV.softmax(-1) ** 2).sum(-1)) * valid_BS}
+    upstream_BS = torch.randn(3, 40)
+    reference_grad = None
+    for logprobs_BS, _, stats in runs:
+        for name, value in expected.items():
+            torch.testing.assert_close(stats[name].float(), value.float(), rtol=0, atol=1e-5, msg=name)
+        grad, = torch.autograd.grad((logprobs_BS * upstream_BS).sum(), hidden_BSD)
+        reference_grad = grad if reference_grad is None else reference_grad
+        torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6)
+    assert expected["is_top1"].any()
 
 
 # --- data formats -------------------------------------------------------------------------------------
