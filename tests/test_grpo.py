@@ -7,7 +7,6 @@ statistic are compared with TRL's code, not a copy of it.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 import types
@@ -23,11 +22,6 @@ from hfnative.losses.policy import (
     nanstd,
     weighted_rewards,
 )
-
-# tests/vllm (a folder of tests, importable as a namespace package from here) is not vLLM: keep TRL from taking it for one
-_vllm = importlib.util.find_spec("vllm")
-if _vllm is not None and _vllm.origin is None:
-    sys.modules["vllm"] = None
 
 # --- the loss functions against TRL's _compute_loss ----------------------------------------------------------
 
@@ -358,23 +352,27 @@ def test_reward_functions_calling_convention():
         log_extra("note", ["x"] * len(prompts))
         return [None if a is None else 1.0 for a in answer]
 
-    async def slow(completions, **kwargs):
-        await asyncio.sleep(0.05)
-        return [0.5] * len(completions)
+    other_started = []
+
+    async def slow(completions, **kwargs):  # finishes only once `slower` has started: they run concurrently
+        for _ in range(500):
+            if other_started:
+                return [0.5] * len(completions)
+            await asyncio.sleep(0.01)
+        raise AssertionError("the async reward functions ran one after the other")
 
     async def slower(completions, **kwargs):
-        await asyncio.sleep(0.05)
+        other_started.append(True)
+        await asyncio.sleep(0.01)
         return [0.25] * len(completions)
 
     rewards = RewardFunctions([plain, slow, slower, "exact_match", "hfnative.trainers.rewards.completion_length"],
                               reward_weights=[1, 1, 1, 1, 1])
     assert rewards.names == ["plain", "slow", "slower", "exact_match", "completion_length"]
     extra = []
-    start = __import__("time").perf_counter()
     scores = rewards.score(["p1", "p2"], [" 4", "five"], [[5, 6], [7]], [{"prompt": "p1", "answer": "4", "id": 0},
                            {"prompt": "p2", "answer": None, "id": 1}], trainer_state="state",
                            log_extra=lambda column, values: extra.append(column), log_metric=None)
-    assert __import__("time").perf_counter() - start < 0.095  # the two async functions ran concurrently
     assert seen["answer"] == ["4", None] and seen["kwargs"]["id"] == [0, 1] and seen["state"] == "state"
     assert extra == ["note"]
     expected = [[1.0, 0.5, 0.25, 1.0, 0.02], [float("nan"), 0.5, 0.25, float("nan"), 0.01]]
@@ -417,3 +415,51 @@ def test_cli_grpo_and_example_run(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert (tmp_path / "example" / "model.safetensors").exists()
+
+
+def test_sampler_importance_weights_and_an_engine_that_copies_weights(tmp_path):
+    """TRL's vLLM correction: the four modes against their formulas; in training (an engine that does not read
+    the live weights, its log-probs 0.01 below the model's) the weights reach the loss, TRL's sampling/* keys
+    are logged, and the engine receives the Hub-named weights before each generation."""
+    import hfnative
+    from datasets import Dataset
+    from hfnative.generation import NativeRolloutEngine, Rollouts
+    from hfnative.losses.policy import sampler_importance_weights
+
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -3.0]])
+    sampled = logprobs - torch.tensor([[0.5, -0.2, 0.1], [2.0, 0.0, float("nan")]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    gap = torch.tensor([[0.5, -0.2, 0.0], [2.0, 0.0, 0.0]])
+    torch.testing.assert_close(sampler_importance_weights(logprobs, sampled, mask, "token_truncate", None, 3.0),
+                               gap.exp().clamp(max=3.0))
+    torch.testing.assert_close(sampler_importance_weights(logprobs, sampled, mask, "token_mask", 0.9, 3.0),
+                               torch.where((gap.exp() < 0.9) | (gap.exp() > 3.0), 0.0, gap.exp()))
+    sequence = gap.sum(-1, keepdim=True).exp()
+    torch.testing.assert_close(sampler_importance_weights(logprobs, sampled, mask, "sequence_truncate", 1.5, 3.0),
+                               sequence.clamp(1.5, 3.0))
+    torch.testing.assert_close(sampler_importance_weights(logprobs, sampled, mask, "sequence_mask", None, 3.0),
+                               torch.where(sequence > 3.0, 0.0, sequence))
+
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "copy"), max_steps=2, learning_rate=1e-2, **LEARN_SETTINGS)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args,
+                                   train_dataset=Dataset.from_list([{"prompt": f"Note {i}:"} for i in range(8)]))
+    native, received = trainer.objective.engine, []
+
+    class CopyingEngine(NativeRolloutEngine):
+        reads_live_weights = False
+
+        def generate(self, prompts, sampling):
+            out = native.generate(prompts, sampling)
+            return Rollouts(out.completion_ids, [[lp - 0.01 for lp in row] for row in out.logprobs], out.finish_reason)
+
+        def load_weights(self, named_tensors):
+            received.append([name for name, _ in named_tensors])
+
+    trainer.objective.engine = CopyingEngine(trainer.model)
+    trainer.objective.sampler_correction = True
+    trainer.train()
+    assert len(received) == 2 and "model.layers.0.self_attn.q_proj.weight" in received[0]
+    first = trainer.state.log_history[0]
+    assert first["sampling/sampling_logp_difference/mean"] == pytest.approx(0.01, abs=1e-4)
+    expected = math.exp(0.01 * first["completions/mean_length"])  # every completion runs to the limit here
+    assert first["sampling/importance_sampling_ratio/mean"] == pytest.approx(expected, rel=1e-3)

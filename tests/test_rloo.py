@@ -10,7 +10,6 @@ from collections import defaultdict
 import pytest
 import torch
 
-import test_grpo  # noqa: F401  (keeps the tests/vllm folder from passing for vLLM when TRL looks for it)
 from hfnative.losses.policy import sequence_policy_loss
 from test_grpo import G, LEARN_SETTINGS, MODEL, _prompts, even_fraction, fixed_completion, letter_e, near_target_length
 

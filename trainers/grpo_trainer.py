@@ -18,11 +18,11 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from hfnative.generation import NativeRolloutEngine, SamplingParams
+from hfnative.generation import SamplingParams
+from hfnative.generation.engines import make_rollout_engine
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import (
     LOSS_TYPES,
@@ -32,174 +32,19 @@ from hfnative.losses.policy import (
     high_entropy_mask,
     nanstd,
     normalize_then_sum_advantages,
+    sampler_importance_weights,
     weighted_rewards,
 )
 from hfnative.models.head import TokenLogprobs
 from hfnative.peft import disable_adapters
 
-from .arguments import TrainingArguments
 from .data_loading import EpochBatchSampler
+from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig
 from .objective import LanguageModelingObjective
 from .rewards import RewardFunctions
 from .script_arguments import ScriptArguments
 from .sft_trainer import SFTTrainer
 from .trainer import Trainer
-
-# TRL 1.16 fields that select features hfnative does not run (vLLM, tools, continuous batching,
-# multimodal logging, entropy bonus): accepted at their defaults, refused otherwise
-_UNSUPPORTED_UNLESS_DEFAULT = ("use_vllm", "use_transformers_continuous_batching", "use_transformers_paged",
-                               "sync_ref_model", "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold",
-                               "max_tool_calling_iterations", "log_completions_hub_repo")
-
-
-@dataclass(repr=False)
-class OnlineRLConfig(TrainingArguments):
-    """The fields TRL 1.16's GRPOConfig and RLOOConfig share, with their defaults (learning_rate 1e-6,
-    logging_steps 10, activation checkpointing on, bf16 unless fp16, remove_unused_columns False).
-    ``per_device_train_batch_size`` counts completions; ``generation_batch_size`` (or ``steps_per_generation``)
-    sets how many are generated at once."""
-
-    learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio)."})
-    gradient_checkpointing: bool | None = field(default=True, metadata={"help": "Recompute activations in backward."})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16."})
-    # model and reference model
-    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": "How to load a model given by name (JSON)."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted; hfnative never runs a model's own code."})
-    router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
-    disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout probability to 0."})
-    # data
-    remove_unused_columns: bool | None = field(default=False, metadata={"help": "Keep the dataset's columns (rewards read them)."})
-    num_generations: int | None = field(default=8, metadata={"help": "Completions sampled per prompt (G)."})
-    num_generations_eval: int | None = field(default=None, metadata={"help": "G in evaluation (default num_generations)."})
-    max_completion_length: int | None = field(default=512, metadata={"help": "Maximum length of a completion."})
-    ds3_gather_for_generation: bool = field(default=True, metadata={"help": "Accepted (DeepSpeed ZeRO-3 only)."})
-    shuffle_dataset: bool | None = field(default=True, metadata={"help": "Shuffle the training prompts."})
-    pad_to_multiple_of: int | str | None = field(default="auto", metadata={"help": "Pad prompts and completions to a multiple of this."})
-    # generation
-    generation_batch_size: int | None = field(default=None, metadata={"help": "Completions generated at once (per device)."})
-    steps_per_generation: int | None = field(default=None, metadata={"help": "Micro-batches per generation (default gradient_accumulation_steps)."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (also applied to the trained log-probs)."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass."})
-    top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum probability relative to the most likely token."})
-    generation_kwargs: dict | str | None = field(default=None, metadata={"help": "More sampling settings (JSON)."})
-    chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "Keyword arguments of the chat template (JSON)."})
-    repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty."})
-    cache_implementation: str | None = field(default=None, metadata={"help": "Accepted; the native engine has its own cache."})
-    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (not available: the native engine runs)."})
-    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM: server or colocate."})
-    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation."})
-    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "vLLM sleep mode."})
-    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "vLLM structured outputs regex."})
-    vllm_server_base_url: str | None = field(default=None, metadata={"help": "vLLM server URL."})
-    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "vLLM server host."})
-    vllm_server_port: int = field(default=8000, metadata={"help": "vLLM server port."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "vLLM server timeout (s)."})
-    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM weight-update group port."})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM GPU memory share."})
-    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM context length."})
-    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "vLLM tensor-parallel size."})
-    # training
-    beta: float = field(default=0.0, metadata={"help": "KL coefficient (> 0 loads a reference model)."})
-    num_iterations: int = field(default=1, metadata={"help": "Optimization passes over each generation batch (μ)."})
-    epsilon: float = field(default=0.2, metadata={"help": "Lower clipping range of the ratio."})
-    epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default epsilon)."})
-    reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
-    mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions cut at max length out of the loss."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (not available)."})
-    ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup alpha."})
-    ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period."})
-    # logging
-    log_completions: bool = field(default=False, metadata={"help": "Print prompts, completions, rewards at each log."})
-    log_multimodal: bool = field(default=True, metadata={"help": "Log images (multimodal)."})
-    num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
-    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "transformers' continuous batching."})
-    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
-    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
-
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
-    ]
-
-    def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
-        super().__post_init__()
-        if isinstance(self.pad_to_multiple_of, str):
-            text = self.pad_to_multiple_of.lower()
-            self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
-        resolve_generation_batch(self)
-
-
-@dataclass(repr=False)
-class GRPOConfig(OnlineRLConfig):
-    """TRL 1.16's GRPOConfig: the shared fields plus GRPO's loss settings, same names and defaults."""
-
-    cast_lm_head_to_fp32: bool = field(default=False, metadata={"help": "Accepted; the head's log-probs are fp32 already."})
-    delta: float | None = field(default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping)."})
-    sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature, negative advantages."})
-    sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature, positive advantages."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
-    importance_sampling_level: str = field(default="token", metadata={"help": "token or sequence (GSPO) ratios."})
-    multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "sum_then_normalize or normalize_then_sum."})
-    scale_rewards: str = field(default="group", metadata={"help": "Divide advantages by the std of: group, batch or none."})
-    loss_type: str = field(default="dapo", metadata={"help": "grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo."})
-    top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top q highest-entropy tokens."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus (not available)."})
-    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adaptive entropy bonus (not available)."})
-    entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy lower bound."})
-    entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy upper bound."})
-    entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy step."})
-    entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy target."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool calling (not available)."})
-    vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "vLLM importance correction."})
-    vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM importance mode."})
-    vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "vLLM importance cap."})
-    vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "vLLM importance floor."})
-    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Off-policy sequence mask (not available)."})
-    use_bias_correction_kl: bool = field(default=True, metadata={"help": "Weight the KL by the importance ratio."})
-    log_completions_hub_repo: str | None = field(default=None, metadata={"help": "Hub dataset for completions (not available)."})
-    vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Deprecated: vllm_importance_sampling_clip_max."})
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
-
-
-def resolve_generation_batch(args) -> None:
-    """TRL's rules: generation_batch_size and steps_per_generation follow from each other (default: one
-    optimizer step's completions); the batch holds whole groups; G >= 2."""
-    global_batch = args.per_device_train_batch_size * args.world_size
-    if args.generation_batch_size is None and args.steps_per_generation is None:
-        args.steps_per_generation = args.gradient_accumulation_steps
-        args.generation_batch_size = global_batch * args.steps_per_generation
-    elif args.generation_batch_size is not None and args.steps_per_generation is None:
-        if args.generation_batch_size % global_batch:
-            raise ValueError(
-                f"generation_batch_size ({args.generation_batch_size}) must be divisible by the global batch size "
-                f"({global_batch})."
-            )
-        args.steps_per_generation = args.generation_batch_size // global_batch
-    elif args.generation_batch_size is None:
-        args.generation_batch_size = global_batch * args.steps_per_generation
-    else:
-        raise ValueError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the same time")
-    if args.generation_batch_size % args.num_generations:
-        raise ValueError(
-            f"generation_batch_size ({args.generation_batch_size}) must be divisible by num_generations "
-            f"({args.num_generations})."
-        )
-    if args.num_generations < 2:
-        algorithm = type(args).__name__.removesuffix("Config")
-        raise ValueError(
-            f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
-            f"{args.num_generations}, which is less than the minimum required."
-        )
-
 
 # --- data ------------------------------------------------------------------------------------------------------
 
@@ -281,7 +126,9 @@ class GRPOObjective(LanguageModelingObjective):
             trainer._reward_funcs, args.reward_weights, trainer._reward_processing_classes, trainer.device,
             chat_template_kwargs=self._chat_template_kwargs(),
         )
-        self.engine = NativeRolloutEngine(trainer.model)
+        self.engine = make_rollout_engine(trainer.model, args)
+        # TRL's correction for a sampler other than the trained model itself (vLLM)
+        self.sampler_correction = bool(args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False))
         self.tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         self.eos_token_ids = self._eos_token_ids()
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
@@ -376,8 +223,10 @@ class GRPOObjective(LanguageModelingObjective):
         return batches[0]["num_items_in_generation"] * len(batches) / self.args.steps_per_generation
 
     def after_optimizer_step(self) -> None:
-        if not self.engine.reads_live_weights:
-            self.engine.load_weights(self.trainer.model.state_dict().items())
+        if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
+            from hfnative.generation.vllm_backend import hub_named_tensors
+
+            self.engine.load_weights(hub_named_tensors(self.trainer.model))
         if self._step_started is not None:
             self.trainer._metrics["train"].add("step_time", torch.tensor(time.perf_counter() - self._step_started))
 
@@ -441,8 +290,9 @@ class GRPOObjective(LanguageModelingObjective):
         }
 
     def _needs_old_logprobs(self) -> bool:
-        """TRL: only when the generation batch is trained on after an optimizer step has changed the policy."""
-        return self.args.gradient_accumulation_steps % self.generate_every != 0
+        """TRL: when the generation batch is trained on after an optimizer step has changed the policy, or
+        the sampler's log-probs need correcting."""
+        return self.args.gradient_accumulation_steps % self.generate_every != 0 or self.sampler_correction
 
     def _model_logprobs(self, batch: dict) -> dict:
         """Generation-time per-token log-probs: the reference model's (beta > 0) and the policy's old ones."""
@@ -454,11 +304,29 @@ class GRPOObjective(LanguageModelingObjective):
             else:
                 out["ref_logprobs"] = self._forward_logprobs(self.auxiliary_models["ref"], batch)
         if self._needs_old_logprobs():
-            if self.old_logprobs_source == "forward":
+            if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights:
                 out["old_logprobs"] = self._forward_logprobs(self.trainer.model, batch)
             else:
                 out["old_logprobs"] = batch["sampling_logprobs"]
+        if self.sampler_correction:
+            out["sampler_weights"] = self._sampler_weights(out["old_logprobs"], batch)
         return out
+
+    def _sampler_weights(self, old_logprobs_NT, batch) -> torch.Tensor:
+        """TRL's vLLM importance-sampling correction [N, T], and its logged statistics."""
+        args, mask_NT = self.args, batch["completion_mask"]
+        weights = sampler_importance_weights(
+            old_logprobs_NT, batch["sampling_logprobs"], mask_NT, args.vllm_importance_sampling_mode,
+            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+        )
+        gap = (old_logprobs_NT - batch["sampling_logprobs"]).abs()[mask_NT.bool()]
+        gap = gap[~torch.isnan(gap)]
+        self._add("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else torch.tensor(0.0))
+        self._add("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else torch.tensor(0.0))
+        flat = weights.flatten() if weights.shape[1] == 1 else weights[mask_NT.bool()]
+        for name, reduce in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
+            self._add(f"sampling/importance_sampling_ratio/{name}", reduce(flat) if flat.numel() else torch.tensor(0.0))
+        return weights.expand_as(old_logprobs_NT).contiguous()
 
     def _forward_logprobs(self, model, batch: dict) -> torch.Tensor:
         """Per-token log-probs [N, T] of the completions under ``model``, no grad, in micro-batch-sized chunks."""
@@ -515,7 +383,8 @@ class GRPOObjective(LanguageModelingObjective):
             completion_width = int(part["completion_lengths"].max())
             for key in ("prompt_ids", "prompt_mask"):
                 part[key] = part[key][:, part[key].shape[1] - prompt_width :]
-            for key in ("completion_ids", "completion_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs"):
+            for key in ("completion_ids", "completion_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs",
+                        "sampler_weights"):
                 if key in part and part[key].dim() == 2:
                     part[key] = part[key][:, :completion_width]
             micro_batch = self._model_inputs(part)
@@ -537,9 +406,10 @@ class GRPOObjective(LanguageModelingObjective):
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
         args = self.args
         old = inputs.get("old_logprobs")
-        token_weights = None
+        token_weights = inputs.get("sampler_weights")
         if args.top_entropy_quantile < 1.0:
-            token_weights = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
+            keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
+            token_weights = keep if token_weights is None else token_weights * keep
         return clipped_policy_loss(
             logprobs_BT, logprobs_BT.detach() if old is None else old, inputs["advantages"], mask_BT,
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,

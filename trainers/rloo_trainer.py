@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from hfnative.losses.policy import leave_one_out_advantages, sequence_kl_penalty, sequence_policy_loss, weighted_rewards
 
-from .grpo_trainer import GRPOObjective, GRPOTrainer, OnlineRLConfig, RLScriptArguments, rl_trainer_kwargs
+from .grpo_config import OnlineRLConfig
+from .grpo_trainer import GRPOObjective, GRPOTrainer, RLScriptArguments, rl_trainer_kwargs
 
 
 @dataclass(repr=False)

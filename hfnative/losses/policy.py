@@ -327,3 +327,29 @@ def sequence_policy_loss(
     metrics["clip_ratio/high_max"] = high_B.max()
     metrics["clip_ratio/region_mean"] = (torch.maximum(low_B, high_B).sum(), count)
     return PolicyLoss(per_sequence_B.mean(), per_sequence_B, metrics)
+
+
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_importance_weights(
+    logprobs_NT: torch.Tensor,
+    sampling_logprobs_NT: torch.Tensor,
+    mask_NT: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Weights correcting for a sampler (vLLM) whose token log-probs differ from the trainer's: the ratio
+    π_train / π_sampler per token, or per sequence (exp of the summed log-ratio) for "sequence_*" modes;
+    "*_truncate" clamps it to [clip_min, clip_max], "*_mask" sets ratios outside that range to 0 (TRL's
+    vllm_importance_sampling_mode). NaN sampler log-probs count as no difference. [N, T] or [N, 1]."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"vllm_importance_sampling_mode={mode!r}: expected one of {IMPORTANCE_SAMPLING_MODES}")
+    gap_NT = torch.nan_to_num((logprobs_NT - sampling_logprobs_NT) * mask_NT, nan=0.0)
+    ratio = torch.exp(gap_NT.sum(-1, keepdim=True) if mode.startswith("sequence") else gap_NT)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = -float("inf") if clip_min is None else clip_min
+    high = float("inf") if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
