@@ -188,7 +188,8 @@ class VLLMColocateEngine(RolloutEngine):
     """``vllm.LLM`` in this process (``distributed_executor_backend="external_launcher"``, as TRL runs it).
 
     model: a Hub-format folder (or Hub id) vLLM loads first. In a torch.distributed run every rank holds
-    one engine; ranks ``tensor_parallel_size`` apart share one. ``load_weights`` takes (Hub key, tensor)
+    one engine; with ``tensor_parallel_size`` > 1 consecutive ranks form one vLLM instance, which generates
+    for the prompts of all of them (every rank gets its own prompts' rollouts back). ``load_weights`` takes (Hub key, tensor)
     pairs — all of the model's weights — and resets vLLM's prefix cache (its KV blocks were computed with
     the old weights). llm_kwargs go to ``vllm.LLM`` unchanged.
     """
@@ -210,6 +211,11 @@ class VLLMColocateEngine(RolloutEngine):
         os.environ.setdefault("WORLD_SIZE", str(world))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        self.tp_group = None
+        if tensor_parallel_size > 1:  # ranks [0, tp), [tp, 2 tp), ...: each group runs one vLLM on all its prompts
+            self.tp_group, _ = torch.distributed.new_subgroups_by_enumeration(
+                [list(range(start, start + tensor_parallel_size)) for start in range(0, world, tensor_parallel_size)]
+            )
         self.enable_sleep_mode = enable_sleep_mode
         self.llm = LLM(
             model=str(model),
@@ -235,10 +241,17 @@ class VLLMColocateEngine(RolloutEngine):
 
         prompts = check_prompts(prompts, self.vocab_size)
         params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling), detokenize=False)
+        mine = slice(0, len(prompts))
+        if self.tp_group is not None:  # the group's ranks must hand vLLM the same batch: gather, keep our share
+            size = torch.distributed.get_world_size(self.tp_group)
+            gathered = [None] * size
+            torch.distributed.all_gather_object(gathered, prompts, group=self.tp_group)
+            start = sum(len(part) for part in gathered[: torch.distributed.get_rank(self.tp_group)])
+            prompts, mine = [p for part in gathered for p in part], slice(start, start + len(prompts))
         if self.enable_sleep_mode:
             self.llm.wake_up()
         try:
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)[mine]
         finally:
             if self.enable_sleep_mode:
                 self.llm.sleep(level=1)

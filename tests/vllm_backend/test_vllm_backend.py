@@ -5,6 +5,11 @@ in tests/test_generation.py: greedy completions must be the same tokens (where t
 within NEAR_TIE either token is right, and the sequences may part there), log-probs within LOGPROB_TOL.
 """
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +18,7 @@ pytest.importorskip("vllm", reason="vllm is not importable: scripts/vllm_env.sh 
 
 import torch  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from hfnative.converters.loading import load_pretrained  # noqa: E402
 from hfnative.generation import NativeRolloutEngine, SamplingParams  # noqa: E402
 from hfnative.generation.engines import make_rollout_engine  # noqa: E402
@@ -144,3 +150,18 @@ def test_server_greedy_and_weight_reload(vllm_server, converted, model_dir, tmp_
     after = engine.generate(PROMPTS, GREEDY)
     assert after.completion_ids != ours.completion_ids
     assert_same_greedy(after, NativeRolloutEngine(updated.model).generate(PROMPTS, GREEDY), updated.model, PROMPTS)
+
+
+def test_colocated_tensor_parallel_over_two_ranks(model_dir, tmp_path):
+    """torchrun with 2 processes, vllm_tensor_parallel_size=2: one vLLM over both ranks, each rank handing its
+    own prompts (2 and 3 of them) and getting their rollouts back, before and after load_weights."""
+    worker = Path(__file__).with_name("_tp_worker.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(worker), str(model_dir), str(tmp_path)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-4000:]
+    for rank, count in ((0, 2), (1, 3)):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(result["greedy"]) == count
+        assert result["greedy"] == result["native"]
+        assert result["updated"] == result["native_updated"] and result["updated"] != result["greedy"]
