@@ -13,6 +13,7 @@ tokens and divided by their count (then by the accumulation steps).
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,9 +312,11 @@ class AsyncGRPOTrainer(Trainer):
         set_seed(args.seed)
         self.peft_config = peft_config
         self._pipeline = None
-        model_init_kwargs = args.model_init_kwargs if isinstance(args.model_init_kwargs, dict) else {}
+        model_init_kwargs = dict(args.model_init_kwargs) if isinstance(args.model_init_kwargs, dict) else {}
+        if isinstance(model, (str, os.PathLike)) and not {"dtype", "torch_dtype"} & set(model_init_kwargs):
+            model_init_kwargs["dtype"] = args.dtype  # TRL: a dtype in model_init_kwargs takes precedence
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers, model_init_kwargs=dict(model_init_kwargs))
+                         callbacks=callbacks, optimizers=optimizers, model_init_kwargs=model_init_kwargs)
         if self.distributed is not None:
             raise ValueError("AsyncGRPOTrainer trains on one process (its rollouts come from Ray actors): launch it "
                              "without torchrun / accelerate")
