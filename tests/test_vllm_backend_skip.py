@@ -13,6 +13,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig
 
+from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import load_pretrained
 from hfnative.generation import NativeRolloutEngine, SamplingParams
 from hfnative.generation.engines import make_rollout_engine, vllm_dtype, vllm_model_folder
@@ -92,6 +93,17 @@ def test_hub_named_tensors_are_the_checkpoints():
         assert set(hub) == keys
         for key in keys:
             torch.testing.assert_close(hub[key], checkpoint.get_tensor(key), rtol=0, atol=0)
+
+
+def test_a_trainers_model_gives_the_same_weights_and_folder():
+    """A trainer holds the native model with transformers' surface (NativeCausalLM), not the ConvertedModel."""
+    converted = load_pretrained(TINY)
+    expected = dict(hub_named_tensors(converted))
+    model = attach_hub_surface(converted.model, converted)
+    got = dict(hub_named_tensors(model))
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert Path(vllm_model_folder(model)).resolve() == TINY.resolve()
+    assert vllm_dtype(model) == "float32"
 
 
 def test_weights_folder_loads_in_transformers_as_the_merged_model(tmp_path):
