@@ -289,7 +289,7 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         if not batches:
             return batches
         prompts = [p for batch in batches for p in batch["prompt_ids"]]
-        completions = self.completions(prompts)
+        completions = self.completions(prompts, training=True)
         built, start = [], 0
         for batch in batches:
             size = len(batch["prompt_ids"])
@@ -300,18 +300,19 @@ class OnPolicyDistillationObjective(_DistillationObjective):
     def build(self, prompts: list[list[int]], completions: list[list[int]]) -> dict:
         return _completion_batch(prompts, completions, self.pad_token_id)
 
-    def completions(self, prompts: list[list[int]]) -> list[list[int]]:
-        """The student's completions for one step's prompts, and their length metrics (logged with the next loss)."""
+    def completions(self, prompts: list[list[int]], training: bool) -> list[list[int]]:
+        """The student's completions for one step's (or evaluation batch's) prompts, and their length metrics
+        (logged with the next loss); training completions count towards num_tokens."""
         completions = self.generate(self.trainer.model, prompts, self.sampling)
-        self.record_lengths(prompts, completions)
+        self.record_lengths(prompts, completions, training)
         return completions
 
-    def record_lengths(self, prompts, completions) -> None:
+    def record_lengths(self, prompts, completions, training: bool) -> None:
         lengths = torch.tensor([len(c) for c in completions], dtype=torch.float64)
         stops = set(self.sampling["eos_token_id"]) | {self.pad_token_id}
         clipped = torch.tensor([bool(c) and c[-1] not in stops for c in completions])
         terminated = lengths[~clipped] if (~clipped).any() else torch.zeros(1, dtype=torch.float64)
-        if self.trainer.model.training:
+        if training:
             self._tokens_seen += sum(len(p) for p in prompts) + lengths.sum().item()
         self._pending = {
             "completions/mean_length": lengths.mean(), "completions/min_length": lengths.min(),
@@ -498,7 +499,7 @@ class DistillationTrainer(_TeacherMixin, Trainer):
         """A batch of prompts (evaluation) is completed by the student first; built batches pass through."""
         if "labels" not in inputs:
             prompts = inputs["prompt_ids"]
-            inputs = self.objective.build(prompts, self.objective.completions(prompts))
+            inputs = self.objective.build(prompts, self.objective.completions(prompts, training=False))
         return super()._prepare_inputs(inputs)
 
 
