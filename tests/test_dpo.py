@@ -8,11 +8,13 @@
   on a MoE model (aux_loss).
 - The fused log-prob head's gradients equal materialized logits' within 1e-6.
 - Tokenization and batches equal TRL's for explicit / implicit prompts, text / conversational rows.
-- Bad settings get TRL's errors; the CLI and examples/dpo.py train on the shipped data.
+- Bad settings get TRL's errors; the CLI (one process) and examples/dpo.py under torchrun (two processes)
+  train the same LoRA adapter on the shipped data, step for step.
 """
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -334,26 +336,33 @@ def test_bad_config_is_refused_when_built():
 
 # --- CLI and example --------------------------------------------------------------------------------------
 
-QUICK = ["--use_cpu", "--no_bf16", "--max_steps", "2", "--per_device_train_batch_size", "2", "--logging_steps", "1",
-         "--report_to", "none", "--disable_tqdm", "--learning_rate", "1e-3", "--max_length", "64"]
+QUICK = ["--use_cpu", "--no_bf16", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm",
+         "--learning_rate", "1e-2", "--max_length", "64", "--seed", "3"]
 
 
-def test_cli_trains_on_shipped_data_and_writes_the_model(tmp_path):
+def _logged_steps(folder: Path) -> list[dict]:
+    state = json.loads((folder / "checkpoint-2" / "trainer_state.json").read_text())
+    return [entry for entry in state["log_history"] if "loss" in entry]
+
+
+def test_cli_and_example_on_two_processes_train_alike(tmp_path):
+    """``hfnative-train dpo`` (one process, 2 pairs a step) and examples/dpo.py under torchrun (2 processes,
+    1 pair each) train the same LoRA adapter on the shipped data, step for step, and write it."""
     from hfnative.trainers import cli
 
-    out = tmp_path / "cli"
-    cli.main(["dpo", "--model_name_or_path", MODEL, "--dataset_name", str(DATA), "--output_dir", str(out), *QUICK])
-    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
-    logged = [entry for entry in state["log_history"] if "loss" in entry]
-    assert len(logged) == 2 and "rewards/margins" in logged[0]
-
-
-def test_example_script_runs_with_lora(tmp_path):
-    out = tmp_path / "example"
-    command = [sys.executable, str(ROOT / "examples" / "dpo.py"), "--model_name_or_path", MODEL, "--dataset_name",
-               str(DATA), "--output_dir", str(out), *QUICK, "--use_peft", "--lora_r", "4", "--lora_target_modules",
-               "q_proj", "v_proj"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    lora = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0.0", "--lora_target_modules", "q_proj", "v_proj"]
+    common = ["--model_name_or_path", MODEL, "--dataset_name", str(DATA), *QUICK, *lora]
+    cli.main(["dpo", *common, "--output_dir", str(tmp_path / "cli"), "--per_device_train_batch_size", "2"])
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(ROOT / "examples" / "dpo.py"),
+               *common, "--output_dir", str(tmp_path / "example"), "--per_device_train_batch_size", "1"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    for out in ("cli", "example"):
+        assert (tmp_path / out / "adapter_model.safetensors").is_file() and (tmp_path / out / "adapter_config.json").is_file()
+    one, two = _logged_steps(tmp_path / "cli"), _logged_steps(tmp_path / "example")
+    assert len(one) == len(two) == 2
+    for single, launched in zip(one, two):
+        for key in ("loss", "grad_norm", "rewards/chosen", "rewards/margins", "logps/chosen", "logps/rejected", "entropy"):
+            assert launched[key] == pytest.approx(single[key], rel=1e-5, abs=1e-7), key
+    assert one[1]["rewards/margins"] != 0.0

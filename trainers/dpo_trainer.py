@@ -311,9 +311,13 @@ class DPOObjective(LanguageModelingObjective):
         self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=trainer.device)
         self.aux_loss_coef = SFTObjective._enable_aux_loss(trainer.model, args.router_aux_loss_coef)
         self.uses_adapters = trainer.lora_settings is not None or getattr(trainer.model, "_has_adapters", lambda: False)()
-        if trainer.distributed is not None and trainer.distributed.dims.tp_enabled:
-            raise ValueError("DPOTrainer needs the log-prob statistics of an unsplit head: run with tp=1 "
-                             "(data-parallel / FSDP layouts are supported)")
+        run = trainer.distributed
+        if run is not None and (run.dims.tp_enabled or run.dims.cp_enabled):
+            raise ValueError(
+                f"DPOTrainer sums each sequence's log-probs and needs the log-prob statistics of an unsplit head: "
+                f"run with tp_size=1 and cp_size=1 ({run.plan.describe()} was asked for); data-parallel and FSDP2 "
+                "layouts are supported"
+            )
         # a new adapter starts at zero, so the base with adapters disabled is the initial policy; an adapter the
         # model came with (an adapter folder, a PeftModel) is not, and its reference is a frozen copy of it (TRL's
         # "ref" adapter)
@@ -502,6 +506,9 @@ class DPOObjective(LanguageModelingObjective):
         if outputs.aux_loss is not None:
             loss = loss + self.aux_loss_coef * outputs.aux_loss
             metrics["aux_loss"] = outputs.aux_loss
+        if model.training and self.trainer.distributed is not None:
+            # the loop sums the ranks' losses (and gradients): each rank's share of the mean over all ranks' pairs
+            loss = loss / self.trainer.distributed.loss_ranks
         metrics.update(self._metrics(logps, entropy_BS, stats, mask_BS))
         if model.training:
             self._total_train_tokens += inputs["attention_mask"].sum()
