@@ -290,6 +290,9 @@ class DPOTrainer(Trainer):
             logits = None if prediction_loss_only else self.objective.forward(model, inputs, None).logits
         return loss, logits, (None if prediction_loss_only else inputs["input_ids"])
 
+    def _samples_in_batch(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
+
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
         super()._save_checkpoint()

@@ -44,7 +44,7 @@ class EvaluationMixin:
         want_predictions = self.compute_metrics is not None
         for inputs in dataloader:
             loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only=not want_predictions)
-            batch_size = inputs["input_ids"].shape[0]
+            batch_size = self._samples_in_batch(inputs)
             if loss is not None and torch.isfinite(loss):
                 losses.append(loss.detach().float().repeat(batch_size))
             if want_predictions:
@@ -74,6 +74,10 @@ class EvaluationMixin:
         self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
+
+    def _samples_in_batch(self, inputs: dict) -> int:
+        """Dataset rows in an evaluation batch (one sequence each here; a preference batch holds two per row)."""
+        return inputs["input_ids"].shape[0]
 
     def _gathered(self, items: list) -> list:
         """The lists of every data-parallel rank, concatenated in rank order (tensors moved to the CPU)."""
