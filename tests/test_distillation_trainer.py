@@ -10,7 +10,9 @@ on-policy runs repeat; the teacher loads as a path or a model; a teacher with an
 import dataclasses
 import importlib
 import json
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,8 +67,12 @@ def _gkd(module_config, module_trainer, tmp_path, rows, teacher=TEACHER, **extra
                           processing_class=AutoTokenizer.from_pretrained(STUDENT))
 
 
+def _losses_of(log_history: list[dict]) -> list[dict]:
+    return [entry for entry in log_history if "loss" in entry]
+
+
 def _losses(trainer) -> list[dict]:
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
+    return _losses_of(trainer.state.log_history)
 
 
 @pytest.fixture(scope="module")
@@ -280,6 +286,27 @@ def test_teacher_as_path_or_model(gkd_trainer, tmp_path):
              teacher_model_init_kwargs={"dtype": "bfloat16"})
     with pytest.raises(ValueError, match="needs a teacher"):
         _gkd(hfnative.GKDConfig, hfnative.GKDTrainer, tmp_path, _rows("sft_messages.jsonl", 4), teacher=None)
+
+
+def test_teacher_sharded_like_the_student_under_fsdp2(tmp_path):
+    """Off-policy GKD on 2 torchrun processes (FSDP2, gloo) equals one process over the same global batches."""
+    import _kd_distributed_worker as worker
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(ROOT / "tests" / "_kd_distributed_worker.py"), str(tmp_path / "fsdp")]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    launched = json.loads((tmp_path / "fsdp" / "result.json").read_text())
+    assert launched["sharded"] == {"student": True, "teacher": True}
+    reference = hfnative.GKDTrainer(model=STUDENT, teacher_model=TEACHER, args=worker.config(str(tmp_path / "one"), 2 * worker.PER_DEVICE),
+                                    train_dataset=Dataset.from_list(worker.rows()))
+    reference.train()
+    ours, theirs = _losses_of(launched["log_history"]), _losses(reference)
+    assert len(ours) == len(theirs) == worker.STEPS
+    for a, b in zip(ours, theirs):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (b["step"], key)
 
 
 def test_teacher_with_another_vocabulary_is_refused(tmp_path):

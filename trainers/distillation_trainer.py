@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hfnative.data import pad_token_id_for
 from hfnative.data.collate import pad_right
@@ -151,6 +152,18 @@ class PromptCollator:
 # --- objectives ---------------------------------------------------------------------------------------
 
 
+class _GatheredHead:
+    """The teacher's head as the student's head reads it inside its own loss: the whole [V, Dt] matrix, gathered
+    once per call when FSDP shards it (the student's head call unshards only the student's)."""
+
+    def __init__(self, head):
+        self.head, self.softcap = head, head.softcap
+
+    def projection(self) -> torch.Tensor:
+        weight_VD = self.head.projection()
+        return weight_VD.full_tensor() if isinstance(weight_VD, DTensor) else weight_VD
+
+
 class _DistillationObjective(LanguageModelingObjective):
     """The teacher (an auxiliary model), the generalized JSD through both heads, and seeded generation."""
 
@@ -190,7 +203,8 @@ class _DistillationObjective(LanguageModelingObjective):
             teacher_hidden_BSD = self.teacher(
                 inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
             ).hidden_states
-        spec = GeneralizedJSD(inputs["shift_labels"], teacher_hidden_BSD, self.teacher.output, self.beta, self.loss_temperature)
+        teacher_head = _GatheredHead(self.teacher.output)
+        spec = GeneralizedJSD(inputs["shift_labels"], teacher_hidden_BSD, teacher_head, self.beta, self.loss_temperature)
         return self.forward(model, inputs, spec).head_output
 
     def metrics(self, inputs, out) -> dict:
