@@ -267,7 +267,6 @@ class DPOTrainer(Trainer):
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             model_init_kwargs=model_init_kwargs,
         )
-        self.objective.finish_setup()
 
     @staticmethod
     def _args_class():
@@ -329,13 +328,12 @@ class DPOObjective(LanguageModelingObjective):
             self.auxiliary_models["ref_model"] = trainer._ref_source
         elif not self.reference_is_base and not args.precompute_ref_log_probs:
             self.auxiliary_models["ref_model"] = trainer._ref_source
-        trainer._ref_source = None  # loaded (or not needed): do not keep a second reference to it
+        trainer._ref_source = None  # auxiliary_models holds it when it is needed
         if args.disable_dropout:
             _disable_dropout(trainer.model)
 
-    def finish_setup(self) -> None:
-        """After the reference is loaded and the datasets are prepared: the reference in the policy's dtype,
-        dropout off in it too."""
+    def _align_reference(self) -> None:
+        """Once the trainer has loaded the reference: in the policy's dtype, dropout off in it too."""
         ref = self.auxiliary_models.get("ref_model")
         if ref is None:
             return
@@ -352,6 +350,7 @@ class DPOObjective(LanguageModelingObjective):
 
     def prepare_datasets(self, train_dataset, eval_dataset):
         trainer, args = self.trainer, self.trainer.args
+        self._align_reference()  # the trainer has just loaded it; precomputed log-probs need it ready
         tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
         if not isinstance(trainer.processing_class, tokenizer_types):
             raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
