@@ -417,7 +417,7 @@ def test_cli_grpo_and_example_run(tmp_path):
     assert (tmp_path / "example" / "model.safetensors").exists()
 
 
-def test_sampler_importance_weights_and_an_engine_that_copies_weights(tmp_path):
+def test_sampler_importance_weights_and_an_engine_that_copies_weights(tmp_path, capsys):
     """TRL's vLLM correction: the four modes against their formulas; in training (an engine that does not read
     the live weights, its log-probs 0.01 below the model's) the weights reach the loss, TRL's sampling/* keys
     are logged, and the engine receives the Hub-named weights before each generation."""
@@ -440,7 +440,8 @@ def test_sampler_importance_weights_and_an_engine_that_copies_weights(tmp_path):
     torch.testing.assert_close(sampler_importance_weights(logprobs, sampled, mask, "sequence_mask", None, 3.0),
                                torch.where(sequence > 3.0, 0.0, sequence))
 
-    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "copy"), max_steps=2, learning_rate=1e-2, **LEARN_SETTINGS)
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "copy"), max_steps=2, learning_rate=1e-2, log_completions=True,
+                               num_completions_to_print=3, **LEARN_SETTINGS)
     trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args,
                                    train_dataset=Dataset.from_list([{"prompt": f"Note {i}:"} for i in range(8)]))
     native, received = trainer.objective.engine, []
@@ -463,3 +464,5 @@ def test_sampler_importance_weights_and_an_engine_that_copies_weights(tmp_path):
     assert first["sampling/sampling_logp_difference/mean"] == pytest.approx(0.01, abs=1e-4)
     expected = math.exp(0.01 * first["completions/mean_length"])  # every completion runs to the limit here
     assert first["sampling/importance_sampling_ratio/mean"] == pytest.approx(expected, rel=1e-3)
+    printed = capsys.readouterr().out  # log_completions: a table of prompts, completions, rewards, advantages
+    assert "Step 1" in printed and "Step 2" in printed and "letter_e" in printed and "Advantage" in printed

@@ -52,15 +52,19 @@ from .trainer import Trainer
 class GenerationBatchSampler(EpochBatchSampler):
     """Batches of ``prompts_per_batch`` prompt indices in the epoch's seeded order (an incomplete last batch
     dropped), each yielded ``repeat`` times in a row: the loop reads one per micro-batch, and the objective
-    generates on the first of each run (TRL's RepeatSampler, without the per-completion repeats)."""
+    generates on the first of each run (TRL's RepeatSampler, without the per-completion repeats). With
+    ``num_shards`` data-parallel ranks, each generation batch of every rank is cut from one batch of
+    ``prompts_per_batch * num_shards`` prompts, so every prompt's group stays on one rank."""
 
-    def __init__(self, num_samples: int, prompts_per_batch: int, repeat: int, seed: int, shuffle: bool = True):
-        super().__init__(num_samples, prompts_per_batch, seed, shuffle=shuffle, drop_last=True)
-        self.repeat = repeat
+    def __init__(self, num_samples: int, prompts_per_batch: int, repeat: int, seed: int, shuffle: bool = True,
+                 num_shards: int = 1, shard_index: int = 0):
+        super().__init__(num_samples, prompts_per_batch * num_shards, seed, shuffle=shuffle, drop_last=True)
+        self.repeat, self.prompts_per_batch, self.shard_index = repeat, prompts_per_batch, shard_index
 
     def __iter__(self):
         order = self.order()
-        batches = [order[i : i + self.batch_size] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
+        mine = slice(self.shard_index * self.prompts_per_batch, (self.shard_index + 1) * self.prompts_per_batch)
+        batches = [order[i : i + self.batch_size][mine] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
         repeated = [batch for batch in batches for _ in range(self.repeat)]
         skip, self.skip_batches = self.skip_batches, 0
         yield from repeated[skip:]
@@ -193,8 +197,13 @@ class GRPOObjective(LanguageModelingObjective):
         from torch.utils.data import DataLoader
 
         args = self.trainer.args
+        if not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"{type(self.trainer).__name__} samples prompts by index: pass a map-style datasets.Dataset (or a list "
+                "of dicts), not a streaming IterableDataset"
+            )
         prompts_per_batch = args.generation_batch_size // self.num_generations
-        if len(dataset) < prompts_per_batch:
+        if len(dataset) < prompts_per_batch * self.trainer._data_shard().get("num_shards", 1):
             raise ValueError(
                 f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
                 f"({args.generation_batch_size} completions / {self.num_generations} generations): add prompts or "
@@ -202,7 +211,7 @@ class GRPOObjective(LanguageModelingObjective):
             )
         sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, self.generate_every,
                                          seed=args.data_seed if args.data_seed is not None else args.seed,
-                                         shuffle=args.shuffle_dataset)
+                                         shuffle=args.shuffle_dataset, **self.trainer._data_shard())
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.trainer.data_collator, num_workers=0)
 
     # --- one optimizer step ------------------------------------------------------------------------------------
@@ -248,7 +257,7 @@ class GRPOObjective(LanguageModelingObjective):
     @torch.no_grad()
     def generate_and_score(self, rows: list[dict]) -> list[dict]:
         """Sample G completions per row, score them, and return the generation batch's micro-batches."""
-        trainer, args, G = self.trainer, self.args, self.num_generations
+        trainer, G = self.trainer, self.num_generations
         rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows]
         prompt_ids = self.tokenize_prompts(prompts)
