@@ -5,10 +5,12 @@ P prompt tokens (left-padded), T completion tokens (right-padded), D hidden dim.
 
 Every ``steps_per_generation * num_iterations`` micro-batches the objective takes a generation batch of
 prompts, samples G completions of each with the native rollout engine (the training model's own weights,
-no copy), scores them with the reward functions, turns the rewards into advantages, shuffles the batch and
-cuts it into ``steps_per_generation`` micro-batches of ``per_device_train_batch_size`` completions, which
-the following micro-batches train on (``num_iterations`` times). Log-probs of the completion tokens come
-from the chunked head loss (no [B, T, V] logits kept); the loss is hfnative.losses.policy's.
+no copy; vLLM with ``use_vllm``, its log-probs corrected by TRL's importance weights), scores them with the
+reward functions, turns the rewards into advantages, shuffles the batch and cuts it into
+``steps_per_generation`` micro-batches of ``per_device_train_batch_size`` completions, which the following
+micro-batches train on (``num_iterations`` times). When the policy has moved since generation, the ratio's
+old log-probs are the engine's sampling log-probs (no extra forward). Log-probs of the completion tokens
+come from the chunked head loss (no [B, T, V] logits kept); the loss is hfnative.losses.policy's.
 """
 
 from __future__ import annotations
