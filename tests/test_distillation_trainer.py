@@ -3,8 +3,9 @@
 The loss equals TRL's generalized JSD (GKDTrainer.generalized_jsd_loss on transformers' logits, and
 DistillationTrainer's chunked divergence on transformers' hidden states); the fused gradients equal autograd through
 materialized logits; GKD off-policy and Distillation fed the same fixed completions match TRL per step; seeded
-on-policy runs repeat; the teacher loads as a path or a model; a teacher with another vocabulary is refused; the
-``gkd`` / ``distillation`` commands and examples/distillation.py run.
+on-policy runs repeat; a LoRA student generates with its adapters; the teacher loads as a path or a model and is
+sharded like the student under FSDP2; a teacher with another vocabulary is refused; the ``gkd`` / ``distillation``
+commands and examples/distillation.py run.
 """
 
 import dataclasses
