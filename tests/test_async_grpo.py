@@ -194,9 +194,10 @@ def _no_score(generated, payload):
     return {}
 
 
-def test_hung_scorer_and_dead_generator_are_reported(tiny_model, local_ray):
+def test_pipeline_reports_hung_and_dead_actors_and_regenerates_stale_work(tiny_model, local_ray):
     """The pipeline alone: a scorer that holds its work past heartbeat_stale_after_s is reported as hung; a
-    generator killed mid-run is reported as dead. Neither waits forever."""
+    micro-batch that became too stale is dropped, counted and generated again with the new weights; a generator
+    killed mid-run is reported as dead. Nothing waits forever."""
     from hfnative.converters.loading import load_pretrained
     from hfnative.generation import SamplingParams
     from hfnative.rl import RolloutPipeline
@@ -215,17 +216,24 @@ def test_hung_scorer_and_dead_generator_are_reported(tiny_model, local_ray):
     finally:
         hung.close()
 
-    dead = RolloutPipeline(model, _no_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
-    dead.start()
+    # max_staleness=0, two micro-batches a step: both are generated at version 0 before training starts
+    settings.update(micro_batches_per_step=2, max_staleness=0)
+    pipeline = RolloutPipeline(model, _no_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
+    pipeline.start()
     try:
-        dead.set_source(iter(work))
-        assert dead.next_batch()["version"] == 0
-        ray.kill(dead.generator)
+        pipeline.set_source(iter([([[5 + i, 6, 7], [5 + i, 6, 7]], i) for i in range(4)]))
+        first = pipeline.next_batch()
+        pipeline.policy_updated(1)  # the step ends after one micro-batch: the second one is now stale
+        second, third = pipeline.next_batch(), pipeline.next_batch()
+        assert [b["prompt_ids"][0][0] for b in (first, second, third)] == [5, 7, 6]  # the stale one came back
+        assert [b["version"] for b in (first, second, third)] == [0, 1, 1]
+        assert pipeline.pop_metrics()["sample/dropped_stale_total"] == 2  # its two completions
+        ray.kill(pipeline.generator)
         with pytest.raises(RolloutActorError, match=r"the generation actor failed: .*(died|dead)"):
-            dead.next_batch()
-            dead.next_batch()
+            pipeline.next_batch()
+            pipeline.next_batch()
     finally:
-        dead.close()
+        pipeline.close()
 
 
 def test_max_staleness_zero_is_on_policy_and_resumes_from_a_checkpoint(tiny_model, local_ray, tmp_path):

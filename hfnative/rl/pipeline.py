@@ -73,6 +73,11 @@ def policy_bytes(model: torch.nn.Module) -> bytes:
     return buffer.getvalue()
 
 
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters training changes (all of them, or only the adapters of a LoRA run), on the CPU."""
+    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
+
+
 class RolloutPipeline:
     """Generator and reward actors feeding the trainer, with bounded staleness.
 
@@ -84,6 +89,9 @@ class RolloutPipeline:
     policy has taken (a resumed run starts at its checkpoint's step).
     ray_address: join this Ray cluster (None: the running Ray instance, or a new local one).
     generator_options / scorer_options: Ray actor options (num_cpus, num_gpus, resources, ...).
+    engine_factory: model -> RolloutEngine in the generator actor (default: the native engine).
+    named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
+    ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
     """
 
     def __init__(
@@ -102,6 +110,7 @@ class RolloutPipeline:
         generator_options: dict | None = None,
         scorer_options: dict | None = None,
         engine_factory: Callable[[Any], RolloutEngine] | None = None,
+        named_weights: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
     ):
         if weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={weight_sync_steps}: expected an int >= 1")
@@ -118,6 +127,7 @@ class RolloutPipeline:
         self.staleness = StalenessFilter(max_staleness)
         self.version = self.synced_version = version
         self.ray_address, self.engine_factory = ray_address, engine_factory
+        self.named_weights = named_weights or trainable_weights
         self.generator_options = {"num_cpus": 1, **(generator_options or {})}
         self.scorer_options = {"num_cpus": 0, **(scorer_options or {})}
         self.generator = self.scorer = None
@@ -201,8 +211,7 @@ class RolloutPipeline:
         self._consumed_in_step = 0
         if version % self.weight_sync_steps == 0:
             start = time.perf_counter()
-            named = {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters() if p.requires_grad}
-            ref = self._ray.put(named)
+            ref = self._ray.put(self.named_weights(self.model))
             self._pending_syncs.append(self.generator.load_weights.remote(ref, version))
             self.synced_version = version
             self._sync_s.append(time.perf_counter() - start)
@@ -226,7 +235,10 @@ class RolloutPipeline:
         return self.version + ahead // self.micro_batches_per_step - self.synced_version
 
     def _fill(self) -> None:
-        while len(self._queue) < self.max_inflight and self._lag_if_submitted_now() <= self.staleness.max_staleness:
+        # ahead only while the work can still be trained on; an empty queue always takes work (progress)
+        while not self._queue or (
+            len(self._queue) < self.max_inflight and self._lag_if_submitted_now() <= self.staleness.max_staleness
+        ):
             if self._retry:
                 prompt_ids, payload = self._retry.popleft()
             else:
