@@ -28,6 +28,7 @@ LAYOUTS = {
     "cp2-packed": (dict(cp_size=2, dp_shard_size=1), dict(packing=True, max_length=45)),
     "fsdp2xcp2": (dict(cp_size=2, dp_shard_size=2), dict(max_length=61)),
     "fsdp2xcp2-packed": (dict(cp_size=2, dp_shard_size=2), dict(packing=True, max_length=45)),
+    "cp2xtp2-packed": (dict(cp_size=2, tp_size=2, dp_shard_size=1), dict(packing=True, max_length=45)),
 }
 
 # (name, batch of host tensors, sliding window)

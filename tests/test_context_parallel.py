@@ -2,11 +2,11 @@
 
 Ring attention over cp=2 ranks against SDPA over the whole sequence (float64: output and the query, key and
 value gradients within 1e-12) for causal, sliding-window, packed and padded inputs with grouped-query heads, on
-both block kernels. hfnative's SFTTrainer with cp=2 (2 processes) and FSDP2 x cp=2 (4 processes), with and
-without packing, at lengths that are not multiples of 2 x cp, against one process over the same global batches:
-5 steps whose losses, grad norms and logged metrics (and cp2's evaluation) agree within 1e-5 relative (fp32: the gradients are summed
-over the ranks in another order), and final weights within 2e-4 (AdamW magnifies that round-off where gradients
-are near zero; see tests/test_distributed_trainer.py).
+both block kernels. hfnative's SFTTrainer with cp=2 (2 processes), FSDP2 x cp=2 and cp=2 x TP2 (4 processes),
+with and without packing, at lengths that are not multiples of 2 x cp, against one process over the same global batches:
+5 steps whose losses, grad norms and logged metrics (and cp2's evaluation) agree within 1e-5 relative (fp32: the
+gradients are summed over the ranks in another order), and final weights within 2e-4 (AdamW magnifies that
+round-off where gradients are near zero; see tests/test_distributed_trainer.py).
 """
 
 import json
@@ -37,7 +37,7 @@ def _launch(out: Path, nproc: int, checks: list[str]) -> None:
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel")
     _launch(out, 2, ["attention", "cp2", "cp2-packed"])
-    _launch(out, 4, ["fsdp2xcp2", "fsdp2xcp2-packed"])
+    _launch(out, 4, ["fsdp2xcp2", "fsdp2xcp2-packed", "cp2xtp2-packed"])
     return out
 
 
@@ -109,7 +109,8 @@ def test_sizes_are_validated(tmp_path):
     from hfnative.trainers.parallel_plan import resolve_parallel_plan
 
     dims = ParallelDims(dp_shard=-1, cp=2, world_size=8)
-    assert (dims.dp_shard, dims.shape, dims.mesh_dim_names) == (4, (1, 4, 2, 1), ("dp_replicate", "dp_shard", "cp", "tp"))
+    assert (dims.dp_shard, dims.shape) == (4, (1, 4, 2, 1))
+    assert dims.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "tp")
     with pytest.raises(ValueError, match=r"dp_replicate=1 x dp_shard=1 x cp=2 x tp=1 = 2, but the world size is 4"):
         ParallelDims(dp_shard=1, cp=2, world_size=4)
     args = worker.config(str(tmp_path), 1, parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=2))

@@ -352,7 +352,7 @@ def _parallelism_config(args, world_size: int) -> tuple[int, int, int, int, int]
             "hfnative; use cp_size (ring attention) to split sequences, and set sp_size=1"
         )
     ep_size = getattr(config, "ep_size", 1)
-    if config.total_size == 1 and ep_size == 1:  # accelerate then falls back to plain data parallelism; so does the layout
+    if config.total_size == 1 and ep_size == 1:  # accelerate then falls back to plain data parallelism; so does ours
         return None
     sizes = config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size
     if config.total_size != world_size:

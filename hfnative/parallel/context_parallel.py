@@ -289,9 +289,11 @@ def _return_to_owners(chunks: list, like_BKSd: torch.Tensor, plan: ContextParall
     return by_rank[plan.cp_rank].to(like_BKSd.dtype)
 
 
+@torch.compiler.disable
 def ring_attention(q_BHSd, k_BKSd, v_BKSd, plan: ContextParallelAttention, blocks, scale: float) -> torch.Tensor:
     """Attention output [B, H, 2 c, d] of this rank's query chunks over the whole sequence's keys (see the module
-    docstring). q_BHSd, k_BKSd, v_BKSd: this rank's head and tail chunks, concatenated."""
+    docstring). q_BHSd, k_BKSd, v_BKSd: this rank's head and tail chunks, concatenated. Runs eagerly under
+    torch.compile (its blocks change with every batch's plan)."""
     return _RingAttention.apply(q_BHSd, k_BKSd, v_BKSd, plan, blocks, scale)
 
 
@@ -342,7 +344,8 @@ def split_batch(
             local[key] = value[:, index]
         else:
             local[key] = value
-    local["attention_plan"] = AttentionPlan("context_parallel", 2 * plan.chunk_len, sliding_window, context_parallel=plan)
+    local["attention_plan"] = AttentionPlan("context_parallel", 2 * plan.chunk_len, sliding_window,
+                                            context_parallel=plan)
     return local
 
 

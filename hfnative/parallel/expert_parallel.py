@@ -46,9 +46,11 @@ class ExpertParallel:
         self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
         self.num_experts, self.local_experts = num_experts, num_experts // ep_size
 
+    @torch.compiler.disable
     def __call__(self, x_TD: torch.Tensor, tokens_per_expert_E: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         """x_TD: this rank's routed rows sorted by expert; tokens_per_expert_E: their count per (global) expert.
-        Returns each row's expert output [T, D], in the same order."""
+        Returns each row's expert output [T, D], in the same order. Runs eagerly under torch.compile (the splits
+        are read on the host)."""
         ep, e = self.ep_size, self.local_experts
         # 1. counts: received_Re[r, j] = rows rank r sends to this rank's local expert j
         received_Re = torch.empty_like(tokens_per_expert_E)

@@ -58,7 +58,8 @@ def parallelize(
                                     reshard_after_forward, cpu_offload)
     if mesh.mesh_dim_names != dims.mesh_dim_names or tuple(mesh.shape) != dims.shape:
         raise ValueError(
-            f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims {dims.mesh_dim_names} of "
+            f"the mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.shape)}, the ParallelDims "
+            f"{dims.mesh_dim_names} of "
             f"sizes {dims.shape}; pass the mesh dims.build_mesh(device_type) returns"
         )
     if compile and dims.tp_enabled:
