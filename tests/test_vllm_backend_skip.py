@@ -106,6 +106,21 @@ def test_a_trainers_model_gives_the_same_weights_and_folder():
     assert vllm_dtype(model) == "float32"
 
 
+def test_a_model_without_a_folder_is_exported_for_vllm():
+    converted = load_pretrained(AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32))
+    assert converted.source_dir is None
+    folder = Path(vllm_model_folder(converted))
+    try:
+        exported = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        original = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+        input_ids = torch.tensor([[5, 60, 7, 300]])
+        with torch.no_grad():
+            torch.testing.assert_close(exported(input_ids=input_ids).logits, original(input_ids=input_ids).logits,
+                                       rtol=0, atol=0)
+    finally:
+        shutil.rmtree(folder)
+
+
 def test_weights_folder_loads_in_transformers_as_the_merged_model(tmp_path):
     """The CPU transport's folder, given a config.json, is a checkpoint transformers loads; its logits are the
     LoRA model's (adapters merged)."""

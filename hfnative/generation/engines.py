@@ -27,7 +27,8 @@ def vllm_model_folder(model) -> str:
     exported to a new temporary folder. ``make_rollout_engine`` then loads the model's live weights."""
     if isinstance(model, (str, os.PathLike)):
         return str(model)
-    for candidate in (getattr(model, "name_or_path", None), getattr(getattr(model, "_hub_converted", None), "source_dir", None),
+    carried = getattr(model, "_hub_converted", None)  # a trainer's model carries its ConvertedModel
+    for candidate in (getattr(model, "name_or_path", None), getattr(carried, "source_dir", None),
                       getattr(model, "source_dir", None)):
         if candidate and (Path(candidate) / "config.json").is_file():
             return str(candidate)

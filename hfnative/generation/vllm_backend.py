@@ -119,7 +119,8 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict:
         skip_special_tokens=False,
     )
     if sampling.do_sample:
-        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, min_p=sampling.min_p)
+        kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                      min_p=sampling.min_p)
         if sampling.seed is not None:
             kwargs["seed"] = sampling.seed
     else:
@@ -189,9 +190,9 @@ class VLLMColocateEngine(RolloutEngine):
 
     model: a Hub-format folder (or Hub id) vLLM loads first. In a torch.distributed run every rank holds
     one engine; with ``tensor_parallel_size`` > 1 consecutive ranks form one vLLM instance, which generates
-    for the prompts of all of them (every rank gets its own prompts' rollouts back). ``load_weights`` takes (Hub key, tensor)
-    pairs — all of the model's weights — and resets vLLM's prefix cache (its KV blocks were computed with
-    the old weights). llm_kwargs go to ``vllm.LLM`` unchanged.
+    for the prompts of all of them (every rank gets its own prompts' rollouts back). ``load_weights``
+    takes (Hub key, tensor) pairs — all of the model's weights — and resets vLLM's prefix cache (its KV
+    blocks were computed with the old weights). llm_kwargs go to ``vllm.LLM`` unchanged.
     """
 
     def __init__(self, model: str | os.PathLike, *, tensor_parallel_size: int = 1,

@@ -5,7 +5,6 @@ Each rank hands its own prompts (a different number per rank); both share one vL
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -39,5 +38,5 @@ result["updated"] = engine.generate(prompts, greedy).completion_ids
 result["native_updated"] = NativeRolloutEngine(updated.model).generate(prompts, greedy).completion_ids
 (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
 dist.barrier()
-dist.destroy_process_group()
-os._exit(0)  # vLLM's engine holds threads that would keep the process alive
+# a normal exit: vLLM's CPU tensor-parallel group unlinks its shared-memory files (/dev/shm/*cpushm*) then;
+# their names do not change between runs, so files left behind would stop the next run
