@@ -181,8 +181,10 @@ def async_group_advantages(rewards_N: torch.Tensor, num_generations: int) -> tup
 def ship_reward_code_by_value(functions) -> None:
     """Reward functions from the user's own modules (not an installed package) travel to the reward actor as
     code, so the actor needs no import of a module that may live only beside the training script."""
-    from ray import cloudpickle
-
+    try:
+        from ray import cloudpickle
+    except ImportError:
+        return  # no Ray: starting the actors says what to install
     for function in functions:
         module = sys.modules.get(getattr(function, "__module__", None) or "")
         if module is None or module.__name__ == "__main__" or module.__name__.split(".")[0] == "hfnative":
