@@ -250,6 +250,7 @@ def _run_ours(tmp_path, **extra):
         dict(loss_type="grpo", scale_rewards="batch", epsilon_high=0.28, delta=1.5),
         dict(loss_type="bnpo", scale_rewards="none", mask_truncated_completions=True),
         dict(loss_type="dr_grpo", scale_rewards="group", beta=0.1, num_iterations=2),
+        dict(loss_type="dapo", steps_per_generation=4, top_entropy_quantile=0.5),  # one generation, two steps
     ],
     ids=lambda extra: "-".join(f"{k}={v}" for k, v in extra.items()),
 )

@@ -28,7 +28,6 @@ from hfnative.generation.engines import make_rollout_engine
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import (
     LOSS_TYPES,
-    MEAN_LOSS_TYPES,
     clipped_policy_loss,
     group_advantages,
     high_entropy_mask,
@@ -228,10 +227,7 @@ class GRPOObjective(LanguageModelingObjective):
         return batches
 
     def normalizer(self, batches: list[dict]):
-        if self.loss_type in MEAN_LOSS_TYPES:
-            return None  # each micro-batch's loss is a mean: the loop divides by the accumulation steps
-        # TRL: the generation batch's completion tokens, rescaled to one optimizer step
-        return batches[0]["num_items_in_generation"] * len(batches) / self.args.steps_per_generation
+        return None  # every micro-batch's loss is normalized on its own; the loop divides by the accumulation steps
 
     def after_optimizer_step(self) -> None:
         if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
@@ -384,7 +380,9 @@ class GRPOObjective(LanguageModelingObjective):
         micro-batches, each trimmed to its own longest prompt and completion."""
         N = batch["prompt_ids"].shape[0]
         order = self.shuffled_order(N)
-        num_items = float(batch["completion_mask"].sum())
+        # TRL's token count for dapo/cispo: the generation batch's, over every rank, per rank
+        shards = self.trainer._data_shard().get("num_shards", 1)
+        num_items = self.trainer._over_all_ranks(int(batch["completion_mask"].sum())) / shards
         size = N // self.args.steps_per_generation
         micro_batches = []
         for start in range(0, N, size):
@@ -426,7 +424,8 @@ class GRPOObjective(LanguageModelingObjective):
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
             beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
             importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
-            num_items=num_items_in_batch, token_weights_BT=token_weights, entropy_BT=entropy_BT,
+            num_items=inputs["num_items_in_generation"] / args.steps_per_generation, token_weights_BT=token_weights,
+            entropy_BT=entropy_BT,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
         )
 

@@ -42,9 +42,6 @@ class RLOOObjective(GRPOObjective):
     def _needs_old_logprobs(self) -> bool:
         return True
 
-    def normalizer(self, batches):
-        return None  # the loss is a mean over completions: the loop divides by the accumulation steps
-
     def advantages(self, rewards_NF, batch):
         args = self.args
         rewards_N = weighted_rewards(rewards_NF, self.rewards.weights_F)
