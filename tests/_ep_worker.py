@@ -25,7 +25,8 @@ LAYOUTS = {
     "ep2-mixtral-packed": ("mixtral", dict(dp_shard_size=2, ep_size=2), dict(packing=True, max_length=48), 2),
     # FSDP2 x EP2: experts split over 2 ranks and sharded over the other 2; dense weights sharded over the ep ranks
     # and replicated over the other 2
-    "fsdp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=4, ep_size=2), {}, 4),
+    "fsdp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=4, ep_size=2),
+                           dict(save_strategy="steps", save_steps=5), 4),
 }
 
 

@@ -79,6 +79,11 @@ def test_layout_trains_like_one_process(launched, models_dir, layout, tmp_path):
     assert any(".experts.3." in key for key in weights)
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-5, msg=key)
+    if extra.get("save_strategy") == "steps":  # a distributed checkpoint: the training state and the Hub-format model
+        checkpoint = launched / layout / f"checkpoint-{worker.STEPS}"
+        assert (checkpoint / "training_state").is_dir()
+        saved = load_file(str(checkpoint / "model.safetensors"))
+        assert set(saved) == set(weights) and all(torch.equal(saved[k], weights[k]) for k in weights)
 
 
 def test_sizes_are_validated(tmp_path):
@@ -94,7 +99,8 @@ def test_sizes_are_validated(tmp_path):
         ParallelDims(dp_shard=2, tp=2, ep=2, world_size=4)
     with pytest.raises(ValueError, match="must divide the number of experts"):
         ExpertParallel(None, 2, 0, 3)
-    plan = resolve_parallel_plan(worker.config(str(tmp_path), 1, parallelism_config='{"dp_shard_size": 4, "ep_size": 2}'), 4)
+    args = worker.config(str(tmp_path), 1, parallelism_config='{"dp_shard_size": 4, "ep_size": 2}')
+    plan = resolve_parallel_plan(args, 4)
     assert plan.dims.ep == 2 and "2-way expert parallel" in plan.describe()
     with pytest.raises(ValueError, match=r"ep_size=0: expected a positive integer"):
         resolve_parallel_plan(worker.config(str(tmp_path), 1, parallelism_config={"dp_shard_size": 4, "ep_size": 0}), 4)
