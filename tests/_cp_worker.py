@@ -1,8 +1,8 @@
 """Context parallelism as ranks of a torchrun launch, for tests/test_context_parallel.py.
 
 usage: torchrun --standalone --nproc_per_node N _cp_worker.py OUTPUT_DIR CHECK [CHECK ...]
-CHECK "attention" (pairs of ranks form cp=2 groups): ring attention against SDPA over the whole sequence for
-causal, sliding-window, packed and padded inputs; rank 0 writes OUTPUT_DIR/attention.json. Any other CHECK is a
+CHECK "attention-cpN" (groups of N ranks): ring attention against SDPA over the whole sequence for causal,
+sliding-window, packed and padded inputs; rank 0 writes OUTPUT_DIR/attention-cpN.json. Any other CHECK is a
 key of LAYOUTS: the SFTTrainer with that parallelism_config; rank 0 writes OUTPUT_DIR/LAYOUT/log.json and the
 saved model in OUTPUT_DIR/LAYOUT/.
 """
@@ -62,20 +62,22 @@ def reference_mask(batch: dict, S: int, window):
     return allowed | torch.eye(S, dtype=torch.bool)
 
 
-def check_attention(out_dir: Path):
+def check_attention(out_dir: Path, cp: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    group, cp_rank = groups[rank // 2], rank % 2
+    groups = [dist.new_group(list(range(r, r + cp))) for r in range(0, world, cp)]
+    group, cp_rank = groups[rank // cp], rank % cp
     results = {}
-    for kernel in ("flash_cpu", "math"):
-        for name, batch, window in attention_cases():
-            results[f"{name}/{kernel}"] = attention_errors(batch, window, kernel, group, cp_rank)
+    for communication in ("ring", "all_gather"):
+        for kernel in ("flash_cpu", "math"):
+            for name, batch, window in attention_cases():
+                key = f"{name}/{kernel}/{communication}"
+                results[key] = attention_errors(batch, window, kernel, communication, group, cp, cp_rank)
     if rank == 0:
-        (out_dir / "attention.json").write_text(json.dumps(results))
+        (out_dir / f"attention-cp{cp}.json").write_text(json.dumps(results))
 
 
-def attention_errors(batch, window, kernel, group, cp_rank) -> dict:
-    """Largest differences of ring attention (this cp=2 group) from SDPA over the whole sequence: output and the
+def attention_errors(batch, window, kernel, communication, group, cp, cp_rank) -> dict:
+    """Largest differences of ring attention (this group of cp ranks) from SDPA over the whole sequence: output and the
     gradients of queries, keys and values, float64."""
     from hfnative.parallel.context_parallel import local_positions, split_batch
 
@@ -91,9 +93,9 @@ def attention_errors(batch, window, kernel, group, cp_rank) -> dict:
     real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones(B, S, dtype=torch.bool)
     (out_ref * grad * real[:, None, :, None]).sum().backward()
 
-    local = split_batch(batch, 2, cp_rank, group, sliding_window=window)
-    seq_len = local["input_ids"].shape[1] * 2
-    index = local_positions(seq_len, 2, cp_rank)
+    local = split_batch(batch, cp, cp_rank, group, sliding_window=window)
+    seq_len = local["input_ids"].shape[1] * cp
+    index = local_positions(seq_len, cp, cp_rank)
 
     def padded_local(x):
         full = torch.cat([x, torch.zeros(*x.shape[:2], seq_len - S, x.shape[3], dtype=x.dtype)], dim=2)
@@ -101,17 +103,17 @@ def attention_errors(batch, window, kernel, group, cp_rank) -> dict:
 
     q_l, k_l, v_l = (padded_local(x).requires_grad_() for x in (q, k, v))
     plan = local["attention_plan"].context_parallel
-    plan.kernel = kernel
+    plan.kernel, plan.communication = kernel, communication
     out_l = plan.attend(q_l, k_l, v_l, window is not None, scale)
     real_l = torch.cat([real, torch.zeros(B, seq_len - S, dtype=torch.bool)], 1)[:, index]
     (out_l * padded_local(grad) * real_l[:, None, :, None]).sum().backward()
 
     def whole(x_local):  # every rank's positions put back in sequence order
-        parts = [torch.empty_like(x_local) for _ in range(2)]
+        parts = [torch.empty_like(x_local) for _ in range(cp)]
         dist.all_gather(parts, x_local.contiguous(), group=group)
         full = torch.zeros(*x_local.shape[:2], seq_len, x_local.shape[3], dtype=x_local.dtype)
         for r, part in enumerate(parts):
-            full[:, :, local_positions(seq_len, 2, r)] = part
+            full[:, :, local_positions(seq_len, cp, r)] = part
         return full[:, :, :S]
 
     keep = real[:, None, :, None]
@@ -165,10 +167,10 @@ def train_layout(out_dir: Path, name: str):
 def main(out_dir: str, checks: list[str]) -> None:
     out = Path(out_dir)
     for check in checks:
-        if check == "attention":
+        if check.startswith("attention-cp"):  # attention-cpN: groups of N ranks
             if not dist.is_initialized():
                 dist.init_process_group("gloo")
-            check_attention(out)
+            check_attention(out, int(check.removeprefix("attention-cp")))
         else:
             train_layout(out, check)
 

@@ -1,8 +1,8 @@
 """Context parallelism (ring attention) on CPU processes (gloo).
 
-Ring attention over cp=2 ranks against SDPA over the whole sequence (float64: output and the query, key and
+Ring attention over cp=2 and cp=4 ranks against SDPA over the whole sequence (float64: output and the query, key and
 value gradients within 1e-12) for causal, sliding-window, packed and padded inputs with grouped-query heads, on
-both block kernels. hfnative's SFTTrainer with cp=2 (2 processes), FSDP2 x cp=2 and cp=2 x TP2 (4 processes),
+both block kernels, with keys and values passed around the ring (send/recv) and all-gathered. hfnative's SFTTrainer with cp=2 (2 processes), FSDP2 x cp=2 and cp=2 x TP2 (4 processes),
 with and without packing, at lengths that are not multiples of 2 x cp, against one process over the same global batches:
 5 steps whose losses, grad norms and logged metrics (and cp2's evaluation) agree within 1e-5 relative (fp32: the
 gradients are summed over the ranks in another order), and final weights within 2e-4 (AdamW magnifies that
@@ -36,18 +36,20 @@ def _launch(out: Path, nproc: int, checks: list[str]) -> None:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel")
-    _launch(out, 2, ["attention", "cp2", "cp2-packed"])
-    _launch(out, 4, ["fsdp2xcp2", "fsdp2xcp2-packed", "cp2xtp2-packed"])
+    _launch(out, 2, ["attention-cp2", "cp2", "cp2-packed"])
+    _launch(out, 4, ["attention-cp4", "fsdp2xcp2", "fsdp2xcp2-packed", "cp2xtp2-packed"])
     return out
 
 
 @pytest.mark.parametrize("case", [name for name, _, _ in worker.attention_cases()])
 @pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
-def test_ring_attention_matches_sdpa(launched, case, kernel):
-    errors = json.loads((launched / "attention.json").read_text())[f"{case}/{kernel}"]
+@pytest.mark.parametrize("communication", ["ring", "all_gather"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ring_attention_matches_sdpa(launched, case, kernel, communication, cp):
+    errors = json.loads((launched / f"attention-cp{cp}.json").read_text())[f"{case}/{kernel}/{communication}"]
     assert errors["scale"] > 0.5
     for name in ("out", "dq", "dk", "dv"):
-        assert errors[name] < 1e-12, (case, kernel, name, errors[name])
+        assert errors[name] < 1e-12, (case, kernel, communication, name, errors[name])
 
 
 @pytest.mark.parametrize("layout", list(worker.LAYOUTS))

@@ -162,9 +162,17 @@ class DistributedMixin:
     def _context_parallel_collator(self, collator):
         from hfnative.parallel.context_parallel import ContextParallelCollator
 
+        from .sft_trainer import SFTTrainer
+        from .trainer import Trainer
+
         run = self.distributed
         if isinstance(collator, ContextParallelCollator):
             return collator
+        if type(self)._make_objective not in (Trainer._make_objective, SFTTrainer._make_objective):
+            raise ValueError(
+                f"{type(self).__name__} with context parallelism (cp_size={run.dims.cp}): only the language-modeling "
+                "objectives (Trainer, SFTTrainer) split their sequences over the cp ranks yet; set cp_size=1"
+            )
         if getattr(self, "compute_loss_func", None) is not None:
             raise ValueError(
                 f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "

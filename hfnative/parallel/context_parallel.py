@@ -68,6 +68,9 @@ class ContextParallelAttention:
     blocks: dict  # "global" / "sliding" -> list[_Block]
     # "flash_cpu" (aten's CPU flash kernel) or "math" (explicit softmax); None: flash_cpu on CPU, math elsewhere
     kernel: str | None = None
+    # "ring": each rank's keys and values passed from rank to rank (send/recv, the next received while one is
+    # used); "all_gather": all gathered at once (fewer, larger messages)
+    communication: str = "ring"
     _device_masks: dict = field(default_factory=dict, repr=False)
 
     def attend(self, q_BHSd, k_BKSd, v_BKSd, sliding: bool, scale: float, sinks_H=None) -> torch.Tensor:
@@ -194,15 +197,51 @@ def _scores(q, k, kind, mask, scale):
 # --- the ring -----------------------------------------------------------------------------------------
 
 
-def _gather_chunks(x_BKSd: torch.Tensor, plan: ContextParallelAttention) -> list[torch.Tensor]:
-    """Every rank's K or V, as the 2 cp global chunks in sequence order ([B, K, c, d] each)."""
-    parts = [torch.empty_like(x_BKSd) for _ in range(plan.cp_size)]
-    dist.all_gather(parts, x_BKSd.contiguous(), group=plan.group)
-    c, chunks = plan.chunk_len, [None] * (2 * plan.cp_size)
-    for rank, part in enumerate(parts):
-        head, tail = chunk_order(plan.cp_size, rank)
-        chunks[head], chunks[tail] = part[:, :, :c], part[:, :, c:]
-    return chunks
+def _peers(plan: ContextParallelAttention) -> tuple[int, int]:
+    """The global ranks of the next and the previous rank of the ring."""
+    cp, rank = plan.cp_size, plan.cp_rank
+    return (dist.get_global_rank(plan.group, (rank + 1) % cp), dist.get_global_rank(plan.group, (rank - 1) % cp))
+
+
+def _pass_on(tensors: list[torch.Tensor], plan: ContextParallelAttention):
+    """Start sending ``tensors`` to the next rank of the ring and receiving the previous rank's; returns the
+    receive buffers and a function that waits for both."""
+    after, before = _peers(plan)
+    sent = [t.contiguous() for t in tensors]  # kept alive until the sends complete
+    received = [torch.empty_like(t) for t in sent]
+    ops = [dist.P2POp(dist.isend, t, after, plan.group) for t in sent]
+    ops += [dist.P2POp(dist.irecv, r, before, plan.group) for r in received]
+    requests = dist.batch_isend_irecv(ops)
+
+    def wait():
+        for request in requests:
+            request.wait()
+        del sent[:]
+        return received
+
+    return wait
+
+
+def _sources(k_BKSd, v_BKSd, plan: ContextParallelAttention):
+    """Every cp rank's keys and values, one rank at a time: (rank, k, v). "ring": passed from rank to rank (the next
+    one is received while this one is used); "all_gather": gathered at once."""
+    cp = plan.cp_size
+    if plan.communication == "all_gather":
+        gathered = []
+        for x in (k_BKSd, v_BKSd):
+            x = x.contiguous()
+            parts = [torch.empty_like(x) for _ in range(cp)]
+            dist.all_gather(parts, x, group=plan.group)
+            gathered.append(parts)
+        for rank in range(cp):
+            yield rank, gathered[0][rank], gathered[1][rank]
+        return
+    current = [k_BKSd, v_BKSd]
+    for step in range(cp):
+        wait = _pass_on(current, plan) if step < cp - 1 else None
+        yield (plan.cp_rank - step) % cp, current[0], current[1]
+        if wait is not None:
+            current = wait()
 
 
 def _expand(x_BKcd: torch.Tensor, heads: int) -> torch.Tensor:
@@ -215,26 +254,33 @@ def _masks(plan, block, q):
     return plan._mask(block, q.dtype, q.device)
 
 
+def _blocks_of(blocks, plan, source_rank: int):
+    """The blocks whose keys ``source_rank`` holds, with the key chunk's half in that rank's tensors."""
+    head, tail = chunk_order(plan.cp_size, source_rank)
+    for block in blocks:
+        if block.key_chunk in (head, tail):
+            yield block, 0 if block.key_chunk == head else 1
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHSd, k_BKSd, v_BKSd, plan, blocks, scale):
         H, c = q_BHSd.shape[1], plan.chunk_len
-        k_chunks, v_chunks = _gather_chunks(k_BKSd, plan), _gather_chunks(v_BKSd, plan)
+        queries = [q_BHSd[:, :, half * c:(half + 1) * c].contiguous() for half in (0, 1)]
+        partial = ([], [])  # per local query chunk: the (output, log-sum-exp) of each block
+        for source, k_BKSd_r, v_BKSd_r in _sources(k_BKSd, v_BKSd, plan):
+            for block, key_half in _blocks_of(blocks, plan, source):
+                q = queries[block.half]
+                mask, has_key = _masks(plan, block, q)
+                keys = slice(key_half * c, (key_half + 1) * c)
+                k, v = _expand(k_BKSd_r[:, :, keys], H), _expand(v_BKSd_r[:, :, keys], H)
+                partial[block.half].append(_block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel))
         outs, lses = [], []
         for half in (0, 1):
-            q = q_BHSd[:, :, half * c:(half + 1) * c].contiguous()
-            partial = []
-            for block in blocks:
-                if block.half != half:
-                    continue
-                mask, has_key = _masks(plan, block, q)
-                k, v = _expand(k_chunks[block.key_chunk], H), _expand(v_chunks[block.key_chunk], H)
-                partial.append(_block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel))
-            lse_stack = torch.stack([lse for _, lse in partial])  # [n, B, H, c]
+            lse_stack = torch.stack([lse for _, lse in partial[half]])  # [n, B, H, c]
             lse = torch.logsumexp(lse_stack, dim=0)
             weights = torch.exp(lse_stack - lse[None])[..., None]
-            out = sum(w * o.to(w.dtype) for w, (o, _) in zip(weights, partial)).to(q.dtype)
-            outs.append(out)
+            outs.append(sum(w * o.to(w.dtype) for w, (o, _) in zip(weights, partial[half])).to(q_BHSd.dtype))
             lses.append(lse)
         out_BHSd = torch.cat(outs, dim=2)
         ctx.save_for_backward(q_BHSd, k_BKSd, v_BKSd, out_BHSd, torch.cat(lses, dim=2))
@@ -246,47 +292,49 @@ class _RingAttention(torch.autograd.Function):
         q_BHSd, k_BKSd, v_BKSd, out_BHSd, lse_BHS = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         H, K, c = q_BHSd.shape[1], k_BKSd.shape[1], plan.chunk_len
-        # keys and values gathered again (not kept from forward: each rank keeps only its own 2 c tokens)
-        k_chunks, v_chunks = _gather_chunks(k_BKSd, plan), _gather_chunks(v_BKSd, plan)
         acc = _accumulation(q_BHSd)
         dq_BHSd = torch.zeros_like(q_BHSd, dtype=acc)
-        dk_chunks = [None] * (2 * plan.cp_size)
-        dv_chunks = [None] * (2 * plan.cp_size)
         grad_BHSd = grad_BHSd.contiguous()
-        for block in ctx.blocks:
-            rows = slice(block.half * c, (block.half + 1) * c)
-            q = q_BHSd[:, :, rows].contiguous()
-            mask, _ = _masks(plan, block, q)
-            k, v = _expand(k_chunks[block.key_chunk], H), _expand(v_chunks[block.key_chunk], H)
-            dq, dk, dv = _block_backward(grad_BHSd[:, :, rows].contiguous(), q, k, v,
-                                         out_BHSd[:, :, rows].contiguous(), lse_BHS[:, :, rows].contiguous(),
-                                         block.kind, mask, scale, plan.kernel)
-            dq_BHSd[:, :, rows] += dq.to(acc)
-            j = block.key_chunk
-            dk, dv = _reduce_heads(dk.to(acc), K), _reduce_heads(dv.to(acc), K)
-            dk_chunks[j] = dk if dk_chunks[j] is None else dk_chunks[j] + dk
-            dv_chunks[j] = dv if dv_chunks[j] is None else dv_chunks[j] + dv
-        dk_BKSd = _return_to_owners(dk_chunks, k_BKSd, plan)
-        dv_BKSd = _return_to_owners(dv_chunks, v_BKSd, plan)
-        return dq_BHSd.to(q_BHSd.dtype), dk_BKSd, dv_BKSd, None, None, None
+        rows = [slice(half * c, (half + 1) * c) for half in (0, 1)]
+        saved = [[x[:, :, r].contiguous() for r in rows] for x in (q_BHSd, grad_BHSd, out_BHSd, lse_BHS)]
+
+        def source_gradients(source, k_BKSd_r, v_BKSd_r, dk_BKSd_r, dv_BKSd_r):
+            """Add the blocks over ``source``'s keys to dq and to that rank's key/value gradients (in place)."""
+            for block, key_half in _blocks_of(ctx.blocks, plan, source):
+                q, grad, out, lse = (x[block.half] for x in saved)
+                mask, _ = _masks(plan, block, q)
+                keys = slice(key_half * c, (key_half + 1) * c)
+                k, v = _expand(k_BKSd_r[:, :, keys], H), _expand(v_BKSd_r[:, :, keys], H)
+                dq, dk, dv = _block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel)
+                dq_BHSd[:, :, rows[block.half]] += dq.to(acc)
+                dk_BKSd_r[:, :, keys] += _reduce_heads(dk.to(acc), K)
+                dv_BKSd_r[:, :, keys] += _reduce_heads(dv.to(acc), K)
+
+        if plan.communication == "all_gather":
+            # keys and values gathered again (each rank keeps only its own 2 c tokens between forward and backward)
+            by_rank = torch.zeros((2, plan.cp_size, *k_BKSd.shape), dtype=acc, device=k_BKSd.device)
+            for source, k_r, v_r in _sources(k_BKSd, v_BKSd, plan):
+                source_gradients(source, k_r, v_r, by_rank[0, source], by_rank[1, source])
+            dist.all_reduce(by_rank, group=plan.group)  # each rank's key/value gradients, summed over the ranks
+            dk_BKSd, dv_BKSd = by_rank[0, plan.cp_rank], by_rank[1, plan.cp_rank]
+        else:
+            # the same ring; each rank's key/value gradients travel with its keys and values and, one step after
+            # the last, arrive back at their owner
+            current = [k_BKSd, v_BKSd, torch.zeros_like(k_BKSd, dtype=acc), torch.zeros_like(v_BKSd, dtype=acc)]
+            for step in range(plan.cp_size):
+                source = (plan.cp_rank - step) % plan.cp_size
+                wait = _pass_on(current[:2], plan) if step < plan.cp_size - 1 else None
+                source_gradients(source, *current)
+                gradients = _pass_on(current[2:], plan)() if plan.cp_size > 1 else current[2:]
+                current = (wait() if wait is not None else current[:2]) + gradients
+            dk_BKSd, dv_BKSd = current[2], current[3]
+        return dq_BHSd.to(q_BHSd.dtype), dk_BKSd.to(k_BKSd.dtype), dv_BKSd.to(v_BKSd.dtype), None, None, None
 
 
 def _reduce_heads(x_BHcd: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The gradient of an expanded K/V summed back over the query heads that shared each key/value head."""
     B, H, c, d = x_BHcd.shape
     return x_BHcd if H == kv_heads else x_BHcd.view(B, kv_heads, H // kv_heads, c, d).sum(2)
-
-
-def _return_to_owners(chunks: list, like_BKSd: torch.Tensor, plan: ContextParallelAttention) -> torch.Tensor:
-    """Each global chunk's gradient summed over the ranks that computed with it, back on the rank that holds it."""
-    c = plan.chunk_len
-    by_rank = torch.zeros((plan.cp_size, *like_BKSd.shape), dtype=_accumulation(like_BKSd), device=like_BKSd.device)
-    for rank in range(plan.cp_size):
-        for half, chunk in enumerate(chunk_order(plan.cp_size, rank)):
-            if chunks[chunk] is not None:
-                by_rank[rank, :, :, half * c:(half + 1) * c] = chunks[chunk]
-    dist.all_reduce(by_rank, group=plan.group)
-    return by_rank[plan.cp_rank].to(like_BKSd.dtype)
 
 
 @torch.compiler.disable
