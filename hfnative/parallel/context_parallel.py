@@ -6,13 +6,14 @@ Load balance: the padded sequence is cut into 2 cp chunks; rank r holds chunk r 
 (its mirrored tail), so under a causal mask every rank computes the same number of (query chunk, key chunk)
 blocks. Each rank runs the model on its 2 c tokens; only attention needs the other ranks' keys and values.
 
-Attention (``ring_attention``): the ranks' keys and values are passed around the cp group (one all-gather of the
-un-expanded K/V, which for the small cp sizes on one host is the ring's every step at once). Each local query
-chunk attends to each key chunk it may see as one block — the diagonal block causal, earlier blocks in full, and
-a boolean block mask where documents (packing), padding or a sliding window cut in — and the blocks' partial
-outputs are merged by their log-sum-exp. Backward walks the same blocks with the merged output and log-sum-exp
-(the flash backward of each block), and the key/value gradients go back to the ranks that own them (a sum over
-the cp group). On CPU each block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and
+Attention (``ring_attention``): the ranks' un-expanded keys and values are passed around the ring with
+send/recv, cp - 1 steps, the next rank's received while the current one is used (or, with
+``communication="all_gather"``, gathered at once). Each local query chunk attends to each key chunk it may see
+as one block — the diagonal block causal, earlier blocks in full, and a boolean block mask where documents
+(packing), padding or a sliding window cut in; blocks nothing may see are skipped — and the blocks' partial
+outputs are merged by their log-sum-exp. Backward walks the same ring and blocks with the merged output and
+log-sum-exp (the flash backward of each block); each rank's key/value gradients travel with its keys and values
+and arrive back at their owner one step after the last. On CPU each block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and
 log-sum-exp; its backward takes them), on other devices an explicit softmax over the block.
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
