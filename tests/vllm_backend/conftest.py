@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the tiny model needs a few MiB
-
+# set for the vLLM tests only (in the main suite this folder's tests are skipped and nothing is set)
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # KV cache GiB: the tiny model needs a few MiB
 MODEL_DIR = Path(__file__).resolve().parents[2] / "examples" / "tiny-qwen3-hd32"
 
 
@@ -34,7 +33,7 @@ def vllm_server(model_dir, tmp_path_factory):
     """A real `vllm serve` on 127.0.0.1, set up for the files weight transport; its base URL."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm-serve") / "server.log"
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env = {**os.environ, **VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
     command = [
         # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of a package named
         # "vllm", which is installed as "vllm-cpu", and exits before serving

@@ -18,7 +18,7 @@ pytest.importorskip("vllm", reason="vllm is not importable: scripts/vllm_env.sh 
 
 import torch  # noqa: E402
 
-from conftest import free_port  # noqa: E402
+from conftest import VLLM_ENV, free_port  # noqa: E402
 from hfnative.converters.loading import load_pretrained  # noqa: E402
 from hfnative.generation import NativeRolloutEngine, SamplingParams  # noqa: E402
 from hfnative.generation.engines import make_rollout_engine  # noqa: E402
@@ -27,6 +27,9 @@ from hfnative.generation.vllm_backend import (  # noqa: E402
     VLLMServerEngine,
     hub_named_tensors,
 )
+
+for _name, _value in VLLM_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 NEAR_TIE = 1e-4
 LOGPROB_TOL = 1e-4
