@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import PRESETS, build_model, machine_description, peak_rss_mib  # noqa: E402
+from harness import PRESETS, HeapPeak, build_model, machine_description, peak_rss_mib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-qwen3"
@@ -76,10 +76,12 @@ def _child(runner: str, spec: dict) -> dict:
             cpu_times.append(time.process_time() - self.cpu_start)
 
     trainer.add_callback(Clock())
-    trainer.train()
+    with HeapPeak() as heap:
+        trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "reward" in entry]
-    return {"step_seconds": times, "step_cpu_seconds": cpu_times, "rewards": rewards, "mean_length": lengths, "peak_rss_mib": peak_rss_mib()}
+    return {"step_seconds": times, "step_cpu_seconds": cpu_times, "rewards": rewards, "mean_length": lengths, "peak_rss_mib": peak_rss_mib(),
+            "peak_heap_mib": heap.peak_mib}
 
 
 def run_child(runner: str, spec: dict, timeout: float) -> dict:
@@ -99,7 +101,8 @@ def run_child(runner: str, spec: dict, timeout: float) -> dict:
 
 def speed(cli, model: str) -> None:
     print(f"speed: G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), model {model}")
-    print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {'mean len':>9}")
+    print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {'peak heap MiB':>14} "
+          f"{'mean len':>9}")
     for length in cli.lengths:
         results = {}
         for runner in RUNNERS:
@@ -112,13 +115,16 @@ def speed(cli, model: str) -> None:
             per_step = statistics.mean(result["step_seconds"][1:] or result["step_seconds"])
             result["per_step"] = per_step
             result["cpu_per_step"] = statistics.mean(result["step_cpu_seconds"][1:] or result["step_cpu_seconds"])
+            heap = result["peak_heap_mib"] or float("nan")
             print(f"{length:>7} {runner:>9} {per_step:>8.2f} {result['cpu_per_step']:>11.2f} "
-                  f"{result['peak_rss_mib']:>13.0f} {statistics.mean(result['mean_length']):>9.1f}")
+                  f"{result['peak_rss_mib']:>13.0f} {heap:>14.0f} {statistics.mean(result['mean_length']):>9.1f}")
         if all("per_step" in r for r in results.values()):
             ours, theirs = results["hfnative"], results["trl"]
+            heap_ratio = (ours["peak_heap_mib"] or float("nan")) / (theirs["peak_heap_mib"] or float("nan"))
             print(f"{length:>7} {'ratio':>9} {theirs['per_step'] / ours['per_step']:>7.2f}x "
                   f"{theirs['cpu_per_step'] / ours['cpu_per_step']:>10.2f}x "
-                  f"{ours['peak_rss_mib'] / theirs['peak_rss_mib']:>12.2f}x   (speed-ups; memory hfnative/trl)")
+                  f"{ours['peak_rss_mib'] / theirs['peak_rss_mib']:>12.2f}x {heap_ratio:>13.2f}x"
+                  "   (speed-ups; memory hfnative/trl)")
 
 
 def curve(cli) -> None:
