@@ -46,7 +46,9 @@ class AsyncGRPOConfig(TrainingArguments):
     the prompts after its checkpoint's step. hfnative's own fields:
       ray_address: join this Ray cluster (e.g. "ray://head:10001" or "auto"); None starts a local Ray instance
         (or uses the one already initialized in the process).
-      rollout_actor_options / reward_actor_options: Ray actor options of the generator (default num_cpus=1)
+      num_rollout_actors: generator actors, each with its own copy of the policy, given micro-batches in turn
+        (more generation throughput, e.g. one per node or GPU); every weight sync reaches all of them.
+      rollout_actor_options / reward_actor_options: Ray actor options of each generator (default num_cpus=1)
         and the reward scorer (default num_cpus=0), e.g. {"num_gpus": 1} or {"resources": {"node:10.0.0.2": 0.01}}.
     """
 
@@ -91,6 +93,7 @@ class AsyncGRPOConfig(TrainingArguments):
     log_completions: bool = field(default=False, metadata={"help": "Print (prompt, completion, reward) samples when logging."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
     ray_address: str | None = field(default=None, metadata={"help": "hfnative: the Ray cluster to join (None: local)."})
+    num_rollout_actors: int = field(default=1, metadata={"help": "hfnative: generator actors, given micro-batches in turn."})
     rollout_actor_options: dict | str | None = field(default=None, metadata={"help": "hfnative: generator actor options."})
     reward_actor_options: dict | str | None = field(default=None, metadata={"help": "hfnative: reward actor options."})
 
@@ -125,6 +128,8 @@ class AsyncGRPOConfig(TrainingArguments):
                 f"queue_maxsize={self.queue_maxsize} holds less than one micro-batch "
                 f"(per_device_train_batch_size={self.per_device_train_batch_size})"
             )
+        if self.num_rollout_actors < 1:
+            raise ValueError(f"num_rollout_actors={self.num_rollout_actors}: expected an int >= 1")
         if self.heartbeat_stale_after_s <= 0:
             raise ValueError(f"heartbeat_stale_after_s={self.heartbeat_stale_after_s}: expected > 0 seconds")
 
@@ -423,6 +428,7 @@ class AsyncGRPOTrainer(Trainer):
             max_inflight=max(1, inflight // a.per_device_train_batch_size), weight_sync_steps=a.weight_sync_steps,
             heartbeat_stale_after_s=a.heartbeat_stale_after_s, version=self.state.global_step,
             ray_address=a.ray_address, generator_options=options[0], scorer_options=options[1],
+            num_generators=a.num_rollout_actors,
         )
         self._pipeline.start()
         return self._pipeline

@@ -1,11 +1,12 @@
 """The trainer's side of asynchronous RL: generation and reward scoring run as Ray actors, joined to the
 trainer by a bounded first-in-first-out queue of rollouts, so generation for the next steps overlaps training.
 
-Each unit of work is one micro-batch of prompts: the trainer's process submits it to the generator
-actor, whose result goes straight to the reward actor; the queue holds the scored result's future.
+Each unit of work is one micro-batch of prompts: the trainer's process submits it to a generator
+actor (several take turns), whose result goes straight to the reward actor; the queue holds the scored
+result's future.
 The trainer takes rollouts from the head of the queue, drops those older than ``max_staleness`` policy
 versions (their prompts are generated again with newer weights) and, every ``weight_sync_steps``
-optimizer steps, sends the updated weights to the generator. The generator runs its tasks in order, so
+optimizer steps, sends the updated weights to the generators. A generator runs its tasks in order, so
 every rollout carries the exact version of the weights that made it.
 
 Work is submitted ahead only as far as it can still be trained on: a micro-batch submitted now is
@@ -92,7 +93,14 @@ class RolloutPipeline:
     engine_factory: model -> RolloutEngine in the generator actor (default: the native engine).
     named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
     ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
+    num_generators: generator actors (each its own copy of the policy), given micro-batches in turn; every
+    weight sync goes to all of them, after the work already submitted to each.
     """
+
+    @property
+    def generator(self):
+        """The first generator actor."""
+        return self.generators[0] if self.generators else None
 
     def __init__(
         self,
@@ -111,6 +119,7 @@ class RolloutPipeline:
         scorer_options: dict | None = None,
         engine_factory: Callable[[Any], RolloutEngine] | None = None,
         named_weights: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
+        num_generators: int = 1,
     ):
         if weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={weight_sync_steps}: expected an int >= 1")
@@ -119,6 +128,8 @@ class RolloutPipeline:
                 f"weight_sync_steps={weight_sync_steps} with max_staleness={max_staleness}: between two weight syncs "
                 "every rollout would be too stale to train on; set weight_sync_steps <= max_staleness + 1"
             )
+        if num_generators < 1:
+            raise ValueError(f"num_generators={num_generators}: expected an int >= 1")
         if max_inflight < 1 or micro_batches_per_step < 1:
             raise ValueError(f"max_inflight={max_inflight}, micro_batches_per_step={micro_batches_per_step}: expected >= 1")
         self.model, self.score_fn, self.sampling = model, score_fn, sampling
@@ -130,7 +141,9 @@ class RolloutPipeline:
         self.named_weights = named_weights or trainable_weights
         self.generator_options = {"num_cpus": 1, **(generator_options or {})}
         self.scorer_options = {"num_cpus": 0, **(scorer_options or {})}
-        self.generator = self.scorer = None
+        self.num_generators = num_generators
+        self.generators: list = []
+        self.scorer = None
         self._ray = None
         self._owns_ray = False
         self._source: Iterator | None = None
@@ -151,11 +164,13 @@ class RolloutPipeline:
             self._owns_ray = True
         generator = ray.remote(RolloutGenerator).options(max_restarts=0, **self.generator_options)
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
-        self.generator = generator.remote(policy_bytes(self.model), self.version, self.engine_factory)
+        policy = ray.put(policy_bytes(self.model))
+        self.generators = [generator.remote(policy, self.version, self.engine_factory) for _ in range(self.num_generators)]
         self.scorer = scorer.remote(self.score_fn)
         startup_s = max(self.heartbeat_stale_after_s, 300.0)
-        ready, _ = ray.wait([self.generator.ping.remote(), self.scorer.ping.remote()], num_returns=2, timeout=startup_s)
-        if len(ready) < 2:
+        pings = [actor.ping.remote() for actor in (*self.generators, self.scorer)]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=startup_s)
+        if len(ready) < len(pings):
             self.close()
             raise RolloutStalledError(
                 f"the rollout actors did not start within {startup_s:.0f} s: does a Ray node have the resources "
@@ -172,10 +187,10 @@ class RolloutPipeline:
         ray = self._ray
         if ray is None:
             return
-        for actor in (self.generator, self.scorer):
+        for actor in (*self.generators, self.scorer):
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        self.generator = self.scorer = None
+        self.generators, self.scorer = [], None
         self._queue.clear()
         if self._owns_ray:
             ray.shutdown()
@@ -212,7 +227,7 @@ class RolloutPipeline:
         if version % self.weight_sync_steps == 0:
             start = time.perf_counter()
             ref = self._ray.put(self.named_weights(self.model))
-            self._pending_syncs.append(self.generator.load_weights.remote(ref, version))
+            self._pending_syncs += [generator.load_weights.remote(ref, version) for generator in self.generators]
             self.synced_version = version
             self._sync_s.append(time.perf_counter() - start)
         self._fill()
@@ -246,11 +261,11 @@ class RolloutPipeline:
                 if work is None:
                     return
                 prompt_ids, payload = work
+            place = self.version * self.micro_batches_per_step + self._consumed_in_step + len(self._queue)
             sampling = self.sampling
             if sampling.seed is not None:  # seeded by the micro-batch's place in the run, so a resumed run draws alike
-                place = self.version * self.micro_batches_per_step + self._consumed_in_step + len(self._queue)
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + place)
-            generated = self.generator.generate.remote(prompt_ids, sampling)
+            generated = self.generators[place % len(self.generators)].generate.remote(prompt_ids, sampling)
             scored = self.scorer.score.remote(generated, payload)
             self._queue.append(_Task(prompt_ids, payload, generated, scored))
 
