@@ -130,6 +130,28 @@ def test_staleness_filter_drops_and_counts():
     assert rule.pop_metrics() == {"sample/dropped_stale_total": 0.0}
 
 
+def test_policy_copy_for_the_generator_of_a_compiled_model():
+    """The generator's copy of a torch.compile'd policy (compiled forwards are bound to this process) decodes
+    greedily exactly as the uncompiled model does; the policy itself keeps its compiled forwards."""
+    import io
+
+    from hf_configs import make_hf_model
+
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.generation import NativeRolloutEngine, SamplingParams
+    from hfnative.parallel import apply_compile
+    from hfnative.rl import policy_bytes
+
+    reference = load_pretrained(make_hf_model("qwen3-gqa")).model
+    compiled = apply_compile(load_pretrained(make_hf_model("qwen3-gqa")).model)
+    copy = torch.load(io.BytesIO(policy_bytes(compiled)), weights_only=False)  # bytes written just above
+    assert all("_compiled_forward" in vars(block) for block in compiled.layers)
+    greedy = SamplingParams(max_new_tokens=6, do_sample=False)
+    prompts = [[1, 2, 3], [7, 8]]
+    ours, theirs = NativeRolloutEngine(copy).generate(prompts, greedy), NativeRolloutEngine(reference).generate(prompts, greedy)
+    assert ours.completion_ids == theirs.completion_ids
+
+
 # --- runs on Ray ----------------------------------------------------------------------------------------------
 
 

@@ -61,16 +61,18 @@ def _import_ray():
 
 
 def policy_bytes(model: torch.nn.Module) -> bytes:
-    """The policy pickled for the generator actor (tensors load on the CPU there), without the attribute that
-    ties it to this process (a transformers-style surface keeps the ConvertedModel that holds the model)."""
-    state = model.__dict__
-    converted = state.pop("_hub_converted", None)
+    """The policy pickled for the generator actor (tensors load on the CPU there), without what ties it to this
+    process: a transformers-style surface's ConvertedModel (which holds the model itself) and forwards replaced
+    on instances (``torch.compile``'d blocks; the rollout engine calls the blocks' submodules, not their forward)."""
+    removed = [(model, "_hub_converted", model.__dict__.pop("_hub_converted"))] if "_hub_converted" in model.__dict__ else []
+    removed += [(module, name, module.__dict__.pop(name)) for module in model.modules()
+                for name in ("forward", "_compiled_forward") if name in module.__dict__]
     buffer = io.BytesIO()
     try:
         torch.save(model, buffer)
     finally:
-        if converted is not None:
-            state["_hub_converted"] = converted
+        for owner, name, value in removed:
+            owner.__dict__[name] = value
     return buffer.getvalue()
 
 
