@@ -1,11 +1,10 @@
 """The trainer's side of asynchronous RL: generation and reward scoring run as Ray actors, joined to the
 trainer by a bounded first-in-first-out queue of rollouts, so generation for the next steps overlaps training.
 
-Each unit of work is one micro-batch of prompts: the trainer's process submits it to a generator
-actor (several take turns), whose result goes straight to the reward actor; the queue holds the scored
-result's future.
-The trainer takes rollouts from the head of the queue, drops those older than ``max_staleness`` policy
-versions (their prompts are generated again with newer weights) and, every ``weight_sync_steps``
+Each unit of work is one micro-batch of prompts: the trainer's process submits it to a generator actor
+(several take turns), whose result goes straight to the reward actor; the queue holds the scored result's
+future. The trainer takes rollouts from the head of the queue, drops those older than ``max_staleness``
+policy versions (their prompts are generated again with newer weights) and, every ``weight_sync_steps``
 optimizer steps, sends the updated weights to the generators. A generator runs its tasks in order, so
 every rollout carries the exact version of the weights that made it.
 
