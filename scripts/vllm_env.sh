@@ -43,7 +43,7 @@ python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 
 # hfnative without its dependencies: vllm's pins (transformers, torch) win; the rest are added when missing
 python -m pip install --quiet --no-deps -e .
-python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60"
+python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60" "datasets>=3.0" accelerate
 
 python - <<'PY'
 import torch, transformers, vllm

