@@ -71,8 +71,8 @@ def test_layout_trains_like_one_process(launched, models_dir, layout, tmp_path):
     for mine, theirs in zip(steps, expected):
         for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5), (layout, theirs["step"], key)
-        # each rank logs its share of the whole batch's router loss (the shares sum to it)
-        assert mine["aux_loss"] * ranks == pytest.approx(theirs["aux_loss"], rel=1e-5), (layout, theirs["step"])
+        # each rank's router loss is its share of the whole batch's; the logged value is the whole
+        assert mine["aux_loss"] == pytest.approx(theirs["aux_loss"], rel=1e-5), (layout, theirs["step"])
     weights = load_file(str(launched / layout / "model.safetensors"))
     reference_weights = load_file(str(tmp_path / "reference" / "model.safetensors"))
     assert set(weights) == set(reference_weights)  # the Hub layout: one key per expert and projection

@@ -263,6 +263,15 @@ class SFTObjective(LanguageModelingObjective):
         self.aux_loss_coef = self._enable_aux_loss(trainer.model, trainer.args.router_aux_loss_coef)
 
     @staticmethod
+    def _router_loss_ranks(model) -> int:
+        """How many ranks' tokens one load-balancing loss is taken over (expert parallel); 1 otherwise."""
+        for module in model.modules():
+            group = getattr(module, "token_group", None)
+            if group is not None:
+                return torch.distributed.get_world_size(group)
+        return 1
+
+    @staticmethod
     def _enable_aux_loss(model, coef: float | None) -> float:
         """TRL's rule: None takes the model config's coefficient; a non-zero coefficient on a model
         without experts is an error; 0.0 turns the router's load-balancing loss off."""
@@ -419,7 +428,8 @@ class SFTObjective(LanguageModelingObjective):
             # a per-micro-batch mean: with a step-wide normalizer, averaged over the accumulation steps (TRL)
             steps = self.trainer._current_accumulation_steps if num_items_in_batch is not None else 1
             loss = loss + self.aux_loss_coef * outputs.aux_loss / steps
-            metrics["aux_loss"] = outputs.aux_loss
+            # under expert parallel each rank's loss is its share of the whole batch's: logged as the whole
+            metrics["aux_loss"] = outputs.aux_loss * self._router_loss_ranks(model)
         if model.training:
             if "attention_mask" in inputs:
                 self._total_train_tokens += inputs["attention_mask"].sum()
