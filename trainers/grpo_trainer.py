@@ -203,8 +203,15 @@ class GRPOObjective(LanguageModelingObjective):
                 f"{type(self.trainer).__name__} samples prompts by index: pass a map-style datasets.Dataset (or a list "
                 "of dicts), not a streaming IterableDataset"
             )
-        prompts_per_batch = args.generation_batch_size // self.num_generations
-        if len(dataset) < prompts_per_batch * self.trainer._data_shard().get("num_shards", 1):
+        shards = self.trainer._data_shard().get("num_shards", 1)
+        if args.generation_batch_size % (self.num_generations * shards):
+            raise ValueError(
+                f"generation_batch_size={args.generation_batch_size} over {shards} data-parallel ranks does not give "
+                f"each rank whole groups of num_generations={self.num_generations}: make it a multiple of "
+                f"{self.num_generations * shards}"
+            )
+        prompts_per_batch = args.generation_batch_size // (self.num_generations * shards)
+        if len(dataset) < prompts_per_batch * shards:
             raise ValueError(
                 f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
                 f"({args.generation_batch_size} completions / {self.num_generations} generations): add prompts or "
