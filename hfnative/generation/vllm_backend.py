@@ -341,7 +341,7 @@ class VLLMServerEngine(RolloutEngine):
         response = self.session.post(f"{self.base_url}{path}", json=body, timeout=self.request_timeout)
         if response.status_code == 404 and path in ("/collective_rpc", "/reset_prefix_cache"):
             raise RuntimeError(f"{self.base_url}{path} is not served: {FILES_TRANSPORT_SERVER}")
-        if path == "/collective_rpc" and "hfnative_reload_weights" in response.text:
+        if not response.ok and path == "/collective_rpc" and "attribute 'hfnative_reload_weights'" in response.text:
             raise RuntimeError(f"the vLLM server's workers cannot reload from files: {FILES_TRANSPORT_SERVER}")
         if not response.ok:
             raise RuntimeError(f"vLLM server {path}: HTTP {response.status_code}: {response.text[:500]}")
