@@ -9,7 +9,6 @@ commands and examples/distillation.py run.
 """
 
 import dataclasses
-import importlib
 import json
 import os
 import runpy
@@ -29,20 +28,9 @@ from hfnative.trainers import distillation_trainer as kd
 trl = pytest.importorskip("trl")
 
 
-def _import_trl(name: str):
-    """TRL probes for vLLM when these modules load; a bare folder named vllm on sys.path (a test directory) is
-    not the package, so it is out of sys.path while they load."""
-    hidden = [p for p in sys.path if (Path(p or ".") / "vllm").is_dir() and not (Path(p or ".") / "vllm" / "__init__.py").exists()]
-    saved = list(sys.path)
-    sys.path[:] = [p for p in sys.path if p not in hidden]
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path[:] = saved
-
-
-_chunked_divergence_loss = _import_trl("trl.trainer.distillation_trainer")._chunked_divergence_loss
-TRLGKDConfig, TRLGKDTrainer = _import_trl("trl.experimental.gkd").GKDConfig, _import_trl("trl.experimental.gkd").GKDTrainer
+from trl.experimental.gkd import GKDConfig as TRLGKDConfig  # noqa: E402
+from trl.experimental.gkd import GKDTrainer as TRLGKDTrainer  # noqa: E402
+from trl.trainer.distillation_trainer import _chunked_divergence_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDENT = str(ROOT / "examples" / "tiny-qwen3")
