@@ -13,8 +13,7 @@ import shutil
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # everything here is local; never reach for the Hub
 
-import torch
-from transformers import AutoTokenizer, GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 
 from make_tiny_model import MODEL_DIR, build_model
 
@@ -23,29 +22,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def build_teacher(tokenizer) -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=len(tokenizer),
-        hidden_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-    )
-    torch.manual_seed(1)
-    model = Qwen3ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return model
+    return build_model(tokenizer, seed=1, hidden_size=96, num_hidden_layers=3, num_attention_heads=6)
 
 
 def parameter_count(model) -> int:

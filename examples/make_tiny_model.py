@@ -238,15 +238,16 @@ def train_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
+# tiny-qwen3's shape; the other shipped checkpoints (make_teacher.py, make_vllm_model.py) change some of it
+TINY_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  intermediate_size=128)
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0, **shape) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 (``seed``) over ``tokenizer``: TINY_SHAPE with ``shape``'s changes."""
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
+        **{**TINY_SHAPE, **shape},
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -254,7 +255,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
