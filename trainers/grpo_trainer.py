@@ -11,6 +11,10 @@ reward functions, turns the rewards into advantages, shuffles the batch and cuts
 micro-batches train on (``num_iterations`` times). When the policy has moved since generation, the ratio's
 old log-probs are the engine's sampling log-probs (no extra forward). Log-probs of the completion tokens
 come from the chunked head loss (no [B, T, V] logits kept); the loss is hfnative.losses.policy's.
+
+Data-parallel ranks each generate whole groups for their part of the generation batch; as in TRL the rewards
+are gathered over the ranks, the advantages (the batch std for scale_rewards="batch") and the logged reward
+and completion statistics taken over the whole batch, and each rank keeps its own rows' advantages.
 """
 
 from __future__ import annotations
@@ -272,22 +276,52 @@ class GRPOObjective(LanguageModelingObjective):
         self._log_generation(prompt_ids, completion_ids)
 
         batch = self._tensors(prompt_ids, completion_ids, rollouts.logprobs)
-        rewards_NF = self.rewards.score(
+        local_rewards_NF = self.rewards.score(
             prompts, completions, completion_ids, rows, trainer_state=trainer.state,
             log_extra=self._log_extra, log_metric=self._log_metric,
         )
         model_logprobs = self._model_logprobs(batch)
         batch.update(model_logprobs)
+        # TRL: the rewards of every data-parallel rank's groups, the advantages over them all (the batch std for
+        # scale_rewards="batch"), this rank's rows kept; the logged reward statistics are the whole batch's
+        rewards_NF = self.gather_rows(local_rewards_NF)
         advantages = self.advantages(rewards_NF, batch)
-        batch["advantages"] = advantages.advantages_N
+        batch["advantages"] = advantages.advantages_N[self.local_rows(len(prompts))]
         self._log_rewards(rewards_NF, advantages)
-        self.logged["prompt"].extend(prompts)
-        self.logged["completion"].extend(completions)
-        for index, name in enumerate(self.rewards.names):
-            self.logged["rewards"][name].extend(rewards_NF[:, index].tolist())
-        self.logged["advantages"].extend(advantages.advantages_N.tolist())
-        self._flush_reward_logs(len(prompts))
+        self._flush_reward_logs(prompts, completions, rewards_NF, advantages.advantages_N)
         return self._split(batch)
+
+    # --- the data-parallel ranks ------------------------------------------------------------------------------------
+    def _data_parallel(self):
+        """The DistributedRun when more than one data-parallel rank generates, else None."""
+        run = self.trainer.distributed
+        return run if run is not None and run.dp_size > 1 else None
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` [n, ...] of every data-parallel rank, concatenated in rank order: the generation batch's
+        rows in the order one process holds them (rank r's prompts are the r-th part of the batch)."""
+        run = self._data_parallel()
+        if run is None:
+            return tensor
+        local = tensor.to(self.trainer.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(run.dp_size)]
+        torch.distributed.all_gather(parts, local, group=run.dp_mesh.get_group())
+        return torch.cat(parts).to(tensor.device)
+
+    def gather_objects(self, value) -> list:
+        """``value`` of every data-parallel rank, as a list in rank order ([value] for one process)."""
+        run = self._data_parallel()
+        if run is None:
+            return [value]
+        parts = [None] * run.dp_size
+        torch.distributed.all_gather_object(parts, value, group=run.dp_mesh.get_group())
+        return parts
+
+    def local_rows(self, count: int) -> slice:
+        """This rank's ``count`` rows in gather_rows' concatenation."""
+        run = self._data_parallel()
+        index = 0 if run is None else run.dp_rank
+        return slice(index * count, (index + 1) * count)
 
     def _tensors(self, prompt_ids, completion_ids, sampling_logprobs) -> dict:
         is_truncated = torch.tensor([ids[-1] not in (*self.eos_token_ids, self.pad_token_id) for ids in completion_ids])
@@ -417,7 +451,10 @@ class GRPOObjective(LanguageModelingObjective):
         logprobs_BT, entropy_BT = self.forward(model, inputs, self._head_loss(inputs)).head_output
         mask_BT = inputs["completion_mask"]
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
-        return out.loss, out.metrics
+        run = self._data_parallel()
+        # gradients and logged losses are summed over the data-parallel ranks, TRL's (DDP) averaged: each rank's
+        # loss is its share of the step's
+        return (out.loss if run is None else out.loss / run.dp_size), out.metrics
 
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
         args = self.args
@@ -442,14 +479,18 @@ class GRPOObjective(LanguageModelingObjective):
             self.trainer._metrics["train"].add(name, torch.tensor(float(value)))
 
     def _log_generation(self, prompt_ids, completion_ids) -> None:
+        """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL)."""
         state = self.trainer.state
-        lengths = torch.tensor([len(ids) for ids in completion_ids], dtype=torch.float64)
-        state.num_input_tokens_seen += int(sum(len(ids) for ids in prompt_ids) + lengths.sum())
+        stop = (*self.eos_token_ids, self.pad_token_id)
+        local_N3 = torch.tensor([[len(p), len(c), c[-1] not in stop] for p, c in zip(prompt_ids, completion_ids)],
+                                dtype=torch.float64)
+        state.num_input_tokens_seen += int(local_N3[:, :2].sum())  # this rank's; num_tokens is summed over ranks
         self.trainer._metrics["train"].set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))
+        all_N3 = self.gather_rows(local_N3)
+        lengths, truncated = all_N3[:, 1], all_N3[:, 2].bool()
         self._add("completions/mean_length", lengths.mean())
         self._add("completions/min_length", lengths.min())
         self._add("completions/max_length", lengths.max())
-        truncated = torch.tensor([ids[-1] not in (*self.eos_token_ids, self.pad_token_id) for ids in completion_ids])
         self._add("completions/clipped_ratio", truncated.double().mean())
         terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1, dtype=torch.float64)
         self._add("completions/mean_terminated_length", terminated.mean())
@@ -471,13 +512,26 @@ class GRPOObjective(LanguageModelingObjective):
     def _log_metric(self, name: str, value: float) -> None:
         self._pending_metrics.setdefault(name, []).append(float(value))
 
-    def _flush_reward_logs(self, count: int) -> None:
-        for column, values in self._pending_extra.items():
+    def _flush_reward_logs(self, prompts, completions, rewards_NF, advantages_N) -> None:
+        """The completions table's rows (every rank's, in rank order) and the reward functions' own columns and
+        metrics (a metric: the sum of every rank's values over their count, as TRL)."""
+        local = dict(prompts=prompts, completions=completions, count=len(prompts), extra=self._pending_extra,
+                     metrics={name: (sum(values), len(values)) for name, values in self._pending_metrics.items()})
+        ranks = self.gather_objects(local)
+        self._pending_extra, self._pending_metrics = {}, {}
+        for part in ranks:
+            self.logged["prompt"].extend(part["prompts"])
+            self.logged["completion"].extend(part["completions"])
+        for index, name in enumerate(self.rewards.names):
+            self.logged["rewards"][name].extend(rewards_NF[:, index].tolist())
+        self.logged["advantages"].extend(advantages_N.tolist())
+        for column in sorted({column for part in ranks for column in part["extra"]}):
+            values = [v for part in ranks for v in part["extra"].get(column, [None] * part["count"])]
             self.logged["extra"].setdefault(column, deque(maxlen=self.args.generation_batch_size)).extend(values)
-        self._pending_extra.clear()
-        for name, values in self._pending_metrics.items():
-            self._add(name, sum(values) / len(values))
-        self._pending_metrics.clear()
+        for name in sorted({name for part in ranks for name in part["metrics"]}):
+            total = sum(part["metrics"][name][0] for part in ranks if name in part["metrics"])
+            count = sum(part["metrics"][name][1] for part in ranks if name in part["metrics"])
+            self._add(name, total / count)
 
 
 # --- the trainer -----------------------------------------------------------------------------------------------

@@ -1,0 +1,77 @@
+"""GRPOTrainer as one rank of a torchrun launch under FSDP2, for tests/test_grpo_distributed.py.
+
+usage: torchrun --standalone --nproc_per_node 2 _grpo_distributed_worker.py OUTPUT_DIR CASE [CASE ...]
+Each CASE (a key of CASES) trains tiny-qwen3 with parallelism_config dp_shard_size=2 on completions fixed per
+prompt (test_grpo.fixed_completion, in place of sampling) and writes, from rank 0, OUTPUT_DIR/CASE.json (the
+log history). ``run`` also trains the single-process reference over the same global batches.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from test_grpo import MODEL, _prompts, even_fraction, fixed_completion, near_target_length
+
+RANKS = 2
+PER_DEVICE = 4  # completions per rank and micro-batch: one group of G=4
+STEPS = 3
+
+# name -> GRPOConfig settings
+CASES = {
+    "batch-std": dict(scale_rewards="batch", loss_type="grpo", gradient_accumulation_steps=2),
+    "group-std-kl": dict(scale_rewards="group", loss_type="dapo", beta=0.04, gradient_accumulation_steps=2),
+}
+
+
+def config(output_dir: str, per_device: int, **extra):
+    import hfnative
+
+    settings = dict(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, num_generations=4,
+        max_completion_length=8, learning_rate=1e-2, seed=0, gradient_checkpointing=False, reward_weights=[1.0, 0.5],
+    )
+    settings.update(extra)
+    return hfnative.GRPOConfig(**settings)
+
+
+def run(output_dir: str, case: str, per_device: int, order=None, **extra) -> list[dict]:
+    """Train ``case`` and return the log history (its last entry, the run summary, left off). ``order(n)``: the
+    generation batch's order before it is cut into micro-batches (default: as generated)."""
+    import hfnative
+    from datasets import Dataset
+    from hfnative.generation import Rollouts
+
+    args = config(output_dir, per_device, **CASES[case], **extra)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
+                                   train_dataset=Dataset.from_list(_prompts(16)))
+    objective = trainer.objective
+    max_length = args.max_completion_length
+
+    def generate(prompts, sampling):
+        completions = [fixed_completion(list(p), i, max_length) for i, p in enumerate(prompts)]
+        return Rollouts(completions, [[0.0] * len(c) for c in completions], ["stop"] * len(completions))
+
+    objective.engine.generate = generate
+    objective.shuffled_order = order or torch.arange
+    objective.old_logprobs_source = "forward"
+    trainer.train()
+    return trainer.state.log_history[:-1]
+
+
+def main(output_dir: str, cases: list[str]) -> None:
+    assert int(os.environ["WORLD_SIZE"]) == RANKS
+    from accelerate.parallelism_config import ParallelismConfig
+
+    for case in cases:
+        logs = run(str(Path(output_dir) / case), case, PER_DEVICE,
+                   parallelism_config=ParallelismConfig(dp_shard_size=RANKS))
+        if int(os.environ["RANK"]) == 0:
+            (Path(output_dir) / f"{case}.json").write_text(json.dumps(logs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

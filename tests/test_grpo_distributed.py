@@ -1,0 +1,57 @@
+"""GRPOTrainer launched with torchrun on 2 CPU processes (gloo) under FSDP2 trains as one process over the same
+global batches: each rank generates whole groups for its half of the generation batch, the rewards are gathered
+so the advantages (scale_rewards "batch": the std over both ranks' rewards; "group") and the logged reward and
+completion statistics are the whole batch's, as TRL's. Per-step loss, grad_norm and every logged metric within
+1e-5 relative (fp32). Completions are fixed per prompt (test_grpo.fixed_completion) in place of sampling."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import _grpo_distributed_worker as worker
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-distributed")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(worker.RANKS),
+               str(HERE / "_grpo_distributed_worker.py"), str(out), *worker.CASES]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return out
+
+
+def rank_major_order(count: int, ranks: int, micro_batches: int) -> torch.Tensor:
+    """The one-process order of a generation batch whose k-th micro-batch holds every rank's k-th micro-batch
+    (rank r's rows are the r-th part of the batch, cut into ``micro_batches`` in order)."""
+    per_rank = count // ranks
+    size = per_rank // micro_batches
+    return torch.cat([torch.arange(size) + r * per_rank + k * size for k in range(micro_batches) for r in range(ranks)])
+
+
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_two_ranks_train_like_one_process(launched, case, tmp_path):
+    micro_batches = worker.CASES[case]["gradient_accumulation_steps"]
+    reference = worker.run(str(tmp_path / "reference"), case, worker.PER_DEVICE * worker.RANKS,
+                           order=lambda n: rank_major_order(n, worker.RANKS, micro_batches))
+    logs = json.loads((launched / f"{case}.json").read_text())
+    assert len(logs) == len(reference) == worker.STEPS
+    for step, (mine, expected) in enumerate(zip(logs, reference), start=1):
+        names = set(expected) - {"step_time"}
+        assert names == set(mine) - {"step_time"}, step
+        for name in ("loss", "grad_norm", "reward", "reward_std", "frac_reward_zero_std"):
+            assert name in names
+        for name in sorted(names):
+            assert mine[name] == pytest.approx(expected[name], rel=1e-5, abs=1e-7), (case, step, name)
+
+
+def test_rank_major_order():
+    assert rank_major_order(16, 2, 2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
