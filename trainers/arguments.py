@@ -65,11 +65,10 @@ class TrainingArguments(transformers.TrainingArguments):
 
 
 @dataclass(repr=False)
-class SFTConfig(TrainingArguments):
-    """TRL's SFTConfig: the same fields and defaults (learning_rate 2e-5, logging_steps 10,
-    activation checkpointing on, bf16 unless fp16)."""
+class TRLBaseConfig(TrainingArguments):
+    """What every TRL trainer's config shares (TRL's ``_BaseConfig``): logging_steps 10, activation checkpointing on,
+    bf16 unless fp16, and how a model given by name is loaded."""
 
-    learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
     # TRL's default; transformers resolves it into activation_checkpointing, so gradient_checkpointing=False turns it off
     gradient_checkpointing: bool | None = field(
@@ -84,6 +83,20 @@ class SFTConfig(TrainingArguments):
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
     )
+
+    _VALID_DICT_FIELDS = transformers.TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
+
+    def __post_init__(self):
+        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
+        super().__post_init__()
+
+
+@dataclass(repr=False)
+class SFTConfig(TRLBaseConfig):
+    """TRL's SFTConfig: the same fields and defaults (learning_rate 2e-5, logging_steps 10,
+    activation checkpointing on, bf16 unless fp16)."""
+
+    learning_rate: float = field(default=2e-5, metadata={"help": "The initial learning rate."})
     router_aux_loss_coef: float | None = field(
         default=None, metadata={"help": "Weight of the MoE load-balancing loss (None: the model config's value)."}
     )
@@ -120,10 +133,9 @@ class SFTConfig(TrainingArguments):
     activation_offloading: bool = field(default=False, metadata={"help": "Offload activations to the CPU."})
     pad_token: str | None = field(default=None, metadata={"help": "Deprecated in TRL: the padding token to set on the tokenizer."})
 
-    _VALID_DICT_FIELDS = transformers.TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs", "dataset_kwargs"]
+    _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + ["dataset_kwargs"]
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
         # TRL's deprecations, warned as TRL warns them; loss_type, packing_strategy and truncation_mode values
         # are checked by SFTTrainer when it is built, as TRL does (a config alone is never refused for them)

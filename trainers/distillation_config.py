@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arguments import SFTConfig, TrainingArguments
+from .arguments import SFTConfig, TRLBaseConfig
 
 
 @dataclass(repr=False)
@@ -46,7 +46,7 @@ class GKDConfig(SFTConfig):
 
 
 @dataclass(repr=False)
-class DistillationConfig(TrainingArguments):
+class DistillationConfig(TRLBaseConfig):
     """TRL's DistillationConfig: every field and default of TRL 1.16 (learning_rate 1e-6, logging_steps 10,
     gradient checkpointing on, bf16 unless fp16, beta 1.0, temperature 1.0 for sampling and the loss).
 
@@ -55,20 +55,7 @@ class DistillationConfig(TrainingArguments):
     """
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
-    gradient_checkpointing: bool | None = field(
-        default=True, metadata={"help": "Recompute activations in backward to save memory (about 20%% slower)."}
-    )
-    bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16 (needs a GPU, or use_cpu)."}
-    )
-    # the model and the teacher
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "How to load the model when it is given by name (JSON): dtype, revision, ..."}
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
-    )
+    # the teacher
     teacher_model_name_or_path: str | None = field(default=None, metadata={"help": "Model name or path of the teacher."})
     teacher_model_revision: str | None = field(default=None, metadata={"help": "Hub revision of the teacher."})
     teacher_model_init_kwargs: dict[str, Any] | str | None = field(
@@ -121,12 +108,11 @@ class DistillationConfig(TrainingArguments):
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many completions to print."})
     log_unique_prompts: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs",
+    _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
+        "teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs",
     ]
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
         if isinstance(self.pad_to_multiple_of, str) and self.pad_to_multiple_of != "auto":
             value = self.pad_to_multiple_of.lower()

@@ -14,7 +14,6 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import transformers
@@ -34,7 +33,7 @@ from hfnative.losses.preference import (
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import TokenLogprobs
 
-from .arguments import TrainingArguments, _deprecated
+from .arguments import TRLBaseConfig, _deprecated
 from .model_card import write_model_card
 from .objective import LanguageModelingObjective
 from .sft_trainer import SFTObjective, SFTTrainer, _as_dict, _check_peft_config, _model_name
@@ -44,24 +43,11 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(repr=False)
-class DPOConfig(TrainingArguments):
+class DPOConfig(TRLBaseConfig):
     """TRL's DPOConfig: the same fields and defaults (learning_rate 1e-6, logging_steps 10, activation
     checkpointing on, bf16 unless fp16, beta 0.1, loss_type ["sigmoid"], max_length 1024)."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio of the total)."})
-    gradient_checkpointing: bool | None = field(
-        default=True, metadata={"help": "Recompute activations in backward to save memory (about 20%% slower)."}
-    )
-    bf16: bool | None = field(
-        default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16 (needs a GPU, or use_cpu)."}
-    )
-    model_init_kwargs: dict[str, Any] | str | None = field(
-        default=None, metadata={"help": "How to load the model when it is given by name (JSON): dtype, revision, ..."}
-    )
-    trust_remote_code: bool = field(
-        default=False, metadata={"help": "Accepted for TRL compatibility; hfnative never runs a model's own code."}
-    )
     router_aux_loss_coef: float | None = field(
         default=None, metadata={"help": "Weight of the MoE load-balancing loss (None: the model config's value)."}
     )
@@ -113,10 +99,9 @@ class DPOConfig(TrainingArguments):
     ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO: steps between reference updates."})
     pad_token: str | None = field(default=None, metadata={"help": "Deprecated in TRL: the padding token to set on the tokenizer."})
 
-    _VALID_DICT_FIELDS = transformers.TrainingArguments._VALID_DICT_FIELDS + ["model_init_kwargs"]
+    _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         if isinstance(self.loss_type, str):
             self.loss_type = [self.loss_type]
         if self.loss_weights is not None and len(self.loss_weights) != len(self.loss_type):
