@@ -1,7 +1,7 @@
 """GRPOTrainer as one rank of a torchrun launch under FSDP2, for tests/test_grpo_distributed.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _grpo_distributed_worker.py OUTPUT_DIR CASE [CASE ...]
-Each CASE (a key of CASES) trains tiny-qwen3 with parallelism_config dp_shard_size=2 on completions fixed per
+Each CASE (a key of CASES) trains tiny-qwen3 (GRPOTrainer or RLOOTrainer) with parallelism_config dp_shard_size=2 on completions fixed per
 prompt (test_grpo.fixed_completion, in place of sampling) and writes, from rank 0, OUTPUT_DIR/CASE.json (the
 log history). ``run`` also trains the single-process reference over the same global batches.
 """
@@ -19,14 +19,16 @@ RANKS = 2
 PER_DEVICE = 4  # completions per rank and micro-batch: one group of G=4
 STEPS = 3
 
-# name -> GRPOConfig settings
+# name -> (trainer, its config's settings)
 CASES = {
-    "batch-std": dict(scale_rewards="batch", loss_type="grpo", gradient_accumulation_steps=2),
-    "group-std-kl": dict(scale_rewards="group", loss_type="dapo", beta=0.04, gradient_accumulation_steps=2),
+    "batch-std": ("GRPO", dict(scale_rewards="batch", loss_type="grpo", gradient_accumulation_steps=2)),
+    "group-std-kl": ("GRPO", dict(scale_rewards="group", loss_type="dapo", beta=0.04, gradient_accumulation_steps=2)),
+    # RLOO: the KL penalty in the reward (gathered with the rewards), the advantages standardized over the batch
+    "rloo-normalized-kl": ("RLOO", dict(beta=0.05, normalize_advantages=True, gradient_accumulation_steps=2)),
 }
 
 
-def config(output_dir: str, per_device: int, **extra):
+def config(output_dir: str, per_device: int, algorithm: str = "GRPO", **extra):
     import hfnative
 
     settings = dict(
@@ -35,7 +37,7 @@ def config(output_dir: str, per_device: int, **extra):
         max_completion_length=8, learning_rate=1e-2, seed=0, gradient_checkpointing=False, reward_weights=[1.0, 0.5],
     )
     settings.update(extra)
-    return hfnative.GRPOConfig(**settings)
+    return getattr(hfnative, f"{algorithm}Config")(**settings)
 
 
 def run(output_dir: str, case: str, per_device: int, order=None, **extra) -> list[dict]:
@@ -45,8 +47,9 @@ def run(output_dir: str, case: str, per_device: int, order=None, **extra) -> lis
     from datasets import Dataset
     from hfnative.generation import Rollouts
 
-    args = config(output_dir, per_device, **CASES[case], **extra)
-    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
+    algorithm, settings = CASES[case]
+    args = config(output_dir, per_device, algorithm, **settings, **extra)
+    trainer = getattr(hfnative, f"{algorithm}Trainer")(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
                                    train_dataset=Dataset.from_list(_prompts(16)))
     objective = trainer.objective
     max_length = args.max_completion_length
