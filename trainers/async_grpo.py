@@ -32,6 +32,12 @@ from .objective import LanguageModelingObjective
 from .rewards import RewardFunctions
 from .trainer import Trainer, as_hfnative_args
 
+# the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
+VLLM_SETTINGS = (
+    "use_vllm", "vllm_mode", "vllm_server_base_url", "vllm_server_timeout", "vllm_group_port", "vllm_weight_transport",
+    "vllm_weights_dir", "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_model_impl",
+)
+
 # TRL's async trainer: (r - mean) / (std + 1e-8) with the population std of the group's scored rewards
 ASYNC_ADVANTAGE_EPSILON = 1e-8
 
@@ -41,11 +47,16 @@ class AsyncGRPOConfig(TrainingArguments):
     """TRL's AsyncGRPOConfig: its fields and defaults (learning_rate 1e-6, logging_steps 1, a constant LR schedule,
     max_completion_length 2048, max_staleness 4, ...), plus where the Ray actors run.
 
-    Generation runs on hfnative's native engine in a Ray actor: ``vllm_server_base_url`` and the other vLLM server
-    fields are accepted for TRL's scripts and not used. ``ignore_data_skip``: a resumed run always continues with
-    the prompts after its checkpoint's step. hfnative's own fields:
+    Generation runs in a Ray actor, on hfnative's native engine by default and on vLLM with ``use_vllm=True``
+    (GRPOConfig's names): ``vllm_mode="colocate"`` runs ``vllm.LLM`` inside the generator actor, loaded from the
+    model's Hub-format folder, which the actor's machine must see (vllm_gpu_memory_utilization, vllm_max_model_length,
+    vllm_model_impl); ``vllm_mode="server"`` generates on the vLLM server at ``vllm_server_base_url``, as TRL's async
+    trainer always does (vllm_server_timeout, vllm_group_port, vllm_weight_transport, vllm_weights_dir: see
+    hfnative.generation.vllm_backend). Weights reach vLLM as Hub-named tensors, at start and at every sync.
+    ``ignore_data_skip``: a resumed run always continues with the prompts after its checkpoint's step.
+    hfnative's own fields:
       ray_address: join this Ray cluster (e.g. "ray://head:10001" or "auto"); None starts a local Ray instance
-        (or uses the one already initialized in the process).
+        (or uses the one already initialized in the process, or the cluster RAY_ADDRESS names).
       num_rollout_actors: generator actors, each with its own copy of the policy, given micro-batches in turn
         (more generation throughput, e.g. one per node or GPU); every weight sync reaches all of them.
       rollout_actor_options / reward_actor_options: Ray actor options of each generator (default num_cpus=1)
@@ -72,8 +83,16 @@ class AsyncGRPOConfig(TrainingArguments):
     chat_template_kwargs: dict | str | None = field(default=None, metadata={"help": "Extra apply_chat_template kwargs."})
     max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool-calling turns (tools are not supported)."})
     fork_threshold_tokens: int = field(default=1024, metadata={"help": "Multi-turn re-tokenization drift (unused)."})
-    vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "Accepted for TRL; unused."})
-    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Accepted for TRL; unused."})
+    use_vllm: bool = field(default=False, metadata={"help": "Generate with vLLM (vllm_mode) instead of the native engine."})
+    vllm_mode: str = field(default="colocate", metadata={"help": "vLLM: colocate (in the generator actor) or server."})
+    vllm_server_base_url: str = field(default="http://localhost:8000", metadata={"help": "vLLM server URL (vllm_mode server)."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "Seconds to wait for the vLLM server."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "vLLM NCCL weight-transfer port (server)."})
+    vllm_weight_transport: str = field(default="auto", metadata={"help": "vLLM server weights: files, nccl or auto."})
+    vllm_weights_dir: str | None = field(default=None, metadata={"help": "Folder of the files weight transport."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "vLLM GPU memory share (colocate)."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "vLLM context length (colocate)."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "vLLM model implementation (colocate)."})
     request_timeout: int = field(default=600, metadata={"help": "Accepted for TRL; unused."})
     weight_sync_timeout: int = field(default=1800, metadata={"help": "Accepted for TRL; unused."})
     epsilon: float = field(default=0.2, metadata={"help": "Epsilon value for clipping."})
@@ -130,6 +149,13 @@ class AsyncGRPOConfig(TrainingArguments):
             )
         if self.num_rollout_actors < 1:
             raise ValueError(f"num_rollout_actors={self.num_rollout_actors}: expected an int >= 1")
+        if self.vllm_mode not in ("colocate", "server"):
+            raise ValueError(f"vllm_mode={self.vllm_mode!r}: expected 'colocate' or 'server'")
+        if self.use_vllm and self.vllm_mode == "server" and self.num_rollout_actors > 1:
+            raise ValueError(
+                f"num_rollout_actors={self.num_rollout_actors} with vllm_mode='server': the generators would share one "
+                "server's weights, so their policy versions would be wrong; use num_rollout_actors=1"
+            )
         if self.heartbeat_stale_after_s <= 0:
             raise ValueError(f"heartbeat_stale_after_s={self.heartbeat_stale_after_s}: expected > 0 seconds")
 
@@ -419,19 +445,42 @@ class AsyncGRPOTrainer(Trainer):
         sampling = SamplingParams(
             max_new_tokens=a.max_completion_length, do_sample=True, temperature=a.temperature, top_p=a.top_p,
             top_k=a.top_k, min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
-            eos_token_id=eos, seed=a.seed,
+            # vLLM seeds every request of a batch alike, so a seed would make a group's completions identical: it
+            # samples from its engine's own seeded stream instead
+            eos_token_id=eos, seed=None if a.use_vllm else a.seed,
         )
         options = [o if isinstance(o, dict) else {} for o in (a.rollout_actor_options, a.reward_actor_options)]
+        engine = self._generator_engine() if a.use_vllm else {}
         self._pipeline = RolloutPipeline(
             self.model, GroupScoring(self.reward_functions, tokenizer, a.num_generations), sampling,
             micro_batches_per_step=a.gradient_accumulation_steps, max_staleness=a.max_staleness,
             max_inflight=max(1, inflight // a.per_device_train_batch_size), weight_sync_steps=a.weight_sync_steps,
             heartbeat_stale_after_s=a.heartbeat_stale_after_s, version=self.state.global_step,
             ray_address=a.ray_address, generator_options=options[0], scorer_options=options[1],
-            num_generators=a.num_rollout_actors,
+            num_generators=a.num_rollout_actors, **engine,
         )
         self._pipeline.start()
         return self._pipeline
+
+    def _generator_engine(self) -> dict:
+        """RolloutPipeline's engine arguments for vLLM: the engine the generator actor builds (colocated from
+        the model's Hub-format folder, or the server's), Hub-named weights at start and at each sync."""
+        from hfnative.generation.engines import vllm_dtype, vllm_model_folder
+        from hfnative.generation.vllm_backend import hub_named_tensors
+        from hfnative.rl import ConfiguredEngine
+
+        a = self.args
+        settings = {name: getattr(a, name) for name in VLLM_SETTINGS}
+        source = None
+        if a.vllm_mode == "colocate":
+            source = vllm_model_folder(self.model)  # written here when the model has none; vLLM reads it there
+            settings["vllm_dtype"] = vllm_dtype(self.model)
+
+        def named_weights(model) -> dict[str, torch.Tensor]:
+            return {name: tensor.detach().to("cpu") for name, tensor in hub_named_tensors(model)}
+
+        return {"engine_factory": ConfiguredEngine(settings, source), "named_weights": named_weights,
+                "ship_policy": False}
 
     def _close_rollouts(self) -> None:
         if self._pipeline is not None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -89,13 +90,17 @@ class RolloutPipeline:
     micro_batches_per_step: micro-batches one optimizer step consumes (for the lag of work submitted ahead).
     max_inflight: micro-batches submitted and not yet consumed, at most. version: the optimizer steps the
     policy has taken (a resumed run starts at its checkpoint's step).
-    ray_address: join this Ray cluster (None: the running Ray instance, or a new local one).
+    ray_address: join this Ray cluster (None: the running Ray instance, else the cluster RAY_ADDRESS names, else a
+    new local one).
     generator_options / scorer_options: Ray actor options (num_cpus, num_gpus, resources, ...).
     engine_factory: model -> RolloutEngine in the generator actor (default: the native engine).
     named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
     ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
     num_generators: generator actors (each its own copy of the policy), given micro-batches in turn; every
     weight sync goes to all of them, after the work already submitted to each.
+    ship_policy: send the pickled policy to the generators (the native engine runs on it). False when the
+    engine loads its own copy (vLLM from a Hub folder, or a vLLM server): the generators then get the policy's
+    current weights through ``named_weights`` at start, before any generation.
     """
 
     @property
@@ -121,6 +126,7 @@ class RolloutPipeline:
         engine_factory: Callable[[Any], RolloutEngine] | None = None,
         named_weights: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
         num_generators: int = 1,
+        ship_policy: bool = True,
     ):
         if weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={weight_sync_steps}: expected an int >= 1")
@@ -142,7 +148,7 @@ class RolloutPipeline:
         self.named_weights = named_weights or trainable_weights
         self.generator_options = {"num_cpus": 1, **(generator_options or {})}
         self.scorer_options = {"num_cpus": 0, **(scorer_options or {})}
-        self.num_generators = num_generators
+        self.num_generators, self.ship_policy = num_generators, ship_policy
         self.generators: list = []
         self.scorer = None
         self._ray = None
@@ -161,11 +167,13 @@ class RolloutPipeline:
     def start(self) -> None:
         ray = self._ray = _import_ray()
         if not ray.is_initialized():
-            ray.init(address=self.ray_address, include_dashboard=False)
+            # "local": a new instance, not a cluster some other process left registered on this machine
+            address = self.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+            ray.init(address=address, include_dashboard=False)
             self._owns_ray = True
         generator = ray.remote(RolloutGenerator).options(max_restarts=0, **self.generator_options)
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
-        policy = ray.put(policy_bytes(self.model))
+        policy = ray.put(policy_bytes(self.model)) if self.ship_policy else None
         self.generators = [generator.remote(policy, self.version, self.engine_factory) for _ in range(self.num_generators)]
         self.scorer = scorer.remote(self.score_fn)
         startup_s = max(self.heartbeat_stale_after_s, 300.0)
@@ -182,6 +190,12 @@ class RolloutPipeline:
         except ray.exceptions.RayError as error:
             self.close()
             raise RolloutActorError(f"a rollout actor failed to start: {_describe(error)}") from error
+        if not self.ship_policy:  # the engines started from their own weights: the policy's go in first
+            self._pending_syncs += self._send_weights(self.version)
+
+    def _send_weights(self, version: int) -> list:
+        ref = self._ray.put(self.named_weights(self.model))
+        return [generator.load_weights.remote(ref, version) for generator in self.generators]
 
     def close(self) -> None:
         """Stop the actors (and Ray, when this pipeline started it)."""
@@ -227,8 +241,7 @@ class RolloutPipeline:
         self._consumed_in_step = 0
         if version % self.weight_sync_steps == 0:
             start = time.perf_counter()
-            ref = self._ray.put(self.named_weights(self.model))
-            self._pending_syncs += [generator.load_weights.remote(ref, version) for generator in self.generators]
+            self._pending_syncs += self._send_weights(version)
             self.synced_version = version
             self._sync_s.append(time.perf_counter() - start)
         self._fill()
