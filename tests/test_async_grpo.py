@@ -107,6 +107,12 @@ def test_config_has_trl_async_names_and_defaults():
         AsyncGRPOConfig("out", use_cpu=True, max_staleness=0, weight_sync_steps=2)
     with pytest.raises(ValueError, match="multiple of num_generations"):
         AsyncGRPOConfig("out", use_cpu=True, per_device_train_batch_size=12, num_generations=8)
+    # vLLM only when asked (GRPOConfig's names); one generator per vLLM server
+    assert (ours.use_vllm, ours.vllm_mode) == (False, "colocate")
+    with pytest.raises(ValueError, match="vllm_mode"):
+        AsyncGRPOConfig("out", use_cpu=True, vllm_mode="remote")
+    with pytest.raises(ValueError, match="num_rollout_actors=2 with vllm_mode='server'"):
+        AsyncGRPOConfig("out", use_cpu=True, use_vllm=True, vllm_mode="server", num_rollout_actors=2)
 
 
 def test_advantages_are_trl_async_formula():
