@@ -93,7 +93,8 @@ class RolloutPipeline:
     ray_address: join this Ray cluster (None: the running Ray instance, else the cluster RAY_ADDRESS names, else a
     new local one).
     generator_options / scorer_options: Ray actor options (num_cpus, num_gpus, resources, ...).
-    engine_factory: model -> RolloutEngine in the generator actor (default: the native engine).
+    engine_factory: model -> RolloutEngine in the generator actor (default: the native engine; the model is None
+    when ship_policy is False), e.g. ``ConfiguredEngine`` for the engine a trainer config selects.
     named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
     ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
     num_generators: generator actors (each its own copy of the policy), given micro-batches in turn; every
