@@ -21,7 +21,9 @@ STEPS = 3
 
 # name -> (trainer, its config's settings)
 CASES = {
-    "batch-std": ("GRPO", dict(scale_rewards="batch", loss_type="grpo", gradient_accumulation_steps=2)),
+    # num_iterations 2: every other step trains on the last generation again, the ratio clipped (small epsilon)
+    "batch-std": ("GRPO", dict(scale_rewards="batch", loss_type="grpo", gradient_accumulation_steps=2,
+                               num_iterations=2, epsilon=0.01)),
     "group-std-kl": ("GRPO", dict(scale_rewards="group", loss_type="dapo", beta=0.04, gradient_accumulation_steps=2)),
     # RLOO: the KL penalty in the reward (gathered with the rewards), the advantages standardized over the batch
     "rloo-normalized-kl": ("RLOO", dict(beta=0.05, normalize_advantages=True, gradient_accumulation_steps=2)),
@@ -40,9 +42,10 @@ def config(output_dir: str, per_device: int, algorithm: str = "GRPO", **extra):
     return getattr(hfnative, f"{algorithm}Config")(**settings)
 
 
-def run(output_dir: str, case: str, per_device: int, order=None, **extra) -> list[dict]:
-    """Train ``case`` and return the log history (its last entry, the run summary, left off). ``order(n)``: the
-    generation batch's order before it is cut into micro-batches (default: as generated)."""
+def run(output_dir: str, case: str, per_device: int, order=None, with_objective=False, **extra):
+    """Train ``case`` and return the log history (its last entry, the run summary, left off; with_objective:
+    and the trainer's objective). ``order(n)``: the generation batch's order before it is cut into micro-batches
+    (default: as generated)."""
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
@@ -62,18 +65,29 @@ def run(output_dir: str, case: str, per_device: int, order=None, **extra) -> lis
     objective.shuffled_order = order or torch.arange
     objective.old_logprobs_source = "forward"
     trainer.train()
-    return trainer.state.log_history[:-1]
+    logs = trainer.state.log_history[:-1]
+    return (logs, objective) if with_objective else logs
 
 
 def main(output_dir: str, cases: list[str]) -> None:
     assert int(os.environ["WORLD_SIZE"]) == RANKS
     from accelerate.parallelism_config import ParallelismConfig
 
+    rank = int(os.environ["RANK"])
     for case in cases:
-        logs = run(str(Path(output_dir) / case), case, PER_DEVICE,
-                   parallelism_config=ParallelismConfig(dp_shard_size=RANKS))
-        if int(os.environ["RANK"]) == 0:
+        logs, objective = run(str(Path(output_dir) / case), case, PER_DEVICE, with_objective=True,
+                              parallelism_config=ParallelismConfig(dp_shard_size=RANKS))
+        if rank == 0:
             (Path(output_dir) / f"{case}.json").write_text(json.dumps(logs))
+    # the clip extremes of each rank's micro-batch, combined: rank r has low_min r + 1 (rank 0: none, NaN) and
+    # high_max 0.25 r; a metric no rank has stays NaN
+    nan = float("nan")
+    metrics = {"clip_ratio/low_min": torch.tensor(nan if rank == 0 else rank + 1.0),
+               "clip_ratio/high_max": torch.tensor(0.25 * rank), "entropy": torch.tensor(float(rank))}
+    combined = objective._extremes_over_ranks(metrics)
+    none = objective._extremes_over_ranks({"clip_ratio/high_max": torch.tensor(nan)})
+    values = {name: float(value) for name, value in combined.items()} | {"none": float(none["clip_ratio/high_max"])}
+    (Path(output_dir) / f"extremes-rank{rank}.json").write_text(json.dumps(values))
 
 
 if __name__ == "__main__":

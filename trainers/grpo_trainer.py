@@ -451,10 +451,25 @@ class GRPOObjective(LanguageModelingObjective):
         logprobs_BT, entropy_BT = self.forward(model, inputs, self._head_loss(inputs)).head_output
         mask_BT = inputs["completion_mask"]
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
-        run = self._data_parallel()
+        if self._data_parallel() is None:
+            return out.loss, out.metrics
         # gradients and logged losses are summed over the data-parallel ranks, TRL's (DDP) averaged: each rank's
         # loss is its share of the step's
-        return (out.loss if run is None else out.loss / run.dp_size), out.metrics
+        return out.loss / self._data_parallel().dp_size, self._extremes_over_ranks(out.metrics)
+
+    def _extremes_over_ranks(self, metrics: dict) -> dict:
+        """clip_ratio/low_min and clip_ratio/high_max over every data-parallel rank's completions (TRL's nanmin /
+        nanmax of the gathered values; NaN where no rank has one), so the ranks' average is that value."""
+        signs = {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
+        names = [name for name in signs if name in metrics]
+        if not names:
+            return metrics
+        values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().to(self.trainer.device, torch.float64)
+                              for name in names]).nan_to_num(nan=-float("inf"))
+        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX,
+                                     group=self._data_parallel().dp_mesh.get_group())
+        values = values.masked_fill(values == -float("inf"), float("nan"))
+        return {**metrics, **{name: signs[name] * value for name, value in zip(names, values)}}
 
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
         args = self.args
