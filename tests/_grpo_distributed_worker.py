@@ -1,9 +1,11 @@
 """GRPOTrainer as one rank of a torchrun launch under FSDP2, for tests/test_grpo_distributed.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _grpo_distributed_worker.py OUTPUT_DIR CASE [CASE ...]
-Each CASE (a key of CASES) trains tiny-qwen3 (GRPOTrainer or RLOOTrainer) with parallelism_config dp_shard_size=2 on completions fixed per
-prompt (test_grpo.fixed_completion, in place of sampling) and writes, from rank 0, OUTPUT_DIR/CASE.json (the
-log history). ``run`` also trains the single-process reference over the same global batches.
+Each CASE (a key of CASES) trains tiny-qwen3 (GRPOTrainer or RLOOTrainer) with parallelism_config
+dp_shard_size=2 on completions fixed per prompt (test_grpo.fixed_completion, in place of sampling) and writes,
+from rank 0, OUTPUT_DIR/CASE.json (the log history); then each rank writes OUTPUT_DIR/extremes-rankR.json (the
+clip extremes combined over the ranks from known values). ``run`` also trains the single-process reference
+over the same global batches.
 """
 
 import json
@@ -52,8 +54,9 @@ def run(output_dir: str, case: str, per_device: int, order=None, with_objective=
 
     algorithm, settings = CASES[case]
     args = config(output_dir, per_device, algorithm, **settings, **extra)
-    trainer = getattr(hfnative, f"{algorithm}Trainer")(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
-                                   train_dataset=Dataset.from_list(_prompts(16)))
+    trainer_class = getattr(hfnative, f"{algorithm}Trainer")
+    trainer = trainer_class(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
+                            train_dataset=Dataset.from_list(_prompts(16)))
     objective = trainer.objective
     max_length = args.max_completion_length
 

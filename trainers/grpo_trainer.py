@@ -464,8 +464,8 @@ class GRPOObjective(LanguageModelingObjective):
         names = [name for name in signs if name in metrics]
         if not names:
             return metrics
-        values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().to(self.trainer.device, torch.float64)
-                              for name in names]).nan_to_num(nan=-float("inf"))
+        values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().double() for name in names])
+        values = values.to(self.trainer.device).nan_to_num(nan=-float("inf"))
         torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX,
                                      group=self._data_parallel().dp_mesh.get_group())
         values = values.masked_fill(values == -float("inf"), float("nan"))
