@@ -89,7 +89,11 @@ def main(output_dir: str, cases: list[str]) -> None:
                "clip_ratio/high_max": torch.tensor(0.25 * rank), "entropy": torch.tensor(float(rank))}
     combined = objective._extremes_over_ranks(metrics)
     none = objective._extremes_over_ranks({"clip_ratio/high_max": torch.tensor(nan)})
-    values = {name: float(value) for name, value in combined.items()} | {"none": float(none["clip_ratio/high_max"])}
+    sampling = objective._extremes_over_ranks(
+        {"ratio/min": torch.tensor(1.0 - rank), "ratio/max": torch.tensor(rank + 3.0)}, {"ratio/min": -1.0, "ratio/max": 1.0}
+    )
+    values = {name: float(value) for name, value in {**combined, **sampling}.items()}
+    values["none"] = float(none["clip_ratio/high_max"])
     (Path(output_dir) / f"extremes-rank{rank}.json").write_text(json.dumps(values))
 
 

@@ -74,4 +74,5 @@ def test_clip_extremes_are_over_all_ranks(launched):
         assert values["clip_ratio/low_min"] == 2.0  # rank 0's NaN left out
         assert values["clip_ratio/high_max"] == 0.25
         assert values["entropy"] == float(rank)
+        assert (values["ratio/min"], values["ratio/max"]) == (0.0, 4.0)  # extremes named by the caller
         assert values["none"] != values["none"]

@@ -369,11 +369,17 @@ class GRPOObjective(LanguageModelingObjective):
         )
         gap = (old_logprobs_NT - batch["sampling_logprobs"]).abs()[mask_NT.bool()]
         gap = gap[~torch.isnan(gap)]
-        self._add("sampling/sampling_logp_difference/mean", gap.mean() if gap.numel() else torch.tensor(0.0))
-        self._add("sampling/sampling_logp_difference/max", gap.max() if gap.numel() else torch.tensor(0.0))
+        stats = {"sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else torch.tensor(0.0),
+                 "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else torch.tensor(0.0)}
         flat = weights.flatten() if weights.shape[1] == 1 else weights[mask_NT.bool()]
         for name, reduce in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
-            self._add(f"sampling/importance_sampling_ratio/{name}", reduce(flat) if flat.numel() else torch.tensor(0.0))
+            stats[f"sampling/importance_sampling_ratio/{name}"] = reduce(flat) if flat.numel() else torch.tensor(0.0)
+        # as TRL: the means averaged over the data-parallel ranks, the extremes taken over them
+        stats = self._extremes_over_ranks(stats, {"sampling/sampling_logp_difference/max": 1.0,
+                                                  "sampling/importance_sampling_ratio/min": -1.0,
+                                                  "sampling/importance_sampling_ratio/max": 1.0})
+        for name, value in stats.items():
+            self._add(name, value)
         return weights.expand_as(old_logprobs_NT).contiguous()
 
     def _forward_logprobs(self, model, batch: dict) -> torch.Tensor:
@@ -457,12 +463,13 @@ class GRPOObjective(LanguageModelingObjective):
         # loss is its share of the step's
         return out.loss / self._data_parallel().dp_size, self._extremes_over_ranks(out.metrics)
 
-    def _extremes_over_ranks(self, metrics: dict) -> dict:
-        """clip_ratio/low_min and clip_ratio/high_max over every data-parallel rank's completions (TRL's nanmin /
-        nanmax of the gathered values; NaN where no rank has one), so the ranks' average is that value."""
-        signs = {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
+    def _extremes_over_ranks(self, metrics: dict, signs: dict[str, float] | None = None) -> dict:
+        """The extremes among ``metrics`` over every data-parallel rank (TRL's nanmin / nanmax of the gathered
+        values; NaN where no rank has one), so that the ranks' average is that value. ``signs``: name -> 1.0 (a
+        max) or -1.0 (a min); default clip_ratio/high_max and clip_ratio/low_min."""
+        signs = signs or {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
         names = [name for name in signs if name in metrics]
-        if not names:
+        if not names or self._data_parallel() is None:
             return metrics
         values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().double() for name in names])
         values = values.to(self.trainer.device).nan_to_num(nan=-float("inf"))
