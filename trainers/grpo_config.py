@@ -8,9 +8,8 @@ how many completions are generated at once and over how many micro-batches they 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from .arguments import TrainingArguments
+from .arguments import TRLBaseConfig
 
 # TRL 1.16 fields that select features hfnative does not run (tools, continuous batching,
 # multimodal logging, entropy bonus): accepted at their defaults, refused otherwise
@@ -20,19 +19,14 @@ _UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_tran
 
 
 @dataclass(repr=False)
-class OnlineRLConfig(TrainingArguments):
+class OnlineRLConfig(TRLBaseConfig):
     """The fields TRL 1.16's GRPOConfig and RLOOConfig share, with their defaults (learning_rate 1e-6,
     logging_steps 10, activation checkpointing on, bf16 unless fp16, remove_unused_columns False).
     ``per_device_train_batch_size`` counts completions; ``generation_batch_size`` (or ``steps_per_generation``)
     sets how many are generated at once."""
 
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
-    logging_steps: float = field(default=10, metadata={"help": "Log every N optimizer steps (a float < 1: a ratio)."})
-    gradient_checkpointing: bool | None = field(default=True, metadata={"help": "Recompute activations in backward."})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16."})
     # model and reference model
-    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": "How to load a model given by name (JSON)."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted; hfnative never runs a model's own code."})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
     disable_dropout: bool = field(default=False, metadata={"help": "Set every dropout probability to 0."})
     # data
@@ -86,12 +80,11 @@ class OnlineRLConfig(TrainingArguments):
     transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
     use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
+    _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
+        "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
     ]
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.lower()
