@@ -104,9 +104,16 @@ def test_async_grpo_with_vllm_colocated_in_its_generator_actor(model_dir, local_
 def test_async_grpo_with_a_vllm_server(vllm_server, model_dir, local_ray, tmp_path):
     """The generator actor generates on the server and sends it the weights (files transport) at start, so the
     server's earlier weights do not matter, and after every step."""
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.generation.vllm_backend import VLLMServerEngine, hub_named_tensors
+
     steps = 3
-    trainer, logs, seen = train_and_probe(model_dir, tmp_path, steps, vllm_mode="server",
-                                          vllm_server_base_url=vllm_server, vllm_weight_transport="files")
-    assert seen["engine"] == "VLLMServerEngine" and not seen["has_native_copy"]
-    assert_lag_bound_and_vllm_logprobs(logs, steps)
-    assert_vllm_decodes_as_the_trained_model(trainer, model_dir, seen, steps)
+    try:
+        trainer, logs, seen = train_and_probe(model_dir, tmp_path, steps, vllm_mode="server",
+                                              vllm_server_base_url=vllm_server, vllm_weight_transport="files")
+        assert seen["engine"] == "VLLMServerEngine" and not seen["has_native_copy"]
+        assert_lag_bound_and_vllm_logprobs(logs, steps)
+        assert_vllm_decodes_as_the_trained_model(trainer, model_dir, seen, steps)
+    finally:  # the server is shared: back to the checkpoint's weights for the tests after this one
+        server = VLLMServerEngine(vllm_server, weight_transport="files", weights_dir=tmp_path / "restore", timeout=60)
+        server.load_weights(hub_named_tensors(load_pretrained(model_dir)))
