@@ -16,7 +16,6 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import set_seed
@@ -26,7 +25,7 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 from hfnative.models.head import TokenLogprobs
 
-from .arguments import TrainingArguments
+from .arguments import TRLBaseConfig
 from .data_loading import make_dataloader
 from .objective import LanguageModelingObjective
 from .rewards import RewardFunctions
@@ -43,7 +42,7 @@ ASYNC_ADVANTAGE_EPSILON = 1e-8
 
 
 @dataclass(repr=False)
-class AsyncGRPOConfig(TrainingArguments):
+class AsyncGRPOConfig(TRLBaseConfig):
     """TRL's AsyncGRPOConfig: its fields and defaults (learning_rate 1e-6, logging_steps 1, a constant LR schedule,
     max_completion_length 2048, max_staleness 4, ...), plus where the Ray actors run.
 
@@ -63,16 +62,12 @@ class AsyncGRPOConfig(TrainingArguments):
         and the reward scorer (default num_cpus=0), e.g. {"num_gpus": 1} or {"resources": {"node:10.0.0.2": 0.01}}.
     """
 
-    model_init_kwargs: dict[str, Any] | str | None = field(default=None, metadata={"help": "How to load the model (JSON)."})
     dtype: str = field(default="float32", metadata={"help": "Dtype to load the model under."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Accepted for TRL; no model code is run."})
     router_aux_loss_coef: float | None = field(default=None, metadata={"help": "MoE load-balancing loss weight."})
     learning_rate: float = field(default=1e-6, metadata={"help": "The initial learning rate for AdamW."})
     logging_steps: float = field(default=1, metadata={"help": "Log every X update steps."})
     lr_scheduler_type: str = field(default="constant", metadata={"help": "Learning-rate schedule."})
     ignore_data_skip: bool = field(default=True, metadata={"help": "Accepted for TRL (see the class docstring)."})
-    gradient_checkpointing: bool | None = field(default=True, metadata={"help": "Recompute activations in backward."})
-    bf16: bool | None = field(default=None, metadata={"help": "bf16 mixed precision; when not set, True unless fp16."})
     num_generations: int = field(default=8, metadata={"help": "Number of generations per prompt to sample."})
     max_completion_length: int = field(default=2048, metadata={"help": "Maximum length of the generated completion."})
     temperature: float = field(default=1.0, metadata={"help": "Temperature for sampling."})
@@ -116,12 +111,11 @@ class AsyncGRPOConfig(TrainingArguments):
     rollout_actor_options: dict | str | None = field(default=None, metadata={"help": "hfnative: generator actor options."})
     reward_actor_options: dict | str | None = field(default=None, metadata={"help": "hfnative: reward actor options."})
 
-    _VALID_DICT_FIELDS = TrainingArguments._VALID_DICT_FIELDS + [
-        "model_init_kwargs", "chat_template_kwargs", "rollout_actor_options", "reward_actor_options",
+    _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
+        "chat_template_kwargs", "rollout_actor_options", "reward_actor_options",
     ]
 
     def __post_init__(self):
-        self.bf16 = not self.fp16 if self.bf16 is None else self.bf16
         super().__post_init__()
         if self.num_generations < 2:
             raise ValueError(f"num_generations={self.num_generations}: GRPO compares at least 2 completions per prompt")
