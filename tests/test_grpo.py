@@ -261,12 +261,15 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     for step, (mine, reference) in enumerate(zip(ours, theirs), start=1):
         names = set(reference) - {"step_time"}
         assert names <= set(mine), f"step {step}: missing {sorted(names - set(mine))}"
+        # step 1 runs on the same weights: 1e-6. Step 2 runs after an AdamW step whose update magnifies the
+        # round-off between the two gradient computations where gradients are near zero (it depends on the
+        # thread count): 1e-4 relative, as per-step training comparisons elsewhere
+        tolerance = 1e-6 if step == 1 else 1e-4
         for name in sorted(names):
-            tolerance = 1e-6
             if name == "grad_norm":
                 assert mine[name] == pytest.approx(reference[name], rel=1e-4), (step, name)
             else:
-                assert mine[name] == pytest.approx(reference[name], abs=tolerance, rel=tolerance), (step, name)
+                assert mine[name] == pytest.approx(reference[name], abs=1e-6, rel=tolerance), (step, name)
 
 
 # --- learning from the reward alone, beside TRL --------------------------------------------------------------
