@@ -18,6 +18,7 @@ the launch's settings into one layout (``trainers/parallel_plan.py``: transforme
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass, field
@@ -99,6 +100,11 @@ class DistributedRun:
         return box[0]
 
 
+def _end_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def start_distributed(args, device: torch.device) -> DistributedRun | None:
     """Join the launched run (None for a single process): the process group, the layout, the mesh."""
     from .parallel_plan import resolve_parallel_plan
@@ -112,6 +118,9 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # the group this process started is torn down before the interpreter's own teardown, as PyTorch asks:
+        # left to static destructors, its communication threads can end the process with an abort after the run
+        atexit.register(_end_process_group)
     plan = resolve_parallel_plan(args, world_size)
     mesh = plan.dims.build_mesh(device.type)
     run = DistributedRun(plan, mesh, dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", 0)))
