@@ -252,8 +252,6 @@ def main() -> None:
     if cli.child:
         child_main(cli, train=train_once)
         return
-    if cli.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: torch sees no CUDA device here; run on a GPU machine or drop --device cuda")
     cli.preset = cli.preset or ("100m" if cli.device == "cuda" else "reference")
     shape = start_parent(cli, PRESETS)
     teacher_shape = dataclasses.replace(TEACHERS[cli.preset], vocab=shape.vocab)

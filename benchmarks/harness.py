@@ -436,7 +436,11 @@ def work_folder(prefix: str, keep: bool):
 
 
 def start_parent(cli, presets: dict[str, Shape]) -> Shape:
-    """Quiet progress bars, set torch's threads; the preset's shape with the command line's overrides."""
+    """Refuse --device cuda without a CUDA device; quiet progress bars, set torch's threads; the preset's shape
+    with the command line's overrides."""
+    if getattr(cli, "device", "cpu") == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here (torch.cuda.is_available() is False); "
+                 "run on a GPU machine or drop --device cuda")
     datasets.disable_progress_bars()
     transformers.utils.logging.disable_progress_bar()
     if cli.threads:
