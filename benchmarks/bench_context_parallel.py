@@ -58,6 +58,7 @@ def child(cli) -> None:
     from hfnative.converters.loading import load_pretrained
     from hfnative.losses import shift_labels
     from hfnative.models.head import TokenCrossEntropy
+    from hfnative.parallel import end_process_group
 
     cuda = cli.device == "cuda"
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -128,7 +129,7 @@ def child(cli) -> None:
         Path(cli.out).write_text(json.dumps(dict(seq=cli.seq, cp=world, tokens_per_second=cli.seq / seconds,
                                                  step_seconds=seconds, first_loss=first_loss, ranks=ranks)))
     if world > 1:
-        dist.destroy_process_group()
+        end_process_group()
 
 
 def parent(cli) -> None:

@@ -173,6 +173,9 @@ def main(out_dir: str, checks: list[str]) -> None:
             check_attention(out, int(check.removeprefix("attention-cp")))
         else:
             train_layout(out, check)
+    from hfnative.parallel import end_process_group
+
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from hfnative.checkpoint import load_training_state, save_training_state
 from hfnative.converters.loading import load_pretrained
 from hfnative.converters.sharded_loading import load_sharded, meta_model
 from hfnative.optim import build_optimizer
-from hfnative.parallel import ParallelDims, parallelize
+from hfnative.parallel import ParallelDims, end_process_group, parallelize
 from hfnative.parallel.dims import MESH_DIMS
 
 SAVED_AT, STEPS = 3, 5
@@ -229,7 +229,7 @@ def main(output_dir: str, model_dir: str) -> None:
     record(results, name, on_pair)
     Path(output_dir, f"rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from hfnative.losses.vocab_parallel import vocab_parallel_cross_entropy, vocab_p
 from hfnative.models.head import GeneralizedJSD
 from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward
-from hfnative.parallel import ParallelDims, parallelize
+from hfnative.parallel import ParallelDims, end_process_group, parallelize
 from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
 
@@ -374,7 +374,7 @@ def main(output_dir: str, models_dir: str) -> None:
         record(results, "refusals under TP2", lambda: refusals_under_tp(refs, tp2, tp2_mesh))
     Path(output_dir, f"world{world}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()
 
 
 if __name__ == "__main__":

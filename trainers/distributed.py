@@ -28,6 +28,7 @@ import torch.distributed as dist
 from transformers.trainer_callback import TrainerState
 
 from hfnative.losses import IGNORE_INDEX
+from hfnative.parallel.teardown import end_process_group
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,7 @@ class DistributedRun:
         return box[0]
 
 
-def _end_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+_ends_at_exit = False
 
 
 def start_distributed(args, device: torch.device) -> DistributedRun | None:
@@ -118,9 +117,13 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # the group this process started is torn down before the interpreter's own teardown, as PyTorch asks:
-        # left to static destructors, its communication threads can end the process with an abort after the run
-        atexit.register(_end_process_group)
+    global _ends_at_exit
+    if not _ends_at_exit:
+        # whoever started the group (here, or accelerate for a ParallelismConfig), it ends before the interpreter
+        # finalizes, and gloo's worker threads are idle by then: otherwise a rank can abort after its work is done
+        # (hfnative/parallel/teardown.py says why)
+        atexit.register(end_process_group)
+        _ends_at_exit = True
     plan = resolve_parallel_plan(args, world_size)
     mesh = plan.dims.build_mesh(device.type)
     run = DistributedRun(plan, mesh, dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", 0)))

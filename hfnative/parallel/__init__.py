@@ -20,6 +20,7 @@ _LAZY = {
     "ring_attention": "context_parallel",
     "split_batch": "context_parallel",
     "apply_expert_parallel": "expert_parallel",
+    "end_process_group": "teardown",
 }
 
 

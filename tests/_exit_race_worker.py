@@ -1,0 +1,34 @@
+"""A rank that ends right after a barrier queued behind collectives on Python-made tensors: the ending that
+aborted ranks before ``hfnative.parallel.end_process_group`` (see hfnative/parallel/teardown.py).
+
+usage: torchrun --standalone --nproc_per_node N _exit_race_worker.py OUTPUT_DIR
+Each rank writes OUTPUT_DIR/rank<R>.json: the gloo worker threads seen, and whether they were idle in time."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hfnative.parallel import end_process_group
+from hfnative.parallel.teardown import _gloo_workers
+
+
+def main(output_dir: str) -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    for _ in range(20):
+        works = [dist.all_reduce(torch.ones(256), async_op=True) for _ in range(4)]
+        works.append(dist.all_gather_into_tensor(torch.empty(256 * world), torch.ones(256), async_op=True))
+        for work in works:
+            work.wait()
+        del works
+        dist.barrier()
+    rank, workers = dist.get_rank(), len(_gloo_workers())
+    idle = end_process_group()
+    Path(output_dir, f"rank{rank}.json").write_text(json.dumps({"gloo_workers": workers, "idle": idle}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
