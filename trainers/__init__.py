@@ -8,17 +8,17 @@ from .trainer import Trainer
 
 # the other algorithms' trainers, imported on first use: name -> module under hfnative.trainers
 _LAZY = {
-    "DPOConfig": "dpo_trainer",
+    "DPOConfig": "dpo_config",
     "DPOTrainer": "dpo_trainer",
-    "DistillationConfig": "distillation_trainer",
+    "DistillationConfig": "distillation_config",
     "DistillationTrainer": "distillation_trainer",
-    "GKDConfig": "distillation_trainer",
+    "GKDConfig": "distillation_config",
     "GKDTrainer": "distillation_trainer",
     "GRPOConfig": "grpo_trainer",
     "GRPOTrainer": "grpo_trainer",
-    "RLOOConfig": "rloo_trainer",
+    "RLOOConfig": "rloo_config",
     "RLOOTrainer": "rloo_trainer",
-    "AsyncGRPOConfig": "async_grpo",
+    "AsyncGRPOConfig": "async_grpo_config",
     "AsyncGRPOTrainer": "async_grpo",
 }
 

@@ -11,27 +11,10 @@ completions. TRL's defaults: num_generations 2, beta 0.05 (so a reference model 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hfnative.losses.policy import leave_one_out_advantages, sequence_kl_penalty, sequence_policy_loss, weighted_rewards
 
-from .grpo_config import OnlineRLConfig
 from .grpo_trainer import GRPOObjective, GRPOTrainer, RLScriptArguments, rl_trainer_kwargs
-
-
-@dataclass(repr=False)
-class RLOOConfig(OnlineRLConfig):
-    """TRL 1.16's RLOOConfig: GRPO's generation and clipping fields (no loss_type, scale_rewards, delta) plus
-    ``normalize_advantages`` and ``reward_clip_range``; num_generations 2 and beta 0.05 by default."""
-
-    num_generations: int | None = field(default=2, metadata={"help": "Completions sampled per prompt."})
-    beta: float = field(default=0.05, metadata={"help": "KL coefficient in the reward (> 0 loads a reference model)."})
-    normalize_advantages: bool = field(
-        default=False, metadata={"help": "Standardize the advantages over each generation batch."}
-    )
-    reward_clip_range: tuple[float, float] | None = field(
-        default=None, metadata={"help": "Clip the rewards to (min, max) before the baseline."}
-    )
+from .rloo_config import RLOOConfig
 
 
 class RLOOObjective(GRPOObjective):
