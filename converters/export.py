@@ -20,6 +20,8 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from hfnative.checkpoint import atomic_files
+from hfnative.peft.lora import LoraLinear
+from hfnative.peft.quantize import dequantize, is_nf4
 
 from .families import Piece, model_pieces
 from .loading import SAFETENSORS_INDEX, ConvertedModel
@@ -52,6 +54,18 @@ def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Te
         parts = sorted(zip((p.interleaved[0] for p in pieces), parts), key=lambda pair: pair[0])
         return torch.stack([part for _, part in parts], dim=-1).flatten(-2)
     return torch.cat(parts) if pieces[0].hf_rows is not None else parts[0]
+
+
+def merged_native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The native state dict of ``model`` with every LoRA adapter folded into its base weight and NF4 weights
+    dequantized (the adapters' own tensors left out): what a model without adapters holds."""
+    state = {name: tensor for name, tensor in model.state_dict().items() if ".lora_" not in name}
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            state[f"{name}.weight"] = module.merged_weight()
+        elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_nf4(module.weight):
+            state[f"{name}.weight"] = dequantize(module.weight)
+    return state
 
 
 def hub_state_dict_pieces(converted: ConvertedModel) -> dict[str, list[Piece]]:

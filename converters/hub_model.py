@@ -30,8 +30,6 @@ from torch import nn
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
 from hfnative.peft.adapters import disable_adapters, lora_modules
-from hfnative.peft.lora import LoraLinear
-from hfnative.peft.quantize import NF4Linear, dequantize
 
 from .families import family_for_config
 from .loading import ConvertedModel
@@ -202,15 +200,9 @@ class NativeCausalLM(HubModelMixin, Transformer):
     def hub_state_dict(self, merge_adapters: bool = True) -> dict[str, torch.Tensor]:
         """The weights under their Hub checkpoint names (adapters folded in when ``merge_adapters``);
         tensors that need no reshaping are views of the live parameters."""
-        from .export import hub_state_dict_pieces, hub_tensor
+        from .export import hub_state_dict_pieces, hub_tensor, merged_native_state
 
-        native = dict(self.state_dict())
-        if merge_adapters:
-            for name, module in self.named_modules():
-                if isinstance(module, LoraLinear):
-                    native[f"{name}.weight"] = module.merged_weight()
-                elif isinstance(module, NF4Linear):
-                    native[f"{name}.weight"] = dequantize(module.weight)
+        native = merged_native_state(self) if merge_adapters else dict(self.state_dict())
         converted = self.__dict__.get("_hub_converted")
         if converted is None:
             raise ValueError("this model was given as a bare hfnative Transformer, with no transformers config: it has no Hub layout")
