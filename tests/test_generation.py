@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from hfnative.converters.loading import load_pretrained
+from hfnative.converters.rollouts import native_model
 from hfnative.generation import NativeRolloutEngine, SamplingParams, generate, sampling_distribution
 from hfnative.generation.sampling import choose_tokens
 from hfnative.peft import LoraTarget, add_lora, merge_lora
@@ -89,7 +90,7 @@ def test_greedy_matches_transformers(name):
     stats = {"exact": 0, "near_ties": 0}
     with torch.no_grad():
         theirs = _transformers_greedy(reference, prompts, eos=None)
-        ours = generate(reference, prompts, max_new_tokens=NEW_TOKENS, do_sample=False)  # converts the object
+        ours = generate(converted, prompts, max_new_tokens=NEW_TOKENS, do_sample=False)
         assert ours.finish_reason == ["length"] * len(prompts)
         _compare_greedy(reference, prompts, ours.completion_ids, theirs, stats)
         # every greedy token is the fresh forward's argmax; log-probs are its log_softmax
@@ -286,5 +287,20 @@ def test_bad_input_is_named():
         generate(converted, [[1]], max_new_tokens=2, top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         generate(converted, [[1]], max_new_tokens=2, temperature=0.0)
-    with pytest.raises(ValueError, match="expected a checkpoint folder"):
+    with pytest.raises(ValueError, match="needs an hfnative Transformer.*load_pretrained"):
         generate(object(), [[1]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="expected a checkpoint folder"):
+        native_model(object())
+
+
+def test_native_model_of_a_folder_an_object_or_a_native_model(tmp_path):
+    """``native_model`` (the trainers' way to any model's decoder) converts a checkpoint folder or a transformers
+    model, and passes a native model (or the one a ConvertedModel holds) through as it is."""
+    reference = make_hf_model("llama-gqa")
+    reference.save_pretrained(tmp_path)
+    converted = load_pretrained(reference)
+    assert native_model(converted) is converted.model and native_model(converted.model) is converted.model
+    prompts, greedy = _prompts(), SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    expected = NativeRolloutEngine(converted).generate(prompts, greedy)
+    for given in (reference, str(tmp_path)):
+        assert NativeRolloutEngine(native_model(given)).generate(prompts, greedy) == expected

@@ -15,10 +15,11 @@ from trl import GRPOConfig
 
 from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import load_pretrained
+from hfnative.converters.rollouts import hub_named_tensors, vllm_dtype, vllm_model_folder
 from hfnative.generation import NativeRolloutEngine, SamplingParams
-from hfnative.generation.engines import make_rollout_engine, vllm_dtype, vllm_model_folder
-from hfnative.generation.vllm_backend import hub_named_tensors, vllm_sampling_kwargs, write_weights_folder
+from hfnative.generation.vllm_backend import vllm_sampling_kwargs, write_weights_folder
 from hfnative.peft import LoraTarget, add_lora
+from hfnative.trainers.rollout_engines import make_rollout_engine
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("vllm").origin is not None

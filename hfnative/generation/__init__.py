@@ -1,7 +1,7 @@
 """Rollouts: one interface (``RolloutEngine``: ``generate``, ``load_weights``) and its native KV-cache
-backend; ``generate`` for a one-off call on any model the trainers accept."""
+backend; ``generate`` for a one-off call on a native model. The vLLM backend is in ``vllm_backend``."""
 
-from .api import generate, native_model
+from .api import generate
 from .native import NativeRolloutEngine
 from .rollouts import RolloutEngine, Rollouts
 from .sampling import SamplingParams, sampling_distribution
@@ -12,6 +12,5 @@ __all__ = [
     "Rollouts",
     "SamplingParams",
     "generate",
-    "native_model",
     "sampling_distribution",
 ]

@@ -1,8 +1,6 @@
-"""``generate``: rollouts from any model the trainers accept, in one call."""
+"""``generate``: rollouts from a native model, in one call."""
 
 from __future__ import annotations
-
-import os
 
 from hfnative.models.decoder import Transformer
 
@@ -11,29 +9,8 @@ from .rollouts import Rollouts
 from .sampling import SamplingParams
 
 
-def native_model(model) -> Transformer:
-    """The native decoder of ``model``: a Transformer as is, a ConvertedModel's ``.model``; a checkpoint
-    folder, a Hub id or a transformers PreTrainedModel converted by hfnative.converters.loading."""
-    if isinstance(model, Transformer):
-        return model
-    if isinstance(getattr(model, "model", None), Transformer):  # a ConvertedModel
-        return model.model
-    from hfnative.converters.loading import load_pretrained  # the engine reaches the converters only here
-
-    if isinstance(model, (str, os.PathLike)):
-        return load_pretrained(model).model
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        return load_pretrained(model).model
-    raise ValueError(
-        f"generate(): model is a {type(model).__name__}; expected a checkpoint folder or Hub id, a transformers "
-        "PreTrainedModel, a ConvertedModel or an hfnative Transformer"
-    )
-
-
 def generate(
-    model,
+    model: Transformer,
     prompt_ids: list[list[int]],
     *,
     max_new_tokens: int,
@@ -49,15 +26,15 @@ def generate(
 ) -> Rollouts:
     """Complete each prompt (token-id lists of any lengths) with the native KV-cache engine.
 
-    model: a checkpoint folder or Hub id, a transformers PreTrainedModel (converted to native), a
-    ConvertedModel or a native Transformer (its live weights, adapters included). The sampling
-    arguments are transformers' (see ``SamplingParams``). Returns ``Rollouts``: completion_ids (the
-    stop token included when produced), logprobs (log_softmax(logits / temperature) before filtering;
-    temperature 1 when greedy) and finish_reason ("stop" or "length") per prompt.
+    model: an hfnative Transformer (its live weights, adapters included) or a model holding one as
+    ``.model``, such as the ConvertedModel ``hfnative.load_pretrained`` makes of a checkpoint folder, a Hub
+    id or a transformers model. The sampling arguments are transformers' (see ``SamplingParams``). Returns
+    ``Rollouts``: completion_ids (the stop token included when produced), logprobs (log_softmax(logits /
+    temperature) before filtering; temperature 1 when greedy) and finish_reason ("stop" or "length") per prompt.
     """
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p, top_k=top_k,
         min_p=min_p, repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
         stop_token_ids=stop_token_ids, seed=seed,
     )
-    return NativeRolloutEngine(native_model(model)).generate(prompt_ids, sampling)
+    return NativeRolloutEngine(model).generate(prompt_ids, sampling)

@@ -40,7 +40,7 @@ class NativeRolloutEngine(RolloutEngine):
         if not isinstance(model, Transformer):
             raise ValueError(
                 f"NativeRolloutEngine needs an hfnative Transformer (or a ConvertedModel), got {type(model).__name__}; "
-                "load a checkpoint with hfnative.converters.loading.load_pretrained or use hfnative.generation.generate"
+                "load a checkpoint folder, Hub id or transformers model with hfnative.load_pretrained first"
             )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1 or None")

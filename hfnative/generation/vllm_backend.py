@@ -1,7 +1,8 @@
 """The vLLM rollout backend: ``vllm.LLM`` in the trainer's process (colocate) or a running vLLM server.
 
 Both return the native backend's ``Rollouts`` and take weights by Hub name
-(``model.layers.0.self_attn.q_proj.weight``); ``hub_named_tensors`` gives them for a native model.
+(``model.layers.0.self_attn.q_proj.weight``), as (name, tensor) pairs the caller gives (the trainers name a
+native model's weights so with ``hfnative.converters.rollouts.hub_named_tensors``).
 How weights reach vLLM after an update:
   colocate       handed in process to vLLM's model (CPU or GPU: nothing is copied through files).
   server "files" safetensors written to a folder the server reads, then the server reloads from it
@@ -24,7 +25,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -40,46 +41,7 @@ FILES_TRANSPORT_SERVER = (
 )
 
 
-# --- weights under Hub names -----------------------------------------------------------------------
-
-
-def merged_native_state(model) -> dict[str, torch.Tensor]:
-    """The native state dict with every LoRA adapter folded into its base weight and NF4 weights
-    dequantized: the tensors an inference engine without adapters needs."""
-    from hfnative.peft.lora import LoraLinear
-    from hfnative.peft.quantize import dequantize, is_nf4
-
-    state = {name: tensor for name, tensor in model.state_dict().items() if ".lora_" not in name}
-    for name, module in model.named_modules():
-        if isinstance(module, LoraLinear):
-            state[f"{name}.weight"] = module.merged_weight()
-        elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_nf4(module.weight):
-            state[f"{name}.weight"] = dequantize(module.weight)
-    return state
-
-
-def converted_model(model):
-    """The ConvertedModel behind ``model``: itself, or the one a trainer's model (NativeCausalLM) carries."""
-    converted = model.__dict__.get("_hub_converted", model) if hasattr(model, "__dict__") else model
-    if not hasattr(converted, "family"):
-        raise ValueError(
-            f"expected a ConvertedModel (hfnative.converters.loading.load_pretrained) or a model loaded from a "
-            f"Hub checkpoint, got {type(model).__name__} without a Hub config: its weights have no Hub names"
-        )
-    return converted
-
-
-def hub_named_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hub key, tensor) for every weight of ``model`` (a ConvertedModel, or a trainer's model loaded from
-    a Hub checkpoint), re-fused per the family's pieces, adapters merged; what a vLLM engine's
-    ``load_weights`` takes."""
-    from hfnative.converters.export import hub_state_dict_pieces, hub_tensor
-
-    converted = converted_model(model)
-    native = merged_native_state(converted.model)
-    with torch.no_grad():
-        for key, pieces in hub_state_dict_pieces(converted).items():
-            yield key, hub_tensor(pieces, native)
+# --- weights for the files transport -------------------------------------------------------------
 
 
 def write_weights_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], folder: str | os.PathLike) -> Path:

@@ -9,7 +9,6 @@ import io
 import os
 import time
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,32 +24,13 @@ def _use_assigned_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-class ConfiguredEngine:
-    """The rollout engine ``make_rollout_engine`` builds for ``settings`` (TRL's field names: use_vllm, vllm_mode,
-    vllm_server_base_url, ...), called in the generator actor; picklable, so it travels to the actor.
-
-    source: what the engine starts from when it is not the actor's copy of the policy, e.g. the Hub-format
-    folder a colocated vLLM loads (then the actor holds no native copy: ``RolloutPipeline(ship_policy=False)``).
-    engine_kwargs go on to the engine (e.g. ``enforce_eager=True`` for ``vllm.LLM``).
-    """
-
-    def __init__(self, settings: dict[str, Any], source: Any = None, **engine_kwargs):
-        self.settings, self.source, self.engine_kwargs = dict(settings), source, engine_kwargs
-
-    def __call__(self, model) -> RolloutEngine:
-        from hfnative.generation.engines import make_rollout_engine
-
-        target = self.source if self.source is not None else model
-        return make_rollout_engine(target, SimpleNamespace(**self.settings), **self.engine_kwargs)
-
-
 class RolloutGenerator:
     """Generates completions with its copy of the policy; ``version`` is the optimizer step its weights are from.
 
     policy: the policy as ``pipeline.policy_bytes`` pickled it (a native Transformer), loaded on this actor's device;
     None when the engine starts from elsewhere (a vLLM engine loads its own model; the trainer then sends the
-    weights before the first generation). engine_factory: model (or None) -> RolloutEngine (default: the
-    native KV-cache engine). Tasks run in the order the trainer submitted them, so a ``load_weights`` lands
+    weights before the first generation). engine_factory: model (or None) -> RolloutEngine, picklable, made
+    by the trainer from its config (default: the native KV-cache engine). Tasks run in the order the trainer submitted them, so a ``load_weights`` lands
     between the generations before and after it.
     """
 

@@ -94,7 +94,8 @@ class RolloutPipeline:
     new local one).
     generator_options / scorer_options: Ray actor options (num_cpus, num_gpus, resources, ...).
     engine_factory: model -> RolloutEngine in the generator actor (default: the native engine; the model is None
-    when ship_policy is False), e.g. ``ConfiguredEngine`` for the engine a trainer config selects.
+    when ship_policy is False), picklable; the async GRPO trainer passes one that builds the engine its config
+    selects.
     named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
     ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
     num_generators: generator actors (each its own copy of the policy), given micro-batches in turn; every

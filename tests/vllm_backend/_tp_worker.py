@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from hfnative.converters.loading import load_pretrained
+from hfnative.converters.rollouts import hub_named_tensors
 from hfnative.generation import NativeRolloutEngine, SamplingParams
-from hfnative.generation.engines import make_rollout_engine
-from hfnative.generation.vllm_backend import hub_named_tensors
+from hfnative.trainers.rollout_engines import make_rollout_engine
 
 model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
 dist.init_process_group("gloo")

@@ -105,7 +105,8 @@ def test_async_grpo_with_a_vllm_server(vllm_server, model_dir, local_ray, tmp_pa
     """The generator actor generates on the server and sends it the weights (files transport) at start, so the
     server's earlier weights do not matter, and after every step."""
     from hfnative.converters.loading import load_pretrained
-    from hfnative.generation.vllm_backend import VLLMServerEngine, hub_named_tensors
+    from hfnative.converters.rollouts import hub_named_tensors
+    from hfnative.generation.vllm_backend import VLLMServerEngine
 
     steps = 3
     try:

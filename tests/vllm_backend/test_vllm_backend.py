@@ -20,13 +20,10 @@ import torch  # noqa: E402
 
 from conftest import VLLM_ENV, free_port  # noqa: E402
 from hfnative.converters.loading import load_pretrained  # noqa: E402
+from hfnative.converters.rollouts import hub_named_tensors  # noqa: E402
 from hfnative.generation import NativeRolloutEngine, SamplingParams  # noqa: E402
-from hfnative.generation.engines import make_rollout_engine  # noqa: E402
-from hfnative.generation.vllm_backend import (  # noqa: E402
-    VLLMColocateEngine,
-    VLLMServerEngine,
-    hub_named_tensors,
-)
+from hfnative.generation.vllm_backend import VLLMColocateEngine, VLLMServerEngine  # noqa: E402
+from hfnative.trainers.rollout_engines import make_rollout_engine  # noqa: E402
 
 for _name, _value in VLLM_ENV.items():
     os.environ.setdefault(_name, _value)
