@@ -14,19 +14,18 @@ forward returns router logits get the family's load-balancing loss (``aux_loss``
 Two tiny forwards at construction check what no rule can promise for every architecture: that this
 head reproduces transformers' logits (else the losses come from transformers' full logits,
 ``logits_from_transformers``), and that a packed row (positions restarting, no padding mask) gives
-each document what it gives alone. transformers' masks separate packed documents from
-``position_ids`` in attention-only models; models whose masks do not (convolution, state-space or
-recurrent layers, or masks that ignore positions) and prompt-learning PEFT (virtual tokens per
-sequence) run each document as its own right-padded row, put back in packed order afterwards.
+each document what it gives alone; where it does not, packed documents run as rows of their own
+(the batch layouts: converters/fallback_packing.py).
 
 Prompt learning (prompt tuning, P-tuning): the virtual tokens' positions are dropped from the hidden
 states, so the same tokens are scored as without them. peft / TRL also score a row's first token from
 the last virtual token when its label is set (plain-text rows), and leave it out of num_items_in_batch;
 rows whose first label is -100 (prompt-completion, assistant-only) give TRL's losses exactly.
 
-Loading into this wrapper, PEFT through peft, and saving / resuming: converters/fallback_loading.py.
+The wrapper writes itself as transformers / peft do (``save_hub_folder``). Loading into it, PEFT through
+peft, and resuming: converters/fallback_loading.py.
 
-Shapes: B batch, S sequence, D model dim, V vocabulary, K documents, L longest document.
+Shapes: B batch, S sequence, D model dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import re
+import os
 import sys
 from dataclasses import dataclass
 from functools import partial
@@ -49,6 +48,7 @@ from hfnative.losses import shift_labels as shift_labels_of
 from hfnative.models.decoder import CausalLMOutput
 from hfnative.models.head import OutputHead, TokenCrossEntropy, TokenLogprobs
 
+from .fallback_packing import BatchLayout, masks_separate_documents, plan_batch
 from .hub_model import HubModelMixin
 
 logger = logging.getLogger(__name__)
@@ -127,88 +127,6 @@ class LogitsHead(nn.Module):
             entropy = -(logp_BSV.exp() * logp_BSV).sum(-1).detach()
             return torch.where(valid_BS, logprobs, 0.0), torch.where(valid_BS, entropy, 0.0)
         raise ValueError(f"{type(loss).__name__} needs a [V, D] head: this model's logits come from transformers")
-
-
-# --- packed rows ------------------------------------------------------------------------------------
-
-
-@dataclass
-class DocumentRows:
-    """A packed batch laid out one document per row. gather_KL: flat index (b * S + s) of each token of
-    document k (0 where the row is padding); valid_KL: real tokens; scatter_N: for each flat packed
-    position, its flat index (k * L + l) in the document layout (padding positions point at 0)."""
-
-    gather_KL: torch.Tensor
-    valid_KL: torch.Tensor
-    scatter_N: torch.Tensor
-
-
-@dataclass
-class BatchLayout:
-    """How one batch runs through the wrapped model (the wrapper's attention plan).
-    rows: run each document as its own row; drop_mask: a packed batch whose mask is all ones, given to
-    transformers without it (its masks separate documents by position only when there is no mask)."""
-
-    rows: DocumentRows | None = None
-    drop_mask: bool = False
-
-
-def plan_batch(input_ids_BS, attention_mask_BS, position_ids_BS, masks_separate_documents: bool, device) -> BatchLayout:
-    """A batch's layout, from host tensors (no device sync when called before they move)."""
-    if position_ids_BS is None:
-        return BatchLayout()
-    B, S = input_ids_BS.shape
-    positions = position_ids_BS.expand(B, S).cpu()
-    valid = torch.ones(B, S, dtype=torch.bool) if attention_mask_BS is None else attention_mask_BS.cpu().bool()
-    previous_valid = torch.nn.functional.pad(valid[:, :-1], (1, 0), value=False)
-    follows = torch.zeros(B, S, dtype=torch.bool)
-    follows[:, 1:] = positions[:, 1:] == positions[:, :-1] + 1
-    starts = valid & ~(follows & previous_valid)  # a document starts where the positions do not continue
-    if B == 0 or int(starts.sum(1).max()) <= 1:
-        return BatchLayout()
-    if masks_separate_documents and bool(valid.all()):
-        return BatchLayout(drop_mask=attention_mask_BS is not None)
-    flat_valid, flat_starts = valid.flatten(), starts.flatten()
-    tokens = flat_valid.nonzero()[:, 0]
-    document = flat_starts.cumsum(0)[tokens] - 1
-    lengths = torch.bincount(document)
-    first = lengths.cumsum(0) - lengths
-    offset = torch.arange(len(tokens)) - first[document]
-    K, L = len(lengths), int(lengths.max())
-    gather = torch.zeros(K, L, dtype=torch.long)
-    gather[document, offset] = tokens
-    valid_KL = torch.zeros(K, L, dtype=torch.bool)
-    valid_KL[document, offset] = True
-    scatter = torch.zeros(B * S, dtype=torch.long)
-    scatter[tokens] = document * L + offset
-    return BatchLayout(DocumentRows(gather.to(device), valid_KL.to(device), scatter.to(device)))
-
-
-# words of module class names (CamelCase split) that name a token mixer other than attention
-_NON_ATTENTION_WORDS = (
-    "mamba", "ssm", "conv", "delta", "lightning", "rwkv", "recurrent", "rglru", "lstm", "retention", "hyena", "mixer",
-)
-_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global", "local"}
-
-
-def masks_separate_documents(causal_lm: nn.Module) -> bool:
-    """Whether every layer mixes tokens only by attention (which transformers' packed-sequence masks can reach):
-    no layer type in the config other than attention, and no convolution / state-space / recurrent module.
-    (The wrapper then also checks that the masks do keep a packed row's documents apart.)"""
-    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, not a convolution
-
-    text = causal_lm.config.get_text_config()
-    for name in ("layer_types", "layers_block_type", "block_types"):
-        kinds = getattr(text, name, None)
-        if isinstance(kinds, (list, tuple)) and any(str(kind) not in _ATTENTION_LAYER_TYPES for kind in kinds):
-            return False
-    for module in causal_lm.modules():
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.RNNBase)):
-            return False
-        words = re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z0-9]+", type(module).__name__)
-        if not isinstance(module, Conv1D) and any(w.lower().startswith(_NON_ATTENTION_WORDS) for w in words):
-            return False
-    return True
 
 
 # --- the wrapper --------------------------------------------------------------------------------------
@@ -537,9 +455,22 @@ class TransformersCausalLM(HubModelMixin, nn.Module):
         return self.hf_model if self.peft_model is None else self.peft_model
 
     def _save_hub_folder(self, directory: Path, max_shard_size) -> None:
-        from .fallback_loading import save_hub_folder
-
         save_hub_folder(self, directory, max_shard_size)
 
 
-__all__ = ["BatchLayout", "TransformersCausalLM", "TransformersHead", "hub_state_dict", "plan_batch", "warn_fallback"]
+def save_hub_folder(wrapper: TransformersCausalLM, out_dir: os.PathLike, max_shard_size="5GB",
+                    wrapper_state: dict[str, torch.Tensor] | None = None) -> None:
+    """The model as transformers' ``save_pretrained`` writes it (safetensors + config.json +
+    generation_config.json), or the adapter as peft's ``save_pretrained`` writes it.
+    wrapper_state: the wrapper's whole tensors (``wrapper.state_dict()`` names, gathered from a sharded model)
+    to write instead of the live ones."""
+    state = None
+    if wrapper_state is not None:  # the wrapper's keys are its one submodule's, prefixed "module."
+        state = {key.removeprefix("module."): value for key, value in wrapper_state.items()}
+    if wrapper.peft_model is not None:
+        wrapper.peft_model.save_pretrained(str(out_dir), state_dict=state)
+    else:
+        wrapper.hf_model.save_pretrained(str(out_dir), max_shard_size=max_shard_size, state_dict=state)
+
+
+__all__ = ["TransformersCausalLM", "TransformersHead", "hub_state_dict", "save_hub_folder", "warn_fallback"]

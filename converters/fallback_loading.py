@@ -1,12 +1,11 @@
 """The fallback model's life outside the loop: the trainer's record of it (``TransformersModel``), loading a
-transformers checkpoint or model object into the wrapper (``converters/fallback.py``), PEFT through peft itself
-where hfnative has no native adapter, and saving / resuming the Hub-format folder.
+transformers checkpoint or model object into the wrapper (``converters/fallback.py``, which also saves it), PEFT
+through peft itself where hfnative has no native adapter, and resuming from a saved Hub-format folder.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -196,22 +195,7 @@ def native_lora_from_peft_model(peft_model, *, dtype: torch.dtype | None, device
     return converted, settings
 
 
-# --- saving and resuming ---------------------------------------------------------------------------------
-
-
-def save_hub_folder(wrapper: TransformersCausalLM, out_dir: os.PathLike, max_shard_size="5GB",
-                    wrapper_state: dict[str, torch.Tensor] | None = None) -> None:
-    """The model as transformers' ``save_pretrained`` writes it (safetensors + config.json +
-    generation_config.json), or the adapter as peft's ``save_pretrained`` writes it.
-    wrapper_state: the wrapper's whole tensors (``wrapper.state_dict()`` names, gathered from a sharded model)
-    to write instead of the live ones."""
-    state = None
-    if wrapper_state is not None:  # the wrapper's keys are its one submodule's, prefixed "module."
-        state = {key.removeprefix("module."): value for key, value in wrapper_state.items()}
-    if wrapper.peft_model is not None:
-        wrapper.peft_model.save_pretrained(str(out_dir), state_dict=state)
-    else:
-        wrapper.hf_model.save_pretrained(str(out_dir), max_shard_size=max_shard_size, state_dict=state)
+# --- resuming -----------------------------------------------------------------------------------------
 
 
 def load_checkpoint_weights(wrapper: TransformersCausalLM, checkpoint: Path) -> None:
@@ -263,6 +247,5 @@ __all__ = [
     "native_lora_from_peft_model",
     "native_lora_refusal",
     "peft_route_reason",
-    "save_hub_folder",
     "wrap_transformers_model",
 ]

@@ -32,6 +32,7 @@ from transformers import (
 import hfnative
 from hfnative.converters import fallback
 from hfnative.converters.fallback import TransformersCausalLM
+from hfnative.converters.fallback_packing import masks_separate_documents
 from hfnative.converters.loading import CheckpointError, UnsupportedModelError
 from hfnative.models.decoder import Transformer
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
@@ -260,7 +261,7 @@ def test_masks_that_ignore_positions_are_caught():
                           num_experts_per_tok=2, sliding_window=4)
     torch.manual_seed(0)
     causal_lm = AutoModelForCausalLM.from_config(config).eval()
-    assert fallback.masks_separate_documents(causal_lm)  # only attention layers...
+    assert masks_separate_documents(causal_lm)  # only attention layers...
     model = TransformersCausalLM(causal_lm)
     assert not model.masks_separate_documents  # ...but a packed row leaks, so documents run as rows
     row, positions, labels, lengths = _packed_row()

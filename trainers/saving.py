@@ -12,12 +12,21 @@ from transformers.trainer_callback import ExportableState, TrainerState
 from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
 from hfnative.checkpoint.atomic import staging_directory
 from hfnative.converters.export import LOADED_FIRST, WEIGHT_FILES
-from hfnative.converters.fallback_loading import TransformersModel, load_checkpoint_weights, save_hub_folder
+from hfnative.converters.fallback import save_hub_folder
+from hfnative.converters.fallback_loading import TransformersModel, load_checkpoint_weights
 from hfnative.converters.families import model_pieces
 from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
 
 from . import checkpoints as ckpt
 from . import hub
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's whole tensors under its native names, on the CPU of rank 0 (an empty dict on the other
+    ranks); every rank must call it (the shards are gathered)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 class SavingMixin:
@@ -32,8 +41,6 @@ class SavingMixin:
             yield None
             return
         if self.lora_settings is None:
-            from .distributed import full_state_dict
-
             yield full_state_dict(self.model)  # the model's own names; TP and FSDP shards gathered
             return
         from torch.distributed.fsdp import FSDPModule
