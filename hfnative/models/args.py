@@ -1,7 +1,8 @@
 """ModelArgs: every number and switch that distinguishes one decoder family from another.
 
 The decoder in ``decoder.py`` is built only from this dataclass; families differ by the values
-they put here (see ``hfnative/converters/families``), never by code paths of their own.
+they put here (see ``converters/families``, installed as ``hfnative.converters.families``), never by code
+paths of their own.
 """
 
 from __future__ import annotations
