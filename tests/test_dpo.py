@@ -1,7 +1,8 @@
 """hfnative's DPOTrainer against TRL's on the same tiny model, data, order and settings (fp32).
 
 - Every loss type (and weighted mixes, label smoothing, f-divergences, WPO weighting, LD-DPO): loss and
-  every logged metric equal TRL's on one batch within 1e-5.
+  every logged metric equal TRL's on one batch within 1e-5 (the reference's log-probs given with the batch, at
+  log-ratios where every compared number is of a sane size).
 - 5 training steps agree with TRL per step within 1e-4 relative: with a frozen copy of the checkpoint as the
   reference (and gradient accumulation), with LoRA (the base with adapters disabled), with a separate
   ref_model (and TR-DPO syncing, then evaluation), with precomputed reference log-probs, on text rows, and
@@ -79,6 +80,13 @@ def models(tmp_path_factory):
     AutoModelForCausalLM.from_config(moe).save_pretrained(root / "moe")
     tokenizer.save_pretrained(root / "moe")
     paths["moe"] = str(root / "moe")
+    # scaled less, for the one-batch loss test: WPO's weights exp(mean log p - log sum p^2) ~0.3 each, not e^-10
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(3.0)
+    model.save_pretrained(root / "loss-policy")
+    tokenizer.save_pretrained(root / "loss-policy")
+    paths["loss-policy"] = str(root / "loss-policy")
     return paths
 
 
@@ -125,14 +133,31 @@ def _loss_settings(settings: dict, defaults) -> dict:
     return {name: settings.get(name, getattr(defaults, name)) for name in names}
 
 
+# log-ratios per pair: |means| >> the float32 error of ~100-nat sums, none < -1.5 (exp(-x) in f-divergences), one pair wrong
+CHOSEN_LOGRATIOS = (14.0, -1.0, 10.0, 20.0)
+REJECTED_LOGRATIOS = (2.0, 9.0, -1.5, 12.0)
+
+
+def _sequence_logps(model, batch) -> torch.Tensor:
+    """Summed completion log-probs per row [2B] from materialized logits (only to place the reference's)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    token_logps = logits.log_softmax(-1).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    return (token_logps * batch["completion_mask"][:, 1:]).sum(dim=1)
+
+
 def test_every_loss_type_matches_trl_on_one_batch(models, tmp_path):
     rows = _rows(8)
     defaults = hfnative.DPOConfig(output_dir=str(tmp_path), use_cpu=True)
     # TRL first (building a trainer resets accelerate's state TRL reads); use_weighting=True makes its head
     # also compute log sum p^2, used only where a setting asks for weighting
-    theirs = _trainer(trl, models["policy"], tmp_path, rows, ref_model=AutoModelForCausalLM.from_pretrained(
-        models["reference"]), use_weighting=True)
+    theirs = _trainer(trl, models["loss-policy"], tmp_path, rows, use_weighting=True)
     batch = theirs.data_collator([theirs.train_dataset[i] for i in range(4)])
+    # the reference's log-probs given with the batch (the precomputed path both take) at chosen log-ratios
+    chosen_logps, rejected_logps = _sequence_logps(theirs.model, batch).chunk(2, dim=0)
+    batch["ref_chosen_logps"] = chosen_logps - torch.tensor(CHOSEN_LOGRATIOS)
+    batch["ref_rejected_logps"] = rejected_logps - torch.tensor(REJECTED_LOGRATIOS)
+    theirs.precompute_ref_logps = True
     theirs.model.train()
     references = []
     for settings in LOSS_SETTINGS:
@@ -145,7 +170,7 @@ def test_every_loss_type_matches_trl_on_one_batch(models, tmp_path):
         loss = theirs.compute_loss(theirs.model, theirs._prepare_inputs(dict(batch))).item()
         references.append((loss, {key: values[-1] for key, values in theirs._metrics["train"].items()}))
 
-    ours = _trainer(hfnative, models["policy"], tmp_path, rows, ref_model=models["reference"])
+    ours = _trainer(hfnative, models["loss-policy"], tmp_path, rows)
     our_batch = ours.data_collator([ours.train_dataset[i] for i in range(4)])
     for key in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(batch[key], our_batch[key]), key
