@@ -13,7 +13,7 @@ _LAZY = {
     "DistillationConfig": "distillation_config",
     "DistillationTrainer": "distillation_trainer",
     "GKDConfig": "distillation_config",
-    "GKDTrainer": "distillation_trainer",
+    "GKDTrainer": "gkd_trainer",
     "GRPOConfig": "grpo_trainer",
     "GRPOTrainer": "grpo_trainer",
     "RLOOConfig": "rloo_config",

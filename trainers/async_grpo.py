@@ -19,15 +19,14 @@ import sys
 import torch
 from transformers import set_seed
 
-from hfnative.generation import SamplingParams
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 from hfnative.models.head import TokenLogprobs
 
 from .async_grpo_config import AsyncGRPOConfig
-from .data_loading import make_dataloader
-from .objective import LanguageModelingObjective
+from .objective import Objective
 from .rewards import RewardFunctions
+from .rollout import Rollout, is_conversational, sampling_params
 from .trainer import Trainer, as_hfnative_args
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
@@ -40,20 +39,7 @@ VLLM_SETTINGS = (
 ASYNC_ADVANTAGE_EPSILON = 1e-8
 
 
-# --- prompts, scoring -----------------------------------------------------------------------------------------
-
-
-def is_conversational(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
-def prompt_token_ids(tokenizer, prompt, chat_template_kwargs: dict) -> list[int]:
-    """A prompt's tokens: a conversation through the chat template (with the generation prompt), text as is."""
-    if is_conversational(prompt):
-        prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **chat_template_kwargs)
-    elif not isinstance(prompt, str):
-        raise ValueError(f"prompt {prompt!r}: expected a string or a list of chat messages (role, content)")
-    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+# --- scoring ------------------------------------------------------------------------------------------------------
 
 
 class GroupScoring:
@@ -113,8 +99,32 @@ def _nan_mean(values) -> float:
 # --- the objective ------------------------------------------------------------------------------------------
 
 
-class AsyncGRPOObjective(LanguageModelingObjective):
-    """Micro-batches from the rollout queue; TRL's async loss; the policy version bumped after each step."""
+class AsyncGRPOObjective(Objective):
+    """Micro-batches from the rollout queue of the Ray actors (started at the first step, stopped when training
+    ends); TRL's async loss, each micro-batch normalized by its own tokens; the policy version bumped after each
+    step."""
+
+    supports = frozenset()  # one process: the rollouts come from Ray actors
+
+    def __init__(self, context, reward_functions: RewardFunctions):
+        super().__init__(context)
+        args = context.args
+        if context.processing_class is None:
+            raise ValueError("AsyncGRPOTrainer needs a processing_class (tokenizer) or a model folder that has one")
+        self.reward_functions = reward_functions
+        eos = context.tokenizer.eos_token_id
+        # vLLM seeds every request of a batch alike, so a seed would make a group's completions identical: it samples
+        # from its engine's own seeded stream instead
+        sampling = sampling_params(args, args.max_completion_length, [] if eos is None else [eos],
+                                   seed=None if args.use_vllm else args.seed)
+        # TRL's async trainer tokenizes text prompts without special tokens
+        self.rollout = Rollout(context, sampling, chat_template_kwargs=_chat_template_kwargs(args),
+                               add_special_tokens=False)
+        self.pipeline = None
+        self._epoch_iterator = None
+
+    def generates(self) -> bool:
+        return True
 
     def prepare_train_dataset(self, dataset):
         if dataset is None:
@@ -130,9 +140,18 @@ class AsyncGRPOObjective(LanguageModelingObjective):
     def default_collator(self):
         return list  # a micro-batch of prompts: its rows, as dicts
 
+    def train_dataloader(self, dataset, collator):
+        """Batches of prompts: per_device_train_batch_size / num_generations rows each (one micro-batch's groups)."""
+        a = self.args
+        return self.context.make_dataloader(
+            dataset, a.per_device_train_batch_size // a.num_generations, collator,
+            seed=a.data_seed if a.data_seed is not None else a.seed, shuffle=True, drop_last=a.dataloader_drop_last,
+        )
+
+    # --- one optimizer step (each micro-batch normalized by its own tokens: the default normalizer) --------------
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
-        pipeline = self.trainer._rollout_pipeline()
-        if epoch_iterator is not getattr(self, "_epoch_iterator", None):
+        pipeline = self.rollout_pipeline()
+        if epoch_iterator is not self._epoch_iterator:
             self._epoch_iterator = epoch_iterator
             pipeline.set_source(self._work(epoch_iterator))
         batches = []
@@ -140,21 +159,17 @@ class AsyncGRPOObjective(LanguageModelingObjective):
             scored = pipeline.next_batch()
             if scored is None:
                 break
-            batches.append(self.trainer._as_inputs(scored))
+            batches.append(self.as_inputs(scored))
         return batches
 
     def _work(self, epoch_iterator):
-        trainer = self.trainer
-        G = trainer.args.num_generations
+        G = self.args.num_generations
         for rows in epoch_iterator:
-            prompt_ids = [trainer._prompt_ids(row["prompt"]) for row in rows]
+            prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
             yield [ids for ids in prompt_ids for _ in range(G)], rows
 
-    def normalizer(self, batches: list[dict]) -> None:
-        return None  # each micro-batch is normalized by its own token count, as TRL's async trainer does
-
     def loss(self, model, inputs: dict, num_items_in_batch):
-        args = self.trainer.args
+        args = self.args
         targets_BS = inputs["shift_labels"]
         head = TokenLogprobs(targets_BS, temperature=args.temperature)
         logprobs_BS, entropy_BS = self.forward(model, inputs, head).head_output
@@ -176,9 +191,104 @@ class AsyncGRPOObjective(LanguageModelingObjective):
         return policy.loss, metrics
 
     def after_optimizer_step(self) -> None:
-        pipeline = self.trainer._pipeline
-        if pipeline is not None:
-            pipeline.policy_updated(pipeline.version + 1)
+        if self.pipeline is not None:
+            self.pipeline.policy_updated(self.pipeline.version + 1)
+
+    def end_training(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        self._epoch_iterator = None
+
+    def on_log(self, logs: dict, mode: str) -> None:
+        if self.pipeline is not None and "loss" in logs:
+            logs.update(self.pipeline.pop_metrics())
+
+    # --- the scored micro-batches ---------------------------------------------------------------------------------
+    def as_inputs(self, scored: dict) -> dict:
+        """A scored micro-batch as the loss's inputs: prompt + completion right-padded [B, S], the targets of the
+        completion tokens (others IGNORE_INDEX), their generation-time log-probs, and the advantages [B]."""
+        tokenizer = self.rollout.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        prompts, completions = scored["prompt_ids"], scored["completion_ids"]
+        S = max(len(p) + len(c) for p, c in zip(prompts, completions))
+        B = len(prompts)
+        input_ids = torch.full((B, S), pad, dtype=torch.long)
+        attention_mask = torch.zeros(B, S, dtype=torch.long)
+        targets = torch.full((B, S), IGNORE_INDEX, dtype=torch.long)
+        old_logprobs = torch.zeros(B, S, dtype=torch.float32)
+        for b, (p, c, lp) in enumerate(zip(prompts, completions, scored["logprobs"])):
+            n, m = len(p), len(c)
+            input_ids[b, : n + m] = torch.tensor(p + c)
+            attention_mask[b, : n + m] = 1
+            if m:  # position t predicts token t + 1: the completion's tokens are targets of positions n-1 .. n+m-2
+                targets[b, n - 1 : n + m - 1] = torch.tensor(c)
+                old_logprobs[b, n - 1 : n + m - 1] = torch.tensor(lp)
+        sample_metrics = {"reward": _nan_mean(scored["reward"]), "reward_std": _nan_mean(scored["reward_std"])}
+        sample_metrics.update({name: _nan_mean(values) for name, values in scored["per_function"].items()})
+        if self.args.log_completions:
+            self._print_completions(scored)
+        return {
+            "input_ids": input_ids, "attention_mask": attention_mask, "shift_labels": targets,
+            "old_logprobs": old_logprobs, "advantages": torch.tensor(scored["advantages"], dtype=torch.float32),
+            "sample_metrics": sample_metrics,
+        }
+
+    def _print_completions(self, scored: dict) -> None:
+        limit = self.args.num_completions_to_print or len(scored["completions"])
+        for prompt, text, reward in list(zip(scored["prompt_ids"], scored["completions"], scored["reward"]))[:limit]:
+            print(f"[v{scored['version']}] {self.rollout.tokenizer.decode(prompt)!r} -> {text!r}  reward={reward:.4g}")
+
+    # --- the rollout actors -------------------------------------------------------------------------------------
+    def rollout_pipeline(self):
+        """The generator and reward actors, started at the first step (after a checkpoint is loaded: the
+        policy version is the run's step)."""
+        if self.pipeline is not None:
+            return self.pipeline
+        from hfnative.rl import RolloutPipeline
+
+        ship_reward_code_by_value(self.reward_functions.functions)
+        a = self.args
+        per_step = a.per_device_train_batch_size * a.gradient_accumulation_steps
+        inflight = a.max_inflight_tasks if a.max_inflight_tasks > 0 else max(a.max_staleness, 1) * per_step
+        inflight = min(inflight, a.queue_maxsize)
+        options = [o if isinstance(o, dict) else {} for o in (a.rollout_actor_options, a.reward_actor_options)]
+        engine = self._generator_engine() if a.use_vllm else {}
+        self.pipeline = RolloutPipeline(
+            self.context.model, GroupScoring(self.reward_functions, self.rollout.tokenizer, a.num_generations),
+            self.rollout.sampling, micro_batches_per_step=a.gradient_accumulation_steps, max_staleness=a.max_staleness,
+            max_inflight=max(1, inflight // a.per_device_train_batch_size), weight_sync_steps=a.weight_sync_steps,
+            heartbeat_stale_after_s=a.heartbeat_stale_after_s, version=self.context.state.global_step,
+            ray_address=a.ray_address, generator_options=options[0], scorer_options=options[1],
+            num_generators=a.num_rollout_actors, **engine,
+        )
+        self.pipeline.start()
+        return self.pipeline
+
+    def _generator_engine(self) -> dict:
+        """RolloutPipeline's engine arguments for vLLM: the engine the generator actor builds (colocated from
+        the model's Hub-format folder, or the server's), Hub-named weights at start and at each sync."""
+        from hfnative.converters.rollouts import hub_named_tensors, vllm_dtype, vllm_model_folder
+
+        from .rollout_engines import ConfiguredEngine
+
+        a = self.args
+        settings = {name: getattr(a, name) for name in VLLM_SETTINGS}
+        source = None
+        if a.vllm_mode == "colocate":
+            source = vllm_model_folder(self.context.model)  # written here when the model has none; vLLM reads it there
+            settings["vllm_dtype"] = vllm_dtype(self.context.model)
+
+        def named_weights(model) -> dict[str, torch.Tensor]:
+            return {name: tensor.detach().to("cpu") for name, tensor in hub_named_tensors(model)}
+
+        return {"engine_factory": ConfiguredEngine(settings, source), "named_weights": named_weights,
+                "ship_policy": False}
+
+
+def _chat_template_kwargs(args) -> dict:
+    kwargs = args.chat_template_kwargs
+    return kwargs if isinstance(kwargs, dict) else {}
 
 
 # --- the trainer ------------------------------------------------------------------------------------------------
@@ -224,157 +334,25 @@ class AsyncGRPOTrainer(Trainer):
         args = as_hfnative_args(args, AsyncGRPOConfig)
         set_seed(args.seed)
         self.peft_config = peft_config
-        self._pipeline = None
+        self._reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args))
         model_init_kwargs = dict(args.model_init_kwargs) if isinstance(args.model_init_kwargs, dict) else {}
         if isinstance(model, (str, os.PathLike)) and not {"dtype", "torch_dtype"} & set(model_init_kwargs):
             model_init_kwargs["dtype"] = args.dtype  # TRL: a dtype in model_init_kwargs takes precedence
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers, model_init_kwargs=model_init_kwargs)
-        if self.distributed is not None:
-            raise ValueError("AsyncGRPOTrainer trains on one process (its rollouts come from Ray actors): launch it "
-                             "without torchrun / accelerate")
-        if self.processing_class is None:
-            raise ValueError("AsyncGRPOTrainer needs a processing_class (tokenizer) or a model folder that has one")
-        self.reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=self._chat_template_kwargs())
 
     @staticmethod
     def _args_class():
         return AsyncGRPOConfig
 
     def _make_objective(self):
-        return AsyncGRPOObjective(self)
-
-    def _add_adapters(self) -> None:
-        if getattr(self, "peft_config", None) is not None:
-            from .sft_trainer import SFTTrainer
-
-            SFTTrainer._add_adapters(self)  # the same LoRA / DoRA set-up as SFT's
-
-    def _chat_template_kwargs(self) -> dict:
-        kwargs = self.args.chat_template_kwargs
-        return kwargs if isinstance(kwargs, dict) else {}
+        return AsyncGRPOObjective(self.context, self._reward_functions)
 
     @property
-    def _tokenizer(self):
-        return getattr(self.processing_class, "tokenizer", self.processing_class)
+    def reward_functions(self) -> RewardFunctions:
+        return self._reward_functions
 
-    # --- data -------------------------------------------------------------------------------------------------
-
-    def get_train_dataloader(self):
-        """Batches of prompts: per_device_train_batch_size / num_generations rows each (one micro-batch's groups)."""
-        if self.train_dataset is None:
-            raise ValueError("AsyncGRPOTrainer: training requires a train_dataset.")
-        a = self.args
-        return make_dataloader(
-            self.train_dataset, a.per_device_train_batch_size // a.num_generations, self.data_collator,
-            seed=a.data_seed if a.data_seed is not None else a.seed, shuffle=True, drop_last=a.dataloader_drop_last,
-        )
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        return prompt_token_ids(self._tokenizer, prompt, self._chat_template_kwargs())
-
-    def _as_inputs(self, scored: dict) -> dict:
-        """A scored micro-batch as the loss's inputs: prompt + completion right-padded [B, S], the targets of the
-        completion tokens (others IGNORE_INDEX), their generation-time log-probs, and the advantages [B]."""
-        pad = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
-        prompts, completions = scored["prompt_ids"], scored["completion_ids"]
-        S = max(len(p) + len(c) for p, c in zip(prompts, completions))
-        B = len(prompts)
-        input_ids = torch.full((B, S), pad, dtype=torch.long)
-        attention_mask = torch.zeros(B, S, dtype=torch.long)
-        targets = torch.full((B, S), IGNORE_INDEX, dtype=torch.long)
-        old_logprobs = torch.zeros(B, S, dtype=torch.float32)
-        for b, (p, c, lp) in enumerate(zip(prompts, completions, scored["logprobs"])):
-            n, m = len(p), len(c)
-            input_ids[b, : n + m] = torch.tensor(p + c)
-            attention_mask[b, : n + m] = 1
-            if m:  # position t predicts token t + 1: the completion's tokens are targets of positions n-1 .. n+m-2
-                targets[b, n - 1 : n + m - 1] = torch.tensor(c)
-                old_logprobs[b, n - 1 : n + m - 1] = torch.tensor(lp)
-        sample_metrics = {"reward": _nan_mean(scored["reward"]), "reward_std": _nan_mean(scored["reward_std"])}
-        sample_metrics.update({name: _nan_mean(values) for name, values in scored["per_function"].items()})
-        if self.args.log_completions:
-            self._print_completions(scored)
-        return {
-            "input_ids": input_ids, "attention_mask": attention_mask, "shift_labels": targets,
-            "old_logprobs": old_logprobs, "advantages": torch.tensor(scored["advantages"], dtype=torch.float32),
-            "sample_metrics": sample_metrics,
-        }
-
-    def _print_completions(self, scored: dict) -> None:
-        limit = self.args.num_completions_to_print or len(scored["completions"])
-        for prompt, text, reward in list(zip(scored["prompt_ids"], scored["completions"], scored["reward"]))[:limit]:
-            print(f"[v{scored['version']}] {self._tokenizer.decode(prompt)!r} -> {text!r}  reward={reward:.4g}")
-
-    # --- the rollout actors -------------------------------------------------------------------------------------
-
-    def _rollout_pipeline(self):
-        """The generator and reward actors, started at the first step (after a checkpoint is loaded: the
-        policy version is the run's step)."""
-        if self._pipeline is not None:
-            return self._pipeline
-        from hfnative.rl import RolloutPipeline
-
-        ship_reward_code_by_value(self.reward_functions.functions)
-        a = self.args
-        per_step = a.per_device_train_batch_size * a.gradient_accumulation_steps
-        inflight = a.max_inflight_tasks if a.max_inflight_tasks > 0 else max(a.max_staleness, 1) * per_step
-        inflight = min(inflight, a.queue_maxsize)
-        tokenizer = self._tokenizer
-        eos = tokenizer.eos_token_id
-        sampling = SamplingParams(
-            max_new_tokens=a.max_completion_length, do_sample=True, temperature=a.temperature, top_p=a.top_p,
-            top_k=a.top_k, min_p=a.min_p or 0.0, repetition_penalty=a.repetition_penalty,
-            # vLLM seeds every request of a batch alike, so a seed would make a group's completions identical: it
-            # samples from its engine's own seeded stream instead
-            eos_token_id=eos, seed=None if a.use_vllm else a.seed,
-        )
-        options = [o if isinstance(o, dict) else {} for o in (a.rollout_actor_options, a.reward_actor_options)]
-        engine = self._generator_engine() if a.use_vllm else {}
-        self._pipeline = RolloutPipeline(
-            self.model, GroupScoring(self.reward_functions, tokenizer, a.num_generations), sampling,
-            micro_batches_per_step=a.gradient_accumulation_steps, max_staleness=a.max_staleness,
-            max_inflight=max(1, inflight // a.per_device_train_batch_size), weight_sync_steps=a.weight_sync_steps,
-            heartbeat_stale_after_s=a.heartbeat_stale_after_s, version=self.state.global_step,
-            ray_address=a.ray_address, generator_options=options[0], scorer_options=options[1],
-            num_generators=a.num_rollout_actors, **engine,
-        )
-        self._pipeline.start()
-        return self._pipeline
-
-    def _generator_engine(self) -> dict:
-        """RolloutPipeline's engine arguments for vLLM: the engine the generator actor builds (colocated from
-        the model's Hub-format folder, or the server's), Hub-named weights at start and at each sync."""
-        from hfnative.generation.engines import vllm_dtype, vllm_model_folder
-        from hfnative.generation.vllm_backend import hub_named_tensors
-        from hfnative.rl import ConfiguredEngine
-
-        a = self.args
-        settings = {name: getattr(a, name) for name in VLLM_SETTINGS}
-        source = None
-        if a.vllm_mode == "colocate":
-            source = vllm_model_folder(self.model)  # written here when the model has none; vLLM reads it there
-            settings["vllm_dtype"] = vllm_dtype(self.model)
-
-        def named_weights(model) -> dict[str, torch.Tensor]:
-            return {name: tensor.detach().to("cpu") for name, tensor in hub_named_tensors(model)}
-
-        return {"engine_factory": ConfiguredEngine(settings, source), "named_weights": named_weights,
-                "ship_policy": False}
-
-    def _close_rollouts(self) -> None:
-        if self._pipeline is not None:
-            self._pipeline.close()
-            self._pipeline = None
-        self.objective._epoch_iterator = None
-
-    def train(self, *args, **kwargs):
-        try:
-            return super().train(*args, **kwargs)
-        finally:
-            self._close_rollouts()
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if self._pipeline is not None and "loss" in logs:
-            logs.update(self._pipeline.pop_metrics())
-        super().log(logs, start_time)
+    @property
+    def _pipeline(self):
+        """The running rollout pipeline (None before the first step and after training)."""
+        return self.objective.pipeline

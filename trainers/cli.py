@@ -352,7 +352,7 @@ COMMANDS: dict[str, Command | str] = {
     "sft": Command("Supervised fine-tuning (TRL's `trl sft`)", SFTConfig, SFTTrainer, train_model),
     "dpo": "hfnative.trainers.dpo_trainer:cli_command",
     "distillation": "hfnative.trainers.distillation_trainer:distillation_cli_command",
-    "gkd": "hfnative.trainers.distillation_trainer:gkd_cli_command",
+    "gkd": "hfnative.trainers.gkd_trainer:gkd_cli_command",
     "grpo": "hfnative.trainers.grpo_trainer:cli_command",
     "rloo": "hfnative.trainers.rloo_trainer:cli_command",
 }

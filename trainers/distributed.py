@@ -101,6 +101,66 @@ class DistributedRun:
         return box[0]
 
 
+class DataParallelGroup:
+    """Gathers and reductions over the data-parallel ranks, shared by the objectives (through their context) and
+    evaluation; on one process (or one data-parallel rank) each is the identity."""
+
+    def __init__(self, run: DistributedRun | None, device: torch.device):
+        self._run = run if run is not None and run.dp_size > 1 else None
+        self.device = device
+
+    @property
+    def size(self) -> int:
+        return 1 if self._run is None else self._run.dp_size
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._run is None else self._run.dp_rank
+
+    def _group(self):
+        return self._run.dp_mesh.get_group()
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` [n, ...] of every rank (the same n on each), concatenated in rank order, on its own device."""
+        if self._run is None:
+            return tensor
+        local = tensor.to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local, group=self._group())
+        return torch.cat(parts).to(tensor.device)
+
+    def local_rows(self, count: int) -> slice:
+        """This rank's ``count`` rows in ``gather_rows``' concatenation."""
+        return slice(self.rank * count, (self.rank + 1) * count)
+
+    def gather_objects(self, value) -> list:
+        """``value`` of every rank, as a list in rank order ([value] for one process)."""
+        if self._run is None:
+            return [value]
+        parts = [None] * self.size
+        dist.all_gather_object(parts, value, group=self._group())
+        return parts
+
+    def gather_lists(self, items: list) -> list:
+        """The lists of every rank, concatenated in rank order (tensors moved to the CPU)."""
+        items = [x.cpu() if isinstance(x, torch.Tensor) else x for x in items]
+        return [x for part in self.gather_objects(items) for x in part]
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the ranks (a new tensor, on this rank's device)."""
+        total = torch.as_tensor(tensor).to(self.device).clone()
+        if self._run is not None:
+            dist.all_reduce(total, group=self._group())
+        return total
+
+    def max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum of ``tensor`` over the ranks (a new tensor, on this rank's device)."""
+        top = torch.as_tensor(tensor).to(self.device).clone()
+        if self._run is not None:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self._group())
+        return top
+
+
 _ends_at_exit = False
 
 
@@ -174,23 +234,9 @@ class DistributedMixin:
     def _context_parallel_collator(self, collator):
         from hfnative.parallel.context_parallel import ContextParallelCollator
 
-        from .sft_trainer import SFTTrainer
-        from .trainer import Trainer
-
         run = self.distributed
         if isinstance(collator, ContextParallelCollator):
             return collator
-        if type(self)._make_objective not in (Trainer._make_objective, SFTTrainer._make_objective):
-            raise ValueError(
-                f"{type(self).__name__} with context parallelism (cp_size={run.dims.cp}): only the language-modeling "
-                "objectives (Trainer, SFTTrainer) split their sequences over the cp ranks yet; set cp_size=1"
-            )
-        if getattr(self, "compute_loss_func", None) is not None:
-            raise ValueError(
-                f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
-                "sequence, so a loss over the model's outputs and labels cannot be computed there; set cp_size=1 or "
-                "drop compute_loss_func"
-            )
         model_args = getattr(self.model, "args", None)
         sliding = model_args is not None and any(layer.is_sliding for layer in self.model.layers)
         return ContextParallelCollator(
@@ -232,37 +278,25 @@ class DistributedMixin:
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
 
-    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
-        """With context parallel: each batch's loss over its tokens on every cp rank (the ranks' sums divided by
-        their label-token count), so evaluation reports the loss one process would."""
-        run = self.distributed
-        if run is None or not run.dims.cp_enabled:
-            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if not prediction_loss_only:
-            raise ValueError(
-                f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
-                "sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1"
-            )
-        inputs = self._prepare_inputs(inputs)
-        if "labels" not in inputs:
-            return None, None, None
-        group = run.mesh["cp"].get_group()
-        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        dist.all_reduce(count, group=group)
-        with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1)).detach().clone()
-        dist.all_reduce(loss, group=group)
-        return loss, None, inputs.get("labels")
-
     def _data_shard(self) -> dict:
         run = self.distributed
         return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
 
-    def _over_all_ranks(self, count: int | None) -> int | None:
-        """A step's normalizer (label tokens) over every data-parallel (and context-parallel) rank."""
-        if self.distributed is None or count is None:
-            return count
-        return int(self.distributed.sum_over_dp(torch.tensor(count, dtype=torch.int64, device=self.device)).item())
+    def _step_normalizer(self, normalizer, micro_batches: int) -> tuple[int | float | None, int]:
+        """(num_items_in_batch, the divisor of a loss given none) for a step of ``micro_batches`` on this rank.
+
+        An item count is summed over the ranks holding different items (tokens: data x context parallel; sequences,
+        pairs: data parallel); a micro-batch mean is divided by the step's micro-batches over the data-parallel
+        ranks; no normalizer: each loss is divided by this rank's micro-batches (transformers' Trainer)."""
+        if normalizer is None:
+            return None, micro_batches
+        if normalizer.is_mean:
+            return None, int(self.data_parallel.sum(torch.tensor(normalizer.count, dtype=torch.int64)).item())
+        count = torch.tensor(normalizer.count, dtype=torch.int64 if isinstance(normalizer.count, int) else torch.float64)
+        if self.distributed is None:
+            return normalizer.count, 1
+        total = self.distributed.sum_over_dp(count.to(self.device)) if normalizer.counts_tokens else self.data_parallel.sum(count)
+        return (int(total.item()) if isinstance(normalizer.count, int) else float(total.item())), 1
 
     def _summed_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Each rank's loss is its tokens' share of the step's loss: the step's loss is their sum."""
@@ -280,18 +314,10 @@ class DistributedMixin:
         return values / divide
 
 
-def full_state_dict(model) -> dict[str, torch.Tensor]:
-    """The model's whole tensors under its native names, on the CPU of rank 0 (an empty dict on the other
-    ranks); every rank must call it (the shards are gathered)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 __all__ = [
+    "DataParallelGroup",
     "DistributedMixin",
     "DistributedRun",
-    "full_state_dict",
     "launched_world_size",
     "pad_sequence_to_multiple",
     "start_distributed",

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 import transformers
 from datasets import Dataset, IterableDataset
-from torch import nn
 
 from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
 from hfnative.losses import IGNORE_INDEX, shift_labels
@@ -27,7 +26,8 @@ from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig, UnsupportedSettings
 from .model_card import write_model_card
-from .objective import LanguageModelingObjective
+from .model_loading import disable_dropout
+from .objective import Objective
 from .sft_trainer import SFTObjective, SFTTrainer, _as_dict, _check_peft_config, _model_name
 from .trainer import Trainer, as_hfnative_args, set_seed
 
@@ -41,7 +41,6 @@ class DPOTrainer(Trainer):
 
     algorithm_name = "DPO"
     _tag_names = ["trl", "dpo"]
-    _add_adapters = SFTTrainer._add_adapters  # LoRA / DoRA / QLoRA from peft_config, as SFT
 
     def __init__(
         self,
@@ -128,117 +127,90 @@ class DPOTrainer(Trainer):
         return DPOConfig
 
     def _make_objective(self):
-        return DPOObjective(self)
+        reference, self._ref_source = self._ref_source, None  # the objective's auxiliary_models holds it when needed
+        return DPOObjective(self.context, reference, reference_given=self._ref_given)
 
     @property
     def ref_model(self):
         """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
         return self.objective.auxiliary_models.get("ref_model")
 
-    def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
-        """The DPO loss (and its metrics, for the eval_ log) on an evaluation batch, which carries no labels;
-        for compute_metrics also the logits of a plain forward and the input ids as labels, as TRL returns."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs)
-            logits = None if prediction_loss_only else self.objective.forward(model, inputs, None).logits
-        return loss, logits, (None if prediction_loss_only else inputs["input_ids"])
-
-    def _samples_in_batch(self, inputs: dict) -> int:
-        return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
-
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
         super()._save_checkpoint()
 
 
-def _disable_dropout(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-
-
-class DPOObjective(LanguageModelingObjective):
+class DPOObjective(Objective):
     """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
     policy's and the reference's sequence log-probs; TRL's DPO metrics."""
 
-    def __init__(self, trainer: DPOTrainer):
-        super().__init__(trainer)
-        args = trainer.args
-        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        self.aux_loss_coef = SFTObjective._enable_aux_loss(trainer.model, args.router_aux_loss_coef)
-        self.uses_adapters = trainer.lora_settings is not None or getattr(trainer.model, "_has_adapters", lambda: False)()
-        run = trainer.distributed
-        if run is not None and (run.dims.tp_enabled or run.dims.cp_enabled):
-            raise ValueError(
-                f"DPOTrainer sums each sequence's log-probs and needs the log-prob statistics of an unsplit head: "
-                f"run with tp_size=1 and cp_size=1 ({run.plan.describe()} was asked for); data-parallel and FSDP2 "
-                "layouts are supported"
-            )
+    # the sequence log-probs are summed over an unsplit head and sequence
+    supports = frozenset({"multi_process", "expert_parallel", "evaluation"})
+
+    def __init__(self, context, reference, reference_given: bool):
+        """``reference``: the reference's source (a path, Hub id or model object), used unless it is the policy with
+        its new adapters disabled, or precomputed; ``reference_given``: the user passed it as ``ref_model``."""
+        super().__init__(context)
+        args = context.args
+        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
+        self.aux_loss_coef = SFTObjective._enable_aux_loss(context.model, args.router_aux_loss_coef)
+        self.uses_adapters = context.uses_adapters
         # a new adapter starts at zero, so the base with adapters disabled is the initial policy; an adapter the
         # model came with (an adapter folder, a PeftModel) is not, and its reference is a frozen copy of it (TRL's
         # "ref" adapter)
-        self.reference_is_base = self.uses_adapters and trainer.peft_config is not None
-        if trainer._ref_given:
-            self.auxiliary_models["ref_model"] = trainer._ref_source
-        elif not self.reference_is_base and not args.precompute_ref_log_probs:
-            self.auxiliary_models["ref_model"] = trainer._ref_source
-        trainer._ref_source = None  # auxiliary_models holds it when it is needed
+        self.reference_is_base = self.uses_adapters and context.trains_new_adapters
+        if reference_given or (not self.reference_is_base and not args.precompute_ref_log_probs):
+            self.auxiliary_models["ref_model"] = reference
         if args.disable_dropout:
-            _disable_dropout(trainer.model)
+            disable_dropout(context.model)
 
-    def _align_reference(self) -> None:
-        """Once the trainer has loaded the reference: in the policy's dtype, dropout off in it too."""
+    def auxiliary_models_ready(self) -> None:
+        """The reference in the policy's dtype, dropout off in it too (precomputed log-probs need it ready)."""
         ref = self.auxiliary_models.get("ref_model")
         if ref is None:
             return
-        policy_dtype = next(self.trainer.model.parameters()).dtype
+        policy_dtype = next(self.context.model.parameters()).dtype
         if next(ref.parameters()).dtype != policy_dtype:
             ref.to(policy_dtype)
-        if self.trainer.args.disable_dropout:
-            _disable_dropout(ref)
+        if self.args.disable_dropout:
+            disable_dropout(ref)
 
     # --- data -----------------------------------------------------------------------------------
-    def _tokenizer(self):
-        processing_class = self.trainer.processing_class
-        return getattr(processing_class, "tokenizer", processing_class)
-
     def prepare_datasets(self, train_dataset, eval_dataset):
-        trainer, args = self.trainer, self.trainer.args
-        self._align_reference()  # the trainer has just loaded it; precomputed log-probs need it ready
+        context, args = self.context, self.args
         tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
-        if not isinstance(trainer.processing_class, tokenizer_types):
+        if not isinstance(context.processing_class, tokenizer_types):
             raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
-        tokenizer = self._tokenizer()
+        tokenizer = context.tokenizer
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if trainer.data_collator is None:
+        if context.data_collator is None:
             pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
             if pad_token not in tokenizer.get_vocab():
                 raise ValueError(
                     f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
-                    f"`processing_class` ({type(trainer.processing_class).__name__}). Ensure that the `pad_token` "
+                    f"`processing_class` ({type(context.processing_class).__name__}). Ensure that the `pad_token` "
                     "exists in the vocabulary before using it as a padding token."
                 )
             tokenizer.pad_token = pad_token
         return super().prepare_datasets(train_dataset, eval_dataset)
 
     def prepare_train_dataset(self, dataset):
-        return self._prepare(dataset, self.trainer.args.per_device_train_batch_size)
+        return self._prepare(dataset, self.args.per_device_train_batch_size)
 
     def prepare_eval_dataset(self, dataset):
-        return self._prepare(dataset, self.trainer.args.per_device_eval_batch_size)
+        return self._prepare(dataset, self.args.per_device_eval_batch_size)
 
     def _prepare(self, dataset, batch_size: int):
         if dataset is None:
             return None
-        args = self.trainer.args
+        args = self.args
         first = next(iter(dataset), None)
         if isinstance(first, dict) and ("image" in first or "images" in first):
             raise ValueError("The dataset appears to be vision-related (contains 'image' or 'images' keys): "
                              "hfnative's DPOTrainer trains text models only.")
         dataset = prepare_preference_dataset(
-            dataset, self.trainer.processing_class, max_length=args.max_length, truncation_mode=args.truncation_mode,
+            dataset, self.context.processing_class, max_length=args.max_length, truncation_mode=args.truncation_mode,
             dataset_num_proc=args.dataset_num_proc, remove_unused_columns=args.remove_unused_columns,
         )
         if args.precompute_ref_log_probs and "ref_chosen_logps" not in (dataset.column_names or []):
@@ -247,11 +219,11 @@ class DPOObjective(LanguageModelingObjective):
 
     def _precompute_reference(self, dataset, batch_size: int):
         """The dataset with "ref_chosen_logps" / "ref_rejected_logps" columns, from one pass in order."""
-        trainer = self.trainer
+        context = self.context
         if isinstance(dataset, IterableDataset):
             raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
                              "map-style Dataset or set `precompute_ref_log_probs=False`.")
-        state = getattr(trainer, "state", None)
+        state = context.state
         trained = state is not None and state.global_step > 0
         if trained and "ref_model" not in self.auxiliary_models and not self.reference_is_base:
             raise ValueError(
@@ -260,39 +232,36 @@ class DPOObjective(LanguageModelingObjective):
                 "reference is only available before training. Provide this dataset as `eval_dataset` at "
                 "initialization, pass an explicit `ref_model`, or set `precompute_ref_log_probs=False`."
             )
-        collator = trainer.data_collator or self.default_collator()
+        collator = context.data_collator or self.default_collator()
         chosen, rejected = [], []
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-            inputs = trainer._prepare_inputs(collator(rows))
-            with trainer._autocast():
+            inputs = context.prepare_inputs(collator(rows))
+            with context.autocast():
                 ref_chosen, ref_rejected = self.reference_logps(inputs, self._targets(inputs))
             chosen += ref_chosen.float().cpu().tolist()
             rejected += ref_rejected.float().cpu().tolist()
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
 
     def default_collator(self):
-        args = self.trainer.args
+        args = self.args
         return PreferenceCollator(
-            pad_token_id=self._tokenizer().pad_token_id, max_length=args.max_length,
+            pad_token_id=self.context.tokenizer.pad_token_id, max_length=args.max_length,
             truncation_mode=args.truncation_mode, pad_to_multiple_of=args.pad_to_multiple_of,
         )
 
-    # --- one optimizer step ---------------------------------------------------------------------------
-    def normalizer(self, batches):
-        return None  # each micro-batch's loss is a mean over its pairs; the loop averages over accumulation
-
+    # --- one optimizer step (each micro-batch's loss is a mean over its pairs: the default normalizer) -----------
     def after_optimizer_step(self) -> None:
         """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
-        args = self.trainer.args
+        args = self.args
         ref = self.auxiliary_models.get("ref_model")
         if not args.sync_ref_model or ref is None:
             return
-        if (self.trainer.state.global_step + 1) % args.ref_model_sync_steps != 0:  # the step just taken
+        if (self.context.state.global_step + 1) % args.ref_model_sync_steps != 0:  # the step just taken
             return
         alpha = args.ref_model_mixup_alpha
         with torch.no_grad():
-            for ref_param, param in zip(ref.parameters(), self.trainer.model.parameters(), strict=True):
+            for ref_param, param in zip(ref.parameters(), self.context.model.parameters(), strict=True):
                 ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
 
     # --- log-probs ------------------------------------------------------------------------------------
@@ -304,7 +273,7 @@ class DPOObjective(LanguageModelingObjective):
     def _sequence_logps(self, token_logps_BS, targets_BS) -> torch.Tensor:
         """Summed completion log-probs per row [2B]; with ld_alpha, the tokens past the shorter completion of the
         pair weighted by it (LD-DPO)."""
-        alpha = self.trainer.args.ld_alpha
+        alpha = self.args.ld_alpha
         if alpha is None:
             return token_logps_BS.sum(dim=1)
         mask_BS = targets_BS != IGNORE_INDEX
@@ -318,12 +287,12 @@ class DPOObjective(LanguageModelingObjective):
     @torch.no_grad()
     def reference_logps(self, inputs, targets_BS) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen [B], rejected [B]) sequence log-probs under the reference, without a graph."""
-        head_loss = TokenLogprobs(targets_BS, fused=self.trainer.args.fused_loss, compact=True)
+        head_loss = TokenLogprobs(targets_BS, fused=self.args.fused_loss, compact=True)
         ref = self.auxiliary_models.get("ref_model")
         if ref is not None:
             token_logps_BS, _ = self.forward(ref, inputs, head_loss).head_output
         else:
-            policy = self.trainer.model
+            policy = self.context.model
             aux_enabled = getattr(policy, "aux_loss_enabled", False)
             policy.aux_loss_enabled = False  # the reference needs no router loss
             try:
@@ -335,7 +304,7 @@ class DPOObjective(LanguageModelingObjective):
 
     # --- loss and metrics -------------------------------------------------------------------------
     def loss(self, model, inputs, num_items_in_batch):
-        args = self.trainer.args
+        args = self.args
         targets_BS = self._targets(inputs)
         mask_BS = targets_BS != IGNORE_INDEX
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if args.use_weighting else ())
@@ -363,9 +332,6 @@ class DPOObjective(LanguageModelingObjective):
         if outputs.aux_loss is not None:
             loss = loss + self.aux_loss_coef * outputs.aux_loss
             metrics["aux_loss"] = outputs.aux_loss
-        if model.training and self.trainer.distributed is not None:
-            # the loop sums the ranks' losses (and gradients): each rank's share of the mean over all ranks' pairs
-            loss = loss / self.trainer.distributed.loss_ranks
         metrics.update(self._metrics(logps, entropy_BS, stats, mask_BS))
         if model.training:
             self._total_train_tokens += inputs["attention_mask"].sum()
@@ -374,7 +340,7 @@ class DPOObjective(LanguageModelingObjective):
 
     def _metrics(self, logps: PreferenceLogps, entropy_BS, stats, mask_BS) -> dict:
         """TRL's DPO metrics: per micro-batch means, and (sum, count) pairs for the token-weighted ones."""
-        beta = self.trainer.args.beta
+        beta = self.args.beta
         chosen_rewards = beta * (logps.chosen_logps - logps.ref_chosen_logps).detach()
         rejected_rewards = beta * (logps.rejected_logps - logps.ref_rejected_logps).detach()
         chosen_mask, rejected_mask = mask_BS.chunk(2, dim=0)
@@ -393,6 +359,17 @@ class DPOObjective(LanguageModelingObjective):
             "logps/chosen": logps.chosen_logps.detach().mean(),
             "logps/rejected": logps.rejected_logps.detach().mean(),
         }
+
+    # --- evaluation: a preference batch carries no labels; compute_metrics gets a plain forward's logits and the
+    # input ids as labels, as TRL returns them ----------------------------------------------------------------------
+    def has_eval_loss(self, inputs: dict) -> bool:
+        return True
+
+    def eval_outputs(self, model, inputs: dict):
+        return self.forward(model, inputs, None).logits, inputs["input_ids"]
+
+    def samples_in_batch(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
 
 
 def cli_command():

@@ -7,28 +7,55 @@ import time
 import torch
 from transformers.trainer_utils import EvalPrediction
 
-from .objective import without_labels
+from hfnative.losses import IGNORE_INDEX
 
 
 class EvaluationMixin:
     """evaluate() / prediction_step() as transformers' Trainer, on the native model."""
 
     def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
-        inputs = self._prepare_inputs(inputs)
+        """(loss, logits, labels) of one evaluation batch: the objective's loss when the batch has one (see
+        ``Objective.has_eval_loss``), and with compute_metrics the objective's logits and labels."""
+        run = self.distributed
+        if run is not None and run.dims.cp_enabled:
+            return self._context_parallel_prediction_step(model, inputs, prediction_loss_only)
+        inputs = self._prepare_inputs(self.objective.eval_batch(inputs))
+        labels = None
         with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs) if "labels" in inputs else None
+            loss = self.compute_loss(model, inputs) if self.objective.has_eval_loss(inputs) else None
             logits = None
             if not prediction_loss_only:
-                logits = model(**without_labels(inputs)).logits
+                logits, labels = self.objective.eval_outputs(model, inputs)
                 if self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, inputs.get("labels"))
-        return loss, logits, inputs.get("labels")
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+        return loss, logits, labels if labels is not None else inputs.get("labels")
+
+    def _context_parallel_prediction_step(self, model, inputs, prediction_loss_only):
+        """Each batch's loss over its tokens on every cp rank (the ranks' sums divided by their label-token
+        count), so evaluation reports the loss one process would."""
+        run = self.distributed
+        if not prediction_loss_only:
+            raise ValueError(
+                f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
+                "sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1"
+            )
+        inputs = self._prepare_inputs(self.objective.eval_batch(inputs))
+        if not self.objective.has_eval_loss(inputs):
+            return None, None, None
+        group = run.mesh["cp"].get_group()
+        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+        torch.distributed.all_reduce(count, group=group)
+        with torch.no_grad(), self._autocast():
+            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1)).detach().clone()
+        torch.distributed.all_reduce(loss, group=group)
+        return loss, None, inputs.get("labels")
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """transformers' evaluate: ``eval_dataset`` None (the trainer's), a dataset (prepared as the trainer's
         own, see ``objective.prepare_eval_dataset``), a name in the trainer's dict of eval datasets, or a dict
         (each evaluated, its metrics named ``{metric_key_prefix}_{name}_...``). Every metric, the objective's
         included, is named ``{metric_key_prefix}_...``."""
+        self._check_supported(evaluating=True)
         given = eval_dataset is not None
         datasets = eval_dataset if given else self.eval_dataset
         if isinstance(datasets, dict):
@@ -44,7 +71,7 @@ class EvaluationMixin:
         want_predictions = self.compute_metrics is not None
         for inputs in dataloader:
             loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only=not want_predictions)
-            batch_size = self._samples_in_batch(inputs)
+            batch_size = self.objective.samples_in_batch(inputs)
             if loss is not None and torch.isfinite(loss):
                 losses.append(loss.detach().float().repeat(batch_size))
             if want_predictions:
@@ -55,8 +82,8 @@ class EvaluationMixin:
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         # the model stays in eval mode until the next training step, as in transformers (log() reads it)
         if self.distributed is not None:  # every data-parallel rank's share, in rank order
-            all_logits, all_labels, losses = (self._gathered(x) for x in (all_logits, all_labels, losses))
-            num_samples = sum(self._gathered([num_samples]))
+            all_logits, all_labels, losses = (self.data_parallel.gather_lists(x) for x in (all_logits, all_labels, losses))
+            num_samples = sum(self.data_parallel.gather_lists([num_samples]))
         metrics = {}
         if want_predictions:
             predictions = _concat_padded(all_logits, 0.0)
@@ -74,20 +101,6 @@ class EvaluationMixin:
         self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
         return metrics
-
-    def _samples_in_batch(self, inputs: dict) -> int:
-        """Dataset rows in an evaluation batch (one sequence each here; a preference batch holds two per row)."""
-        return inputs["input_ids"].shape[0]
-
-    def _gathered(self, items: list) -> list:
-        """The lists of every data-parallel rank, concatenated in rank order (tensors moved to the CPU)."""
-        run = self.distributed
-        items = [x.cpu() if isinstance(x, torch.Tensor) else x for x in items]
-        if run.dp_size == 1:
-            return items
-        parts = [None] * run.dp_size
-        torch.distributed.all_gather_object(parts, items, group=run.dp_mesh.get_group())
-        return [x for part in parts for x in part]
 
     def _dataset_to_evaluate(self, eval_dataset):
         """None: the trainer's eval dataset; a str: that entry of the trainer's dict of eval datasets; a dataset:

@@ -22,13 +22,10 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from hfnative.generation import SamplingParams
-from hfnative.generation.engines import make_rollout_engine
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import (
     LOSS_TYPES,
@@ -43,12 +40,15 @@ from hfnative.losses.policy import (
 from hfnative.models.head import TokenLogprobs
 from hfnative.peft import disable_adapters
 
+from .completion_log import CompletionLog
 from .data_loading import EpochBatchSampler
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig
-from .objective import LanguageModelingObjective
+from .model_loading import disable_dropout
+from .objective import Objective
 from .rewards import RewardFunctions
+from .rollout_engines import make_rollout_engine
+from .rollout import Rollout, completion_length_metrics, pad_token_lists, sampling_params, stop_token_ids
 from .script_arguments import ScriptArguments
-from .sft_trainer import SFTTrainer
 from .trainer import Trainer
 
 # --- data ------------------------------------------------------------------------------------------------------
@@ -83,24 +83,12 @@ def _rows(batch):
     return list(batch)
 
 
-def pad_left(sequences: list[list[int]], value: int) -> torch.Tensor:
-    width = max(len(s) for s in sequences)
-    return torch.tensor([[value] * (width - len(s)) + list(s) for s in sequences], dtype=torch.long)
-
-
-def pad_right(sequences: list[list], value, dtype=torch.long) -> torch.Tensor:
-    width = max(len(s) for s in sequences)
-    return torch.tensor([list(s) + [value] * (width - len(s)) for s in sequences], dtype=dtype)
-
-
-@dataclass
 class CompletionLogprobs:
     """Head loss: log-prob and entropy (at ``temperature``) of each completion token [B, T], zeros where the
     target is IGNORE_INDEX. Only the positions that predict completion tokens reach the head."""
 
-    targets_BT: torch.Tensor
-    prompt_length: int
-    temperature: float = 1.0
+    def __init__(self, targets_BT: torch.Tensor, prompt_length: int, temperature: float = 1.0):
+        self.targets_BT, self.prompt_length, self.temperature = targets_BT, prompt_length, temperature
 
     def __call__(self, hidden_BSD, weight_VD, softcap):
         T = self.targets_BT.shape[1]
@@ -111,75 +99,60 @@ class CompletionLogprobs:
 # --- the objective ---------------------------------------------------------------------------------------------
 
 
-class GRPOObjective(LanguageModelingObjective):
+class GRPOObjective(Objective):
     """Generation, scoring and the GRPO loss (see the module docstring). Subclasses (RLOO) change
     ``advantages`` and ``policy_loss``."""
 
+    supports = frozenset({"multi_process", "multi_process_generation"})
     # log-probs of the policy at generation time, summed per sequence or per token: None (only when the
     # buffer outlives an optimizer step, as TRL), "rollout" (the engine's sampling log-probs) or "forward"
     old_logprobs_source = "rollout"
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
-        args = trainer.args
-        self.args = args
+    def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None):
+        """``reference``: called for the reference model's source when one is needed (beta != 0, no adapters)."""
+        super().__init__(context)
+        args = context.args
         self.num_generations = args.num_generations
         self.loss_type = getattr(args, "loss_type", None)
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
         for name in _UNSUPPORTED_UNLESS_DEFAULT:
             if getattr(args, name, None) not in (None, False, 0.0):
-                raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's {type(trainer).__name__}: "
-                                 "leave it at its default (generation runs on the native engine)")
-        self.rewards = RewardFunctions(
-            trainer._reward_funcs, args.reward_weights, trainer._reward_processing_classes, trainer.device,
-            chat_template_kwargs=self._chat_template_kwargs(),
-        )
-        self.engine = make_rollout_engine(trainer.model, args)
+                raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's trainer: leave it at "
+                                 "its default (generation runs on the native engine)")
+        chat_template_kwargs = dict(args.chat_template_kwargs or {})
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
+                                       chat_template_kwargs=chat_template_kwargs)
+        sampling = sampling_params(args, args.max_completion_length, stop_token_ids(context.tokenizer, context.model),
+                                   generation_kwargs=args.generation_kwargs)
+        self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args),
+                               chat_template_kwargs=chat_template_kwargs)
+        self.sampling = self.rollout.sampling
         # TRL's correction for a sampler other than the trained model itself (vLLM)
         self.sampler_correction = bool(args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False))
-        self.tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        self.eos_token_ids = self._eos_token_ids()
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        extra = args.generation_kwargs or {}
-        self.sampling = SamplingParams(
-            max_new_tokens=args.max_completion_length, do_sample=extra.get("do_sample", True),
-            temperature=extra.get("temperature", args.temperature), top_p=extra.get("top_p", args.top_p),
-            top_k=extra.get("top_k", args.top_k), min_p=extra.get("min_p", args.min_p or 0.0),
-            repetition_penalty=extra.get("repetition_penalty", args.repetition_penalty),
-            eos_token_id=self.eos_token_ids,
-        )
         self.generate_every = args.steps_per_generation * args.num_iterations
         self.use_reference_adapters_off = False
         if args.beta != 0.0:
-            if trainer.lora_settings is not None or getattr(trainer, "peft_config", None) is not None:
+            if context.uses_adapters or context.trains_new_adapters:
                 self.use_reference_adapters_off = True  # the base model, adapters disabled, is the reference
             else:
-                self.auxiliary_models["ref"] = trainer._reference_source()
+                self.auxiliary_models["ref"] = reference()
         self._step = 0  # micro-batches trained so far (TRL's _step)
         self._buffer: list[dict] | None = None
         self._step_started = None
-        maxlen = args.generation_batch_size
-        self.logged = {"prompt": deque(maxlen=maxlen), "completion": deque(maxlen=maxlen),
-                       "rewards": {name: deque(maxlen=maxlen) for name in self.rewards.names},
-                       "advantages": deque(maxlen=maxlen), "extra": {}}
-        self._pending_extra: dict[str, list] = {}
-        self._pending_metrics: dict[str, list[float]] = {}
+        self.completion_log = CompletionLog(self.rewards.names, args.generation_batch_size)
 
-    def _chat_template_kwargs(self) -> dict:
-        kwargs = self.trainer.args.chat_template_kwargs
-        return dict(kwargs or {})
+    @property
+    def engine(self):
+        """The policy's rollout engine (the rollout component's)."""
+        return self.rollout.engine
 
-    def _eos_token_ids(self) -> list[int]:
-        """TRL's stop tokens: the tokenizer's EOS first, then the model's generation_config EOS ids."""
-        config = getattr(self.trainer.model, "generation_config", None)
-        ids = getattr(config, "eos_token_id", None)
-        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in ids:
-            ids = [self.tokenizer.eos_token_id, *ids]
-        if not ids:
-            raise ValueError("the tokenizer has no eos_token and the model no generation_config.eos_token_id: set one")
-        return ids
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.rollout.engine = engine
+
+    def generates(self) -> bool:
+        return True
 
     # --- data -------------------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
@@ -191,23 +164,22 @@ class GRPOObjective(LanguageModelingObjective):
                 f"train_dataset: row 0 is {first!r}; expected a dict with a 'prompt' column (a string, or a list of "
                 "{'role', 'content'} messages for conversations)"
             )
-        if self.trainer.args.eval_strategy != "no":
-            raise ValueError(f"{type(self.trainer).__name__} does not evaluate yet: set eval_strategy='no'")
         return train_dataset, None
 
     def default_collator(self):
         return _rows
 
-    def train_dataloader(self, dataset):
+    def train_dataloader(self, dataset, collator):
         from torch.utils.data import DataLoader
 
-        args = self.trainer.args
+        args = self.args
         if not hasattr(dataset, "__len__"):
             raise ValueError(
-                f"{type(self.trainer).__name__} samples prompts by index: pass a map-style datasets.Dataset (or a list "
-                "of dicts), not a streaming IterableDataset"
+                "the online RL trainers sample prompts by index: pass a map-style datasets.Dataset (or a list of "
+                "dicts), not a streaming IterableDataset"
             )
-        shards = self.trainer._data_shard().get("num_shards", 1)
+        shard = self.context.data_shard()
+        shards = shard.get("num_shards", 1)
         if args.generation_batch_size % (self.num_generations * shards):
             raise ValueError(
                 f"generation_batch_size={args.generation_batch_size} over {shards} data-parallel ranks does not give "
@@ -223,10 +195,10 @@ class GRPOObjective(LanguageModelingObjective):
             )
         sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, self.generate_every,
                                          seed=args.data_seed if args.data_seed is not None else args.seed,
-                                         shuffle=args.shuffle_dataset, **self.trainer._data_shard())
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=self.trainer.data_collator, num_workers=0)
+                                         shuffle=args.shuffle_dataset, **shard)
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=0)
 
-    # --- one optimizer step ------------------------------------------------------------------------------------
+    # --- one optimizer step (each micro-batch's loss is normalized on its own: the default normalizer) ------------
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         self._step_started = time.perf_counter()
         batches = []
@@ -237,103 +209,59 @@ class GRPOObjective(LanguageModelingObjective):
             self._step += 1
         return batches
 
-    def normalizer(self, batches: list[dict]):
-        return None  # every micro-batch's loss is normalized on its own; the loop divides by the accumulation steps
-
     def after_optimizer_step(self) -> None:
         if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
-            from hfnative.generation.vllm_backend import hub_named_tensors
+            from hfnative.converters.rollouts import hub_named_tensors
 
-            self.engine.load_weights(hub_named_tensors(self.trainer.model))
+            self.engine.load_weights(hub_named_tensors(self.context.model))
         if self._step_started is not None:
-            self.trainer._metrics["train"].add("step_time", torch.tensor(time.perf_counter() - self._step_started))
+            self.context.metrics().add("step_time", torch.tensor(time.perf_counter() - self._step_started))
+
+    def on_log(self, logs: dict, mode: str) -> None:
+        args, state = self.args, self.context.state
+        if args.log_completions and state.is_world_process_zero and "train_runtime" not in logs:
+            self.completion_log.print(state.global_step, args.num_completions_to_print, args.log_unique_prompts)
 
     # --- generation and scoring ------------------------------------------------------------------------------------
-    def tokenize_prompts(self, prompts: list) -> list[list[int]]:
-        if isinstance(prompts[0], list):  # conversational: the chat template with the generation prompt
-            encoded = self.trainer.processing_class.apply_chat_template(
-                prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **self._chat_template_kwargs()
-            )
-            return [list(ids) for ids in encoded["input_ids"]]
-        return [list(ids) for ids in self.trainer.processing_class(text=prompts)["input_ids"]]
-
-    def decode(self, prompts: list, completion_ids: list[list[int]]) -> list:
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        if isinstance(prompts[0], list):
-            return [[{"role": "assistant", "content": text}] for text in texts]
-        return texts
-
     @torch.no_grad()
     def generate_and_score(self, rows: list[dict]) -> list[dict]:
         """Sample G completions per row, score them, and return the generation batch's micro-batches."""
-        trainer, G = self.trainer, self.num_generations
+        G, data_parallel = self.num_generations, self.context.data_parallel
         rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows]
-        prompt_ids = self.tokenize_prompts(prompts)
-        rollouts = self.engine.generate(prompt_ids, self.sampling)
+        prompt_ids = self.rollout.tokenize(prompts)
+        rollouts = self.rollout.generate(prompt_ids)
         completion_ids = rollouts.completion_ids
-        completions = self.decode(prompts, completion_ids)
+        completions = self.rollout.decode(prompts, completion_ids)
         self._log_generation(prompt_ids, completion_ids)
 
         batch = self._tensors(prompt_ids, completion_ids, rollouts.logprobs)
-        local_rewards_NF = self.rewards.score(
-            prompts, completions, completion_ids, rows, trainer_state=trainer.state,
-            log_extra=self._log_extra, log_metric=self._log_metric,
-        )
-        model_logprobs = self._model_logprobs(batch)
-        batch.update(model_logprobs)
+        log = self.completion_log
+        local_rewards_NF = self.rewards.score(prompts, completions, completion_ids, rows, trainer_state=self.context.state,
+                                              log_extra=log.log_extra, log_metric=log.log_metric)
+        batch.update(self._model_logprobs(batch))
         # TRL: the rewards of every data-parallel rank's groups, the advantages over them all (the batch std for
         # scale_rewards="batch"), this rank's rows kept; the logged reward statistics are the whole batch's
-        rewards_NF = self.gather_rows(local_rewards_NF)
+        rewards_NF = data_parallel.gather_rows(local_rewards_NF)
         advantages = self.advantages(rewards_NF, batch)
-        batch["advantages"] = advantages.advantages_N[self.local_rows(len(prompts))]
+        batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(prompts))]
         self._log_rewards(rewards_NF, advantages)
-        self._flush_reward_logs(prompts, completions, rewards_NF, advantages.advantages_N)
+        for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
+            self._add(name, value)
         return self._split(batch)
 
-    # --- the data-parallel ranks ------------------------------------------------------------------------------------
-    def _data_parallel(self):
-        """The DistributedRun when more than one data-parallel rank generates, else None."""
-        run = self.trainer.distributed
-        return run if run is not None and run.dp_size > 1 else None
-
-    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` [n, ...] of every data-parallel rank, concatenated in rank order: the generation batch's
-        rows in the order one process holds them (rank r's prompts are the r-th part of the batch)."""
-        run = self._data_parallel()
-        if run is None:
-            return tensor
-        local = tensor.to(self.trainer.device).contiguous()
-        parts = [torch.empty_like(local) for _ in range(run.dp_size)]
-        torch.distributed.all_gather(parts, local, group=run.dp_mesh.get_group())
-        return torch.cat(parts).to(tensor.device)
-
-    def gather_objects(self, value) -> list:
-        """``value`` of every data-parallel rank, as a list in rank order ([value] for one process)."""
-        run = self._data_parallel()
-        if run is None:
-            return [value]
-        parts = [None] * run.dp_size
-        torch.distributed.all_gather_object(parts, value, group=run.dp_mesh.get_group())
-        return parts
-
-    def local_rows(self, count: int) -> slice:
-        """This rank's ``count`` rows in gather_rows' concatenation."""
-        run = self._data_parallel()
-        index = 0 if run is None else run.dp_rank
-        return slice(index * count, (index + 1) * count)
-
     def _tensors(self, prompt_ids, completion_ids, sampling_logprobs) -> dict:
-        is_truncated = torch.tensor([ids[-1] not in (*self.eos_token_ids, self.pad_token_id) for ids in completion_ids])
-        completion_mask_NT = pad_right([[1] * len(ids) for ids in completion_ids], 0)
+        pad = self.rollout.pad_token_id
+        completion_mask_NT = pad_token_lists([[1] * len(ids) for ids in completion_ids], 0)
         if self.args.mask_truncated_completions:
-            completion_mask_NT = completion_mask_NT * (~is_truncated)[:, None].long()
+            truncated_N = torch.tensor([self.rollout.is_truncated(ids) for ids in completion_ids])
+            completion_mask_NT = completion_mask_NT * (~truncated_N)[:, None].long()
         return {
-            "prompt_ids": pad_left(prompt_ids, self.pad_token_id),
-            "prompt_mask": pad_left([[1] * len(ids) for ids in prompt_ids], 0),
-            "completion_ids": pad_right(completion_ids, self.pad_token_id),
+            "prompt_ids": pad_token_lists(prompt_ids, pad, side="left"),
+            "prompt_mask": pad_token_lists([[1] * len(ids) for ids in prompt_ids], 0, side="left"),
+            "completion_ids": pad_token_lists(completion_ids, pad),
             "completion_mask": completion_mask_NT,
-            "sampling_logprobs": pad_right(sampling_logprobs, 0.0, dtype=torch.float32),
+            "sampling_logprobs": pad_token_lists(sampling_logprobs, 0.0, dtype=torch.float32),
             "completion_lengths": torch.tensor([len(ids) for ids in completion_ids]),
         }
 
@@ -344,16 +272,16 @@ class GRPOObjective(LanguageModelingObjective):
 
     def _model_logprobs(self, batch: dict) -> dict:
         """Generation-time per-token log-probs: the reference model's (beta > 0) and the policy's old ones."""
-        out = {}
+        out, policy = {}, self.context.model
         if self.args.beta != 0.0:
             if self.use_reference_adapters_off:
-                with disable_adapters(self.trainer.model):
-                    out["ref_logprobs"] = self._forward_logprobs(self.trainer.model, batch)
+                with disable_adapters(policy):
+                    out["ref_logprobs"] = self._forward_logprobs(policy, batch)
             else:
                 out["ref_logprobs"] = self._forward_logprobs(self.auxiliary_models["ref"], batch)
         if self._needs_old_logprobs():
             if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights:
-                out["old_logprobs"] = self._forward_logprobs(self.trainer.model, batch)
+                out["old_logprobs"] = self._forward_logprobs(policy, batch)
             else:
                 out["old_logprobs"] = batch["sampling_logprobs"]
         if self.sampler_correction:
@@ -391,8 +319,8 @@ class GRPOObjective(LanguageModelingObjective):
         try:
             for start in range(0, batch["prompt_ids"].shape[0], size):
                 chunk = {k: v[start : start + size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                inputs = self.trainer._prepare_inputs(self._model_inputs(chunk))
-                with self.trainer._autocast():
+                inputs = self.context.prepare_inputs(self._model_inputs(chunk))
+                with self.context.autocast():
                     logprobs, _ = self.forward(model, inputs, self._head_loss(inputs)).head_output
                 parts.append(logprobs.float().cpu())
         finally:
@@ -427,9 +355,10 @@ class GRPOObjective(LanguageModelingObjective):
         micro-batches, each trimmed to its own longest prompt and completion."""
         N = batch["prompt_ids"].shape[0]
         order = self.shuffled_order(N)
-        # TRL's token count for dapo/cispo: the generation batch's, over every rank, per rank
-        shards = self.trainer._data_shard().get("num_shards", 1)
-        num_items = self.trainer._over_all_ranks(int(batch["completion_mask"].sum())) / shards
+        # TRL's token count for dapo/cispo: the generation batch's completion tokens over every rank, per micro-batch
+        totals = self.context.data_parallel.sum(torch.tensor(
+            [float(batch["completion_mask"].sum()), float(self.args.steps_per_generation)], dtype=torch.float64))
+        tokens_per_micro_batch = (totals[0] / totals[1]).item()
         size = N // self.args.steps_per_generation
         micro_batches = []
         for start in range(0, N, size):
@@ -444,7 +373,7 @@ class GRPOObjective(LanguageModelingObjective):
                 if key in part and part[key].dim() == 2:
                     part[key] = part[key][:, :completion_width]
             micro_batch = self._model_inputs(part)
-            micro_batch["num_items_in_generation"] = num_items
+            micro_batch["completion_tokens_per_micro_batch"] = tokens_per_micro_batch
             micro_batches.append(micro_batch)
         return micro_batches
 
@@ -457,11 +386,7 @@ class GRPOObjective(LanguageModelingObjective):
         logprobs_BT, entropy_BT = self.forward(model, inputs, self._head_loss(inputs)).head_output
         mask_BT = inputs["completion_mask"]
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
-        if self._data_parallel() is None:
-            return out.loss, out.metrics
-        # gradients and logged losses are summed over the data-parallel ranks, TRL's (DDP) averaged: each rank's
-        # loss is its share of the step's
-        return out.loss / self._data_parallel().dp_size, self._extremes_over_ranks(out.metrics)
+        return out.loss, self._extremes_over_ranks(out.metrics)
 
     def _extremes_over_ranks(self, metrics: dict, signs: dict[str, float] | None = None) -> dict:
         """The extremes among ``metrics`` over every data-parallel rank (TRL's nanmin / nanmax of the gathered
@@ -469,12 +394,10 @@ class GRPOObjective(LanguageModelingObjective):
         max) or -1.0 (a min); default clip_ratio/high_max and clip_ratio/low_min."""
         signs = signs or {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
         names = [name for name in signs if name in metrics]
-        if not names or self._data_parallel() is None:
+        if not names or self.context.data_parallel.size == 1:
             return metrics
         values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().double() for name in names])
-        values = values.to(self.trainer.device).nan_to_num(nan=-float("inf"))
-        torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX,
-                                     group=self._data_parallel().dp_mesh.get_group())
+        values = self.context.data_parallel.max(values.nan_to_num(nan=-float("inf")))
         values = values.masked_fill(values == -float("inf"), float("nan"))
         return {**metrics, **{name: signs[name] * value for name, value in zip(names, values)}}
 
@@ -490,7 +413,7 @@ class GRPOObjective(LanguageModelingObjective):
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
             beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
             importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
-            num_items=inputs["num_items_in_generation"] / args.steps_per_generation, token_weights_BT=token_weights,
+            num_items=inputs["completion_tokens_per_micro_batch"], token_weights_BT=token_weights,
             entropy_BT=entropy_BT,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
         )
@@ -498,26 +421,17 @@ class GRPOObjective(LanguageModelingObjective):
     # --- logging -------------------------------------------------------------------------------------------------
     def _add(self, name: str, value: float) -> None:
         if value == value:  # NaN (e.g. a function that scored nothing) is left out, as TRL's log does
-            self.trainer._metrics["train"].add(name, torch.tensor(float(value)))
+            self.context.metrics().add(name, torch.tensor(float(value)))
 
     def _log_generation(self, prompt_ids, completion_ids) -> None:
         """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL)."""
-        state = self.trainer.state
-        stop = (*self.eos_token_ids, self.pad_token_id)
-        local_N3 = torch.tensor([[len(p), len(c), c[-1] not in stop] for p, c in zip(prompt_ids, completion_ids)],
-                                dtype=torch.float64)
-        state.num_input_tokens_seen += int(local_N3[:, :2].sum())  # this rank's; num_tokens is summed over ranks
-        self.trainer._metrics["train"].set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))
-        all_N3 = self.gather_rows(local_N3)
-        lengths, truncated = all_N3[:, 1], all_N3[:, 2].bool()
-        self._add("completions/mean_length", lengths.mean())
-        self._add("completions/min_length", lengths.min())
-        self._add("completions/max_length", lengths.max())
-        self._add("completions/clipped_ratio", truncated.double().mean())
-        terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1, dtype=torch.float64)
-        self._add("completions/mean_terminated_length", terminated.mean())
-        self._add("completions/min_terminated_length", terminated.min())
-        self._add("completions/max_terminated_length", terminated.max())
+        state = self.context.state
+        lengths_N, truncated_N = self.rollout.lengths(completion_ids)
+        state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
+        self.context.metrics().set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # summed over ranks
+        all_N2 = self.context.data_parallel.gather_rows(torch.stack([lengths_N, truncated_N.double()], dim=1))
+        for name, value in completion_length_metrics(all_N2[:, 0], all_N2[:, 1]).items():
+            self._add(name, value)
 
     def _log_rewards(self, rewards_NF, advantages) -> None:
         for index, name in enumerate(self.rewards.names):
@@ -527,33 +441,6 @@ class GRPOObjective(LanguageModelingObjective):
         self._add("reward", torch.nanmean(rewards_N))
         self._add("reward_std", nanstd(rewards_N))
         self._add("frac_reward_zero_std", advantages.is_std_zero_N.float().mean())
-
-    def _log_extra(self, column: str, values: list) -> None:
-        self._pending_extra.setdefault(column, []).extend(values)
-
-    def _log_metric(self, name: str, value: float) -> None:
-        self._pending_metrics.setdefault(name, []).append(float(value))
-
-    def _flush_reward_logs(self, prompts, completions, rewards_NF, advantages_N) -> None:
-        """The completions table's rows (every rank's, in rank order) and the reward functions' own columns and
-        metrics (a metric: the sum of every rank's values over their count, as TRL)."""
-        local = dict(prompts=prompts, completions=completions, count=len(prompts), extra=self._pending_extra,
-                     metrics={name: (sum(values), len(values)) for name, values in self._pending_metrics.items()})
-        ranks = self.gather_objects(local)
-        self._pending_extra, self._pending_metrics = {}, {}
-        for part in ranks:
-            self.logged["prompt"].extend(part["prompts"])
-            self.logged["completion"].extend(part["completions"])
-        for index, name in enumerate(self.rewards.names):
-            self.logged["rewards"][name].extend(rewards_NF[:, index].tolist())
-        self.logged["advantages"].extend(advantages_N.tolist())
-        for column in sorted({column for part in ranks for column in part["extra"]}):
-            values = [v for part in ranks for v in part["extra"].get(column, [None] * part["count"])]
-            self.logged["extra"].setdefault(column, deque(maxlen=self.args.generation_batch_size)).extend(values)
-        for name in sorted({name for part in ranks for name in part["metrics"]}):
-            total = sum(part["metrics"][name][0] for part in ranks if name in part["metrics"])
-            count = sum(part["metrics"][name][1] for part in ranks if name in part["metrics"])
-            self._add(name, total / count)
 
 
 # --- the trainer -----------------------------------------------------------------------------------------------
@@ -589,18 +476,15 @@ class GRPOTrainer(Trainer):
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          model_init_kwargs=model_init_kwargs)
         if self.args.disable_dropout:
-            for module in self.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(self.model)
 
     @staticmethod
     def _args_class():
         return GRPOConfig
 
     def _make_objective(self):
-        return self.objective_class(self)
-
-    _add_adapters = SFTTrainer._add_adapters  # LoRA from peft_config exactly as SFT adds it
+        return self.objective_class(self.context, self._reward_funcs, self._reward_processing_classes,
+                                    reference=self._reference_source)
 
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the
@@ -608,48 +492,6 @@ class GRPOTrainer(Trainer):
         if isinstance(self._model_source, (str, os.PathLike)):
             return self._model_source
         return copy.deepcopy(self.model)
-
-    def get_train_dataloader(self):
-        return self.objective.train_dataloader(self.train_dataset)
-
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        super().log(logs, start_time)
-        if self.args.log_completions and self.state.is_world_process_zero and "train_runtime" not in logs:
-            print_completions(self.objective.logged, self.state.global_step, self.args.num_completions_to_print,
-                              self.args.log_unique_prompts)
-
-
-def print_completions(logged: dict, step: int, limit: int | None, unique_prompts: bool = False) -> None:
-    """The latest prompts, completions, rewards and advantages as a table (rich's when installed)."""
-    names = list(logged["rewards"])
-    extra = list(logged["extra"])
-    rows = []
-    seen = set()
-    for index, (prompt, completion) in enumerate(zip(logged["prompt"], logged["completion"])):
-        if unique_prompts and str(prompt) in seen:
-            continue
-        seen.add(str(prompt))
-        prompt_text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
-        completion_text = completion if isinstance(completion, str) else completion[-1]["content"]
-        values = [f"{logged['rewards'][n][index]:.2f}" for n in names]
-        extras = [str(logged["extra"][c][index]) if index < len(logged["extra"][c]) else "" for c in extra]
-        rows.append([prompt_text, completion_text, *values, *extras, f"{logged['advantages'][index]:.2f}"])
-    if limit is not None:
-        rows = rows[:limit]
-    header = ["Prompt", "Completion", *names, *extra, "Advantage"]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(f"Step {step}")
-        print(" | ".join(header))
-        for row in rows:
-            print(" | ".join(row))
-        return
-    table = Table(*header, title=f"Step {step}", show_lines=True)
-    for row in rows:
-        table.add_row(*row)
-    Console().print(table)
 
 
 def cli_command():

@@ -200,3 +200,10 @@ def load_processing_class(converted: ConvertedModel | TransformersModel | None):
             "model's tokenizer files into it, or pass processing_class=AutoTokenizer.from_pretrained(<the base model>)"
         )
     return tokenizer
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout layer of ``model`` set to p = 0 (TRL's ``disable_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

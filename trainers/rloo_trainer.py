@@ -34,9 +34,9 @@ class RLOOObjective(GRPOObjective):
         if args.beta != 0.0:  # rewards_NF holds every data-parallel rank's rows, batch this rank's
             mask_NT = batch["completion_mask"].float()
             gap_NT = (batch["old_logprobs"] - batch["ref_logprobs"]) * mask_NT
-            kl_N = self.gather_rows(sequence_kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], mask_NT))
+            kl_N = self.context.data_parallel.gather_rows(sequence_kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], mask_NT))
             rewards_N = rewards_N - args.beta * kl_N.to(rewards_N)
-            self.trainer._metrics["train"].add_ratio("kl", gap_NT.sum(), mask_NT.sum())
+            self.context.metrics().add_ratio("kl", gap_NT.sum(), mask_NT.sum())
         return leave_one_out_advantages(rewards_N, self.num_generations, normalize=args.normalize_advantages)
 
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):

@@ -204,34 +204,7 @@ class SFTTrainer(Trainer):
         return SFTConfig
 
     def _make_objective(self):
-        return SFTObjective(self)
-
-    def _add_adapters(self) -> None:
-        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
-        kwargs = self._model_init_kwargs
-        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
-        if self.peft_config is None:
-            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
-            return
-        if self.lora_settings is not None:
-            raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
-        if self.converted is None:
-            raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
-        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
-
-        if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
-            if quantization["load_in_4bit"] or quantization["quantization_config"]:
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
-                                 "only; this peft_config trains through peft: drop the quantization")
-            self.converted = apply_peft(self.converted, self.peft_config)
-            self.model = self.converted.model
-            return
-        from hfnative.converters.peft import apply_lora
-        from hfnative.peft import lora_settings
-
-        self.lora_settings = lora_settings(self.peft_config)
-        apply_lora(self.converted, self.lora_settings, **quantization)
+        return SFTObjective(self.context, formatting_func=self.formatting_func)
 
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
@@ -239,28 +212,29 @@ class SFTTrainer(Trainer):
 
     # --- data --------------------------------------------------------------------------------
 
-    def _tokenizer(self):
-        return getattr(self.processing_class, "tokenizer", self.processing_class)
 
-    def _load_chat_template(self, path: str) -> None:
-        path = Path(path)
-        if path.is_dir():
-            template = transformers.AutoTokenizer.from_pretrained(str(path)).chat_template
-        elif path.suffix in (".jinja", ".j2") and path.is_file():
-            template = path.read_text()
-        else:
-            raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
-        self._tokenizer().chat_template = template
+
+def load_chat_template(tokenizer, path: str) -> None:
+    """SFTConfig.chat_template_path: a .jinja / .j2 file or a tokenizer folder, set as ``tokenizer``'s template."""
+    path = Path(path)
+    if path.is_dir():
+        template = transformers.AutoTokenizer.from_pretrained(str(path)).chat_template
+    elif path.suffix in (".jinja", ".j2") and path.is_file():
+        template = path.read_text()
+    else:
+        raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
+    tokenizer.chat_template = template
 
 
 class SFTObjective(LanguageModelingObjective):
     """SFT: TRL's dataset preparation and collator; loss "nll" or "dft" over the completion tokens;
     metrics entropy, mean_token_accuracy, num_tokens (and aux_loss for MoE), as TRL logs them."""
 
-    def __init__(self, trainer: SFTTrainer):
-        super().__init__(trainer)
-        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        self.aux_loss_coef = self._enable_aux_loss(trainer.model, trainer.args.router_aux_loss_coef)
+    def __init__(self, context, formatting_func=None):
+        super().__init__(context)
+        self.formatting_func = formatting_func
+        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
+        self.aux_loss_coef = self._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
 
     @staticmethod
     def _router_loss_ranks(model) -> int:
@@ -289,35 +263,35 @@ class SFTObjective(LanguageModelingObjective):
 
     # --- data -----------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
-        trainer, args = self.trainer, self.trainer.args
-        if trainer.processing_class is None:
+        context, args = self.context, self.args
+        if context.processing_class is None:
             raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
         tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
-        if not isinstance(trainer.processing_class, tokenizer_types):
+        if not isinstance(context.processing_class, tokenizer_types):
             raise TypeError(
                 "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
-                f"{type(trainer.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
+                f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
             )
         if args.chat_template_path is not None:
-            trainer._load_chat_template(args.chat_template_path)
-        tokenizer = trainer._tokenizer()
+            load_chat_template(context.tokenizer, args.chat_template_path)
+        tokenizer = context.tokenizer
         if args.eos_token is not None and args.eos_token not in tokenizer.get_vocab():
             raise ValueError(
                 f"The specified `eos_token` ('{args.eos_token}') is not found in the vocabulary of the given "
-                f"`processing_class` ({type(trainer.processing_class).__name__}): set `eos_token` to a token it has "
+                f"`processing_class` ({type(context.processing_class).__name__}): set `eos_token` to a token it has "
                 f"(its own is {tokenizer.eos_token!r})."
             )
-        if trainer.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
+        if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
             if pad_token not in tokenizer.get_vocab():
                 raise ValueError(
                     f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
-                    f"`processing_class` ({type(trainer.processing_class).__name__}): set `tokenizer.pad_token` to a "
+                    f"`processing_class` ({type(context.processing_class).__name__}): set `tokenizer.pad_token` to a "
                     "token it has."
                 )
             if args.pad_token is not None:
                 tokenizer.pad_token = args.pad_token
-            self._pad_token_id = pad_token_id_for(trainer.processing_class, args.eos_token)
+            self._pad_token_id = pad_token_id_for(context.processing_class, args.eos_token)
         self._completion_only_loss = args.completion_only_loss
         if self._completion_only_loss is None:  # as TRL: decided once, by the train dataset's rows, for every dataset
             row = _first_row(train_dataset)
@@ -325,7 +299,7 @@ class SFTObjective(LanguageModelingObjective):
         return super().prepare_datasets(train_dataset, eval_dataset)
 
     def prepare_train_dataset(self, dataset):
-        return self._prepare(dataset, self.trainer.args.packing)
+        return self._prepare(dataset, self.args.packing)
 
     def prepare_eval_dataset(self, dataset):
         """Tokenized, masked, truncated (and packed with eval_packing) as the train dataset. A dataset already
@@ -333,17 +307,17 @@ class SFTObjective(LanguageModelingObjective):
         so a prepared dataset may be passed again (e.g. ``evaluate(trainer.eval_dataset)``)."""
         if dataset is None or "seq_lengths" in (getattr(dataset, "column_names", None) or []):
             return dataset
-        args = self.trainer.args
+        args = self.args
         return self._prepare(dataset, args.packing if args.eval_packing is None else args.eval_packing)
 
     def _prepare(self, dataset, packing: bool):
         if dataset is None:
             return None
-        a = self.trainer.args
+        a = self.args
         self._check_dataset(dataset)
         return prepare_sft_dataset(
             dataset,
-            self.trainer.processing_class,
+            self.context.processing_class,
             dataset_text_field=a.dataset_text_field,
             max_length=a.max_length,
             packing=packing,
@@ -352,7 +326,7 @@ class SFTObjective(LanguageModelingObjective):
             completion_only_loss=self._completion_only_loss,
             assistant_only_loss=a.assistant_only_loss,
             eos_token=a.eos_token,
-            formatting_func=self.trainer.formatting_func,
+            formatting_func=self.formatting_func,
             dataset_num_proc=a.dataset_num_proc,
             dataset_kwargs=_as_dict(a.dataset_kwargs),
             truncation_mode=a.truncation_mode,
@@ -363,7 +337,7 @@ class SFTObjective(LanguageModelingObjective):
     def _check_dataset(self, dataset) -> None:
         """TRL's errors, with TRL's messages, for a dataset these settings cannot prepare, judged on its first row;
         the data layer checks every row."""
-        a, formatting_func = self.trainer.args, self.trainer.formatting_func
+        a, formatting_func = self.args, self.formatting_func
         row = _first_row(dataset)
         if not isinstance(row, dict):
             return  # empty, or not rows: the data layer's errors
@@ -396,7 +370,7 @@ class SFTObjective(LanguageModelingObjective):
             raise RowFormatError(str(format_error(0, row, a.dataset_text_field)))
 
     def default_collator(self):
-        a = self.trainer.args
+        a = self.args
         return LanguageModelingCollator(
             pad_token_id=self._pad_token_id,
             padding_free=uses_padding_free(a.padding_free, a.packing, a.packing_strategy),
@@ -405,9 +379,9 @@ class SFTObjective(LanguageModelingObjective):
 
     # --- loss and metrics -------------------------------------------------------------------------
     def loss(self, model, inputs, num_items_in_batch):
-        fused = self.trainer.args.fused_loss or self.trainer.args.use_liger_kernel
+        fused = self.args.fused_loss or self.args.use_liger_kernel
         targets_BS = inputs["shift_labels"]
-        if self.trainer.args.loss_type == "dft":
+        if self.args.loss_type == "dft":
             outputs = self.forward(model, inputs, TokenLogprobs(targets_BS, fused=fused))
             logprobs_BS, entropy_BS = outputs.head_output
             # DFT: each token's NLL weighted by its (detached) probability
@@ -426,7 +400,7 @@ class SFTObjective(LanguageModelingObjective):
         metrics = {"entropy": (entropy_sum, num_valid), "mean_token_accuracy": (correct_sum, num_valid)}
         if outputs.aux_loss is not None:
             # a per-micro-batch mean: with a step-wide normalizer, averaged over the accumulation steps (TRL)
-            steps = self.trainer._current_accumulation_steps if num_items_in_batch is not None else 1
+            steps = self.context.micro_batches_in_step if num_items_in_batch is not None else 1
             loss = loss + self.aux_loss_coef * outputs.aux_loss / steps
             # under expert parallel each rank's loss is its share of the whole batch's: logged as the whole
             metrics["aux_loss"] = outputs.aux_loss * self._router_loss_ranks(model)

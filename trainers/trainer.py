@@ -41,10 +41,17 @@ from hfnative.parallel import apply_activation_checkpointing, apply_compile
 from . import hub
 from .arguments import TrainingArguments
 from .data_loading import has_length, make_dataloader, start_epoch
-from .distributed import DistributedMixin, pad_sequence_to_multiple, start_distributed
+from .distributed import DataParallelGroup, DistributedMixin, pad_sequence_to_multiple, start_distributed
 from .evaluation import EvaluationMixin
 from .model_loading import load_meta_model, load_processing_class, load_sharded, resolve_model
-from .objective import LanguageModelingObjective, MetricAverages, without_labels
+from .objective import (
+    LanguageModelingObjective,
+    MetricAverages,
+    ObjectiveContext,
+    UnsupportedLayoutError,
+    check_supported,
+    without_labels,
+)
 from .optimization import OptimizationMixin
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
@@ -80,10 +87,12 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
 
     algorithm_name = "the Trainer"
     _last_micro_batch = True  # is the micro-batch in training_step the optimizer step's last one
-    _current_accumulation_steps = 1
+    _current_accumulation_steps = 1  # this rank's micro-batches in the step being trained
+    _loss_divisor = 1  # what training_step divides a loss by when the step's normalizer gives no item count
     _tag_names: list[str] = []
     dataset_name: str | None = None  # shown on the model card (the CLI sets it)
     hub_model_id: str | None = None  # the Hub repository's full id, set by the first push (trainers/hub.py)
+    peft_config = None  # the TRL trainers' peft_config: LoRA / DoRA adapters put on the model as it is loaded
 
     def __init__(
         self,
@@ -111,6 +120,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         set_seed(self.args.seed)
         self.device = resolve_device(self.args)
         self.distributed = start_distributed(self.args, self.device)  # None for a single process
+        self.data_parallel = DataParallelGroup(self.distributed, self.device)
+        self.context = ObjectiveContext(self)  # what the objective sees of the run
         if model is None and model_init is None:
             raise RuntimeError(
                 "`Trainer` requires either a `model` or `model_init` argument (a path, a Hub id or a model object)"
@@ -139,7 +150,9 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             )
         self.data_collator = data_collator
         self.objective = self._make_objective()
+        self._check_supported()
         self._build_auxiliary_models()
+        self.objective.auxiliary_models_ready()
         self._metrics = {"train": MetricAverages(), "eval": MetricAverages()}
         self.train_dataset, self.eval_dataset = self.objective.prepare_datasets(train_dataset, eval_dataset)
         if self.data_collator is None:
@@ -161,8 +174,19 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         return TrainingArguments
 
     def _make_objective(self):
-        """The algorithm's piece of the loop (see trainers/objective.py)."""
-        return LanguageModelingObjective(self)
+        """The algorithm's piece of the loop (see trainers/objective.py), built on ``self.context``."""
+        return LanguageModelingObjective(self.context)
+
+    def _check_supported(self, evaluating: bool = False) -> None:
+        """The one place a run's layout and features are checked against what its objective declares."""
+        check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__)
+        run = self.distributed
+        if self.compute_loss_func is not None and run is not None and run.dims.cp_enabled:
+            raise UnsupportedLayoutError(
+                f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
+                "sequence, so a loss over the model's outputs and labels cannot be computed there; set cp_size=1 or "
+                "drop compute_loss_func"
+            )
 
     # --- model ---------------------------------------------------------------------------------
 
@@ -216,7 +240,31 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             self.objective.auxiliary_models[name] = model
 
     def _add_adapters(self) -> None:
-        """Hook: SFTTrainer puts LoRA adapters on the model here when given a peft_config."""
+        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
+        kwargs = self._model_init_kwargs
+        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
+        if self.peft_config is None:
+            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
+                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
+            return
+        if self.lora_settings is not None:
+            raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
+        if self.converted is None:
+            raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
+        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
+
+        if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
+            if quantization["load_in_4bit"] or quantization["quantization_config"]:
+                raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
+                                 "only; this peft_config trains through peft: drop the quantization")
+            self.converted = apply_peft(self.converted, self.peft_config)
+            self.model = self.converted.model
+            return
+        from hfnative.converters.peft import apply_lora
+        from hfnative.peft import lora_settings
+
+        self.lora_settings = lora_settings(self.peft_config)
+        apply_lora(self.converted, self.lora_settings, **quantization)
 
     def _drop_unused_columns(self, dataset):
         if dataset is None or not self.args.remove_unused_columns or not hasattr(dataset, "column_names"):
@@ -231,15 +279,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
 
     def get_train_dataloader(self):
         if self.train_dataset is None:
-            raise ValueError("Trainer: training requires a train_dataset.")
-        a = self.args
-        shuffle = a.train_sampling_strategy != "sequential" if hasattr(a, "train_sampling_strategy") else True
-        seed = a.data_seed if a.data_seed is not None else a.seed
-        return make_dataloader(
-            self.train_dataset, a.per_device_train_batch_size, self.data_collator,
-            seed=seed, shuffle=shuffle, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
-            **self._data_shard(),
-        )
+            raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")
+        return self.objective.train_dataloader(self.train_dataset, self.data_collator)
 
     def get_eval_dataloader(self, eval_dataset=None):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -288,29 +329,20 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             loss = self.compute_loss_func(outputs, inputs["labels"], num_items_in_batch=num_items_in_batch)
             return (loss, outputs) if return_outputs else loss
         loss, metrics = self.objective.loss(model, inputs, num_items_in_batch)
-        self._record_metrics(metrics, "train" if model.training else "eval")
+        self._metrics["train" if model.training else "eval"].record(metrics)
         if return_outputs:
             with torch.no_grad():
                 outputs = model(**without_labels(inputs))
             return loss, outputs
         return loss
 
-    def _record_metrics(self, metrics: dict, mode: str) -> None:
-        for name, value in metrics.items():
-            if isinstance(value, tuple):  # (numerator, denominator): a ratio over all ranks' sums
-                self._metrics[mode].add_ratio(name, *value)
-            elif name == "num_tokens":
-                self._metrics[mode].set(name, value)
-            else:
-                self._metrics[mode].add(name, value)
-
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
         with self._autocast(), self._activation_offloading():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is None:
-            loss = loss / self._current_accumulation_steps
+        if num_items_in_batch is None:  # a micro-batch mean: its share of the step's mean over every rank
+            loss = loss / self._loss_divisor
         # with optimizer-in-backward, parameters step inside the last micro-batch's backward only
         accumulate_only = isinstance(self.optimizer, OptimizerInBackward) and not self._last_micro_batch
         with self.optimizer.accumulating() if accumulate_only else nullcontext():
@@ -322,6 +354,12 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            self.objective.end_training()
+
+    def _train(self, resume_from_checkpoint):
         args = self.args
         if self.model_init is not None:
             set_seed(args.seed)
@@ -398,8 +436,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 if not batches:
                     break
                 batches = [self._prepare_inputs(b) for b in batches]
-                num_items = self._over_all_ranks(self.objective.normalizer(batches))
                 self._current_accumulation_steps = len(batches)
+                num_items, self._loss_divisor = self._step_normalizer(self.objective.normalizer(batches), len(batches))
                 for index, inputs in enumerate(batches):
                     step += 1
                     self._last_micro_batch = index == len(batches) - 1
@@ -469,6 +507,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the objective's metrics since the last log (eval_-prefixed in evaluation) and the epoch."""
         mode = "train" if self.model.training else "eval"
+        self.objective.on_log(logs, mode)
         metrics = self._metrics[mode].pop(self._reduce_metrics)
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
