@@ -11,8 +11,8 @@ import torch
 import transformers
 from datasets import Dataset, IterableDataset
 
-from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, row_format, uses_padding_free
-from hfnative.data.formats import LANGUAGE_MODELING, PROMPT_COMPLETION, format_error, is_from_value_messages
+from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
+from hfnative.data.formats import has_prompt_and_completion
 from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
@@ -33,18 +33,6 @@ def _model_name(model) -> str:
 
 def _as_dict(value) -> dict:
     return json.loads(value) if isinstance(value, str) else dict(value or {})
-
-
-def _first_row(dataset):
-    """Row 0 of a Dataset, IterableDataset or list of dicts, read alone; None when there is none."""
-    return None if dataset is None else next(iter(dataset), None)
-
-
-class RowFormatError(ValueError, KeyError):
-    """A dataset row in no format SFT accepts. A ValueError that names the row, and a KeyError, as TRL raises
-    for the column it looks for and does not find (e.g. a misspelt `dataset_text_field`)."""
-
-    __str__ = Exception.__str__  # the message, not KeyError's repr of it
 
 
 def _check_train_dataset(train_dataset) -> None:
@@ -275,12 +263,6 @@ class SFTObjective(LanguageModelingObjective):
         if args.chat_template_path is not None:
             load_chat_template(context.tokenizer, args.chat_template_path)
         tokenizer = context.tokenizer
-        if args.eos_token is not None and args.eos_token not in tokenizer.get_vocab():
-            raise ValueError(
-                f"The specified `eos_token` ('{args.eos_token}') is not found in the vocabulary of the given "
-                f"`processing_class` ({type(context.processing_class).__name__}): set `eos_token` to a token it has "
-                f"(its own is {tokenizer.eos_token!r})."
-            )
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
             if pad_token not in tokenizer.get_vocab():
@@ -294,8 +276,7 @@ class SFTObjective(LanguageModelingObjective):
             self._pad_token_id = pad_token_id_for(context.processing_class, args.eos_token)
         self._completion_only_loss = args.completion_only_loss
         if self._completion_only_loss is None:  # as TRL: decided once, by the train dataset's rows, for every dataset
-            row = _first_row(train_dataset)
-            self._completion_only_loss = isinstance(row, dict) and "prompt" in row and "completion" in row
+            self._completion_only_loss = has_prompt_and_completion(next(iter(train_dataset), None))
         return super().prepare_datasets(train_dataset, eval_dataset)
 
     def prepare_train_dataset(self, dataset):
@@ -314,7 +295,6 @@ class SFTObjective(LanguageModelingObjective):
         if dataset is None:
             return None
         a = self.args
-        self._check_dataset(dataset)
         return prepare_sft_dataset(
             dataset,
             self.context.processing_class,
@@ -333,41 +313,6 @@ class SFTObjective(LanguageModelingObjective):
             shuffle_dataset=a.shuffle_dataset,
             seed=a.seed,
         )
-
-    def _check_dataset(self, dataset) -> None:
-        """TRL's errors, with TRL's messages, for a dataset these settings cannot prepare, judged on its first row;
-        the data layer checks every row."""
-        a, formatting_func = self.args, self.formatting_func
-        row = _first_row(dataset)
-        if not isinstance(row, dict):
-            return  # empty, or not rows: the data layer's errors
-        if "image" in row or "images" in row:
-            raise ValueError(
-                "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the provided model "
-                "does not seem to be a vision-language model: hfnative's SFTTrainer trains text models only."
-            )
-        fmt = row_format(row, a.dataset_text_field)
-        if a.assistant_only_loss and fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION):
-            raise ValueError(
-                f"You set `assistant_only_loss=True`, but the dataset is not conversational: it is {fmt}. Assistant "
-                "turns exist only in conversational datasets (messages)."
-            )
-        if _as_dict(a.dataset_kwargs).get("skip_prepare_dataset", False):
-            return
-        if isinstance(dataset, Dataset) and dataset.format["type"] == "custom":
-            raise ValueError(
-                "SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`: preparation calls "
-                "`Dataset.map()`, which would bake the transform's output in. Materialize the transform with "
-                "`Dataset.map()` first."
-            )
-        if self._completion_only_loss and formatting_func is not None:
-            raise ValueError(
-                "A formatting function was provided while `completion_only_loss=True`, which is incompatible: "
-                "formatting_func turns rows into plain text, so there is no completion to restrict the loss to. Apply "
-                "the formatting before passing the dataset, or set completion_only_loss=False."
-            )
-        if fmt is None and formatting_func is None and not is_from_value_messages(row.get("conversations")):
-            raise RowFormatError(str(format_error(0, row, a.dataset_text_field)))
 
     def default_collator(self):
         a = self.args

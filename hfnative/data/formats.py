@@ -59,7 +59,19 @@ def row_format(row: dict, text_field: str) -> str | None:
     return None
 
 
-def format_error(index: int, row: dict, text_field: str) -> ValueError:
+def has_prompt_and_completion(row) -> bool:
+    """TRL's default for completion_only_loss, read from a dataset's first row (before any formatting)."""
+    return isinstance(row, dict) and "prompt" in row and "completion" in row
+
+
+class RowFormatError(ValueError, KeyError):
+    """A dataset row in no format SFT accepts. A ValueError that names the row, and a KeyError, as TRL raises
+    for the column it looks for and does not find (e.g. a misspelt `dataset_text_field`)."""
+
+    __str__ = Exception.__str__  # the message, not KeyError's repr of it
+
+
+def format_error(index: int, row: dict, text_field: str) -> RowFormatError:
     """The error for a row in no accepted format: it names the row, what it holds and what is accepted."""
     present = sorted(key for key, value in row.items() if value is not None)
     missing = sorted(key for key, value in row.items() if value is None)
@@ -86,7 +98,7 @@ def format_error(index: int, row: dict, text_field: str) -> ValueError:
     )
     if hints:
         message += " Hint: " + "; ".join(hints) + "."
-    return ValueError(message)
+    return RowFormatError(message)
 
 
 def check_row_format(row: dict, index: int, expected: str, text_field: str) -> None:

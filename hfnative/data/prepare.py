@@ -32,6 +32,7 @@ from .formats import (
     column_names,
     format_error,
     from_value_to_chatml,
+    has_prompt_and_completion,
     is_from_value_messages,
     malformed_message,
     row_format,
@@ -156,12 +157,6 @@ class _LabelFilter:
 
 def _as_dataset(dataset):
     if isinstance(dataset, (Dataset, IterableDataset)):
-        if isinstance(dataset, Dataset) and dataset.format["type"] == "custom":
-            raise ValueError(
-                "Cannot prepare a dataset that uses `Dataset.with_transform()`: preparation calls `map`, which would "
-                "bake the transform's output in. Materialize the transform with `Dataset.map()` first, or pass "
-                "dataset_kwargs={'skip_prepare_dataset': True} with trainer-ready rows."
-            )
         return dataset
     if isinstance(dataset, list) and all(isinstance(row, dict) for row in dataset):
         return dataset_from_rows(dataset)
@@ -171,10 +166,24 @@ def _as_dataset(dataset):
     )
 
 
-def _first_row(dataset) -> dict:
-    for row in dataset:
-        return row
-    raise ValueError("The dataset is empty: SFT needs at least one row.")
+def _check_mappable(dataset) -> None:
+    if isinstance(dataset, Dataset) and dataset.format["type"] == "custom":
+        raise ValueError(
+            "SFTTrainer cannot prepare a dataset that uses `Dataset.with_transform()`: preparation calls "
+            "`Dataset.map()`, which would bake the transform's output in. Materialize the transform with "
+            "`Dataset.map()` first, or pass dataset_kwargs={'skip_prepare_dataset': True} with trainer-ready rows."
+        )
+
+
+def _check_eos_token(processing_class, eos_token: str | None) -> None:
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if eos_token is not None and eos_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"The specified `eos_token` ({eos_token!r}) is not found in the vocabulary of the given "
+            f"`processing_class` ({type(processing_class).__name__}), so no row can end with it "
+            f"(eos_token {eos_token!r} is not in the vocabulary): set `eos_token` to a token it has (its own is "
+            f"{tokenizer.eos_token!r})."
+        )
 
 
 def _check_options(packing, packing_strategy, padding_free, max_length, truncation_mode):
@@ -226,28 +235,35 @@ def prepare_sft_dataset(
         packing_strategy = "bfd_split"
     _check_options(packing, packing_strategy, padding_free, max_length, truncation_mode)
     dataset = _as_dataset(dataset)
-    if (dataset_kwargs or {}).get("skip_prepare_dataset", False):
+    _check_eos_token(processing_class, eos_token)
+    skip = (dataset_kwargs or {}).get("skip_prepare_dataset", False)
+    # as TRL, the first row is checked against the settings even when the rows are used as they are
+    first_row = next(iter(dataset), None)
+    fmt = None if first_row is None else _tokenized_format(first_row, None if skip else formatting_func, dataset_text_field)
+    if first_row is not None:
+        _check_first_row(first_row, fmt, assistant_only_loss)
+    if skip:
         return _unprepared(dataset)
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    first_row = _first_row(dataset)
-    if "image" in first_row or "images" in first_row:
-        raise ValueError("Vision datasets (an 'image' or 'images' column) are not supported by the text SFT path.")
-    if eos_token is not None and eos_token not in tokenizer.get_vocab():
-        raise ValueError(
-            f"eos_token {eos_token!r} is not in the vocabulary of {type(tokenizer).__name__}; pass a token it has."
-        )
+    _check_mappable(dataset)
+    if first_row is None:
+        raise ValueError("The dataset is empty: SFT needs at least one row.")
     if completion_only_loss is None:  # as TRL: decided by the columns, before any formatting
-        completion_only_loss = "prompt" in first_row and "completion" in first_row
+        completion_only_loss = has_prompt_and_completion(first_row)
     if completion_only_loss and formatting_func is not None:
         raise ValueError(
-            "formatting_func turns rows into plain text, so there is no completion to restrict the loss to; "
-            "apply the formatting before passing the dataset, or set completion_only_loss=False."
+            "A formatting function was provided while `completion_only_loss=True`, which is incompatible: "
+            "formatting_func turns rows into plain text, so there is no completion to restrict the loss to. Apply "
+            "the formatting before passing the dataset, or set completion_only_loss=False."
         )
+    if fmt is None:
+        raise format_error(0, first_row, dataset_text_field)
     num_proc = dataset_num_proc if isinstance(dataset, Dataset) else None  # IterableDataset.map has no num_proc
 
-    dataset, fmt, text_field = _to_known_format(dataset, first_row, formatting_func, dataset_text_field, num_proc)
+    dataset, text_field = _to_known_format(dataset, fmt, first_row, formatting_func, dataset_text_field, num_proc)
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
     effective_eos = eos_token or tokenizer.eos_token
-    _check_format_options(fmt, assistant_only_loss, effective_eos)
+    if fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION) and effective_eos is None:
+        raise ValueError("The tokenizer has no eos_token to end each text with; pass eos_token=<a token it has>.")
     chat_template = _assistant_mask_template(processing_class) if assistant_only_loss and fmt != PRETOKENIZED else None
     columns = column_names(dataset)
     build_labels = "labels" not in columns  # a dataset's own labels are used as they are
@@ -319,34 +335,49 @@ def _unprepared(dataset):
     return dataset
 
 
-def _to_known_format(dataset, first_row: dict, formatting_func, text_field: str, num_proc: int | None):
-    """Apply `formatting_func` (its text goes to a "text" column) or turn ShareGPT "conversations" into
-    "messages"; returns the dataset, its format (from row 0) and the text column."""
+def _tokenized_format(first_row: dict, formatting_func, text_field: str) -> str | None:
+    """The format the rows are tokenized in, read from row 0: pre-tokenized, the text `formatting_func` makes,
+    ShareGPT "conversations" as the messages they become, else the row's own (None: in no known format)."""
     if "input_ids" in first_row:
+        return PRETOKENIZED
+    if formatting_func is not None:
+        return LANGUAGE_MODELING
+    if is_from_value_messages(first_row.get("conversations")):
+        first_row = {**first_row, "messages": from_value_to_chatml(first_row["conversations"])}
+    return row_format(first_row, text_field)
+
+
+def _check_first_row(first_row: dict, fmt: str | None, assistant_only_loss: bool) -> None:
+    """TRL's checks of a dataset's first row against what SFT trains: text, and assistant turns to mask."""
+    if "image" in first_row or "images" in first_row:
+        raise ValueError(
+            "The dataset appears to be vision-related (contains 'image' or 'images' keys), but the text SFT path "
+            "trains text models only: drop the image columns, or use a trainer for vision-language models."
+        )
+    if assistant_only_loss and fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION):
+        raise ValueError(
+            f"You set `assistant_only_loss=True`, but the dataset is not conversational: it is {fmt}, and "
+            "assistant_only_loss=True needs a conversational dataset (messages), the only kind with assistant turns."
+        )
+
+
+def _to_known_format(dataset, fmt: str, first_row: dict, formatting_func, text_field: str, num_proc: int | None):
+    """Apply `formatting_func` (its text goes to a "text" column) or turn ShareGPT "conversations" into
+    "messages", as `fmt` (row 0's, from `_tokenized_format`) says; returns the dataset and its text column."""
+    if fmt == PRETOKENIZED:
         if formatting_func is not None:
             logger.warning("The dataset is already tokenized (it has 'input_ids'): formatting_func is ignored.")
-        return dataset, PRETOKENIZED, text_field
+        return dataset, text_field
     if formatting_func is not None:
         dataset = dataset.map(lambda row: {"text": _formatted(formatting_func, row)}, **_parallel(num_proc))
-        return dataset, LANGUAGE_MODELING, "text"
+        return dataset, "text"
     if is_from_value_messages(first_row.get("conversations")):
         dataset = dataset.map(
             lambda row: {"messages": from_value_to_chatml(row["conversations"])},
             remove_columns="conversations",
             **_parallel(num_proc),
         )
-        first_row = _first_row(dataset)
-    fmt = row_format(first_row, text_field)
-    if fmt is None:
-        raise format_error(0, first_row, text_field)
-    return dataset, fmt, text_field
-
-
-def _check_format_options(fmt: str, assistant_only_loss: bool, eos_token: str | None) -> None:
-    if assistant_only_loss and fmt not in (*CONVERSATIONAL_FORMATS, PRETOKENIZED):
-        raise ValueError(f"assistant_only_loss=True needs a conversational dataset (messages), but this one is {fmt}.")
-    if fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION) and eos_token is None:
-        raise ValueError("The tokenizer has no eos_token to end each text with; pass eos_token=<a token it has>.")
+    return dataset, text_field
 
 
 def _assistant_mask_template(processing_class) -> str | None:
