@@ -13,11 +13,9 @@ tokens and divided by their count (then by the accumulation steps).
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import torch
-from transformers import set_seed
 
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
@@ -27,7 +25,7 @@ from .async_grpo_config import AsyncGRPOConfig
 from .objective import Objective
 from .rewards import RewardFunctions
 from .rollout import Rollout, is_conversational, sampling_params
-from .trainer import Trainer, as_hfnative_args
+from .trainer import Trainer
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
 VLLM_SETTINGS = (
@@ -305,6 +303,8 @@ class AsyncGRPOTrainer(Trainer):
     """
 
     algorithm_name = "AsyncGRPO"
+    config_class = AsyncGRPOConfig
+    requires_train_dataset = True
     _tag_names = ["trl", "async-grpo"]
 
     def __init__(
@@ -328,24 +328,13 @@ class AsyncGRPOTrainer(Trainer):
                 raise ValueError(f"AsyncGRPOTrainer: `{name}` is not supported; generation runs in hfnative's Ray actors")
         if reward_funcs is None:
             raise ValueError("AsyncGRPOTrainer needs reward_funcs: one or more reward functions")
-        if args is None:
-            name = str(model).rstrip("/").split("/")[-1] if isinstance(model, str) else type(model).__name__
-            args = AsyncGRPOConfig(f"{name}-AsyncGRPO")
-        args = as_hfnative_args(args, AsyncGRPOConfig)
-        set_seed(args.seed)
-        self.peft_config = peft_config
-        self._reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args))
-        model_init_kwargs = dict(args.model_init_kwargs) if isinstance(args.model_init_kwargs, dict) else {}
-        if isinstance(model, (str, os.PathLike)) and not {"dtype", "torch_dtype"} & set(model_init_kwargs):
-            model_init_kwargs["dtype"] = args.dtype  # TRL: a dtype in model_init_kwargs takes precedence
+        self._reward_funcs = reward_funcs
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
-                         callbacks=callbacks, optimizers=optimizers, model_init_kwargs=model_init_kwargs)
-
-    @staticmethod
-    def _args_class():
-        return AsyncGRPOConfig
+                         callbacks=callbacks, optimizers=optimizers, peft_config=peft_config)
 
     def _make_objective(self):
+        # built after the seed is set and the policy loaded, as TRL loads reward models
+        self._reward_functions = RewardFunctions(self._reward_funcs, chat_template_kwargs=_chat_template_kwargs(self.args))
         return AsyncGRPOObjective(self.context, self._reward_functions)
 
     @property

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,12 +26,12 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD
 
+from .construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
-from .model_loading import disable_dropout, resolve_model
+from .model_loading import resolve_model
 from .objective import LanguageModelingObjective
 from .rollout import Rollout, completion_length_metrics, sampling_params, stop_token_ids, tokenize_prompts
-from .sft_trainer import _as_dict, _check_peft_config, _check_train_dataset, _model_name
-from .trainer import Trainer, as_hfnative_args, set_seed
+from .trainer import Trainer
 
 
 # --- data ---------------------------------------------------------------------------------------------
@@ -171,7 +170,7 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         self.beta, self.loss_temperature = args.beta, args.temperature
         stop_ids = stop_token_ids(context.tokenizer, context.model)
         self.rollout = Rollout(context, sampling_params(args, args.max_completion_length, stop_ids,
-                                                        generation_kwargs=_as_dict(args.generation_kwargs), strict=True))
+                                                        generation_kwargs=config_dict(args.generation_kwargs), strict=True))
         self.sampling = self.rollout.sampling
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=context.device)
         self._pending: dict[str, torch.Tensor] = {}
@@ -180,7 +179,7 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         return True
 
     def default_collator(self):
-        kwargs = _as_dict(self.args.chat_template_kwargs)
+        kwargs = config_dict(self.args.chat_template_kwargs)
         return PromptCollator(self.context.processing_class, self.pad_token_id, kwargs)
 
     def train_dataloader(self, dataset, collator):
@@ -242,11 +241,11 @@ class _TeacherMixin:
 
     def _build_auxiliary_models(self) -> None:
         source = self.objective.auxiliary_models["teacher"]
-        kwargs = _as_dict(self.args.teacher_model_init_kwargs)
+        kwargs = config_dict(self.args.teacher_model_init_kwargs)
         revision = getattr(self.args, "teacher_model_revision", None)
         if revision is not None:
             kwargs.setdefault("revision", revision)
-        if kwargs and isinstance(source, (str, Path)):
+        if kwargs and is_model_name(source):
             self.objective.auxiliary_models["teacher"] = resolve_model(source, self.device, kwargs).converted
         super()._build_auxiliary_models()
 
@@ -257,7 +256,7 @@ class _TeacherMixin:
                 f"{type(self).__name__} needs a teacher: pass `teacher_model` (a path, Hub id or model) or set "
                 "`teacher_model_name_or_path` in the config"
             )
-        if args.teacher_model_init_kwargs is not None and not isinstance(teacher, (str, Path)):
+        if args.teacher_model_init_kwargs is not None and not is_model_name(teacher):
             raise ValueError(
                 "You passed teacher_model_init_kwargs to the config, but your teacher_model is already instantiated: "
                 "drop teacher_model_init_kwargs, or pass the teacher by name."
@@ -270,6 +269,8 @@ class DistillationTrainer(_TeacherMixin, Trainer):
     loss, grad_norm, learning_rate, entropy, num_tokens and completions/* (eval_* in evaluation)."""
 
     algorithm_name = "Distillation"
+    config_class = DistillationConfig
+    requires_train_dataset = True
     _tag_names = ["trl", "distillation"]
 
     def __init__(
@@ -286,32 +287,13 @@ class DistillationTrainer(_TeacherMixin, Trainer):
         peft_config=None,
         tools=None,
     ):
-        if args is None:
-            args = DistillationConfig(f"{_model_name(model)}-Distillation")
-        args = as_hfnative_args(args, DistillationConfig)
         if tools:
             raise ValueError("tools: tool calling during generation is not available in hfnative's DistillationTrainer")
-        _check_train_dataset(train_dataset)
-        _check_peft_config(peft_config, model)
-        set_seed(args.seed)
+        args = self.resolve_args(args, model)
         self._teacher = self._teacher_source(teacher_model, args)
-        self.peft_config = peft_config
-        model_init_kwargs = _as_dict(args.model_init_kwargs) if isinstance(model, (str, Path)) else {}
-        if quantization_config is not None and isinstance(model, (str, Path)):
-            if "quantization_config" in model_init_kwargs:
-                raise ValueError(
-                    "You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`: keep one."
-                )
-            model_init_kwargs["quantization_config"] = quantization_config
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         model_init_kwargs=model_init_kwargs)
-        if args.disable_dropout:
-            disable_dropout(self.model)
-
-    @staticmethod
-    def _args_class():
-        return DistillationConfig
+                         quantization_config=quantization_config, peft_config=peft_config)
 
     def _make_objective(self):
         return OnPolicyDistillationObjective(self.context, self._teacher)

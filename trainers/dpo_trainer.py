@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from datasets import Dataset, IterableDataset
+from datasets import IterableDataset
 
 from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
 from hfnative.losses import IGNORE_INDEX, shift_labels
@@ -28,8 +28,8 @@ from .dpo_config import DPOConfig, UnsupportedSettings
 from .model_card import write_model_card
 from .model_loading import disable_dropout
 from .objective import Objective
-from .sft_trainer import SFTObjective, SFTTrainer, _as_dict, _check_peft_config, _model_name
-from .trainer import Trainer, as_hfnative_args, set_seed
+from .sft_trainer import SFTObjective
+from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class DPOTrainer(Trainer):
     logits/rejected, entropy, mean_token_accuracy, num_tokens (aux_loss for MoE), eval_* in evaluation."""
 
     algorithm_name = "DPO"
+    config_class = DPOConfig
+    requires_train_dataset = True
+    refuses_quantization_of_instances = True  # as TRL's DPOTrainer (its other trainers warn)
     _tag_names = ["trl", "dpo"]
 
     def __init__(
@@ -58,19 +61,12 @@ class DPOTrainer(Trainer):
         peft_config=None,
         optimizer_cls_and_kwargs=None,
     ):
-        if args is None:
-            args = DPOConfig(f"{_model_name(model)}-DPO")
-        args = as_hfnative_args(args, DPOConfig)
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: pass preference rows ('prompt', 'chosen', 'rejected')")
-        if not isinstance(train_dataset, (Dataset, IterableDataset, list)):
-            raise TypeError(f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`.")
+        args = self.resolve_args(args, model)
         if ref_model is not None and ref_model is model:
             raise ValueError(
                 "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
                 "we'll initialize it to a copy of `model` for you."
             )
-        _check_peft_config(peft_config, model)
         if peft_config is not None and args.sync_ref_model:
             raise UnsupportedSettings(
                 "You passed `sync_ref_model=True` while using a PEFT model: with PEFT the reference is the base model "
@@ -80,27 +76,9 @@ class DPOTrainer(Trainer):
         args.check_for_trainer()
         if args.padding_free:
             logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
-        set_seed(args.seed)
-        model_init_kwargs = _as_dict(args.model_init_kwargs)
-        if not isinstance(model, (str, Path)):
-            if model_init_kwargs:
-                logger.warning("You passed `model_init_kwargs` to the `DPOConfig`, but your model is already "
-                               "instantiated. The `model_init_kwargs` will be ignored.")
-            if quantization_config is not None:
-                raise ValueError(
-                    "You passed `quantization_config` to the trainer, but your model is already instantiated: pass the "
-                    "model as a path or Hub id, or omit `quantization_config`."
-                )
-            model_init_kwargs = {}
-        elif quantization_config is not None:
-            if "quantization_config" in model_init_kwargs:
-                raise ValueError("You set `quantization_config` both as a trainer argument and in "
-                                 "`args.model_init_kwargs`: keep one of them (the trainer argument, say).")
-            model_init_kwargs["quantization_config"] = quantization_config
         if args.use_liger_kernel:
             warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
                           "already computed by a chunked head.", FutureWarning, stacklevel=2)
-        self.peft_config = peft_config
         # the reference: a given model, else (unless LoRA or precomputed) a frozen copy of the policy's checkpoint
         self._ref_source = ref_model
         if ref_model is None and isinstance(model, Transformer):  # an object already native: copied, not shared
@@ -119,12 +97,9 @@ class DPOTrainer(Trainer):
             callbacks=callbacks,
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
-            model_init_kwargs=model_init_kwargs,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
         )
-
-    @staticmethod
-    def _args_class():
-        return DPOConfig
 
     def _make_objective(self):
         reference, self._ref_source = self._ref_source, None  # the objective's auxiliary_models holds it when needed

@@ -12,10 +12,8 @@ from typing import Any
 
 from .distillation_config import GKDConfig
 from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs, completion_batch
-from .model_loading import disable_dropout
 from .rollout import Rollout, generation_eos_ids, sampling_params, tokenize_prompts
-from .sft_trainer import SFTTrainer, _model_name
-from .trainer import as_hfnative_args
+from .sft_trainer import SFTTrainer
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -124,6 +122,7 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     learning_rate. The teacher: ``teacher_model`` (a path, Hub id or model), else ``teacher_model_name_or_path``."""
 
     algorithm_name = "GKD"
+    config_class = GKDConfig
     _tag_names = ["trl", "gkd"]
 
     def __init__(
@@ -142,9 +141,7 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
         peft_config=None,
         formatting_func=None,
     ):
-        if args is None:
-            args = GKDConfig(f"{_model_name(model)}-GKD")
-        args = as_hfnative_args(args, GKDConfig)
+        args = self.resolve_args(args, model)
         args.remove_unused_columns = False  # the collator reads the raw rows
         self._teacher = self._teacher_source(teacher_model, args)
         super().__init__(
@@ -153,12 +150,6 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
             optimizers=optimizers, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             peft_config=peft_config, formatting_func=formatting_func,
         )
-        if args.disable_dropout:
-            disable_dropout(self.model)
-
-    @staticmethod
-    def _args_class():
-        return GKDConfig
 
     def _make_objective(self):
         return GKDObjective(self.context, self._teacher)

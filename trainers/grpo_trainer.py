@@ -20,7 +20,6 @@ and completion statistics taken over the whole batch, and each rank keeps its ow
 from __future__ import annotations
 
 import copy
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -41,9 +40,9 @@ from hfnative.models.head import TokenLogprobs
 from hfnative.peft import disable_adapters
 
 from .completion_log import CompletionLog
+from .construction import is_model_name
 from .data_loading import EpochBatchSampler
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig
-from .model_loading import disable_dropout
 from .objective import Objective
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
@@ -453,6 +452,8 @@ class GRPOTrainer(Trainer):
     dotted import path, or a list of them (see trainers/rewards.py)."""
 
     algorithm_name = "GRPO"
+    config_class = GRPOConfig
+    requires_train_dataset = True
     _tag_names = ["trl", "grpo"]
     objective_class = GRPOObjective
 
@@ -463,24 +464,11 @@ class GRPOTrainer(Trainer):
             raise ValueError("reward_funcs is required: a callable, a reward model, a built-in name or a list of them")
         if tools or rollout_func is not None or environment_factory is not None:
             raise ValueError("tools, rollout_func and environment_factory are not available in hfnative's trainer")
-        if args is None:
-            name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
-            args = self._args_class()(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{self.algorithm_name}")
         self._reward_funcs, self._reward_processing_classes = reward_funcs, reward_processing_classes
         self._model_source = model
-        self.peft_config = peft_config
-        model_init_kwargs = dict(args.model_init_kwargs or {}) if isinstance(args.model_init_kwargs, (dict, type(None))) else {}
-        if quantization_config is not None:
-            model_init_kwargs["quantization_config"] = quantization_config
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
-                         model_init_kwargs=model_init_kwargs)
-        if self.args.disable_dropout:
-            disable_dropout(self.model)
-
-    @staticmethod
-    def _args_class():
-        return GRPOConfig
+                         quantization_config=quantization_config, peft_config=peft_config)
 
     def _make_objective(self):
         return self.objective_class(self.context, self._reward_funcs, self._reward_processing_classes,
@@ -489,7 +477,7 @@ class GRPOTrainer(Trainer):
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the
         policy as it is before training."""
-        if isinstance(self._model_source, (str, os.PathLike)):
+        if is_model_name(self._model_source):
             return self._model_source
         return copy.deepcopy(self.model)
 

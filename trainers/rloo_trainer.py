@@ -50,6 +50,7 @@ class RLOOTrainer(GRPOTrainer):
     reward_processing_classes, callbacks, optimizers, peft_config)``, reward functions as GRPOTrainer's."""
 
     algorithm_name = "RLOO"
+    config_class = RLOOConfig
     _tag_names = ["trl", "rloo"]
     objective_class = RLOOObjective
 
@@ -60,10 +61,6 @@ class RLOOTrainer(GRPOTrainer):
                          processing_class=processing_class, reward_processing_classes=reward_processing_classes,
                          callbacks=callbacks, optimizers=optimizers, quantization_config=quantization_config,
                          peft_config=peft_config)
-
-    @staticmethod
-    def _args_class():
-        return RLOOConfig
 
 
 def cli_command():

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import warnings
 from pathlib import Path
 
 import torch
 import transformers
-from datasets import Dataset, IterableDataset
 
 from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
 from hfnative.data.formats import has_prompt_and_completion
@@ -17,63 +15,12 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
 from .arguments import SFTConfig
+from .construction import config_dict
 from .model_card import write_model_card
 from .objective import LanguageModelingObjective
-from .trainer import Trainer, as_hfnative_args, set_seed
+from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-def _model_name(model) -> str:
-    if isinstance(model, (str, Path)):
-        return str(model).rstrip("/").split("/")[-1]
-    config = getattr(model, "config", None)
-    return str(getattr(config, "_name_or_path", "model")).rstrip("/").split("/")[-1]
-
-
-def _as_dict(value) -> dict:
-    return json.loads(value) if isinstance(value, str) else dict(value or {})
-
-
-def _check_train_dataset(train_dataset) -> None:
-    """TRL's checks: a train dataset is required, and it is a Dataset or IterableDataset (hfnative also takes a
-    list of dicts)."""
-    if train_dataset is None:
-        raise ValueError(
-            "`train_dataset` is required: pass the rows to train on (a datasets.Dataset, an IterableDataset or a list "
-            "of dicts)"
-        )
-    if isinstance(train_dataset, (Dataset, IterableDataset)):
-        return
-    if isinstance(train_dataset, list) and all(isinstance(row, dict) for row in train_dataset):
-        return
-    raise TypeError(
-        f"`train_dataset` must be a `Dataset` or `IterableDataset`, got `{type(train_dataset).__name__}`. "
-        "(hfnative also accepts a list of dicts.)"
-    )
-
-
-def _check_peft_config(peft_config, model) -> None:
-    """TRL requires a peft.PeftConfig; hfnative also takes a dict of LoraConfig's fields (the CLI's) or LoraSettings."""
-    from hfnative.peft import LoraSettings
-
-    if peft_config is not None and type(model).__name__.startswith("PeftModel"):
-        raise ValueError(
-            "You passed a `PeftModel` instance together with a `peft_config`: a model has one adapter here. To keep "
-            "training the existing adapter, save it and pass its folder as `model` without `peft_config`; for a new "
-            "adapter, merge the old one into the base (merge_and_unload), save that and pass it as `model`."
-        )
-    if peft_config is None or isinstance(peft_config, (dict, LoraSettings)):
-        return
-    try:
-        from peft import PeftConfig
-    except ImportError:
-        PeftConfig = ()
-    if not isinstance(peft_config, PeftConfig):
-        raise TypeError(
-            "`peft_config` must be a `peft.PeftConfig` instance (e.g. `peft.LoraConfig`), got "
-            f"{type(peft_config).__name__}."
-        )
 
 
 def _check_trainer_arguments(args: SFTConfig, data_collator, compute_loss_func) -> None:
@@ -122,6 +69,8 @@ class SFTTrainer(Trainer):
     entropy, mean_token_accuracy, num_tokens and epoch (eval_* in evaluation)."""
 
     algorithm_name = "SFT"
+    config_class = SFTConfig
+    requires_train_dataset = True
     _tag_names = ["trl", "sft"]
 
     def __init__(
@@ -142,35 +91,9 @@ class SFTTrainer(Trainer):
         peft_config=None,
         formatting_func=None,
     ):
-        if args is None:
-            args = SFTConfig(f"{_model_name(model)}-SFT")
-        args = as_hfnative_args(args, SFTConfig)
-        _check_train_dataset(train_dataset)
-        _check_peft_config(peft_config, model)
+        args = self.resolve_args(args, model)
         _check_trainer_arguments(args, data_collator, compute_loss_func)
-        set_seed(args.seed)
-        model_init_kwargs = _as_dict(args.model_init_kwargs)
-        if not isinstance(model, (str, Path)):
-            if model_init_kwargs:
-                logger.warning(
-                    "You passed `model_init_kwargs` to the `SFTConfig`, but the model is already instantiated, so the "
-                    "`model_init_kwargs` will be ignored (they apply when `model` is a path or Hub id)."
-                )
-            if quantization_config is not None:
-                logger.warning(
-                    "You passed `quantization_config` to the trainer, but the model is already instantiated, so the "
-                    "`quantization_config` will be ignored (it applies when `model` is a path or Hub id)."
-                )
-            model_init_kwargs = {}
-        elif quantization_config is not None:
-            if "quantization_config" in model_init_kwargs:
-                raise ValueError(
-                    "You set `quantization_config` both as a trainer argument and in `args.model_init_kwargs`: keep "
-                    "one of them (the trainer argument, say)."
-                )
-            model_init_kwargs["quantization_config"] = quantization_config
         self.formatting_func = formatting_func
-        self.peft_config = peft_config
         super().__init__(
             model=model,
             args=args,
@@ -184,12 +107,9 @@ class SFTTrainer(Trainer):
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            model_init_kwargs=model_init_kwargs,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
         )
-
-    @staticmethod
-    def _args_class():
-        return SFTConfig
 
     def _make_objective(self):
         return SFTObjective(self.context, formatting_func=self.formatting_func)
@@ -308,7 +228,7 @@ class SFTObjective(LanguageModelingObjective):
             eos_token=a.eos_token,
             formatting_func=self.formatting_func,
             dataset_num_proc=a.dataset_num_proc,
-            dataset_kwargs=_as_dict(a.dataset_kwargs),
+            dataset_kwargs=config_dict(a.dataset_kwargs),
             truncation_mode=a.truncation_mode,
             shuffle_dataset=a.shuffle_dataset,
             seed=a.seed,

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -40,10 +39,11 @@ from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
 from . import hub
 from .arguments import TrainingArguments
+from .construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
 from .data_loading import has_length, make_dataloader, start_epoch
 from .distributed import DataParallelGroup, DistributedMixin, pad_sequence_to_multiple, start_distributed
 from .evaluation import EvaluationMixin
-from .model_loading import load_meta_model, load_processing_class, load_sharded, resolve_model
+from .model_loading import disable_dropout, load_meta_model, load_processing_class, load_sharded, resolve_model
 from .objective import (
     LanguageModelingObjective,
     MetricAverages,
@@ -69,23 +69,20 @@ def resolve_device(args) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def as_hfnative_args(args, cls):
-    """Accept transformers' (or TRL's) argument objects: same fields, our class."""
-    if isinstance(args, cls):
-        return args
-    names = {f.name for f in fields(cls) if f.init}
-    values = {f.name: getattr(args, f.name) for f in fields(args) if f.init and f.name in names}
-    return cls(**values)
-
-
 class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
-    an hfnative ConvertedModel, or a native ``Transformer``.
+    an hfnative ConvertedModel, or a native ``Transformer``. The TRL trainers' ``quantization_config`` and
+    ``peft_config`` are keyword-only here. A trainer class states what differs in its construction in the four
+    class attributes below; the steps themselves are trainers/construction.py's.
     """
 
-    algorithm_name = "the Trainer"
+    config_class = TrainingArguments  # ``args`` is made one of these (TRL's default output_dir for a TRL config)
+    algorithm_name = "the Trainer"  # the model card's algorithm, and the suffix of TRL's default output_dir
+    requires_train_dataset = False  # TRL's trainers refuse to be built without one; transformers' Trainer does not
+    # a quantization_config with a model object: an error (TRL's DPOTrainer), else a warning that it is ignored
+    refuses_quantization_of_instances = False
     _last_micro_batch = True  # is the micro-batch in training_step the optimizer step's last one
     _current_accumulation_steps = 1  # this rank's micro-batches in the step being trained
     _loss_divisor = 1  # what training_step divides a loss by when the step's normalizer gives no item count
@@ -110,11 +107,14 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         optimizer_cls_and_kwargs=None,
         preprocess_logits_for_metrics=None,
         *,
-        model_init_kwargs: dict | None = None,
+        quantization_config=None,
+        peft_config=None,
     ):
-        if args is None:
-            args = TrainingArguments(output_dir="tmp_trainer")
-        self.args = as_hfnative_args(args, self._args_class())
+        self.args = self.resolve_args(args, model)
+        if self.requires_train_dataset:
+            check_train_dataset(train_dataset, type(self).__name__)
+        check_peft_config(peft_config, model)
+        self.peft_config = peft_config
         if self.args.optimizer_in_backward:
             check_optimizer_in_backward_args(self.args.max_grad_norm)
         set_seed(self.args.seed)
@@ -127,8 +127,11 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 "`Trainer` requires either a `model` or `model_init` argument (a path, a Hub id or a model object)"
             )
         self.model_init = model_init
-        self._model_init_kwargs = model_init_kwargs or {}
+        self._model_init_kwargs = model_init_kwargs(model, self.args, quantization_config,
+                                                    self.refuses_quantization_of_instances)
         self._set_model(model if model is not None else model_init())
+        if getattr(self.args, "disable_dropout", False):  # the TRL configs that have the option
+            disable_dropout(self.model)
         self.processing_class = processing_class if processing_class is not None else load_processing_class(self.converted)
 
         self.compute_loss_func = compute_loss_func
@@ -169,9 +172,11 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
 
     # --- hooks subclasses specialise -----------------------------------------------------------
 
-    @staticmethod
-    def _args_class():
-        return TrainingArguments
+    @classmethod
+    def resolve_args(cls, args, model):
+        """``args`` as this trainer's ``config_class`` (TRL's default when None); a subclass that reads its
+        arguments before ``Trainer.__init__`` calls this first."""
+        return as_config(args, cls.config_class, model, cls.algorithm_name)
 
     def _make_objective(self):
         """The algorithm's piece of the loop (see trainers/objective.py), built on ``self.context``."""
