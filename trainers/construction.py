@@ -1,5 +1,7 @@
-"""What every trainer's constructor does with its arguments before the loop is built (``Trainer.__init__`` calls
-these; a trainer class states only its config class, its ``algorithm_name`` and its own extra arguments).
+"""What every trainer's constructor does with its arguments before the loop is built. ``Trainer.__init__`` calls
+these (and sets the seed and turns dropout off where the config asks); a trainer class states only its
+``config_class``, ``algorithm_name``, ``requires_train_dataset`` and ``refuses_quantization_of_instances`` (class
+attributes of ``Trainer``) and what its own extra arguments are.
 
 TRL's trainers agree on each of these steps, with one exception kept per trainer: its DPOTrainer refuses a
 ``quantization_config`` with an instantiated model, where the others warn that it is ignored.
