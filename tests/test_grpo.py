@@ -323,7 +323,7 @@ def test_tiny_model_learns_from_the_reward_like_trl(tmp_path):
     objective = trainer.objective
     micro_batches = objective.generate_and_score([{"prompt": [{"role": "user", "content": "Write about the sea."}]}] * 2)
     for micro_batch in micro_batches:
-        forward = objective._forward_logprobs(trainer.model, micro_batch)
+        forward = objective.rollout.completion_logprobs(trainer.model, micro_batch, len(micro_batch["prompt_ids"]))
         mask = micro_batch["completion_mask"].bool()
         torch.testing.assert_close(micro_batch["sampling_logprobs"][mask], forward[mask], atol=2e-5, rtol=1e-5)
 

@@ -136,8 +136,6 @@ class DPOObjective(Objective):
         self.reference_is_base = self.uses_adapters and context.trains_new_adapters
         if reference_given or (not self.reference_is_base and not args.precompute_ref_log_probs):
             self.auxiliary_models["ref_model"] = reference
-        if args.disable_dropout:
-            disable_dropout(context.model)
 
     def auxiliary_models_ready(self) -> None:
         """The reference in the policy's dtype, dropout off in it too (precomputed log-probs need it ready)."""

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.policy import (
     LOSS_TYPES,
     clipped_policy_loss,
@@ -36,7 +35,6 @@ from hfnative.losses.policy import (
     sampler_importance_weights,
     weighted_rewards,
 )
-from hfnative.models.head import TokenLogprobs
 from hfnative.peft import disable_adapters
 
 from .completion_log import CompletionLog
@@ -46,7 +44,14 @@ from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig
 from .objective import Objective
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
-from .rollout import Rollout, completion_length_metrics, pad_token_lists, sampling_params, stop_token_ids
+from .rollout import (
+    CompletionLogprobs,
+    Rollout,
+    completion_length_metrics,
+    model_inputs,
+    sampling_params,
+    stop_token_ids,
+)
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
 
@@ -77,22 +82,60 @@ class GenerationBatchSampler(EpochBatchSampler):
         return (self.num_samples // self.batch_size) * self.repeat
 
 
+def generation_dataloader(dataset, collator, args, repeat: int, shard: dict):
+    """This rank's generation batches of prompts (``GenerationBatchSampler``), each read ``repeat`` times."""
+    from torch.utils.data import DataLoader
+
+    if not hasattr(dataset, "__len__"):
+        raise ValueError(
+            "the online RL trainers sample prompts by index: pass a map-style datasets.Dataset (or a list of "
+            "dicts), not a streaming IterableDataset"
+        )
+    shards, G = shard.get("num_shards", 1), args.num_generations
+    if args.generation_batch_size % (G * shards):
+        raise ValueError(
+            f"generation_batch_size={args.generation_batch_size} over {shards} data-parallel ranks does not give "
+            f"each rank whole groups of num_generations={G}: make it a multiple of {G * shards}"
+        )
+    prompts_per_batch = args.generation_batch_size // (G * shards)
+    if len(dataset) < prompts_per_batch * shards:
+        raise ValueError(
+            f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
+            f"({args.generation_batch_size} completions / {G} generations): add prompts or "
+            "lower per_device_train_batch_size / steps_per_generation"
+        )
+    sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, repeat,
+                                     seed=args.data_seed if args.data_seed is not None else args.seed,
+                                     shuffle=args.shuffle_dataset, **shard)
+    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=0)
+
+
 def _rows(batch):
     """The collator: the dataset rows as they are."""
     return list(batch)
 
 
-class CompletionLogprobs:
-    """Head loss: log-prob and entropy (at ``temperature``) of each completion token [B, T], zeros where the
-    target is IGNORE_INDEX. Only the positions that predict completion tokens reach the head."""
+# the sampler-correction statistics taken over every rank: name -> 1.0 (a max) or -1.0 (a min)
+SAMPLER_EXTREMES = {"sampling/sampling_logp_difference/max": 1.0, "sampling/importance_sampling_ratio/min": -1.0,
+                    "sampling/importance_sampling_ratio/max": 1.0}
 
-    def __init__(self, targets_BT: torch.Tensor, prompt_length: int, temperature: float = 1.0):
-        self.targets_BT, self.prompt_length, self.temperature = targets_BT, prompt_length, temperature
 
-    def __call__(self, hidden_BSD, weight_VD, softcap):
-        T = self.targets_BT.shape[1]
-        hidden_BTD = hidden_BSD[:, self.prompt_length - 1 : self.prompt_length - 1 + T]
-        return TokenLogprobs(self.targets_BT, self.temperature)(hidden_BTD, weight_VD, softcap)
+def sampler_correction(old_logprobs_NT, batch: dict, args) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """TRL's importance-sampling correction for a sampler other than the trained model (vLLM): the weights [N, T]
+    and their statistics on this rank."""
+    mask_NT = batch["completion_mask"]
+    weights = sampler_importance_weights(
+        old_logprobs_NT, batch["sampling_logprobs"], mask_NT, args.vllm_importance_sampling_mode,
+        args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
+    )
+    gap = (old_logprobs_NT - batch["sampling_logprobs"]).abs()[mask_NT.bool()]
+    gap = gap[~torch.isnan(gap)]
+    stats = {"sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else torch.tensor(0.0),
+             "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else torch.tensor(0.0)}
+    flat = weights.flatten() if weights.shape[1] == 1 else weights[mask_NT.bool()]
+    for name, reduce in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
+        stats[f"sampling/importance_sampling_ratio/{name}"] = reduce(flat) if flat.numel() else torch.tensor(0.0)
+    return weights.expand_as(old_logprobs_NT).contiguous(), stats
 
 
 # --- the objective ---------------------------------------------------------------------------------------------
@@ -155,8 +198,6 @@ class GRPOObjective(Objective):
 
     # --- data -------------------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required: rows with a 'prompt' column (text or a list of messages)")
         first = next(iter(train_dataset), None)
         if not isinstance(first, dict) or "prompt" not in first:
             raise ValueError(
@@ -169,33 +210,7 @@ class GRPOObjective(Objective):
         return _rows
 
     def train_dataloader(self, dataset, collator):
-        from torch.utils.data import DataLoader
-
-        args = self.args
-        if not hasattr(dataset, "__len__"):
-            raise ValueError(
-                "the online RL trainers sample prompts by index: pass a map-style datasets.Dataset (or a list of "
-                "dicts), not a streaming IterableDataset"
-            )
-        shard = self.context.data_shard()
-        shards = shard.get("num_shards", 1)
-        if args.generation_batch_size % (self.num_generations * shards):
-            raise ValueError(
-                f"generation_batch_size={args.generation_batch_size} over {shards} data-parallel ranks does not give "
-                f"each rank whole groups of num_generations={self.num_generations}: make it a multiple of "
-                f"{self.num_generations * shards}"
-            )
-        prompts_per_batch = args.generation_batch_size // (self.num_generations * shards)
-        if len(dataset) < prompts_per_batch * shards:
-            raise ValueError(
-                f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
-                f"({args.generation_batch_size} completions / {self.num_generations} generations): add prompts or "
-                "lower per_device_train_batch_size / steps_per_generation"
-            )
-        sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, self.generate_every,
-                                         seed=args.data_seed if args.data_seed is not None else args.seed,
-                                         shuffle=args.shuffle_dataset, **shard)
-        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=0)
+        return generation_dataloader(dataset, collator, self.args, self.generate_every, self.context.data_shard())
 
     # --- one optimizer step (each micro-batch's loss is normalized on its own: the default normalizer) ------------
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
@@ -234,7 +249,7 @@ class GRPOObjective(Objective):
         completions = self.rollout.decode(prompts, completion_ids)
         self._log_generation(prompt_ids, completion_ids)
 
-        batch = self._tensors(prompt_ids, completion_ids, rollouts.logprobs)
+        batch = self.rollout.tensors(prompt_ids, completion_ids, rollouts.logprobs, self.args.mask_truncated_completions)
         log = self.completion_log
         local_rewards_NF = self.rewards.score(prompts, completions, completion_ids, rows, trainer_state=self.context.state,
                                               log_extra=log.log_extra, log_metric=log.log_metric)
@@ -249,21 +264,6 @@ class GRPOObjective(Objective):
             self._add(name, value)
         return self._split(batch)
 
-    def _tensors(self, prompt_ids, completion_ids, sampling_logprobs) -> dict:
-        pad = self.rollout.pad_token_id
-        completion_mask_NT = pad_token_lists([[1] * len(ids) for ids in completion_ids], 0)
-        if self.args.mask_truncated_completions:
-            truncated_N = torch.tensor([self.rollout.is_truncated(ids) for ids in completion_ids])
-            completion_mask_NT = completion_mask_NT * (~truncated_N)[:, None].long()
-        return {
-            "prompt_ids": pad_token_lists(prompt_ids, pad, side="left"),
-            "prompt_mask": pad_token_lists([[1] * len(ids) for ids in prompt_ids], 0, side="left"),
-            "completion_ids": pad_token_lists(completion_ids, pad),
-            "completion_mask": completion_mask_NT,
-            "sampling_logprobs": pad_token_lists(sampling_logprobs, 0.0, dtype=torch.float32),
-            "completion_lengths": torch.tensor([len(ids) for ids in completion_ids]),
-        }
-
     def _needs_old_logprobs(self) -> bool:
         """TRL: when the generation batch is trained on after an optimizer step has changed the policy, or
         the sampler's log-probs need correcting."""
@@ -275,70 +275,20 @@ class GRPOObjective(Objective):
         if self.args.beta != 0.0:
             if self.use_reference_adapters_off:
                 with disable_adapters(policy):
-                    out["ref_logprobs"] = self._forward_logprobs(policy, batch)
+                    out["ref_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
             else:
-                out["ref_logprobs"] = self._forward_logprobs(self.auxiliary_models["ref"], batch)
+                out["ref_logprobs"] = self.rollout.completion_logprobs(self.auxiliary_models["ref"], batch, self.args.per_device_train_batch_size)
         if self._needs_old_logprobs():
             if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights:
-                out["old_logprobs"] = self._forward_logprobs(policy, batch)
+                out["old_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
             else:
                 out["old_logprobs"] = batch["sampling_logprobs"]
         if self.sampler_correction:
-            out["sampler_weights"] = self._sampler_weights(out["old_logprobs"], batch)
+            out["sampler_weights"], stats = sampler_correction(out["old_logprobs"], batch, self.args)
+            # as TRL: the means averaged over the data-parallel ranks, the extremes taken over them
+            for name, value in self._extremes_over_ranks(stats, SAMPLER_EXTREMES).items():
+                self._add(name, value)
         return out
-
-    def _sampler_weights(self, old_logprobs_NT, batch) -> torch.Tensor:
-        """TRL's vLLM importance-sampling correction [N, T], and its logged statistics."""
-        args, mask_NT = self.args, batch["completion_mask"]
-        weights = sampler_importance_weights(
-            old_logprobs_NT, batch["sampling_logprobs"], mask_NT, args.vllm_importance_sampling_mode,
-            args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
-        )
-        gap = (old_logprobs_NT - batch["sampling_logprobs"]).abs()[mask_NT.bool()]
-        gap = gap[~torch.isnan(gap)]
-        stats = {"sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else torch.tensor(0.0),
-                 "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else torch.tensor(0.0)}
-        flat = weights.flatten() if weights.shape[1] == 1 else weights[mask_NT.bool()]
-        for name, reduce in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
-            stats[f"sampling/importance_sampling_ratio/{name}"] = reduce(flat) if flat.numel() else torch.tensor(0.0)
-        # as TRL: the means averaged over the data-parallel ranks, the extremes taken over them
-        stats = self._extremes_over_ranks(stats, {"sampling/sampling_logp_difference/max": 1.0,
-                                                  "sampling/importance_sampling_ratio/min": -1.0,
-                                                  "sampling/importance_sampling_ratio/max": 1.0})
-        for name, value in stats.items():
-            self._add(name, value)
-        return weights.expand_as(old_logprobs_NT).contiguous()
-
-    def _forward_logprobs(self, model, batch: dict) -> torch.Tensor:
-        """Per-token log-probs [N, T] of the completions under ``model``, no grad, in micro-batch-sized chunks."""
-        size = self.args.per_device_train_batch_size
-        parts = []
-        was_training = model.training
-        model.eval()
-        try:
-            for start in range(0, batch["prompt_ids"].shape[0], size):
-                chunk = {k: v[start : start + size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                inputs = self.context.prepare_inputs(self._model_inputs(chunk))
-                with self.context.autocast():
-                    logprobs, _ = self.forward(model, inputs, self._head_loss(inputs)).head_output
-                parts.append(logprobs.float().cpu())
-        finally:
-            model.train(was_training)
-        return torch.cat(parts)
-
-    def _model_inputs(self, batch: dict) -> dict:
-        """input_ids / attention_mask of prompt + completion, the completion targets and the prompt width."""
-        targets_BT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
-        return {
-            **batch,
-            "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
-            "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
-            "completion_targets": targets_BT,
-            "prompt_length": batch["prompt_ids"].shape[1],
-        }
-
-    def _head_loss(self, inputs: dict) -> CompletionLogprobs:
-        return CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"], self.sampling.logprob_temperature)
 
     def advantages(self, rewards_NF: torch.Tensor, batch: dict):
         weights_F = self.rewards.weights_F
@@ -371,7 +321,7 @@ class GRPOObjective(Objective):
                         "sampler_weights"):
                 if key in part and part[key].dim() == 2:
                     part[key] = part[key][:, :completion_width]
-            micro_batch = self._model_inputs(part)
+            micro_batch = model_inputs(part)
             micro_batch["completion_tokens_per_micro_batch"] = tokens_per_micro_batch
             micro_batches.append(micro_batch)
         return micro_batches
@@ -382,7 +332,8 @@ class GRPOObjective(Objective):
 
     # --- the loss -----------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
-        logprobs_BT, entropy_BT = self.forward(model, inputs, self._head_loss(inputs)).head_output
+        head = CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"], self.sampling.logprob_temperature)
+        logprobs_BT, entropy_BT = self.forward(model, inputs, head).head_output
         mask_BT = inputs["completion_mask"]
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
         return out.loss, self._extremes_over_ranks(out.metrics)

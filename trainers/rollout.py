@@ -12,7 +12,11 @@ from dataclasses import fields, replace
 
 import torch
 
+from hfnative.data.collate import pad_right
 from hfnative.generation import NativeRolloutEngine, Rollouts, SamplingParams
+from hfnative.losses import IGNORE_INDEX
+from hfnative.models.head import TokenLogprobs
+from hfnative.parallel.replica import gather_replica, is_parallelized
 
 
 def is_conversational(prompt) -> bool:
@@ -79,10 +83,10 @@ def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generatio
 
 def pad_token_lists(sequences: list[list], value, side: str = "right", dtype=torch.long) -> torch.Tensor:
     """[N, T] from N lists of up to T values, ``value`` filling the ``side`` ("left" or "right")."""
-    width = max(len(s) for s in sequences)
-    if side == "left":
-        return torch.tensor([[value] * (width - len(s)) + list(s) for s in sequences], dtype=dtype)
-    return torch.tensor([list(s) + [value] * (width - len(s)) for s in sequences], dtype=dtype)
+    rows = [torch.tensor(list(s), dtype=dtype) for s in sequences]
+    if side == "left":  # right-padding of the reversed rows, reversed back
+        return pad_right([row.flip(0) for row in rows], value).flip(1)
+    return pad_right(rows, value)
 
 
 def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -99,6 +103,32 @@ def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) 
     }
 
 
+def model_inputs(batch: dict) -> dict:
+    """A rollout batch (``Rollout.tensors``) as the model's inputs: prompt + completion ids and attention mask
+    [N, P + T], the completion targets [N, T] (IGNORE_INDEX where masked) and the prompt width P."""
+    targets_NT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    return {
+        **batch,
+        "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+        "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+        "completion_targets": targets_NT,
+        "prompt_length": batch["prompt_ids"].shape[1],
+    }
+
+
+class CompletionLogprobs:
+    """Head loss: log-prob and entropy (at ``temperature``) of each completion token [B, T], zeros where the
+    target is IGNORE_INDEX. Only the positions that predict completion tokens reach the head."""
+
+    def __init__(self, targets_BT: torch.Tensor, prompt_length: int, temperature: float = 1.0):
+        self.targets_BT, self.prompt_length, self.temperature = targets_BT, prompt_length, temperature
+
+    def __call__(self, hidden_BSD, weight_VD, softcap):
+        T = self.targets_BT.shape[1]
+        hidden_BTD = hidden_BSD[:, self.prompt_length - 1 : self.prompt_length - 1 + T]
+        return TokenLogprobs(self.targets_BT, self.temperature)(hidden_BTD, weight_VD, softcap)
+
+
 class Rollout:
     """One trainer's rollouts: tokenization, sampling settings, engines, padding, decoding and length metrics.
 
@@ -106,6 +136,9 @@ class Rollout:
     model given to ``generate`` (a teacher) gets a native engine of its own. ``sampling``: the run's
     SamplingParams; ``chat_template_kwargs``: passed to the chat template; ``add_special_tokens``: for text
     prompts (TRL's async trainer tokenizes them without).
+
+    A native engine on a parallelized model (FSDP2, DDP) decodes a replica of its whole weights, gathered on every
+    rank before each generation (hfnative.parallel.replica), so each data-parallel rank completes its own prompts.
     """
 
     def __init__(self, context, sampling: SamplingParams, *, engine=None, chat_template_kwargs: dict | None = None,
@@ -117,22 +150,40 @@ class Rollout:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.add_special_tokens = add_special_tokens
-        self.engine = engine
+        self._replicas: dict[int, object] = {}  # id(model) -> the replica a native engine decodes
         self._other_engines: dict[int, NativeRolloutEngine] = {}
+        if engine is not None and isinstance(engine, NativeRolloutEngine) and is_parallelized(context.model):
+            engine = None  # decodes a replica instead, made below
+        self.engine = engine
+        if engine is None and is_parallelized(context.model):
+            self.engine = self._replica_engine(context.model)
 
     def tokenize(self, prompts: list) -> list[list[int]]:
         return tokenize_prompts(self.context.processing_class, prompts, self.chat_template_kwargs, self.add_special_tokens)
 
     def engine_for(self, model=None):
-        """The policy's engine (``model`` None or the policy), else a native engine on ``model``'s weights."""
-        if model is None or model is self.context.model:
-            if self.engine is None:
-                self.engine = NativeRolloutEngine(self.context.model)
-            return self.engine
-        engine = self._other_engines.get(id(model))
-        if engine is None:
-            engine = self._other_engines[id(model)] = NativeRolloutEngine(model)
-        return engine
+        """The policy's engine (``model`` None or the policy), else a native engine on ``model``'s weights; an
+        engine on a replica has the model's current weights gathered into it first (every rank calls this)."""
+        policy = model is None or model is self.context.model
+        model = self.context.model if policy else model
+        if policy and self.engine is None:
+            self.engine = NativeRolloutEngine(model)
+        if not policy and id(model) not in self._other_engines:
+            parallel = is_parallelized(model)
+            self._other_engines[id(model)] = self._replica_engine(model) if parallel else NativeRolloutEngine(model)
+        if id(model) in self._replicas:
+            self._replicas[id(model)] = gather_replica(model, self._replicas[id(model)])
+        return self.engine if policy else self._other_engines[id(model)]
+
+    def _replica_engine(self, model) -> NativeRolloutEngine:
+        if self.context.uses_adapters and model is self.context.model:
+            raise ValueError(
+                "generating from a LoRA policy in a multi-process run needs its adapters folded into a whole copy of "
+                "the weights, which the native engine does not do yet: run on one process, or generate with vLLM "
+                "(use_vllm=True)"
+            )
+        self._replicas[id(model)] = replica = gather_replica(model)
+        return NativeRolloutEngine(replica)
 
     def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None) -> Rollouts:
         """Completions of ``prompt_ids`` (each cut after its first stop token) with their sampling log-probs, from
@@ -140,6 +191,45 @@ class Rollout:
         sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
         with self.context.autocast():
             return self.engine_for(model).generate(prompt_ids, sampling)
+
+    def tensors(self, prompt_ids, completion_ids, sampling_logprobs, mask_truncated: bool = False) -> dict:
+        """The rollouts as padded tensors: prompts left-padded [N, P] with their mask, completions right-padded
+        [N, T] with their mask (zero for completions cut at the length limit when ``mask_truncated``), the sampling
+        log-probs [N, T] and the completion lengths [N]."""
+        pad = self.pad_token_id
+        completion_mask_NT = pad_token_lists([[1] * len(ids) for ids in completion_ids], 0)
+        if mask_truncated:
+            truncated_N = torch.tensor([self.is_truncated(ids) for ids in completion_ids])
+            completion_mask_NT = completion_mask_NT * (~truncated_N)[:, None].long()
+        return {
+            "prompt_ids": pad_token_lists(prompt_ids, pad, side="left"),
+            "prompt_mask": pad_token_lists([[1] * len(ids) for ids in prompt_ids], 0, side="left"),
+            "completion_ids": pad_token_lists(completion_ids, pad),
+            "completion_mask": completion_mask_NT,
+            "sampling_logprobs": pad_token_lists(sampling_logprobs, 0.0, dtype=torch.float32),
+            "completion_lengths": torch.tensor([len(ids) for ids in completion_ids]),
+        }
+
+    @torch.no_grad()
+    def completion_logprobs(self, model, batch: dict, batch_size: int) -> torch.Tensor:
+        """Per-token log-probs [N, T] of a rollout batch's completions under ``model`` (at the sampling
+        temperature), without a graph, ``batch_size`` rows at a time, on the CPU in float32."""
+        parts, was_training = [], model.training
+        model.eval()
+        try:
+            for start in range(0, batch["prompt_ids"].shape[0], batch_size):
+                chunk = {k: v[start : start + batch_size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                inputs = self.context.prepare_inputs(model_inputs(chunk))
+                head = CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"],
+                                          self.sampling.logprob_temperature)
+                with self.context.autocast():
+                    logprobs, _ = model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                        position_ids=inputs.get("position_ids"), attention_plan=inputs.get("attention_plan"),
+                                        head_loss=head).head_output
+                parts.append(logprobs.float().cpu())
+        finally:
+            model.train(was_training)
+        return torch.cat(parts)
 
     def is_truncated(self, completion_ids: list[int]) -> bool:
         """Cut at the length limit: the completion does not end on a stop (or the padding) token."""
@@ -160,9 +250,11 @@ class Rollout:
 
 __all__ = [
     "GENERATION_KWARGS",
+    "CompletionLogprobs",
     "Rollout",
     "completion_length_metrics",
     "is_conversational",
+    "model_inputs",
     "pad_token_lists",
     "sampling_params",
     "stop_token_ids",

@@ -1,0 +1,60 @@
+"""GRPOTrainer generates in a 2-process run (torchrun, gloo): under FSDP2 and DDP each rank decodes its own prompts
+on a replica of the sharded policy, gathered before each generation. Greedy completions through the trainer's
+rollout component equal a one-process native engine's on the checkpoint (before training) and on the trained
+weights (after 2 steps of real GRPO: sampled completions, reward functions, the loop), so the replica follows the
+policy; tensor parallelism is refused by the capability check, naming itself and what to do."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_grpo import MODEL
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grpo-generation")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "_grpo_generation_worker.py"), str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return out
+
+
+def greedy_on_one_process(prompts, state=None) -> list[list[int]]:
+    import hfnative
+    from hfnative.generation import NativeRolloutEngine, SamplingParams
+
+    model = hfnative.load_pretrained(MODEL).model
+    if state is not None:
+        model.load_state_dict(state)
+    eos = [2]  # tiny-qwen3's <|im_end|>, its tokenizer's and generation_config's EOS
+    return NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=8, do_sample=False,
+                                                                       eos_token_id=eos)).completion_ids
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_each_rank_generates_its_prompts_like_one_process(launched, layout):
+    state = torch.load(launched / f"{layout}-state.pt", weights_only=True)
+    for rank in (0, 1):
+        result = json.loads((launched / f"{layout}-rank{rank}.json").read_text())
+        assert result["before"] == greedy_on_one_process(result["prompts"])
+        assert result["after"] == greedy_on_one_process(result["prompts"], state)
+        assert result["after"] != result["before"]  # the policy moved (lr 1e-2) and the replica with it
+        logs = result["logs"]
+        assert len(logs) == 2 and all(torch.isfinite(torch.tensor([e["loss"], e["grad_norm"]])).all() for e in logs)
+        assert {"reward", "completions/mean_length", "rewards/even_fraction/mean"} <= set(logs[0])
+
+
+def test_tensor_parallel_grpo_is_refused_with_what_to_do(launched):
+    for rank in (0, 1):
+        message = (launched / f"tp-rank{rank}.txt").read_text()
+        assert "GRPOTrainer does not support tensor parallelism" in message and "tp_size=1" in message

@@ -1,0 +1,166 @@
+"""The objective contract (trainers/objective.py): objectives see the run only through their ObjectiveContext, the
+loop reduces every normalizer and divides, and the capability check refuses, in one message, what an objective
+does not declare.
+
+The refusals are checked on a context whose layout is a real ParallelDims (no process group is needed to decide),
+the normalizer reduction on one process against its formula, and the source of every objective class by an AST
+scan: no objective names the trainer or reads a private attribute of its context.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hfnative.parallel.dims import ParallelDims
+from hfnative.trainers.async_grpo import AsyncGRPOObjective
+from hfnative.trainers.distillation_trainer import OnPolicyDistillationObjective
+from hfnative.trainers.dpo_trainer import DPOObjective
+from hfnative.trainers.gkd_trainer import GKDObjective
+from hfnative.trainers.grpo_trainer import GRPOObjective
+from hfnative.trainers.objective import (
+    FEATURES,
+    LanguageModelingObjective,
+    Normalizer,
+    UnsupportedLayoutError,
+    check_supported,
+    count_label_tokens,
+    features_used,
+)
+from hfnative.trainers.rloo_trainer import RLOOObjective
+from hfnative.trainers.sft_trainer import SFTObjective
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeObjective:
+    """Only what the check reads: ``supports`` and ``generates()``."""
+
+    def __init__(self, supports, generates=False):
+        self.supports, self._generates = frozenset(supports), generates
+
+    def generates(self):
+        return self._generates
+
+
+def context(world_size=1, eval_strategy="no", **sizes):
+    layout = ParallelDims(world_size=world_size, **sizes) if world_size > 1 else None
+    return SimpleNamespace(world_size=world_size, layout=layout, args=SimpleNamespace(eval_strategy=eval_strategy))
+
+
+def test_the_features_a_run_uses():
+    assert features_used(FakeObjective(FEATURES), context()) == []
+    assert features_used(FakeObjective(FEATURES), context(eval_strategy="steps")) == ["evaluation"]
+    assert features_used(FakeObjective(FEATURES, generates=True), context(world_size=2, dp_shard=2)) == [
+        "multi_process", "multi_process_generation"]
+    assert features_used(FakeObjective(FEATURES), context(world_size=4, dp_shard=2, tp=2)) == [
+        "multi_process", "tensor_parallel"]
+    assert features_used(FakeObjective(FEATURES), context(world_size=2, dp_shard=1, cp=2)) == [
+        "multi_process", "context_parallel"]
+    assert features_used(FakeObjective(FEATURES), context(world_size=2, dp_shard=2, ep=2)) == [
+        "multi_process", "expert_parallel"]
+
+
+def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
+    dpo = FakeObjective(DPOObjective.supports)
+    with pytest.raises(UnsupportedLayoutError) as refused:
+        check_supported(dpo, context(world_size=4, dp_shard=1, tp=2, cp=2), algorithm="DPOTrainer")
+    message = str(refused.value)
+    assert message.startswith("DPOTrainer does not support ")
+    assert "tensor parallelism (tp_size > 1): set tp_size=1" in message
+    assert "context parallelism (cp_size > 1): set cp_size=1" in message
+    check_supported(dpo, context(world_size=2, dp_shard=2, eval_strategy="steps"))  # FSDP2 with evaluation: fine
+    with pytest.raises(UnsupportedLayoutError, match="does not support a multi-process run .*launch it as one process"):
+        check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=2, dp_shard=2))
+    with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
+        check_supported(FakeObjective(GRPOObjective.supports, generates=True), context(eval_strategy="steps"))
+    with pytest.raises(UnsupportedLayoutError, match="generating completions in a multi-process run"):
+        check_supported(FakeObjective(OnPolicyDistillationObjective.supports, generates=True),
+                        context(world_size=2, dp_shard=2))
+    # GKD off-policy (no generation) runs multi-process; the same objective generating is refused
+    check_supported(FakeObjective(GKDObjective.supports, generates=False), context(world_size=2, dp_shard=2))
+
+
+def test_declared_capabilities():
+    everything = set(FEATURES)
+    assert set(LanguageModelingObjective.supports) == set(SFTObjective.supports) == everything
+    assert "tensor_parallel" not in DPOObjective.supports and "context_parallel" not in DPOObjective.supports
+    assert {"multi_process", "multi_process_generation"} <= set(GRPOObjective.supports) == set(RLOOObjective.supports)
+    assert "evaluation" not in GRPOObjective.supports
+    assert not AsyncGRPOObjective.supports
+    for objective in (DPOObjective, GRPOObjective, GKDObjective, OnPolicyDistillationObjective, AsyncGRPOObjective):
+        assert set(objective.supports) <= everything, objective
+
+
+def test_normalizers_say_what_they_count():
+    batches = [{"shift_labels": __import__("torch").tensor([[1, -100, 3], [-100, -100, 7]])}] * 2
+    assert count_label_tokens(batches) == Normalizer(6, "label_tokens")
+    assert count_label_tokens([{"input_ids": None}]) is None
+    assert Normalizer.micro_batches([{}, {}, {}]) == Normalizer(3, "micro_batches")
+    assert Normalizer(5, "completion_tokens").counts_tokens and not Normalizer(5, "pairs").counts_tokens
+    with pytest.raises(ValueError, match="unit 'tokens'"):
+        Normalizer(5, "tokens")
+
+
+def test_the_loop_reduces_and_divides_on_one_process():
+    from hfnative.trainers.distributed import DataParallelGroup, DistributedMixin
+
+    loop = SimpleNamespace(distributed=None, data_parallel=DataParallelGroup(None, "cpu"), device="cpu")
+    step = DistributedMixin._step_normalizer
+    # an item count is handed to the loss as num_items_in_batch; nothing more is divided
+    assert step(loop, Normalizer(40, "label_tokens"), 3) == (40, 1)
+    # a micro-batch mean is divided by the step's micro-batches (over every data-parallel rank: here one)
+    assert step(loop, Normalizer.micro_batches([{}] * 3), 3) == (None, 3)
+    # none: transformers' Trainer, each loss divided by this rank's micro-batches
+    assert step(loop, None, 4) == (None, 4)
+
+
+def _objective_classes(tree: ast.Module) -> list[ast.ClassDef]:
+    """The classes of ``tree`` whose base is an objective (a base class named ``...Objective``, here or imported)."""
+    return [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+            and any(str(getattr(base, "id", getattr(base, "attr", ""))).endswith("Objective") for base in node.bases)]
+
+
+def offences_in(source: str, filename: str) -> list[str]:
+    """Every place an objective class of ``source`` names the trainer or reads a private attribute of its context."""
+    offences = []
+    for cls in _objective_classes(ast.parse(source)):
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Name) and node.id == "trainer":
+                offences.append(f"{filename}:{node.lineno} {cls.name} names `trainer`")
+            if isinstance(node, ast.Attribute) and node.attr in ("trainer", "_trainer"):
+                offences.append(f"{filename}:{node.lineno} {cls.name} reads .{node.attr}")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Attribute) and node.value.attr == "context"):
+                offences.append(f"{filename}:{node.lineno} {cls.name} reads context.{node.attr}")
+    return offences
+
+
+def test_no_objective_reaches_into_the_trainer():
+    paths = sorted((ROOT / "trainers").glob("*.py"))
+    found = {c.name for p in paths for c in _objective_classes(ast.parse(p.read_text()))}
+    assert {"SFTObjective", "DPOObjective", "GKDObjective", "OnPolicyDistillationObjective", "GRPOObjective",
+            "RLOOObjective", "AsyncGRPOObjective"} <= found  # the scan sees every objective
+    offences = [o for p in paths for o in offences_in(p.read_text(), p.name)]
+    assert not offences, "\n".join(offences)
+
+
+def test_the_scan_sees_an_objective_that_reaches_into_the_trainer():
+    source = (
+        "class MineObjective(LanguageModelingObjective):\n"
+        "    def loss(self, model, inputs, n):\n"
+        "        return self.context._trainer._metrics\n"
+        "class DeeperObjective(MineObjective):\n"
+        "    def micro_batches(self, it, count):\n"
+        "        return trainer._data_shard()\n"
+        "class NotOne:\n"
+        "    def f(self):\n"
+        "        return self.trainer\n"
+    )
+    assert offences_in(source, "x.py") == [
+        "x.py:3 MineObjective reads ._trainer", "x.py:3 MineObjective reads context._trainer",
+        "x.py:6 DeeperObjective names `trainer`",
+    ]
