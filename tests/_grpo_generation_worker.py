@@ -4,7 +4,8 @@ usage: torchrun --standalone --nproc_per_node 2 _grpo_generation_worker.py OUTPU
 Under FSDP2 and under DDP (dp_replicate) each rank greedily completes its own prompts through the trainer's rollout
 component (which decodes a replica of the sharded policy) before and after 2 steps of real GRPO training (sampled
 completions, the reward functions, the loop); a tensor-parallel GRPOTrainer is refused. Rank r writes
-OUTPUT_DIR/<layout>-rank<r>.json: the greedy completions, the full trained weights' checksum and the log history.
+OUTPUT_DIR/<layout>-rank<r>.json (the greedy completions with their log-probs, and the log history); rank 0 also
+OUTPUT_DIR/<layout>-state.pt, the trained weights gathered whole.
 """
 
 import json
@@ -40,12 +41,14 @@ def run(output_dir: Path, layout: str, rank: int) -> None:
     rollout = trainer.objective.rollout
     prompts = rollout.tokenize([row["prompt"] for row in _prompts(4)[2 * rank : 2 * rank + 2]])
     greedy = SamplingParams(max_new_tokens=8, do_sample=False, eos_token_id=rollout.stop_ids)
-    before = rollout.engine_for().generate(prompts, greedy).completion_ids
+    before = rollout.engine_for().generate(prompts, greedy)
     trainer.train()
-    after = rollout.engine_for().generate(prompts, greedy).completion_ids
+    after = rollout.engine_for().generate(prompts, greedy)
     state = trained_state(trainer.model)
-    torch.save(state, output_dir / f"{layout}-state.pt") if rank == 0 else None
-    result = {"prompts": prompts, "before": before, "after": after, "logs": trainer.state.log_history[:-1]}
+    if rank == 0:
+        torch.save(state, output_dir / f"{layout}-state.pt")
+    result = {"prompts": prompts, "before": before.completion_ids, "before_logprobs": before.logprobs,
+              "after": after.completion_ids, "after_logprobs": after.logprobs, "logs": trainer.state.log_history[:-1]}
     (output_dir / f"{layout}-rank{rank}.json").write_text(json.dumps(result))
 
 

@@ -77,13 +77,13 @@ def test_objective_auxiliary_models_are_loaded_frozen_and_placed_like_the_policy
     from hfnative.trainers.sft_trainer import SFTObjective
 
     class WithTeacher(SFTObjective):
-        def __init__(self, trainer):
-            super().__init__(trainer)
+        def __init__(self, context):
+            super().__init__(context)
             self.auxiliary_models["teacher"] = MODEL
 
     class TeacherTrainer(hfnative.SFTTrainer):
         def _make_objective(self):
-            return WithTeacher(self)
+            return WithTeacher(self.context)  # an objective is built on the trainer's context
 
     trainer = TeacherTrainer(model=MODEL, args=_config(hfnative, tmp_path, 1), train_dataset=_dataset("text"))
     teacher = trainer.objective.auxiliary_models["teacher"]

@@ -28,9 +28,9 @@ def gather_replica(model: Transformer, replica: Transformer | None = None) -> Tr
     if replica is None:
         local = next(iter(state.values()))
         device = (local.to_local() if isinstance(local, DTensor) else local).device
-        # the replica's random init must not move the run's random stream (sampling reads it)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
+        with torch.device("meta"):  # no initialization: every tensor is copied in below, the buffers made here
             replica = Transformer(model.args)
+        replica.to_empty(device=device).init_buffers()
         replica.requires_grad_(False).eval()
     own = replica.state_dict()
     missing = sorted(set(own) - set(state))
