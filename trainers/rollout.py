@@ -168,10 +168,10 @@ class Rollout:
         model = self.context.model if policy else model
         if policy and self.engine is None:
             self.engine = NativeRolloutEngine(model)
-        if not policy and id(model) not in self._other_engines:
+        if not policy and id(model) not in self._other_engines:  # a new replica is gathered as it is made
             parallel = is_parallelized(model)
             self._other_engines[id(model)] = self._replica_engine(model) if parallel else NativeRolloutEngine(model)
-        if id(model) in self._replicas:
+        elif id(model) in self._replicas and any(p.requires_grad for p in model.parameters()):  # a frozen one stays
             self._replicas[id(model)] = gather_replica(model, self._replicas[id(model)])
         return self.engine if policy else self._other_engines[id(model)]
 
