@@ -12,7 +12,7 @@ rows (position_ids restarting: one document after another), so both attention pa
 
 On 4 processes: HSDP 2x2, FSDP2 x TP2 and the vocabulary-parallel losses over 4 ranks; on 2 processes: FSDP2
 (with micro-batches, optimizer-in-backward, mixture of experts, LoRA, bf16 mixed precision), TP2 and plain
-replication (LAYOUTS).
+replication (LAYOUTS), then the head losses through a TP2 model's head.
 """
 
 from __future__ import annotations
@@ -34,14 +34,22 @@ from hfnative.converters.sharded_loading import copy_shard, load_sharded, meta_m
 from hfnative.losses import (
     IGNORE_INDEX,
     fused_linear_cross_entropy,
+    fused_linear_generalized_jsd,
     fused_linear_token_logprobs,
     linear_token_logprobs,
+    shift_labels,
 )
-from hfnative.losses.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_token_logprobs
-from hfnative.models.head import GeneralizedJSD
+from hfnative.losses.logprobs import TOKEN_STATISTICS
+from hfnative.losses.vocab_parallel import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_generalized_jsd,
+    vocab_parallel_token_logprobs,
+)
+from hfnative.models.head import GeneralizedJSD, TokenLogprobs
 from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.parallel import ParallelDims, end_process_group, parallelize
+from hfnative.parallel.tensor_parallel import _rows_like
 from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
 
@@ -240,12 +248,13 @@ def max_relative(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def vocab_parallel_check(mesh) -> dict:
-    """The vocabulary-parallel CE and log-probs over the ranks of ``mesh`` (95 rows split unevenly over 4 ranks),
-    plain and with a soft-cap and a temperature, against the single-process fused losses: values and gradients
-    (the hidden states' gradient summed over the ranks, the weight's compared on this rank's rows)."""
+    """The vocabulary-parallel CE, log-probs (with every token statistic) and generalized JSD (beta 0, 0.5, 1) over
+    the ranks of ``mesh`` (95 rows split unevenly over 4 ranks), plain and with soft-caps and a temperature, against
+    the single-process fused losses on the full weight: values and gradients (the hidden states' gradient summed over
+    the ranks, the weight's compared on this rank's rows)."""
     group, rank, size = mesh.get_group(), mesh.get_local_rank(), mesh.size()
     generator = torch.Generator().manual_seed(3)
-    N, D, V = 21, 16, 95
+    N, D, V, teacher_D = 21, 16, 95, 12
     hidden = torch.randn(N, D, generator=generator)
     weight = torch.randn(V, D, generator=generator) * 0.5
     weight[60] = weight[7]  # the same top logit in two ranks' rows: top-1 ties go to the first index
@@ -255,6 +264,8 @@ def vocab_parallel_check(mesh) -> dict:
     logprob_targets = targets.clone()
     logprob_targets[5] = IGNORE_INDEX
     upstream = torch.randn(N, generator=generator)
+    teacher_hidden = torch.randn(N, teacher_D, generator=generator)
+    teacher_weight = torch.randn(V, teacher_D, generator=generator) * 0.5
     rows = torch.tensor_split(torch.arange(V), size)[rank]
     start, end = int(rows[0]), int(rows[-1]) + 1
 
@@ -270,7 +281,7 @@ def vocab_parallel_check(mesh) -> dict:
                 "grad_weight": float((w.grad - w_ref.grad[start:end]).abs().max() / w_ref.grad.abs().max())}
 
     results = {}
-    for softcap, temperature in ((None, 1.0), (3.0, 0.7)):
+    for softcap, temperature, teacher_softcap in ((None, 1.0, None), (3.0, 0.7, 5.0)):
         head = dict(softcap=softcap, temperature=temperature, chunk_size=8)
         on_group = dict(vocab_start=start, vocab_size=V, group=group, **head)
         reference, split = leaves()
@@ -286,18 +297,141 @@ def vocab_parallel_check(mesh) -> dict:
         }
 
         reference, split = leaves()
-        expected_logprobs, expected_entropy = fused_linear_token_logprobs(*reference, logprob_targets, **head)
-        got_logprobs, got_entropy = vocab_parallel_token_logprobs(*split, logprob_targets, **on_group)
+        expected_logprobs, expected_entropy, *expected_stats = fused_linear_token_logprobs(
+            *reference, logprob_targets, statistics=TOKEN_STATISTICS, **head)
+        got_logprobs, got_entropy, *got_stats = vocab_parallel_token_logprobs(
+            *split, logprob_targets, statistics=TOKEN_STATISTICS, **on_group)
         (expected_logprobs * upstream).sum().backward()
         (got_logprobs * upstream).sum().backward()
-        plain_logprobs, _ = linear_token_logprobs(hidden, weight, logprob_targets, softcap=softcap,
-                                                  temperature=temperature)
+        plain_logprobs, _, *plain_stats = linear_token_logprobs(
+            hidden, weight, logprob_targets, softcap=softcap, temperature=temperature, statistics=TOKEN_STATISTICS)
+        got_stats, expected_stats, plain_stats = (dict(zip(TOKEN_STATISTICS, x))
+                                                  for x in (got_stats, expected_stats, plain_stats))
         results[f"logprobs softcap={softcap} T={temperature}"] = {
             "logprobs": max_relative(got_logprobs.detach(), expected_logprobs.detach()),
             "logprobs_vs_plain": max_relative(got_logprobs.detach(), plain_logprobs),
             "entropy": max_relative(got_entropy, expected_entropy),
-            "ignored_is_zero": bool(got_logprobs[5] == 0 and got_entropy[5] == 0),
+            **{name: max_relative(got_stats[name], expected_stats[name])
+               for name in ("mean_logits", "log_sum_sq_probs")},
+            **{f"{name}_vs_plain": max_relative(got_stats[name], plain_stats[name])
+               for name in ("mean_logits", "log_sum_sq_probs")},
+            # tokens 0 and 1: the top logit tied in rows 7 and 60 (ranks 0 and 2): only row 7 counts as the argmax
+            "is_top1": [got_stats["is_top1"].tolist(), expected_stats["is_top1"].tolist()],
+            "is_top1_tie": [got_stats["is_top1"][:2].tolist(), plain_stats["is_top1"][:2].tolist()],
+            "ignored_is_zero": bool(got_logprobs[5] == 0 and got_entropy[5] == 0
+                                    and all(not got_stats[name][5] for name in TOKEN_STATISTICS)),
+            "no_grad_statistics": not any(x.requires_grad for x in (got_entropy, *got_stats.values())),
             **gradients(reference, split),
+        }
+
+        for beta in (0.0, 0.5, 1.0):
+            reference, split = leaves()
+            jsd = dict(beta=beta, temperature=temperature, student_softcap=softcap, teacher_softcap=teacher_softcap,
+                       chunk_size=8)
+            expected = fused_linear_generalized_jsd(*reference, teacher_hidden, teacher_weight, **jsd)
+            got = vocab_parallel_generalized_jsd(*split, teacher_hidden, teacher_weight[start:end], vocab_start=start,
+                                                 vocab_size=V, group=group, **jsd)
+            (expected.loss_sum * 0.5).backward()
+            (got.loss_sum * 0.5).backward()
+            results[f"jsd beta={beta} softcap={softcap},{teacher_softcap} T={temperature}"] = {
+                "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
+                "entropy": relative(got.student_entropy_sum.item(), expected.student_entropy_sum.item()),
+                **gradients(reference, split),
+            }
+    return results
+
+
+def _tp_model(refs: References, dims: ParallelDims, mesh, name: str = "untied"):
+    converted = meta_model(refs.model_dirs[name])
+    parallelize(converted.model, dims, mesh)
+    load_sharded(converted, "cpu")
+    return converted.model
+
+
+def _set_head(model, seed: int, softcap: float) -> None:
+    """A head of random rows (std 0.3, from ``seed``: the same values in every copy of the model) and a soft-cap, so
+    the distributions are far from uniform and the student's far from its teacher's."""
+    weight = model.output.projection()
+    with torch.no_grad():
+        copy_shard(weight, torch.randn(tuple(weight.shape), generator=torch.Generator().manual_seed(seed)) * 0.3)
+    model.output.softcap = softcap
+
+
+def head_losses_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
+    """Through the real tensor-parallel head of a TP2 model (``model(..., head_loss=...)``), against the same model in
+    one process: TokenLogprobs with every statistic and compact=True (values, gradients of every parameter), and
+    GeneralizedJSD (a soft-capped student) with a tensor-parallel teacher and with a plain one-process teacher."""
+    batch = global_batches()[0]  # padded rows with unlabelled prompts: ignored targets
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    student, single = _tp_model(refs, dims, mesh), refs.loaded("untied")
+    for model in (student, single):
+        _set_head(model, seed=6, softcap=6.0)
+    targets_BS = shift_labels(batch["labels"])
+    with torch.no_grad():  # every other labelled target is the model's argmax: is_top1 has hits
+        greedy_BS = single(**inputs).logits.argmax(dim=-1)
+    even_BS = torch.arange(targets_BS.shape[1]) % 2 == 0
+    targets_BS = torch.where((targets_BS != IGNORE_INDEX) & even_BS, greedy_BS, targets_BS)
+    upstream_BS = torch.randn(targets_BS.shape, generator=torch.Generator().manual_seed(4))
+
+    def parameter_gradients() -> float:
+        """The worst parameter's max |grad - grad_ref| / max |grad_ref|; clears the gradients."""
+        single_grads = dict(single.named_parameters())
+        worst = 0.0
+        for name, param in student.named_parameters():
+            expected = single_grads[name].grad
+            worst = max(worst, float((full(param.grad) - expected).abs().max() / expected.abs().max()))
+        student.zero_grad(set_to_none=True)
+        single.zero_grad(set_to_none=True)
+        return worst
+
+    results = {}
+    spec = dict(temperature=0.8, statistics=TOKEN_STATISTICS, compact=True)
+    got_logprobs, got_entropy, got_stats = student(**inputs, head_loss=TokenLogprobs(targets_BS, **spec)).head_output
+    expected_logprobs, expected_entropy, expected_stats = single(
+        **inputs, head_loss=TokenLogprobs(targets_BS, **spec)).head_output
+    (got_logprobs * upstream_BS).sum().backward()
+    (expected_logprobs * upstream_BS).sum().backward()
+    ignored_BS = targets_BS == IGNORE_INDEX
+    results["TokenLogprobs statistics compact"] = {
+        "logprobs": max_relative(got_logprobs.detach(), expected_logprobs.detach()),
+        "entropy": max_relative(got_entropy, expected_entropy),
+        **{name: max_relative(got_stats[name], expected_stats[name]) for name in ("mean_logits", "log_sum_sq_probs")},
+        "is_top1": [got_stats["is_top1"].tolist(), expected_stats["is_top1"].tolist()],
+        "top1_hits": [int(got_stats["is_top1"].sum()), int(((targets_BS == greedy_BS) & ~ignored_BS).sum())],
+        "ignored_is_zero": bool(ignored_BS.any()) and all(
+            not x[ignored_BS].any() for x in (got_logprobs, got_entropy, *got_stats.values())),
+        "shapes": all(x.shape == targets_BS.shape for x in (got_logprobs, got_entropy, *got_stats.values())),
+        "parameter_grads": parameter_gradients(),
+    }
+
+    tp_teacher, single_teacher = _tp_model(refs, dims, mesh), refs.loaded("untied")
+    for model in (tp_teacher, single_teacher):
+        _set_head(model, seed=7, softcap=4.0)
+    with torch.no_grad():
+        tp_teacher_hidden = tp_teacher(**inputs).hidden_states  # a DTensor split over the sequence
+        single_teacher_hidden = single_teacher(**inputs).hidden_states
+    teachers = {"tensor-parallel teacher": (tp_teacher_hidden, tp_teacher.output),
+                "one-process teacher": (single_teacher_hidden, single_teacher.output)}
+    start = torch.tensor_split(torch.arange(student.args.vocab_size), dims.tp)[mesh["tp"].get_local_rank()][0].item()
+    for teacher_name, (teacher_hidden, teacher_head) in teachers.items():
+        jsd = dict(beta=0.5, temperature=0.8)
+        got = student(**inputs, head_loss=GeneralizedJSD(targets_BS, teacher_hidden, teacher_head, **jsd)).head_output
+        expected = single(**inputs, head_loss=GeneralizedJSD(targets_BS, single_teacher_hidden, single_teacher.output,
+                                                             **jsd)).head_output
+        got.loss_sum.backward()
+        expected.loss_sum.backward()
+        results[f"GeneralizedJSD, {teacher_name}"] = {
+            # far from 0 (13.7 nats over 34 tokens): the relative differences are well conditioned
+            "divergence_not_small": expected.loss_sum.item() > 1.0,
+            "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
+            "entropy": relative(got.student_entropy_sum.item(), expected.student_entropy_sum.item()),
+            "num_tokens": [got.num_tokens, expected.num_tokens],
+            "teacher_has_no_grad": all(p.grad is None for p in tp_teacher.parameters()),
+            # the tensor-parallel teacher's head is read as its local shard (no gather), the other's rows sliced
+            "teacher_rows": [_rows_like(teacher_head.projection(), student.output.projection(), start).data_ptr(),
+                             (teacher_head.projection().to_local() if teacher_head is tp_teacher.output
+                              else teacher_head.projection()[start:]).data_ptr()],
+            "parameter_grads": parameter_gradients(),
         }
     return results
 
@@ -315,11 +449,14 @@ def refusals_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
         converted.model(torch.zeros(1, SEQ - 1, dtype=torch.long))
     messages["odd sequence length"] = str(caught.value)
     hidden = converted.model.hidden_states(torch.zeros(1, SEQ, dtype=torch.long))
-    teacher_head = refs.loaded("untied").output
-    distillation = GeneralizedJSD(torch.zeros(1, SEQ, dtype=torch.long), hidden.full_tensor(), teacher_head)
+
+    class OwnLoss:  # a spec the head does not know: it cannot be run vocabulary-parallel
+        def __call__(self, hidden_BSD, weight_VD, softcap):
+            return (hidden_BSD @ weight_VD.T).sum()
+
     with pytest.raises(ValueError) as caught:
-        converted.model.output(hidden, loss=distillation)
-    messages["distillation loss"] = str(caught.value)
+        converted.model.output(hidden, loss=OwnLoss())
+    messages["unknown loss spec"] = str(caught.value)
     return messages
 
 
@@ -372,6 +509,7 @@ def main(output_dir: str, models_dir: str) -> None:
         tp2 = ParallelDims(dp_shard=1, tp=2, world_size=2)
         tp2_mesh = tp2.build_mesh("cpu")
         record(results, "refusals under TP2", lambda: refusals_under_tp(refs, tp2, tp2_mesh))
+        record(results, "head losses through the TP2 head", lambda: head_losses_under_tp(refs, tp2, tp2_mesh))
     Path(output_dir, f"world{world}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     end_process_group()

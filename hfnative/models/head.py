@@ -57,15 +57,21 @@ class TokenLogprobs:
     compact: bool = False
 
     def __call__(self, hidden_BSD, weight_VD, softcap) -> tuple:
-        B, S, D = hidden_BSD.shape
         logprobs_fn = fused_linear_token_logprobs if self.fused else linear_token_logprobs
+        return self.per_position(hidden_BSD, lambda hidden_ND, targets_N: logprobs_fn(
+            hidden_ND, weight_VD, targets_N, softcap=softcap, temperature=self.temperature,
+            statistics=tuple(self.statistics),
+        ))
+
+    def per_position(self, hidden_BSD, logprobs_fn) -> tuple:
+        """What ``__call__`` returns, from ``logprobs_fn(hidden_ND, targets_N) -> (logprobs_N, entropy_N,
+        *statistics_N)`` run on the positions this spec projects (all of them, or the labelled ones with
+        ``compact``); the tensor-parallel head passes its vocabulary-parallel kernel here."""
+        B, S, D = hidden_BSD.shape
         keep_BS = self.targets_BS != IGNORE_INDEX if self.compact else None
         hidden_ND = hidden_BSD[keep_BS] if self.compact else hidden_BSD.reshape(B * S, D)
         targets_N = self.targets_BS[keep_BS] if self.compact else self.targets_BS.reshape(-1)
-        outputs = logprobs_fn(
-            hidden_ND, weight_VD, targets_N, softcap=softcap, temperature=self.temperature,
-            statistics=tuple(self.statistics),
-        )
+        outputs = logprobs_fn(hidden_ND, targets_N)
         if self.compact:  # back to [B, S]; masked_scatter keeps an all-ignored batch connected to the graph
             outputs = [x.new_zeros((B, S)).masked_scatter(keep_BS, x) for x in outputs]
         else:

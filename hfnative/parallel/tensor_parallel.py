@@ -38,9 +38,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hfnative.losses import label_positions
-from hfnative.losses.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_token_logprobs
-from hfnative.models.head import OutputHead, TokenCrossEntropy, TokenLogprobs
+from hfnative.losses import IGNORE_INDEX, label_positions
+from hfnative.losses.vocab_parallel import (
+    vocab_parallel_cross_entropy,
+    vocab_parallel_generalized_jsd,
+    vocab_parallel_token_logprobs,
+)
+from hfnative.models.head import GeneralizedJSD, OutputHead, TokenCrossEntropy, TokenLogprobs
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
@@ -145,7 +149,8 @@ def _replicated_hidden(hidden_BSD: torch.Tensor, mesh: DeviceMesh) -> DTensor:
 
 def _loss_parallel_head_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss=None):
     """OutputHead.forward over a row-split weight: logits gathered to [B, S, V], or a loss spec run
-    vocabulary-parallel (TokenCrossEntropy, TokenLogprobs)."""
+    vocabulary-parallel (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD), returning what the spec returns in one
+    process."""
     weight = self.projection()
     mesh = weight.device_mesh
     hidden = _replicated_hidden(hidden_BSD, mesh)
@@ -154,25 +159,52 @@ def _loss_parallel_head_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.full_tensor()
+    if not isinstance(loss, (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD)):
+        raise ValueError(
+            f"{type(loss).__name__} is not a loss spec the tensor-parallel head can run (TokenCrossEntropy, "
+            "TokenLogprobs, GeneralizedJSD from hfnative.models.head); compute it from model.output(hidden) logits, "
+            "or run without tensor parallelism (tp=1)"
+        )
     # each rank's gradient of the (replicated) states is its vocabulary rows' share: a partial sum
     hidden_local = hidden.to_local(grad_placements=(Partial(),))
     weight_local = weight.to_local()
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
-    split = dict(vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group(), softcap=self.softcap)
+    split = dict(vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group())
     if isinstance(loss, TokenCrossEntropy):
         hidden_ND, targets_N = label_positions(hidden_local, loss.targets_BS)
-        return vocab_parallel_cross_entropy(hidden_ND, weight_local, targets_N, **split)
+        return vocab_parallel_cross_entropy(hidden_ND, weight_local, targets_N, softcap=self.softcap, **split)
     if isinstance(loss, TokenLogprobs):
-        B, S, D = hidden_local.shape
-        logprobs_N, entropy_N = vocab_parallel_token_logprobs(
-            hidden_local.reshape(B * S, D), weight_local, loss.targets_BS.reshape(-1), temperature=loss.temperature,
-            **split,
-        )
-        return logprobs_N.view(B, S), entropy_N.view(B, S)
-    raise ValueError(
-        f"{type(loss).__name__} through a tensor-parallel head is not available yet (supported: TokenCrossEntropy, "
-        "TokenLogprobs); run without tensor parallelism (tp=1) for this loss"
+        return loss.per_position(hidden_local, lambda hidden_ND, targets_N: vocab_parallel_token_logprobs(
+            hidden_ND, weight_local, targets_N, softcap=self.softcap, temperature=loss.temperature,
+            statistics=tuple(loss.statistics), **split,
+        ))
+    keep_BS = loss.targets_BS != IGNORE_INDEX
+    teacher_hidden_BSD = loss.teacher_hidden_BSD.detach()
+    if isinstance(teacher_hidden_BSD, DTensor):  # a tensor-parallel teacher's states come split over the sequence
+        teacher_hidden_BSD = teacher_hidden_BSD.full_tensor()
+    teacher_weight = _rows_like(loss.teacher_head.projection().detach(), weight, offset[0])
+    return vocab_parallel_generalized_jsd(
+        hidden_local[keep_BS], weight_local, teacher_hidden_BSD[keep_BS], teacher_weight, beta=loss.beta,
+        temperature=loss.temperature, student_softcap=self.softcap, teacher_softcap=loss.teacher_head.softcap, **split,
     )
+
+
+def _rows_like(teacher_weight_VD: torch.Tensor, student_weight: DTensor, vocab_start: int) -> torch.Tensor:
+    """The rows of the teacher's [V, Dt] head that this rank holds of the student's: the local shard when the teacher
+    is split the same way (a teacher parallelized on the same mesh), else sliced from the whole matrix."""
+    if teacher_weight_VD.shape[0] != student_weight.shape[0]:
+        raise ValueError(
+            f"the teacher's head has {teacher_weight_VD.shape[0]} vocabulary rows, the student's "
+            f"{student_weight.shape[0]}: distillation needs a shared vocabulary"
+        )
+    if isinstance(teacher_weight_VD, DTensor):
+        same_split = (teacher_weight_VD.device_mesh == student_weight.device_mesh
+                      and teacher_weight_VD.placements == student_weight.placements)
+        if same_split:
+            return teacher_weight_VD.to_local()
+        teacher_weight_VD = teacher_weight_VD.full_tensor()
+    local_rows = student_weight.to_local().shape[0]
+    return teacher_weight_VD[vocab_start : vocab_start + local_rows]
 
 
 def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
