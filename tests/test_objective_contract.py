@@ -71,23 +71,23 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
     message = str(refused.value)
     assert message.startswith("DPOTrainer does not support ")
     assert "tensor parallelism (tp_size > 1): set tp_size=1" in message
-    assert "context parallelism (cp_size > 1): set cp_size=1" in message
     check_supported(dpo, context(world_size=2, dp_shard=2, eval_strategy="steps"))  # FSDP2 with evaluation: fine
     with pytest.raises(UnsupportedLayoutError, match="does not support a multi-process run .*launch it as one process"):
         check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=2, dp_shard=2))
     with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
         check_supported(FakeObjective(GRPOObjective.supports, generates=True), context(eval_strategy="steps"))
     with pytest.raises(UnsupportedLayoutError, match="generating completions in a multi-process run"):
-        check_supported(FakeObjective(OnPolicyDistillationObjective.supports, generates=True),
-                        context(world_size=2, dp_shard=2))
-    # GKD off-policy (no generation) runs multi-process; the same objective generating is refused
-    check_supported(FakeObjective(GKDObjective.supports, generates=False), context(world_size=2, dp_shard=2))
+        check_supported(FakeObjective({"multi_process"}, generates=True), context(world_size=2, dp_shard=2))
+    # GKD and on-policy distillation generate multi-process (tests/test_layout_matrix_preference.py)
+    check_supported(FakeObjective(GKDObjective.supports, generates=True), context(world_size=2, dp_shard=2))
+    check_supported(FakeObjective(OnPolicyDistillationObjective.supports, generates=True),
+                    context(world_size=2, dp_shard=1, cp=2))
 
 
 def test_declared_capabilities():
     everything = set(FEATURES)
     assert set(LanguageModelingObjective.supports) == set(SFTObjective.supports) == everything
-    assert "tensor_parallel" not in DPOObjective.supports and "context_parallel" not in DPOObjective.supports
+    assert "tensor_parallel" not in DPOObjective.supports and "context_parallel" in DPOObjective.supports
     assert {"multi_process", "multi_process_generation"} <= set(GRPOObjective.supports) == set(RLOOObjective.supports)
     assert "evaluation" not in GRPOObjective.supports
     assert not AsyncGRPOObjective.supports

@@ -21,7 +21,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -100,6 +102,73 @@ class DistributedRun:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def failure(self, error: BaseException, last_step: int, args) -> RankFailureError:
+        """The error this rank raises when a collective failed or timed out (``is_collective_failure``): the ranks
+        that did not report the failure too within ``answer_wait_s(args)`` seconds are named (they died, or are stuck
+        outside the collective), with the last completed step."""
+        first_line = (str(error).strip().splitlines() or [""])[0][:300]
+        where = (f"rank {self.rank}: a collective failed in step {last_step + 1} (the last completed step is "
+                 f"{last_step}; {type(error).__name__}: {first_line})")
+        wait_s = answer_wait_s(args)
+        try:
+            silent = unanswering_ranks(self.rank, self.world_size, last_step, wait_s)
+        except Exception as store_error:  # the rendezvous store went with the rank (or launcher) that hosted it
+            return RankFailureError(
+                f"{where}; the rendezvous store cannot be reached to ask the other ranks ({type(store_error).__name__}:"
+                f" {store_error}): rank 0, or the launcher hosting the store, is gone. {_RESUME_HINT}"
+            )
+        if silent:
+            named = ", ".join(str(rank) for rank in silent)
+            return RankFailureError(
+                f"{where}; rank{'s' if len(silent) > 1 else ''} {named} did not answer within {wait_s:.0f} s: dead, or "
+                f"stuck outside the collective (ddp_timeout={args.ddp_timeout} s bounds a wait on a rank). "
+                f"{_RESUME_HINT}"
+            )
+        return RankFailureError(
+            f"{where}; every rank reached a failed collective, so none died: the ranks ran different collectives, or "
+            f"one step took longer than ddp_timeout={args.ddp_timeout} s (raise it for slow steps or saves). "
+            f"{_RESUME_HINT}"
+        )
+
+
+_RESUME_HINT = ("output_dir keeps only complete checkpoints; resume with resume_from_checkpoint=True once every rank "
+                "runs again")
+_FAILED_KEY = "hfnative/collective-failed/rank{rank}"
+_BACKEND_MARKERS = ("gloo", "nccl", "connection closed by peer", "connection reset by peer", "timed out")
+
+
+class RankFailureError(RuntimeError):
+    """A distributed run's collective failed or timed out; the message names the ranks that did not answer and the
+    last completed step."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` came from a collective that failed (a peer gone) or timed out."""
+    if isinstance(error, dist.DistError):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(marker in text for marker in _BACKEND_MARKERS)
+
+
+def answer_wait_s(args) -> float:
+    """How long a rank that saw a collective fail waits for the others to report it too."""
+    return float(min(args.ddp_timeout, 10))
+
+
+def unanswering_ranks(rank: int, world_size: int, last_step: int, wait_s: float) -> list[int]:
+    """The ranks that did not record a failed collective in the rendezvous store within ``wait_s`` seconds, after
+    this rank recorded its own."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(_FAILED_KEY.format(rank=rank), str(last_step))
+    silent = [other for other in range(world_size) if other != rank]
+    deadline = time.monotonic() + wait_s
+    while silent:
+        silent = [other for other in silent if not store.check([_FAILED_KEY.format(rank=other)])]
+        if not silent or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    return silent
+
 
 class DataParallelGroup:
     """Gathers and reductions over the data-parallel ranks, shared by the objectives (through their context) and
@@ -161,7 +230,82 @@ class DataParallelGroup:
         return top
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """``tensor`` summed over ``group``'s ranks, each rank's gradient the sum of every rank's upstream gradient
+    (every rank's loss reads the sum, so each addend's gradient gathers all of theirs)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        total = tensor.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ContextParallelGroup:
+    """The ranks that split each sequence of a batch (context parallel), shared by the objectives through their
+    context; with cp = 1 (or one process) each method is the identity. ``sum`` is differentiable: a per-sequence
+    value summed over the ranks' chunks (a sequence log-prob) trains as one process's, when every rank's loss reads
+    the sum and the loop divides a micro-batch mean by the cp ranks too (``DistributedMixin._step_normalizer``)."""
+
+    def __init__(self, run: DistributedRun | None, split=None):
+        self._run = run if run is not None and run.dims.cp_enabled else None
+        self._split = split
+
+    @property
+    def size(self) -> int:
+        return 1 if self._run is None else self._run.dims.cp
+
+    @property
+    def enabled(self) -> bool:
+        return self._run is not None
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over the cp ranks (differentiable; a new tensor)."""
+        if self._run is None:
+            return tensor
+        return _SumOverRanks.apply(tensor, self._run.mesh["cp"].get_group())
+
+    def split(self, batch: dict) -> dict:
+        """A batch of whole sequences (host tensors [B, S], as a collator makes them) as this rank's share: the
+        context-parallel split the trainer's collator applies (``split_batch``); unchanged with cp = 1."""
+        return batch if self._run is None else self._split(batch)
+
+    @property
+    def rank(self) -> int:
+        return 0 if self._run is None else self._run.mesh["cp"].get_local_rank()
+
+    def gather_sequence(self, x_BS: torch.Tensor) -> torch.Tensor:
+        """Per-position values of this rank's share of the sequences [B, S / cp, ...] as the whole sequences'
+        [B, S, ...] on every cp rank (differentiable, as ``sum``); unchanged with cp = 1."""
+        if self._run is None:
+            return x_BS
+        from hfnative.parallel.context_parallel import place_in_sequence
+
+        return self.sum(place_in_sequence(x_BS, self.size, self.rank))
+
+
 _ends_at_exit = False
+
+
+def bound_collectives(timeout: timedelta) -> None:
+    """A collective of this process waits at most ``timeout`` (ddp_timeout) for the other ranks, so a dead or hung rank
+    fails the run instead of hanging it: in the groups that exist (the default group, whoever started it) and in
+    those made later without a timeout of their own (the device mesh's dimensions and flattened dimensions, which
+    would take torch's default, 30 minutes on gloo)."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):  # a timedelta where NCCL is built in
+        distributed_c10d.default_pg_nccl_timeout = timeout
+    for group in list(distributed_c10d._world.pg_map):
+        distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def start_distributed(args, device: torch.device) -> DistributedRun | None:
@@ -176,7 +320,9 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                timeout=timedelta(seconds=args.ddp_timeout))
+    bound_collectives(timedelta(seconds=args.ddp_timeout))
     global _ends_at_exit
     if not _ends_at_exit:
         # whoever started the group (here, or accelerate for a ParallelismConfig), it ends before the interpreter
@@ -214,6 +360,22 @@ def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
     return padded
 
 
+class _WholeSequenceInputs:
+    """A collator whose batches the trainer's objective completes (``Objective.whole_sequence_inputs``: what is read
+    from whole sequences, such as shifted targets) before the context-parallel split cuts them."""
+
+    def __init__(self, trainer, collator):
+        self.trainer, self.collator = trainer, collator
+
+    def __call__(self, features):
+        return self.trainer.objective.whole_sequence_inputs(self.collator(features))
+
+    def __getattr__(self, name):  # the wrapped collator's settings (pad_token_id, ...)
+        if name in ("collator", "trainer"):
+            raise AttributeError(name)
+        return getattr(self.collator, name)
+
+
 class DistributedMixin:
     """The Trainer's side of a distributed run (``self.distributed``: a DistributedRun, or None for one process):
     rank-aware state, parallelizing each model, the data shard (and its sequence split over context-parallel
@@ -227,22 +389,45 @@ class DistributedMixin:
     def data_collator(self, collator):
         """With context parallel the collator's batches are split along the sequence over the cp ranks."""
         run = getattr(self, "distributed", None)
-        if collator is not None and run is not None and run.dims.cp_enabled:
+        objective = self.__dict__.get("objective")
+        splits = objective is None or objective.split_collated_batches
+        if collator is not None and run is not None and run.dims.cp_enabled and splits:
             collator = self._context_parallel_collator(collator)
         self.__dict__["_data_collator"] = collator
+
+    def _context_parallel_settings(self) -> dict:
+        """split_batch's arguments for this run's cp ranks."""
+        run = self.distributed
+        model_args = getattr(self.model, "args", None)
+        sliding = model_args is not None and any(layer.is_sliding for layer in self.model.layers)
+        return dict(cp_size=run.dims.cp, cp_rank=run.mesh["cp"].get_local_rank(), group=run.mesh["cp"].get_group(),
+                    multiple=run.dims.tp, sliding_window=model_args.sliding_window if sliding else None)
 
     def _context_parallel_collator(self, collator):
         from hfnative.parallel.context_parallel import ContextParallelCollator
 
-        run = self.distributed
         if isinstance(collator, ContextParallelCollator):
             return collator
-        model_args = getattr(self.model, "args", None)
-        sliding = model_args is not None and any(layer.is_sliding for layer in self.model.layers)
-        return ContextParallelCollator(
-            collator, run.dims.cp, run.mesh["cp"].get_local_rank(), run.mesh["cp"].get_group(), multiple=run.dims.tp,
-            sliding_window=model_args.sliding_window if sliding else None,
-        )
+        settings = self._context_parallel_settings()
+        return ContextParallelCollator(_WholeSequenceInputs(self, collator), settings["cp_size"], settings["cp_rank"],
+                                       settings["group"], multiple=settings["multiple"],
+                                       sliding_window=settings["sliding_window"])
+
+    @property
+    def context_parallel(self) -> ContextParallelGroup:
+        """The cp ranks' reductions and the batch split (see ContextParallelGroup)."""
+        group = self.__dict__.get("_context_parallel_group")
+        if group is None:
+            group = self.__dict__["_context_parallel_group"] = ContextParallelGroup(getattr(self, "distributed", None),
+                                                                                    self._split_sequences)
+        return group
+
+    def _split_sequences(self, batch: dict) -> dict:
+        from hfnative.parallel.context_parallel import split_batch
+
+        settings = self._context_parallel_settings()
+        return split_batch(self.objective.whole_sequence_inputs(batch), settings.pop("cp_size"), settings.pop("cp_rank"),
+                           settings.pop("group"), **settings)
 
     def _new_state(self, **fields) -> TrainerState:
         run = self.distributed
@@ -287,11 +472,13 @@ class DistributedMixin:
 
         An item count is summed over the ranks holding different items (tokens: data x context parallel; sequences,
         pairs: data parallel); a micro-batch mean is divided by the step's micro-batches over the data-parallel
-        ranks; no normalizer: each loss is divided by this rank's micro-batches (transformers' Trainer)."""
+        ranks, times the context-parallel ranks (each holds the same micro-batch's mean, its sums taken over their
+        chunks); no normalizer: each loss is divided by this rank's micro-batches (transformers' Trainer)."""
         if normalizer is None:
             return None, micro_batches
         if normalizer.is_mean:
-            return None, int(self.data_parallel.sum(torch.tensor(normalizer.count, dtype=torch.int64)).item())
+            micro_batches_over_ranks = int(self.data_parallel.sum(torch.tensor(normalizer.count, dtype=torch.int64)).item())
+            return None, micro_batches_over_ranks * (1 if self.distributed is None else self.distributed.dims.cp)
         count = torch.tensor(normalizer.count, dtype=torch.int64 if isinstance(normalizer.count, int) else torch.float64)
         if self.distributed is None:
             return normalizer.count, 1
@@ -315,9 +502,13 @@ class DistributedMixin:
 
 
 __all__ = [
+    "ContextParallelGroup",
     "DataParallelGroup",
     "DistributedMixin",
     "DistributedRun",
+    "RankFailureError",
+    "bound_collectives",
+    "is_collective_failure",
     "launched_world_size",
     "pad_sequence_to_multiple",
     "start_distributed",

@@ -119,8 +119,8 @@ class DPOObjective(Objective):
     """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
     policy's and the reference's sequence log-probs; TRL's DPO metrics."""
 
-    # the sequence log-probs are summed over an unsplit head and sequence
-    supports = frozenset({"multi_process", "expert_parallel", "evaluation"})
+    # the sequence log-probs are summed over an unsplit head; under context parallel, over the cp ranks' chunks
+    supports = frozenset({"multi_process", "context_parallel", "expert_parallel", "evaluation"})
 
     def __init__(self, context, reference, reference_given: bool):
         """``reference``: the reference's source (a path, Hub id or model object), used unless it is the policy with
@@ -209,9 +209,12 @@ class DPOObjective(Objective):
         chosen, rejected = [], []
         for start in range(0, len(dataset), batch_size):
             rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-            inputs = context.prepare_inputs(collator(rows))
+            batch = collator(rows)
+            if "attention_plan" not in batch:  # not split yet (the default collator before it is the trainer's)
+                batch = context.context_parallel.split(self.whole_sequence_inputs(batch))
+            inputs = context.prepare_inputs(batch)
             with context.autocast():
-                ref_chosen, ref_rejected = self.reference_logps(inputs, self._targets(inputs))
+                ref_chosen, ref_rejected = self.reference_logps(inputs)
             chosen += ref_chosen.float().cpu().tolist()
             rejected += ref_rejected.float().cpu().tolist()
         return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
@@ -238,29 +241,37 @@ class DPOObjective(Objective):
                 ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
 
     # --- log-probs ------------------------------------------------------------------------------------
-    @staticmethod
-    def _targets(inputs) -> torch.Tensor:
-        """Next-token targets [2B, S]: the completion tokens, IGNORE_INDEX elsewhere."""
-        return shift_labels(inputs["input_ids"].masked_fill(inputs["completion_mask"] == 0, IGNORE_INDEX))
-
-    def _sequence_logps(self, token_logps_BS, targets_BS) -> torch.Tensor:
-        """Summed completion log-probs per row [2B]; with ld_alpha, the tokens past the shorter completion of the
-        pair weighted by it (LD-DPO)."""
+    def whole_sequence_inputs(self, batch: dict) -> dict:
+        """The batch with its next-token targets "shift_labels" [2B, S] (the completion tokens, IGNORE_INDEX
+        elsewhere) and, with ld_alpha, LD-DPO's weight of each target "ld_weights" [2B, S] (1 up to the shorter
+        completion of the pair, ld_alpha past it, 0 off the completion): both read from whole sequences, so a
+        context-parallel split cuts chosen and rejected rows alike."""
+        if "shift_labels" in batch:
+            return batch
+        batch = dict(batch)
+        targets_BS = shift_labels(batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX))
+        batch["shift_labels"] = targets_BS
         alpha = self.args.ld_alpha
-        if alpha is None:
-            return token_logps_BS.sum(dim=1)
-        mask_BS = targets_BS != IGNORE_INDEX
-        position_BS = mask_BS.cumsum(dim=1)
-        chosen_lengths, rejected_lengths = mask_BS.sum(dim=1).chunk(2, dim=0)
-        shared_B2 = torch.minimum(chosen_lengths, rejected_lengths).repeat(2)
-        shared_BS = (position_BS > 0) & (position_BS <= shared_B2[:, None])
-        tail_BS = position_BS > shared_B2[:, None]
-        return (token_logps_BS * shared_BS).sum(dim=1) + alpha * (token_logps_BS * tail_BS).sum(dim=1)
+        if alpha is not None:
+            mask_BS = targets_BS != IGNORE_INDEX
+            position_BS = mask_BS.cumsum(dim=1)
+            chosen_lengths, rejected_lengths = mask_BS.sum(dim=1).chunk(2, dim=0)
+            shared_B2 = torch.minimum(chosen_lengths, rejected_lengths).repeat(2)
+            shared_BS = mask_BS & (position_BS <= shared_B2[:, None])
+            tail_BS = mask_BS & (position_BS > shared_B2[:, None])
+            batch["ld_weights"] = shared_BS.float() + alpha * tail_BS.float()
+        return batch
+
+    def _sequence_logps(self, token_logps_BS, inputs) -> torch.Tensor:
+        """Summed completion log-probs per row [2B] over this rank's tokens (LD-DPO: weighted by "ld_weights")."""
+        weights_BS = inputs.get("ld_weights")
+        return token_logps_BS.sum(dim=1) if weights_BS is None else (token_logps_BS * weights_BS).sum(dim=1)
 
     @torch.no_grad()
-    def reference_logps(self, inputs, targets_BS) -> tuple[torch.Tensor, torch.Tensor]:
-        """(chosen [B], rejected [B]) sequence log-probs under the reference, without a graph."""
-        head_loss = TokenLogprobs(targets_BS, fused=self.args.fused_loss, compact=True)
+    def reference_logps(self, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen [B], rejected [B]) sequence log-probs under the reference, without a graph; ``inputs`` carry
+        ``whole_sequence_inputs``' keys."""
+        head_loss = TokenLogprobs(inputs["shift_labels"], fused=self.args.fused_loss, compact=True)
         ref = self.auxiliary_models.get("ref_model")
         if ref is not None:
             token_logps_BS, _ = self.forward(ref, inputs, head_loss).head_output
@@ -273,27 +284,48 @@ class DPOObjective(Objective):
                     token_logps_BS, _ = self.forward(policy, inputs, head_loss).head_output
             finally:
                 policy.aux_loss_enabled = aux_enabled
-        return self._sequence_logps(token_logps_BS, targets_BS).chunk(2, dim=0)
+        # each context-parallel rank holds a chunk of every row: the sequence's sum is over the ranks' chunks
+        return self.context.context_parallel.sum(self._sequence_logps(token_logps_BS, inputs)).chunk(2, dim=0)
+
+    def _row_sums(self, token_logps_BS, mask_BS, inputs, log_sum_sq_probs_BS) -> dict[str, torch.Tensor]:
+        """Per-row sums [2B] over the whole sequences (this rank's chunk's, summed over the cp ranks): the sequence
+        log-probs (differentiable; with ld_alpha also the unweighted ones sft needs), the completion lengths, the
+        target tokens and, with use_weighting, WPO's aligned log-probs (no gradient)."""
+        args = self.args
+        differentiable = {"sequence": self._sequence_logps(token_logps_BS, inputs)}
+        if "ld_weights" in inputs and "sft" in args.loss_type:
+            differentiable["plain"] = token_logps_BS.sum(dim=1)
+        counts = {"completion_lengths": inputs["completion_mask"].sum(dim=1).to(token_logps_BS.dtype),
+                  "token_counts": mask_BS.sum(dim=1).to(token_logps_BS.dtype)}
+        if args.use_weighting:
+            counts["wpo"] = ((token_logps_BS.detach() - log_sum_sq_probs_BS) * mask_BS).sum(dim=1)
+        context_parallel = self.context.context_parallel
+        summed = context_parallel.sum(torch.stack(list(differentiable.values())))
+        with torch.no_grad():
+            summed_counts = context_parallel.sum(torch.stack(list(counts.values())))
+        return {**dict(zip(differentiable, summed)), **dict(zip(counts, summed_counts))}
 
     # --- loss and metrics -------------------------------------------------------------------------
     def loss(self, model, inputs, num_items_in_batch):
         args = self.args
-        targets_BS = self._targets(inputs)
+        inputs = self.whole_sequence_inputs(inputs)  # made before the split under context parallel
+        targets_BS = inputs["shift_labels"]
         mask_BS = targets_BS != IGNORE_INDEX
         statistics = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if args.use_weighting else ())
         head_loss = TokenLogprobs(targets_BS, fused=args.fused_loss, statistics=statistics, compact=True)
         outputs = self.forward(model, inputs, head_loss)
         token_logps_BS, entropy_BS, stats = outputs.head_output
-        chosen_logps, rejected_logps = self._sequence_logps(token_logps_BS, targets_BS).chunk(2, dim=0)
+        sums = self._row_sums(token_logps_BS, mask_BS, inputs, stats.get("log_sum_sq_probs"))
+        chosen_logps, rejected_logps = sums["sequence"].chunk(2, dim=0)
         if "ref_chosen_logps" in inputs:
             ref_chosen_logps = inputs["ref_chosen_logps"].to(chosen_logps.dtype)
             ref_rejected_logps = inputs["ref_rejected_logps"].to(chosen_logps.dtype)
         else:
-            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs, targets_BS)
+            ref_chosen_logps, ref_rejected_logps = self.reference_logps(inputs)
         logps = PreferenceLogps(
             chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
-            token_logps_BS=token_logps_BS, token_mask_BS=mask_BS,
-            completion_lengths_B2=inputs["completion_mask"].sum(dim=1), log_sum_sq_probs_BS=stats.get("log_sum_sq_probs"),
+            completion_lengths_B2=sums["completion_lengths"], plain_logps_B2=sums.get("plain"),
+            token_counts_B2=sums["token_counts"], wpo_sums_B2=sums.get("wpo"),
         )
         loss = preference_loss(
             logps, loss_type=args.loss_type, loss_weights=args.loss_weights, beta=args.beta,
@@ -303,8 +335,8 @@ class DPOObjective(Objective):
         )
         metrics = {}
         if outputs.aux_loss is not None:
-            loss = loss + self.aux_loss_coef * outputs.aux_loss
-            metrics["aux_loss"] = outputs.aux_loss
+            loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)
+            metrics["aux_loss"] = self.context.whole_router_loss(outputs.aux_loss)
         metrics.update(self._metrics(logps, entropy_BS, stats, mask_BS))
         if model.training:
             self._total_train_tokens += inputs["attention_mask"].sum()

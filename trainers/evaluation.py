@@ -43,10 +43,15 @@ class EvaluationMixin:
         if not self.objective.has_eval_loss(inputs):
             return None, None, None
         group = run.mesh["cp"].get_group()
-        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        torch.distributed.all_reduce(count, group=group)
-        with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1)).detach().clone()
+        normalizer = self.objective.normalizer([inputs])
+        if normalizer is not None and normalizer.is_mean:  # a micro-batch mean: every cp rank holds the batch's
+            with torch.no_grad(), self._autocast():
+                loss = self.compute_loss(model, inputs).detach() / run.dims.cp
+        else:
+            count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+            torch.distributed.all_reduce(count, group=group)
+            with torch.no_grad(), self._autocast():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=count.clamp(min=1)).detach().clone()
         torch.distributed.all_reduce(loss, group=group)
         return loss, None, inputs.get("labels")
 

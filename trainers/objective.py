@@ -237,6 +237,42 @@ class ObjectiveContext:
     def micro_batches_in_step(self) -> int:
         return self._trainer._current_accumulation_steps
 
+    @property
+    def context_parallel(self):
+        """The ranks splitting each sequence (trainers.distributed.ContextParallelGroup): ``size``, a differentiable
+        ``sum`` over their chunks, and ``split`` for a batch made after the collator (e.g. generated completions)."""
+        return self._trainer.context_parallel
+
+    # --- the router's load-balancing loss (MoE) -----------------------------------------------------------------
+    @property
+    def router_loss_ranks(self) -> int:
+        """How many ranks' tokens one router load-balancing loss is taken over (their MoE layers' ``token_group``,
+        set for every data- and context-parallel layout): each rank's loss is its share of theirs; 1 otherwise."""
+        for module in self._trainer.model.modules():
+            group = getattr(module, "token_group", None)
+            if group is not None:
+                return torch.distributed.get_world_size(group)
+        return 1
+
+    def router_loss(self, aux_loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+        """The term a micro-batch adds to its loss for the router's load-balancing loss ``aux_loss`` (the model's:
+        this rank's share of the whole batch's when ``router_loss_ranks`` > 1), so that the step trains, and logs,
+        the mean over its micro-batches of the whole batch's router loss, as one process: the loop divides a loss
+        given no item count by the step's micro-batches over the ranks (a micro-batch mean), divides nothing
+        otherwise, and sums the ranks' losses; evaluation averages its data-parallel ranks' losses (a micro-batch
+        mean's also divided by the cp ranks, whose summed losses it takes)."""
+        ranks = self.router_loss_ranks
+        if not self._trainer.model.training:  # an item-normalized loss is summed over the cp ranks
+            return aux_loss * (ranks if num_items_in_batch is None else ranks // self.context_parallel.size)
+        steps = self.micro_batches_in_step
+        if num_items_in_batch is not None:
+            return aux_loss / steps
+        return aux_loss * (self._trainer._loss_divisor / steps) if ranks > 1 else aux_loss
+
+    def whole_router_loss(self, aux_loss: torch.Tensor) -> torch.Tensor:
+        """The whole batch's router loss for the logs: the metrics average the ranks' values."""
+        return aux_loss.detach() * self.router_loss_ranks
+
     # --- what the loop does for every objective ---------------------------------------------------------------
     def autocast(self):
         return self._trainer._autocast()
@@ -319,6 +355,10 @@ class Objective(ABC):
     feature declared in ``supports``. A subclass declares what it supports and changes the pieces it needs."""
 
     supports: frozenset[str] = frozenset(FEATURES)
+    # the collator's batches are token sequences the loop splits over the context-parallel ranks; False: the
+    # objective builds its model inputs later (from generated completions) and splits them with
+    # ``context.context_parallel.split``
+    split_collated_batches = True
 
     def __init__(self, context: ObjectiveContext):
         self.context = context
@@ -389,6 +429,12 @@ class Objective(ABC):
 
     def after_optimizer_step(self) -> None:
         pass
+
+    def whole_sequence_inputs(self, batch: dict) -> dict:
+        """A collated batch of whole sequences completed with what must be read before a context-parallel split
+        cuts them (e.g. shifted targets, positions within a completion): the split hands every [B, S] tensor on in
+        chunks. Default: as it is."""
+        return batch
 
     def end_training(self) -> None:
         pass

@@ -145,15 +145,6 @@ class SFTObjective(LanguageModelingObjective):
         self.aux_loss_coef = self._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
 
     @staticmethod
-    def _router_loss_ranks(model) -> int:
-        """How many ranks' tokens one load-balancing loss is taken over (expert parallel); 1 otherwise."""
-        for module in model.modules():
-            group = getattr(module, "token_group", None)
-            if group is not None:
-                return torch.distributed.get_world_size(group)
-        return 1
-
-    @staticmethod
     def _enable_aux_loss(model, coef: float | None) -> float:
         """TRL's rule: None takes the model config's coefficient; a non-zero coefficient on a model
         without experts is an error; 0.0 turns the router's load-balancing loss off."""
@@ -264,11 +255,9 @@ class SFTObjective(LanguageModelingObjective):
         # (sum, count) pairs: each micro-batch's ratio is taken over every data-parallel rank's sums, as TRL does
         metrics = {"entropy": (entropy_sum, num_valid), "mean_token_accuracy": (correct_sum, num_valid)}
         if outputs.aux_loss is not None:
-            # a per-micro-batch mean: with a step-wide normalizer, averaged over the accumulation steps (TRL)
-            steps = self.context.micro_batches_in_step if num_items_in_batch is not None else 1
-            loss = loss + self.aux_loss_coef * outputs.aux_loss / steps
-            # under expert parallel each rank's loss is its share of the whole batch's: logged as the whole
-            metrics["aux_loss"] = outputs.aux_loss * self._router_loss_ranks(model)
+            # a per-micro-batch mean (TRL), each rank's loss its share of the whole batch's: logged as the whole
+            loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)
+            metrics["aux_loss"] = self.context.whole_router_loss(outputs.aux_loss)
         if model.training:
             if "attention_mask" in inputs:
                 self._total_train_tokens += inputs["attention_mask"].sum()

@@ -130,10 +130,11 @@ def discopop_loss(delta_B, beta, tau):
     return -F.logsigmoid(z_B) * (1 - mix_B) + torch.exp(-z_B) * mix_B
 
 
-def sft_loss(chosen_token_logps_BS, chosen_mask_BS):
-    """The chosen completions' mean token NLL (one number for the batch, repeated per pair)."""
-    nll = -chosen_token_logps_BS[chosen_mask_BS.bool()].mean()
-    return nll.expand(chosen_token_logps_BS.shape[0])
+def sft_loss(chosen_logps_B, chosen_tokens_B):
+    """The chosen completions' mean token NLL (one number for the batch, repeated per pair): their summed
+    log-probs [B] over their completion tokens [B]."""
+    nll = -chosen_logps_B.sum() / chosen_tokens_B.sum()
+    return nll.expand(chosen_logps_B.shape[0])
 
 
 def sigmoid_norm_loss(chosen_scores_B, rejected_scores_B, chosen_lengths_B, rejected_lengths_B, beta):
@@ -146,32 +147,31 @@ def sigmoid_norm_loss(chosen_scores_B, rejected_scores_B, chosen_lengths_B, reje
 
 @dataclass
 class PreferenceLogps:
-    """One batch of pairs: sequence log-probs [B] and what some losses need per token.
+    """One batch of pairs: sequence log-probs [B], and per row (chosen rows first, then rejected, [2B]) what
+    some losses need. Every row value is a sum over the row's completion tokens, so a batch whose sequences are
+    split over ranks (context parallel) gives them summed over its ranks' chunks.
 
-    token_logps_BS: the policy's per-token log-probs, chosen rows first then rejected ([2B, S], zero off the
-        completion; aligned with ``token_mask_BS``), for ``sft`` and the WPO weights.
-    token_mask_BS: the completion positions of ``token_logps_BS`` [2B, S].
-    completion_lengths_B2: completion tokens per row (chosen then rejected) [2B], for ``ipo`` / ``sigmoid_norm``.
-    log_sum_sq_probs_BS: log sum_v p_v^2 per position [2B, S] (the WPO weights; only with use_weighting).
+    completion_lengths_B2: completion tokens per row, for ``ipo`` / ``sigmoid_norm``.
+    plain_logps_B2: summed completion log-probs without LD-DPO's weights, for ``sft`` (None: the sequence log-probs).
+    token_counts_B2: the tokens those sums run over, for ``sft`` and the WPO weights.
+    wpo_sums_B2: sum over the completion tokens of log p(token) - log sum_v p_v^2, without gradient (the WPO
+        weights; only with use_weighting).
     """
 
     chosen_logps: torch.Tensor
     rejected_logps: torch.Tensor
     ref_chosen_logps: torch.Tensor
     ref_rejected_logps: torch.Tensor
-    token_logps_BS: torch.Tensor | None = None
-    token_mask_BS: torch.Tensor | None = None
     completion_lengths_B2: torch.Tensor | None = None
-    log_sum_sq_probs_BS: torch.Tensor | None = None
+    plain_logps_B2: torch.Tensor | None = None
+    token_counts_B2: torch.Tensor | None = None
+    wpo_sums_B2: torch.Tensor | None = None
 
 
-def wpo_weights(token_logps_BS, log_sum_sq_probs_BS, token_mask_BS) -> tuple[torch.Tensor, torch.Tensor]:
+def wpo_weights(wpo_sums_B2, token_counts_B2) -> tuple[torch.Tensor, torch.Tensor]:
     """WPO's per-sequence weights (chosen [B], rejected [B]): exp of the mean over completion tokens of
     log p(token) - log sum_v p_v^2, without gradient."""
-    lengths_B2 = token_mask_BS.sum(dim=1).clamp_min(1)
-    with torch.no_grad():
-        aligned_BS = (token_logps_BS - log_sum_sq_probs_BS) * token_mask_BS
-    weights_B2 = torch.exp(aligned_BS.sum(dim=1) / lengths_B2)
+    weights_B2 = torch.exp(wpo_sums_B2.detach() / token_counts_B2.clamp_min(1))
     return weights_B2.chunk(2, dim=0)
 
 
@@ -197,7 +197,7 @@ def preference_loss(
     chosen_lengths, rejected_lengths = lengths.chunk(2, dim=0) if lengths is not None else (None, None)
     pair_weights = None
     if use_weighting:
-        pair_weights = wpo_weights(logps.token_logps_BS, logps.log_sum_sq_probs_BS, logps.token_mask_BS)
+        pair_weights = wpo_weights(logps.wpo_sums_B2, logps.token_counts_B2)
 
     total = 0.0
     for name, weight in zip(loss_type, weights, strict=True):
@@ -229,9 +229,9 @@ def preference_loss(
         elif name == "discopop":
             per_pair = discopop_loss(delta, beta, discopop_tau)
         elif name == "sft":
-            chosen_token_logps, _ = logps.token_logps_BS.chunk(2, dim=0)
-            chosen_mask, _ = logps.token_mask_BS.chunk(2, dim=0)
-            per_pair = sft_loss(chosen_token_logps, chosen_mask)
+            plain_B2 = logps.plain_logps_B2
+            chosen_plain = plain_B2.chunk(2, dim=0)[0] if plain_B2 is not None else logps.chosen_logps
+            per_pair = sft_loss(chosen_plain, logps.token_counts_B2.chunk(2, dim=0)[0])
         elif name == "sigmoid_norm":
             per_pair = sigmoid_norm_loss(chosen_scores, rejected_scores, chosen_lengths, rejected_lengths, beta)
         else:

@@ -1,0 +1,129 @@
+"""DPO, GKD (off-policy and on-policy) and on-policy distillation under DDP, FSDP2, context parallel (cp=2) and
+expert parallel (ep=2, Qwen3-MoE student and teacher) on 2 CPU processes (gloo), each against one process over the
+same global batches: 3 steps whose losses, grad norms and logged metrics agree within 1e-5 relative (fp32).
+
+What runs is the user's path: the reference model (a frozen copy of the checkpoint) or precomputed reference
+log-probs, the teacher, and generation (sampled, with per-row streams, or greedy) on the live weights; the completions
+each rank generated are compared with the ones the single process generated. The MoE cells add the router's
+load-balancing loss (coefficient 0.5): the logged and trained value is the whole batch's, as one process takes it.
+One launch runs every cell; the single-process references run here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+import _layout_matrix_preference_worker as worker
+from hfnative.trainers import distillation_trainer as kd
+
+HERE = Path(__file__).resolve().parent
+# logged metrics near zero (rewards and margins at the first step, where policy = reference) carry fp32 round-off
+ABSOLUTE = 1e-6
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE student and teacher (another initialization), router_aux_loss_coef 0.5; DPO's dense policy."""
+    directory = tmp_path_factory.mktemp("moe_models")
+    tokenizer = AutoTokenizer.from_pretrained(worker.DENSE["student"])
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.5,
+                            max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)
+    for seed, name in ((0, "moe"), (1, "moe-teacher")):
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config).save_pretrained(str(directory / name))
+        tokenizer.save_pretrained(str(directory / name))
+    # DPO's dense policy: the shipped model's embeddings x3, so its next-token distributions are far from uniform and
+    # the chosen and rejected log-probs' gradients do not nearly cancel (which magnifies fp32 round-off)
+    policy = AutoModelForCausalLM.from_pretrained(worker.DENSE["student"], dtype=torch.float32)
+    with torch.no_grad():
+        policy.model.embed_tokens.weight.mul_(3.0)
+    policy.save_pretrained(str(directory / "dpo-policy"))
+    tokenizer.save_pretrained(str(directory / "dpo-policy"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, models_dir):
+    out = tmp_path_factory.mktemp("layout_matrix_preference")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "_layout_matrix_preference_worker.py"), str(out), str(models_dir), *worker.CELLS]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return out
+
+
+_references: dict = {}
+
+
+def _reference(cell: str, models_dir: Path, tmp_path) -> tuple[list[dict], list[dict]]:
+    """One process over the same global batches (cells that differ only in layout share it): its log history and
+    the completions it generated."""
+    algorithm, layout, kind, settings = worker.CELLS[cell]
+    _, ranks = worker.LAYOUTS[layout]
+    key = (algorithm, kind, json.dumps(settings, sort_keys=True), ranks)
+    if key not in _references:
+        trainer = worker.trainer_for(cell, str(tmp_path / "reference"), str(models_dir), ranks)
+        generated = []
+        if isinstance(trainer.objective, kd._DistillationObjective):
+            worker.record_completions(trainer.objective, generated)
+        trainer.train()
+        _references[key] = (trainer.state.log_history, generated)
+    return _references[key]
+
+
+def _by_rank(calls: list[dict], ranks: int) -> list[list[list[int]]]:
+    """Each generation call's completions cut as the data-parallel ranks held them."""
+    out = []
+    for call in calls:
+        size = len(call["completions"]) // ranks
+        out.append([call["completions"][r * size : (r + 1) * size] for r in range(ranks)])
+    return out
+
+
+@pytest.mark.parametrize("cell", list(worker.CELLS))
+def test_cell_trains_like_one_process(launched, models_dir, cell, tmp_path):
+    algorithm, layout, kind, settings = worker.CELLS[cell]
+    _, ranks = worker.LAYOUTS[layout]
+    reference_logs, reference_calls = _reference(cell, models_dir, tmp_path)
+    logs = json.loads((launched / cell / "log.json").read_text())
+    steps, expected = [e for e in logs if "loss" in e], [e for e in reference_logs if "loss" in e]
+    assert len(steps) == len(expected) == worker.STEPS
+    worst = 0.0
+    for mine, theirs in zip(steps, expected):
+        assert set(mine) == set(theirs), (cell, theirs["step"])
+        for key, value in theirs.items():
+            if isinstance(value, float) and key not in ("step_time", "epoch"):
+                tolerance = dict(rel=1e-5) if key in ("loss", "grad_norm") else dict(rel=1e-5, abs=ABSOLUTE)
+                assert mine[key] == pytest.approx(value, **tolerance), (cell, theirs["step"], key)
+                if key in ("loss", "grad_norm"):
+                    worst = max(worst, abs(mine[key] - value) / abs(value))
+    if kind == "moe" and algorithm == "dpo":
+        assert all(e["aux_loss"] > 0 for e in steps)
+    evaluations, expected_evaluations = [e for e in logs if "eval_loss" in e], [e for e in reference_logs if "eval_loss" in e]
+    assert len(evaluations) == len(expected_evaluations) == (settings.get("eval_strategy", "no") != "no")
+    for mine, theirs in zip(evaluations, expected_evaluations):
+        for key, value in theirs.items():
+            if key.startswith("eval_") and not key.endswith(("runtime", "per_second")):
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=ABSOLUTE), (cell, key)
+    # generation: every rank completed its rows as the one process did (cp ranks: the same rows)
+    calls = [json.loads((launched / cell / f"completions-rank{r}.json").read_text()) for r in range(2)]
+    assert len(calls[0]) == len(calls[1]) == len(reference_calls)
+    expected_by_rank = _by_rank(reference_calls, ranks)
+    for index, reference_call in enumerate(reference_calls):
+        for rank in range(2):
+            call = calls[rank][index]
+            assert call["teacher"] == reference_call["teacher"]
+            assert call["completions"] == expected_by_rank[index][rank * ranks // 2], (cell, index, rank)
+    if algorithm == "distillation" or settings.get("lmbda", 0) > 0:
+        assert reference_calls, cell  # the on-policy cells generate
+    print(f"{cell}: max relative difference of loss and grad_norm {worst:.2e}")
