@@ -137,25 +137,60 @@ def test_staleness_filter_drops_and_counts():
 
 
 def test_policy_copy_for_the_generator_of_a_compiled_model():
-    """The generator's copy of a torch.compile'd policy (compiled forwards are bound to this process) decodes
-    greedily exactly as the uncompiled model does; the policy itself keeps its compiled forwards."""
-    import io
-
+    """The generator's copy of a torch.compile'd policy (ModelArgs + safetensors bytes, rebuilt as a plain model)
+    decodes greedily exactly as the uncompiled model does; the policy itself keeps its compiled forwards."""
     from hf_configs import make_hf_model
 
     from hfnative.converters.loading import load_pretrained
     from hfnative.generation import NativeRolloutEngine, SamplingParams
     from hfnative.parallel import apply_compile
-    from hfnative.rl import policy_bytes
+    from hfnative.rl import load_policy_copy, policy_copy
 
     reference = load_pretrained(make_hf_model("qwen3-gqa")).model
     compiled = apply_compile(load_pretrained(make_hf_model("qwen3-gqa")).model)
-    copy = torch.load(io.BytesIO(policy_bytes(compiled)), weights_only=False)  # bytes written just above
+    shipped = policy_copy(compiled)
+    assert isinstance(shipped.weights, bytes) and shipped.weights[8:9] == b"{"  # a safetensors header, no pickle
+    copy = load_policy_copy(shipped)
     assert all("_compiled_forward" in vars(block) for block in compiled.layers)
     greedy = SamplingParams(max_new_tokens=6, do_sample=False)
     prompts = [[1, 2, 3], [7, 8]]
     ours, theirs = NativeRolloutEngine(copy).generate(prompts, greedy), NativeRolloutEngine(reference).generate(prompts, greedy)
     assert ours.completion_ids == theirs.completion_ids
+
+
+def test_policy_copy_of_a_lora_policy_folds_the_adapters_and_syncs_them():
+    """A LoRA policy's copy is a plain model with each adapter folded into its base weight: its logits equal the
+    adapted model's (fp32, 1e-5); after the adapters change, a sync of ``trainable_weights`` into the copy gives the
+    logits of the changed policy again."""
+    from hf_configs import make_hf_model
+    from peft import LoraConfig
+
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.converters.peft import apply_lora
+    from hfnative.generation import NativeRolloutEngine
+    from hfnative.rl import load_policy_copy, policy_copy
+    from hfnative.rl.policy_copy import trainable_weights
+
+    converted = load_pretrained(make_hf_model("qwen3-gqa"))
+    apply_lora(converted, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    policy = converted.model.eval()
+
+    def perturb_adapters():
+        with torch.no_grad():
+            for name, parameter in policy.named_parameters():
+                if "lora_" in name:
+                    parameter.add_(torch.randn_like(parameter) * 0.05)
+
+    perturb_adapters()
+    copy = load_policy_copy(policy_copy(policy))
+    assert not any("lora_" in name for name in copy.state_dict())
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(copy(ids).logits, policy(ids).logits, rtol=0, atol=1e-5)
+        perturb_adapters()  # a training step changes the adapters
+        assert (copy(ids).logits - policy(ids).logits).abs().max() > 1e-3
+        NativeRolloutEngine(copy).load_weights(trainable_weights(policy).items())
+        torch.testing.assert_close(copy(ids).logits, policy(ids).logits, rtol=0, atol=1e-5)
 
 
 # --- runs on Ray ----------------------------------------------------------------------------------------------

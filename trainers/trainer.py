@@ -9,6 +9,7 @@ transformers' own classes, so users' callbacks work unchanged.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -41,7 +42,13 @@ from . import hub
 from .arguments import TrainingArguments
 from .construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
 from .data_loading import has_length, make_dataloader, start_epoch
-from .distributed import DataParallelGroup, DistributedMixin, pad_sequence_to_multiple, start_distributed
+from .distributed import (
+    DataParallelGroup,
+    DistributedMixin,
+    is_collective_failure,
+    pad_sequence_to_multiple,
+    start_distributed,
+)
 from .evaluation import EvaluationMixin
 from .model_loading import disable_dropout, load_meta_model, load_processing_class, load_sharded, resolve_model
 from .objective import (
@@ -53,8 +60,11 @@ from .objective import (
     without_labels,
 )
 from .optimization import OptimizationMixin
+from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
+
+logger = logging.getLogger(__name__)
 
 # dataset columns a batch may carry into the model and loss (others are dropped when
 # remove_unused_columns is on, as transformers drops what the model's forward does not take)
@@ -85,6 +95,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     refuses_quantization_of_instances = False
     _last_micro_batch = True  # is the micro-batch in training_step the optimizer step's last one
     _current_accumulation_steps = 1  # this rank's micro-batches in the step being trained
+    _stopped_by: str | None = None  # why train() stopped before its last step (enable_jit_checkpoint: "SIGTERM")
+    _preemption: Preemption | None = None  # the SIGTERM flag while train() runs with enable_jit_checkpoint
     _loss_divisor = 1  # what training_step divides a loss by when the step's normalizer gives no item count
     _tag_names: list[str] = []
     dataset_name: str | None = None  # shown on the model card (the CLI sets it)
@@ -357,12 +369,32 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     # --- the loop --------------------------------------------------------------------------------
 
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """transformers' ``train``. With ``enable_jit_checkpoint`` a SIGTERM ends it after the step it arrived in:
+        ``checkpoint-N`` is saved and ``SystemExit(0)`` raised (trainers/preemption.py). In a distributed run a
+        failed or timed-out collective (a rank died or hung, ``ddp_timeout``) raises ``RankFailureError`` naming
+        the ranks that did not answer and the last completed step."""
         if kwargs:
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
+        self._stopped_by = None
+        self._preemption = None
+        if self.args.enable_jit_checkpoint:
+            self._preemption = Preemption(self.distributed is not None, self.device)
+            self._preemption.install()
         try:
-            return self._train(resume_from_checkpoint)
+            output = self._train(resume_from_checkpoint)
+        except Exception as error:
+            if self.distributed is not None and is_collective_failure(error):
+                raise self.distributed.failure(error, self.state.global_step, self.args) from error
+            raise
         finally:
+            if self._preemption is not None:
+                self._preemption.uninstall()
             self.objective.end_training()
+        if self._stopped_by is not None:
+            logger.warning("stopped by %s at step %d with checkpoint-%d saved: exiting with status 0",
+                           self._stopped_by, self.state.global_step, self.state.global_step)
+            raise SystemExit(0)
+        return output
 
     def _train(self, resume_from_checkpoint):
         args = self.args
@@ -402,7 +434,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         self.create_optimizer_and_scheduler(max_steps)
-        saves_optimizer = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" and not args.save_only_model
+        saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" or args.enable_jit_checkpoint
+        saves_optimizer = saves and not args.save_only_model
         if self.distributed is not None and isinstance(self.optimizer, OptimizerInBackward) and saves_optimizer:
             raise ValueError(
                 "optimizer_in_backward in a distributed run cannot write checkpoints yet (its per-parameter optimizers "
@@ -459,6 +492,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 self.state.global_step += 1
                 self.state.epoch = epoch + (step + 1) / batches_per_epoch
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+                self._stop_if_preempted()
                 self._maybe_log_save_evaluate(grad_norm, learning_rate, start_time)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
@@ -484,8 +518,22 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             if self.args.save_strategy == "best":
                 self.control.should_save = is_new_best
         if self.control.should_save:
-            self._save_checkpoint()
+            stopping = self._stopped_by is not None
+            if stopping and not (self.state.log_history and STOPPED_BY in self.state.log_history[-1]):
+                self.state.log_history.append({STOPPED_BY: self._stopped_by, "epoch": self.state.epoch,
+                                               "step": self.state.global_step})
+            with self._preemption.saving() if self._preemption is not None else nullcontext():
+                self._save_checkpoint()
             self.control = self.callback_handler.on_save(self.args, self.state, self.control)
+
+    def _stop_if_preempted(self) -> None:
+        """At the end of an optimizer step (every rank, with enable_jit_checkpoint): when any rank got SIGTERM,
+        this step is saved, without evaluating, and training stops."""
+        if self._preemption is None or not self._preemption.agreed():
+            return
+        self._stopped_by = SIGTERM_REASON
+        self.control.should_save, self.control.should_evaluate = True, False
+        self.control.should_training_stop = True
 
     def _finish_training(self, start_time, initial_step, num_train_samples) -> TrainOutput:
         self._total_loss_scalar += self._summed_over_ranks(self._tr_loss).item()
@@ -501,7 +549,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             "train_loss": train_loss,
         }
         self.log(metrics)
-        if self.args.load_best_model_at_end and self.state.best_model_checkpoint:
+        if self.args.load_best_model_at_end and self.state.best_model_checkpoint and self._stopped_by is None:
             self._load_model_weights(Path(self.state.best_model_checkpoint))
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         hub.wait_for_push(self)  # the last checkpoint's upload

@@ -5,7 +5,6 @@ module needs no Ray.
 
 from __future__ import annotations
 
-import io
 import os
 import time
 from collections.abc import Callable
@@ -14,6 +13,8 @@ from typing import Any
 import torch
 
 from hfnative.generation import NativeRolloutEngine, RolloutEngine, SamplingParams
+
+from .policy_copy import PolicyCopy, generator_device, load_policy_copy
 
 
 def _use_assigned_threads() -> None:
@@ -27,23 +28,20 @@ def _use_assigned_threads() -> None:
 class RolloutGenerator:
     """Generates completions with its copy of the policy; ``version`` is the optimizer step its weights are from.
 
-    policy: the policy as ``pipeline.policy_bytes`` pickled it (a native Transformer), loaded on this actor's device;
+    policy: the policy as ``policy_copy.policy_copy`` describes it (its ModelArgs and safetensors bytes: nothing
+    unpickled as a module), rebuilt as a plain Transformer on this actor's device;
     None when the engine starts from elsewhere (a vLLM engine loads its own model; the trainer then sends the
     weights before the first generation). engine_factory: model (or None) -> RolloutEngine, picklable, made
     by the trainer from its config (default: the native KV-cache engine). Tasks run in the order the trainer submitted them, so a ``load_weights`` lands
     between the generations before and after it.
     """
 
-    def __init__(self, policy: bytes | None, version: int,
+    def __init__(self, policy: PolicyCopy | None, version: int,
                  engine_factory: Callable[[Any], RolloutEngine] | None = None):
         _use_assigned_threads()
         model = None
         if policy is not None:
-            # bytes the trainer's process wrote from its own model, not a file a user handed over
-            model = torch.load(io.BytesIO(policy), weights_only=False, map_location="cpu")
-            if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES"):
-                model = model.to("cuda")
-            model = model.requires_grad_(False).eval()
+            model = load_policy_copy(policy, generator_device())
         elif engine_factory is None:
             raise ValueError("RolloutGenerator: without a policy, an engine_factory must build the engine")
         self.model = model

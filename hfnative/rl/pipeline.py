@@ -20,7 +20,6 @@ holding work is reported as hung (``RolloutStalledError``).
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import time
 from collections import deque
@@ -33,6 +32,7 @@ import torch
 from hfnative.generation import RolloutEngine, SamplingParams
 
 from .actors import RewardScorer, RolloutGenerator
+from .policy_copy import policy_copy, trainable_weights
 from .staleness import StalenessFilter
 
 
@@ -60,27 +60,6 @@ def _import_ray():
     return ray
 
 
-def policy_bytes(model: torch.nn.Module) -> bytes:
-    """The policy pickled for the generator actor (tensors load on the CPU there), without what ties it to this
-    process: a transformers-style surface's ConvertedModel (which holds the model itself) and forwards replaced
-    on instances (``torch.compile``'d blocks; the rollout engine calls the blocks' submodules, not their forward)."""
-    removed = [(model, "_hub_converted", model.__dict__.pop("_hub_converted"))] if "_hub_converted" in model.__dict__ else []
-    removed += [(module, name, module.__dict__.pop(name)) for module in model.modules()
-                for name in ("forward", "_compiled_forward") if name in module.__dict__]
-    buffer = io.BytesIO()
-    try:
-        torch.save(model, buffer)
-    finally:
-        for owner, name, value in removed:
-            owner.__dict__[name] = value
-    return buffer.getvalue()
-
-
-def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters training changes (all of them, or only the adapters of a LoRA run), on the CPU."""
-    return {name: p.detach().to("cpu", copy=True) for name, p in model.named_parameters() if p.requires_grad}
-
-
 class RolloutPipeline:
     """Generator and reward actors feeding the trainer, with bounded staleness.
 
@@ -97,10 +76,12 @@ class RolloutPipeline:
     when ship_policy is False), picklable; the async GRPO trainer passes one that builds the engine its config
     selects.
     named_weights: model -> {name: tensor} sent at each weight sync, under the names the engine's
-    ``load_weights`` takes (default: the trainable parameters by native name, on the CPU).
+    ``load_weights`` takes (default: ``policy_copy.trainable_weights``: the trainable parameters by native name, each
+    LoRA adapter folded into its base weight, on the CPU).
     num_generators: generator actors (each its own copy of the policy), given micro-batches in turn; every
     weight sync goes to all of them, after the work already submitted to each.
-    ship_policy: send the pickled policy to the generators (the native engine runs on it). False when the
+    ship_policy: send the policy to the generators as a ``PolicyCopy`` (ModelArgs + safetensors bytes; the native
+    engine runs on the plain model rebuilt from it). False when the
     engine loads its own copy (vLLM from a Hub folder, or a vLLM server): the generators then get the policy's
     current weights through ``named_weights`` at start, before any generation.
     """
@@ -175,7 +156,7 @@ class RolloutPipeline:
             self._owns_ray = True
         generator = ray.remote(RolloutGenerator).options(max_restarts=0, **self.generator_options)
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
-        policy = ray.put(policy_bytes(self.model)) if self.ship_policy else None
+        policy = ray.put(policy_copy(self.model)) if self.ship_policy else None
         self.generators = [generator.remote(policy, self.version, self.engine_factory) for _ in range(self.num_generators)]
         self.scorer = scorer.remote(self.score_fn)
         startup_s = max(self.heartbeat_stale_after_s, 300.0)
