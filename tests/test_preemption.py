@@ -33,12 +33,15 @@ class SigtermInStep(TrainerCallback):
     """This process sends itself SIGTERM as step ``step`` begins; ``handler`` records what handled SIGTERM then."""
 
     def __init__(self, step: int | None):
-        self.step, self.handler = step, None
+        self.step, self.handler, self.saves = step, None, 0
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.handler = signal.getsignal(signal.SIGTERM)
         if state.global_step == (self.step or 0) - 1:
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saves += 1
 
 
 def losses(log_history: list[dict]) -> dict[int, float]:
@@ -96,11 +99,11 @@ def by_step(log_history: list[dict]) -> dict[int, dict]:
     return {entry["step"]: entry for entry in log_history if "loss" in entry}
 
 
-def preempt_and_resume(tmp_path, name: str, second_sigterm_during_save: bool = False):
-    """(the preempted run's log history, the resumed run's, the preempted checkpoint)."""
+def preempt_and_resume(tmp_path, name: str, second_sigterm_during_save: bool = False, **extra):
+    """(the preempted run's log history, the resumed run's, the preempted checkpoint); ``extra``: both runs' settings."""
     make, step = RUNS[name]
-
-    preempted = make(tmp_path / "run", [SigtermInStep(step)], enable_jit_checkpoint=True)
+    signaller = SigtermInStep(step)
+    preempted = make(tmp_path / "run", [signaller], enable_jit_checkpoint=True, **extra)
     if second_sigterm_during_save:
         write = preempted._save
 
@@ -114,11 +117,12 @@ def preempt_and_resume(tmp_path, name: str, second_sigterm_during_save: bool = F
         preempted.train()
     assert stop.value.code == 0
     assert signal.getsignal(signal.SIGTERM) == before  # restored when train() ends
+    assert signaller.saves == 1  # once, also where the save strategy would save again at the epoch's end
     checkpoint = tmp_path / "run" / f"checkpoint-{step}"
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == [checkpoint.name]
     assert not list((tmp_path / "run").glob(".tmp-*"))
 
-    resumed = make(tmp_path / "run", enable_jit_checkpoint=True)
+    resumed = make(tmp_path / "run", enable_jit_checkpoint=True, **extra)
     resumed.train(resume_from_checkpoint=True)
     return preempted.state.log_history, resumed.state.log_history, checkpoint
 
@@ -127,7 +131,9 @@ def preempt_and_resume(tmp_path, name: str, second_sigterm_during_save: bool = F
 def test_sigterm_saves_the_step_and_resumes_exactly(tmp_path, tmp_path_factory, caplog, second_sigterm_during_save):
     caplog.set_level(logging.WARNING, logger="hfnative.trainers.preemption")
     reference = losses(uninterrupted("SFT", tmp_path_factory))
-    preempted, resumed, checkpoint = preempt_and_resume(tmp_path, "SFT", second_sigterm_during_save)
+    # with a second SIGTERM, also save_strategy="epoch": the epoch's end after the preempted step saves nothing more
+    extra = dict(save_strategy="epoch") if second_sigterm_during_save else {}
+    preempted, resumed, checkpoint = preempt_and_resume(tmp_path, "SFT", second_sigterm_during_save, **extra)
     preempted, resumed = losses(preempted), losses(resumed)
     assert sorted(preempted) == [1, 2, 3]  # the step the signal arrived in was finished, no later one begun
     assert preempted == {step: reference[step] for step in (1, 2, 3)}

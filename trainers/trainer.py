@@ -439,8 +439,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         if self.distributed is not None and isinstance(self.optimizer, OptimizerInBackward) and saves_optimizer:
             raise ValueError(
                 "optimizer_in_backward in a distributed run cannot write checkpoints yet (its per-parameter optimizers "
-                "have no distributed checkpoint): set save_strategy='no' or save_only_model=True, or turn "
-                "optimizer_in_backward off"
+                "have no distributed checkpoint): set save_strategy='no' (and enable_jit_checkpoint=False) or "
+                "save_only_model=True, or turn optimizer_in_backward off"
             )
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
@@ -497,7 +497,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 if self.control.should_epoch_stop or self.control.should_training_stop:
                     break
             self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-            self._maybe_log_save_evaluate(grad_norm, learning_rate, start_time)
+            if self._stopped_by is None:  # a preempted step is saved already; no evaluation in the grace period
+                self._maybe_log_save_evaluate(grad_norm, learning_rate, start_time)
             if self.control.should_training_stop:
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
