@@ -1,7 +1,7 @@
 """DPO, GKD and on-policy distillation as ranks of a torchrun launch, for tests/test_layout_matrix_preference.py.
 
 usage: torchrun --standalone --nproc_per_node N _layout_matrix_preference_worker.py OUTPUT_DIR MODELS_DIR CELL [CELL ...]
-Each CELL (a key of CELLS) trains its algorithm with that parallelism_config; rank 0 writes OUTPUT_DIR/CELL/log.json
+Each CELL (a key of CELLS, whose layout runs on N processes) trains its algorithm with that parallelism_config; rank 0 writes OUTPUT_DIR/CELL/log.json
 (the log history) and every rank OUTPUT_DIR/CELL/completions-rank<r>.json (the completions it generated, in order).
 The test runs the same cell on one process over the same global batches (``trainer_for`` with ``ranks=1``).
 """
@@ -21,12 +21,14 @@ DENSE = {"student": str(ROOT / "examples" / "tiny-qwen3"), "teacher": str(ROOT /
 STEPS = 3
 PER_DEVICE = 2
 
-# the layouts on 2 processes: name -> (parallelism_config sizes, data-parallel ranks)
+# name -> (parallelism_config sizes, data-parallel ranks, processes); tp is the mesh's innermost dim
 LAYOUTS = {
-    "ddp": (dict(dp_replicate_size=2, dp_shard_size=1), 2),
-    "fsdp2": (dict(dp_shard_size=2), 2),
-    "cp2": (dict(dp_shard_size=1, cp_size=2), 1),
-    "ep2": (dict(dp_shard_size=2, ep_size=2), 2),
+    "ddp": (dict(dp_replicate_size=2, dp_shard_size=1), 2, 2),
+    "fsdp2": (dict(dp_shard_size=2), 2, 2),
+    "tp2": (dict(dp_shard_size=1, tp_size=2), 1, 2),
+    "cp2": (dict(dp_shard_size=1, cp_size=2), 1, 2),
+    "ep2": (dict(dp_shard_size=2, ep_size=2), 2, 2),
+    "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2, 4),
 }
 
 # name -> (algorithm, layout, models ("dense" or "moe", see ``models``), settings)
@@ -35,6 +37,9 @@ CELLS = {
     # weights read the whole sequences, and evaluation reports one process's loss
     "dpo-ddp": ("dpo", "ddp", "dense", {}),
     "dpo-fsdp2": ("dpo", "fsdp2", "dense", {}),
+    "dpo-tp2": ("dpo", "tp2", "dense", dict(loss_type=["sigmoid", "sft"], use_weighting=True, eval_strategy="steps",
+                                             eval_steps=3)),
+    "dpo-fsdp2xtp2": ("dpo", "fsdp2xtp2", "dense", {}),
     "dpo-cp2": ("dpo", "cp2", "dense", dict(loss_type=["sigmoid", "sft", "ipo"], loss_weights=[1.0, 0.5, 0.1],
                                              ld_alpha=0.5, use_weighting=True, eval_strategy="steps", eval_steps=3)),
     # the shipped model as the reference: rewards at the first step are not fp32 noise around 0 (policy = reference)
@@ -111,7 +116,7 @@ def main(output_dir: str, models_dir: str, cells: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for cell in cells:
         _, layout_name, _, _ = CELLS[cell]
-        sizes, _ = LAYOUTS[layout_name]
+        sizes, _, _ = LAYOUTS[layout_name]
         out = Path(output_dir) / cell
         trainer = trainer_for(cell, str(out), models_dir, 1, sizes)
         generated = []

@@ -1,12 +1,12 @@
-"""DPO under DDP, FSDP2, context parallel (cp=2) and expert parallel (ep=2, Qwen3-MoE) on 2 CPU processes (gloo),
-each against one process over the same global batches: 3 steps whose losses, grad norms and logged metrics agree
-within 1e-5 relative (fp32).
+"""DPO under DDP, FSDP2, tensor parallel (tp=2), context parallel (cp=2) and expert parallel (ep=2, Qwen3-MoE) on 2
+CPU processes, and FSDP2 x TP2 on 4 (gloo), each against one process over the same global batches: 3 steps whose
+losses, grad norms and logged metrics agree within 1e-5 relative (fp32).
 
 What runs is the user's path: the reference model (a frozen copy of the checkpoint) or precomputed reference
 log-probs, the teacher, and generation (sampled, with per-row streams, or greedy) on the live weights; the completions
 each rank generated are compared with the ones the single process generated. The MoE cells add the router's
 load-balancing loss (coefficient 0.5): the logged and trained value is the whole batch's, as one process takes it.
-One launch runs every cell; the single-process references run here.
+One launch per process count runs the cells; the single-process references run here.
 """
 
 import json
@@ -55,10 +55,12 @@ def models_dir(tmp_path_factory) -> Path:
 def launched(tmp_path_factory, models_dir):
     out = tmp_path_factory.mktemp("layout_matrix_preference")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "_layout_matrix_preference_worker.py"), str(out), str(models_dir), *worker.CELLS]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-    assert result.returncode == 0, result.stderr[-6000:]
+    for processes in sorted({layout[2] for layout in worker.LAYOUTS.values()}):
+        cells = [cell for cell, (_, layout, _, _) in worker.CELLS.items() if worker.LAYOUTS[layout][2] == processes]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                   str(HERE / "_layout_matrix_preference_worker.py"), str(out), str(models_dir), *cells]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+        assert result.returncode == 0, result.stderr[-6000:]
     return out
 
 
@@ -69,7 +71,7 @@ def _reference(cell: str, models_dir: Path, tmp_path) -> tuple[list[dict], list[
     """One process over the same global batches (cells that differ only in layout share it): its log history and
     the completions it generated."""
     algorithm, layout, kind, settings = worker.CELLS[cell]
-    _, ranks = worker.LAYOUTS[layout]
+    _, ranks, _ = worker.LAYOUTS[layout]
     key = (algorithm, kind, json.dumps(settings, sort_keys=True), ranks)
     if key not in _references:
         trainer = worker.trainer_for(cell, str(tmp_path / "reference"), str(models_dir), ranks)
@@ -93,7 +95,7 @@ def _by_rank(calls: list[dict], ranks: int) -> list[list[list[int]]]:
 @pytest.mark.parametrize("cell", list(worker.CELLS))
 def test_cell_trains_like_one_process(launched, models_dir, cell, tmp_path):
     algorithm, layout, kind, settings = worker.CELLS[cell]
-    _, ranks = worker.LAYOUTS[layout]
+    _, ranks, processes = worker.LAYOUTS[layout]
     reference_logs, reference_calls = _reference(cell, models_dir, tmp_path)
     logs = json.loads((launched / cell / "log.json").read_text())
     steps, expected = [e for e in logs if "loss" in e], [e for e in reference_logs if "loss" in e]
@@ -115,15 +117,16 @@ def test_cell_trains_like_one_process(launched, models_dir, cell, tmp_path):
         for key, value in theirs.items():
             if key.startswith("eval_") and not key.endswith(("runtime", "per_second")):
                 assert mine[key] == pytest.approx(value, rel=1e-5, abs=ABSOLUTE), (cell, key)
-    # generation: every rank completed its rows as the one process did (cp ranks: the same rows)
-    calls = [json.loads((launched / cell / f"completions-rank{r}.json").read_text()) for r in range(2)]
-    assert len(calls[0]) == len(calls[1]) == len(reference_calls)
+    # generation: every rank completed its data-parallel rank's rows as the one process did (the cp or tp ranks of a
+    # data-parallel rank: the same rows)
+    calls = [json.loads((launched / cell / f"completions-rank{r}.json").read_text()) for r in range(processes)]
+    assert all(len(rank_calls) == len(reference_calls) for rank_calls in calls)
     expected_by_rank = _by_rank(reference_calls, ranks)
     for index, reference_call in enumerate(reference_calls):
-        for rank in range(2):
+        for rank in range(processes):
             call = calls[rank][index]
             assert call["teacher"] == reference_call["teacher"]
-            assert call["completions"] == expected_by_rank[index][rank * ranks // 2], (cell, index, rank)
+            assert call["completions"] == expected_by_rank[index][rank * ranks // processes], (cell, index, rank)
     if algorithm == "distillation" or settings.get("lmbda", 0) > 0:
         assert reference_calls, cell  # the on-policy cells generate
     print(f"{cell}: max relative difference of loss and grad_norm {worst:.2e}")

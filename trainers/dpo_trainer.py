@@ -119,8 +119,9 @@ class DPOObjective(Objective):
     """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
     policy's and the reference's sequence log-probs; TRL's DPO metrics."""
 
-    # the sequence log-probs are summed over an unsplit head; under context parallel, over the cp ranks' chunks
-    supports = frozenset({"multi_process", "context_parallel", "expert_parallel", "evaluation"})
+    # the sequence log-probs are summed over the head's per-token log-probs (vocabulary-parallel under tensor parallel);
+    # under context parallel, over the cp ranks' chunks
+    supports = frozenset({"multi_process", "tensor_parallel", "context_parallel", "expert_parallel", "evaluation"})
 
     def __init__(self, context, reference, reference_given: bool):
         """``reference``: the reference's source (a path, Hub id or model object), used unless it is the policy with
