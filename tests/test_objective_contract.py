@@ -65,13 +65,16 @@ def test_the_features_a_run_uses():
 
 
 def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
-    dpo = FakeObjective(DPOObjective.supports)
+    data_parallel_only = FakeObjective({"multi_process", "evaluation"})
     with pytest.raises(UnsupportedLayoutError) as refused:
-        check_supported(dpo, context(world_size=4, dp_shard=1, tp=2, cp=2), algorithm="DPOTrainer")
+        check_supported(data_parallel_only, context(world_size=4, dp_shard=1, tp=2, cp=2), algorithm="SomeTrainer")
     message = str(refused.value)
-    assert message.startswith("DPOTrainer does not support ")
+    assert message.startswith("SomeTrainer does not support ")
     assert "tensor parallelism (tp_size > 1): set tp_size=1" in message
-    check_supported(dpo, context(world_size=2, dp_shard=2, eval_strategy="steps"))  # FSDP2 with evaluation: fine
+    assert "context parallelism (cp_size > 1): set cp_size=1" in message
+    # FSDP2 with evaluation: fine
+    check_supported(data_parallel_only, context(world_size=2, dp_shard=2, eval_strategy="steps"))
+    check_supported(FakeObjective(DPOObjective.supports), context(world_size=4, dp_shard=1, tp=2, cp=2))
     with pytest.raises(UnsupportedLayoutError, match="does not support a multi-process run .*launch it as one process"):
         check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=2, dp_shard=2))
     with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
@@ -86,7 +89,7 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
 def test_declared_capabilities():
     everything = set(FEATURES)
     assert set(LanguageModelingObjective.supports) == set(SFTObjective.supports) == everything
-    assert "tensor_parallel" not in DPOObjective.supports and "context_parallel" in DPOObjective.supports
+    assert {"tensor_parallel", "context_parallel", "expert_parallel"} <= set(DPOObjective.supports)
     assert {"multi_process", "multi_process_generation"} <= set(GRPOObjective.supports) == set(RLOOObjective.supports)
     assert "evaluation" not in GRPOObjective.supports
     assert not AsyncGRPOObjective.supports
