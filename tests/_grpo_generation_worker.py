@@ -3,7 +3,7 @@
 usage: torchrun --standalone --nproc_per_node 2 _grpo_generation_worker.py OUTPUT_DIR
 Under FSDP2 and under DDP (dp_replicate) each rank greedily completes its own prompts through the trainer's rollout
 component (which decodes a replica of the sharded policy) before and after 2 steps of real GRPO training (sampled
-completions, the reward functions, the loop); a tensor-parallel GRPOTrainer is refused. Rank r writes
+completions, the reward functions, the loop). Rank r writes
 OUTPUT_DIR/<layout>-rank<r>.json (the greedy completions with their log-probs, and the log history); rank 0 also
 OUTPUT_DIR/<layout>-state.pt, the trained weights gathered whole.
 """
@@ -53,23 +53,9 @@ def run(output_dir: Path, layout: str, rank: int) -> None:
 
 
 def main(output_dir: str) -> None:
-    import hfnative
-    from accelerate.parallelism_config import ParallelismConfig
-    from datasets import Dataset
-
     rank = int(os.environ["RANK"])
     for layout in ("fsdp2", "ddp"):
         run(Path(output_dir), layout, rank)
-    refused = ""
-    try:
-        args = hfnative.GRPOConfig(output_dir=str(Path(output_dir) / "tp"), use_cpu=True, bf16=False, report_to="none",
-                                   max_steps=1, per_device_train_batch_size=4, num_generations=4,
-                                   parallelism_config=ParallelismConfig(tp_size=2))
-        hfnative.GRPOTrainer(model=MODEL, reward_funcs=[even_fraction], args=args,
-                             train_dataset=Dataset.from_list(_prompts(16)))
-    except ValueError as error:
-        refused = str(error)
-    (Path(output_dir) / f"tp-rank{rank}.txt").write_text(refused)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ sliding-window rings, EOS), log-probs against a fresh forward, the logits proces
 transformers' processors and hand-computed distributions, seeded sampling, LoRA live weights."""
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers.generation.logits_process import (
 from hfnative.converters.loading import load_pretrained
 from hfnative.converters.rollouts import native_model
 from hfnative.generation import NativeRolloutEngine, SamplingParams, generate, sampling_distribution
-from hfnative.generation.sampling import choose_tokens
+from hfnative.generation.sampling import choose_tokens, mix64, mix64_int, row_keys, row_uniforms
 from hfnative.peft import LoraTarget, add_lora, merge_lora
 
 # longer than every tiny config's sliding window (4..6), so decoding runs past it and the rings wrap
@@ -207,16 +208,49 @@ def test_processing_matches_transformers_processors(settings):
     assert torch.allclose(got, expected, atol=1e-6)
 
 
-def test_sampling_draws_from_the_processed_distribution():
-    """20,000 draws through choose_tokens: filtered tokens never come up, the rest at their weights;
-    log-probs are log_softmax(logits / temperature) before the filtering."""
+@pytest.mark.parametrize("streams", ["global RNG", "per-row streams"])
+def test_sampling_draws_from_the_processed_distribution(streams):
+    """20,000 draws through choose_tokens (torch's RNG, or one stream per row at two decode steps): filtered tokens
+    never come up, the rest at their weights; log-probs are log_softmax(logits / temperature) before the filtering."""
     logits = (PROBS.log() + 1.0).expand(20_000, 5)
     sampling = SamplingParams(max_new_tokens=1, temperature=0.5, top_k=4, top_p=0.95)
-    tokens, logprobs = choose_tokens(logits, sampling, generator=torch.Generator().manual_seed(0))
-    frequencies = torch.bincount(tokens, minlength=5).float() / len(tokens)
     expected = torch.tensor([0.25, 0.04, 0.0225, 0, 0]) / 0.3125
-    assert frequencies[3:].sum() == 0 and (frequencies - expected).abs().max() < 0.01
-    assert torch.allclose(logprobs, F.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None])[:, 0])
+    torch.manual_seed(0)
+    keys = row_keys(7, 0, 20_000) if streams == "per-row streams" else None
+    for step in (0, 1):
+        tokens, logprobs = choose_tokens(logits, sampling, row_keys_B=keys, step=step)
+        frequencies = torch.bincount(tokens, minlength=5).float() / len(tokens)
+        assert frequencies[3:].sum() == 0 and (frequencies - expected).abs().max() < 0.01
+        assert torch.allclose(logprobs, F.log_softmax(logits / 0.5, -1).gather(-1, tokens[:, None])[:, 0])
+
+
+def test_row_streams_are_splitmix64_and_independent_of_the_batch():
+    """The tensor hash equals the exact integer one (int64 wrap-around and logical shifts hold on this platform);
+    a row's uniforms depend on (seed, row, step) only, and differ between rows, steps and seeds."""
+    values = torch.tensor([0, 1, -1, 2**62 + 12345, -(2**63), 2**63 - 1, 987654321987654321], dtype=torch.int64)
+    assert mix64(values).tolist() == [mix64_int(v) for v in values.tolist()]
+    whole = row_uniforms(row_keys(5, 0, 12), step=3)
+    assert torch.equal(torch.cat([row_uniforms(row_keys(5, 0, 4), 3), row_uniforms(row_keys(5, 4, 8), 3)]), whole)
+    assert len(set(whole.tolist())) == 12 and ((whole >= 0) & (whole < 1)).all()
+    assert not torch.equal(row_uniforms(row_keys(5, 0, 12), 4), whole)
+    assert not torch.equal(row_uniforms(row_keys(6, 0, 12), 3), whole)
+
+
+def test_seeded_rows_sample_alike_however_the_batch_is_cut():
+    """With a seed, a row's completion depends on its place in the whole batch, not on the rows beside it: the
+    batch in one call, in calls of 2 rows with their first_row (as data-parallel ranks complete their shares), and
+    with max_batch_size=1 give the same samples."""
+    converted = load_pretrained(make_hf_model("qwen3-gqa"))
+    prompts = _prompts(seed=5)
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=11)
+    whole = NativeRolloutEngine(converted).generate(prompts, sampling)
+    parts = [NativeRolloutEngine(converted).generate(prompts[i : i + 2], replace(sampling, first_row=i))
+             for i in range(0, len(prompts), 2)]
+    assert [c for part in parts for c in part.completion_ids] == whole.completion_ids
+    assert NativeRolloutEngine(converted, max_batch_size=1).generate(prompts, sampling).completion_ids == whole.completion_ids
+    assert len({tuple(c) for c in whole.completion_ids}) > 1
+    with pytest.raises(ValueError, match="first_row"):
+        SamplingParams(max_new_tokens=1, first_row=-1)
 
 
 def test_seeded_sampling_is_reproducible_and_filtered():

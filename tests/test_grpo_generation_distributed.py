@@ -2,7 +2,8 @@
 on a replica of the sharded policy, gathered before each generation. Greedy completions through the trainer's
 rollout component are a one-process forward's argmax (where no near-tie decides) with its log-probs (1e-4), on the
 checkpoint (before training) and on the trained weights (after 2 steps of real GRPO: sampled completions, reward
-functions, the loop), so the replica follows the policy; tensor parallelism is refused by the capability check, naming itself and what to do."""
+functions, the loop), so the replica follows the policy. Every layout's training (TP, CP, EP included) is
+tests/test_rl_layouts.py's."""
 
 import json
 import os
@@ -68,8 +69,3 @@ def test_each_rank_generates_its_prompts_like_one_process(launched, layout):
         assert len(logs) == 2 and all(torch.isfinite(torch.tensor([e["loss"], e["grad_norm"]])).all() for e in logs)
         assert {"reward", "completions/mean_length", "rewards/even_fraction/mean"} <= set(logs[0])
 
-
-def test_tensor_parallel_grpo_is_refused_with_what_to_do(launched):
-    for rank in (0, 1):
-        message = (launched / f"tp-rank{rank}.txt").read_text()
-        assert "GRPOTrainer does not support tensor parallelism" in message and "tp_size=1" in message

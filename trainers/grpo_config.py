@@ -130,10 +130,17 @@ class GRPOConfig(OnlineRLConfig):
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
 
 
-def resolve_generation_batch(args) -> None:
+def resolve_generation_batch(args, data_parallel_size: int | None = None) -> None:
     """TRL's rules: generation_batch_size and steps_per_generation follow from each other (default: one
-    optimizer step's completions); the batch holds whole groups; G >= 2."""
-    global_batch = args.per_device_train_batch_size * args.world_size
+    optimizer step's completions); the batch holds whole groups; G >= 2. The global batch counts the processes
+    (``args.world_size``), or ``data_parallel_size`` once the run's layout says how many of them hold different
+    completions (tensor- and context-parallel ranks share theirs): the trainer resolves again with it, from the
+    values the user gave."""
+    given = getattr(args, "_generation_batch_given", None)
+    if given is None:
+        given = args._generation_batch_given = (args.generation_batch_size, args.steps_per_generation)
+    args.generation_batch_size, args.steps_per_generation = given
+    global_batch = args.per_device_train_batch_size * (args.world_size if data_parallel_size is None else data_parallel_size)
     if args.generation_batch_size is None and args.steps_per_generation is None:
         args.steps_per_generation = args.gradient_accumulation_steps
         args.generation_batch_size = global_batch * args.steps_per_generation

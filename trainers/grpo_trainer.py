@@ -40,14 +40,14 @@ from hfnative.peft import disable_adapters
 from .completion_log import CompletionLog
 from .construction import is_model_name
 from .data_loading import EpochBatchSampler
-from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig
+from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
 from .objective import Objective
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
 from .rollout import (
-    CompletionLogprobs,
     Rollout,
     completion_length_metrics,
+    completion_logprobs_of,
     model_inputs,
     sampling_params,
     stop_token_ids,
@@ -145,15 +145,19 @@ class GRPOObjective(Objective):
     """Generation, scoring and the GRPO loss (see the module docstring). Subclasses (RLOO) change
     ``advantages`` and ``policy_loss``."""
 
-    supports = frozenset({"multi_process", "multi_process_generation"})
+    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
+                          "expert_parallel"})
     # log-probs of the policy at generation time, summed per sequence or per token: None (only when the
     # buffer outlives an optimizer step, as TRL), "rollout" (the engine's sampling log-probs) or "forward"
     old_logprobs_source = "rollout"
+    split_collated_batches = False  # prompts are collated; the rollouts' model inputs are split in _split
 
     def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None):
         """``reference``: called for the reference model's source when one is needed (beta != 0, no adapters)."""
         super().__init__(context)
         args = context.args
+        if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
+            resolve_generation_batch(args, context.layout.dp_size)
         self.num_generations = args.num_generations
         self.loss_type = getattr(args, "loss_type", None)
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
@@ -216,9 +220,10 @@ class GRPOObjective(Objective):
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         self._step_started = time.perf_counter()
         batches = []
-        for _, rows in zip(range(count), epoch_iterator):
+        first_place = self.context.state.global_step * self.args.gradient_accumulation_steps
+        for index, rows in zip(range(count), epoch_iterator):
             if self._step % self.generate_every == 0 or self._buffer is None:
-                self._buffer = self.generate_and_score(rows)
+                self._buffer = self.generate_and_score(rows, first_place + index)
             batches.append(self._buffer[self._step % self.args.steps_per_generation])
             self._step += 1
         return batches
@@ -238,13 +243,15 @@ class GRPOObjective(Objective):
 
     # --- generation and scoring ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate_and_score(self, rows: list[dict]) -> list[dict]:
-        """Sample G completions per row, score them, and return the generation batch's micro-batches."""
+    def generate_and_score(self, rows: list[dict], place: int = 0) -> list[dict]:
+        """Sample G completions per row, score them, and return the generation batch's micro-batches. ``place``:
+        the run's micro-batch that generates (with the run's seed it keys the native engine's per-row sampling
+        streams, so the completions do not depend on the number of processes, and a resumed run draws alike)."""
         G, data_parallel = self.num_generations, self.context.data_parallel
         rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows]
         prompt_ids = self.rollout.tokenize(prompts)
-        rollouts = self.rollout.generate(prompt_ids)
+        rollouts = self.rollout.generate(prompt_ids, **self.rollout.row_streams(place, len(prompt_ids)))
         completion_ids = rollouts.completion_ids
         completions = self.rollout.decode(prompts, completion_ids)
         self._log_generation(prompt_ids, completion_ids)
@@ -321,7 +328,7 @@ class GRPOObjective(Objective):
                         "sampler_weights"):
                 if key in part and part[key].dim() == 2:
                     part[key] = part[key][:, :completion_width]
-            micro_batch = model_inputs(part)
+            micro_batch = self.context.context_parallel.split(model_inputs(part))  # this rank's chunks under cp
             micro_batch["completion_tokens_per_micro_batch"] = tokens_per_micro_batch
             micro_batches.append(micro_batch)
         return micro_batches
@@ -332,8 +339,7 @@ class GRPOObjective(Objective):
 
     # --- the loss -----------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
-        head = CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"], self.sampling.logprob_temperature)
-        logprobs_BT, entropy_BT = self.forward(model, inputs, head).head_output
+        logprobs_BT, entropy_BT = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
         mask_BT = inputs["completion_mask"]
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
         return out.loss, self._extremes_over_ranks(out.metrics)
@@ -377,7 +383,8 @@ class GRPOObjective(Objective):
         """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL)."""
         state = self.context.state
         lengths_N, truncated_N = self.rollout.lengths(completion_ids)
-        state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
+        if self.context.context_parallel.rank == 0:  # the cp ranks of a batch share its tokens: counted once
+            state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
         self.context.metrics().set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # summed over ranks
         all_N2 = self.context.data_parallel.gather_rows(torch.stack([lengths_N, truncated_N.double()], dim=1))
         for name, value in completion_length_metrics(all_N2[:, 0], all_N2[:, 1]).items():

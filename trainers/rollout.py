@@ -14,6 +14,7 @@ import torch
 
 from hfnative.data.collate import pad_right
 from hfnative.generation import NativeRolloutEngine, Rollouts, SamplingParams
+from hfnative.generation.sampling import mix64_int
 from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenLogprobs
 from hfnative.parallel.replica import gather_replica, is_parallelized
@@ -105,28 +106,33 @@ def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) 
 
 def model_inputs(batch: dict) -> dict:
     """A rollout batch (``Rollout.tensors``) as the model's inputs: prompt + completion ids and attention mask
-    [N, P + T], the completion targets [N, T] (IGNORE_INDEX where masked) and the prompt width P."""
+    [N, P + T], the completion targets [N, T] (IGNORE_INDEX where masked), the same targets at the positions that
+    predict them as ``shift_labels`` [N, P + T] (what a context-parallel split cuts alike), and the prompt width P."""
     targets_NT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
+    N, P = batch["prompt_ids"].shape
+    prompt_targets_NP = torch.full((N, P), IGNORE_INDEX, dtype=targets_NT.dtype)
     return {
         **batch,
         "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
         "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
         "completion_targets": targets_NT,
-        "prompt_length": batch["prompt_ids"].shape[1],
+        "shift_labels": torch.cat([prompt_targets_NP[:, 1:], targets_NT, prompt_targets_NP[:, :1]], dim=1),
+        "prompt_length": P,
     }
 
 
-class CompletionLogprobs:
-    """Head loss: log-prob and entropy (at ``temperature``) of each completion token [B, T], zeros where the
-    target is IGNORE_INDEX. Only the positions that predict completion tokens reach the head."""
-
-    def __init__(self, targets_BT: torch.Tensor, prompt_length: int, temperature: float = 1.0):
-        self.targets_BT, self.prompt_length, self.temperature = targets_BT, prompt_length, temperature
-
-    def __call__(self, hidden_BSD, weight_VD, softcap):
-        T = self.targets_BT.shape[1]
-        hidden_BTD = hidden_BSD[:, self.prompt_length - 1 : self.prompt_length - 1 + T]
-        return TokenLogprobs(self.targets_BT, self.temperature)(hidden_BTD, weight_VD, softcap)
+def completion_logprobs_of(model, inputs: dict, temperature: float, context) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob and entropy (at ``temperature``) of each completion token [B, T] under ``model``, zeros where the
+    target is IGNORE_INDEX: only the positions that predict completion tokens reach the head (vocabulary-parallel
+    under tensor parallel); under context parallel each rank's positions are put back into the whole sequence."""
+    head = TokenLogprobs(inputs["shift_labels"], temperature, compact=True)
+    logprobs_BS, entropy_BS = model(
+        inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
+        attention_plan=inputs.get("attention_plan"), head_loss=head,
+    ).head_output
+    P, T = inputs["prompt_length"], inputs["completion_targets"].shape[1]
+    whole = context.context_parallel.gather_sequence(torch.stack([logprobs_BS, entropy_BS], dim=-1))
+    return whole[:, P - 1 : P - 1 + T, 0], whole[:, P - 1 : P - 1 + T, 1]
 
 
 class Rollout:
@@ -185,10 +191,24 @@ class Rollout:
         self._replicas[id(model)] = replica = gather_replica(model)
         return NativeRolloutEngine(replica)
 
-    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None) -> Rollouts:
+    def row_streams(self, place: int, rows: int) -> dict:
+        """``generate``'s seed and first row for this data-parallel rank's ``rows`` rows of the generation batch made
+        at the run's micro-batch ``place``: per-row sampling streams, so the samples do not depend on how the batch
+        is cut over processes, and the ranks that split one batch's sequences or weights (context, tensor parallel)
+        complete it alike. Empty (the engine's own RNG, as TRL's vLLM) for a vLLM engine on a data-parallel layout."""
+        layout = self.context.layout
+        model_parallel = layout is not None and (layout.cp_enabled or layout.tp_enabled)
+        native = self.engine is None or isinstance(self.engine, NativeRolloutEngine)  # None: native, made lazily
+        if not native and not model_parallel:
+            return {}
+        seed = int(mix64_int(mix64_int(int(self.context.args.seed)) ^ place)) & ((1 << 63) - 1)
+        return {"seed": seed, "first_row": self.context.data_parallel.rank * rows}
+
+    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0) -> Rollouts:
         """Completions of ``prompt_ids`` (each cut after its first stop token) with their sampling log-probs, from
-        ``model`` (default: the policy); ``seed`` replaces the run's sampling seed."""
-        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed)
+        ``model`` (default: the policy); ``seed`` replaces the run's sampling seed, ``first_row`` is the place of
+        the call's first row in its whole batch (see SamplingParams)."""
+        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed, first_row=first_row)
         with self.context.autocast():
             return self.engine_for(model).generate(prompt_ids, sampling)
 
@@ -219,13 +239,9 @@ class Rollout:
         try:
             for start in range(0, batch["prompt_ids"].shape[0], batch_size):
                 chunk = {k: v[start : start + batch_size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                inputs = self.context.prepare_inputs(model_inputs(chunk))
-                head = CompletionLogprobs(inputs["completion_targets"], inputs["prompt_length"],
-                                          self.sampling.logprob_temperature)
+                inputs = self.context.prepare_inputs(self.context.context_parallel.split(model_inputs(chunk)))
                 with self.context.autocast():
-                    logprobs, _ = model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                        position_ids=inputs.get("position_ids"), attention_plan=inputs.get("attention_plan"),
-                                        head_loss=head).head_output
+                    logprobs, _ = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
                 parts.append(logprobs.float().cpu())
         finally:
             model.train(was_training)
@@ -250,8 +266,8 @@ class Rollout:
 
 __all__ = [
     "GENERATION_KWARGS",
-    "CompletionLogprobs",
     "Rollout",
+    "completion_logprobs_of",
     "completion_length_metrics",
     "is_conversational",
     "model_inputs",

@@ -18,7 +18,7 @@ from hfnative.models.decoder import Transformer
 from .cached_decoder import decode_step, prefill
 from .kv_cache import KVCache
 from .rollouts import RolloutEngine, Rollouts, check_prompts
-from .sampling import SamplingParams, choose_tokens
+from .sampling import SamplingParams, choose_tokens, row_keys
 
 # with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled decode step (its cache shape) instead of compiling one per prompt length
@@ -70,13 +70,10 @@ class NativeRolloutEngine(RolloutEngine):
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
         prompts = check_prompts(prompts, self.model.args.vocab_size)
         step = self.max_batch_size or len(prompts)
-        generator = None
-        if sampling.seed is not None:
-            generator = torch.Generator(self._device).manual_seed(sampling.seed)
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [self._generate_batch(prompts[i : i + step], sampling, generator) for i in range(0, len(prompts), step)]
+            parts = [self._generate_batch(prompts[i : i + step], sampling, i) for i in range(0, len(prompts), step)]
         finally:
             self.model.train(was_training)
         return Rollouts(
@@ -89,7 +86,8 @@ class NativeRolloutEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, generator) -> Rollouts:
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> Rollouts:
+        """Completions of ``prompts``, rows ``offset`` onwards of the call."""
         model, device, T = self.model, self._device, sampling.max_new_tokens
         args = model.args
         B, longest = len(prompts), max(len(p) for p in prompts)
@@ -112,9 +110,12 @@ class NativeRolloutEngine(RolloutEngine):
         logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=device)
         lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
+        keys_B = None
+        if sampling.seed is not None:
+            keys_B = row_keys(sampling.seed, sampling.first_row + offset, B, device=device)
         logits_BV = prefill(model, prompts, P, cache)
         for t in range(T):
-            token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, generator)
+            token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, keys_B, t)
             tokens_BT[:, t], logprobs_BT[:, t] = token_B, logprob_B
             lengths_B += ~finished_B
             if stop_ids.numel():

@@ -30,8 +30,11 @@ class SamplingParams:
     """How to decode (transformers' ``generate`` argument names and defaults).
 
     eos_token_id: a token id or a list of them; generation of a sequence stops after one of them or
-    one of ``stop_token_ids`` (the stop token is part of the completion). seed: a torch.Generator is
-    seeded with it, so the same prompts and settings give the same samples; None uses torch's global RNG.
+    one of ``stop_token_ids`` (the stop token is part of the completion). seed: each row of a call draws
+    from a stream of its own, keyed by (seed, first_row + its index in the call), so a row's samples depend
+    only on the seed, its place and its own logits: not on the other rows, the batch size, or how a generation
+    batch is cut over processes (rank r completing rows [r n, (r + 1) n) with ``first_row = r n`` samples what
+    one process completing all rows samples). None uses torch's global RNG.
     Greedy when ``do_sample`` is False (temperature, top-k, top-p and min-p are then ignored; the
     repetition penalty still applies, as in transformers).
     """
@@ -46,6 +49,7 @@ class SamplingParams:
     eos_token_id: int | list[int] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    first_row: int = 0
     stop_ids: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -59,6 +63,10 @@ class SamplingParams:
             raise ValueError(f"top_k={self.top_k!r}: expected an int >= 0 (0 keeps every token)")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p}: expected a float in [0, 1]")
+        if not isinstance(self.first_row, int) or self.first_row < 0:
+            raise ValueError(f"first_row={self.first_row!r}: expected an int >= 0 (the call's first row in its batch)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed={self.seed!r}: expected an int or None")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty}: expected > 0 (1.0: no penalty)")
         self.stop_ids = tuple(dict.fromkeys(
@@ -69,6 +77,54 @@ class SamplingParams:
     def logprob_temperature(self) -> float:
         """The temperature of the returned log-probs: 1 for greedy."""
         return self.temperature if self.do_sample else 1.0
+
+
+# --- per-row random streams (splitmix64, on int64 tensors: multiplication wraps, shifts are made logical) ---------
+
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _signed(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer of int64 ``x`` (each value's bits taken as an unsigned 64-bit word)."""
+    x = (x ^ _shift_right(x, 30)) * _signed(_MIX1)
+    x = (x ^ _shift_right(x, 27)) * _signed(_MIX2)
+    return x ^ _shift_right(x, 31)
+
+
+def mix64_int(value: int) -> int:
+    """``mix64`` of one Python int, exactly (the oracle the tensor version is checked against)."""
+    x = value & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return _signed(x ^ (x >> 31))
+
+
+def row_keys(seed: int, first_row: int, rows: int, device=None) -> torch.Tensor:
+    """The stream keys [rows] of rows first_row .. first_row + rows - 1 under ``seed`` (int64)."""
+    index = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+    return mix64(mix64_int(seed) ^ mix64(index * _signed(_GAMMA) + 1))
+
+
+def row_seeds(sampling: "SamplingParams", rows: int) -> list[int]:
+    """Per-row seeds (ints in [0, 2^63)) of a call's ``rows`` rows, for a backend that takes a seed per request."""
+    return [int(key) & ((1 << 63) - 1) for key in row_keys(sampling.seed, sampling.first_row, rows).tolist()]
+
+
+def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row [B] (float64, 53 bits) at decode step ``step`` of each row's stream."""
+    bits = mix64(keys_B + _signed(_GAMMA * (step + 1)))
+    return _shift_right(bits, 11).double() * 2.0**-53
 
 
 def apply_repetition_penalty(scores_BV: torch.Tensor, seen_BV: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -141,13 +197,21 @@ def choose_tokens(
     logits_BV: torch.Tensor,
     sampling: SamplingParams,
     seen_BV: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
+    row_keys_B: torch.Tensor | None = None,
+    step: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The next token of each sequence [B] and its log-prob [B] under log_softmax(logits / temperature)."""
+    """The next token of each sequence [B] and its log-prob [B] under log_softmax(logits / temperature).
+    Sampled from each row's own stream (``row_keys``) at decode ``step`` when keys are given (inverse CDF of one
+    uniform draw), else from torch's global RNG."""
     logits_BV = logits_BV.float()
     scores_BV = processed_scores(logits_BV, sampling, seen_BV)
-    if sampling.do_sample:
-        tokens_B = torch.multinomial(scores_BV.softmax(dim=-1), 1, generator=generator)[:, 0]
+    if sampling.do_sample and row_keys_B is not None:
+        cdf_BV = scores_BV.softmax(dim=-1).double().cumsum(dim=-1)
+        draw_B1 = (row_uniforms(row_keys_B, step) * cdf_BV[:, -1])[:, None]
+        # the first token whose cumulative probability exceeds the draw: a token of probability 0 is never chosen
+        tokens_B = torch.searchsorted(cdf_BV, draw_B1, right=True)[:, 0].clamp(max=cdf_BV.shape[-1] - 1)
+    elif sampling.do_sample:
+        tokens_B = torch.multinomial(scores_BV.softmax(dim=-1), 1)[:, 0]
     else:
         tokens_B = scores_BV.argmax(dim=-1)
     if sampling.logprob_temperature != 1.0:

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import torch
 
 from .rollouts import RolloutEngine, Rollouts, check_prompts
-from .sampling import SamplingParams
+from .sampling import SamplingParams, row_seeds
 
 WEIGHTS_FILE = "model.safetensors"
 FILES_TRANSPORT_SERVER = (
@@ -203,14 +203,19 @@ class VLLMColocateEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
 
         prompts = check_prompts(prompts, self.vocab_size)
-        params = VLLMSamplingParams(**vllm_sampling_kwargs(sampling), detokenize=False)
+        kwargs = vllm_sampling_kwargs(sampling)
+        # seeded: a seed per row (SamplingParams' row streams), so that repeated prompts are not sampled alike
+        seeds = row_seeds(sampling, len(prompts)) if "seed" in kwargs else [None] * len(prompts)
         mine = slice(0, len(prompts))
         if self.tp_group is not None:  # the group's ranks must hand vLLM the same batch: gather, keep our share
             size = torch.distributed.get_world_size(self.tp_group)
             gathered = [None] * size
-            torch.distributed.all_gather_object(gathered, prompts, group=self.tp_group)
+            torch.distributed.all_gather_object(gathered, list(zip(prompts, seeds)), group=self.tp_group)
             start = sum(len(part) for part in gathered[: torch.distributed.get_rank(self.tp_group)])
-            prompts, mine = [p for part in gathered for p in part], slice(start, start + len(prompts))
+            rows = [row for part in gathered for row in part]
+            prompts, seeds, mine = [r[0] for r in rows], [r[1] for r in rows], slice(start, start + len(prompts))
+        kwargs.pop("seed", None)
+        params = [VLLMSamplingParams(**kwargs, seed=seed, detokenize=False) for seed in seeds]
         if self.enable_sleep_mode:
             self.llm.wake_up()
         try:

@@ -415,6 +415,15 @@ def _pad_end(batch: dict, length: int, extra: int) -> dict:
     return padded
 
 
+def place_in_sequence(x_BS: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Per-position values of this rank's tokens [B, 2 c, ...] (in ``split_batch``'s order) at their places in the
+    whole padded sequence [B, 2 c cp, ...], zeros elsewhere (differentiable): summed over the cp ranks, the whole
+    sequence's values."""
+    B, local = x_BS.shape[:2]
+    index = local_positions(local * cp_size, cp_size, cp_rank).to(x_BS.device)
+    return x_BS.new_zeros((B, local * cp_size, *x_BS.shape[2:])).index_copy(1, index, x_BS)
+
+
 class ContextParallelCollator:
     """A collator whose batches are split over the cp ranks (``split_batch``) after ``collator`` builds them."""
 
@@ -438,6 +447,7 @@ __all__ = [
     "ContextParallelCollator",
     "chunk_order",
     "local_positions",
+    "place_in_sequence",
     "plan_context_parallel",
     "ring_attention",
     "split_batch",
