@@ -346,6 +346,57 @@ def test_lora_reference_is_the_base(tmp_path):
 
 
 
+@pytest.mark.parametrize("trainer_name", ["GRPO", "RLOO"])
+def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, trainer_name):
+    """sync_ref_model (TR-DPO, as TRL's SyncRefModelCallback): at every ref_model_sync_steps-th step the reference
+    becomes alpha * policy + (1 - alpha) * reference, checked with TRL's own mixing applied to the policy and
+    reference as they were after each step; left alone at the other steps. TRL's refusals without a reference."""
+    import hfnative
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    def snapshot(model):
+        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+    class Snapshots(TrainerCallback):
+        def __init__(self):
+            self.policy, self.reference = [], []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.policy.append(snapshot(trainer.model))
+            self.reference.append(snapshot(trainer.objective.auxiliary_models["ref"]))
+
+    config_class = getattr(hfnative, f"{trainer_name}Config")
+    trainer_class = getattr(hfnative, f"{trainer_name}Trainer")
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    args = config_class(output_dir=str(tmp_path / "sync"), max_steps=3, learning_rate=5e-2, beta=0.1,
+                        sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.3, **LEARN_SETTINGS)
+    trainer = trainer_class(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    start = snapshot(trainer.objective.auxiliary_models["ref"])
+    snapshots = Snapshots()
+    trainer.add_callback(snapshots)
+    trainer.train()
+    expected = {name: tensor.clone() for name, tensor in start.items()}
+    for step, (policy, reference) in enumerate(zip(snapshots.policy, snapshots.reference), start=1):
+        if step % 2 == 0:
+            target, source = torch.nn.ParameterList(expected.values()), torch.nn.ParameterList(policy.values())
+            SyncRefModelCallback._sync_target_model(source, target, 0.3)
+            expected = dict(zip(expected, target))
+        for name in expected:
+            torch.testing.assert_close(reference[name], expected[name], rtol=1e-6, atol=1e-7, msg=f"{step} {name}")
+    assert not torch.equal(snapshots.reference[-1]["tok_embeddings.weight"], start["tok_embeddings.weight"])
+
+    zero_beta = config_class(output_dir=str(tmp_path / "zero"), max_steps=1, beta=0.0, sync_ref_model=True,
+                             **LEARN_SETTINGS)
+    with pytest.raises(ValueError, match=f"sync_ref_model=True` while `beta=0.0`.*{trainer_name}Trainer does not create"):
+        trainer_class(model=MODEL, reward_funcs=letter_e, args=zero_beta, train_dataset=rows)
+    with pytest.raises(ValueError, match="while using a PEFT model"):
+        trainer_class(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows,
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
 # --- reward functions, CLI and example -----------------------------------------------------------------------
 
 

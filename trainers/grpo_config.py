@@ -14,7 +14,7 @@ from .arguments import TRLBaseConfig
 # TRL 1.16 fields that select features hfnative does not run (tools, continuous batching,
 # multimodal logging, entropy bonus): accepted at their defaults, refused otherwise
 _UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged",
-                               "sync_ref_model", "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold",
+                               "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold",
                                "max_tool_calling_iterations", "log_completions_hub_repo")
 
 
@@ -68,7 +68,7 @@ class OnlineRLConfig(TRLBaseConfig):
     epsilon_high: float | None = field(default=None, metadata={"help": "Upper clipping range (default epsilon)."})
     reward_weights: list[float] | None = field(default=None, metadata={"help": "Weight of each reward function."})
     mask_truncated_completions: bool = field(default=False, metadata={"help": "Leave completions cut at max length out of the loss."})
-    sync_ref_model: bool = field(default=False, metadata={"help": "TR-DPO reference sync (not available)."})
+    sync_ref_model: bool = field(default=False, metadata={"help": "Mix the policy into the reference every ref_model_sync_steps steps (TR-DPO)."})
     ref_model_mixup_alpha: float = field(default=0.6, metadata={"help": "TR-DPO mixup alpha."})
     ref_model_sync_steps: int = field(default=512, metadata={"help": "TR-DPO sync period."})
     # logging

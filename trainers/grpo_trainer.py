@@ -42,6 +42,7 @@ from .construction import is_model_name
 from .data_loading import EpochBatchSampler
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
 from .objective import Objective
+from .reference_sync import mix_into_reference, sync_due
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
 from .rollout import (
@@ -183,6 +184,8 @@ class GRPOObjective(Objective):
                 self.use_reference_adapters_off = True  # the base model, adapters disabled, is the reference
             else:
                 self.auxiliary_models["ref"] = reference()
+        if args.sync_ref_model:
+            self._check_reference_sync(args)
         self._step = 0  # micro-batches trained so far (TRL's _step)
         self._buffer: list[dict] | None = None
         self._step_started = None
@@ -228,7 +231,26 @@ class GRPOObjective(Objective):
             self._step += 1
         return batches
 
+    def _check_reference_sync(self, args) -> None:
+        """TRL's refusals of ``sync_ref_model`` without a reference model to synchronize."""
+        trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+        if args.beta == 0.0:
+            raise ValueError(
+                "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "
+                f"training. Consequently, {trainer} does not create a `ref_model` instance, and there is nothing to "
+                "synchronize. Please set `sync_ref_model=False`, or set `beta` to a non-zero value."
+            )
+        if self.use_reference_adapters_off:
+            raise ValueError(
+                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With PEFT, "
+                f"{trainer} does not keep a separate reference model in memory; instead, it recovers reference behavior "
+                "by temporarily disabling the adapter. As a result, there is no standalone `ref_model` instance to "
+                "synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you need a synced reference model."
+            )
+
     def after_optimizer_step(self) -> None:
+        if sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
+            mix_into_reference(self.auxiliary_models["ref"], self.context.model, self.args.ref_model_mixup_alpha)
         if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
             from hfnative.converters.rollouts import hub_named_tensors
 
