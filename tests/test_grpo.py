@@ -17,6 +17,8 @@ import torch
 
 from hfnative.losses.policy import (
     clipped_policy_loss,
+    entropy_bonus,
+    off_policy_sequence_mask,
     group_advantages,
     leave_one_out_advantages,
     nanstd,
@@ -38,22 +40,29 @@ def _random_completions(seed: int, B: int = 6, T: int = 7):
     return logps, old, ref, entropy, mask, advantages
 
 
+VESPO = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+
+
 def _trl_compute_loss(loss_type, logps, old, ref, entropy, mask, advantages, *, beta, delta, epsilon_high, level,
-                      accumulation, steps_per_generation, num_items_in_batch):
+                      accumulation, steps_per_generation, num_items_in_batch, off_policy_mask_threshold=None,
+                      entropy_coef=0.0):
     """TRL's GRPOTrainer._compute_loss with the model's log-probs replaced by the given ones; (loss, metrics)."""
     from trl import GRPOTrainer
 
     metrics = {"train": defaultdict(list)}
     args = types.SimpleNamespace(use_bias_correction_kl=True, delta=delta, sapo_temperature_pos=1.0,
-                                 sapo_temperature_neg=1.05, steps_per_generation=steps_per_generation)
-    accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t)
+                                 sapo_temperature_neg=1.05, steps_per_generation=steps_per_generation, **VESPO)
+    accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
+                                        sync_gradients=False)
     stand_in = types.SimpleNamespace(
-        top_entropy_quantile=1.0, off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta, args=args,
-        loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False,
+        top_entropy_quantile=1.0, off_policy_mask_threshold=off_policy_mask_threshold, importance_sampling_level=level,
+        beta=beta, args=args, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, use_vllm=False,
         vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
         current_gradient_accumulation_steps=accumulation, max_completion_length=16, accelerator=accelerator,
-        _entropy_bonus_enabled=False, aux_loss_enabled=False, _metrics=metrics,
+        _entropy_bonus_enabled=entropy_coef != 0.0, entropy_coef=entropy_coef, use_adaptive_entropy=False,
+        aux_loss_enabled=False, _metrics=metrics,
         _get_per_token_logps_and_entropies=lambda *a, **k: (logps, entropy, None),
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
     )
     B, T = mask.shape
     inputs = dict(
@@ -83,24 +92,36 @@ def _value(metric) -> float:
         ("grpo", 0.0, None, None, "sequence"),
         ("cispo", 0.04, None, 5.0, "token"),
         ("sapo", 0.04, None, None, "token"),
+        ("vespo", 0.04, None, None, "token"),
+        ("vespo", 0.0, None, None, "token"),
     ],
 )
-def test_clipped_policy_loss_equals_trl(loss_type, beta, delta, epsilon_high, level):
+@pytest.mark.parametrize("extra", [{}, {"off_policy_mask_threshold": 0.02}, {"entropy_coef": 0.05}],
+                         ids=["plain", "off-policy mask", "entropy bonus"])
+def test_clipped_policy_loss_equals_trl(loss_type, beta, delta, epsilon_high, level, extra):
     accumulation, steps_per_generation = 2, 4
     logps, old, ref, entropy, mask, advantages = _random_completions(seed=len(loss_type) + int(beta * 100))
     num_items = mask.sum().float() * 3  # the generation batch's tokens
     theirs, their_metrics = _trl_compute_loss(
         loss_type, logps, old, ref, entropy, mask, advantages, beta=beta, delta=delta,
         epsilon_high=0.2 if epsilon_high is None else epsilon_high, level=level, accumulation=accumulation,
-        steps_per_generation=steps_per_generation, num_items_in_batch=num_items,
+        steps_per_generation=steps_per_generation, num_items_in_batch=num_items, **extra,
     )
     (their_grad,) = torch.autograd.grad(theirs, logps)
+    vespo = {name.removeprefix("vespo_"): value for name, value in VESPO.items()}
     out = clipped_policy_loss(
         logps, old, advantages, mask, loss_type=loss_type, epsilon=0.2, epsilon_high=epsilon_high, delta=delta,
         beta=beta, ref_logprobs_BT=ref, importance_sampling_level=level, max_completion_length=16,
         num_items=num_items * accumulation / steps_per_generation, entropy_BT=entropy,
+        off_policy_mask_threshold=extra.get("off_policy_mask_threshold"), vespo=vespo if loss_type == "vespo" else None,
     )
-    ours = out.loss if loss_type in ("dapo", "cispo") else out.loss / accumulation
+    if "off_policy_mask_threshold" in extra:  # the mask drops something here, so the comparison means something
+        dropped = off_policy_sequence_mask(advantages[:, None], logps, old, mask.float(), 0.02)
+        assert 0 < dropped.sum() < len(dropped)
+    ours = out.loss if loss_type in ("dapo", "cispo", "vespo") else out.loss / accumulation
+    if "entropy_coef" in extra:  # the objective's bonus: a micro-batch mean, divided by the accumulation as TRL
+        out.metrics["policy_loss"] = out.loss.detach()
+        ours = ours + entropy_bonus(entropy, mask, extra["entropy_coef"]) / accumulation
     (our_grad,) = torch.autograd.grad(ours, logps)
     assert float(ours) == pytest.approx(float(theirs), abs=1e-6)
     torch.testing.assert_close(our_grad, their_grad, atol=1e-7, rtol=1e-6)
@@ -344,6 +365,35 @@ def test_lora_reference_is_the_base(tmp_path):
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 1e-6
 
+
+
+def test_adaptive_entropy_bonus_off_policy_mask_and_vespo_in_the_trainer(tmp_path):
+    """TRL's adaptive entropy controller in a real run: the coefficient starts applied at 0 (no step's entropy yet),
+    then rises by entropy_coef_delta each step while the step's entropy is at most entropy_target; each step's loss
+    is its policy_loss minus the coefficient applied times its entropy. VESPO with the off-policy mask trains and
+    logs vespo/phi_seq_mean."""
+    import hfnative
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "adaptive"), max_steps=3, learning_rate=5e-2,
+                               use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.005,
+                               entropy_target=100.0, **LEARN_SETTINGS)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [round(entry["entropy_coef"], 6) for entry in logs] == [0.015, 0.02, 0.025]
+    applied = [0.0, 0.015, 0.02]
+    for entry, coef in zip(logs, applied):
+        assert entry["loss"] == pytest.approx(entry["policy_loss"] - coef * entry["entropy"], abs=1e-6)
+
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "vespo"), max_steps=2, learning_rate=5e-2, loss_type="vespo",
+                               off_policy_mask_threshold=0.5, **LEARN_SETTINGS)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and all(math.isfinite(entry["loss"]) and 0 < entry["vespo/phi_seq_mean"] for entry in logs)
+    assert "clip_ratio/region_mean" not in logs[0]
 
 
 @pytest.mark.parametrize("trainer_name", ["GRPO", "RLOO"])

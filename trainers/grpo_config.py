@@ -11,10 +11,9 @@ from dataclasses import dataclass, field
 
 from .arguments import TRLBaseConfig
 
-# TRL 1.16 fields that select features hfnative does not run (tools, continuous batching,
-# multimodal logging, entropy bonus): accepted at their defaults, refused otherwise
+# TRL 1.16 fields that select features hfnative does not run (tools, continuous batching, the Hub completion
+# log): accepted at their defaults, refused otherwise
 _UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged",
-                               "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold",
                                "max_tool_calling_iterations", "log_completions_hub_repo")
 
 
@@ -100,17 +99,17 @@ class GRPOConfig(OnlineRLConfig):
     delta: float | None = field(default=None, metadata={"help": "Upper cap of the ratio (two-sided clipping)."})
     sapo_temperature_neg: float = field(default=1.05, metadata={"help": "SAPO gate temperature, negative advantages."})
     sapo_temperature_pos: float = field(default=1.0, metadata={"help": "SAPO gate temperature, positive advantages."})
-    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
-    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
-    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO (not available)."})
-    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO (not available)."})
+    vespo_k_pos: float = field(default=2.0, metadata={"help": "VESPO: gamma shape k for advantages >= 0."})
+    vespo_lambda_pos: float = field(default=3.0, metadata={"help": "VESPO: gamma rate lambda for advantages >= 0."})
+    vespo_k_neg: float = field(default=3.0, metadata={"help": "VESPO: gamma shape k for advantages < 0."})
+    vespo_lambda_neg: float = field(default=2.0, metadata={"help": "VESPO: gamma rate lambda for advantages < 0."})
     importance_sampling_level: str = field(default="token", metadata={"help": "token or sequence (GSPO) ratios."})
     multi_objective_aggregation: str = field(default="sum_then_normalize", metadata={"help": "sum_then_normalize or normalize_then_sum."})
     scale_rewards: str = field(default="group", metadata={"help": "Divide advantages by the std of: group, batch or none."})
     loss_type: str = field(default="dapo", metadata={"help": "grpo, bnpo, dr_grpo, dapo, luspo, cispo or sapo."})
     top_entropy_quantile: float = field(default=1.0, metadata={"help": "Train only on the top q highest-entropy tokens."})
-    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus (not available)."})
-    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adaptive entropy bonus (not available)."})
+    entropy_coef: float = field(default=0.0, metadata={"help": "Entropy bonus coefficient: the loss is L_policy - entropy_coef * mean token entropy."})
+    use_adaptive_entropy: bool = field(default=False, metadata={"help": "Adapt entropy_coef each step toward entropy_target."})
     entropy_coef_min: float = field(default=0.0, metadata={"help": "Adaptive entropy lower bound."})
     entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy upper bound."})
     entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy step."})
@@ -120,7 +119,7 @@ class GRPOConfig(OnlineRLConfig):
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM importance mode."})
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "vLLM importance cap."})
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "vLLM importance floor."})
-    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Off-policy sequence mask (not available)."})
+    off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Drop negative-advantage sequences whose mean KL(sampler || policy) exceeds this."})
     use_bias_correction_kl: bool = field(default=True, metadata={"help": "Weight the KL by the importance ratio."})
     log_completions_hub_repo: str | None = field(default=None, metadata={"help": "Hub dataset for completions (not available)."})
     vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Deprecated: vllm_importance_sampling_clip_max."})

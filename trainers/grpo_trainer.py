@@ -28,6 +28,7 @@ import torch
 from hfnative.losses.policy import (
     LOSS_TYPES,
     clipped_policy_loss,
+    entropy_bonus,
     group_advantages,
     high_entropy_mask,
     nanstd,
@@ -186,6 +187,13 @@ class GRPOObjective(Objective):
                 self.auxiliary_models["ref"] = reference()
         if args.sync_ref_model:
             self._check_reference_sync(args)
+        # the entropy bonus (TRL's entropy_coef / use_adaptive_entropy): the coefficient every micro-batch of a step
+        # applies, and the adaptive controller's state (the whole batch's mean entropy of the last step, this step's
+        # running sums)
+        self.entropy_coef = getattr(args, "entropy_coef", 0.0)
+        self.adaptive_entropy = bool(getattr(args, "use_adaptive_entropy", False))
+        self.last_step_entropy = float("inf")
+        self._entropy_window = None
         self._step = 0  # micro-batches trained so far (TRL's _step)
         self._buffer: list[dict] | None = None
         self._step_started = None
@@ -248,7 +256,24 @@ class GRPOObjective(Objective):
                 "synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you need a synced reference model."
             )
 
+    def _update_entropy_coef(self) -> None:
+        """TRL's adaptive entropy controller at a step's end: the step's mean token entropy over every rank; the
+        coefficient up by entropy_coef_delta (to entropy_coef_max) when it is at most entropy_target, else down (to
+        entropy_coef_min); logged as entropy_coef."""
+        args = self.args
+        if self.adaptive_entropy and self._entropy_window is not None:
+            totals = self.context.data_parallel.sum(self._entropy_window)
+            self.last_step_entropy = float(totals[0] / totals[1].clamp(min=1.0))
+            if self.last_step_entropy <= args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
+            self._entropy_window = None
+        if self.entropy_coef != 0.0 or self.adaptive_entropy:
+            self.context.metrics().add("entropy_coef", torch.tensor(float(self.entropy_coef)))
+
     def after_optimizer_step(self) -> None:
+        self._update_entropy_coef()
         if sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
             mix_into_reference(self.auxiliary_models["ref"], self.context.model, self.args.ref_model_mixup_alpha)
         if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
@@ -382,11 +407,14 @@ class GRPOObjective(Objective):
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
         args = self.args
         old = inputs.get("old_logprobs")
-        token_weights = inputs.get("sampler_weights")
+        sampler_weights = inputs.get("sampler_weights")
+        vespo = self.loss_type == "vespo"
+        token_weights = None if vespo else sampler_weights  # VESPO takes the sampler correction into its weights
+        entropy_keep = None
         if args.top_entropy_quantile < 1.0:
-            keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
-            token_weights = keep if token_weights is None else token_weights * keep
-        return clipped_policy_loss(
+            entropy_keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
+            token_weights = entropy_keep if token_weights is None else token_weights * entropy_keep
+        out = clipped_policy_loss(
             logprobs_BT, logprobs_BT.detach() if old is None else old, inputs["advantages"], mask_BT,
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
             beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
@@ -394,7 +422,29 @@ class GRPOObjective(Objective):
             num_items=inputs["completion_tokens_per_micro_batch"], token_weights_BT=token_weights,
             entropy_BT=entropy_BT,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
+            sampling_logprobs_BT=inputs.get("sampling_logprobs") if self.sampler_correction else None,
+            vespo={name: getattr(args, f"vespo_{name}") for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
+            if vespo else None,
+            importance_ratio_BT=sampler_weights if vespo else None,
         )
+        if self.entropy_coef != 0.0 or self.adaptive_entropy:
+            out = self._with_entropy_bonus(out, entropy_BT, mask_BT if entropy_keep is None else mask_BT * entropy_keep)
+        return out
+
+    def _with_entropy_bonus(self, out, entropy_BT, mask_BT):
+        """The policy loss minus the entropy bonus (the coefficient of the step's start; 0 in adaptive mode while the
+        last step's entropy is above entropy_target, as TRL), with policy_loss logged; the adaptive controller's
+        sums gathered."""
+        coef = self.entropy_coef
+        if self.adaptive_entropy:
+            coef = coef if self.last_step_entropy <= self.args.entropy_target else 0.0
+            if self.context.model.training:
+                mask = mask_BT.to(entropy_BT.dtype)
+                sums = torch.stack([(entropy_BT.detach() * mask).sum(), mask.sum()]).double()
+                self._entropy_window = sums if self._entropy_window is None else self._entropy_window + sums
+        metrics = {**out.metrics, "policy_loss": out.loss.detach()}
+        return type(out)(out.loss + entropy_bonus(entropy_BT, mask_BT, coef), out.per_token_loss_BT, metrics)
 
     # --- logging -------------------------------------------------------------------------------------------------
     def _add(self, name: str, value: float) -> None:

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 # added to the std before dividing by it (TRL's value)
 ADVANTAGE_EPSILON = 1e-4
 SCALE_REWARDS = ("group", "batch", "none")
 # aggregations of the clipped surrogate; "cispo" and "sapo" change the per-token term too
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 # loss types whose micro-batch loss is already a mean (the step divides it by the accumulation steps);
 # the others are sums divided by a token count given by the caller
 MEAN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "luspo", "sapo")
@@ -186,6 +188,39 @@ def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
     return kept.max() if largest else kept.min()
 
 
+def off_policy_sequence_mask(advantages, logprobs_BT, sampling_logprobs_BT, mask_BT, threshold: float) -> torch.Tensor:
+    """The off-policy sequence mask [B, 1] (1 keep, 0 drop; DeepSeek-V3.2's, as TRL): a sequence with a negative
+    advantage is dropped when its mean KL(π_sampling || π) over its completion tokens exceeds ``threshold``. Tokens
+    without a sampling log-prob (NaN) count 0."""
+    kl_BT = torch.nan_to_num(sampling_logprobs_BT - logprobs_BT.detach(), nan=0.0)
+    mean_kl_B1 = (kl_BT * mask_BT).sum(dim=1, keepdim=True) / mask_BT.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages >= 0) | (mean_kl_B1 <= threshold)).to(mask_BT.dtype)
+
+
+@torch.no_grad()
+def vespo_weights(advantages, log_ratio_BT, mask_BT, importance_ratio_BT=None, *, k_pos: float = 2.0,
+                  lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """VESPO's gamma weight per sequence [B, 1], no gradient: φ(w) = exp(λ + k log w - λ w) with w the sequence's
+    importance ratio exp(Σ_t clamp(log ρ_t, ±20)) (times a sampler correction ``importance_ratio_BT``), log w
+    clamped to [log 1e-8, 20]; (k, λ) by the sign of the advantage; 0 where it overflows."""
+    floor = math.log(1e-8)
+    log_w_B1 = (torch.clamp(log_ratio_BT, -20.0, 20.0) * mask_BT).sum(dim=-1, keepdim=True)
+    if importance_ratio_BT is not None:
+        log_w_B1 = log_w_B1 + torch.clamp(torch.log(importance_ratio_BT), floor, 20.0).sum(dim=-1, keepdim=True)
+    log_w_B1 = torch.clamp(log_w_B1, floor, 20.0)
+    positive = advantages >= 0
+    k = torch.where(positive, k_pos, k_neg)
+    lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w_B1 - lam * torch.exp(log_w_B1)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def entropy_bonus(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, coef: float) -> torch.Tensor:
+    """The term an entropy bonus adds to a micro-batch's loss: -coef times the mean entropy over the tokens it
+    acts on (``mask_BT``), whatever the loss type's own normalization (TRL's L = L_policy - coef H)."""
+    mask_BT = mask_BT.to(entropy_BT.dtype)
+    return -coef * (entropy_BT * mask_BT).sum() / mask_BT.sum().clamp(min=1.0)
+
+
 def clipped_policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,
@@ -206,19 +241,26 @@ def clipped_policy_loss(
     entropy_BT: torch.Tensor | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logprobs_BT: torch.Tensor | None = None,
+    vespo: dict | None = None,
+    importance_ratio_BT: torch.Tensor | None = None,
 ) -> PolicyLoss:
     """GRPO's clipped surrogate per token, plus beta times the k3 KL, aggregated as ``loss_type`` says.
 
     ρ = exp(logπ - logπ_old) (per token, or the sequence's mean log-ratio with importance_sampling_level=
     "sequence"); ℓ = -min(ρA, clip(ρ, 1 - epsilon, 1 + epsilon_high) A), with ρ first capped at ``delta``
     when given (two-sided clipping); "cispo": ℓ = -min(ρ, epsilon_high).detach() A logπ; "sapo": the soft
-    gate 4σ(τ(ρ - 1))/τ A with τ by the sign of A. ``token_weights_BT`` multiplies ℓ (an entropy mask, an
-    importance weight). With beta > 0: + beta k3(logπ, logπ_ref), times ρ when use_bias_correction_kl.
+    gate 4σ(τ(ρ - 1))/τ A with τ by the sign of A; "vespo": ℓ = -φ(w) A logπ (``vespo_weights``, with
+    ``vespo``'s k_pos / lambda_pos / k_neg / lambda_neg and the sampler correction ``importance_ratio_BT`` inside
+    w). ``off_policy_mask_threshold``: ℓ times ``off_policy_sequence_mask`` against ``sampling_logprobs_BT``
+    (default the old log-probs). ``token_weights_BT`` multiplies ℓ (an entropy mask, an importance weight). With
+    beta > 0: + beta k3(logπ, logπ_ref), times ρ when use_bias_correction_kl.
 
     Aggregation over the completion tokens (mask_BT, 1 = counted):
       grpo, sapo: mean over sequences of each sequence's token mean;  bnpo: token mean;
       dr_grpo: token sum / (B * max_completion_length);  luspo: mean over sequences of each token sum;
-      dapo, cispo: token sum / num_items (the optimizer step's token count, default this micro-batch's).
+      dapo, cispo, vespo: token sum / num_items (the optimizer step's token count, default this micro-batch's).
     logprobs_BT is differentiable; old_logprobs_BT, advantages_B [B] (or [B, T]) and ref_logprobs_BT are
     constants. entropy_BT (optional): adds the "entropy" metric.
     """
@@ -236,6 +278,10 @@ def clipped_policy_loss(
     advantages = advantages_B.unsqueeze(1) if advantages_B.dim() == 1 else advantages_B
 
     log_ratio_BT = logprobs_BT - old_logprobs_BT
+    keep_B1 = None
+    if off_policy_mask_threshold is not None:
+        sampled = old_logprobs_BT if sampling_logprobs_BT is None else sampling_logprobs_BT
+        keep_B1 = off_policy_sequence_mask(advantages, logprobs_BT, sampled, mask_BT, off_policy_mask_threshold)
     if importance_sampling_level == "token":
         log_weight = log_ratio_BT
     else:
@@ -253,11 +299,16 @@ def clipped_policy_loss(
     elif loss_type == "sapo":
         temperature = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * advantages
+    elif loss_type == "vespo":
+        phi_B1 = vespo_weights(advantages, log_ratio_BT, mask_BT, importance_ratio_BT, **(vespo or {}))
+        per_token_loss = -phi_B1 * advantages * logprobs_BT
     else:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:
             ratio = torch.clamp(ratio, max=delta)
         per_token_loss = -torch.min(ratio * advantages, clipped * advantages)
+    if keep_B1 is not None:
+        per_token_loss = per_token_loss * keep_B1
     if token_weights_BT is not None:
         per_token_loss = per_token_loss * token_weights_BT
     if kl_BT is not None:
@@ -272,7 +323,7 @@ def clipped_policy_loss(
         loss = masked_BT.sum() / (per_token_loss.size(0) * max_completion_length)
     elif loss_type == "luspo":
         loss = masked_BT.sum(-1).mean()
-    else:  # dapo, cispo
+    else:  # dapo, cispo, vespo
         count = mask_BT.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask_BT.dtype, device=mask_BT.device)
         loss = masked_BT.sum() / count.clamp(min=1.0)
 
@@ -283,6 +334,8 @@ def clipped_policy_loss(
         metrics["entropy"] = _masked_sums(entropy_BT, mask_BT)
     if loss_type == "cispo":
         metrics["cispo_clip_ratio"] = _masked_sums(((ratio > epsilon_high) & (advantages > 0)).float(), mask_BT)
+    elif loss_type == "vespo":
+        metrics["vespo/phi_seq_mean"] = (phi_B1.sum(), torch.tensor(float(phi_B1.shape[0]), device=phi_B1.device))
     elif loss_type != "sapo":
         low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
