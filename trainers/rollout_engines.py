@@ -11,6 +11,8 @@ import os
 from types import SimpleNamespace
 from typing import Any
 
+from hfnative.converters.fallback import TransformersCausalLM
+from hfnative.converters.fallback_generation import TransformersRolloutEngine
 from hfnative.converters.rollouts import hub_named_tensors, native_model, vllm_dtype, vllm_model_folder
 from hfnative.generation import NativeRolloutEngine, RolloutEngine
 
@@ -26,7 +28,8 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
     """The rollout engine ``args`` selects (any object with TRL's field names, e.g. a GRPOConfig) for ``model``
     (a trainer's model, a ConvertedModel, a checkpoint folder or Hub id).
 
-    use_vllm False (default): ``NativeRolloutEngine(model, **engine_kwargs)`` on the model's live weights.
+    use_vllm False (default): ``NativeRolloutEngine(model, **engine_kwargs)`` on the model's live weights
+    (``TransformersRolloutEngine``, transformers' generate, for a model without a native implementation).
     use_vllm True: vllm_mode "colocate" -> ``VLLMColocateEngine`` (vllm_tensor_parallel_size,
     vllm_gpu_memory_utilization, vllm_max_model_length, vllm_enable_sleep_mode, vllm_model_impl; the
     model's dtype unless hfnative's vllm_dtype is set; engine_kwargs go on to ``vllm.LLM``), started from the
@@ -35,6 +38,8 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
     vllm_weight_transport / vllm_weights_dir).
     """
     if not _field(args, "use_vllm", False):
+        if isinstance(model, TransformersCausalLM):  # no native implementation: transformers' generate
+            return TransformersRolloutEngine(model)
         return NativeRolloutEngine(native_model(model), **engine_kwargs)
 
     mode = _field(args, "vllm_mode", "colocate")
