@@ -50,6 +50,25 @@ CELLS = {
     "dpo-ddp-moe": ("dpo", "ddp", "moe", {}),
     "dpo-fsdp2-moe": ("dpo", "fsdp2", "moe", {}),
     "dpo-cp2-moe": ("dpo", "cp2", "moe", {}),
+    # GKD off-policy (the dataset's completions), and on-policy (the student's sampled completions, lmbda=1)
+    "gkd-ddp": ("gkd", "ddp", "dense", {}),
+    "gkd-fsdp2": ("gkd", "fsdp2", "dense", {}),
+    "gkd-tp2": ("gkd", "tp2", "dense", {}),
+    "gkd-fsdp2xtp2": ("gkd", "fsdp2xtp2", "dense", {}),
+    "gkd-cp2": ("gkd", "cp2", "dense", {}),
+    "gkd-ep2-moe": ("gkd", "ep2", "moe", {}),
+    "gkd-on-policy-ddp": ("gkd", "ddp", "dense", dict(lmbda=1.0)),
+    "gkd-on-policy-fsdp2": ("gkd", "fsdp2", "dense", dict(lmbda=0.5, seq_kd=True)),
+    "gkd-on-policy-cp2": ("gkd", "cp2", "dense", dict(lmbda=1.0)),
+    "gkd-on-policy-tp2": ("gkd", "tp2", "dense", dict(lmbda=1.0)),
+    # on-policy distillation: sampled, and greedy with evaluation
+    "distillation-ddp": ("distillation", "ddp", "dense", {}),
+    "distillation-fsdp2": ("distillation", "fsdp2", "dense", dict(generation_kwargs={"do_sample": False},
+                                                                   eval_strategy="steps", eval_steps=3)),
+    "distillation-tp2": ("distillation", "tp2", "dense", dict(eval_strategy="steps", eval_steps=3)),
+    "distillation-fsdp2xtp2": ("distillation", "fsdp2xtp2", "dense", {}),
+    "distillation-cp2": ("distillation", "cp2", "dense", dict(eval_strategy="steps", eval_steps=3)),
+    "distillation-ep2-moe": ("distillation", "ep2", "moe", {}),
 }
 
 

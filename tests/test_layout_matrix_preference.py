@@ -1,6 +1,7 @@
-"""DPO under DDP, FSDP2, tensor parallel (tp=2), context parallel (cp=2) and expert parallel (ep=2, Qwen3-MoE) on 2
-CPU processes, and FSDP2 x TP2 on 4 (gloo), each against one process over the same global batches: 3 steps whose
-losses, grad norms and logged metrics agree within 1e-5 relative (fp32).
+"""DPO, GKD (off-policy and on-policy) and on-policy distillation under DDP, FSDP2, tensor parallel (tp=2), context
+parallel (cp=2) and expert parallel (ep=2, Qwen3-MoE student and teacher) on 2 CPU processes, and FSDP2 x TP2 on 4
+(gloo), each against one process over the same global batches: 3 steps whose losses, grad norms and logged metrics
+agree within 1e-5 relative (fp32).
 
 What runs is the user's path: the reference model (a frozen copy of the checkpoint) or precomputed reference
 log-probs, the teacher, and generation (sampled, with per-row streams, or greedy) on the live weights; the completions

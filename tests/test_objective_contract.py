@@ -80,10 +80,11 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
     with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
         check_supported(FakeObjective(GRPOObjective.supports, generates=True), context(eval_strategy="steps"))
     with pytest.raises(UnsupportedLayoutError, match="generating completions in a multi-process run"):
-        check_supported(FakeObjective(OnPolicyDistillationObjective.supports, generates=True),
-                        context(world_size=2, dp_shard=2))
-    # GKD off-policy (no generation) runs multi-process; the same objective generating is refused
-    check_supported(FakeObjective(GKDObjective.supports, generates=False), context(world_size=2, dp_shard=2))
+        check_supported(FakeObjective({"multi_process"}, generates=True), context(world_size=2, dp_shard=2))
+    # GKD and on-policy distillation generate in every layout (tests/test_layout_matrix_preference.py)
+    for objective in (GKDObjective, OnPolicyDistillationObjective):
+        check_supported(FakeObjective(objective.supports, generates=True), context(world_size=4, dp_shard=2, tp=2))
+        check_supported(FakeObjective(objective.supports, generates=True), context(world_size=2, dp_shard=1, cp=2))
 
 
 def test_declared_capabilities():

@@ -94,7 +94,11 @@ class _DistillationObjective(LanguageModelingObjective):
     """The teacher (an auxiliary model), the generalized JSD through both heads, and seeded generation through the
     rollout component (``self.rollout``, made by the subclass with its sampling settings)."""
 
-    supports = frozenset({"multi_process", "expert_parallel", "evaluation"})
+    # the divergence runs vocabulary-parallel through both heads under tensor parallel, and over each rank's chunk
+    # (the teacher run on the same split) under context parallel, where generated batches are split after generation
+    # (the cp ranks of a data-parallel rank complete the same prompts); generation decodes a gathered replica
+    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
+                          "expert_parallel", "evaluation"})
     beta: float
     loss_temperature: float
     rollout: Rollout
@@ -105,8 +109,10 @@ class _DistillationObjective(LanguageModelingObjective):
         if context.processing_class is None:
             raise ValueError("distillation needs a processing_class (tokenizer) or a model folder that has one")
         self.pad_token_id = pad_token_id_for(context.processing_class)
-        # one stream per process for the on-policy coin and the sampling seeds: a run with the same seed repeats
-        self.rng = random.Random(f"{context.args.seed}-{context.rank}")
+        # the on-policy coin: one stream, the same on every rank (they take the same branch, so the collectives of
+        # generation line up), as TRL's coin on the globally seeded RNG
+        self.rng = random.Random(f"{context.args.seed}-0")
+        self._generations = 0  # generation calls so far: each call's place, which keys its sampling streams
 
     @property
     def teacher(self):
@@ -135,9 +141,12 @@ class _DistillationObjective(LanguageModelingObjective):
 
     def divergence(self, model, inputs):
         """DistillationOutput summed over the batch's label tokens (student entropy at the loss temperature)."""
+        # a context-parallel batch carries the ring-attention plan of its split, which the teacher runs under too
+        plan = inputs.get("attention_plan") if self.context.context_parallel.enabled else None
         with torch.no_grad():
             teacher_hidden_BSD = self.teacher(
                 inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
+                attention_plan=plan,
             ).hidden_states
         teacher_head = _GatheredHead(self.teacher.output)
         spec = GeneralizedJSD(inputs["shift_labels"], teacher_hidden_BSD, teacher_head, self.beta, self.loss_temperature)
@@ -147,16 +156,19 @@ class _DistillationObjective(LanguageModelingObjective):
         return {}
 
     def generate(self, model, prompts: list[list[int]], sampling) -> list[list[int]]:
-        """Completions of ``prompts`` sampled (``sampling``, seeded from the run's stream) from ``model``'s live
-        weights, each cut after its first stop token."""
+        """Completions of ``prompts`` (this rank's rows of the call's batch) sampled (``sampling``, seeded per row) from
+        ``model``'s live weights, each cut after its first stop token."""
         if not isinstance(model, Transformer):
             raise ValueError(
                 f"on-policy completions need a native model; {type(model).__name__} runs through transformers' "
                 "modeling code (set lmbda=0 and seq_kd=False for GKD, or use a natively supported architecture)"
             )
-        seed = self.rng.randrange(2**63)
+        # per-row sampling streams keyed by the call's place in the run and each row's place in the whole batch,
+        # so every layout samples what one process does
+        streams = self.rollout.row_streams(self._generations, len(prompts))
+        self._generations += 1
         with self.context.autocast():
-            return self.rollout.engine_for(model).generate(prompts, replace(sampling, seed=seed)).completion_ids
+            return self.rollout.engine_for(model).generate(prompts, replace(sampling, **streams)).completion_ids
 
 
 class OnPolicyDistillationObjective(_DistillationObjective):
@@ -175,6 +187,9 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=context.device)
         self._pending: dict[str, torch.Tensor] = {}
 
+    # the collated batches are prompts; the completion batches built from them are split under context parallel
+    split_collated_batches = False
+
     def generates(self) -> bool:
         return True
 
@@ -192,11 +207,14 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         if not batches:
             return batches
         prompts = [p for batch in batches for p in batch["prompt_ids"]]
-        completions = self.completions(prompts, training=True)
+        completions = self.completions(prompts)
         built, start = [], 0
         for batch in batches:
             size = len(batch["prompt_ids"])
-            built.append(self.build(prompts[start : start + size], completions[start : start + size]))
+            batch = self.context.context_parallel.split(self.build(prompts[start : start + size],
+                                                                   completions[start : start + size]))
+            self._tokens_seen += batch["attention_mask"].sum().item()  # prompt + completion tokens (this rank's chunk)
+            built.append(batch)
             start += size
         return built
 
@@ -205,23 +223,20 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         if "labels" in batch:
             return batch
         prompts = batch["prompt_ids"]
-        return self.build(prompts, self.completions(prompts, training=False))
+        return self.context.context_parallel.split(self.build(prompts, self.completions(prompts)))
 
     def build(self, prompts: list[list[int]], completions: list[list[int]]) -> dict:
         return completion_batch(prompts, completions, self.pad_token_id)
 
-    def completions(self, prompts: list[list[int]], training: bool) -> list[list[int]]:
+    def completions(self, prompts: list[list[int]]) -> list[list[int]]:
         """The student's completions for one step's (or evaluation batch's) prompts, and their length metrics
-        (logged with the next loss); training completions count towards num_tokens."""
+        (logged with the next loss)."""
         completions = self.generate(self.context.model, prompts, self.sampling)
-        self.record_lengths(prompts, completions, training)
+        self.record_lengths(completions)
         return completions
 
-    def record_lengths(self, prompts, completions, training: bool) -> None:
-        lengths_N, clipped_N = self.rollout.lengths(completions)
-        if training:
-            self._tokens_seen += sum(len(p) for p in prompts) + lengths_N.sum().item()
-        self._pending = completion_length_metrics(lengths_N, clipped_N)
+    def record_lengths(self, completions) -> None:
+        self._pending = completion_length_metrics(*self.rollout.lengths(completions))
 
     def metrics(self, inputs, out) -> dict:
         # the completion lengths once per generation; entropy as a ratio of sums over the data-parallel ranks

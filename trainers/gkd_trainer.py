@@ -114,7 +114,7 @@ class GKDObjective(_DistillationObjective):
         else:
             return batch
         completions = self.generate(model, batch["prompt_ids"], self.sampling)
-        return completion_batch(batch["prompt_ids"], completions, self.pad_token_id)
+        return self.context.context_parallel.split(completion_batch(batch["prompt_ids"], completions, self.pad_token_id))
 
 
 class GKDTrainer(_TeacherMixin, SFTTrainer):
