@@ -320,7 +320,7 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+        dist.init_process_group(backend=args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo"),
                                 timeout=timedelta(seconds=args.ddp_timeout))
     bound_collectives(timedelta(seconds=args.ddp_timeout))
     global _ends_at_exit

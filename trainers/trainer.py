@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import set_seed
 from transformers.trainer_callback import (
     CallbackHandler,
     DefaultFlowCallback,
@@ -63,6 +62,7 @@ from .optimization import OptimizationMixin
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
+from .settings_check import check_settings, seed_everything, set_log_level
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,12 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         self.peft_config = peft_config
         if self.args.optimizer_in_backward:
             check_optimizer_in_backward_args(self.args.max_grad_norm)
-        set_seed(self.args.seed)
+        check_settings(self.args)  # nothing hfnative would ignore is set
+        seed_everything(self.args)
         self.device = resolve_device(self.args)
         self.distributed = start_distributed(self.args, self.device)  # None for a single process
+        run = self.distributed
+        set_log_level(self.args, 0 if run is None else run.rank, 0 if run is None else run.local_rank)
         self.data_parallel = DataParallelGroup(self.distributed, self.device)
         self.context = ObjectiveContext(self)  # what the objective sees of the run
         if model is None and model_init is None:
@@ -399,7 +402,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     def _train(self, resume_from_checkpoint):
         args = self.args
         if self.model_init is not None:
-            set_seed(args.seed)
+            seed_everything(args)
             if isinstance(self.optimizer, OptimizerInBackward):
                 self.optimizer.remove_hooks()
             self._set_model(self.model_init())

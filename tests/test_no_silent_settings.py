@@ -1,0 +1,89 @@
+"""No silent settings: every field of hfnative's TrainingArguments (transformers' fields plus hfnative's own) is
+honoured — read by hfnative's code (an attribute or a name in a library module, found by AST) or by the transformers
+code it runs (trainers/settings_check.py says which) — refused when set away from its default, or listed with the
+reason it has no effect. Each refused field, set away from its default, raises a ValueError naming it."""
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+from transformers.trainer_pt_utils import AcceleratorConfig
+
+import hfnative
+from hfnative import SFTConfig, SFTTrainer, TrainingArguments
+from hfnative.trainers import settings_check
+from hfnative.trainers.settings_check import HONOURED_BY_TRANSFORMERS, NO_EFFECT, REFUSED, check_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = ("hfnative", "converters", "trainers")
+AUDIT = Path(settings_check.__file__).resolve()
+CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig", "GKDConfig",
+           "AsyncGRPOConfig"]
+
+# a value away from the default for each refused field
+AWAY_FROM_DEFAULT = {
+    "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
+    "fp16_full_eval": True, "torch_compile_backend": "aot_eager", "torch_compile_mode": "max-autotune",
+    "neftune_noise_alpha": 5.0, "torch_empty_cache_steps": 10, "auto_find_batch_size": True,
+    "include_num_input_tokens_seen": "all", "prediction_loss_only": True, "eval_do_concat_batches": False,
+    "eval_use_gather_object": True, "eval_accumulation_steps": 2, "include_for_metrics": ["inputs"],
+    "batch_eval_metrics": True, "save_on_each_node": True, "ignore_data_skip": True, "skip_memory_metrics": False,
+    "accelerator_config": AcceleratorConfig(split_batches=True), "dataloader_persistent_workers": True,
+    "dataloader_prefetch_factor": 4, "dataloader_multiprocessing_context": "spawn", "dataloader_in_order": False,
+    "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
+    "train_sampling_strategy": "group_by_length",
+}
+
+
+def names_read_by_the_library() -> set[str]:
+    """Every attribute name and string constant in the library's modules (in the audit's own module only attribute
+    names: its lists name every field as a string)."""
+    names = set()
+    for folder in LIBRARY:
+        for path in (ROOT / folder).rglob("*.py"):
+            strings = path.resolve() != AUDIT
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute):
+                    names.add(node.attr)
+                elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    names.add(node.value)
+    return names
+
+
+def test_every_training_argument_is_honoured_refused_or_listed_with_a_reason():
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    assert len(fields) > 100
+    lists = {"HONOURED_BY_TRANSFORMERS": HONOURED_BY_TRANSFORMERS, "NO_EFFECT": NO_EFFECT, "REFUSED": REFUSED}
+    for name, listed in lists.items():
+        assert set(listed) <= fields, (name, sorted(set(listed) - fields))  # no stale names
+        assert all(isinstance(reason, str) and len(reason) > 20 for reason in listed.values()), name
+    listed_twice = [field for field in fields if sum(field in listed for listed in lists.values()) > 1]
+    assert not listed_twice
+    read = names_read_by_the_library()
+    unaccounted = sorted(field for field in fields if field not in read and not any(field in l for l in lists.values()))
+    assert not unaccounted, f"fields neither read, refused nor listed as having no effect: {unaccounted}"
+    # a field listed as refused or without effect is not one the library reads (a stale entry), except where the
+    # name is a common word (logger.debug) or only some values are refused (train_sampling_strategy='group_by_length')
+    assert not [field for field in (*REFUSED, *NO_EFFECT) if field in read and field not in ("debug",
+                                                                                              "train_sampling_strategy")]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_setting_away_from_its_default_raises_naming_it(name):
+    args = TrainingArguments(output_dir="unused", use_cpu=True)
+    check_settings(args)  # the defaults pass
+    setattr(args, name, AWAY_FROM_DEFAULT[name])
+    with pytest.raises(ValueError, match=rf"{name}="):
+        check_settings(args)
+
+
+@pytest.mark.parametrize("config_class", CONFIGS)
+def test_every_config_s_defaults_pass(config_class):
+    check_settings(getattr(hfnative, config_class)(output_dir="unused", use_cpu=True))
+
+
+def test_the_trainer_refuses_before_loading_anything(tmp_path):
+    with pytest.raises(ValueError, match="neftune_noise_alpha=5.0: NEFTune"):
+        SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, neftune_noise_alpha=5.0))
