@@ -2,7 +2,8 @@
 
 usage: torchrun --standalone --nproc_per_node N _ep_worker.py OUTPUT_DIR MODELS_DIR LAYOUT [LAYOUT ...]
 Each LAYOUT (a key of LAYOUTS) trains MODELS_DIR/<its model> with that parallelism_config (ep_size is hfnative's
-own key); rank 0 writes OUTPUT_DIR/LAYOUT/log.json and the saved model in OUTPUT_DIR/LAYOUT/.
+own key), by SFT or (``trainer="gkd"`` in its settings) by GKD from the shipped dense teacher; rank 0 writes
+OUTPUT_DIR/LAYOUT/log.json and the saved model in OUTPUT_DIR/LAYOUT/.
 """
 
 import json
@@ -12,10 +13,11 @@ from pathlib import Path
 import torch.distributed as dist
 from datasets import Dataset
 
-from hfnative import SFTConfig, SFTTrainer
+from hfnative import GKDConfig, GKDTrainer, SFTConfig, SFTTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "examples" / "tiny-qwen3")
+TEACHER = str(ROOT / "examples" / "tiny-qwen3-teacher")  # dense, the same vocabulary
 STEPS = 5
 PER_DEVICE = 2
 
@@ -27,7 +29,25 @@ LAYOUTS = {
     # and replicated over the other 2
     "fsdp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=4, ep_size=2),
                            dict(save_strategy="steps", save_steps=5), 4),
+    # a dense model in an ep run: sharded by FSDP2 over the whole dp_shard group
+    "ep2-dense-qwen3": ("qwen3", dict(dp_shard_size=2, ep_size=2), {}, 2),
+    # an MoE student under ep with a dense teacher (the teacher sharded over all dp_shard ranks)
+    "gkd-ep2-qwen3moe-dense-teacher": ("qwen3moe", dict(dp_shard_size=2, ep_size=2), dict(trainer="gkd"), 2),
+    # TP2 on an MoE model (no ep): each tp rank routes its own part of the sequence through whole experts
+    "tp2-qwen3moe": ("qwen3moe", dict(dp_shard_size=1, tp_size=2), {}, 2),
+    # HSDP x EP2: 2 replicas of an FSDP2 x EP2 group of 2
+    "hsdp2xep2-qwen3moe": ("qwen3moe", dict(dp_replicate_size=2, dp_shard_size=2, ep_size=2), {}, 4),
+    # CP2 x EP2: the experts split over 2 dp_shard ranks, each sequence over 2 cp ranks
+    "cp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, cp_size=2, ep_size=2), {}, 4),
+    # TP2 x EP2: the experts split over 2 dp_shard ranks and kept whole on each tp rank (each routes its own part
+    # of the sequence); attention, embedding and head tensor-parallel
+    "tp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, tp_size=2, ep_size=2), {}, 4),
 }
+
+
+def data_ranks(sizes: dict) -> int:
+    """The data-parallel ranks of a layout (the processes reading different rows)."""
+    return sizes.get("dp_replicate_size", 1) * sizes["dp_shard_size"]
 
 
 def rows(n: int = 200) -> list[dict]:
@@ -45,12 +65,30 @@ def config(output_dir: str, per_device: int, **extra) -> SFTConfig:
     return SFTConfig(**settings)
 
 
+def trainer_for(name: str, output_dir: str, models_dir: str, per_device: int, **parallel):
+    """LAYOUTS[name]'s trainer with ``per_device`` rows per device (``parallel``: its parallelism_config, or none for
+    the one-process run)."""
+    model, _, extra, _ = LAYOUTS[name]
+    extra = dict(extra)
+    model = str(Path(models_dir) / model)
+    if extra.pop("trainer", "sft") == "gkd":
+        settings = dict(output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
+                        max_steps=STEPS, logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device,
+                        learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=1, seed=7, max_length=48,
+                        beta=0.5, lmbda=0.0, **extra, **parallel)
+        with open(ROOT / "examples" / "data" / "sft_messages.jsonl") as f:
+            data = [json.loads(line) for line, _ in zip(f, range(40))]
+        return GKDTrainer(model=model, teacher_model=TEACHER, args=GKDConfig(**settings),
+                          train_dataset=Dataset.from_list(data))
+    args = config(output_dir, per_device, **extra, **parallel)
+    return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
+
+
 def main(output_dir: str, models_dir: str, layouts: list[str]) -> None:
     for name in layouts:
-        model, sizes, extra, _ = LAYOUTS[name]
+        _, sizes, _, _ = LAYOUTS[name]
         out = Path(output_dir) / name
-        args = config(str(out), PER_DEVICE, parallelism_config=dict(sizes), **extra)
-        trainer = SFTTrainer(model=str(Path(models_dir) / model), args=args, train_dataset=Dataset.from_list(rows()))
+        trainer = trainer_for(name, str(out), models_dir, PER_DEVICE, parallelism_config=dict(sizes))
         trainer.train()
         trainer.save_model()
         if dist.get_rank() == 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Partial
 
 from .args import MoEArgs
 from .layers import _GatedActivation, clamped_swiglu
@@ -77,7 +78,7 @@ class GroupedExperts(nn.Module):
         Returns each token's expert output [T, D]."""
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
         # under expert parallelism the stacked weights are DTensors split over the experts: this rank's experts
-        w1, w2, w3, b1, b2, b3 = (_local(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
+        w1, w2, w3, b1, b2, b3 = (local_values(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
             out = _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
@@ -91,8 +92,12 @@ class GroupedExperts(nn.Module):
         return grouped(hidden_TI, w2, b2)
 
 
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if hasattr(t, "to_local") else t
+def local_values(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor's local values (a plain tensor as it is). Where it is replicated (over tensor-parallel ranks, each
+    routing its own tokens) its gradient is this rank's share, a partial sum that is summed over those ranks."""
+    if not hasattr(t, "to_local"):
+        return t
+    return t.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in t.placements])
 
 
 class MoE(nn.Module):
@@ -107,6 +112,8 @@ class MoE(nn.Module):
         self.expert_parallel = None
         # distributed runs: the group of ranks holding different tokens, over which the router's loss is taken
         self.token_group = None
+        # tensor (sequence) parallel: the ranks holding the other parts of the same sequences, which share one loss
+        self.sequence_group = None
 
     def route(self, logits_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's k routing weights and experts [T, k]."""
@@ -124,8 +131,8 @@ class MoE(nn.Module):
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         logits_TE = self.router(x_TD)
         if router_logits is not None:
-            if self.token_group is not None:
-                logits_TE.token_group = self.token_group  # read by load_balancing_loss
+            # read by load_balancing_loss
+            logits_TE.token_group, logits_TE.sequence_group = self.token_group, self.sequence_group
             router_logits.append(logits_TE)
         weights_Tk, experts_Tk = self.route(logits_TE)
         weights_Tk = weights_Tk.to(x_TD.dtype)
@@ -154,10 +161,19 @@ def load_balancing_loss(
     When the logits carry a ``token_group`` (a distributed run: the ranks holding different tokens), f_e and
     the row count are taken over every rank of the group and P_e's numerator over this rank's rows, so the
     ranks' losses sum to the loss over all their tokens, and their gradients to its gradient.
+    A ``sequence_group`` (sequence parallel: each rank routes S / P tokens of every sequence, T = B * S / P) sums
+    f_e, the row count and P_e's numerator over its ranks, which then hold the same loss, each rank's gradient
+    flowing to its own tokens.
     """
     assignments_E = torch.zeros(num_experts, dtype=torch.float32, device=router_logits[0].device)
     prob_sum_E = torch.zeros_like(assignments_E)
     rows = 0.0
+    sequence_group = getattr(router_logits[0], "sequence_group", None)
+    if sequence_group is not None and attention_mask_BS is not None:  # this rank's part of each sequence
+        import torch.distributed as dist
+
+        parts = dist.get_world_size(sequence_group)
+        attention_mask_BS = attention_mask_BS.chunk(parts, dim=1)[dist.get_rank(sequence_group)]
     weight_T = None if attention_mask_BS is None else attention_mask_BS.reshape(-1).to(assignments_E)
     for logits_TE in router_logits:
         probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
@@ -171,12 +187,32 @@ def load_balancing_loss(
             assignments_E = assignments_E.scatter_add(0, experts_Tk.reshape(-1), slot_weight)
             prob_sum_E = prob_sum_E + (probs_TE * weight_T[:, None]).sum(0)
             rows = rows + weight_T.sum()
-    group = getattr(router_logits[0], "token_group", None)
-    if group is not None:
+    groups = [g for g in (getattr(router_logits[0], "token_group", None), sequence_group) if g is not None]
+    if groups:
         import torch.distributed as dist
 
         totals = torch.cat([assignments_E.detach(), torch.as_tensor(rows, dtype=torch.float32,
                                                                     device=assignments_E.device).reshape(1)])
-        dist.all_reduce(totals, group=group)
+        for group in groups:
+            dist.all_reduce(totals, group=group)
         assignments_E, rows = totals[:-1], totals[-1]
+    if sequence_group is not None:
+        prob_sum_E = _SumOverSequence.apply(prob_sum_E, sequence_group)
     return num_experts * torch.sum((assignments_E / rows) * (prob_sum_E / rows))
+
+
+class _SumOverSequence(torch.autograd.Function):
+    """The sum over a sequence-parallel group of its ranks' values; the gradient of each rank's value is the sum's
+    (every rank holds the same loss and backpropagates into its own tokens only, as tensor parallel does)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        import torch.distributed as dist
+
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

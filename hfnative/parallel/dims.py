@@ -15,10 +15,17 @@ sequences, split along the sequence. Parameters are sharded over dp_shard x cp t
 ``"dp_shard_cp"``, as torchtitan does), and the loss's token count is reduced over dp_replicate x dp_shard x cp
 (flattened ``"dp_cp"``, see ``loss_mesh``).
 
-Expert parallel (ep > 1) takes its ranks from dp_shard: the dim splits into ``("dp_shard_mod_ep", "ep")``.
-Experts are split over ``"ep"`` and sharded by FSDP2 over ``"dp_shard_mod_ep"``, the data-parallel ranks left;
-the other parameters are sharded over ``"ep"`` and replicated over ``"dp_shard_mod_ep"`` (HSDP on the same 2-D
-mesh), so every parameter is a DTensor of one mesh and the gradient norm reduces over it as one.
+Expert parallel (ep > 1) takes its ranks from dp_shard: the dim splits into ``("dp_shard_mod_ep", "ep")``, with
+``"cp"`` between them under context parallel (so the ranks outside an ep group are the dims before ``"ep"``). Every
+ep rank holds different tokens; so do the ranks outside an ep group, dp_replicate x dp_shard_mod_ep x cp (flattened
+``"dp_mod_ep"``). An MoE model's experts are split over ``"ep"`` and sharded by FSDP2 over ``"dp_mod_ep"``; its
+other parameters are sharded over ``"ep"`` and replicated over ``"dp_mod_ep"`` (HSDP on the same 2-D mesh), so every
+parameter is a DTensor of one mesh and the gradient norm reduces over it as one (with dp_replicate the experts are
+sharded across the replicas too: that keeps them on the one mesh). A dense model in such a run (a teacher, a
+reference, a dense student) is sharded over the whole dp_shard group, ``("dp_shard_mod_ep", "ep")`` flattened to
+``"dp_shard"`` (with cp, ``("dp_shard_mod_ep", "cp", "ep")`` to ``"dp_shard_cp"``), as in a run without ep.
+With tensor parallel the experts stay whole on each tp rank (each routes its own part of the sequence), so every
+parameter of an MoE model is a DTensor of ``(dp_mod_ep, ep, tp)``.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 CP_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+EP_CP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp")
 
 
 @dataclass
@@ -71,18 +79,11 @@ class ParallelDims:
                 f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} = {product}, but the "
                 f"world size is {self.world_size}; the sizes must multiply to the number of ranks"
             )
-        if self.ep > 1:
-            if self.dp_shard % self.ep:
-                raise ValueError(
-                    f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism takes its ranks from the "
-                    f"FSDP (dp_shard) ranks; choose an ep_size that divides {self.dp_shard}"
-                )
-            for name in ("dp_replicate", "cp", "tp"):
-                if getattr(self, name) > 1:
-                    raise ValueError(
-                        f"ep={self.ep} with {name}={getattr(self, name)}: expert parallelism composes with FSDP2 "
-                        f"(dp_shard) only; set {name} to 1 or ep_size to 1"
-                    )
+        if self.ep > 1 and self.dp_shard % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp_shard={self.dp_shard}: expert parallelism takes its ranks from the "
+                f"FSDP (dp_shard) ranks; choose an ep_size that divides {self.dp_shard}"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -119,16 +120,17 @@ class ParallelDims:
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """MESH_DIMS, or CP_MESH_DIMS with context parallel, or EP_MESH_DIMS with expert parallel."""
+        """MESH_DIMS, or CP_MESH_DIMS with context parallel, or EP_MESH_DIMS (EP_CP_MESH_DIMS) with expert parallel."""
         if self.ep_enabled:
-            return EP_MESH_DIMS
+            return EP_CP_MESH_DIMS if self.cp_enabled else EP_MESH_DIMS
         return CP_MESH_DIMS if self.cp_enabled else MESH_DIMS
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The mesh's size along each of ``mesh_dim_names``."""
         if self.ep_enabled:
-            return (self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+            cp = (self.cp,) if self.cp_enabled else ()
+            return (self.dp_replicate, self.dp_shard // self.ep, *cp, self.ep, self.tp)
         if self.cp_enabled:
             return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
         return (self.dp_replicate, self.dp_shard, self.tp)
@@ -144,10 +146,29 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=self.mesh_dim_names)
         # their process groups are made now, on every rank together
         self.dp_mesh(mesh)
-        if self.cp_enabled:
+        if self.ep_enabled:
+            mesh[self._shard_dims]._flatten(self._shard_name)
+            mesh[("dp_replicate", "dp_shard_mod_ep", *self._cp_dim)]._flatten("dp_mod_ep")
+        elif self.cp_enabled:
             mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if self.cp_enabled:
             self.loss_mesh(mesh)
         return mesh
+
+    @property
+    def _cp_dim(self) -> tuple[str, ...]:
+        return ("cp",) if self.cp_enabled else ()
+
+    @property
+    def _shard_dims(self) -> tuple[str, ...]:
+        """The mesh dims a dense model's parameters are sharded over."""
+        if self.ep_enabled:
+            return ("dp_shard_mod_ep", *self._cp_dim, "ep")
+        return ("dp_shard", *self._cp_dim)
+
+    @property
+    def _shard_name(self) -> str:
+        return "dp_shard_cp" if self.cp_enabled else "dp_shard"
 
     def dp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The 1-D mesh of the data-parallel ranks (dp_replicate x dp_shard flattened): the batch split."""
@@ -159,20 +180,26 @@ class ParallelDims:
         """The 1-D mesh of the ranks holding different tokens (dp x cp): the token-count and loss all-reduce."""
         if not self.cp_enabled:
             return self.dp_mesh(mesh)
-        return mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        dims = ("dp_shard_mod_ep", "cp", "ep") if self.ep_enabled else ("dp_shard", "cp")
+        return mesh[("dp_replicate", *dims)]._flatten("dp_cp")
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
-        """The mesh FSDP2 shards over: ``dp_shard`` (1-D; ``dp_shard_cp`` with context parallel), or
-        ``(dp_replicate, dp_shard)`` (2-D: HSDP, and plain replication when dp_shard is 1); with expert parallel
-        ``(dp_shard_mod_ep, ep)`` (2-D: sharded over ep, replicated over the rest)."""
-        if self.ep_enabled:
-            return mesh["dp_shard_mod_ep", "ep"]
-        shard = "dp_shard_cp" if self.cp_enabled else "dp_shard"
+        """The mesh FSDP2 shards a dense model over: ``dp_shard`` (1-D; ``dp_shard_cp`` with context parallel), or
+        ``(dp_replicate, dp_shard)`` (2-D: HSDP, and plain replication when dp_shard is 1). With expert parallel
+        ``dp_shard`` is ``(dp_shard_mod_ep, ep)`` flattened (an MoE model's meshes are ``expert_fsdp_meshes``)."""
+        shard = self._shard_name
         return mesh["dp_replicate", shard] if self.dp_replicate_enabled else mesh[shard]
+
+    def expert_fsdp_meshes(self, mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+        """An MoE model's FSDP2 meshes under expert parallel: (its experts', ``dp_mod_ep``: 1-D, the experts being
+        split over ``ep`` already; its other parameters', ``(dp_mod_ep, ep)``: 2-D, replicated over the first and
+        sharded over ep). Both give parameters of the one mesh ``(dp_mod_ep, ep)``."""
+        assert self.ep_enabled, "expert_fsdp_meshes needs ep > 1"
+        return mesh["dp_mod_ep"], mesh["dp_mod_ep", "ep"]
 
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's data shard: which part of the global batch it reads (tp ranks of a group read the same)."""
         return self.dp_mesh(mesh).get_local_rank()
 
 
-__all__ = ["CP_MESH_DIMS", "EP_MESH_DIMS", "MESH_DIMS", "ParallelDims"]
+__all__ = ["CP_MESH_DIMS", "EP_CP_MESH_DIMS", "EP_MESH_DIMS", "MESH_DIMS", "ParallelDims"]

@@ -4,8 +4,9 @@ Shapes: T routed (token, slot) rows, D model dim, E experts, e = E / ep experts 
 
 Each MoE layer's stacked expert weights ([E, ...]) become DTensors sharded along the expert dim over
 ``mesh["ep"]`` (rank i holds experts i e .. (i + 1) e - 1), and FSDP2 shards them further over the
-data-parallel ranks left (``mesh["dp_shard_mod_ep"]``). Every ep rank holds different tokens. After the router
-(local), a layer:
+ranks outside the ep group (``mesh["dp_mod_ep"]``: dp_replicate x dp_shard_mod_ep x cp). Every ep rank holds
+different tokens (under tensor parallel each tp rank its own part of the sequence, through whole experts). After
+the router (local), a layer:
   1. exchanges per-expert token counts with ``all_to_all_single`` (so each rank knows how many rows it sends to
      and receives from every other);
   2. sends each row, already sorted by expert, to the rank holding its expert (``all_to_all_single`` with those
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hfnative.models.moe import MoE
 
@@ -70,20 +71,25 @@ class ExpertParallel:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, token_group=None) -> nn.Module:
-    """Split every MoE layer's experts of ``model`` (a native Transformer) over ``ep_mesh`` (1-D); in place.
+    """Split every MoE layer's experts of ``model`` (a native Transformer) over ``ep_mesh``; in place.
 
+    ep_mesh: 1-D ``mesh["ep"]``, or 2-D ``mesh["ep", "tp"]`` after tensor parallel (the experts, replicated over the
+    tp ranks by ``apply_tensor_parallel``, stay whole on each tp rank: every tp rank routes its own tokens).
     token_group: the process group of all ranks holding different tokens (the router's loss is taken over them).
     Call before FSDP2 (``parallelize`` does), on the meta device or on real weights.
     """
-    ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    exchange_mesh = ep_mesh["ep"] if ep_mesh.ndim > 1 else ep_mesh
+    ep_size, ep_rank = exchange_mesh.size(), exchange_mesh.get_local_rank()
+    placements = [Shard(0)] + [Replicate()] * (ep_mesh.ndim - 1)
     for module in model.modules():
         if not isinstance(module, MoE):
             continue
-        module.expert_parallel = ExpertParallel(ep_mesh.get_group(), ep_size, ep_rank, module.num_experts)
+        module.expert_parallel = ExpertParallel(exchange_mesh.get_group(), ep_size, ep_rank, module.num_experts)
         if token_group is not None:
             module.token_group = token_group
         for name, param in list(module.experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)])
+            values = param.data.to_local() if isinstance(param.data, DTensor) else param.data
+            sharded = distribute_tensor(values, ep_mesh, placements)
             setattr(module.experts, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
     return model
 

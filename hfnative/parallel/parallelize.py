@@ -8,7 +8,9 @@
    hooks stay outside the graphs);
 4. FSDP2 over the data-parallel ranks (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP;
    ``"dp_shard_cp"`` with context parallel), last, so it shards the (TP/EP-split) parameters that the steps above
-   left in place; with expert parallel the experts are their own units over ``mesh["dp_shard_mod_ep"]``.
+   left in place; with expert parallel an MoE model's experts are their own units over ``mesh["dp_mod_ep"]`` and its
+   other parameters are sharded over ``mesh["ep"]`` (``ParallelDims.expert_fsdp_meshes``), a dense model's over the
+   whole dp_shard group.
 
 Build the model on the meta device, call ``parallelize``, then materialize it (``model.to_empty(device=...)``)
 and load each rank's slice of the checkpoint (``hfnative.converters.sharded_loading.load_sharded``), or
@@ -70,28 +72,30 @@ def parallelize(
         )
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
-    if model.args.moe is not None and not dims.tp_enabled and (dims.dp_enabled or dims.cp_enabled):
+    # a dense model in an expert-parallel run (a teacher, a reference) is sharded like any other, over all dp_shard
+    expert_parallel = dims.ep_enabled and model.args.moe is not None
+    if model.args.moe is not None and (dims.dp_enabled or dims.cp_enabled):
         from .expert_parallel import apply_expert_parallel, set_router_loss_group
 
-        # the router's loss over every rank's tokens, as one process takes it over the whole batch
+        # the router's loss over every rank's tokens, as one process takes it over the whole batch (the tp ranks of
+        # a group share theirs: MoE.sequence_group)
         set_router_loss_group(model, dims.loss_mesh(mesh).get_group())
-        if dims.ep_enabled:
-            apply_expert_parallel(model, mesh["ep"])
-    elif dims.ep_enabled:
-        raise ValueError(f"ep_size={dims.ep}: {type(model).__name__} has no mixture-of-experts layers to split; "
-                         "set ep_size=1")
+        if expert_parallel:
+            apply_expert_parallel(model, mesh["ep", "tp"] if dims.tp_enabled else mesh["ep"])
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         apply_compile(model)
     if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
-        if dims.ep_enabled:
+        fsdp_mesh = dims.fsdp_mesh(mesh)
+        if expert_parallel:
             from .expert_parallel import shard_experts
 
-            shard_experts(model, mesh["dp_shard_mod_ep"], mixed_precision=mixed_precision,
+            experts_mesh, fsdp_mesh = dims.expert_fsdp_meshes(mesh)
+            shard_experts(model, experts_mesh, mixed_precision=mixed_precision,
                           reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
         apply_fsdp(
-            model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+            model, fsdp_mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
             cpu_offload=cpu_offload,
         )
     return model

@@ -16,8 +16,11 @@ share of the heads / hidden units, and reduce-scatters back to the sequence spli
                      on the gathered hidden states, so no rank holds full-vocabulary logits; plain logits
                      (``head(hidden)``) are gathered, for evaluation and generation
 
-Mixture-of-experts layers are refused (expert parallelism is their way to split), as are q/k norms over the
-whole projection and attention sinks.
+    moe              each rank routes its own part of the sequence (no gather): the router and the experts are
+                     replicated (whole experts on every rank; expert parallelism, hfnative.parallel.expert_parallel,
+                     is their way to split), their gradients, each rank's tokens' share, summed over the ranks
+
+Q/k norms over the whole projection and attention sinks are refused.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from hfnative.losses.vocab_parallel import (
     vocab_parallel_token_logprobs,
 )
 from hfnative.models.head import GeneralizedJSD, OutputHead, TokenCrossEntropy, TokenLogprobs
+from hfnative.models.moe import MoE, local_values
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
@@ -54,10 +58,6 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     for name, count in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
         if count % tp:
             problems.append(f"{name}={count} is not divisible by tp={tp} (each rank takes a whole number of heads)")
-    if args.moe is not None:
-        problems.append(
-            "mixture-of-experts layers are not split by tensor parallelism (expert parallelism is not available yet)"
-        )
     if args.qk_norm and args.qk_norm_scope == "projection":
         problems.append(
             "q/k norms over the whole projection (qk_norm_scope='projection') would need a norm across ranks"
@@ -207,6 +207,33 @@ def _rows_like(teacher_weight_VD: torch.Tensor, student_weight: DTensor, vocab_s
     return teacher_weight_VD[vocab_start : vocab_start + local_rows]
 
 
+class RoutedOnLocalTokens(ParallelStyle):
+    """A mixture-of-experts layer under sequence parallel: each rank routes its own [B, S/P, D] part of the sequence
+    (taken as a local tensor), through a router and experts replicated over the ranks (Replicate DTensors, read
+    through ``local_values``: each rank's gradient is its tokens' share, summed over the ranks). The router's loss
+    is shared by the ranks (``MoE.sequence_group``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, MoE), type(module)
+        for owner in (module.router, module.experts):
+            for name, param in list(owner.named_parameters(recurse=False)):
+                replicated = distribute_tensor(param.data, device_mesh, (Replicate(),), src_data_rank=None)
+                setattr(owner, name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+        module.router.forward = types.MethodType(_local_linear_forward, module.router)
+        module.register_forward_pre_hook(_local_tokens)
+        module.sequence_group = device_mesh.get_group()
+        return module
+
+
+def _local_tokens(module, inputs):
+    x = inputs[0]
+    return (x.to_local() if isinstance(x, DTensor) else x, *inputs[1:])
+
+
+def _local_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, local_values(self.weight), local_values(self.bias))
+
+
 def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
         "attention": _GatherSequence(),
@@ -214,11 +241,16 @@ def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward": _GatherSequence(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "feed_forward.w3": ColwiseParallel(),
     }
+    if block.moe is not None:
+        plan["moe"] = RoutedOnLocalTokens()
+    else:
+        plan.update({
+            "feed_forward": _GatherSequence(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
     for norm in ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"):
         if getattr(block, norm) is not None:
             plan[norm] = SequenceParallel()
@@ -254,4 +286,4 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["LossParallelHead", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tensor_parallel"]
+__all__ = ["LossParallelHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tensor_parallel"]
