@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from datasets import Dataset
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 

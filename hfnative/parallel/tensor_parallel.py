@@ -286,4 +286,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["LossParallelHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel", "check_tensor_parallel"]
+__all__ = ["LossParallelHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel",
+           "check_tensor_parallel"]
