@@ -223,7 +223,7 @@ def _reward_funcs(tmp_path, extra: dict) -> list:
     return funcs
 
 
-def _run_trl(tmp_path, monkeypatch, **extra):
+def _run_trl(tmp_path, monkeypatch, evaluate=False, **extra):
     import trl
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
@@ -237,19 +237,23 @@ def _run_trl(tmp_path, monkeypatch, **extra):
     monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", generate)
     trainer = trl.GRPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, extra),
                               args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
-                              train_dataset=Dataset.from_list(_prompts()))
+                              train_dataset=Dataset.from_list(_prompts()),
+                              eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
     trainer.train()
+    if evaluate:
+        return trainer.evaluate()
     return trainer.state.log_history[:-1]
 
 
-def _run_ours(tmp_path, **extra):
+def _run_ours(tmp_path, evaluate=False, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
 
     trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, extra),
                                    args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
-                                   train_dataset=Dataset.from_list(_prompts()))
+                                   train_dataset=Dataset.from_list(_prompts()),
+                                   eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
     objective = trainer.objective
     max_length = trainer.args.max_completion_length
 
@@ -261,6 +265,8 @@ def _run_ours(tmp_path, **extra):
     objective.shuffled_order = torch.arange
     objective.old_logprobs_source = "forward"  # TRL recomputes them with a forward; the engine's equal it to ~1e-6
     trainer.train()
+    if evaluate:
+        return trainer.evaluate()
     return trainer.state.log_history[:-1]
 
 
@@ -296,6 +302,21 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     theirs = _run_trl(tmp_path, monkeypatch, **extra)
     ours = _run_ours(tmp_path, **extra)
     assert_two_steps_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("extra", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo", num_generations_eval=2)],
+                         ids=["dapo-beta", "grpo-G_eval=2"])
+def test_evaluation_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
+    """evaluate() after two steps: the eval prompts completed (num_generations_eval each) and scored; every eval_*
+    metric TRL logs (loss, rewards, completion lengths, kl, entropy, clip ratios) equal on the same completions."""
+    extra = dict(extra, per_device_eval_batch_size=8 if "num_generations_eval" not in extra else 4)
+    theirs = _run_trl(tmp_path, monkeypatch, evaluate=True, **extra)
+    ours = _run_ours(tmp_path, evaluate=True, **extra)
+    names = set(theirs) - {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch"}
+    assert "eval_loss" in names and "eval_reward" in names
+    assert names <= set(ours), sorted(names - set(ours))
+    for name in sorted(names):
+        assert ours[name] == pytest.approx(theirs[name], rel=1e-4, abs=1e-6), name
 
 
 # --- learning from the reward alone, beside TRL --------------------------------------------------------------

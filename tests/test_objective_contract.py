@@ -78,7 +78,7 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
     with pytest.raises(UnsupportedLayoutError, match="does not support a multi-process run .*launch it as one process"):
         check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=2, dp_shard=2))
     with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
-        check_supported(FakeObjective(GRPOObjective.supports, generates=True), context(eval_strategy="steps"))
+        check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(eval_strategy="steps"))
     with pytest.raises(UnsupportedLayoutError, match="generating completions in a multi-process run"):
         check_supported(FakeObjective({"multi_process"}, generates=True), context(world_size=2, dp_shard=2))
     # GKD and on-policy distillation generate in every layout (tests/test_layout_matrix_preference.py)
@@ -91,8 +91,8 @@ def test_declared_capabilities():
     everything = set(FEATURES)
     assert set(LanguageModelingObjective.supports) == set(SFTObjective.supports) == everything
     assert {"tensor_parallel", "context_parallel", "expert_parallel"} <= set(DPOObjective.supports)
-    assert {"multi_process", "multi_process_generation"} <= set(GRPOObjective.supports) == set(RLOOObjective.supports)
-    assert "evaluation" not in GRPOObjective.supports
+    # GRPO and RLOO: every layout and evaluation (tests/test_rl_layouts.py, test_grpo.py)
+    assert set(GRPOObjective.supports) == set(RLOOObjective.supports) == everything
     assert not AsyncGRPOObjective.supports
     for objective in (DPOObjective, GRPOObjective, GKDObjective, OnPolicyDistillationObjective, AsyncGRPOObjective):
         assert set(objective.supports) <= everything, objective

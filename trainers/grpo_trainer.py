@@ -117,6 +117,16 @@ def _rows(batch):
     return list(batch)
 
 
+def _check_prompts(dataset, name: str):
+    first = next(iter(dataset), None)
+    if not isinstance(first, dict) or "prompt" not in first:
+        raise ValueError(
+            f"{name}: row 0 is {first!r}; expected a dict with a 'prompt' column (a string, or a list of "
+            "{'role', 'content'} messages for conversations)"
+        )
+    return dataset
+
+
 # the sampler-correction statistics taken over every rank: name -> 1.0 (a max) or -1.0 (a min)
 SAMPLER_EXTREMES = {"sampling/sampling_logp_difference/max": 1.0, "sampling/importance_sampling_ratio/min": -1.0,
                     "sampling/importance_sampling_ratio/max": 1.0}
@@ -148,7 +158,7 @@ class GRPOObjective(Objective):
     ``advantages`` and ``policy_loss``."""
 
     supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
-                          "expert_parallel"})
+                          "expert_parallel", "evaluation"})
     # log-probs of the policy at generation time, summed per sequence or per token: None (only when the
     # buffer outlives an optimizer step, as TRL), "rollout" (the engine's sampling log-probs) or "forward"
     old_logprobs_source = "rollout"
@@ -160,7 +170,8 @@ class GRPOObjective(Objective):
         args = context.args
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
-        self.num_generations = args.num_generations
+        self.num_generations_train = args.num_generations
+        self.num_generations_eval = getattr(args, "num_generations_eval", None) or args.num_generations
         self.loss_type = getattr(args, "loss_type", None)
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
@@ -195,9 +206,19 @@ class GRPOObjective(Objective):
         self.last_step_entropy = float("inf")
         self._entropy_window = None
         self._step = 0  # micro-batches trained so far (TRL's _step)
+        self._eval_batches = 0  # evaluation batches completed so far (they key their sampling streams)
         self._buffer: list[dict] | None = None
         self._step_started = None
         self.completion_log = CompletionLog(self.rewards.names, args.generation_batch_size)
+
+    @property
+    def num_generations(self) -> int:
+        """G of the generation being made: num_generations in training, num_generations_eval in evaluation."""
+        return self.num_generations_train if self.context.model.training else self.num_generations_eval
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.context.model.training else "eval"
 
     @property
     def engine(self):
@@ -212,20 +233,43 @@ class GRPOObjective(Objective):
         return True
 
     # --- data -------------------------------------------------------------------------------------------------
-    def prepare_datasets(self, train_dataset, eval_dataset):
-        first = next(iter(train_dataset), None)
-        if not isinstance(first, dict) or "prompt" not in first:
-            raise ValueError(
-                f"train_dataset: row 0 is {first!r}; expected a dict with a 'prompt' column (a string, or a list of "
-                "{'role', 'content'} messages for conversations)"
-            )
-        return train_dataset, None
+    def prepare_train_dataset(self, dataset):
+        return _check_prompts(dataset, "train_dataset")
+
+    def prepare_eval_dataset(self, dataset):
+        return None if dataset is None else _check_prompts(dataset, "eval_dataset")
 
     def default_collator(self):
         return _rows
 
     def train_dataloader(self, dataset, collator):
         return generation_dataloader(dataset, collator, self.args, self.generate_every, self.context.data_shard())
+
+    def eval_dataloader(self, dataset, collator):
+        """This rank's evaluation batches of prompts, in order: per_device_eval_batch_size completions each
+        (per_device_eval_batch_size / num_generations_eval prompts, every group on one rank)."""
+        a, G = self.args, self.num_generations_eval
+        if a.per_device_eval_batch_size % G:
+            raise ValueError(
+                f"per_device_eval_batch_size={a.per_device_eval_batch_size} counts completions and must hold whole "
+                f"groups of num_generations_eval={G}: make it a multiple of {G}"
+            )
+        return self.context.make_dataloader(dataset, a.per_device_eval_batch_size // G, collator, seed=a.seed,
+                                            shuffle=False)
+
+    # --- evaluation: each batch of prompts completed (num_generations_eval each) and scored; its loss is the
+    # policy loss on them, its metrics TRL's eval_* -----------------------------------------------------------------
+    def eval_batch(self, batch):
+        self._eval_batches += 1
+        place = (1 << 40) + self.context.state.global_step * (1 << 20) + self._eval_batches
+        return self.generate_and_score(batch, place)[0]
+
+    def has_eval_loss(self, inputs: dict) -> bool:
+        return True
+
+    def samples_in_batch(self, inputs) -> int:
+        """Completions of an evaluation batch of prompts."""
+        return len(inputs) * self.num_generations_eval
 
     # --- one optimizer step (each micro-batch's loss is normalized on its own: the default normalizer) ------------
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
@@ -241,17 +285,17 @@ class GRPOObjective(Objective):
 
     def _check_reference_sync(self, args) -> None:
         """TRL's refusals of ``sync_ref_model`` without a reference model to synchronize."""
-        trainer = type(args).__name__.removesuffix("Config") + "Trainer"
+        name = type(args).__name__.removesuffix("Config") + "Trainer"
         if args.beta == 0.0:
             raise ValueError(
                 "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "
-                f"training. Consequently, {trainer} does not create a `ref_model` instance, and there is nothing to "
+                f"training. Consequently, {name} does not create a `ref_model` instance, and there is nothing to "
                 "synchronize. Please set `sync_ref_model=False`, or set `beta` to a non-zero value."
             )
         if self.use_reference_adapters_off:
             raise ValueError(
                 "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With PEFT, "
-                f"{trainer} does not keep a separate reference model in memory; instead, it recovers reference behavior "
+                f"{name} does not keep a separate reference model in memory; instead, it recovers reference behavior "
                 "by temporarily disabling the adapter. As a result, there is no standalone `ref_model` instance to "
                 "synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you need a synced reference model."
             )
@@ -314,13 +358,16 @@ class GRPOObjective(Objective):
         advantages = self.advantages(rewards_NF, batch)
         batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(prompts))]
         self._log_rewards(rewards_NF, advantages)
-        for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
+        metrics = log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel)
+        for name, value in metrics.items():
             self._add(name, value)
-        return self._split(batch)
+        return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
 
     def _needs_old_logprobs(self) -> bool:
         """TRL: when the generation batch is trained on after an optimizer step has changed the policy, or
         the sampler's log-probs need correcting."""
+        if self.mode == "eval":  # the policy has not moved since the evaluation batch was generated
+            return self.sampler_correction
         return self.args.gradient_accumulation_steps % self.generate_every != 0 or self.sampler_correction
 
     def _model_logprobs(self, batch: dict) -> dict:
@@ -353,16 +400,16 @@ class GRPOObjective(Objective):
                              "'sum_then_normalize' or 'normalize_then_sum'")
         return group_advantages(weighted_rewards(rewards_NF, weights_F), self.num_generations, self.args.scale_rewards)
 
-    def _split(self, batch: dict) -> list[dict]:
-        """Shuffle the generation batch (torch's global RNG, as TRL) and cut it into steps_per_generation
-        micro-batches, each trimmed to its own longest prompt and completion."""
+    def _split(self, batch: dict, pieces: int) -> list[dict]:
+        """Shuffle the generation batch (torch's global RNG, as TRL; kept in order in evaluation) and cut it into
+        ``pieces`` micro-batches, each trimmed to its own longest prompt and completion."""
         N = batch["prompt_ids"].shape[0]
-        order = self.shuffled_order(N)
+        order = self.shuffled_order(N) if self.mode == "train" else torch.arange(N)
         # TRL's token count for dapo/cispo: the generation batch's completion tokens over every rank, per micro-batch
         totals = self.context.data_parallel.sum(torch.tensor(
-            [float(batch["completion_mask"].sum()), float(self.args.steps_per_generation)], dtype=torch.float64))
+            [float(batch["completion_mask"].sum()), float(pieces)], dtype=torch.float64))
         tokens_per_micro_batch = (totals[0] / totals[1]).item()
-        size = N // self.args.steps_per_generation
+        size = N // pieces
         micro_batches = []
         for start in range(0, N, size):
             rows = order[start : start + size]
@@ -449,15 +496,16 @@ class GRPOObjective(Objective):
     # --- logging -------------------------------------------------------------------------------------------------
     def _add(self, name: str, value: float) -> None:
         if value == value:  # NaN (e.g. a function that scored nothing) is left out, as TRL's log does
-            self.context.metrics().add(name, torch.tensor(float(value)))
+            self.context.metrics(self.mode).add(name, torch.tensor(float(value)))
 
     def _log_generation(self, prompt_ids, completion_ids) -> None:
         """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL)."""
         state = self.context.state
         lengths_N, truncated_N = self.rollout.lengths(completion_ids)
-        if self.context.context_parallel.rank == 0:  # the cp ranks of a batch share its tokens: counted once
+        # the cp ranks of a batch share its tokens: counted once; evaluation logs the training's count (TRL)
+        if self.mode == "train" and self.context.context_parallel.rank == 0:
             state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
-        self.context.metrics().set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # summed over ranks
+        self.context.metrics(self.mode).set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # over ranks
         all_N2 = self.context.data_parallel.gather_rows(torch.stack([lengths_N, truncated_N.double()], dim=1))
         for name, value in completion_length_metrics(all_N2[:, 0], all_N2[:, 1]).items():
             self._add(name, value)

@@ -414,6 +414,12 @@ class Objective(ABC):
         return self.context.make_dataloader(dataset, a.per_device_train_batch_size, collator, seed=seed,
                                             shuffle=shuffle, drop_last=a.dataloader_drop_last)
 
+    def eval_dataloader(self, dataset, collator):
+        """This rank's evaluation batches: per_device_eval_batch_size rows, in order."""
+        a = self.args
+        return self.context.make_dataloader(dataset, a.per_device_eval_batch_size, collator, seed=a.seed, shuffle=False,
+                                            drop_last=a.dataloader_drop_last)
+
     # --- one optimizer step -------------------------------------------------------------------------------------
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         return [batch for _, batch in zip(range(count), epoch_iterator)]

@@ -36,7 +36,7 @@ class RLOOObjective(GRPOObjective):
             gap_NT = (batch["old_logprobs"] - batch["ref_logprobs"]) * mask_NT
             kl_N = self.context.data_parallel.gather_rows(sequence_kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], mask_NT))
             rewards_N = rewards_N - args.beta * kl_N.to(rewards_N)
-            self.context.metrics().add_ratio("kl", gap_NT.sum(), mask_NT.sum())
+            self.context.metrics(self.mode).add_ratio("kl", gap_NT.sum(), mask_NT.sum())
         return leave_one_out_advantages(rewards_N, self.num_generations, normalize=args.normalize_advantages)
 
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):

@@ -40,7 +40,7 @@ from hfnative.parallel import apply_activation_checkpointing, apply_compile
 from . import hub
 from .arguments import TrainingArguments
 from .construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
-from .data_loading import has_length, make_dataloader, start_epoch
+from .data_loading import has_length, start_epoch
 from .distributed import (
     DataParallelGroup,
     DistributedMixin,
@@ -306,10 +306,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
-        a = self.args
-        return make_dataloader(dataset, a.per_device_eval_batch_size, self.data_collator, seed=a.seed, shuffle=False,
-                               drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers,
-                               **self._data_shard())
+        return self.objective.eval_dataloader(dataset, self.data_collator)
 
     def _prepare_inputs(self, inputs: dict) -> dict:
         """Add what the model needs once per batch (shifted targets, the attention plan, made from the
