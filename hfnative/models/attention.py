@@ -211,10 +211,12 @@ def _document_attention(q_BhSd, k_BkSd, v_BkSd, window: int | None, scale: float
     if sinks_H is not None:
         allowed = mask[0] if mask is not None else None
         return _attend_with_sinks(q_BhSd[None], k_BkSd[None], v_BkSd[None], allowed, sinks_H, scale)[0]
+    # as a batch of one [1, heads, S, d]: given 3-D tensors, SDPA on CPU takes its math kernel and materialises the
+    # [heads, S, S] scores; 4-D it takes the flash kernel
     return F.scaled_dot_product_attention(
-        q_BhSd, k_BkSd, v_BkSd, attn_mask=None if mask is None else mask[0, 0], is_causal=mask is None, scale=scale,
-        enable_gqa=k_BkSd.shape[0] != q_BhSd.shape[0],
-    )
+        q_BhSd[None], k_BkSd[None], v_BkSd[None], attn_mask=None if mask is None else mask[0:1], is_causal=mask is None,
+        scale=scale, enable_gqa=k_BkSd.shape[0] != q_BhSd.shape[0],
+    )[0]
 
 
 @torch.compiler.disable
