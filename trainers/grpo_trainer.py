@@ -459,7 +459,8 @@ class GRPOObjective(Objective):
         token_weights = None if vespo else sampler_weights  # VESPO takes the sampler correction into its weights
         entropy_keep = None
         if args.top_entropy_quantile < 1.0:
-            entropy_keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile).to(logprobs_BT.dtype)
+            entropy_keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile,
+                                             gather=self._gather_values).to(logprobs_BT.dtype)
             token_weights = entropy_keep if token_weights is None else token_weights * entropy_keep
         out = clipped_policy_loss(
             logprobs_BT, logprobs_BT.detach() if old is None else old, inputs["advantages"], mask_BT,
@@ -478,6 +479,13 @@ class GRPOObjective(Objective):
         if self.entropy_coef != 0.0 or self.adaptive_entropy:
             out = self._with_entropy_bonus(out, entropy_BT, mask_BT if entropy_keep is None else mask_BT * entropy_keep)
         return out
+
+    def _gather_values(self, values_N: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's values (any lengths), concatenated in rank order, on this rank's device."""
+        if self.context.data_parallel.size == 1:
+            return values_N
+        parts = self.context.data_parallel.gather_lists([values_N.cpu()])
+        return torch.cat(parts).to(values_N.device)
 
     def _with_entropy_bonus(self, out, entropy_BT, mask_BT):
         """The policy loss minus the entropy bonus (the coefficient of the step's start; 0 in adaptive mode while the

@@ -146,10 +146,15 @@ def k3_kl(logprobs_BT: torch.Tensor, ref_logprobs_BT: torch.Tensor) -> torch.Ten
     return torch.exp(gap_BT) - gap_BT - 1
 
 
-def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, quantile: float) -> torch.Tensor:
+def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, quantile: float,
+                      gather=None) -> torch.Tensor:
     """Tokens whose entropy is at least the ``quantile`` quantile of the completion tokens' entropies
-    (TRL's top_entropy_quantile q keeps the top q: pass 1 - q). Boolean [B, T], False outside the mask."""
-    values = entropy_BT[mask_BT.bool()].float()
+    (TRL's top_entropy_quantile q keeps the top q: pass 1 - q). Boolean [B, T], False outside the mask.
+    ``gather``: takes this rank's values [n] to every data-parallel rank's, concatenated (the quantile is then
+    the whole batch's, as TRL gathers it)."""
+    values = entropy_BT[mask_BT.bool()].detach().float()
+    if gather is not None:
+        values = gather(values)
     if values.numel() == 0:
         return torch.zeros_like(entropy_BT, dtype=torch.bool)
     threshold = torch.quantile(values, quantile)
