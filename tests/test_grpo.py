@@ -130,6 +130,30 @@ def test_clipped_policy_loss_equals_trl(loss_type, beta, delta, epsilon_high, le
         assert _value(out.metrics[name]) == pytest.approx(value, abs=1e-6, nan_ok=True), name
 
 
+def test_trl_static_helpers_have_trl_signatures_and_numbers():
+    """GRPOTrainer.get_off_policy_mask, get_gamma_weights and get_high_entropy_mask, called as a TRL user's code
+    calls them, equal TRL's on the same tensors."""
+    import hfnative
+    import trl
+
+    logps, old, ref, entropy, mask, advantages = _random_completions(seed=5)
+    mask = mask.float()
+    ours = hfnative.GRPOTrainer.get_off_policy_mask(advantages[:, None], logps, old, mask, 0.02)
+    theirs = trl.GRPOTrainer.get_off_policy_mask(advantages[:, None], logps, old, mask, 0.02)
+    assert torch.equal(ours, theirs) and 0 < ours.sum() < len(ours)
+    log_ratio, weights = logps.detach() - old, torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) + 0.5
+    for ratio in (None, weights):
+        torch.testing.assert_close(
+            hfnative.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, ratio, 2.5, 3.0, 3.5, 2.0),
+            trl.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, ratio, 2.5, 3.0, 3.5, 2.0))
+    stand_in = types.SimpleNamespace(accelerator=types.SimpleNamespace(pad_across_processes=lambda t, **k: t,
+                                                                        gather=lambda t: t))
+    trainer = types.SimpleNamespace(objective=types.SimpleNamespace(_gather_values=lambda values: values))
+    for threshold in (0.2, 0.5, 0.9):
+        assert torch.equal(hfnative.GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask, threshold),
+                           trl.GRPOTrainer.get_high_entropy_mask(stand_in, entropy, mask, threshold))
+
+
 def test_advantages_follow_the_formulas():
     rewards = torch.tensor([1.0, 0.0, 0.5, float("nan"), 2.0, 2.0, 2.0, 2.0, 0.3, float("nan"), float("nan"), float("nan")])
     groups = rewards.view(-1, 4)

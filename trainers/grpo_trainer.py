@@ -32,6 +32,8 @@ from hfnative.losses.policy import (
     group_advantages,
     high_entropy_mask,
     nanstd,
+    off_policy_sequence_mask,
+    vespo_weights,
     normalize_then_sum_advantages,
     sampler_importance_weights,
     weighted_rewards,
@@ -559,6 +561,24 @@ class GRPOTrainer(Trainer):
     def _make_objective(self):
         return self.objective_class(self.context, self._reward_funcs, self._reward_processing_classes,
                                     reference=self._reference_source)
+
+    # --- TRL's public helpers, with its signatures -------------------------------------------------------------
+    @staticmethod
+    def get_off_policy_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        """TRL's off-policy sequence mask [B, 1] (1 keep): see hfnative.losses.policy.off_policy_sequence_mask."""
+        return off_policy_sequence_mask(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold)
+
+    @staticmethod
+    def get_gamma_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos=2.0, lambda_pos=3.0,
+                          k_neg=3.0, lambda_neg=2.0):
+        """TRL's VESPO gamma weights [B, 1]: see hfnative.losses.policy.vespo_weights."""
+        return vespo_weights(advantages, log_ratio_per_token, mask, importance_sampling_ratio, k_pos=k_pos,
+                             lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
+
+    def get_high_entropy_mask(self, entropies, mask, threshold):
+        """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every data-parallel rank's
+        completion tokens (bool [B, T], False outside ``mask``)."""
+        return high_entropy_mask(entropies, mask, threshold, gather=self.objective._gather_values)
 
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the
