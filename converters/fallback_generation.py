@@ -92,8 +92,6 @@ class TransformersRolloutEngine(RolloutEngine):
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing to copy: the engine reads the model's live parameters."""
-        for _ in named_tensors:
-            pass
 
 
 __all__ = ["TransformersRolloutEngine"]

@@ -148,7 +148,7 @@ def test_trl_static_helpers_have_trl_signatures_and_numbers():
             trl.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, ratio, 2.5, 3.0, 3.5, 2.0))
     stand_in = types.SimpleNamespace(accelerator=types.SimpleNamespace(pad_across_processes=lambda t, **k: t,
                                                                         gather=lambda t: t))
-    trainer = types.SimpleNamespace(objective=types.SimpleNamespace(_gather_values=lambda values: values))
+    trainer = types.SimpleNamespace(data_parallel=types.SimpleNamespace(gather_values=lambda values: values))
     for threshold in (0.2, 0.5, 0.9):
         assert torch.equal(hfnative.GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask, threshold),
                            trl.GRPOTrainer.get_high_entropy_mask(stand_in, entropy, mask, threshold))

@@ -215,6 +215,12 @@ class DataParallelGroup:
         items = [x.cpu() if isinstance(x, torch.Tensor) else x for x in items]
         return [x for part in self.gather_objects(items) for x in part]
 
+    def gather_values(self, values: torch.Tensor) -> torch.Tensor:
+        """Every rank's values [n_r] (any lengths), concatenated in rank order, on ``values``' device."""
+        if self._run is None:
+            return values
+        return torch.cat(self.gather_lists([values])).to(values.device)
+
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the ranks (a new tensor, on this rank's device)."""
         total = torch.as_tensor(tensor).to(self.device).clone()

@@ -28,6 +28,7 @@ from .dpo_config import DPOConfig, UnsupportedSettings
 from .model_card import write_model_card
 from .model_loading import disable_dropout
 from .objective import Objective
+from .reference_sync import mix_into_reference, sync_due
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
@@ -230,16 +231,9 @@ class DPOObjective(Objective):
     # --- one optimizer step (each micro-batch's loss is a mean over its pairs: the default normalizer) -----------
     def after_optimizer_step(self) -> None:
         """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
-        args = self.args
         ref = self.auxiliary_models.get("ref_model")
-        if not args.sync_ref_model or ref is None:
-            return
-        if (self.context.state.global_step + 1) % args.ref_model_sync_steps != 0:  # the step just taken
-            return
-        alpha = args.ref_model_mixup_alpha
-        with torch.no_grad():
-            for ref_param, param in zip(ref.parameters(), self.context.model.parameters(), strict=True):
-                ref_param.mul_(1.0 - alpha).add_(param.detach().to(ref_param.dtype), alpha=alpha)
+        if ref is not None and sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
+            mix_into_reference(ref, self.context.model, self.args.ref_model_mixup_alpha)
 
     # --- log-probs ------------------------------------------------------------------------------------
     def whole_sequence_inputs(self, batch: dict) -> dict:

@@ -173,7 +173,7 @@ class GRPOObjective(Objective):
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
         self.num_generations_train = args.num_generations
-        self.num_generations_eval = getattr(args, "num_generations_eval", None) or args.num_generations
+        self.num_generations_eval = args.num_generations_eval or args.num_generations
         self.loss_type = getattr(args, "loss_type", None)
         if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
@@ -360,8 +360,7 @@ class GRPOObjective(Objective):
         advantages = self.advantages(rewards_NF, batch)
         batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(prompts))]
         self._log_rewards(rewards_NF, advantages)
-        metrics = log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel)
-        for name, value in metrics.items():
+        for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
             self._add(name, value)
         return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
 
@@ -462,7 +461,7 @@ class GRPOObjective(Objective):
         entropy_keep = None
         if args.top_entropy_quantile < 1.0:
             entropy_keep = high_entropy_mask(entropy_BT, mask_BT, 1 - args.top_entropy_quantile,
-                                             gather=self._gather_values).to(logprobs_BT.dtype)
+                                             gather=self.context.data_parallel.gather_values).to(logprobs_BT.dtype)
             token_weights = entropy_keep if token_weights is None else token_weights * entropy_keep
         out = clipped_policy_loss(
             logprobs_BT, logprobs_BT.detach() if old is None else old, inputs["advantages"], mask_BT,
@@ -482,13 +481,6 @@ class GRPOObjective(Objective):
             out = self._with_entropy_bonus(out, entropy_BT, mask_BT if entropy_keep is None else mask_BT * entropy_keep)
         return out
 
-    def _gather_values(self, values_N: torch.Tensor) -> torch.Tensor:
-        """Every data-parallel rank's values (any lengths), concatenated in rank order, on this rank's device."""
-        if self.context.data_parallel.size == 1:
-            return values_N
-        parts = self.context.data_parallel.gather_lists([values_N.cpu()])
-        return torch.cat(parts).to(values_N.device)
-
     def _with_entropy_bonus(self, out, entropy_BT, mask_BT):
         """The policy loss minus the entropy bonus (the coefficient of the step's start; 0 in adaptive mode while the
         last step's entropy is above entropy_target, as TRL), with policy_loss logged; the adaptive controller's
@@ -496,7 +488,7 @@ class GRPOObjective(Objective):
         coef = self.entropy_coef
         if self.adaptive_entropy:
             coef = coef if self.last_step_entropy <= self.args.entropy_target else 0.0
-            if self.context.model.training:
+            if self.mode == "train":
                 mask = mask_BT.to(entropy_BT.dtype)
                 sums = torch.stack([(entropy_BT.detach() * mask).sum(), mask.sum()]).double()
                 self._entropy_window = sums if self._entropy_window is None else self._entropy_window + sums
@@ -578,7 +570,7 @@ class GRPOTrainer(Trainer):
     def get_high_entropy_mask(self, entropies, mask, threshold):
         """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every data-parallel rank's
         completion tokens (bool [B, T], False outside ``mask``)."""
-        return high_entropy_mask(entropies, mask, threshold, gather=self.objective._gather_values)
+        return high_entropy_mask(entropies, mask, threshold, gather=self.data_parallel.gather_values)
 
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the

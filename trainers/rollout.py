@@ -106,8 +106,8 @@ def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) 
 
 def model_inputs(batch: dict) -> dict:
     """A rollout batch (``Rollout.tensors``) as the model's inputs: prompt + completion ids and attention mask
-    [N, P + T], the completion targets [N, T] (IGNORE_INDEX where masked), the same targets at the positions that
-    predict them as ``shift_labels`` [N, P + T] (what a context-parallel split cuts alike), and the prompt width P."""
+    [N, P + T], the completion targets (IGNORE_INDEX where masked) at the positions that predict them as
+    ``shift_labels`` [N, P + T] (what a context-parallel split cuts alike), and the prompt width P."""
     targets_NT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
     N, P = batch["prompt_ids"].shape
     prompt_targets_NP = torch.full((N, P), IGNORE_INDEX, dtype=targets_NT.dtype)
@@ -115,7 +115,6 @@ def model_inputs(batch: dict) -> dict:
         **batch,
         "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
         "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
-        "completion_targets": targets_NT,
         "shift_labels": torch.cat([prompt_targets_NP[:, 1:], targets_NT, prompt_targets_NP[:, :1]], dim=1),
         "prompt_length": P,
     }
@@ -130,7 +129,7 @@ def completion_logprobs_of(model, inputs: dict, temperature: float, context) -> 
         inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
         attention_plan=inputs.get("attention_plan"), head_loss=head,
     ).head_output
-    P, T = inputs["prompt_length"], inputs["completion_targets"].shape[1]
+    P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
     whole = context.context_parallel.gather_sequence(torch.stack([logprobs_BS, entropy_BS], dim=-1))
     return whole[:, P - 1 : P - 1 + T, 0], whole[:, P - 1 : P - 1 + T, 1]
 
@@ -201,7 +200,7 @@ class Rollout:
         native = self.engine is None or isinstance(self.engine, NativeRolloutEngine)  # None: native, made lazily
         if not native and not model_parallel:
             return {}
-        seed = int(mix64_int(mix64_int(int(self.context.args.seed)) ^ place)) & ((1 << 63) - 1)
+        seed = mix64_int(mix64_int(int(self.context.args.seed)) ^ place) & ((1 << 63) - 1)
         return {"seed": seed, "first_row": self.context.data_parallel.rank * rows}
 
     def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0) -> Rollouts:
