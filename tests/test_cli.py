@@ -394,6 +394,8 @@ def test_console_script_launches_the_processes(tmp_path):
     done = _console_script("--num_processes", "2", "--accelerate_config", "multi_gpu", "--mixed_precision", "no",
                            "--main_process_port", "0", "--model_name_or_path", TINY, "--per_device_train_batch_size", "0",
                            "--bf16", "false", "--output_dir", str(tmp_path / "out"))
-    errors = [line for line in done.stderr.splitlines() if line.startswith("hfnative-train: error: ")]
+    message = "hfnative-train: error: invalid arguments: per_device_train_batch_size=0; it must be at least 1"
     assert done.returncode == 2, done.stderr[-3000:]
-    assert errors == ["hfnative-train: error: invalid arguments: per_device_train_batch_size=0; it must be at least 1"] * 2
+    # the launcher stops the other process once one has failed, so the second may be ended before it prints
+    assert 1 <= done.stderr.count(message) <= 2, done.stderr[-3000:]
+    assert done.stderr.count("hfnative-train: error: ") == done.stderr.count(message), done.stderr[-3000:]
