@@ -96,6 +96,11 @@ class DistributedRun:
     def barrier(self) -> None:
         dist.barrier()
 
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """rank 0's ``tensor`` on every rank (each gives one of the same shape and dtype, on its device), in place."""
+        dist.broadcast(tensor, src=0)
+        return tensor
+
     def broadcast_object(self, value):
         """rank 0's ``value``, on every rank."""
         box = [value]

@@ -163,8 +163,9 @@ class ObjectiveContext:
 
     ``args`` (the run's config, TRL's names), ``device``, ``model`` (the policy), ``processing_class`` and
     ``tokenizer``, ``state`` (transformers' TrainerState: global_step, num_input_tokens_seen), ``data_collator``
-    (the user's, or None before the default is made), ``rank`` (this process in the run), ``layout`` (the run's
-    ParallelDims, None on one process), ``data_parallel`` (gathers and reductions over the data-parallel ranks);
+    (the user's, or None before the default is made), ``rank`` (this process in the run), ``broadcast(tensor)``
+    (the first rank's tensor on every rank), ``layout`` (the run's ParallelDims, None on one process),
+    ``data_parallel`` (gathers and reductions over the data-parallel ranks);
     ``autocast()``, ``prepare_inputs(batch)`` (the loop's own batch preparation: shifted labels, padding for the
     layout, the attention plan, the device), ``metrics(mode)`` (the sink logged at the next log), ``data_shard()``
     and ``make_dataloader(...)`` (this rank's share of a dataset), ``micro_batches_in_step`` (this rank's, in the
@@ -214,6 +215,14 @@ class ObjectiveContext:
     def world_size(self) -> int:
         run = self._trainer.distributed
         return 1 if run is None else run.world_size
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The first rank's ``tensor`` on every rank of the run (each passes one of the same shape and dtype), on
+        ``tensor``'s device; the tensor itself on one process."""
+        run = self._trainer.distributed
+        if run is None:
+            return tensor
+        return run.broadcast(tensor.to(self.device).contiguous()).to(tensor.device)
 
     @property
     def layout(self):
