@@ -128,7 +128,7 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
     ``quantization_config`` goes (the weights are written dequantized)."""
     dtype_name = _DTYPE_NAMES.get(next(converted.model.parameters()).dtype)
     source = converted.source_dir / "config.json" if converted.source_dir else None
-    if source is not None and source.exists():
+    if source is not None and source.exists() and not _classifier_config_changed(converted, json.loads(source.read_text())):
         text = source.read_text()
         fields = json.loads(text)
         key = "dtype" if "dtype" in fields or "torch_dtype" not in fields else "torch_dtype"
@@ -147,7 +147,21 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
     write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
 
 
+def _classifier_config_changed(converted: ConvertedModel, fields: dict) -> bool:
+    """A sequence classifier whose config is not its source file's where the classifier reads it (a causal LM given a
+    score head, a pad or eos token set by the trainer): its config.json is written from the live config."""
+    if converted.args.num_labels is None:
+        return False
+    config = converted.config
+    text = config.get_text_config()
+    labels = {str(index): label for index, label in config.id2label.items()}
+    return (fields.get("architectures") != list(config.architectures or []) or fields.get("id2label", labels) != labels
+            or fields.get("pad_token_id") != text.pad_token_id or fields.get("eos_token_id") != text.eos_token_id)
+
+
 def _save_generation_config(converted: ConvertedModel, out_dir: Path, generation_config=None) -> None:
+    if converted.args.num_labels is not None:  # a sequence classifier does not generate (transformers writes none)
+        return
     source = converted.source_dir / "generation_config.json" if converted.source_dir else None
     if generation_config is not None:
         text = generation_config.to_json_string()

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hfnative.models.args import ModelArgs
+from hfnative.models.classifier import SequenceClassifier
 from hfnative.models.decoder import Transformer
 from hfnative.peft.adapters import disable_adapters, lora_modules
 
@@ -242,6 +243,38 @@ class NativeCausalLM(HubModelMixin, Transformer):
             export_hf(converted, directory, max_shard_size=max_shard_size)
 
 
+class NativeSequenceClassifier(NativeCausalLM, SequenceClassifier):
+    """hfnative's sequence classifier (a reward model) with transformers' model surface; saved as a
+    ``*ForSequenceClassification`` folder. ``NativeSequenceClassifier(config)`` builds one from a sequence-
+    classification config (random initialization), as ``AutoModelForSequenceClassification.from_config`` does."""
+
+    def __init__(self, config):
+        if isinstance(config, ModelArgs):
+            SequenceClassifier.__init__(self, config)
+            return
+        from .loading import classifier_config, model_args
+
+        family = family_for_config(config)
+        config = classifier_config(config, family)
+        SequenceClassifier.__init__(self, model_args(family, config))
+        self.init_weights(std=getattr(config.get_text_config(), "initializer_range", 0.02))
+        attach_hub_surface(self, ConvertedModel(self, config, family))
+
+    def forward(self, *args, **kwargs):
+        if self.config is not None:  # pooled at config.pad_token_id, which callers set as with transformers' models
+            self.args.pad_token_id = self.config.get_text_config().pad_token_id
+        return super().forward(*args, **kwargs)
+
+    def can_generate(self) -> bool:
+        return False
+
+    def get_output_embeddings(self) -> None:
+        return None  # a score head, not a vocabulary projection
+
+    def _generation_model(self) -> nn.Module:
+        raise ValueError("generate(): a sequence-classification model scores sequences and does not generate")
+
+
 def _generation_config_for(converted: ConvertedModel):
     from transformers import GenerationConfig
 
@@ -258,16 +291,18 @@ def attach_hub_surface(model: nn.Module, converted: ConvertedModel | None, *, ad
     config): the surface is there, but ``config`` is None and nothing Hub-format can be written."""
     if type(model) is Transformer:
         model.__class__ = NativeCausalLM
+    elif type(model) is SequenceClassifier:
+        model.__class__ = NativeSequenceClassifier
     if not isinstance(model, HubModelMixin):
         raise TypeError(f"cannot give {type(model).__name__} transformers' model surface")
     if converted is not None:
         model.__dict__["_hub_converted"] = converted  # a plain attribute (not a submodule)
         model.config = converted.config
-        if model.generation_config is None:
+        if model.generation_config is None and model.can_generate():
             model.generation_config = _generation_config_for(converted)
     model._adapter_settings = adapter_settings
     model._base_model_name_or_path = base_model_name_or_path
     return model
 
 
-__all__ = ["HubModelMixin", "NativeCausalLM", "attach_hub_surface"]
+__all__ = ["HubModelMixin", "NativeCausalLM", "NativeSequenceClassifier", "attach_hub_surface"]

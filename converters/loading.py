@@ -8,6 +8,8 @@ weights plus the largest single tensor.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import struct
@@ -18,9 +20,18 @@ from pathlib import Path
 import torch
 
 from hfnative.models.args import ModelArgs
+from hfnative.models.classifier import build_model
 from hfnative.models.decoder import Transformer
 
-from .families import Family, Piece, UnsupportedModelError, family_for_config, model_pieces
+from .families import (
+    CLASSIFIER_ARCHITECTURES,
+    Family,
+    Piece,
+    UnsupportedModelError,
+    family_for_config,
+    is_sequence_classifier,
+    model_pieces,
+)
 from .hub import resolve_model_dir
 from .mxfp4 import Mxfp4Source, quant_method
 
@@ -272,11 +283,17 @@ def load_pretrained(
     revision: str | None = None,
     cache_dir: str | None = None,
     token: str | bool | None = None,
+    num_labels: int | None = None,
+    score_seed: int | None = None,
 ) -> ConvertedModel:
     """Load a checkpoint folder, a Hub id or a transformers PreTrainedModel as a native model.
 
     dtype: None keeps the config's dtype (float32 when it names none). MXFP4-quantized tensors
     (``quantization_config.quant_method == "mxfp4"``) are dequantized into parameters of that dtype.
+    A ``*ForSequenceClassification`` checkpoint loads as a native SequenceClassifier (its config's num_labels, or
+    ``num_labels``). ``num_labels`` with a causal-LM checkpoint: a SequenceClassifier on its decoder, the LM head
+    dropped and a new score head drawn as transformers' AutoModelForSequenceClassification draws it, normal(0,
+    initializer_range), from a generator seeded with ``score_seed`` (torch's global generator when None).
     """
     from transformers import AutoConfig, PreTrainedModel
 
@@ -292,7 +309,11 @@ def load_pretrained(
         source = SafetensorsSource(source_dir)
         where = str(source_dir)
     family = family_for_config(config)
-    args = family.config_to_args(config)
+    is_classifier = is_sequence_classifier(config) or type(model).__name__.endswith("ForSequenceClassification")
+    new_head = num_labels is not None and not is_classifier
+    if is_classifier or new_head:
+        config = classifier_config(config, family, num_labels)
+    args = model_args(family, config)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else None
     dtype = dtype or _config_dtype(config)
@@ -300,13 +321,72 @@ def load_pretrained(
     source = dequantizing_source(source, config, dtype, where)
 
     pieces = model_pieces(family, args)
+    if new_head:  # the causal LM's head is dropped; the score head is not in the checkpoint
+        source = WithoutLanguageModelHead(source)
+        pieces = [piece for piece in pieces if piece.hf_key != SCORE_KEY]
     with torch.device("meta"):
-        native = Transformer(args)
+        native = build_model(args)
     check_checkpoint(source, pieces, native, where)  # before any memory is allocated
     native = native.to(dtype=dtype).to_empty(device=device)
     copy_into_model(source, pieces, native)
+    if new_head:
+        init_score_head(native, config, score_seed)
     native.init_buffers()
     return ConvertedModel(native, config, family, source_dir)
+
+
+# --- sequence classifiers ---------------------------------------------------------------------------
+
+SCORE_KEY = "score.weight"
+
+
+def classifier_config(config, family: Family, num_labels: int | None = None):
+    """A copy of ``config`` naming the family's sequence classifier (``architectures``) with ``num_labels`` labels
+    (default: the config's own)."""
+    architecture = CLASSIFIER_ARCHITECTURES.get(family.name)
+    if architecture is None:
+        raise UnsupportedModelError(f"the {family.name} family has no sequence-classification model in transformers")
+    config = copy.deepcopy(config)
+    config.architectures = [architecture]
+    if num_labels is not None and num_labels != config.num_labels:
+        config.num_labels = num_labels  # transformers' setter rebuilds id2label / label2id
+    return config
+
+
+def model_args(family: Family, config) -> ModelArgs:
+    """The ModelArgs of ``config``: a causal LM's, or with ``num_labels`` and the pooling pad token for a
+    sequence-classification config (its score head is its own, never tied)."""
+    args = family.config_to_args(config)
+    if not is_sequence_classifier(config):
+        return args
+    text_config = config.get_text_config()
+    return dataclasses.replace(args, num_labels=config.num_labels, tie_embeddings=False,
+                               pad_token_id=getattr(text_config, "pad_token_id", None))
+
+
+class WithoutLanguageModelHead:
+    """A causal LM checkpoint's tensors but its LM head (a sequence classifier built on its decoder drops it)."""
+
+    def __init__(self, source):
+        self.source = source
+        self.shapes = {key: shape for key, shape in source.shapes.items() if key != "lm_head.weight"}
+
+    def keys(self):
+        return self.shapes.keys()
+
+    def iter_tensors(self, wanted: set[str]):
+        return self.source.iter_tensors(wanted)
+
+
+@torch.no_grad()
+def init_score_head(model: Transformer, config, seed: int | None = None) -> None:
+    """A new score head [L, D] ~ normal(0, initializer_range), drawn on the CPU as transformers initializes a
+    missing ``score.weight``; from a generator seeded with ``seed``, or torch's global one when None."""
+    std = getattr(config.get_text_config(), "initializer_range", 0.02)
+    weight = model.output.weight
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    value = torch.empty(weight.shape, dtype=weight.dtype).normal_(0.0, std, generator=generator)
+    weight.copy_(value)
 
 
 def dequantizing_source(source, config, dtype: torch.dtype, where: str):
@@ -336,6 +416,8 @@ def _hub_state_dict(model) -> dict[str, torch.Tensor]:
 __all__ = [
     "CheckpointError",
     "ConvertedModel",
+    "classifier_config",
+    "init_score_head",
     "UnsupportedModelError",
     "load_pretrained",
 ]

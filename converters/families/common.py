@@ -207,6 +207,8 @@ def model_pieces(family: Family, args: ModelArgs) -> list[Piece]:
     for layer_id in range(args.n_layers):
         pieces += family.layer_pieces(args, layer_id)
     pieces.append(rename("model.norm.weight", "norm.weight"))
-    if not args.tie_embeddings:
+    if args.num_labels is not None:  # a sequence classifier's score head
+        pieces.append(rename("score.weight", "output.weight"))
+    elif not args.tie_embeddings:
         pieces.append(rename("lm_head.weight", "output.weight"))
     return pieces

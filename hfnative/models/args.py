@@ -86,6 +86,10 @@ class ModelArgs:
     # a learned logit per query head in each softmax denominator, with no value (GPT-OSS)
     attention_sinks: bool = False
     tie_embeddings: bool = False
+    # a sequence classifier (hfnative.models.classifier): the head scores num_labels classes at the last token
+    # that is not pad_token_id (None: each row's last position, one row at a time); None -> a causal LM
+    num_labels: int | None = None
+    pad_token_id: int | None = None
     # the embedding row of this token gets no gradient from the lookup (transformers' padding_idx)
     padding_idx: int | None = None
     embedding_scale: float | None = None
@@ -112,6 +116,9 @@ class ModelArgs:
             )
         if self.layer_types is not None and len(self.layer_types) != self.n_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.n_layers} layers")
+        if self.num_labels is not None and (self.num_labels < 1 or self.tie_embeddings):
+            raise ValueError(f"num_labels={self.num_labels}, tie_embeddings={self.tie_embeddings}: a sequence classifier "
+                             "has at least one label and its own score head (tie_embeddings=False)")
         if self.moe_layers is not None and len(self.moe_layers) != self.n_layers:
             raise ValueError(f"moe_layers has {len(self.moe_layers)} entries for {self.n_layers} layers")
 

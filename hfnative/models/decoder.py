@@ -93,8 +93,11 @@ class Transformer(nn.Module):
         self.local_rope = RotaryEmbedding(args.local_rope, args.head_dim) if args.local_rope else None
         self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
         self.norm = model_norm(args)
-        tied = self.tok_embeddings if args.tie_embeddings else None
-        self.output = OutputHead(args.dim, args.vocab_size, args.final_logit_softcap, tied_embedding=tied)
+        if args.num_labels is None:
+            tied = self.tok_embeddings if args.tie_embeddings else None
+            self.output = OutputHead(args.dim, args.vocab_size, args.final_logit_softcap, tied_embedding=tied)
+        else:  # a sequence classifier's score head [num_labels, D] (hfnative.models.classifier)
+            self.output = OutputHead(args.dim, args.num_labels)
         # blocks whose activations are recomputed in backward instead of kept (activation checkpointing)
         self.checkpointed_layers: frozenset[int] = frozenset()
         # "varlen": packed and padded batches attend per document with no [S, S] mask; "sdpa": dense masks
