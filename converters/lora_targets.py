@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from hfnative.peft import LoraSettings, LoraTarget, lora_settings
+from hfnative.peft.settings import SEQ_CLS_HEADS
 
 from .export import hub_state_dict_pieces
 from .families import Piece
@@ -254,9 +255,14 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
             f"its adaptable modules are {linear}"
         )
 
+    if settings.task_type == "SEQ_CLS" and converted.args.num_labels is None:
+        raise ValueError(f"LoRA task_type='SEQ_CLS' on the {converted.family.name} causal LM: use task_type='CAUSAL_LM' "
+                         "(or load the model as a sequence classifier)")
     copies = []
     for name in settings.modules_to_save or []:
         matched = [p for p in _module_paths(pieces_of, with_experts=True) if p.endswith(name)]  # peft: key.endswith(name)
+        if not matched and settings.task_type == "SEQ_CLS" and name in SEQ_CLS_HEADS:
+            continue  # peft's own additions for a classifier (one of them names its head)
         if not matched:
             raise ValueError(f"modules_to_save: {name!r} matches no module of the {converted.family.name} model")
         for path in matched:

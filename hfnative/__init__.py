@@ -40,6 +40,7 @@ _LAZY = {
     **{name: "hfnative.trainers" for name in (
         "DPOConfig", "DPOTrainer", "DistillationConfig", "DistillationTrainer", "GKDConfig", "GKDTrainer",
         "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer",
+        "RewardConfig", "RewardTrainer",
     )},
 }
 

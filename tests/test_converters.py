@@ -139,8 +139,8 @@ def test_wrong_shape_missing_and_unexpected_tensors_are_listed(tmp_path):
 def test_unsupported_architecture_and_rope_type(tmp_path):
     save_hf_model("llama-gqa", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForSequenceClassification"]}))
-    with pytest.raises(UnsupportedModelError, match="LlamaForSequenceClassification.*Qwen3ForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForTokenClassification"]}))
+    with pytest.raises(UnsupportedModelError, match="LlamaForTokenClassification.*Qwen3ForCausalLM"):
         load_pretrained(tmp_path)
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))

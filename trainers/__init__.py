@@ -16,6 +16,8 @@ _LAZY = {
     "GKDTrainer": "gkd_trainer",
     "GRPOConfig": "grpo_trainer",
     "GRPOTrainer": "grpo_trainer",
+    "RewardConfig": "reward_config",
+    "RewardTrainer": "reward_trainer",
     "RLOOConfig": "rloo_config",
     "RLOOTrainer": "rloo_trainer",
     "AsyncGRPOConfig": "async_grpo_config",

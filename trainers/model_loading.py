@@ -69,6 +69,9 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         return LoadedModel(model.model, model, base_model_name_or_path=getattr(model.config, "_name_or_path", None))
     kwargs = dict(model_init_kwargs or {})
     dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
+    classifier = dict(num_labels=kwargs.pop("num_labels", None), score_seed=kwargs.pop("score_seed", None))
+    if classifier["num_labels"] is not None:
+        return _sequence_classifier(model, device, dtype, kwargs, **classifier)
     if fallback._is_peft_model(model):
         return _from_peft_model(model, device, dtype)
     if isinstance(model, transformers.PreTrainedModel):
@@ -100,6 +103,32 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         warn_fallback(fallback_loading._architecture(loaded.config), str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=str(model))
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
+
+
+def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, score_seed: int | None) -> LoadedModel:
+    """A model folder, Hub id or transformers model as a native sequence classifier with ``num_labels`` scores (a
+    causal LM's decoder gets a new score head drawn from ``score_seed``, as AutoModelForSequenceClassification)."""
+    if _is_adapter_folder(model) or fallback._is_peft_model(model):
+        raise ValueError("a PEFT adapter (folder or PeftModel) as a sequence classifier is not supported: merge it into "
+                         "its base (merge_and_unload), save that, and pass its folder as `model`")
+    if not isinstance(model, (str, os.PathLike, transformers.PreTrainedModel)):
+        raise TypeError(f"a sequence classifier is loaded from a path, Hub id or transformers model; got {type(model).__name__}")
+    _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
+    if isinstance(model, transformers.PreTrainedModel):
+        name = model.config._name_or_path
+        source, options = model, dict(dtype=dtype or next(model.parameters()).dtype)
+    else:
+        name = str(model)
+        source, options = model, dict(dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
+                                      token=kwargs.get("token"))
+    try:
+        converted = load_pretrained(source, device=device, num_labels=num_labels, score_seed=score_seed, **options)
+    except UnsupportedModelError as error:
+        raise UnsupportedModelError(
+            f"{error}. Sequence classifiers (reward models) train natively only; transformers' own module is not used "
+            "for them: pick a model of a supported architecture"
+        ) from error
+    return LoadedModel(converted.model, converted, base_model_name_or_path=name)
 
 
 def _config_of(name_or_path, hub: dict):

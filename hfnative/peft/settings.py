@@ -58,8 +58,9 @@ class LoraSettings:
             raise ValueError(
                 f"init_lora_weights={self.init_lora_weights!r} is not supported by hfnative; use one of {INIT_MODES}"
             )
-        if self.task_type not in (None, "CAUSAL_LM"):
-            raise ValueError(f"task_type={self.task_type!r}: hfnative trains causal LMs; use 'CAUSAL_LM'")
+        if self.task_type not in (None, "CAUSAL_LM", "SEQ_CLS"):
+            raise ValueError(f"task_type={self.task_type!r}: hfnative trains causal LMs ('CAUSAL_LM') and sequence "
+                             "classifiers ('SEQ_CLS')")
 
     def scaling(self, r: int | None = None, lora_alpha: float | None = None) -> float:
         r = self.r if r is None else r
@@ -118,7 +119,13 @@ def lora_settings(config) -> LoraSettings:
         values[name] = _enum_value(value)
     for name in ("rank_pattern", "alpha_pattern"):
         values[name] = dict(values[name] or {})
+    if values["task_type"] == "SEQ_CLS":  # peft trains a classifier's head in full: it adds these to modules_to_save
+        values["modules_to_save"] = list(values["modules_to_save"] or []) + list(SEQ_CLS_HEADS)
     return LoraSettings(**values)
+
+
+# the module names peft's PeftModelForSequenceClassification adds to modules_to_save
+SEQ_CLS_HEADS = ("classifier", "score")
 
 
 @dataclass(frozen=True)

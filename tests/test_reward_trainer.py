@@ -1,0 +1,172 @@
+"""hfnative's RewardTrainer against TRL's on the same tiny model, data, order and seed (fp32).
+
+- A causal-LM checkpoint gets the same new score head in both (transformers' init under the run's seed).
+- 3 training steps agree with TRL per step (loss, grad_norm, learning_rate and every logged metric: accuracy,
+  margin, min/mean/max_reward, num_tokens) within 1e-5 relative at step 1 and 1e-4 after: conversational rows with
+  an explicit prompt; text rows with an implicit prompt, a margin column and center_rewards_coefficient, with
+  gradient accumulation; LoRA (task_type SEQ_CLS: the score head trained in full); evaluation (eval_* metrics).
+- The saved folder is a Hub *ForSequenceClassification folder that transformers loads and that scores as the
+  trained model; the config has TRL's fields and defaults; the CLI's `reward` command trains and saves one.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+import hfnative
+
+trl = pytest.importorskip("trl")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+DATA = ROOT / "examples" / "data" / "preference.jsonl"
+STEPS = 3
+PER_STEP_KEYS = ("loss", "grad_norm", "accuracy", "margin", "min_reward", "mean_reward", "max_reward")
+
+
+def _rows(n: int) -> list[dict]:
+    with open(DATA) as f:
+        return [json.loads(line) for line in f][:n]
+
+
+def _text_implicit_rows(n: int) -> list[dict]:
+    """The shipped rows as plain text with the prompt inside each completion, and a margin per pair."""
+    rows = []
+    for index, row in enumerate(_rows(n)):
+        prompt = f"Question: {row['prompt'][-1]['content']}\nAnswer:"
+        rows.append({"chosen": prompt + " " + row["chosen"][0]["content"],
+                     "rejected": prompt + " " + row["rejected"][0]["content"], "margin": 0.25 * (index % 3)})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    """The tiny causal checkpoint with a scaled embedding, so rewards and their differences are not all near 0."""
+    root = tmp_path_factory.mktemp("reward-model")
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(4.0)
+    model.save_pretrained(root)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(root)
+    return str(root)
+
+
+def _config(module, output_dir, **extra):
+    settings = dict(
+        output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=4, learning_rate=5e-3,
+        lr_scheduler_type="cosine", warmup_steps=1, weight_decay=0.01, max_length=96, gradient_checkpointing=False,
+        seed=5,
+    )
+    return module.RewardConfig(**{**settings, **extra})
+
+
+def _lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+
+
+def _trainer(module, model, tmp_path, case):
+    rows = _text_implicit_rows(24) if case == "text-implicit-margin" else _rows(24)
+    extra, peft_config, eval_rows = {}, None, None
+    if case == "text-implicit-margin":
+        extra = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, center_rewards_coefficient=0.1)
+    elif case == "lora":
+        peft_config, extra = _lora_config(), dict(learning_rate=2e-2)
+    elif case == "evaluation":
+        eval_rows = _rows(31)[24:]
+        extra = dict(eval_strategy="steps", eval_steps=STEPS, per_device_eval_batch_size=3)
+    return module.RewardTrainer(
+        model=model, args=_config(module, tmp_path / module.__name__, **extra), train_dataset=Dataset.from_list(rows),
+        eval_dataset=Dataset.from_list(eval_rows) if eval_rows else None,
+        processing_class=AutoTokenizer.from_pretrained(MODEL), peft_config=peft_config,
+    )
+
+
+def _train_logs(module, model_path, tmp_path, case):
+    trainer = _trainer(module, model_path, tmp_path, case)
+    if case == "lora" and module is trl:  # peft's random initial A, given to both
+        trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
+    elif case == "lora":
+        from hfnative.converters.peft import load_adapter_weights
+
+        load_adapter_weights(trainer.converted, tmp_path / "initial-adapter")
+    trainer.train()
+    return trainer, [entry for entry in trainer.state.log_history if "loss" in entry or "eval_loss" in entry]
+
+
+def test_new_score_head_is_transformers(model_path, tmp_path):
+    theirs, ours = _trainer(trl, model_path, tmp_path, "conversational"), _trainer(hfnative, model_path, tmp_path, "conversational")
+    assert torch.equal(ours.model.output.weight, theirs.model.score.weight)
+    assert ours.model.config.pad_token_id == theirs.model.config.pad_token_id is not None
+
+
+@pytest.mark.parametrize("case", ["conversational", "text-implicit-margin", "lora", "evaluation"])
+def test_training_matches_trl_per_step(model_path, tmp_path, case):
+    _, theirs = _train_logs(trl, model_path, tmp_path, case)
+    trainer, ours = _train_logs(hfnative, model_path, tmp_path, case)
+    if case == "evaluation":  # evaluated after the last step: eval_-prefixed metrics
+        (evaluation,), (reference,) = ([e for e in logs if "eval_loss" in e] for logs in (ours, theirs))
+        for key in ("loss", *PER_STEP_KEYS[2:], "num_tokens"):
+            assert evaluation[f"eval_{key}"] == pytest.approx(reference[f"eval_{key}"], rel=1e-4, abs=1e-6), key
+        ours, theirs = ([e for e in logs if "eval_loss" not in e] for logs in (ours, theirs))
+    assert len(ours) == len(theirs) == STEPS
+    for mine, reference in zip(ours, theirs):
+        step = reference["step"]
+        assert mine["step"] == step
+        assert mine["num_tokens"] == reference["num_tokens"], step
+        assert mine["learning_rate"] == pytest.approx(reference["learning_rate"], rel=1e-12)
+        tolerance = 1e-5 if step == 1 else 1e-4
+        for key in PER_STEP_KEYS:
+            assert mine[key] == pytest.approx(reference[key], rel=tolerance, abs=1e-7), (case, step, key, mine[key], reference[key])
+    assert theirs[-1]["margin"] != theirs[0]["margin"]  # the model moved
+    if case == "conversational":  # the saved folder: a Hub sequence classifier that scores as the trained model
+        out = tmp_path / "saved"
+        trainer.save_model(str(out))
+        config = json.loads((out / "config.json").read_text())
+        assert config["architectures"] == ["Qwen3ForSequenceClassification"] and config["id2label"] == {"0": "LABEL_0"}
+        reloaded, info = AutoModelForSequenceClassification.from_pretrained(str(out), dtype=torch.float32,
+                                                                            output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+        with torch.no_grad():
+            expected = trainer.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            got = reloaded.eval()(**batch).logits
+        assert (got - expected).abs().max().item() <= 1e-5
+
+
+def test_config_has_trls_fields_and_defaults():
+    theirs, ours = trl.RewardConfig("unused", use_cpu=True), hfnative.RewardConfig("unused", use_cpu=True)
+    names = {f.name for f in dataclasses.fields(theirs)} - {"accelerator_config"}
+    assert names <= {f.name for f in dataclasses.fields(ours)}
+    assert {n: getattr(ours, n) for n in names} == {n: getattr(theirs, n) for n in names}
+    assert ours.learning_rate == 1e-4 and ours.max_length == 1024 and ours.center_rewards_coefficient is None
+
+
+def test_bad_input_is_refused(model_path, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    args = _config(hfnative, tmp_path)
+    causal = AutoModelForCausalLM.from_pretrained(model_path)  # num_labels=2 by default
+    with pytest.raises(ValueError, match="reward models require `num_labels=1`"):
+        hfnative.RewardTrainer(model=causal, args=args, train_dataset=Dataset.from_list(_rows(4)), processing_class=tokenizer)
+    rows = _rows(4)
+    rows[2]["rejected"] = None
+    with pytest.raises(ValueError, match="reward row 2: expected 'chosen' and 'rejected'"):
+        hfnative.RewardTrainer(model=model_path, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+
+
+def test_cli_trains_and_saves_a_reward_model(model_path, tmp_path):
+    from hfnative.trainers import cli
+
+    cli.main(["reward", "--model_name_or_path", model_path, "--dataset_name", str(DATA), "--use_cpu", "--no_bf16",
+              "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm",
+              "--per_device_train_batch_size", "2", "--max_length", "96", "--output_dir", str(tmp_path / "cli")])
+    config = json.loads((tmp_path / "cli" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForSequenceClassification"]
+    AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "cli"))
