@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
 
 import hfnative
 
@@ -56,6 +56,20 @@ def model_path(tmp_path_factory):
     return str(root)
 
 
+@pytest.fixture(scope="module")
+def neox_path(tmp_path_factory):
+    """A causal LM without a native implementation (GPT-NeoX): it scores through transformers' own classifier."""
+    root = tmp_path_factory.mktemp("reward-neox")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5, initializer_range=0.2,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
 def _config(module, output_dir, **extra):
     settings = dict(
         output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
@@ -79,6 +93,12 @@ def _trainer(module, model, tmp_path, case):
         extra = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, center_rewards_coefficient=0.1)
     elif case == "lora":
         peft_config, extra = _lora_config(), dict(learning_rate=2e-2)
+    elif case == "fallback-lora":  # peft itself, on transformers' module
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query_key_value"],
+                                 task_type="SEQ_CLS")
+        extra = dict(learning_rate=2e-2)
     elif case == "evaluation":
         eval_rows = _rows(31)[24:]
         extra = dict(eval_strategy="steps", eval_steps=STEPS, per_device_eval_batch_size=3)
@@ -91,8 +111,13 @@ def _trainer(module, model, tmp_path, case):
 
 def _train_logs(module, model_path, tmp_path, case):
     trainer = _trainer(module, model_path, tmp_path, case)
-    if case == "lora" and module is trl:  # peft's random initial A, given to both
+    if case in ("lora", "fallback-lora") and module is trl:  # peft's random initial A, given to both
         trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
+    elif case == "fallback-lora":
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(trainer.model.peft_model, load_file(str(tmp_path / "initial-adapter" / "adapter_model.safetensors")))
     elif case == "lora":
         from hfnative.converters.peft import load_adapter_weights
 
@@ -107,10 +132,12 @@ def test_new_score_head_is_transformers(model_path, tmp_path):
     assert ours.model.config.pad_token_id == theirs.model.config.pad_token_id is not None
 
 
-@pytest.mark.parametrize("case", ["conversational", "text-implicit-margin", "lora", "evaluation"])
-def test_training_matches_trl_per_step(model_path, tmp_path, case):
-    _, theirs = _train_logs(trl, model_path, tmp_path, case)
-    trainer, ours = _train_logs(hfnative, model_path, tmp_path, case)
+@pytest.mark.parametrize("case", ["conversational", "text-implicit-margin", "lora", "evaluation", "fallback",
+                                  "fallback-lora"])
+def test_training_matches_trl_per_step(model_path, neox_path, tmp_path, case):
+    model = neox_path if case.startswith("fallback") else model_path
+    _, theirs = _train_logs(trl, model, tmp_path, case)
+    trainer, ours = _train_logs(hfnative, model, tmp_path, case)
     if case == "evaluation":  # evaluated after the last step: eval_-prefixed metrics
         (evaluation,), (reference,) = ([e for e in logs if "eval_loss" in e] for logs in (ours, theirs))
         for key in ("loss", *PER_STEP_KEYS[2:], "num_tokens"):

@@ -123,11 +123,24 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
                                       token=kwargs.get("token"))
     try:
         converted = load_pretrained(source, device=device, num_labels=num_labels, score_seed=score_seed, **options)
-    except UnsupportedModelError as error:
-        raise UnsupportedModelError(
-            f"{error}. Sequence classifiers (reward models) train natively only; transformers' own module is not used "
-            "for them: pick a model of a supported architecture"
-        ) from error
+    except UnsupportedModelError as error:  # transformers' own *ForSequenceClassification module trains instead
+        from hfnative.converters.fallback_classifier import (
+            classifier_refusal,
+            load_transformers_classifier,
+            wrap_transformers_classifier,
+        )
+
+        if not isinstance(model, transformers.PreTrainedModel):
+            loaded = load_transformers_classifier(model, num_labels=num_labels, score_seed=score_seed, reason=str(error),
+                                                  device=device, **options)
+            return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
+        refusal = classifier_refusal(model.config)
+        if not type(model).__name__.endswith("ForSequenceClassification"):
+            refusal = f"{type(model).__name__} is not a sequence-classification model (pass its folder or Hub id instead)"
+        if refusal is not None:
+            raise UnsupportedModelError(f"{error}; and it cannot score through transformers' modeling code: {refusal}") from error
+        loaded = wrap_transformers_classifier(model, options["dtype"], str(error))
+        return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
     return LoadedModel(converted.model, converted, base_model_name_or_path=name)
 
 
