@@ -41,6 +41,7 @@ _LAZY = {
         "DPOConfig", "DPOTrainer", "DistillationConfig", "DistillationTrainer", "GKDConfig", "GKDTrainer",
         "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer",
         "RewardConfig", "RewardTrainer",
+        "KTOConfig", "KTOTrainer",
     )},
 }
 

@@ -16,6 +16,8 @@ _LAZY = {
     "GKDTrainer": "gkd_trainer",
     "GRPOConfig": "grpo_trainer",
     "GRPOTrainer": "grpo_trainer",
+    "KTOConfig": "kto_config",
+    "KTOTrainer": "kto_trainer",
     "RewardConfig": "reward_config",
     "RewardTrainer": "reward_trainer",
     "RLOOConfig": "rloo_config",

@@ -354,6 +354,7 @@ COMMANDS: dict[str, Command | str] = {
     "distillation": "hfnative.trainers.distillation_trainer:distillation_cli_command",
     "gkd": "hfnative.trainers.gkd_trainer:gkd_cli_command",
     "grpo": "hfnative.trainers.grpo_trainer:cli_command",
+    "kto": "hfnative.trainers.kto_trainer:cli_command",
     "reward": "hfnative.trainers.reward_trainer:cli_command",
     "rloo": "hfnative.trainers.rloo_trainer:cli_command",
 }

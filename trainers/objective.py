@@ -33,6 +33,7 @@ and reduces the metrics; an objective that needs a gather (rewards over the rank
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -89,20 +90,40 @@ def count_label_tokens(batches: list[dict]) -> Normalizer | None:
 # --- metrics ----------------------------------------------------------------------------------------------------
 
 
+def ratio(numerator: float, denominator: float) -> float:
+    """numerator / denominator, 0.0 over nothing (TRL's entropy and mean_token_accuracy)."""
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+def ratio_if_any(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, no value over nothing (TRL's KTO rewards and logits, left out when a batch has none)."""
+    return numerator / denominator if denominator > 0 else None
+
+
+@dataclass(frozen=True)
+class RankSums:
+    """A micro-batch's metric made from sums over every data-parallel rank: ``combine(*parts summed over the ranks)``
+    is its value, or None for none (the micro-batch is left out of the mean; a metric with no value is not logged)."""
+
+    parts: tuple
+    combine: Callable[..., float | None] = ratio
+
+
 class MetricAverages:
     """Metrics kept on the device between logging steps and read with one host sync when logged.
 
     ``add``: one value per micro-batch, logged as their mean (as TRL averages its per-micro-batch values);
     ``add_ratio``: one (numerator, denominator) per micro-batch, logged as the mean of the ratios, each
     ratio taken over every data-parallel rank's sums (TRL's entropy and mean_token_accuracy: gathered sums
-    divided); ``set``: logged as the last value set (running totals such as num_tokens, summed over ranks).
+    divided); ``add_rank_sums``: the same for any ``RankSums``; ``set``: logged as the last value set (running
+    totals such as num_tokens, summed over ranks).
     """
 
     def __init__(self):
         self._sums: dict[str, torch.Tensor] = {}
         self._counts: dict[str, int] = {}
         self._latest: dict[str, torch.Tensor] = {}
-        self._ratios: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._combined: dict[str, list[RankSums]] = {}
 
     def add(self, name: str, value) -> None:
         value = torch.as_tensor(value).detach().double()
@@ -110,16 +131,22 @@ class MetricAverages:
         self._counts[name] = self._counts.get(name, 0) + 1
 
     def add_ratio(self, name: str, numerator, denominator) -> None:
-        pair = (torch.as_tensor(numerator).detach().double(), torch.as_tensor(denominator).detach().double())
-        self._ratios.setdefault(name, []).append(pair)
+        self.add_rank_sums(name, RankSums((numerator, denominator)))
+
+    def add_rank_sums(self, name: str, metric: RankSums) -> None:
+        parts = tuple(torch.as_tensor(part).detach().double() for part in metric.parts)
+        self._combined.setdefault(name, []).append(RankSums(parts, metric.combine))
 
     def set(self, name: str, value) -> None:
         self._latest[name] = torch.as_tensor(value).detach().double()
 
     def record(self, metrics: dict) -> None:
-        """An objective's metrics dict: (numerator, denominator) tuples are ratios, num_tokens a running total."""
+        """An objective's metrics dict: (numerator, denominator) tuples are ratios, ``RankSums`` combined sums,
+        num_tokens a running total."""
         for name, value in metrics.items():
-            if isinstance(value, tuple):
+            if isinstance(value, RankSums):
+                self.add_rank_sums(name, value)
+            elif isinstance(value, tuple):
                 self.add_ratio(name, *value)
             elif name == "num_tokens":
                 self.set(name, value)
@@ -132,14 +159,14 @@ class MetricAverages:
         names = list(self._sums) + list(self._latest)
         values = [self._sums[n] / self._counts[n] for n in self._sums] + list(self._latest.values())
         summed = [False] * len(self._sums) + [True] * len(self._latest)
-        pairs = [(name, pair) for name, entries in self._ratios.items() for pair in entries]
-        for _, (numerator, denominator) in pairs:
-            values += [numerator, denominator]
-            summed += [True, True]
+        entries = [(name, metric) for name, metrics in self._combined.items() for metric in metrics]
+        for _, metric in entries:
+            values += [part.reshape(()) for part in metric.parts]
+            summed += [True] * len(metric.parts)
         self._sums.clear()
         self._counts.clear()
         self._latest.clear()
-        self._ratios.clear()
+        self._combined.clear()
         if not values:
             return {}
         stacked = torch.stack([v.to(values[0].device) for v in values])
@@ -147,11 +174,14 @@ class MetricAverages:
             stacked = reduce(stacked, summed)
         flat = stacked.tolist()
         result = dict(zip(names, flat[: len(names)]))
-        ratios: dict[str, list[float]] = {}
-        for index, (name, _) in enumerate(pairs):
-            numerator, denominator = flat[len(names) + 2 * index], flat[len(names) + 2 * index + 1]
-            ratios.setdefault(name, []).append(numerator / denominator if denominator > 0 else 0.0)
-        result.update({name: sum(r) / len(r) for name, r in ratios.items()})
+        combined: dict[str, list[float]] = {}
+        offset = len(names)
+        for name, metric in entries:
+            value = metric.combine(*flat[offset : offset + len(metric.parts)])
+            offset += len(metric.parts)
+            if value is not None:
+                combined.setdefault(name, []).append(value)
+        result.update({name: sum(v) / len(v) for name, v in combined.items()})
         return result
 
 
@@ -506,9 +536,12 @@ __all__ = [
     "Normalizer",
     "Objective",
     "ObjectiveContext",
+    "RankSums",
     "UnsupportedLayoutError",
     "check_supported",
     "count_label_tokens",
     "features_used",
+    "ratio",
+    "ratio_if_any",
     "without_labels",
 ]

@@ -1,0 +1,128 @@
+"""The frozen reference of the preference objectives (DPO, KTO), kept as TRL's trainers keep it.
+
+The reference is, in order: the ``ref_model`` the user gave; the policy's base with its new LoRA adapters disabled
+(a new adapter starts at zero, so the base is the initial policy); or a frozen copy of the policy's checkpoint
+(also for an adapter the model came with: a folder, a PeftModel, as TRL's "ref" adapter copy). With
+``precompute_ref_log_probs`` and no ``ref_model``, no copy is kept: the policy itself, before training, gives the
+log-probs once. TR-DPO's ``sync_ref_model`` mixes the policy into a kept copy (trainers/reference_sync.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import torch
+from datasets import IterableDataset
+
+from hfnative.models.decoder import Transformer
+
+from .model_loading import disable_dropout
+from .reference_sync import mix_into_reference, sync_due
+
+
+def reference_source(model, ref_model) -> tuple[object, bool]:
+    """(what to load as the reference, whether the user gave it): ``ref_model``, else the policy's own source (a
+    native model object copied, not shared)."""
+    if ref_model is not None and ref_model is model:
+        raise ValueError(
+            "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
+            "we'll initialize it to a copy of `model` for you."
+        )
+    if ref_model is not None:
+        return ref_model, True
+    return (copy.deepcopy(model) if isinstance(model, Transformer) else model), False
+
+
+def refuse_sync_with_new_adapters(args, peft_config) -> None:
+    """TRL refuses sync_ref_model with PEFT: the reference is the base with the adapter disabled."""
+    from .dpo_config import UnsupportedSettings
+
+    if peft_config is not None and args.sync_ref_model:
+        raise UnsupportedSettings(
+            "You passed `sync_ref_model=True` while using a PEFT model: with PEFT the reference is the base model "
+            "with the adapter disabled, so there is no separate reference model to synchronize. Use "
+            "`sync_ref_model=False`, or full fine-tuning for a synchronized reference."
+        )
+
+
+class ReferenceModel:
+    """An objective's reference: registers the frozen copy it needs in ``objective.auxiliary_models["ref_model"]``
+    (the loop loads and places it), and runs it (or the policy's base) without a graph."""
+
+    def __init__(self, objective, source, given: bool):
+        context = objective.context
+        self.objective = objective
+        self.is_base = context.uses_adapters and context.trains_new_adapters
+        if given or (not self.is_base and not context.args.precompute_ref_log_probs):
+            objective.auxiliary_models["ref_model"] = source
+
+    @property
+    def model(self):
+        """The frozen reference model, or None (the policy's base, or the policy before training)."""
+        return self.objective.auxiliary_models.get("ref_model")
+
+    def ready(self) -> None:
+        """The kept reference in the policy's dtype, dropout off in it too."""
+        ref = self.model
+        if ref is None:
+            return
+        policy_dtype = next(self.objective.context.model.parameters()).dtype
+        if next(ref.parameters()).dtype != policy_dtype:
+            ref.to(policy_dtype)
+        if self.objective.args.disable_dropout:
+            disable_dropout(ref)
+
+    @torch.no_grad()
+    def head_output(self, inputs: dict, head_loss):
+        """The reference's head output for ``inputs`` (``Objective.forward``'s keys), without a graph; the policy
+        runs with its new adapters disabled (or as it is, before training) and without its router loss."""
+        ref = self.model
+        if ref is not None:
+            return self.objective.forward(ref, inputs, head_loss).head_output
+        policy = self.objective.context.model
+        aux_enabled = getattr(policy, "aux_loss_enabled", False)
+        policy.aux_loss_enabled = False
+        try:
+            with policy.disable_adapter() if self.is_base else nullcontext():
+                return self.objective.forward(policy, inputs, head_loss).head_output
+        finally:
+            policy.aux_loss_enabled = aux_enabled
+
+    def after_optimizer_step(self) -> None:
+        """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
+        args, context = self.objective.args, self.objective.context
+        if self.model is not None and sync_due(args, context.state.global_step + 1):  # the step just taken
+            mix_into_reference(self.model, context.model, args.ref_model_mixup_alpha)
+
+    def precompute(self, dataset, batch_size: int, columns) -> object:
+        """``dataset`` with the reference's columns, from one pass in order: ``columns(inputs)`` -> {name: [B]}."""
+        objective = self.objective
+        context = objective.context
+        if isinstance(dataset, IterableDataset):
+            raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
+                             "map-style Dataset or set `precompute_ref_log_probs=False`.")
+        state = context.state
+        if state is not None and state.global_step > 0 and self.model is None and not self.is_base:
+            raise ValueError(
+                "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started, "
+                "because `precompute_ref_log_probs=True` and no `ref_model` was provided (full fine-tuning): the "
+                "reference is only available before training. Provide this dataset as `eval_dataset` at "
+                "initialization, pass an explicit `ref_model`, or set `precompute_ref_log_probs=False`."
+            )
+        collator = context.data_collator or objective.default_collator()
+        values: dict[str, list[float]] = {}
+        for start in range(0, len(dataset), batch_size):
+            batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            if "attention_plan" not in batch:  # not split yet (the default collator before it is the trainer's)
+                batch = context.context_parallel.split(objective.whole_sequence_inputs(batch))
+            inputs = context.prepare_inputs(batch)
+            with context.autocast():
+                for name, column in columns(inputs).items():
+                    values.setdefault(name, []).extend(column.float().cpu().tolist())
+        for name, column in values.items():
+            dataset = dataset.add_column(name, column)
+        return dataset
+
+
+__all__ = ["ReferenceModel", "reference_source", "refuse_sync_with_new_adapters"]
