@@ -197,3 +197,33 @@ def test_cli_trains_and_saves_a_reward_model(model_path, tmp_path):
     config = json.loads((tmp_path / "cli" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForSequenceClassification"]
     AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "cli"))
+
+
+def _grpo_rewards(reward_func, tmp_path, name: str) -> tuple:
+    args = hfnative.GRPOConfig(
+        output_dir=str(tmp_path / name), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=4, num_generations=2, max_completion_length=6,
+        learning_rate=1e-2, seed=0, gradient_checkpointing=False,
+    )
+    prompts = Dataset.from_list([{"prompt": row["prompt"]} for row in _rows(8)])
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=reward_func, args=args, train_dataset=prompts)
+    trainer.train()
+    return trainer, [entry for entry in trainer.state.log_history if "reward" in entry]
+
+
+def test_trained_reward_model_drives_grpo(model_path, tmp_path):
+    """A reward model trained by RewardTrainer and saved, given to GRPOTrainer by its folder: it scores natively, and
+    the rewards GRPO logs equal those of transformers' AutoModelForSequenceClassification loaded from the folder."""
+    reward_trainer = _trainer(hfnative, model_path, tmp_path, "conversational")
+    reward_trainer.train()
+    folder = tmp_path / "reward-model"
+    reward_trainer.save_model(str(folder))
+    grpo, native = _grpo_rewards(str(folder), tmp_path, "native")
+    scorer = grpo.objective.rewards.functions[0]
+    assert type(scorer).__name__ == "NativeSequenceClassifier"
+    _, reference = _grpo_rewards(AutoModelForSequenceClassification.from_pretrained(str(folder)), tmp_path, "reference")
+    assert len(native) == len(reference) == 2
+    for mine, theirs in zip(native, reference):
+        for key in ("reward", "reward_std", "rewards/reward-model/mean", "rewards/reward-model/std"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    assert native[0]["reward_std"] > 0  # the trained model tells the completions apart

@@ -129,10 +129,24 @@ def resolve_reward_function(spec) -> Callable | torch.nn.Module:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if _looks_like_model(spec):
+        return load_reward_model(spec)
+    return import_reward_function(spec)
+
+
+def load_reward_model(name_or_path: str) -> torch.nn.Module:
+    """A reward model folder or Hub id with one score: hfnative's native sequence classifier where the architecture
+    has one (a causal LM gets a new score head, as AutoModelForSequenceClassification gives it), else transformers'
+    ``AutoModelForSequenceClassification``."""
+    from hfnative.converters.hub_model import attach_hub_surface
+    from hfnative.converters.loading import UnsupportedModelError, load_pretrained
+
+    try:
+        converted = load_pretrained(name_or_path, num_labels=1)
+    except UnsupportedModelError:
         from transformers import AutoModelForSequenceClassification
 
-        return AutoModelForSequenceClassification.from_pretrained(spec, num_labels=1)
-    return import_reward_function(spec)
+        return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1)
+    return attach_hub_surface(converted.model, converted, base_model_name_or_path=str(name_or_path))
 
 
 def reward_function_name(function) -> str:
