@@ -17,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from hfnative.models.classifier import build_model
 from hfnative.models.decoder import Transformer
 
 from .families import family_for_config, model_pieces
@@ -29,6 +30,7 @@ from .loading import (
     check_checkpoint,
     copy_into_model,
     dequantizing_source,
+    model_args,
 )
 
 
@@ -54,7 +56,7 @@ def meta_model(
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype) if dtype != "auto" else None
     with torch.device("meta"):
-        native = Transformer(family.config_to_args(config))
+        native = build_model(model_args(family, config))
     native.to(dtype=dtype or _config_dtype(config))
     return ConvertedModel(native, config, family, source_dir)
 

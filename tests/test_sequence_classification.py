@@ -10,6 +10,7 @@
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,26 @@ def test_causal_checkpoint_gets_transformers_new_score_head(name, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
         assert (reloaded.eval()(input_ids=ids, attention_mask=mask).logits - expected).abs().max().item() <= 1e-5
+
+
+def test_meta_model_is_the_classifier_and_causal_trainers_refuse_it(tmp_path):
+    """A distributed run builds the classifier on the meta device with the checkpoint's keys; a trainer of causal LMs
+    refuses a classifier, naming it and what to pass instead."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    import hfnative
+    from hfnative.converters.families import model_pieces
+    from hfnative.converters.loading import SafetensorsSource, check_checkpoint
+    from hfnative.converters.sharded_loading import meta_model
+    from hfnative.models.classifier import SequenceClassifier
+
+    _hf_classifier("qwen3-gqa").save_pretrained(str(tmp_path / "classifier"))
+    meta = meta_model(tmp_path / "classifier")
+    assert isinstance(meta.model, SequenceClassifier) and meta.model.args.num_labels == LABELS
+    check_checkpoint(SafetensorsSource(tmp_path / "classifier"), model_pieces(meta.family, meta.model.args), meta.model, "x")
+    tokenizer = AutoTokenizer.from_pretrained(str(Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3"))
+    args = hfnative.SFTConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(ValueError, match="is Qwen3ForSequenceClassification: .* pass a \\*ForCausalLM checkpoint"):
+        hfnative.SFTTrainer(model=str(tmp_path / "classifier"), args=args, train_dataset=Dataset.from_list([{"text": "a"}]),
+                            processing_class=tokenizer)

@@ -77,7 +77,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     if isinstance(model, transformers.PreTrainedModel):
         name = model.config._name_or_path
         try:
-            converted = load_pretrained(model, dtype=dtype or next(model.parameters()).dtype, device=device)
+            converted = _causal(load_pretrained(model, dtype=dtype or next(model.parameters()).dtype, device=device))
         except UnsupportedModelError as error:  # transformers' module itself trains, in place
             _check_fallback(model.config, error, type(model).__name__)
             loaded = wrap_transformers_model(model)
@@ -94,7 +94,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     if _is_adapter_folder(model):
         return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"))
     try:
-        converted = load_pretrained(model, dtype=dtype, device=device, **hub)
+        converted = _causal(load_pretrained(model, dtype=dtype, device=device, **hub))
     except UnsupportedModelError as error:
         _check_fallback(_config_of(model, hub), error)
         _refuse_quantization(quantization)
@@ -142,6 +142,18 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
         loaded = wrap_transformers_classifier(model, options["dtype"], str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
     return LoadedModel(converted.model, converted, base_model_name_or_path=name)
+
+
+def _causal(converted: ConvertedModel) -> ConvertedModel:
+    """``converted`` when it is a causal LM; a sequence classifier is refused (its head scores, it predicts no tokens)."""
+    if converted.args.num_labels is not None:
+        architecture = (getattr(converted.config, "architectures", None) or ["a sequence classifier"])[0]
+        raise ValueError(
+            f"{getattr(converted.config, '_name_or_path', None) or 'the model'} is {architecture}: a sequence-classification "
+            "model scores sequences and predicts no tokens, so this trainer cannot train it; pass a *ForCausalLM "
+            "checkpoint (RewardTrainer trains sequence classifiers)"
+        )
+    return converted
 
 
 def _config_of(name_or_path, hub: dict):
@@ -213,7 +225,7 @@ def load_meta_model(model, model_init_kwargs: dict) -> LoadedModel | None:
                                token=kwargs.get("token"))
     except UnsupportedModelError:
         return None
-    return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
+    return LoadedModel(_causal(converted).model, converted, base_model_name_or_path=str(model))
 
 
 def load_sharded(converted: ConvertedModel, device: torch.device) -> None:
