@@ -8,27 +8,22 @@ The reference's log-probs come, without a graph, from a frozen copy of the check
 
 from __future__ import annotations
 
-import copy
 import logging
 import warnings
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import transformers
-from datasets import IterableDataset
 
 from hfnative.data.preference import PreferenceCollator, prepare_preference_dataset
 from hfnative.losses import IGNORE_INDEX, shift_labels
 from hfnative.losses.preference import PreferenceLogps, preference_loss
-from hfnative.models.decoder import Transformer
 from hfnative.models.head import TokenLogprobs
 
-from .dpo_config import DPOConfig, UnsupportedSettings
+from .dpo_config import DPOConfig
 from .model_card import write_model_card
-from .model_loading import disable_dropout
 from .objective import Objective
-from .reference_sync import mix_into_reference, sync_due
+from .reference_model import ReferenceModel, reference_source, refuse_sync_with_new_adapters
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
@@ -63,30 +58,14 @@ class DPOTrainer(Trainer):
         optimizer_cls_and_kwargs=None,
     ):
         args = self.resolve_args(args, model)
-        if ref_model is not None and ref_model is model:
-            raise ValueError(
-                "`model` and `ref_model` cannot be the same object. In most cases you should omit `ref_model` and "
-                "we'll initialize it to a copy of `model` for you."
-            )
-        if peft_config is not None and args.sync_ref_model:
-            raise UnsupportedSettings(
-                "You passed `sync_ref_model=True` while using a PEFT model: with PEFT the reference is the base model "
-                "with the adapter disabled, so there is no separate reference model to synchronize. Use "
-                "`sync_ref_model=False`, or full fine-tuning for a synchronized reference."
-            )
+        self._ref_source, self._ref_given = reference_source(model, ref_model)
+        refuse_sync_with_new_adapters(args, peft_config)
         args.check_for_trainer()
         if args.padding_free:
             logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
         if args.use_liger_kernel:
             warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
                           "already computed by a chunked head.", FutureWarning, stacklevel=2)
-        # the reference: a given model, else (unless LoRA or precomputed) a frozen copy of the policy's checkpoint
-        self._ref_source = ref_model
-        if ref_model is None and isinstance(model, Transformer):  # an object already native: copied, not shared
-            self._ref_source = copy.deepcopy(model)
-        elif ref_model is None:
-            self._ref_source = model
-        self._ref_given = ref_model is not None
         super().__init__(
             model=model,
             args=args,
@@ -128,27 +107,13 @@ class DPOObjective(Objective):
         """``reference``: the reference's source (a path, Hub id or model object), used unless it is the policy with
         its new adapters disabled, or precomputed; ``reference_given``: the user passed it as ``ref_model``."""
         super().__init__(context)
-        args = context.args
         self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
-        self.aux_loss_coef = SFTObjective._enable_aux_loss(context.model, args.router_aux_loss_coef)
-        self.uses_adapters = context.uses_adapters
-        # a new adapter starts at zero, so the base with adapters disabled is the initial policy; an adapter the
-        # model came with (an adapter folder, a PeftModel) is not, and its reference is a frozen copy of it (TRL's
-        # "ref" adapter)
-        self.reference_is_base = self.uses_adapters and context.trains_new_adapters
-        if reference_given or (not self.reference_is_base and not args.precompute_ref_log_probs):
-            self.auxiliary_models["ref_model"] = reference
+        self.aux_loss_coef = SFTObjective._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
+        self.reference = ReferenceModel(self, reference, reference_given)  # trainers/reference_model.py
 
     def auxiliary_models_ready(self) -> None:
         """The reference in the policy's dtype, dropout off in it too (precomputed log-probs need it ready)."""
-        ref = self.auxiliary_models.get("ref_model")
-        if ref is None:
-            return
-        policy_dtype = next(self.context.model.parameters()).dtype
-        if next(ref.parameters()).dtype != policy_dtype:
-            ref.to(policy_dtype)
-        if self.args.disable_dropout:
-            disable_dropout(ref)
+        self.reference.ready()
 
     # --- data -----------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
@@ -189,37 +154,13 @@ class DPOObjective(Objective):
             dataset_num_proc=args.dataset_num_proc, remove_unused_columns=args.remove_unused_columns,
         )
         if args.precompute_ref_log_probs and "ref_chosen_logps" not in (dataset.column_names or []):
-            dataset = self._precompute_reference(dataset, args.precompute_ref_batch_size or batch_size)
+            dataset = self.reference.precompute(dataset, args.precompute_ref_batch_size or batch_size,
+                                                self._reference_columns)
         return dataset
 
-    def _precompute_reference(self, dataset, batch_size: int):
-        """The dataset with "ref_chosen_logps" / "ref_rejected_logps" columns, from one pass in order."""
-        context = self.context
-        if isinstance(dataset, IterableDataset):
-            raise ValueError("`precompute_ref_log_probs=True` is not supported with IterableDataset. Please use a "
-                             "map-style Dataset or set `precompute_ref_log_probs=False`.")
-        state = context.state
-        trained = state is not None and state.global_step > 0
-        if trained and "ref_model" not in self.auxiliary_models and not self.reference_is_base:
-            raise ValueError(
-                "Cannot compute reference log-probs for a dataset passed to `evaluate()` after training has started, "
-                "because `precompute_ref_log_probs=True` and no `ref_model` was provided (full fine-tuning): the "
-                "reference is only available before training. Provide this dataset as `eval_dataset` at "
-                "initialization, pass an explicit `ref_model`, or set `precompute_ref_log_probs=False`."
-            )
-        collator = context.data_collator or self.default_collator()
-        chosen, rejected = [], []
-        for start in range(0, len(dataset), batch_size):
-            rows = [dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]
-            batch = collator(rows)
-            if "attention_plan" not in batch:  # not split yet (the default collator before it is the trainer's)
-                batch = context.context_parallel.split(self.whole_sequence_inputs(batch))
-            inputs = context.prepare_inputs(batch)
-            with context.autocast():
-                ref_chosen, ref_rejected = self.reference_logps(inputs)
-            chosen += ref_chosen.float().cpu().tolist()
-            rejected += ref_rejected.float().cpu().tolist()
-        return dataset.add_column("ref_chosen_logps", chosen).add_column("ref_rejected_logps", rejected)
+    def _reference_columns(self, inputs) -> dict[str, torch.Tensor]:
+        chosen, rejected = self.reference_logps(inputs)
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     def default_collator(self):
         args = self.args
@@ -231,9 +172,7 @@ class DPOObjective(Objective):
     # --- one optimizer step (each micro-batch's loss is a mean over its pairs: the default normalizer) -----------
     def after_optimizer_step(self) -> None:
         """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
-        ref = self.auxiliary_models.get("ref_model")
-        if ref is not None and sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
-            mix_into_reference(ref, self.context.model, self.args.ref_model_mixup_alpha)
+        self.reference.after_optimizer_step()
 
     # --- log-probs ------------------------------------------------------------------------------------
     def whole_sequence_inputs(self, batch: dict) -> dict:
@@ -267,18 +206,7 @@ class DPOObjective(Objective):
         """(chosen [B], rejected [B]) sequence log-probs under the reference, without a graph; ``inputs`` carry
         ``whole_sequence_inputs``' keys."""
         head_loss = TokenLogprobs(inputs["shift_labels"], fused=self.args.fused_loss, compact=True)
-        ref = self.auxiliary_models.get("ref_model")
-        if ref is not None:
-            token_logps_BS, _ = self.forward(ref, inputs, head_loss).head_output
-        else:
-            policy = self.context.model
-            aux_enabled = getattr(policy, "aux_loss_enabled", False)
-            policy.aux_loss_enabled = False  # the reference needs no router loss
-            try:
-                with policy.disable_adapter() if self.reference_is_base else nullcontext():
-                    token_logps_BS, _ = self.forward(policy, inputs, head_loss).head_output
-            finally:
-                policy.aux_loss_enabled = aux_enabled
+        token_logps_BS, _ = self.reference.head_output(inputs, head_loss)
         # each context-parallel rank holds a chunk of every row: the sequence's sum is over the ranks' chunks
         return self.context.context_parallel.sum(self._sequence_logps(token_logps_BS, inputs)).chunk(2, dim=0)
 
