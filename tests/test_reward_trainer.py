@@ -153,6 +153,17 @@ def test_training_matches_trl_per_step(model_path, neox_path, tmp_path, case):
         for key in PER_STEP_KEYS:
             assert mine[key] == pytest.approx(reference[key], rel=tolerance, abs=1e-7), (case, step, key, mine[key], reference[key])
     assert theirs[-1]["margin"] != theirs[0]["margin"]  # the model moved
+    if case == "lora":  # the adapter folder: peft loads it onto transformers' classifier, which scores the same
+        from peft import PeftModel
+
+        trainer.save_model(str(tmp_path / "adapter"))
+        base = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+        base.config.pad_token_id = trainer.processing_class.pad_token_id
+        reloaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+        with torch.no_grad():
+            expected = trainer.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            assert (reloaded(**batch).logits - expected).abs().max().item() <= 1e-5
     if case == "conversational":  # the saved folder: a Hub sequence classifier that scores as the trained model
         out = tmp_path / "saved"
         trainer.save_model(str(out))
@@ -174,6 +185,24 @@ def test_config_has_trls_fields_and_defaults():
     assert names <= {f.name for f in dataclasses.fields(ours)}
     assert {n: getattr(ours, n) for n in names} == {n: getattr(theirs, n) for n in names}
     assert ours.learning_rate == 1e-4 and ours.max_length == 1024 and ours.center_rewards_coefficient is None
+
+
+def test_model_objects_train_natively(model_path, tmp_path):
+    """A transformers classifier object (num_labels=1) and a native one are trained natively, scoring as the object."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    classifier = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32).eval()
+    classifier.config.pad_token_id = tokenizer.pad_token_id
+    trainer = hfnative.RewardTrainer(model=classifier, args=_config(hfnative, tmp_path), train_dataset=_rows(8),
+                                     processing_class=tokenizer)
+    assert type(trainer.model).__name__ == "NativeSequenceClassifier"
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    with torch.no_grad():
+        expected = classifier(**batch).logits
+        assert (trainer.model(batch["input_ids"], attention_mask=batch["attention_mask"]).logits - expected).abs().max() <= 1e-5
+    again = hfnative.RewardTrainer(model=trainer.model, args=_config(hfnative, tmp_path / "again"), train_dataset=_rows(8),
+                                   processing_class=tokenizer)
+    again.train()
+    assert len([entry for entry in again.state.log_history if "loss" in entry]) == STEPS
 
 
 def test_bad_input_is_refused(model_path, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -120,7 +121,8 @@ class RewardObjective(Objective):
         if not isinstance(context.processing_class, tokenizer_types):
             raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
         tokenizer = context.tokenizer
-        text_config = context.model.config.get_text_config()
+        config = getattr(context.model, "config", None)  # None for a bare native model given without one
+        text_config = config.get_text_config() if config is not None else SimpleNamespace()
         if args.eos_token is not None:
             self._check_in_vocabulary(args.eos_token, "eos_token")
             tokenizer.eos_token = args.eos_token
