@@ -172,7 +172,8 @@ def test_grpo_resumes_a_preempted_run_to_the_same_rollouts(tmp_path, tmp_path_fa
             assert resumed[step][key] == pytest.approx(expected[key], rel=1e-6), (step, key)
         assert resumed[step]["loss"] == pytest.approx(expected["loss"], abs=1e-7)
         if step <= 2:
-            assert preempted[step] == {**expected, "step_time": preempted[step]["step_time"]}
+            timed = {key: value for key, value in preempted[step].items() if key == "step_time" or key.startswith("perf/")}
+            assert preempted[step] == {**expected, **timed}  # timings and memory differ from run to run
 
 
 # --- two processes ------------------------------------------------------------------------------------------------

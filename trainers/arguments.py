@@ -16,7 +16,7 @@ import transformers
 from hfnative.data.packing import PACKING_STRATEGIES
 
 # hfnative's own arguments (everything else is transformers' / TRL's)
-HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode")
+HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode", "peak_tflops")
 
 
 # counts a run divides by: 0 would fail deep inside the loop
@@ -34,6 +34,9 @@ class TrainingArguments(transformers.TrainingArguments):
         at once (needs ``max_grad_norm=0``: global-norm clipping cannot be exact there).
     activation_checkpointing_mode: "full" (every block recomputed in backward) or "selective"
         (every other block), when ``activation_checkpointing``/``gradient_checkpointing`` is on.
+    peak_tflops: the peak dense TFLOP/s of one device that ``perf/mfu_wall_clock`` divides by. None: a listed
+        GPU's datasheet peak for the training dtype (no MFU for an unlisted one), a CPU's measured once per process
+        by a timed matmul.
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "hfnative: fused linear-cross-entropy loss."})
@@ -43,12 +46,18 @@ class TrainingArguments(transformers.TrainingArguments):
     activation_checkpointing_mode: str = field(
         default="full", metadata={"help": "hfnative: 'full' or 'selective' activation checkpointing."}
     )
+    peak_tflops: float | None = field(
+        default=None, metadata={"help": "hfnative: peak TFLOP/s of one device for perf/mfu_wall_clock (default: the "
+                                        "device's, listed or measured)."}
+    )
 
     def __post_init__(self):
         for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; it must be at least 1")
         super().__post_init__()
+        if self.peak_tflops is not None and not self.peak_tflops > 0:
+            raise ValueError(f"peak_tflops={self.peak_tflops!r}; it must be a positive number of TFLOP/s, or None")
         if self.activation_checkpointing_mode not in ("full", "selective"):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"

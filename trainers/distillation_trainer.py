@@ -167,8 +167,7 @@ class _DistillationObjective(LanguageModelingObjective):
         # so every layout samples what one process does
         streams = self.rollout.row_streams(self._generations, len(prompts))
         self._generations += 1
-        with self.context.autocast():
-            return self.rollout.engine_for(model).generate(prompts, replace(sampling, **streams)).completion_ids
+        return self.rollout.sample(prompts, replace(sampling, **streams), model).completion_ids
 
 
 class OnPolicyDistillationObjective(_DistillationObjective):

@@ -197,7 +197,8 @@ class ObjectiveContext:
     (the first rank's tensor on every rank), ``layout`` (the run's ParallelDims, None on one process),
     ``data_parallel`` (gathers and reductions over the data-parallel ranks);
     ``autocast()``, ``prepare_inputs(batch)`` (the loop's own batch preparation: shifted labels, padding for the
-    layout, the attention plan, the device), ``metrics(mode)`` (the sink logged at the next log), ``data_shard()``
+    layout, the attention plan, the device), ``metrics(mode)`` (the sink logged at the next log), ``record_generation``
+    (a generation call's time and tokens, for the perf/ metrics), ``data_shard()``
     and ``make_dataloader(...)`` (this rank's share of a dataset), ``micro_batches_in_step`` (this rank's, in the
     step being trained), ``uses_adapters`` / ``trains_new_adapters`` (LoRA on the policy; a peft_config given).
     """
@@ -321,6 +322,10 @@ class ObjectiveContext:
 
     def metrics(self, mode: str = "train") -> MetricAverages:
         return self._trainer._metrics[mode]
+
+    def record_generation(self, seconds: float, tokens: int) -> None:
+        """One generation call's wall time and the tokens it generated on this rank, for the step's perf/ metrics."""
+        self._trainer._performance.record_generation(seconds, tokens)
 
     def data_shard(self) -> dict:
         return self._trainer._data_shard()

@@ -8,6 +8,7 @@ tensors with their masks, decoded back to text or assistant messages, and measur
 
 from __future__ import annotations
 
+import time
 from dataclasses import fields, replace
 
 import torch
@@ -208,8 +209,16 @@ class Rollout:
         ``model`` (default: the policy); ``seed`` replaces the run's sampling seed, ``first_row`` is the place of
         the call's first row in its whole batch (see SamplingParams)."""
         sampling = self.sampling if seed is None else replace(self.sampling, seed=seed, first_row=first_row)
+        return self.sample(prompt_ids, sampling, model)
+
+    def sample(self, prompt_ids: list[list[int]], sampling: SamplingParams, model=None) -> Rollouts:
+        """Completions of ``prompt_ids`` with ``sampling`` from ``model`` (default: the policy), the call's wall time
+        (a replica's weight gather included) and generated tokens recorded for the perf/ metrics."""
+        start = time.perf_counter()
         with self.context.autocast():
-            return self.engine_for(model).generate(prompt_ids, sampling)
+            rollouts = self.engine_for(model).generate(prompt_ids, sampling)
+        self.context.record_generation(time.perf_counter() - start, sum(len(ids) for ids in rollouts.completion_ids))
+        return rollouts
 
     def tensors(self, prompt_ids, completion_ids, sampling_logprobs, mask_truncated: bool = False) -> dict:
         """The rollouts as padded tensors: prompts left-padded [N, P] with their mask, completions right-padded

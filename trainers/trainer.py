@@ -59,6 +59,7 @@ from .objective import (
     without_labels,
 )
 from .optimization import OptimizationMixin
+from .performance import StepPerformance
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
@@ -137,6 +138,8 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         set_log_level(self.args, 0 if run is None else run.rank, 0 if run is None else run.local_rank)
         self.data_parallel = DataParallelGroup(self.distributed, self.device)
         self.context = ObjectiveContext(self)  # what the objective sees of the run
+        self._performance = StepPerformance(self.device, 1 if run is None else run.world_size,
+                                            self.context_parallel.size, getattr(self.args, "peak_tflops", None))
         if model is None and model_init is None:
             raise RuntimeError(
                 "`Trainer` requires either a `model` or `model_init` argument (a path, a Hub id or a model object)"
@@ -389,6 +392,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         finally:
             if self._preemption is not None:
                 self._preemption.uninstall()
+            self._performance.unwatch()
             self.objective.end_training()
         if self._stopped_by is not None:
             logger.warning("stopped by %s at step %d with checkpoint-%d saved: exiting with status 0",
@@ -445,6 +449,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer
+        self._watch_performance()
         self.callback_handler.lr_scheduler, self.callback_handler.train_dataloader = self.lr_scheduler, dataloader
 
         epochs_trained = self.state.global_step // steps_per_epoch
@@ -470,8 +475,10 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             last_group = batches_per_epoch % accumulation or accumulation
             for update_step in range(skip // accumulation, steps_per_epoch):
                 wanted = accumulation if update_step != steps_per_epoch - 1 else last_group
+                self._performance.step_started()  # the step's time includes making its micro-batches (generation)
                 batches = self.objective.micro_batches(epoch_iterator, wanted)
                 if not batches:
+                    self._performance.step_cancelled()
                     break
                 batches = [self._prepare_inputs(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
@@ -489,6 +496,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                     if index < len(batches) - 1:
                         self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                 grad_norm, learning_rate = self._optimizer_step()
+                self._performance.step_ended()
                 self.state.global_step += 1
                 self.state.epoch = epoch + (step + 1) / batches_per_epoch
                 self.control = self.callback_handler.on_step_end(args, self.state, self.control)
@@ -503,6 +511,16 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
 
+    def _watch_performance(self) -> None:
+        """The perf/ metrics count the forwards of the policy and of the objective's frozen models."""
+        args = self.args
+        performance = self._performance
+        if args.bf16 or args.fp16:
+            performance.dtype = torch.bfloat16 if args.bf16 else torch.float16
+        else:
+            performance.dtype = next(self.model.parameters()).dtype
+        performance.watch([self.model, *self.objective.auxiliary_models.values()])
+
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
             tr_loss = self._summed_over_ranks(self._tr_loss).item()
@@ -511,6 +529,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
             if grad_norm is not None:
                 logs["grad_norm"] = float(grad_norm)
             logs["learning_rate"] = learning_rate
+            logs.update(self._performance.pop(lambda values: self._reduce_metrics(values, [True] * len(values))))
             self._total_loss_scalar += tr_loss
             self._globalstep_last_logged = self.state.global_step
             self.log(logs, start_time)
