@@ -75,8 +75,8 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
     # FSDP2 with evaluation: fine
     check_supported(data_parallel_only, context(world_size=2, dp_shard=2, eval_strategy="steps"))
     check_supported(FakeObjective(DPOObjective.supports), context(world_size=4, dp_shard=1, tp=2, cp=2))
-    with pytest.raises(UnsupportedLayoutError, match="does not support a multi-process run .*launch it as one process"):
-        check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=2, dp_shard=2))
+    # async GRPO trains in every layout (tests/test_async_grpo_layouts.py) but does not evaluate
+    check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(world_size=4, dp_shard=2, tp=2))
     with pytest.raises(UnsupportedLayoutError, match="evaluation .*set eval_strategy='no'"):
         check_supported(FakeObjective(AsyncGRPOObjective.supports, generates=True), context(eval_strategy="steps"))
     with pytest.raises(UnsupportedLayoutError, match="generating completions in a multi-process run"):
@@ -93,7 +93,7 @@ def test_declared_capabilities():
     assert {"tensor_parallel", "context_parallel", "expert_parallel"} <= set(DPOObjective.supports)
     # GRPO and RLOO: every layout and evaluation (tests/test_rl_layouts.py, test_grpo.py)
     assert set(GRPOObjective.supports) == set(RLOOObjective.supports) == everything
-    assert not AsyncGRPOObjective.supports
+    assert set(AsyncGRPOObjective.supports) == everything - {"evaluation"}
     for objective in (DPOObjective, GRPOObjective, GKDObjective, OnPolicyDistillationObjective, AsyncGRPOObjective):
         assert set(objective.supports) <= everything, objective
 

@@ -152,6 +152,24 @@ def sampler_correction(old_logprobs_NT, batch: dict, args) -> tuple[torch.Tensor
     return weights.expand_as(old_logprobs_NT).contiguous(), stats
 
 
+# the adaptive entropy controller's state in a checkpoint (TRL's file)
+ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
+
+
+def extremes_over_ranks(metrics: dict, data_parallel, signs: dict[str, float] | None = None) -> dict:
+    """The extremes among ``metrics`` over every data-parallel rank (TRL's nanmin / nanmax of the gathered values;
+    NaN where no rank has one), so that the ranks' average is that value. ``signs``: name -> 1.0 (a max) or -1.0 (a
+    min); default clip_ratio/high_max and clip_ratio/low_min."""
+    signs = signs or {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
+    names = [name for name in signs if name in metrics]
+    if not names or data_parallel.size == 1:
+        return metrics
+    values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().double() for name in names])
+    values = data_parallel.max(values.nan_to_num(nan=-float("inf")))
+    values = values.masked_fill(values == -float("inf"), float("nan"))
+    return {**metrics, **{name: signs[name] * value for name, value in zip(names, values)}}
+
+
 # --- the objective ---------------------------------------------------------------------------------------------
 
 
@@ -318,6 +336,18 @@ class GRPOObjective(Objective):
         if self.entropy_coef != 0.0 or self.adaptive_entropy:
             self.context.metrics().add("entropy_coef", torch.tensor(float(self.entropy_coef)))
 
+    def checkpoint_state(self) -> dict[str, dict]:
+        """TRL's adaptive entropy controller state (its file name and keys), when the controller runs."""
+        if not self.adaptive_entropy:
+            return {}
+        return {ENTROPY_STATE_FILE: {"entropy_coef": self.entropy_coef, "last_world_entropy": self.last_step_entropy}}
+
+    def load_checkpoint_state(self, files: dict[str, dict]) -> None:
+        state = files.get(ENTROPY_STATE_FILE)
+        if state is not None:
+            self.entropy_coef = float(state["entropy_coef"])
+            self.last_step_entropy = float(state["last_world_entropy"])
+
     def after_optimizer_step(self) -> None:
         self._update_entropy_coef()
         if sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
@@ -440,17 +470,7 @@ class GRPOObjective(Objective):
         return out.loss, self._extremes_over_ranks(out.metrics)
 
     def _extremes_over_ranks(self, metrics: dict, signs: dict[str, float] | None = None) -> dict:
-        """The extremes among ``metrics`` over every data-parallel rank (TRL's nanmin / nanmax of the gathered
-        values; NaN where no rank has one), so that the ranks' average is that value. ``signs``: name -> 1.0 (a
-        max) or -1.0 (a min); default clip_ratio/high_max and clip_ratio/low_min."""
-        signs = signs or {"clip_ratio/low_min": -1.0, "clip_ratio/high_max": 1.0}
-        names = [name for name in signs if name in metrics]
-        if not names or self.context.data_parallel.size == 1:
-            return metrics
-        values = torch.stack([signs[name] * torch.as_tensor(metrics[name]).detach().double() for name in names])
-        values = self.context.data_parallel.max(values.nan_to_num(nan=-float("inf")))
-        values = values.masked_fill(values == -float("inf"), float("nan"))
-        return {**metrics, **{name: signs[name] * value for name, value in zip(names, values)}}
+        return extremes_over_ranks(metrics, self.context.data_parallel, signs)
 
     def policy_loss(self, logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch):
         args = self.args

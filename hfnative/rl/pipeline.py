@@ -147,7 +147,10 @@ class RolloutPipeline:
 
     # --- lifecycle --------------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, policy=None, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Start the actors. ``policy`` (a ``PolicyCopy``, when ship_policy) and ``weights`` (``named_weights``'
+        result, when not): the policy as made by the caller, e.g. gathered from a parallelized model by every rank;
+        default: made here from ``model``."""
         ray = self._ray = _import_ray()
         if not ray.is_initialized():
             # "local": a new instance, not a cluster some other process left registered on this machine
@@ -156,7 +159,7 @@ class RolloutPipeline:
             self._owns_ray = True
         generator = ray.remote(RolloutGenerator).options(max_restarts=0, **self.generator_options)
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
-        policy = ray.put(policy_copy(self.model)) if self.ship_policy else None
+        policy = ray.put(policy if policy is not None else policy_copy(self.model)) if self.ship_policy else None
         self.generators = [generator.remote(policy, self.version, self.engine_factory) for _ in range(self.num_generators)]
         self.scorer = scorer.remote(self.score_fn)
         startup_s = max(self.heartbeat_stale_after_s, 300.0)
@@ -174,10 +177,10 @@ class RolloutPipeline:
             self.close()
             raise RolloutActorError(f"a rollout actor failed to start: {_describe(error)}") from error
         if not self.ship_policy:  # the engines started from their own weights: the policy's go in first
-            self._pending_syncs += self._send_weights(self.version)
+            self._pending_syncs += self._send_weights(self.version, weights)
 
-    def _send_weights(self, version: int) -> list:
-        ref = self._ray.put(self.named_weights(self.model))
+    def _send_weights(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> list:
+        ref = self._ray.put(weights if weights is not None else self.named_weights(self.model))
         return [generator.load_weights.remote(ref, version) for generator in self.generators]
 
     def close(self) -> None:
@@ -218,13 +221,18 @@ class RolloutPipeline:
                 return scored
             self._retry.append((task.prompt_ids, task.payload))  # generated again, with newer weights
 
-    def policy_updated(self, version: int) -> None:
-        """The optimizer stepped: the policy is now ``version``; every ``weight_sync_steps`` the generator gets it."""
+    def syncs_at(self, version: int) -> bool:
+        """Whether the generators get the policy's weights when it reaches ``version`` (every weight_sync_steps)."""
+        return version % self.weight_sync_steps == 0
+
+    def policy_updated(self, version: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """The optimizer stepped: the policy is now ``version``; every ``weight_sync_steps`` the generator gets it
+        (``weights``: ``named_weights``' result made by the caller; default: made here)."""
         self.version = version
         self._consumed_in_step = 0
-        if version % self.weight_sync_steps == 0:
+        if self.syncs_at(version):
             start = time.perf_counter()
-            self._pending_syncs += self._send_weights(version)
+            self._pending_syncs += self._send_weights(version, weights)
             self.synced_version = version
             self._sync_s.append(time.perf_counter() - start)
         self._fill()

@@ -4,6 +4,9 @@ nothing is read back with ``torch.load``.
 
 A plain model computes what the policy computes: LoRA / DoRA adapters are folded into their base weights and NF4
 weights dequantized (the generator only decodes), so a weight sync sends each adapted linear's folded weight.
+
+A parallelized policy (DTensor parameters: FSDP2, TP, EP) is gathered whole: ``plain_state_dict``, ``policy_copy`` and
+``trainable_weights`` are then collectives every rank of the model's mesh calls, in step, each getting the whole tensors.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -42,6 +46,11 @@ def _folded(module: torch.nn.Module, plain_dtype: torch.dtype | None) -> torch.T
     return weight
 
 
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _plain_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)), None)
 
@@ -57,13 +66,14 @@ def plain_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         module_name, _, attr = name.rpartition(".")
         if module_name in special and (attr in LORA_PARAMETERS or attr == "weight"):
             continue
-        same_tensor = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        same_tensor = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
         if tensor.numel() > 0 and same_tensor in seen:
             continue
         seen.add(same_tensor)
-        state[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        state[name] = _whole(tensor.detach()).to("cpu", copy=True).contiguous()
     for name, module in special.items():
-        state[f"{name}.weight"] = _folded(module, plain_dtype).detach().to("cpu", copy=True).contiguous()
+        state[f"{name}.weight"] = _whole(_folded(module, plain_dtype).detach()).to("cpu", copy=True).contiguous()
     return state
 
 
@@ -77,10 +87,10 @@ def trainable_weights(model: Transformer) -> dict[str, torch.Tensor]:
         module_name, _, attr = name.rpartition(".")
         if not parameter.requires_grad or (module_name in adapted and attr in LORA_PARAMETERS):
             continue
-        weights[name] = parameter.detach().to("cpu", copy=True)
+        weights[name] = _whole(parameter.detach()).to("cpu", copy=True)
     plain_dtype = _plain_dtype(model)
     for name, module in adapted.items():
-        weights[f"{name}.weight"] = _folded(module, plain_dtype).to("cpu", copy=True)
+        weights[f"{name}.weight"] = _whole(_folded(module, plain_dtype)).to("cpu", copy=True)
     return weights
 
 
