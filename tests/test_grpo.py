@@ -7,6 +7,7 @@ statistic are compared with TRL's code, not a copy of it.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import types
@@ -431,6 +432,20 @@ def test_adaptive_entropy_bonus_off_policy_mask_and_vespo_in_the_trainer(tmp_pat
     applied = [0.0, 0.015, 0.02]
     for entry, coef in zip(logs, applied):
         assert entry["loss"] == pytest.approx(entry["policy_loss"] - coef * entry["entropy"], abs=1e-6)
+
+    # the controller's state is saved with each checkpoint (TRL's entropy_ctrl_state.json) and resumed from it: a run
+    # resumed at step 2 applies 0.02 at step 3 and ends at 0.025, where a fresh controller would apply 0 and end at 0.015
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "adaptive-resumed"), max_steps=3, learning_rate=5e-2,
+                               use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.005,
+                               entropy_target=100.0, save_steps=2, **{**LEARN_SETTINGS, "save_strategy": "steps"})
+    hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows).train()
+    saved = json.loads((tmp_path / "adaptive-resumed" / "checkpoint-2" / "entropy_ctrl_state.json").read_text())
+    assert saved["entropy_coef"] == pytest.approx(0.02) and math.isfinite(saved["last_world_entropy"])
+    resumed = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "adaptive-resumed" / "checkpoint-2"))
+    last = [entry for entry in resumed.state.log_history if "loss" in entry][-1]
+    assert last["step"] == 3 and last["entropy_coef"] == pytest.approx(0.025)
+    assert last["loss"] == pytest.approx(last["policy_loss"] - 0.02 * last["entropy"], abs=1e-6)
 
     args = hfnative.GRPOConfig(output_dir=str(tmp_path / "vespo"), max_steps=2, learning_rate=5e-2, loss_type="vespo",
                                off_policy_mask_threshold=0.5, **LEARN_SETTINGS)

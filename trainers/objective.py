@@ -17,6 +17,7 @@ then, in ``train()``:
     loss(model, inputs, num_items_in_batch)      the micro-batch's loss and metrics (device scalars, no host sync)
     after_optimizer_step()                       e.g. push new weights to a rollout engine
   end_training()                                 always, when ``train()`` returns or raises
+and at checkpoints: checkpoint_state() (JSON files saved in checkpoint-N/), load_checkpoint_state(files) on resume
 and in evaluation and logging:
   prepare_eval_dataset(dataset)                  a dataset given to ``evaluate``, prepared as the trainer's own
   eval_batch(batch)                              an evaluation batch before the loss (e.g. generate completions)
@@ -488,6 +489,14 @@ class Objective(ABC):
 
     def end_training(self) -> None:
         pass
+
+    def checkpoint_state(self) -> dict[str, dict]:
+        """What the objective adds to a checkpoint, to be resumed from it: file name -> a JSON object (numbers and
+        strings), written by the first rank into ``checkpoint-N/``. Default: nothing."""
+        return {}
+
+    def load_checkpoint_state(self, files: dict[str, dict]) -> None:
+        """The ``checkpoint_state`` files found in the checkpoint being resumed (those it has), by name."""
 
     # --- evaluation and logging -------------------------------------------------------------------------------------
     def eval_batch(self, batch: dict) -> dict:

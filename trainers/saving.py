@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 
 from pathlib import Path
 
@@ -139,6 +140,13 @@ class SavingMixin:
                 torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
                 save_rng_state(tmp / ckpt.RNG_STATE_NAME)
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+            _write_objective_state(tmp, self.objective.checkpoint_state())
+
+    def _load_objective_state(self, checkpoint: Path) -> None:
+        names = self.objective.checkpoint_state()
+        files = {name: json.loads((checkpoint / name).read_text()) for name in names if (checkpoint / name).is_file()}
+        if files:
+            self.objective.load_checkpoint_state(files)
 
     def _save_distributed_checkpoint(self, final: Path) -> None:
         """checkpoint-N of a distributed run: the model in Hub format (gathered, written by rank 0) and, unless
@@ -157,8 +165,10 @@ class SavingMixin:
             if not self.args.save_only_model:
                 save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
                                     lr_scheduler=self.lr_scheduler, extra={"global_step": self.state.global_step})
+            state = self.objective.checkpoint_state()
             if run.is_main:
                 self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
+                _write_objective_state(tmp, state)
             run.barrier()  # every rank's part is written before rank 0 renames the folder
         run.barrier()
 
@@ -201,6 +211,7 @@ class SavingMixin:
             setattr(self.state, name, getattr(saved, name))
         if self.args.restore_callback_states_from_checkpoint:
             self.state.stateful_callbacks = saved.stateful_callbacks
+        self._load_objective_state(checkpoint)
         if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
             from hfnative.checkpoint import load_training_state
 
@@ -228,3 +239,9 @@ class SavingMixin:
 
     def dataset_names(self) -> list[str] | None:
         return [self.dataset_name] if self.dataset_name else None
+
+
+def _write_objective_state(folder: Path, state: dict[str, dict]) -> None:
+    """The objective's ``checkpoint_state`` files (JSON) in a checkpoint folder being written."""
+    for name, values in state.items():
+        (folder / name).write_text(json.dumps(values, indent=2) + "\n")
