@@ -6,7 +6,8 @@ activations left out; the attention scores (Q·Kᵀ and attention·V) counted as
 the whole ``seq_len`` (the non-causal convention); training costs 3× the forward (backward is 2×). A
 MoE layer counts its router and the ``top_k`` experts a token is sent to. A sliding-window layer's
 token attends to at most ``sliding_window`` positions. Tied embeddings are one parameter but the head
-matmul is still done, so it is counted.
+matmul is still done, so it is counted; a sequence classifier's score head, applied at one position
+per row, is left out.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def forward_flops_per_token(args: ModelArgs, seq_len: int) -> int:
         else:
             feed_forward = 2 * 3 * D * args.intermediate_size  # gate, up, down
         total += projections + scores + feed_forward
+    if args.num_labels is not None:  # a sequence classifier scores one position per row: no per-token head
+        return total
     return total + 2 * D * args.vocab_size  # the head
 
 

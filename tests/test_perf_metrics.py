@@ -82,11 +82,14 @@ def test_moe_flops_per_token_count_the_router_and_the_active_experts_only():
     assert forward_flops_per_token(config_to_args(one_dense), 10) == expected
 
 
-def test_a_sliding_window_layer_attends_over_its_window():
+def test_sliding_window_classifier_and_mixed_moe_layers():
     args = ModelArgs(vocab_size=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, intermediate_size=24,
                      sliding_window=4, layer_types=["sliding_attention", "full_attention"])
     assert forward_flops_per_token(args, 10) == hand_count(64, 16, 2, 4, 2, 4, 24, 10, spans=[4, 10])
     assert forward_flops_per_token(args, 3) == hand_count(64, 16, 2, 4, 2, 4, 24, 3, spans=[3, 3])
+    classifier = ModelArgs(vocab_size=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, intermediate_size=24,
+                           num_labels=1)
+    assert forward_flops_per_token(classifier, 10) == hand_count(64, 16, 2, 4, 2, 4, 24, 10) - 2 * 16 * 64  # no LM head
     moe_args = ModelArgs(vocab_size=64, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=4, intermediate_size=24,
                          moe=MoEArgs(num_experts=4, top_k=1, intermediate_size=8), moe_layers=[False, True])
     assert forward_flops_per_token(moe_args, 5) == hand_count(64, 16, 2, 4, 2, 4, 24, 5,
@@ -215,3 +218,20 @@ def test_rl_trainers_log_the_generation_share(tmp_path, algorithm):
         # the policy's training forward (3x) and its reference's forward (1x), maybe old log-probs (1x), on
         # sequences of at most prompt + 6 tokens
         assert 3 * _tiny_qwen3(1) < _flops_per_trained_token(entry) < 5 * _tiny_qwen3(64)
+
+
+def test_reward_and_kto_trainers_log_them(tmp_path):
+    rows = Dataset.from_list(_rows("preference.jsonl", 8))
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    args = hfnative.RewardConfig(**_quick(tmp_path / "reward", per_device_train_batch_size=2, max_length=48))
+    reward = hfnative.RewardTrainer(model=MODEL, args=args, train_dataset=rows, processing_class=tokenizer)
+    reward.train()
+    head = 2 * 64 * 1024  # a classifier scores one position per row: no LM head per token
+    for entry in _step_logs(reward):
+        assert 3 * (_tiny_qwen3(1) - head) < _flops_per_trained_token(entry) < 3 * (_tiny_qwen3(48) - head)
+    args = hfnative.KTOConfig(**_quick(tmp_path / "kto", per_device_train_batch_size=4, max_length=48))
+    kto = hfnative.KTOTrainer(model=MODEL, args=args, train_dataset=rows, processing_class=tokenizer)
+    kto.train()
+    for entry in _step_logs(kto):
+        # the policy's forward + backward, the reference's forward, and both on the mismatched KL completions
+        assert 3 * _tiny_qwen3(1) < _flops_per_trained_token(entry) < 6 * _tiny_qwen3(48)
