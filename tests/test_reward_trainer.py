@@ -256,3 +256,43 @@ def test_trained_reward_model_drives_grpo(model_path, tmp_path):
         for key in ("reward", "reward_std", "rewards/reward-model/mean", "rewards/reward-model/std"):
             assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
     assert native[0]["reward_std"] > 0  # the trained model tells the completions apart
+
+
+# --- layouts: DDP and FSDP2 on 2 gloo processes against one process ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def layout_logs(model_path, tmp_path_factory):
+    import subprocess
+    import sys
+
+    here = Path(__file__).resolve().parent
+    sys.path.insert(0, str(here))
+    import _reward_layout_worker as worker
+
+    out = tmp_path_factory.mktemp("reward-layouts")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(here / "_reward_layout_worker.py"), str(out), model_path, *worker.CELLS]
+    result = subprocess.run(command, env=dict(__import__("os").environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here)),
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return worker, out
+
+
+@pytest.mark.parametrize("cell", ["ddp", "fsdp2-accumulation-eval"])
+def test_layout_trains_like_one_process(layout_logs, model_path, cell, tmp_path):
+    """Each rank's rewards, the loss, grad norm and every metric (min / mean / max_reward over both ranks' rewards,
+    num_tokens summed over them) equal one process's on the same global batches, evaluation too."""
+    worker, out = layout_logs
+    reference = worker.trainer_for(cell, str(tmp_path / "one-process"), model_path, ranks=2)
+    reference.train()
+    expected = [e for e in reference.state.log_history if "loss" in e or "eval_loss" in e]
+    logged = [e for e in json.loads((out / cell / "log.json").read_text()) if "loss" in e or "eval_loss" in e]
+    assert len(logged) == len(expected) == worker.STEPS + ("eval_strategy" in worker.CELLS[cell][1])
+    for mine, theirs in zip(logged, expected):
+        keys = {k for k in theirs if not k.startswith("perf/") and "runtime" not in k and "per_second" not in k}
+        assert keys <= set(mine), (cell, keys - set(mine))
+        for key in keys:
+            if isinstance(theirs[key], float) and key != "epoch":
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (cell, theirs["step"], key)
+    trained = [e for e in expected if "loss" in e]
+    assert trained[-1]["margin"] != trained[0]["margin"]

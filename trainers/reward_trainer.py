@@ -94,6 +94,9 @@ class RewardTrainer(Trainer):
                 "(num_labels=1): pass a *ForSequenceClassification model with num_labels=1 or a model name"
             )
 
+    def _may_load_sharded(self, model) -> bool:
+        return False  # every rank loads the whole classifier (its new score head drawn alike), then it is sharded
+
     def _make_objective(self):
         return RewardObjective(self.context)
 
@@ -104,9 +107,11 @@ class RewardTrainer(Trainer):
 
 class RewardObjective(Objective):
     """Reward modeling: TRL's tokenization and batches of preference pairs, the Bradley-Terry loss with margins and
-    centering, TRL's reward metrics. One process (min_reward / max_reward are taken over the whole batch)."""
+    centering, TRL's reward metrics (min / mean / max_reward over every data-parallel rank's rewards)."""
 
-    supports = frozenset({"evaluation"})
+    # data parallel (DDP, FSDP2); the score head is not split by tensor parallelism, nor the pooled row by context
+    # parallelism
+    supports = frozenset({"multi_process", "evaluation"})
 
     def __init__(self, context):
         super().__init__(context)
@@ -173,13 +178,15 @@ class RewardObjective(Objective):
             loss = loss + self.args.center_rewards_coefficient * ((chosen_B + rejected_B) ** 2).mean()
         if model.training:
             self._total_train_tokens += inputs["attention_mask"].sum()
-        rewards = rewards_B2L.detach()
+        rewards = rewards_B2L.detach().float()
         chosen_B, rejected_B = chosen_B.detach(), rejected_B.detach()
+        data_parallel = self.context.data_parallel  # the whole batch's rewards, as TRL gathers them
+        count = torch.tensor(float(rewards.numel()), device=rewards.device)
         return loss, {
             "num_tokens": self._total_train_tokens,
-            "min_reward": rewards.min(),
-            "mean_reward": rewards.mean(),
-            "max_reward": rewards.max(),
+            "min_reward": -data_parallel.max(-rewards.min()),
+            "mean_reward": data_parallel.sum(rewards.sum()) / data_parallel.sum(count),
+            "max_reward": data_parallel.max(rewards.max()),
             "accuracy": (chosen_B > rejected_B).float().mean(),
             "margin": (chosen_B - rejected_B).mean(),
         }
