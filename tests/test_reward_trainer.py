@@ -5,8 +5,12 @@
   margin, min/mean/max_reward, num_tokens) within 1e-5 relative at step 1 and 1e-4 after: conversational rows with
   an explicit prompt; text rows with an implicit prompt, a margin column and center_rewards_coefficient, with
   gradient accumulation; LoRA (task_type SEQ_CLS: the score head trained in full); evaluation (eval_* metrics).
-- The saved folder is a Hub *ForSequenceClassification folder that transformers loads and that scores as the
-  trained model; the config has TRL's fields and defaults; the CLI's `reward` command trains and saves one.
+- The same on a GPT-NeoX model (no native implementation: transformers' own classifier), plain and with LoRA.
+- The saved folder is a Hub *ForSequenceClassification folder (a PEFT adapter folder with LoRA) that transformers
+  (peft) loads and that scores as the trained model; model objects train natively; the config has TRL's fields and
+  defaults; the CLI's `reward` command trains and saves one.
+- A reward model trained and saved here drives GRPOTrainer, scoring as transformers' classifier of the same folder.
+- DDP and FSDP2 (2 gloo processes, tests/_reward_layout_worker.py) log what one process logs on the same batches.
 """
 
 import dataclasses
