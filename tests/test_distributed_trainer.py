@@ -76,6 +76,12 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
     for mine, reference in zip(steps, reference_steps):
         for key in ("loss", "grad_norm", "learning_rate", "mean_token_accuracy", "entropy", "num_tokens"):
             assert mine[key] == pytest.approx(reference[key], rel=1e-5), (layout, reference["step"], key)
+        # perf/: the whole job's trained tokens and model FLOPs in the step are one process's on the same batch
+        for key, per_rank in (("perf/trained_tok_s_wall_clock", 1), ("perf/tflops_per_rank", 4)):
+            if key in reference:  # no FLOPs for a model on the transformers fallback
+                assert mine[key] * per_rank * mine["perf/step_s"] == pytest.approx(
+                    reference[key] * reference["perf/step_s"], rel=1e-9), (layout, reference["step"], key)
+        assert mine["perf/trained_tok_s_per_rank"] == pytest.approx(mine["perf/trained_tok_s_wall_clock"] / 4, rel=1e-12)
     weights = load_file(str(launched / layout / _weights_file(worker.model_of(extra)[1])))
     assert set(weights) == set(reference_weights)
     for key, value in reference_weights.items():

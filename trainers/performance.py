@@ -27,8 +27,8 @@ class StepPerformance:
 
     ``world_size``: the run's processes (devices); ``sequence_ranks``: the context-parallel ranks each sequence is
     split over (a forward sees 1/cp of each sequence, which attends over all of it); ``peak_tflops``: the user's
-    peak per device (None: the device's, listed or measured); ``dtype``: the matmuls' dtype (bf16/fp16 autocast,
-    else the policy's parameters') for the device's peak.
+    peak per device (None: the device's, listed or measured). The loop sets ``dtype``, the matmuls' dtype (bf16/fp16
+    autocast, else the policy's parameters'), which the device's peak is for.
     """
 
     def __init__(self, device: torch.device, world_size: int = 1, sequence_ranks: int = 1,
@@ -48,10 +48,9 @@ class StepPerformance:
     def _clear(self) -> None:
         self._steps = 0
         self._step_seconds = 0.0
-        self._trained_tokens = 0.0  # host-known counts
-        self._flops = 0.0
-        self._device_trained_tokens = None  # device scalars (padded batches without a host plan)
-        self._device_flops = None
+        # floats, or device scalars once a padded batch without a host plan was counted
+        self._trained_tokens: float | torch.Tensor = 0.0
+        self._flops: float | torch.Tensor = 0.0
         self._flops_known = True  # every forward's model had ModelArgs
         self._generation_seconds = 0.0
         self._generated_tokens = 0.0
@@ -83,20 +82,12 @@ class StepPerformance:
             mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
             trains = trainable and torch.is_grad_enabled()
             tokens, flops = self._forward_cost(model_args, input_ids, mask, kwargs.get("attention_plan"))
-            passes = 3 if trains else 1  # forward + backward, or the forward alone
-            if model_args is None:
-                self._flops_known = False
-            if isinstance(tokens, torch.Tensor):
-                if trains:
-                    self._device_trained_tokens = tokens if self._device_trained_tokens is None else self._device_trained_tokens + tokens
-                if flops is not None:
-                    flops = flops * passes
-                    self._device_flops = flops if self._device_flops is None else self._device_flops + flops
-                return
             if trains:
-                self._trained_tokens += tokens
-            if flops is not None:
-                self._flops += flops * passes
+                self._trained_tokens = self._trained_tokens + tokens
+            if flops is None:
+                self._flops_known = False
+            else:
+                self._flops = self._flops + flops * (3 if trains else 1)  # forward + backward, or the forward alone
 
         return count
 
@@ -163,12 +154,8 @@ class StepPerformance:
             self._clear()
             return {}
         # generated tokens: the cp ranks of a sequence generate the same completions
-        values = torch.tensor([self._trained_tokens, self._flops, self._generated_tokens / self.sequence_ranks],
-                              dtype=torch.float64, device=self.device)
-        if self._device_trained_tokens is not None:
-            values[0] += self._device_trained_tokens.to(values.device)
-        if self._device_flops is not None:
-            values[1] += self._device_flops.to(values.device)
+        sums = (self._trained_tokens, self._flops, self._generated_tokens / self.sequence_ranks)
+        values = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device) for value in sums])
         trained, flops, generated = sum_over_ranks(values).tolist()
         seconds, ranks = self._step_seconds, self.world_size
         logs = {
