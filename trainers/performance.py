@@ -57,8 +57,11 @@ class StepPerformance:
 
     # --- what is watched ------------------------------------------------------------------------------------
     def watch(self, models) -> None:
-        """Count the forwards of ``models`` (until ``unwatch``)."""
+        """Count the forwards of ``models`` (until ``unwatch``), from an empty window: a run starts here."""
         self.unwatch()
+        self._clear()
+        self._in_step = False
+        self._flops_of.clear()  # the models (and their ModelArgs) may be new ones
         for model in models:
             if not isinstance(model, torch.nn.Module):
                 continue
