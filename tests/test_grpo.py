@@ -329,6 +329,57 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     assert_two_steps_equal(ours, theirs)
 
 
+def _rollout_func(prompts, trainer):
+    """A user's rollout (TRL's contract): the prompts tokenized by the trainer's tokenizer, fixed completions, the
+    last two tokens of every completion longer than three written by an "environment" (env_mask 0), and an extra
+    field for the reward functions."""
+    prompt_ids = [list(ids) for ids in trainer.processing_class(text=prompts)["input_ids"]]
+    completion_ids = [fixed_completion(ids, i, 10) for i, ids in enumerate(prompt_ids)]
+    env_mask = [[1] * (len(c) - 2) + [0, 0] if len(c) > 3 else [1] * len(c) for c in completion_ids]
+    return {"prompt_ids": prompt_ids, "completion_ids": completion_ids,
+            "logprobs": [[-1.0] * len(c) for c in completion_ids], "env_mask": env_mask,
+            "turns": [1 + i % 3 for i in range(len(prompts))]}
+
+
+def fewer_turns(completions, turns, **kwargs):
+    """Reads the rollout's extra field."""
+    return [1.0 / t for t in turns]
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
+def test_rollout_func_equals_trl(tmp_path, monkeypatch, loss_type):
+    """GRPOTrainer(rollout_func=...): the user's function makes the completions (it gets each prompt num_generations
+    times and the trainer); its extra fields reach the reward functions, its env_mask keeps the environment's tokens
+    out of the loss and the length metrics. Every metric TRL logs over two steps equal, beside TRL's trainer with the
+    same function. Its errors are TRL's."""
+    import hfnative
+    import trl
+    import trl.trainer.grpo_trainer as trl_grpo
+    from datasets import Dataset
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setattr(trl_grpo, "shuffle_sequence_dict", lambda batch: batch)
+    funcs = [even_fraction, fewer_turns]
+    extra = dict(loss_type=loss_type, beta=0.04)
+    theirs = trl.GRPOTrainer(model=MODEL, reward_funcs=funcs, args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
+                             train_dataset=Dataset.from_list(_prompts()), rollout_func=_rollout_func)
+    theirs.train()
+    ours = hfnative.GRPOTrainer(model=MODEL, reward_funcs=funcs, args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
+                                train_dataset=Dataset.from_list(_prompts()), rollout_func=_rollout_func)
+    assert ours.rollout_func is _rollout_func
+    ours.objective.shuffled_order = torch.arange
+    ours.train()
+    assert_two_steps_equal(ours.state.log_history[:-1], theirs.state.log_history[:-1])
+
+    def missing_logprobs(prompts, trainer):
+        return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[2]] * len(prompts)}
+
+    bad = hfnative.GRPOTrainer(model=MODEL, reward_funcs=funcs, args=hfnative.GRPOConfig(**_settings(tmp_path, "bad")),
+                               train_dataset=Dataset.from_list(_prompts()), rollout_func=missing_logprobs)
+    with pytest.raises(ValueError, match=r"rollout_func must return keys \['logprobs'\] in its output dict"):
+        bad.train()
+
+
 @pytest.mark.parametrize("extra", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo", num_generations_eval=2)],
                          ids=["dapo-beta", "grpo-G_eval=2"])
 def test_evaluation_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):

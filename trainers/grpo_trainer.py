@@ -20,7 +20,9 @@ and completion statistics taken over the whole batch, and each rank keeps its ow
 from __future__ import annotations
 
 import copy
+import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +55,7 @@ from .rollout import (
     completion_length_metrics,
     completion_logprobs_of,
     model_inputs,
+    pad_token_lists,
     sampling_params,
     stop_token_ids,
 )
@@ -137,7 +140,7 @@ SAMPLER_EXTREMES = {"sampling/sampling_logp_difference/max": 1.0, "sampling/impo
 def sampler_correction(old_logprobs_NT, batch: dict, args) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """TRL's importance-sampling correction for a sampler other than the trained model (vLLM): the weights [N, T]
     and their statistics on this rank."""
-    mask_NT = batch["completion_mask"]
+    mask_NT = loss_mask(batch)
     weights = sampler_importance_weights(
         old_logprobs_NT, batch["sampling_logprobs"], mask_NT, args.vllm_importance_sampling_mode,
         args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max,
@@ -150,6 +153,13 @@ def sampler_correction(old_logprobs_NT, batch: dict, args) -> tuple[torch.Tensor
     for name, reduce in (("min", torch.min), ("mean", torch.mean), ("max", torch.max)):
         stats[f"sampling/importance_sampling_ratio/{name}"] = reduce(flat) if flat.numel() else torch.tensor(0.0)
     return weights.expand_as(old_logprobs_NT).contiguous(), stats
+
+
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The completion tokens trained on: the completion mask, times a rollout's tool mask (0 on tokens a tool or
+    environment wrote) when it has one (TRL's completion_mask * tool_mask)."""
+    mask = batch["completion_mask"]
+    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
 
 
 # the adaptive entropy controller's state in a checkpoint (TRL's file)
@@ -184,9 +194,12 @@ class GRPOObjective(Objective):
     old_logprobs_source = "rollout"
     split_collated_batches = False  # prompts are collated; the rollouts' model inputs are split in _split
 
-    def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None):
-        """``reference``: called for the reference model's source when one is needed (beta != 0, no adapters)."""
+    def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None, rollout_func=None):
+        """``reference``: called for the reference model's source when one is needed (beta != 0, no adapters).
+        ``rollout_func``: prompts -> TRL's rollout dict (the user's ``rollout_func`` with its trainer bound), which
+        then makes the completions instead of the rollout engine."""
         super().__init__(context)
+        self.rollout_func = rollout_func
         args = context.args
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
@@ -373,13 +386,21 @@ class GRPOObjective(Objective):
         G, data_parallel = self.num_generations, self.context.data_parallel
         rows = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows]
-        prompt_ids = self.rollout.tokenize(prompts)
-        rollouts = self.rollout.generate(prompt_ids, **self.rollout.row_streams(place, len(prompt_ids)))
-        completion_ids = rollouts.completion_ids
+        tool_mask = None
+        if self.rollout_func is not None:
+            prompt_ids, completion_ids, sampling_logprobs, extra, tool_mask = self._custom_rollout(prompts)
+            rows = [{**row, **{key: values[i] if isinstance(values, list) else values for key, values in extra.items()}}
+                    for i, row in enumerate(rows)]  # TRL hands the extra fields to the reward functions
+        else:
+            prompt_ids = self.rollout.tokenize(prompts)
+            rollouts = self.rollout.generate(prompt_ids, **self.rollout.row_streams(place, len(prompt_ids)))
+            completion_ids, sampling_logprobs = rollouts.completion_ids, rollouts.logprobs
         completions = self.rollout.decode(prompts, completion_ids)
-        self._log_generation(prompt_ids, completion_ids)
+        self._log_generation(prompt_ids, completion_ids, tool_mask)
 
-        batch = self.rollout.tensors(prompt_ids, completion_ids, rollouts.logprobs, self.args.mask_truncated_completions)
+        batch = self.rollout.tensors(prompt_ids, completion_ids, sampling_logprobs, self.args.mask_truncated_completions)
+        if tool_mask is not None:  # 0 on the tokens the rollout's environment wrote: attended to, never trained on
+            batch["tool_mask"] = pad_token_lists(tool_mask, 1)
         log = self.completion_log
         local_rewards_NF = self.rewards.score(prompts, completions, completion_ids, rows, trainer_state=self.context.state,
                                               log_extra=log.log_extra, log_metric=log.log_metric)
@@ -393,6 +414,39 @@ class GRPOObjective(Objective):
         for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
             self._add(name, value)
         return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
+
+    def _custom_rollout(self, prompts: list):
+        """TRL's ``rollout_func`` contract: it gets the prompts (each num_generations times, chat messages left
+        untemplated) and returns prompt_ids, completion_ids and logprobs (one entry per prompt), optionally
+        ``env_mask`` (1 on the model's tokens, 0 on tokens an environment wrote) and other fields, which go to the
+        reward functions. Returns (prompt_ids, completion_ids, sampling log-probs, the other fields, env_mask)."""
+        output = self.rollout_func(copy.deepcopy(prompts))
+        if not isinstance(output, dict):
+            raise ValueError(f"rollout_func returned a {type(output).__name__}: it must return a dict with "
+                             "'prompt_ids', 'completion_ids' and 'logprobs'")
+        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - output.keys())
+        if missing:
+            raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+        extra = {key: value for key, value in output.items() if key not in ("prompt_ids", "completion_ids", "logprobs")}
+        tool_mask = extra.pop("env_mask", None)
+        extra.pop("logprob_token_ids", None)  # the sampled tokens' own log-probs are the ones used
+        prompt_ids, completion_ids = [list(ids) for ids in output["prompt_ids"]], [list(ids) for ids in output["completion_ids"]]
+        logprobs = output["logprobs"]
+        for name, values in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids), ("logprobs", logprobs),
+                             ("env_mask", tool_mask)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(f"rollout_func returned {len(values)} {name} for {len(prompts)} prompts (each prompt "
+                                 "comes num_generations times): return one entry per prompt")
+        if logprobs is None:
+            logprobs = [[0.0] * len(ids) for ids in completion_ids]
+        logprobs = [[float("nan") if x is None else float(x[0] if isinstance(x, (list, tuple)) else x) for x in row]
+                    for row in logprobs]
+        for index, (ids, row) in enumerate(zip(completion_ids, logprobs)):
+            mask = None if tool_mask is None else tool_mask[index]
+            if len(row) != len(ids) or (mask is not None and len(mask) != len(ids)):
+                raise ValueError(f"rollout_func's completion {index} has {len(ids)} tokens but {len(row)} logprobs"
+                                 + ("" if mask is None else f" and {len(mask)} env_mask values") + ": give one per token")
+        return prompt_ids, completion_ids, logprobs, extra, tool_mask
 
     def _needs_old_logprobs(self) -> bool:
         """TRL: when the generation batch is trained on after an optimizer step has changed the policy, or
@@ -411,7 +465,7 @@ class GRPOObjective(Objective):
             else:
                 out["ref_logprobs"] = self.rollout.completion_logprobs(self.auxiliary_models["ref"], batch, self.args.per_device_train_batch_size)
         if self._needs_old_logprobs():
-            if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights:
+            if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights or self.rollout_func:
                 out["old_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
             else:
                 out["old_logprobs"] = batch["sampling_logprobs"]
@@ -438,7 +492,7 @@ class GRPOObjective(Objective):
         order = self.shuffled_order(N) if self.mode == "train" else torch.arange(N)
         # TRL's token count for dapo/cispo: the generation batch's completion tokens over every rank, per micro-batch
         totals = self.context.data_parallel.sum(torch.tensor(
-            [float(batch["completion_mask"].sum()), float(pieces)], dtype=torch.float64))
+            [float(loss_mask(batch).sum()), float(pieces)], dtype=torch.float64))
         tokens_per_micro_batch = (totals[0] / totals[1]).item()
         size = N // pieces
         micro_batches = []
@@ -449,8 +503,8 @@ class GRPOObjective(Objective):
             completion_width = int(part["completion_lengths"].max())
             for key in ("prompt_ids", "prompt_mask"):
                 part[key] = part[key][:, part[key].shape[1] - prompt_width :]
-            for key in ("completion_ids", "completion_mask", "sampling_logprobs", "old_logprobs", "ref_logprobs",
-                        "sampler_weights"):
+            for key in ("completion_ids", "completion_mask", "tool_mask", "sampling_logprobs", "old_logprobs",
+                        "ref_logprobs", "sampler_weights"):
                 if key in part and part[key].dim() == 2:
                     part[key] = part[key][:, :completion_width]
             micro_batch = self.context.context_parallel.split(model_inputs(part))  # this rank's chunks under cp
@@ -465,7 +519,7 @@ class GRPOObjective(Objective):
     # --- the loss -----------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
         logprobs_BT, entropy_BT = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
-        mask_BT = inputs["completion_mask"]
+        mask_BT = loss_mask(inputs)
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
         return out.loss, self._extremes_over_ranks(out.metrics)
 
@@ -520,10 +574,13 @@ class GRPOObjective(Objective):
         if value == value:  # NaN (e.g. a function that scored nothing) is left out, as TRL's log does
             self.context.metrics(self.mode).add(name, torch.tensor(float(value)))
 
-    def _log_generation(self, prompt_ids, completion_ids) -> None:
-        """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL)."""
+    def _log_generation(self, prompt_ids, completion_ids, tool_mask=None) -> None:
+        """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL; with
+        a rollout's env_mask, the lengths count the model's own tokens)."""
         state = self.context.state
         lengths_N, truncated_N = self.rollout.lengths(completion_ids)
+        if tool_mask is not None:
+            lengths_N = torch.tensor([float(sum(mask)) for mask in tool_mask], dtype=torch.float64)
         # the cp ranks of a batch share its tokens: counted once; evaluation logs the training's count (TRL)
         if self.mode == "train" and self.context.context_parallel.rank == 0:
             state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
@@ -547,9 +604,10 @@ class GRPOObjective(Objective):
 
 class GRPOTrainer(Trainer):
     """TRL's GRPOTrainer: ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-    reward_processing_classes, callbacks, optimizers, peft_config)``. ``model``: a folder, Hub id, transformers
-    model or native model; ``reward_funcs``: a callable, a reward model (path or model), a built-in name or a
-    dotted import path, or a list of them (see trainers/rewards.py)."""
+    reward_processing_classes, callbacks, optimizers, peft_config, rollout_func)``. ``model``: a folder, Hub id,
+    transformers model or native model; ``reward_funcs``: a callable, a reward model (path or model), a built-in
+    name or a dotted import path, or a list of them (see trainers/rewards.py); ``rollout_func(prompts, trainer)``:
+    the user's rollout in place of the engine (TRL's contract, see ``GRPOObjective._custom_rollout``)."""
 
     algorithm_name = "GRPO"
     config_class = GRPOConfig
@@ -562,8 +620,15 @@ class GRPOTrainer(Trainer):
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
         if reward_funcs is None:
             raise ValueError("reward_funcs is required: a callable, a reward model, a built-in name or a list of them")
-        if tools or rollout_func is not None or environment_factory is not None:
-            raise ValueError("tools, rollout_func and environment_factory are not available in hfnative's trainer")
+        if tools or environment_factory is not None:
+            raise ValueError("tools and environment_factory are not available in hfnative's trainer")
+        if rollout_func is not None and os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") != "1":
+            warnings.warn(
+                "You are using 'rollout_func', which is an experimental feature. This API may change or be removed at "
+                "any time without prior notice. Silence this warning by setting environment variable "
+                "TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=2,
+            )
+        self.rollout_func = rollout_func
         self._reward_funcs, self._reward_processing_classes = reward_funcs, reward_processing_classes
         self._model_source = model
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -571,8 +636,10 @@ class GRPOTrainer(Trainer):
                          quantization_config=quantization_config, peft_config=peft_config)
 
     def _make_objective(self):
+        rollout_func = getattr(self, "rollout_func", None)  # TRL calls it with the trainer
         return self.objective_class(self.context, self._reward_funcs, self._reward_processing_classes,
-                                    reference=self._reference_source)
+                                    reference=self._reference_source,
+                                    rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)))
 
     # --- TRL's public helpers, with its signatures -------------------------------------------------------------
     @staticmethod
