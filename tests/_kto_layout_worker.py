@@ -3,7 +3,7 @@
 usage: torchrun --standalone --nproc_per_node 2 _kto_layout_worker.py OUTPUT_DIR MODELS_DIR CELL [CELL ...]
 Each CELL (a key of CELLS) trains with its layout's parallelism_config; rank 0 writes OUTPUT_DIR/CELL/log.json (the
 log history). The test runs the same cell on one process over the same global batches (``trainer_for`` with
-``ranks=2``: both ranks' rows in one per-device batch).
+``ranks`` the layout's data-parallel ranks: their rows in one per-device batch).
 
 The mismatched KL completions rotate within each per-device batch (TRL's rule), so a layout's run and the one process
 (whose per-device batch is both ranks') would pair different completions from raw rows: the "kto" cells hand both the
@@ -23,13 +23,15 @@ from hfnative.data.unpaired_preference import prepare_unpaired_preference_datase
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = str(ROOT / "examples" / "tiny-qwen3")
-STEPS = 3
+STEPS = 2  # the first step, and one after an update
 PER_DEVICE = 2
 MAX_LENGTH = 48
 
+# name -> (parallelism_config sizes, data-parallel ranks)
 LAYOUTS = {
-    "ddp": dict(dp_replicate_size=2, dp_shard_size=1),
-    "fsdp2": dict(dp_shard_size=2),
+    "ddp": (dict(dp_replicate_size=2, dp_shard_size=1), 2),
+    "fsdp2": (dict(dp_shard_size=2), 2),
+    "tp2": (dict(dp_shard_size=1, tp_size=2), 1),
 }
 
 # name -> (layout, model ("dense": MODELS_DIR/policy against MODELS_DIR/reference as ref_model; "moe": MODELS_DIR/moe
@@ -37,6 +39,7 @@ LAYOUTS = {
 CELLS = {
     "kto-fsdp2": ("fsdp2", "dense", dict(loss_type="kto", gradient_accumulation_steps=2)),
     "apo-zero-ddp-moe": ("ddp", "moe", dict(loss_type="apo_zero_unpaired", undesirable_weight=1.5)),
+    "kto-tp2": ("tp2", "dense", dict(loss_type="kto")),
 }
 
 
@@ -55,7 +58,7 @@ def trainer_for(cell: str, output_dir: str, models_dir: str, ranks: int, layout:
     common = dict(output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
                   max_steps=STEPS, logging_steps=1, save_strategy="no", per_device_train_batch_size=PER_DEVICE * ranks,
                   learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.01, seed=7,
-                  max_length=MAX_LENGTH, beta=0.5, gradient_checkpointing=False)
+                  max_length=MAX_LENGTH, beta=0.1, gradient_checkpointing=False)
     if layout is not None:
         common["parallelism_config"] = dict(layout)
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
@@ -73,7 +76,7 @@ def main(output_dir: str, models_dir: str, cells: list[str]) -> None:
     for cell in cells:
         layout, _, _ = CELLS[cell]
         out = Path(output_dir) / cell
-        trainer = trainer_for(cell, str(out), models_dir, 1, LAYOUTS[layout])
+        trainer = trainer_for(cell, str(out), models_dir, 1, LAYOUTS[layout][0])
         trainer.train()
         if os.environ["RANK"] == "0":
             out.mkdir(parents=True, exist_ok=True)

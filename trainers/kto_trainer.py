@@ -114,9 +114,9 @@ class KTOObjective(Objective):
     """KTO: unpaired rows tokenized and collated as TRL does; the KTO / APO-zero-unpaired losses on the policy's and
     the reference's completion log-probs and the batch's KL estimate; TRL's KTO metrics."""
 
-    # the KL estimate is summed over the data-parallel ranks; the mismatched sequences are not split or padded for
-    # tensor or context parallel
-    supports = frozenset({"multi_process", "evaluation"})
+    # the KL estimate is summed over the data-parallel ranks; the mismatched sequences are not split for context
+    # parallel (and expert parallel is not tested with them)
+    supports = frozenset({"multi_process", "tensor_parallel", "evaluation"})
 
     def __init__(self, context, reference, reference_given: bool):
         super().__init__(context)
@@ -183,11 +183,12 @@ class KTOObjective(Objective):
         self.reference.after_optimizer_step()
 
     # --- log-probs ------------------------------------------------------------------------------------
-    @staticmethod
-    def _kl_inputs(inputs: dict) -> dict:
-        """The mismatched sequences as model inputs (their own attention plan is made by the model)."""
-        return {"input_ids": inputs["KL_input_ids"], "attention_mask": inputs["KL_attention_mask"],
-                "completion_mask": inputs["KL_completion_mask"]}
+    def _kl_inputs(self, inputs: dict) -> dict:
+        """The mismatched sequences as model inputs, prepared by the loop as the batch's own (their attention plan,
+        padding for tensor parallel)."""
+        return self.context.prepare_inputs({"input_ids": inputs["KL_input_ids"],
+                                            "attention_mask": inputs["KL_attention_mask"],
+                                            "completion_mask": inputs["KL_completion_mask"]})
 
     def _completion_head(self, inputs, statistics=()) -> TokenLogprobs:
         targets_BS = completion_targets(inputs["input_ids"], inputs["completion_mask"])
