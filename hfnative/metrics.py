@@ -94,17 +94,24 @@ def listed_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
 
 
 @functools.cache
-def measured_matmul_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 4) -> float:
-    """FLOP/s of the fastest of ``repeats`` [size, size] @ [size, size] CPU matmuls in ``dtype`` on torch's
-    threads, after one to warm up: the CPU's peak as the training sees it. Measured once per process (cached)."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    torch.mm(a, b)
+def measured_matmul_flops(dtype: torch.dtype = torch.float32, largest: int = 1024, repeats: int = 4) -> float:
+    """FLOP/s of the fastest of ``repeats`` [n, n] @ [n, n] CPU matmuls in ``dtype`` on torch's threads: the CPU's
+    peak as the training sees it. n doubles from 256 until one matmul takes 20 ms or n is ``largest`` (a dtype
+    without fast CPU kernels, e.g. bf16 on many CPUs, is measured small). Measured once per process (cached)."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        start = time.perf_counter()
+        torch.mm(a, b)  # also the warm-up
+        if n >= largest or time.perf_counter() - start >= 0.02:
+            break
+        n *= 2
     fastest = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
         fastest = min(fastest, time.perf_counter() - start)
-    return 2.0 * size**3 / fastest
+    return 2.0 * n**3 / fastest
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
