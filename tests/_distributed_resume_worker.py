@@ -4,6 +4,7 @@ usage: torchrun ... _distributed_resume_worker.py OUTPUT_DIR LAYOUT MODE
   LAYOUT  fsdp2 (2 processes) | fsdp2xtp2 (4 processes): both read 2 data shards of PER_DEVICE rows
   MODE    kill    train, saving every 2 steps; rank 1 SIGKILLs itself in step 5 (the launcher ends the job)
           resume  resume_from_checkpoint=True; rank 0 writes OUTPUT_DIR/resumed-LAYOUT.json (the log history)
+          oib     train with optimizer_in_backward, saving every 2 steps; rank 0 writes OUTPUT_DIR/oib-LAYOUT.json
 """
 
 import json
@@ -33,13 +34,18 @@ def run_config(output_dir: str, per_device: int, **extra):
     return config(output_dir, per_device, max_steps=STEPS, save_strategy="steps", save_steps=2, **extra)
 
 
+OPTIMIZER_IN_BACKWARD = dict(optimizer_in_backward=True, max_grad_norm=0.0)
+
+
 def main(output_dir: str, layout: str, mode: str) -> None:
-    args = run_config(output_dir, PER_DEVICE, parallelism_config=ParallelismConfig(**LAYOUTS[layout]))
+    extra = OPTIMIZER_IN_BACKWARD if mode == "oib" else {}
+    args = run_config(output_dir, PER_DEVICE, parallelism_config=ParallelismConfig(**LAYOUTS[layout]), **extra)
     callbacks = [KillRankOneInStepFive()] if mode == "kill" else []
     trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=mode == "resume")
-    if mode == "resume" and int(os.environ["RANK"]) == 0:
-        Path(output_dir, f"resumed-{layout}.json").write_text(json.dumps(trainer.state.log_history))
+    if mode in ("resume", "oib") and int(os.environ["RANK"]) == 0:
+        name = "resumed" if mode == "resume" else "oib"
+        Path(output_dir, f"{name}-{layout}.json").write_text(json.dumps(trainer.state.log_history))
 
 
 if __name__ == "__main__":

@@ -438,14 +438,6 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         self.create_optimizer_and_scheduler(max_steps)
-        saves = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no" or args.enable_jit_checkpoint
-        saves_optimizer = saves and not args.save_only_model
-        if self.distributed is not None and isinstance(self.optimizer, OptimizerInBackward) and saves_optimizer:
-            raise ValueError(
-                "optimizer_in_backward in a distributed run cannot write checkpoints yet (its per-parameter optimizers "
-                "have no distributed checkpoint): set save_strategy='no' (and enable_jit_checkpoint=False) or "
-                "save_only_model=True, or turn optimizer_in_backward off"
-            )
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer

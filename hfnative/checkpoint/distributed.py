@@ -39,6 +39,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceSt
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from hfnative.optim.in_backward import OptimizerInBackward
+
 from .atomic import atomic_directory
 
 FORMAT = "hfnative-training-state"
@@ -207,6 +209,12 @@ def _check_fits(directory: Path, targets: dict, aliases: dict, saved: dict) -> N
             )
 
 
+def _optimizers(optimizer: torch.optim.Optimizer):
+    """What torch's get_state_dict / set_state_dict take for ``optimizer``: optimizer-in-backward's per-parameter
+    optimizers (each parameter's state and hyperparameters under its name), any other optimizer itself."""
+    return optimizer.parameter_optimizers() if isinstance(optimizer, OptimizerInBackward) else optimizer
+
+
 def _restored_param_groups(saved_groups: list, current_groups: list, directory: Path) -> list:
     """The saved hyper-parameters for the current groups, matched by their parameter names."""
     saved_groups = from_json(saved_groups)
@@ -278,7 +286,7 @@ def save_training_state(
     """
     final = Path(directory)
     rank, size = _rank_and_size(process_group)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, _optimizers(optimizer))
     tensors, rest = _split_state(model_state, optimizer_state)
     # everything turned to JSON before anything is written, so a bad value fails on every rank alike
     state = {
@@ -322,7 +330,8 @@ def load_training_state(
             f"(format {state.get('format')!r}, version {state.get('version')!r})"
         )
     rank, size = _rank_and_size(process_group)
-    model_state, optimizer_state = get_state_dict(model, optimizer)  # creates the optimizer's state if need be
+    optimizers = _optimizers(optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizers)  # creates the optimizer's state if need be
     targets, rest = _split_state(model_state, optimizer_state)
     _check_fits(directory, targets, rest["model_aliases"], state)
     with _single_process_is_intended():
@@ -334,7 +343,9 @@ def load_training_state(
     optimizer_state["param_groups"] = _restored_param_groups(
         state["optimizer_param_groups"], optimizer_state["param_groups"], directory
     )
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
+    if isinstance(optimizer, OptimizerInBackward):
+        optimizer.adopt_parameter_hyperparameters()
     if lr_scheduler is not None:
         if state["lr_scheduler"] is None:
             raise TrainingStateError(f"{directory} holds no LR-scheduler state; it was saved without lr_scheduler")

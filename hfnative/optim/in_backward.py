@@ -167,6 +167,25 @@ class OptimizerInBackward(torch.optim.Optimizer):
         outer["per_parameter"] = [self._optimizers[p].state_dict() for p in self._params]
         return outer
 
+    def parameter_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Each trainable parameter's own optimizer, in parameter order, holding its group's current
+        hyperparameters: what a distributed checkpoint saves (torch's get_state_dict takes several optimizers)."""
+        for param in self._params:
+            _copy_hyperparameters(self._group_of[param], self._optimizers[param].param_groups[0])
+        return [self._optimizers[param] for param in self._params]
+
+    def adopt_parameter_hyperparameters(self) -> None:
+        """After the per-parameter optimizers were loaded: each outer group takes its hyperparameters (the
+        scheduled lr included) back from its parameters' optimizers, as ``load_state_dict`` restores them."""
+        for group in self.param_groups:
+            if not group["params"]:
+                continue
+            inner = self._optimizers[group["params"][0]].param_groups[0]
+            for key, value in inner.items():
+                if key in _NOT_HYPERPARAMETERS or key not in group:
+                    continue
+                group[key] = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
     def load_state_dict(self, state_dict: dict) -> None:
         per_parameter = state_dict.get("per_parameter")
         if per_parameter is None:
