@@ -2,10 +2,10 @@
 
 - Two training steps agree with TRL per step (loss, grad norm, every logged metric: kl, entropy, num_tokens, logits/*,
   rewards/*, logps/*, aux_loss), within 1e-5 relative at step 1 and 1e-4 after updates: a frozen copy of the
-  checkpoint as the reference with gradient accumulation (micro-batches with no undesirable row), LoRA (the base with
-  adapters disabled), a separate ref_model with TR-DPO syncing and evaluation, precomputed reference log-probs,
-  apo_zero_unpaired with desirable / undesirable weights, paired rows unpaired as TRL does, and a MoE model (TRL adds
-  the router's load-balancing loss).
+  checkpoint as the reference with gradient accumulation (micro-batches with no undesirable row) and
+  apo_zero_unpaired with desirable / undesirable weights, LoRA (the base with adapters disabled) on paired rows
+  unpaired as TRL does, a separate ref_model with TR-DPO syncing and evaluation, and a MoE model (TRL adds the
+  router's load-balancing loss) with precomputed reference log-probs.
 - Tokenization, the mismatched KL completions and batches equal TRL's for unpaired / paired, text / conversational
   rows; the desirable / undesirable weight advice is TRL's.
 - Bad settings get TRL's errors; the config has TRL's fields and defaults; ``hfnative-train kto`` trains and saves.
@@ -114,10 +114,11 @@ def _trainer(module, model, tmp_path, rows, ref_model=None, peft_config=None, ev
 
 CASES = {
     # micro-batches of 2 rows: some have no undesirable (or no desirable) row, whose metrics TRL leaves out
-    "copy-accumulation": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2),
-    # paired text rows, unpaired as TRL does (desirable rows first)
-    "lora-paired-text-apo-zero": dict(learning_rate=2e-2, loss_type="apo_zero_unpaired", desirable_weight=0.8,
-                                      undesirable_weight=1.2),
+    "copy-accumulation-apo-zero": dict(gradient_accumulation_steps=2, per_device_train_batch_size=2,
+                                       loss_type="apo_zero_unpaired", desirable_weight=0.8, undesirable_weight=1.2),
+    # paired text rows, unpaired as TRL does (desirable rows first); the reference (and its KL log-probs) is the base
+    # with the adapters disabled
+    "lora-paired-text": dict(learning_rate=2e-2),
     "separate-ref": dict(sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.5, eval_strategy="steps",
                          eval_steps=STEPS, per_device_eval_batch_size=3),
     # TRL adds the router's load-balancing loss (coefficient 0.5); the reference's log-probs precomputed
@@ -184,7 +185,7 @@ def test_training_matches_trl_per_step(models, tmp_path, case):
             assert mine["aux_loss"] > 0
     if case == "separate-ref":
         assert theirs[0]["kl"] > 0.1  # the KL reference point is in the loss (not clamped away)
-    if case in ("copy-accumulation", "separate-ref"):
+    if case in ("copy-accumulation-apo-zero", "separate-ref"):
         assert theirs[-1]["rewards/chosen"] != theirs[0]["rewards/chosen"]  # the policy moved
     print(f"{case}: max relative difference of loss and grad_norm {WORST.get(case, 0.0):.2e}")
 
