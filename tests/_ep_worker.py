@@ -23,7 +23,7 @@ PER_DEVICE = 2
 
 # name -> (model folder, parallelism_config, SFTConfig settings, processes)
 LAYOUTS = {
-    "ep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, ep_size=2), {}, 2),
+    "ep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, ep_size=2), dict(save_strategy="steps", save_steps=3), 2),
     "ep2-mixtral-packed": ("mixtral", dict(dp_shard_size=2, ep_size=2), dict(packing=True, max_length=48), 2),
     # FSDP2 x EP2: experts split over 2 ranks and sharded over the other 2; dense weights sharded over the ep ranks
     # and replicated over the other 2
@@ -38,7 +38,8 @@ LAYOUTS = {
     # HSDP x EP2: 2 replicas of an FSDP2 x EP2 group of 2
     "hsdp2xep2-qwen3moe": ("qwen3moe", dict(dp_replicate_size=2, dp_shard_size=2, ep_size=2), {}, 4),
     # CP2 x EP2: the experts split over 2 dp_shard ranks, each sequence over 2 cp ranks
-    "cp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, cp_size=2, ep_size=2), {}, 4),
+    "cp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, cp_size=2, ep_size=2),
+                         dict(save_strategy="steps", save_steps=3), 4),
     # TP2 x EP2: the experts split over 2 dp_shard ranks and kept whole on each tp rank (each routes its own part
     # of the sequence); attention, embedding and head tensor-parallel
     "tp2xep2-qwen3moe": ("qwen3moe", dict(dp_shard_size=2, tp_size=2, ep_size=2), {}, 4),

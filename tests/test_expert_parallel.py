@@ -100,11 +100,32 @@ def test_layout_trains_like_one_process(launched, one_process, layout):
     assert model == "qwen3" or any(".experts.3." in key for key in weights)
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=1e-5, msg=key)
-    if extra.get("save_strategy") == "steps":  # a distributed checkpoint: the training state and the Hub-format model
+    if extra.get("save_steps") == worker.STEPS:  # a distributed checkpoint: the training state and the Hub model
         checkpoint = launched / layout / f"checkpoint-{worker.STEPS}"
         assert (checkpoint / "training_state").is_dir()
         saved = load_file(str(checkpoint / "model.safetensors"))
         assert set(saved) == set(weights) and all(torch.equal(saved[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("layout", [name for name, (_, _, extra, _) in worker.LAYOUTS.items()
+                                    if extra.get("save_steps", worker.STEPS) < worker.STEPS])
+def test_checkpoint_resumes_on_one_process(launched, models_dir, tmp_path, layout):
+    """An expert-parallel run's checkpoint (EP2; CP2 x EP2: each sequence split too), written at step 3, resumed on
+    one process over the same global batches: steps 4 and 5 train as the launched run did."""
+    import shutil
+
+    _, sizes, extra, _ = worker.LAYOUTS[layout]
+    run = tmp_path / layout
+    shutil.copytree(launched / layout, run)
+    trainer = worker.trainer_for(layout, str(run), str(models_dir), worker.PER_DEVICE * worker.data_ranks(sizes))
+    with pytest.warns(UserWarning, match="is loaded by 1"):
+        trainer.train(resume_from_checkpoint=str(run / f"checkpoint-{extra['save_steps']}"))
+    resumed = {e["step"]: e for e in trainer.state.log_history if "loss" in e and e["step"] > extra["save_steps"]}
+    launched_steps = {e["step"]: e for e in json.loads((launched / layout / "log.json").read_text()) if "loss" in e}
+    assert sorted(resumed) == list(range(extra["save_steps"] + 1, worker.STEPS + 1))
+    for step, entry in resumed.items():
+        for key in ("loss", "grad_norm", "learning_rate", "aux_loss"):
+            assert entry[key] == pytest.approx(launched_steps[step][key], rel=1e-5), (layout, step, key)
 
 
 def test_sizes_are_validated(tmp_path):
