@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from hfnative.models.head import TokenLogprobs
 from .kto_config import KTOConfig
 from .model_card import write_model_card
 from .objective import Objective, RankSums, ratio_if_any
-from .reference_model import ReferenceModel, reference_source, refuse_sync_with_new_adapters
+from .reference_model import ReferenceModel, reference_source, refuse_sync_with_new_adapters, router_loss_off
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
@@ -202,7 +201,7 @@ class KTOObjective(Objective):
     @torch.no_grad()
     def _policy_kl_logps(self, model, kl_inputs) -> torch.Tensor:
         """Summed mismatched-completion log-probs [B] under the policy, without a graph or a router loss."""
-        with _router_loss_off(model):
+        with router_loss_off(model):
             token_logps_BS, _ = self.forward(model, kl_inputs, self._completion_head(kl_inputs)).head_output
         return token_logps_BS.sum(dim=1)
 
@@ -271,16 +270,6 @@ class KTOObjective(Objective):
 
     def eval_outputs(self, model, inputs: dict):
         return self.forward(model, inputs, None).logits, inputs["input_ids"]
-
-
-@contextmanager
-def _router_loss_off(model):
-    enabled = getattr(model, "aux_loss_enabled", False)
-    model.aux_loss_enabled = False
-    try:
-        yield
-    finally:
-        model.aux_loss_enabled = enabled
 
 
 def cli_command():

@@ -10,7 +10,7 @@ log-probs once. TR-DPO's ``sync_ref_model`` mixes the policy into a kept copy (t
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from datasets import IterableDataset
@@ -44,6 +44,17 @@ def refuse_sync_with_new_adapters(args, peft_config) -> None:
             "with the adapter disabled, so there is no separate reference model to synchronize. Use "
             "`sync_ref_model=False`, or full fine-tuning for a synchronized reference."
         )
+
+
+@contextmanager
+def router_loss_off(model):
+    """A forward of ``model`` that adds no router load-balancing loss (a reference or KL pass of the policy)."""
+    enabled = getattr(model, "aux_loss_enabled", False)
+    model.aux_loss_enabled = False
+    try:
+        yield
+    finally:
+        model.aux_loss_enabled = enabled
 
 
 class ReferenceModel:
@@ -81,13 +92,8 @@ class ReferenceModel:
         if ref is not None:
             return self.objective.forward(ref, inputs, head_loss).head_output
         policy = self.objective.context.model
-        aux_enabled = getattr(policy, "aux_loss_enabled", False)
-        policy.aux_loss_enabled = False
-        try:
-            with policy.disable_adapter() if self.is_base else nullcontext():
-                return self.objective.forward(policy, inputs, head_loss).head_output
-        finally:
-            policy.aux_loss_enabled = aux_enabled
+        with router_loss_off(policy), policy.disable_adapter() if self.is_base else nullcontext():
+            return self.objective.forward(policy, inputs, head_loss).head_output
 
     def after_optimizer_step(self) -> None:
         """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""
@@ -125,4 +131,4 @@ class ReferenceModel:
         return dataset
 
 
-__all__ = ["ReferenceModel", "reference_source", "refuse_sync_with_new_adapters"]
+__all__ = ["ReferenceModel", "reference_source", "refuse_sync_with_new_adapters", "router_loss_off"]
