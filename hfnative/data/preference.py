@@ -79,9 +79,20 @@ def _template_kwargs(row: dict) -> dict:
     return {"tools": json.loads(tools) if isinstance(tools, str) else tools, **(row.get("chat_template_kwargs") or {})}
 
 
+def warn_if_prompt_not_prefix(processing_class, prompt_ids: list[int], prompt_length: int) -> None:
+    """Once per process: the tokenized prompt alone is longer than what it shares with prompt + completion."""
+    global _warned_prefix
+    if prompt_length < len(prompt_ids) and not _warned_prefix:
+        _warned_prefix = True
+        logger.warning(
+            "The tokenized prompt is not a prefix of the tokenized prompt + completion (the chat template renders the "
+            "prompt differently alone, or tokens merge across the boundary); the completion starts where they diverge "
+            "and %r is left out of the training sequence.", processing_class.decode(prompt_ids[prompt_length:]),
+        )
+
+
 def tokenize_preference_row(row: dict, processing_class, eos_token: str, index: int = 0) -> dict:
     """{"prompt_ids", "chosen_ids", "rejected_ids"} of one explicit-prompt row (EOS added to text completions)."""
-    global _warned_prefix
     if _check_row(row, index):
         kwargs = _template_kwargs(row)
 
@@ -97,13 +108,7 @@ def tokenize_preference_row(row: dict, processing_class, eos_token: str, index: 
         chosen_full = processing_class(text=row["prompt"] + chosen)["input_ids"]
         rejected_full = processing_class(text=row["prompt"] + rejected)["input_ids"]
     prompt_length = min(common_prefix_length(prompt_ids, chosen_full), common_prefix_length(prompt_ids, rejected_full))
-    if prompt_length < len(prompt_ids) and not _warned_prefix:
-        _warned_prefix = True
-        logger.warning(
-            "The tokenized prompt is not a prefix of the tokenized prompt + completion (the chat template renders the "
-            "prompt differently alone, or tokens merge across the boundary); the completion starts where they diverge "
-            "and %r is left out of the training sequence.", processing_class.decode(prompt_ids[prompt_length:]),
-        )
+    warn_if_prompt_not_prefix(processing_class, prompt_ids, prompt_length)
     return {
         "prompt_ids": prompt_ids[:prompt_length],
         "chosen_ids": chosen_full[prompt_length:],

@@ -27,7 +27,7 @@ from datasets import Dataset
 
 from .collate import pad_right
 from .formats import is_messages
-from .preference import _template_kwargs, extract_prompt
+from .preference import _template_kwargs, extract_prompt, warn_if_prompt_not_prefix
 from .tokenize import common_prefix_length
 
 UNPAIRED_COLUMNS = ("prompt_ids", "completion_ids", "KL_completion_ids", "label", "ref_logps", "ref_KL_logps")
@@ -82,6 +82,7 @@ def tokenize_unpaired_row(row: dict, processing_class, eos_token: str, index: in
         prompt_ids = processing_class(text=row["prompt"])["input_ids"]
         full_ids = processing_class(text=row["prompt"] + completion)["input_ids"]
     prompt_length = common_prefix_length(prompt_ids, full_ids)
+    warn_if_prompt_not_prefix(processing_class, prompt_ids, prompt_length)
     return {"prompt_ids": prompt_ids[:prompt_length], "completion_ids": full_ids[prompt_length:]}
 
 
