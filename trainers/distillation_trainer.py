@@ -90,6 +90,10 @@ class _GatheredHead:
         return weight_VD.full_tensor() if isinstance(weight_VD, DTensor) else weight_VD
 
 
+# the distillation objectives' own state in a checkpoint (generation calls, the on-policy coin)
+DISTILLATION_STATE_FILE = "distillation_state.json"
+
+
 class _DistillationObjective(LanguageModelingObjective):
     """The teacher (an auxiliary model), the generalized JSD through both heads, and seeded generation through the
     rollout component (``self.rollout``, made by the subclass with its sampling settings)."""
@@ -117,6 +121,19 @@ class _DistillationObjective(LanguageModelingObjective):
     @property
     def teacher(self):
         return self.auxiliary_models["teacher"]
+
+    def checkpoint_state(self) -> dict[str, dict]:
+        """The generation calls so far (they key the sampling streams) and the on-policy coin's state, so a resumed
+        run samples and flips what the uninterrupted one would."""
+        version, internal, gauss = self.rng.getstate()
+        return {DISTILLATION_STATE_FILE: {"generations": self._generations, "coin": [version, list(internal), gauss]}}
+
+    def load_checkpoint_state(self, files: dict[str, dict]) -> None:
+        state = files.get(DISTILLATION_STATE_FILE)
+        if state is not None:
+            self._generations = int(state["generations"])
+            version, internal, gauss = state["coin"]
+            self.rng.setstate((version, tuple(internal), gauss))
 
     def auxiliary_models_ready(self) -> None:
         student_vocab, teacher_vocab = self.context.model.args.vocab_size, self.teacher.args.vocab_size
