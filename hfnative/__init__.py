@@ -42,6 +42,7 @@ _LAZY = {
         "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "AsyncGRPOConfig", "AsyncGRPOTrainer",
         "RewardConfig", "RewardTrainer",
         "KTOConfig", "KTOTrainer",
+        "ORPOConfig", "ORPOTrainer", "CPOConfig", "CPOTrainer",
     )},
 }
 

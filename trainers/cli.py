@@ -355,6 +355,8 @@ COMMANDS: dict[str, Command | str] = {
     "gkd": "hfnative.trainers.gkd_trainer:gkd_cli_command",
     "grpo": "hfnative.trainers.grpo_trainer:cli_command",
     "kto": "hfnative.trainers.kto_trainer:cli_command",
+    "orpo": "hfnative.trainers.orpo_trainer:cli_command",
+    "cpo": "hfnative.trainers.cpo_trainer:cli_command",
     "reward": "hfnative.trainers.reward_trainer:cli_command",
     "rloo": "hfnative.trainers.rloo_trainer:cli_command",
 }

@@ -240,3 +240,49 @@ def preference_loss(
             per_pair = per_pair * (pair_weights[0] * pair_weights[1])
         total = total + per_pair.mean() * weight
     return total
+
+
+# --- reference-free losses (ORPO, CPO / SimPO / AlphaPO) ------------------------------------------------------
+# their inputs are the policy's own sequence log-probs [B] (summed or averaged over the completion tokens)
+
+CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, branched at -log 2 so neither side cancels."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def odds_ratio_terms(chosen_logps_B, rejected_logps_B) -> tuple[torch.Tensor, torch.Tensor]:
+    """ORPO: (log sigmoid(log odds ratio) [B], log odds ratio [B]) in float32, where log odds(p) = log p - log(1 - p)
+    of the per-token average log-probs; the loss subtracts beta times the first's mean from the chosen NLL."""
+    chosen_B, rejected_B = chosen_logps_B.float(), rejected_logps_B.float()
+    log_odds_B = (chosen_B - rejected_B) - (log1mexp(chosen_B) - log1mexp(rejected_B))
+    return F.logsigmoid(log_odds_B), log_odds_B
+
+
+def alphapo_rewards(logps_B, alpha: float) -> torch.Tensor:
+    """AlphaPO's reward (1 - p^-alpha) / alpha of a sequence log-prob (alpha != 0)."""
+    return (1 - torch.exp(logps_B).pow(-alpha)) / alpha
+
+
+def cpo_loss(chosen_logps_B, rejected_logps_B, loss_type: str = "sigmoid", beta: float = 0.1,
+             label_smoothing: float = 0.0, simpo_gamma: float = 0.5, alpha: float = 0.0) -> tuple:
+    """CPO's preference term per pair [B] and the (chosen, rejected) rewards [B] (no gradient): the margin is between
+    the log-probs, or with ``alpha`` != 0 between AlphaPO's rewards; SimPO shifts it by simpo_gamma / beta."""
+    if alpha != 0.0:
+        chosen_B, rejected_B = alphapo_rewards(chosen_logps_B, alpha), alphapo_rewards(rejected_logps_B, alpha)
+    else:
+        chosen_B, rejected_B = chosen_logps_B, rejected_logps_B
+    delta_B = chosen_B - rejected_B
+    if loss_type == "simpo":
+        losses_B = _smoothed_sigmoid(delta_B - simpo_gamma / beta, beta, label_smoothing)
+    elif loss_type == "sigmoid":
+        losses_B = _smoothed_sigmoid(delta_B, beta, label_smoothing)
+    elif loss_type == "hinge":
+        losses_B = hinge_loss(delta_B, beta)
+    elif loss_type == "ipo":  # on log-probs already averaged per token
+        losses_B = (delta_B - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"Unknown loss type: {loss_type}. Should be one of {list(CPO_LOSS_TYPES)}")
+    return losses_B, beta * chosen_B.detach(), beta * rejected_B.detach()

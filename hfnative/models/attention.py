@@ -42,12 +42,14 @@ def build_attention_mask(
     padding_mask_BS: torch.Tensor | None = None,
     document_ids_BS: torch.Tensor | None = None,
     sliding_window: int | None = None,
+    padding_attends_itself: bool = True,
 ) -> torch.Tensor | None:
     """Boolean mask [B|1, 1, S, S] (True = attend), or None when plain causal attention suffices.
 
     Every query may attend at least to itself, so rows of padding stay finite (their outputs are
     never used); keys that are padding, in another document, in the future or outside the
-    sliding window are masked.
+    sliding window are masked. ``padding_attends_itself=False``: a padding query attends only to the
+    real keys before it, as transformers' masks do (for right padding, whose outputs some metrics read).
     """
     if padding_mask_BS is None and document_ids_BS is None and sliding_window is None:
         return None
@@ -60,6 +62,8 @@ def build_attention_mask(
         allowed = allowed & (document_ids_BS[:, None, :, None] == document_ids_BS[:, None, None, :])
     if padding_mask_BS is not None:
         allowed = allowed & padding_mask_BS.bool()[:, None, None, :]
+        if not padding_attends_itself:
+            return allowed
     return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
 
 

@@ -1,0 +1,182 @@
+"""What ORPO and CPO share on the one loop: paired preference rows tokenized by TRL's rules for these trainers, one
+forward of the policy over [2B, S] (chosen rows, then rejected), and the per-token log-probs of every position from the
+head's chunked log-prob loss (no [2B, S, V] logits). No reference model: the losses read the policy's own log-probs.
+
+Shapes: B pairs, S positions; position t's target is token t + 1 (the last position's is a placeholder, masked out).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
+from hfnative.models.attention import AttentionPlan, build_attention_mask
+from hfnative.models.head import TokenLogprobs
+
+from .objective import Objective
+from .sft_trainer import SFTObjective
+from .trainer import Trainer
+
+
+class ReferenceFreePreferenceTrainer(Trainer):
+    """TRL's experimental ORPOTrainer / CPOTrainer constructor on the one loop (a subclass names its config and
+    objective)."""
+
+    requires_train_dataset = True
+    objective_class: type[Objective]
+
+    def __init__(
+        self,
+        model=None,
+        args=None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        model_init=None,
+        callbacks=None,
+        optimizers=(None, None),
+        preprocess_logits_for_metrics=None,
+        peft_config=None,
+        compute_metrics=None,
+    ):
+        args = self.resolve_args(args, model)
+        args.check_for_trainer(type(self).__name__)
+        super().__init__(
+            model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+            eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
+            compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics, peft_config=peft_config,
+        )
+
+    def _make_objective(self):
+        return self.objective_class(self.context)
+
+
+def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:
+    """The loop's attention plan for a right-padded batch, with padding queries attending to the real keys before them
+    (not to themselves) as transformers' masks do: the logged mean logit reads the padding positions' outputs."""
+    if plan.kind == "causal" and plan.sliding_mask is None:  # no padding in the batch
+        return plan
+    S, device, window = attention_mask_BS.shape[1], attention_mask_BS.device, plan.sliding_window
+    padding_BS = attention_mask_BS.bool()
+    return AttentionPlan(
+        "dense", S, window,
+        global_mask=build_attention_mask(S, device, padding_BS, padding_attends_itself=False),
+        sliding_mask=build_attention_mask(S, device, padding_BS, sliding_window=window, padding_attends_itself=False)
+        if window else None,
+    )
+
+
+def shift_mask(mask_BS: torch.Tensor) -> torch.Tensor:
+    """Whether each position's target (the next token) is in ``mask_BS``: [B, S], 0 at the last position."""
+    return F.pad(mask_BS[:, 1:], (0, 1)).to(torch.float32)
+
+
+class ReferenceFreePreferenceObjective(Objective):
+    """The shared pieces; a subclass's ``preference_loss(sums, inputs)`` returns the micro-batch loss and metrics.
+    Each micro-batch's loss is its own mean (the default normalizer), as TRL's."""
+
+    # the logged mean logit runs over every position of the padded batch (pads included, as TRL's): a layout that
+    # pads or splits the sequences (tensor, context parallel) would change it; evaluation is not implemented
+    supports = frozenset({"multi_process"})
+    pads_with_eos = False  # CPO sets a missing pad token to EOS; ORPO requires one
+
+    def __init__(self, context):
+        super().__init__(context)
+        model = context.model
+        # TRL adds the router's load-balancing loss when the model config asks for router logits
+        wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
+        self.aux_loss_coef = SFTObjective._enable_aux_loss(model, None if wants_router_loss else 0.0)
+
+    # --- data -------------------------------------------------------------------------------------------
+    def prepare_datasets(self, train_dataset, eval_dataset):
+        context = self.context
+        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
+        if not isinstance(context.processing_class, tokenizer_types):
+            raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
+        tokenizer = context.tokenizer
+        if tokenizer.pad_token is None and self.pads_with_eos:
+            tokenizer.pad_token = tokenizer.eos_token
+        if context.data_collator is None and tokenizer.pad_token_id is None:
+            raise ValueError("Padding is enabled, but the tokenizer is not configured with a padding token: set "
+                             "`tokenizer.pad_token` (e.g. `tokenizer.pad_token = tokenizer.eos_token`) before training.")
+        return super().prepare_datasets(train_dataset, eval_dataset)
+
+    def prepare_train_dataset(self, dataset):
+        return self._prepare(dataset)
+
+    def prepare_eval_dataset(self, dataset):
+        return self._prepare(dataset)
+
+    def _prepare(self, dataset):
+        args = self.args
+        return prepare_paired_preference_dataset(dataset, self.context.processing_class, args.sequence_length_limit,
+                                                 args.dataset_num_proc)
+
+    @property
+    def padding_value(self) -> int | None:
+        return None
+
+    def default_collator(self):
+        return PairedPreferenceCollator(self.context.tokenizer.pad_token_id, self.padding_value)
+
+    # --- log-probs and the loss -------------------------------------------------------------------------
+    def loss(self, model, inputs, num_items_in_batch):
+        input_ids_BS = inputs["input_ids"]
+        targets_BS = F.pad(input_ids_BS[:, 1:], (0, 1))  # every position projected: the mean logit runs over them all
+        head_loss = TokenLogprobs(targets_BS, fused=self.args.fused_loss, statistics=("mean_logits",))
+        inputs = {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
+        outputs = self.forward(model, inputs, head_loss)
+        token_logps_BS, _, stats = outputs.head_output
+        completion_BS = shift_mask(inputs["completion_mask"])
+        sums = {
+            "token_logps": token_logps_BS,
+            "mean_logits": stats["mean_logits"],
+            "completion": completion_BS,
+            "attended": shift_mask(inputs["attention_mask"]),
+            "logps": (token_logps_BS * completion_BS).sum(dim=1),
+            "lengths": completion_BS.sum(dim=1),
+        }
+        loss, metrics = self.preference_loss(sums)
+        if outputs.aux_loss is not None:
+            loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)
+        return loss, metrics
+
+    @staticmethod
+    def chosen_nll(token_logps_BS, mask_BS) -> torch.Tensor:
+        """The chosen rows' mean token NLL over ``mask_BS``'s targets."""
+        chosen_logps_BS, _ = token_logps_BS.chunk(2, dim=0)
+        chosen_mask_BS, _ = mask_BS.chunk(2, dim=0)
+        return -(chosen_logps_BS * chosen_mask_BS).sum() / chosen_mask_BS.sum()
+
+    @staticmethod
+    def reward_metrics(chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, mean_logits_BS) -> dict:
+        """TRL's metrics shared by ORPO and CPO (per micro-batch; the logits' mean over ``mean_logits_BS``'s
+        positions, pads included)."""
+        chosen_logits, rejected_logits = mean_logits_BS.chunk(2, dim=0)
+        return {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "logps/rejected": rejected_logps.detach().mean(),
+            "logps/chosen": chosen_logps.detach().mean(),
+            "logits/rejected": rejected_logits.mean(),
+            "logits/chosen": chosen_logits.mean(),
+        }
+
+    @abstractmethod
+    def preference_loss(self, sums: dict) -> tuple[torch.Tensor, dict]:
+        """The micro-batch's loss and metrics from ``sums`` (per row [2B]: logps, lengths; per position [2B, S]:
+        token_logps, mean_logits, completion and attended target masks)."""
+
+    def samples_in_batch(self, inputs: dict) -> int:
+        return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
+
+
+__all__ = ["ReferenceFreePreferenceObjective", "ReferenceFreePreferenceTrainer", "shift_mask", "transformers_padding_plan"]
