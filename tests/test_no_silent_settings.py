@@ -13,13 +13,14 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 import hfnative
 from hfnative import SFTConfig, SFTTrainer, TrainingArguments
 from hfnative.trainers import settings_check
-from hfnative.trainers.settings_check import HONOURED_BY_TRANSFORMERS, NO_EFFECT, REFUSED, check_settings
+from hfnative.trainers.settings_check import (CONFIG_NO_EFFECT, CONFIG_REFUSED, HONOURED_BY_TRANSFORMERS, NO_EFFECT,
+                                              REFUSED, check_settings)
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("hfnative", "converters", "trainers")
 AUDIT = Path(settings_check.__file__).resolve()
 CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig", "GKDConfig",
-           "AsyncGRPOConfig", "KTOConfig"]
+           "AsyncGRPOConfig", "KTOConfig", "RewardConfig"]
 
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
@@ -67,6 +68,34 @@ def test_every_training_argument_is_honoured_refused_or_listed_with_a_reason():
     # name is a common word (logger.debug) or only some values are refused (train_sampling_strategy='group_by_length')
     assert not [field for field in (*REFUSED, *NO_EFFECT) if field in read and field not in ("debug",
                                                                                               "train_sampling_strategy")]
+
+
+def test_every_trl_config_field_is_honoured_refused_or_listed_with_a_reason():
+    """The TRL configs' own fields (beyond TrainingArguments'): each read by the library, refused, or listed in
+    CONFIG_NO_EFFECT with its reason; the lists name only fields some config has, and nothing the library reads."""
+    base = {field.name for field in dataclasses.fields(TrainingArguments)}
+    own = {field.name: name for name in CONFIGS[1:] for field in dataclasses.fields(getattr(hfnative, name))
+           if field.name not in base}
+    assert len(own) > 120
+    read = names_read_by_the_library()
+    unaccounted = sorted(f"{own[field]}.{field}" for field in own
+                         if field not in read and field not in CONFIG_NO_EFFECT and field not in CONFIG_REFUSED)
+    assert not unaccounted, f"config fields neither read, refused nor listed as having no effect: {unaccounted}"
+    for listed in (CONFIG_NO_EFFECT, CONFIG_REFUSED):
+        assert set(listed) <= set(own) and not set(listed) & base, sorted(set(listed) - set(own))
+        assert all(isinstance(reason, str) and len(reason) > 20 for reason in listed.values())
+    assert not [field for field in CONFIG_NO_EFFECT if field in read]
+    for field in CONFIG_REFUSED:  # each refused when set, naming it
+        args = hfnative.GRPOConfig(output_dir="unused", use_cpu=True)
+        setattr(args, field, "[a-z]+")
+        with pytest.raises(ValueError, match=rf"{field}="):
+            check_settings(args)
+
+
+def test_the_deprecated_importance_sampling_cap_is_the_clip_max():
+    with pytest.warns(FutureWarning, match="vllm_importance_sampling_cap"):
+        args = hfnative.GRPOConfig(output_dir="unused", use_cpu=True, vllm_importance_sampling_cap=2.5)
+    assert args.vllm_importance_sampling_clip_max == 2.5
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

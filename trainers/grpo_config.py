@@ -7,6 +7,7 @@ how many completions are generated at once and over how many micro-batches they 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from .arguments import TRLBaseConfig
@@ -127,6 +128,10 @@ class GRPOConfig(OnlineRLConfig):
     def __post_init__(self):
         super().__post_init__()
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated alias
+            warnings.warn("The `vllm_importance_sampling_cap` argument is deprecated and will be removed in v2.0.0. "
+                          "Use `vllm_importance_sampling_clip_max` instead.", FutureWarning, stacklevel=2)
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
 
 
 def resolve_generation_batch(args, data_parallel_size: int | None = None) -> None:

@@ -547,8 +547,8 @@ class GRPOObjective(Objective):
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
             off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
             sampling_logprobs_BT=inputs.get("sampling_logprobs") if self.sampler_correction else None,
-            vespo={name: getattr(args, f"vespo_{name}") for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg")}
-            if vespo else None,
+            vespo=dict(k_pos=args.vespo_k_pos, lambda_pos=args.vespo_lambda_pos, k_neg=args.vespo_k_neg,
+                       lambda_neg=args.vespo_lambda_neg) if vespo else None,
             importance_ratio_BT=sampler_weights if vespo else None,
         )
         if self.entropy_coef != 0.0 or self.adaptive_entropy:

@@ -1,7 +1,8 @@
 """No silent settings: each field of transformers' TrainingArguments that hfnative's own code does not read is either
 honoured by the transformers code hfnative runs (``HONOURED_BY_TRANSFORMERS``), refused when set away from its
 default (``REFUSED``: ``check_settings`` raises, naming the field and what to do), or has no effect by design
-(``NO_EFFECT``, with the reason). tests/test_no_silent_settings.py checks that every field falls in one of them.
+(``NO_EFFECT``, with the reason); likewise the TRL configs' own fields (``CONFIG_NO_EFFECT``, ``CONFIG_REFUSED``).
+tests/test_no_silent_settings.py checks that every field falls in one of them.
 """
 
 from __future__ import annotations
@@ -80,6 +81,25 @@ REFUSED = {
     "train_sampling_strategy": "group_by_length is not implemented; use 'random' or 'sequential'",
 }
 
+# the TRL configs' own fields (beyond TrainingArguments') that hfnative's code does not read: why each changes nothing
+CONFIG_NO_EFFECT = {
+    "ds3_gather_for_generation": "a DeepSpeed ZeRO-3 switch; hfnative runs no DeepSpeed (generation gathers a "
+                                 "sharded policy's weights in every layout)",
+    "log_multimodal": "logs the images of multimodal rows; hfnative's RL trainers take text and chat prompts only",
+    "cast_lm_head_to_fp32": "the chunked head computes the log-probs in float32 already, whatever the weights' dtype",
+    "cache_implementation": "selects transformers' generate() KV cache kind; the native engine keeps its own cache, "
+                            "and every kind holds the same values",
+    "fork_threshold_tokens": "splits multi-turn conversations into rows; the async trainer's rollouts are single-turn "
+                             "(tools and environments are refused)",
+    "weight_sync_timeout": "bounds a weight transfer to a vLLM server over HTTP; hfnative's generators get weights "
+                           "through Ray, and a generator that stops answering is caught by heartbeat_stale_after_s",
+}
+
+# the TRL configs' own fields refused when set away from the config's default
+CONFIG_REFUSED = {
+    "vllm_structured_outputs_regex": "guided (regex-constrained) decoding is not implemented; unset it",
+}
+
 # values besides the class's default that a refused field may hold (what __post_init__ turns the default into,
 # or the values hfnative implements)
 ALSO_ACCEPTED = {
@@ -104,13 +124,15 @@ def refused_settings(args) -> list[str]:
     """``name=value: what to do`` for every REFUSED field of ``args`` set away from its default (transformers', or the
     config class's own where a TRL config changes it)."""
     names = {f.name for f in dataclasses.fields(args)}
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
     found = []
-    for name, what_to_do in REFUSED.items():
+    for name, what_to_do in {**REFUSED, **CONFIG_REFUSED}.items():
         if name not in names:
             continue
         value = getattr(args, name)
-        defaults = (field_default(type(args), name), field_default(transformers.TrainingArguments, name),
-                    *ALSO_ACCEPTED.get(name, ()))
+        defaults = (field_default(type(args), name), *ALSO_ACCEPTED.get(name, ()))
+        if name in base:
+            defaults += (field_default(transformers.TrainingArguments, name),)
         if any(value == accepted for accepted in defaults):
             continue
         found.append(f"{name}={value!r}: {what_to_do}")
@@ -142,6 +164,8 @@ def check_settings(args) -> None:
 
 __all__ = [
     "ALSO_ACCEPTED",
+    "CONFIG_NO_EFFECT",
+    "CONFIG_REFUSED",
     "HONOURED_BY_TRANSFORMERS",
     "NO_EFFECT",
     "REFUSED",
