@@ -22,7 +22,6 @@ LAYOUTS = {"ddp": dict(dp_replicate_size=2, dp_shard_size=1), "fsdp2": dict(dp_s
 CELLS = {
     "orpo-ddp": ("orpo", "ddp", dict(beta=0.2)),
     "orpo-fsdp2": ("orpo", "fsdp2", dict(beta=0.2)),
-    "cpo-ddp": ("cpo", "ddp", dict(loss_type="simpo", beta=2.0, cpo_alpha=0.5)),
     "cpo-fsdp2": ("cpo", "fsdp2", dict(loss_type="simpo", beta=2.0, cpo_alpha=0.5)),
 }
 

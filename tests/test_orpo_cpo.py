@@ -1,6 +1,6 @@
 """hfnative's ORPOTrainer and CPOTrainer against TRL's experimental ones on the same tiny model, data, order and seed
-(fp32, gradient accumulation 2): ORPO (conversational rows, implicit prompts, with and without LoRA) and every CPO
-loss type (text rows; label smoothing; AlphaPO; LoRA) for 2 steps — loss, grad_norm and every metric TRL logs equal
+(fp32, gradient accumulation 2): ORPO (conversational rows, implicit prompts, with and without LoRA, a MoE model with
+its router loss) and every CPO loss type (text and chat rows; label smoothing; AlphaPO; LoRA) for 2 steps — loss, grad_norm and every metric TRL logs equal
 within 1e-5 relative at step 1 and 1e-4 at step 2 — and the tokenized rows equal TRL's. The configs' fields and
 defaults equal TRL's; bad settings are refused by name; DDP and FSDP2 on 2 gloo processes equal one process.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 import hfnative
 
@@ -60,6 +60,21 @@ def policy(tmp_path_factory) -> str:
     return str(root / "policy")
 
 
+@pytest.fixture(scope="module")
+def moe_policy(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE asking for its router logits (TRL then adds router_aux_loss_coef x the load-balancing loss)."""
+    root = tmp_path_factory.mktemp("orpo-cpo-moe")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=48, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5, output_router_logits=True,
+                            max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(root / "moe")
+    tokenizer.save_pretrained(root / "moe")
+    return str(root / "moe")
+
+
 def _settings(output_dir, **extra) -> dict:
     return dict(output_dir=str(output_dir), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
                 max_steps=STEPS, logging_steps=1, save_strategy="no", per_device_train_batch_size=2,
@@ -77,6 +92,7 @@ CASES = {
     "cpo-simpo": ("cpo", dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=0.5), "text", False),
     "cpo-alphapo": ("cpo", dict(loss_type="alphapo", beta=2.0, alpha=0.25), "text", False),
     "cpo-sigmoid-lora": ("cpo", dict(cpo_alpha=0.3), "messages", True),
+    "orpo-moe": ("orpo", dict(beta=0.2), "messages", False),
 }
 
 
@@ -107,8 +123,9 @@ def _steps(trainer) -> list[dict]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_trains_like_trl(policy, case, tmp_path):
+def test_trains_like_trl(policy, moe_policy, case, tmp_path):
     lora = CASES[case][3]
+    policy = moe_policy if case.endswith("moe") else policy
     theirs = _build("trl", case, policy, tmp_path)
     if lora:  # peft's random initial A, given to both
         theirs.model.save_pretrained(str(tmp_path / "initial-adapter"))
@@ -124,6 +141,8 @@ def test_trains_like_trl(policy, case, tmp_path):
             assert mine[f"{side}_input_ids"] == trl_row[f"{side}_input_ids"]
             assert trl_row[f"{side}_labels"][: mine[f"{side}_prompt_length"]] == [-100] * mine[f"{side}_prompt_length"]
             assert trl_row[f"{side}_labels"][mine[f"{side}_prompt_length"]:] == mine[f"{side}_input_ids"][mine[f"{side}_prompt_length"]:]
+    if case.endswith("moe"):  # the router's loss is in both losses
+        assert ours.objective.aux_loss_coef == theirs.aux_loss_coef == 0.5 and ours.model.aux_loss_enabled
     ours.train()
     expected, got = _steps(theirs), _steps(ours)
     assert len(expected) == len(got) == STEPS
@@ -204,3 +223,20 @@ def test_layouts_train_like_one_process(policy, tmp_path):
             for key_, value in theirs.items():
                 if isinstance(value, float) and key_ not in SKIPPED and not key_.startswith("perf/"):
                     assert mine[key_] == pytest.approx(value, rel=1e-5, abs=1e-6), (cell, key_)
+
+
+# --- CLI ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command, extra", [("cpo", ["--loss_type", "simpo"])])
+def test_cli_trains_and_saves(command, extra, tmp_path):
+    """``hfnative-train cpo`` on the shipped data (``orpo`` is registered alike), two steps, a saved model
+    transformers loads."""
+    from hfnative.trainers import cli
+
+    out = tmp_path / command
+    cli.main([command, "--model_name_or_path", MODEL, "--dataset_name", str(DATA), "--output_dir", str(out),
+              "--use_cpu", "--no_bf16", "--max_steps", "2", "--logging_steps", "1", "--report_to", "none",
+              "--disable_tqdm", "--learning_rate", "1e-2", "--max_length", "64", "--per_device_train_batch_size", "2",
+              "--save_strategy", "no", "--no_gradient_checkpointing", *extra])
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    AutoModelForCausalLM.from_pretrained(str(out))
