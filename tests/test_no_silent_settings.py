@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("hfnative", "converters", "trainers")
 AUDIT = Path(settings_check.__file__).resolve()
 CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig", "GKDConfig",
-           "AsyncGRPOConfig", "KTOConfig", "RewardConfig"]
+           "AsyncGRPOConfig", "KTOConfig", "RewardConfig", "ORPOConfig", "CPOConfig"]
 
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
