@@ -97,6 +97,16 @@ class HubModelMixin:
     def base_model(self) -> nn.Module:
         return self
 
+    @property
+    def lm_head(self) -> nn.Module:
+        """The vocabulary projection, as transformers' ``model.lm_head``: ``get_output_embeddings()`` (weight
+        [vocab, hidden], the input embedding's parameter itself when the model ties them; called on hidden
+        states it gives the logits, soft-capped where the model soft-caps them)."""
+        head = self.get_output_embeddings()
+        if head is None:
+            raise AttributeError(f"{type(self).__name__} has no lm_head (its head is not a vocabulary projection)")
+        return head
+
     # --- adapters --------------------------------------------------------------------------------
 
     @property
@@ -191,6 +201,8 @@ class NativeCausalLM(HubModelMixin, Transformer):
         return self.tok_embeddings
 
     def get_output_embeddings(self) -> nn.Module:
+        """The head (hfnative.models.head.OutputHead): nn.Linear's ``weight`` [V, D], ``bias`` None,
+        ``in_features``, ``out_features``; ``head(hidden_BSD)`` is the logits."""
         return self.output
 
     def forward(self, *args, **kwargs):

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
+
 from .distillation_config import GKDConfig
 from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs, completion_batch
 from .rollout import Rollout, generation_eos_ids, sampling_params, tokenize_prompts
@@ -153,6 +157,67 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
 
     def _make_objective(self):
         return GKDObjective(self.context, self._teacher)
+
+    # --- TRL's static helpers (what scripts and tests call on the class) ----------------------------------------
+
+    @staticmethod
+    def generalized_jsd_loss(student_logits, teacher_logits, labels=None, beta=0.5, temperature=1.0,
+                             reduction="batchmean", num_items_in_batch=None):
+        """TRL's GKDTrainer.generalized_jsd_loss on full logits [B, S, V]: JSD_beta between softmax(logits /
+        temperature) of the student and the teacher (beta 0: KL(teacher || student), 1: KL(student || teacher)),
+        over the positions whose ``labels`` [B, S] are not -100. ``num_items_in_batch``: the sum divided by it.
+        Else ``reduction``: "batchmean" (the sum / the label tokens, or / B without labels), "sum", "mean" (over
+        every vocabulary entry) or "none" (the per-entry terms, [N, V] with labels, else [B, S, V])."""
+        if reduction not in ("batchmean", "sum", "mean", "none"):
+            raise ValueError(f"reduction={reduction!r}: expected 'batchmean', 'sum', 'mean' or 'none'")
+        if student_logits.shape != teacher_logits.shape:
+            raise ValueError(f"student_logits {tuple(student_logits.shape)} and teacher_logits "
+                             f"{tuple(teacher_logits.shape)} must have the same shape [B, S, V]")
+        student_log_probs = torch.log_softmax(student_logits / temperature, dim=-1)
+        teacher_log_probs = torch.log_softmax(teacher_logits / temperature, dim=-1)
+        terms = generalized_jsd_terms(student_log_probs, teacher_log_probs, float(beta))
+        mask = None
+        if labels is not None:
+            mask = labels != IGNORE_INDEX
+            terms = terms[mask]
+        if num_items_in_batch is not None:
+            return terms.sum() / torch.as_tensor(num_items_in_batch, device=terms.device)
+        if reduction == "batchmean":
+            return terms.sum() / (mask.sum().clamp_min(1) if mask is not None else max(terms.size(0), 1))
+        if reduction == "sum":
+            return terms.sum()
+        if reduction == "mean":
+            return terms.mean()
+        return terms
+
+    @staticmethod
+    def generate_on_policy_outputs(model, inputs, generation_config):
+        """TRL's GKDTrainer.generate_on_policy_outputs: ``model.generate`` from ``inputs["prompts"]`` [B, P] (left-
+        padded) and ``inputs["prompt_attention_mask"]`` with ``generation_config`` -> (sequences [B, P + C],
+        attention_mask [B, P + C]: the prompt's mask, then 1 up to and including each row's first EOS of
+        ``generation_config.eos_token_id``, labels [B, P + C]: the completion tokens, -100 on the prompt and
+        wherever the mask is 0)."""
+        missing = [key for key in ("prompts", "prompt_attention_mask") if key not in inputs]
+        if missing:
+            raise ValueError(f"generate_on_policy_outputs: inputs has no {missing} (it has {sorted(inputs)}); pass the "
+                             "left-padded prompt ids as 'prompts' and their mask as 'prompt_attention_mask'")
+        prompts, prompt_mask = inputs["prompts"], inputs["prompt_attention_mask"]
+        generated = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=generation_config,
+                                   return_dict_in_generate=True)
+        sequences = generated.sequences
+        prompt_length = prompts.shape[1]
+        completions = sequences[:, prompt_length:]
+        completion_mask = torch.ones_like(completions)
+        eos = generation_config.eos_token_id
+        if eos is not None:
+            stops = torch.isin(completions, torch.as_tensor(eos, device=completions.device))
+            # a row is kept through its first EOS (positions after it: 0); a row without one is kept whole
+            after_first_stop = (stops.cumsum(dim=1) - stops.long()) > 0
+            completion_mask = (~after_first_stop).to(completions.dtype)
+        attention_mask = torch.cat([prompt_mask.to(completions.dtype), completion_mask], dim=1)
+        labels = sequences.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        labels[:, :prompt_length] = IGNORE_INDEX
+        return sequences, attention_mask, labels
 
 
 # --- command line ---------------------------------------------------------------------------------------

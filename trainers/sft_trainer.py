@@ -110,6 +110,19 @@ class SFTTrainer(Trainer):
             quantization_config=quantization_config,
             peft_config=peft_config,
         )
+        self._sync_router_config()
+
+    def _sync_router_config(self) -> None:
+        """As TRL's SFTTrainer: a config with a router coefficient gets ``output_router_logits`` =
+        ``aux_loss_enabled`` and the coefficient in use (so a saved config.json says what was trained)."""
+        text = getattr(self.model, "config", None)
+        text = text.get_text_config() if text is not None else None
+        if text is None or not hasattr(text, "router_aux_loss_coef"):
+            return
+        coef = self.args.router_aux_loss_coef
+        enabled = self.aux_loss_enabled
+        text.output_router_logits = enabled
+        text.router_aux_loss_coef = text.router_aux_loss_coef if coef is None else coef
 
     def _make_objective(self):
         return SFTObjective(self.context, formatting_func=self.formatting_func)

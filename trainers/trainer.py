@@ -174,6 +174,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         self._check_supported()
         self._build_auxiliary_models()
         self.objective.auxiliary_models_ready()
+        self._aux_loss_enabled = self._router_loss_rule()  # decided once, as TRL's trainers decide it
         self._metrics = {"train": MetricAverages(), "eval": MetricAverages()}
         self.train_dataset, self.eval_dataset = self.objective.prepare_datasets(train_dataset, eval_dataset)
         if self.data_collator is None:
@@ -587,15 +588,44 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     @property
     def accelerator(self):
         """accelerate's ``Accelerator`` for this process, as transformers' Trainer has one: rank and device
-        (``is_main_process``, ``num_processes``, ``process_index``, ``device``), ``gather_for_metrics``,
-        ``split_between_processes``, ``unwrap_model``, ``wait_for_everyone``. Created on first use; the
-        training loop itself does not go through it."""
+        (``is_main_process``, ``num_processes``, ``process_index``, ``device``), ``gather``, ``gather_for_metrics``,
+        ``reduce``, ``split_between_processes``, ``unwrap_model``, ``wait_for_everyone``, over the process group the
+        trainer started. Created on first use; the training loop itself does not go through it. Assigning one
+        (``trainer.accelerator = ...``) keeps what is assigned, for the code that reads it."""
         accelerator = self.__dict__.get("_accelerator")
         if accelerator is None:
             from accelerate import Accelerator
 
             accelerator = self._accelerator = Accelerator(cpu=self.device.type == "cpu" and self.args.use_cpu)
         return accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        self._accelerator = accelerator
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's ``aux_loss_enabled``: the model's config has ``output_router_logits`` (a Mixture-of-Experts model)
+        and the router's load-balancing coefficient (``router_aux_loss_coef``, else the config's) is not 0.0. Where
+        the objective adds that loss (SFT, DPO, KTO), setting it turns the term and its ``aux_loss`` metric on or off."""
+        return self._aux_loss_enabled
+
+    @aux_loss_enabled.setter
+    def aux_loss_enabled(self, enabled: bool) -> None:
+        self._aux_loss_enabled = bool(enabled)
+        if hasattr(self.objective, "aux_loss_coef"):  # the objectives that add the model's router loss
+            self.model.aux_loss_enabled = bool(enabled)
+
+    def _router_loss_rule(self) -> bool:
+        """TRL's rule for ``aux_loss_enabled`` (a trainer where TRL decides it otherwise overrides this)."""
+        coef = getattr(self.args, "router_aux_loss_coef", None)
+        config = getattr(self.model, "config", None)
+        if config is None:  # a bare native model: its MoE settings say the same
+            moe = getattr(getattr(self.model, "args", None), "moe", None)
+            return moe is not None and (moe.aux_loss_coef if coef is None else coef) != 0.0
+        text = config.get_text_config()
+        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+        return hasattr(text, "output_router_logits") and coef != 0.0
 
     @property
     def model_wrapped(self):

@@ -8,7 +8,7 @@ from hfnative.losses.cross_entropy import (
     linear_cross_entropy,
     shift_labels,
 )
-from hfnative.losses.distillation import DistillationOutput, fused_linear_generalized_jsd
+from hfnative.losses.distillation import DistillationOutput, fused_linear_generalized_jsd, generalized_jsd_terms
 from hfnative.losses.logprobs import fused_linear_token_logprobs, linear_token_logprobs
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "fused_linear_cross_entropy",
     "fused_linear_generalized_jsd",
     "fused_linear_token_logprobs",
+    "generalized_jsd_terms",
     "label_positions",
     "linear_cross_entropy",
     "linear_token_logprobs",

@@ -52,6 +52,21 @@ def _divergence_and_grad(log_ps_CV, log_pt_CV, beta: float):
     return divergence_C, grad_CV
 
 
+def generalized_jsd_terms(student_log_probs: torch.Tensor, teacher_log_probs: torch.Tensor, beta: float) -> torch.Tensor:
+    """The generalized JSD's terms per vocabulary entry ([..., V], summing over V gives JSD_beta per token), from
+    log p_s and log p_t [..., V]; differentiable in both (the unfused form, for logits that are already there)."""
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta={beta}: the generalized JSD needs 0 <= beta <= 1")
+    if beta == 0.0:  # KL(p_t || p_s)
+        return teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)
+    if beta == 1.0:  # KL(p_s || p_t)
+        return student_log_probs.exp() * (student_log_probs - teacher_log_probs)
+    log_m = torch.logaddexp(student_log_probs + math.log1p(-beta), teacher_log_probs + math.log(beta))
+    kl_teacher = teacher_log_probs.exp() * (teacher_log_probs - log_m)
+    kl_student = student_log_probs.exp() * (student_log_probs - log_m)
+    return beta * kl_teacher + (1 - beta) * kl_student
+
+
 class _GeneralizedJSDKernel(ChunkKernel):
     """Summed JSD_beta and student entropy; the student's gradients are formed chunk by chunk in forward."""
 

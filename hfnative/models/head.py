@@ -103,7 +103,8 @@ class GeneralizedJSD:
 
 class OutputHead(nn.Module):
     """softcap(hidden @ weight.T). ``weight`` [V, D] is the head's own parameter, or the embedding's
-    when tied (then the head holds no parameter: the embedding module owns it)."""
+    when tied (then the head holds no parameter: the embedding module owns it, and ``head.weight`` is
+    that parameter). Like nn.Linear it has ``weight``, ``bias`` (None), ``in_features`` and ``out_features``."""
 
     def __init__(self, dim: int, vocab_size: int, softcap: float | None = None, tied_embedding: nn.Embedding | None = None):
         super().__init__()
@@ -127,7 +128,26 @@ class OutputHead(nn.Module):
         """Hold the tied embedding's parameter as ``weight`` too (one tensor, two names), so either
         can later be replaced on its own (peft's modules_to_save)."""
         if self.is_tied:
-            self.weight = self._tied_embedding[0].weight
+            embedding = self._tied_embedding[0]
+            self._tied_embedding = ()
+            self.weight = embedding.weight
+
+    def __getattr__(self, name: str):
+        # ``weight`` reads the tied embedding's parameter too, as a tied nn.Linear head's does
+        if name == "weight" and self.__dict__.get("_tied_embedding"):
+            return self.__dict__["_tied_embedding"][0].weight
+        return super().__getattr__(name)
+
+    # nn.Linear's other names, for code that treats the head as transformers' ``lm_head``
+    bias = None
+
+    @property
+    def in_features(self) -> int:
+        return self.projection().shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.projection().shape[0]
 
     def projection(self) -> torch.Tensor:
         """The [V, D] head matrix."""
