@@ -1,7 +1,7 @@
 """ORPO and CPO as ranks of a torchrun launch, for tests/test_orpo_cpo.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _orpo_cpo_layout_worker.py OUTPUT_DIR POLICY CELL [CELL ...]
-Each CELL (a key of CELLS) trains with its layout's parallelism_config, 2 pairs per rank; rank 0 writes
+Each CELL (a key of CELLS) trains (and evaluates) with its layout's parallelism_config, 2 pairs per rank; rank 0 writes
 OUTPUT_DIR/CELL/log.json (the log history). The test runs each cell on one process with 2 accumulated micro-batches
 of 2 pairs (``trainer_for`` with ``layout=None``): the micro-batches the ranks held.
 """
@@ -20,7 +20,7 @@ STEPS = 2
 LAYOUTS = {"ddp": dict(dp_replicate_size=2, dp_shard_size=1), "fsdp2": dict(dp_shard_size=2)}
 # name -> (algorithm, layout, settings)
 CELLS = {
-    "orpo-ddp": ("orpo", "ddp", dict(beta=0.2)),
+    "orpo-ddp": ("orpo", "ddp", dict(beta=0.2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)),
     "orpo-fsdp2": ("orpo", "fsdp2", dict(beta=0.2)),
     "cpo-fsdp2": ("cpo", "fsdp2", dict(loss_type="simpo", beta=2.0, cpo_alpha=0.5)),
 }
@@ -44,7 +44,10 @@ def trainer_for(cell: str, output_dir: str, policy: str, layout: str | None = "c
         common["parallelism_config"] = dict(LAYOUTS[layout_name])
     config, trainer = ((hfnative.ORPOConfig, hfnative.ORPOTrainer) if algorithm == "orpo"
                        else (hfnative.CPOConfig, hfnative.CPOTrainer))
-    return trainer(model=policy, args=config(**common, **settings), train_dataset=Dataset.from_list(rows(16)))
+    data = rows(24)
+    evaluating = settings.get("eval_strategy", "no") != "no"
+    return trainer(model=policy, args=config(**common, **settings), train_dataset=Dataset.from_list(data[:16]),
+                   eval_dataset=Dataset.from_list(data[16:]) if evaluating else None)
 
 
 def main(output_dir: str, policy: str, cells: list[str]) -> None:

@@ -84,7 +84,8 @@ def _settings(output_dir, **extra) -> dict:
 
 # case -> (algorithm, config settings, rows, LoRA)
 CASES = {
-    "orpo": ("orpo", dict(beta=0.2), "messages", False),
+    "orpo": ("orpo", dict(beta=0.2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3), "messages",
+             False),
     "orpo-lora-implicit": ("orpo", dict(beta=0.1, padding_value=7), "implicit", True),
     "cpo-sigmoid": ("cpo", dict(label_smoothing=0.1), "text", False),
     "cpo-hinge": ("cpo", dict(loss_type="hinge", beta=0.05), "text", False),
@@ -113,13 +114,18 @@ def _build(side: str, case: str, model_path: str, tmp_path):
                            else (hfnative.CPOConfig, hfnative.CPOTrainer))
         model = model_path
     torch.manual_seed(0)
+    evaluating = settings.get("eval_strategy", "no") != "no"
     return trainer(model=model, args=config(**_settings(tmp_path / side, **settings)),
                    train_dataset=Dataset.from_list(_data(kind)), processing_class=AutoTokenizer.from_pretrained(MODEL),
-                   peft_config=peft_config)
+                   eval_dataset=Dataset.from_list(_rows(24)[16:]) if evaluating else None, peft_config=peft_config)
 
 
 def _steps(trainer) -> list[dict]:
     return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _evaluations(trainer) -> list[dict]:
+    return [entry for entry in trainer.state.log_history if "eval_loss" in entry]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -156,6 +162,14 @@ def test_trains_like_trl(policy, moe_policy, case, tmp_path):
             if trl_entry[key] != 0:
                 worst[key] = max(worst.get(key, 0.0), abs(mine[key] - trl_entry[key]) / abs(trl_entry[key]))
     assert expected[0]["grad_norm"] > 0 and expected[-1]["loss"] != expected[0]["loss"]
+    evaluations, expected_evaluations = _evaluations(ours), _evaluations(theirs)
+    assert len(evaluations) == len(expected_evaluations) == (CASES[case][1].get("eval_strategy", "no") != "no")
+    for mine, trl_entry in zip(evaluations, expected_evaluations):
+        keys = [k for k in trl_entry if k.startswith("eval_") and not k.endswith(("runtime", "per_second"))]
+        assert len(keys) > 5 and set(keys) <= set(mine), sorted(set(keys) - set(mine))
+        for key in keys:
+            assert mine[key] == pytest.approx(trl_entry[key], rel=1e-4, abs=1e-6), (case, key)
+            worst[key] = max(worst.get(key, 0.0), abs(mine[key] - trl_entry[key]) / max(abs(trl_entry[key]), 1e-12))
     print(f"{case}: max relative difference {max(worst.values()):.2e} "
           f"(loss {worst['loss']:.2e}, grad_norm {worst['grad_norm']:.2e})")
 
@@ -179,12 +193,21 @@ def test_config_has_trls_fields_and_defaults(name):
     (dict(loss_type="robust"), "Unknown loss type: robust"),
     (dict(generate_during_eval=True), "generate_during_eval"),
     (dict(is_encoder_decoder=True), "is_encoder_decoder"),
-    (dict(eval_strategy="steps", eval_steps=1), "evaluation"),
+    (dict(), "compute_metrics is not supported"),
 ])
 def test_bad_settings_are_refused(settings, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         hfnative.CPOTrainer(model=MODEL, args=hfnative.CPOConfig(**_settings(tmp_path, **settings)),
-                            train_dataset=Dataset.from_list(_text_rows(4)), eval_dataset=Dataset.from_list(_text_rows(2)))
+                            train_dataset=Dataset.from_list(_text_rows(4)), eval_dataset=Dataset.from_list(_text_rows(2)),
+                            compute_metrics=(lambda prediction: {}) if not settings else None)
+
+
+def test_declared_layouts():
+    """DDP / FSDP2 (multi_process) and evaluation; the loop refuses tensor, context and expert parallelism."""
+    from hfnative.trainers.cpo_trainer import CPOObjective
+    from hfnative.trainers.orpo_trainer import ORPOObjective
+
+    assert ORPOObjective.supports == CPOObjective.supports == {"multi_process", "evaluation"}
 
 
 def test_mixed_row_kinds_name_the_row(tmp_path):
@@ -200,7 +223,8 @@ def test_mixed_row_kinds_name_the_row(tmp_path):
 
 def test_layouts_train_like_one_process(policy, tmp_path):
     """Each rank's 2-pair micro-batch is one of the single process's 2 accumulated micro-batches (the loss is a
-    mean of micro-batch means, as TRL's under DDP): 2 steps equal within 1e-5 relative."""
+    mean of micro-batch means, as TRL's under DDP): 2 steps (and ORPO's evaluation under DDP) equal within 1e-5
+    relative."""
     import _orpo_cpo_layout_worker as worker
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -214,14 +238,16 @@ def test_layouts_train_like_one_process(policy, tmp_path):
         if key not in references:
             trainer = worker.trainer_for(cell, str(tmp_path / "one" / cell), policy, layout=None)
             trainer.train()
-            references[key] = _steps(trainer)
+            references[key] = _steps(trainer) + _evaluations(trainer)
         expected = references[key]
-        got = [e for e in json.loads((tmp_path / "launched" / cell / "log.json").read_text()) if "loss" in e]
-        assert len(got) == len(expected) == worker.STEPS
+        logs = json.loads((tmp_path / "launched" / cell / "log.json").read_text())
+        got = [e for e in logs if "loss" in e] + [e for e in logs if "eval_loss" in e]
+        assert len(got) == len(expected) == worker.STEPS + (settings.get("eval_strategy", "no") != "no")
         for mine, theirs in zip(got, expected):
             assert set(mine) == set(theirs)
             for key_, value in theirs.items():
-                if isinstance(value, float) and key_ not in SKIPPED and not key_.startswith("perf/"):
+                if (isinstance(value, float) and key_ not in SKIPPED and not key_.startswith("perf/")
+                        and not key_.endswith(("runtime", "per_second"))):
                     assert mine[key_] == pytest.approx(value, rel=1e-5, abs=1e-6), (cell, key_)
 
 

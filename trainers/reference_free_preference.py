@@ -46,6 +46,9 @@ class ReferenceFreePreferenceTrainer(Trainer):
     ):
         args = self.resolve_args(args, model)
         args.check_for_trainer(type(self).__name__)
+        if compute_metrics is not None:
+            raise ValueError(f"{type(self).__name__}: compute_metrics is not supported (TRL hands it the batch's "
+                             "logged metrics, not logits); drop it: the evaluation logs eval_loss and TRL's eval_ metrics")
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
@@ -82,8 +85,8 @@ class ReferenceFreePreferenceObjective(Objective):
     Each micro-batch's loss is its own mean (the default normalizer), as TRL's."""
 
     # the logged mean logit runs over every position of the padded batch (pads included, as TRL's): a layout that
-    # pads or splits the sequences (tensor, context parallel) would change it; evaluation is not implemented
-    supports = frozenset({"multi_process"})
+    # pads or splits the sequences (tensor, context parallel) would change it
+    supports = frozenset({"multi_process", "evaluation"})
     pads_with_eos = False  # CPO sets a missing pad token to EOS; ORPO requires one
 
     def __init__(self, context):
@@ -174,6 +177,10 @@ class ReferenceFreePreferenceObjective(Objective):
     def preference_loss(self, sums: dict) -> tuple[torch.Tensor, dict]:
         """The micro-batch's loss and metrics from ``sums`` (per row [2B]: logps, lengths; per position [2B, S]:
         token_logps, mean_logits, completion and attended target masks)."""
+
+    # --- evaluation: the loss and TRL's metrics under eval_ -----------------------------------------------
+    def has_eval_loss(self, inputs: dict) -> bool:
+        return True
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
