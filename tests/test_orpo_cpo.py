@@ -149,6 +149,7 @@ def test_trains_like_trl(policy, moe_policy, case, tmp_path):
             assert trl_row[f"{side}_labels"][mine[f"{side}_prompt_length"]:] == mine[f"{side}_input_ids"][mine[f"{side}_prompt_length"]:]
     if case.endswith("moe"):  # the router's loss is in both losses
         assert ours.objective.aux_loss_coef == theirs.aux_loss_coef == 0.5 and ours.model.aux_loss_enabled
+        assert ours.aux_loss_enabled is theirs.aux_loss_enabled is True
     ours.train()
     expected, got = _steps(theirs), _steps(ours)
     assert len(expected) == len(got) == STEPS

@@ -59,6 +59,10 @@ class ReferenceFreePreferenceTrainer(Trainer):
     def _make_objective(self):
         return self.objective_class(self.context)
 
+    def _router_loss_rule(self) -> bool:
+        """TRL's rule here: the model config's ``output_router_logits``."""
+        return bool(getattr(getattr(self.model, "config", None), "output_router_logits", False))
+
 
 def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:
     """The loop's attention plan for a right-padded batch, with padding queries attending to the real keys before them
