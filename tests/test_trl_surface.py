@@ -3,7 +3,8 @@
 Each check is one function run on TRL's object and on hfnative's (the import is the only difference):
 - ``trainer.aux_loss_enabled`` (SFT, DPO; a dense model and a tiny MoE, the config's coefficient and 0.0), the
   config's ``output_router_logits`` after SFT's construction, and the setter turning the aux_loss term off;
-- ``trainer.accelerator``: rank, device and the collectives scripts call, equal to TRL's; assignment is kept;
+- ``trainer.accelerator``: rank, device and the collectives scripts call, equal to TRL's; assignment is kept; under
+  a 2-process gloo launch, torch.distributed's ranks and collectives on the trainer's process group;
 - ``model.lm_head`` / ``get_output_embeddings()``: weight [V, D] equal to transformers', the embedding's own
   parameter when tied, logits equal transformers' ``lm_head`` on the same hidden states;
 - GKD's statics: ``generalized_jsd_loss`` equal to TRL's on random logits (beta, temperature, reduction, labels,
@@ -11,6 +12,12 @@ Each check is one function run on TRL's object and on hfnative's (the import is 
 - SFT's padding-free batches: the same keys and tensors as TRL's collator (cu_seq_lens_q/k, max_length_q/k and
   seq_idx are TRL 1.16's own).
 """
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +246,21 @@ def test_padding_free_batches_equal_trls(settings, tmp_path):
     for key, value in theirs.items():
         assert (torch.equal(ours[key], value) and ours[key].dtype == value.dtype) if torch.is_tensor(value) \
             else ours[key] == value, key
+
+
+def test_accelerator_on_two_processes_is_the_trainers_process_group(tmp_path):
+    """Under torchrun (2 processes, gloo): ranks, device and collectives of ``trainer.accelerator`` are
+    torch.distributed's on the group the trainer started (tests/_accelerator_worker.py)."""
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(here / "_accelerator_worker.py"), str(tmp_path)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    readings = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, reading in enumerate(readings):
+        assert reading["ranks"] == reading["torch_ranks"] == [rank == 0, rank == 0, rank, rank, 2]
+        assert reading["world_process_zero"] == (rank == 0) and torch.device(reading["device"]).type == "cpu"
+        assert reading["gather"] == reading["all_gather"] == reading["gather_for_metrics"] == [1.0, 1.0, 2.0, 2.0]
+        assert reading["reduce_sum"] == [3.0, 3.0] and reading["padded"] == 2 and reading["unwrap_is_model"]
+    assert readings[0]["split"] == ["a", "b"] and readings[1]["split"] == ["c", "d"]
