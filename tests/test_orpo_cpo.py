@@ -87,12 +87,11 @@ CASES = {
     "orpo": ("orpo", dict(beta=0.2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=3), "messages",
              False),
     "orpo-lora-implicit": ("orpo", dict(beta=0.1, padding_value=7), "implicit", True),
-    "cpo-sigmoid": ("cpo", dict(label_smoothing=0.1), "text", False),
     "cpo-hinge": ("cpo", dict(loss_type="hinge", beta=0.05), "text", False),
     "cpo-ipo": ("cpo", dict(loss_type="ipo", beta=0.5), "messages", False),
     "cpo-simpo": ("cpo", dict(loss_type="simpo", beta=2.0, simpo_gamma=0.5, cpo_alpha=0.5), "text", False),
     "cpo-alphapo": ("cpo", dict(loss_type="alphapo", beta=2.0, alpha=0.25), "text", False),
-    "cpo-sigmoid-lora": ("cpo", dict(cpo_alpha=0.3), "messages", True),
+    "cpo-sigmoid-lora": ("cpo", dict(label_smoothing=0.1, cpo_alpha=0.3), "messages", True),
     "orpo-moe": ("orpo", dict(beta=0.2), "messages", False),
 }
 
