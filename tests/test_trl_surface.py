@@ -1,7 +1,7 @@
 """What a TRL user's code reads on the trainer and the model, asserted against TRL's trainer beside ours.
 
 Each check is one function run on TRL's object and on hfnative's (the import is the only difference):
-- ``trainer.aux_loss_enabled`` (SFT, DPO; a dense model and a tiny MoE, the config's coefficient and 0.0), the
+- ``trainer.aux_loss_enabled`` (SFT, DPO, GRPO, RLOO; a dense model and a tiny MoE, the config's coefficient and 0.0), the
   config's ``output_router_logits`` after SFT's construction, and the setter turning the aux_loss term off;
 - ``trainer.accelerator``: rank, device and the collectives scripts call, equal to TRL's; assignment is kept; under
   a 2-process gloo launch, torch.distributed's ranks and collectives on the trainer's process group;
@@ -65,10 +65,27 @@ def _dpo(module, model, tmp_path, **extra):
                              processing_class=AutoTokenizer.from_pretrained(model))
 
 
+def _length_reward(completions, **kwargs):
+    return [float(len(completion)) for completion in completions]
+
+
+def _online(trainer_name):
+    def build(module, model, tmp_path, **extra):
+        settings = dict(output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none",
+                        disable_tqdm=True, max_steps=1, save_strategy="no", per_device_train_batch_size=2,
+                        num_generations=2, max_completion_length=4)
+        config = getattr(module, f"{trainer_name}Config")(**{**settings, **extra})
+        return getattr(module, f"{trainer_name}Trainer")(
+            model=model, reward_funcs=_length_reward, args=config,
+            train_dataset=Dataset.from_list([{"prompt": row["prompt"]} for row in PREFERENCE_ROWS]),
+            processing_class=AutoTokenizer.from_pretrained(model))
+    return build
+
+
 # --- aux_loss_enabled --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("build", [_sft, _dpo], ids=["sft", "dpo"])
+@pytest.mark.parametrize("build", [_sft, _dpo, _online("GRPO"), _online("RLOO")], ids=["sft", "dpo", "grpo", "rloo"])
 @pytest.mark.parametrize("model, coef", [("dense", None), ("moe", None), ("moe", 0.0)],
                          ids=["dense", "moe-config-coef", "moe-off"])
 def test_aux_loss_enabled_is_trls(build, model, coef, moe_model, tmp_path):
