@@ -7,6 +7,7 @@ Shapes: B pairs, S positions; position t's target is token t + 1 (the last posit
 
 from __future__ import annotations
 
+import logging
 from abc import abstractmethod
 
 import torch
@@ -14,12 +15,15 @@ import torch.nn.functional as F
 import transformers
 
 from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
+from hfnative.losses.preference import sft_loss
 from hfnative.models.attention import AttentionPlan, build_attention_mask
 from hfnative.models.head import TokenLogprobs
 
 from .objective import Objective
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 class ReferenceFreePreferenceTrainer(Trainer):
@@ -122,6 +126,8 @@ class ReferenceFreePreferenceObjective(Objective):
 
     def _prepare(self, dataset):
         args = self.args
+        if args.max_length is None and dataset is not None:
+            logger.warning("`max_length` is not set: sequences are cut at TRL's default of 512 tokens; set it yourself.")
         return prepare_paired_preference_dataset(dataset, self.context.processing_class, args.sequence_length_limit,
                                                  args.dataset_num_proc)
 
@@ -156,10 +162,10 @@ class ReferenceFreePreferenceObjective(Objective):
 
     @staticmethod
     def chosen_nll(token_logps_BS, mask_BS) -> torch.Tensor:
-        """The chosen rows' mean token NLL over ``mask_BS``'s targets."""
-        chosen_logps_BS, _ = token_logps_BS.chunk(2, dim=0)
-        chosen_mask_BS, _ = mask_BS.chunk(2, dim=0)
-        return -(chosen_logps_BS * chosen_mask_BS).sum() / chosen_mask_BS.sum()
+        """The chosen rows' mean token NLL over ``mask_BS``'s targets (DPO's sft term)."""
+        chosen_sums_B, _ = (token_logps_BS * mask_BS).sum(dim=1).chunk(2, dim=0)
+        chosen_tokens_B, _ = mask_BS.sum(dim=1).chunk(2, dim=0)
+        return sft_loss(chosen_sums_B, chosen_tokens_B)[0]
 
     @staticmethod
     def reward_metrics(chosen_logps, rejected_logps, chosen_rewards, rejected_rewards, mean_logits_BS) -> dict:
