@@ -170,7 +170,8 @@ def test_trains_like_trl(policy, moe_policy, case, tmp_path):
         for key in keys:
             assert mine[key] == pytest.approx(trl_entry[key], rel=1e-4, abs=1e-6), (case, key)
             worst[key] = max(worst.get(key, 0.0), abs(mine[key] - trl_entry[key]) / max(abs(trl_entry[key]), 1e-12))
-    print(f"{case}: max relative difference {max(worst.values()):.2e} "
+    key = max(worst, key=worst.get)
+    print(f"{case}: max relative difference {worst[key]:.2e} ({key}) "
           f"(loss {worst['loss']:.2e}, grad_norm {worst['grad_norm']:.2e})")
 
 
