@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -30,6 +31,8 @@ import threading
 from collections.abc import Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 # --- built-ins ---------------------------------------------------------------------------------------------
@@ -195,17 +198,23 @@ class RewardFunctions:
         self.weights_F = torch.tensor(reward_weights, dtype=torch.float32)
         self.device = torch.device(device)
         self.chat_template_kwargs = chat_template_kwargs or {}
+        # TRL's rules: None for every function, one tokenizer for a single function, else one entry per function
         processing = reward_processing_classes
-        processing = processing if isinstance(processing, (list, tuple)) else [processing] * len(self.functions)
+        if processing is None:
+            processing = [None] * len(self.functions)
+        elif not isinstance(processing, (list, tuple)):
+            processing = [processing]
         if len(processing) != len(self.functions):
             raise ValueError(
-                f"reward_processing_classes has {len(processing)} entries for {len(self.functions)} reward functions"
+                f"The number of reward processing classes ({len(processing)}) must match the number of reward "
+                f"functions ({len(self.functions)})."
             )
         self.tokenizers = []
         for function, tokenizer in zip(self.functions, processing):
             if isinstance(function, torch.nn.Module):
                 function.to(self.device).eval().requires_grad_(False)
                 tokenizer = tokenizer if tokenizer is not None else _reward_tokenizer(function)
+                _pad_like_trl(function, tokenizer)
             self.tokenizers.append(tokenizer)
         self._loop = None
 
@@ -237,6 +246,14 @@ class RewardFunctions:
 
             for (index, _), values in zip(pending, self._loop.run(gather())):
                 rewards_NF[:, index] = self._as_rewards(values, index, len(prompts))
+        unscored_N = torch.isnan(rewards_NF).all(dim=1)
+        if unscored_N.any():  # TRL's warning, with the first such row's arguments
+            row = int(unscored_N.nonzero()[0, 0])
+            arguments = {key: values[row] for key, values in kwargs.items()
+                         if key not in ("trainer_state", "log_extra", "log_metric")}
+            arguments.update(prompt=prompts[row], completion=completions[row])
+            logger.warning(f"All reward functions returned None for the following kwargs:\n{arguments}\n"
+                           "Please ensure that at least one reward function returns a valid reward.")
         return rewards_NF
 
     def _as_rewards(self, values, index: int, expected: int) -> torch.Tensor:
@@ -264,8 +281,14 @@ class RewardFunctions:
 def _reward_tokenizer(model):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
+    return AutoTokenizer.from_pretrained(model.config._name_or_path)
+
+
+def _pad_like_trl(model, tokenizer) -> None:
+    """TRL's padding rule for a reward model: a tokenizer without a pad token pads with its EOS, and the model scores
+    each row at its last token that is not the tokenizer's pad token."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model.config.pad_token_id = tokenizer.pad_token_id
-    return tokenizer
+    config = getattr(model, "config", None)
+    if config is not None:
+        (config.get_text_config() if hasattr(config, "get_text_config") else config).pad_token_id = tokenizer.pad_token_id
