@@ -85,7 +85,20 @@ def trainer_for(name: str, output_dir: str, models_dir: str, per_device: int, **
     return SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()))
 
 
+def resume_under_fsdp2(output_dir: str, models_dir: str, layouts: list[str]) -> None:
+    """Each LAYOUT's run folder under OUTPUT_DIR (a copy of its launched run) resumed from its step-3 checkpoint
+    under plain FSDP2 over 2 ranks (no expert or context parallelism); rank 0 writes resumed-log.json there."""
+    for name in layouts:
+        out = Path(output_dir) / name
+        trainer = trainer_for(name, str(out), models_dir, PER_DEVICE, parallelism_config=dict(dp_shard_size=2))
+        trainer.train(resume_from_checkpoint=str(out / "checkpoint-3"))
+        if dist.get_rank() == 0:
+            (out / "resumed-log.json").write_text(json.dumps(trainer.state.log_history))
+
+
 def main(output_dir: str, models_dir: str, layouts: list[str]) -> None:
+    if layouts and layouts[0] == "--resume-under-fsdp2":
+        return resume_under_fsdp2(output_dir, models_dir, layouts[1:])
     for name in layouts:
         _, sizes, _, _ = LAYOUTS[name]
         out = Path(output_dir) / name

@@ -128,6 +128,29 @@ def test_checkpoint_resumes_on_one_process(launched, models_dir, tmp_path, layou
             assert entry[key] == pytest.approx(launched_steps[step][key], rel=1e-5), (layout, step, key)
 
 
+def test_checkpoints_resume_under_another_layout(launched, models_dir, tmp_path):
+    """The EP2 and CP2 x EP2 runs' step-3 checkpoints resumed under plain FSDP2 on 2 processes (the experts and the
+    sequences no longer split): steps 4 and 5 equal the launched runs' (1e-5)."""
+    import shutil
+
+    layouts = [name for name, (_, _, extra, _) in worker.LAYOUTS.items() if extra.get("save_steps") == 3]
+    for name in layouts:
+        shutil.copytree(launched / name, tmp_path / name)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(HERE / "_ep_worker.py"), str(tmp_path), str(models_dir), "--resume-under-fsdp2", *layouts]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-6000:]
+    for name in layouts:
+        launched_steps = {e["step"]: e for e in json.loads((launched / name / "log.json").read_text()) if "loss" in e}
+        resumed = {e["step"]: e for e in json.loads((tmp_path / name / "resumed-log.json").read_text())
+                   if "loss" in e and e["step"] > 3}
+        assert sorted(resumed) == [4, 5], name
+        for step, entry in resumed.items():
+            for key in ("loss", "grad_norm", "learning_rate", "aux_loss"):
+                assert entry[key] == pytest.approx(launched_steps[step][key], rel=1e-5), (name, step, key)
+
+
 def test_sizes_are_validated(tmp_path):
     from hfnative.parallel.dims import ParallelDims
     from hfnative.parallel.expert_parallel import ExpertParallel
