@@ -24,25 +24,21 @@ def _call_compiled(self, *inputs, **kwargs):
     return self._compiled_forward(self, *inputs, **kwargs)
 
 
-def _compile_forward(module: nn.Module, compiled_by_type: dict, dynamic: bool) -> None:
+def _compile_forward(module: nn.Module, compiled_by_type: dict) -> None:
     if "_compiled_forward" in vars(module):  # already compiled: applying twice is a no-op
         return
     cls = type(module)
     if cls not in compiled_by_type:
         # dynamic=True: the graphs on both sides of a graph break take any batch and sequence length;
         # not fullgraph: per-document attention on CPU is a deliberate graph break (module docstring)
-        compiled_by_type[cls] = torch.compile(cls.forward, dynamic=dynamic)
+        compiled_by_type[cls] = torch.compile(cls.forward, dynamic=True)
     module._compiled_forward = compiled_by_type[cls]
     # a bound method (not a closure) so copy.deepcopy(model) rebinds it to the copy
     module.forward = types.MethodType(_call_compiled, module)
 
 
-def apply_compile(model: nn.Module, dynamic: bool = True) -> nn.Module:
+def apply_compile(model: nn.Module) -> nn.Module:
     """Compile each decoder block separately; in place, parameter names unchanged.
-
-    dynamic=False: static shapes, each new batch shape compiled once (torch's recompile limit then runs further
-    shapes eagerly; a fixed ``pad_to_multiple_of`` bounds them). Tensor-parallel blocks need it: torch 2.13's tracing
-    of their DTensor ops with symbolic shapes recurses without end (RecursionError).
 
     In a mixture-of-experts block only the attention is compiled; routing and experts run eagerly.
     Activation checkpointing (``model.checkpointed_layers``) composes with it: the recomputation in
@@ -51,5 +47,5 @@ def apply_compile(model: nn.Module, dynamic: bool = True) -> nn.Module:
     """
     compiled_by_type: dict = {}
     for block in model.layers:
-        _compile_forward(block if getattr(block, "moe", None) is None else block.attention, compiled_by_type, dynamic)
+        _compile_forward(block if getattr(block, "moe", None) is None else block.attention, compiled_by_type)
     return model

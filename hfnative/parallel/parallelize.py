@@ -64,6 +64,12 @@ def parallelize(
             f"{dims.mesh_dim_names} of "
             f"sizes {dims.shape}; pass the mesh dims.build_mesh(device_type) returns"
         )
+    if compile and dims.tp_enabled:
+        raise ValueError(
+            "compile=True with tensor parallelism (tp>1) is not supported yet: torch 2.13's inductor fails "
+            "(RecursionError) on the tensor-parallel feed-forward compiled with dynamic shapes; use compile with tp=1, "
+            "or tp without compile"
+        )
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
     # a dense model in an expert-parallel run (a teacher, a reference) is sharded like any other, over all dp_shard
@@ -78,8 +84,8 @@ def parallelize(
             apply_expert_parallel(model, mesh["ep", "tp"] if dims.tp_enabled else mesh["ep"])
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
-    if compile:  # tensor-parallel blocks compile with static shapes (see apply_compile)
-        apply_compile(model, dynamic=not dims.tp_enabled)
+    if compile:
+        apply_compile(model)
     if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
         fsdp_mesh = dims.fsdp_mesh(mesh)
         if expert_parallel:
