@@ -24,7 +24,8 @@ PER_DEVICE = 2
 
 # name -> (ParallelismConfig sizes, SFTConfig settings). max_length 61 / 45: not multiples of 2 x cp
 LAYOUTS = {
-    "cp2": (dict(cp_size=2, dp_shard_size=1), dict(max_length=61, eval_strategy="steps", eval_steps=5)),
+    "cp2": (dict(cp_size=2, dp_shard_size=1), dict(max_length=61, eval_strategy="steps", eval_steps=5,
+                                                   save_strategy="steps", save_steps=3)),
     "cp2-packed": (dict(cp_size=2, dp_shard_size=1), dict(packing=True, max_length=45)),
     "fsdp2xcp2": (dict(cp_size=2, dp_shard_size=2), dict(max_length=61)),
     "fsdp2xcp2-packed": (dict(cp_size=2, dp_shard_size=2), dict(packing=True, max_length=45)),

@@ -79,6 +79,29 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path):
         torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)
 
 
+def test_checkpoint_resumes_on_one_process(launched, tmp_path):
+    """The CP2 run's step-3 checkpoint (training_state/ written by both cp ranks) resumed on one process: steps 4 and
+    5 (and the step-5 evaluation) equal the launched run's (1e-5)."""
+    import shutil
+
+    sizes, extra = worker.LAYOUTS["cp2"]
+    run = tmp_path / "cp2"
+    shutil.copytree(launched / "cp2", run)
+    assert (run / "checkpoint-3" / "training_state").is_dir()
+    resumed = SFTTrainer(model=worker.MODEL, args=worker.config(str(run), worker.PER_DEVICE, **extra),
+                         **worker.datasets(extra))
+    with pytest.warns(UserWarning, match="is loaded by 1"):
+        resumed.train(resume_from_checkpoint=str(run / "checkpoint-3"))
+    launched_log = json.loads((launched / "cp2" / "log.json").read_text())
+    for key_name, keys in (("loss", ("loss", "grad_norm", "learning_rate")), ("eval_loss", ("eval_loss",))):
+        want = {e["step"]: e for e in launched_log if key_name in e and e["step"] > 3}
+        got = {e["step"]: e for e in resumed.state.log_history if key_name in e and e["step"] > 3}
+        assert sorted(got) == sorted(want) and want, key_name
+        for step, entry in got.items():
+            for key in keys:
+                assert entry[key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+
+
 # --- pieces, in one process ----------------------------------------------------------------------------
 
 
