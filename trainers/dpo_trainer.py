@@ -9,8 +9,6 @@ The reference's log-probs come, without a graph, from a frozen copy of the check
 from __future__ import annotations
 
 import logging
-import warnings
-from pathlib import Path
 
 import torch
 import transformers
@@ -21,16 +19,15 @@ from hfnative.losses.preference import PreferenceLogps, preference_loss
 from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
-from .model_card import write_model_card
 from .objective import Objective
-from .reference_model import ReferenceModel, reference_source, refuse_sync_with_new_adapters
+from .reference_model import ReferenceModel, ReferenceTrainer
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(ReferenceTrainer, Trainer):
     """TRL's DPOTrainer: same constructor and DPOConfig; logs loss, grad_norm, learning_rate, rewards/chosen,
     rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected, logits/chosen,
     logits/rejected, entropy, mean_token_accuracy, num_tokens (aux_loss for MoE), eval_* in evaluation."""
@@ -58,14 +55,9 @@ class DPOTrainer(Trainer):
         optimizer_cls_and_kwargs=None,
     ):
         args = self.resolve_args(args, model)
-        self._ref_source, self._ref_given = reference_source(model, ref_model)
-        refuse_sync_with_new_adapters(args, peft_config)
-        args.check_for_trainer()
+        self._take_reference_source(args, model, ref_model, peft_config)
         if args.padding_free:
             logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
-        if args.use_liger_kernel:
-            warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
-                          "already computed by a chunked head.", FutureWarning, stacklevel=2)
         super().__init__(
             model=model,
             args=args,
@@ -82,17 +74,7 @@ class DPOTrainer(Trainer):
         )
 
     def _make_objective(self):
-        reference, self._ref_source = self._ref_source, None  # the objective's auxiliary_models holds it when needed
-        return DPOObjective(self.context, reference, reference_given=self._ref_given)
-
-    @property
-    def ref_model(self):
-        """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
-        return self.objective.auxiliary_models.get("ref_model")
-
-    def _save_checkpoint(self) -> None:
-        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
-        super()._save_checkpoint()
+        return DPOObjective(self.context, self._reference_for_objective(), reference_given=self._ref_given)
 
 
 class DPOObjective(Objective):

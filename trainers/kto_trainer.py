@@ -11,8 +11,6 @@ data-parallel rank's rows (clamped at 0) is KTO's reference point. The reference
 from __future__ import annotations
 
 import logging
-import warnings
-from pathlib import Path
 
 import torch
 import transformers
@@ -27,16 +25,15 @@ from hfnative.losses.unpaired_preference import unpaired_preference_losses
 from hfnative.models.head import TokenLogprobs
 
 from .kto_config import KTOConfig
-from .model_card import write_model_card
 from .objective import Objective, RankSums, ratio_if_any
-from .reference_model import ReferenceModel, reference_source, refuse_sync_with_new_adapters, router_loss_off
+from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
 from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(ReferenceTrainer, Trainer):
     """TRL's KTOTrainer: same constructor and KTOConfig; logs loss, grad_norm, learning_rate, kl, entropy,
     num_tokens, logits/chosen, logits/rejected, rewards/chosen, rewards/rejected, rewards/margins, logps/chosen,
     logps/rejected (aux_loss for MoE), eval_* in evaluation."""
@@ -63,12 +60,7 @@ class KTOTrainer(Trainer):
         peft_config=None,
     ):
         args = self.resolve_args(args, model)
-        self._ref_source, self._ref_given = reference_source(model, ref_model)
-        refuse_sync_with_new_adapters(args, peft_config)
-        args.check_for_trainer()
-        if args.use_liger_kernel:
-            warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
-                          "already computed by a chunked head.", FutureWarning, stacklevel=2)
+        self._take_reference_source(args, model, ref_model, peft_config)
         super().__init__(
             model=model,
             args=args,
@@ -84,17 +76,7 @@ class KTOTrainer(Trainer):
         )
 
     def _make_objective(self):
-        reference, self._ref_source = self._ref_source, None  # the objective's auxiliary_models holds it when needed
-        return KTOObjective(self.context, reference, reference_given=self._ref_given)
-
-    @property
-    def ref_model(self):
-        """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
-        return self.objective.auxiliary_models.get("ref_model")
-
-    def _save_checkpoint(self) -> None:
-        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
-        super()._save_checkpoint()
+        return KTOObjective(self.context, self._reference_for_objective(), reference_given=self._ref_given)
 
 
 def completion_targets(input_ids_BS: torch.Tensor, completion_mask_BS: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,16 @@ log-probs once. TR-DPO's ``sync_ref_model`` mixes the policy into a kept copy (t
 from __future__ import annotations
 
 import copy
+import warnings
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from datasets import IterableDataset
 
 from hfnative.models.decoder import Transformer
 
+from .model_card import write_model_card
 from .model_loading import disable_dropout
 from .reference_sync import mix_into_reference, sync_due
 
@@ -131,4 +134,35 @@ class ReferenceModel:
         return dataset
 
 
-__all__ = ["ReferenceModel", "reference_source", "refuse_sync_with_new_adapters", "router_loss_off"]
+class ReferenceTrainer:
+    """What the trainers with a reference model (DPO, KTO) share around it, mixed in before ``Trainer``: the
+    reference's source taken at construction with TRL's checks, handed once to the objective, ``ref_model``, and
+    the model card TRL refreshes in output_dir at every checkpoint."""
+
+    def _take_reference_source(self, args, model, ref_model, peft_config) -> None:
+        """Before ``Trainer.__init__``: the reference's source (and whether the user gave one), TRL's refusal of
+        sync_ref_model with new adapters, the config's own checks, and TRL's use_liger_kernel deprecation."""
+        self._ref_source, self._ref_given = reference_source(model, ref_model)
+        refuse_sync_with_new_adapters(args, peft_config)
+        args.check_for_trainer()
+        if args.use_liger_kernel:
+            warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
+                          "already computed by a chunked head.", FutureWarning, stacklevel=3)
+
+    def _reference_for_objective(self):
+        """The reference's source, once: the objective's auxiliary_models holds it from then on."""
+        reference, self._ref_source = self._ref_source, None
+        return reference
+
+    @property
+    def ref_model(self):
+        """The frozen reference model (None when it is the policy with adapters disabled, or precomputed)."""
+        return self.objective.auxiliary_models.get("ref_model")
+
+    def _save_checkpoint(self) -> None:
+        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
+        super()._save_checkpoint()
+
+
+__all__ = ["ReferenceModel", "ReferenceTrainer", "reference_source", "refuse_sync_with_new_adapters",
+           "router_loss_off"]
