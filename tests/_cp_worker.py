@@ -165,8 +165,26 @@ def train_layout(out_dir: Path, name: str):
         (out / "log.json").write_text(json.dumps(trainer.state.log_history))
 
 
+def resume_cp2_under_fsdp2(run: Path) -> None:
+    """The CP2 run in ``run`` (a copy of the launched one) resumed from its step-3 checkpoint under FSDP2 over 2
+    ranks (each sequence whole, half the rows per rank: the same global batch); rank 0 writes resumed-log.json."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    from hfnative import SFTTrainer
+
+    _, extra = LAYOUTS["cp2"]
+    args = config(str(run), PER_DEVICE // 2, parallelism_config=ParallelismConfig(dp_shard_size=2), **extra)
+    trainer = SFTTrainer(model=MODEL, args=args, **datasets(extra))
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-3"))
+    if dist.get_rank() == 0:
+        (run / "resumed-log.json").write_text(json.dumps(trainer.state.log_history))
+
+
 def main(out_dir: str, checks: list[str]) -> None:
     out = Path(out_dir)
+    if checks == ["resume-cp2-under-fsdp2"]:
+        resume_cp2_under_fsdp2(out)
+        checks = []
     for check in checks:
         if check.startswith("attention-cp"):  # attention-cpN: groups of N ranks
             if not dist.is_initialized():

@@ -102,6 +102,25 @@ def test_checkpoint_resumes_on_one_process(launched, tmp_path):
                 assert entry[key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
 
 
+def test_checkpoint_resumes_under_fsdp2(launched, tmp_path):
+    """The CP2 run's step-3 checkpoint resumed under FSDP2 on 2 processes (sequences whole, rows split): steps 4 and 5
+    and the step-5 evaluation equal the launched run's (1e-5)."""
+    import shutil
+
+    run = tmp_path / "cp2"
+    shutil.copytree(launched / "cp2", run)
+    _launch(run, 2, ["resume-cp2-under-fsdp2"])
+    launched_log = json.loads((launched / "cp2" / "log.json").read_text())
+    resumed_log = json.loads((run / "resumed-log.json").read_text())
+    for key_name, keys in (("loss", ("loss", "grad_norm", "learning_rate")), ("eval_loss", ("eval_loss",))):
+        want = {e["step"]: e for e in launched_log if key_name in e and e["step"] > 3}
+        got = {e["step"]: e for e in resumed_log if key_name in e and e["step"] > 3}
+        assert sorted(got) == sorted(want) and want, key_name
+        for step, entry in got.items():
+            for key in keys:
+                assert entry[key] == pytest.approx(want[step][key], rel=1e-5), (step, key)
+
+
 # --- pieces, in one process ----------------------------------------------------------------------------
 
 
