@@ -29,7 +29,7 @@ from .data_loading import make_dataloader
 from .grpo_trainer import extremes_over_ranks
 from .objective import Objective
 from .rewards import RewardFunctions
-from .rollout import Rollout, completion_logprobs_of, is_conversational, model_inputs, pad_token_lists, sampling_params
+from .rollout import Rollout, completion_logprobs_of, is_conversational, model_inputs, sampling_params, trimmed_rows
 from .trainer import Trainer
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
@@ -229,23 +229,18 @@ class AsyncGRPOObjective(Objective):
 
     # --- the scored micro-batches ---------------------------------------------------------------------------------
     def as_tensors(self, scored: dict) -> dict[str, torch.Tensor]:
-        """A scored micro-batch (every rank's rows) as tensors: prompts left-padded and completions right-padded with
-        their masks, the completions' generation-time log-probs, the advantages [N] and the sample metrics [K]."""
-        pad = self.rollout.pad_token_id
-        completions = scored["completion_ids"]
+        """A scored micro-batch (every rank's rows) as the rollout component's tensors (``Rollout.tensors``: prompts
+        left-padded, completions right-padded, their masks and lengths), the generation-time log-probs as
+        ``old_logprobs``, the advantages [N] and the sample metrics [K]."""
         sample_metrics = [_nan_mean(scored["reward"]), _nan_mean(scored["reward_std"])]
         sample_metrics += [_nan_mean(scored["per_function"][name]) for name in self.metric_names[2:]]
         if self.args.log_completions:
             self._print_completions(scored)
-        return {
-            "prompt_ids": pad_token_lists(scored["prompt_ids"], pad, "left"),
-            "prompt_mask": pad_token_lists([[1] * len(p) for p in scored["prompt_ids"]], 0, "left"),
-            "completion_ids": pad_token_lists(completions, pad),
-            "completion_mask": pad_token_lists([[1] * len(c) for c in completions], 0),
-            "old_logprobs": pad_token_lists(scored["logprobs"], 0.0, dtype=torch.float32),
-            "advantages": torch.tensor(scored["advantages"], dtype=torch.float32),
-            "sample_metrics": torch.tensor(sample_metrics, dtype=torch.float64),
-        }
+        tensors = self.rollout.tensors(scored["prompt_ids"], scored["completion_ids"], scored["logprobs"])
+        tensors["old_logprobs"] = tensors.pop("sampling_logprobs")
+        tensors["advantages"] = torch.tensor(scored["advantages"], dtype=torch.float32)
+        tensors["sample_metrics"] = torch.tensor(sample_metrics, dtype=torch.float64)
+        return tensors
 
     def _broadcast(self, wholes: list[dict], count: int) -> list[dict]:
         """The first rank's scored micro-batches on every rank: a header (how many, and each one's N, P, T), then
@@ -264,7 +259,7 @@ class AsyncGRPOObjective(Objective):
         for index in range(int(header[0])):
             N, P, T = header[1 + 3 * index : 4 + 3 * index].tolist()
             shapes = {"prompt_ids": (N, P), "prompt_mask": (N, P), "completion_ids": (N, T), "completion_mask": (N, T),
-                      "old_logprobs": (N, T), "advantages": (N,), "sample_metrics": (K,)}
+                      "old_logprobs": (N, T), "completion_lengths": (N,), "advantages": (N,), "sample_metrics": (K,)}
             if self.leader:
                 flat = torch.cat([wholes[index][name].double().reshape(-1) for name in shapes])
             else:
@@ -275,7 +270,7 @@ class AsyncGRPOObjective(Objective):
                 size = math.prod(shape)
                 whole[name] = flat[offset : offset + size].reshape(shape)
                 offset += size
-            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"):
+            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths"):
                 whole[name] = whole[name].long()
             for name in ("old_logprobs", "advantages"):
                 whole[name] = whole[name].float()
@@ -294,14 +289,8 @@ class AsyncGRPOObjective(Objective):
                 "set dataloader_drop_last=True (the epoch's last batch of prompts is short) or use more prompts"
             )
         rows = torch.tensor_split(torch.arange(N), data_parallel.size)[data_parallel.rank]
-        part = {name: value[rows] for name, value in whole.items() if name != "sample_metrics"}
-        prompt_width = int(part["prompt_mask"].sum(1).max())
-        completion_width = int(part["completion_mask"].sum(1).max())
-        for name in ("prompt_ids", "prompt_mask"):
-            part[name] = part[name][:, part[name].shape[1] - prompt_width :]
-        for name in ("completion_ids", "completion_mask", "old_logprobs"):
-            part[name] = part[name][:, :completion_width]
-        inputs = self.context.context_parallel.split(model_inputs(part))  # this rank's chunks under cp
+        per_row = {name: value for name, value in whole.items() if name != "sample_metrics"}
+        inputs = self.context.context_parallel.split(model_inputs(trimmed_rows(per_row, rows)))  # this rank's cp chunks
         inputs["completion_tokens_per_rank"] = float(whole["completion_mask"].sum()) / data_parallel.size
         inputs["sample_metrics"] = whole["sample_metrics"].tolist()
         return inputs
@@ -344,11 +333,6 @@ class AsyncGRPOObjective(Objective):
             num_generators=a.num_rollout_actors, **engine,
         )
         self.pipeline.start(policy=policy)
-
-    def rollout_pipeline(self):
-        """The running rollout pipeline (started on the first rank when it is not yet; None on the others)."""
-        self.start_pipeline()
-        return self.pipeline
 
     def _generator_engine(self) -> dict:
         """RolloutPipeline's engine arguments for vLLM: the engine the generator actor builds (colocated from

@@ -58,6 +58,7 @@ from .rollout import (
     pad_token_lists,
     sampling_params,
     stop_token_ids,
+    trimmed_rows,
 )
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
@@ -497,16 +498,7 @@ class GRPOObjective(Objective):
         size = N // pieces
         micro_batches = []
         for start in range(0, N, size):
-            rows = order[start : start + size]
-            part = {key: value[rows] for key, value in batch.items()}
-            prompt_width = int(part["prompt_mask"].sum(1).max())
-            completion_width = int(part["completion_lengths"].max())
-            for key in ("prompt_ids", "prompt_mask"):
-                part[key] = part[key][:, part[key].shape[1] - prompt_width :]
-            for key in ("completion_ids", "completion_mask", "tool_mask", "sampling_logprobs", "old_logprobs",
-                        "ref_logprobs", "sampler_weights"):
-                if key in part and part[key].dim() == 2:
-                    part[key] = part[key][:, :completion_width]
+            part = trimmed_rows(batch, order[start : start + size])
             micro_batch = self.context.context_parallel.split(model_inputs(part))  # this rank's chunks under cp
             micro_batch["completion_tokens_per_micro_batch"] = tokens_per_micro_batch
             micro_batches.append(micro_batch)

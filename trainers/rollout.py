@@ -105,6 +105,22 @@ def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) 
     }
 
 
+def trimmed_rows(batch: dict, rows: torch.Tensor) -> dict:
+    """``rows`` of a rollout batch (``Rollout.tensors``' keys, and any per-token [N, T] tensor beside them), cut to
+    their longest prompt (the left padding) and their longest completion (``completion_lengths``, which a masked-out
+    truncated completion keeps)."""
+    part = {key: value[rows] for key, value in batch.items()}
+    prompt_width = int(part["prompt_mask"].sum(1).max())
+    completion_width = int(part["completion_lengths"].max())
+    T = part["completion_ids"].shape[1]
+    for key, value in part.items():
+        if key in ("prompt_ids", "prompt_mask"):
+            part[key] = value[:, value.shape[1] - prompt_width :]
+        elif value.dim() == 2 and value.shape[1] == T:
+            part[key] = value[:, :completion_width]
+    return part
+
+
 def model_inputs(batch: dict) -> dict:
     """A rollout batch (``Rollout.tensors``) as the model's inputs: prompt + completion ids and attention mask
     [N, P + T], the completion targets (IGNORE_INDEX where masked) at the positions that predict them as
