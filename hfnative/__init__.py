@@ -43,6 +43,7 @@ _LAZY = {
         "RewardConfig", "RewardTrainer",
         "KTOConfig", "KTOTrainer",
         "ORPOConfig", "ORPOTrainer", "CPOConfig", "CPOTrainer",
+        "OnlineDPOConfig", "OnlineDPOTrainer",
     )},
 }
 

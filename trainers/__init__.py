@@ -22,6 +22,8 @@ _LAZY = {
     "ORPOTrainer": "orpo_trainer",
     "CPOConfig": "reference_free_config",
     "CPOTrainer": "cpo_trainer",
+    "OnlineDPOConfig": "online_dpo_config",
+    "OnlineDPOTrainer": "online_dpo_trainer",
     "RewardConfig": "reward_config",
     "RewardTrainer": "reward_trainer",
     "RLOOConfig": "rloo_config",
