@@ -224,15 +224,19 @@ def test_what_is_not_run_is_refused(tmp_path, settings, message):
 # --- a sampled run ---------------------------------------------------------------------------------------------
 
 def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
-    """The native engine samples (temperature, per-row streams), a reward callable scores: three steps, a list of
-    betas (one per epoch), every metric finite, the weights moved."""
+    """The native engine samples (temperature, per-row streams), a reward callable scores, new LoRA adapters train:
+    three steps, a list of betas (one per epoch), every metric finite, the reference the base with the adapters off
+    (no copy kept; the first step's policy is the base: no KL, no implicit rewards), the adapters moved."""
     from datasets import Dataset
+    from peft import LoraConfig
 
     args = hfnative.OnlineDPOConfig(**_settings(tmp_path, "sampled", max_steps=3, num_train_epochs=3,
                                                  per_device_train_batch_size=4, gradient_accumulation_steps=1,
                                                  beta=[0.1, 0.3], missing_eos_penalty=0.5))
     trainer = hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=near_target_length, args=args,
-                                        train_dataset=Dataset.from_list(_prompts(8)))
+                                        train_dataset=Dataset.from_list(_prompts(8)),
+                                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    assert trainer.ref_model is None and trainer.objective.reference.is_base
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     logs = trainer.state.log_history[:-1]
@@ -243,4 +247,38 @@ def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
             assert math.isfinite(log[key]), (key, log)
     assert [log["beta"] for log in logs] == [pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.3)]
     assert logs[0]["objective/entropy"] > 0
+    assert logs[0]["objective/kl"] == pytest.approx(0, abs=1e-5) and logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert logs[2]["objective/kl"] != 0
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+
+
+# --- layouts: DDP on 2 gloo processes against one process ----------------------------------------------------------
+
+def test_layouts_train_like_one_process(tmp_path):
+    """Each rank completes, scores and pairs its own 2 prompts; one process holds the 4 prompts in one micro-batch
+    (the loss a mean over the pairs, the metrics means): 2 steps equal within 1e-5 relative."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import _online_dpo_worker as worker
+
+    here = Path(__file__).resolve().parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(here / "_online_dpo_worker.py"), str(tmp_path / "launched"), *worker.CELLS]
+    result = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here)),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-6000:]
+    for cell in worker.CELLS:
+        trainer = worker.trainer_for(cell, str(tmp_path / "one" / cell), layout=None)
+        trainer.train()
+        expected = trainer.state.log_history[:-1]
+        got = [e for e in json.loads((tmp_path / "launched" / cell / "log.json").read_text()) if "loss" in e]
+        assert len(got) == len(expected) == worker.STEPS
+        assert expected[1]["objective/kl"] != 0 and expected[1]["loss"] != expected[0]["loss"]  # it trained
+        for mine, theirs in zip(got, expected):
+            keys = [k for k in theirs if not k.startswith("perf/")]
+            assert set(keys) <= set(mine)
+            for key in keys:
+                assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (cell, key)
