@@ -249,8 +249,15 @@ def test_seeded_rows_sample_alike_however_the_batch_is_cut():
     assert [c for part in parts for c in part.completion_ids] == whole.completion_ids
     assert NativeRolloutEngine(converted, max_batch_size=1).generate(prompts, sampling).completion_ids == whole.completion_ids
     assert len({tuple(c) for c in whole.completion_ids}) > 1
+    # rows that are not consecutive (a later turn of a multi-turn rollout) keep their streams by row_indices
+    rows = [3, 0, len(prompts) - 1]
+    subset = NativeRolloutEngine(converted, max_batch_size=2).generate(
+        [prompts[r] for r in rows], replace(sampling, row_indices=tuple(rows)))
+    assert subset.completion_ids == [whole.completion_ids[r] for r in rows]
     with pytest.raises(ValueError, match="first_row"):
         SamplingParams(max_new_tokens=1, first_row=-1)
+    with pytest.raises(ValueError, match="row_indices"):
+        SamplingParams(max_new_tokens=1, row_indices=(1, -2))
 
 
 def test_seeded_sampling_is_reproducible_and_filtered():

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from .arguments import TRLBaseConfig
 
-# TRL 1.16 fields that select features hfnative does not run (tools, continuous batching, the Hub completion
-# log): accepted at their defaults, refused otherwise
+# TRL 1.16 fields that select features hfnative does not run (continuous batching, the Hub completion log):
+# accepted at their defaults, refused otherwise
 _UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged",
-                               "max_tool_calling_iterations", "log_completions_hub_repo")
+                               "log_completions_hub_repo")
 
 
 @dataclass(repr=False)
@@ -115,7 +115,8 @@ class GRPOConfig(OnlineRLConfig):
     entropy_coef_max: float = field(default=1.0, metadata={"help": "Adaptive entropy upper bound."})
     entropy_coef_delta: float = field(default=0.005, metadata={"help": "Adaptive entropy step."})
     entropy_target: float = field(default=0.2, metadata={"help": "Adaptive entropy target."})
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool calling (not available)."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool-calling turns per rollout (None: until no tool is called); needs tools or environment_factory."})
+    tool_call_timeout: float | None = field(default=None, metadata={"help": "hfnative: seconds one tool call may take before it gets an error result (None: no limit, as TRL)."})
     vllm_importance_sampling_correction: bool = field(default=True, metadata={"help": "vLLM importance correction."})
     vllm_importance_sampling_mode: str = field(default="sequence_mask", metadata={"help": "vLLM importance mode."})
     vllm_importance_sampling_clip_max: float | None = field(default=3.0, metadata={"help": "vLLM importance cap."})

@@ -40,6 +40,7 @@ from hfnative.losses.policy import (
     sampler_importance_weights,
     weighted_rewards,
 )
+from hfnative.generation.sampling import mix64_int
 from hfnative.peft import disable_adapters
 
 from .completion_log import CompletionLog
@@ -50,6 +51,7 @@ from .objective import Objective
 from .reference_sync import mix_into_reference, sync_due
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
+from .tool_calling import ToolCalling, tool_metrics
 from .rollout import (
     Rollout,
     completion_length_metrics,
@@ -195,13 +197,29 @@ class GRPOObjective(Objective):
     old_logprobs_source = "rollout"
     split_collated_batches = False  # prompts are collated; the rollouts' model inputs are split in _split
 
-    def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None, rollout_func=None):
+    def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None, rollout_func=None,
+                 tools=None, environment_factory=None):
         """``reference``: called for the reference model's source when one is needed (beta != 0, no adapters).
         ``rollout_func``: prompts -> TRL's rollout dict (the user's ``rollout_func`` with its trainer bound), which
-        then makes the completions instead of the rollout engine."""
+        then makes the completions instead of the rollout engine. ``tools`` / ``environment_factory``: TRL's
+        multi-turn tool-calling rollouts (trainers/tool_calling.py)."""
         super().__init__(context)
         self.rollout_func = rollout_func
         args = context.args
+        self.tool_calling = None
+        if tools or environment_factory is not None:
+            if rollout_func is not None:
+                raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
+            self.tool_calling = ToolCalling(
+                context.processing_class, tools, environment_factory,
+                max_iterations=args.max_tool_calling_iterations, timeout=getattr(args, "tool_call_timeout", None),
+                chat_template_kwargs=args.chat_template_kwargs, max_completion_length=args.max_completion_length,
+                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
+        else:
+            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
+                if getattr(args, name, None) is not None:
+                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools or environment_factory: "
+                                     "pass tools to the trainer, or leave it at None")
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
         self.num_generations_train = args.num_generations
@@ -215,7 +233,8 @@ class GRPOObjective(Objective):
                                  "its default (generation runs on the native engine)")
         chat_template_kwargs = dict(args.chat_template_kwargs or {})
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
-                                       chat_template_kwargs=chat_template_kwargs)
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       episode_rewards=self.tool_calling.reward_functions() if self.tool_calling else None)
         sampling = sampling_params(args, args.max_completion_length, stop_token_ids(context.tokenizer, context.model),
                                    generation_kwargs=args.generation_kwargs)
         self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args),
@@ -268,10 +287,16 @@ class GRPOObjective(Objective):
 
     # --- data -------------------------------------------------------------------------------------------------
     def prepare_train_dataset(self, dataset):
-        return _check_prompts(dataset, "train_dataset")
+        return self._check_prompts(dataset, "train_dataset")
 
     def prepare_eval_dataset(self, dataset):
-        return None if dataset is None else _check_prompts(dataset, "eval_dataset")
+        return None if dataset is None else self._check_prompts(dataset, "eval_dataset")
+
+    def _check_prompts(self, dataset, name: str):
+        """Rows with a prompt; with environments a row may leave it out (its environment's reset writes it)."""
+        if self.tool_calling is not None and self.tool_calling.environments is not None:
+            return dataset
+        return _check_prompts(dataset, name)
 
     def default_collator(self):
         return _rows
@@ -386,17 +411,23 @@ class GRPOObjective(Objective):
         streams, so the completions do not depend on the number of processes, and a resumed run draws alike)."""
         G, data_parallel = self.num_generations, self.context.data_parallel
         rows = [row for row in rows for _ in range(G)]
-        prompts = [row["prompt"] for row in rows]
-        tool_mask = None
+        tool_mask, completions, reward_extra = None, None, {}
+        if self.tool_calling is not None:
+            prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+            prompt_ids, completion_ids, sampling_logprobs, tool_mask, completions, prompts, reward_extra = (
+                self._tool_rollout(rows, prompts, place))
+        else:
+            prompts = [row["prompt"] for row in rows]
         if self.rollout_func is not None:
             prompt_ids, completion_ids, sampling_logprobs, extra, tool_mask = self._custom_rollout(prompts)
             rows = [{**row, **{key: values[i] if isinstance(values, list) else values for key, values in extra.items()}}
                     for i, row in enumerate(rows)]  # TRL hands the extra fields to the reward functions
-        else:
+        elif self.tool_calling is None:
             prompt_ids = self.rollout.tokenize(prompts)
             rollouts = self.rollout.generate(prompt_ids, **self.rollout.row_streams(place, len(prompt_ids)))
             completion_ids, sampling_logprobs = rollouts.completion_ids, rollouts.logprobs
-        completions = self.rollout.decode(prompts, completion_ids)
+        if completions is None:
+            completions = self.rollout.decode(prompts, completion_ids)
         self._log_generation(prompt_ids, completion_ids, tool_mask)
 
         batch = self.rollout.tensors(prompt_ids, completion_ids, sampling_logprobs, self.args.mask_truncated_completions)
@@ -404,7 +435,7 @@ class GRPOObjective(Objective):
             batch["tool_mask"] = pad_token_lists(tool_mask, 1)
         log = self.completion_log
         local_rewards_NF = self.rewards.score(prompts, completions, completion_ids, rows, trainer_state=self.context.state,
-                                              log_extra=log.log_extra, log_metric=log.log_metric)
+                                              log_extra=log.log_extra, log_metric=log.log_metric, extra=reward_extra)
         batch.update(self._model_logprobs(batch))
         # TRL: the rewards of every data-parallel rank's groups, the advantages over them all (the batch std for
         # scale_rewards="batch"), this rank's rows kept; the logged reward statistics are the whole batch's
@@ -415,6 +446,33 @@ class GRPOObjective(Objective):
         for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
             self._add(name, value)
         return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
+
+    def _tool_rollout(self, rows: list[dict], prompts: list, place: int):
+        """A multi-turn rollout (trainers/tool_calling.py): each row's environment reset, the prompts rendered with
+        their tools, completed, and continued after each turn's tool results. Later turns sample from per-row streams
+        of their own (the turn mixed into the seed), so the completions do not depend on which other rows called
+        tools or on how the batch is cut over processes. Returns (prompt_ids, completion_ids, sampling log-probs, tool
+        mask, completions as messages, the prompts after reset, the reward functions' extra arguments)."""
+        tools = self.tool_calling
+        episode = tools.start(rows, prompts)
+        prompt_ids = tools.tokenize(episode)
+        streams = self.rollout.row_streams(place, len(prompt_ids))
+        rollouts = self.rollout.generate(prompt_ids, **streams)
+        if not tools.calls_tools:  # environments without tool methods: one turn, the completions as text messages
+            return (prompt_ids, rollouts.completion_ids, rollouts.logprobs, None,
+                    self.rollout.decode(episode.prompts, rollouts.completion_ids), episode.prompts, episode.reward_kwargs())
+
+        def generate(ids, batch_rows, turn):
+            if not streams:
+                return self.rollout.generate(ids)
+            seed = mix64_int(streams["seed"] ^ mix64_int(turn)) & ((1 << 63) - 1)
+            return self.rollout.generate(ids, seed=seed, row_indices=[streams["first_row"] + r for r in batch_rows])
+
+        turns = tools.run(episode, prompt_ids, rollouts.completion_ids, rollouts.logprobs, generate)
+        for name, value in tool_metrics(turns.calls, turns.failures, len(rows), self.context.data_parallel.sum).items():
+            self._add(name, value)
+        return (prompt_ids, turns.completion_ids, turns.logprobs, turns.tool_mask, turns.completions, episode.prompts,
+                episode.reward_kwargs())
 
     def _custom_rollout(self, prompts: list):
         """TRL's ``rollout_func`` contract: it gets the prompts (each num_generations times, chat messages left
@@ -610,10 +668,15 @@ class GRPOTrainer(Trainer):
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  quantization_config=None, peft_config=None, tools=None, rollout_func=None, environment_factory=None):
-        if reward_funcs is None:
+        if reward_funcs is None and environment_factory is None:
             raise ValueError("reward_funcs is required: a callable, a reward model, a built-in name or a list of them")
-        if tools or environment_factory is not None:
-            raise ValueError("tools and environment_factory are not available in hfnative's trainer")
+        if environment_factory is not None and os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") != "1":
+            warnings.warn(
+                "You are using 'environment_factory', which is an experimental feature. This API may change or be "
+                "removed at any time without prior notice. Silence this warning by setting environment variable "
+                "TRL_EXPERIMENTAL_SILENCE=1.", UserWarning, stacklevel=2,
+            )
+        self.tools, self.environment_factory = list(tools or []), environment_factory
         if rollout_func is not None and os.environ.get("TRL_EXPERIMENTAL_SILENCE", "0") != "1":
             warnings.warn(
                 "You are using 'rollout_func', which is an experimental feature. This API may change or be removed at "
@@ -631,7 +694,12 @@ class GRPOTrainer(Trainer):
         rollout_func = getattr(self, "rollout_func", None)  # TRL calls it with the trainer
         return self.objective_class(self.context, self._reward_funcs, self._reward_processing_classes,
                                     reference=self._reference_source,
-                                    rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)))
+                                    rollout_func=None if rollout_func is None else (lambda prompts: rollout_func(prompts, self)),
+                                    **self._tool_arguments())
+
+    def _tool_arguments(self) -> dict:
+        tools, factory = getattr(self, "tools", None), getattr(self, "environment_factory", None)
+        return {"tools": tools, "environment_factory": factory} if tools or factory is not None else {}
 
     # --- TRL's public helpers, with its signatures -------------------------------------------------------------
     @staticmethod

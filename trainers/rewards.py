@@ -182,10 +182,12 @@ class RewardFunctions:
     """
 
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, device="cpu",
-                 chat_template_kwargs: dict | None = None):
-        specs = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-        if not specs:
-            raise ValueError("reward_funcs is empty: pass at least one reward function or reward model")
+                 chat_template_kwargs: dict | None = None, episode_rewards: list | None = None):
+        """``episode_rewards``: functions added after the user's, weight 1 each (an environment's get_reward)."""
+        specs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+        if not specs and not episode_rewards:
+            raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
+                             "environment defines a `get_reward` method.")
         self.functions = [resolve_reward_function(spec) for spec in specs]
         self.names = [reward_function_name(f) for f in self.functions]
         if reward_weights is None:
@@ -216,18 +218,24 @@ class RewardFunctions:
                 tokenizer = tokenizer if tokenizer is not None else _reward_tokenizer(function)
                 _pad_like_trl(function, tokenizer)
             self.tokenizers.append(tokenizer)
+        for function in episode_rewards or []:
+            self.functions.append(function)
+            self.names.append(reward_function_name(function))
+            self.tokenizers.append(None)
+        self.weights_F = torch.cat([self.weights_F, torch.ones(len(episode_rewards or []))])
         self._loop = None
 
     def __len__(self) -> int:
         return len(self.functions)
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],
-              trainer_state=None, log_extra=None, log_metric=None) -> torch.Tensor:
+              trainer_state=None, log_extra=None, log_metric=None, extra: dict | None = None) -> torch.Tensor:
         """Rewards [N, F] (float32, NaN where a function returned None). rows: the dataset rows, one per
-        completion; their columns other than prompt/completion/completion_ids are passed by name."""
+        completion; their columns other than prompt/completion/completion_ids are passed by name, and so is
+        ``extra`` (TRL's ``environments``, one per completion)."""
         columns = [key for key in rows[0] if key not in ("prompt", "completion", "completion_ids")]
         kwargs = {key: [row.get(key) for row in rows] for key in columns}
-        kwargs.update(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric)
+        kwargs.update(trainer_state=trainer_state, log_extra=log_extra, log_metric=log_metric, **(extra or {}))
         call = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
         rewards_NF = torch.full((len(prompts), len(self.functions)), torch.nan, dtype=torch.float32)
         pending = []

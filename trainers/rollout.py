@@ -220,11 +220,15 @@ class Rollout:
         seed = mix64_int(mix64_int(int(self.context.args.seed)) ^ place) & ((1 << 63) - 1)
         return {"seed": seed, "first_row": self.context.data_parallel.rank * rows}
 
-    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0,
+                 row_indices: list[int] | None = None) -> Rollouts:
         """Completions of ``prompt_ids`` (each cut after its first stop token) with their sampling log-probs, from
         ``model`` (default: the policy); ``seed`` replaces the run's sampling seed, ``first_row`` is the place of
-        the call's first row in its whole batch (see SamplingParams)."""
-        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed, first_row=first_row)
+        the call's first row in its whole batch, ``row_indices`` the place of each (see SamplingParams)."""
+        sampling = self.sampling
+        if seed is not None:
+            sampling = replace(sampling, seed=seed, first_row=first_row,
+                               row_indices=None if row_indices is None else tuple(row_indices))
         return self.sample(prompt_ids, sampling, model)
 
     def sample(self, prompt_ids: list[list[int]], sampling: SamplingParams, model=None) -> Rollouts:

@@ -84,3 +84,20 @@ def training_chat_template(tokenizer_or_template) -> str | None:
 @cache
 def _read_template(filename: str) -> str:
     return (TEMPLATE_DIR / filename).read_text(encoding="utf-8")
+
+
+# sha256 of a released template that does not keep a conversation's rendering as a prefix of its continuations ->
+# the file of its multi-turn version (which does), for tool-calling rollouts
+_MULTI_TURN_VERSIONS = {
+    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3_multiturn.jinja",  # Qwen3
+}
+
+
+def multi_turn_chat_template(tokenizer_or_template) -> str | None:
+    """The multi-turn version of a known chat template whose released text re-renders earlier turns once a
+    conversation goes on (Qwen3 hides the think blocks of turns before the last user query), or None. The
+    multi-turn version renders every assistant turn alike, so a rollout can append tool results to the tokens it
+    has and generate on."""
+    text = template_text(tokenizer_or_template)
+    filename = _MULTI_TURN_VERSIONS.get(_fingerprint(text)) if text is not None else None
+    return _read_template(filename) if filename else None

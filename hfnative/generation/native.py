@@ -18,7 +18,7 @@ from hfnative.models.decoder import Transformer
 from .cached_decoder import decode_step, prefill
 from .kv_cache import KVCache
 from .rollouts import RolloutEngine, Rollouts, check_prompts
-from .sampling import SamplingParams, choose_tokens, row_keys
+from .sampling import SamplingParams, call_row_keys, choose_tokens
 
 # with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled decode step (its cache shape) instead of compiling one per prompt length
@@ -112,7 +112,7 @@ class NativeRolloutEngine(RolloutEngine):
         finished_B = torch.zeros(B, dtype=torch.bool, device=device)
         keys_B = None
         if sampling.seed is not None:
-            keys_B = row_keys(sampling.seed, sampling.first_row + offset, B, device=device)
+            keys_B = call_row_keys(sampling, offset, B, device=device)
         logits_BV = prefill(model, prompts, P, cache)
         for t in range(T):
             token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, keys_B, t)

@@ -34,7 +34,9 @@ class SamplingParams:
     from a stream of its own, keyed by (seed, first_row + its index in the call), so a row's samples depend
     only on the seed, its place and its own logits: not on the other rows, the batch size, or how a generation
     batch is cut over processes (rank r completing rows [r n, (r + 1) n) with ``first_row = r n`` samples what
-    one process completing all rows samples). None uses torch's global RNG.
+    one process completing all rows samples). None uses torch's global RNG. ``row_indices``: the place of each
+    row of the call in its batch, for a call whose rows are not consecutive (a later turn of a multi-turn
+    rollout continues only some rows); it replaces ``first_row + index``.
     Greedy when ``do_sample`` is False (temperature, top-k, top-p and min-p are then ignored; the
     repetition penalty still applies, as in transformers).
     """
@@ -50,6 +52,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     first_row: int = 0
+    row_indices: tuple[int, ...] | None = None
     stop_ids: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -65,6 +68,10 @@ class SamplingParams:
             raise ValueError(f"min_p={self.min_p}: expected a float in [0, 1]")
         if not isinstance(self.first_row, int) or self.first_row < 0:
             raise ValueError(f"first_row={self.first_row!r}: expected an int >= 0 (the call's first row in its batch)")
+        if self.row_indices is not None:
+            self.row_indices = tuple(self.row_indices)
+            if not all(isinstance(i, int) and i >= 0 for i in self.row_indices):
+                raise ValueError(f"row_indices={self.row_indices!r}: expected ints >= 0 (each row's place in its batch)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed={self.seed!r}: expected an int or None")
         if not self.repetition_penalty > 0:
@@ -110,15 +117,29 @@ def mix64_int(value: int) -> int:
     return _signed(x ^ (x >> 31))
 
 
-def row_keys(seed: int, first_row: int, rows: int, device=None) -> torch.Tensor:
-    """The stream keys [rows] of rows first_row .. first_row + rows - 1 under ``seed`` (int64)."""
-    index = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+def row_keys(seed: int, first_row: int, rows: int, device=None, row_indices=None) -> torch.Tensor:
+    """The stream keys [rows] of rows first_row .. first_row + rows - 1 under ``seed`` (int64); of the rows
+    ``row_indices[first_row : first_row + rows]`` when those are given."""
+    if row_indices is None:
+        index = torch.arange(first_row, first_row + rows, dtype=torch.int64, device=device)
+    else:
+        if first_row + rows > len(row_indices):
+            raise ValueError(f"row_indices has {len(row_indices)} entries: a call of {first_row + rows} rows needs one each")
+        index = torch.tensor(row_indices[first_row : first_row + rows], dtype=torch.int64, device=device)
     return mix64(mix64_int(seed) ^ mix64(index * _signed(_GAMMA) + 1))
+
+
+def call_row_keys(sampling: "SamplingParams", offset: int, rows: int, device=None) -> torch.Tensor:
+    """The stream keys [rows] of a call's rows ``offset`` .. ``offset + rows - 1`` (``first_row`` onwards, or their
+    ``row_indices``)."""
+    if sampling.row_indices is not None:
+        return row_keys(sampling.seed, offset, rows, device, sampling.row_indices)
+    return row_keys(sampling.seed, sampling.first_row + offset, rows, device)
 
 
 def row_seeds(sampling: "SamplingParams", rows: int) -> list[int]:
     """Per-row seeds (ints in [0, 2^63)) of a call's ``rows`` rows, for a backend that takes a seed per request."""
-    return [int(key) & ((1 << 63) - 1) for key in row_keys(sampling.seed, sampling.first_row, rows).tolist()]
+    return [int(key) & ((1 << 63) - 1) for key in call_row_keys(sampling, 0, rows).tolist()]
 
 
 def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
