@@ -41,14 +41,23 @@ def even_tokens(completion_ids, **kwargs):
 
 
 def near_target_length(completions, target, **kwargs):
-    """Reads the dataset's `target` column: 1 / (1 + |characters - target|)."""
-    return [1.0 / (1.0 + abs(len(c) - t)) for c, t in zip(completions, target)]
+    """Reads the dataset's `target` column: 1 / (1 + |characters - target|) (an assistant message's content)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [1.0 / (1.0 + abs(len(text) - t)) for text, t in zip(texts, target)]
 
 
-def _prompts(n: int = 8) -> list[dict]:
+def _prompts(n: int = 8, chat: bool = False) -> list[dict]:
     words = ["sky", "fox", "robot", "count", "blue", "grass", "tree", "sun"]
-    return [{"prompt": f"Tell me about the {words[i % len(words)]} number {i}" + " again" * (i % 3),
-             "target": 5 + 3 * i} for i in range(n)]
+    texts = [f"Tell me about the {words[i % len(words)]} number {i}" + " again" * (i % 3) for i in range(n)]
+    if chat:
+        return [{"prompt": [{"role": "user", "content": text}], "target": 5 + 3 * i} for i, text in enumerate(texts)]
+    return [{"prompt": text, "target": 5 + 3 * i} for i, text in enumerate(texts)]
+
+
+def _lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
 
 def _settings(tmp_path, name, **extra):
@@ -68,7 +77,7 @@ def _reward_funcs(tmp_path, with_model: bool) -> list:
     return funcs
 
 
-def _run_trl(tmp_path, monkeypatch, with_model, **extra):
+def _run_trl(tmp_path, monkeypatch, with_model, chat=False, lora=False, **extra):
     import transformers
     from datasets import Dataset
     from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
@@ -95,7 +104,10 @@ def _run_trl(tmp_path, monkeypatch, with_model, **extra):
         warnings.simplefilter("ignore")
         trainer = OnlineDPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, with_model),
                                    args=OnlineDPOConfig(**_settings(tmp_path, "trl", **extra)),
-                                   train_dataset=Dataset.from_list(_prompts()), processing_class=tokenizer)
+                                   train_dataset=Dataset.from_list(_prompts(chat=chat)), processing_class=tokenizer,
+                                   peft_config=_lora() if lora else None)
+        if lora:  # peft's random initial A, given to both
+            trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
         trainer.train()
     logs = trainer.state.log_history[:-1]
     accumulation = trainer.args.gradient_accumulation_steps
@@ -104,13 +116,18 @@ def _run_trl(tmp_path, monkeypatch, with_model, **extra):
     return logs
 
 
-def _run_ours(tmp_path, with_model, **extra):
+def _run_ours(tmp_path, with_model, chat=False, lora=False, **extra):
     from datasets import Dataset
+    from hfnative.converters.peft import load_adapter_weights
     from hfnative.generation import Rollouts
 
     trainer = hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, with_model),
                                         args=hfnative.OnlineDPOConfig(**_settings(tmp_path, "ours", **extra)),
-                                        train_dataset=Dataset.from_list(_prompts()))
+                                        train_dataset=Dataset.from_list(_prompts(chat=chat)),
+                                        peft_config=_lora() if lora else None)
+    if lora:
+        assert trainer.ref_model is None  # the base with the adapters off
+        load_adapter_weights(trainer.converted, tmp_path / "initial-adapter")
 
     def generate(prompts, sampling):
         completions = [fixed_completion(list(p), i) for i, p in enumerate(prompts)]
@@ -125,7 +142,7 @@ def _run_ours(tmp_path, with_model, **extra):
 def assert_steps_equal(ours: list[dict], theirs: list[dict]) -> list[float]:
     """Every key TRL logged, ours equal to it: 1e-5 relative at step 1 (the same weights), 1e-4 after an update
     (the update magnifies round-off where gradients are near zero). Returns each step's largest relative
-    difference (over values above 1e-6)."""
+    difference (over values above 1e-3)."""
     assert len(ours) == len(theirs) == 2
     worst = [0.0, 0.0]
     for step, (mine, reference) in enumerate(zip(ours, theirs), start=1):
@@ -134,7 +151,7 @@ def assert_steps_equal(ours: list[dict], theirs: list[dict]) -> list[float]:
         tolerance = 1e-5 if step == 1 else 1e-4
         for name in sorted(names):
             assert mine[name] == pytest.approx(reference[name], abs=1e-6, rel=tolerance), (step, name)
-            if abs(reference[name]) > 1e-6:
+            if abs(reference[name]) > 1e-3:
                 worst[step - 1] = max(worst[step - 1], abs(mine[name] - reference[name]) / abs(reference[name]))
     return worst
 
@@ -143,7 +160,8 @@ def assert_steps_equal(ours: list[dict], theirs: list[dict]) -> list[float]:
     "extra",
     [
         dict(loss_type="sigmoid", beta=0.1, missing_eos_penalty=1.0, reward_weights=[1.0, 0.5, 2.0]),
-        dict(loss_type="ipo", beta=0.5, gradient_accumulation_steps=1, per_device_train_batch_size=4),
+        dict(loss_type="ipo", beta=0.5, gradient_accumulation_steps=1, per_device_train_batch_size=4, chat=True,
+             lora=True),
     ],
     ids=lambda extra: "-".join(f"{k}={v}" for k, v in extra.items()),
 )
@@ -224,23 +242,26 @@ def test_what_is_not_run_is_refused(tmp_path, settings, message):
 # --- a sampled run ---------------------------------------------------------------------------------------------
 
 def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
-    """The native engine samples (temperature, per-row streams), a reward callable scores, new LoRA adapters train:
-    three steps, a list of betas (one per epoch), every metric finite, the reference the base with the adapters off
-    (no copy kept; the first step's policy is the base: no KL, no implicit rewards), the adapters moved."""
+    """The native engine samples (temperature, per-row streams), a reward callable scores: three steps, two different
+    samples per prompt, a list of betas (one per epoch), every metric finite, no KL at the first step (the policy is
+    its reference), the weights moved."""
     from datasets import Dataset
-    from peft import LoraConfig
 
     args = hfnative.OnlineDPOConfig(**_settings(tmp_path, "sampled", max_steps=3, num_train_epochs=3,
-                                                 per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                                                 per_device_train_batch_size=2, gradient_accumulation_steps=1,
                                                  beta=[0.1, 0.3], missing_eos_penalty=0.5))
     trainer = hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=near_target_length, args=args,
-                                        train_dataset=Dataset.from_list(_prompts(8)),
-                                        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    assert trainer.ref_model is None and trainer.objective.reference.is_base
+                                        train_dataset=Dataset.from_list(_prompts(4)))
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    made, generate_and_pair = [], trainer.objective.generate_and_pair
+    trainer.objective.generate_and_pair = lambda rows, place: made.append(generate_and_pair(rows, place)) or made[-1]
     trainer.train()
     logs = trainer.state.log_history[:-1]
     assert len(logs) == 3
+    for batch in made:  # each prompt's two samples differ (the rows draw from their own streams)
+        B = batch["chosen_rows"].numel()
+        assert not torch.equal(batch["input_ids"][:B], batch["input_ids"][B:])
+        assert sorted(batch["chosen_rows"].tolist() + batch["rejected_rows"].tolist()) == list(range(2 * B))
     for log in logs:
         for key in ("loss", "grad_norm", "objective/kl", "objective/entropy", "objective/scores", "rewards/margins",
                     "logps/chosen", "val/contain_eos_token", "beta"):

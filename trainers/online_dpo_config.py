@@ -76,7 +76,7 @@ class OnlineDPOConfig(TRLBaseConfig):
         super().__post_init__()
         if hasattr(self.beta, "__len__") and len(self.beta) == 1:
             self.beta = self.beta[0]
-        if self.max_new_tokens >= self.max_length:
+        if self.max_length is not None and self.max_new_tokens >= self.max_length:
             warnings.warn(
                 f"The configuration has `max_new_tokens` ({self.max_new_tokens}) >= `max_length` ({self.max_length}). "
                 "This will cause prompts to be truncated or completely removed in the forward pass. To preserve "

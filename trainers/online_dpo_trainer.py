@@ -160,11 +160,11 @@ class OnlineDPOObjective(Objective):
         [N, S]); the completion mask [N, T] and the prompt width P."""
         prompt_ids_NP, prompt_mask_NP = batch["prompt_ids"], batch["prompt_mask"]
         completion_ids_NT, completion_mask_NT = batch["completion_ids"], batch["completion_mask"]
-        T = completion_ids_NT.shape[1]
-        cut = max(prompt_ids_NP.shape[1] + T - self.args.max_length, 0)
+        T, max_length = completion_ids_NT.shape[1], self.args.max_length
+        cut = 0 if max_length is None else max(prompt_ids_NP.shape[1] + T - max_length, 0)
         if cut >= prompt_ids_NP.shape[1]:
             raise ValueError(
-                f"max_length={self.args.max_length} leaves no prompt token before completions of {T} tokens: raise "
+                f"max_length={max_length} leaves no prompt token before completions of {T} tokens: raise "
                 f"max_length above max_new_tokens={self.args.max_new_tokens} (TRL advises max_new_tokens + 512)"
             )
         prompt_ids_NP, prompt_mask_NP = prompt_ids_NP[:, cut:], prompt_mask_NP[:, cut:]
