@@ -135,10 +135,13 @@ def scripted_completion(text: str, index: int, form: dict) -> str:
     return f"It is {number * 3}." + end
 
 
-def fixed_ids(tokenizer, prompt_ids: list[list[int]], form: dict) -> list[list[int]]:
+def fixed_ids(tokenizer, prompt_ids: list[list[int]], form: dict, by_prompt: bool = False) -> list[list[int]]:
+    """The scripted completions' tokens; ``by_prompt``: the first turn chosen by the prompt's number, not the row's
+    place in its group (distillation has no groups)."""
     texts = tokenizer.batch_decode(prompt_ids)
-    return [tokenizer(scripted_completion(text, i, form), add_special_tokens=False)["input_ids"][:MAX_COMPLETION]
-            for i, text in enumerate(texts)]
+    places = [int(text.split("number ")[1].split()[0]) if by_prompt else i for i, text in enumerate(texts)]
+    return [tokenizer(scripted_completion(text, place, form), add_special_tokens=False)["input_ids"][:MAX_COMPLETION]
+            for place, text in zip(places, texts)]
 
 
 def tool_use(completions, **kwargs):
@@ -252,6 +255,57 @@ def test_multi_turn_rollouts_equal_trl(tmp_path, monkeypatch, template, case, ex
     else:
         assert "rewards/Calculator/mean" in theirs[0]
     assert_two_steps_equal(ours, theirs)
+
+
+class _ScriptedEngine:
+    """A rollout engine that writes the scripted completions (sampling log-probs 0)."""
+
+    reads_live_weights = True
+
+    def __init__(self, tokenizer, form):
+        self.tokenizer, self.form = tokenizer, form
+
+    def generate(self, prompts, sampling):
+        from hfnative.generation import Rollouts
+
+        completions = fixed_ids(self.tokenizer, prompts, self.form, by_prompt=True)
+        return Rollouts(completions, [[0.0] * len(c) for c in completions], ["stop"] * len(completions))
+
+
+def test_distillation_multi_turn_equals_trl(tmp_path, monkeypatch):
+    """TRL's DistillationTrainer takes tools too: the same tool-masked divergence, entropy, lengths and tools/*."""
+    import hfnative
+    import trl
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    form = FORMATS["qwen3"]
+    student = qwen3_model(tmp_path / "student")
+    teacher = str(Path(MODEL).parent / "tiny-qwen3-teacher")
+    monkeypatch.setattr(trl.DistillationTrainer, "_generate_single_turn",
+                        lambda self, prompt_ids, *a, **k: fixed_ids(self.processing_class, [list(p) for p in prompt_ids],
+                                                                    form, by_prompt=True))
+
+    def run(module, name):
+        args = module.DistillationConfig(output_dir=str(tmp_path / name), use_cpu=True, bf16=False, report_to="none",
+                                         disable_tqdm=True, logging_steps=1, save_strategy="no", learning_rate=3e-3,
+                                         max_steps=2, per_device_train_batch_size=4, max_completion_length=MAX_COMPLETION,
+                                         beta=0.5, temperature=1.0, seed=0)
+        trainer = module.DistillationTrainer(model=student, teacher_model=teacher, args=args,
+                                             train_dataset=Dataset.from_list(_prompts()),
+                                             processing_class=AutoTokenizer.from_pretrained(student), tools=[multiply, explode])
+        if module is hfnative:
+            trainer.objective.rollout.engine = _ScriptedEngine(trainer.processing_class, form)
+        trainer.train()
+        return [log for log in trainer.state.log_history if "loss" in log]
+
+    theirs, ours = run(trl, "trl"), run(hfnative, "ours")
+    assert len(ours) == len(theirs) == 2
+    assert theirs[0]["tools/call_frequency"] > 0 and theirs[0]["tools/failure_frequency"] > 0
+    for step, (mine, reference) in enumerate(zip(ours, theirs), start=1):
+        keys = ["loss", "grad_norm", "entropy", "num_tokens"] + [k for k in reference if k.startswith(("completions/", "tools/"))]
+        for key in keys:
+            assert mine[key] == pytest.approx(reference[key], rel=1e-6 if step == 1 else 1e-4, abs=1e-6), (step, key)
 
 
 # --- faults and timeouts on a sampled run ------------------------------------------------------------------------

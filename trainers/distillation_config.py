@@ -103,7 +103,8 @@ class DistillationConfig(TRLBaseConfig):
     beta: float = field(
         default=1.0, metadata={"help": "Generalized JSD interpolation: 0.0 forward KL, 0.5 JSD, 1.0 reverse KL."}
     )
-    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
+    max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool-calling turns per rollout (None: until no tool is called); needs tools."})
+    tool_call_timeout: float | None = field(default=None, metadata={"help": "hfnative: seconds one tool call may take before it gets an error result (None: no limit, as TRL)."})
     log_completions: bool = field(default=False, metadata={"help": "Print a sample of prompts and completions when logging."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many completions to print."})
     log_unique_prompts: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})

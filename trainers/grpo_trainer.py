@@ -40,7 +40,6 @@ from hfnative.losses.policy import (
     sampler_importance_weights,
     weighted_rewards,
 )
-from hfnative.generation.sampling import mix64_int
 from hfnative.peft import disable_adapters
 
 from .completion_log import CompletionLog
@@ -450,8 +449,7 @@ class GRPOObjective(Objective):
     def _tool_rollout(self, rows: list[dict], prompts: list, place: int):
         """A multi-turn rollout (trainers/tool_calling.py): each row's environment reset, the prompts rendered with
         their tools, completed, and continued after each turn's tool results. Later turns sample from per-row streams
-        of their own (the turn mixed into the seed), so the completions do not depend on which other rows called
-        tools or on how the batch is cut over processes. Returns (prompt_ids, completion_ids, sampling log-probs, tool
+        of their own (``Rollout.continuation``). Returns (prompt_ids, completion_ids, sampling log-probs, tool
         mask, completions as messages, the prompts after reset, the reward functions' extra arguments)."""
         tools = self.tool_calling
         episode = tools.start(rows, prompts)
@@ -461,14 +459,7 @@ class GRPOObjective(Objective):
         if not tools.calls_tools:  # environments without tool methods: one turn, the completions as text messages
             return (prompt_ids, rollouts.completion_ids, rollouts.logprobs, None,
                     self.rollout.decode(episode.prompts, rollouts.completion_ids), episode.prompts, episode.reward_kwargs())
-
-        def generate(ids, batch_rows, turn):
-            if not streams:
-                return self.rollout.generate(ids)
-            seed = mix64_int(streams["seed"] ^ mix64_int(turn)) & ((1 << 63) - 1)
-            return self.rollout.generate(ids, seed=seed, row_indices=[streams["first_row"] + r for r in batch_rows])
-
-        turns = tools.run(episode, prompt_ids, rollouts.completion_ids, rollouts.logprobs, generate)
+        turns = tools.run(episode, prompt_ids, rollouts.completion_ids, rollouts.logprobs, self.rollout.continuation(streams))
         for name, value in tool_metrics(turns.calls, turns.failures, len(rows), self.context.data_parallel.sum).items():
             self._add(name, value)
         return (prompt_ids, turns.completion_ids, turns.logprobs, turns.tool_mask, turns.completions, episode.prompts,

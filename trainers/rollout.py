@@ -27,14 +27,17 @@ def is_conversational(prompt) -> bool:
 
 
 def tokenize_prompts(processing_class, prompts: list, chat_template_kwargs: dict | None = None,
-                     add_special_tokens: bool = True) -> list[list[int]]:
-    """Token ids of each prompt: a conversation rendered by the chat template with the generation prompt, text
-    tokenized as it is (with the tokenizer's special tokens unless ``add_special_tokens`` is False)."""
+                     add_special_tokens: bool = True, tools: list | None = None,
+                     chat_template: str | None = None) -> list[list[int]]:
+    """Token ids of each prompt: a conversation rendered by the chat template (``chat_template`` in place of the
+    tokenizer's when given) with the generation prompt and the ``tools``' schemas, text tokenized as it is (with the
+    tokenizer's special tokens unless ``add_special_tokens`` is False)."""
     if not prompts:
         return []
     if is_conversational(prompts[0]):
+        extra = {} if tools is None and chat_template is None else {"tools": tools or None, "chat_template": chat_template}
         encoded = processing_class.apply_chat_template(
-            prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **(chat_template_kwargs or {})
+            prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **extra, **(chat_template_kwargs or {})
         )
         return [list(ids) for ids in encoded["input_ids"]]
     for index, prompt in enumerate(prompts):
@@ -230,6 +233,20 @@ class Rollout:
             sampling = replace(sampling, seed=seed, first_row=first_row,
                                row_indices=None if row_indices is None else tuple(row_indices))
         return self.sample(prompt_ids, sampling, model)
+
+    def continuation(self, streams: dict, model=None):
+        """``generate(prompt_ids, rows, turn)`` for the later turns of a multi-turn rollout whose first turn sampled
+        with ``streams`` (``row_streams``' seed and first row, or none): the given rows (their indices in the call's
+        batch) continued from the given tokens, each from a stream of its own for that turn (the turn mixed into the
+        seed), so a row's samples depend neither on which other rows go on nor on how the batch is cut."""
+
+        def generate(prompt_ids: list[list[int]], rows: list[int], turn: int) -> Rollouts:
+            if not streams:
+                return self.generate(prompt_ids, model)
+            seed = mix64_int(streams["seed"] ^ mix64_int(turn)) & ((1 << 63) - 1)
+            return self.generate(prompt_ids, model, seed=seed, row_indices=[streams["first_row"] + r for r in rows])
+
+        return generate
 
     def sample(self, prompt_ids: list[list[int]], sampling: SamplingParams, model=None) -> Rollouts:
         """Completions of ``prompt_ids`` with ``sampling`` from ``model`` (default: the policy), the call's wall time

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 
 from hfnative.data.chat_templates import multi_turn_chat_template, training_template_name
 
+from .rollout import tokenize_prompts
+
 # --- parsing completions into messages ---------------------------------------------------------------------------
 
 # transformers' response templates (the format ``tokenizer.parse_response`` reads) for the tool-calling formats of the
@@ -457,11 +459,11 @@ class ToolCalling:
         if not all(isinstance(p, list) and p and isinstance(p[0], dict) for p in episode.prompts):
             raise ValueError("tools / environment_factory need conversational prompts (lists of {'role', 'content'} "
                              "messages): a text prompt has no chat template to render the tools and their results with")
-        ids = []
-        for prompt, tools in zip(episode.prompts, episode.tools):
-            ids.append(_render_ids(self.processing_class, prompt, self.chat_template,
-                                   {"tools": tools or None, **self.chat_template_kwargs}, generation_prompt=True))
-        return ids
+        if self.environments is None:  # every row shows the same tools
+            return tokenize_prompts(self.processing_class, episode.prompts, self.chat_template_kwargs,
+                                    tools=self.standalone, chat_template=self.chat_template)
+        return [tokenize_prompts(self.processing_class, [prompt], self.chat_template_kwargs, tools=tools,
+                                 chat_template=self.chat_template)[0] for prompt, tools in zip(episode.prompts, episode.tools)]
 
     def run(self, episode: Episode, prompt_ids: list[list[int]], completion_ids: list[list[int]],
             logprobs: list[list[float]], generate) -> Turns:
