@@ -161,7 +161,7 @@ def assert_steps_equal(ours: list[dict], theirs: list[dict]) -> list[float]:
     [
         dict(loss_type="sigmoid", beta=0.1, missing_eos_penalty=1.0, reward_weights=[1.0, 0.5, 2.0]),
         dict(loss_type="ipo", beta=0.5, gradient_accumulation_steps=1, per_device_train_batch_size=4, chat=True,
-             lora=True),
+             lora=True, reward_weights=[0.5, 1.0, 1.0]),
     ],
     ids=lambda extra: "-".join(f"{k}={v}" for k, v in extra.items()),
 )

@@ -118,7 +118,7 @@ class OnlineDPOObjective(Objective):
         if "image" in first or "images" in first:
             raise ValueError("train_dataset has images: hfnative's OnlineDPOTrainer trains text models only")
         if self.args.remove_unused_columns and hasattr(dataset, "column_names"):  # the prompts are what it uses
-            unused = [name for name in dataset.column_names if name != "prompt"]
+            unused = [name for name in dataset.column_names or [] if name != "prompt"]
             dataset = dataset.remove_columns(unused) if unused else dataset
         return dataset
 
