@@ -244,14 +244,18 @@ def test_what_is_not_run_is_refused(tmp_path, settings, message):
 def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
     """The native engine samples (temperature, per-row streams), a reward callable scores: three steps, two different
     samples per prompt, a list of betas (one per epoch), every metric finite, no KL at the first step (the policy is
-    its reference), the weights moved."""
+    its reference), the weights moved; resumed from its step-2 checkpoint, step 3 is the same."""
     from datasets import Dataset
 
-    args = hfnative.OnlineDPOConfig(**_settings(tmp_path, "sampled", max_steps=3, num_train_epochs=3,
-                                                 per_device_train_batch_size=2, gradient_accumulation_steps=1,
-                                                 beta=[0.1, 0.3], missing_eos_penalty=0.5))
-    trainer = hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=near_target_length, args=args,
-                                        train_dataset=Dataset.from_list(_prompts(4)))
+    def build():
+        args = hfnative.OnlineDPOConfig(**_settings(tmp_path, "sampled", max_steps=3, num_train_epochs=3,
+                                                     per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                                                     beta=[0.1, 0.3], missing_eos_penalty=0.5, save_strategy="steps",
+                                                     save_steps=2))
+        return hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=near_target_length, args=args,
+                                         train_dataset=Dataset.from_list(_prompts(4)))
+
+    trainer = build()
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     made, generate_and_pair = [], trainer.objective.generate_and_pair
     trainer.objective.generate_and_pair = lambda rows, place: made.append(generate_and_pair(rows, place)) or made[-1]
@@ -271,6 +275,15 @@ def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
     assert logs[0]["objective/kl"] == pytest.approx(0, abs=1e-5) and logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert logs[2]["objective/kl"] != 0
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
+    # resumed from checkpoint-2, the third step samples and trains as the uninterrupted run did
+    assert (tmp_path / "sampled" / "README.md").exists()  # the model card, refreshed at the checkpoint as TRL's
+    resumed = build()
+    resumed.train(resume_from_checkpoint=str(tmp_path / "sampled" / "checkpoint-2"))
+    third = resumed.state.log_history[-2]
+    assert third["step"] == 3
+    for key, value in logs[2].items():
+        if not key.startswith("perf/"):
+            assert third[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
 # --- layouts: DDP on 2 gloo processes against one process ----------------------------------------------------------
