@@ -239,6 +239,15 @@ def test_what_is_not_run_is_refused(tmp_path, settings, message):
                                   train_dataset=Dataset.from_list(_prompts()))
 
 
+def test_reward_model_path_alone_is_the_reward(tmp_path):
+    from datasets import Dataset
+
+    folder = save_reward_model(tmp_path / "reward-model")
+    trainer = hfnative.OnlineDPOTrainer(model=MODEL, args=hfnative.OnlineDPOConfig(**_settings(
+        tmp_path, "x", reward_model_path=folder)), train_dataset=Dataset.from_list(_prompts()))
+    assert len(trainer.reward_funcs) == 1 and isinstance(trainer.reward_funcs[0], torch.nn.Module)
+
+
 # --- a sampled run ---------------------------------------------------------------------------------------------
 
 def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
