@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,3 +366,106 @@ def test_generators_run_on_every_node_of_a_cluster(tiny_model, tmp_path):
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+
+
+# --- tool-calling rollouts in the generator actors ----------------------------------------------------------------
+
+
+def _calc_multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+def _calc_explode(x: int) -> int:
+    """A tool that always fails.
+
+    Args:
+        x: Any integer.
+    """
+    raise ValueError(f"the tool broke on {x}")
+
+
+def _calc_slow(seconds: float) -> str:
+    """A tool that takes its time.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "woke up"
+
+
+_STEERED_CALLS = [("_calc_explode", {"x": 1}), ("_calc_slow", {"seconds": 3}), ("_calc_multiply", {"a": 2, "b": 4}), None]
+
+
+class _SteeredEngine:
+    """The actor's engine, with each rollout's first turn written as a model that has learned the call format would
+    (a different tool per row of a group); later turns are sampled."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts, sampling):
+        out = self.engine.generate(prompts, sampling)
+        for i, prompt in enumerate(prompts):
+            if self.tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn
+                call = _STEERED_CALLS[i % 4]
+                text = "No tools needed." if call is None else (
+                    '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (call[0], json.dumps(call[1])))
+                out.completion_ids[i] = self.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
+        return out
+
+
+def _steered_episodes():
+    from hfnative.trainers.tool_calling import ToolEpisodes
+
+    class SteeredEpisodes(ToolEpisodes):
+        def __call__(self, engine, prompt_ids, sampling):
+            return super().__call__(_SteeredEngine(engine, self.tool_calling.tokenizer), prompt_ids, sampling)
+
+    return SteeredEpisodes
+
+
+def tool_errors(completions, **kwargs):
+    """The share of tool results that are errors (what the reward actor sees of the turns)."""
+    return [sum("error" in m["content"] for m in c if m["role"] == "tool") / max(1, sum(m["role"] == "tool" for m in c))
+            for c in completions]
+
+
+def timed_out(completions, **kwargs):
+    return [float(any("timed out" in m["content"] for m in c if m["role"] == "tool")) for c in completions]
+
+
+def test_tool_calling_rollouts_run_in_the_generator_actors(local_ray, tmp_path):
+    """Tools run where the episodes are generated: the failing and the timed-out calls come back as error results in
+    the completions the reward actor scores, tools/* are logged, and training goes on."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_tool_calling import qwen3_model
+
+    model = qwen3_model(tmp_path / "model", max_position_embeddings=2048)
+    args = _config(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=160, max_steps=2,
+                   max_staleness=1, tool_call_timeout=0.3, max_tool_calling_iterations=2, logging_steps=1)
+    prompts = [[{"role": "user", "content": f"What is number {i} times three?"}] for i in range(4)]
+    trainer = AsyncGRPOTrainer(model, reward_funcs=[tool_errors, timed_out], args=args,
+                               train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
+                               tools=[_calc_multiply, _calc_explode, _calc_slow])
+    trainer.objective.episodes_class = _steered_episodes()
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert [entry["step"] for entry in logs] == [1, 2]
+    for entry in logs:
+        assert entry["tools/call_frequency"] == pytest.approx(0.75)
+        assert entry["tools/failure_frequency"] == pytest.approx(2 / 3)
+        assert entry["rewards/tool_errors"] == pytest.approx(0.5)  # 2 of the 4 rows' results are errors
+        assert entry["rewards/timed_out"] == pytest.approx(0.25)
+        assert math.isfinite(entry["loss"])
+    with pytest.raises(ValueError, match="environment_factory"):
+        AsyncGRPOTrainer(model, reward_funcs=tool_errors, args=args, train_dataset=_dataset(), environment_factory=dict)
+    with pytest.raises(ValueError, match="max_tool_calling_iterations=2 has no effect without tools"):
+        AsyncGRPOTrainer(model, reward_funcs=tool_errors, args=args, train_dataset=_dataset())

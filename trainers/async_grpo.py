@@ -26,10 +26,19 @@ from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 
 from .async_grpo_config import AsyncGRPOConfig
 from .data_loading import make_dataloader
-from .grpo_trainer import extremes_over_ranks
+from .grpo_trainer import extremes_over_ranks, loss_mask
 from .objective import Objective
 from .rewards import RewardFunctions
-from .rollout import Rollout, completion_logprobs_of, is_conversational, model_inputs, sampling_params, trimmed_rows
+from .rollout import (
+    Rollout,
+    completion_logprobs_of,
+    is_conversational,
+    model_inputs,
+    pad_token_lists,
+    sampling_params,
+    trimmed_rows,
+)
+from .tool_calling import Episode, ToolCalling, ToolEpisodes
 from .trainer import Trainer
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
@@ -57,11 +66,18 @@ class GroupScoring:
         rows_N = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows_N]
         texts = self.tokenizer.batch_decode(generated["completion_ids"], skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
+        if "messages" in generated:  # a tool-calling rollout: its turns as messages
+            completions = generated["messages"]
+        else:
+            completions = [[{"role": "assistant", "content": t}] if is_conversational(p) else t for p, t in zip(prompts, texts)]
         rewards_NF = self.rewards.score(prompts, completions, generated["completion_ids"], rows_N)
         total_N = weighted_rewards(rewards_NF, self.rewards.weights_F).double()
         advantages_N, std_N = async_group_advantages(total_N, G)
         per_function = {f"rewards/{name}": rewards_NF[:, i].tolist() for i, name in enumerate(self.rewards.names)}
+        if "tool_calls" in generated:  # TRL's tools/* of the micro-batch
+            calls, failures = generated["tool_calls"], generated["tool_failures"]
+            per_function["tools/call_frequency"] = [calls / len(prompts)]
+            per_function["tools/failure_frequency"] = [failures / calls if calls else 0.0]
         return {"advantages": advantages_N.tolist(), "reward": total_N.tolist(), "reward_std": std_N.tolist(),
                 "per_function": per_function, "completions": texts}
 
@@ -110,8 +126,10 @@ class AsyncGRPOObjective(Objective):
     supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
                           "expert_parallel"})
     split_collated_batches = False  # prompts are collated; the scored completions are split in micro_batches
+    episodes_class = ToolEpisodes  # what the generator actors run for a tool-calling rollout
 
-    def __init__(self, context, reward_functions: RewardFunctions):
+    def __init__(self, context, reward_functions: RewardFunctions, tools=None):
+        """``tools``: TRL's tool-calling rollouts (trainers/tool_calling.py), run by the generator actors."""
         super().__init__(context)
         args = context.args
         if context.processing_class is None:
@@ -136,6 +154,19 @@ class AsyncGRPOObjective(Objective):
         self.version = None  # the policy's optimizer steps, on every rank (the pipeline's version on the first)
         self._epoch_iterator = None
         self.metric_names = ["reward", "reward_std", *(f"rewards/{name}" for name in reward_functions.names)]
+        self.tool_calling = None
+        if tools:
+            self.tool_calling = ToolCalling(
+                context.processing_class, tools, max_iterations=args.max_tool_calling_iterations,
+                timeout=args.tool_call_timeout, chat_template_kwargs=_chat_template_kwargs(args),
+                max_completion_length=args.max_completion_length,
+                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
+            self.metric_names += ["tools/call_frequency", "tools/failure_frequency"]
+        else:
+            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
+                if getattr(args, name, None) is not None:
+                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools: pass tools to the "
+                                     "trainer, or leave it at None")
 
     def generates(self) -> bool:
         return True
@@ -180,13 +211,17 @@ class AsyncGRPOObjective(Objective):
     def _work(self, epoch_iterator):
         G = self.args.num_generations
         for rows in epoch_iterator:
-            prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
+            prompts = [row["prompt"] for row in rows]
+            if self.tool_calling is not None:  # rendered with the tools' schemas (and a multi-turn template)
+                prompt_ids = self.tool_calling.tokenize(Episode(prompts=prompts, tools=[self.tool_calling.tools] * len(rows)))
+            else:
+                prompt_ids = self.rollout.tokenize(prompts)
             yield [ids for ids in prompt_ids for _ in range(G)], rows
 
     def loss(self, model, inputs: dict, num_items_in_batch):
         args = self.args
         logprobs_BT, entropy_BT = completion_logprobs_of(model, inputs, args.temperature, self.context)
-        mask_BT = inputs["completion_mask"].to(logprobs_BT.dtype)
+        mask_BT = loss_mask(inputs).to(logprobs_BT.dtype)  # tool results are never trained on
         old_BT = inputs["old_logprobs"]
         policy = clipped_policy_loss(
             logprobs_BT, old_BT, inputs["advantages"], mask_BT, loss_type="dapo", epsilon=args.epsilon,
@@ -238,6 +273,8 @@ class AsyncGRPOObjective(Objective):
             self._print_completions(scored)
         tensors = self.rollout.tensors(scored["prompt_ids"], scored["completion_ids"], scored["logprobs"])
         tensors["old_logprobs"] = tensors.pop("sampling_logprobs")
+        if self.tool_calling is not None:
+            tensors["tool_mask"] = pad_token_lists(scored["tool_mask"], 1)
         tensors["advantages"] = torch.tensor(scored["advantages"], dtype=torch.float32)
         tensors["sample_metrics"] = torch.tensor(sample_metrics, dtype=torch.float64)
         return tensors
@@ -260,6 +297,8 @@ class AsyncGRPOObjective(Objective):
             N, P, T = header[1 + 3 * index : 4 + 3 * index].tolist()
             shapes = {"prompt_ids": (N, P), "prompt_mask": (N, P), "completion_ids": (N, T), "completion_mask": (N, T),
                       "old_logprobs": (N, T), "completion_lengths": (N,), "advantages": (N,), "sample_metrics": (K,)}
+            if self.tool_calling is not None:
+                shapes["tool_mask"] = (N, T)
             if self.leader:
                 flat = torch.cat([wholes[index][name].double().reshape(-1) for name in shapes])
             else:
@@ -270,8 +309,9 @@ class AsyncGRPOObjective(Objective):
                 size = math.prod(shape)
                 whole[name] = flat[offset : offset + size].reshape(shape)
                 offset += size
-            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths"):
-                whole[name] = whole[name].long()
+            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "completion_lengths", "tool_mask"):
+                if name in whole:
+                    whole[name] = whole[name].long()
             for name in ("old_logprobs", "advantages"):
                 whole[name] = whole[name].float()
             received.append(whole)
@@ -291,7 +331,7 @@ class AsyncGRPOObjective(Objective):
         rows = torch.tensor_split(torch.arange(N), data_parallel.size)[data_parallel.rank]
         per_row = {name: value for name, value in whole.items() if name != "sample_metrics"}
         inputs = self.context.context_parallel.split(model_inputs(trimmed_rows(per_row, rows)))  # this rank's cp chunks
-        inputs["completion_tokens_per_rank"] = float(whole["completion_mask"].sum()) / data_parallel.size
+        inputs["completion_tokens_per_rank"] = float(loss_mask(whole).sum()) / data_parallel.size
         inputs["sample_metrics"] = whole["sample_metrics"].tolist()
         return inputs
 
@@ -317,7 +357,7 @@ class AsyncGRPOObjective(Objective):
             return
         from hfnative.rl import RolloutPipeline
 
-        ship_reward_code_by_value(self.reward_functions.functions)
+        ship_reward_code_by_value(self.reward_functions.functions + (self.tool_calling.tools if self.tool_calling else []))
         per_step = a.per_device_train_batch_size * self.context.data_parallel.size * a.gradient_accumulation_steps
         inflight = a.max_inflight_tasks if a.max_inflight_tasks > 0 else max(a.max_staleness, 1) * per_step
         inflight = min(inflight, a.queue_maxsize)
@@ -330,7 +370,8 @@ class AsyncGRPOObjective(Objective):
             max_inflight=max(1, inflight // per_micro_batch), weight_sync_steps=a.weight_sync_steps,
             heartbeat_stale_after_s=a.heartbeat_stale_after_s, version=self.version,
             ray_address=a.ray_address, generator_options=options[0], scorer_options=options[1],
-            num_generators=a.num_rollout_actors, **engine,
+            num_generators=a.num_rollout_actors,
+            episodes=None if self.tool_calling is None else self.episodes_class(self.tool_calling), **engine,
         )
         self.pipeline.start(policy=policy)
 
@@ -370,7 +411,8 @@ class AsyncGRPOTrainer(Trainer):
 
     model: a path, Hub id, transformers model or native model. reward_funcs: callables (or built-in names /
     dotted paths, see trainers/rewards.py) called with prompts, completions, completion_ids and the dataset's
-    other columns. ``tools``, ``environment_factory``, ``rollout_worker`` and ``weight_transfer`` are not supported.
+    other columns. ``tools``: TRL's tool-calling rollouts, run in the generator actors (trainers/tool_calling.py);
+    ``environment_factory``, ``rollout_worker`` and ``weight_transfer`` are not supported.
     """
 
     algorithm_name = "AsyncGRPO"
@@ -393,10 +435,15 @@ class AsyncGRPOTrainer(Trainer):
         rollout_worker=None,
         weight_transfer=None,
     ):
-        for name, value in (("tools", tools), ("environment_factory", environment_factory),
-                            ("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
+        if environment_factory is not None:
+            raise ValueError(
+                "AsyncGRPOTrainer: `environment_factory` is not supported yet (an episode's environment would live in "
+                "the generator actor, its reward in the reward actor): pass its methods as `tools`, or use GRPOTrainer"
+            )
+        for name, value in (("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
             if value is not None:
                 raise ValueError(f"AsyncGRPOTrainer: `{name}` is not supported; generation runs in hfnative's Ray actors")
+        self.tools = list(tools or [])
         if reward_funcs is None:
             raise ValueError("AsyncGRPOTrainer needs reward_funcs: one or more reward functions")
         self._reward_funcs = reward_funcs
@@ -406,7 +453,7 @@ class AsyncGRPOTrainer(Trainer):
     def _make_objective(self):
         # built after the seed is set and the policy loaded, as TRL loads reward models
         self._reward_functions = RewardFunctions(self._reward_funcs, chat_template_kwargs=_chat_template_kwargs(self.args))
-        return AsyncGRPOObjective(self.context, self._reward_functions)
+        return AsyncGRPOObjective(self.context, self._reward_functions, tools=getattr(self, "tools", None))
 
     @property
     def reward_functions(self) -> RewardFunctions:

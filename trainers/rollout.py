@@ -223,28 +223,21 @@ class Rollout:
         seed = mix64_int(mix64_int(int(self.context.args.seed)) ^ place) & ((1 << 63) - 1)
         return {"seed": seed, "first_row": self.context.data_parallel.rank * rows}
 
-    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0,
-                 row_indices: list[int] | None = None) -> Rollouts:
+    def generate(self, prompt_ids: list[list[int]], model=None, seed: int | None = None, first_row: int = 0) -> Rollouts:
         """Completions of ``prompt_ids`` (each cut after its first stop token) with their sampling log-probs, from
         ``model`` (default: the policy); ``seed`` replaces the run's sampling seed, ``first_row`` is the place of
-        the call's first row in its whole batch, ``row_indices`` the place of each (see SamplingParams)."""
-        sampling = self.sampling
-        if seed is not None:
-            sampling = replace(sampling, seed=seed, first_row=first_row,
-                               row_indices=None if row_indices is None else tuple(row_indices))
+        the call's first row in its whole batch (see SamplingParams)."""
+        sampling = self.sampling if seed is None else replace(self.sampling, seed=seed, first_row=first_row)
         return self.sample(prompt_ids, sampling, model)
 
     def continuation(self, streams: dict, model=None):
         """``generate(prompt_ids, rows, turn)`` for the later turns of a multi-turn rollout whose first turn sampled
         with ``streams`` (``row_streams``' seed and first row, or none): the given rows (their indices in the call's
-        batch) continued from the given tokens, each from a stream of its own for that turn (the turn mixed into the
-        seed), so a row's samples depend neither on which other rows go on nor on how the batch is cut."""
+        batch) continued from the given tokens, each from its own stream for that turn (``SamplingParams.for_turn``)."""
+        first = self.sampling if not streams else replace(self.sampling, **streams)
 
         def generate(prompt_ids: list[list[int]], rows: list[int], turn: int) -> Rollouts:
-            if not streams:
-                return self.generate(prompt_ids, model)
-            seed = mix64_int(streams["seed"] ^ mix64_int(turn)) & ((1 << 63) - 1)
-            return self.generate(prompt_ids, model, seed=seed, row_indices=[streams["first_row"] + r for r in rows])
+            return self.sample(prompt_ids, first.for_turn(turn, rows), model)
 
         return generate
 

@@ -544,3 +544,25 @@ def tool_metrics(calls, failures, completions, sum_over_ranks) -> dict:
     calls, failures, completions = (float(v) for v in totals)
     return {"tools/call_frequency": calls / completions,
             "tools/failure_frequency": failures / calls if calls > 0 else 0.0}
+
+
+class ToolEpisodes:
+    """A tool-calling rollout as one call on a rollout engine: ``(engine, prompt_ids, sampling) -> dict`` (the
+    generator actors' ``episodes`` of hfnative.rl; picklable). The first turn samples with ``sampling``, later turns
+    with ``SamplingParams.for_turn``; returns completion_ids, logprobs (0 on tool tokens), finish_reason, tool_mask,
+    the completions as messages, and the tool calls and failures of the batch."""
+
+    def __init__(self, tool_calling: ToolCalling):
+        self.tool_calling = tool_calling
+
+    def __call__(self, engine, prompt_ids: list[list[int]], sampling) -> dict:
+        tools = self.tool_calling
+        first = engine.generate(prompt_ids, sampling)
+        episode = Episode(prompts=[], tools=[tools.tools] * len(prompt_ids))
+        turns = tools.run(episode, prompt_ids, first.completion_ids, first.logprobs,
+                          lambda ids, rows, turn: engine.generate(ids, sampling.for_turn(turn, rows)))
+        stops = set(sampling.stop_ids)
+        return {"completion_ids": turns.completion_ids, "logprobs": turns.logprobs,
+                "finish_reason": ["stop" if ids and ids[-1] in stops else "length" for ids in turns.completion_ids],
+                "tool_mask": turns.tool_mask, "messages": turns.completions, "tool_calls": turns.calls,
+                "tool_failures": turns.failures}

@@ -10,7 +10,7 @@ of the model's own logits, before any of that (what GRPO recomputes as its old l
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +79,17 @@ class SamplingParams:
         self.stop_ids = tuple(dict.fromkeys(
             _token_ids(self.eos_token_id, "eos_token_id") + _token_ids(self.stop_token_ids, "stop_token_ids")
         ))
+
+    def for_turn(self, turn: int, rows: list[int]) -> "SamplingParams":
+        """The settings for a later turn of a multi-turn rollout that continues the call's ``rows`` (their indices
+        in this call): each row keeps its place (``row_indices``) and draws from a stream of its own for that turn
+        (the turn mixed into the seed), so its samples depend neither on which other rows go on nor on how the batch
+        is cut over processes. Unseeded settings are returned as they are."""
+        if self.seed is None:
+            return self
+        places = [self.row_indices[r] for r in rows] if self.row_indices is not None else [self.first_row + r for r in rows]
+        seed = mix64_int(mix64_int(self.seed) ^ mix64_int(turn)) & ((1 << 63) - 1)
+        return replace(self, seed=seed, first_row=0, row_indices=tuple(places))
 
     @property
     def logprob_temperature(self) -> float:

@@ -32,12 +32,16 @@ class RolloutGenerator:
     unpickled as a module), rebuilt as a plain Transformer on this actor's device;
     None when the engine starts from elsewhere (a vLLM engine loads its own model; the trainer then sends the
     weights before the first generation). engine_factory: model (or None) -> RolloutEngine, picklable, made
-    by the trainer from its config (default: the native KV-cache engine). Tasks run in the order the trainer submitted them, so a ``load_weights`` lands
+    by the trainer from its config (default: the native KV-cache engine). episodes: (engine, prompt_ids, sampling)
+    -> dict, picklable, made by the trainer when a rollout is more than one generation (multi-turn tool calls run
+    here, beside the engine, so their latency overlaps training); its dict holds at least completion_ids, logprobs
+    and finish_reason. Tasks run in the order the trainer submitted them, so a ``load_weights`` lands
     between the generations before and after it.
     """
 
     def __init__(self, policy: PolicyCopy | None, version: int,
-                 engine_factory: Callable[[Any], RolloutEngine] | None = None):
+                 engine_factory: Callable[[Any], RolloutEngine] | None = None,
+                 episodes: Callable[[RolloutEngine, list[list[int]], SamplingParams], dict] | None = None):
         _use_assigned_threads()
         model = None
         if policy is not None:
@@ -46,20 +50,20 @@ class RolloutGenerator:
             raise ValueError("RolloutGenerator: without a policy, an engine_factory must build the engine")
         self.model = model
         self.engine = (engine_factory or NativeRolloutEngine)(model)
+        self.episodes = episodes
         self.version = version
 
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> dict:
-        """Completions of ``prompt_ids``: completion_ids, logprobs (at generation time), finish_reason,
-        the policy version that produced them and the seconds it took."""
+        """Completions of ``prompt_ids``: completion_ids, logprobs (at generation time), finish_reason (and what
+        ``episodes`` adds), the policy version that produced them and the seconds it took."""
         start = time.perf_counter()
-        rollouts = self.engine.generate(prompt_ids, sampling)
-        return {
-            "version": self.version,
-            "completion_ids": rollouts.completion_ids,
-            "logprobs": rollouts.logprobs,
-            "finish_reason": rollouts.finish_reason,
-            "generation_s": time.perf_counter() - start,
-        }
+        if self.episodes is not None:
+            generated = dict(self.episodes(self.engine, prompt_ids, sampling))
+        else:
+            rollouts = self.engine.generate(prompt_ids, sampling)
+            generated = {"completion_ids": rollouts.completion_ids, "logprobs": rollouts.logprobs,
+                         "finish_reason": rollouts.finish_reason}
+        return {**generated, "version": self.version, "generation_s": time.perf_counter() - start}
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor], version: int) -> int:
         """Copy the trainer's updated tensors in (under the names the engine takes: native for the native

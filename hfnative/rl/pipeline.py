@@ -84,6 +84,8 @@ class RolloutPipeline:
     engine runs on the plain model rebuilt from it). False when the
     engine loads its own copy (vLLM from a Hub folder, or a vLLM server): the generators then get the policy's
     current weights through ``named_weights`` at start, before any generation.
+    episodes: (engine, prompt_ids, sampling) -> dict run by each generator in place of one generation (see
+    ``RolloutGenerator``), picklable.
     """
 
     @property
@@ -110,6 +112,7 @@ class RolloutPipeline:
         named_weights: Callable[[torch.nn.Module], dict[str, torch.Tensor]] | None = None,
         num_generators: int = 1,
         ship_policy: bool = True,
+        episodes: Callable | None = None,
     ):
         if weight_sync_steps < 1:
             raise ValueError(f"weight_sync_steps={weight_sync_steps}: expected an int >= 1")
@@ -132,6 +135,7 @@ class RolloutPipeline:
         self.generator_options = {"num_cpus": 1, **(generator_options or {})}
         self.scorer_options = {"num_cpus": 0, **(scorer_options or {})}
         self.num_generators, self.ship_policy = num_generators, ship_policy
+        self.episodes = episodes  # RolloutGenerator's: multi-turn rollouts run in the generator actors
         self.generators: list = []
         self.scorer = None
         self._ray = None
@@ -160,7 +164,8 @@ class RolloutPipeline:
         generator = ray.remote(RolloutGenerator).options(max_restarts=0, **self.generator_options)
         scorer = ray.remote(RewardScorer).options(max_restarts=0, **self.scorer_options)
         policy = ray.put(policy if policy is not None else policy_copy(self.model)) if self.ship_policy else None
-        self.generators = [generator.remote(policy, self.version, self.engine_factory) for _ in range(self.num_generators)]
+        self.generators = [generator.remote(policy, self.version, self.engine_factory, self.episodes)
+                           for _ in range(self.num_generators)]
         self.scorer = scorer.remote(self.score_fn)
         startup_s = max(self.heartbeat_stale_after_s, 300.0)
         pings = [actor.ping.remote() for actor in (*self.generators, self.scorer)]
