@@ -194,7 +194,8 @@ def test_config_has_trls_fields_and_defaults():
     names = {f.name for f in dataclasses.fields(theirs)} - {"accelerator_config"}
     assert names <= {f.name for f in dataclasses.fields(ours)}
     assert {n: getattr(ours, n) for n in names} == {n: getattr(theirs, n) for n in names}
-    assert ours.beta == 0.1 and ours.learning_rate == 5e-7 and ours.temperature == 0.9 and not ours.remove_unused_columns
+    assert ours.beta == 0.1 and ours.learning_rate == 5e-7 and ours.temperature == 0.9
+    assert not ours.remove_unused_columns
     assert hfnative.OnlineDPOConfig("unused", use_cpu=True, beta=[0.1, 0.2]).beta == [0.1, 0.2]
     with pytest.warns(UserWarning, match="max_new_tokens"):
         hfnative.OnlineDPOConfig("unused", use_cpu=True, max_new_tokens=64, max_length=64)
@@ -281,7 +282,8 @@ def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
             assert math.isfinite(log[key]), (key, log)
     assert [log["beta"] for log in logs] == [pytest.approx(0.1), pytest.approx(0.1), pytest.approx(0.3)]
     assert logs[0]["objective/entropy"] > 0
-    assert logs[0]["objective/kl"] == pytest.approx(0, abs=1e-5) and logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
+    assert logs[0]["objective/kl"] == pytest.approx(0, abs=1e-5)
+    assert logs[0]["rewards/margins"] == pytest.approx(0, abs=1e-6)
     assert logs[2]["objective/kl"] != 0
     assert any(not torch.equal(before[name], p) for name, p in trainer.model.named_parameters())
     # resumed from checkpoint-2, the third step samples and trains as the uninterrupted run did

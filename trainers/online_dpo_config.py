@@ -32,7 +32,9 @@ class OnlineDPOConfig(TRLBaseConfig):
     temperature: float = field(default=0.9, metadata={"help": "Sampling temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass (1.0: all tokens)."})
     top_k: int = field(default=0, metadata={"help": "Keep the k most likely tokens (0: all)."})
-    min_p: float | None = field(default=None, metadata={"help": "Minimum probability relative to the most likely token."})
+    min_p: float | None = field(
+        default=None, metadata={"help": "Minimum probability relative to the most likely token."}
+    )
     repetition_penalty: float = field(default=1.0, metadata={"help": "transformers' repetition penalty."})
     generation_kwargs: dict | None = field(
         default=None, metadata={"help": "More sampling settings of the native engine (they override the ones above)."}

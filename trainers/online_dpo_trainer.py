@@ -194,7 +194,8 @@ class OnlineDPOObjective(Objective):
         beta = self.beta
         # padding queries attend to the real keys before them, as transformers' masks do: TRL's objective/kl and
         # objective/entropy read the log-probs at the completions' padding
-        inputs = {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
+        plan = transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])
+        inputs = {**inputs, "attention_plan": plan}
         with router_loss_off(model):  # TRL's online DPO adds no router loss
             logprobs_NT = self.completion_logprobs(model, inputs)
         ref_logprobs_NT = self.completion_logprobs(model, inputs, reference=True).to(logprobs_NT.dtype)
@@ -285,10 +286,6 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
             raise ValueError("`reward_funcs` must be provided (or `reward_model_path` in the config).")
         self._reward_funcs = reward_funcs if reward_funcs is not None else args.reward_model_path
         self._reward_processing_classes = reward_processing_classes
-        if reward_processing_classes is not None and isinstance(reward_processing_classes, list):
-            funcs = self._reward_funcs if isinstance(self._reward_funcs, list) else [self._reward_funcs]
-            if len(reward_processing_classes) != len(funcs):
-                raise ValueError("The number of reward processing classes must match the number of reward functions.")
         self._take_reference_source(args, model, ref_model, peft_config)
         super().__init__(
             model=model,
