@@ -101,7 +101,8 @@ class OnlineDPOObjective(Objective):
 
     @property
     def beta(self) -> float:
-        """β of the current epoch: a list gives one per epoch, its last for the epochs past it."""
+        """β of the current epoch: a list gives one per epoch, its last for the epochs past it (TRL 1.16 documents
+        this but indexes the list with the fractional epoch, a TypeError from its second step)."""
         beta = self.args.beta
         if not isinstance(beta, (list, tuple)):
             return float(beta)
