@@ -413,3 +413,41 @@ def test_tool_settings_are_checked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="No reward source provided"):
         hfnative.GRPOTrainer(model=qwen3_model(tmp_path / "model"), reward_funcs=[], args=args, train_dataset=data,
                              tools=[multiply])
+
+
+# --- every data-parallel layout equals one process ---------------------------------------------------------------
+
+
+def test_tool_rollouts_under_ddp_and_fsdp2_equal_one_process(tmp_path):
+    """Two processes (DDP, then FSDP2), each completing its share of the generation batch: the first turns steered
+    by each row's place in the batch, the later turns sampled from each row's own stream on the policy's replica, the
+    tools run on each rank; rewards, lengths, tools/* and the grad norm equal the one-process run's."""
+    import os
+    import subprocess
+    import sys
+
+    from _tool_calling_worker import GLOBAL_BATCH, train
+
+    model = qwen3_model(tmp_path / "model")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
+    env.pop("WORLD_SIZE", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), model, "ddp", "fsdp2"]
+    (tmp_path / "out").mkdir()
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-8000:]
+    expected = train(model, str(tmp_path / "one"), GLOBAL_BATCH)
+    assert len(expected) == 2 and expected[0]["tools/call_frequency"] == pytest.approx(0.75)
+    assert expected[0]["tools/failure_frequency"] == pytest.approx(1 / 3)
+    for layout in ("ddp", "fsdp2"):
+        for rank in range(2):
+            logs = json.loads((tmp_path / "out" / f"{layout}-rank{rank}.json").read_text())
+            assert len(logs) == 2
+            for step, (got, want) in enumerate(zip(logs, expected), start=1):
+                where = (layout, rank, step)
+                for key in ("reward", "completions/mean_length", "completions/max_length", "num_tokens",
+                            "tools/call_frequency", "tools/failure_frequency"):
+                    assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key)
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), where
+                assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), where

@@ -1,0 +1,84 @@
+"""GRPOTrainer with tools as the ranks of a torchrun launch, for tests/test_tool_calling.py.
+
+usage: torchrun --standalone --nproc_per_node 2 _tool_calling_worker.py OUTPUT_DIR MODEL LAYOUT [LAYOUT ...]
+Each LAYOUT (ddp, fsdp2) trains GRPO with tools on the global batch of the one-process run: each rollout's first turn
+is steered to a tool call (as a model that has learned the format writes it), its later turns are sampled from the
+native engine on the parallelized policy's replica (each row's own stream), the tools run, the reference model
+runs (beta > 0). Rank r writes OUTPUT_DIR/LAYOUT-rank<r>.json (the log history).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
+LAYOUTS = {"ddp": (dict(dp_replicate_size=2), 2), "fsdp2": (dict(dp_shard_size=2), 2)}
+FIRST_TURNS = ['<tool_call>\n{"name": "double", "arguments": {"x": 3}}\n</tool_call>',
+               '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>', "No tools needed.",
+               '<tool_call>\n{"name": "double", "arguments": {"x": 5}}\n</tool_call>']
+
+
+def double(x: int) -> int:
+    """Double x.
+
+    Args:
+        x: A number.
+    """
+    return 2 * x
+
+
+def fail() -> int:
+    """Fail."""
+    raise RuntimeError("no")
+
+
+def tool_results(completions, **kwargs):
+    return [sum(m["role"] == "tool" for m in c) + len(c[-1]["content"]) / 100 for c in completions]
+
+
+def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
+    import hfnative
+    from datasets import Dataset
+
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    args = hfnative.GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, num_generations=4,
+        max_completion_length=72, learning_rate=1e-2, seed=0, gradient_checkpointing=False, beta=0.04,
+        max_tool_calling_iterations=1, **extra)
+    prompts = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(8)]
+    trainer = hfnative.GRPOTrainer(model=model, reward_funcs=tool_results, args=args, train_dataset=Dataset.from_list(prompts),
+                                   tools=[double, fail])
+    tokenizer, engine = trainer.processing_class, trainer.objective.engine
+    sample = engine.generate
+
+    def generate(prompt_ids, sampling):
+        out = sample(prompt_ids, sampling)
+        for i, prompt in enumerate(prompt_ids):
+            if tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn: steered by its place
+                place = (sampling.first_row + i) % 4
+                out.completion_ids[i] = tokenizer(FIRST_TURNS[place] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
+        return out
+
+    engine.generate = generate
+    trainer.train()
+    return trainer.state.log_history[:-1]
+
+
+def main(output_dir: str, model: str, layouts: list[str]) -> None:
+    rank = int(os.environ["RANK"])
+    for layout in layouts:
+        sizes, dp = LAYOUTS[layout]
+        logs = train(model, str(Path(output_dir) / layout), GLOBAL_BATCH // dp, parallelism_config=dict(sizes))
+        (Path(output_dir) / f"{layout}-rank{rank}.json").write_text(json.dumps(logs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
