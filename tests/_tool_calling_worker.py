@@ -50,13 +50,14 @@ def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     args = hfnative.GRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
         logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, num_generations=4,
-        max_completion_length=72, learning_rate=1e-2, seed=0, gradient_checkpointing=False, beta=0.04,
+        max_completion_length=128, learning_rate=1e-2, seed=0, gradient_checkpointing=False, beta=0.04,
         max_tool_calling_iterations=1, **extra)
     prompts = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(8)]
     trainer = hfnative.GRPOTrainer(model=model, reward_funcs=tool_results, args=args, train_dataset=Dataset.from_list(prompts),
                                    tools=[double, fail])
     tokenizer, engine = trainer.processing_class, trainer.objective.engine
     sample = engine.generate
+    later_rows = []
 
     def generate(prompt_ids, sampling):
         out = sample(prompt_ids, sampling)
@@ -65,11 +66,15 @@ def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
                 place = (sampling.first_row + i) % 4
                 out.completion_ids[i] = tokenizer(FIRST_TURNS[place] + "<|im_end|>", add_special_tokens=False)["input_ids"]
                 out.logprobs[i] = [0.0] * len(out.completion_ids[i])
+            else:
+                later_rows.append(len(out.completion_ids[i]))
         return out
 
     engine.generate = generate
     trainer.train()
-    return trainer.state.log_history[:-1]
+    logs = trainer.state.log_history[:-1]
+    logs[0]["later_turn_rows"] = len(later_rows)  # rows sampled after a tool result, over the run
+    return logs
 
 
 def main(output_dir: str, model: str, layouts: list[str]) -> None:

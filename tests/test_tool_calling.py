@@ -440,6 +440,7 @@ def test_tool_rollouts_under_ddp_and_fsdp2_equal_one_process(tmp_path):
     expected = train(model, str(tmp_path / "one"), GLOBAL_BATCH)
     assert len(expected) == 2 and expected[0]["tools/call_frequency"] == pytest.approx(0.75)
     assert expected[0]["tools/failure_frequency"] == pytest.approx(1 / 3)
+    assert expected[0]["later_turn_rows"] == 12  # 3 of each 4 rows went on after their tool result, in both steps
     for layout in ("ddp", "fsdp2"):
         for rank in range(2):
             logs = json.loads((tmp_path / "out" / f"{layout}-rank{rank}.json").read_text())

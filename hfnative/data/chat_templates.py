@@ -68,9 +68,21 @@ def _known(tokenizer_or_template) -> tuple[str, str] | None:
 
 
 def training_template_name(tokenizer_or_template) -> str | None:
-    """The name of the known template (e.g. "Qwen3") that `tokenizer_or_template` has, or None."""
+    """The name of the known template (e.g. "Qwen3") that `tokenizer_or_template` has (the released one, or a
+    version of it that hfnative ships), or None."""
     known = _known(tokenizer_or_template)
-    return known[0] if known else None
+    if known:
+        return known[0]
+    text = template_text(tokenizer_or_template)
+    return None if text is None else _shipped_versions().get(_fingerprint(text))
+
+
+@cache
+def _shipped_versions() -> dict[str, str]:
+    """sha256 of each template file hfnative ships -> the name of the released template it is a version of."""
+    names = {filename: name for name, filename in _TRAINING_VERSIONS.values()}
+    names.update({filename: name for name, filename in _MULTI_TURN_VERSIONS.items()})
+    return {_fingerprint(_read_template(filename)): name for filename, name in names.items()}
 
 
 def training_chat_template(tokenizer_or_template) -> str | None:
@@ -86,11 +98,9 @@ def _read_template(filename: str) -> str:
     return (TEMPLATE_DIR / filename).read_text(encoding="utf-8")
 
 
-# sha256 of a released template that does not keep a conversation's rendering as a prefix of its continuations ->
-# the file of its multi-turn version (which does), for tool-calling rollouts
-_MULTI_TURN_VERSIONS = {
-    "a55ee1b1660128b7098723e0abcd92caa0788061051c62d51cbe87d9cf1974d8": "qwen3_multiturn.jinja",  # Qwen3
-}
+# the known templates whose released text does not keep a conversation's rendering as a prefix of its
+# continuations -> the file of their multi-turn version (which does), for tool-calling rollouts
+_MULTI_TURN_VERSIONS = {"Qwen3": "qwen3_multiturn.jinja"}
 
 
 def multi_turn_chat_template(tokenizer_or_template) -> str | None:
@@ -98,6 +108,5 @@ def multi_turn_chat_template(tokenizer_or_template) -> str | None:
     conversation goes on (Qwen3 hides the think blocks of turns before the last user query), or None. The
     multi-turn version renders every assistant turn alike, so a rollout can append tool results to the tokens it
     has and generate on."""
-    text = template_text(tokenizer_or_template)
-    filename = _MULTI_TURN_VERSIONS.get(_fingerprint(text)) if text is not None else None
+    filename = _MULTI_TURN_VERSIONS.get(training_template_name(tokenizer_or_template) or "")
     return _read_template(filename) if filename else None
