@@ -344,6 +344,14 @@ def test_tool_runner_errors_and_timeouts():
                        ("slow_async", "async woke up"), ("shell", {"error": "Unsupported tool call type: code"})]
     assert failures == 5
     assert ToolRunner().run(calls[:1], [multiply]) == ([("multiply", 6)], 0)
+    # the rows of a turn at once (the async trainer's generator actors): the same results, in the slowest call's time
+    runner = ToolRunner()
+    runner.concurrent_rows = True
+    rows = [([{"type": "function", "function": {"name": "slow", "arguments": {"seconds": 0.4}}}], [slow])] * 3
+    rows.append((calls[:2], [multiply, explode]))
+    start = time.perf_counter()
+    assert runner.run_rows(rows) == [([("slow", "woke up")], 0)] * 3 + [([("multiply", 6), ("explode", {"error": "the tool broke on 1"})], 1)]
+    assert time.perf_counter() - start < 1.0
     with pytest.raises(ValueError, match="tool_call_timeout"):
         ToolRunner(timeout=0)
 

@@ -188,6 +188,9 @@ def _render_ids(processing_class, messages, chat_template, chat_template_kwargs,
 # --- running tools --------------------------------------------------------------------------------------------------
 
 
+_LOOP_LOCK = threading.Lock()
+
+
 class _EventLoop:
     """An event loop in a daemon thread: async tools of a turn run on it concurrently."""
 
@@ -235,7 +238,21 @@ class ToolRunner:
         if timeout is not None and not timeout > 0:
             raise ValueError(f"tool_call_timeout={timeout!r}: expected a number of seconds > 0, or None (no limit)")
         self.timeout = timeout
+        self.concurrent_rows = False  # run the rows of a turn at once (threads), as TRL's async worker does
         self._loop = None
+
+    def __getstate__(self):  # a runner travels to the generator actors without its event loop thread
+        return {**self.__dict__, "_loop": None}
+
+    def run_rows(self, rows: list[tuple[list[dict], list]]) -> list[tuple[list[tuple[str, object]], int]]:
+        """``run`` for each row's (tool calls, callables) of a turn: one after the other (TRL's GRPOTrainer), or at
+        once in threads when ``concurrent_rows``, so a turn takes as long as its slowest call rather than their sum."""
+        if not self.concurrent_rows or len(rows) < 2:
+            return [self.run(calls, callables) for calls, callables in rows]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=len(rows), thread_name_prefix="hfnative-tool-rows") as pool:
+            return list(pool.map(lambda row: self.run(*row), rows))
 
     def run(self, tool_calls: list[dict], callables: list) -> tuple[list[tuple[str, object]], int]:
         """(name, result) of each call in order, and how many failed."""
@@ -265,7 +282,8 @@ class ToolRunner:
                 results[index] = (name, {"error": str(error)})
                 failures += 1
         if pending:
-            self._loop = self._loop or _EventLoop()
+            with _LOOP_LOCK:  # the rows of a turn may run at once
+                self._loop = self._loop or _EventLoop()
             outcomes = self._loop.run(self._gather([(function, arguments) for _, _, function, arguments in pending]))
             for (index, name, _, _), outcome in zip(pending, outcomes):
                 if isinstance(outcome, asyncio.TimeoutError):
@@ -479,10 +497,9 @@ class ToolCalling:
         iteration = 0
         while active and (self.max_iterations is None or iteration < self.max_iterations):
             continued, continued_ids = [], []
-            for i in active:
-                calls = completions[i][-1]["tool_calls"]
-                turns.calls += len(calls)
-                results, failed = self.runner.run(calls, episode.tools[i])
+            outcomes = self.runner.run_rows([(completions[i][-1]["tool_calls"], episode.tools[i]) for i in active])
+            for i, (results, failed) in zip(active, outcomes):
+                turns.calls += len(completions[i][-1]["tool_calls"])
                 turns.failures += failed
                 messages = [{"role": "tool", "name": name, "content": result if isinstance(result, list) else str(result)}
                             for name, result in results]
@@ -553,7 +570,9 @@ class ToolEpisodes:
     the completions as messages, and the tool calls and failures of the batch."""
 
     def __init__(self, tool_calling: ToolCalling):
-        self.tool_calling = tool_calling
+        self.tool_calling = copy.copy(tool_calling)
+        self.tool_calling.runner = copy.copy(tool_calling.runner)
+        self.tool_calling.runner.concurrent_rows = True  # the actor's turns call every row's tools at once
 
     def __call__(self, engine, prompt_ids: list[list[int]], sampling) -> dict:
         tools = self.tool_calling
