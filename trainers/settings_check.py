@@ -89,8 +89,9 @@ CONFIG_NO_EFFECT = {
     "cast_lm_head_to_fp32": "the chunked head computes the log-probs in float32 already, whatever the weights' dtype",
     "cache_implementation": "selects transformers' generate() KV cache kind; the native engine keeps its own cache, "
                             "and every kind holds the same values",
-    "fork_threshold_tokens": "splits multi-turn conversations into rows; the async trainer's rollouts are single-turn "
-                             "(tools and environments are refused)",
+    "fork_threshold_tokens": "splits TRL's re-tokenized multi-turn conversations into rows; hfnative's tool-calling "
+                             "rollouts append each turn's tokens to the row, so a row is one sequence however many "
+                             "turns it has",
     "weight_sync_timeout": "bounds a weight transfer to a vLLM server over HTTP; hfnative's generators get weights "
                            "through Ray, and a generator that stops answering is caught by heartbeat_stale_after_s",
 }
