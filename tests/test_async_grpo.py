@@ -407,14 +407,14 @@ class _SteeredEngine:
     """The actor's engine, with each rollout's first turn written as a model that has learned the call format would
     (a different tool per row of a group); later turns are sampled."""
 
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
+    def __init__(self, engine, tokenizer, calls=None):
+        self.engine, self.tokenizer, self.calls = engine, tokenizer, calls or _STEERED_CALLS
 
     def generate(self, prompts, sampling):
         out = self.engine.generate(prompts, sampling)
         for i, prompt in enumerate(prompts):
             if self.tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn
-                call = _STEERED_CALLS[i % 4]
+                call = self.calls[i % 4]
                 text = "No tools needed." if call is None else (
                     '<tool_call>\n{"name": "%s", "arguments": %s}\n</tool_call>' % (call[0], json.dumps(call[1])))
                 out.completion_ids[i] = self.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]
@@ -422,14 +422,37 @@ class _SteeredEngine:
         return out
 
 
-def _steered_episodes():
+def _steered_episodes(calls=None):
     from hfnative.trainers.tool_calling import ToolEpisodes
 
     class SteeredEpisodes(ToolEpisodes):
-        def __call__(self, engine, prompt_ids, sampling):
-            return super().__call__(_SteeredEngine(engine, self.tool_calling.tokenizer), prompt_ids, sampling)
+        def __call__(self, engine, prompt_ids, sampling, rows=None):
+            return super().__call__(_SteeredEngine(engine, self.tool_calling.tokenizer, calls), prompt_ids, sampling, rows)
 
     return SteeredEpisodes
+
+
+class _Counter:
+    """An environment: reset reads the row's start, add is its tool, get_reward the episode's total."""
+
+    def __init__(self):
+        self.total = 0
+
+    def reset(self, start=0, **row):
+        self.total = start
+        return f" Start at {start}."
+
+    def add(self, amount: int) -> int:
+        """Add to the running total.
+
+        Args:
+            amount: How much to add.
+        """
+        self.total += amount
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total)
 
 
 def tool_errors(completions, **kwargs):
@@ -469,3 +492,29 @@ def test_tool_calling_rollouts_run_in_the_generator_actors(local_ray, tmp_path):
         AsyncGRPOTrainer(model, reward_funcs=tool_errors, args=args, train_dataset=_dataset(), environment_factory=dict)
     with pytest.raises(ValueError, match="max_tool_calling_iterations=2 has no effect without tools"):
         AsyncGRPOTrainer(model, reward_funcs=tool_errors, args=args, train_dataset=_dataset())
+
+
+def test_environment_episodes_run_and_are_scored_in_the_generator_actors(local_ray, tmp_path):
+    """environment_factory in the async trainer: each completion's environment is reset with its row and offered as
+    tools in the generator actor, and its get_reward() (a reward column named after the class) is scored there."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_tool_calling import qwen3_model
+
+    model = qwen3_model(tmp_path / "model", max_position_embeddings=2048)
+    args = _config(tmp_path, per_device_train_batch_size=8, num_generations=4, max_completion_length=160, max_steps=2,
+                   max_staleness=1, max_tool_calling_iterations=1, logging_steps=1)
+    rows = [{"prompt": [{"role": "user", "content": "Count."}], "start": 10 * i} for i in range(4)]
+    trainer = AsyncGRPOTrainer(model, reward_funcs=None, args=args, train_dataset=Dataset.from_list(rows * 4),
+                               environment_factory=_Counter)
+    calls = [("add", {"amount": 1}), ("add", {"amount": 2}), ("add", {"amount": 3}), None]
+    trainer.objective.episodes_class = _steered_episodes(calls)
+    trainer.train()
+    logs = _train_logs(trainer)
+    assert [entry["step"] for entry in logs] == [1, 2]
+    starts = []
+    for entry in logs:
+        assert entry["tools/call_frequency"] == pytest.approx(0.75)
+        assert entry["tools/failure_frequency"] == 0.0
+        # the group's mean total: its start plus the 6 / 4 added on average
+        starts.append(entry["rewards/_Counter"] - 1.5)
+    assert all(start in (0.0, 10.0, 20.0, 30.0, 5.0, 15.0, 25.0) for start in starts), starts

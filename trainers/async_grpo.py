@@ -38,7 +38,7 @@ from .rollout import (
     sampling_params,
     trimmed_rows,
 )
-from .tool_calling import Episode, ToolCalling, ToolEpisodes
+from .tool_calling import Episode, EpisodeReward, ToolCalling, ToolEpisodes
 from .trainer import Trainer
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
@@ -66,6 +66,9 @@ class GroupScoring:
         rows_N = [row for row in rows for _ in range(G)]
         prompts = [row["prompt"] for row in rows_N]
         texts = self.tokenizer.batch_decode(generated["completion_ids"], skip_special_tokens=True)
+        for function in self.rewards.functions:  # environments' rewards, scored where their episodes ran
+            if isinstance(function, EpisodeReward):
+                function.values = generated["episode_rewards"][function.__name__]
         if "messages" in generated:  # a tool-calling rollout: its turns as messages
             completions = generated["messages"]
         else:
@@ -128,10 +131,27 @@ class AsyncGRPOObjective(Objective):
     split_collated_batches = False  # prompts are collated; the scored completions are split in micro_batches
     episodes_class = ToolEpisodes  # what the generator actors run for a tool-calling rollout
 
-    def __init__(self, context, reward_functions: RewardFunctions, tools=None):
-        """``tools``: TRL's tool-calling rollouts (trainers/tool_calling.py), run by the generator actors."""
+    def __init__(self, context, reward_funcs, tools=None, environment_factory=None):
+        """``reward_funcs``: the user's (trainers/rewards.py); ``tools`` / ``environment_factory``: TRL's tool-calling
+        rollouts (trainers/tool_calling.py), run by the generator actors (an environment's get_reward there too)."""
         super().__init__(context)
         args = context.args
+        self.tool_calling = None
+        if tools or environment_factory is not None:
+            self.tool_calling = ToolCalling(
+                context.processing_class, tools, environment_factory, max_iterations=args.max_tool_calling_iterations,
+                timeout=args.tool_call_timeout, chat_template_kwargs=_chat_template_kwargs(args),
+                max_completion_length=args.max_completion_length,
+                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
+        else:
+            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
+                if getattr(args, name, None) is not None:
+                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools: pass tools to the "
+                                     "trainer, or leave it at None")
+        environments = None if self.tool_calling is None else self.tool_calling.environments
+        episode_rewards = [] if environments is None else [EpisodeReward(cls.__name__) for cls in environments.reward_classes]
+        reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args),
+                                           episode_rewards=episode_rewards)
         if context.processing_class is None:
             raise ValueError("AsyncGRPOTrainer needs a processing_class (tokenizer) or a model folder that has one")
         if context.world_size > 1 and args.use_vllm:
@@ -154,19 +174,8 @@ class AsyncGRPOObjective(Objective):
         self.version = None  # the policy's optimizer steps, on every rank (the pipeline's version on the first)
         self._epoch_iterator = None
         self.metric_names = ["reward", "reward_std", *(f"rewards/{name}" for name in reward_functions.names)]
-        self.tool_calling = None
-        if tools:
-            self.tool_calling = ToolCalling(
-                context.processing_class, tools, max_iterations=args.max_tool_calling_iterations,
-                timeout=args.tool_call_timeout, chat_template_kwargs=_chat_template_kwargs(args),
-                max_completion_length=args.max_completion_length,
-                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
+        if self.tool_calling is not None and self.tool_calling.calls_tools:
             self.metric_names += ["tools/call_frequency", "tools/failure_frequency"]
-        else:
-            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
-                if getattr(args, name, None) is not None:
-                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools: pass tools to the "
-                                     "trainer, or leave it at None")
 
     def generates(self) -> bool:
         return True
@@ -175,7 +184,8 @@ class AsyncGRPOObjective(Objective):
         if dataset is None:
             raise ValueError("AsyncGRPOTrainer needs a train_dataset with a 'prompt' column")
         columns = getattr(dataset, "column_names", None)
-        if columns is not None and "prompt" not in columns:
+        with_environments = self.tool_calling is not None and self.tool_calling.environments is not None
+        if columns is not None and "prompt" not in columns and not with_environments:
             raise ValueError(f"train_dataset has columns {columns}: AsyncGRPOTrainer needs a 'prompt' column")
         return dataset
 
@@ -211,11 +221,12 @@ class AsyncGRPOObjective(Objective):
     def _work(self, epoch_iterator):
         G = self.args.num_generations
         for rows in epoch_iterator:
-            prompts = [row["prompt"] for row in rows]
-            if self.tool_calling is not None:  # rendered with the tools' schemas (and a multi-turn template)
+            if self.tool_calling is not None:  # rendered with the tools' schemas (and a multi-turn template); with
+                # environments the generator actor renders them again after each environment's reset
+                prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
                 prompt_ids = self.tool_calling.tokenize(Episode(prompts=prompts, tools=[self.tool_calling.tools] * len(rows)))
             else:
-                prompt_ids = self.rollout.tokenize(prompts)
+                prompt_ids = self.rollout.tokenize([row["prompt"] for row in rows])
             yield [ids for ids in prompt_ids for _ in range(G)], rows
 
     def loss(self, model, inputs: dict, num_items_in_batch):
@@ -357,7 +368,12 @@ class AsyncGRPOObjective(Objective):
             return
         from hfnative.rl import RolloutPipeline
 
-        ship_reward_code_by_value(self.reward_functions.functions + (self.tool_calling.tools if self.tool_calling else []))
+        shipped = list(self.reward_functions.functions)
+        if self.tool_calling is not None:  # the user's tools and environments travel to the generator actors
+            shipped += self.tool_calling.tools
+            if self.tool_calling.environments is not None:
+                shipped += list(self.tool_calling.environments.factories.values())
+        ship_reward_code_by_value(shipped)
         per_step = a.per_device_train_batch_size * self.context.data_parallel.size * a.gradient_accumulation_steps
         inflight = a.max_inflight_tasks if a.max_inflight_tasks > 0 else max(a.max_staleness, 1) * per_step
         inflight = min(inflight, a.queue_maxsize)
@@ -411,8 +427,9 @@ class AsyncGRPOTrainer(Trainer):
 
     model: a path, Hub id, transformers model or native model. reward_funcs: callables (or built-in names /
     dotted paths, see trainers/rewards.py) called with prompts, completions, completion_ids and the dataset's
-    other columns. ``tools``: TRL's tool-calling rollouts, run in the generator actors (trainers/tool_calling.py);
-    ``environment_factory``, ``rollout_worker`` and ``weight_transfer`` are not supported.
+    other columns. ``tools`` / ``environment_factory``: TRL's tool-calling rollouts, run in the generator actors
+    (trainers/tool_calling.py; environments and tools must be picklable); ``rollout_worker`` and ``weight_transfer``
+    are not supported.
     """
 
     algorithm_name = "AsyncGRPO"
@@ -435,16 +452,11 @@ class AsyncGRPOTrainer(Trainer):
         rollout_worker=None,
         weight_transfer=None,
     ):
-        if environment_factory is not None:
-            raise ValueError(
-                "AsyncGRPOTrainer: `environment_factory` is not supported yet (an episode's environment would live in "
-                "the generator actor, its reward in the reward actor): pass its methods as `tools`, or use GRPOTrainer"
-            )
         for name, value in (("rollout_worker", rollout_worker), ("weight_transfer", weight_transfer)):
             if value is not None:
                 raise ValueError(f"AsyncGRPOTrainer: `{name}` is not supported; generation runs in hfnative's Ray actors")
-        self.tools = list(tools or [])
-        if reward_funcs is None:
+        self.tools, self.environment_factory = list(tools or []), environment_factory
+        if reward_funcs is None and environment_factory is None:
             raise ValueError("AsyncGRPOTrainer needs reward_funcs: one or more reward functions")
         self._reward_funcs = reward_funcs
         super().__init__(model=model, args=args, train_dataset=train_dataset, processing_class=processing_class,
@@ -452,8 +464,10 @@ class AsyncGRPOTrainer(Trainer):
 
     def _make_objective(self):
         # built after the seed is set and the policy loaded, as TRL loads reward models
-        self._reward_functions = RewardFunctions(self._reward_funcs, chat_template_kwargs=_chat_template_kwargs(self.args))
-        return AsyncGRPOObjective(self.context, self._reward_functions, tools=getattr(self, "tools", None))
+        objective = AsyncGRPOObjective(self.context, self._reward_funcs, tools=getattr(self, "tools", None),
+                                       environment_factory=getattr(self, "environment_factory", None))
+        self._reward_functions = objective.reward_functions
+        return objective
 
     @property
     def reward_functions(self) -> RewardFunctions:

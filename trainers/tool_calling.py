@@ -564,24 +564,60 @@ def tool_metrics(calls, failures, completions, sum_over_ranks) -> dict:
 
 
 class ToolEpisodes:
-    """A tool-calling rollout as one call on a rollout engine: ``(engine, prompt_ids, sampling) -> dict`` (the
-    generator actors' ``episodes`` of hfnative.rl; picklable). The first turn samples with ``sampling``, later turns
-    with ``SamplingParams.for_turn``; returns completion_ids, logprobs (0 on tool tokens), finish_reason, tool_mask,
-    the completions as messages, and the tool calls and failures of the batch."""
+    """A tool-calling rollout as one call on a rollout engine: ``(engine, prompt_ids, sampling, rows) -> dict`` (the
+    generator actors' ``episodes`` of hfnative.rl; picklable, environments included). With environments, each
+    completion's environment is drawn from the pool and reset with its row (``rows``: the micro-batch's dataset rows,
+    each prompt's ``num_generations`` completions consecutive), the prompts tokenized again after reset, and each
+    environment class's ``get_reward()`` scored here, where the episode ran, at its end. The first turn samples with
+    ``sampling``, later turns with ``SamplingParams.for_turn``. Returns completion_ids, logprobs (0 on tool tokens),
+    finish_reason, tool_mask, the completions as messages, the tool calls and failures of the batch, and with
+    environments the prompt_ids after reset and ``episode_rewards`` ({environment class name: one value or None per
+    completion})."""
 
     def __init__(self, tool_calling: ToolCalling):
         self.tool_calling = copy.copy(tool_calling)
         self.tool_calling.runner = copy.copy(tool_calling.runner)
         self.tool_calling.runner.concurrent_rows = True  # the actor's turns call every row's tools at once
 
-    def __call__(self, engine, prompt_ids: list[list[int]], sampling) -> dict:
+    def __call__(self, engine, prompt_ids: list[list[int]], sampling, rows: list[dict] | None = None) -> dict:
         tools = self.tool_calling
+        out = {}
+        if tools.environments is not None:
+            repeats = len(prompt_ids) // len(rows)
+            rows = [row for row in rows for _ in range(repeats)]
+            episode = tools.start(rows, [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows])
+            prompt_ids = out["prompt_ids"] = tools.tokenize(episode)
+        else:
+            episode = Episode(prompts=[], tools=[tools.tools] * len(prompt_ids))
         first = engine.generate(prompt_ids, sampling)
-        episode = Episode(prompts=[], tools=[tools.tools] * len(prompt_ids))
         turns = tools.run(episode, prompt_ids, first.completion_ids, first.logprobs,
-                          lambda ids, rows, turn: engine.generate(ids, sampling.for_turn(turn, rows)))
+                          lambda ids, batch_rows, turn: engine.generate(ids, sampling.for_turn(turn, batch_rows)))
+        if episode.environments is not None:
+            out["episode_rewards"] = {function.__name__: _call(function, environments=episode.environments)
+                                      for function in tools.reward_functions()}
         stops = set(sampling.stop_ids)
-        return {"completion_ids": turns.completion_ids, "logprobs": turns.logprobs,
+        return {**out, "completion_ids": turns.completion_ids, "logprobs": turns.logprobs,
                 "finish_reason": ["stop" if ids and ids[-1] in stops else "length" for ids in turns.completion_ids],
                 "tool_mask": turns.tool_mask, "messages": turns.completions, "tool_calls": turns.calls,
                 "tool_failures": turns.failures}
+
+
+def _call(function, **kwargs):
+    """A function's result, run to completion when it is a coroutine function."""
+    if inspect.iscoroutinefunction(function):
+        return asyncio.run(function(**kwargs))
+    return function(**kwargs)
+
+
+class EpisodeReward:
+    """An environment class's ``get_reward`` column in a reward actor that did not run the episodes: the values the
+    generator actor scored (``ToolEpisodes``' episode_rewards), set on it before each scoring call (``values``)."""
+
+    def __init__(self, name: str):
+        self.__name__ = name
+        self.values: list | None = None
+
+    def __call__(self, **kwargs) -> list:
+        if self.values is None:
+            raise RuntimeError(f"{self.__name__}: no episode rewards were shipped with this micro-batch")
+        return self.values

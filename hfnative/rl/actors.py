@@ -41,7 +41,7 @@ class RolloutGenerator:
 
     def __init__(self, policy: PolicyCopy | None, version: int,
                  engine_factory: Callable[[Any], RolloutEngine] | None = None,
-                 episodes: Callable[[RolloutEngine, list[list[int]], SamplingParams], dict] | None = None):
+                 episodes: Callable[[RolloutEngine, list[list[int]], SamplingParams, Any], dict] | None = None):
         _use_assigned_threads()
         model = None
         if policy is not None:
@@ -53,12 +53,13 @@ class RolloutGenerator:
         self.episodes = episodes
         self.version = version
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams) -> dict:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingParams, payload: Any = None) -> dict:
         """Completions of ``prompt_ids``: completion_ids, logprobs (at generation time), finish_reason (and what
-        ``episodes`` adds), the policy version that produced them and the seconds it took."""
+        ``episodes`` adds; it is given the work's ``payload`` too), the policy version that produced them and the
+        seconds it took."""
         start = time.perf_counter()
         if self.episodes is not None:
-            generated = dict(self.episodes(self.engine, prompt_ids, sampling))
+            generated = dict(self.episodes(self.engine, prompt_ids, sampling, payload))
         else:
             rollouts = self.engine.generate(prompt_ids, sampling)
             generated = {"completion_ids": rollouts.completion_ids, "logprobs": rollouts.logprobs,

@@ -84,8 +84,8 @@ class RolloutPipeline:
     engine runs on the plain model rebuilt from it). False when the
     engine loads its own copy (vLLM from a Hub folder, or a vLLM server): the generators then get the policy's
     current weights through ``named_weights`` at start, before any generation.
-    episodes: (engine, prompt_ids, sampling) -> dict run by each generator in place of one generation (see
-    ``RolloutGenerator``), picklable.
+    episodes: (engine, prompt_ids, sampling, payload) -> dict run by each generator in place of one generation (see
+    ``RolloutGenerator``), picklable; the dict may carry the prompt_ids it generated from.
     """
 
     @property
@@ -219,7 +219,7 @@ class RolloutPipeline:
             task = self._queue[0]
             scored = self._wait(task)
             self._queue.popleft()
-            scored["prompt_ids"] = task.prompt_ids
+            scored.setdefault("prompt_ids", task.prompt_ids)  # an episode that re-tokenized its prompts sent its own
             self._generation_s.append(scored.get("generation_s", 0.0))
             if self.staleness.keep(self.version, scored["version"], len(task.prompt_ids)):
                 self._consumed_in_step += 1
@@ -275,7 +275,11 @@ class RolloutPipeline:
             sampling = self.sampling
             if sampling.seed is not None:  # seeded by the micro-batch's place in the run, so a resumed run draws alike
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + place)
-            generated = self.generators[place % len(self.generators)].generate.remote(prompt_ids, sampling)
+            generator = self.generators[place % len(self.generators)]
+            if self.episodes is not None:  # an episode may need the work's payload (an environment's reset)
+                generated = generator.generate.remote(prompt_ids, sampling, payload)
+            else:
+                generated = generator.generate.remote(prompt_ids, sampling)
             scored = self.scorer.score.remote(generated, payload)
             self._queue.append(_Task(prompt_ids, payload, generated, scored))
 
