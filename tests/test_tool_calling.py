@@ -67,6 +67,22 @@ class Calculator:
         return float(self.calls) + (self.target or 0) / 100
 
 
+class Scratchpad:
+    """A second environment (no reward of its own, no multiply: a call to it is an unknown tool there)."""
+
+    def reset(self, **row):
+        self.notes = []
+
+    def note(self, text: str) -> str:
+        """Write a note down.
+
+        Args:
+            text: The note.
+        """
+        self.notes.append(text)
+        return "noted"
+
+
 # --- the models: tiny-qwen3's weights with the released Qwen3 template, and a tiny Llama with Llama 3.1's ----------
 
 
@@ -154,9 +170,12 @@ def answer_length(completions, **kwargs):
     return [len(c[-1]["content"]) / 50 for c in completions]
 
 
-def _prompts(n: int = 8) -> list[dict]:
-    return [{"prompt": [{"role": "user", "content": f"What is number {i + 2} times three?"}], "target": 3 * i}
+def _prompts(n: int = 8, case: str = "") -> list[dict]:
+    rows = [{"prompt": [{"role": "user", "content": f"What is number {i + 2} times three?"}], "target": 3 * i}
             for i in range(n)]
+    if case == "environments":
+        rows = [{**row, "environment": ("calculator", "scratchpad")[i % 2]} for i, row in enumerate(rows)]
+    return rows
 
 
 def _settings(tmp_path, name, **extra):
@@ -170,6 +189,8 @@ def _settings(tmp_path, name, **extra):
 def _trainer_arguments(case: str) -> dict:
     if case == "environment":
         return dict(reward_funcs=[tool_use], environment_factory=Calculator)
+    if case == "environments":  # picked per row by its `environment` column
+        return dict(reward_funcs=[tool_use], environment_factory={"calculator": Calculator, "scratchpad": Scratchpad})
     return dict(reward_funcs=[tool_use, answer_length], tools=[multiply, explode])
 
 
@@ -195,7 +216,7 @@ def _run_trl(tmp_path, monkeypatch, model, form, case, **extra):
     monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", generate)
     monkeypatch.setattr(trl.GRPOTrainer, "_tool_call_loop", recorded_loop)
     trainer = trl.GRPOTrainer(model=model, args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
-                              train_dataset=Dataset.from_list(_prompts()), **_trainer_arguments(case))
+                              train_dataset=Dataset.from_list(_prompts(case=case)), **_trainer_arguments(case))
     trainer.train()
     return trainer.state.log_history[:-1], seen
 
@@ -217,7 +238,7 @@ def _run_ours(tmp_path, monkeypatch, model, form, case, **extra):
 
     monkeypatch.setattr(tool_calling.ToolCalling, "run", recorded_run)
     trainer = hfnative.GRPOTrainer(model=model, args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
-                                   train_dataset=Dataset.from_list(_prompts()), **_trainer_arguments(case))
+                                   train_dataset=Dataset.from_list(_prompts(case=case)), **_trainer_arguments(case))
     tokenizer = trainer.processing_class
 
     def generate(prompts, sampling):
@@ -235,8 +256,9 @@ def _run_ours(tmp_path, monkeypatch, model, form, case, **extra):
     ("qwen3", "tools", dict(loss_type="dapo")),
     ("qwen3", "tools", dict(loss_type="grpo", max_tool_calling_iterations=1, mask_truncated_completions=True)),
     ("qwen3", "environment", dict(loss_type="dapo")),
+    ("qwen3", "environments", dict(loss_type="dapo")),
     ("llama3.1", "tools", dict(loss_type="dapo")),
-], ids=["qwen3-tools", "qwen3-one-turn-masked", "qwen3-environment", "llama3.1-tools"])
+], ids=["qwen3-tools", "qwen3-one-turn-masked", "qwen3-environment", "qwen3-environments", "llama3.1-tools"])
 def test_multi_turn_rollouts_equal_trl(tmp_path, monkeypatch, template, case, extra):
     form = FORMATS[template]
     model = form["build"](tmp_path / "model")
@@ -250,9 +272,9 @@ def test_multi_turn_rollouts_equal_trl(tmp_path, monkeypatch, template, case, ex
     first_masks = our_turns[0][0]
     assert any(0 in mask for mask in first_masks), "no tool result was rendered into a completion"
     assert "tools/call_frequency" in theirs[0] and theirs[0]["tools/call_frequency"] > 0
-    if case == "tools":
+    if case != "environment":
         assert theirs[0]["tools/failure_frequency"] > 0
-    else:
+    if case != "tools":
         assert "rewards/Calculator/mean" in theirs[0]
     assert_two_steps_equal(ours, theirs)
 

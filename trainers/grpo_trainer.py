@@ -612,8 +612,10 @@ class GRPOObjective(Objective):
 
     # --- logging -------------------------------------------------------------------------------------------------
     def _add(self, name: str, value: float) -> None:
-        if value == value:  # NaN (e.g. a function that scored nothing) is left out, as TRL's log does
+        if value == value:
             self.context.metrics(self.mode).add(name, torch.tensor(float(value)))
+        else:  # NaN (a function that scored nothing) is left out of the mean; logged as None with no value (TRL)
+            self.context.metrics(self.mode).mark_missing(name)
 
     def _log_generation(self, prompt_ids, completion_ids, tool_mask=None) -> None:
         """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL; with

@@ -125,6 +125,7 @@ class MetricAverages:
         self._counts: dict[str, int] = {}
         self._latest: dict[str, torch.Tensor] = {}
         self._combined: dict[str, list[RankSums]] = {}
+        self._missing: set[str] = set()
 
     def add(self, name: str, value) -> None:
         value = torch.as_tensor(value).detach().double()
@@ -140,6 +141,11 @@ class MetricAverages:
 
     def set(self, name: str, value) -> None:
         self._latest[name] = torch.as_tensor(value).detach().double()
+
+    def mark_missing(self, name: str) -> None:
+        """A metric that had no value this time (a reward function that scored nothing): logged as None when no
+        value of it is added before the next pop (TRL logs such a metric as None)."""
+        self._missing.add(name)
 
     def record(self, metrics: dict) -> None:
         """An objective's metrics dict: (numerator, denominator) tuples are ratios, ``RankSums`` combined sums,
@@ -164,12 +170,14 @@ class MetricAverages:
         for _, metric in entries:
             values += [part.reshape(()) for part in metric.parts]
             summed += [True] * len(metric.parts)
+        missing = {name: None for name in self._missing if name not in self._sums and name not in self._latest}
         self._sums.clear()
         self._counts.clear()
         self._latest.clear()
         self._combined.clear()
+        self._missing.clear()
         if not values:
-            return {}
+            return missing
         stacked = torch.stack([v.to(values[0].device) for v in values])
         if reduce is not None:
             stacked = reduce(stacked, summed)
@@ -183,7 +191,7 @@ class MetricAverages:
             if value is not None:
                 combined.setdefault(name, []).append(value)
         result.update({name: sum(v) / len(v) for name, v in combined.items()})
-        return result
+        return {**missing, **result}
 
 
 # --- the context the loop hands an objective ------------------------------------------------------------------
