@@ -1,7 +1,7 @@
 """GRPOTrainer with tools as the ranks of a torchrun launch, for tests/test_tool_calling.py.
 
-usage: torchrun --standalone --nproc_per_node 2 _tool_calling_worker.py OUTPUT_DIR MODEL LAYOUT [LAYOUT ...]
-Each LAYOUT (ddp, fsdp2, tp2, cp2) trains GRPO with tools on the global batch of the one-process run: each rollout's first turn
+usage: torchrun --standalone --nproc_per_node 2 _tool_calling_worker.py OUTPUT_DIR MODELS_DIR LAYOUT [LAYOUT ...]
+Each LAYOUT (ddp, fsdp2, tp2, cp2 on MODELS_DIR/dense; ep2 on MODELS_DIR/moe, a mixture-of-experts policy) trains GRPO with tools on the global batch of the one-process run: each rollout's first turn
 is steered to a tool call (as a model that has learned the format writes it), its later turns are sampled from the
 native engine on the parallelized policy's replica (each row's own stream), the tools run, the reference model
 runs (beta > 0). Rank r writes OUTPUT_DIR/LAYOUT-rank<r>.json (the log history).
@@ -19,7 +19,7 @@ sys.path.insert(0, str(HERE))
 
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 LAYOUTS = {"ddp": (dict(dp_replicate_size=2), 2), "fsdp2": (dict(dp_shard_size=2), 2), "tp2": (dict(tp_size=2), 1),
-           "cp2": (dict(cp_size=2), 1)}
+           "cp2": (dict(cp_size=2), 1), "ep2": (dict(dp_shard_size=2, ep_size=2), 2)}
 FIRST_TURNS = ['<tool_call>\n{"name": "double", "arguments": {"x": 3}}\n</tool_call>',
                '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>', "No tools needed.",
                '<tool_call>\n{"name": "double", "arguments": {"x": 5}}\n</tool_call>']
@@ -78,10 +78,11 @@ def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     return logs
 
 
-def main(output_dir: str, model: str, layouts: list[str]) -> None:
+def main(output_dir: str, models: str, layouts: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for layout in layouts:
         sizes, dp = LAYOUTS[layout]
+        model = str(Path(models) / ("moe" if layout == "ep2" else "dense"))
         logs = train(model, str(Path(output_dir) / layout), GLOBAL_BATCH // dp, parallelism_config=dict(sizes))
         (Path(output_dir) / f"{layout}-rank{rank}.json").write_text(json.dumps(logs))
 
