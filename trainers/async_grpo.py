@@ -38,7 +38,7 @@ from .rollout import (
     sampling_params,
     trimmed_rows,
 )
-from .tool_calling import Episode, EpisodeReward, ToolCalling, ToolEpisodes
+from .tool_calling import Episode, EpisodeReward, ToolEpisodes, tool_calling_for
 from .trainer import Trainer
 
 # the config fields the generator actor's vLLM engine is built from (make_rollout_engine's names)
@@ -136,18 +136,7 @@ class AsyncGRPOObjective(Objective):
         rollouts (trainers/tool_calling.py), run by the generator actors (an environment's get_reward there too)."""
         super().__init__(context)
         args = context.args
-        self.tool_calling = None
-        if tools or environment_factory is not None:
-            self.tool_calling = ToolCalling(
-                context.processing_class, tools, environment_factory, max_iterations=args.max_tool_calling_iterations,
-                timeout=args.tool_call_timeout, chat_template_kwargs=_chat_template_kwargs(args),
-                max_completion_length=args.max_completion_length,
-                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
-        else:
-            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
-                if getattr(args, name, None) is not None:
-                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools: pass tools to the "
-                                     "trainer, or leave it at None")
+        self.tool_calling = tool_calling_for(context, tools, environment_factory)
         environments = None if self.tool_calling is None else self.tool_calling.environments
         episode_rewards = [] if environments is None else [EpisodeReward(cls.__name__) for cls in environments.reward_classes]
         reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args),

@@ -32,7 +32,7 @@ from .distillation_config import DistillationConfig
 from .model_loading import resolve_model
 from .objective import LanguageModelingObjective
 from .rollout import Rollout, completion_length_metrics, sampling_params, stop_token_ids, tokenize_prompts
-from .tool_calling import Episode, ToolCalling, tool_metrics
+from .tool_calling import Episode, tool_calling_for, tool_metrics
 from .trainer import Trainer
 
 
@@ -216,18 +216,7 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         self.rollout = Rollout(context, sampling_params(args, args.max_completion_length, stop_ids,
                                                         generation_kwargs=config_dict(args.generation_kwargs), strict=True))
         self.sampling = self.rollout.sampling
-        self.tool_calling = None
-        if tools:
-            self.tool_calling = ToolCalling(
-                context.processing_class, tools, max_iterations=args.max_tool_calling_iterations,
-                timeout=getattr(args, "tool_call_timeout", None), chat_template_kwargs=config_dict(args.chat_template_kwargs),
-                max_completion_length=args.max_completion_length,
-                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
-        else:
-            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
-                if getattr(args, name, None) is not None:
-                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools: pass tools to the "
-                                     "trainer, or leave it at None")
+        self.tool_calling = tool_calling_for(context, tools)
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=context.device)
         self._pending: dict[str, torch.Tensor] = {}
 

@@ -50,7 +50,7 @@ from .objective import Objective
 from .reference_sync import mix_into_reference, sync_due
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
-from .tool_calling import ToolCalling, tool_metrics
+from .tool_calling import tool_calling_for, tool_metrics
 from .rollout import (
     Rollout,
     completion_length_metrics,
@@ -205,20 +205,9 @@ class GRPOObjective(Objective):
         super().__init__(context)
         self.rollout_func = rollout_func
         args = context.args
-        self.tool_calling = None
-        if tools or environment_factory is not None:
-            if rollout_func is not None:
-                raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
-            self.tool_calling = ToolCalling(
-                context.processing_class, tools, environment_factory,
-                max_iterations=args.max_tool_calling_iterations, timeout=getattr(args, "tool_call_timeout", None),
-                chat_template_kwargs=args.chat_template_kwargs, max_completion_length=args.max_completion_length,
-                max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
-        else:
-            for name in ("max_tool_calling_iterations", "tool_call_timeout"):
-                if getattr(args, name, None) is not None:
-                    raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools or environment_factory: "
-                                     "pass tools to the trainer, or leave it at None")
+        if (tools or environment_factory is not None) and rollout_func is not None:
+            raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
+        self.tool_calling = tool_calling_for(context, tools, environment_factory)
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
         self.num_generations_train = args.num_generations

@@ -552,6 +552,26 @@ class ToolCalling:
         return after[len(before):]
 
 
+def tool_calling_for(context, tools=None, environment_factory=None) -> ToolCalling | None:
+    """A trainer's ToolCalling from its config (max_tool_calling_iterations, tool_call_timeout, chat_template_kwargs,
+    max_completion_length) and the policy's length limit; None without tools or environments, where the two tool
+    settings are refused (a setting that would do nothing)."""
+    from .construction import config_dict
+
+    args = context.args
+    if not tools and environment_factory is None:
+        for name in ("max_tool_calling_iterations", "tool_call_timeout"):
+            if getattr(args, name, None) is not None:
+                raise ValueError(f"{name}={getattr(args, name)!r} has no effect without tools or environment_factory: "
+                                 "pass tools to the trainer, or leave it at None")
+        return None
+    return ToolCalling(
+        context.processing_class, tools, environment_factory, max_iterations=args.max_tool_calling_iterations,
+        timeout=getattr(args, "tool_call_timeout", None), chat_template_kwargs=config_dict(args.chat_template_kwargs),
+        max_completion_length=args.max_completion_length,
+        max_model_len=getattr(getattr(context.model, "config", None), "max_position_embeddings", None))
+
+
 def tool_metrics(calls, failures, completions, sum_over_ranks) -> dict:
     """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed calls per call, 0 when
     there were none), over every data-parallel rank: ``sum_over_ranks`` sums a float64 tensor over them."""
