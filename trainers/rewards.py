@@ -161,9 +161,9 @@ def reward_function_name(function) -> str:
 # --- scoring ---------------------------------------------------------------------------------------------------
 
 
-class _BackgroundLoop:
-    """One event loop in a daemon thread, so async reward functions run concurrently even when the caller
-    is itself inside a running loop (a notebook)."""
+class BackgroundLoop:
+    """One event loop in a daemon thread, so async reward functions (and async tools) run concurrently even when
+    the caller is itself inside a running loop (a notebook)."""
 
     def __init__(self):
         self.loop = asyncio.new_event_loop()
@@ -247,7 +247,7 @@ class RewardFunctions:
             else:
                 rewards_NF[:, index] = self._as_rewards(function(**call), index, len(prompts))
         if pending:
-            self._loop = self._loop or _BackgroundLoop()
+            self._loop = self._loop or BackgroundLoop()
 
             async def gather():
                 return await asyncio.gather(*(function(**call) for _, function in pending))

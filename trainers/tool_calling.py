@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from hfnative.data.chat_templates import multi_turn_chat_template, training_template_name
 
+from .rewards import BackgroundLoop
 from .rollout import tokenize_prompts
 
 # --- parsing completions into messages ---------------------------------------------------------------------------
@@ -191,17 +192,6 @@ def _render_ids(processing_class, messages, chat_template, chat_template_kwargs,
 _LOOP_LOCK = threading.Lock()
 
 
-class _EventLoop:
-    """An event loop in a daemon thread: async tools of a turn run on it concurrently."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="hfnative-tools").start()
-
-    def run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-
 def _run_with_timeout(function, arguments: dict, timeout: float):
     """``function(**arguments)`` in a daemon thread, waited for ``timeout`` seconds: its result, or TimeoutError (the
     thread is left to finish on its own)."""
@@ -283,7 +273,7 @@ class ToolRunner:
                 failures += 1
         if pending:
             with _LOOP_LOCK:  # the rows of a turn may run at once
-                self._loop = self._loop or _EventLoop()
+                self._loop = self._loop or BackgroundLoop()
             outcomes = self._loop.run(self._gather([(function, arguments) for _, _, function, arguments in pending]))
             for (index, name, _, _), outcome in zip(pending, outcomes):
                 if isinstance(outcome, asyncio.TimeoutError):
