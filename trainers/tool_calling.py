@@ -439,6 +439,7 @@ class ToolCalling:
         self.max_completion_length = max_completion_length
         self.max_model_len = max_model_len
         self.chat_template = None
+        self._exchange_ids: dict[str, list[int]] = {}  # a tool's dummy exchange, EOS-trimmed (_suffix_ids)
         if self.tools:
             check_tool_calling_template(processing_class)
             add_response_parser(processing_class)
@@ -529,14 +530,15 @@ class ToolCalling:
         """The tokens the chat template renders for ``tool_messages`` after an assistant turn that ended on its
         end-of-turn token, up to and including the next assistant header (TRL's: the difference between a dummy
         exchange rendered with and without them, the shorter cut after its last EOS)."""
-        exchange = _dummy_exchange(tool_messages[0]["name"])
-        before = _render_ids(self.processing_class, exchange, self.chat_template, self.chat_template_kwargs, False)
+        name = tool_messages[0]["name"]
+        exchange = _dummy_exchange(name)
+        before = self._exchange_ids.get(name)
+        if before is None:  # the same for every call of a tool: rendered once
+            before = _render_ids(self.processing_class, exchange, self.chat_template, self.chat_template_kwargs, False)
+            ends = [index for index, token in enumerate(before) if token == self.tokenizer.eos_token_id]
+            before = self._exchange_ids[name] = before[: ends[-1] + 1] if ends else before
         after = _render_ids(self.processing_class, exchange + tool_messages, self.chat_template,
                             self.chat_template_kwargs, True)
-        eos = self.tokenizer.eos_token_id
-        ends = [index for index, token in enumerate(before) if token == eos]
-        if ends:
-            before = before[: ends[-1] + 1]
         if after[: len(before)] != before:
             raise ValueError("Unexpected tokenization: the EOS-trimmed prefix IDs are not a prefix of the full IDs.")
         return after[len(before):]
