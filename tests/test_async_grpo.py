@@ -331,6 +331,45 @@ def test_max_staleness_zero_is_on_policy_and_resumes_from_a_checkpoint(tiny_mode
             assert math.isclose(entry[key], expected[entry["step"]][key], rel_tol=1e-5, abs_tol=1e-7), key
 
 
+def test_moe_policy_adds_the_router_loss_as_trl(local_ray, tmp_path):
+    """A MoE policy (router_aux_loss_coef 0.5 in its config): the trained micro-batch's aux_loss equals
+    transformers' load-balancing loss of the same ids and mask, and the logged loss is the on-policy clipped loss
+    (ratio 1: minus the completion tokens' mean advantage) plus 0.5 x aux_loss, as TRL's async trainer adds it."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    folder = tmp_path / "moe"
+    tokenizer = build_tiny_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        norm_topk_prob=True, router_aux_loss_coef=0.5, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    trainer = AsyncGRPOTrainer(str(folder), reward_funcs=target_fraction, train_dataset=_dataset(),
+                               args=_config(tmp_path / "run", max_steps=1, max_staleness=0, logging_steps=1))
+    seen = []
+    loss_of = trainer.objective.loss
+
+    def recording_loss(model, inputs, num_items_in_batch):
+        seen.append({k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        return loss_of(model, inputs, num_items_in_batch)
+
+    trainer.objective.loss = recording_loss
+    trainer.train()
+    (logged,) = _train_logs(trainer)
+    (inputs,) = seen
+    reference = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        expected = reference(inputs["input_ids"], attention_mask=inputs["attention_mask"], output_router_logits=True)
+    assert logged["aux_loss"] == pytest.approx(expected.aux_loss.item(), rel=1e-5)
+    mask = inputs["completion_mask"].float()
+    policy_loss = -(inputs["advantages"][:, None] * mask).sum() / inputs["completion_tokens_per_rank"]
+    assert logged["loss"] == pytest.approx(policy_loss.item() + 0.5 * logged["aux_loss"], abs=1e-4)
+
+
 class _GeneratorNodes(TrainerCallback):
     def __init__(self, trainer):
         self.trainer, self.nodes = trainer, None

@@ -248,7 +248,7 @@ def _reward_funcs(tmp_path, extra: dict) -> list:
     return funcs
 
 
-def _run_trl(tmp_path, monkeypatch, evaluate=False, **extra):
+def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, **extra):
     import trl
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
@@ -260,7 +260,7 @@ def _run_trl(tmp_path, monkeypatch, evaluate=False, **extra):
         return [fixed_completion(list(p), i, max_length) for i, p in enumerate(prompt_ids)], None
 
     monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", generate)
-    trainer = trl.GRPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, extra),
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                               args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
                               train_dataset=Dataset.from_list(_prompts()),
                               eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
@@ -270,12 +270,12 @@ def _run_trl(tmp_path, monkeypatch, evaluate=False, **extra):
     return trainer.state.log_history[:-1]
 
 
-def _run_ours(tmp_path, evaluate=False, **extra):
+def _run_ours(tmp_path, evaluate=False, model=MODEL, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
 
-    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=_reward_funcs(tmp_path, extra),
+    trainer = hfnative.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                                    args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
                                    train_dataset=Dataset.from_list(_prompts()),
                                    eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
@@ -329,6 +329,44 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     theirs = _run_trl(tmp_path, monkeypatch, **extra)
     ours = _run_ours(tmp_path, **extra)
     assert_two_steps_equal(ours, theirs)
+
+
+def save_moe_model(folder) -> str:
+    """A random Qwen3-MoE (4 experts, top 2) with tiny-qwen3's tokenizer and a large router_aux_loss_coef (0.5),
+    so the load-balancing term moves the loss and the gradients visibly."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=1024, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.5,
+                            max_position_embeddings=256, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(MODEL) / name, Path(folder) / name)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    return save_moe_model(tmp_path_factory.mktemp("qwen3-moe"))
+
+
+@pytest.mark.parametrize("extra", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo", router_aux_loss_coef=0.0)],
+                         ids=["dapo-beta-config-coef", "coef-off"])
+def test_moe_router_loss_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, moe_model, extra):
+    """A MoE policy: the router's load-balancing loss joins the loss as TRL adds it (the config's coefficient over
+    the step's micro-batches, the reference's and old log-probs' forwards without it) and aux_loss is logged; a
+    coefficient of 0 turns it off in both."""
+    theirs = _run_trl(tmp_path, monkeypatch, model=moe_model, **extra)
+    ours = _run_ours(tmp_path, model=moe_model, **extra)
+    assert_two_steps_equal(ours, theirs)
+    if extra.get("router_aux_loss_coef") == 0.0:
+        assert not any("aux_loss" in entry for entry in ours + theirs)
+    else:
+        assert all(entry["aux_loss"] > 0 for entry in theirs)
 
 
 def _rollout_func(prompts, trainer):

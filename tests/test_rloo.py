@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hfnative.losses.policy import sequence_policy_loss
-from test_grpo import G, LEARN_SETTINGS, assert_two_steps_equal, MODEL, _prompts, even_fraction, fixed_completion, letter_e, near_target_length
+from test_grpo import G, LEARN_SETTINGS, assert_two_steps_equal, MODEL, save_moe_model, _prompts, even_fraction, fixed_completion, letter_e, near_target_length
 
 
 def test_sequence_policy_loss_equals_trl():
@@ -55,7 +55,7 @@ def _settings(tmp_path, name, **extra):
     )
 
 
-def _run_trl(tmp_path, monkeypatch, **extra):
+def _run_trl(tmp_path, monkeypatch, model=MODEL, **extra):
     import trl
     import trl.trainer.rloo_trainer as trl_rloo
     from datasets import Dataset
@@ -66,19 +66,19 @@ def _run_trl(tmp_path, monkeypatch, **extra):
         return [fixed_completion(list(p), i, self.max_completion_length) for i, p in enumerate(prompt_ids)]
 
     monkeypatch.setattr(trl.RLOOTrainer, "_generate_single_turn", generate)
-    trainer = trl.RLOOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length],
+    trainer = trl.RLOOTrainer(model=model, reward_funcs=[even_fraction, near_target_length],
                               args=trl.RLOOConfig(**_settings(tmp_path, "trl", **extra)),
                               train_dataset=Dataset.from_list(_prompts()))
     trainer.train()
     return trainer.state.log_history[:-1]
 
 
-def _run_ours(tmp_path, **extra):
+def _run_ours(tmp_path, model=MODEL, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
 
-    trainer = hfnative.RLOOTrainer(model=MODEL, reward_funcs=[even_fraction, near_target_length],
+    trainer = hfnative.RLOOTrainer(model=model, reward_funcs=[even_fraction, near_target_length],
                                    args=hfnative.RLOOConfig(**_settings(tmp_path, "ours", **extra)),
                                    train_dataset=Dataset.from_list(_prompts()))
     objective = trainer.objective
@@ -108,6 +108,15 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     theirs = _run_trl(tmp_path, monkeypatch, **extra)
     ours = _run_ours(tmp_path, **extra)
     assert_two_steps_equal(ours, theirs)
+
+
+def test_moe_router_loss_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch):
+    """A MoE policy at TRL's defaults (beta 0.05): the router's load-balancing loss added as TRL adds it."""
+    model = save_moe_model(tmp_path / "qwen3-moe")
+    theirs = _run_trl(tmp_path, monkeypatch, model=model)
+    ours = _run_ours(tmp_path, model=model)
+    assert_two_steps_equal(ours, theirs)
+    assert all(entry["aux_loss"] > 0 for entry in theirs)
 
 
 def test_rloo_learns_from_the_reward(tmp_path):

@@ -27,7 +27,7 @@ from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 from .async_grpo_config import AsyncGRPOConfig
 from .data_loading import make_dataloader
 from .grpo_trainer import extremes_over_ranks, loss_mask
-from .objective import Objective
+from .objective import Objective, enable_router_loss
 from .rewards import RewardFunctions
 from .rollout import (
     Rollout,
@@ -137,6 +137,7 @@ class AsyncGRPOObjective(Objective):
         super().__init__(context)
         args = context.args
         self.tool_calling = tool_calling_for(context, tools, environment_factory)
+        self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)  # TRL's rule
         environments = None if self.tool_calling is None else self.tool_calling.environments
         episode_rewards = [] if environments is None else [EpisodeReward(cls.__name__) for cls in environments.reward_classes]
         reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args),
@@ -220,7 +221,7 @@ class AsyncGRPOObjective(Objective):
 
     def loss(self, model, inputs: dict, num_items_in_batch):
         args = self.args
-        logprobs_BT, entropy_BT = completion_logprobs_of(model, inputs, args.temperature, self.context)
+        logprobs_BT, entropy_BT, aux_loss = completion_logprobs_of(model, inputs, args.temperature, self.context)
         mask_BT = loss_mask(inputs).to(logprobs_BT.dtype)  # tool results are never trained on
         old_BT = inputs["old_logprobs"]
         policy = clipped_policy_loss(
@@ -237,7 +238,11 @@ class AsyncGRPOObjective(Objective):
                 **extremes_over_ranks(policy.metrics, self.context.data_parallel),
                 **dict(zip(self.metric_names, inputs["sample_metrics"])),
             }
-        return policy.loss, metrics
+        loss = policy.loss
+        if aux_loss is not None:  # TRL: + coef * aux / the step's micro-batches, aux_loss logged
+            loss = loss + self.aux_loss_coef * self.context.router_loss(aux_loss, num_items_in_batch)
+            metrics["aux_loss"] = self.context.whole_router_loss(aux_loss)
+        return loss, metrics
 
     def after_optimizer_step(self) -> None:
         if self.version is None:

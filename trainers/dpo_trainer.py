@@ -19,9 +19,8 @@ from hfnative.losses.preference import PreferenceLogps, preference_loss
 from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
-from .objective import Objective
+from .objective import Objective, enable_router_loss
 from .reference_model import ReferenceModel, ReferenceTrainer
-from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ class DPOObjective(Objective):
         its new adapters disabled, or precomputed; ``reference_given``: the user passed it as ``ref_model``."""
         super().__init__(context)
         self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
-        self.aux_loss_coef = SFTObjective._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
+        self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)
         self.reference = ReferenceModel(self, reference, reference_given)  # trainers/reference_model.py
 
     def auxiliary_models_ready(self) -> None:

@@ -46,7 +46,7 @@ from .completion_log import CompletionLog
 from .construction import is_model_name
 from .data_loading import EpochBatchSampler
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
-from .objective import Objective
+from .objective import Objective, enable_router_loss
 from .reference_sync import mix_into_reference, sync_due
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
@@ -208,6 +208,8 @@ class GRPOObjective(Objective):
         if (tools or environment_factory is not None) and rollout_func is not None:
             raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
         self.tool_calling = tool_calling_for(context, tools, environment_factory)
+        # the MoE router's load-balancing loss in the policy's loss forward (TRL's rule for router_aux_loss_coef)
+        self.aux_loss_coef = enable_router_loss(context.model, args.router_aux_loss_coef)
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
             resolve_generation_batch(args, context.layout.dp_size)
         self.num_generations_train = args.num_generations
@@ -548,10 +550,15 @@ class GRPOObjective(Objective):
 
     # --- the loss -----------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
-        logprobs_BT, entropy_BT = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
+        logprobs_BT, entropy_BT, aux_loss = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature,
+                                                                   self.context)
         mask_BT = loss_mask(inputs)
         out = self.policy_loss(logprobs_BT, entropy_BT, mask_BT, inputs, num_items_in_batch)
-        return out.loss, self._extremes_over_ranks(out.metrics)
+        loss, metrics = out.loss, self._extremes_over_ranks(out.metrics)
+        if aux_loss is not None:  # TRL: + coef * aux / the step's micro-batches, aux_loss logged
+            loss = loss + self.aux_loss_coef * self.context.router_loss(aux_loss, num_items_in_batch)
+            metrics["aux_loss"] = self.context.whole_router_loss(aux_loss)
+        return loss, metrics
 
     def _extremes_over_ranks(self, metrics: dict, signs: dict[str, float] | None = None) -> dict:
         return extremes_over_ranks(metrics, self.context.data_parallel, signs)

@@ -25,9 +25,8 @@ from hfnative.losses.unpaired_preference import unpaired_preference_losses
 from hfnative.models.head import TokenLogprobs
 
 from .kto_config import KTOConfig
-from .objective import Objective, RankSums, ratio_if_any
+from .objective import Objective, RankSums, enable_router_loss, ratio_if_any
 from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
-from .sft_trainer import SFTObjective
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class KTOObjective(Objective):
     def __init__(self, context, reference, reference_given: bool):
         super().__init__(context)
         self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
-        self.aux_loss_coef = SFTObjective._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
+        self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)
         self.reference = ReferenceModel(self, reference, reference_given)
 
     def auxiliary_models_ready(self) -> None:

@@ -51,6 +51,23 @@ ITEM_UNITS = TOKEN_UNITS + ("sequences", "pairs")
 MEAN_UNIT = "micro_batches"
 
 
+def enable_router_loss(model, coef: float | None) -> float:
+    """Switch the MoE router's load-balancing loss on ``model`` by TRL's rule and return its coefficient: None takes
+    the model config's coefficient, 0.0 turns the loss off, and a non-zero coefficient on a model without experts is
+    an error (TRL's). A model without experts gets 0.0."""
+    moe = getattr(getattr(model, "args", None), "moe", None)
+    if coef and moe is None:
+        raise ValueError(
+            f"`router_aux_loss_coef` is set to {coef} but {type(model).__name__} is not a Mixture-of-Experts model "
+            "that returns its router logits, so there is no auxiliary loss to weight."
+        )
+    if moe is None:
+        return 0.0
+    moe.aux_loss_coef = moe.aux_loss_coef if coef is None else coef
+    model.aux_loss_enabled = moe.aux_loss_coef != 0.0
+    return moe.aux_loss_coef
+
+
 @dataclass(frozen=True)
 class Normalizer:
     """A step's normalizer on this rank: ``count`` things of ``unit``.

@@ -19,8 +19,7 @@ from hfnative.losses.preference import sft_loss
 from hfnative.models.attention import AttentionPlan, build_attention_mask
 from hfnative.models.head import TokenLogprobs
 
-from .objective import Objective
-from .sft_trainer import SFTObjective
+from .objective import Objective, enable_router_loss
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class ReferenceFreePreferenceObjective(Objective):
         model = context.model
         # TRL adds the router's load-balancing loss when the model config asks for router logits
         wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
-        self.aux_loss_coef = SFTObjective._enable_aux_loss(model, None if wants_router_loss else 0.0)
+        self.aux_loss_coef = enable_router_loss(model, None if wants_router_loss else 0.0)
 
     # --- data -------------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):

@@ -20,6 +20,8 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenLogprobs
 from hfnative.parallel.replica import gather_replica, is_parallelized
 
+from .reference_model import router_loss_off
+
 
 def is_conversational(prompt) -> bool:
     """A prompt given as chat messages ({"role", "content"} dicts) rather than text."""
@@ -140,18 +142,21 @@ def model_inputs(batch: dict) -> dict:
     }
 
 
-def completion_logprobs_of(model, inputs: dict, temperature: float, context) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs_of(model, inputs: dict, temperature: float, context):
     """Log-prob and entropy (at ``temperature``) of each completion token [B, T] under ``model``, zeros where the
-    target is IGNORE_INDEX: only the positions that predict completion tokens reach the head (vocabulary-parallel
-    under tensor parallel); under context parallel each rank's positions are put back into the whole sequence."""
+    target is IGNORE_INDEX, and the forward's MoE router load-balancing loss (None unless the model has it on,
+    ``aux_loss_enabled``; over the prompt and completion tokens the attention mask keeps, as TRL's forward takes
+    it). Only the positions that predict completion tokens reach the head (vocabulary-parallel under tensor
+    parallel); under context parallel each rank's positions are put back into the whole sequence."""
     head = TokenLogprobs(inputs["shift_labels"], temperature, compact=True)
-    logprobs_BS, entropy_BS = model(
+    out = model(
         inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
         attention_plan=inputs.get("attention_plan"), head_loss=head,
-    ).head_output
+    )
+    logprobs_BS, entropy_BS = out.head_output
     P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
     whole = context.context_parallel.gather_sequence(torch.stack([logprobs_BS, entropy_BS], dim=-1))
-    return whole[:, P - 1 : P - 1 + T, 0], whole[:, P - 1 : P - 1 + T, 1]
+    return whole[:, P - 1 : P - 1 + T, 0], whole[:, P - 1 : P - 1 + T, 1], getattr(out, "aux_loss", None)
 
 
 class Rollout:
@@ -278,8 +283,8 @@ class Rollout:
             for start in range(0, batch["prompt_ids"].shape[0], batch_size):
                 chunk = {k: v[start : start + batch_size] for k, v in batch.items() if isinstance(v, torch.Tensor)}
                 inputs = self.context.prepare_inputs(self.context.context_parallel.split(model_inputs(chunk)))
-                with self.context.autocast():
-                    logprobs, _ = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
+                with self.context.autocast(), router_loss_off(model):
+                    logprobs, _, _ = completion_logprobs_of(model, inputs, self.sampling.logprob_temperature, self.context)
                 parts.append(logprobs.float().cpu())
         finally:
             model.train(was_training)

@@ -17,7 +17,7 @@ from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 from .arguments import SFTConfig
 from .construction import config_dict
 from .model_card import write_model_card
-from .objective import LanguageModelingObjective
+from .objective import LanguageModelingObjective, enable_router_loss
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -155,23 +155,8 @@ class SFTObjective(LanguageModelingObjective):
         super().__init__(context)
         self.formatting_func = formatting_func
         self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
-        self.aux_loss_coef = self._enable_aux_loss(context.model, context.args.router_aux_loss_coef)
+        self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)
 
-    @staticmethod
-    def _enable_aux_loss(model, coef: float | None) -> float:
-        """TRL's rule: None takes the model config's coefficient; a non-zero coefficient on a model
-        without experts is an error; 0.0 turns the router's load-balancing loss off."""
-        moe = getattr(getattr(model, "args", None), "moe", None)
-        if coef and moe is None:
-            raise ValueError(
-                f"`router_aux_loss_coef` is set to {coef} but {type(model).__name__} is not a Mixture-of-Experts model "
-                "that returns its router logits, so there is no auxiliary loss to weight."
-            )
-        if moe is None:
-            return 0.0
-        moe.aux_loss_coef = moe.aux_loss_coef if coef is None else coef
-        model.aux_loss_enabled = moe.aux_loss_coef != 0.0
-        return moe.aux_loss_coef
 
     # --- data -----------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
