@@ -27,6 +27,8 @@ LAYOUTS = {
     "hsdp2x2-packed": (dict(dp_replicate_size=2, dp_shard_size=2), dict(packing=True, max_length=48)),
     "fsdp2xtp2-accumulation": (dict(dp_shard_size=2, tp_size=2), dict(gradient_accumulation_steps=2)),
     "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
+    # the rows as a stream (an IterableDataset): each rank its slice of every 4 x per-device rows, as accelerate
+    "ddp4-stream": (dict(dp_replicate_size=4, dp_shard_size=1), dict(stream=True)),
     # transformers' own module (no native implementation): FSDP2 per decoder layer. SGD: GPT-NeoX's key bias has
     # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
     # transformers' own fsdp argument (no parallelism_config), with CPU offload of the sharded state
@@ -46,12 +48,19 @@ def model_of(extra: dict) -> tuple[str, dict, dict]:
     extra = dict(extra)
     model = extra.pop("model", MODEL)
     peft = extra.pop("peft", None)
+    extra.pop("stream", None)  # a property of the dataset (train_dataset)
     trainer_kwargs = {}
     if peft is not None:
         from peft import LoraConfig
 
         trainer_kwargs["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **peft)
     return (os.environ[model] if model == "FALLBACK_MODEL" else model), trainer_kwargs, extra
+
+
+def train_dataset(layout_extra: dict):
+    """The layout's training rows: a Dataset, or the same rows as a stream for a layout with ``stream``."""
+    dataset = Dataset.from_list(rows())
+    return dataset.to_iterable_dataset() if layout_extra.get("stream") else dataset
 
 
 def rows(n: int = 200) -> list[dict]:
@@ -77,7 +86,7 @@ def main(output_dir: str, layouts: list[str]) -> None:
         out = Path(output_dir) / name
         layout = dict(parallelism_config=ParallelismConfig(**sizes)) if sizes else {}
         args = config(str(out), PER_DEVICE, **layout, **extra)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows()), **trainer_kwargs)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset(LAYOUTS[name][1]), **trainer_kwargs)
         trainer.save_model(str(out / "before-training"))  # gathered from the shards, before any step
         accelerator = trainer.accelerator  # rank-aware, as under transformers' Trainer
         assert (accelerator.num_processes, accelerator.process_index) == (int(os.environ["WORLD_SIZE"]), rank)

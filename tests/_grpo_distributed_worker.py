@@ -29,6 +29,8 @@ CASES = {
     "group-std-kl": ("GRPO", dict(scale_rewards="group", loss_type="dapo", beta=0.04, gradient_accumulation_steps=2)),
     # RLOO: the KL penalty in the reward (gathered with the rewards), the advantages standardized over the batch
     "rloo-normalized-kl": ("RLOO", dict(beta=0.05, normalize_advantages=True, gradient_accumulation_steps=2)),
+    # the prompts as a stream (an IterableDataset, shuffled in a buffer): each rank its slice of every batch
+    "stream": ("GRPO", dict(scale_rewards="group", loss_type="dapo", gradient_accumulation_steps=2, stream=True)),
 }
 
 
@@ -53,10 +55,14 @@ def run(output_dir: str, case: str, per_device: int, order=None, with_objective=
     from hfnative.generation import Rollouts
 
     algorithm, settings = CASES[case]
+    settings = dict(settings)
+    prompts = Dataset.from_list(_prompts(16))
+    if settings.pop("stream", False):
+        prompts = prompts.to_iterable_dataset()
     args = config(output_dir, per_device, algorithm, **settings, **extra)
     trainer_class = getattr(hfnative, f"{algorithm}Trainer")
     trainer = trainer_class(model=MODEL, reward_funcs=[even_fraction, near_target_length], args=args,
-                            train_dataset=Dataset.from_list(_prompts(16)))
+                            train_dataset=prompts)
     objective = trainer.objective
     max_length = args.max_completion_length
 

@@ -2,7 +2,7 @@
 replication (DDP) train the same model as one process over the same global batches — per-step losses and grad
 norms within 1e-5 relative (fp32), final weights within the fp32 round-off that summing a step's gradient
 in another order gives (AdamW magnifies it where gradients are near zero; see tests/test_parallel.py).
-One launch runs every layout; the single-process references run here."""
+One launch runs every layout (one of them reading its rows as a stream); the single-process references run here."""
 
 import json
 import os
@@ -50,11 +50,12 @@ def launched(tmp_path_factory, fallback_model):
 
 def _reference(tmp_path, sizes: dict, extra: dict):
     """One process over the same global batches: per_device x the data-parallel ranks."""
+    layout_extra = extra
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1) if sizes else 4  # fsdp: all 4 shard
     model, trainer_kwargs, extra = worker.model_of(extra)
     extra.pop("fsdp", None)
     args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(worker.rows()), **trainer_kwargs)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra), **trainer_kwargs)
     trainer.train()
     trainer.save_model()
     return trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs)))

@@ -248,7 +248,14 @@ def _reward_funcs(tmp_path, extra: dict) -> list:
     return funcs
 
 
-def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, **extra):
+def _train_prompts(stream: bool):
+    from datasets import Dataset
+
+    rows = Dataset.from_list(_prompts())
+    return rows.to_iterable_dataset() if stream else rows
+
+
+def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, stream=False, **extra):
     import trl
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
@@ -262,7 +269,7 @@ def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, **extra):
     monkeypatch.setattr(trl.GRPOTrainer, "_generate_single_turn", generate)
     trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                               args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
-                              train_dataset=Dataset.from_list(_prompts()),
+                              train_dataset=_train_prompts(stream),
                               eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
     trainer.train()
     if evaluate:
@@ -270,14 +277,14 @@ def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, **extra):
     return trainer.state.log_history[:-1]
 
 
-def _run_ours(tmp_path, evaluate=False, model=MODEL, **extra):
+def _run_ours(tmp_path, evaluate=False, model=MODEL, stream=False, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
 
     trainer = hfnative.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                                    args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
-                                   train_dataset=Dataset.from_list(_prompts()),
+                                   train_dataset=_train_prompts(stream),
                                    eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
     objective = trainer.objective
     max_length = trainer.args.max_completion_length
@@ -328,6 +335,16 @@ def assert_two_steps_equal(ours: list[dict], theirs: list[dict]) -> None:
 def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     theirs = _run_trl(tmp_path, monkeypatch, **extra)
     ours = _run_ours(tmp_path, **extra)
+    assert_two_steps_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("extra", [dict(loss_type="dapo", steps_per_generation=4), dict(loss_type="grpo", shuffle_dataset=False)],
+                         ids=["shuffled-one-generation-two-steps", "in-order"])
+def test_streaming_dataset_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
+    """An IterableDataset of prompts (max_steps set): TRL's buffered shuffle with the run's seed, its generation
+    batches in stream order, each read for its steps; every logged metric equal."""
+    theirs = _run_trl(tmp_path, monkeypatch, stream=True, **extra)
+    ours = _run_ours(tmp_path, stream=True, **extra)
     assert_two_steps_equal(ours, theirs)
 
 

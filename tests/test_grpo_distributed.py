@@ -54,7 +54,10 @@ def test_two_ranks_train_like_one_process(launched, case, tmp_path):
             # near 0 by construction, so within fp32 round-off absolutely: RLOO's loss (-mean(ratio x advantage),
             # advantages averaging to 0) and RLOO's kl (a mean of log-prob differences, log-probs ~5 in size)
             absolute = 1e-6 if name in ("loss", "kl") and worker.CASES[case][0] == "RLOO" else 1e-7
-            if mine[name] != pytest.approx(expected[name], rel=1e-5, abs=absolute):
+            # after an AdamW step, a gradient norm carries the update's magnified round-off (as test_grpo's
+            # two-step comparisons): 1e-4 relative from step 2
+            relative = 1e-4 if name == "grad_norm" and step > 1 else 1e-5
+            if mine[name] != pytest.approx(expected[name], rel=relative, abs=absolute):
                 differences.append((step, name, mine[name], expected[name]))
     assert not differences, differences
     for name in ("reward", "reward_std", "frac_reward_zero_std", "clip_ratio/low_min", "clip_ratio/high_max"):

@@ -9,6 +9,8 @@ torchrun or accelerate sees the batches transformers' Trainer would.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -94,12 +96,47 @@ def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle:
         if num_shards > 1:
             batch_sampler = ShardedEpochBatchSampler(batch_sampler, num_shards, shard_index)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers)
-    if num_shards > 1:
-        raise ValueError(
-            "an IterableDataset (streaming) train/eval dataset cannot be split over data-parallel ranks yet: pass a "
-            "map-style datasets.Dataset, or run on one process"
-        )
+    if num_shards > 1:  # accelerate's split of a stream (dispatch_batches=False): rank r reads rows
+        # [r * batch_size, (r + 1) * batch_size) of every batch_size * num_shards, the last round completed from
+        # the stream's first rows unless drop_last (every rank gets as many batches)
+        from accelerate.data_loader import IterableDatasetShard
+
+        dataset = IterableDatasetShard(dataset, batch_size=batch_size, drop_last=drop_last, num_processes=num_shards,
+                                       process_index=shard_index, split_batches=False)
+        num_workers = 0  # one reader keeps the rows in the split's order
     return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
+
+
+class StreamGroupBatches(torch.utils.data.IterableDataset):
+    """An online RL trainer's generation batches of prompts from a stream (TRL's ``repeat_iterable_dataset`` under
+    accelerate's stream split): ``prompts_per_batch * num_shards`` rows at a time in stream order (a trailing
+    incomplete batch dropped), this rank's ``prompts_per_batch`` of them (rank r the r-th contiguous slice, so
+    every prompt's group stays on one rank), each batch yielded ``repeat`` times in a row."""
+
+    def __init__(self, stream, prompts_per_batch: int, repeat: int, num_shards: int = 1, shard_index: int = 0):
+        self.stream, self.prompts_per_batch, self.repeat = stream, prompts_per_batch, repeat
+        self.num_shards, self.shard_index = num_shards, shard_index
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.stream, "set_epoch"):
+            self.stream.set_epoch(epoch)  # reshuffles a shuffled datasets.IterableDataset
+
+    def __iter__(self):
+        width, rows, batches = self.prompts_per_batch * self.num_shards, [], 0
+        start = self.shard_index * self.prompts_per_batch
+        for row in self.stream:
+            rows.append(row)
+            if len(rows) == width:
+                mine = rows[start : start + self.prompts_per_batch]
+                for _ in range(self.repeat):
+                    yield [copy.deepcopy(r) for r in mine]  # repeats stay independent, as re-read rows are
+                rows, batches = [], batches + 1
+        if batches == 0 and rows:
+            raise ValueError(
+                f"train_dataset (a stream) has {len(rows)} prompts, fewer than one generation batch needs "
+                f"({width} prompts over {self.num_shards} data-parallel ranks): add prompts or lower "
+                "per_device_train_batch_size / steps_per_generation"
+            )
 
 
 def start_epoch(dataloader: DataLoader, epoch: int, skip_batches: int = 0):

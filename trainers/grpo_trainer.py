@@ -44,7 +44,7 @@ from hfnative.peft import disable_adapters
 
 from .completion_log import CompletionLog
 from .construction import is_model_name
-from .data_loading import EpochBatchSampler
+from .data_loading import EpochBatchSampler, StreamGroupBatches, has_length
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
 from .objective import Objective, enable_router_loss
 from .reference_sync import mix_into_reference, sync_due
@@ -95,11 +95,6 @@ def generation_dataloader(dataset, collator, args, repeat: int, shard: dict):
     """This rank's generation batches of prompts (``GenerationBatchSampler``), each read ``repeat`` times."""
     from torch.utils.data import DataLoader
 
-    if not hasattr(dataset, "__len__"):
-        raise ValueError(
-            "the online RL trainers sample prompts by index: pass a map-style datasets.Dataset (or a list of "
-            "dicts), not a streaming IterableDataset"
-        )
     shards, G = shard.get("num_shards", 1), args.num_generations
     if args.generation_batch_size % (G * shards):
         raise ValueError(
@@ -107,6 +102,10 @@ def generation_dataloader(dataset, collator, args, repeat: int, shard: dict):
             f"each rank whole groups of num_generations={G}: make it a multiple of {G * shards}"
         )
     prompts_per_batch = args.generation_batch_size // (G * shards)
+    if not has_length(dataset):  # a stream: TRL's buffered shuffle (seed), then its batches in stream order
+        stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset and hasattr(dataset, "shuffle") else dataset
+        return DataLoader(StreamGroupBatches(stream, prompts_per_batch, repeat, **shard), batch_size=None,
+                          collate_fn=collator, num_workers=0)
     if len(dataset) < prompts_per_batch * shards:
         raise ValueError(
             f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
