@@ -5,8 +5,8 @@ MODELS_DIR holds Hub-format checkpoints untied/, tied/ and moe/ (see test_parall
 Writes OUTPUT_DIR/world<n>-rank<r>.json: per check, the measured worst relative differences (or the error).
 
 Each layout: the model is built on the meta device, parallelized, and loaded from the Hub checkpoint rank by
-rank; then 5 AdamW steps on the same global batches as the single-process run (the reference every rank
-computes itself), each data-parallel rank taking its rows, the loss summed over the rows and divided by the
+rank; then 5 AdamW steps on the same global batches as the single-process run (the reference, trained once
+per launch: each rank trains a share of the references and every rank reads them all), each data-parallel rank taking its rows, the loss summed over the rows and divided by the
 step's label-token count all-reduced over the data-parallel ranks. Steps alternate padded rows and packed
 rows (position_ids restarting: one document after another), so both attention paths run.
 
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from hfnative.converters.loading import load_pretrained
@@ -222,6 +223,32 @@ class References:
         return max(
             weights_difference(self.run(name, in_backward, lora, accumulation=parts), reference)[0] for parts in (2, 4)
         )
+
+    def share(self, layouts: list, folder: Path, rank: int, world: int) -> None:
+        """Every single-process run ``layouts`` compare against (each with its round-off runs), trained once per
+        launch instead of once per rank: rank r trains every world-th of them and writes it to ``folder``
+        (safetensors and JSON, nothing pickled), then every rank reads all of them. A run that fails here is left
+        out and trained (and its error recorded) by the layout that needs it."""
+        keys = []
+        for _, model, _, options in layouts:
+            for parts in (1, 2, 4):
+                key = (model, options.get("in_backward", False), options.get("lora", False), parts)
+                if key not in keys:
+                    keys.append(key)
+        stem = lambda key: folder / "-".join(str(part) for part in key)  # noqa: E731
+        folder.mkdir(parents=True, exist_ok=True)
+        for key in keys[rank::world]:
+            try:
+                run = self.run(*key)
+            except Exception:  # noqa: BLE001 - recorded by the layout that needs it
+                continue
+            save_file(run["weights"], f"{stem(key)}.safetensors")
+            Path(f"{stem(key)}.json").write_text(json.dumps({k: v for k, v in run.items() if k != "weights"}))
+        dist.barrier()
+        for key in keys:
+            if key not in self.cache and Path(f"{stem(key)}.json").exists():
+                self.cache[key] = {**json.loads(Path(f"{stem(key)}.json").read_text()),
+                                   "weights": load_file(f"{stem(key)}.safetensors")}
 
 
 def parallel_run(refs: References, name: str, dims: ParallelDims, mesh, accumulation: int = 1,
@@ -497,6 +524,7 @@ def main(output_dir: str, models_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     refs = References({name: str(Path(models_dir, name)) for name in ("untied", "tied", "moe")}, global_batches())
+    refs.share(LAYOUTS[world], Path(output_dir, f"references-world{world}"), rank, world)
     results = {}
     for name, model, sizes, options in LAYOUTS[world]:
         dims = ParallelDims(**sizes, world_size=world)

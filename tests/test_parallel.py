@@ -3,7 +3,8 @@ parallel, FSDP2 x TP, each against the single-process run over the same global b
 
 Two launches run side by side (tests/_parallel_worker.py: one of 4 processes, one of 2); every check below
 reads what they measured. The oracle is always the single-process run (built and loaded by the ordinary
-single-process path, trained by the same loop), computed inside the launch by every rank.
+single-process path, trained by the same loop), computed inside the launch (each
+reference run by one rank, written to disk and read by every rank).
 
 Tolerances (fp32): losses and gradient norms 1e-5 relative (measured <= ~1e-6); weights loaded rank by rank
 exactly equal. Final weights after 5 AdamW steps: AdamW divides each gradient entry by its own running
