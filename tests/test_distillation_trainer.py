@@ -50,10 +50,10 @@ def _quick(**extra) -> dict:
                 learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=0.2, weight_decay=0.01, **extra)
 
 
-def _gkd(module_config, module_trainer, tmp_path, rows, teacher=TEACHER, **extra):
+def _gkd(module_config, module_trainer, tmp_path, rows, teacher=TEACHER, data_collator=None, **extra):
     args = module_config(output_dir=str(tmp_path / module_trainer.__module__), **_quick(**extra))
     return module_trainer(model=STUDENT, teacher_model=teacher, args=args, train_dataset=Dataset.from_list(rows),
-                          processing_class=AutoTokenizer.from_pretrained(STUDENT))
+                          processing_class=AutoTokenizer.from_pretrained(STUDENT), data_collator=data_collator)
 
 
 def _losses_of(log_history: list[dict]) -> list[dict]:
@@ -149,6 +149,35 @@ def test_gkd_off_policy_matches_trl_per_step(tmp_path, accumulation):
         assert a["learning_rate"] == pytest.approx(b["learning_rate"], rel=1e-12)
         for key in ("loss", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4), (b["step"], key)
+
+
+def test_trl_collator_batches_train_as_trl(tmp_path):
+    """A data_collator that returns TRL's GKD batch (trl's DataCollatorForChatML: left-padded ids, labels, and the
+    prompts as 'prompts' / 'prompt_attention_mask' tensors, no prompt lists): off-policy, equal to TRL's GKD per
+    step; on-policy (lmbda=1), the student generates from those prompt tensors the completions it generates from
+    its own collator's batches (the same losses, seeded)."""
+    from trl.experimental.utils import DataCollatorForChatML
+
+    rows = _rows("sft_messages.jsonl", 6)
+    extra = dict(max_steps=3, per_device_train_batch_size=2, max_length=256)
+    theirs = _gkd(TRLGKDConfig, TRLGKDTrainer, tmp_path, rows, lmbda=0.0, **extra)
+    theirs.train()
+    collator = DataCollatorForChatML(tokenizer=AutoTokenizer.from_pretrained(STUDENT), max_length=256)
+    ours = _gkd(hfnative.GKDConfig, hfnative.GKDTrainer, tmp_path, rows, lmbda=0.0, data_collator=collator, **extra)
+    ours.train()
+    for a, b in zip(_losses(ours), _losses(theirs), strict=True):
+        for key in ("loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), (b["step"], key)
+    on_policy = dict(lmbda=1.0, max_new_tokens=5, **extra)
+    with_trl_batches = _gkd(hfnative.GKDConfig, hfnative.GKDTrainer, tmp_path, rows, data_collator=collator, **on_policy)
+    with_trl_batches.train()
+    own = _gkd(hfnative.GKDConfig, hfnative.GKDTrainer, tmp_path, rows, **on_policy)
+    own.train()
+    for a, b in zip(_losses(with_trl_batches), _losses(own), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    batch = own.data_collator(rows[:2])  # our own batches carry TRL's keys too
+    assert batch["prompts"].shape == batch["prompt_attention_mask"].shape
+    assert [row[m.bool()].tolist() for row, m in zip(batch["prompts"], batch["prompt_attention_mask"])] == batch["prompt_ids"]
 
 
 def _fixed_completions() -> dict[tuple, list[int]]:

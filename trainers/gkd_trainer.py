@@ -16,13 +16,35 @@ from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
 
 from .distillation_config import GKDConfig
 from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs, completion_batch
-from .rollout import Rollout, generation_eos_ids, sampling_params, tokenize_prompts
+from .rollout import Rollout, generation_eos_ids, pad_token_lists, sampling_params, tokenize_prompts
 from .sft_trainer import SFTTrainer
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     return list(encoded["input_ids"]), list(encoded["offset_mapping"])
+
+
+def prompt_tensors(prompts: list[list[int]], pad_token_id: int) -> dict:
+    """TRL's GKD batch keys for the prompts: ``prompts`` [B, P] left-padded and ``prompt_attention_mask``."""
+    return {"prompts": pad_token_lists(prompts, pad_token_id, side="left"),
+            "prompt_attention_mask": pad_token_lists([[1] * len(p) for p in prompts], 0, side="left")}
+
+
+def prompt_lists(batch: dict) -> list[list[int]]:
+    """Each row's prompt ids: the batch's ``prompt_ids``, or (a batch from TRL's DataCollatorForChatML or a user's
+    collator like it) the ``prompts`` tensor's tokens that ``prompt_attention_mask`` keeps."""
+    if "prompt_ids" in batch:
+        return batch["prompt_ids"]
+    missing = [key for key in ("prompts", "prompt_attention_mask") if key not in batch]
+    if missing:
+        raise ValueError(
+            f"GKD generates from each row's prompt, but the collated batch has no {missing} (it has {sorted(batch)}): "
+            "a data_collator must return TRL's 'prompts' (left-padded prompt ids) and 'prompt_attention_mask', as "
+            "trl's DataCollatorForChatML does"
+        )
+    ids, mask = batch["prompts"].cpu(), batch["prompt_attention_mask"].cpu().bool()
+    return [row[keep].tolist() for row, keep in zip(ids, mask)]
 
 
 @dataclass
@@ -50,7 +72,7 @@ class GKDCollator:
                 )
             prompts.append(ids[:prompt_length])
             completions.append(ids[prompt_length:])
-        return completion_batch(prompts, completions, self.pad_token_id)
+        return {**completion_batch(prompts, completions, self.pad_token_id), **prompt_tensors(prompts, self.pad_token_id)}
 
     def _tokenize(self, row: dict, index: int) -> tuple[list[int], int]:
         """(token ids of prompt + completion, the prompt's length)."""
@@ -117,8 +139,10 @@ class GKDObjective(_DistillationObjective):
             model = self.teacher
         else:
             return batch
-        completions = self.generate(model, batch["prompt_ids"], self.sampling)
-        return self.context.context_parallel.split(completion_batch(batch["prompt_ids"], completions, self.pad_token_id))
+        prompts = prompt_lists(batch)
+        completions = self.generate(model, prompts, self.sampling)
+        generated = {**completion_batch(prompts, completions, self.pad_token_id), **prompt_tensors(prompts, self.pad_token_id)}
+        return self.context.context_parallel.split(generated)
 
 
 class GKDTrainer(_TeacherMixin, SFTTrainer):
