@@ -351,11 +351,18 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
 
 def pad_sequence_to_multiple(inputs: dict, multiple: int) -> dict:
     """Pad every [B, S] tensor of a batch at the end to a sequence length divisible by ``multiple`` (tensor
-    parallel splits the sequence over its ranks). The added positions change nothing: attention is causal, they
-    carry no label, padding masks mark them padding, and position ids run on past the last token."""
+    parallel splits the sequence over its ranks); see ``pad_sequence_to_length``."""
     length = inputs["input_ids"].shape[1]
-    extra = -length % multiple
-    if extra == 0:
+    return pad_sequence_to_length(inputs, length + -length % multiple)
+
+
+def pad_sequence_to_length(inputs: dict, target: int) -> dict:
+    """Pad every [B, S] tensor of a batch at the end to the sequence length ``target`` (>= S). The added positions
+    change nothing: attention is causal, they carry no label, padding masks mark them padding, and position ids run
+    on past the last token."""
+    length = inputs["input_ids"].shape[1]
+    extra = target - length
+    if extra <= 0:
         return inputs
     fill = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "completion_mask": 0,
             "assistant_masks": 0, "input_ids": 0}
@@ -449,6 +456,8 @@ class DistributedMixin:
         """Whether each rank may read just its slice of ``model``'s checkpoint: a Hub-format folder or id with
         nothing to add before parallelizing (adapters, quantization). Others are loaded whole, then sharded."""
         kwargs = self._model_init_kwargs
+        if self.distributed.dims.pp_enabled:  # each stage keeps its blocks of the whole model, loaded first
+            return False
         return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
                 and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
 
@@ -473,6 +482,36 @@ class DistributedMixin:
             compile=args.torch_compile or run.plan.compile, mixed_precision=run.plan.mixed_precision,
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
+
+    @property
+    def _pipeline(self):
+        """The pipeline of ``self.model``'s stages under pipeline parallel (trainers/pipeline_training.py), else
+        None."""
+        run = getattr(self, "distributed", None)
+        if run is None or not run.dims.pp_enabled:
+            return None
+        pipeline = self.__dict__.get("_pipeline_training")
+        if pipeline is None or pipeline.model is not self.model:
+            from .pipeline_training import PipelineTraining
+
+            pipeline = self.__dict__["_pipeline_training"] = PipelineTraining(self)
+        return pipeline
+
+    def _pipeline_step(self, batches: list[dict], num_items) -> None:
+        """One optimizer step's forward and backward through the pipeline (every micro-batch together)."""
+        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+        loss = self._pipeline.step(self, batches, num_items)
+        if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
+            loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+        self._tr_loss += loss
+        self.state.total_flos += sum(6.0 * b["input_ids"].numel() for b in batches) * self._non_embedding_params
+
+    def _pop_metrics(self, mode: str) -> dict:
+        """The objective's metrics since the last log, reduced over the ranks; under pipeline parallel the last
+        stage's (where the losses are computed), on every rank."""
+        metrics = self._metrics[mode].pop(self._reduce_metrics)
+        pipeline = self._pipeline
+        return metrics if pipeline is None else pipeline.from_last_stage(metrics)
 
     def _data_shard(self) -> dict:
         run = self.distributed
@@ -521,6 +560,7 @@ __all__ = [
     "bound_collectives",
     "is_collective_failure",
     "launched_world_size",
+    "pad_sequence_to_length",
     "pad_sequence_to_multiple",
     "start_distributed",
 ]

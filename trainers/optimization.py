@@ -62,7 +62,13 @@ class OptimizationMixin:
         if not in_backward:
             params = [p for p in self.model.parameters() if p.requires_grad]
             max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if self.distributed is not None and self.distributed.dims.pp_enabled:  # each stage holds its parameters
+                from hfnative.parallel.pipeline import clip_grad_norm_over_stages
+
+                pp_group = self.distributed.dims.pp_mesh(self.distributed.mesh).get_group()
+                grad_norm = clip_grad_norm_over_stages(params, max_norm, pp_group)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
         # one step per parameter shape costs far more than it saves there

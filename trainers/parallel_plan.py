@@ -28,7 +28,8 @@ Mapping (world = number of processes, local = processes per node, ``LOCAL_WORLD_
     no_shard (FSDP1), ZeRO-0, DDP, nothing set              dp_replicate=world (replicated weights)
     parallelism_config                                      its dp_replicate / dp_shard / tp / cp sizes, and
                                                             hfnative's own ep_size (experts split over ep of
-                                                            the dp_shard ranks)
+                                                            the dp_shard ranks) and pp_size (pipeline stages,
+                                                            run by the schedule pp_schedule)
     offload, FSDP offload_params, ZeRO offload to cpu       cpu_offload
 """
 
@@ -45,6 +46,8 @@ import torch.distributed as dist
 from hfnative.parallel.dims import ParallelDims
 
 logger = logging.getLogger(__name__)
+
+PP_SCHEDULES = ("1f1b", "gpipe")  # parallelism_config's pp_schedule (hfnative.parallel.pipeline.SCHEDULES)
 
 # accelerate's FSDP1 sharding strategies (torch's ShardingStrategy names) -> (hybrid, reshard_after_forward);
 # NO_SHARD is plain replication
@@ -73,6 +76,7 @@ class ParallelPlan:
         ``fsdp_activation_checkpointing``), on top of the training arguments' own switch.
     compile: asked for by accelerate's dynamo config (``ACCELERATE_DYNAMO_BACKEND``) or ``torch_compile``.
     source: where the layout came from, in words.
+    pp_schedule: the pipeline schedule with pp > 1 ("1f1b" or "gpipe", ``parallelism_config``'s pp_schedule).
     """
 
     dims: ParallelDims
@@ -82,6 +86,7 @@ class ParallelPlan:
     activation_checkpointing: bool = False
     compile: bool = False
     source: str = _DEFAULT_SOURCE
+    pp_schedule: str = "1f1b"
 
     def describe(self) -> str:
         """One line: the layout, its options and where it came from."""
@@ -103,6 +108,8 @@ class ParallelPlan:
             parts.append(f"{d.cp}-way context parallel (ring attention)")
         if d.ep_enabled:
             parts.append(f"{d.ep}-way expert parallel")
+        if d.pp_enabled:
+            parts.append(f"{d.pp}-stage pipeline parallel ({self.pp_schedule})")
         if d.fsdp_enabled:
             parts.append("resharded after forward" if self.reshard_after_forward else "kept gathered until backward")
         if self.cpu_offload:
@@ -138,11 +145,11 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         layout = _Layout(_DEFAULT_SOURCE, world_size, 1)
     sizes = _parallelism_config(args, world_size)
     if sizes is not None:
-        layout.replicate, layout.shard, layout.tp, layout.cp, layout.ep = sizes
+        layout.replicate, layout.shard, layout.tp, layout.cp, layout.ep, layout.pp = sizes
         layout.source = "parallelism_config" + ("" if layout.source == _DEFAULT_SOURCE else f" with {layout.source}")
     try:
         dims = ParallelDims(dp_replicate=layout.replicate, dp_shard=layout.shard, tp=layout.tp, world_size=world_size,
-                            cp=layout.cp, ep=layout.ep)
+                            cp=layout.cp, ep=layout.ep, pp=layout.pp)
     except ValueError as err:
         raise ValueError(f"{layout.source}: {err}") from err
     if world_size == 1 and (fsdp is not None or deepspeed is not None):
@@ -155,12 +162,14 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         activation_checkpointing=layout.activation_checkpointing,
         compile=_compile(args),
         source=layout.source,
+        pp_schedule=_pp_schedule(args),
     )
 
 
 def parallelism_config_from(value):
     """A ParallelismConfig from a JSON object (a command-line value) or a mapping (a YAML config's value).
-    ``ep_size`` (hfnative's own: expert parallel) is kept as an attribute of the config."""
+    ``ep_size`` (expert parallel), ``pp_size`` and ``pp_schedule`` (pipeline parallel), hfnative's own, are kept as
+    attributes of the config."""
     from accelerate import ParallelismConfig
 
     if isinstance(value, str):
@@ -175,8 +184,16 @@ def parallelism_config_from(value):
     if not isinstance(ep_size, int) or isinstance(ep_size, bool) or ep_size < 1:
         raise ValueError(f"ep_size={ep_size!r}: expected a positive integer (the ranks each MoE layer's experts are "
                          "split over)")
+    pp_size = value.pop("pp_size", 1)
+    if not isinstance(pp_size, int) or isinstance(pp_size, bool) or pp_size < 1:
+        raise ValueError(f"pp_size={pp_size!r}: expected a positive integer (the pipeline stages the model's blocks "
+                         "are split into)")
+    pp_schedule = value.pop("pp_schedule", "1f1b")
+    if pp_schedule not in PP_SCHEDULES:
+        raise ValueError(f"pp_schedule={pp_schedule!r}: expected one of {list(PP_SCHEDULES)} (the pipeline schedule "
+                         "with pp_size > 1)")
     config = ParallelismConfig(**value)
-    config.ep_size = ep_size
+    config.ep_size, config.pp_size, config.pp_schedule = ep_size, pp_size, pp_schedule
     return config
 
 
@@ -194,6 +211,7 @@ class _Layout:
     activation_checkpointing: bool = False
     cp: int = 1
     ep: int = 1
+    pp: int = 1
 
 
 def _say(message: str) -> None:
@@ -333,15 +351,24 @@ def _deepspeed_layout(plugin, world_size: int) -> _Layout:
     return layout
 
 
-def _parallelism_config(args, world_size: int) -> tuple[int, int, int, int, int] | None:
-    """(dp_replicate, dp_shard, tp, cp, ep) from ``args.parallelism_config``, else from accelerate's
+def _parallelism_config_of(args):
+    """``args.parallelism_config`` as a ParallelismConfig (None when unset)."""
+    config = getattr(args, "parallelism_config", None)
+    return parallelism_config_from(config) if isinstance(config, (str, Mapping)) else config
+
+
+def _pp_schedule(args) -> str:
+    config = _parallelism_config_of(args)
+    return getattr(config, "pp_schedule", "1f1b") if config is not None else "1f1b"
+
+
+def _parallelism_config(args, world_size: int) -> tuple[int, int, int, int, int, int] | None:
+    """(dp_replicate, dp_shard, tp, cp, ep, pp) from ``args.parallelism_config``, else from accelerate's
     ``PARALLELISM_CONFIG_*`` environment; None when neither asks for more than one rank."""
     from accelerate import ParallelismConfig
     from accelerate.utils import parse_flag_from_env
 
-    config = getattr(args, "parallelism_config", None)
-    if isinstance(config, (str, Mapping)):
-        config = parallelism_config_from(config)
+    config = _parallelism_config_of(args)
     if config is None and parse_flag_from_env("ACCELERATE_USE_PARALLELISM_CONFIG"):
         config = ParallelismConfig()  # reads PARALLELISM_CONFIG_* itself
     if config is None:
@@ -351,21 +378,23 @@ def _parallelism_config(args, world_size: int) -> tuple[int, int, int, int, int]
             f"parallelism_config sp_size={config.sp_size}: DeepSpeed-Ulysses sequence parallelism is not available in "
             "hfnative; use cp_size (ring attention) to split sequences, and set sp_size=1"
         )
-    ep_size = getattr(config, "ep_size", 1)
-    if config.total_size == 1 and ep_size == 1:  # accelerate then falls back to plain data parallelism; so does ours
-        return None
-    sizes = config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size
-    if config.total_size != world_size:
-        names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-        named = " x ".join(f"{name}={size}" for name, size in zip(names, sizes) if name != "cp_size" or size > 1)
-        others = config.dp_replicate_size * config.tp_size * config.cp_size
+    ep_size, pp_size = getattr(config, "ep_size", 1), getattr(config, "pp_size", 1)
+    if config.total_size == 1 and ep_size == 1 and pp_size == 1:  # accelerate then falls back to plain data
+        return None  # parallelism; so does ours
+    sizes = config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.cp_size, pp_size
+    total = config.total_size * pp_size
+    if total != world_size:
+        names = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "pp_size")
+        named = " x ".join(f"{name}={size}" for name, size in zip(names, sizes)
+                           if name not in ("cp_size", "pp_size") or size > 1)
+        others = config.dp_replicate_size * config.tp_size * config.cp_size * pp_size
         hint = f" (e.g. dp_shard_size={world_size // others})" if world_size % others == 0 else ""
-        raise ValueError(f"parallelism_config: {named} = {config.total_size}, but {world_size} processes were launched; "
+        raise ValueError(f"parallelism_config: {named} = {total}, but {world_size} processes were launched; "
                          f"the sizes must multiply to the number of processes{hint}")
     if ep_size > 1 and config.dp_shard_size % ep_size:
         raise ValueError(f"parallelism_config ep_size={ep_size} must divide dp_shard_size={config.dp_shard_size}: the "
                          "experts are split over ep of the FSDP (dp_shard) ranks")
-    return (*sizes, ep_size)
+    return (*sizes[:4], ep_size, pp_size)
 
 
 def _mixed_precision(args) -> str | None:

@@ -30,6 +30,20 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _pipeline_full_state_dict(model, run) -> dict[str, torch.Tensor]:
+    """Under pipeline parallel: every stage's whole tensors on the CPU of rank 0 (an empty dict elsewhere); every rank
+    calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from hfnative.parallel.pipeline import gather_stages
+
+    # gathered on every rank of the stage (torch keeps a CPU copy only on global rank 0, which holds one stage)
+    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    sends = run.dp_rank == 0
+    stage = {name: tensor.detach().cpu() for name, tensor in stage.items()} if sends else {}
+    return gather_stages(stage, run.dims.pp_mesh(run.mesh).get_group(), sends)
+
+
 class SavingMixin:
     """save_model / save_state / push_to_hub, checkpoint-N writing and resume_from_checkpoint."""
 
@@ -40,6 +54,9 @@ class SavingMixin:
         from the model itself, its FSDP2 units unsharded for the duration. A single process yields None."""
         if self.distributed is None:
             yield None
+            return
+        if self.distributed.dims.pp_enabled:  # each stage's whole tensors, merged on rank 0
+            yield _pipeline_full_state_dict(self.model, self.distributed)
             return
         if self.lora_settings is None:
             yield full_state_dict(self.model)  # the model's own names; TP and FSDP shards gathered
@@ -216,7 +233,8 @@ class SavingMixin:
             from hfnative.checkpoint import load_training_state
 
             load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
-                                lr_scheduler=self.lr_scheduler)
+                                lr_scheduler=self.lr_scheduler,
+                                model_is_part=self.distributed is not None and self.distributed.dims.pp_enabled)
             return
         if self.distributed is not None:
             raise ValueError(

@@ -60,6 +60,7 @@ from .objective import (
 )
 from .optimization import OptimizationMixin
 from .performance import StepPerformance
+from .pipeline_training import check_pipeline_supported
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
@@ -204,6 +205,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
     def _check_supported(self, evaluating: bool = False) -> None:
         """The one place a run's layout and features are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__)
+        check_pipeline_supported(self, evaluating)
         run = self.distributed
         if self.compute_loss_func is not None and run is not None and run.dims.cp_enabled:
             raise UnsupportedLayoutError(
@@ -232,11 +234,12 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                                base_model_name_or_path=self.base_model_name_or_path)
         if hasattr(self.model, "add_model_tags"):
             self.model.add_model_tags(self._tag_names)
+        # counted whole, before a pipeline stage keeps its part
+        embedding_params = self.model.get_input_embeddings().weight.numel()
+        self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
         self._place(self.model)
         if sharded:
             load_sharded(self.converted, self.device)
-        embedding_params = self.model.get_input_embeddings().weight.numel()
-        self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
 
     def _place(self, model) -> None:
         """Put a model on the device with the run's engine options (the policy and, frozen, every
@@ -476,6 +479,10 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
                 batches = [self._prepare_inputs(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
                 num_items, self._loss_divisor = self._step_normalizer(self.objective.normalizer(batches), len(batches))
+                if self._pipeline is not None:  # the step's micro-batches go through the pipeline stages together
+                    step += len(batches)
+                    self._pipeline_step(batches, num_items)
+                    batches = []
                 for index, inputs in enumerate(batches):
                     step += 1
                     self._last_micro_batch = index == len(batches) - 1
@@ -574,7 +581,7 @@ class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin)
         """Adds the objective's metrics since the last log (eval_-prefixed in evaluation) and the epoch."""
         mode = "train" if self.model.training else "eval"
         self.objective.on_log(logs, mode)
-        metrics = self._metrics[mode].pop(self._reduce_metrics)
+        metrics = self._pop_metrics(mode)
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
         logs.update(metrics)

@@ -187,13 +187,13 @@ def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
     return tensors, rest
 
 
-def _check_fits(directory: Path, targets: dict, aliases: dict, saved: dict) -> None:
-    """Every tensor the model and optimizer expect is in the folder with its shape, and nothing else is; else
-    TrainingStateError naming the differences."""
+def _check_fits(directory: Path, targets: dict, aliases: dict, saved: dict, model_is_part: bool) -> None:
+    """Every tensor the model and optimizer expect is in the folder with its shape, and nothing else is (unless the
+    model is one part of it: a pipeline stage); else TrainingStateError naming the differences."""
     on_disk = HuggingFaceStorageReader(str(directory)).read_metadata().state_dict_metadata
     expected = set(targets) | set(aliases)
     present = set(on_disk) | set(saved["model_aliases"])
-    missing, unexpected = sorted(expected - present), sorted(present - expected)
+    missing, unexpected = sorted(expected - present), [] if model_is_part else sorted(present - expected)
     if missing or unexpected:
         raise TrainingStateError(
             f"{directory} does not fit this model and optimizer: missing {missing[:8]}"
@@ -215,13 +215,18 @@ def _optimizers(optimizer: torch.optim.Optimizer):
     return optimizer.parameter_optimizers() if isinstance(optimizer, OptimizerInBackward) else optimizer
 
 
-def _restored_param_groups(saved_groups: list, current_groups: list, directory: Path) -> list:
-    """The saved hyper-parameters for the current groups, matched by their parameter names."""
+def _restored_param_groups(saved_groups: list, current_groups: list, directory: Path, model_is_part: bool) -> list:
+    """The saved hyper-parameters for the current groups, matched by their parameter names (model_is_part: a group
+    of a pipeline stage holds some of a saved group's, in the same place)."""
     saved_groups = from_json(saved_groups)
-    by_params = {tuple(sorted(group["params"])): group for group in saved_groups}
     restored = []
-    for group in current_groups:
-        saved = by_params.get(tuple(sorted(group["params"])))
+    for index, group in enumerate(current_groups):
+        names = set(group["params"])
+        if model_is_part:
+            fits = index < len(saved_groups) and names <= set(saved_groups[index]["params"])
+            saved = saved_groups[index] if fits else None
+        else:
+            saved = next((saved for saved in saved_groups if names == set(saved["params"])), None)
         if saved is None:
             raise TrainingStateError(
                 f"{directory}: no saved optimizer param_group holds the parameters {group['params'][:4]}...; the "
@@ -235,6 +240,23 @@ def _restored_param_groups(saved_groups: list, current_groups: list, directory: 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _merged_over_ranks(rest: dict, group) -> dict:
+    """``_split_state``'s JSON part with every rank's parameters: each optimizer param_group's names and the
+    non-tensor state of every rank (under pipeline parallel each rank holds its stage's parameters only)."""
+    if not _distributed():
+        return rest
+    parts = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, rest, group=group)
+    merged = dict(rest, optimizer_param_groups=[dict(g, params=list(g["params"])) for g in rest["optimizer_param_groups"]],
+                  optimizer_non_tensor_state={}, model_aliases={})
+    for part in parts:
+        for mine, theirs in zip(merged["optimizer_param_groups"], part["optimizer_param_groups"]):
+            mine["params"] += [name for name in theirs["params"] if name not in mine["params"]]
+        merged["optimizer_non_tensor_state"].update(part["optimizer_non_tensor_state"])
+        merged["model_aliases"].update(part["model_aliases"])
+    return merged
 
 
 def _rank_and_size(group) -> tuple[int, int]:
@@ -288,6 +310,7 @@ def save_training_state(
     rank, size = _rank_and_size(process_group)
     model_state, optimizer_state = get_state_dict(model, _optimizers(optimizer))
     tensors, rest = _split_state(model_state, optimizer_state)
+    rest = _merged_over_ranks(rest, process_group)
     # everything turned to JSON before anything is written, so a bad value fails on every rank alike
     state = {
         "format": FORMAT,
@@ -314,10 +337,13 @@ def load_training_state(
     *,
     lr_scheduler=None,
     process_group: dist.ProcessGroup | None = None,
+    model_is_part: bool = False,
 ) -> dict:
     """Load what ``save_training_state`` wrote into ``model`` and ``optimizer`` of any layout, on every rank; restore
     the LR scheduler and (when the number of ranks is the saved one) each rank's RNG state. Returns ``extra``.
 
+    model_is_part: the model is one part of the saved one (a pipeline stage: the other stages' tensors are not
+    expected here).
     Raises TrainingStateError when the folder is incomplete or does not fit the model and optimizer.
     """
     directory = Path(directory)
@@ -333,7 +359,7 @@ def load_training_state(
     optimizers = _optimizers(optimizer)
     model_state, optimizer_state = get_state_dict(model, optimizers)  # creates the optimizer's state if need be
     targets, rest = _split_state(model_state, optimizer_state)
-    _check_fits(directory, targets, rest["model_aliases"], state)
+    _check_fits(directory, targets, rest["model_aliases"], state, model_is_part)
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), process_group=process_group,
                  no_dist=not _distributed())
@@ -341,7 +367,7 @@ def load_training_state(
     for name, fields in state["optimizer_non_tensor_state"].items():
         optimizer_state["state"].setdefault(name, {}).update(from_json(fields))
     optimizer_state["param_groups"] = _restored_param_groups(
-        state["optimizer_param_groups"], optimizer_state["param_groups"], directory
+        state["optimizer_param_groups"], optimizer_state["param_groups"], directory, model_is_part
     )
     set_state_dict(model, optimizers, model_state_dict=model_state, optim_state_dict=optimizer_state)
     if isinstance(optimizer, OptimizerInBackward):

@@ -55,6 +55,16 @@ class TransformerBlock(nn.Module):
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 
 
+class BlockOnAnotherStage(nn.Module):
+    """The place of a block that another pipeline stage holds (``hfnative.parallel.pipeline``): no parameters, skipped
+    by the forward; it keeps every block's index, and so its parameter names, those of the whole model."""
+
+    def __init__(self, layer_id: int, is_sliding: bool):
+        super().__init__()
+        self.layer_id, self.is_sliding = layer_id, is_sliding
+        self.moe = None
+
+
 @dataclass
 class CausalLMOutput:
     """What ``Transformer.forward`` returns, with the names transformers' outputs use.
@@ -104,6 +114,9 @@ class Transformer(nn.Module):
         self.attention_implementation = "varlen"
         # MoE: compute the router's load-balancing loss (the trainer turns it on as TRL does)
         self.aux_loss_enabled = False
+        # (stage, stages) when this model is one stage of a pipeline (hfnative.parallel.pipeline.split_into_stage):
+        # its forward then maps the previous stage's hidden states (the first: token ids) to the next stage's
+        self.pipeline_stage: tuple[int, int] | None = None
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers, e.g. after materializing from the meta device."""
@@ -158,8 +171,10 @@ class Transformer(nn.Module):
         follow its predecessor starts a new document (packed sequences never attend across it).
         attention_plan: made by ``plan_attention`` (made here when not given).
         router_logits: a list that MoE layers append their router logits [B * S, E] to.
+        A pipeline stage after the first takes the previous stage's hidden states [B, S, D] as ``input_ids_BS``, and
+        a stage before the last returns its last block's output, not normed.
         """
-        B, S = input_ids_BS.shape
+        B, S = input_ids_BS.shape[:2]
         if attention_plan is None:
             attention_plan = self.plan_attention(input_ids_BS, attention_mask_BS, position_ids_BS)
         if position_ids_BS is None:
@@ -167,15 +182,20 @@ class Transformer(nn.Module):
         else:
             position_ids_BS = position_ids_BS.expand(B, S)
 
-        h = self.tok_embeddings(input_ids_BS)
-        if self.args.embedding_scale is not None:
-            h = h * torch.tensor(self.args.embedding_scale).to(h.dtype)
+        if self.tok_embeddings is None:  # a later pipeline stage: the previous stage's output
+            h = input_ids_BS
+        else:
+            h = self.tok_embeddings(input_ids_BS)
+            if self.args.embedding_scale is not None:
+                h = h * torch.tensor(self.args.embedding_scale).to(h.dtype)
         rope_dtype = torch.float32 if self.args.rotary_in_float32 else h.dtype
         cos_sin = self.rope(position_ids_BS, rope_dtype)
         local_cos_sin = cos_sin
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
             local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
         for layer_id, layer in enumerate(self.layers):
+            if isinstance(layer, BlockOnAnotherStage):
+                continue
             layer_inputs = (h, local_cos_sin if layer.is_sliding else cos_sin, attention_plan)
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
@@ -183,7 +203,7 @@ class Transformer(nn.Module):
                 h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
             else:
                 h = layer(*layer_inputs)
-        return self.norm(h)
+        return h if self.norm is None else self.norm(h)
 
     def forward(
         self,
@@ -200,7 +220,12 @@ class Transformer(nn.Module):
         """input_ids [B, S]; labels [B, S] unshifted (or shift_labels [B, S], already shifted), as
         transformers' causal LMs take them. head_loss: a loss spec from ``hfnative.models.head``
         computed through the head (its result is ``head_output``). Other transformers keyword
-        arguments (use_cache, cu_seq_lens_*, ...) are accepted and not needed."""
+        arguments (use_cache, cu_seq_lens_*, ...) are accepted and not needed.
+
+        A pipeline stage (``pipeline_stage`` set) returns its hidden states [B, S, D] (the last stage's normed, for
+        the loss its schedule computes through the head), taking the previous stage's as ``input_ids``."""
+        if self.pipeline_stage is not None:
+            return self.hidden_states(input_ids, attention_mask, position_ids, attention_plan)
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
         hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
         out = CausalLMOutput(hidden_BSD, self.output)

@@ -47,5 +47,7 @@ def apply_compile(model: nn.Module) -> nn.Module:
     """
     compiled_by_type: dict = {}
     for block in model.layers:
+        if not hasattr(block, "attention"):  # a block another pipeline stage holds
+            continue
         _compile_forward(block if getattr(block, "moe", None) is None else block.attention, compiled_by_type)
     return model

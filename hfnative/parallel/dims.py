@@ -26,6 +26,10 @@ reference, a dense student) is sharded over the whole dp_shard group, ``("dp_sha
 ``"dp_shard"`` (with cp, ``("dp_shard_mod_ep", "cp", "ep")`` to ``"dp_shard_cp"``), as in a run without ep.
 With tensor parallel the experts stay whole on each tp rank (each routes its own part of the sequence), so every
 parameter of an MoE model is a DTensor of ``(dp_mod_ep, ep, tp)``.
+
+Pipeline parallel (pp > 1) adds a ``"pp"`` dim outermost: each pp rank holds one stage (a contiguous run of the
+blocks, see pipeline.py), and the dims after it lay out each stage's ranks as above (its FSDP2 group, its
+data-parallel ranks). Every stage reads the same batches; activations go from stage to stage over ``mesh["pp"]``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
 CP_MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
 EP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 EP_CP_MESH_DIMS = ("dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp")
+PP_MESH_DIMS = ("pp", *MESH_DIMS)
 
 
 @dataclass
@@ -55,25 +60,33 @@ class ParallelDims:
     world_size: int = 1
     cp: int = 1
     ep: int = 1
+    pp: int = 1
 
     def __post_init__(self):
         named = {"dp_replicate": self.dp_replicate, "tp": self.tp, "world_size": self.world_size, "cp": self.cp,
-                 "ep": self.ep}
+                 "ep": self.ep, "pp": self.pp}
         for name, size in named.items():
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"{name}={size!r}: expected a positive integer")
         if not isinstance(self.dp_shard, int) or (self.dp_shard < 1 and self.dp_shard != -1):
             raise ValueError(f"dp_shard={self.dp_shard!r}: expected a positive integer, or -1 to fill the world size")
+        for name, size in (("tp", self.tp), ("cp", self.cp), ("ep", self.ep)):
+            if self.pp > 1 and size > 1:
+                raise ValueError(
+                    f"pp={self.pp} with {name}={size}: pipeline parallelism composes with data parallelism (FSDP2, "
+                    f"HSDP, DDP) only; set {name}_size=1, or pp_size=1"
+                )
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        cp += f" x pp={self.pp}" if self.pp > 1 else ""
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.cp * self.tp
+            others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % others:
                 raise ValueError(
                     f"dp_replicate={self.dp_replicate}{cp} x tp={self.tp} = {others} does not divide the world size "
                     f"{self.world_size}, so dp_shard=-1 cannot fill it; choose sizes whose product is {self.world_size}"
                 )
             self.dp_shard = self.world_size // others
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
             raise ValueError(
                 f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x tp={self.tp} = {product}, but the "
@@ -119,8 +132,15 @@ class ParallelDims:
         return self.ep > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """MESH_DIMS, or CP_MESH_DIMS with context parallel, or EP_MESH_DIMS (EP_CP_MESH_DIMS) with expert parallel."""
+        """MESH_DIMS, or CP_MESH_DIMS with context parallel, or EP_MESH_DIMS (EP_CP_MESH_DIMS) with expert parallel,
+        or PP_MESH_DIMS with pipeline parallel."""
+        if self.pp_enabled:
+            return PP_MESH_DIMS
         if self.ep_enabled:
             return EP_CP_MESH_DIMS if self.cp_enabled else EP_MESH_DIMS
         return CP_MESH_DIMS if self.cp_enabled else MESH_DIMS
@@ -128,6 +148,8 @@ class ParallelDims:
     @property
     def shape(self) -> tuple[int, ...]:
         """The mesh's size along each of ``mesh_dim_names``."""
+        if self.pp_enabled:
+            return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         if self.ep_enabled:
             cp = (self.cp,) if self.cp_enabled else ()
             return (self.dp_replicate, self.dp_shard // self.ep, *cp, self.ep, self.tp)
@@ -197,9 +219,14 @@ class ParallelDims:
         assert self.ep_enabled, "expert_fsdp_meshes needs ep > 1"
         return mesh["dp_mod_ep"], mesh["dp_mod_ep", "ep"]
 
+    def pp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The 1-D mesh of the pipeline stages this rank's activations pass through (one rank per stage)."""
+        assert self.pp_enabled, "pp_mesh needs pp > 1"
+        return mesh["pp"]
+
     def dp_rank(self, mesh: DeviceMesh) -> int:
         """This rank's data shard: which part of the global batch it reads (tp ranks of a group read the same)."""
         return self.dp_mesh(mesh).get_local_rank()
 
 
-__all__ = ["CP_MESH_DIMS", "EP_CP_MESH_DIMS", "EP_MESH_DIMS", "MESH_DIMS", "ParallelDims"]
+__all__ = ["CP_MESH_DIMS", "EP_CP_MESH_DIMS", "EP_MESH_DIMS", "MESH_DIMS", "PP_MESH_DIMS", "ParallelDims"]

@@ -27,6 +27,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from hfnative.models.decoder import BlockOnAnotherStage
+
 
 def mixed_precision_policy(mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None) -> MixedPrecisionPolicy:
     """None: parameters and gradient reductions in the parameters' own dtype. A dtype (or its name, "bfloat16" /
@@ -73,9 +75,16 @@ def apply_fsdp(
     shard = dict(mesh=dp_mesh, mp_policy=policy, offload_policy=offload_policy(cpu_offload, dp_mesh),
                  ignored_params=quantized_parameters(model))
     for block in model.layers:
+        if isinstance(block, BlockOnAnotherStage):  # pipeline parallel: another stage's
+            continue
         fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
-    head_group = [model.norm, model.output]
-    if model.output.projection() is model.tok_embeddings.weight:
+    head_group = [module for module in (model.norm, model.output) if module is not None]
+    if not head_group or model.tok_embeddings is None:  # a pipeline stage without the head or the embedding
+        if model.tok_embeddings is not None:
+            fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **shard)
+        if head_group:
+            fully_shard(head_group, reshard_after_forward=False, **shard)
+    elif model.output.projection() is model.tok_embeddings.weight:
         # the head uses the embedding's parameter (tied, or untied to one tensor under two names): one unit, so
         # calling either gathers it
         fully_shard([model.tok_embeddings, *head_group], reshard_after_forward=reshard_after_forward, **shard)

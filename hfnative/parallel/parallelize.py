@@ -1,5 +1,7 @@
 """The one place that applies parallelism and the memory/speed transforms to a native model, in this order:
 
+0. pipeline parallel (``mesh["pp"]``): each pp rank keeps its stage's blocks (see pipeline.py), and the steps below
+   apply to what it kept;
 1. tensor + sequence parallel (``mesh["tp"]``), with the vocabulary-parallel embedding and loss-parallel head;
    expert parallel (``mesh["ep"]``: each MoE layer's experts split over the ep ranks, see expert_parallel.py);
    context parallel needs no change to the model (its batches carry the ring-attention plan);
@@ -56,6 +58,10 @@ def parallelize(
     Returns the model.
     """
     if not isinstance(model, Transformer):
+        if dims.pp_enabled:
+            from .pipeline import check_pipeline_model
+
+            check_pipeline_model(model)
         return _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, mixed_precision,
                                     reshard_after_forward, cpu_offload)
     if mesh.mesh_dim_names != dims.mesh_dim_names or tuple(mesh.shape) != dims.shape:
@@ -64,6 +70,10 @@ def parallelize(
             f"{dims.mesh_dim_names} of "
             f"sizes {dims.shape}; pass the mesh dims.build_mesh(device_type) returns"
         )
+    if dims.pp_enabled:
+        from .pipeline import split_into_stage
+
+        split_into_stage(model, dims.pp_mesh(mesh).get_local_rank(), dims.pp)
     if compile and dims.tp_enabled:
         raise ValueError(
             "compile=True with tensor parallelism (tp>1) is not supported yet: torch 2.13's inductor fails "

@@ -1,0 +1,74 @@
+"""SFT under pipeline parallel, as ranks of a torchrun launch, for tests/test_pipeline_parallel.py.
+
+usage: torchrun --standalone --nproc_per_node N _pipeline_worker.py OUTPUT_DIR MODEL_DIR CELL [CELL ...]
+Each CELL (a key of CELLS whose layout runs on N processes) trains SFTTrainer with that parallelism_config over the
+same global batches as one process (``trainer_for(..., layout=None)``, which the test runs); rank 0 writes
+OUTPUT_DIR/CELL/log.json (the log history). A cell with ``resume`` set resumes from another cell's checkpoint.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from datasets import Dataset
+
+import hfnative
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+ROWS_PER_STEP = 8  # the global batch: 2 micro-batches of 4 rows
+ACCUMULATION = 2
+SAVED_AT = 2
+
+# name -> (parallelism_config, data-parallel ranks, processes)
+LAYOUTS = {
+    "pp2-gpipe": (dict(dp_shard_size=1, pp_size=2, pp_schedule="gpipe"), 1, 2),
+    "pp2-1f1b": (dict(dp_shard_size=1, pp_size=2, pp_schedule="1f1b"), 1, 2),
+    "pp2xfsdp2": (dict(dp_shard_size=2, pp_size=2), 2, 4),
+    "fsdp2": (dict(dp_shard_size=2), 2, 2),
+}
+
+# name -> (layout, the cell whose checkpoint-SAVED_AT it resumes, or None; whether it saves checkpoint-SAVED_AT)
+CELLS = {
+    "pp2-gpipe": ("pp2-gpipe", None, True),
+    "pp2-1f1b": ("pp2-1f1b", None, False),
+    "fsdp2-from-pp2-gpipe": ("fsdp2", "pp2-gpipe", False),
+    "pp2xfsdp2": ("pp2xfsdp2", None, True),
+}
+
+
+def rows(n: int) -> list[dict]:
+    with open(ROOT / "examples" / "data" / "sft_messages.jsonl") as f:
+        return [json.loads(line) for line, _ in zip(f, range(n))]
+
+
+def trainer_for(output_dir: str, model_dir: str, layout: str | None = None, save: bool = True):
+    """SFTTrainer over ROWS_PER_STEP rows a step, on one process (``layout`` None) or in ``layout``; with ``save``
+    a checkpoint at step SAVED_AT."""
+    dp_ranks = 1 if layout is None else LAYOUTS[layout][1]
+    args = hfnative.SFTConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
+        logging_steps=1, save_strategy="steps" if save else "no", save_steps=SAVED_AT,
+        per_device_train_batch_size=ROWS_PER_STEP // ACCUMULATION // dp_ranks,
+        gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=0,
+        weight_decay=0.01, max_grad_norm=0.5, max_length=40, seed=7,
+        parallelism_config=None if layout is None else dict(LAYOUTS[layout][0]),
+    )
+    return hfnative.SFTTrainer(model=model_dir, args=args, train_dataset=Dataset.from_list(rows(32)))
+
+
+def main(output_dir: str, model_dir: str, cells: list[str]) -> None:
+    rank = int(os.environ["RANK"])
+    for cell in cells:
+        layout, resume, save = CELLS[cell]
+        out = Path(output_dir) / cell
+        trainer = trainer_for(str(out), model_dir, layout, save)
+        checkpoint = None if resume is None else str(Path(output_dir) / resume / f"checkpoint-{SAVED_AT}")
+        trainer.train(resume_from_checkpoint=checkpoint)
+        if rank == 0:
+            (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

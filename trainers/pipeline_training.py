@@ -1,0 +1,117 @@
+"""The Trainer's optimizer step under pipeline parallel (``parallelism_config`` ``pp_size`` > 1, schedule
+``pp_schedule``: "1f1b" or "gpipe").
+
+The step's micro-batches (gradient_accumulation_steps of them) are the schedule's micro-batches: they are padded to
+one sequence length (the added positions carry no label and change no loss), run through the stages together
+(``hfnative.parallel.pipeline.Pipeline``), and each micro-batch's loss is the objective's, computed by
+``compute_loss`` on the last stage from its normed hidden states through the head. The step's loss is broadcast from
+the last stage, and the logged metrics too, so every rank logs what one process logs.
+
+Supported: the language-modeling objectives (Trainer, SFTTrainer), under PP alone or with data parallelism
+(FSDP2, HSDP, DDP). Everything else is refused here, naming the setting.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hfnative.models.decoder import CausalLMOutput
+
+from .distributed import pad_sequence_to_length
+from .objective import LanguageModelingObjective, UnsupportedLayoutError
+
+
+def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
+    """Refuse what pipeline parallel does not run, naming the setting (nothing when pp_size is 1)."""
+    from .sft_trainer import SFTObjective
+
+    run = trainer.distributed
+    if run is None or not run.dims.pp_enabled:
+        return
+    args, pp = trainer.args, run.dims.pp
+    who = f"{type(trainer).__name__} with pipeline parallelism (pp_size={pp})"
+    if type(trainer.objective) not in (LanguageModelingObjective, SFTObjective):
+        raise UnsupportedLayoutError(f"{who}: pipeline parallelism runs the language-modeling objectives (Trainer, "
+                                     "SFTTrainer) only; set pp_size=1")
+    refused = {
+        "evaluation (eval_strategy / evaluate())": evaluating or args.eval_strategy != "no",
+        "compute_loss_func": trainer.compute_loss_func is not None,
+        "optimizer_in_backward=True": args.optimizer_in_backward,
+        "LoRA / PEFT adapters (peft_config or an adapter folder)": (trainer.peft_config is not None
+                                                                    or trainer.lora_settings is not None),
+    }
+    for setting, used in refused.items():
+        if used:
+            raise UnsupportedLayoutError(f"{who} does not support {setting}: drop it, or set pp_size=1")
+    if run.plan.pp_schedule == "1f1b" and args.gradient_accumulation_steps < pp:
+        raise UnsupportedLayoutError(
+            f"{who}: pp_schedule='1f1b' needs at least one micro-batch per stage, and gradient_accumulation_steps="
+            f"{args.gradient_accumulation_steps} < {pp}; raise gradient_accumulation_steps (the schedule's "
+            "micro-batches), or set pp_schedule='gpipe'"
+        )
+
+
+class _LastStageModel:
+    """The model as the objective's loss reads it on the last stage, whose forward the pipeline ran: a call returns
+    those hidden states [B, S, D], with the head's loss on them when ``head_loss`` is given; ``output`` is the head."""
+
+    def __init__(self, model, hidden_BSD: torch.Tensor):
+        self._model, self._hidden_BSD = model, hidden_BSD
+
+    def __call__(self, *args, head_loss=None, **kwargs) -> CausalLMOutput:
+        out = CausalLMOutput(self._hidden_BSD, self._model.output)
+        if head_loss is not None:
+            out.head_output = self._model.output(self._hidden_BSD, loss=head_loss)
+        return out
+
+    def __getattr__(self, name):  # training, output, args, ...
+        return getattr(self._model, name)
+
+
+class PipelineTraining:
+    """``trainer.model``'s stage and its schedule (built once per model)."""
+
+    def __init__(self, trainer):
+        from hfnative.parallel.fsdp import mixed_precision_policy
+        from hfnative.parallel.pipeline import Pipeline
+
+        run = trainer.distributed
+        self.model = trainer.model
+        dtype = mixed_precision_policy(run.plan.mixed_precision).param_dtype or next(self.model.parameters()).dtype
+        self.pipeline = Pipeline(self.model, run.dims.pp_mesh(run.mesh), run.plan.pp_schedule, trainer.device, dtype)
+
+    def step(self, trainer, batches: list[dict], num_items) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (prepared by ``trainer._prepare_inputs``); returns the
+        step's loss (the sum of the micro-batches'), on every rank."""
+        rows = {batch["input_ids"].shape[0] for batch in batches}
+        if len(rows) > 1:
+            raise ValueError(
+                f"pipeline parallelism (pp_size > 1) runs a step's micro-batches with one number of rows; this step's "
+                f"have {sorted(rows)} (an epoch's last batch is smaller): set dataloader_drop_last=True, or a dataset "
+                "size divisible by per_device_train_batch_size"
+            )
+        length = max(batch["input_ids"].shape[1] for batch in batches)
+        batches = [trainer._prepare_inputs(_without_plan(pad_sequence_to_length(batch, length))) for batch in batches]
+
+        def loss_of(hidden_BSD: torch.Tensor, index: int) -> torch.Tensor:
+            stage = _LastStageModel(self.model, hidden_BSD)
+            loss = trainer.compute_loss(stage, batches[index], num_items_in_batch=num_items)
+            return loss if num_items is not None else loss / trainer._loss_divisor
+
+        self.model.train()
+        with trainer._autocast(), trainer._activation_offloading():
+            return self.pipeline.run(batches, loss_of)
+
+    def from_last_stage(self, value):
+        """The last stage's ``value`` (any picklable object) on every stage."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.pipeline.last_stage_rank, group=self.pipeline.group)
+        return box[0]
+
+
+def _without_plan(batch: dict) -> dict:
+    return {key: value for key, value in batch.items() if key != "attention_plan"}
+
+
+__all__ = ["PipelineTraining", "check_pipeline_supported"]
