@@ -1,8 +1,9 @@
-"""SFT under pipeline parallel, as ranks of a torchrun launch, for tests/test_pipeline_parallel.py.
+"""SFT and DPO under pipeline parallel, as ranks of a torchrun launch, for tests/test_pipeline_parallel.py.
 
 usage: torchrun --standalone --nproc_per_node N _pipeline_worker.py OUTPUT_DIR MODEL_DIR CELL [CELL ...]
-Each CELL (a key of CELLS whose layout runs on N processes) trains SFTTrainer with that parallelism_config over the
-same global batches as one process (``trainer_for(..., layout=None)``, which the test runs); rank 0 writes
+Each CELL (a key of CELLS whose layout runs on N processes) trains SFTTrainer or DPOTrainer with that
+parallelism_config over the same global batches as one process (``trainer_for(..., layout=None)``, which the test
+runs); rank 0 writes
 OUTPUT_DIR/CELL/log.json (the log history). A cell with ``resume`` set resumes from another cell's checkpoint.
 """
 
@@ -29,25 +30,27 @@ LAYOUTS = {
     "fsdp2": (dict(dp_shard_size=2), 2, 2),
 }
 
-# name -> (layout, the cell whose checkpoint-SAVED_AT it resumes, or None; whether it saves checkpoint-SAVED_AT)
+# name -> (algorithm, layout, the cell whose checkpoint-SAVED_AT it resumes or None, whether it saves one)
 CELLS = {
-    "pp2-gpipe": ("pp2-gpipe", None, True),
-    "pp2-1f1b": ("pp2-1f1b", None, False),
-    "fsdp2-from-pp2-gpipe": ("fsdp2", "pp2-gpipe", False),
-    "pp2xfsdp2": ("pp2xfsdp2", None, True),
+    "pp2-gpipe": ("sft", "pp2-gpipe", None, True),
+    "pp2-1f1b": ("sft", "pp2-1f1b", None, False),
+    "fsdp2-from-pp2-gpipe": ("sft", "fsdp2", "pp2-gpipe", False),
+    "dpo-pp2-1f1b": ("dpo", "pp2-1f1b", None, False),
+    "pp2xfsdp2": ("sft", "pp2xfsdp2", None, True),
+    "dpo-pp2xfsdp2": ("dpo", "pp2xfsdp2", None, False),
 }
 
 
-def rows(n: int) -> list[dict]:
-    with open(ROOT / "examples" / "data" / "sft_messages.jsonl") as f:
+def rows(name: str, n: int) -> list[dict]:
+    with open(ROOT / "examples" / "data" / name) as f:
         return [json.loads(line) for line, _ in zip(f, range(n))]
 
 
-def trainer_for(output_dir: str, model_dir: str, layout: str | None = None, save: bool = True):
-    """SFTTrainer over ROWS_PER_STEP rows a step, on one process (``layout`` None) or in ``layout``; with ``save``
-    a checkpoint at step SAVED_AT."""
+def trainer_for(output_dir: str, model_dir: str, layout: str | None = None, save: bool = True, algorithm: str = "sft"):
+    """SFTTrainer (or DPOTrainer, its reference a frozen copy of the checkpoint) over ROWS_PER_STEP rows (pairs) a
+    step, on one process (``layout`` None) or in ``layout``; with ``save`` a checkpoint at step SAVED_AT."""
     dp_ranks = 1 if layout is None else LAYOUTS[layout][1]
-    args = hfnative.SFTConfig(
+    common = dict(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
         logging_steps=1, save_strategy="steps" if save else "no", save_steps=SAVED_AT,
         per_device_train_batch_size=ROWS_PER_STEP // ACCUMULATION // dp_ranks,
@@ -55,15 +58,19 @@ def trainer_for(output_dir: str, model_dir: str, layout: str | None = None, save
         weight_decay=0.01, max_grad_norm=0.5, max_length=40, seed=7,
         parallelism_config=None if layout is None else dict(LAYOUTS[layout][0]),
     )
-    return hfnative.SFTTrainer(model=model_dir, args=args, train_dataset=Dataset.from_list(rows(32)))
+    if algorithm == "dpo":
+        args = hfnative.DPOConfig(**common, beta=0.1)
+        return hfnative.DPOTrainer(model=model_dir, args=args, train_dataset=Dataset.from_list(rows("preference.jsonl", 32)))
+    return hfnative.SFTTrainer(model=model_dir, args=hfnative.SFTConfig(**common),
+                               train_dataset=Dataset.from_list(rows("sft_messages.jsonl", 32)))
 
 
 def main(output_dir: str, model_dir: str, cells: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for cell in cells:
-        layout, resume, save = CELLS[cell]
+        algorithm, layout, resume, save = CELLS[cell]
         out = Path(output_dir) / cell
-        trainer = trainer_for(str(out), model_dir, layout, save)
+        trainer = trainer_for(str(out), model_dir, layout, save, algorithm)
         checkpoint = None if resume is None else str(Path(output_dir) / resume / f"checkpoint-{SAVED_AT}")
         trainer.train(resume_from_checkpoint=checkpoint)
         if rank == 0:

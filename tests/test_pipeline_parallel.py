@@ -1,9 +1,10 @@
-"""Pipeline parallel (parallelism_config pp_size / pp_schedule) for SFTTrainer, against one process.
+"""Pipeline parallel (parallelism_config pp_size / pp_schedule) for SFTTrainer and DPOTrainer, against one process.
 
-Cells (tests/_pipeline_worker.py; one 2-process and one 4-process gloo launch): PP2 with the GPipe and the 1F1B
-schedule, PP2 x FSDP2 on 4 processes, each 3 steps of 2 accumulated micro-batches (the schedule's micro-batches) over
-the same global batches as one process; per-step loss and grad norm within 1e-5 relative of one process's (measured
-<= ~1e-6), and the logged SFT metrics too. The PP2 (GPipe) checkpoint at step 2 resumes under FSDP2 on 2 processes,
+Cells (tests/_pipeline_worker.py; one 2-process and one 4-process gloo launch): SFT under PP2 with the GPipe and the
+1F1B schedule and PP2 x FSDP2 on 4 processes, DPO (its reference a frozen copy, split into the same stages) under
+PP2 1F1B and PP2 x FSDP2; each 3 steps of 2 accumulated micro-batches (the schedule's micro-batches) over the same
+global batches as one process; per-step loss and grad norm within 1e-5 relative of one process's (measured
+<= ~1e-6), and every logged metric (SFT's entropy and token accuracy, DPO's rewards, log-probs, logits) too. The PP2 (GPipe) checkpoint at step 2 resumes under FSDP2 on 2 processes,
 and the PP2 x FSDP2 one on one process (here): the resumed step equals the uninterrupted one-process step, and the
 checkpoints' Hub-format weights (gathered from the stages) equal one process's at the same step.
 The refusals (other objectives, TP/CP/EP with PP, tied embeddings, a 1F1B step with fewer micro-batches than stages)
@@ -31,7 +32,6 @@ from hfnative.parallel.pipeline import check_pipeline_model, stage_layer_ids
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 TOLERANCE = WEIGHT_TOLERANCE = 1e-5
-METRICS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens", "learning_rate")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def launched(tmp_path_factory, model_dir) -> Path:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     for processes in (2, 4):
-        cells = [cell for cell, (layout, _, _) in worker.CELLS.items() if worker.LAYOUTS[layout][2] == processes]
+        cells = [cell for cell, (_, layout, _, _) in worker.CELLS.items() if worker.LAYOUTS[layout][2] == processes]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
                    str(HERE / "_pipeline_worker.py"), str(out), str(model_dir), *cells]
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
@@ -64,13 +64,20 @@ def launched(tmp_path_factory, model_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, model_dir) -> Path:
-    """One process over the same global batches: its output folder (log.json, checkpoint-2)."""
-    out = tmp_path_factory.mktemp("pipeline_reference")
-    trainer = worker.trainer_for(str(out), str(model_dir))
-    trainer.train()
-    (out / "log.json").write_text(json.dumps(trainer.state.log_history))
-    return out
+def references(tmp_path_factory, model_dir) -> dict[str, Path]:
+    """One process over the same global batches, per algorithm: its output folder (log.json; SFT's checkpoint-2)."""
+    folders = {}
+    for algorithm in ("sft", "dpo"):
+        out = folders[algorithm] = tmp_path_factory.mktemp(f"pipeline_reference_{algorithm}")
+        trainer = worker.trainer_for(str(out), str(model_dir), save=algorithm == "sft", algorithm=algorithm)
+        trainer.train()
+        (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+    return folders
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> Path:
+    return references["sft"]
 
 
 def _steps(folder: Path) -> list[dict]:
@@ -80,14 +87,18 @@ def _steps(folder: Path) -> list[dict]:
 def _assert_steps_match(mine: list[dict], theirs: list[dict], where: str, resumed: bool = False) -> None:
     assert [e["step"] for e in mine] == [e["step"] for e in theirs], where
     for step, expected in zip(mine, theirs):
+        assert set(step) == set(expected), where
         # (SFT's num_tokens is a running total of the run, which restarts when a run resumes, in any layout)
-        for key in [key for key in METRICS if not (resumed and key == "num_tokens")]:
+        keys = [key for key, value in expected.items() if isinstance(value, float) and key not in ("epoch", "step")
+                and not key.startswith("perf/") and not (resumed and key == "num_tokens")]
+        assert {"loss", "grad_norm"} <= set(keys)
+        for key in keys:
             assert step[key] == pytest.approx(expected[key], rel=TOLERANCE, abs=1e-7), (where, step["step"], key)
 
 
-@pytest.mark.parametrize("cell", ["pp2-gpipe", "pp2-1f1b", "pp2xfsdp2"])
-def test_pipeline_trains_like_one_process(launched, reference, cell):
-    steps, expected = _steps(launched / cell), _steps(reference)
+@pytest.mark.parametrize("cell", ["pp2-gpipe", "pp2-1f1b", "pp2xfsdp2", "dpo-pp2-1f1b", "dpo-pp2xfsdp2"])
+def test_pipeline_trains_like_one_process(launched, references, cell):
+    steps, expected = _steps(launched / cell), _steps(references[worker.CELLS[cell][0]])
     assert len(steps) == len(expected) == worker.STEPS
     _assert_steps_match(steps, expected, cell)
 
@@ -156,6 +167,7 @@ def _pipeline_run(schedule: str = "1f1b"):
 
 def test_pipeline_refuses_other_objectives_and_settings():
     from hfnative.trainers.dpo_trainer import DPOObjective
+    from hfnative.trainers.kto_trainer import KTOObjective
     from hfnative.trainers.objective import LanguageModelingObjective
     from hfnative.trainers.pipeline_training import check_pipeline_supported
 
@@ -167,8 +179,11 @@ def test_pipeline_refuses_other_objectives_and_settings():
                                compute_loss_func=None, peft_config=None, lora_settings=None)
 
     check_pipeline_supported(trainer())
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp_size=2\).*Trainer, SFTTrainer.*set pp_size=1"):
-        check_pipeline_supported(trainer(DPOObjective))
+    check_pipeline_supported(trainer(DPOObjective))
+    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp_size=2\).*SFTTrainer\) and DPO.*set pp_size=1"):
+        check_pipeline_supported(trainer(KTOObjective))
+    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):
+        check_pipeline_supported(trainer(DPOObjective, precompute_ref_log_probs=True))
     with pytest.raises(ValueError, match="evaluation"):
         check_pipeline_supported(trainer(eval_strategy="steps"))
     with pytest.raises(ValueError, match="optimizer_in_backward"):

@@ -4,11 +4,13 @@
 The step's micro-batches (gradient_accumulation_steps of them) are the schedule's micro-batches: they are padded to
 one sequence length (the added positions carry no label and change no loss), run through the stages together
 (``hfnative.parallel.pipeline.Pipeline``), and each micro-batch's loss is the objective's, computed by
-``compute_loss`` on the last stage from its normed hidden states through the head. The step's loss is broadcast from
-the last stage, and the logged metrics too, so every rank logs what one process logs.
+``compute_loss`` on the last stage from its normed hidden states through the head. The objective's frozen models
+(DPO's reference) are split into the same stages and run first, forwards only, over the same micro-batches; the
+objective reads their last stage's hidden states the same way. The step's loss is broadcast from the last stage,
+and the logged metrics too, so every rank logs what one process logs.
 
-Supported: the language-modeling objectives (Trainer, SFTTrainer), under PP alone or with data parallelism
-(FSDP2, HSDP, DDP). Everything else is refused here, naming the setting.
+Supported: the language-modeling objectives (Trainer, SFTTrainer) and DPO, under PP alone or with data
+parallelism (FSDP2, HSDP, DDP). Everything else is refused here, naming the setting.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .objective import LanguageModelingObjective, UnsupportedLayoutError
 
 def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
     """Refuse what pipeline parallel does not run, naming the setting (nothing when pp_size is 1)."""
+    from .dpo_trainer import DPOObjective
     from .sft_trainer import SFTObjective
 
     run = trainer.distributed
@@ -31,15 +34,17 @@ def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
         return
     args, pp = trainer.args, run.dims.pp
     who = f"{type(trainer).__name__} with pipeline parallelism (pp_size={pp})"
-    if type(trainer.objective) not in (LanguageModelingObjective, SFTObjective):
+    if type(trainer.objective) not in (LanguageModelingObjective, SFTObjective, DPOObjective):
         raise UnsupportedLayoutError(f"{who}: pipeline parallelism runs the language-modeling objectives (Trainer, "
-                                     "SFTTrainer) only; set pp_size=1")
+                                     "SFTTrainer) and DPO only; set pp_size=1")
     refused = {
         "evaluation (eval_strategy / evaluate())": evaluating or args.eval_strategy != "no",
         "compute_loss_func": trainer.compute_loss_func is not None,
         "optimizer_in_backward=True": args.optimizer_in_backward,
         "LoRA / PEFT adapters (peft_config or an adapter folder)": (trainer.peft_config is not None
                                                                     or trainer.lora_settings is not None),
+        "precompute_ref_log_probs=True": getattr(args, "precompute_ref_log_probs", False),
+        "sync_ref_model=True": getattr(args, "sync_ref_model", False),
     }
     for setting, used in refused.items():
         if used:
@@ -70,16 +75,13 @@ class _LastStageModel:
 
 
 class PipelineTraining:
-    """``trainer.model``'s stage and its schedule (built once per model)."""
+    """``trainer.model``'s stage and its schedule, and the objective's frozen models' (built once per model)."""
 
     def __init__(self, trainer):
-        from hfnative.parallel.fsdp import mixed_precision_policy
-        from hfnative.parallel.pipeline import Pipeline
-
-        run = trainer.distributed
         self.model = trainer.model
-        dtype = mixed_precision_policy(run.plan.mixed_precision).param_dtype or next(self.model.parameters()).dtype
-        self.pipeline = Pipeline(self.model, run.dims.pp_mesh(run.mesh), run.plan.pp_schedule, trainer.device, dtype)
+        self.pipeline = _pipeline_of(trainer, self.model)
+        self.frozen = {name: _pipeline_of(trainer, model)
+                       for name, model in trainer.objective.auxiliary_models.items() if model is not None}
 
     def step(self, trainer, batches: list[dict], num_items) -> torch.Tensor:
         """Forward and backward of the step's micro-batches (prepared by ``trainer._prepare_inputs``); returns the
@@ -94,13 +96,23 @@ class PipelineTraining:
         length = max(batch["input_ids"].shape[1] for batch in batches)
         batches = [trainer._prepare_inputs(_without_plan(pad_sequence_to_length(batch, length))) for batch in batches]
 
+        frozen_models = trainer.objective.auxiliary_models
+
         def loss_of(hidden_BSD: torch.Tensor, index: int) -> torch.Tensor:
             stage = _LastStageModel(self.model, hidden_BSD)
-            loss = trainer.compute_loss(stage, batches[index], num_items_in_batch=num_items)
+            kept = dict(frozen_models)
+            # the objective calls its frozen models as it calls the policy: their last stage's outputs, already run
+            frozen_models.update({name: _LastStageModel(kept[name], outputs[index])
+                                  for name, outputs in frozen_outputs.items()})
+            try:
+                loss = trainer.compute_loss(stage, batches[index], num_items_in_batch=num_items)
+            finally:
+                frozen_models.update(kept)
             return loss if num_items is not None else loss / trainer._loss_divisor
 
         self.model.train()
         with trainer._autocast(), trainer._activation_offloading():
+            frozen_outputs = {name: pipeline.forward(batches) for name, pipeline in self.frozen.items()}
             return self.pipeline.run(batches, loss_of)
 
     def from_last_stage(self, value):
@@ -108,6 +120,15 @@ class PipelineTraining:
         box = [value]
         dist.broadcast_object_list(box, src=self.pipeline.last_stage_rank, group=self.pipeline.group)
         return box[0]
+
+
+def _pipeline_of(trainer, model):
+    from hfnative.parallel.fsdp import mixed_precision_policy
+    from hfnative.parallel.pipeline import Pipeline
+
+    run = trainer.distributed
+    dtype = mixed_precision_policy(run.plan.mixed_precision).param_dtype or next(model.parameters()).dtype
+    return Pipeline(model, run.dims.pp_mesh(run.mesh), run.plan.pp_schedule, trainer.device, dtype)
 
 
 def _without_plan(batch: dict) -> dict:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 from torch.distributed.tensor import DTensor
 
 from hfnative.models.decoder import BlockOnAnotherStage, Transformer
@@ -102,23 +103,56 @@ class Pipeline:
 
     def _schedule(self, count: int, B: int, S: int, loss_fn):
         """The schedule for ``count`` micro-batches of [B, S] tokens (stages and schedules are built per shape: the
-        tensors passed between stages are allocated from it)."""
-        # 1F1B needs a micro-batch per stage to fill the pipeline; a shorter step (an epoch's last) runs as GPipe,
-        # which computes the same gradients in another order
-        name = self.schedule_name if count >= self.num_stages else "gpipe"
+        tensors passed between stages are allocated from it); loss_fn None: forwards only."""
+        if loss_fn is None:
+            name = "forward"
+        else:
+            # 1F1B needs a micro-batch per stage to fill the pipeline; a shorter step (an epoch's last) runs as
+            # GPipe, which computes the same gradients in another order
+            name = self.schedule_name if count >= self.num_stages else "gpipe"
         key = (name, count, B, S)
         if key not in self._schedules:
             D = self.model.args.dim
             # (requires_grad: the gradients of the hidden states go back from stage to stage)
-            hidden = torch.empty(B, S, D, dtype=self.hidden_dtype, device="meta", requires_grad=True)
+            hidden = torch.empty(B, S, D, dtype=self.hidden_dtype, device="meta", requires_grad=loss_fn is not None)
             inputs = torch.empty(B, S, dtype=torch.long, device="meta") if self.is_first else hidden
             stage = PipelineStage(self.model, self.stage_index, self.num_stages, self.device, input_args=inputs,
                                   output_args=hidden, group=self.group)
             self._schedules.clear()  # one shape's buffers at a time
-            self._schedules[key] = SCHEDULES[name](stage, count, loss_fn=loss_fn, scale_grads=False)
+            if loss_fn is None:
+                self._schedules[key] = _ScheduleForwardOnly(stage, count)
+            else:
+                self._schedules[key] = SCHEDULES[name](stage, count, loss_fn=loss_fn, scale_grads=False)
         schedule = self._schedules[key]
         schedule._loss_fn = loss_fn
         return schedule
+
+    @staticmethod
+    def _inputs(micro_batches: list[dict], is_first: bool) -> tuple[list, list]:
+        args = [(batch["input_ids"],) if is_first else () for batch in micro_batches]
+        kwargs = [{name: batch.get(name) for name in ("attention_mask", "position_ids", "attention_plan")}
+                  for batch in micro_batches]
+        return args, kwargs
+
+    def _shape(self, micro_batches: list[dict]) -> tuple[int, int]:
+        B, S = micro_batches[0]["input_ids"].shape
+        if any(tuple(batch["input_ids"].shape) != (B, S) for batch in micro_batches):
+            raise ValueError(
+                "pipeline parallelism (pp_size > 1) runs a step's micro-batches in one shape: "
+                f"got {[tuple(batch['input_ids'].shape) for batch in micro_batches]}"
+            )
+        return B, S
+
+    @torch.no_grad()
+    def forward(self, micro_batches: list[dict]) -> list[torch.Tensor] | None:
+        """Forwards only (a frozen model: a reference), no graph: the last stage's normed hidden states [B, S, D] of
+        each micro-batch on the last stage, None on the others. micro_batches: as ``run``'s."""
+        schedule = self._schedule(len(micro_batches), *self._shape(micro_batches), None)
+        args, kwargs = self._inputs(micro_batches, self.is_first)
+        schedule._stage.has_backward = False
+        schedule._stage.clear_runtime_states()
+        schedule._step_microbatches(args, kwargs)
+        return list(schedule._stage.output_chunks) if self.is_last else None
 
     def run(self, micro_batches: list[dict], loss_fn: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one optimizer step's micro-batches through the pipeline.
@@ -128,16 +162,8 @@ class Pipeline:
         loss_fn(hidden_BSD, index): the loss of micro-batch ``index`` from the last stage's normed hidden states.
         Returns the sum of the micro-batches' losses (detached), on every stage.
         """
-        B, S = micro_batches[0]["input_ids"].shape
-        if any(tuple(batch["input_ids"].shape) != (B, S) for batch in micro_batches):
-            raise ValueError(
-                "pipeline parallelism (pp_size > 1) runs a step's micro-batches in one shape: "
-                f"got {[tuple(batch['input_ids'].shape) for batch in micro_batches]}"
-            )
-        schedule = self._schedule(len(micro_batches), B, S, loss_fn)
-        args = [(batch["input_ids"],) if self.is_first else () for batch in micro_batches]
-        kwargs = [{name: batch.get(name) for name in ("attention_mask", "position_ids", "attention_plan")}
-                  for batch in micro_batches]
+        schedule = self._schedule(len(micro_batches), *self._shape(micro_batches), loss_fn)
+        args, kwargs = self._inputs(micro_batches, self.is_first)
         losses: list[torch.Tensor] = []
         # what the schedule's step() does before the micro-batches it would split itself (ours come split: each
         # carries its own attention plan)
