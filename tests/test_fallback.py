@@ -477,3 +477,25 @@ def test_transformers_rollouts_and_grpo_on_a_fallback_model(tmp_path_factory, tm
         logs = [entry for entry in trainer.state.log_history if "loss" in entry]
         assert len(logs) == 2 and all(math.isfinite(entry["grad_norm"]) and entry["grad_norm"] > 0 for entry in logs)
         assert logs[-1]["kl"] > 0  # the policy moved from the reference
+
+
+@pytest.mark.parametrize("family,trainer", [("cohere2", "GRPO"), ("gpt_neox", "GRPO"), ("qwen2_moe", "RLOO")])
+def test_rl_trainers_equal_trl_on_fixed_rollouts(family, trainer, tmp_path_factory, tmp_path, monkeypatch):
+    """GRPO and RLOO on models without a native implementation (a MoE one with its router loss) against TRL's, the
+    same completions fixed per prompt: every logged metric over two steps (test_grpo's comparison)."""
+    pytest.importorskip("trl")
+    import test_grpo
+    import test_rloo
+
+    configs = dict(CONFIGS, qwen2_moe=lambda: Qwen2MoeConfig(
+        **COMMON, num_key_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, router_aux_loss_coef=0.5))
+    model_dir = str(_save(f"{family}-rl", configs[family](), tmp_path_factory))
+    runs = test_grpo if trainer == "GRPO" else test_rloo
+    extra = dict(loss_type="dapo", beta=0.04) if trainer == "GRPO" else {}
+    theirs = runs._run_trl(tmp_path, monkeypatch, model=model_dir, **extra)
+    fallback._warned.clear()
+    ours = runs._run_ours(tmp_path, model=model_dir, **extra)
+    test_grpo.assert_two_steps_equal(ours, theirs)
+    if family == "qwen2_moe":
+        assert all(entry["aux_loss"] > 0 for entry in ours)

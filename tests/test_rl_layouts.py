@@ -1,6 +1,7 @@
 """GRPO and RLOO in every layout, each equal to one process: DDP, FSDP2, TP2, CP2, EP2 (a mixture-of-experts
 policy) on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), against the same trainer on one process with the same
-global batch. Nothing is stood in for: every rank samples its completions from the native engine (each row's own
+global batch; and, for an architecture without a native implementation (Cohere 2, transformers' module, sampling
+through transformers' generate on a gathered replica), GRPO under FSDP2 and RLOO under DDP. Nothing is stood in for: every rank samples its completions from the native engine (each row's own
 sampling stream, keyed by the run's seed and the row's place in the generation batch, so the samples do not depend
 on the layout), scores them with the reward functions and runs the reference model (beta > 0); GRPO's policy loss
 keeps the top 37% highest-entropy tokens of the whole batch (top_entropy_quantile, its quantile over every
@@ -32,6 +33,8 @@ DENSE = HERE.parent / "examples" / "tiny-qwen3"
 TWO_PROCESS_RUNS = [
     "grpo-ddp-dense", "grpo-fsdp2-dense", "grpo-tp2-dense", "grpo-cp2-dense", "grpo-ep2-moe",
     "rloo-ddp-dense", "rloo-fsdp2-dense", "rloo-tp2-dense", "rloo-cp2-dense", "rloo-ep2-moe",
+    # no native implementation: transformers' module, generating on each rank from a gathered replica
+    "grpo-fsdp2-cohere2", "rloo-ddp-cohere2",
 ]
 FOUR_PROCESS_RUNS = ["grpo-fsdp2xtp2-dense", "rloo-fsdp2xtp2-dense"]
 
@@ -50,11 +53,25 @@ def save_moe_model(folder: Path) -> None:
         shutil.copy(DENSE / name, folder / name)
 
 
+def save_cohere2_model(folder: Path) -> None:
+    """A random Cohere 2 (sliding-window layers, logit scale) with tiny-qwen3's tokenizer: no native implementation."""
+    from transformers import AutoModelForCausalLM, Cohere2Config
+
+    config = Cohere2Config(vocab_size=1024, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=6,
+                           logit_scale=0.5, initializer_range=0.2, pad_token_id=0, eos_token_id=2, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(DENSE / name, folder / name)
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("rl-layout-models")
     shutil.copytree(DENSE, folder / "dense")
     save_moe_model(folder / "moe")
+    save_cohere2_model(folder / "cohere2")
     return folder
 
 
@@ -79,8 +96,9 @@ def launched(tmp_path_factory, models) -> Path:
 def one_process(tmp_path_factory, models) -> dict[str, list[dict]]:
     """The one-process runs (the same trainer, the whole global batch on one rank)."""
     out = tmp_path_factory.mktemp("rl-one-process")
+    pairs = sorted({(run.split("-")[0], run.split("-")[2]) for run in TWO_PROCESS_RUNS + FOUR_PROCESS_RUNS})
     return {f"{algorithm}-{model}": train(algorithm, str(models / model), str(out / f"{algorithm}-{model}"), GLOBAL_BATCH)
-            for algorithm in ("grpo", "rloo") for model in ("dense", "moe")}
+            for algorithm, model in pairs}
 
 
 def _relative(a: float, b: float) -> float:

@@ -222,8 +222,9 @@ class Rollout:
         complete it alike. Empty (the engine's own RNG, as TRL's vLLM) for a vLLM engine on a data-parallel layout."""
         layout = self.context.layout
         model_parallel = layout is not None and (layout.cp_enabled or layout.tp_enabled)
-        native = self.engine is None or isinstance(self.engine, NativeRolloutEngine)  # None: native, made lazily
-        if not native and not model_parallel:
+        # None: native, made lazily
+        streams = self.engine is None or getattr(self.engine, "samples_row_streams", False)
+        if not streams and not model_parallel:
             return {}
         seed = mix64_int(mix64_int(int(self.context.args.seed)) ^ place) & ((1 << 63) - 1)
         return {"seed": seed, "first_row": self.context.data_parallel.rank * rows}

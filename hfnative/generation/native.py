@@ -34,6 +34,7 @@ class NativeRolloutEngine(RolloutEngine):
     """
 
     reads_live_weights = True
+    samples_row_streams = True
 
     def __init__(self, model: Transformer, *, compile: bool = False, max_batch_size: int | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model

@@ -40,6 +40,9 @@ class RolloutEngine(ABC):
     # True when the engine runs the training model's own parameters, so ``load_weights`` after a step
     # has nothing to copy (a trainer may skip gathering the named tensors)
     reads_live_weights: bool = False
+    # True when a seeded call samples each row from its own stream (``SamplingParams.first_row`` / ``row_indices``),
+    # so a row's samples do not depend on how a batch is cut over calls or processes
+    samples_row_streams: bool = False
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
