@@ -1,12 +1,15 @@
 """Expert parallelism as ranks of a torchrun launch, for tests/test_expert_parallel.py.
 
 usage: torchrun --standalone --nproc_per_node N _ep_worker.py OUTPUT_DIR MODELS_DIR LAYOUT [LAYOUT ...]
+                [--resume-under-fsdp2 LAYOUT ...]
 Each LAYOUT (a key of LAYOUTS) trains MODELS_DIR/<its model> with that parallelism_config (ep_size is hfnative's
 own key), by SFT or (``trainer="gkd"`` in its settings) by GKD from the shipped dense teacher; rank 0 writes
-OUTPUT_DIR/LAYOUT/log.json and the saved model in OUTPUT_DIR/LAYOUT/.
+OUTPUT_DIR/LAYOUT/log.json and the saved model in OUTPUT_DIR/LAYOUT/. On 2 processes, the layouts after
+--resume-under-fsdp2 are then resumed from their step-3 checkpoints under plain FSDP2 (OUTPUT_DIR/resumed-under-fsdp2/).
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +23,7 @@ TOKENIZER = str(ROOT / "examples" / "tiny-qwen3")
 TEACHER = str(ROOT / "examples" / "tiny-qwen3-teacher")  # dense, the same vocabulary
 STEPS = 5
 PER_DEVICE = 2
+RESUMED = "resumed-under-fsdp2"  # the folder of the runs resumed under plain FSDP2 (see main)
 
 # name -> (model folder, parallelism_config, SFTConfig settings, processes)
 LAYOUTS = {
@@ -97,8 +101,13 @@ def resume_under_fsdp2(output_dir: str, models_dir: str, layouts: list[str]) -> 
 
 
 def main(output_dir: str, models_dir: str, layouts: list[str]) -> None:
-    if layouts and layouts[0] == "--resume-under-fsdp2":
-        return resume_under_fsdp2(output_dir, models_dir, layouts[1:])
+    """Trains each LAYOUT; then the layouts after ``--resume-under-fsdp2`` (runs in OUTPUT_DIR: this launch's or an
+    earlier one's) are copied to OUTPUT_DIR/RESUMED and resumed there by ``resume_under_fsdp2`` (resumed in place
+    when this launch trains no layout)."""
+    resumed = []
+    if "--resume-under-fsdp2" in layouts:
+        at = layouts.index("--resume-under-fsdp2")
+        layouts, resumed = layouts[:at], layouts[at + 1 :]
     for name in layouts:
         _, sizes, _, _ = LAYOUTS[name]
         out = Path(output_dir) / name
@@ -107,6 +116,14 @@ def main(output_dir: str, models_dir: str, layouts: list[str]) -> None:
         trainer.save_model()
         if dist.get_rank() == 0:
             (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+    if resumed and not layouts:  # OUTPUT_DIR holds copies of the runs: resumed in place
+        resume_under_fsdp2(output_dir, models_dir, resumed)
+    elif resumed:
+        if dist.get_rank() == 0:  # copies: the launched runs' folders stay as they trained
+            for name in resumed:
+                shutil.copytree(Path(output_dir) / name, Path(output_dir) / RESUMED / name)
+        dist.barrier()
+        resume_under_fsdp2(str(Path(output_dir) / RESUMED), models_dir, resumed)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,17 @@ import _ep_worker as worker
 HERE = Path(__file__).resolve().parent
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The one-process runs here train with one intra-op thread, as each launched rank does (OMP_NUM_THREADS=1): on
+    these tiny models a second thread only waits at every op's barrier, and on 2 busy cores that wait measured ~10x
+    a one-process run's time (22 s against 2 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _configs(vocab: int) -> dict:
     common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=8, max_position_embeddings=256, router_aux_loss_coef=0.5)
@@ -45,12 +56,21 @@ def models_dir(tmp_path_factory) -> Path:
     return directory
 
 
+def _resumed_under_fsdp2() -> list[str]:
+    """The layouts whose step-3 checkpoints are resumed under plain FSDP2: EP2 and CP2 x EP2."""
+    return [name for name, (_, _, extra, _) in worker.LAYOUTS.items() if extra.get("save_steps") == 3]
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, models_dir):
     out = tmp_path_factory.mktemp("expert_parallel")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
-    for nproc in sorted({layout[3] for layout in worker.LAYOUTS.values()}):
+    # the 4-process launch first: the 2-process one then also resumes the step-3 checkpoints of both under
+    # plain FSDP2 (test_checkpoints_resume_under_another_layout), without a launch of its own
+    for nproc in sorted({layout[3] for layout in worker.LAYOUTS.values()}, reverse=True):
         names = [name for name, layout in worker.LAYOUTS.items() if layout[3] == nproc]
+        if nproc == 2:
+            names += ["--resume-under-fsdp2", *_resumed_under_fsdp2()]
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                    str(HERE / "_ep_worker.py"), str(out), str(models_dir), *names]
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -128,22 +148,14 @@ def test_checkpoint_resumes_on_one_process(launched, models_dir, tmp_path, layou
             assert entry[key] == pytest.approx(launched_steps[step][key], rel=1e-5), (layout, step, key)
 
 
-def test_checkpoints_resume_under_another_layout(launched, models_dir, tmp_path):
+def test_checkpoints_resume_under_another_layout(launched):
     """The EP2 and CP2 x EP2 runs' step-3 checkpoints resumed under plain FSDP2 on 2 processes (the experts and the
-    sequences no longer split): steps 4 and 5 equal the launched runs' (1e-5)."""
-    import shutil
-
-    layouts = [name for name, (_, _, extra, _) in worker.LAYOUTS.items() if extra.get("save_steps") == 3]
-    for name in layouts:
-        shutil.copytree(launched / name, tmp_path / name)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "_ep_worker.py"), str(tmp_path), str(models_dir), "--resume-under-fsdp2", *layouts]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-6000:]
+    sequences no longer split; by the 2-process launch, on copies of the runs): steps 4 and 5 equal the launched
+    runs' (1e-5)."""
+    layouts = _resumed_under_fsdp2()
     for name in layouts:
         launched_steps = {e["step"]: e for e in json.loads((launched / name / "log.json").read_text()) if "loss" in e}
-        resumed = {e["step"]: e for e in json.loads((tmp_path / name / "resumed-log.json").read_text())
+        resumed = {e["step"]: e for e in json.loads((launched / worker.RESUMED / name / "resumed-log.json").read_text())
                    if "loss" in e and e["step"] > 3}
         assert sorted(resumed) == [4, 5], name
         for step, entry in resumed.items():
