@@ -483,36 +483,6 @@ class DistributedMixin:
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
 
-    @property
-    def _pipeline(self):
-        """The pipeline of ``self.model``'s stages under pipeline parallel (trainers/pipeline_training.py), else
-        None."""
-        run = getattr(self, "distributed", None)
-        if run is None or not run.dims.pp_enabled:
-            return None
-        pipeline = self.__dict__.get("_pipeline_training")
-        if pipeline is None or pipeline.model is not self.model:
-            from .pipeline_training import PipelineTraining
-
-            pipeline = self.__dict__["_pipeline_training"] = PipelineTraining(self)
-        return pipeline
-
-    def _pipeline_step(self, batches: list[dict], num_items) -> None:
-        """One optimizer step's forward and backward through the pipeline (every micro-batch together)."""
-        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-        loss = self._pipeline.step(self, batches, num_items)
-        if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
-            loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
-        self._tr_loss += loss
-        self.state.total_flos += sum(6.0 * b["input_ids"].numel() for b in batches) * self._non_embedding_params
-
-    def _pop_metrics(self, mode: str) -> dict:
-        """The objective's metrics since the last log, reduced over the ranks; under pipeline parallel the last
-        stage's (where the losses are computed), on every rank."""
-        metrics = self._metrics[mode].pop(self._reduce_metrics)
-        pipeline = self._pipeline
-        return metrics if pipeline is None else pipeline.from_last_stage(metrics)
-
     def _data_shard(self) -> dict:
         run = self.distributed
         return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)

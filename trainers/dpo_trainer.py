@@ -20,6 +20,7 @@ from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
 from .objective import Objective, enable_router_loss
+from .pipeline_training import runs_in_pipeline
 from .reference_model import ReferenceModel, ReferenceTrainer
 from .trainer import Trainer
 
@@ -76,6 +77,7 @@ class DPOTrainer(ReferenceTrainer, Trainer):
         return DPOObjective(self.context, self._reference_for_objective(), reference_given=self._ref_given)
 
 
+@runs_in_pipeline
 class DPOObjective(Objective):
     """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
     policy's and the reference's sequence log-probs; TRL's DPO metrics."""

@@ -23,18 +23,25 @@ from hfnative.models.decoder import CausalLMOutput
 from .distributed import pad_sequence_to_length
 from .objective import LanguageModelingObjective, UnsupportedLayoutError
 
+# the objectives a pipeline runs (exactly these classes: a subclass may compute its loss otherwise)
+_PIPELINE_OBJECTIVES: list[type] = [LanguageModelingObjective]
+
+
+def runs_in_pipeline(objective_class: type) -> type:
+    """Class decorator: ``objective_class`` trains under pipeline parallel (its loss reads the policy and its frozen
+    models only through ``Objective.forward``'s call and the head)."""
+    _PIPELINE_OBJECTIVES.append(objective_class)
+    return objective_class
+
 
 def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
     """Refuse what pipeline parallel does not run, naming the setting (nothing when pp_size is 1)."""
-    from .dpo_trainer import DPOObjective
-    from .sft_trainer import SFTObjective
-
     run = trainer.distributed
     if run is None or not run.dims.pp_enabled:
         return
     args, pp = trainer.args, run.dims.pp
     who = f"{type(trainer).__name__} with pipeline parallelism (pp_size={pp})"
-    if type(trainer.objective) not in (LanguageModelingObjective, SFTObjective, DPOObjective):
+    if type(trainer.objective) not in _PIPELINE_OBJECTIVES:
         raise UnsupportedLayoutError(f"{who}: pipeline parallelism runs the language-modeling objectives (Trainer, "
                                      "SFTTrainer) and DPO only; set pp_size=1")
     refused = {
@@ -122,6 +129,38 @@ class PipelineTraining:
         return box[0]
 
 
+class PipelineMixin:
+    """The Trainer's side of pipeline parallel: the step through the stages, and the logged metrics from the last
+    stage."""
+
+    @property
+    def _pipeline(self):
+        """``self.model``'s PipelineTraining under pipeline parallel, else None."""
+        run = getattr(self, "distributed", None)
+        if run is None or not run.dims.pp_enabled:
+            return None
+        pipeline = self.__dict__.get("_pipeline_training")
+        if pipeline is None or pipeline.model is not self.model:
+            pipeline = self.__dict__["_pipeline_training"] = PipelineTraining(self)
+        return pipeline
+
+    def _pipeline_step(self, batches: list[dict], num_items) -> None:
+        """One optimizer step's forward and backward through the pipeline (every micro-batch together)."""
+        self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
+        loss = self._pipeline.step(self, batches, num_items)
+        if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
+            loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+        self._tr_loss += loss
+        self.state.total_flos += sum(6.0 * b["input_ids"].numel() for b in batches) * self._non_embedding_params
+
+    def _pop_metrics(self, mode: str) -> dict:
+        """The objective's metrics since the last log, reduced over the ranks; under pipeline parallel the last
+        stage's (where the losses are computed), on every rank."""
+        metrics = self._metrics[mode].pop(self._reduce_metrics)
+        pipeline = self._pipeline
+        return metrics if pipeline is None else pipeline.from_last_stage(metrics)
+
+
 def _pipeline_of(trainer, model):
     from hfnative.parallel.fsdp import mixed_precision_policy
     from hfnative.parallel.pipeline import Pipeline
@@ -135,4 +174,4 @@ def _without_plan(batch: dict) -> dict:
     return {key: value for key, value in batch.items() if key != "attention_plan"}
 
 
-__all__ = ["PipelineTraining", "check_pipeline_supported"]
+__all__ = ["PipelineMixin", "PipelineTraining", "check_pipeline_supported", "runs_in_pipeline"]

@@ -60,7 +60,7 @@ from .objective import (
 )
 from .optimization import OptimizationMixin
 from .performance import StepPerformance
-from .pipeline_training import check_pipeline_supported
+from .pipeline_training import PipelineMixin, check_pipeline_supported
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
@@ -81,7 +81,7 @@ def resolve_device(args) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-class Trainer(DistributedMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
+class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
