@@ -1,4 +1,4 @@
-"""Distributed training against one process: hfnative's SFTTrainer under FSDP2 and tensor parallelism.
+"""Distributed training against one process: hfnative's SFTTrainer under FSDP2, tensor and pipeline parallelism.
 
 Every layout trains the same saved model on the same token rows for the same steps with the same global
 batch G, each launched with torchrun in its own process tree (the 1-process run too), layouts alternating
@@ -7,6 +7,9 @@ over rounds:
     1-process   one process, per-device batch G
     fsdp2       2 processes, ParallelismConfig(dp_shard_size=2): FSDP2, per-device batch G/2
     tp2         2 processes, ParallelismConfig(tp_size=2): tensor parallel, per-device batch G (tp ranks share it)
+    pp2-1f1b    2 processes, parallelism_config pp_size=2, pp_schedule="1f1b": 2 pipeline stages, the global batch
+                as 2 accumulated micro-batches of G/2 (the schedule's micro-batches; both stages read them)
+    pp2-gpipe   the same with pp_schedule="gpipe"
 
 On CPU: fp32, gloo, ``use_cpu=True``, and the cores split between a layout's processes (OMP_NUM_THREADS);
 on CUDA: bf16, NCCL, one GPU per rank. Printed per layout: global trained tokens/s (warm-up steps excluded)
@@ -68,15 +71,21 @@ class Layout:
     sizes: dict | None  # None: no parallelism_config (a plain single-process run)
     batch_divisor: int  # per-device batch = global batch / batch_divisor (the data-parallel ranks)
     tp: int = 1  # ranks that share one batch
+    pp: int = 1  # pipeline stages (they read the same batches too)
+    accumulation: int = 1  # micro-batches per step (a pipeline's schedule runs them together)
 
     def per_device_batch(self, global_batch: int) -> int:
-        return global_batch // self.batch_divisor
+        return global_batch // self.batch_divisor // self.accumulation
 
 
 LAYOUTS = {
     REFERENCE: Layout(processes=1, sizes=None, batch_divisor=1),
     "fsdp2": Layout(processes=2, sizes=dict(dp_shard_size=2), batch_divisor=2),
     "tp2": Layout(processes=2, sizes=dict(tp_size=2), batch_divisor=1, tp=2),
+    "pp2-1f1b": Layout(processes=2, sizes=dict(dp_shard_size=1, pp_size=2, pp_schedule="1f1b"), batch_divisor=1, pp=2,
+                       accumulation=2),
+    "pp2-gpipe": Layout(processes=2, sizes=dict(dp_shard_size=1, pp_size=2, pp_schedule="gpipe"), batch_divisor=1,
+                        pp=2, accumulation=2),
 }
 
 
@@ -97,11 +106,13 @@ def train_layout(runner: str, spec: dict, notes: list[str]) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     common = training_arguments(runner, spec)
     common["per_device_train_batch_size"] = layout.per_device_batch(shape.batch)
+    common["gradient_accumulation_steps"] = layout.accumulation
     parallel = {}
     if layout.sizes:
-        from accelerate.parallelism_config import ParallelismConfig
+        from hfnative.trainers.parallel_plan import parallelism_config_from
 
-        parallel["parallelism_config"] = ParallelismConfig(**layout.sizes)
+        # accelerate's ParallelismConfig, with hfnative's own keys (pp_size, pp_schedule) kept on it
+        parallel["parallelism_config"] = parallelism_config_from(layout.sizes)
     args = hfnative.SFTConfig(**common, max_length=shape.seq, packing=False, **parallel)
     trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer)
     if (trainer.distributed is not None) != (layout.processes > 1):
@@ -116,8 +127,8 @@ def train_layout(runner: str, spec: dict, notes: list[str]) -> dict:
     if dist.is_initialized():
         ranks = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, rank)
-    # tensor-parallel ranks count the same rows; the step ends when its slowest rank does
-    global_tokens = sum(r["timed_tokens"] for r in ranks) / layout.tp
+    # tensor-parallel ranks and pipeline stages count the same rows; the step ends when its slowest rank does
+    global_tokens = sum(r["timed_tokens"] for r in ranks) / (layout.tp * layout.pp)
     timed_seconds = max(r["timed_seconds"] for r in ranks)
     timed_steps = shape.steps - shape.warmup
     slowest_steps = [max(r["step_seconds"][i] for r in ranks) for i in range(shape.warmup - 1, shape.steps - 1)]
@@ -212,7 +223,7 @@ def summarize(results: list[dict], order: list[str], device: str, clipping: bool
     return "\n".join(lines)
 
 
-def describe_setup(cli, shape: Shape, parameters: int, data: dict, machine: dict, layouts: list[str]) -> str:
+def describe_setup(cli, shape: Shape, parameters: int, data: dict, machine: dict, layouts: list[str], tied: bool) -> str:
     if cli.device == "cuda":
         precision, backend = "bf16 autocast, fp32 master weights", "NCCL, one GPU per rank"
     else:
@@ -225,7 +236,7 @@ def describe_setup(cli, shape: Shape, parameters: int, data: dict, machine: dict
         f"software: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}; "
         f"date {machine['date']}; load average {machine['load_average']}",
         f"model: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
-        f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, tied; "
+        f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, {'tied' if tied else 'untied'}; "
         f"{parameters / 1e6:.2f}M parameters",
         f"training: {precision}, {backend}; global batch {shape.batch} x seq {shape.seq}, {shape.steps} steps "
         f"({shape.warmup} warm-up steps not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, "
@@ -284,8 +295,12 @@ def main() -> None:
                 {"OMP_NUM_THREADS": str(threads_per_process(layout, cli))})
 
     with work_folder("bench_distributed_", cli.keep) as work:
-        workload = prepare_workload(work, shape, cli, cli.device, packing=False)
-        setup = describe_setup(cli, shape, workload.parameters, workload.data, machine_description(cli.device), order)
+        # pipeline parallel needs untied embeddings (the first stage holds the embedding, the last the head): with a
+        # pp layout in the run, every layout trains the untied model
+        tied = not any(LAYOUTS[name].pp > 1 for name in order)
+        workload = prepare_workload(work, shape, cli, cli.device, packing=False, tied=tied)
+        setup = describe_setup(cli, shape, workload.parameters, workload.data, machine_description(cli.device), order,
+                               tied)
         print(setup, flush=True)
 
         def shown(result: dict) -> str:

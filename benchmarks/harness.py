@@ -176,13 +176,14 @@ def machine_description(device: str) -> dict:
 # the workload: model, data, training arguments
 
 
-def build_model(shape: Shape, folder: Path, seed: int) -> int:
-    """Save a randomly initialised Qwen3 (fp32, tied embeddings) and the tiny tokenizer to ``folder``."""
+def build_model(shape: Shape, folder: Path, seed: int, tied: bool = True) -> int:
+    """Save a randomly initialised Qwen3 (fp32, tied embeddings unless ``tied`` is False) and the tiny tokenizer to
+    ``folder``."""
     config = Qwen3Config(
         vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
         intermediate_size=shape.intermediate, max_position_embeddings=max(shape.seq, 2048),
-        tie_word_embeddings=True, pad_token_id=0, eos_token_id=2, bos_token_id=None, dtype="float32",
+        tie_word_embeddings=tied, pad_token_id=0, eos_token_id=2, bos_token_id=None, dtype="float32",
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -229,10 +230,12 @@ class Workload:
     spec_path: Path
 
 
-def prepare_workload(work: Path, shape: Shape, cli, device: str, packing: bool, **spec_extra) -> Workload:
-    """Save the model and data under ``work`` and the spec every child process reads."""
+def prepare_workload(work: Path, shape: Shape, cli, device: str, packing: bool, tied: bool = True,
+                     **spec_extra) -> Workload:
+    """Save the model (embeddings tied unless ``tied`` is False) and data under ``work`` and the spec every child
+    process reads."""
     model_dir, data_dir = work / "model", work / "data"
-    parameters = build_model(shape, model_dir, cli.seed)
+    parameters = build_model(shape, model_dir, cli.seed, tied)
     data = build_dataset(shape, data_dir, packing, cli.seed)
     spec = {"device": device, "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
             "data_dir": str(data_dir), "work_dir": str(work), "packing": packing, **spec_extra,
@@ -279,8 +282,10 @@ def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: boo
         raise RuntimeError(f"only {len(clock.step_end_times)} of {shape.steps} steps ran")
     warmup, times = shape.warmup, clock.step_end_times
     timed_seconds = times[shape.steps - 1] - times[warmup - 1]
-    timed_tokens = sum(counter.tokens[warmup : shape.steps])  # gradient_accumulation_steps == 1
-    per_step_rates = [counter.tokens[i] / (times[i] - times[i - 1]) for i in range(warmup, shape.steps)]
+    accumulation = trainer.args.gradient_accumulation_steps  # collated batches per optimizer step
+    step_tokens = [sum(counter.tokens[i * accumulation : (i + 1) * accumulation]) for i in range(shape.steps)]
+    timed_tokens = sum(step_tokens[warmup : shape.steps])
+    per_step_rates = [step_tokens[i] / (times[i] - times[i - 1]) for i in range(warmup, shape.steps)]
     return {
         "losses": [e["loss"] for e in steps],
         "grad_norms": [e.get("grad_norm") for e in steps],
