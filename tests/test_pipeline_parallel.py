@@ -170,6 +170,7 @@ def test_pipeline_refuses_other_objectives_and_settings():
     from hfnative.trainers.kto_trainer import KTOObjective
     from hfnative.trainers.objective import LanguageModelingObjective
     from hfnative.trainers.pipeline_training import check_pipeline_supported
+    from hfnative.trainers.sft_trainer import SFTTrainer
 
     def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", **settings):
         args = dict(eval_strategy="no", optimizer_in_backward=False, gradient_accumulation_steps=2)
@@ -191,3 +192,12 @@ def test_pipeline_refuses_other_objectives_and_settings():
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1 < 2.*pp_schedule='gpipe'"):
         check_pipeline_supported(trainer(gradient_accumulation_steps=1))
     check_pipeline_supported(trainer(schedule="gpipe", gradient_accumulation_steps=1))
+
+    class OwnStep(SFTTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            raise AssertionError("not run under pipeline parallel")
+
+    own_step = OwnStep.__new__(OwnStep)
+    own_step.__dict__.update(vars(trainer()))
+    with pytest.raises(ValueError, match=r"an override of training_step \(OwnStep.training_step\)"):
+        check_pipeline_supported(own_step)

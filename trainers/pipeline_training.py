@@ -52,6 +52,8 @@ def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
                                                                     or trainer.lora_settings is not None),
         "precompute_ref_log_probs=True": getattr(args, "precompute_ref_log_probs", False),
         "sync_ref_model=True": getattr(args, "sync_ref_model", False),
+        # the schedule runs the step's forwards and backwards itself (compute_loss overrides are honoured)
+        f"an override of training_step ({type(trainer).__name__}.training_step)": _overrides_training_step(trainer),
     }
     for setting, used in refused.items():
         if used:
@@ -62,6 +64,13 @@ def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
             f"{args.gradient_accumulation_steps} < {pp}; raise gradient_accumulation_steps (the schedule's "
             "micro-batches), or set pp_schedule='gpipe'"
         )
+
+
+def _overrides_training_step(trainer) -> bool:
+    """Whether ``trainer``'s class replaces the Trainer's training_step (the Trainer: the class built on
+    PipelineMixin)."""
+    base = next((cls for cls in type(trainer).__mro__ if PipelineMixin in cls.__bases__), None)
+    return base is not None and type(trainer).training_step is not base.training_step
 
 
 class _LastStageModel:

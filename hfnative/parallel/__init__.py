@@ -1,6 +1,7 @@
 """Parallelism and memory/speed transforms for a native model: ``ParallelDims`` builds the named DeviceMesh,
-``parallelize`` applies, in this order, tensor/sequence (and expert) parallel -> activation checkpointing -> compile ->
-FSDP2; context parallel (``ring_attention``, ``split_batch``) splits each batch along the sequence.
+``parallelize`` applies, in this order, the pipeline stage split -> tensor/sequence (and expert) parallel -> activation
+checkpointing -> compile -> FSDP2; context parallel (``ring_attention``, ``split_batch``) splits each batch along the
+sequence; ``Pipeline`` runs a step's micro-batches through the stages.
 
 The distributed pieces load on first use (PEP 562), so single-process callers do not import
 torch.distributed's tensor-parallel and FSDP modules."""
@@ -21,6 +22,8 @@ _LAZY = {
     "split_batch": "context_parallel",
     "apply_expert_parallel": "expert_parallel",
     "end_process_group": "teardown",
+    "Pipeline": "pipeline",
+    "split_into_stage": "pipeline",
 }
 
 
