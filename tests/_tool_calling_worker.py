@@ -1,7 +1,8 @@
 """GRPOTrainer with tools as the ranks of a torchrun launch, for tests/test_tool_calling.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _tool_calling_worker.py OUTPUT_DIR MODELS_DIR LAYOUT [LAYOUT ...]
-Each LAYOUT (ddp, fsdp2, tp2, cp2 on MODELS_DIR/dense; ep2 on MODELS_DIR/moe, a mixture-of-experts policy) trains GRPO with tools on the global batch of the one-process run: each rollout's first turn
+Each LAYOUT (ddp, fsdp2, tp2, cp2 on MODELS_DIR/dense; ep2 on MODELS_DIR/moe, a mixture-of-experts policy) trains GRPO
+with tools (distill-fsdp2: DistillationTrainer, the teacher MODELS_DIR/teacher) on the global batch of the one-process run: each rollout's first turn
 is steered to a tool call (as a model that has learned the format writes it), its later turns are sampled from the
 native engine on the parallelized policy's replica (each row's own stream), the tools run, the reference model
 runs (beta > 0). Rank r writes OUTPUT_DIR/LAYOUT-rank<r>.json (the log history).
@@ -19,7 +20,9 @@ sys.path.insert(0, str(HERE))
 
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 LAYOUTS = {"ddp": (dict(dp_replicate_size=2), 2), "fsdp2": (dict(dp_shard_size=2), 2), "tp2": (dict(tp_size=2), 1),
-           "cp2": (dict(cp_size=2), 1), "ep2": (dict(dp_shard_size=2, ep_size=2), 2)}
+           "cp2": (dict(cp_size=2), 1), "ep2": (dict(dp_shard_size=2, ep_size=2), 2),
+           # DistillationTrainer with tools (on-policy, MODELS_DIR/teacher the teacher)
+           "distill-fsdp2": (dict(dp_shard_size=2), 2)}
 FIRST_TURNS = ['<tool_call>\n{"name": "double", "arguments": {"x": 3}}\n</tool_call>',
                '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>', "No tools needed.",
                '<tool_call>\n{"name": "double", "arguments": {"x": 5}}\n</tool_call>']
@@ -56,7 +59,28 @@ def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     prompts = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(8)]
     trainer = hfnative.GRPOTrainer(model=model, reward_funcs=tool_results, args=args, train_dataset=Dataset.from_list(prompts),
                                    tools=[double, fail])
-    tokenizer, engine = trainer.processing_class, trainer.objective.engine
+    return _steered_run(trainer, trainer.objective.engine)
+
+
+def train_distillation(model: str, teacher: str, output_dir: str, per_device: int, **extra) -> list[dict]:
+    """DistillationTrainer with the same tools (every micro-batch completed by the student)."""
+    import hfnative
+    from datasets import Dataset
+
+    args = hfnative.DistillationConfig(
+        output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, max_completion_length=128,
+        learning_rate=1e-2, seed=0, gradient_checkpointing=False, beta=0.5, max_tool_calling_iterations=1,
+        **extra)
+    prompts = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(16)]
+    trainer = hfnative.DistillationTrainer(model=model, teacher_model=teacher, args=args,
+                                           train_dataset=Dataset.from_list(prompts), tools=[double, fail])
+    return _steered_run(trainer, trainer.objective.rollout.engine_for())
+
+
+def _steered_run(trainer, engine) -> list[dict]:
+    """Train with each rollout's first turn steered by its row's place in the batch (a tool call or an answer)."""
+    tokenizer = trainer.processing_class
     sample = engine.generate
     later_rows = []
 
@@ -83,7 +107,11 @@ def main(output_dir: str, models: str, layouts: list[str]) -> None:
     for layout in layouts:
         sizes, dp = LAYOUTS[layout]
         model = str(Path(models) / ("moe" if layout == "ep2" else "dense"))
-        logs = train(model, str(Path(output_dir) / layout), GLOBAL_BATCH // dp, parallelism_config=dict(sizes))
+        if layout.startswith("distill-"):
+            logs = train_distillation(model, str(Path(models) / "teacher"), str(Path(output_dir) / layout),
+                                      GLOBAL_BATCH // dp, parallelism_config=dict(sizes))
+        else:
+            logs = train(model, str(Path(output_dir) / layout), GLOBAL_BATCH // dp, parallelism_config=dict(sizes))
         (Path(output_dir) / f"{layout}-rank{rank}.json").write_text(json.dumps(logs))
 
 
