@@ -122,7 +122,8 @@ def test_the_cpu_peak_is_measured_once_per_process():
 # --- every trainer logs them ---------------------------------------------------------------------------------
 
 ALWAYS = ("perf/step_s", "perf/trained_tok_s_wall_clock", "perf/trained_tok_s_per_rank", "perf/tflops_per_rank",
-          "perf/mfu_wall_clock", "perf/max_rss_gib")
+          "perf/mfu_wall_clock", "perf/max_rss_gib", "perf/fwd_bwd_s", "perf/fwd_s", "perf/optimizer_s",
+          "perf/mfu_fwd_bwd")
 GENERATION = ("perf/generation_share", "perf/generated_tok_s")
 
 
@@ -149,6 +150,12 @@ def _step_logs(trainer) -> list[dict]:
         if trainer.objective.generates():
             assert entry["perf/generation_share"] < 1
         assert entry["perf/trained_tok_s_per_rank"] == entry["perf/trained_tok_s_wall_clock"]  # one process
+        # TRL's time budget: the forwards inside the micro-batches' training steps, those steps, then the optimizer's,
+        # all within the step
+        assert entry["perf/fwd_s"] < entry["perf/fwd_bwd_s"]
+        assert entry["perf/fwd_bwd_s"] + entry["perf/optimizer_s"] < entry["perf/step_s"]
+        # MFU over the training steps' time alone counts only their forwards' FLOPs: at most the step's FLOPs
+        assert entry["perf/mfu_fwd_bwd"] <= entry["perf/mfu_wall_clock"] * entry["perf/step_s"] / entry["perf/fwd_bwd_s"] * (1 + 1e-9)
     return logs
 
 
@@ -178,6 +185,9 @@ def test_sft_logs_its_tokens_and_flops_and_mfu_against_the_given_peak(tmp_path):
         # forward + backward of tokens in sequences of 1 to 64 tokens
         assert 3 * _tiny_qwen3(1) < _flops_per_trained_token(entry) < 3 * _tiny_qwen3(64)
         assert entry["perf/mfu_wall_clock"] == pytest.approx(100 * entry["perf/tflops_per_rank"] / 0.002, rel=1e-9)
+        # every SFT forward is a training step's: the same FLOPs over the training steps' time
+        assert entry["perf/mfu_fwd_bwd"] == pytest.approx(
+            entry["perf/mfu_wall_clock"] * entry["perf/step_s"] / entry["perf/fwd_bwd_s"], rel=1e-9)
 
 
 def test_dpo_counts_the_frozen_reference_as_one_forward(tmp_path):
@@ -218,6 +228,8 @@ def test_rl_trainers_log_the_generation_share(tmp_path, algorithm):
         # the policy's training forward (3x) and its reference's forward (1x), maybe old log-probs (1x), on
         # sequences of at most prompt + 6 tokens
         assert 3 * _tiny_qwen3(1) < _flops_per_trained_token(entry) < 5 * _tiny_qwen3(64)
+        # the reference's forward runs at generation time, outside the training steps: not in mfu_fwd_bwd's FLOPs
+        assert entry["perf/mfu_fwd_bwd"] < entry["perf/mfu_wall_clock"] * entry["perf/step_s"] / entry["perf/fwd_bwd_s"]
 
 
 def test_reward_and_kto_trainers_log_them(tmp_path):

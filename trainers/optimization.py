@@ -73,7 +73,7 @@ class OptimizationMixin:
         # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
         # one step per parameter shape costs far more than it saves there
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
-        with eager:
+        with eager, self._performance.timed("optimizer"):
             self.optimizer.step()  # in backward: only parameters the last backward did not reach
         if in_backward:
             grad_norm = self.optimizer.grad_norm()

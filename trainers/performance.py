@@ -15,6 +15,7 @@ component through ``record_generation``) is not a forward of the decoder and is 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -54,6 +55,9 @@ class StepPerformance:
         self._flops_known = True  # every forward's model had ModelArgs
         self._generation_seconds = 0.0
         self._generated_tokens = 0.0
+        self._phase_seconds: dict[str, float] = {}  # fwd_bwd, fwd, optimizer: seconds in the window's steps
+        self._phase = None  # the phase being timed now
+        self._fwd_bwd_flops: float | torch.Tensor = 0.0  # the FLOPs of the forwards inside the fwd_bwd phase
 
     # --- what is watched ------------------------------------------------------------------------------------
     def watch(self, models) -> None:
@@ -90,7 +94,10 @@ class StepPerformance:
             if flops is None:
                 self._flops_known = False
             else:
-                self._flops = self._flops + flops * (3 if trains else 1)  # forward + backward, or the forward alone
+                cost = flops * (3 if trains else 1)  # forward + backward, or the forward alone
+                self._flops = self._flops + cost
+                if self._phase is not None:  # a forward of the micro-batches' forward + backward
+                    self._fwd_bwd_flops = self._fwd_bwd_flops + cost
 
         return count
 
@@ -131,6 +138,22 @@ class StepPerformance:
         self._step_seconds += time.perf_counter() - self._step_started
         self._steps += 1
 
+    @contextmanager
+    def timed(self, phase: str):
+        """Add the wall time of the block to the step's ``phase`` seconds (TRL's perf/fwd_bwd_s: a micro-batch's
+        training step; perf/fwd_s: its forward and loss; perf/optimizer_s: the optimizer's step). Host time, no
+        device sync (as TRL's)."""
+        if not self._in_step:
+            yield
+            return
+        outer, start = self._phase, time.perf_counter()
+        self._phase = outer or phase
+        try:
+            yield
+        finally:
+            self._phase = outer
+            self._phase_seconds[phase] = self._phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+
     def step_cancelled(self) -> None:
         """The step found no micro-batches (the data ran out): nothing to count."""
         self._in_step = False
@@ -157,9 +180,9 @@ class StepPerformance:
             self._clear()
             return {}
         # generated tokens: the cp ranks of a sequence generate the same completions
-        sums = (self._trained_tokens, self._flops, self._generated_tokens / self.sequence_ranks)
+        sums = (self._trained_tokens, self._flops, self._generated_tokens / self.sequence_ranks, self._fwd_bwd_flops)
         values = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device) for value in sums])
-        trained, flops, generated = sum_over_ranks(values).tolist()
+        trained, flops, generated, fwd_bwd_flops = sum_over_ranks(values).tolist()
         seconds, ranks = self._step_seconds, self.world_size
         logs = {
             "perf/step_s": seconds / self._steps,
@@ -171,6 +194,14 @@ class StepPerformance:
             peak = self.peak_flops()
             if peak:
                 logs["perf/mfu_wall_clock"] = mfu_percent(flops / seconds, ranks, peak)
+        for phase in ("fwd_bwd", "fwd", "optimizer"):
+            if phase in self._phase_seconds:
+                logs[f"perf/{phase}_s"] = self._phase_seconds[phase] / self._steps
+        fwd_bwd_seconds = self._phase_seconds.get("fwd_bwd", 0.0)
+        if self._flops_known and fwd_bwd_flops > 0 and fwd_bwd_seconds > 0:
+            peak = self.peak_flops()
+            if peak:
+                logs["perf/mfu_fwd_bwd"] = mfu_percent(fwd_bwd_flops / fwd_bwd_seconds, ranks, peak)
         if self._generation_seconds > 0:
             logs["perf/generation_share"] = self._generation_seconds / seconds
             logs["perf/generated_tok_s"] = generated / self._generation_seconds

@@ -363,7 +363,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
         inputs = self._prepare_inputs(inputs)
-        with self._autocast(), self._activation_offloading():
+        with self._autocast(), self._activation_offloading(), self._performance.timed("fwd"):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if num_items_in_batch is None:  # a micro-batch mean: its share of the step's mean over every rank
             loss = loss / self._loss_divisor
@@ -488,7 +488,8 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                     self._last_micro_batch = index == len(batches) - 1
                     if index == 0:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                    loss = self.training_step(self.model, inputs, num_items)
+                    with self._performance.timed("fwd_bwd"):
+                        loss = self.training_step(self.model, inputs, num_items)
                     if args.logging_nan_inf_filter and not torch.isfinite(loss):
                         loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                     self._tr_loss += loss
