@@ -35,9 +35,10 @@ from hfnative.models.decoder import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_parallel_worker.py")
-# one thread per process: 6 processes share the machine's cores
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-       "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+# one thread per process: 6 processes share the machine's cores; and the compiled layout compiles in its own process
+# (no pool of compile workers, each another process importing torch)
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "HF_HUB_OFFLINE": "1",
+       "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 TOLERANCE = 1e-5
 WEIGHTS_OVER_ROUND_OFF = 10.0
