@@ -156,7 +156,9 @@ class PipelineMixin:
     def _pipeline_step(self, batches: list[dict], num_items) -> None:
         """One optimizer step's forward and backward through the pipeline (every micro-batch together)."""
         self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
-        loss = self._pipeline.step(self, batches, num_items)
+        # (perf/fwd_bwd_s: the whole schedule; its forwards and backwards interleave, so no perf/fwd_s is taken)
+        with self._performance.timed("fwd_bwd"):
+            loss = self._pipeline.step(self, batches, num_items)
         if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
             loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
         self._tr_loss += loss
