@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 import _distributed_train_worker as worker
 from hfnative import SFTTrainer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 HERE = Path(__file__).resolve().parent
 
 

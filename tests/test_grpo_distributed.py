@@ -16,6 +16,8 @@ import torch
 
 import _grpo_distributed_worker as worker
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 HERE = Path(__file__).resolve().parent
 
 

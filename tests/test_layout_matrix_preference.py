@@ -28,15 +28,7 @@ HERE = Path(__file__).resolve().parent
 ABSOLUTE = 1e-6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The one-process runs here train with one intra-op thread, as each launched rank does (OMP_NUM_THREADS=1): on
-    these tiny models a second thread only waits at every op's barrier, and on 2 busy cores that wait measured ~10x
-    a one-process run's time (22 s against 2 s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,8 @@ import torch
 
 from _rl_layouts_worker import GLOBAL_BATCH, STEPS, train
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 HERE = Path(__file__).resolve().parent
 DENSE = HERE.parent / "examples" / "tiny-qwen3"
 

@@ -20,6 +20,8 @@ import torch
 
 from test_grpo import MODEL, assert_two_steps_equal
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
 G = 4
 MAX_COMPLETION = 256
 
