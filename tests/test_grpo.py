@@ -248,14 +248,14 @@ def _reward_funcs(tmp_path, extra: dict) -> list:
     return funcs
 
 
-def _train_prompts(stream: bool):
+def _train_prompts(stream: bool, n: int = 12):
     from datasets import Dataset
 
-    rows = Dataset.from_list(_prompts())
+    rows = Dataset.from_list(_prompts(n))
     return rows.to_iterable_dataset() if stream else rows
 
 
-def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, stream=False, **extra):
+def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, stream=False, eval_stream=False, **extra):
     import trl
     import trl.trainer.grpo_trainer as trl_grpo
     from datasets import Dataset
@@ -270,14 +270,14 @@ def _run_trl(tmp_path, monkeypatch, evaluate=False, model=MODEL, stream=False, *
     trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                               args=trl.GRPOConfig(**_settings(tmp_path, "trl", **extra)),
                               train_dataset=_train_prompts(stream),
-                              eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
+                              eval_dataset=_train_prompts(eval_stream, 2) if evaluate else None)
     trainer.train()
     if evaluate:
         return trainer.evaluate()
     return trainer.state.log_history[:-1]
 
 
-def _run_ours(tmp_path, evaluate=False, model=MODEL, stream=False, **extra):
+def _run_ours(tmp_path, evaluate=False, model=MODEL, stream=False, eval_stream=False, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
@@ -285,7 +285,7 @@ def _run_ours(tmp_path, evaluate=False, model=MODEL, stream=False, **extra):
     trainer = hfnative.GRPOTrainer(model=model, reward_funcs=_reward_funcs(tmp_path, extra),
                                    args=hfnative.GRPOConfig(**_settings(tmp_path, "ours", **extra)),
                                    train_dataset=_train_prompts(stream),
-                                   eval_dataset=Dataset.from_list(_prompts(2)) if evaluate else None)
+                                   eval_dataset=_train_prompts(eval_stream, 2) if evaluate else None)
     objective = trainer.objective
     max_length = trainer.args.max_completion_length
 
@@ -437,8 +437,9 @@ def test_rollout_func_equals_trl(tmp_path, monkeypatch, loss_type):
         bad.train()
 
 
-@pytest.mark.parametrize("extra", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo", num_generations_eval=2)],
-                         ids=["dapo-beta", "grpo-G_eval=2"])
+@pytest.mark.parametrize("extra", [dict(loss_type="dapo", beta=0.04), dict(loss_type="grpo", num_generations_eval=2),
+                                   dict(loss_type="dapo", eval_stream=True)],
+                         ids=["dapo-beta", "grpo-G_eval=2", "eval-stream"])
 def test_evaluation_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     """evaluate() after two steps: the eval prompts completed (num_generations_eval each) and scored; every eval_*
     metric TRL logs (loss, rewards, completion lengths, kl, entropy, clip ratios) equal on the same completions."""
