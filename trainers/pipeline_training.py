@@ -143,8 +143,9 @@ class PipelineMixin:
     stage."""
 
     @property
-    def _pipeline(self):
-        """``self.model``'s PipelineTraining under pipeline parallel, else None."""
+    def _pipeline_parallel(self):
+        """``self.model``'s PipelineTraining under pipeline parallel, else None (not ``_pipeline``: async GRPO's
+        rollout pipeline has that name)."""
         run = getattr(self, "distributed", None)
         if run is None or not run.dims.pp_enabled:
             return None
@@ -158,7 +159,7 @@ class PipelineMixin:
         self.control = self.callback_handler.on_step_begin(self.args, self.state, self.control)
         # (perf/fwd_bwd_s: the whole schedule; its forwards and backwards interleave, so no perf/fwd_s is taken)
         with self._performance.timed("fwd_bwd"):
-            loss = self._pipeline.step(self, batches, num_items)
+            loss = self._pipeline_parallel.step(self, batches, num_items)
         if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
             loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
         self._tr_loss += loss
@@ -168,7 +169,7 @@ class PipelineMixin:
         """The objective's metrics since the last log, reduced over the ranks; under pipeline parallel the last
         stage's (where the losses are computed), on every rank."""
         metrics = self._metrics[mode].pop(self._reduce_metrics)
-        pipeline = self._pipeline
+        pipeline = self._pipeline_parallel
         return metrics if pipeline is None else pipeline.from_last_stage(metrics)
 
 

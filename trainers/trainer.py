@@ -479,7 +479,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                 batches = [self._prepare_inputs(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
                 num_items, self._loss_divisor = self._step_normalizer(self.objective.normalizer(batches), len(batches))
-                if self._pipeline is not None:  # the step's micro-batches go through the pipeline stages together
+                if self._pipeline_parallel is not None:  # the step's micro-batches go through the pipeline stages together
                     step += len(batches)
                     self._pipeline_step(batches, num_items)
                     batches = []
