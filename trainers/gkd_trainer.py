@@ -25,9 +25,11 @@ def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
     return list(encoded["input_ids"]), list(encoded["offset_mapping"])
 
 
-def prompt_tensors(prompts: list[list[int]], pad_token_id: int) -> dict:
-    """TRL's GKD batch keys for the prompts: ``prompts`` [B, P] left-padded and ``prompt_attention_mask``."""
-    return {"prompts": pad_token_lists(prompts, pad_token_id, side="left"),
+def gkd_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int) -> dict:
+    """A GKD batch: ``completion_batch``'s rows, and TRL's keys for the prompts, ``prompts`` [B, P] left-padded and
+    ``prompt_attention_mask``."""
+    return {**completion_batch(prompts, completions, pad_token_id),
+            "prompts": pad_token_lists(prompts, pad_token_id, side="left"),
             "prompt_attention_mask": pad_token_lists([[1] * len(p) for p in prompts], 0, side="left")}
 
 
@@ -72,7 +74,7 @@ class GKDCollator:
                 )
             prompts.append(ids[:prompt_length])
             completions.append(ids[prompt_length:])
-        return {**completion_batch(prompts, completions, self.pad_token_id), **prompt_tensors(prompts, self.pad_token_id)}
+        return gkd_batch(prompts, completions, self.pad_token_id)
 
     def _tokenize(self, row: dict, index: int) -> tuple[list[int], int]:
         """(token ids of prompt + completion, the prompt's length)."""
@@ -141,8 +143,7 @@ class GKDObjective(_DistillationObjective):
             return batch
         prompts = prompt_lists(batch)
         completions = self.generate(model, prompts, self.sampling)
-        generated = {**completion_batch(prompts, completions, self.pad_token_id), **prompt_tensors(prompts, self.pad_token_id)}
-        return self.context.context_parallel.split(generated)
+        return self.context.context_parallel.split(gkd_batch(prompts, completions, self.pad_token_id))
 
 
 class GKDTrainer(_TeacherMixin, SFTTrainer):
