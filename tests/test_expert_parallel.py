@@ -8,9 +8,6 @@ under the Hub's per-expert keys, within 1e-5 (fp32: gradients summed in another 
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,8 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 import _ep_worker as worker
-
-HERE = Path(__file__).resolve().parent
+from _launch import torchrun
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -56,17 +52,13 @@ def _resumed_under_fsdp2() -> list[str]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, models_dir):
     out = tmp_path_factory.mktemp("expert_parallel")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     # the 4-process launch first: the 2-process one then also resumes the step-3 checkpoints of both under
     # plain FSDP2 (test_checkpoints_resume_under_another_layout), without a launch of its own
     for nproc in sorted({layout[3] for layout in worker.LAYOUTS.values()}, reverse=True):
         names = [name for name, layout in worker.LAYOUTS.items() if layout[3] == nproc]
         if nproc == 2:
             names += ["--resume-under-fsdp2", *_resumed_under_fsdp2()]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                   str(HERE / "_ep_worker.py"), str(out), str(models_dir), *names]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-        assert result.returncode == 0, result.stderr[-6000:]
+        torchrun("_ep_worker.py", [str(out), str(models_dir), *names], nproc, timeout=900)
     return out
 
 

@@ -11,9 +11,6 @@ One launch per process count runs the cells; the single-process references run h
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +18,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 import _layout_matrix_preference_worker as worker
+from _launch import torchrun
 from hfnative.trainers import distillation_trainer as kd
 
-HERE = Path(__file__).resolve().parent
 # logged metrics near zero (rewards and margins at the first step, where policy = reference) carry fp32 round-off
 ABSOLUTE = 1e-6
 
@@ -58,13 +55,9 @@ def models_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, models_dir):
     out = tmp_path_factory.mktemp("layout_matrix_preference")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     for processes in sorted({layout[2] for layout in worker.LAYOUTS.values()}):
         cells = [cell for cell, (_, layout, _, _) in worker.CELLS.items() if worker.LAYOUTS[layout][2] == processes]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-                   str(HERE / "_layout_matrix_preference_worker.py"), str(out), str(models_dir), *cells]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
-        assert result.returncode == 0, result.stderr[-6000:]
+        torchrun("_layout_matrix_preference_worker.py", [str(out), str(models_dir), *cells], processes, timeout=1800)
     return out
 
 

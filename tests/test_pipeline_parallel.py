@@ -14,9 +14,6 @@ override, TP/CP/EP with PP, tied embeddings, 1F1B with fewer micro-batches than 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 
 import _pipeline_worker as worker
+from _launch import torchrun
 from hfnative.parallel import ParallelDims
 from hfnative.parallel.pipeline import check_pipeline_model, stage_layer_ids
 
@@ -62,14 +60,10 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory, model_dir) -> Path:
     out = tmp_path_factory.mktemp("pipeline_cells")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
     for processes in (2, 4):
         cells = [cell for cell, (_, layout, _, _) in worker.CELLS.items() if worker.LAYOUTS[layout][2] == processes]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
-                   str(HERE / "_pipeline_worker.py"), str(out), str(model_dir), *cells]
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-6000:]
+        torchrun("_pipeline_worker.py", [str(out), str(model_dir), *cells], processes, timeout=600,
+                 HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     return out
 
 
