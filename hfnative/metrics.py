@@ -116,9 +116,13 @@ def measured_matmul_flops(dtype: torch.dtype = torch.float32, largest: int = 102
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of one ``device`` for ``dtype`` matmuls: a GPU's from ``PEAK_FLOPS`` (None when unlisted), a
-    CPU's measured (``measured_matmul_flops``)."""
+    CPU's measured (``measured_matmul_flops``): the faster of ``dtype`` and fp32, since a CPU without bf16/fp16
+    kernels runs those matmuls far below its fp32 rate and the engine then multiplies in fp32 where it can (the
+    fused losses' head products), so a bf16 run measured against the bf16 rate alone could show an MFU above 100%."""
     if device.type == "cpu":
-        return measured_matmul_flops(dtype)
+        if dtype == torch.float32:
+            return measured_matmul_flops(dtype)
+        return max(measured_matmul_flops(dtype), measured_matmul_flops(torch.float32))
     if device.type == "cuda":
         return listed_peak_flops(torch.cuda.get_device_name(device), dtype)
     return None

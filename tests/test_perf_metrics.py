@@ -119,6 +119,30 @@ def test_the_cpu_peak_is_measured_once_per_process():
     assert measured_matmul_flops.cache_info().hits == hits + 1
 
 
+def test_a_cpu_low_precision_peak_is_at_least_the_fp32_rate():
+    """A CPU without bf16 kernels multiplies bf16 far below fp32; the engine's head runs in fp32 there, so the peak an
+    MFU is taken against is the faster of the two (else a bf16 run could log an MFU above 100%)."""
+    from hfnative.metrics import device_peak_flops
+
+    cpu = torch.device("cpu")
+    expected = max(measured_matmul_flops(torch.bfloat16), measured_matmul_flops(torch.float32))
+    assert device_peak_flops(cpu, torch.bfloat16) == expected >= device_peak_flops(cpu, torch.float32)
+
+
+@pytest.mark.parametrize("bf16_rate, warns", [(1e9, True), (50e9, False)])
+def test_bf16_on_a_cpu_without_bf16_kernels_warns(monkeypatch, caplog, bf16_rate, warns):
+    from hfnative.trainers import performance
+
+    rates = {torch.bfloat16: bf16_rate, torch.float32: 80e9}
+    monkeypatch.setattr(performance, "measured_matmul_flops", rates.__getitem__)
+    args = hfnative.SFTConfig(output_dir="unused", use_cpu=True, bf16=True, report_to="none")
+    with caplog.at_level("WARNING", logger=performance.__name__):
+        assert performance.warn_if_cpu_low_precision_is_slow(args) is warns
+    assert ("bf16=True on a CPU whose bfloat16 matmuls run at 1.0 GFLOP/s against 80.0 GFLOP/s" in caplog.text) is warns
+    assert not performance.warn_if_cpu_low_precision_is_slow(hfnative.SFTConfig(output_dir="unused", use_cpu=True,
+                                                                                bf16=False, report_to="none"))
+
+
 # --- every trainer logs them ---------------------------------------------------------------------------------
 
 ALWAYS = ("perf/step_s", "perf/trained_tok_s_wall_clock", "perf/trained_tok_s_per_rank", "perf/tflops_per_rank",

@@ -14,13 +14,44 @@ component through ``record_generation``) is not a forward of the decoder and is 
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
 import torch
 
-from hfnative.metrics import device_peak_flops, forward_flops_per_token, memory_gib, mfu_percent
+from hfnative.metrics import (
+    device_peak_flops,
+    forward_flops_per_token,
+    measured_matmul_flops,
+    memory_gib,
+    mfu_percent,
+)
 from hfnative.models.args import ModelArgs
+
+logger = logging.getLogger(__name__)
+
+# a CPU whose bf16/fp16 matmuls run this many times below its fp32 rate has no kernels for them
+_SLOW_LOW_PRECISION_FACTOR = 4.0
+
+
+def warn_if_cpu_low_precision_is_slow(args) -> bool:
+    """On CPU with ``bf16``/``fp16``: warn (once per run) when that dtype's matmuls run far below fp32's on this
+    CPU, as on CPUs without AVX512-BF16/AMX, where a bf16 step is several times slower than an fp32 one. Returns
+    whether it warned."""
+    if not (args.bf16 or args.fp16):
+        return False
+    dtype = torch.bfloat16 if args.bf16 else torch.float16
+    low, fp32 = measured_matmul_flops(dtype), measured_matmul_flops(torch.float32)
+    if fp32 < _SLOW_LOW_PRECISION_FACTOR * low:
+        return False
+    flag = "bf16" if args.bf16 else "fp16"
+    logger.warning(
+        "%s=True on a CPU whose %s matmuls run at %.1f GFLOP/s against %.1f GFLOP/s in fp32 (no fast %s kernels): "
+        "training will be several times slower than in fp32. Pass %s=False to train in fp32 on this machine.",
+        flag, str(dtype).removeprefix("torch."), low / 1e9, fp32 / 1e9, flag, flag,
+    )
+    return True
 
 
 class StepPerformance:

@@ -59,7 +59,7 @@ from .objective import (
     without_labels,
 )
 from .optimization import OptimizationMixin
-from .performance import StepPerformance
+from .performance import StepPerformance, warn_if_cpu_low_precision_is_slow
 from .pipeline_training import PipelineMixin, check_pipeline_supported
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
@@ -415,6 +415,8 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
+            if self.is_world_process_zero():
+                warn_if_cpu_low_precision_is_slow(args)
 
         dataloader = self.get_train_dataloader()
         accumulation = args.gradient_accumulation_steps

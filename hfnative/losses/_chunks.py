@@ -69,6 +69,16 @@ class ChunkBuffers:
         self.logits = torch.empty(chunk, vocab, dtype=torch.float32, device=device)
         self.probs = torch.empty(chunk, vocab, dtype=torch.float32, device=device) if probs else None
         self.low_precision = None if dtype == torch.float32 else torch.empty(chunk, vocab, dtype=dtype, device=device)
+        self._weight_fp32 = None
+
+    def weight_fp32(self, weight_VD: torch.Tensor) -> torch.Tensor | None:
+        """On CPU with bf16/fp16 operands, the head weight in fp32 (its low-precision values, exactly), made once
+        per loop for ``cpu_fp32_matmuls``; None elsewhere."""
+        if self.low_precision is None or weight_VD.device.type != "cpu":
+            return None
+        if self._weight_fp32 is None:
+            self._weight_fp32 = weight_VD.float()
+        return self._weight_fp32
 
     def views(self, rows: int):
         probs = None if self.probs is None else self.probs[:rows]
@@ -76,8 +86,15 @@ class ChunkBuffers:
         return self.logits[:rows], probs, low
 
 
-def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV) -> torch.Tensor:
-    """z = softcap(h @ W.T) / temperature, written into z_CV (fp32)."""
+# CPU matmuls in bf16/fp16 have no fast kernels on most CPUs: a [128, 32000] @ [32000, 256] product took 4.0 s in bf16
+# against 18 ms in fp32 (2-core AMD EPYC without AVX512-BF16, torch 2.13), and the head's two products per chunk were
+# 70% of a bf16 SFT step. So on CPU the loops multiply the low-precision operands in fp32 (their values exactly, an
+# fp32 sum as the low-precision kernel accumulates) and round the product to the input dtype, as that kernel does.
+
+
+def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV, weight_fp32_VD=None) -> torch.Tensor:
+    """z = softcap(h @ W.T) / temperature, written into z_CV (fp32). With ``weight_fp32_VD`` (CPU, low-precision
+    operands: ``ChunkBuffers.weight_fp32``) the product runs in fp32 and is rounded to the operands' dtype."""
     scale = 1.0 / softcap if softcap is not None else 1.0 / temperature
     if low_CV is None:
         if scale == 1.0:
@@ -85,7 +102,11 @@ def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV) -> torch.T
         else:
             torch.addmm(z_CV, h_CD, weight_VD.T, beta=0.0, alpha=scale, out=z_CV)
     else:
-        torch.mm(h_CD, weight_VD.T, out=low_CV)
+        if weight_fp32_VD is not None:
+            torch.mm(h_CD.float(), weight_fp32_VD.T, out=z_CV)
+            low_CV.copy_(z_CV)
+        else:
+            torch.mm(h_CD, weight_VD.T, out=low_CV)
         z_CV.copy_(low_CV)
         if scale != 1.0:
             z_CV.mul_(scale)
@@ -189,15 +210,16 @@ class HeadGradients:
         )
         self._weight_started = False
 
-    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV) -> None:
+    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV, weight_fp32_VD=None) -> None:
+        """Overwrites grad_raw_CV when ``weight_fp32_VD`` is given (CPU, low precision: dL/dh in fp32)."""
         rows = h_CD.shape[0]
         low_precision = low_CV is not None
         if low_precision:
             low_CV.copy_(grad_raw_CV)
-        operand_CV = low_CV if low_precision else grad_raw_CV
-        if self.grad_hidden is not None:
+        if self.grad_hidden is not None and weight_fp32_VD is None:
             out = self.grad_hidden[start : start + rows]
-            torch.addmm(out, operand_CV, self.weight_VD, beta=0.0, alpha=self.scale, out=out)
+            torch.addmm(out, low_CV if low_precision else grad_raw_CV, self.weight_VD, beta=0.0, alpha=self.scale,
+                        out=out)
         if self.grad_weight is not None:
             beta = 1.0 if self._weight_started else 0.0
             if not low_precision:
@@ -213,6 +235,9 @@ class HeadGradients:
                 else:
                     torch.mul(chunk_grad, self.scale, out=self.grad_weight)
             self._weight_started = True
+        if self.grad_hidden is not None and weight_fp32_VD is not None:  # after dL/dW, which reads grad_raw_CV
+            grad_raw_CV.copy_(low_CV)  # the gradient rounded as the low-precision product would see it
+            self.grad_hidden[start : start + rows].copy_(torch.mm(grad_raw_CV, weight_fp32_VD).mul_(self.scale))
 
     def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         grad_weight = self.grad_weight
@@ -227,9 +252,11 @@ class Chunk:
     """Rows ``rows`` of the loop: their states h_CD, logits z_CV (fp32), a second fp32 buffer probs_CV (z_CV
     itself when the kernel's softmax runs in place) and, when gradients are wanted, where dL/dz goes."""
 
-    def __init__(self, start, h_CD, z_CV, probs_CV, low_CV, kernel: ChunkKernel, grads: HeadGradients | None):
+    def __init__(self, start, h_CD, z_CV, probs_CV, low_CV, kernel: ChunkKernel, grads: HeadGradients | None,
+                 weight_fp32_VD=None):
         self.rows = slice(start, start + h_CD.shape[0])
         self.h_CD, self.z_CV, self.probs_CV, self.low_CV = h_CD, z_CV, probs_CV, low_CV
+        self.weight_fp32_VD = weight_fp32_VD
         self.needs_grad = grads is not None
         self._kernel, self._grads = kernel, grads
 
@@ -237,7 +264,7 @@ class Chunk:
         """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (overwrites it and z_CV); returns the
         chunk's rows of dL/dh [C, D] (None when the hidden states need no gradient)."""
         logit_grad_to_raw(grad_z_CV, self.z_CV, self._kernel.softcap, self._kernel.temperature)
-        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV)
+        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV, self.weight_fp32_VD)
         return None if self._grads.grad_hidden is None else self._grads.grad_hidden[self.rows]
 
 
@@ -277,11 +304,12 @@ def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradie
     one_buffer = kernel.softmax_in_place
     chunk = chunk_size_for(N, V, weight_VD.shape[1], kernel.chunk_size, buffers=1 if one_buffer else 2)
     buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device, probs=not one_buffer) if N else None
+    weight_fp32_VD = buffers.weight_fp32(weight_VD) if N else None
     for start in range(0, N, chunk):
         h_CD = hidden_ND[start : start + chunk]
         z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
-        chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV)
-        step(Chunk(start, h_CD, z_CV, z_CV if one_buffer else probs_CV, low_CV, kernel, grads))
+        chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV, weight_fp32_VD)
+        step(Chunk(start, h_CD, z_CV, z_CV if one_buffer else probs_CV, low_CV, kernel, grads, weight_fp32_VD))
 
 
 class _FusedHeadLoss(torch.autograd.Function):

@@ -349,7 +349,8 @@ def vocab_parallel_generalized_jsd(
             teacher_buffer = ChunkBuffers(h_CD.shape[0], teacher_weight_VrDt.shape[0], h_CD.dtype, h_CD.device,
                                           probs=False)
         z_CV, _, low_CV = teacher_buffer.views(h_CD.shape[0])
-        return chunk_logits(h_CD, teacher_weight_VrDt, teacher_softcap, temperature, z_CV, low_CV)
+        return chunk_logits(h_CD, teacher_weight_VrDt, teacher_softcap, temperature, z_CV, low_CV,
+                            teacher_buffer.weight_fp32(teacher_weight_VrDt))
 
     chunk = _group_chunk_size(student_hidden_ND, vocab_size, chunk_size)
     kernel = _VocabParallelGeneralizedJSDKernel(teacher_logits_fn, beta, group, temperature, student_softcap, chunk)
