@@ -99,12 +99,14 @@ def run_child(runner: str, spec: dict, timeout: float) -> dict:
         return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
 
 
-def speed(cli, model: str) -> None:
+def speed(cli, model: str) -> dict:
+    """Prints the speed table; returns every length's results by runner."""
     print(f"speed: G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), model {model}")
     print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {'peak heap MiB':>14} "
           f"{'mean len':>9}")
+    by_length = {}
     for length in cli.lengths:
-        results = {}
+        results = by_length[length] = {}
         for runner in RUNNERS:
             spec = dict(model=model, steps=cli.steps, batch=8, prompts=8, length=length, lr=1e-6, seed=0,
                         threads=cli.threads)
@@ -125,6 +127,7 @@ def speed(cli, model: str) -> None:
                   f"{theirs['cpu_per_step'] / ours['cpu_per_step']:>10.2f}x "
                   f"{ours['peak_rss_mib'] / theirs['peak_rss_mib']:>12.2f}x {heap_ratio:>13.2f}x"
                   "   (speed-ups; memory hfnative/trl)")
+    return by_length
 
 
 def curve(cli) -> None:
@@ -160,6 +163,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--child", choices=RUNNERS)
     parser.add_argument("--spec")
+    parser.add_argument("--json", help="also write the speed runs' measurements to this JSON file")
     cli = parser.parse_args()
     if cli.child:
         print("RESULT " + json.dumps(_child(cli.child, json.loads(cli.spec))))
@@ -169,7 +173,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             parameters = build_model(PRESETS["reference"], Path(folder), seed=0)
             print(f"model: {parameters / 1e6:.1f}M parameters")
-            speed(cli, folder)
+            by_length = speed(cli, folder)
+        if cli.json:
+            Path(cli.json).write_text(json.dumps({"lengths": by_length}))
     if cli.what in ("curve", "both"):
         curve(cli)
 

@@ -496,6 +496,8 @@ def finish(cli, setup: str, report: str, results: list[dict], title: str, script
     """Print the report; with --write-results append it to RESULTS.md under ``title`` (marked when smoke)."""
     setup += f"\nload average after: {[round(x, 2) for x in os.getloadavg()]}; rounds {cli.rounds}"
     print("\n" + report)
+    if getattr(cli, "json", None):  # every run's measurements, for bench_all.py's table
+        Path(cli.json).write_text(json.dumps({"setup": setup, "results": results}))
     if cli.write_results and not any(r["status"] == "ok" for r in results):
         print("\nnothing to write: no runner finished")
     elif cli.write_results:
@@ -532,6 +534,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, timeout: float, rounds: i
     parser.add_argument("--timeout", type=float, default=timeout, help="seconds per runner process")
     parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
+    parser.add_argument("--json", help="also write every run's measurements to this JSON file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
