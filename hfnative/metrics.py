@@ -114,6 +114,18 @@ def measured_matmul_flops(dtype: torch.dtype = torch.float32, largest: int = 102
     return 2.0 * n**3 / fastest
 
 
+# a CPU whose bf16/fp16 matmuls run this many times below its fp32 rate has no fast kernels for them
+SLOW_LOW_PRECISION_FACTOR = 4.0
+
+
+def cpu_low_precision_is_slow(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies ``dtype`` (bf16/fp16) matrices ``SLOW_LOW_PRECISION_FACTOR`` times or more below
+    its fp32 rate, as CPUs without AVX512-BF16/AMX do (measured once per process, ``measured_matmul_flops``)."""
+    if dtype == torch.float32:
+        return False
+    return measured_matmul_flops(torch.float32) >= SLOW_LOW_PRECISION_FACTOR * measured_matmul_flops(dtype)
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     """Peak FLOP/s of one ``device`` for ``dtype`` matmuls: a GPU's from ``PEAK_FLOPS`` (None when unlisted), a
     CPU's measured (``measured_matmul_flops``): the faster of ``dtype`` and fp32, since a CPU without bf16/fp16
@@ -151,6 +163,7 @@ def memory_gib(device: torch.device) -> dict[str, float]:
 
 __all__ = [
     "PEAK_FLOPS",
+    "cpu_low_precision_is_slow",
     "device_peak_flops",
     "forward_flops_per_token",
     "listed_peak_flops",

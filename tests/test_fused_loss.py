@@ -142,8 +142,19 @@ def test_frozen_head_gets_no_gradient_and_no_tokens_is_zero():
     assert weight.grad.abs().sum() == 0
 
 
+@pytest.fixture(params=["bf16 kernels", "fp32 products"])
+def cpu_bf16_path(request, monkeypatch):
+    """Both CPU paths of a bf16 head: the bf16 matmuls, and the fp32 products of the bf16 operands the loops take on
+    a CPU without fast bf16 kernels (``cpu_low_precision_is_slow``); which one this CPU takes is forced."""
+    from hfnative import metrics
+
+    slow = request.param == "fp32 products"
+    monkeypatch.setattr(metrics, "cpu_low_precision_is_slow", lambda dtype: slow and dtype != torch.float32)
+    return request.param
+
+
 @pytest.mark.parametrize("softcap", [None, 20.0])
-def test_bf16_inputs_run_and_stay_close(softcap):
+def test_bf16_inputs_run_and_stay_close(softcap, cpu_bf16_path):
     generator = torch.Generator().manual_seed(3)
     hidden32 = torch.randn(40, D, generator=generator)
     weight32 = torch.randn(V, D, generator=generator) * 0.5
@@ -161,9 +172,13 @@ def test_bf16_inputs_run_and_stay_close(softcap):
     for grad, ref in ((hidden.grad, h64.grad), (weight.grad, w64.grad)):
         error = (grad.double() - ref).norm() / ref.norm()
         assert error < 2e-2, error
+    if softcap is None:  # the logits are the bf16 product's: the exact one rounded to bf16, as a bf16 matmul gives
+        rounded = (h64.detach() @ w64.detach().T).bfloat16().double()
+        loss_of_rounded = F.cross_entropy(rounded, targets, reduction="sum") / 40
+        torch.testing.assert_close(out.loss_sum.double() / 40, loss_of_rounded, rtol=1e-5, atol=0)
 
 
-def test_autocast_runs_the_projection_in_bf16_like_the_plain_path():
+def test_autocast_runs_the_projection_in_bf16_like_the_plain_path(cpu_bf16_path):
     """The trainer calls the loss under torch.autocast(bf16) with fp32 parameters."""
     generator = torch.Generator().manual_seed(4)
     hidden = torch.randn(30, D, generator=generator, requires_grad=True)
@@ -217,7 +232,7 @@ def test_token_logprobs_gradient_under_any_upstream_gradient(softcap, temperatur
         torch.testing.assert_close(fused_grads[name].double(), ref_grads[name], rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_token_logprobs_bf16_and_no_grad():
+def test_token_logprobs_bf16_and_no_grad(cpu_bf16_path):
     generator = torch.Generator().manual_seed(5)
     hidden = torch.randn(33, D, generator=generator).bfloat16().requires_grad_()
     weight = (torch.randn(V, D, generator=generator) * 0.5).bfloat16().requires_grad_()

@@ -133,8 +133,11 @@ def test_a_cpu_low_precision_peak_is_at_least_the_fp32_rate():
 def test_bf16_on_a_cpu_without_bf16_kernels_warns(monkeypatch, caplog, bf16_rate, warns):
     from hfnative.trainers import performance
 
+    from hfnative import metrics
+
     rates = {torch.bfloat16: bf16_rate, torch.float32: 80e9}
-    monkeypatch.setattr(performance, "measured_matmul_flops", rates.__getitem__)
+    for module in (metrics, performance):
+        monkeypatch.setattr(module, "measured_matmul_flops", rates.__getitem__)
     args = hfnative.SFTConfig(output_dir="unused", use_cpu=True, bf16=True, report_to="none")
     with caplog.at_level("WARNING", logger=performance.__name__):
         assert performance.warn_if_cpu_low_precision_is_slow(args) is warns

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from hfnative.metrics import (
+    cpu_low_precision_is_slow,
     device_peak_flops,
     forward_flops_per_token,
     measured_matmul_flops,
@@ -31,9 +32,6 @@ from hfnative.models.args import ModelArgs
 
 logger = logging.getLogger(__name__)
 
-# a CPU whose bf16/fp16 matmuls run this many times below its fp32 rate has no kernels for them
-_SLOW_LOW_PRECISION_FACTOR = 4.0
-
 
 def warn_if_cpu_low_precision_is_slow(args) -> bool:
     """On CPU with ``bf16``/``fp16``: warn (once per run) when that dtype's matmuls run far below fp32's on this
@@ -42,9 +40,9 @@ def warn_if_cpu_low_precision_is_slow(args) -> bool:
     if not (args.bf16 or args.fp16):
         return False
     dtype = torch.bfloat16 if args.bf16 else torch.float16
-    low, fp32 = measured_matmul_flops(dtype), measured_matmul_flops(torch.float32)
-    if fp32 < _SLOW_LOW_PRECISION_FACTOR * low:
+    if not cpu_low_precision_is_slow(dtype):
         return False
+    low, fp32 = measured_matmul_flops(dtype), measured_matmul_flops(torch.float32)
     flag = "bf16" if args.bf16 else "fp16"
     logger.warning(
         "%s=True on a CPU whose %s matmuls run at %.1f GFLOP/s against %.1f GFLOP/s in fp32 (no fast %s kernels): "

@@ -72,9 +72,13 @@ class ChunkBuffers:
         self._weight_fp32 = None
 
     def weight_fp32(self, weight_VD: torch.Tensor) -> torch.Tensor | None:
-        """On CPU with bf16/fp16 operands, the head weight in fp32 (its low-precision values, exactly), made once
-        per loop for ``cpu_fp32_matmuls``; None elsewhere."""
+        """On a CPU without fast kernels for the operands' bf16/fp16 (``cpu_low_precision_is_slow``), the head
+        weight in fp32 (its low-precision values, exactly), made once per loop; None elsewhere."""
         if self.low_precision is None or weight_VD.device.type != "cpu":
+            return None
+        from hfnative.metrics import cpu_low_precision_is_slow  # (metrics imports the models, which import the losses)
+
+        if not cpu_low_precision_is_slow(weight_VD.dtype):
             return None
         if self._weight_fp32 is None:
             self._weight_fp32 = weight_VD.float()
@@ -86,10 +90,11 @@ class ChunkBuffers:
         return self.logits[:rows], probs, low
 
 
-# CPU matmuls in bf16/fp16 have no fast kernels on most CPUs: a [128, 32000] @ [32000, 256] product took 4.0 s in bf16
-# against 18 ms in fp32 (2-core AMD EPYC without AVX512-BF16, torch 2.13), and the head's two products per chunk were
-# 70% of a bf16 SFT step. So on CPU the loops multiply the low-precision operands in fp32 (their values exactly, an
-# fp32 sum as the low-precision kernel accumulates) and round the product to the input dtype, as that kernel does.
+# Many CPUs have no fast bf16/fp16 matmul kernels: a [128, 32000] @ [32000, 256] product took 4.0 s in bf16 against
+# 18 ms in fp32 (2-core AMD EPYC without AVX512-BF16, torch 2.13), and the head's two products per chunk were 70% of a
+# bf16 SFT step. On such a CPU (``cpu_low_precision_is_slow``, measured once per process) the loops multiply the
+# low-precision operands in fp32 (their values exactly, an fp32 sum as the low-precision kernel accumulates) and round
+# the product to the input dtype, as that kernel does. The fp32 copy of the head weight costs one [V, D] fp32 tensor.
 
 
 def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV, weight_fp32_VD=None) -> torch.Tensor:
