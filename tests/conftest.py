@@ -1,20 +1,7 @@
-"""The suite's torch threads, and fixtures shared by test modules that ask for them."""
-
-import os
+"""Fixtures shared by test modules that ask for them (none is applied to the whole suite)."""
 
 import pytest
 import torch
-
-# One intra-op thread for the whole suite's in-process runs, as every launched rank has (OMP_NUM_THREADS=1): the
-# models here are tiny, so a second thread mostly waits at each op's barrier (see one_torch_thread). Set
-# HFNATIVE_TEST_THREADS to another count to run with it. The vLLM backend's tests (their own run, their own venv)
-# keep torch's default.
-SUITE_THREADS = int(os.environ.get("HFNATIVE_TEST_THREADS", "1"))
-
-
-def pytest_configure(config):
-    if not any("vllm_backend" in str(arg) for arg in config.args):
-        torch.set_num_threads(SUITE_THREADS)
 
 
 @pytest.fixture(scope="module")
