@@ -133,7 +133,7 @@ def fused_linear_generalized_jsd(
                 teacher_buffer = ChunkBuffers(h_CD.shape[0], vocab, h_CD.dtype, h_CD.device, probs=False)
             z_CV, _, low_CV = teacher_buffer.views(h_CD.shape[0])
             return chunk_logits(h_CD, teacher_weight_VD, teacher_softcap, temperature, z_CV, low_CV,
-                            teacher_buffer.weight_fp32(teacher_weight_VD))
+                                teacher_buffer.weight_fp32(teacher_weight_VD))
 
     kernel = _GeneralizedJSDKernel(teacher_logits_fn, beta, temperature, student_softcap, chunk_size)
     loss, entropy = fused_head_loss(kernel, student_hidden_ND, student_weight_VD)
