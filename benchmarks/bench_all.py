@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shlex
 import statistics
@@ -39,6 +40,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from harness import machine_description, max_relative_difference  # noqa: E402
+
 ROOT = HERE.parent
 RESULTS = HERE / "RESULTS.md"
 
@@ -94,13 +98,6 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
-def _max_rel(a, b) -> float | None:
-    pairs = [(x, y) for x, y in zip(a or [], b or []) if x is not None and y is not None]
-    if not pairs or len(a) != len(b):
-        return None
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs)
-
-
 def harness_rows(name: str, data: dict, ours: str, peers: tuple[str, ...]) -> list[dict]:
     """One row per peer from a harness script's runs: medians over the rounds of tokens/s, peak RSS and heap."""
     runs = {}
@@ -121,7 +118,8 @@ def harness_rows(name: str, data: dict, ours: str, peers: tuple[str, ...]) -> li
             ours_rate=_median(r["tokens_per_second"] for r in a), peer_rate=_median(r["tokens_per_second"] for r in b),
             ours_memory=_median(r[memory] for r in a), peer_memory=_median(r[memory] for r in b),
             ours_heap=_median(r.get("peak_heap_mib") for r in a), peer_heap=_median(r.get("peak_heap_mib") for r in b),
-            loss_maxrel=_max_rel(a[0].get("losses"), b[0].get("losses")), unit="tokens/s", rounds=min(len(a), len(b)),
+            loss_maxrel=max_relative_difference(a[0].get("losses") or [], b[0].get("losses") or []), unit="tokens/s",
+            rounds=min(len(a), len(b)),
         )
         row["speed"] = row["ours_rate"] / row["peer_rate"]
         rows.append(row)
@@ -158,7 +156,7 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{row['trainer']:<20}{row['peer']:<14}  not measured: {row['error'][:90]}")
             continue
         memory = f"{row['ours_memory']:,.0f}/{row['peer_memory']:,.0f}"
-        maxrel = "-" if row["loss_maxrel"] is None else f"{row['loss_maxrel']:.1e}"
+        maxrel = "-" if row["loss_maxrel"] is None or math.isnan(row["loss_maxrel"]) else f"{row['loss_maxrel']:.1e}"
         digits = ",.2f" if row["unit"] == "s/step" else ",.0f"
         lines.append(f"{row['trainer']:<20}{row['peer']:<14}{row['ours_rate']:>12{digits}}{row['peer_rate']:>12{digits}}"
                      f"{row['unit']:>9}{'x' + format(row['speed'], '.2f'):>8}{memory:>20}"
@@ -213,9 +211,6 @@ def main() -> None:
                 data = json.loads(out.read_text())
                 rows += (grpo_rows if script == "bench_grpo.py" else harness_rows)(name, data, ours, peers)
             print(table(rows[-len(peers):]).splitlines()[2], flush=True)
-
-    sys.path.insert(0, str(HERE))
-    from harness import machine_description
 
     machine = machine_description("cpu")
     report = table(rows)
