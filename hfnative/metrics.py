@@ -132,8 +132,6 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     kernels runs those matmuls far below its fp32 rate and the engine then multiplies in fp32 where it can (the
     fused losses' head products), so a bf16 run measured against the bf16 rate alone could show an MFU above 100%."""
     if device.type == "cpu":
-        if dtype == torch.float32:
-            return measured_matmul_flops(dtype)
         return max(measured_matmul_flops(dtype), measured_matmul_flops(torch.float32))
     if device.type == "cuda":
         return listed_peak_flops(torch.cuda.get_device_name(device), dtype)
