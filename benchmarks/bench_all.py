@@ -22,6 +22,7 @@ other work keeps more than ``--max_busy`` of the cores busy for ``--wait`` secon
     python benchmarks/bench_all.py                                   # reference preset, 2 rounds, prints the table
     python benchmarks/bench_all.py --write-results                   # and appends it to RESULTS.md
     python benchmarks/bench_all.py --preset smoke --rounds 1 --only SFT,DPO   # a quick check of the script
+    python benchmarks/bench_all.py --preset 100m --rounds 1 --steps 4 --warmup 1   # the 100m rows, shorter runs
 """
 
 from __future__ import annotations
@@ -172,6 +173,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="reference", help="the harness preset every harness script runs")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per harness script (runners alternate)")
+    for name in ("steps", "warmup", "batch"):
+        parser.add_argument(f"--{name}", type=int, default=None,
+                            help=f"override the preset's {name} in every harness script (not bench_grpo.py)")
     parser.add_argument("--only", default="", help="comma-separated subset of: " + ", ".join(e[0] for e in ENTRIES))
     parser.add_argument("--max_busy", "--max-busy", type=float, default=0.15,
                         help="cores other processes may keep busy before a script starts")
@@ -196,6 +200,9 @@ def main() -> None:
             command = [sys.executable, str(HERE / script), *extra, "--json", str(out)]
             if script != "bench_grpo.py":
                 command += ["--preset", cli.preset, "--rounds", str(cli.rounds)]
+                for name in ("steps", "warmup", "batch"):
+                    if getattr(cli, name) is not None:
+                        command += [f"--{name}", str(getattr(cli, name))]
             print(f"bench_all: {name}: {shlex.join(command[1:])}", flush=True)
             begin = time.monotonic()
             try:

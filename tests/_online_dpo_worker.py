@@ -20,11 +20,11 @@ from hfnative.generation import Rollouts
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")
 EOS, STEPS, MAX_NEW = 2, 2, 6
-# an fsdp2 cell (e.g. "ipo-fsdp2": ("fsdp2", dict(loss_type="ipo", beta=0.5))) passes too; the suite keeps one for time
 LAYOUTS = {"ddp": dict(dp_replicate_size=2, dp_shard_size=1), "fsdp2": dict(dp_shard_size=2)}
 # name -> (layout, settings)
 CELLS = {
     "sigmoid-ddp": ("ddp", dict(loss_type="sigmoid", beta=0.2, missing_eos_penalty=0.5)),
+    "ipo-fsdp2": ("fsdp2", dict(loss_type="ipo", beta=0.5)),
 }
 
 

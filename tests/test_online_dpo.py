@@ -297,7 +297,7 @@ def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
             assert third[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
 
 
-# --- layouts: DDP on 2 gloo processes against one process ----------------------------------------------------------
+# --- layouts: DDP and FSDP2 on 2 gloo processes against one process ------------------------------------------------
 
 def test_layouts_train_like_one_process(tmp_path):
     """Each rank completes, scores and pairs its own 2 prompts; one process holds the 4 prompts in one micro-batch
