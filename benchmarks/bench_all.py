@@ -200,9 +200,9 @@ def main() -> None:
             command = [sys.executable, str(HERE / script), *extra, "--json", str(out)]
             if script != "bench_grpo.py":
                 command += ["--preset", cli.preset, "--rounds", str(cli.rounds)]
-                for name in ("steps", "warmup", "batch"):
-                    if getattr(cli, name) is not None:
-                        command += [f"--{name}", str(getattr(cli, name))]
+                for option in ("steps", "warmup", "batch"):
+                    if getattr(cli, option) is not None:
+                        command += [f"--{option}", str(getattr(cli, option))]
             print(f"bench_all: {name}: {shlex.join(command[1:])}", flush=True)
             begin = time.monotonic()
             try:
