@@ -5,7 +5,9 @@ Each RUN (layout-model, a key of _rl_layouts_worker.LAYOUTS and a model folder) 
 first rank starts the generator and reward actors (Ray, one local instance for the launch's runs), the generator
 samples from the policy's gathered weights, the reward actor scores, and every rank trains on its share of each
 scored micro-batch, on the same global batch as the test's one-process run. Rank r writes OUTPUT_DIR/RUN-rank<r>.json
-(the steps' logs).
+(the steps' logs). The model "tools" (a Qwen3 with TRL's Qwen3 template) trains with tool-calling rollouts: the
+episodes run in the generator actor, each rollout's first turn steered to a tool call by its row's place in the batch
+(as a model that has learned the format writes it), its later turns sampled, the tools run there.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _rl_layouts_worker import LAYOUTS, prompts  # noqa: E402
+from _tool_calling_worker import FIRST_TURNS, double, fail, tool_results  # noqa: E402
 
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 STEPS = 3
@@ -34,20 +37,54 @@ def near_target_length(completions, target, **kwargs):
     return [1.0 / (1.0 + abs(len(c) - t)) for c, t in zip(completions, target)]
 
 
+class SteeredEngine:
+    """The generator actor's engine, with each rollout's first turn written as FIRST_TURNS gives it for the row's
+    place in its group; later turns are sampled."""
+
+    def __init__(self, engine, tokenizer):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    def generate(self, prompts, sampling):
+        out = self.engine.generate(prompts, sampling)
+        for i, prompt in enumerate(prompts):
+            if self.tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn
+                out.completion_ids[i] = self.tokenizer(FIRST_TURNS[i % 4] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
+        return out
+
+
+def steered_episodes():
+    from hfnative.trainers.tool_calling import ToolEpisodes
+
+    class SteeredEpisodes(ToolEpisodes):
+        def __call__(self, engine, prompt_ids, sampling, rows=None):
+            return super().__call__(SteeredEngine(engine, self.tool_calling.tokenizer), prompt_ids, sampling, rows)
+
+    return SteeredEpisodes
+
+
 def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     """The logs of the run's steps. max_staleness=0: each step's completions come from the weights of the step
-    before, so the samples do not depend on how far generation ran ahead."""
+    before, so the samples do not depend on how far generation ran ahead. A model folder named "tools" trains with
+    tool-calling rollouts (the tools double and fail, one tool-calling iteration)."""
     import hfnative
     from datasets import Dataset
 
+    tools = Path(model).name == "tools"
+    settings = dict(max_completion_length=128, max_tool_calling_iterations=1) if tools else dict(max_completion_length=8)
     args = hfnative.AsyncGRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
         logging_steps=1, save_strategy="no", per_device_train_batch_size=per_device, num_generations=4,
-        max_completion_length=8, learning_rate=1e-2, seed=0, gradient_checkpointing=False, max_staleness=0,
-        **extra,
+        learning_rate=1e-2, seed=0, gradient_checkpointing=False, max_staleness=0, **settings, **extra,
     )
-    trainer = hfnative.AsyncGRPOTrainer(model=model, reward_funcs=[even_ids, near_target_length], args=args,
-                                        train_dataset=Dataset.from_list(prompts()))
+    if tools:
+        rows = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(8)]
+        trainer = hfnative.AsyncGRPOTrainer(model=model, reward_funcs=tool_results, args=args,
+                                            train_dataset=Dataset.from_list(rows), tools=[double, fail])
+        trainer.objective.episodes_class = steered_episodes()
+    else:
+        trainer = hfnative.AsyncGRPOTrainer(model=model, reward_funcs=[even_ids, near_target_length], args=args,
+                                            train_dataset=Dataset.from_list(prompts()))
     trainer.train()
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 

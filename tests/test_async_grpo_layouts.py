@@ -1,6 +1,6 @@
 """AsyncGRPOTrainer in every layout, each equal to one process: DDP, FSDP2, TP2, CP2, EP2 (a mixture-of-experts
-policy) on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), against the same trainer on one process with the same
-global batch. Nothing is stood in for: the first rank runs the Ray generator and reward actors, the generator
+policy) and FSDP2 with tool-calling rollouts on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), against the same
+trainer on one process with the same global batch. Nothing is stood in for: the first rank runs the Ray generator and reward actors, the generator
 samples from the policy's whole weights (gathered from the ranks' shards at the start and after every step), and
 each rank trains on its share of every scored micro-batch.
 
@@ -26,7 +26,7 @@ from test_rl_layouts import DENSE, save_moe_model
 
 HERE = Path(__file__).resolve().parent
 
-TWO_PROCESS_RUNS = ["ddp-dense", "fsdp2-dense", "tp2-dense", "cp2-dense", "ep2-moe"]
+TWO_PROCESS_RUNS = ["ddp-dense", "fsdp2-dense", "tp2-dense", "cp2-dense", "ep2-moe", "fsdp2-tools"]
 FOUR_PROCESS_RUNS = ["fsdp2xtp2-dense"]
 
 
@@ -34,9 +34,12 @@ FOUR_PROCESS_RUNS = ["fsdp2xtp2-dense"]
 def models(tmp_path_factory) -> Path:
     import shutil
 
+    from test_tool_calling import qwen3_model
+
     folder = tmp_path_factory.mktemp("async-layout-models")
     shutil.copytree(DENSE, folder / "dense")
     save_moe_model(folder / "moe")
+    qwen3_model(folder / "tools")  # tiny-qwen3 with TRL's Qwen3 template: its tool calls parse
     return folder
 
 
@@ -60,7 +63,7 @@ def one_process(tmp_path_factory, models) -> dict[str, list[dict]]:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         out = tmp_path_factory.mktemp("async-one-process")
-        return {model: train(str(models / model), str(out / model), GLOBAL_BATCH) for model in ("dense", "moe")}
+        return {model: train(str(models / model), str(out / model), GLOBAL_BATCH) for model in ("dense", "moe", "tools")}
     finally:
         ray.shutdown()
 
@@ -91,7 +94,9 @@ def test_layout_equals_one_process(launched, one_process, run):
         assert len(logs) == STEPS, (rank, logs)
         for step, (got, want) in enumerate(zip(logs, expected), start=1):
             where = (run, rank, step)
-            for key in ("reward", "rewards/even_ids", "rewards/near_target_length"):
+            keys = ("reward", "rewards/even_ids", "rewards/near_target_length") if model != "tools" else (
+                "reward", "rewards/tool_results", "tools/call_frequency", "tools/failure_frequency")
+            for key in keys:
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key, got[key], want[key])
             assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), (where, got, want)
             assert _relative(got["grad_norm"], want["grad_norm"]) <= grad_tolerance, (where, got["grad_norm"], want["grad_norm"])
@@ -99,3 +104,6 @@ def test_layout_equals_one_process(launched, one_process, run):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (where, key, got[key], want[key])
     # the steps trained something: the later steps' samples came from moved weights
     assert expected[0]["grad_norm"] > 0 and expected[-1]["kl"] >= 0
+    if model == "tools":  # 3 of each group's 4 first turns called a tool, 1 of those 3 failed
+        assert all(entry["tools/call_frequency"] == pytest.approx(0.75) for entry in expected)
+        assert all(entry["tools/failure_frequency"] == pytest.approx(1 / 3) for entry in expected)

