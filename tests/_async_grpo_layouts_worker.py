@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _rl_layouts_worker import LAYOUTS, prompts  # noqa: E402
-from _tool_calling_worker import FIRST_TURNS, double, fail, tool_results  # noqa: E402
+from _tool_calling_worker import double, fail, steered_episodes, tool_results  # noqa: E402
 
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 STEPS = 3
@@ -35,32 +35,6 @@ def even_ids(completion_ids, **kwargs):
 def near_target_length(completions, target, **kwargs):
     """1 / (1 + |characters - target|), from the dataset's `target` column."""
     return [1.0 / (1.0 + abs(len(c) - t)) for c, t in zip(completions, target)]
-
-
-class SteeredEngine:
-    """The generator actor's engine, with each rollout's first turn written as FIRST_TURNS gives it for the row's
-    place in its group; later turns are sampled."""
-
-    def __init__(self, engine, tokenizer):
-        self.engine, self.tokenizer = engine, tokenizer
-
-    def generate(self, prompts, sampling):
-        out = self.engine.generate(prompts, sampling)
-        for i, prompt in enumerate(prompts):
-            if self.tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn
-                out.completion_ids[i] = self.tokenizer(FIRST_TURNS[i % 4] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
-        return out
-
-
-def steered_episodes():
-    from hfnative.trainers.tool_calling import ToolEpisodes
-
-    class SteeredEpisodes(ToolEpisodes):
-        def __call__(self, engine, prompt_ids, sampling, rows=None):
-            return super().__call__(SteeredEngine(engine, self.tool_calling.tokenizer), prompt_ids, sampling, rows)
-
-    return SteeredEpisodes
 
 
 def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:

@@ -46,6 +46,36 @@ def tool_results(completions, **kwargs):
     return [sum(m["role"] == "tool" for m in c) + len(c[-1]["content"]) / 100 for c in completions]
 
 
+class SteeredEngine:
+    """An engine whose rollouts' first turns are written as FIRST_TURNS gives them for the row's place in the batch
+    (as a model that has learned the call format writes them); later turns are sampled, and their lengths kept in
+    ``later_rows``. For async GRPO, where the episodes run in the generator actor, through ``steered_episodes``."""
+
+    def __init__(self, engine, tokenizer):
+        self.sample, self.tokenizer, self.later_rows = engine.generate, tokenizer, []
+
+    def generate(self, prompts, sampling):
+        out = self.sample(prompts, sampling)
+        for i, prompt in enumerate(prompts):
+            if self.tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn: steered by its place
+                place = (sampling.first_row + i) % 4
+                out.completion_ids[i] = self.tokenizer(FIRST_TURNS[place] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
+            else:
+                self.later_rows.append(len(out.completion_ids[i]))
+        return out
+
+
+def steered_episodes():
+    from hfnative.trainers.tool_calling import ToolEpisodes
+
+    class SteeredEpisodes(ToolEpisodes):
+        def __call__(self, engine, prompt_ids, sampling, rows=None):
+            return super().__call__(SteeredEngine(engine, self.tool_calling.tokenizer), prompt_ids, sampling, rows)
+
+    return SteeredEpisodes
+
+
 def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     import hfnative
     from datasets import Dataset
@@ -80,25 +110,11 @@ def train_distillation(model: str, teacher: str, output_dir: str, per_device: in
 
 def _steered_run(trainer, engine) -> list[dict]:
     """Train with each rollout's first turn steered by its row's place in the batch (a tool call or an answer)."""
-    tokenizer = trainer.processing_class
-    sample = engine.generate
-    later_rows = []
-
-    def generate(prompt_ids, sampling):
-        out = sample(prompt_ids, sampling)
-        for i, prompt in enumerate(prompt_ids):
-            if tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:  # a first turn: steered by its place
-                place = (sampling.first_row + i) % 4
-                out.completion_ids[i] = tokenizer(FIRST_TURNS[place] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
-            else:
-                later_rows.append(len(out.completion_ids[i]))
-        return out
-
-    engine.generate = generate
+    steered = SteeredEngine(engine, trainer.processing_class)
+    engine.generate = steered.generate  # the engine's own generate is kept in steered.sample
     trainer.train()
     logs = trainer.state.log_history[:-1]
-    logs[0]["later_turn_rows"] = len(later_rows)  # rows sampled after a tool result, over the run
+    logs[0]["later_turn_rows"] = len(steered.later_rows)  # rows sampled after a tool result, over the run
     return logs
 
 

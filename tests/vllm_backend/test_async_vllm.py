@@ -118,3 +118,55 @@ def test_async_grpo_with_a_vllm_server(vllm_server, model_dir, local_ray, tmp_pa
     finally:  # the server is shared: back to the checkpoint's weights for the tests after this one
         server = VLLMServerEngine(vllm_server, weight_transport="files", weights_dir=tmp_path / "restore", timeout=60)
         server.load_weights(hub_named_tensors(load_pretrained(model_dir)))
+
+
+def test_async_grpo_tool_calling_with_a_vllm_server(vllm_server, model_dir, local_ray, tmp_path):
+    """AsyncGRPOTrainer(use_vllm=True, vllm_mode="server", tools=...): the episodes run in the generator actor, each
+    turn generated on the server (the first one steered to a tool call by the row's place in its group, the later ones
+    sampled), the tools run there, the trainer trains on the tool-masked completions, and the actor pushes the
+    trained weights to the server."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    import hfnative
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.converters.rollouts import hub_named_tensors
+    from hfnative.data.chat_templates import TEMPLATE_DIR
+    from hfnative.generation import NativeRolloutEngine
+    from hfnative.generation.vllm_backend import VLLMServerEngine
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from _tool_calling_worker import double, fail, steered_episodes, tool_results
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir, folder)
+    shutil.copy(TEMPLATE_DIR / "qwen3_multiturn.jinja", folder / "chat_template.jinja")
+    args = hfnative.AsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], disable_tqdm=True,
+        save_strategy="no", max_steps=2, logging_steps=1, per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=128, learning_rate=1e-2, seed=0, gradient_checkpointing=False,
+        max_staleness=MAX_STALENESS, max_tool_calling_iterations=1, use_vllm=True, vllm_mode="server",
+        vllm_server_base_url=vllm_server, vllm_weight_transport="files",
+    )
+    rows = [{"prompt": [{"role": "user", "content": f"Double {i}."}]} for i in range(8)]
+    server = VLLMServerEngine(vllm_server, weight_transport="files", weights_dir=tmp_path / "restore", timeout=60)
+    try:
+        trainer = hfnative.AsyncGRPOTrainer(model=str(folder), reward_funcs=tool_results, args=args,
+                                            train_dataset=Dataset.from_list(rows), tools=[double, fail])
+        trainer.objective.episodes_class = steered_episodes()
+        trainer.train()
+        logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+        assert len(logs) == 2
+        for entry in logs:  # 3 of each group's 4 first turns called a tool, 1 of those 3 failed
+            assert entry["tools/call_frequency"] == pytest.approx(0.75)
+            assert entry["tools/failure_frequency"] == pytest.approx(1 / 3)
+            assert torch.isfinite(torch.tensor(entry["loss"])) and entry["grad_norm"] > 0
+        trainer.model.eval()
+        checkpoint = NativeRolloutEngine(load_pretrained(model_dir).model).generate(PROMPTS, GREEDY).completion_ids
+        assert NativeRolloutEngine(trainer.model).generate(PROMPTS, GREEDY).completion_ids != checkpoint
+        assert server.generate(PROMPTS, GREEDY).completion_ids != checkpoint  # the actor pushed trained weights
+    finally:  # the server is shared: back to the checkpoint's weights for the tests after this one
+        server.load_weights(hub_named_tensors(load_pretrained(model_dir)))
