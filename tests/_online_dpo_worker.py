@@ -3,7 +3,7 @@
 usage: torchrun --standalone --nproc_per_node 2 _online_dpo_worker.py OUTPUT_DIR CELL [CELL ...]
 Each CELL (a key of CELLS) trains with its layout's parallelism_config, 2 prompts per rank, on fixed completions (the
 rollout engine's ``generate`` replaced: each completion depends on its prompt and on which of the prompt's two copies
-it is); rank 0 writes OUTPUT_DIR/CELL/log.json (the log history). The test runs each cell on one process with 4
+it is); a key of SAMPLED trains on the native engine's sampled completions; rank 0 writes OUTPUT_DIR/CELL/log.json (the log history). The test runs each cell on one process with 4
 prompts per micro-batch (``trainer_for`` with ``layout=None``): the prompts the ranks held together.
 """
 
@@ -26,6 +26,8 @@ CELLS = {
     "sigmoid-ddp": ("ddp", dict(loss_type="sigmoid", beta=0.2, missing_eos_penalty=0.5)),
     "ipo-fsdp2": ("fsdp2", dict(loss_type="ipo", beta=0.5)),
 }
+# cells whose completions the native engine samples (the path a user runs; each layout samples other completions)
+SAMPLED = {"sampled-fsdp2": ("fsdp2", dict(loss_type="sigmoid", beta=0.1))}
 
 
 def fixed_completion(prompt_ids: list[int], copy: int) -> list[int]:
@@ -53,7 +55,7 @@ def near_target_length(completions, target, **kwargs):
 
 def trainer_for(cell: str, output_dir: str, layout: str | None = "cell"):
     """The cell's trainer under its layout, or (``layout=None``) one process holding the ranks' prompts together."""
-    layout_name, settings = CELLS[cell]
+    layout_name, settings = CELLS[cell] if cell in CELLS else SAMPLED[cell]
     common = dict(output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
                   max_steps=STEPS, logging_steps=1, save_strategy="no", per_device_train_batch_size=2,
                   learning_rate=5e-3, max_new_tokens=MAX_NEW, max_length=64, gradient_checkpointing=False, seed=3)
@@ -64,7 +66,8 @@ def trainer_for(cell: str, output_dir: str, layout: str | None = "cell"):
     trainer = hfnative.OnlineDPOTrainer(model=MODEL, reward_funcs=near_target_length,
                                         args=hfnative.OnlineDPOConfig(**common, **settings),
                                         train_dataset=Dataset.from_list(prompts(16)))
-    trainer.objective.engine.generate = generate
+    if cell in CELLS:
+        trainer.objective.engine.generate = generate
     return trainer
 
 

@@ -301,7 +301,8 @@ def test_sampled_run_trains_and_logs_finite_metrics(tmp_path):
 
 def test_layouts_train_like_one_process(tmp_path):
     """Each rank completes, scores and pairs its own 2 prompts; one process holds the 4 prompts in one micro-batch
-    (the loss a mean over the pairs, the metrics means): 2 steps equal within 1e-5 relative."""
+    (the loss a mean over the pairs, the metrics means): 2 steps equal within 1e-5 relative. A third cell samples its
+    completions with the native engine under FSDP2 and trains, every logged number finite."""
     import json
     import subprocess
     import sys
@@ -311,7 +312,7 @@ def test_layouts_train_like_one_process(tmp_path):
 
     here = Path(__file__).resolve().parent
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(here / "_online_dpo_worker.py"), str(tmp_path / "launched"), *worker.CELLS]
+               str(here / "_online_dpo_worker.py"), str(tmp_path / "launched"), *worker.CELLS, *worker.SAMPLED]
     result = subprocess.run(command, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here)),
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-6000:]
@@ -327,3 +328,7 @@ def test_layouts_train_like_one_process(tmp_path):
             assert set(keys) <= set(mine)
             for key in keys:
                 assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (cell, key)
+    for cell in worker.SAMPLED:  # sampled under the layout: it trains, every logged number finite
+        got = [e for e in json.loads((tmp_path / "launched" / cell / "log.json").read_text()) if "loss" in e]
+        assert len(got) == worker.STEPS and got[1]["objective/kl"] != 0
+        assert all(math.isfinite(value) for entry in got for value in entry.values()), got
