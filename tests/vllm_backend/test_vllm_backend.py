@@ -211,7 +211,7 @@ def test_grpo_tool_calling_rollouts_through_vllm(model_dir, tmp_path, request, m
     import hfnative
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from _tool_calling_worker import FIRST_TURNS, double, fail, tool_results
+    from _tool_calling_worker import SteeredEngine, double, fail, tool_results
 
     folder = tmp_path / "model"
     shutil.copytree(model_dir, folder)
@@ -237,16 +237,12 @@ def test_grpo_tool_calling_rollouts_through_vllm(model_dir, tmp_path, request, m
                                    train_dataset=Dataset.from_list(rows), tools=[double, fail])
     engine, tokenizer = trainer.objective.engine, trainer.processing_class
     assert isinstance(engine, VLLMColocateEngine if mode == "colocate" else VLLMServerEngine)
-    sample, calls = engine.generate, []
+    steered, calls = SteeredEngine(engine, tokenizer), []
+    sample = steered.sample  # vLLM's own generate
 
     def generate(prompt_ids, sampling):
-        out = sample(prompt_ids, sampling)
         calls.append(len(prompt_ids))
-        for i, prompt in enumerate(prompt_ids):
-            if tokenizer.decode(prompt).count("<|im_start|>assistant") == 1:
-                out.completion_ids[i] = tokenizer(FIRST_TURNS[i % 4] + "<|im_end|>", add_special_tokens=False)["input_ids"]
-                out.logprobs[i] = [0.0] * len(out.completion_ids[i])
-        return out
+        return steered.generate(prompt_ids, sampling)
 
     engine.generate = generate
     try:
