@@ -93,8 +93,23 @@ def main(output_dir: str, layouts: list[str]) -> None:
         assert accelerator.is_main_process == (rank == 0) == trainer.is_world_process_zero()
         trainer.train()
         trainer.save_model()
+        names = surface_names(trainer) if "peft_config" in trainer_kwargs else None  # collectives: every rank
         if rank == 0:
             (out / "log.json").write_text(json.dumps(trainer.state.log_history))
+            if names is not None:
+                (out / "peft_names.json").write_text(json.dumps(names))
+
+
+def surface_names(trainer) -> dict:
+    """``trainer.model.named_parameters()`` under LoRA (peft's names): each tensor's global shape, requires_grad
+    and the sum of its whole value (sharded tensors gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    names = {}
+    for name, param in trainer.model.named_parameters():
+        whole = param.full_tensor() if isinstance(param, DTensor) else param
+        names[name] = [list(param.shape), param.requires_grad, whole.detach().double().sum().item()]
+    return names
 
 
 if __name__ == "__main__":

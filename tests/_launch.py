@@ -19,3 +19,23 @@ def torchrun(script: str, args: list[str], processes: int, timeout: float, **env
                str(HERE / script), *args]
     result = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-6000:]
+
+
+# logged values that are differences of sequence log-probs (policy minus reference): each term carries float32
+# rounding of ~1e-7 of a log-prob's size that a layout's other reduction order changes, and the difference keeps it
+LOGP_DIFFERENCES = ("rewards/", "kl", "objective/non_score_reward", "objective/rlhf_reward")
+
+
+def assert_logged_close(mine: dict, theirs: dict, where, rel: float = 1e-5, abs: float = 1e-6) -> None:
+    """Every float ``theirs`` logged (perf/* and epoch aside) is in ``mine`` and equal within ``rel`` / ``abs``; a
+    difference of log-probs within ``abs`` or 5e-7 of the largest ``logps/*`` that step logged, whichever is larger."""
+    import pytest
+
+    logps = [value for key, value in theirs.items() if key.startswith("logps/")]
+    difference_abs = max(abs, 5e-7 * max((v if v >= 0 else -v for v in logps), default=0.0))
+    for key, value in theirs.items():
+        if key.startswith("perf/") or key == "epoch" or not isinstance(value, float):
+            continue
+        assert key in mine, (where, key)
+        tolerance = difference_abs if any(part in key for part in LOGP_DIFFERENCES) else abs
+        assert mine[key] == pytest.approx(value, rel=rel, abs=tolerance), (where, key)

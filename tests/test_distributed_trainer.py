@@ -5,6 +5,7 @@ in another order gives (AdamW magnifies it where gradients are near zero; see te
 One launch runs every layout (one of them reading its rows as a stream); the single-process references run here."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -60,7 +61,8 @@ def _reference(tmp_path, sizes: dict, extra: dict):
     trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra), **trainer_kwargs)
     trainer.train()
     trainer.save_model()
-    return trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs)))
+    names = worker.surface_names(trainer) if "peft_config" in trainer_kwargs else None
+    return trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs))), names
 
 
 def _weights_file(trainer_kwargs: dict) -> str:
@@ -71,7 +73,7 @@ def _weights_file(trainer_kwargs: dict) -> str:
 def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, monkeypatch):
     monkeypatch.setenv("FALLBACK_MODEL", fallback_model)
     sizes, extra = worker.LAYOUTS[layout]
-    reference_logs, reference_weights = _reference(tmp_path, sizes, extra)
+    reference_logs, reference_weights, reference_names = _reference(tmp_path, sizes, extra)
     logs = json.loads((launched / layout / "log.json").read_text())
     steps = [entry for entry in logs if "loss" in entry]
     reference_steps = [entry for entry in reference_logs if "loss" in entry]
@@ -89,6 +91,12 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
     assert set(weights) == set(reference_weights)
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)
+    if reference_names is not None:  # trainer.model under LoRA: peft's names over the sharded tensors
+        names = json.loads((launched / layout / "peft_names.json").read_text())
+        assert [n for n in names] == [n for n in reference_names]
+        for name, (shape, requires_grad, total) in reference_names.items():
+            assert names[name][:2] == [shape, requires_grad], name
+            assert names[name][2] == pytest.approx(total, rel=1e-4, abs=2e-4 * math.prod(shape)), name
 
 
 @pytest.mark.parametrize("layout", [name for name, (_, extra) in worker.LAYOUTS.items() if "model" not in extra])

@@ -146,22 +146,21 @@ def test_prompt_tuning_trains_like_trl_and_saves_an_adapter(neox_dir, tmp_path):
     _, theirs = _run(trl, neox_dir, tmp_path, peft_config=prompt_tuning(), **settings)
     trainer, ours = _run(hfnative, neox_dir, tmp_path, peft_config=prompt_tuning(), **settings)
     _assert_same_logs(ours, theirs)
-    assert [n for n, p in trainer.model.named_parameters() if p.requires_grad] == [
-        "module.prompt_encoder.default.embedding.weight"
-    ]
+    assert trainer.model is trainer.native_model.peft_model  # as under TRL, trainer.model is the PeftModel
+    assert [n for n, p in trainer.model.named_parameters() if p.requires_grad] == ["prompt_encoder.default.embedding.weight"]
     trainer.save_model()
     out = tmp_path / "hfnative"
     assert {"adapter_config.json", "adapter_model.safetensors", "README.md"} <= {p.name for p in out.iterdir()}
     assert not (out / "model.safetensors").exists()
     reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(neox_dir)), str(out))
-    trained = trainer.model.peft_model.prompt_encoder["default"].embedding.weight
+    trained = trainer.model.prompt_encoder["default"].embedding.weight
     assert torch.equal(reloaded.prompt_encoder["default"].embedding.weight, trained)
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(neox_dir)
 
     # the adapter folder as `model`: its base loads, the prompt keeps training
     again = hfnative.SFTTrainer(model=str(out), args=_config(hfnative, tmp_path / "again"),
                                 train_dataset=_rows("sft_prompt_completion.jsonl"))
-    prompt = again.model.peft_model.prompt_encoder["default"].embedding.weight
+    prompt = again.model.prompt_encoder["default"].embedding.weight
     assert prompt.requires_grad and torch.equal(prompt, trained)
     with torch.no_grad():  # resuming reads the adapter back
         prompt.zero_()

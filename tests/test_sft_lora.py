@@ -73,7 +73,7 @@ def test_adapter_export_loads_in_peft_and_base_is_untouched(tmp_path):
     assert "library_name: peft" in (out / "README.md").read_text()
 
     # the frozen base is bit-identical; every adapter matrix moved away from its start
-    native = dict(trainer.model.named_parameters())
+    native = dict(trainer.native_model.named_parameters())  # the engine's own names
     assert torch.equal(native["layers.0.attention.wq.weight"], original["model.layers.0.self_attn.q_proj.weight"])
     assert torch.equal(native["tok_embeddings.weight"], original["model.embed_tokens.weight"])
     adapter = load_file(str(out / "adapter_model.safetensors"))

@@ -416,8 +416,8 @@ class DistributedMixin:
     def _context_parallel_settings(self) -> dict:
         """split_batch's arguments for this run's cp ranks."""
         run = self.distributed
-        model_args = getattr(self.model, "args", None)
-        sliding = model_args is not None and any(layer.is_sliding for layer in self.model.layers)
+        model_args = getattr(self.native_model, "args", None)
+        sliding = model_args is not None and any(layer.is_sliding for layer in self.native_model.layers)
         return dict(cp_size=run.dims.cp, cp_rank=run.mesh["cp"].get_local_rank(), group=run.mesh["cp"].get_group(),
                     multiple=run.dims.tp, sliding_window=model_args.sliding_window if sliding else None)
 

@@ -71,11 +71,11 @@ class EvaluationMixin:
         dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
         self.callback_handler.eval_dataloader = dataloader
         start = time.time()
-        self.model.eval()
+        self.native_model.eval()
         losses, all_logits, all_labels, num_samples, num_batches = [], [], [], 0, 0
         want_predictions = self.compute_metrics is not None
         for inputs in dataloader:
-            loss, logits, labels = self.prediction_step(self.model, inputs, prediction_loss_only=not want_predictions)
+            loss, logits, labels = self.prediction_step(self.native_model, inputs, prediction_loss_only=not want_predictions)
             batch_size = self.objective.samples_in_batch(inputs)
             if loss is not None and torch.isfinite(loss):
                 losses.append(loss.detach().float().repeat(batch_size))

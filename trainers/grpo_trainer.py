@@ -712,7 +712,7 @@ class GRPOTrainer(Trainer):
         policy as it is before training."""
         if is_model_name(self._model_source):
             return self._model_source
-        return copy.deepcopy(self.model)
+        return copy.deepcopy(self.native_model)
 
 
 def cli_command():

@@ -59,6 +59,10 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
     Transformer -> the model the trainer runs. An architecture without a native implementation (or a
     PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``."""
+    from hfnative.converters.peft_surface import PeftSurface
+
+    if isinstance(model, PeftSurface):  # a LoRA trainer's trainer.model: the native model under peft's names
+        model = model.native_model
     if isinstance(model, Transformer):  # with its Hub record when it came from a trainer (trainer.model)
         converted = model.__dict__.get("_hub_converted")
         name = getattr(converted.config, "_name_or_path", None) if converted is not None else None

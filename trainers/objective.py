@@ -243,7 +243,7 @@ class ObjectiveContext:
 
     @property
     def model(self):
-        return self._trainer.model
+        return self._trainer.native_model
 
     @property
     def processing_class(self):
@@ -292,7 +292,7 @@ class ObjectiveContext:
 
     @property
     def uses_adapters(self) -> bool:
-        model = self._trainer.model
+        model = self._trainer.native_model
         return self._trainer.lora_settings is not None or getattr(model, "_has_adapters", lambda: False)()
 
     @property
@@ -314,7 +314,7 @@ class ObjectiveContext:
     def router_loss_ranks(self) -> int:
         """How many ranks' tokens one router load-balancing loss is taken over (their MoE layers' ``token_group``,
         set for every data- and context-parallel layout): each rank's loss is its share of theirs; 1 otherwise."""
-        for module in self._trainer.model.modules():
+        for module in self._trainer.native_model.modules():
             group = getattr(module, "token_group", None)
             if group is not None:
                 return torch.distributed.get_world_size(group)
@@ -328,7 +328,7 @@ class ObjectiveContext:
         otherwise, and sums the ranks' losses; evaluation averages its data-parallel ranks' losses (a micro-batch
         mean's also divided by the cp ranks, whose summed losses it takes)."""
         ranks = self.router_loss_ranks
-        if not self._trainer.model.training:  # an item-normalized loss is summed over the cp ranks
+        if not self._trainer.native_model.training:  # an item-normalized loss is summed over the cp ranks
             return aux_loss * (ranks if num_items_in_batch is None else ranks // self.context_parallel.size)
         steps = self.micro_batches_in_step
         if num_items_in_batch is not None:

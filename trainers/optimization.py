@@ -17,7 +17,7 @@ class OptimizationMixin:
 
     def create_optimizer(self):
         if self.optimizer is None:
-            trainable = [p for p in self.model.parameters() if p.requires_grad]
+            trainable = [p for p in self.native_model.parameters() if p.requires_grad]
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
                 if self.args.optimizer_in_backward:
@@ -32,9 +32,9 @@ class OptimizationMixin:
                     adafactor_class=transformers.Adafactor,
                 )
                 if a.optimizer_in_backward:
-                    self.optimizer = OptimizerInBackward.from_model(self.model, settings, max_grad_norm=a.max_grad_norm)
+                    self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)
                 else:
-                    self.optimizer = build_optimizer(self.model, settings)
+                    self.optimizer = build_optimizer(self.native_model, settings)
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
@@ -60,7 +60,7 @@ class OptimizationMixin:
         args = self.args
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
         if not in_backward:
-            params = [p for p in self.model.parameters() if p.requires_grad]
+            params = [p for p in self.native_model.parameters() if p.requires_grad]
             max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
             if self.distributed is not None and self.distributed.dims.pp_enabled:  # each stage holds its parameters
                 from hfnative.parallel.pipeline import clip_grad_norm_over_stages
@@ -82,6 +82,6 @@ class OptimizationMixin:
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
-        self.model.zero_grad(set_to_none=True)
+        self.native_model.zero_grad(set_to_none=True)
         self.objective.after_optimizer_step()
         return grad_norm, learning_rate

@@ -94,7 +94,7 @@ class PipelineTraining:
     """``trainer.model``'s stage and its schedule, and the objective's frozen models' (built once per model)."""
 
     def __init__(self, trainer):
-        self.model = trainer.model
+        self.model = trainer.native_model
         self.pipeline = _pipeline_of(trainer, self.model)
         self.frozen = {name: _pipeline_of(trainer, model)
                        for name, model in trainer.objective.auxiliary_models.items() if model is not None}

@@ -64,7 +64,7 @@ class ReferenceFreePreferenceTrainer(Trainer):
 
     def _router_loss_rule(self) -> bool:
         """TRL's rule here: the model config's ``output_router_logits``."""
-        return bool(getattr(getattr(self.model, "config", None), "output_router_logits", False))
+        return bool(getattr(getattr(self.native_model, "config", None), "output_router_logits", False))
 
 
 def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:

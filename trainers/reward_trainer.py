@@ -88,9 +88,9 @@ class RewardTrainer(Trainer):
         if not isinstance(model, Transformer):
             self._model_init_kwargs = {**self._model_init_kwargs, "num_labels": 1, "score_seed": self.args.seed}
         super()._set_model(model)
-        if getattr(self.model.args, "num_labels", None) != 1:
+        if getattr(self.native_model.args, "num_labels", None) != 1:
             raise ValueError(
-                f"RewardTrainer: the model scores {self.model.args.num_labels} labels; a reward model has one "
+                f"RewardTrainer: the model scores {self.native_model.args.num_labels} labels; a reward model has one "
                 "(num_labels=1): pass a *ForSequenceClassification model with num_labels=1 or a model name"
             )
 

@@ -56,14 +56,14 @@ class SavingMixin:
             yield None
             return
         if self.distributed.dims.pp_enabled:  # each stage's whole tensors, merged on rank 0
-            yield _pipeline_full_state_dict(self.model, self.distributed)
+            yield _pipeline_full_state_dict(self.native_model, self.distributed)
             return
         if self.lora_settings is None:
-            yield full_state_dict(self.model)  # the model's own names; TP and FSDP shards gathered
+            yield full_state_dict(self.native_model)  # the model's own names; TP and FSDP shards gathered
             return
         from torch.distributed.fsdp import FSDPModule
 
-        units = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        units = [m for m in self.native_model.modules() if isinstance(m, FSDPModule)]
         for unit in units:
             unit.unshard()
         try:
@@ -91,7 +91,7 @@ class SavingMixin:
         else:
             from safetensors.torch import save_file
 
-            state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+            state = {k: v.detach().cpu().contiguous() for k, v in self.native_model.state_dict().items()}
             save_file(state, str(output_dir / "model.safetensors"), metadata={"format": "pt"})
             save_tokenizer(output_dir, self.processing_class)
         ckpt.save_training_args(self.args, output_dir / ckpt.TRAINING_ARGS_NAME)
@@ -180,7 +180,7 @@ class SavingMixin:
                 if run.is_main:
                     self._save(tmp, native_state)
             if not self.args.save_only_model:
-                save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
+                save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self.native_model, self.optimizer,
                                     lr_scheduler=self.lr_scheduler, extra={"global_step": self.state.global_step})
             state = self.objective.checkpoint_state()
             if run.is_main:
@@ -201,7 +201,7 @@ class SavingMixin:
         if self.converted is None:
             from safetensors.torch import load_file
 
-            self.model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
+            self.native_model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
             return
         if self.lora_settings is not None and self.distributed is None:
             from hfnative.converters.peft import load_adapter_weights
@@ -212,14 +212,14 @@ class SavingMixin:
             raise ValueError("load_best_model_at_end with LoRA in a distributed run is not supported yet: resume the "
                              f"best checkpoint ({checkpoint}) on one process")
         source = SafetensorsSource(checkpoint)
-        pieces = model_pieces(self.converted.family, self.model.args)
-        check_checkpoint(source, pieces, self.model, str(checkpoint))
+        pieces = model_pieces(self.converted.family, self.native_model.args)
+        check_checkpoint(source, pieces, self.native_model, str(checkpoint))
         if self.distributed is not None:  # each rank copies its slice of every tensor
             from hfnative.converters.sharded_loading import copy_shards_into_model
 
-            copy_shards_into_model(source, pieces, self.model)
+            copy_shards_into_model(source, pieces, self.native_model)
         else:
-            copy_into_model(source, pieces, self.model)
+            copy_into_model(source, pieces, self.native_model)
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
         saved = TrainerState.load_from_json(str(checkpoint / ckpt.TRAINER_STATE_NAME))
@@ -232,7 +232,7 @@ class SavingMixin:
         if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
             from hfnative.checkpoint import load_training_state
 
-            load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self.model, self.optimizer,
+            load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self.native_model, self.optimizer,
                                 lr_scheduler=self.lr_scheduler,
                                 model_is_part=self.distributed is not None and self.distributed.dims.pp_enabled)
             return
@@ -253,7 +253,7 @@ class SavingMixin:
 
     def model_tags(self) -> list[str]:
         tags = ["generated_from_trainer", "hfnative", *self._tag_names]
-        return tags + [tag for tag in (getattr(self.model, "model_tags", None) or []) if tag not in tags]
+        return tags + [tag for tag in (getattr(self.native_model, "model_tags", None) or []) if tag not in tags]
 
     def dataset_names(self) -> list[str] | None:
         return [self.dataset_name] if self.dataset_name else None

@@ -116,7 +116,7 @@ class SFTTrainer(Trainer):
     def _sync_router_config(self) -> None:
         """As TRL's SFTTrainer: a config with a router coefficient gets ``output_router_logits`` =
         ``aux_loss_enabled`` and the coefficient in use (so a saved config.json says what was trained)."""
-        text = getattr(self.model, "config", None)
+        text = getattr(self.native_model, "config", None)
         text = text.get_text_config() if text is not None else None
         if text is None or not hasattr(text, "router_aux_loss_coef"):
             return

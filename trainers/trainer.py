@@ -30,7 +30,9 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import TrainOutput
 
 from hfnative.converters.hub_model import attach_hub_surface
+from hfnative.converters.fallback import TransformersCausalLM
 from hfnative.converters.loading import ConvertedModel
+from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
 from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory
@@ -150,7 +152,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                                                     self.refuses_quantization_of_instances)
         self._set_model(model if model is not None else model_init())
         if getattr(self.args, "disable_dropout", False):  # the TRL configs that have the option
-            disable_dropout(self.model)
+            disable_dropout(self.native_model)
         self.processing_class = processing_class if processing_class is not None else load_processing_class(self.converted)
 
         self.compute_loss_func = compute_loss_func
@@ -165,7 +167,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                 "Passing a `model_init` is incompatible with providing the `optimizers` argument: the model (and its "
                 "parameters) is rebuilt at train(); subclass the trainer and override `create_optimizer_and_scheduler`"
             )
-        if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel) and isinstance(self.model, Transformer):
+        if self.optimizer is not None and isinstance(model, transformers.PreTrainedModel) and isinstance(self.native_model, Transformer):
             raise ValueError(
                 "optimizers=(optimizer, scheduler) were built over the transformers model's parameters, but hfnative "
                 "trains a native copy of it; pass `optimizer_cls_and_kwargs=(cls, kwargs)` instead"
@@ -216,6 +218,25 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
 
     # --- model ---------------------------------------------------------------------------------
 
+    @property
+    def model(self):
+        """The model as TRL's trainer shows it: ``native_model`` (the module that trains), or, when native LoRA
+        adapters are on, peft's ``PeftModel`` names over it (``hfnative.converters.peft_surface``: the same
+        tensors under ``base_model.model.<transformers path>.lora_A.default.weight`` and the like); on the
+        transformers fallback with peft, the ``PeftModel`` that trains."""
+        native = self.native_model
+        if isinstance(native, TransformersCausalLM) and native.peft_model is not None:
+            return native.peft_model  # transformers' module trains through peft: its own PeftModel
+        if self.lora_settings is not None and isinstance(self.converted, ConvertedModel) and self.converted.model is native:
+            surface = peft_surface_or_none(self.converted, self.lora_settings)
+            if surface is not None:
+                return surface
+        return native
+
+    @model.setter
+    def model(self, model) -> None:
+        self.native_model = model.native_model if isinstance(model, PeftSurface) else model
+
     def _set_model(self, model) -> None:
         loaded = None
         if self.distributed is not None and self._may_load_sharded(model):
@@ -225,19 +246,19 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         if loaded is None:
             loaded = resolve_model(model, self.device, self._model_init_kwargs)
         self.converted: ConvertedModel | None = loaded.converted
-        self.model: Transformer = loaded.model
+        self.native_model: Transformer = loaded.model
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
         self._add_adapters()
-        if isinstance(self.model, Transformer):  # transformers' model surface for callbacks and user code
-            attach_hub_surface(self.model, self.converted, adapter_settings=self.lora_settings,
+        if isinstance(self.native_model, Transformer):  # transformers' model surface for callbacks and user code
+            attach_hub_surface(self.native_model, self.converted, adapter_settings=self.lora_settings,
                                base_model_name_or_path=self.base_model_name_or_path)
-        if hasattr(self.model, "add_model_tags"):
-            self.model.add_model_tags(self._tag_names)
+        if hasattr(self.native_model, "add_model_tags"):
+            self.native_model.add_model_tags(self._tag_names)
         # counted whole, before a pipeline stage keeps its part
-        embedding_params = self.model.get_input_embeddings().weight.numel()
-        self._non_embedding_params = sum(p.numel() for p in self.model.parameters()) - embedding_params
-        self._place(self.model)
+        embedding_params = self.native_model.get_input_embeddings().weight.numel()
+        self._non_embedding_params = sum(p.numel() for p in self.native_model.parameters()) - embedding_params
+        self._place(self.native_model)
         if sharded:
             load_sharded(self.converted, self.device)
 
@@ -285,7 +306,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                 raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
                                  "only; this peft_config trains through peft: drop the quantization")
             self.converted = apply_peft(self.converted, self.peft_config)
-            self.model = self.converted.model
+            self.native_model = self.converted.model
             return
         from hfnative.converters.peft import apply_lora
         from hfnative.peft import lora_settings
@@ -323,8 +344,8 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
             inputs["shift_labels"] = shift_labels(inputs["labels"])
         if self.distributed is not None and self.distributed.dims.tp_enabled:
             inputs = pad_sequence_to_multiple(inputs, self.distributed.dims.tp)
-        if "attention_plan" not in inputs and hasattr(self.model, "plan_attention"):
-            inputs["attention_plan"] = self.model.plan_attention(
+        if "attention_plan" not in inputs and hasattr(self.native_model, "plan_attention"):
+            inputs["attention_plan"] = self.native_model.plan_attention(
                 inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
             )
         return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -457,7 +478,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         self._tr_loss = torch.zeros((), device=self.device)
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
-        self.model.zero_grad(set_to_none=True)
+        self.native_model.zero_grad(set_to_none=True)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start:
             self._evaluate_and_track_best()
@@ -491,7 +512,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                     if index == 0:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     with self._performance.timed("fwd_bwd"):
-                        loss = self.training_step(self.model, inputs, num_items)
+                        loss = self.training_step(self.native_model, inputs, num_items)
                     if args.logging_nan_inf_filter and not torch.isfinite(loss):
                         loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                     self._tr_loss += loss
@@ -521,8 +542,8 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         if args.bf16 or args.fp16:
             performance.dtype = torch.bfloat16 if args.bf16 else torch.float16
         else:
-            performance.dtype = next(self.model.parameters()).dtype
-        performance.watch([self.model, *self.objective.auxiliary_models.values()])
+            performance.dtype = next(self.native_model.parameters()).dtype
+        performance.watch([self.native_model, *self.objective.auxiliary_models.values()])
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
@@ -582,7 +603,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the objective's metrics since the last log (eval_-prefixed in evaluation) and the epoch."""
-        mode = "train" if self.model.training else "eval"
+        mode = "train" if self.native_model.training else "eval"
         self.objective.on_log(logs, mode)
         metrics = self._pop_metrics(mode)
         if mode == "eval":
@@ -624,14 +645,14 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     def aux_loss_enabled(self, enabled: bool) -> None:
         self._aux_loss_enabled = bool(enabled)
         if hasattr(self.objective, "aux_loss_coef"):  # the objectives that add the model's router loss
-            self.model.aux_loss_enabled = bool(enabled)
+            self.native_model.aux_loss_enabled = bool(enabled)
 
     def _router_loss_rule(self) -> bool:
         """TRL's rule for ``aux_loss_enabled`` (a trainer where TRL decides it otherwise overrides this)."""
         coef = getattr(self.args, "router_aux_loss_coef", None)
-        config = getattr(self.model, "config", None)
+        config = getattr(self.native_model, "config", None)
         if config is None:  # a bare native model: its MoE settings say the same
-            moe = getattr(getattr(self.model, "args", None), "moe", None)
+            moe = getattr(getattr(self.native_model, "args", None), "moe", None)
             return moe is not None and (moe.aux_loss_coef if coef is None else coef) != 0.0
         text = config.get_text_config()
         coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
@@ -640,7 +661,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     @property
     def model_wrapped(self):
         """The model the loop runs (transformers' Trainer keeps a wrapped copy here; hfnative wraps in place)."""
-        return self.model
+        return self.native_model
 
     def is_world_process_zero(self) -> bool:
         return self.state.is_world_process_zero
