@@ -22,6 +22,7 @@ from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import load_pretrained
 from hfnative.converters.peft import apply_lora
 from hfnative.converters.peft_surface import peft_surface
+from test_distributed_trainer import fallback_model  # noqa: F401  (GPT-NeoX: no native model, LoRA through peft)
 from test_sft_lora import MODEL, _rows
 
 peft = pytest.importorskip("peft")
@@ -120,22 +121,6 @@ def test_the_names_show_what_trains(tmp_path):
     assert moved == {name for name in before if ".lora_" in name}  # every adapter tensor moved, no base tensor did
 
 
-@pytest.fixture(scope="module")
-def neox_model(tmp_path_factory) -> str:
-    """GPT-NeoX has no native model: LoRA trains through peft on transformers' module."""
-    from transformers import GPTNeoXConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
-    directory = tmp_path_factory.mktemp("neox")
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(str(directory))
-    tokenizer.save_pretrained(str(directory))
-    return str(directory)
-
-
 def _sft(module, tmp_path, model=MODEL):
     config = module.SFTConfig(output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none",
                               disable_tqdm=True, max_steps=2, logging_steps=1, save_strategy="no",
@@ -181,13 +166,13 @@ def _trls_peft_test(trainer, model_id=MODEL):
 
 
 @pytest.mark.parametrize("algorithm", ["SFTTrainer", "GRPOTrainer", "RLOOTrainer", "SFTTrainer-fallback"])
-def test_trls_peft_test_passes_with_only_the_import_swapped(algorithm, neox_model, tmp_path):
+def test_trls_peft_test_passes_with_only_the_import_swapped(algorithm, fallback_model, tmp_path):
     trl = pytest.importorskip("trl")
     counts = []
     for module in (trl, hfnative):
         torch.manual_seed(0)
         if algorithm == "SFTTrainer-fallback":
-            counts.append(_trls_peft_test(_sft(module, tmp_path, model=neox_model), model_id=neox_model))
+            counts.append(_trls_peft_test(_sft(module, tmp_path, model=fallback_model), model_id=fallback_model))
             continue
         trainer = _sft(module, tmp_path) if algorithm == "SFTTrainer" else _rl(module, algorithm, tmp_path)
         counts.append(_trls_peft_test(trainer))
