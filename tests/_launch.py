@@ -31,11 +31,16 @@ def assert_logged_close(mine: dict, theirs: dict, where, rel: float = 1e-5, abs:
     difference of log-probs within ``abs`` or 5e-7 of the largest ``logps/*`` that step logged, whichever is larger."""
     import pytest
 
-    logps = [value for key, value in theirs.items() if key.startswith("logps/")]
-    difference_abs = max(abs, 5e-7 * max((v if v >= 0 else -v for v in logps), default=0.0))
     for key, value in theirs.items():
         if key.startswith("perf/") or key == "epoch" or not isinstance(value, float):
             continue
         assert key in mine, (where, key)
-        tolerance = difference_abs if any(part in key for part in LOGP_DIFFERENCES) else abs
-        assert mine[key] == pytest.approx(value, rel=rel, abs=tolerance), (where, key)
+        assert mine[key] == pytest.approx(value, rel=rel, abs=logged_abs_tolerance(key, theirs, abs)), (where, key)
+
+
+def logged_abs_tolerance(key: str, entry: dict, abs: float = 1e-6) -> float:
+    """``abs``, or for a difference of log-probs 5e-7 of the largest ``logps/*`` in the logged ``entry`` if larger."""
+    if not any(part in key for part in LOGP_DIFFERENCES):
+        return abs
+    logps = [value for name, value in entry.items() if name.startswith("logps/")]
+    return max(abs, 5e-7 * max((v if v >= 0 else -v for v in logps), default=0.0))
