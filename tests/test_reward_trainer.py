@@ -121,7 +121,7 @@ def _train_logs(module, model_path, tmp_path, case):
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        set_peft_model_state_dict(trainer.model.peft_model, load_file(str(tmp_path / "initial-adapter" / "adapter_model.safetensors")))
+        set_peft_model_state_dict(trainer.model, load_file(str(tmp_path / "initial-adapter" / "adapter_model.safetensors")))
     elif case == "lora":
         from hfnative.converters.peft import load_adapter_weights
 
