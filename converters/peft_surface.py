@@ -36,6 +36,7 @@ from hfnative.peft import lora_modules
 from hfnative.peft.adapters import ORIGINAL_PREFIX
 
 from .export import hub_tensor
+from .hub_model import _weights_version
 from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora
 from .peft import PEFT_PREFIX
 
@@ -71,14 +72,10 @@ class PeftSurface:
         tensors.update(model.named_parameters(remove_duplicate=False))
         return tensors
 
-    def _version(self) -> tuple:
-        model = self.__dict__["native_model"]
-        return tuple((id(t), t._version) for t in (*model.parameters(), *model.buffers()))
-
     def _sync(self) -> None:
         """Put the native tensors (and the assembled ones, recomputed) in the peft modules' places."""
         state = self.__dict__
-        version = self._version()
+        version = _weights_version(self.__dict__["native_model"])
         if state.get("_synced_version") == version:
             return
         tensors = self._native_tensors()
@@ -196,10 +193,9 @@ def _attribute(root: nn.Module, dotted: str):
     return getattr(root.get_submodule(module_name) if module_name else root, leaf)
 
 
-def _peft_config(converted, settings, adapted: list[str]):
+def _peft_config(settings, adapted: list[str]):
     from peft import LoraConfig
 
-    task_type = settings.task_type
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
@@ -211,7 +207,7 @@ def _peft_config(converted, settings, adapted: list[str]):
         modules_to_save=list(settings.modules_to_save) if settings.modules_to_save else None,
         rank_pattern=dict(settings.rank_pattern),
         alpha_pattern=dict(settings.alpha_pattern),
-        task_type=task_type,
+        task_type=settings.task_type,
     )
 
 
@@ -227,7 +223,7 @@ def _meta_peft_model(converted, settings, adapted: list[str]):
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = auto.from_config(converted.config)
-        return get_peft_model(hf_model, _peft_config(converted, settings, adapted))
+        return get_peft_model(hf_model, _peft_config(settings, adapted))
 
 
 def _runtime_parameters(converted):
@@ -252,13 +248,11 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
     pieces_of = hub_parameter_pieces(converted)
     modules = hub_modules(converted)
     loras = lora_modules(model)
+    buffers = dict(model.named_buffers(remove_duplicate=False))
 
     def from_pieces(pieces, originals: bool = False) -> _Source:
         def name_of(piece):
-            if not originals:
-                return piece.native_key
-            module_name, _, attr = piece.native_key.rpartition(".")
-            return f"{module_name}.{ORIGINAL_PREFIX}{attr}" if module_name else ORIGINAL_PREFIX + attr
+            return _original_name(piece.native_key) if originals else piece.native_key
 
         if _is_plain(pieces):
             return _Source(native=name_of(pieces[0]))
@@ -292,7 +286,7 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
         elif ".original_module." in name:
             hub_key = name.replace(".original_module.", ".")
             pieces = pieces_of[hub_key]
-            has_original = all(_has_original(model, p.native_key) for p in pieces)
+            has_original = all(_original_name(p.native_key) in buffers for p in pieces)
             source = from_pieces(pieces, originals=has_original)
         else:
             hub_key = name.replace(".base_layer.", ".")
@@ -302,10 +296,10 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
     return sources
 
 
-def _has_original(model: nn.Module, native_key: str) -> bool:
+def _original_name(native_key: str) -> str:
+    """The buffer holding a trainable copy's original tensor (hfnative.peft.adapters.add_trainable_copies)."""
     module_name, _, attr = native_key.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
-    return hasattr(module, ORIGINAL_PREFIX + attr)
+    return f"{module_name}.{ORIGINAL_PREFIX}{attr}" if module_name else ORIGINAL_PREFIX + attr
 
 
 def peft_surface(converted, settings) -> nn.Module:
@@ -348,10 +342,13 @@ def peft_surface_or_none(converted, settings) -> nn.Module | None:
     pipeline stage (it holds some layers only, so the names of the whole model do not apply)."""
     import importlib.util
 
+    from hfnative.parallel.pipeline import BlockOnAnotherStage
+
+    model = converted.model
+    if "_peft_surface" in model.__dict__:
+        return model.__dict__["_peft_surface"]
     if importlib.util.find_spec("peft") is None:
         return None
-    model = converted.model
-    from hfnative.parallel.pipeline import BlockOnAnotherStage
 
     if any(isinstance(block, BlockOnAnotherStage) for block in model.layers):
         return None
