@@ -25,7 +25,9 @@ PER_DEVICE = 2
 LAYOUTS = {
     "fsdp4-in-backward": (dict(dp_shard_size=4), dict(optimizer_in_backward=True, max_grad_norm=0.0)),
     "hsdp2x2-packed": (dict(dp_replicate_size=2, dp_shard_size=2), dict(packing=True, max_length=48)),
-    "fsdp2xtp2-accumulation": (dict(dp_shard_size=2, tp_size=2), dict(gradient_accumulation_steps=2)),
+    # compiled under TP: static shapes, so the batches are padded to one length
+    "fsdp2xtp2-accumulation-compiled": (dict(dp_shard_size=2, tp_size=2), dict(
+        gradient_accumulation_steps=2, torch_compile=True, pad_to_multiple_of=64)),
     "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
     # the rows as a stream (an IterableDataset): each rank its slice of every 4 x per-device rows, as accelerate
     "ddp4-stream": (dict(dp_replicate_size=4, dp_shard_size=1), dict(stream=True)),
@@ -88,6 +90,8 @@ def main(output_dir: str, layouts: list[str]) -> None:
         args = config(str(out), PER_DEVICE, **layout, **extra)
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset(LAYOUTS[name][1]), **trainer_kwargs)
         trainer.save_model(str(out / "before-training"))  # gathered from the shards, before any step
+        if args.torch_compile:  # the split blocks are the compiled ones
+            assert all("_compiled_forward" in vars(block) for block in trainer.native_model.layers)
         accelerator = trainer.accelerator  # rank-aware, as under transformers' Trainer
         assert (accelerator.num_processes, accelerator.process_index) == (int(os.environ["WORLD_SIZE"]), rank)
         assert accelerator.is_main_process == (rank == 0) == trainer.is_world_process_zero()

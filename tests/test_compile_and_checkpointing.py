@@ -1,7 +1,14 @@
-"""apply_compile and apply_activation_checkpointing against the eager, un-checkpointed model as the oracle."""
+"""apply_compile and apply_activation_checkpointing against the eager, un-checkpointed model as the oracle; and under
+tensor parallelism (2 processes) what is compiled there against the eager tensor-parallel run, with torch's failures
+on the whole tensor-parallel block held as strict expected failures."""
 
 import copy
+import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,3 +133,53 @@ def test_compile_and_activation_checkpointing_compose(compiled_pair):
     torch.testing.assert_close(c_loss, loss, rtol=0, atol=1e-5)
     assert_same(c_grads, grads, atol=1e-5)
     assert calls == [2, 2]
+
+
+# --- under tensor parallelism (2 gloo processes, tests/_tp_compile_worker.py) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tp_compiled(tmp_path_factory) -> dict:
+    """Each compiled way's loss and worst gradient difference from the eager TP2 run (or its error)."""
+    out = tmp_path_factory.mktemp("tp-compile") / "results.json"
+    here = Path(__file__).resolve().parent
+    # a fresh cache directory: the first compile of the cached way fills it, the second reads it
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(here),
+               TORCHINDUCTOR_CACHE_DIR=str(out.parent / "inductor-cache"))
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(here / "_tp_compile_worker.py"), str(out)],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+@needs_compile
+@pytest.mark.parametrize("qk_norm", ["", ", q/k norms"], ids=["plain", "qk-norm"])
+def test_tensor_parallel_blocks_compile_exactly(tp_compiled, qk_norm):
+    """hfnative's compile under TP (static shapes, no compile caches) equals eager TP2, loss and every gradient."""
+    result = tp_compiled["hfnative" + qk_norm]
+    assert "error" not in result, result.get("traceback")
+    assert result["loss"] <= 1e-6 and result["grad"] <= 1e-5, result
+
+
+# torch 2.13's failures that make hfnative compile tensor-parallel blocks with static shapes and no caches
+# (hfnative/parallel/compile.py): strict, so the suite says when a torch upgrade mends them
+@needs_compile
+@pytest.mark.parametrize("qk_norm", ["", ", q/k norms"], ids=["plain", "qk-norm"])
+@pytest.mark.xfail(strict=True, reason="torch 2.13: inductor raises RecursionError on the TP block's backward")
+def test_tensor_parallel_block_compiles_with_dynamic_shapes(tp_compiled, qk_norm):
+    result = tp_compiled["block, dynamic shapes" + qk_norm]
+    assert "error" not in result, result["error"]
+    assert result["loss"] <= 1e-6 and result["grad"] <= 1e-5, result
+
+
+@needs_compile
+@pytest.mark.parametrize("qk_norm", ["", ", q/k norms"], ids=["plain", "qk-norm"])
+@pytest.mark.xfail(strict=True, reason="torch 2.13: a TP block's graph read back from the compile caches returns a "
+                                        "wrong gradient for the block's input (the parameters before it ~100% off)")
+def test_tensor_parallel_block_from_the_compile_caches_is_exact(tp_compiled, qk_norm):
+    result = tp_compiled["block, static shapes, from the compile caches" + qk_norm]
+    assert "error" not in result, result["error"]
+    assert result["loss"] <= 1e-6 and result["grad"] <= 1e-5, result

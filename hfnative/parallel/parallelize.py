@@ -7,7 +7,7 @@
    context parallel needs no change to the model (its batches carry the ring-attention plan);
 2. activation checkpointing (which blocks recompute their activations in backward);
 3. torch.compile, block by block (compiled after TP so the graphs see the split shapes, before FSDP so its
-   hooks stay outside the graphs);
+   hooks stay outside the graphs; under TP with static shapes, see compile.py);
 4. FSDP2 over the data-parallel ranks (``mesh["dp_shard"]``, or ``mesh["dp_replicate", "dp_shard"]`` for HSDP;
    ``"dp_shard_cp"`` with context parallel), last, so it shards the (TP/EP-split) parameters that the steps above
    left in place; with expert parallel an MoE model's experts are their own units over ``mesh["dp_mod_ep"]`` and its
@@ -74,12 +74,6 @@ def parallelize(
         from .pipeline import split_into_stage
 
         split_into_stage(model, dims.pp_mesh(mesh).get_local_rank(), dims.pp)
-    if compile and dims.tp_enabled:
-        raise ValueError(
-            "compile=True with tensor parallelism (tp>1) is not supported yet: torch 2.13's inductor fails "
-            "(RecursionError) on the tensor-parallel feed-forward compiled with dynamic shapes; use compile with tp=1, "
-            "or tp without compile"
-        )
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
     # a dense model in an expert-parallel run (a teacher, a reference) is sharded like any other, over all dp_shard
@@ -95,7 +89,8 @@ def parallelize(
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model)
+        # under TP with static shapes and no compile caches (compile.py says why)
+        apply_compile(model, tensor_parallel=dims.tp_enabled)
     if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
         fsdp_mesh = dims.fsdp_mesh(mesh)
         if expert_parallel:
