@@ -5,7 +5,8 @@ Each RUN (layout-model, a key of _rl_layouts_worker.LAYOUTS and a model folder) 
 first rank starts the generator and reward actors (Ray, one local instance for the launch's runs), the generator
 samples from the policy's gathered weights, the reward actor scores, and every rank trains on its share of each
 scored micro-batch, on the same global batch as the test's one-process run. Rank r writes OUTPUT_DIR/RUN-rank<r>.json
-(the steps' logs). The model "tools" (a Qwen3 with TRL's Qwen3 template) trains with tool-calling rollouts: the
+(the steps' logs). The models "tools" and "moetools" (a Qwen3 and a Qwen3-MoE with TRL's Qwen3 template) train with
+tool-calling rollouts: the
 episodes run in the generator actor, each rollout's first turn steered to a tool call by its row's place in the batch
 (as a model that has learned the format writes it), its later turns sampled, the tools run there.
 """
@@ -39,12 +40,12 @@ def near_target_length(completions, target, **kwargs):
 
 def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
     """The logs of the run's steps. max_staleness=0: each step's completions come from the weights of the step
-    before, so the samples do not depend on how far generation ran ahead. A model folder named "tools" trains with
-    tool-calling rollouts (the tools double and fail, one tool-calling iteration)."""
+    before, so the samples do not depend on how far generation ran ahead. A model folder whose name ends in "tools"
+    trains with tool-calling rollouts (the tools double and fail, one tool-calling iteration)."""
     import hfnative
     from datasets import Dataset
 
-    tools = Path(model).name == "tools"
+    tools = Path(model).name.endswith("tools")
     settings = dict(max_completion_length=128, max_tool_calling_iterations=1) if tools else dict(max_completion_length=8)
     args = hfnative.AsyncGRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=STEPS,
