@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE))
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 LAYOUTS = {"ddp": (dict(dp_replicate_size=2), 2), "fsdp2": (dict(dp_shard_size=2), 2), "tp2": (dict(tp_size=2), 1),
            "cp2": (dict(cp_size=2), 1), "ep2": (dict(dp_shard_size=2, ep_size=2), 2),
+           "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2),  # on 4 processes
            # DistillationTrainer with tools (on-policy, MODELS_DIR/teacher the teacher)
            "distill-fsdp2": (dict(dp_shard_size=2), 2)}
 FIRST_TURNS = ['<tool_call>\n{"name": "double", "arguments": {"x": 3}}\n</tool_call>',

@@ -488,14 +488,51 @@ def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
         assert expected[0]["later_turn_rows"] == 12  # 3 of each 4 rows went on after their tool result, in both steps
     for layout in ("ddp", "fsdp2", "tp2", "ep2", "distill-fsdp2"):
         expected = one_process["moe" if layout == "ep2" else "distill" if layout.startswith("distill") else "dense"]
-        for rank in range(2):
-            logs = json.loads((tmp_path / "out" / f"{layout}-rank{rank}.json").read_text())
-            assert len(logs) == 2
-            for step, (got, want) in enumerate(zip(logs, expected), start=1):
-                where = (layout, rank, step)
-                for key in ("reward", "completions/mean_length", "completions/max_length", "num_tokens",
-                            "tools/call_frequency", "tools/failure_frequency"):
-                    if key in want or key != "reward":  # distillation has no reward
-                        assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key)
-                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), where
-                assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), where
+        _assert_layout_equals(tmp_path / "out", layout, 2, expected)
+
+
+def _assert_layout_equals(out: Path, layout: str, processes: int, expected: list[dict]) -> None:
+    """Every rank's logs of ``layout`` equal the one-process run's: the same completions (rewards, lengths, tool
+    metrics exactly), the grad norm within 1e-5 and the loss within 1e-5 relative or 1e-6 absolute."""
+    for rank in range(processes):
+        logs = json.loads((out / f"{layout}-rank{rank}.json").read_text())
+        assert len(logs) == 2
+        for step, (got, want) in enumerate(zip(logs, expected), start=1):
+            where = (layout, rank, step)
+            for key in ("reward", "completions/mean_length", "completions/max_length", "num_tokens",
+                        "tools/call_frequency", "tools/failure_frequency"):
+                if key in want or key != "reward":  # distillation has no reward
+                    assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), where
+            assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), where
+
+
+# GRPO under FSDP2 x TP2 (4 processes) is not deterministic (as in tests/test_rl_layouts.py): here 2 of about 16
+# launches trained step 2 off the one-process run. In one, the debug records showed a single rank's step-2 batch
+# with its completions permuted within the groups (the same prompts in the same order, the same multiset of
+# completion tokens and lengths, in other rows), so the two tensor-parallel ranks of a data-parallel rank trained on
+# different rows (their logged losses differed; rewards, which a permutation within a group keeps, were equal).
+# Not strict: it runs and reports each time; an error other than a failed comparison still fails it.
+@pytest.mark.xfail(strict=False, raises=AssertionError,
+                   reason="GRPO FSDP2 x TP2 on 4 processes: step 2 not deterministic (a rank's rows permuted)")
+def test_tool_rollouts_under_fsdp2_x_tp2_equal_one_process(tmp_path):
+    """Four processes, FSDP2 x TP2: each tensor-parallel pair completes its data-parallel rank's share of the
+    generation batch alike; the steered first turns, sampled later turns and tools as in the test above."""
+    import os
+    import subprocess
+    import sys
+
+    from _tool_calling_worker import GLOBAL_BATCH, train
+
+    models = tmp_path / "models"
+    qwen3_model(models / "dense")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
+    env.pop("WORLD_SIZE", None)
+    (tmp_path / "out").mkdir()
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "fsdp2xtp2"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-8000:]
+    expected = train(str(models / "dense"), str(tmp_path / "one-dense"), GLOBAL_BATCH)
+    _assert_layout_equals(tmp_path / "out", "fsdp2xtp2", 4, expected)
