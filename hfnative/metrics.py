@@ -97,10 +97,16 @@ def listed_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
 def measured_matmul_flops(dtype: torch.dtype = torch.float32, largest: int = 1024, repeats: int = 4) -> float:
     """FLOP/s of the fastest of ``repeats`` [n, n] @ [n, n] CPU matmuls in ``dtype`` on torch's threads: the CPU's
     peak as the training sees it. n doubles from 256 until one matmul takes 20 ms or n is ``largest`` (a dtype
-    without fast CPU kernels, e.g. bf16 on many CPUs, is measured small). Measured once per process (cached)."""
+    without fast CPU kernels, e.g. bf16 on many CPUs, is measured small). Measured once per process (cached).
+
+    The operands come from a generator of their own: how many are drawn depends on the timing, and drawing them from
+    torch's global RNG would leave each process in another state (GRPO's batch shuffle reads that RNG, and the
+    tensor-parallel ranks of one batch must shuffle it alike)."""
+    generator = torch.Generator().manual_seed(0)
     n = 256
     while True:
-        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        a = torch.randn(n, n, generator=generator).to(dtype)
+        b = torch.randn(n, n, generator=generator).to(dtype)
         start = time.perf_counter()
         torch.mm(a, b)  # also the warm-up
         if n >= largest or time.perf_counter() - start >= 0.02:

@@ -119,6 +119,16 @@ def test_the_cpu_peak_is_measured_once_per_process():
     assert measured_matmul_flops.cache_info().hits == hits + 1
 
 
+def test_measuring_the_cpu_peak_leaves_torchs_rng_alone():
+    """How many operands the measurement draws depends on the timing: from torch's global RNG it would leave each
+    process in another state, and GRPO's batch shuffle (torch.randperm, as TRL's) would then order the rows of one
+    batch differently on its tensor-parallel ranks."""
+    measured_matmul_flops.cache_clear()
+    state = torch.get_rng_state()
+    measured_matmul_flops(torch.float32)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 def test_a_cpu_low_precision_peak_is_at_least_the_fp32_rate():
     """A CPU without bf16 kernels multiplies bf16 far below fp32; the engine's head runs in fp32 there, so the peak an
     MFU is taken against is the faster of the two (else a bf16 run could log an MFU above 100%)."""

@@ -507,14 +507,6 @@ def _assert_layout_equals(out: Path, layout: str, processes: int, expected: list
             assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), where
 
 
-# GRPO under FSDP2 x TP2 (4 processes) is not deterministic (as in tests/test_rl_layouts.py): here 2 of about 16
-# launches trained step 2 off the one-process run. In one, the debug records showed a single rank's step-2 batch
-# with its completions permuted within the groups (the same prompts in the same order, the same multiset of
-# completion tokens and lengths, in other rows), so the two tensor-parallel ranks of a data-parallel rank trained on
-# different rows (their logged losses differed; rewards, which a permutation within a group keeps, were equal).
-# Not strict: it runs and reports each time; an error other than a failed comparison still fails it.
-@pytest.mark.xfail(strict=False, raises=AssertionError,
-                   reason="GRPO FSDP2 x TP2 on 4 processes: step 2 not deterministic (a rank's rows permuted)")
 def test_tool_rollouts_under_fsdp2_x_tp2_equal_one_process(tmp_path):
     """Four processes, FSDP2 x TP2: each tensor-parallel pair completes its data-parallel rank's share of the
     generation batch alike; the steered first turns, sampled later turns and tools as in the test above."""
