@@ -452,7 +452,7 @@ def test_tool_settings_are_checked(tmp_path, monkeypatch):
 
 def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
     """Two processes (DDP, FSDP2, EP2 on a mixture-of-experts policy: each rank completes its share of the generation
-    batch; TP2: both ranks complete the whole batch alike; CP2 ran equal too, left out for the suite's time; and
+    batch; TP2 and CP2: both ranks complete the whole batch alike; and
     DistillationTrainer with the same tools under FSDP2): the first turns steered by each row's place in the batch, the later turns
     sampled from each row's own stream on the policy's replica, the tools run on each rank; rewards, lengths,
     tools/* and the grad norm equal the one-process run's."""
@@ -474,8 +474,8 @@ def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "ddp", "fsdp2", "tp2", "ep2",
-               "distill-fsdp2"]
+               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "ddp", "fsdp2", "tp2", "cp2",
+               "ep2", "distill-fsdp2"]
     (tmp_path / "out").mkdir()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-8000:]
@@ -486,7 +486,7 @@ def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
         assert len(expected) == 2 and expected[0]["tools/call_frequency"] == pytest.approx(0.75)
         assert expected[0]["tools/failure_frequency"] == pytest.approx(1 / 3)
         assert expected[0]["later_turn_rows"] == 12  # 3 of each 4 rows went on after their tool result, in both steps
-    for layout in ("ddp", "fsdp2", "tp2", "ep2", "distill-fsdp2"):
+    for layout in ("ddp", "fsdp2", "tp2", "cp2", "ep2", "distill-fsdp2"):
         expected = one_process["moe" if layout == "ep2" else "distill" if layout.startswith("distill") else "dense"]
         _assert_layout_equals(tmp_path / "out", layout, 2, expected)
 
