@@ -21,9 +21,8 @@ sys.path.insert(0, str(HERE))
 GLOBAL_BATCH = 8  # completions per step (2 prompts x 4 generations)
 LAYOUTS = {"ddp": (dict(dp_replicate_size=2), 2), "fsdp2": (dict(dp_shard_size=2), 2), "tp2": (dict(tp_size=2), 1),
            "cp2": (dict(cp_size=2), 1), "ep2": (dict(dp_shard_size=2, ep_size=2), 2),
-           "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2),  # on 4 processes
-           # DistillationTrainer with tools (on-policy, MODELS_DIR/teacher the teacher)
-           "distill-fsdp2": (dict(dp_shard_size=2), 2)}
+           "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2)}  # on 4 processes
+# "distill-<layout>": DistillationTrainer with tools under that layout (on-policy, MODELS_DIR/teacher the teacher)
 FIRST_TURNS = ['<tool_call>\n{"name": "double", "arguments": {"x": 3}}\n</tool_call>',
                '<tool_call>\n{"name": "fail", "arguments": {}}\n</tool_call>', "No tools needed.",
                '<tool_call>\n{"name": "double", "arguments": {"x": 5}}\n</tool_call>']
@@ -122,8 +121,8 @@ def _steered_run(trainer, engine) -> list[dict]:
 def main(output_dir: str, models: str, layouts: list[str]) -> None:
     rank = int(os.environ["RANK"])
     for layout in layouts:
-        sizes, dp = LAYOUTS[layout]
-        model = str(Path(models) / ("moe" if layout == "ep2" else "dense"))
+        sizes, dp = LAYOUTS[layout.removeprefix("distill-")]
+        model = str(Path(models) / ("moe" if layout.endswith("ep2") else "dense"))
         if layout.startswith("distill-"):
             logs = train_distillation(model, str(Path(models) / "teacher"), str(Path(output_dir) / layout),
                                       GLOBAL_BATCH // dp, parallelism_config=dict(sizes))

@@ -1,9 +1,9 @@
 """AsyncGRPOTrainer in every layout, each equal to one process: DDP, FSDP2, TP2, CP2, EP2 (a mixture-of-experts
-policy) on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), and with tool-calling rollouts under FSDP2, TP2, CP2, EP2
-and FSDP2 x TP2, against the same
-trainer on one process with the same global batch. Nothing is stood in for: the first rank runs the Ray generator and reward actors, the generator
-samples from the policy's whole weights (gathered from the ranks' shards at the start and after every step), and
-each rank trains on its share of every scored micro-batch.
+policy) on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), and with tool-calling rollouts under DDP, FSDP2, TP2,
+CP2, EP2 and FSDP2 x TP2, against the same trainer on one process with the same global batch. Nothing is stood in
+for: the first rank runs the Ray generator and reward actors, the generator samples from the policy's whole weights
+(gathered from the ranks' shards at the start and after every step), and each rank trains on its share of every
+scored micro-batch.
 
 Checked per step over 3 steps: the rewards equal (the same completions were sampled and scored), the grad norm
 equal one process's within 1e-5 relative (2e-5 for FSDP2 x TP2, TP2 and CP2), the loss within 1e-5 relative or 1e-6 absolute (on
@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 
 TWO_PROCESS_RUNS = ["ddp-dense", "fsdp2-dense", "tp2-dense", "cp2-dense", "ep2-moe",
                     # tool-calling rollouts (the episodes run in the generator actor) under each layout
-                    "fsdp2-tools", "tp2-tools", "cp2-tools", "ep2-moetools"]
+                    "ddp-tools", "fsdp2-tools", "tp2-tools", "cp2-tools", "ep2-moetools"]
 FOUR_PROCESS_RUNS = ["fsdp2xtp2-dense", "fsdp2xtp2-tools"]
 
 

@@ -450,10 +450,15 @@ def test_tool_settings_are_checked(tmp_path, monkeypatch):
 # --- every data-parallel layout equals one process ---------------------------------------------------------------
 
 
+# GRPO, then DistillationTrainer, with tools under each 2-process layout (tests/_tool_calling_worker.py)
+TWO_PROCESS_TOOL_LAYOUTS = ["ddp", "fsdp2", "tp2", "cp2", "ep2",
+                            "distill-ddp", "distill-fsdp2", "distill-tp2", "distill-cp2", "distill-ep2"]
+
+
 def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
-    """Two processes (DDP, FSDP2, EP2 on a mixture-of-experts policy: each rank completes its share of the generation
-    batch; TP2 and CP2: both ranks complete the whole batch alike; and
-    DistillationTrainer with the same tools under FSDP2): the first turns steered by each row's place in the batch, the later turns
+    """Two processes, GRPO and DistillationTrainer with the same tools, each under DDP, FSDP2, EP2 on a
+    mixture-of-experts policy (each rank completes its share of the generation batch), TP2 and CP2 (both ranks
+    complete the whole batch alike): the first turns steered by each row's place in the batch, the later turns
     sampled from each row's own stream on the policy's replica, the tools run on each rank; rewards, lengths,
     tools/* and the grad norm equal the one-process run's."""
     import os
@@ -474,20 +479,21 @@ def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
     env.pop("WORLD_SIZE", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "ddp", "fsdp2", "tp2", "cp2",
-               "ep2", "distill-fsdp2"]
+               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), *TWO_PROCESS_TOOL_LAYOUTS]
     (tmp_path / "out").mkdir()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-8000:]
     one_process = {name: train(str(models / name), str(tmp_path / f"one-{name}"), GLOBAL_BATCH) for name in ("dense", "moe")}
-    one_process["distill"] = train_distillation(str(models / "dense"), str(models / "teacher"), str(tmp_path / "one-kd"),
-                                                GLOBAL_BATCH)
+    for name in ("dense", "moe"):
+        one_process[f"distill-{name}"] = train_distillation(str(models / name), str(models / "teacher"),
+                                                            str(tmp_path / f"one-kd-{name}"), GLOBAL_BATCH)
     for expected in one_process.values():
         assert len(expected) == 2 and expected[0]["tools/call_frequency"] == pytest.approx(0.75)
         assert expected[0]["tools/failure_frequency"] == pytest.approx(1 / 3)
         assert expected[0]["later_turn_rows"] == 12  # 3 of each 4 rows went on after their tool result, in both steps
-    for layout in ("ddp", "fsdp2", "tp2", "cp2", "ep2", "distill-fsdp2"):
-        expected = one_process["moe" if layout == "ep2" else "distill" if layout.startswith("distill") else "dense"]
+    for layout in TWO_PROCESS_TOOL_LAYOUTS:
+        model = "moe" if layout.endswith("ep2") else "dense"
+        expected = one_process[f"distill-{model}" if layout.startswith("distill-") else model]
         _assert_layout_equals(tmp_path / "out", layout, 2, expected)
 
 
@@ -508,23 +514,28 @@ def _assert_layout_equals(out: Path, layout: str, processes: int, expected: list
 
 
 def test_tool_rollouts_under_fsdp2_x_tp2_equal_one_process(tmp_path):
-    """Four processes, FSDP2 x TP2: each tensor-parallel pair completes its data-parallel rank's share of the
-    generation batch alike; the steered first turns, sampled later turns and tools as in the test above."""
+    """Four processes, FSDP2 x TP2, GRPO and DistillationTrainer: each tensor-parallel pair completes its
+    data-parallel rank's share of the generation batch alike; the steered first turns, sampled later turns and tools
+    as in the test above."""
     import os
     import subprocess
     import sys
 
-    from _tool_calling_worker import GLOBAL_BATCH, train
+    from _tool_calling_worker import GLOBAL_BATCH, train, train_distillation
 
     models = tmp_path / "models"
     qwen3_model(models / "dense")
+    shutil.copytree(Path(MODEL).parent / "tiny-qwen3-teacher", models / "teacher")
     here = Path(__file__).resolve().parent
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
     env.pop("WORLD_SIZE", None)
     (tmp_path / "out").mkdir()
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "fsdp2xtp2"]
+               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "fsdp2xtp2",
+               "distill-fsdp2xtp2"]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-8000:]
     expected = train(str(models / "dense"), str(tmp_path / "one-dense"), GLOBAL_BATCH)
     _assert_layout_equals(tmp_path / "out", "fsdp2xtp2", 4, expected)
+    expected = train_distillation(str(models / "dense"), str(models / "teacher"), str(tmp_path / "one-kd"), GLOBAL_BATCH)
+    _assert_layout_equals(tmp_path / "out", "distill-fsdp2xtp2", 4, expected)
