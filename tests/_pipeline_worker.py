@@ -28,7 +28,14 @@ LAYOUTS = {
     "pp2-1f1b": (dict(dp_shard_size=1, pp_size=2, pp_schedule="1f1b"), 1, 2),
     "pp2xfsdp2": (dict(dp_shard_size=2, pp_size=2), 2, 4),
     "fsdp2": (dict(dp_shard_size=2), 2, 2),
+    # 4 stages of one block each (GPipe: 1F1B needs at least as many micro-batches as stages)
+    "pp4-gpipe": (dict(dp_shard_size=1, pp_size=4, pp_schedule="gpipe"), 1, 4),
+    # PP2 x replication (each stage's parameters whole on both data-parallel ranks, gradients averaged)
+    "pp2xddp": (dict(dp_replicate_size=2, dp_shard_size=1, pp_size=2), 2, 4),
+    "pp2-1f1b-checkpointed": (dict(dp_shard_size=1, pp_size=2, pp_schedule="1f1b"), 1, 2),
 }
+# a layout's other training arguments (activation checkpointing recomputes exactly: the same numbers)
+SETTINGS = {"pp2-1f1b-checkpointed": dict(gradient_checkpointing=True)}
 
 # name -> (algorithm, layout, the cell whose checkpoint-SAVED_AT it resumes or None, whether it saves one)
 CELLS = {
@@ -38,6 +45,9 @@ CELLS = {
     "dpo-pp2-1f1b": ("dpo", "pp2-1f1b", None, False),
     "pp2xfsdp2": ("sft", "pp2xfsdp2", None, True),
     "dpo-pp2xfsdp2": ("dpo", "pp2xfsdp2", None, False),
+    "pp4-gpipe": ("sft", "pp4-gpipe", None, False),
+    "pp2xddp": ("sft", "pp2xddp", None, False),
+    "pp2-1f1b-checkpointed": ("sft", "pp2-1f1b-checkpointed", None, False),
 }
 
 
@@ -57,6 +67,7 @@ def trainer_for(output_dir: str, model_dir: str, layout: str | None = None, save
         gradient_accumulation_steps=ACCUMULATION, learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=0,
         weight_decay=0.01, max_grad_norm=0.5, max_length=40, seed=7,
         parallelism_config=None if layout is None else dict(LAYOUTS[layout][0]),
+        **SETTINGS.get(layout, {}),
     )
     if algorithm == "dpo":
         args = hfnative.DPOConfig(**common, beta=0.1)
@@ -72,6 +83,8 @@ def main(output_dir: str, model_dir: str, cells: list[str]) -> None:
         out = Path(output_dir) / cell
         trainer = trainer_for(str(out), model_dir, layout, save, algorithm)
         checkpoint = None if resume is None else str(Path(output_dir) / resume / f"checkpoint-{SAVED_AT}")
+        if trainer.args.gradient_checkpointing:  # this stage's blocks recompute
+            assert trainer.native_model.checkpointed_layers, trainer.native_model.checkpointed_layers
         trainer.train(resume_from_checkpoint=checkpoint)
         if rank == 0:
             (out / "log.json").write_text(json.dumps(trainer.state.log_history))

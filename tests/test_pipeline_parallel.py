@@ -1,7 +1,8 @@
 """Pipeline parallel (parallelism_config pp_size / pp_schedule) for SFTTrainer and DPOTrainer, against one process.
 
 Cells (tests/_pipeline_worker.py; one 2-process and one 4-process gloo launch): SFT under PP2 with the GPipe and the
-1F1B schedule and PP2 x FSDP2 on 4 processes, DPO (its reference a frozen copy, split into the same stages) under
+1F1B schedule (and 1F1B with activation checkpointing), PP2 x FSDP2, PP2 x replication and PP4 (GPipe, a block per
+stage) on 4 processes, DPO (its reference a frozen copy, split into the same stages) under
 PP2 1F1B and PP2 x FSDP2; each 3 steps of 2 accumulated micro-batches (the schedule's micro-batches) over the same
 global batches as one process; per-step loss and grad norm within 1e-5 relative of one process's (measured
 <= ~1e-6), and every logged metric (SFT's entropy and token accuracy, DPO's rewards, log-probs, logits) too. The PP2 (GPipe) checkpoint at step 2 resumes under FSDP2 on 2 processes,
@@ -101,7 +102,8 @@ def _assert_steps_match(mine: list[dict], theirs: list[dict], where: str, resume
             assert step[key] == pytest.approx(expected[key], rel=TOLERANCE, abs=1e-7), (where, step["step"], key)
 
 
-@pytest.mark.parametrize("cell", ["pp2-gpipe", "pp2-1f1b", "pp2xfsdp2", "dpo-pp2-1f1b", "dpo-pp2xfsdp2"])
+@pytest.mark.parametrize("cell", ["pp2-gpipe", "pp2-1f1b", "pp2xfsdp2", "dpo-pp2-1f1b", "dpo-pp2xfsdp2", "pp4-gpipe",
+                                  "pp2xddp", "pp2-1f1b-checkpointed"])
 def test_pipeline_trains_like_one_process(launched, references, cell):
     steps, expected = _steps(launched / cell), _steps(references[worker.CELLS[cell][0]])
     assert len(steps) == len(expected) == worker.STEPS
