@@ -12,6 +12,7 @@ from transformers.optimization import get_scheduler
 
 from hfnative.optim import (
     OptimizerSettings,
+    allocate_adam_state,
     build_optimizer,
     decay_parameter_names,
     optimizer_class_and_kwargs,
@@ -191,6 +192,47 @@ def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     # a parameter the fused kernel does not take keeps torch's default
     assert "fused" not in with_fused_kernel("adamw_torch", {}, [nn.Parameter(torch.zeros(2, device="meta"))])
+
+
+def _assert_same_steps(ours_model, ours, lazy_model, lazy) -> None:
+    """3 steps on the same batch: the parameters and the state (keys, dtypes, devices, values) equal after each."""
+    ids = torch.randint(0, 64, (2, 12))
+    for _ in range(3):
+        for model, optimizer in ((ours_model, ours), (lazy_model, lazy)):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for a, b in zip(ours_model.parameters(), lazy_model.parameters()):
+            assert torch.equal(a, b)
+            assert ours.state[a].keys() == lazy.state[b].keys()
+            for key, value in lazy.state[b].items():
+                mine = ours.state[a][key]
+                assert (mine.dtype, mine.device, mine.shape) == (value.dtype, value.device, value.shape), key
+                assert torch.equal(mine, value), key
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_adam_state_made_at_construction_is_torchs_first_step_state(optim, tmp_path):
+    """build_optimizer allocates Adam's state up front; after every step the state and the parameters equal those
+    of the optimizer transformers builds (given the fused kernel ours takes), whose state torch makes lazily."""
+    ours_model, hf_model = _tiny_qwen3(), _tiny_qwen3()
+    ours = build_optimizer(ours_model, OptimizerSettings(optim, **HYPERPARAMETERS))
+    hf = _hf_trainer_optimizer(hf_model, tmp_path, optim=optim, **HYPERPARAMETERS)
+    for group in hf.param_groups:  # adamw_torch: ours takes the fused kernel (the test above)
+        group["fused"] = ours.defaults["fused"]
+    assert len(ours.state) == sum(p.requires_grad for p in ours_model.parameters()) and not hf.state
+    _assert_same_steps(ours_model, ours, hf_model, hf)
+
+
+@pytest.mark.parametrize("cls, kwargs", [(torch.optim.AdamW, dict(amsgrad=True)), (torch.optim.Adam, dict(foreach=True)),
+                                         (torch.optim.AdamW, dict(fused=True, amsgrad=True))])
+def test_allocated_adam_state_under_other_options_is_torchs(cls, kwargs):
+    ours_model, lazy_model = _tiny_qwen3(), _tiny_qwen3()
+    ours = allocate_adam_state(cls(ours_model.parameters(), lr=1e-3, **kwargs))
+    lazy = cls(lazy_model.parameters(), lr=1e-3, **kwargs)
+    _assert_same_steps(ours_model, ours, lazy_model, lazy)
+    sgd = torch.optim.SGD(ours_model.parameters(), lr=0.1)
+    assert allocate_adam_state(sgd) is sgd and not sgd.state  # other optimizers untouched
 
 
 def test_low_bit_names_build_torchao():

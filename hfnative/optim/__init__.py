@@ -4,6 +4,7 @@ get_scheduler, built in trainers/)."""
 from hfnative.optim.factory import (
     SUPPORTED_OPTIMIZERS,
     OptimizerSettings,
+    allocate_adam_state,
     build_optimizer,
     decay_parameter_names,
     optimizer_class_and_kwargs,
@@ -16,6 +17,7 @@ from hfnative.optim.factory import (
 __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "OptimizerSettings",
+    "allocate_adam_state",
     "build_optimizer",
     "decay_parameter_names",
     "optimizer_class_and_kwargs",

