@@ -204,7 +204,7 @@ def allocate_adam_state(optimizer: torch.optim.Optimizer) -> torch.optim.Optimiz
     Why: made at the first step, the moments (2x the trainable parameters, kept for the whole run) land in the heap
     among the first step's freed activations and gradients, and glibc's heap then grows around them; made here,
     before any forward, they sit below what the steps allocate and free. Measured on the reference SFT preset
-    (2 CPU cores, fp32, benchmarks/bench_sft.py): peak RSS 1,030-1,053 MiB before, 997-999 MiB after, the same
+    (2 CPU cores, fp32, benchmarks/bench_sft.py): peak RSS 1,030-1,053 MiB before, 997-1,022 MiB after, the same
     losses and speed. Returns ``optimizer``; other optimizers are returned untouched."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return optimizer
