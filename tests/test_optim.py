@@ -177,6 +177,14 @@ def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
         ours.step()  # the fused CPU kernel runs
 
 
+def _step_each(pairs, ids) -> None:
+    """One optimizer step of each (model, optimizer) on the language-modeling loss of ``ids``."""
+    for model, optimizer in pairs:
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
     """adamw_torch: the fused kernel we pick gives torch's default (for-loop) AdamW parameters, step after step."""
     ours_model, hf_model = _tiny_qwen3(), _tiny_qwen3()  # same seed inside: same weights
@@ -184,10 +192,7 @@ def test_adamw_torch_fused_kernel_makes_the_for_loop_update(tmp_path):
     hf = _hf_trainer_optimizer(hf_model, tmp_path, optim="adamw_torch", **HYPERPARAMETERS)
     ids = torch.randint(0, 64, (2, 12))
     for _ in range(4):
-        for model, optimizer in ((ours_model, ours), (hf_model, hf)):
-            model(ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _step_each(((ours_model, ours), (hf_model, hf)), ids)
     for (name, a), b in zip(ours_model.named_parameters(), hf_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
     # a parameter the fused kernel does not take keeps torch's default
@@ -198,10 +203,7 @@ def _assert_same_steps(ours_model, ours, lazy_model, lazy) -> None:
     """3 steps on the same batch: the parameters and the state (keys, dtypes, devices, values) equal after each."""
     ids = torch.randint(0, 64, (2, 12))
     for _ in range(3):
-        for model, optimizer in ((ours_model, ours), (lazy_model, lazy)):
-            model(ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        _step_each(((ours_model, ours), (lazy_model, lazy)), ids)
         for a, b in zip(ours_model.parameters(), lazy_model.parameters()):
             assert torch.equal(a, b)
             assert ours.state[a].keys() == lazy.state[b].keys()
