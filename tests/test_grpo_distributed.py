@@ -57,8 +57,9 @@ def test_two_ranks_train_like_one_process(launched, case, tmp_path):
             # advantages averaging to 0) and RLOO's kl (a mean of log-prob differences, log-probs ~5 in size)
             absolute = 1e-6 if name in ("loss", "kl") and worker.CASES[case][0] == "RLOO" else 1e-7
             # after an AdamW step, a gradient norm carries the update's magnified round-off (as test_grpo's
-            # two-step comparisons): 1e-4 relative from step 2
-            relative = 1e-4 if name == "grad_norm" and step > 1 else 1e-5
+            # two-step comparisons), and so does the KL of the moved policy from the reference (RLOO's normalized-kl
+            # step 3 measured 3.9e-5 off inside the full suite on an Intel Xeon): 1e-4 relative from step 2
+            relative = 1e-4 if name in ("grad_norm", "kl") and step > 1 else 1e-5
             if mine[name] != pytest.approx(expected[name], rel=relative, abs=absolute):
                 differences.append((step, name, mine[name], expected[name]))
     assert not differences, differences
