@@ -54,7 +54,7 @@ def _cached_block(model) -> None:
 
     warm = copy.deepcopy(model)
     _block_compiled(warm, dynamic=False, options={"fx_graph_cache": True})
-    _, _ = _forward_backward(warm)
+    _forward_backward(warm)
     torch._dynamo.reset()
     _block_compiled(model, dynamic=False, options={"fx_graph_cache": True})
 
