@@ -424,10 +424,12 @@ def _compile(args) -> bool:
             f"accelerate's dynamo_backend={dynamo.backend.value} is not supported by hfnative, which compiles with "
             "inductor: set dynamo_backend to INDUCTOR or NO in the accelerate config (--dynamo_backend)"
         )
-    # (its dynamic switch is always exported, "False" by default, so it says nothing; hfnative's graphs are dynamic)
+    # (its dynamic switch is always exported, "False" by default, so it says nothing; hfnative's graphs are dynamic,
+    # static under tensor parallel)
     if dynamo.mode != "default" or dynamo.fullgraph or dynamo.use_regional_compilation:
-        _say("accelerate's dynamo config: hfnative compiles each decoder block with dynamic shapes, in inductor's "
-             f"default mode; mode={dynamo.mode}, fullgraph and regional compilation do not apply")
+        _say("accelerate's dynamo config: hfnative compiles each decoder block with dynamic shapes (static under "
+             f"tensor parallel), in inductor's default mode; mode={dynamo.mode}, fullgraph and regional compilation "
+             "do not apply")
     return True
 
 
