@@ -38,16 +38,13 @@ FOUR_PROCESS_RUNS = ["fsdp2xtp2-dense", "fsdp2xtp2-tools"]
 def models(tmp_path_factory) -> Path:
     import shutil
 
-    from test_tool_calling import qwen3_model
+    from test_tool_calling import qwen3_model, qwen3_moe_model
 
     folder = tmp_path_factory.mktemp("async-layout-models")
     shutil.copytree(DENSE, folder / "dense")
     save_moe_model(folder / "moe")
     qwen3_model(folder / "tools")  # tiny-qwen3 with TRL's Qwen3 template: its tool calls parse
-    save_moe_model(folder / "moetools")  # the MoE policy with the same template, and tiny-qwen3's context length
-    shutil.copy(folder / "tools" / "chat_template.jinja", folder / "moetools" / "chat_template.jinja")
-    config = json.loads((folder / "moetools" / "config.json").read_text())
-    (folder / "moetools" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    qwen3_moe_model(folder / "moetools")  # the MoE policy with the same template
     return folder
 
 

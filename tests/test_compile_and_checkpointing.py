@@ -4,14 +4,11 @@ on the whole tensor-parallel block held as strict expected failures."""
 
 import copy
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from _launch import torchrun
 from torch._dynamo.utils import counters
 
 from hfnative.models.args import ModelArgs
@@ -142,16 +139,9 @@ def test_compile_and_activation_checkpointing_compose(compiled_pair):
 def tp_compiled(tmp_path_factory) -> dict:
     """Each compiled way's loss and worst gradient difference from the eager TP2 run (or its error)."""
     out = tmp_path_factory.mktemp("tp-compile") / "results.json"
-    here = Path(__file__).resolve().parent
     # a fresh cache directory: the first compile of the cached way fills it, the second reads it
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(here),
-               TORCHINDUCTOR_CACHE_DIR=str(out.parent / "inductor-cache"))
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         str(here / "_tp_compile_worker.py"), str(out)],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
+    torchrun("_tp_compile_worker.py", [str(out)], 2, timeout=600, TORCHINDUCTOR_COMPILE_THREADS="1",
+             TORCHINDUCTOR_CACHE_DIR=str(out.parent / "inductor-cache"))
     return json.loads(out.read_text())
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _launch import torchrun
 from test_grpo import MODEL, assert_two_steps_equal
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
@@ -101,6 +102,27 @@ def qwen3_model(folder: Path, max_position_embeddings: int | None = None) -> str
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": max_position_embeddings}))
     return str(folder)
+
+
+def qwen3_moe_model(folder: Path) -> str:
+    """A random Qwen3-MoE (tests/test_rl_layouts.py) with tiny-qwen3's tokenizer and TRL's Qwen3 template, its
+    context as long as tiny-qwen3's (room for the tools' schemas and the turns)."""
+    from test_rl_layouts import save_moe_model
+
+    save_moe_model(folder)
+    (folder / "chat_template.jinja").write_text(_trl_template("qwen3.jinja"), encoding="utf-8")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    return str(folder)
+
+
+def _tool_layout_models(folder: Path, moe: bool) -> Path:
+    """dense/ (qwen3_model), teacher/ (tiny-qwen3-teacher) and, with ``moe``, moe/ (qwen3_moe_model) in ``folder``."""
+    qwen3_model(folder / "dense")
+    shutil.copytree(Path(MODEL).parent / "tiny-qwen3-teacher", folder / "teacher")
+    if moe:
+        qwen3_moe_model(folder / "moe")
+    return folder
 
 
 def llama31_model(folder: Path) -> str:
@@ -461,28 +483,11 @@ def test_tool_rollouts_in_every_layout_equal_one_process(tmp_path):
     complete the whole batch alike): the first turns steered by each row's place in the batch, the later turns
     sampled from each row's own stream on the policy's replica, the tools run on each rank; rewards, lengths,
     tools/* and the grad norm equal the one-process run's."""
-    import os
-    import subprocess
-    import sys
-
     from _tool_calling_worker import GLOBAL_BATCH, train, train_distillation
-    from test_rl_layouts import save_moe_model
 
-    models = tmp_path / "models"
-    qwen3_model(models / "dense")
-    shutil.copytree(Path(MODEL).parent / "tiny-qwen3-teacher", models / "teacher")
-    save_moe_model(models / "moe")  # tiny-qwen3's tokenizer, with the released Qwen3 template
-    (models / "moe" / "chat_template.jinja").write_text(_trl_template("qwen3.jinja"), encoding="utf-8")
-    config = json.loads((models / "moe" / "config.json").read_text())  # room for the tools' schemas and the turns
-    (models / "moe" / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
-    env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), *TWO_PROCESS_TOOL_LAYOUTS]
+    models = _tool_layout_models(tmp_path / "models", moe=True)
     (tmp_path / "out").mkdir()
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-8000:]
+    torchrun("_tool_calling_worker.py", [str(tmp_path / "out"), str(models), *TWO_PROCESS_TOOL_LAYOUTS], 2, timeout=600)
     one_process = {name: train(str(models / name), str(tmp_path / f"one-{name}"), GLOBAL_BATCH) for name in ("dense", "moe")}
     for name in ("dense", "moe"):
         one_process[f"distill-{name}"] = train_distillation(str(models / name), str(models / "teacher"),
@@ -517,24 +522,12 @@ def test_tool_rollouts_under_fsdp2_x_tp2_equal_one_process(tmp_path):
     """Four processes, FSDP2 x TP2, GRPO and DistillationTrainer: each tensor-parallel pair completes its
     data-parallel rank's share of the generation batch alike; the steered first turns, sampled later turns and tools
     as in the test above."""
-    import os
-    import subprocess
-    import sys
-
     from _tool_calling_worker import GLOBAL_BATCH, train, train_distillation
 
-    models = tmp_path / "models"
-    qwen3_model(models / "dense")
-    shutil.copytree(Path(MODEL).parent / "tiny-qwen3-teacher", models / "teacher")
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(here))
-    env.pop("WORLD_SIZE", None)
+    models = _tool_layout_models(tmp_path / "models", moe=False)
     (tmp_path / "out").mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-               str(here / "_tool_calling_worker.py"), str(tmp_path / "out"), str(models), "fsdp2xtp2",
-               "distill-fsdp2xtp2"]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-8000:]
+    torchrun("_tool_calling_worker.py", [str(tmp_path / "out"), str(models), "fsdp2xtp2", "distill-fsdp2xtp2"], 4,
+             timeout=600)
     expected = train(str(models / "dense"), str(tmp_path / "one-dense"), GLOBAL_BATCH)
     _assert_layout_equals(tmp_path / "out", "fsdp2xtp2", 4, expected)
     expected = train_distillation(str(models / "dense"), str(models / "teacher"), str(tmp_path / "one-kd"), GLOBAL_BATCH)
