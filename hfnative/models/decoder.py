@@ -18,11 +18,19 @@ from .attention import AttentionPlan, plan_attention
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, model_norm
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
+from .recompute import keep_as_recomputed, recomputed_in_backward
 from .rope import RotaryEmbedding
 
 
 def _norm_if(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
+
+
+def _pre_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+    """A sublayer's input norm; its output is remade from ``x`` (kept by the norm) in backward."""
+    if norm is None:
+        return x
+    return keep_as_recomputed(norm(x), lambda: norm(x))
 
 
 class TransformerBlock(nn.Module):
@@ -48,11 +56,17 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = model_norm(args) if post_norms else None
 
     def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
-        attn_out = self.attention(_norm_if(self.attention_norm, x_BSD), cos_sin, plan, self.is_sliding)
+        attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD), cos_sin, plan, self.is_sliding)
         h = x_BSD + _norm_if(self.post_attention_norm, attn_out)
-        ffn_in = _norm_if(self.ffn_norm, h)
+        ffn_in = _pre_norm(self.ffn_norm, h)
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
+
+
+def _is_compiled(layer: nn.Module) -> bool:
+    """Whether ``hfnative.parallel.compile`` compiled the block (or its attention): the compiler then chooses what
+    backward recomputes."""
+    return "_compiled_forward" in vars(layer) or "_compiled_forward" in vars(layer.attention)
 
 
 class BlockOnAnotherStage(nn.Module):
@@ -202,7 +216,8 @@ class Transformer(nn.Module):
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
             else:
-                h = layer(*layer_inputs)
+                with recomputed_in_backward(not _is_compiled(layer)):
+                    h = layer(*layer_inputs)
         return h if self.norm is None else self.norm(h)
 
     def forward(

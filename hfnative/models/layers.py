@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from .args import ModelArgs
 from .attention import AttentionPlan, attend
+from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 
 
@@ -99,18 +100,27 @@ class Attention(nn.Module):
     def project_qkv(
         self, x_BSD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied)."""
-        B, S, _ = x_BSD.shape
+        """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied). The rotated
+        queries and keys are remade from the projections in backward (``hfnative.models.recompute``)."""
         xq, xk, xv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
-        if self.q_norm is not None and self.qk_norm_over_projection:
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq_BHSd = xq.view(B, S, self.n_heads, self.head_dim).transpose(1, 2)
-        xk_BKSd = xk.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        xv_BKSd = xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None and not self.qk_norm_over_projection:
-            xq_BHSd, xk_BKSd = self.q_norm(xq_BHSd), self.k_norm(xk_BKSd)
         cos, sin = cos_sin
-        return apply_rotary(xq_BHSd, cos, sin), apply_rotary(xk_BKSd, cos, sin), xv_BKSd
+        q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
+        keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
+        k_BKSd = self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin)
+        keep_as_recomputed(k_BKSd, lambda: self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin))
+        B, S, _ = x_BSD.shape
+        return q_BHSd, k_BKSd, xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
+
+    def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
+        """A projection [B, S, heads * d] as heads [B, heads, S, d], normed (over the projection or per head) and
+        rotated."""
+        B, S, _ = x_BSP.shape
+        if norm is not None and self.qk_norm_over_projection:
+            x_BSP = norm(x_BSP)
+        x_BhSd = x_BSP.view(B, S, heads, self.head_dim).transpose(1, 2)
+        if norm is not None and not self.qk_norm_over_projection:
+            x_BhSd = norm(x_BhSd)
+        return apply_rotary(x_BhSd, cos, sin)
 
     def forward(
         self,
@@ -174,4 +184,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(_GatedActivation.apply(self.w1(x), self.w3(x), self.activation))
+        gate, up = self.w1(x), self.w3(x)
+        hidden = _GatedActivation.apply(gate, up, self.activation)
+        # the down projection's input is remade from gate and up (which the gated unit keeps) in backward
+        keep_as_recomputed(hidden, lambda: ACTIVATIONS[self.activation](gate) * up)
+        return self.w2(hidden)
