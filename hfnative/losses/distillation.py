@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ._chunks import ChunkBuffers, ChunkKernel, chunk_logits, fused_head_loss, matmul_inputs
+from ._chunks import ChunkBuffers, ChunkKernel, chunk_logits, fused_head_loss, matmul_inputs, softmax_in_place_verified
 
 
 @dataclass
@@ -30,22 +30,42 @@ class DistillationOutput:
     num_tokens: int
 
 
-def _divergence_and_grad(log_ps_CV, log_pt_CV, beta: float):
-    """Per-token JSD_beta [C] and dJSD/dz_s [C, V] (z_s the student's logits after temperature)."""
-    ps_CV = log_ps_CV.exp()
+class _Scratch:
+    """[C, V] fp32 tensors one chunk loop reuses from chunk to chunk (the first chunk is the largest)."""
+
+    def __init__(self):
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def __call__(self, name: str, like_CV: torch.Tensor) -> torch.Tensor:
+        buffer = self._buffers.get(name)
+        if buffer is None:
+            buffer = self._buffers[name] = torch.empty_like(like_CV, memory_format=torch.contiguous_format)
+        return buffer[: like_CV.shape[0]]
+
+
+def _divergence_and_grad(log_ps_CV, log_pt_CV, ps_CV, beta: float, scratch: _Scratch, spare_CV=None):
+    """Per-token JSD_beta [C] and dJSD/dz_s [C, V] (z_s the student's logits after temperature), given p_s = ps_CV.
+    log_pt_CV is overwritten; the [C, V] intermediates live in ``scratch`` (two tensors there at most; ``spare_CV``,
+    a [C, V] tensor the caller no longer needs, serves as the second), so a chunk allocates nothing of that size.
+    Each value is the same op on the same operands as the plain formulas."""
     if beta == 0.0:
-        pt_CV = log_pt_CV.exp()
-        divergence_C = (pt_CV * (log_pt_CV - log_ps_CV)).sum(-1)
+        pt_CV = torch.exp(log_pt_CV, out=scratch("a", log_pt_CV))
+        # pt * (log pt - log ps), the difference formed in log pt's place
+        divergence_C = log_pt_CV.sub_(log_ps_CV).mul_(pt_CV).sum(-1)
         return divergence_C, ps_CV.sub_(pt_CV)
     if beta == 1.0:
-        gap_CV = log_ps_CV - log_pt_CV
-        divergence_C = (ps_CV * gap_CV).sum(-1)
+        gap_CV = torch.sub(log_ps_CV, log_pt_CV, out=log_pt_CV)
+        divergence_C = torch.mul(ps_CV, gap_CV, out=scratch("a", gap_CV)).sum(-1)
         # dKL(p_s||p_t)/dz_s = p_s * (log p_s - log p_t - KL)
         return divergence_C, gap_CV.sub_(divergence_C[:, None]).mul_(ps_CV)
-    log_m_CV = torch.logaddexp(log_ps_CV + math.log1p(-beta), log_pt_CV + math.log(beta))
-    kl_teacher_C = (log_pt_CV.exp() * (log_pt_CV - log_m_CV)).sum(-1)
-    student_gap_CV = log_ps_CV - log_m_CV
-    kl_student_C = (ps_CV * student_gap_CV).sum(-1)
+    log_m_CV = torch.add(log_ps_CV, math.log1p(-beta), out=scratch("a", log_ps_CV))
+    teacher_part_CV = torch.add(log_pt_CV, math.log(beta), out=scratch("b", log_pt_CV) if spare_CV is None else spare_CV)
+    log_m_CV = torch.logaddexp(log_m_CV, teacher_part_CV, out=log_m_CV)
+    # p_t * (log p_t - log m): p_t in the second scratch tensor, the difference in log p_t's place
+    pt_CV = torch.exp(log_pt_CV, out=teacher_part_CV)
+    kl_teacher_C = log_pt_CV.sub_(log_m_CV).mul_(pt_CV).sum(-1)
+    student_gap_CV = torch.sub(log_ps_CV, log_m_CV, out=log_m_CV)
+    kl_student_C = torch.mul(ps_CV, student_gap_CV, out=pt_CV).sum(-1)
     divergence_C = beta * kl_teacher_C + (1 - beta) * kl_student_C
     # dJSD/dp_s = (1 - beta)(log p_s - log m); through the softmax: p_s * (g - <p_s, g>)
     grad_CV = student_gap_CV.sub_(kl_student_C[:, None]).mul_(ps_CV).mul_(1 - beta)
@@ -68,20 +88,27 @@ def generalized_jsd_terms(student_log_probs: torch.Tensor, teacher_log_probs: to
 
 
 class _GeneralizedJSDKernel(ChunkKernel):
-    """Summed JSD_beta and student entropy; the student's gradients are formed chunk by chunk in forward."""
+    """Summed JSD_beta and student entropy; the student's gradients are formed chunk by chunk in forward.
+    ``teacher_logits_fn(rows)`` returns a [C, V] fp32 tensor the kernel may overwrite."""
 
     def __init__(self, teacher_logits_fn, beta, temperature, student_softcap, chunk_size):
         super().__init__(student_softcap, temperature, chunk_size)
         self.teacher_logits_fn, self.beta = teacher_logits_fn, beta
+        self.scratch = _Scratch()
 
     def prepare(self, hidden_ND, need_hidden):
         return tuple(torch.zeros((), dtype=torch.float32, device=hidden_ND.device) for _ in range(2))
 
     def forward_chunk(self, chunk, loss, entropy):
         log_ps_CV = torch.log_softmax(chunk.z_CV, dim=-1, out=chunk.probs_CV)
-        log_pt_CV = F.log_softmax(self.teacher_logits_fn(chunk.rows), dim=-1)
-        entropy -= (log_ps_CV.exp() * log_ps_CV).sum()
-        divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, self.beta)
+        z_t_CV = self.teacher_logits_fn(chunk.rows)
+        in_place = softmax_in_place_verified(z_t_CV.device)
+        log_pt_CV = torch.log_softmax(z_t_CV, dim=-1, out=z_t_CV if in_place else self.scratch("log_pt", z_t_CV))
+        ps_CV = torch.exp(log_ps_CV, out=self.scratch("ps", log_ps_CV))
+        entropy -= torch.mul(ps_CV, log_ps_CV, out=self.scratch("a", log_ps_CV)).sum()
+        # without a soft-cap the backward of the logits does not read them: z_s's buffer is free from here
+        spare_CV = chunk.z_CV if self.softcap is None else None
+        divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, ps_CV, self.beta, self.scratch, spare_CV)
         loss += divergence_C.sum()
         if chunk.needs_grad:
             chunk.backpropagate(grad_z_CV)
