@@ -8,8 +8,8 @@ themselves), the gated MLP's act(gate) * up (from gate and up, which the gated u
 it, the block keeps ``remake`` instead (a saved-tensor hook), and backward calls ``remake()`` under ``torch.no_grad``
 with the forward's autocast state when the tensor is read. ``remake`` runs the forward's own ops on the forward's own
 inputs, so the tensor backward reads is bit-identical to the one forward made; only elementwise work is repeated, no
-matmul. In a Qwen3-shaped block this is 42 of 96 bytes kept per token and model dim (measured at 100M parameters:
-1.16 GB of activations at 2,048 tokens -> 0.66 GB).
+matmul. At 100M parameters (a Qwen3-shaped model, hidden 768, MLP 2,048, 12 blocks) a forward over 2,048 tokens
+kept 1,175 MiB for backward, and keeps 736 MiB with these remade.
 
 The hooks are not installed where other saved-tensor hooks already run (activation checkpointing, activation
 offloading: those decide what is kept), under torch.compile (the compiler chooses what to recompute), or for a tensor
