@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ._chunks import ChunkBuffers, ChunkKernel, chunk_logits, fused_head_loss, matmul_inputs, softmax_in_place_verified
 
@@ -59,7 +58,8 @@ def _divergence_and_grad(log_ps_CV, log_pt_CV, ps_CV, beta: float, scratch: _Scr
         # dKL(p_s||p_t)/dz_s = p_s * (log p_s - log p_t - KL)
         return divergence_C, gap_CV.sub_(divergence_C[:, None]).mul_(ps_CV)
     log_m_CV = torch.add(log_ps_CV, math.log1p(-beta), out=scratch("a", log_ps_CV))
-    teacher_part_CV = torch.add(log_pt_CV, math.log(beta), out=scratch("b", log_pt_CV) if spare_CV is None else spare_CV)
+    second_CV = scratch("b", log_pt_CV) if spare_CV is None else spare_CV
+    teacher_part_CV = torch.add(log_pt_CV, math.log(beta), out=second_CV)
     log_m_CV = torch.logaddexp(log_m_CV, teacher_part_CV, out=log_m_CV)
     # p_t * (log p_t - log m): p_t in the second scratch tensor, the difference in log p_t's place
     pt_CV = torch.exp(log_pt_CV, out=teacher_part_CV)
