@@ -21,8 +21,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
-import os
 from typing import NamedTuple
+
+from hfnative.switches import switched_off
 
 __all__ = ["HeapStats", "heap_stats", "keep_freed_cpu_memory"]
 
@@ -84,7 +85,7 @@ def keep_freed_cpu_memory() -> bool:
     if _applied is not None:
         return _applied
     _applied = False
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ENV_SWITCH):
         return False
     libc = _glibc()
     if libc is None:

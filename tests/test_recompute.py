@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_configs import ONE_PER_FAMILY, save_hf_model
-from transformers import Qwen3Config
+from transformers import AutoModelForCausalLM, Qwen3Config
 
 from hfnative.allocator import heap_stats
 from hfnative.converters.loading import load_pretrained
@@ -85,8 +85,6 @@ def test_a_forward_keeps_less(tmp_path, monkeypatch):
     config = Qwen3Config(vocab_size=96, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
-
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     model = load_pretrained(tmp_path).model
     model.train()

@@ -19,11 +19,12 @@ subclass (DTensor: tensor parallel). ``HFNATIVE_RECOMPUTE_IN_BACKWARD=0`` switch
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
 from collections.abc import Callable
 
 import torch
+
+from hfnative.switches import switched_off
 
 __all__ = ["keep_as_recomputed", "recomputed_in_backward", "recompute_enabled"]
 
@@ -34,7 +35,7 @@ _active: list[dict[int, _Entry]] = []
 
 
 def recompute_enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return not switched_off(ENV_SWITCH)
 
 
 class _Entry:
@@ -125,6 +126,6 @@ def keep_as_recomputed(tensor: torch.Tensor, remake: Callable[[], torch.Tensor])
     """Inside ``recomputed_in_backward``: where autograd keeps ``tensor`` (or a view of it) for backward, keep
     ``remake`` instead, called in backward to make it again; it must run the ops that made ``tensor`` on tensors that
     are kept anyway, so that what it returns is bit-identical. Elsewhere a no-op. Returns ``tensor``."""
-    if _active and type(tensor) is torch.Tensor and tensor.requires_grad and not torch.compiler.is_compiling():
+    if _active and type(tensor) is torch.Tensor and tensor.requires_grad:
         _active[-1][tensor.untyped_storage().data_ptr()] = _Entry(tensor, remake)
     return tensor
