@@ -3,6 +3,8 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.losses.cross_entropy import (
     IGNORE_INDEX,
@@ -358,6 +360,46 @@ def test_default_chunk_keeps_loss_scratch_within_the_head_gradient(vocab, hidden
         assert chunk * vocab * 4 <= 256 * 2**20
         assert chunk >= min(256 // buffers, (1 << 26) // vocab)
         assert chunk_size_for(50, vocab, hidden, buffers=buffers) == 50  # never more than the tokens there are
+
+
+class _NewTensorsOfAtLeast(TorchDispatchMode):
+    """Counts op results of at least ``numel`` elements held in new memory (not an input's storage, as views,
+    in-place and out= results are)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        self.count += sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() >= self.numel
+                          and t.untyped_storage().data_ptr() not in inputs)
+        return out
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+def test_generalized_jsd_makes_four_chunk_tensors_once(beta, softcap):
+    """Over several chunks the fused JSD makes four [C, V] tensors, each once and reused chunk to chunk: the student's
+    logits and log-probabilities, the teacher's logits and one scratch tensor (p_s is formed again where it is
+    needed, not kept); a soft-cap keeps the student's logits for backward, so the divergence takes a second scratch
+    tensor then (beta = 1 needs none)."""
+    vocab, hidden, teacher_dim, chunk = 64, 16, 8, 24
+    num_tokens = 3 * chunk + 5
+    generator = torch.Generator().manual_seed(3)
+    student_hidden = torch.randn(num_tokens, hidden, generator=generator).requires_grad_()
+    student_head = torch.randn(vocab, hidden, generator=generator).requires_grad_()
+    teacher = dict(teacher_hidden_ND=torch.randn(num_tokens, teacher_dim, generator=generator),
+                   teacher_weight_VD=torch.randn(vocab, teacher_dim, generator=generator))
+    assert max(t.numel() for t in (student_hidden, student_head, *teacher.values())) < chunk * vocab
+    counter = _NewTensorsOfAtLeast(chunk * vocab)
+    with counter:
+        out = fused_linear_generalized_jsd(student_hidden, student_head, **teacher, beta=beta, student_softcap=softcap,
+                                           chunk_size=chunk)
+    assert torch.isfinite(out.loss_sum)
+    assert counter.count == (5 if softcap is not None and beta != 1.0 else 4)
 
 
 def test_two_buffer_path_gives_the_in_place_results(monkeypatch):

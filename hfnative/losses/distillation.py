@@ -42,32 +42,35 @@ class _Scratch:
         return buffer[: like_CV.shape[0]]
 
 
-def _divergence_and_grad(log_ps_CV, log_pt_CV, ps_CV, beta: float, scratch: _Scratch, spare_CV=None):
-    """Per-token JSD_beta [C] and dJSD/dz_s [C, V] (z_s the student's logits after temperature), given p_s = ps_CV.
-    log_pt_CV is overwritten; the [C, V] intermediates live in ``scratch`` (two tensors there at most; ``spare_CV``,
-    a [C, V] tensor the caller no longer needs, serves as the second), so a chunk allocates nothing of that size.
-    Each value is the same op on the same operands as the plain formulas."""
+def _divergence_and_grad(log_ps_CV, log_pt_CV, beta: float, scratch: _Scratch, spare_CV=None):
+    """Per-token JSD_beta [C] and dJSD/dz_s [C, V] (z_s the student's logits after temperature), given log p_s and
+    log p_t. log_pt_CV is overwritten; the [C, V] intermediates live in ``scratch`` (two tensors there at most;
+    ``spare_CV``, a [C, V] tensor the caller no longer needs, serves as the second), so a chunk allocates nothing of
+    that size. p_s is not kept: exp(log p_s) is formed again where it is needed, in whichever of those tensors is free
+    then. Each value is the same op on the same operands as the plain formulas."""
+    second = (lambda: scratch("b", log_pt_CV)) if spare_CV is None else (lambda: spare_CV)
     if beta == 0.0:
         pt_CV = torch.exp(log_pt_CV, out=scratch("a", log_pt_CV))
         # pt * (log pt - log ps), the difference formed in log pt's place
         divergence_C = log_pt_CV.sub_(log_ps_CV).mul_(pt_CV).sum(-1)
-        return divergence_C, ps_CV.sub_(pt_CV)
+        return divergence_C, torch.exp(log_ps_CV, out=second()).sub_(pt_CV)
     if beta == 1.0:
         gap_CV = torch.sub(log_ps_CV, log_pt_CV, out=log_pt_CV)
-        divergence_C = torch.mul(ps_CV, gap_CV, out=scratch("a", gap_CV)).sum(-1)
+        divergence_C = torch.exp(log_ps_CV, out=scratch("a", gap_CV)).mul_(gap_CV).sum(-1)
         # dKL(p_s||p_t)/dz_s = p_s * (log p_s - log p_t - KL)
-        return divergence_C, gap_CV.sub_(divergence_C[:, None]).mul_(ps_CV)
+        return divergence_C, gap_CV.sub_(divergence_C[:, None]).mul_(torch.exp(log_ps_CV, out=scratch("a", gap_CV)))
     log_m_CV = torch.add(log_ps_CV, math.log1p(-beta), out=scratch("a", log_ps_CV))
-    second_CV = scratch("b", log_pt_CV) if spare_CV is None else spare_CV
-    teacher_part_CV = torch.add(log_pt_CV, math.log(beta), out=second_CV)
+    teacher_part_CV = torch.add(log_pt_CV, math.log(beta), out=second())
     log_m_CV = torch.logaddexp(log_m_CV, teacher_part_CV, out=log_m_CV)
-    # p_t * (log p_t - log m): p_t in the second scratch tensor, the difference in log p_t's place
+    # p_t * (log p_t - log m): p_t in the second tensor, the difference in log p_t's place
     pt_CV = torch.exp(log_pt_CV, out=teacher_part_CV)
     kl_teacher_C = log_pt_CV.sub_(log_m_CV).mul_(pt_CV).sum(-1)
     student_gap_CV = torch.sub(log_ps_CV, log_m_CV, out=log_m_CV)
-    kl_student_C = torch.mul(ps_CV, student_gap_CV, out=pt_CV).sum(-1)
+    ps_CV = torch.exp(log_ps_CV, out=pt_CV)
+    kl_student_C = ps_CV.mul_(student_gap_CV).sum(-1)
     divergence_C = beta * kl_teacher_C + (1 - beta) * kl_student_C
     # dJSD/dp_s = (1 - beta)(log p_s - log m); through the softmax: p_s * (g - <p_s, g>)
+    ps_CV = torch.exp(log_ps_CV, out=ps_CV)
     grad_CV = student_gap_CV.sub_(kl_student_C[:, None]).mul_(ps_CV).mul_(1 - beta)
     return divergence_C, grad_CV
 
@@ -104,11 +107,11 @@ class _GeneralizedJSDKernel(ChunkKernel):
         z_t_CV = self.teacher_logits_fn(chunk.rows)
         in_place = softmax_in_place_verified(z_t_CV.device)
         log_pt_CV = torch.log_softmax(z_t_CV, dim=-1, out=z_t_CV if in_place else self.scratch("log_pt", z_t_CV))
-        ps_CV = torch.exp(log_ps_CV, out=self.scratch("ps", log_ps_CV))
-        entropy -= torch.mul(ps_CV, log_ps_CV, out=self.scratch("a", log_ps_CV)).sum()
+        # p_s * log p_s, p_s formed in the scratch tensor
+        entropy -= torch.exp(log_ps_CV, out=self.scratch("a", log_ps_CV)).mul_(log_ps_CV).sum()
         # without a soft-cap the backward of the logits does not read them: z_s's buffer is free from here
         spare_CV = chunk.z_CV if self.softcap is None else None
-        divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, ps_CV, self.beta, self.scratch, spare_CV)
+        divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, self.beta, self.scratch, spare_CV)
         loss += divergence_C.sum()
         if chunk.needs_grad:
             chunk.backpropagate(grad_z_CV)
