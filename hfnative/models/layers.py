@@ -32,7 +32,9 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.float_offset = float_offset
         if float_offset is not None:
             return (normed * (float_offset + weight.float())).type_as(x)
-        return weight * normed.to(x.dtype)
+        normed = normed.to(x.dtype)
+        # weight * normed, formed in normed's place (a new tensor either way) when no type promotion is involved
+        return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -145,6 +147,19 @@ _ACTIVATION_BACKWARD = {
 }
 
 
+def _times(fresh: torch.Tensor, other: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """fresh * other, in fresh's place when fresh = act(source) is a new tensor (not source itself) of the product's
+    dtype: the same values without a second [tokens, hidden_dim] tensor."""
+    if fresh is source or fresh.dtype != torch.result_type(fresh, other):
+        return fresh * other
+    return fresh.mul_(other)
+
+
+def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up (one [tokens, hidden_dim] tensor made, not two)."""
+    return _times(ACTIVATIONS[activation](gate), up, gate)
+
+
 class _GatedActivation(torch.autograd.Function):
     """act(gate) * up keeping only gate and up for backward; act(gate) is recomputed there (autograd
     on the two ops would also keep act(gate), a third [tokens, hidden_dim] tensor). Same gradients."""
@@ -153,14 +168,14 @@ class _GatedActivation(torch.autograd.Function):
     def forward(ctx, gate, up, activation: str):
         ctx.save_for_backward(gate, up)
         ctx.activation = activation
-        return ACTIVATIONS[activation](gate) * up
+        return gated(gate, up, activation)
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
         grad_gate = grad_up = None
         if ctx.needs_input_grad[1]:
-            grad_up = grad_out * ACTIVATIONS[ctx.activation](gate)
+            grad_up = _times(ACTIVATIONS[ctx.activation](gate), grad_out, gate)
         if ctx.needs_input_grad[0]:
             grad_gate = _ACTIVATION_BACKWARD[ctx.activation](grad_out * up, gate)
         return grad_gate, grad_up, None
@@ -187,5 +202,5 @@ class FeedForward(nn.Module):
         gate, up = self.w1(x), self.w3(x)
         hidden = _GatedActivation.apply(gate, up, self.activation)
         # the down projection's input is remade from gate and up (which the gated unit keeps) in backward
-        keep_as_recomputed(hidden, lambda: ACTIVATIONS[self.activation](gate) * up)
+        keep_as_recomputed(hidden, lambda: gated(gate, up, self.activation))
         return self.w2(hidden)

@@ -110,6 +110,10 @@ def apply_rotary(x_BHSd: torch.Tensor, cos_BSr: torch.Tensor, sin_BSr: torch.Ten
     cos, sin = cos_BSr.unsqueeze(1), sin_BSr.unsqueeze(1)
     rotary_dim = cos.shape[-1]
     if rotary_dim == x_BHSd.shape[-1]:
+        if x_BHSd.dtype == cos.dtype == sin.dtype:
+            # x * cos + rotate_half(x) * sin with the products and the sum formed in place: one [B, H, S, d] tensor
+            # and the rotation's halves made instead of four
+            return (x_BHSd * cos).add_(_rotate_half(x_BHSd).mul_(sin))
         return (x_BHSd * cos + _rotate_half(x_BHSd) * sin).to(x_BHSd.dtype)
     x_rot, x_pass = x_BHSd[..., :rotary_dim], x_BHSd[..., rotary_dim:]
     return torch.cat(((x_rot * cos + _rotate_half(x_rot) * sin).to(x_BHSd.dtype), x_pass), dim=-1)
