@@ -15,6 +15,12 @@ from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 
 
+def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """fresh * other, for a tensor the caller has just made and needs no more: in fresh's place when the product
+    keeps fresh's dtype (the same values without a second tensor of that size)."""
+    return fresh.mul_(other) if fresh.dtype == torch.result_type(fresh, other) else fresh * other
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm that keeps only its input and 1/rms for backward (autograd on the op sequence would also
     keep the normalized [..., D] tensor); the normalized tensor is recomputed in backward. Forward is
@@ -32,9 +38,7 @@ class _RMSNormFunction(torch.autograd.Function):
         ctx.float_offset = float_offset
         if float_offset is not None:
             return (normed * (float_offset + weight.float())).type_as(x)
-        normed = normed.to(x.dtype)
-        # weight * normed, formed in normed's place (a new tensor either way) when no type promotion is involved
-        return normed.mul_(weight) if weight.dtype == normed.dtype else weight * normed
+        return _times(normed.to(x.dtype), weight)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -147,17 +151,9 @@ _ACTIVATION_BACKWARD = {
 }
 
 
-def _times(fresh: torch.Tensor, other: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """fresh * other, in fresh's place when fresh = act(source) is a new tensor (not source itself) of the product's
-    dtype: the same values without a second [tokens, hidden_dim] tensor."""
-    if fresh is source or fresh.dtype != torch.result_type(fresh, other):
-        return fresh * other
-    return fresh.mul_(other)
-
-
 def gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up (one [tokens, hidden_dim] tensor made, not two)."""
-    return _times(ACTIVATIONS[activation](gate), up, gate)
+    return _times(ACTIVATIONS[activation](gate), up)
 
 
 class _GatedActivation(torch.autograd.Function):
@@ -175,7 +171,7 @@ class _GatedActivation(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         grad_gate = grad_up = None
         if ctx.needs_input_grad[1]:
-            grad_up = _times(ACTIVATIONS[ctx.activation](gate), grad_out, gate)
+            grad_up = _times(ACTIVATIONS[ctx.activation](gate), grad_out)
         if ctx.needs_input_grad[0]:
             grad_gate = _ACTIVATION_BACKWARD[ctx.activation](grad_out * up, gate)
         return grad_gate, grad_up, None
