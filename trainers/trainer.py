@@ -35,7 +35,7 @@ from hfnative.converters.loading import ConvertedModel
 from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
 from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
-from hfnative.allocator import keep_freed_cpu_memory
+from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
@@ -436,6 +436,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
+            pool_cpu_tensors()
             if self.is_world_process_zero():
                 warn_if_cpu_low_precision_is_slow(args)
 
