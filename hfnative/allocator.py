@@ -67,8 +67,9 @@ class _Mallinfo2(ctypes.Structure):
 
 
 class HeapStats(NamedTuple):
-    """glibc's ``mallinfo2``, in bytes: ``heap`` the size of the heap arenas, ``mapped`` the blocks served by
-    their own mmap, ``in_use`` the bytes handed out and not freed (in the arenas + mapped)."""
+    """glibc's ``mallinfo2`` with the tensor pool's counts, in bytes: ``heap`` the size of the heap arenas (and the
+    pool's resident range), ``mapped`` the blocks served by their own mmap, ``in_use`` the bytes handed out and not
+    freed (in the arenas + mapped + the pool's blocks)."""
 
     heap: int
     mapped: int
@@ -92,7 +93,8 @@ def _glibc():
 
 
 def heap_stats() -> HeapStats | None:
-    """The C library's allocation counters now; None where it is not glibc >= 2.33 (no ``mallinfo2``)."""
+    """The C library's allocation counters now, with the tensor pool's once it is installed; None where the C library
+    is not glibc >= 2.33 (no ``mallinfo2``)."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
