@@ -22,6 +22,9 @@ host-side decision from a device tensor.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -160,20 +163,53 @@ def _varlen_plan(spans, batch_size: int, seq_len: int, window: int | None, devic
     )
 
 
-def _flash_varlen_available(q: torch.Tensor) -> bool:
+@functools.cache
+def _varlen_keywords(varlen_attn) -> frozenset[str]:
+    """The keyword arguments this torch's ``varlen_attn`` takes. They changed between releases: torch 2.10 takes
+    ``is_causal`` (no window, no scale), 2.11 ``scale`` and ``window_size``, 2.13 also ``enable_gqa``."""
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _varlen_attn_function():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _flash_varlen_available(q: torch.Tensor, window: int | None = None, scale: float | None = None) -> bool:
+    """Whether ``varlen_attn`` can run this layer: CUDA, bf16/fp16, and a torch whose ``varlen_attn`` takes the
+    window and the scale the layer needs (the per-document path serves the rest)."""
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    varlen_attn = _varlen_attn_function()
+    return varlen_attn is not None and _varlen_takes(_varlen_keywords(varlen_attn), q.shape[-1], window, scale)
+
+
+def _varlen_takes(keywords: frozenset[str], head_dim: int, window: int | None, scale: float | None) -> bool:
+    if window and "window_size" not in keywords:
         return False
-    return True
+    if "window_size" not in keywords and "is_causal" not in keywords:
+        return False
+    return scale is None or "scale" in keywords or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
 
 
 def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn = _varlen_attn_function()
+    keywords = _varlen_keywords(varlen_attn)
     B, H, S, d = q_BHSd.shape
+    options = {"scale": scale} if "scale" in keywords else {}
+    if "window_size" in keywords:  # (left, right): -1 = unbounded; right 0 = causal
+        options["window_size"] = (window - 1 if window else -1, 0)
+    else:
+        options["is_causal"] = True
+    if k_BKSd.shape[1] != H:
+        if "enable_gqa" in keywords:
+            options["enable_gqa"] = True
+        else:  # an older varlen_attn wants as many key/value heads as query heads
+            k_BKSd = k_BKSd.repeat_interleave(H // k_BKSd.shape[1], dim=1)
+            v_BKSd = v_BKSd.repeat_interleave(H // v_BKSd.shape[1], dim=1)
 
     def tokens(x_BHSd):  # -> [T, heads, d]
         x_Nhd = x_BHSd.transpose(1, 2).reshape(B * S, x_BHSd.shape[1], d)
@@ -181,8 +217,7 @@ def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
 
     out_THd = varlen_attn(
         tokens(q_BHSd), tokens(k_BKSd), tokens(v_BKSd), plan.cu_seq_lens, plan.cu_seq_lens, plan.max_len,
-        plan.max_len, scale=scale, window_size=(window - 1 if window else -1, 0),
-        enable_gqa=k_BKSd.shape[1] != H,
+        plan.max_len, **options,
     )
     if plan.token_index is not None:
         out_THd = out_THd.new_zeros(B * S, H, d).index_copy(0, plan.token_index, out_THd)
@@ -227,7 +262,7 @@ def _document_attention(q_BhSd, k_BkSd, v_BkSd, window: int | None, scale: float
 def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None) -> torch.Tensor:
     """Documents attend only within themselves; padding positions get zeros. Runs eagerly under
     torch.compile (the spans change every batch and would otherwise be baked into the graph)."""
-    if sinks_H is None and _flash_varlen_available(q_BHSd):
+    if sinks_H is None and _flash_varlen_available(q_BHSd, window, scale):
         return _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
     rows = []
     for row, row_spans in enumerate(plan.spans):

@@ -1,0 +1,102 @@
+"""How the variable-length path calls torch's ``varlen_attn``, whose keywords changed between torch releases.
+
+The kernel itself needs CUDA (benchmarks/gpu_checks.py checks it there). Here a CPU stand-in with each release's
+signature takes its place: it refuses keywords that release does not have and, as releases before ``enable_gqa``
+do, fewer key/value heads than query heads, and computes each document's causal (windowed) attention from
+explicit per-document masks. ``_flash_varlen`` must then equal the dense-mask SDPA path on the same plan.
+"""
+
+import inspect
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hfnative.models import attention
+from hfnative.models.attention import plan_attention
+
+
+def _stand_in(keywords: set[str]):
+    """A CPU ``varlen_attn`` that takes exactly ``keywords`` besides the positional arguments."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **options):
+        unknown = set(options) - keywords
+        if unknown:
+            raise TypeError(f"varlen_attn() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        gqa = options.get("enable_gqa", False)
+        if key.shape[1] != query.shape[1] and not gqa:
+            raise RuntimeError("key/value heads must equal query heads")
+        if "window_size" in options:
+            left, right = options["window_size"]
+            assert right == 0, "causal attention has no right window"
+            window = None if left < 0 else left + 1
+        else:
+            assert options.get("is_causal") is True
+            window = None
+        scale = options.get("scale", query.shape[-1] ** -0.5)
+        assert torch.equal(cu_seq_q, cu_seq_k) and max_q == max_k
+        bounds = cu_seq_q.tolist()
+        out = []
+        for start, end in zip(bounds, bounds[1:]):
+            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query, key, value))  # [1, h, n, d]
+            i = torch.arange(end - start)
+            allowed = (i[None, :] <= i[:, None]) & ((i[None, :] > i[:, None] - window) if window else True)
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                                      enable_gqa=gqa)[0].transpose(0, 1))
+        return torch.cat(out)
+
+    positional = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                  for name in ("query", "key", "value", "cu_seq_q", "cu_seq_k", "max_q", "max_k")]
+    named = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in sorted(keywords)]
+    varlen_attn.__signature__ = inspect.Signature(positional + named)
+    return varlen_attn
+
+
+RELEASES = {
+    "2.10": {"is_causal", "return_aux"},
+    "2.11": {"return_aux", "scale", "window_size"},
+    "2.13": {"return_aux", "scale", "window_size", "enable_gqa", "seqused_k", "block_table", "num_splits"},
+}
+
+
+@pytest.mark.parametrize("release", sorted(RELEASES))
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_flash_varlen_call_matches_dense_mask(monkeypatch, release, window, layout):
+    keywords = RELEASES[release]
+    monkeypatch.setattr(attention, "_varlen_attn_function", lambda: _stand_in(keywords))
+    B, H, K, S, d = 2, 4, 2, 16, 8
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, heads, S, d, generator=generator) for heads in (H, K, K))
+    if layout == "packed":
+        positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([6, 10], [3, 9, 4])])
+        plan = plan_attention(B, S, q.device, position_ids_BS=positions, sliding_window=window)
+        dense = plan_attention(B, S, q.device, position_ids_BS=positions, sliding_window=window, implementation="sdpa")
+        valid = torch.ones(B, S, dtype=torch.bool)
+    else:
+        mask = torch.ones(B, S, dtype=torch.long)
+        mask[0, 12:] = 0
+        mask[1, :5] = 0
+        plan = plan_attention(B, S, q.device, attention_mask_BS=mask, sliding_window=window)
+        dense = plan_attention(B, S, q.device, attention_mask_BS=mask, sliding_window=window, implementation="sdpa")
+        valid = mask.bool()
+    scale = 0.3  # not 1/sqrt(d): a release without `scale` must leave this layer to the per-document path
+    for layer_scale in (d ** -0.5, scale):
+        takes = attention._varlen_takes(attention._varlen_keywords(_stand_in(keywords)), d, plan.sliding_window,
+                                        layer_scale)
+        expected_takes = ("window_size" in keywords or not plan.sliding_window) and (
+            "scale" in keywords or math.isclose(layer_scale, d ** -0.5))
+        assert takes == expected_takes
+        if not takes:
+            continue
+        got = attention._flash_varlen(q, k, v, plan, plan.sliding_window, layer_scale)
+        want = attention.attend(q, k, v, dense, sliding=bool(window), scale=layer_scale)
+        diff = (got - want).permute(0, 2, 1, 3)[valid].abs().max().item()
+        assert diff <= 1e-5, f"torch {release}: max |Δ| {diff:.2e}"
+
+
+def test_flash_varlen_needs_cuda_and_low_precision():
+    q = torch.zeros(1, 2, 4, 8)
+    assert not attention._flash_varlen_available(q)
+    assert not attention._flash_varlen_available(q.bfloat16())
