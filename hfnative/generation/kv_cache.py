@@ -76,10 +76,12 @@ class KVCache:
             self.prompt_index[n] = (kept_N.nonzero()[:, 0], rows_N[kept_N], slots_N[kept_N] % n)
 
     def write_prompts(self, layer_id: int, k_1KNd: torch.Tensor, v_1KNd: torch.Tensor) -> None:
-        """Store the packed prompt tokens' keys and values [1, K, N, d] in their rows and slots."""
+        """Store the packed prompt tokens' keys and values [1, K, N, d] in their rows and slots (in the cache's dtype:
+        under autocast the rotated keys can come out in fp32 while the values are in the autocast dtype)."""
         token_M, rows_M, entries_M = self.prompt_index[self.lengths[layer_id]]
-        self.keys[layer_id][rows_M, :, entries_M] = k_1KNd[0, :, token_M].transpose(0, 1)
-        self.values[layer_id][rows_M, :, entries_M] = v_1KNd[0, :, token_M].transpose(0, 1)
+        keys, values = self.keys[layer_id], self.values[layer_id]
+        keys[rows_M, :, entries_M] = k_1KNd[0, :, token_M].transpose(0, 1).to(keys.dtype)
+        values[rows_M, :, entries_M] = v_1KNd[0, :, token_M].transpose(0, 1).to(values.dtype)
 
     def write(self, layer_id: int, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys and values of the slots ``start`` claimed (the same slots in every row);
@@ -87,8 +89,8 @@ class KVCache:
         n = self.lengths[layer_id]
         index = self.index[n]
         keys, values = self.keys[layer_id], self.values[layer_id]
-        keys.index_copy_(2, index, k_BKSd[:, :, -index.shape[0]:])
-        values.index_copy_(2, index, v_BKSd[:, :, -index.shape[0]:])
+        keys.index_copy_(2, index, k_BKSd[:, :, -index.shape[0]:].to(keys.dtype))
+        values.index_copy_(2, index, v_BKSd[:, :, -index.shape[0]:].to(values.dtype))
         if n == self.num_slots and self.read_upto < n:
             return keys[:, :, : self.read_upto], values[:, :, : self.read_upto]
         return keys, values

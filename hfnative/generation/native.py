@@ -25,6 +25,14 @@ from .sampling import SamplingParams, call_row_keys, choose_tokens
 COMPILE_SLOT_MULTIPLE = 64
 
 
+
+def _cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The key/value cache's dtype: under autocast (fp32 master weights, bf16=True) the projections give keys and
+    values in the autocast dtype, and attention reads them in it; otherwise the weights' dtype."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return weight_dtype
+
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).
 
@@ -97,7 +105,7 @@ class NativeRolloutEngine(RolloutEngine):
 
         cache = KVCache(
             [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
-            P + T, pad_B, model.tok_embeddings.weight.dtype, device,
+            P + T, pad_B, _cache_dtype(model.tok_embeddings.weight.dtype, device), device,
         )
         seen_BV = None
         if sampling.repetition_penalty != 1.0:  # the prompt's tokens count as seen, as in transformers
