@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, in under 5 minutes on a machine with one NVIDIA GPU and no network:
+# Every GPU check in one run, in under 6 minutes on a machine with one NVIDIA GPU and no network:
 #
 #   1 env          nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #   2 install      missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
@@ -7,15 +7,18 @@
 #   4 parity-bf16  logits vs transformers on CUDA, bf16 (error vs fp32 at most 2x transformers' own)
 #   5 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
 #                  the model under flash / efficient; hfnative's variable-length path vs its dense path
-#   6 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
-#   7 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2 and TP2 on 2 NCCL ranks (bf16); the
+#   6 trainers     gpu_trainers.py: 3 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO)
+#                  on the shipped tiny model, bf16 on CUDA: finite losses, parameters moved, perf/ metrics logged,
+#                  the saved folder loads
+#   7 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
+#   8 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2 and TP2 on 2 NCCL ranks (bf16); the
 #                  2-rank layouts need 2 GPUs and are reported unavailable (WARN) on one
-#   8 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
+#   9 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
 #
-# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 285 by default); a
+# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 330 by default); a
 # failing check never stops the next. The full output and a summary table go to
 # benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that is set. PYTHON picks the
 # interpreter (default: python3 or python, whichever imports torch). hfnative is imported from this tree
@@ -26,14 +29,14 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,20p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,25p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
   done
 fi
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-285}
+BUDGET=${GPU_CHECK_BUDGET:-330}
 START=$SECONDS
 
 RESULTS_DIR=benchmarks/gpu_results
@@ -51,6 +54,9 @@ ln -s "$ROOT/converters" "$STAGE/hfnative/converters"
 ln -s "$ROOT/trainers" "$STAGE/hfnative/trainers"
 export PYTHONPATH="$STAGE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+# transformers >= 5.2x depends on `kernels` and, on CUDA, resolves hub kernels (kernels-community/rotary, ...) when a
+# model is built; with no network that raises, so the peers run with their built-in torch code
+export USE_HUB_KERNELS=NO
 
 NAMES=() STATUSES=() DURATIONS=() NOTES=()
 
@@ -149,6 +155,7 @@ run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py inst
 run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
 run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
 run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
+run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE"
 run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
   --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
 run_check distributed 70 distributed_verdict "$PYTHON" benchmarks/bench_distributed.py --device "$DEVICE" --rounds 1 \

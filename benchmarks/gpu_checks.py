@@ -8,8 +8,9 @@ Both run on CPU too (that is how they are tested without a GPU). Each output lin
 ``PASS`` / ``FAIL`` / ``SKIP``, its name and numbers; the exit status is 1 when any comparison failed.
 
 parity: the tests' tiny transformers models (tests/hf_configs.py, one per family unless --all), saved in
-fp32, loaded by transformers (SDPA) and by hfnative on ``--device``, compared on the parity batches of
-converters/parity.py (plain, right- and left-padded, packed). fp32: max |Δlogit| <= 1e-5 and KL <= 1e-9,
+fp32, loaded by transformers (SDPA, or eager where its model has no SDPA) and by hfnative on ``--device``,
+compared on the parity batches of converters/parity.py (plain, right- and left-padded, packed; the packed row's
+reference is each document run alone). fp32: max |Δlogit| <= 1e-5 and KL <= 1e-9,
 DESIGN.md's contract. bf16: two bf16 implementations differ by rounding, not by a fixed bound, so both are
 measured against transformers' fp32 logits and ours may be off by at most twice transformers' own bf16
 error (or 1e-2, about one bf16 step at magnitude 1, whichever is larger).
@@ -38,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import hfnative  # noqa: F401  (before anything imports torchao: hfnative quiets its import-time lines)
 from hfnative.converters.loading import load_pretrained
-from hfnative.converters.parity import compare_logits, parity_batches
+from hfnative.converters.parity import _per_document_logits, _reference_attention, compare_logits, parity_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_configs import CONFIGS, ONE_PER_FAMILY, save_hf_model  # noqa: E402  (the parity tests' models)
@@ -71,6 +72,14 @@ def _on(inputs: dict, device: torch.device) -> dict:
     return {name: tensor.to(device) for name, tensor in inputs.items()}
 
 
+def _reference_logits(reference, case: str, inputs: dict) -> torch.Tensor:
+    """transformers' fp32 logits; a packed row as its documents run one by one (some transformers models, GPT-OSS
+    among them, attend across the documents of a packed row)."""
+    if case == "packed":
+        return _per_document_logits(reference, inputs).float()
+    return reference(**inputs, use_cache=False).logits.float()
+
+
 def _native_logits(model, inputs: dict) -> torch.Tensor:
     return model(inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
                  position_ids=inputs.get("position_ids")).logits.float()
@@ -86,20 +95,21 @@ def parity(tally: Tally, device: torch.device, dtype: torch.dtype, names: list[s
             reference = save_hf_model(name, folder).to(device)  # fp32, as the tests build it
             reference_low = None
             if dtype != torch.float32:
-                reference_low = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+                reference_low = transformers.AutoModelForCausalLM.from_pretrained(
+                    folder, dtype=dtype, attn_implementation=_reference_attention(reference.config))
                 reference_low = reference_low.to(device).eval()
             native = load_pretrained(folder, dtype=dtype, device=device).model.eval()
             with torch.no_grad():
                 for case, inputs, valid in parity_batches(native.args.vocab_size, batch, seq_len):
                     inputs, valid = _on(inputs, device), valid.to(device)
-                    expected = reference(**inputs, use_cache=False).logits.float()
+                    expected = _reference_logits(reference, case, inputs)
                     ours = compare_logits(case, expected, _native_logits(native, inputs), valid)
                     label = f"parity {name} {case}"
                     if reference_low is None:
                         tally.check(ours.max_abs_diff <= FP32_MAX_ABS and ours.kl <= FP32_KL, label,
                                     f"max|Δ| {ours.max_abs_diff:.2e}  KL {ours.kl:.1e}")
                         continue
-                    theirs = compare_logits(case, expected, reference_low(**inputs, use_cache=False).logits.float(), valid)
+                    theirs = compare_logits(case, expected, _reference_logits(reference_low, case, inputs), valid)
                     tally.check(low_precision_ok(ours.max_abs_diff, theirs.max_abs_diff), label,
                                 f"vs fp32: ours max|Δ| {ours.max_abs_diff:.2e} KL {ours.kl:.1e}, "
                                 f"transformers {theirs.max_abs_diff:.2e} KL {theirs.kl:.1e}")

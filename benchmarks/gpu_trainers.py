@@ -1,0 +1,187 @@
+"""Every trainer's path on a device: a few optimizer steps of each on the shipped tiny model and data.
+
+    python benchmarks/gpu_trainers.py --device cuda          # bf16, as a GPU user runs it
+    python benchmarks/gpu_trainers.py --device cpu           # fp32, the rehearsal (use_cpu=True)
+    python benchmarks/gpu_trainers.py --only SFT,GRPO
+
+Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO) is built from its config exactly as a user's
+script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
+model. One line per trainer: PASS when every logged loss is finite, the model's parameters moved and sit on the
+device, the saved folder loads with transformers, and the perf/ metrics the README lists for that device were
+logged (on CUDA: cuda_max_allocated_gib, and mfu_wall_clock where the GPU is in hfnative.metrics.PEAK_FLOPS);
+the line shows the last loss, tokens/s, MFU and peak memory. The exit status is 1 when any trainer failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import hfnative  # noqa: F401  (first: it quiets torchao's import-time lines)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "examples" / "tiny-qwen3"
+TEACHER = ROOT / "examples" / "tiny-qwen3-teacher"
+DATA = ROOT / "examples" / "data"
+ORDER = ("SFT", "DPO", "KTO", "reward", "distillation", "GKD", "GRPO", "RLOO")
+
+
+def letter_e(completions, **kwargs) -> list[float]:
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [t.count("e") / max(len(t), 1) for t in texts]
+
+
+def _dataset(name: str, rows: int):
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=str(DATA / name), split="train").select(range(rows))
+
+
+def _build(name: str, common: dict):
+    """(trainer, the parameters' values before training) for one trainer, as a user's script builds it."""
+    import hfnative as h
+
+    rl = dict(num_generations=4, max_completion_length=16, per_device_train_batch_size=8)
+    if name == "SFT":
+        args = h.SFTConfig(**common, max_length=128, per_device_train_batch_size=8)
+        trainer = h.SFTTrainer(model=str(TINY), args=args, train_dataset=_dataset("sft_messages.jsonl", 64))
+    elif name == "DPO":
+        args = h.DPOConfig(**common, max_length=128, per_device_train_batch_size=4)
+        trainer = h.DPOTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
+    elif name == "KTO":
+        args = h.KTOConfig(**common, max_length=128, per_device_train_batch_size=8)
+        trainer = h.KTOTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
+    elif name == "reward":
+        args = h.RewardConfig(**common, max_length=128, per_device_train_batch_size=4)
+        trainer = h.RewardTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
+    elif name == "distillation":
+        args = h.DistillationConfig(**common, max_completion_length=16, per_device_train_batch_size=4,
+                                    teacher_model_name_or_path=str(TEACHER))
+        trainer = h.DistillationTrainer(model=str(TINY), args=args,
+                                        train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
+    elif name == "GKD":
+        args = h.GKDConfig(**common, max_length=128, per_device_train_batch_size=4, lmbda=0.5)
+        trainer = h.GKDTrainer(model=str(TINY), teacher_model=str(TEACHER), args=args,
+                               train_dataset=_dataset("sft_messages.jsonl", 32))
+    elif name == "GRPO":
+        args = h.GRPOConfig(**common, **rl)
+        trainer = h.GRPOTrainer(model=str(TINY), reward_funcs=letter_e, args=args,
+                                train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
+    elif name == "RLOO":
+        args = h.RLOOConfig(**common, **rl)
+        trainer = h.RLOOTrainer(model=str(TINY), reward_funcs=letter_e, args=args,
+                                train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
+    else:
+        raise ValueError(f"unknown trainer {name!r}; choose from {', '.join(ORDER)}")
+    return trainer
+
+
+def _trained_module(trainer) -> torch.nn.Module:
+    return trainer.model
+
+
+def run_one(name: str, device: torch.device, steps: int, folder: Path) -> tuple[bool, str]:
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    on_cuda = device.type == "cuda"
+    common = dict(output_dir=str(folder / name), max_steps=steps, logging_steps=1, learning_rate=1e-3,
+                  report_to="none", disable_tqdm=True, save_strategy="no", seed=0,
+                  use_cpu=not on_cuda, bf16=on_cuda)
+    begin = time.perf_counter()
+    trainer = _build(name, common)
+    module = _trained_module(trainer)
+    before = {key: value.detach().float().cpu().clone() for key, value in module.named_parameters()}
+    trainer.train()
+    trainer.save_model(str(folder / name))
+    seconds = time.perf_counter() - begin
+
+    problems = []
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    losses = [entry["loss"] for entry in logs]
+    if len(losses) != steps:
+        problems.append(f"{len(losses)} losses logged for {steps} steps")
+    if not all(math.isfinite(loss) for loss in losses):
+        problems.append(f"a loss is not finite: {losses}")
+    parameters = dict(module.named_parameters())
+    off_device = [key for key, value in parameters.items() if value.device.type != device.type]
+    if off_device:
+        problems.append(f"{len(off_device)} parameters not on {device.type}, e.g. {off_device[0]}")
+    moved = sum(not torch.equal(before[key], value.detach().float().cpu()) for key, value in parameters.items())
+    if moved == 0:
+        problems.append("no parameter changed")
+    wanted = ["perf/step_s", "perf/trained_tok_s_wall_clock", "perf/max_rss_gib"]
+    if on_cuda:
+        from hfnative.metrics import listed_peak_flops
+
+        wanted.append("perf/cuda_max_allocated_gib")
+        if listed_peak_flops(torch.cuda.get_device_name(device), torch.bfloat16) is not None:
+            wanted.append("perf/mfu_wall_clock")
+    last = logs[-1] if logs else {}
+    missing = [key for key in wanted if key not in last]
+    if missing:
+        problems.append(f"not logged: {', '.join(missing)}")
+    loader = AutoModelForSequenceClassification if name == "reward" else AutoModelForCausalLM
+    try:
+        loader.from_pretrained(str(folder / name))
+    except Exception as error:  # noqa: BLE001  (the line names whatever stops the load)
+        problems.append(f"saved folder does not load: {type(error).__name__}: {error}")
+
+    def shown(key, scale=1.0, digits=3):
+        return f"{last[key] * scale:.{digits}g}" if key in last else "-"
+
+    detail = (f"loss {losses[-1] if losses else float('nan'):.4g}, {moved}/{len(parameters)} parameters moved, "
+              f"tok/s {shown('perf/trained_tok_s_wall_clock')}, MFU% {shown('perf/mfu_wall_clock')}, "
+              f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, step s {shown('perf/step_s')}, "
+              f"{seconds:.1f} s")
+    if problems:
+        return False, "; ".join(problems) + " | " + detail
+    return True, detail
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--only", default=",".join(ORDER), help="comma-separated trainer names")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
+        return 2
+    names = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = [name for name in names if name not in ORDER]
+    if unknown:
+        parser.error(f"--only: unknown trainer(s) {', '.join(unknown)}; choose from {', '.join(ORDER)}")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    failures, results = 0, {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name in names:
+            try:
+                ok, detail = run_one(name, device, args.steps, Path(folder))
+            except Exception as error:  # noqa: BLE001  (one trainer's failure must not hide the next's)
+                ok = False
+                detail = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+                traceback.print_exc()
+            failures += not ok
+            results[name] = {"ok": ok, "detail": detail}
+            print(f"{'PASS' if ok else 'FAIL':<5} trainer {name:<14} {detail}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(f"{failures} failed" if failures else "all passed")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
