@@ -1,7 +1,8 @@
 """Every trainer's path on a device: a few optimizer steps of each on the shipped tiny model and data.
 
     python benchmarks/gpu_trainers.py --device cuda          # bf16, as a GPU user runs it
-    python benchmarks/gpu_trainers.py --device cpu           # fp32, the rehearsal (use_cpu=True)
+    python benchmarks/gpu_trainers.py --device cpu           # fp32 on the CPU (use_cpu=True)
+    python benchmarks/gpu_trainers.py --device cpu --precision bf16   # the GPU's autocast path, rehearsed on the CPU
     python benchmarks/gpu_trainers.py --only SFT,GRPO
 
 Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO) is built from its config exactly as a user's
@@ -31,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-qwen3"
 TEACHER = ROOT / "examples" / "tiny-qwen3-teacher"
 DATA = ROOT / "examples" / "data"
-ORDER = ("SFT", "DPO", "KTO", "reward", "distillation", "GKD", "GRPO", "RLOO")
 
 
 def letter_e(completions, **kwargs) -> list[float]:
@@ -45,59 +45,43 @@ def _dataset(name: str, rows: int):
     return load_dataset("json", data_files=str(DATA / name), split="train").select(range(rows))
 
 
+# name: (config class, trainer class, data file, rows, config settings, trainer keywords beyond model/args/data)
+_RL = dict(num_generations=4, max_completion_length=16, per_device_train_batch_size=8)
+SETUPS = {
+    "SFT": ("SFTConfig", "SFTTrainer", "sft_messages.jsonl", 64, dict(max_length=128, per_device_train_batch_size=8), {}),
+    "DPO": ("DPOConfig", "DPOTrainer", "preference.jsonl", 32, dict(max_length=128, per_device_train_batch_size=4), {}),
+    "KTO": ("KTOConfig", "KTOTrainer", "preference.jsonl", 32, dict(max_length=128, per_device_train_batch_size=8), {}),
+    "reward": ("RewardConfig", "RewardTrainer", "preference.jsonl", 32,
+               dict(max_length=128, per_device_train_batch_size=4), {}),
+    "distillation": ("DistillationConfig", "DistillationTrainer", "sft_prompt_completion.jsonl", 32,
+                     dict(max_completion_length=16, per_device_train_batch_size=4,
+                          teacher_model_name_or_path=str(TEACHER)), {}),
+    "GKD": ("GKDConfig", "GKDTrainer", "sft_messages.jsonl", 32,
+            dict(max_length=128, per_device_train_batch_size=4, lmbda=0.5), dict(teacher_model=str(TEACHER))),
+    "GRPO": ("GRPOConfig", "GRPOTrainer", "sft_prompt_completion.jsonl", 32, _RL, dict(reward_funcs=letter_e)),
+    "RLOO": ("RLOOConfig", "RLOOTrainer", "sft_prompt_completion.jsonl", 32, _RL, dict(reward_funcs=letter_e)),
+}
+
+
 def _build(name: str, common: dict):
-    """(trainer, the parameters' values before training) for one trainer, as a user's script builds it."""
-    import hfnative as h
+    """One trainer, built from its config as a user's script builds it."""
+    import hfnative
 
-    rl = dict(num_generations=4, max_completion_length=16, per_device_train_batch_size=8)
-    if name == "SFT":
-        args = h.SFTConfig(**common, max_length=128, per_device_train_batch_size=8)
-        trainer = h.SFTTrainer(model=str(TINY), args=args, train_dataset=_dataset("sft_messages.jsonl", 64))
-    elif name == "DPO":
-        args = h.DPOConfig(**common, max_length=128, per_device_train_batch_size=4)
-        trainer = h.DPOTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
-    elif name == "KTO":
-        args = h.KTOConfig(**common, max_length=128, per_device_train_batch_size=8)
-        trainer = h.KTOTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
-    elif name == "reward":
-        args = h.RewardConfig(**common, max_length=128, per_device_train_batch_size=4)
-        trainer = h.RewardTrainer(model=str(TINY), args=args, train_dataset=_dataset("preference.jsonl", 32))
-    elif name == "distillation":
-        args = h.DistillationConfig(**common, max_completion_length=16, per_device_train_batch_size=4,
-                                    teacher_model_name_or_path=str(TEACHER))
-        trainer = h.DistillationTrainer(model=str(TINY), args=args,
-                                        train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
-    elif name == "GKD":
-        args = h.GKDConfig(**common, max_length=128, per_device_train_batch_size=4, lmbda=0.5)
-        trainer = h.GKDTrainer(model=str(TINY), teacher_model=str(TEACHER), args=args,
-                               train_dataset=_dataset("sft_messages.jsonl", 32))
-    elif name == "GRPO":
-        args = h.GRPOConfig(**common, **rl)
-        trainer = h.GRPOTrainer(model=str(TINY), reward_funcs=letter_e, args=args,
-                                train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
-    elif name == "RLOO":
-        args = h.RLOOConfig(**common, **rl)
-        trainer = h.RLOOTrainer(model=str(TINY), reward_funcs=letter_e, args=args,
-                                train_dataset=_dataset("sft_prompt_completion.jsonl", 32))
-    else:
-        raise ValueError(f"unknown trainer {name!r}; choose from {', '.join(ORDER)}")
-    return trainer
+    config_class, trainer_class, data, rows, settings, keywords = SETUPS[name]
+    args = getattr(hfnative, config_class)(**common, **settings)
+    return getattr(hfnative, trainer_class)(model=str(TINY), args=args, train_dataset=_dataset(data, rows), **keywords)
 
 
-def _trained_module(trainer) -> torch.nn.Module:
-    return trainer.model
-
-
-def run_one(name: str, device: torch.device, steps: int, folder: Path) -> tuple[bool, str]:
+def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: bool) -> tuple[bool, str]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     on_cuda = device.type == "cuda"
     common = dict(output_dir=str(folder / name), max_steps=steps, logging_steps=1, learning_rate=1e-3,
                   report_to="none", disable_tqdm=True, save_strategy="no", seed=0,
-                  use_cpu=not on_cuda, bf16=on_cuda)
+                  use_cpu=not on_cuda, bf16=bf16)
     begin = time.perf_counter()
     trainer = _build(name, common)
-    module = _trained_module(trainer)
+    module = trainer.model
     before = {key: value.detach().float().cpu().clone() for key, value in module.named_parameters()}
     trainer.train()
     trainer.save_model(str(folder / name))
@@ -150,17 +134,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--only", default=",".join(ORDER), help="comma-separated trainer names")
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
+                        help="bf16 (autocast over fp32 weights, the default on cuda) or fp32 (the default on cpu)")
+    parser.add_argument("--only", default=",".join(SETUPS), help="comma-separated trainer names")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: torch sees no CUDA device here", file=sys.stderr)
         return 2
+    bf16 = (args.precision or ("bf16" if device.type == "cuda" else "fp32")) == "bf16"
     names = [name.strip() for name in args.only.split(",") if name.strip()]
-    unknown = [name for name in names if name not in ORDER]
+    unknown = [name for name in names if name not in SETUPS]
     if unknown:
-        parser.error(f"--only: unknown trainer(s) {', '.join(unknown)}; choose from {', '.join(ORDER)}")
+        parser.error(f"--only: unknown trainer(s) {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
@@ -169,7 +156,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             try:
-                ok, detail = run_one(name, device, args.steps, Path(folder))
+                ok, detail = run_one(name, device, args.steps, Path(folder), bf16)
             except Exception as error:  # noqa: BLE001  (one trainer's failure must not hide the next's)
                 ok = False
                 detail = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
