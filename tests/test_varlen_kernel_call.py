@@ -100,3 +100,36 @@ def test_flash_varlen_needs_cuda_and_low_precision():
     q = torch.zeros(1, 2, 4, 8)
     assert not attention._flash_varlen_available(q)
     assert not attention._flash_varlen_available(q.bfloat16())
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa", "llama-gqa"])
+def test_models_reach_the_kernel_under_autocast(monkeypatch, name):
+    """bf16 autocast over fp32 weights: Qwen3's QK-norm leaves q and k in fp32 beside a bf16 v. Every layer must
+    still reach ``varlen_attn`` (as SDPA would, in the autocast dtype), and the logits equal the dense-mask path's."""
+    from hf_configs import make_hf_model
+
+    from hfnative.converters.loading import load_pretrained
+
+    calls = []
+    kernel = _stand_in(RELEASES["2.13"])
+
+    def counted(query, key, value, *args, **options):
+        calls.append((query.dtype, key.dtype, value.dtype))
+        return kernel(query, key, value, *args, **options)
+
+    counted.__signature__ = kernel.__signature__
+    monkeypatch.setattr(attention, "_varlen_attn_function", lambda: counted)
+    monkeypatch.setattr(attention, "VARLEN_KERNEL_DEVICES", ("cpu",))  # the stand-in runs on the CPU
+    model = load_pretrained(make_hf_model(name)).model.eval()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 90, (2, 20), generator=generator)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in ([8, 12], [5, 9, 6])])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.attention_implementation = "varlen"
+        varlen = model(ids, position_ids=positions).logits.float()
+        assert calls == [(torch.bfloat16,) * 3] * len(model.layers)
+        model.attention_implementation = "sdpa"
+        dense = model(ids, position_ids=positions).logits.float()
+    assert len(calls) == len(model.layers)  # the dense path never calls the kernel
+    scale = dense.abs().max().item()
+    assert (varlen - dense).abs().max().item() <= 2e-2 * scale

@@ -25,13 +25,13 @@ from .sampling import SamplingParams, call_row_keys, choose_tokens
 COMPILE_SLOT_MULTIPLE = 64
 
 
-
 def _cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The key/value cache's dtype: under autocast (fp32 master weights, bf16=True) the projections give keys and
     values in the autocast dtype, and attention reads them in it; otherwise the weights' dtype."""
     if torch.is_autocast_enabled(device.type):
         return torch.get_autocast_dtype(device.type)
     return weight_dtype
+
 
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).

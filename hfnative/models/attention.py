@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 IMPLEMENTATIONS = ("varlen", "sdpa")
+VARLEN_KERNEL_DEVICES = ("cuda",)  # where torch.nn.attention.varlen.varlen_attn has a kernel
 
 
 def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
@@ -181,7 +182,7 @@ def _varlen_attn_function():
 def _flash_varlen_available(q: torch.Tensor, window: int | None = None, scale: float | None = None) -> bool:
     """Whether ``varlen_attn`` can run this layer: CUDA, bf16/fp16, and a torch whose ``varlen_attn`` takes the
     window and the scale the layer needs (the per-document path serves the rest)."""
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+    if q.device.type not in VARLEN_KERNEL_DEVICES or q.dtype not in (torch.bfloat16, torch.float16):
         return False
     varlen_attn = _varlen_attn_function()
     return varlen_attn is not None and _varlen_takes(_varlen_keywords(varlen_attn), q.shape[-1], window, scale)
@@ -258,12 +259,25 @@ def _document_attention(q_BhSd, k_BkSd, v_BkSd, window: int | None, scale: float
     )[0]
 
 
+def _as_autocast(q_BHSd, k_BKSd, v_BKSd):
+    """q, k, v as SDPA takes them under autocast: in the autocast dtype. A norm or rotation in fp32 (Qwen3's QK-norm)
+    leaves q and k in fp32 while v comes from the projection in bf16; SDPA casts all three itself, ``varlen_attn``
+    (a custom op) does not, so without this a bf16 run would never reach the kernel."""
+    device = q_BHSd.device.type
+    if not torch.is_autocast_enabled(device):
+        return q_BHSd, k_BKSd, v_BKSd
+    dtype = torch.get_autocast_dtype(device)
+    return q_BHSd.to(dtype), k_BKSd.to(dtype), v_BKSd.to(dtype)
+
+
 @torch.compiler.disable
 def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None) -> torch.Tensor:
     """Documents attend only within themselves; padding positions get zeros. Runs eagerly under
     torch.compile (the spans change every batch and would otherwise be baked into the graph)."""
-    if sinks_H is None and _flash_varlen_available(q_BHSd, window, scale):
-        return _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale)
+    if sinks_H is None and q_BHSd.device.type in VARLEN_KERNEL_DEVICES:
+        q_low, k_low, v_low = _as_autocast(q_BHSd, k_BKSd, v_BKSd)
+        if _flash_varlen_available(q_low, window, scale):
+            return _flash_varlen(q_low, k_low, v_low, plan, window, scale)
     rows = []
     for row, row_spans in enumerate(plan.spans):
         pieces, position = [], 0
