@@ -54,7 +54,7 @@ ln -s "$ROOT/converters" "$STAGE/hfnative/converters"
 ln -s "$ROOT/trainers" "$STAGE/hfnative/trainers"
 export PYTHONPATH="$STAGE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
-# transformers >= 5.2x depends on `kernels` and, on CUDA, resolves hub kernels (kernels-community/rotary, ...) when a
+# transformers (5.25 here) depends on `kernels` and, on CUDA, resolves hub kernels (kernels-community/rotary, ...) when a
 # model is built; with no network that raises, so the peers run with their built-in torch code
 export USE_HUB_KERNELS=NO
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from hfnative.models.decoder import Transformer
+from hfnative.precision import autocast_dtype
 
 from .cached_decoder import decode_step, prefill
 from .kv_cache import KVCache
@@ -23,14 +24,6 @@ from .sampling import SamplingParams, call_row_keys, choose_tokens
 # with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled decode step (its cache shape) instead of compiling one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
-
-
-def _cache_dtype(weight_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The key/value cache's dtype: under autocast (fp32 master weights, bf16=True) the projections give keys and
-    values in the autocast dtype, and attention reads them in it; otherwise the weights' dtype."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return weight_dtype
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -103,9 +96,12 @@ class NativeRolloutEngine(RolloutEngine):
         P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
         pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
 
+        # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
+        # and attention reads them in it
+        cache_dtype = autocast_dtype(device.type) or model.tok_embeddings.weight.dtype
         cache = KVCache(
             [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
-            P + T, pad_B, _cache_dtype(model.tok_embeddings.weight.dtype, device), device,
+            P + T, pad_B, cache_dtype, device,
         )
         seen_BV = None
         if sampling.repetition_penalty != 1.0:  # the prompt's tokens count as seen, as in transformers

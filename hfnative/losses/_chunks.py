@@ -16,6 +16,8 @@ import abc
 
 import torch
 
+from hfnative.precision import autocast_dtype
+
 IGNORE_INDEX = -100
 # Tokens per chunk: half the hidden size D, so the two [C, V] fp32 buffers together are as large as
 # the [V, D] fp32 weight gradient the loss keeps anyway (the loss adds at most that much again to the
@@ -44,9 +46,8 @@ def chunk_size_for(
 def matmul_inputs(hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The operands in the dtype the projection runs in: the autocast dtype when autocast is on (as
     ``hidden @ weight.T`` would be; gradients flow back through the cast), else their common dtype."""
-    device_type = hidden_ND.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
+    dtype = autocast_dtype(hidden_ND.device.type)
+    if dtype is not None:
         return hidden_ND.to(dtype), weight_VD.to(dtype)
     if hidden_ND.dtype != weight_VD.dtype:
         raise ValueError(

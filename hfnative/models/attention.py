@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hfnative.precision import autocast_dtype
+
 IMPLEMENTATIONS = ("varlen", "sdpa")
 VARLEN_KERNEL_DEVICES = ("cuda",)  # where torch.nn.attention.varlen.varlen_attn has a kernel
 
@@ -171,6 +173,7 @@ def _varlen_keywords(varlen_attn) -> frozenset[str]:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
+@functools.cache
 def _varlen_attn_function():
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -263,10 +266,9 @@ def _as_autocast(q_BHSd, k_BKSd, v_BKSd):
     """q, k, v as SDPA takes them under autocast: in the autocast dtype. A norm or rotation in fp32 (Qwen3's QK-norm)
     leaves q and k in fp32 while v comes from the projection in bf16; SDPA casts all three itself, ``varlen_attn``
     (a custom op) does not, so without this a bf16 run would never reach the kernel."""
-    device = q_BHSd.device.type
-    if not torch.is_autocast_enabled(device):
+    dtype = autocast_dtype(q_BHSd.device.type)
+    if dtype is None:
         return q_BHSd, k_BKSd, v_BKSd
-    dtype = torch.get_autocast_dtype(device)
     return q_BHSd.to(dtype), k_BKSd.to(dtype), v_BKSd.to(dtype)
 
 
