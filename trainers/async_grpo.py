@@ -27,7 +27,7 @@ from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 from .async_grpo_config import AsyncGRPOConfig
 from .data_loading import make_dataloader
 from .grpo_trainer import extremes_over_ranks, loss_mask
-from .objective import Objective, enable_router_loss
+from .objective import Normalizer, Objective, enable_router_loss
 from .rewards import RewardFunctions
 from .rollout import (
     Rollout,
@@ -193,7 +193,10 @@ class AsyncGRPOObjective(Objective):
         return make_dataloader(dataset, prompts, collator, seed=a.data_seed if a.data_seed is not None else a.seed,
                                shuffle=True, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers)
 
-    # --- one optimizer step (each micro-batch normalized by its own tokens: the default normalizer) --------------
+    # --- one optimizer step: each micro-batch normalized by its own completion tokens ----------------------------
+    def normalizer(self, batches: list[dict]) -> Normalizer:
+        return Normalizer.tokens_per_micro_batch([batch["completion_tokens"] for batch in batches])
+
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         self.start_pipeline()
         wholes = []
@@ -226,7 +229,7 @@ class AsyncGRPOObjective(Objective):
         old_BT = inputs["old_logprobs"]
         policy = clipped_policy_loss(
             logprobs_BT, old_BT, inputs["advantages"], mask_BT, loss_type="dapo", epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high, entropy_BT=entropy_BT, num_items=inputs["completion_tokens_per_rank"],
+            epsilon_high=args.epsilon_high, entropy_BT=entropy_BT, num_items=num_items_in_batch,
         )
         with torch.no_grad():
             log_ratio_BT = (logprobs_BT - old_BT) * mask_BT
@@ -335,8 +338,9 @@ class AsyncGRPOObjective(Objective):
             )
         rows = torch.tensor_split(torch.arange(N), data_parallel.size)[data_parallel.rank]
         per_row = {name: value for name, value in whole.items() if name != "sample_metrics"}
-        inputs = self.context.context_parallel.split(model_inputs(trimmed_rows(per_row, rows)))  # this rank's cp chunks
-        inputs["completion_tokens_per_rank"] = float(loss_mask(whole).sum()) / data_parallel.size
+        mine = trimmed_rows(per_row, rows)
+        inputs = self.context.context_parallel.split(model_inputs(mine))  # this rank's cp chunks
+        inputs["completion_tokens"] = float(loss_mask(mine).sum())  # of whole sequences (the normalizer's count)
         inputs["sample_metrics"] = whole["sample_metrics"].tolist()
         return inputs
 

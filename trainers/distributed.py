@@ -32,6 +32,8 @@ from transformers.trainer_callback import TrainerState
 from hfnative.losses import IGNORE_INDEX
 from hfnative.parallel.teardown import end_process_group
 
+from .objective import MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT
+
 logger = logging.getLogger(__name__)
 
 
@@ -233,6 +235,12 @@ class DataParallelGroup:
             dist.all_reduce(total, group=self._group())
         return total
 
+    def ratio_of_sums(self, numerator: torch.Tensor, denominator: torch.Tensor, floor: float = 1.0) -> float:
+        """The ranks' summed ``numerator`` over their summed ``denominator`` (at least ``floor``): a mean over every
+        rank's items from each rank's sums, in one collective."""
+        totals = self.sum(torch.stack([torch.as_tensor(numerator), torch.as_tensor(denominator)]).double())
+        return float(totals[0] / totals[1].clamp(min=floor))
+
     def max(self, tensor: torch.Tensor) -> torch.Tensor:
         """The elementwise maximum of ``tensor`` over the ranks (a new tensor, on this rank's device)."""
         top = torch.as_tensor(tensor).to(self.device).clone()
@@ -394,6 +402,17 @@ class _WholeSequenceInputs:
         return getattr(self.collator, name)
 
 
+@dataclass(frozen=True)
+class StepNormalization:
+    """A step's normalization on this rank, from its ``Normalizer``: each micro-batch's ``num_items_in_batch``
+    (None for a micro-batch mean), what the loop divides each micro-batch's loss by before backward (1: nothing),
+    and the share of that loss the logs count (1, or 1 / micro-batches for summed micro-batch means)."""
+
+    items: list
+    divisor: int
+    logged_share: float = 1.0
+
+
 class DistributedMixin:
     """The Trainer's side of a distributed run (``self.distributed``: a DistributedRun, or None for one process):
     rank-aware state, parallelizing each model, the data shard (and its sequence split over context-parallel
@@ -487,23 +506,37 @@ class DistributedMixin:
         run = self.distributed
         return {} if run is None else dict(num_shards=run.dp_size, shard_index=run.dp_rank)
 
-    def _step_normalizer(self, normalizer, micro_batches: int) -> tuple[int | float | None, int]:
-        """(num_items_in_batch, the divisor of a loss given none) for a step of ``micro_batches`` on this rank.
+    def _step_normalizer(self, normalizer, micro_batches: int) -> StepNormalization:
+        """How the loop normalizes a step of ``micro_batches`` on this rank (``Normalizer``'s units).
 
         An item count is summed over the ranks holding different items (tokens: data x context parallel; sequences,
         pairs: data parallel); a micro-batch mean is divided by the step's micro-batches over the data-parallel
         ranks, times the context-parallel ranks (each holds the same micro-batch's mean, its sums taken over their
-        chunks); no normalizer: each loss is divided by this rank's micro-batches (transformers' Trainer)."""
+        chunks); per-micro-batch token counts are each averaged over the data-parallel ranks and handed to their
+        micro-batch, whose loss is then divided as a micro-batch mean; summed micro-batch means are divided by the
+        data-parallel and context-parallel ranks only, and logged as their mean; no normalizer: each loss is divided
+        by this rank's micro-batches (transformers' Trainer)."""
         if normalizer is None:
-            return None, micro_batches
-        if normalizer.is_mean:
-            micro_batches_over_ranks = int(self.data_parallel.sum(torch.tensor(normalizer.count, dtype=torch.int64)).item())
-            return None, micro_batches_over_ranks * (1 if self.distributed is None else self.distributed.dims.cp)
-        count = torch.tensor(normalizer.count, dtype=torch.int64 if isinstance(normalizer.count, int) else torch.float64)
+            return StepNormalization([None] * micro_batches, micro_batches)
+        cp = 1 if self.distributed is None else self.distributed.dims.cp
+        if normalizer.unit == SUM_UNIT:
+            return StepNormalization([None] * micro_batches, self.data_parallel.size * cp, logged_share=1 / micro_batches)
+        if normalizer.unit in (MEAN_UNIT, PER_MICRO_BATCH_UNIT):
+            counts = normalizer.count if normalizer.per_micro_batch else ()
+            if len(counts) not in (0, micro_batches):
+                raise ValueError(f"a per-micro-batch normalizer has {len(counts)} counts for a step of {micro_batches} "
+                                 "micro-batches")
+            # one collective: the step's micro-batches over the ranks, and each per-micro-batch count summed
+            totals = self.data_parallel.sum(torch.tensor([micro_batches, *counts], dtype=torch.float64)).tolist()
+            items = [total / self.data_parallel.size for total in totals[1:]] or [None] * micro_batches
+            return StepNormalization(items, int(totals[0]) * cp)
+        integral = isinstance(normalizer.count, int)
         if self.distributed is None:
-            return normalizer.count, 1
+            return StepNormalization([normalizer.count] * micro_batches, 1)
+        count = torch.tensor(normalizer.count, dtype=torch.int64 if integral else torch.float64)
         total = self.distributed.sum_over_dp(count.to(self.device)) if normalizer.counts_tokens else self.data_parallel.sum(count)
-        return (int(total.item()) if isinstance(normalizer.count, int) else float(total.item())), 1
+        total = int(total.item()) if integral else float(total.item())
+        return StepNormalization([total] * micro_batches, 1)
 
     def _summed_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """Each rank's loss is its tokens' share of the step's loss: the step's loss is their sum."""
@@ -523,6 +556,7 @@ class DistributedMixin:
 
 __all__ = [
     "ContextParallelGroup",
+    "StepNormalization",
     "DataParallelGroup",
     "DistributedMixin",
     "DistributedRun",

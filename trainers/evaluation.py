@@ -22,13 +22,22 @@ class EvaluationMixin:
         inputs = self._prepare_inputs(self.objective.eval_batch(inputs))
         labels = None
         with torch.no_grad(), self._autocast():
-            loss = self.compute_loss(model, inputs) if self.objective.has_eval_loss(inputs) else None
+            has_loss = self.objective.has_eval_loss(inputs)
+            loss = self.compute_loss(model, inputs, num_items_in_batch=self._eval_items(inputs)) if has_loss else None
             logits = None
             if not prediction_loss_only:
                 logits, labels = self.objective.eval_outputs(model, inputs)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
         return loss, logits, labels if labels is not None else inputs.get("labels")
+
+    def _eval_items(self, inputs: dict, normalizer=None):
+        """An evaluation batch's ``num_items_in_batch`` when its objective counts tokens per micro-batch (the count
+        averaged over the data-parallel ranks, as in training); None otherwise (the loss is the batch's own mean)."""
+        normalizer = normalizer or self.objective.normalizer([inputs])
+        if normalizer is None or not normalizer.per_micro_batch:
+            return None
+        return self._step_normalizer(normalizer, 1).items[0]
 
     def _context_parallel_prediction_step(self, model, inputs, prediction_loss_only):
         """Each batch's loss over its tokens on every cp rank (the ranks' sums divided by their label-token
@@ -46,7 +55,8 @@ class EvaluationMixin:
         normalizer = self.objective.normalizer([inputs])
         if normalizer is not None and normalizer.is_mean:  # a micro-batch mean: every cp rank holds the batch's
             with torch.no_grad(), self._autocast():
-                loss = self.compute_loss(model, inputs).detach() / run.dims.cp
+                loss = self.compute_loss(model, inputs, num_items_in_batch=self._eval_items(inputs, normalizer))
+                loss = loss.detach() / run.dims.cp
         else:
             count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
             torch.distributed.all_reduce(count, group=group)

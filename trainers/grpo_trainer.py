@@ -29,6 +29,7 @@ import torch
 
 from hfnative.losses.policy import (
     LOSS_TYPES,
+    MEAN_LOSS_TYPES,
     clipped_policy_loss,
     entropy_bonus,
     group_advantages,
@@ -46,7 +47,7 @@ from .completion_log import CompletionLog
 from .construction import is_model_name
 from .data_loading import EpochBatchSampler, StreamGroupBatches, has_length
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
-from .objective import Objective, enable_router_loss
+from .objective import Normalizer, Objective, enable_router_loss
 from .reference_sync import mix_into_reference, sync_due
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
@@ -319,7 +320,14 @@ class GRPOObjective(Objective):
         """Completions of an evaluation batch of prompts."""
         return len(inputs) * self.num_generations_eval
 
-    # --- one optimizer step (each micro-batch's loss is normalized on its own: the default normalizer) ------------
+    # --- one optimizer step -----------------------------------------------------------------------------------
+    def normalizer(self, batches: list[dict]) -> Normalizer:
+        """Each micro-batch's loss is a mean of its own; the token-sum losses (dapo, cispo, vespo) divide by their
+        generation batch's completion tokens per micro-batch, averaged over the ranks by the loop (TRL's)."""
+        if self.loss_type in MEAN_LOSS_TYPES:
+            return Normalizer.micro_batches(batches)
+        return Normalizer.tokens_per_micro_batch([batch["completion_tokens_per_micro_batch"] for batch in batches])
+
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         self._step_started = time.perf_counter()
         batches = []
@@ -354,8 +362,7 @@ class GRPOObjective(Objective):
         entropy_coef_min); logged as entropy_coef."""
         args = self.args
         if self.adaptive_entropy and self._entropy_window is not None:
-            totals = self.context.data_parallel.sum(self._entropy_window)
-            self.last_step_entropy = float(totals[0] / totals[1].clamp(min=1.0))
+            self.last_step_entropy = self.context.data_parallel.ratio_of_sums(*self._entropy_window)
             if self.last_step_entropy <= args.entropy_target:
                 self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
             else:
@@ -530,10 +537,9 @@ class GRPOObjective(Objective):
         ``pieces`` micro-batches, each trimmed to its own longest prompt and completion."""
         N = batch["prompt_ids"].shape[0]
         order = self.shuffled_order(N) if self.mode == "train" else torch.arange(N)
-        # TRL's token count for dapo/cispo: the generation batch's completion tokens over every rank, per micro-batch
-        totals = self.context.data_parallel.sum(torch.tensor(
-            [float(loss_mask(batch).sum()), float(pieces)], dtype=torch.float64))
-        tokens_per_micro_batch = (totals[0] / totals[1]).item()
+        # TRL's token count for dapo/cispo/vespo: the generation batch's completion tokens per micro-batch (the loop
+        # averages it over the ranks: ``normalizer``)
+        tokens_per_micro_batch = float(loss_mask(batch).sum()) / pieces
         size = N // pieces
         micro_batches = []
         for start in range(0, N, size):
@@ -578,7 +584,7 @@ class GRPOObjective(Objective):
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
             beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
             importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
-            num_items=inputs["completion_tokens_per_micro_batch"], token_weights_BT=token_weights,
+            num_items=num_items_in_batch, token_weights_BT=token_weights,
             entropy_BT=entropy_BT,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
             off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),

@@ -49,6 +49,11 @@ from hfnative.models.head import TokenCrossEntropy
 TOKEN_UNITS = ("label_tokens", "completion_tokens")
 ITEM_UNITS = TOKEN_UNITS + ("sequences", "pairs")
 MEAN_UNIT = "micro_batches"
+# one count per micro-batch: the completion tokens of whole sequences (before a context-parallel split), summed over
+# the data-parallel ranks
+PER_MICRO_BATCH_UNIT = "completion_tokens_per_micro_batch"
+SUM_UNIT = "summed_micro_batches"
+UNITS = ITEM_UNITS + (MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT)
 
 
 def enable_router_loss(model, coef: float | None) -> float:
@@ -70,32 +75,54 @@ def enable_router_loss(model, coef: float | None) -> float:
 
 @dataclass(frozen=True)
 class Normalizer:
-    """A step's normalizer on this rank: ``count`` things of ``unit``.
+    """A step's normalizer on this rank: ``count`` things of ``unit``; the loop reduces it over the ranks and divides.
 
-    An item unit (label_tokens, completion_tokens, sequences, pairs): the loop sums ``count`` over the ranks and
-    hands the total to ``loss`` as ``num_items_in_batch``, and the loss is the micro-batch's sum over its items
-    divided by it. ``micro_batches``: each micro-batch's loss is its own mean (TRL's DPO and GRPO); the loop passes
-    ``num_items_in_batch=None`` and divides each loss by the step's micro-batches over every data-parallel rank.
+    - an item unit (label_tokens, completion_tokens, sequences, pairs): the loop sums ``count`` over the ranks and
+      hands the total to ``loss`` as ``num_items_in_batch``; the loss is the micro-batch's sum over its items divided
+      by it, and the loop divides nothing more.
+    - ``micro_batches``: each micro-batch's loss is its own mean (TRL's DPO and GRPO); the loop passes
+      ``num_items_in_batch=None`` and divides each loss by the step's micro-batches over every data-parallel rank.
+    - ``completion_tokens_per_micro_batch`` (``Normalizer.tokens_per_micro_batch``): ``count`` is a tuple, one
+      completion-token count per micro-batch (of whole sequences, this rank's); the loop hands micro-batch i the mean
+      of its count over the data-parallel ranks as ``num_items_in_batch``, and divides the loss, its token sum divided
+      by that, as a micro-batch mean (TRL's DAPO-style GRPO losses: the generation batch's tokens per micro-batch;
+      async GRPO: each micro-batch's own tokens).
+    - ``summed_micro_batches``: each micro-batch's loss is its own mean and the step trains on their sum, averaged
+      over the ranks, while the logged loss is their mean (TRL's online DPO backpropagates each micro-batch's mean as
+      it is).
     """
 
-    count: int | float
+    count: int | float | tuple
     unit: str
 
     def __post_init__(self):
-        if self.unit not in ITEM_UNITS + (MEAN_UNIT,):
-            raise ValueError(f"Normalizer unit {self.unit!r}: expected one of {ITEM_UNITS + (MEAN_UNIT,)}")
+        if self.unit not in UNITS:
+            raise ValueError(f"Normalizer unit {self.unit!r}: expected one of {UNITS}")
 
     @property
     def is_mean(self) -> bool:
-        return self.unit == MEAN_UNIT
+        """The loop divides each micro-batch's loss as a mean over the step's micro-batches on every rank."""
+        return self.unit in (MEAN_UNIT, PER_MICRO_BATCH_UNIT)
 
     @property
     def counts_tokens(self) -> bool:
         return self.unit in TOKEN_UNITS
 
+    @property
+    def per_micro_batch(self) -> bool:
+        return self.unit == PER_MICRO_BATCH_UNIT
+
     @classmethod
     def micro_batches(cls, batches: list) -> Normalizer:
         return cls(len(batches), MEAN_UNIT)
+
+    @classmethod
+    def summed_micro_batches(cls, batches: list) -> Normalizer:
+        return cls(len(batches), SUM_UNIT)
+
+    @classmethod
+    def tokens_per_micro_batch(cls, counts) -> Normalizer:
+        return cls(tuple(float(count) for count in counts), PER_MICRO_BATCH_UNIT)
 
 
 def count_label_tokens(batches: list[dict]) -> Normalizer | None:
@@ -330,10 +357,9 @@ class ObjectiveContext:
         ranks = self.router_loss_ranks
         if not self._trainer.native_model.training:  # an item-normalized loss is summed over the cp ranks
             return aux_loss * (ranks if num_items_in_batch is None else ranks // self.context_parallel.size)
-        steps = self.micro_batches_in_step
-        if num_items_in_batch is not None:
-            return aux_loss / steps
-        return aux_loss * (self._trainer._loss_divisor / steps) if ranks > 1 else aux_loss
+        # the loop divides the micro-batch's loss by the step's divisor (1 for an item count); each rank's term is its
+        # share of the whole batch's router loss over the step's micro-batches
+        return aux_loss * (self._trainer._loss_divisor / self.micro_batches_in_step)
 
     def whole_router_loss(self, aux_loss: torch.Tensor) -> torch.Tensor:
         """The whole batch's router loss for the logs: the metrics average the ranks' values."""

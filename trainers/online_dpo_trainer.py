@@ -22,7 +22,7 @@ from hfnative.losses.preference import ipo_loss, sigmoid_loss
 from hfnative.models.head import TokenLogprobs
 
 from .online_dpo_config import OnlineDPOConfig
-from .objective import Objective
+from .objective import Normalizer, Objective
 from .reference_free_preference import transformers_padding_plan
 from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
 from .rewards import RewardFunctions
@@ -127,6 +127,10 @@ class OnlineDPOObjective(Objective):
         return _rows
 
     # --- one optimizer step: each micro-batch's prompts completed twice, scored and paired ----------------------
+    def normalizer(self, batches: list[dict]) -> Normalizer:
+        """TRL backpropagates each micro-batch's mean as it is (the step trains on their sum) and logs their mean."""
+        return Normalizer.summed_micro_batches(batches)
+
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
         first_place = self.context.state.global_step * self.args.gradient_accumulation_steps
         return [self.generate_and_pair(as_rows(batch), first_place + index)
@@ -206,10 +210,6 @@ class OnlineDPOObjective(Objective):
         chosen_logratio_B = logps_N[chosen_B] - ref_logps_N[chosen_B]
         rejected_logratio_B = logps_N[rejected_B] - ref_logps_N[rejected_B]
         loss = online_dpo_losses(chosen_logratio_B, rejected_logratio_B, beta, self.args.loss_type).mean()
-        # TRL backpropagates each micro-batch's mean as it is (the step's gradient is their sum) while it logs their
-        # mean: the same value here, with its gradient scaled by the step's micro-batches, which the loop divides by
-        scale = self.context.micro_batches_in_step
-        loss = loss + (scale - 1) * (loss - loss.detach())
         return loss, self.metrics(logprobs_NT.detach(), ref_logprobs_NT, logps_N.detach(), chosen_logratio_B.detach(),
                                   rejected_logratio_B.detach(), inputs, beta)
 

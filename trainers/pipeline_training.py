@@ -99,9 +99,9 @@ class PipelineTraining:
         self.frozen = {name: _pipeline_of(trainer, model)
                        for name, model in trainer.objective.auxiliary_models.items() if model is not None}
 
-    def step(self, trainer, batches: list[dict], num_items) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (prepared by ``trainer._prepare_inputs``); returns the
-        step's loss (the sum of the micro-batches'), on every rank."""
+    def step(self, trainer, batches: list[dict], num_items: list) -> torch.Tensor:
+        """Forward and backward of the step's micro-batches (prepared by ``trainer._prepare_inputs``; ``num_items``:
+        each one's ``num_items_in_batch``); returns the step's loss (the sum of the micro-batches'), on every rank."""
         rows = {batch["input_ids"].shape[0] for batch in batches}
         if len(rows) > 1:
             raise ValueError(
@@ -121,10 +121,10 @@ class PipelineTraining:
             frozen_models.update({name: _LastStageModel(kept[name], outputs[index])
                                   for name, outputs in frozen_outputs.items()})
             try:
-                loss = trainer.compute_loss(stage, batches[index], num_items_in_batch=num_items)
+                loss = trainer.compute_loss(stage, batches[index], num_items_in_batch=num_items[index])
             finally:
                 frozen_models.update(kept)
-            return loss if num_items is not None else loss / trainer._loss_divisor
+            return loss / trainer._loss_divisor
 
         self.model.train()
         with trainer._autocast(), trainer._activation_offloading():

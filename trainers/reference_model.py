@@ -13,6 +13,7 @@ import copy
 import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from types import FunctionType, MethodType
 
 import torch
 from datasets import IterableDataset
@@ -62,14 +63,19 @@ def router_loss_off(model):
 
 class ReferenceModel:
     """An objective's reference: registers the frozen copy it needs in ``objective.auxiliary_models["ref_model"]``
-    (the loop loads and places it), and runs it (or the policy's base) without a graph."""
+    (the loop loads and places it), and runs it (or the policy's base) without a graph.
 
-    def __init__(self, objective, source, given: bool):
+    ``source``: what the copy loads from (or a function making it, called only when a copy is kept); ``given``: the
+    user gave it (always kept). The policy's base, its adapters disabled, is the reference when the run trains new
+    adapters, and with ``base_of_loaded_adapters`` also for an adapter the model came with (TRL's GRPO and RLOO;
+    DPO and KTO keep a frozen copy of such a policy instead)."""
+
+    def __init__(self, objective, source, given: bool = False, base_of_loaded_adapters: bool = False):
         context = objective.context
         self.objective = objective
-        self.is_base = context.uses_adapters and context.trains_new_adapters
-        if given or (not self.is_base and not context.args.precompute_ref_log_probs):
-            objective.auxiliary_models["ref_model"] = source
+        self.is_base = context.uses_adapters and (context.trains_new_adapters or base_of_loaded_adapters)
+        if given or (not self.is_base and not getattr(context.args, "precompute_ref_log_probs", False)):
+            objective.auxiliary_models["ref_model"] = source() if isinstance(source, (FunctionType, MethodType)) else source
 
     @property
     def model(self):
@@ -87,16 +93,23 @@ class ReferenceModel:
         if self.objective.args.disable_dropout:
             disable_dropout(ref)
 
-    @torch.no_grad()
-    def head_output(self, inputs: dict, head_loss):
-        """The reference's head output for ``inputs`` (``Objective.forward``'s keys), without a graph; the policy
-        runs with its new adapters disabled (or as it is, before training) and without its router loss."""
+    @contextmanager
+    def running(self):
+        """The model whose forwards are the reference's: the kept copy, or the policy with its adapters disabled (or
+        as it is, before training) and without its router loss."""
         ref = self.model
         if ref is not None:
-            return self.objective.forward(ref, inputs, head_loss).head_output
+            yield ref
+            return
         policy = self.objective.context.model
         with router_loss_off(policy), policy.disable_adapter() if self.is_base else nullcontext():
-            return self.objective.forward(policy, inputs, head_loss).head_output
+            yield policy
+
+    @torch.no_grad()
+    def head_output(self, inputs: dict, head_loss):
+        """The reference's head output for ``inputs`` (``Objective.forward``'s keys), without a graph."""
+        with self.running() as model:
+            return self.objective.forward(model, inputs, head_loss).head_output
 
     def after_optimizer_step(self) -> None:
         """TR-DPO: every ref_model_sync_steps steps, ref <- alpha * policy + (1 - alpha) * ref."""

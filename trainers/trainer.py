@@ -101,7 +101,8 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     _current_accumulation_steps = 1  # this rank's micro-batches in the step being trained
     _stopped_by: str | None = None  # why train() stopped before its last step (enable_jit_checkpoint: "SIGTERM")
     _preemption: Preemption | None = None  # the SIGTERM flag while train() runs with enable_jit_checkpoint
-    _loss_divisor = 1  # what training_step divides a loss by when the step's normalizer gives no item count
+    _loss_divisor = 1  # what training_step divides a micro-batch's loss by (the step's normalization; 1: nothing)
+    _logged_share = 1.0  # the share of that loss the logs count (summed micro-batch means log their mean)
     _tag_names: list[str] = []
     dataset_name: str | None = None  # shown on the model card (the CLI sets it)
     hub_model_id: str | None = None  # the Hub repository's full id, set by the first push (trainers/hub.py)
@@ -386,13 +387,12 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         inputs = self._prepare_inputs(inputs)
         with self._autocast(), self._activation_offloading(), self._performance.timed("fwd"):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        if num_items_in_batch is None:  # a micro-batch mean: its share of the step's mean over every rank
-            loss = loss / self._loss_divisor
+        loss = loss / self._loss_divisor  # e.g. a micro-batch mean: its share of the step's mean over every rank
         # with optimizer-in-backward, parameters step inside the last micro-batch's backward only
         accumulate_only = isinstance(self.optimizer, OptimizerInBackward) and not self._last_micro_batch
         with self.optimizer.accumulating() if accumulate_only else nullcontext():
             loss.backward()
-        return loss.detach()
+        return loss.detach() * self._logged_share
 
     # --- the loop --------------------------------------------------------------------------------
 
@@ -502,10 +502,11 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                     break
                 batches = [self._prepare_inputs(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
-                num_items, self._loss_divisor = self._step_normalizer(self.objective.normalizer(batches), len(batches))
+                normalization = self._step_normalizer(self.objective.normalizer(batches), len(batches))
+                self._loss_divisor, self._logged_share = normalization.divisor, normalization.logged_share
                 if self._pipeline_parallel is not None:  # the step's micro-batches go through the pipeline stages together
                     step += len(batches)
-                    self._pipeline_step(batches, num_items)
+                    self._pipeline_step(batches, normalization.items)
                     batches = []
                 for index, inputs in enumerate(batches):
                     step += 1
@@ -513,7 +514,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                     if index == 0:
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     with self._performance.timed("fwd_bwd"):
-                        loss = self.training_step(self.native_model, inputs, num_items)
+                        loss = self.training_step(self.native_model, inputs, normalization.items[index])
                     if args.logging_nan_inf_filter and not torch.isfinite(loss):
                         loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                     self._tr_loss += loss
