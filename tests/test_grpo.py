@@ -515,7 +515,7 @@ def test_lora_reference_is_the_base(tmp_path):
     args = hfnative.GRPOConfig(output_dir=str(tmp_path / "lora"), max_steps=2, learning_rate=5e-2, beta=0.1, **LEARN_SETTINGS)
     trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows,
                                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    assert "ref" not in trainer.objective.auxiliary_models
+    assert trainer.ref_model is None and not trainer.objective.auxiliary_models
     trainer.train()
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 1e-6
@@ -585,7 +585,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, trainer_na
 
         def on_step_end(self, args, state, control, **kwargs):
             self.policy.append(snapshot(trainer.model))
-            self.reference.append(snapshot(trainer.objective.auxiliary_models["ref"]))
+            self.reference.append(snapshot(trainer.ref_model))
 
     config_class = getattr(hfnative, f"{trainer_name}Config")
     trainer_class = getattr(hfnative, f"{trainer_name}Trainer")
@@ -593,7 +593,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, trainer_na
     args = config_class(output_dir=str(tmp_path / "sync"), max_steps=3, learning_rate=5e-2, beta=0.1,
                         sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.3, **LEARN_SETTINGS)
     trainer = trainer_class(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
-    start = snapshot(trainer.objective.auxiliary_models["ref"])
+    start = snapshot(trainer.ref_model)
     snapshots = Snapshots()
     trainer.add_callback(snapshots)
     trainer.train()

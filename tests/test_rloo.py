@@ -127,7 +127,7 @@ def test_rloo_learns_from_the_reward(tmp_path):
     rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
     args = hfnative.RLOOConfig(output_dir=str(tmp_path / "rloo"), max_steps=30, learning_rate=1e-2, **LEARN_SETTINGS)
     trainer = hfnative.RLOOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
-    assert args.beta == 0.05 and isinstance(trainer.objective.auxiliary_models["ref"], torch.nn.Module)
+    assert args.beta == 0.05 and isinstance(trainer.ref_model, torch.nn.Module)
     # on this toy task the KL in the reward (0.05 x a 16-token log-ratio sum) soon outweighs the letter reward
     args = hfnative.RLOOConfig(output_dir=str(tmp_path / "rloo"), max_steps=30, learning_rate=1e-2, beta=0.0, **LEARN_SETTINGS)
     trainer = hfnative.RLOOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)

@@ -41,14 +41,12 @@ from hfnative.losses.policy import (
     sampler_importance_weights,
     weighted_rewards,
 )
-from hfnative.peft import disable_adapters
-
 from .completion_log import CompletionLog
 from .construction import is_model_name
 from .data_loading import EpochBatchSampler, StreamGroupBatches, has_length
 from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
 from .objective import Normalizer, Objective, enable_router_loss
-from .reference_sync import mix_into_reference, sync_due
+from .reference_model import ReferenceModel
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
 from .tool_calling import tool_calling_for, tool_metrics
@@ -233,12 +231,8 @@ class GRPOObjective(Objective):
         # TRL's correction for a sampler other than the trained model itself (vLLM)
         self.sampler_correction = bool(args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False))
         self.generate_every = args.steps_per_generation * args.num_iterations
-        self.use_reference_adapters_off = False
-        if args.beta != 0.0:
-            if context.uses_adapters or context.trains_new_adapters:
-                self.use_reference_adapters_off = True  # the base model, adapters disabled, is the reference
-            else:
-                self.auxiliary_models["ref"] = reference()
+        # the reference (beta != 0): a frozen copy, or the policy's base with its adapters disabled (TRL's GRPO)
+        self.reference = None if args.beta == 0.0 else ReferenceModel(self, reference, base_of_loaded_adapters=True)
         if args.sync_ref_model:
             self._check_reference_sync(args)
         # the entropy bonus (TRL's entropy_coef / use_adaptive_entropy): the coefficient every micro-batch of a step
@@ -253,6 +247,10 @@ class GRPOObjective(Objective):
         self._buffer: list[dict] | None = None
         self._step_started = None
         self.completion_log = CompletionLog(self.rewards.names, args.generation_batch_size)
+
+    def auxiliary_models_ready(self) -> None:
+        if self.reference is not None:
+            self.reference.ready()
 
     @property
     def num_generations(self) -> int:
@@ -348,7 +346,7 @@ class GRPOObjective(Objective):
                 f"training. Consequently, {name} does not create a `ref_model` instance, and there is nothing to "
                 "synchronize. Please set `sync_ref_model=False`, or set `beta` to a non-zero value."
             )
-        if self.use_reference_adapters_off:
+        if self.reference.is_base:
             raise ValueError(
                 "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With PEFT, "
                 f"{name} does not keep a separate reference model in memory; instead, it recovers reference behavior "
@@ -385,8 +383,8 @@ class GRPOObjective(Objective):
 
     def after_optimizer_step(self) -> None:
         self._update_entropy_coef()
-        if sync_due(self.args, self.context.state.global_step + 1):  # the step just taken
-            mix_into_reference(self.auxiliary_models["ref"], self.context.model, self.args.ref_model_mixup_alpha)
+        if self.reference is not None:
+            self.reference.after_optimizer_step()  # TR-DPO's sync_ref_model
         if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
             from hfnative.converters.rollouts import hub_named_tensors
 
@@ -505,12 +503,9 @@ class GRPOObjective(Objective):
     def _model_logprobs(self, batch: dict) -> dict:
         """Generation-time per-token log-probs: the reference model's (beta > 0) and the policy's old ones."""
         out, policy = {}, self.context.model
-        if self.args.beta != 0.0:
-            if self.use_reference_adapters_off:
-                with disable_adapters(policy):
-                    out["ref_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
-            else:
-                out["ref_logprobs"] = self.rollout.completion_logprobs(self.auxiliary_models["ref"], batch, self.args.per_device_train_batch_size)
+        if self.reference is not None:
+            with self.reference.running() as reference:
+                out["ref_logprobs"] = self.rollout.completion_logprobs(reference, batch, self.args.per_device_train_batch_size)
         if self._needs_old_logprobs():
             if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights or self.rollout_func:
                 out["old_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
@@ -712,6 +707,12 @@ class GRPOTrainer(Trainer):
         """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every data-parallel rank's
         completion tokens (bool [B, T], False outside ``mask``)."""
         return high_entropy_mask(entropies, mask, threshold, gather=self.data_parallel.gather_values)
+
+    @property
+    def ref_model(self):
+        """The frozen reference model (None with beta=0.0, or when it is the policy with its adapters disabled)."""
+        reference = self.objective.reference
+        return None if reference is None else reference.model
 
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the
