@@ -24,7 +24,7 @@ from transformers import LogitsProcessorList
 
 from hfnative.generation.rollouts import RolloutEngine, Rollouts, check_prompts
 from hfnative.generation.sampling import SamplingParams, call_row_keys, choose_tokens
-from hfnative.parallel.replica import is_parallelized
+from hfnative.parallel.replica import is_parallelized, whole_tensor
 
 from .fallback import TransformersCausalLM
 
@@ -160,10 +160,10 @@ def gather_module_replica(hf_model: nn.Module, replica: nn.Module | None = None)
             f"{sorted(set(state) - set(own))[:3]}, extra {sorted(set(own) - set(state))[:3]})"
         )
     for name, tensor in state.items():
-        own[name].copy_(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+        own[name].copy_(whole_tensor(tensor))
     buffers = dict(replica.named_buffers())
     for name, buffer in hf_model.named_buffers():
-        buffers[name].copy_(buffer.full_tensor() if isinstance(buffer, DTensor) else buffer)
+        buffers[name].copy_(whole_tensor(buffer))
     return replica
 
 

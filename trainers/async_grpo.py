@@ -29,15 +29,9 @@ from .data_loading import make_dataloader
 from .grpo_trainer import extremes_over_ranks, loss_mask
 from .objective import Normalizer, Objective, enable_router_loss
 from .rewards import RewardFunctions
-from .rollout import (
-    Rollout,
-    completion_logprobs_of,
-    is_conversational,
-    model_inputs,
-    pad_token_lists,
-    sampling_params,
-    trimmed_rows,
-)
+from .prompts import is_conversational, sampling_params
+from .rollout import Rollout
+from .rollout_batches import completion_logprobs_of, model_inputs, pad_token_lists, trimmed_rows
 from .tool_calling import Episode, EpisodeReward, ToolEpisodes, tool_calling_for
 from .trainer import Trainer
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,28 +31,14 @@ from .construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
 from .model_loading import resolve_model
 from .objective import LanguageModelingObjective
-from .rollout import Rollout, completion_length_metrics, sampling_params, stop_token_ids, tokenize_prompts
-from .tool_calling import Episode, tool_calling_for, tool_metrics
+from .prompts import sampling_params, stop_token_ids, tokenize_prompts
+from .rollout import Rollout
+from .rollout_batches import completion_batch, completion_length_metrics
+from .tool_calling import tool_calling_for
 from .trainer import Trainer
 
 
 # --- data ---------------------------------------------------------------------------------------------
-
-
-def completion_batch(prompts: list[list[int]], completions: list[list[int]], pad_token_id: int,
-                     tool_masks: list[list[int]] | None = None) -> dict:
-    """Rows prompt + completion, right-padded, labels on the completion tokens only (with a multi-turn rollout's
-    tool masks, only on the model's own tokens: the rendered tool results are attended to, never trained on)."""
-    rows = [torch.tensor(p + c, dtype=torch.long) for p, c in zip(prompts, completions)]
-    masks = tool_masks if tool_masks is not None else [None] * len(completions)
-    labels = [torch.tensor([IGNORE_INDEX] * len(p) + (c if m is None else [t if keep else IGNORE_INDEX for t, keep in zip(c, m)]),
-                           dtype=torch.long) for p, c, m in zip(prompts, completions, masks)]
-    return {
-        "input_ids": pad_right(rows, pad_token_id),
-        "attention_mask": pad_right([torch.ones_like(r) for r in rows], 0),
-        "labels": pad_right(labels, IGNORE_INDEX),
-        "prompt_ids": [list(p) for p in prompts],
-    }
 
 
 @dataclass
@@ -184,22 +170,17 @@ class _DistillationObjective(LanguageModelingObjective):
     def metrics(self, inputs, out) -> dict:
         return {}
 
-    def generate(self, model, prompts: list[list[int]], sampling) -> list[list[int]]:
-        """Completions of ``prompts`` (this rank's rows of the call's batch) sampled (``sampling``, seeded per row) from
-        ``model``'s live weights, each cut after its first stop token."""
-        return self.sample(model, prompts, sampling)[0].completion_ids
-
-    def sample(self, model, prompts: list[list[int]], sampling):
-        """(Rollouts, the sampling streams) of ``generate``: per-row streams keyed by the call's place in the run and
-        each row's place in the whole batch, so every layout samples what one process does."""
+    def generate(self, model, prompts: list[list[int]]):
+        """The rollout component's ``Completions`` of ``prompts`` (this rank's rows of the call's batch; with the
+        run's tools, their later turns too) sampled from ``model``'s live weights, seeded per row by the call's place
+        in the run and each row's place in the whole batch, so every layout samples what one process does."""
         if not isinstance(model, Transformer):
             raise ValueError(
                 f"on-policy completions need a native model; {type(model).__name__} runs through transformers' "
                 "modeling code (set lmbda=0 and seq_kd=False for GKD, or use a natively supported architecture)"
             )
-        streams = self.rollout.row_streams(self._generations, len(prompts))
         self._generations += 1
-        return self.rollout.sample(prompts, replace(sampling, **streams), model), streams
+        return self.rollout.complete_ids(prompts, self._generations - 1, model)
 
 
 class OnPolicyDistillationObjective(_DistillationObjective):
@@ -213,10 +194,10 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         args = context.args
         self.beta, self.loss_temperature = args.beta, args.temperature
         stop_ids = stop_token_ids(context.tokenizer, context.model)
-        self.rollout = Rollout(context, sampling_params(args, args.max_completion_length, stop_ids,
-                                                        generation_kwargs=config_dict(args.generation_kwargs), strict=True))
-        self.sampling = self.rollout.sampling
         self.tool_calling = tool_calling_for(context, tools)
+        self.rollout = Rollout(context, sampling_params(args, args.max_completion_length, stop_ids,
+                                                        generation_kwargs=config_dict(args.generation_kwargs), strict=True),
+                               tool_calling=self.tool_calling)
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=context.device)
         self._pending: dict[str, torch.Tensor] = {}
 
@@ -269,26 +250,11 @@ class OnPolicyDistillationObjective(_DistillationObjective):
 
     def completions(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]] | None]:
         """The student's completions for one step's (or evaluation batch's) prompts and, for tool-calling rollouts,
-        their tool masks; their length (and tools/*) metrics are logged with the next loss."""
-        if self.tool_calling is None:
-            completions = self.generate(self.context.model, prompts, self.sampling)
-            self.record_lengths(completions)
-            return completions, None
-        first, streams = self.sample(self.context.model, prompts, self.sampling)
-        tools = self.tool_calling
-        episode = Episode(prompts=[], tools=[tools.tools] * len(prompts))
-        turns = tools.run(episode, prompts, first.completion_ids, first.logprobs, self.rollout.continuation(streams))
-        self.record_lengths(turns.completion_ids, turns.tool_mask)
-        for name, value in tool_metrics(turns.calls, turns.failures, len(prompts), self.context.data_parallel.sum).items():
-            self._pending[name] = torch.tensor(value)
-        return turns.completion_ids, turns.tool_mask
-
-    def record_lengths(self, completions, tool_masks=None) -> None:
-        """TRL's completions/* of a generation; with tool masks the lengths count the model's own tokens."""
-        lengths_N, truncated_N = self.rollout.lengths(completions)
-        if tool_masks is not None:
-            lengths_N = torch.tensor([float(sum(mask)) for mask in tool_masks], dtype=torch.float64)
-        self._pending = completion_length_metrics(lengths_N, truncated_N)
+        their tool masks; their completions/* (on this rank; tools/* go to the metrics directly) are logged with the
+        next loss."""
+        done = self.generate(self.context.model, prompts)
+        self._pending = completion_length_metrics(*self.rollout.lengths(done.completion_ids, done.tool_mask))
+        return done.completion_ids, done.tool_mask
 
     def metrics(self, inputs, out) -> dict:
         # the completion lengths once per generation; entropy as a ratio of sums over the data-parallel ranks

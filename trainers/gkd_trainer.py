@@ -15,8 +15,10 @@ import torch
 from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
 
 from .distillation_config import GKDConfig
-from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs, completion_batch
-from .rollout import Rollout, generation_eos_ids, pad_token_lists, sampling_params, tokenize_prompts
+from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs
+from .prompts import generation_eos_ids, sampling_params, tokenize_prompts
+from .rollout import Rollout
+from .rollout_batches import completion_batch, pad_token_lists
 from .sft_trainer import SFTTrainer
 
 
@@ -121,7 +123,6 @@ class GKDObjective(_DistillationObjective):
         sampling = sampling_params(args, args.max_new_tokens, generation_eos_ids(context.model), top_k=0, top_p=1.0,
                                    min_p=0.0, repetition_penalty=1.0)
         self.rollout = Rollout(context, sampling)
-        self.sampling = self.rollout.sampling
 
     def generates(self) -> bool:
         return self.lmbda > 0 or self.seq_kd
@@ -142,7 +143,7 @@ class GKDObjective(_DistillationObjective):
         else:
             return batch
         prompts = prompt_lists(batch)
-        completions = self.generate(model, prompts, self.sampling)
+        completions = self.generate(model, prompts).completion_ids
         return self.context.context_parallel.split(gkd_batch(prompts, completions, self.pad_token_id))
 
 

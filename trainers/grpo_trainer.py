@@ -49,17 +49,10 @@ from .objective import Normalizer, Objective, enable_router_loss
 from .reference_model import ReferenceModel
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
-from .tool_calling import tool_calling_for, tool_metrics
-from .rollout import (
-    Rollout,
-    completion_length_metrics,
-    completion_logprobs_of,
-    model_inputs,
-    pad_token_lists,
-    sampling_params,
-    stop_token_ids,
-    trimmed_rows,
-)
+from .tool_calling import tool_calling_for
+from .prompts import sampling_params, stop_token_ids
+from .rollout import Rollout
+from .rollout_batches import completion_logprobs_of, model_inputs, pad_token_lists, trimmed_rows
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
 
@@ -201,11 +194,8 @@ class GRPOObjective(Objective):
         then makes the completions instead of the rollout engine. ``tools`` / ``environment_factory``: TRL's
         multi-turn tool-calling rollouts (trainers/tool_calling.py)."""
         super().__init__(context)
-        self.rollout_func = rollout_func
         args = context.args
-        if (tools or environment_factory is not None) and rollout_func is not None:
-            raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
-        self.tool_calling = tool_calling_for(context, tools, environment_factory)
+        tool_calling = tool_calling_for(context, tools, environment_factory)
         # the MoE router's load-balancing loss in the policy's loss forward (TRL's rule for router_aux_loss_coef)
         self.aux_loss_coef = enable_router_loss(context.model, args.router_aux_loss_coef)
         if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
@@ -222,11 +212,12 @@ class GRPOObjective(Objective):
         chat_template_kwargs = dict(args.chat_template_kwargs or {})
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
                                        chat_template_kwargs=chat_template_kwargs,
-                                       episode_rewards=self.tool_calling.reward_functions() if self.tool_calling else None)
+                                       episode_rewards=tool_calling.reward_functions() if tool_calling else None)
         sampling = sampling_params(args, args.max_completion_length, stop_token_ids(context.tokenizer, context.model),
                                    generation_kwargs=args.generation_kwargs)
         self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args),
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, tool_calling=tool_calling,
+                               rollout_func=rollout_func)
         self.sampling = self.rollout.sampling
         # TRL's correction for a sampler other than the trained model itself (vLLM)
         self.sampler_correction = bool(args.use_vllm and getattr(args, "vllm_importance_sampling_correction", False))
@@ -282,7 +273,8 @@ class GRPOObjective(Objective):
 
     def _check_prompts(self, dataset, name: str):
         """Rows with a prompt; with environments a row may leave it out (its environment's reset writes it)."""
-        if self.tool_calling is not None and self.tool_calling.environments is not None:
+        tool_calling = self.rollout.tool_calling
+        if tool_calling is not None and tool_calling.environments is not None:
             return dataset
         return _check_prompts(dataset, name)
 
@@ -385,10 +377,8 @@ class GRPOObjective(Objective):
         self._update_entropy_coef()
         if self.reference is not None:
             self.reference.after_optimizer_step()  # TR-DPO's sync_ref_model
-        if not self.engine.reads_live_weights and self._step % self.generate_every == 0:  # the next step generates
-            from hfnative.converters.rollouts import hub_named_tensors
-
-            self.engine.load_weights(hub_named_tensors(self.context.model))
+        if self._step % self.generate_every == 0:  # the next step generates
+            self.rollout.sync_weights()
         if self._step_started is not None:
             self.context.metrics().add("step_time", torch.tensor(time.perf_counter() - self._step_started))
 
@@ -400,98 +390,31 @@ class GRPOObjective(Objective):
     # --- generation and scoring ------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate_and_score(self, rows: list[dict], place: int = 0) -> list[dict]:
-        """Sample G completions per row, score them, and return the generation batch's micro-batches. ``place``:
-        the run's micro-batch that generates (with the run's seed it keys the native engine's per-row sampling
-        streams, so the completions do not depend on the number of processes, and a resumed run draws alike)."""
-        G, data_parallel = self.num_generations, self.context.data_parallel
-        rows = [row for row in rows for _ in range(G)]
-        tool_mask, completions, reward_extra = None, None, {}
-        if self.tool_calling is not None:
-            prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
-            prompt_ids, completion_ids, sampling_logprobs, tool_mask, completions, prompts, reward_extra = (
-                self._tool_rollout(rows, prompts, place))
-        else:
-            prompts = [row["prompt"] for row in rows]
-        if self.rollout_func is not None:
-            prompt_ids, completion_ids, sampling_logprobs, extra, tool_mask = self._custom_rollout(prompts)
-            rows = [{**row, **{key: values[i] if isinstance(values, list) else values for key, values in extra.items()}}
-                    for i, row in enumerate(rows)]  # TRL hands the extra fields to the reward functions
-        elif self.tool_calling is None:
-            prompt_ids = self.rollout.tokenize(prompts)
-            rollouts = self.rollout.generate(prompt_ids, **self.rollout.row_streams(place, len(prompt_ids)))
-            completion_ids, sampling_logprobs = rollouts.completion_ids, rollouts.logprobs
-        if completions is None:
-            completions = self.rollout.decode(prompts, completion_ids)
-        self._log_generation(prompt_ids, completion_ids, tool_mask)
-
-        batch = self.rollout.tensors(prompt_ids, completion_ids, sampling_logprobs, self.args.mask_truncated_completions)
-        if tool_mask is not None:  # 0 on the tokens the rollout's environment wrote: attended to, never trained on
-            batch["tool_mask"] = pad_token_lists(tool_mask, 1)
+        """Sample G completions per row (the rollout component; ``place``: the run's micro-batch that generates), score
+        them, and return the generation batch's micro-batches."""
+        data_parallel = self.context.data_parallel
+        done = self.rollout.complete([row for row in rows for _ in range(self.num_generations)], place)
+        self.rollout.record(done)
+        batch = self.rollout.tensors(done.prompt_ids, done.completion_ids, done.logprobs,
+                                     self.args.mask_truncated_completions)
+        if done.tool_mask is not None:  # 0 on the tokens the rollout's environment wrote: attended to, never trained on
+            batch["tool_mask"] = pad_token_lists(done.tool_mask, 1)
         log = self.completion_log
-        local_rewards_NF = self.rewards.score(prompts, completions, completion_ids, rows, trainer_state=self.context.state,
-                                              log_extra=log.log_extra, log_metric=log.log_metric, extra=reward_extra)
+        local_rewards_NF = self.rewards.score(done.prompts, done.completions, done.completion_ids, done.rows,
+                                              trainer_state=self.context.state, log_extra=log.log_extra,
+                                              log_metric=log.log_metric, extra=done.reward_kwargs or {})
         batch.update(self._model_logprobs(batch))
         # TRL: the rewards of every data-parallel rank's groups, the advantages over them all (the batch std for
         # scale_rewards="batch"), this rank's rows kept; the logged reward statistics are the whole batch's
         rewards_NF = data_parallel.gather_rows(local_rewards_NF)
         advantages = self.advantages(rewards_NF, batch)
-        batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(prompts))]
+        batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(done.rows))]
         self._log_rewards(rewards_NF, advantages)
-        for name, value in log.flush(prompts, completions, rewards_NF, advantages.advantages_N, data_parallel).items():
-            self._add(name, value)
+        metrics = self.context.metrics(self.mode)
+        for name, value in log.flush(done.prompts, done.completions, rewards_NF, advantages.advantages_N,
+                                     data_parallel).items():
+            metrics.add_value(name, value)
         return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
-
-    def _tool_rollout(self, rows: list[dict], prompts: list, place: int):
-        """A multi-turn rollout (trainers/tool_calling.py): each row's environment reset, the prompts rendered with
-        their tools, completed, and continued after each turn's tool results. Later turns sample from per-row streams
-        of their own (``Rollout.continuation``). Returns (prompt_ids, completion_ids, sampling log-probs, tool
-        mask, completions as messages, the prompts after reset, the reward functions' extra arguments)."""
-        tools = self.tool_calling
-        episode = tools.start(rows, prompts)
-        prompt_ids = tools.tokenize(episode)
-        streams = self.rollout.row_streams(place, len(prompt_ids))
-        rollouts = self.rollout.generate(prompt_ids, **streams)
-        if not tools.calls_tools:  # environments without tool methods: one turn, the completions as text messages
-            return (prompt_ids, rollouts.completion_ids, rollouts.logprobs, None,
-                    self.rollout.decode(episode.prompts, rollouts.completion_ids), episode.prompts, episode.reward_kwargs())
-        turns = tools.run(episode, prompt_ids, rollouts.completion_ids, rollouts.logprobs, self.rollout.continuation(streams))
-        for name, value in tool_metrics(turns.calls, turns.failures, len(rows), self.context.data_parallel.sum).items():
-            self._add(name, value)
-        return (prompt_ids, turns.completion_ids, turns.logprobs, turns.tool_mask, turns.completions, episode.prompts,
-                episode.reward_kwargs())
-
-    def _custom_rollout(self, prompts: list):
-        """TRL's ``rollout_func`` contract: it gets the prompts (each num_generations times, chat messages left
-        untemplated) and returns prompt_ids, completion_ids and logprobs (one entry per prompt), optionally
-        ``env_mask`` (1 on the model's tokens, 0 on tokens an environment wrote) and other fields, which go to the
-        reward functions. Returns (prompt_ids, completion_ids, sampling log-probs, the other fields, env_mask)."""
-        output = self.rollout_func(copy.deepcopy(prompts))
-        if not isinstance(output, dict):
-            raise ValueError(f"rollout_func returned a {type(output).__name__}: it must return a dict with "
-                             "'prompt_ids', 'completion_ids' and 'logprobs'")
-        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - output.keys())
-        if missing:
-            raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
-        extra = {key: value for key, value in output.items() if key not in ("prompt_ids", "completion_ids", "logprobs")}
-        tool_mask = extra.pop("env_mask", None)
-        extra.pop("logprob_token_ids", None)  # the sampled tokens' own log-probs are the ones used
-        prompt_ids, completion_ids = [list(ids) for ids in output["prompt_ids"]], [list(ids) for ids in output["completion_ids"]]
-        logprobs = output["logprobs"]
-        for name, values in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids), ("logprobs", logprobs),
-                             ("env_mask", tool_mask)):
-            if values is not None and len(values) != len(prompts):
-                raise ValueError(f"rollout_func returned {len(values)} {name} for {len(prompts)} prompts (each prompt "
-                                 "comes num_generations times): return one entry per prompt")
-        if logprobs is None:
-            logprobs = [[0.0] * len(ids) for ids in completion_ids]
-        logprobs = [[float("nan") if x is None else float(x[0] if isinstance(x, (list, tuple)) else x) for x in row]
-                    for row in logprobs]
-        for index, (ids, row) in enumerate(zip(completion_ids, logprobs)):
-            mask = None if tool_mask is None else tool_mask[index]
-            if len(row) != len(ids) or (mask is not None and len(mask) != len(ids)):
-                raise ValueError(f"rollout_func's completion {index} has {len(ids)} tokens but {len(row)} logprobs"
-                                 + ("" if mask is None else f" and {len(mask)} env_mask values") + ": give one per token")
-        return prompt_ids, completion_ids, logprobs, extra, tool_mask
 
     def _needs_old_logprobs(self) -> bool:
         """TRL: when the generation batch is trained on after an optimizer step has changed the policy, or
@@ -507,7 +430,7 @@ class GRPOObjective(Objective):
             with self.reference.running() as reference:
                 out["ref_logprobs"] = self.rollout.completion_logprobs(reference, batch, self.args.per_device_train_batch_size)
         if self._needs_old_logprobs():
-            if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights or self.rollout_func:
+            if self.old_logprobs_source == "forward" or not self.engine.reads_live_weights or self.rollout.rollout_func:
                 out["old_logprobs"] = self.rollout.completion_logprobs(policy, batch, self.args.per_device_train_batch_size)
             else:
                 out["old_logprobs"] = batch["sampling_logprobs"]
@@ -515,7 +438,7 @@ class GRPOObjective(Objective):
             out["sampler_weights"], stats = sampler_correction(out["old_logprobs"], batch, self.args)
             # as TRL: the means averaged over the data-parallel ranks, the extremes taken over them
             for name, value in self._extremes_over_ranks(stats, SAMPLER_EXTREMES).items():
-                self._add(name, value)
+                self.context.metrics(self.mode).add_value(name, value)
         return out
 
     def advantages(self, rewards_NF: torch.Tensor, batch: dict):
@@ -607,35 +530,15 @@ class GRPOObjective(Objective):
         return type(out)(out.loss + entropy_bonus(entropy_BT, mask_BT, coef), out.per_token_loss_BT, metrics)
 
     # --- logging -------------------------------------------------------------------------------------------------
-    def _add(self, name: str, value: float) -> None:
-        if value == value:
-            self.context.metrics(self.mode).add(name, torch.tensor(float(value)))
-        else:  # NaN (a function that scored nothing) is left out of the mean; logged as None with no value (TRL)
-            self.context.metrics(self.mode).mark_missing(name)
-
-    def _log_generation(self, prompt_ids, completion_ids, tool_mask=None) -> None:
-        """Token count and completion-length statistics (over every data-parallel rank's completions, as TRL; with
-        a rollout's env_mask, the lengths count the model's own tokens)."""
-        state = self.context.state
-        lengths_N, truncated_N = self.rollout.lengths(completion_ids)
-        if tool_mask is not None:
-            lengths_N = torch.tensor([float(sum(mask)) for mask in tool_mask], dtype=torch.float64)
-        # the cp ranks of a batch share its tokens: counted once; evaluation logs the training's count (TRL)
-        if self.mode == "train" and self.context.context_parallel.rank == 0:
-            state.num_input_tokens_seen += int(sum(len(p) for p in prompt_ids) + lengths_N.sum())  # this rank's
-        self.context.metrics(self.mode).set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # over ranks
-        all_N2 = self.context.data_parallel.gather_rows(torch.stack([lengths_N, truncated_N.double()], dim=1))
-        for name, value in completion_length_metrics(all_N2[:, 0], all_N2[:, 1]).items():
-            self._add(name, value)
-
     def _log_rewards(self, rewards_NF, advantages) -> None:
+        metrics = self.context.metrics(self.mode)
         for index, name in enumerate(self.rewards.names):
-            self._add(f"rewards/{name}/mean", torch.nanmean(rewards_NF[:, index]))
-            self._add(f"rewards/{name}/std", nanstd(rewards_NF[:, index]))
+            metrics.add_value(f"rewards/{name}/mean", torch.nanmean(rewards_NF[:, index]))
+            metrics.add_value(f"rewards/{name}/std", nanstd(rewards_NF[:, index]))
         rewards_N = weighted_rewards(rewards_NF, self.rewards.weights_F)
-        self._add("reward", torch.nanmean(rewards_N))
-        self._add("reward_std", nanstd(rewards_N))
-        self._add("frac_reward_zero_std", advantages.is_std_zero_N.float().mean())
+        metrics.add_value("reward", torch.nanmean(rewards_N))
+        metrics.add_value("reward_std", nanstd(rewards_N))
+        metrics.add_value("frac_reward_zero_std", advantages.is_std_zero_N.float().mean())
 
 
 # --- the trainer -----------------------------------------------------------------------------------------------

@@ -176,6 +176,15 @@ class MetricAverages:
         self._sums[name] = self._sums[name] + value.to(self._sums[name].device) if name in self._sums else value
         self._counts[name] = self._counts.get(name, 0) + 1
 
+    def add_value(self, name: str, value) -> None:
+        """One value (a float or a 0-d tensor, read now) to the mean; NaN (a reward function that scored nothing) is
+        left out of it, and the metric logged as None when no value comes before the next pop (TRL's)."""
+        value = float(value)
+        if value == value:
+            self.add(name, torch.tensor(value))
+        else:
+            self.mark_missing(name)
+
     def add_ratio(self, name: str, numerator, denominator) -> None:
         self.add_rank_sums(name, RankSums((numerator, denominator)))
 

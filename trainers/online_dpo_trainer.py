@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.preference import ipo_loss, sigmoid_loss
-from hfnative.models.head import TokenLogprobs
 
 from .online_dpo_config import OnlineDPOConfig
 from .objective import Normalizer, Objective
 from .reference_free_preference import transformers_padding_plan
 from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
 from .rewards import RewardFunctions
-from .rollout import Rollout, sampling_params, stop_token_ids
+from .prompts import sampling_params, stop_token_ids
+from .rollout import Rollout
+from .rollout_batches import completion_logprobs_of, model_inputs
 from .rollout_engines import make_rollout_engine
 from .trainer import Trainer
 
@@ -156,44 +156,16 @@ class OnlineDPOObjective(Objective):
         if self.args.missing_eos_penalty is not None:
             rewards_N = torch.where(contains_eos_N, rewards_N, rewards_N - self.args.missing_eos_penalty)
         chosen_B, rejected_B = pick_pairs(rewards_N)
-        return {**self.model_inputs(batch), "rewards": rewards_N, "contains_eos": contains_eos_N,
-                "chosen_rows": chosen_B, "rejected_rows": rejected_B}
-
-    def model_inputs(self, batch: dict) -> dict:
-        """Prompt + completion ids and attention mask [N, S], the prompts' left ends cut to fit max_length; every
-        completion position's token (padding too) as the target of the position before it ("shift_labels"
-        [N, S]); the completion mask [N, T] and the prompt width P."""
-        prompt_ids_NP, prompt_mask_NP = batch["prompt_ids"], batch["prompt_mask"]
-        completion_ids_NT, completion_mask_NT = batch["completion_ids"], batch["completion_mask"]
-        T, max_length = completion_ids_NT.shape[1], self.args.max_length
-        cut = 0 if max_length is None else max(prompt_ids_NP.shape[1] + T - max_length, 0)
-        if cut >= prompt_ids_NP.shape[1]:
-            raise ValueError(
-                f"max_length={max_length} leaves no prompt token before completions of {T} tokens: raise "
-                f"max_length above max_new_tokens={self.args.max_new_tokens} (TRL advises max_new_tokens + 512)"
-            )
-        prompt_ids_NP, prompt_mask_NP = prompt_ids_NP[:, cut:], prompt_mask_NP[:, cut:]
-        N, P = prompt_ids_NP.shape
-        return {
-            "input_ids": torch.cat([prompt_ids_NP, completion_ids_NT], dim=1),
-            "attention_mask": torch.cat([prompt_mask_NP, completion_mask_NT], dim=1),
-            "shift_labels": torch.cat([torch.full((N, P - 1), IGNORE_INDEX), completion_ids_NT,
-                                       torch.full((N, 1), IGNORE_INDEX)], dim=1),
-            "completion_mask": completion_mask_NT,
-            "prompt_length": P,
-        }
+        inputs = model_inputs(batch, max_length=self.args.max_length, target_padding=True)
+        return {**inputs, "rewards": rewards_N, "contains_eos": contains_eos_N, "chosen_rows": chosen_B,
+                "rejected_rows": rejected_B}
 
     # --- the loss -----------------------------------------------------------------------------------------------
-    def completion_logprobs(self, model, inputs: dict, reference: bool = False) -> torch.Tensor:
-        """Log-prob [N, T] of every completion token (padding too) under the policy, or the reference without a
-        graph; softmax of the raw logits (no temperature), as TRL."""
-        head = TokenLogprobs(inputs["shift_labels"], fused=self.args.fused_loss, compact=True)
-        if reference:
-            logprobs_NS, _ = self.reference.head_output(inputs, head)
-        else:
-            logprobs_NS, _ = self.forward(model, inputs, head).head_output
-        P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
-        return logprobs_NS[:, P - 1 : P - 1 + T]
+    def completion_logprobs(self, model, inputs: dict) -> torch.Tensor:
+        """Log-prob [N, T] of every completion token (padding too), softmax of the raw logits (no temperature), as
+        TRL; without the model's router loss (TRL's online DPO adds none)."""
+        with router_loss_off(model):
+            return completion_logprobs_of(model, inputs, 1.0, self.context, fused=self.args.fused_loss)[0]
 
     def loss(self, model, inputs: dict, num_items_in_batch):
         beta = self.beta
@@ -201,9 +173,9 @@ class OnlineDPOObjective(Objective):
         # objective/entropy read the log-probs at the completions' padding
         plan = transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])
         inputs = {**inputs, "attention_plan": plan}
-        with router_loss_off(model):  # TRL's online DPO adds no router loss
-            logprobs_NT = self.completion_logprobs(model, inputs)
-        ref_logprobs_NT = self.completion_logprobs(model, inputs, reference=True).to(logprobs_NT.dtype)
+        logprobs_NT = self.completion_logprobs(model, inputs)
+        with torch.no_grad(), self.reference.running() as reference:
+            ref_logprobs_NT = self.completion_logprobs(reference, inputs).to(logprobs_NT.dtype)
         mask_NT = inputs["completion_mask"].to(logprobs_NT.dtype)
         logps_N, ref_logps_N = (logprobs_NT * mask_NT).sum(dim=1), (ref_logprobs_NT * mask_NT).sum(dim=1)
         chosen_B, rejected_B = inputs["chosen_rows"], inputs["rejected_rows"]
@@ -241,10 +213,7 @@ class OnlineDPOObjective(Objective):
         }
 
     def after_optimizer_step(self) -> None:
-        if not self.engine.reads_live_weights:  # an engine holding its own copy gets the new weights
-            from hfnative.converters.rollouts import hub_named_tensors
-
-            self.engine.load_weights(hub_named_tensors(self.context.model))
+        self.rollout.sync_weights()
 
 
 class OnlineDPOTrainer(ReferenceTrainer, Trainer):

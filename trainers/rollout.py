@@ -1,178 +1,65 @@
-"""The rollout component every on-policy objective shares: GRPO, RLOO, async GRPO, on-policy distillation and GKD.
+"""The rollout component every on-policy objective shares: GRPO, RLOO, async GRPO, online DPO, on-policy distillation
+and GKD.
 
-Prompts become token ids (a conversation through the chat template with the generation prompt, text as it is),
-TRL's stop tokens and sampling settings become one ``SamplingParams``, completions come from a rollout engine
-(the policy's: native on the live weights or vLLM, as the config asks; another model's: native), are padded into
-tensors with their masks, decoded back to text or assistant messages, and measured (TRL's completions/* metrics).
+Prompts in, completions out: prompts become token ids (a conversation through the chat template with the generation
+prompt, text as it is), TRL's stop tokens and sampling settings become one ``SamplingParams``, and completions come
+from a rollout engine (the policy's: native on the live weights or vLLM, as the config asks; another model's:
+native), through multi-turn tool calls and environments (trainers/tool_calling.py) or the user's ``rollout_func``
+when the run has them. The component decodes them back to text or assistant messages, pads them into tensors
+(trainers/rollout_batches.py), logs TRL's completions/* and tools/* metrics and the tokens seen, and after each
+optimizer step hands an engine that holds its own weights the policy's new ones. A native engine on a parallelized
+policy (FSDP2, DDP; LoRA adapters folded in) decodes a replica of its whole weights gathered before each generation.
 """
 
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from hfnative.data.collate import pad_right
 from hfnative.generation import NativeRolloutEngine, Rollouts, SamplingParams
 from hfnative.generation.sampling import mix64_int
-from hfnative.losses import IGNORE_INDEX
-from hfnative.models.head import TokenLogprobs
 from hfnative.parallel.replica import gather_replica, is_parallelized
 
+from .prompts import tokenize_prompts
 from .reference_model import router_loss_off
+from .rollout_batches import completion_length_metrics, completion_logprobs_of, model_inputs, pad_token_lists
+from .tool_calling import Episode, tool_metrics
 
 
-def is_conversational(prompt) -> bool:
-    """A prompt given as chat messages ({"role", "content"} dicts) rather than text."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+@dataclass
+class Completions:
+    """One generation batch's completions, per row (``rows``: the dataset rows, one per completion, with the fields a
+    ``rollout_func`` adds): the prompts (after an environment's reset), their token ids, the completion token ids and
+    sampling log-probs, the completions decoded (text, or assistant messages), the tool mask (1 on the model's own
+    tokens; None without tool turns) and the extra arguments of the reward functions (an episode's environments)."""
 
-
-def tokenize_prompts(processing_class, prompts: list, chat_template_kwargs: dict | None = None,
-                     add_special_tokens: bool = True, tools: list | None = None,
-                     chat_template: str | None = None) -> list[list[int]]:
-    """Token ids of each prompt: a conversation rendered by the chat template (``chat_template`` in place of the
-    tokenizer's when given) with the generation prompt and the ``tools``' schemas, text tokenized as it is (with the
-    tokenizer's special tokens unless ``add_special_tokens`` is False)."""
-    if not prompts:
-        return []
-    if is_conversational(prompts[0]):
-        extra = {} if tools is None and chat_template is None else {"tools": tools or None, "chat_template": chat_template}
-        encoded = processing_class.apply_chat_template(
-            prompts, add_generation_prompt=True, tokenize=True, return_dict=True, **extra, **(chat_template_kwargs or {})
-        )
-        return [list(ids) for ids in encoded["input_ids"]]
-    for index, prompt in enumerate(prompts):
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt {index} is {prompt!r}: expected a string or a list of chat messages (role, content)")
-    return [list(ids) for ids in processing_class(text=prompts, add_special_tokens=add_special_tokens)["input_ids"]]
-
-
-def generation_eos_ids(model) -> list[int]:
-    """The EOS ids of ``model``'s generation_config (none when it has none)."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-
-
-def stop_token_ids(tokenizer, model) -> list[int]:
-    """TRL's stop tokens: the tokenizer's EOS first, then the model's generation_config EOS ids."""
-    ids = generation_eos_ids(model)
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids = [tokenizer.eos_token_id, *ids]
-    if not ids:
-        raise ValueError("the tokenizer has no eos_token and the model no generation_config.eos_token_id: set one")
-    return ids
-
-
-# the SamplingParams fields a config's generation_kwargs may set (the stop tokens and the seed are the run's)
-GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams) if f.init and f.name != "seed")
-
-
-def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generation_kwargs=None, strict: bool = False,
-                    **overrides) -> SamplingParams:
-    """Sampling from TRL's argument names (temperature, top_p, top_k, min_p, repetition_penalty), then
-    ``overrides``, then ``generation_kwargs`` (its keys outside ``GENERATION_KWARGS`` are ignored, or refused when
-    ``strict``)."""
-    settings = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
-                    top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0),
-                    min_p=getattr(args, "min_p", None) or 0.0, repetition_penalty=getattr(args, "repetition_penalty", 1.0))
-    settings.update(overrides, eos_token_id=list(stop_ids))
-    for key, value in (generation_kwargs or {}).items():
-        if key in GENERATION_KWARGS:
-            settings[key] = value
-        elif strict:
-            raise ValueError(
-                f"generation_kwargs[{key!r}] is not a setting of the native generation engine; it takes "
-                f"{', '.join(sorted(GENERATION_KWARGS))}"
-            )
-    return SamplingParams(**settings)
-
-
-def pad_token_lists(sequences: list[list], value, side: str = "right", dtype=torch.long) -> torch.Tensor:
-    """[N, T] from N lists of up to T values, ``value`` filling the ``side`` ("left" or "right")."""
-    rows = [torch.tensor(list(s), dtype=dtype) for s in sequences]
-    if side == "left":  # right-padding of the reversed rows, reversed back
-        return pad_right([row.flip(0) for row in rows], value).flip(1)
-    return pad_right(rows, value)
-
-
-def completion_length_metrics(lengths_N: torch.Tensor, clipped_N: torch.Tensor) -> dict[str, torch.Tensor]:
-    """TRL's completions/* metrics from N completion lengths and whether each was cut at the length limit (no stop
-    token at its end): lengths, the clipped share, and the lengths of those that ended on a stop token (0 if none)."""
-    lengths_N = lengths_N.double()
-    clipped_N = clipped_N.bool()
-    terminated = lengths_N[~clipped_N] if (~clipped_N).any() else torch.zeros(1, dtype=torch.float64)
-    return {
-        "completions/mean_length": lengths_N.mean(), "completions/min_length": lengths_N.min(),
-        "completions/max_length": lengths_N.max(), "completions/clipped_ratio": clipped_N.double().mean(),
-        "completions/mean_terminated_length": terminated.mean(), "completions/min_terminated_length": terminated.min(),
-        "completions/max_terminated_length": terminated.max(),
-    }
-
-
-def trimmed_rows(batch: dict, rows: torch.Tensor) -> dict:
-    """``rows`` of a rollout batch (``Rollout.tensors``' keys, and any per-token [N, T] tensor beside them), cut to
-    their longest prompt (the left padding) and their longest completion (``completion_lengths``, which a masked-out
-    truncated completion keeps)."""
-    part = {key: value[rows] for key, value in batch.items()}
-    prompt_width = int(part["prompt_mask"].sum(1).max())
-    completion_width = int(part["completion_lengths"].max())
-    T = part["completion_ids"].shape[1]
-    for key, value in part.items():
-        if key in ("prompt_ids", "prompt_mask"):
-            part[key] = value[:, value.shape[1] - prompt_width :]
-        elif value.dim() == 2 and value.shape[1] == T:
-            part[key] = value[:, :completion_width]
-    return part
-
-
-def model_inputs(batch: dict) -> dict:
-    """A rollout batch (``Rollout.tensors``) as the model's inputs: prompt + completion ids and attention mask
-    [N, P + T], the completion targets (IGNORE_INDEX where masked) at the positions that predict them as
-    ``shift_labels`` [N, P + T] (what a context-parallel split cuts alike), and the prompt width P."""
-    targets_NT = batch["completion_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)
-    N, P = batch["prompt_ids"].shape
-    prompt_targets_NP = torch.full((N, P), IGNORE_INDEX, dtype=targets_NT.dtype)
-    return {
-        **batch,
-        "input_ids": torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
-        "attention_mask": torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
-        "shift_labels": torch.cat([prompt_targets_NP[:, 1:], targets_NT, prompt_targets_NP[:, :1]], dim=1),
-        "prompt_length": P,
-    }
-
-
-def completion_logprobs_of(model, inputs: dict, temperature: float, context):
-    """Log-prob and entropy (at ``temperature``) of each completion token [B, T] under ``model``, zeros where the
-    target is IGNORE_INDEX, and the forward's MoE router load-balancing loss (None unless the model has it on,
-    ``aux_loss_enabled``; over the prompt and completion tokens the attention mask keeps, as TRL's forward takes
-    it). Only the positions that predict completion tokens reach the head (vocabulary-parallel under tensor
-    parallel); under context parallel each rank's positions are put back into the whole sequence."""
-    head = TokenLogprobs(inputs["shift_labels"], temperature, compact=True)
-    out = model(
-        inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),
-        attention_plan=inputs.get("attention_plan"), head_loss=head,
-    )
-    logprobs_BS, entropy_BS = out.head_output
-    P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
-    whole = context.context_parallel.gather_sequence(torch.stack([logprobs_BS, entropy_BS], dim=-1))
-    return whole[:, P - 1 : P - 1 + T, 0], whole[:, P - 1 : P - 1 + T, 1], getattr(out, "aux_loss", None)
+    rows: list[dict]
+    prompts: list
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    completions: list
+    tool_mask: list[list[int]] | None = None
+    reward_kwargs: dict | None = None
 
 
 class Rollout:
-    """One trainer's rollouts: tokenization, sampling settings, engines, padding, decoding and length metrics.
+    """One trainer's rollouts (see the module docstring).
 
-    ``engine``: the policy's rollout engine (default: the native engine on the policy's live weights); any other
-    model given to ``generate`` (a teacher) gets a native engine of its own. ``sampling``: the run's
-    SamplingParams; ``chat_template_kwargs``: passed to the chat template; ``add_special_tokens``: for text
-    prompts (TRL's async trainer tokenizes them without).
-
-    A native engine on a parallelized model (FSDP2, DDP) decodes a replica of its whole weights, gathered on every
-    rank before each generation (hfnative.parallel.replica), so each data-parallel rank completes its own prompts.
+    ``engine``: the policy's rollout engine (default: the native engine on the policy's live weights, made at first
+    use); any other model given to ``generate`` (a teacher) gets a native engine of its own. ``sampling``: the run's
+    SamplingParams; ``chat_template_kwargs``: passed to the chat template; ``add_special_tokens``: for text prompts
+    (TRL's async trainer tokenizes them without); ``tool_calling``: the run's ``ToolCalling`` (tools, environments);
+    ``rollout_func``: the user's rollout (prompts -> TRL's rollout dict), which then makes the completions.
     """
 
     def __init__(self, context, sampling: SamplingParams, *, engine=None, chat_template_kwargs: dict | None = None,
-                 add_special_tokens: bool = True):
+                 add_special_tokens: bool = True, tool_calling=None, rollout_func=None):
+        if tool_calling is not None and rollout_func is not None:
+            raise ValueError("rollout_func makes the completions itself: pass it without tools / environment_factory")
         self.context = context
         self.tokenizer = context.tokenizer
         self.sampling = sampling
@@ -180,13 +67,29 @@ class Rollout:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.add_special_tokens = add_special_tokens
+        self.tool_calling, self.rollout_func = tool_calling, rollout_func
         self._replicas: dict[int, object] = {}  # id(model) -> the replica a native engine decodes
         self._other_engines: dict[int, NativeRolloutEngine] = {}
-        if engine is not None and isinstance(engine, NativeRolloutEngine) and is_parallelized(context.model):
-            engine = None  # decodes a replica instead, made below
-        self.engine = engine
-        if engine is None and is_parallelized(context.model):
-            self.engine = self._replica_engine(context.model)
+        if isinstance(engine, NativeRolloutEngine) and is_parallelized(context.model):
+            engine = None  # decodes a replica instead, made at first use
+        self._engine = engine
+
+    @property
+    def engine(self):
+        """The policy's engine, made at first use (after the run's capabilities are checked): a native engine on the
+        live weights, or on a gathered replica of a parallelized policy."""
+        if self._engine is None:
+            model = self.context.model
+            self._engine = self._replica_engine(model) if is_parallelized(model) else NativeRolloutEngine(model)
+        return self._engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self._engine = engine
+
+    @property
+    def mode(self) -> str:
+        return "train" if self.context.model.training else "eval"
 
     def tokenize(self, prompts: list) -> list[list[int]]:
         return tokenize_prompts(self.context.processing_class, prompts, self.chat_template_kwargs, self.add_special_tokens)
@@ -196,24 +99,25 @@ class Rollout:
         engine on a replica has the model's current weights gathered into it first (every rank calls this)."""
         policy = model is None or model is self.context.model
         model = self.context.model if policy else model
-        if policy and self.engine is None:
-            self.engine = NativeRolloutEngine(model)
+        engine = self.engine if policy else None
         if not policy and id(model) not in self._other_engines:  # a new replica is gathered as it is made
             parallel = is_parallelized(model)
             self._other_engines[id(model)] = self._replica_engine(model) if parallel else NativeRolloutEngine(model)
         elif id(model) in self._replicas and any(p.requires_grad for p in model.parameters()):  # a frozen one stays
             self._replicas[id(model)] = gather_replica(model, self._replicas[id(model)])
-        return self.engine if policy else self._other_engines[id(model)]
+        return engine if policy else self._other_engines[id(model)]
 
     def _replica_engine(self, model) -> NativeRolloutEngine:
-        if self.context.uses_adapters and model is self.context.model:
-            raise ValueError(
-                "generating from a LoRA policy in a multi-process run needs its adapters folded into a whole copy of "
-                "the weights, which the native engine does not do yet: run on one process, or generate with vLLM "
-                "(use_vllm=True)"
-            )
         self._replicas[id(model)] = replica = gather_replica(model)
         return NativeRolloutEngine(replica)
+
+    def sync_weights(self) -> None:
+        """After an optimizer step: an engine that holds its own copy of the weights (vLLM) gets the policy's new
+        ones; one that reads the live weights (or gathers a replica before each generation) needs nothing."""
+        if not self.engine.reads_live_weights:
+            from hfnative.converters.rollouts import hub_named_tensors
+
+            self.engine.load_weights(hub_named_tensors(self.context.model))
 
     def row_streams(self, place: int, rows: int) -> dict:
         """``generate``'s seed and first row for this data-parallel rank's ``rows`` rows of the generation batch made
@@ -222,8 +126,8 @@ class Rollout:
         complete it alike. Empty (the engine's own RNG, as TRL's vLLM) for a vLLM engine on a data-parallel layout."""
         layout = self.context.layout
         model_parallel = layout is not None and (layout.cp_enabled or layout.tp_enabled)
-        # None: native, made lazily
-        streams = self.engine is None or getattr(self.engine, "samples_row_streams", False)
+        # None: native, made at first use
+        streams = self._engine is None or getattr(self._engine, "samples_row_streams", False)
         if not streams and not model_parallel:
             return {}
         seed = mix64_int(mix64_int(int(self.context.args.seed)) ^ place) & ((1 << 63) - 1)
@@ -255,6 +159,112 @@ class Rollout:
             rollouts = self.engine_for(model).generate(prompt_ids, sampling)
         self.context.record_generation(time.perf_counter() - start, sum(len(ids) for ids in rollouts.completion_ids))
         return rollouts
+
+    # --- a generation batch ------------------------------------------------------------------------------------
+    def complete(self, rows: list[dict], place: int) -> Completions:
+        """The completions of ``rows`` (one dataset row per completion): the user's ``rollout_func``, else tool turns
+        (environments reset first), else one sampled completion per prompt. ``place``: the run's micro-batch that
+        generates; with the run's seed it keys the native engine's per-row sampling streams, so the completions do
+        not depend on the number of processes, and a resumed run draws alike. Logs tools/* for tool turns."""
+        if self.tool_calling is not None:
+            return self._tool_turns(rows, place)
+        prompts = [row["prompt"] for row in rows]
+        if self.rollout_func is not None:
+            return self._custom_rollout(rows, prompts)
+        prompt_ids = self.tokenize(prompts)
+        rollouts = self.generate(prompt_ids, **self.row_streams(place, len(prompt_ids)))
+        return Completions(rows, prompts, prompt_ids, rollouts.completion_ids, rollouts.logprobs,
+                           self.decode(prompts, rollouts.completion_ids))
+
+    def complete_ids(self, prompt_ids: list[list[int]], place: int, model=None, sampling=None) -> Completions:
+        """The completions of prompts given as token ids (rendered with the run's tools when it has them) from
+        ``model`` (default: the policy), with ``sampling`` (default: the run's), keyed by ``place`` as ``complete``'s;
+        with tools, the rollout's later turns too. ``rows``, ``prompts`` and ``completions`` stay empty."""
+        streams = self.row_streams(place, len(prompt_ids))
+        first = self.sample(prompt_ids, replace(sampling or self.sampling, **streams), model)
+        done = Completions([], [], prompt_ids, first.completion_ids, first.logprobs, [])
+        if self.tool_calling is not None and self.tool_calling.calls_tools:
+            episode = Episode(prompts=[], tools=[self.tool_calling.tools] * len(prompt_ids))
+            self._continue_turns(done, episode, streams, model)
+        return done
+
+    def _tool_turns(self, rows: list[dict], place: int) -> Completions:
+        """A multi-turn rollout (trainers/tool_calling.py): each row's environment reset, the prompts rendered with
+        their tools, completed, and continued after each turn's tool results; later turns sample from per-row streams
+        of their own (``continuation``)."""
+        tools = self.tool_calling
+        prompts = [row.get("prompt", [{"role": "user", "content": ""}]) for row in rows]
+        episode = tools.start(rows, prompts)
+        prompt_ids = tools.tokenize(episode)
+        streams = self.row_streams(place, len(prompt_ids))
+        first = self.generate(prompt_ids, **streams)
+        done = Completions(rows, episode.prompts, prompt_ids, first.completion_ids, first.logprobs, [],
+                           reward_kwargs=episode.reward_kwargs())
+        if not tools.calls_tools:  # environments without tool methods: one turn, the completions as text messages
+            done.completions = self.decode(episode.prompts, first.completion_ids)
+            return done
+        return self._continue_turns(done, episode, streams)
+
+    def _continue_turns(self, done: Completions, episode, streams: dict, model=None) -> Completions:
+        turns = self.tool_calling.run(episode, done.prompt_ids, done.completion_ids, done.logprobs,
+                                      self.continuation(streams, model))
+        done.completion_ids, done.logprobs, done.tool_mask = turns.completion_ids, turns.logprobs, turns.tool_mask
+        done.completions = turns.completions
+        metrics = self.context.metrics(self.mode)
+        for name, value in tool_metrics(turns.calls, turns.failures, len(done.prompt_ids),
+                                        self.context.data_parallel.sum).items():
+            metrics.add_value(name, value)
+        return done
+
+    def _custom_rollout(self, rows: list[dict], prompts: list) -> Completions:
+        """TRL's ``rollout_func`` contract: it gets the prompts (each num_generations times, chat messages left
+        untemplated) and returns prompt_ids, completion_ids and logprobs (one entry per prompt), optionally
+        ``env_mask`` (1 on the model's tokens, 0 on tokens an environment wrote) and other fields, which go to the
+        reward functions with the rows."""
+        output = self.rollout_func(copy.deepcopy(prompts))
+        if not isinstance(output, dict):
+            raise ValueError(f"rollout_func returned a {type(output).__name__}: it must return a dict with "
+                             "'prompt_ids', 'completion_ids' and 'logprobs'")
+        missing = sorted({"prompt_ids", "completion_ids", "logprobs"} - output.keys())
+        if missing:
+            raise ValueError(f"rollout_func must return keys {missing} in its output dict.")
+        extra = {key: value for key, value in output.items() if key not in ("prompt_ids", "completion_ids", "logprobs")}
+        tool_mask = extra.pop("env_mask", None)
+        extra.pop("logprob_token_ids", None)  # the sampled tokens' own log-probs are the ones used
+        prompt_ids, completion_ids = [list(ids) for ids in output["prompt_ids"]], [list(ids) for ids in output["completion_ids"]]
+        logprobs = output["logprobs"]
+        for name, values in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids), ("logprobs", logprobs),
+                             ("env_mask", tool_mask)):
+            if values is not None and len(values) != len(prompts):
+                raise ValueError(f"rollout_func returned {len(values)} {name} for {len(prompts)} prompts (each prompt "
+                                 "comes num_generations times): return one entry per prompt")
+        if logprobs is None:
+            logprobs = [[0.0] * len(ids) for ids in completion_ids]
+        logprobs = [[float("nan") if x is None else float(x[0] if isinstance(x, (list, tuple)) else x) for x in row]
+                    for row in logprobs]
+        for index, (ids, row) in enumerate(zip(completion_ids, logprobs)):
+            mask = None if tool_mask is None else tool_mask[index]
+            if len(row) != len(ids) or (mask is not None and len(mask) != len(ids)):
+                raise ValueError(f"rollout_func's completion {index} has {len(ids)} tokens but {len(row)} logprobs"
+                                 + ("" if mask is None else f" and {len(mask)} env_mask values") + ": give one per token")
+        rows = [{**row, **{key: values[i] if isinstance(values, list) else values for key, values in extra.items()}}
+                for i, row in enumerate(rows)]  # TRL hands the extra fields to the reward functions
+        return Completions(rows, prompts, prompt_ids, completion_ids, logprobs, self.decode(prompts, completion_ids),
+                           tool_mask=tool_mask)
+
+    def record(self, done: Completions) -> None:
+        """TRL's generation metrics: the tokens seen (prompt and model tokens, counted once by the context-parallel
+        ranks of a batch; evaluation logs the training's count) and completions/* over every data-parallel rank's
+        completions (with a tool mask, the lengths count the model's own tokens)."""
+        state, mode = self.context.state, self.mode
+        lengths_N, truncated_N = self.lengths(done.completion_ids, done.tool_mask)
+        if mode == "train" and self.context.context_parallel.rank == 0:
+            state.num_input_tokens_seen += int(sum(len(p) for p in done.prompt_ids) + lengths_N.sum())  # this rank's
+        metrics = self.context.metrics(mode)
+        metrics.set("num_tokens", torch.tensor(float(state.num_input_tokens_seen)))  # summed over the ranks
+        all_N2 = self.context.data_parallel.gather_rows(torch.stack([lengths_N, truncated_N.double()], dim=1))
+        for name, value in completion_length_metrics(all_N2[:, 0], all_N2[:, 1]).items():
+            metrics.add_value(name, value)
 
     def tensors(self, prompt_ids, completion_ids, sampling_logprobs, mask_truncated: bool = False) -> dict:
         """The rollouts as padded tensors: prompts left-padded [N, P] with their mask, completions right-padded
@@ -302,21 +312,12 @@ class Rollout:
             return [[{"role": "assistant", "content": text}] for text in texts]
         return texts
 
-    def lengths(self, completion_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(lengths [N] float64, cut at the length limit [N] bool) of the completions."""
-        return (torch.tensor([len(c) for c in completion_ids], dtype=torch.float64),
+    def lengths(self, completion_ids: list[list[int]], tool_mask=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lengths [N] float64, cut at the length limit [N] bool) of the completions; with a tool mask the lengths
+        count the model's own tokens."""
+        counted = completion_ids if tool_mask is None else [[1] * int(sum(mask)) for mask in tool_mask]
+        return (torch.tensor([len(c) for c in counted], dtype=torch.float64),
                 torch.tensor([self.is_truncated(c) for c in completion_ids], dtype=torch.bool))
 
 
-__all__ = [
-    "GENERATION_KWARGS",
-    "Rollout",
-    "completion_logprobs_of",
-    "completion_length_metrics",
-    "is_conversational",
-    "model_inputs",
-    "pad_token_lists",
-    "sampling_params",
-    "stop_token_ids",
-    "tokenize_prompts",
-]
+__all__ = ["Completions", "Rollout"]

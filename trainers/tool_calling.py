@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from hfnative.data.chat_templates import multi_turn_chat_template, training_template_name
 
 from .rewards import BackgroundLoop
-from .rollout import tokenize_prompts
+from .prompts import tokenize_prompts
 
 # --- parsing completions into messages ---------------------------------------------------------------------------
 

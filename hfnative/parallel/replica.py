@@ -1,18 +1,28 @@
-"""A whole, unsharded copy of a parallelized model's weights, for code that calls the model's submodules directly.
+"""Whole, unsharded weights of a parallelized model: the one gather every copy of the policy goes through.
 
-The KV-cache decoder (hfnative.generation) runs the blocks' submodules one by one, outside the module calls that
-FSDP2's hooks gather the shards in, so it decodes a plain ``Transformer``: each rank gathers the parallelized
-policy's full tensors into its replica once per weight version (a collective: every rank calls it, in step) and
-then decodes its own prompts on it without further communication.
+``whole_tensor`` gathers one tensor (a DTensor's full tensor: a collective every rank of its mesh calls, in step);
+``plain_tensors`` walks a native model's tensors as a plain ``Transformer`` of its args holds them, whole: LoRA / DoRA
+adapters folded into their base weights and NF4 weights dequantized (a copy only decodes), a tensor held under two
+names (an untied view of a tied head) once. Its users:
+  - ``gather_replica``: the KV-cache decoder (hfnative.generation) runs the blocks' submodules one by one, outside the
+    module calls that FSDP2's hooks gather the shards in, so it decodes a plain replica on each rank, refreshed from
+    the policy once per weight version, each rank then decoding its own prompts without further communication;
+  - hfnative.rl.policy_copy: the generator actors' copy of the policy (and its weight syncs);
+  - the transformers fallback's replica of a module (hfnative.converters.fallback_generation).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfnative.models.decoder import Transformer
+from hfnative.peft.adapters import LORA_PARAMETERS, lora_modules
+from hfnative.peft.lora import LoraLinear
+from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
 
 
 def is_parallelized(model: nn.Module) -> bool:
@@ -20,29 +30,100 @@ def is_parallelized(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def plain_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of ``model``'s unquantized floating-point parameters."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)), None)
+
+
+def folded_weight(module: nn.Module, dtype: torch.dtype | None) -> torch.Tensor:
+    """An adapted (LoRA / DoRA) or NF4 linear's weight as a plain linear holds it (``dtype``: the unquantized
+    parameters', for a dequantized weight)."""
+    weight = module.merged_weight() if isinstance(module, LoraLinear) else dequantize(module.weight)
+    if is_nf4(module.weight) and dtype is not None:
+        weight = weight.to(dtype)
+    return weight
+
+
+@torch.no_grad()
+def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of each tensor of a plain ``Transformer(model.args)`` computing what ``model`` computes,
+    one at a time (each gathered as it is reached: every rank of the model's mesh iterates in step)."""
+    special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, NF4Linear))}
+    dtype = plain_dtype(model)
+    seen = set()
+    for name, tensor in model.state_dict().items():
+        module_name, _, attr = name.rpartition(".")
+        if module_name in special and (attr in LORA_PARAMETERS or attr == "weight"):
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        same_tensor = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
+        if tensor.numel() > 0 and same_tensor in seen:
+            continue
+        seen.add(same_tensor)
+        yield name, whole_tensor(tensor.detach())
+    for name, module in special.items():
+        yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
+
+
+@torch.no_grad()
+def trainable_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) of the plain copy's tensors that training changes: every trainable parameter, except that
+    an adapted linear gives its folded weight (under the base weight's name) instead of its adapter."""
+    adapted = lora_modules(model)
+    for name, parameter in model.named_parameters():
+        module_name, _, attr = name.rpartition(".")
+        if parameter.requires_grad and not (module_name in adapted and attr in LORA_PARAMETERS):
+            yield name, whole_tensor(parameter.detach())
+    dtype = plain_dtype(model)
+    for name, module in adapted.items():
+        yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
+
+
 @torch.no_grad()
 def gather_replica(model: Transformer, replica: Transformer | None = None) -> Transformer:
     """``replica`` (a new plain ``Transformer`` of ``model.args`` when None, on this rank's device, frozen, in eval
-    mode) holding ``model``'s whole weights; every rank of the model's mesh must call it (the shards are gathered)."""
-    state = model.state_dict()
+    mode) holding ``model``'s whole weights (adapters folded in); every rank of the model's mesh must call it."""
     if replica is None:
-        local = next(iter(state.values()))
+        local = next(iter(model.state_dict().values()))
         device = (local.to_local() if isinstance(local, DTensor) else local).device
         with torch.device("meta"):  # no initialization: every tensor is copied in below, the buffers made here
             replica = Transformer(model.args)
         replica.to_empty(device=device).init_buffers()
         replica.requires_grad_(False).eval()
     own = replica.state_dict()
-    missing = sorted(set(own) - set(state))
-    if missing or set(state) - set(own):
+    copied = set()
+    for name, tensor in plain_tensors(model):
+        if name not in own:
+            raise ValueError(
+                f"gather_replica: the model's tensor {name!r} is not one of a plain {type(replica).__name__} of its "
+                "args (a pipeline stage holds only some blocks: gather from every stage)"
+            )
+        own[name].copy_(tensor)
+        copied.add(name)
+    missing = sorted(set(own) - copied - _tied_views(replica))
+    if missing:
         raise ValueError(
-            f"gather_replica: the model's tensors do not match a plain {type(replica).__name__} of its args "
-            f"(missing {missing[:3]}, extra {sorted(set(state) - set(own))[:3]}); adapters and quantized weights "
-            "have no plain replica"
+            f"gather_replica: the model holds no {missing[:3]} of a plain {type(replica).__name__} of its args (a "
+            "pipeline stage holds only some blocks: gather from every stage)"
         )
-    for name, tensor in state.items():
-        own[name].copy_(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
     return replica
 
 
-__all__ = ["gather_replica", "is_parallelized"]
+def _tied_views(model: nn.Module) -> set[str]:
+    """The state-dict names of ``model`` that hold a tensor already held under an earlier name (a tied head)."""
+    names, seen = set(), set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if tensor.numel() > 0 and key in seen:
+            names.add(name)
+        seen.add(key)
+    return names
+
+
+__all__ = ["folded_weight", "gather_replica", "is_parallelized", "plain_dtype", "plain_tensors", "trainable_tensors",
+           "whole_tensor"]

@@ -15,15 +15,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
-from hfnative.peft.adapters import LORA_PARAMETERS, lora_modules
-from hfnative.peft.lora import LoraLinear
-from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
+from hfnative.parallel.replica import plain_tensors, trainable_tensors
 
 
 @dataclass(frozen=True)
@@ -35,63 +32,17 @@ class PolicyCopy:
     weights: bytes
 
 
-def _folded(module: torch.nn.Module, plain_dtype: torch.dtype | None) -> torch.Tensor:
-    """An adapted or quantized linear's weight as a plain linear holds it."""
-    if isinstance(module, LoraLinear):
-        weight = module.merged_weight()
-    else:
-        weight = dequantize(module.weight)
-    if is_nf4(module.weight) and plain_dtype is not None:  # back to the dtype of the unquantized parameters
-        weight = weight.to(plain_dtype)
-    return weight
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _plain_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)), None)
-
-
 @torch.no_grad()
 def plain_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """The state dict of a plain ``Transformer(model.args)`` that computes what ``model`` computes, on the CPU: LoRA
-    adapters folded in, NF4 weights dequantized, a tensor held under two names (an untied view of a tied head) once."""
-    special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, NF4Linear))}
-    plain_dtype = _plain_dtype(model)
-    state, seen = {}, set()
-    for name, tensor in model.state_dict().items():
-        module_name, _, attr = name.rpartition(".")
-        if module_name in special and (attr in LORA_PARAMETERS or attr == "weight"):
-            continue
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        same_tensor = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
-        if tensor.numel() > 0 and same_tensor in seen:
-            continue
-        seen.add(same_tensor)
-        state[name] = _whole(tensor.detach()).to("cpu", copy=True).contiguous()
-    for name, module in special.items():
-        state[f"{name}.weight"] = _whole(_folded(module, plain_dtype).detach()).to("cpu", copy=True).contiguous()
-    return state
+    """The state dict of a plain ``Transformer(model.args)`` that computes what ``model`` computes, on the CPU
+    (``hfnative.parallel.replica.plain_tensors``: adapters folded in, NF4 dequantized, shards gathered)."""
+    return {name: tensor.to("cpu", copy=True).contiguous() for name, tensor in plain_tensors(model)}
 
 
 @torch.no_grad()
 def trainable_weights(model: Transformer) -> dict[str, torch.Tensor]:
-    """The tensors of the plain copy that training changes, on the CPU: every trainable parameter, except that an
-    adapted linear sends its folded weight (under the base weight's name) instead of its adapter."""
-    adapted = lora_modules(model)
-    weights = {}
-    for name, parameter in model.named_parameters():
-        module_name, _, attr = name.rpartition(".")
-        if not parameter.requires_grad or (module_name in adapted and attr in LORA_PARAMETERS):
-            continue
-        weights[name] = _whole(parameter.detach()).to("cpu", copy=True)
-    plain_dtype = _plain_dtype(model)
-    for name, module in adapted.items():
-        weights[f"{name}.weight"] = _whole(_folded(module, plain_dtype)).to("cpu", copy=True)
-    return weights
+    """The tensors of the plain copy that training changes, on the CPU (``replica.trainable_tensors``)."""
+    return {name: tensor.to("cpu", copy=True) for name, tensor in trainable_tensors(model)}
 
 
 def policy_copy(model: Transformer) -> PolicyCopy:
