@@ -26,7 +26,8 @@ from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 
 from .async_grpo_config import AsyncGRPOConfig
 from .data_loading import make_dataloader
-from .grpo_trainer import extremes_over_ranks, loss_mask
+from .grpo_trainer import extremes_over_ranks
+from .prompt_batches import loss_mask
 from .objective import Normalizer, Objective, enable_router_loss
 from .rewards import RewardFunctions
 from .prompts import is_conversational, sampling_params

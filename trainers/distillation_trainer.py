@@ -170,17 +170,22 @@ class _DistillationObjective(LanguageModelingObjective):
     def metrics(self, inputs, out) -> dict:
         return {}
 
-    def generate(self, model, prompts: list[list[int]]):
-        """The rollout component's ``Completions`` of ``prompts`` (this rank's rows of the call's batch; with the
-        run's tools, their later turns too) sampled from ``model``'s live weights, seeded per row by the call's place
-        in the run and each row's place in the whole batch, so every layout samples what one process does."""
+    def generate(self, model, prompts: list[list[int]], sampling=None) -> list[list[int]]:
+        """Completions of ``prompts`` (this rank's rows of the call's batch) sampled (``sampling``, default the run's)
+        from ``model``'s live weights, each cut after its first stop token."""
+        return self.complete(model, prompts, sampling).completion_ids
+
+    def complete(self, model, prompts: list[list[int]], sampling=None):
+        """The rollout component's ``Completions`` of ``generate`` (with the run's tools, their later turns too),
+        seeded per row by the call's place in the run and each row's place in the whole batch, so every layout
+        samples what one process does."""
         if not isinstance(model, Transformer):
             raise ValueError(
                 f"on-policy completions need a native model; {type(model).__name__} runs through transformers' "
                 "modeling code (set lmbda=0 and seq_kd=False for GKD, or use a natively supported architecture)"
             )
         self._generations += 1
-        return self.rollout.complete_ids(prompts, self._generations - 1, model)
+        return self.rollout.complete_ids(prompts, self._generations - 1, model, sampling)
 
 
 class OnPolicyDistillationObjective(_DistillationObjective):
@@ -252,9 +257,13 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         """The student's completions for one step's (or evaluation batch's) prompts and, for tool-calling rollouts,
         their tool masks; their completions/* (on this rank; tools/* go to the metrics directly) are logged with the
         next loss."""
-        done = self.generate(self.context.model, prompts)
-        self._pending = completion_length_metrics(*self.rollout.lengths(done.completion_ids, done.tool_mask))
-        return done.completion_ids, done.tool_mask
+        if self.tool_calling is None:
+            completions, tool_masks = self.generate(self.context.model, prompts, self.rollout.sampling), None
+        else:
+            done = self.complete(self.context.model, prompts)
+            completions, tool_masks = done.completion_ids, done.tool_mask
+        self._pending = completion_length_metrics(*self.rollout.lengths(completions, tool_masks))
+        return completions, tool_masks
 
     def metrics(self, inputs, out) -> dict:
         # the completion lengths once per generation; entropy as a ratio of sums over the data-parallel ranks

@@ -143,7 +143,7 @@ class GKDObjective(_DistillationObjective):
         else:
             return batch
         prompts = prompt_lists(batch)
-        completions = self.generate(model, prompts).completion_ids
+        completions = self.generate(model, prompts, self.rollout.sampling)
         return self.context.context_parallel.split(gkd_batch(prompts, completions, self.pad_token_id))
 
 

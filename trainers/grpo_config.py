@@ -171,3 +171,20 @@ def resolve_generation_batch(args, data_parallel_size: int | None = None) -> Non
             f"{algorithm} requires at least 2 generations per prompt to calculate the advantages. You provided "
             f"{args.num_generations}, which is less than the minimum required."
         )
+
+
+def check_run_settings(args, layout) -> None:
+    """At the objective's construction: the generation batch for the run's layout (its tp / cp ranks share
+    completions), the loss type, and TRL's settings hfnative does not take left at their defaults."""
+    from hfnative.losses.policy import LOSS_TYPES
+
+    if layout is not None and layout.dp_size != args.world_size:
+        resolve_generation_batch(args, layout.dp_size)
+    loss_type = getattr(args, "loss_type", None)
+    if loss_type is not None and loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r}: expected one of {LOSS_TYPES}")
+    for name in _UNSUPPORTED_UNLESS_DEFAULT:
+        if getattr(args, name, None) not in (None, False, 0.0):
+            raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's trainer: leave it at "
+                             "its default (generation runs on the native engine)")
+

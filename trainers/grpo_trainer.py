@@ -28,13 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 from hfnative.losses.policy import (
-    LOSS_TYPES,
     MEAN_LOSS_TYPES,
     clipped_policy_loss,
-    entropy_bonus,
     group_advantages,
     high_entropy_mask,
-    nanstd,
     off_policy_sequence_mask,
     vespo_weights,
     normalize_then_sum_advantages,
@@ -43,87 +40,19 @@ from hfnative.losses.policy import (
 )
 from .completion_log import CompletionLog
 from .construction import is_model_name
-from .data_loading import EpochBatchSampler, StreamGroupBatches, has_length
-from .grpo_config import _UNSUPPORTED_UNLESS_DEFAULT, GRPOConfig, resolve_generation_batch
+from .entropy_control import EntropyBonus
+from .grpo_config import GRPOConfig, check_run_settings
 from .objective import Normalizer, Objective, enable_router_loss
-from .reference_model import ReferenceModel
+from .reference_model import ReferenceModel, refuse_sync_without_reference
 from .rewards import RewardFunctions
 from .rollout_engines import make_rollout_engine
 from .tool_calling import tool_calling_for
 from .prompts import sampling_params, stop_token_ids
 from .rollout import Rollout
-from .rollout_batches import completion_logprobs_of, model_inputs, pad_token_lists, trimmed_rows
+from .prompt_batches import GenerationBatches, loss_mask, split_generation_batch
+from .rollout_batches import completion_logprobs_of, pad_token_lists
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
-
-# --- data ------------------------------------------------------------------------------------------------------
-
-
-class GenerationBatchSampler(EpochBatchSampler):
-    """Batches of ``prompts_per_batch`` prompt indices in the epoch's seeded order (an incomplete last batch
-    dropped), each yielded ``repeat`` times in a row: the loop reads one per micro-batch, and the objective
-    generates on the first of each run (TRL's RepeatSampler, without the per-completion repeats). With
-    ``num_shards`` data-parallel ranks, each generation batch of every rank is cut from one batch of
-    ``prompts_per_batch * num_shards`` prompts, so every prompt's group stays on one rank."""
-
-    def __init__(self, num_samples: int, prompts_per_batch: int, repeat: int, seed: int, shuffle: bool = True,
-                 num_shards: int = 1, shard_index: int = 0):
-        super().__init__(num_samples, prompts_per_batch * num_shards, seed, shuffle=shuffle, drop_last=True)
-        self.repeat, self.prompts_per_batch, self.shard_index = repeat, prompts_per_batch, shard_index
-
-    def __iter__(self):
-        order = self.order()
-        mine = slice(self.shard_index * self.prompts_per_batch, (self.shard_index + 1) * self.prompts_per_batch)
-        batches = [order[i : i + self.batch_size][mine] for i in range(0, len(order) - self.batch_size + 1, self.batch_size)]
-        repeated = [batch for batch in batches for _ in range(self.repeat)]
-        skip, self.skip_batches = self.skip_batches, 0
-        yield from repeated[skip:]
-
-    def __len__(self) -> int:
-        return (self.num_samples // self.batch_size) * self.repeat
-
-
-def generation_dataloader(dataset, collator, args, repeat: int, shard: dict):
-    """This rank's generation batches of prompts (``GenerationBatchSampler``), each read ``repeat`` times."""
-    from torch.utils.data import DataLoader
-
-    shards, G = shard.get("num_shards", 1), args.num_generations
-    if args.generation_batch_size % (G * shards):
-        raise ValueError(
-            f"generation_batch_size={args.generation_batch_size} over {shards} data-parallel ranks does not give "
-            f"each rank whole groups of num_generations={G}: make it a multiple of {G * shards}"
-        )
-    prompts_per_batch = args.generation_batch_size // (G * shards)
-    if not has_length(dataset):  # a stream: TRL's buffered shuffle (seed), then its batches in stream order
-        stream = dataset.shuffle(seed=args.seed) if args.shuffle_dataset and hasattr(dataset, "shuffle") else dataset
-        return DataLoader(StreamGroupBatches(stream, prompts_per_batch, repeat, **shard), batch_size=None,
-                          collate_fn=collator, num_workers=0)
-    if len(dataset) < prompts_per_batch * shards:
-        raise ValueError(
-            f"train_dataset has {len(dataset)} prompts, fewer than one generation batch needs "
-            f"({args.generation_batch_size} completions / {G} generations): add prompts or "
-            "lower per_device_train_batch_size / steps_per_generation"
-        )
-    sampler = GenerationBatchSampler(len(dataset), prompts_per_batch, repeat,
-                                     seed=args.data_seed if args.data_seed is not None else args.seed,
-                                     shuffle=args.shuffle_dataset, **shard)
-    return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=0)
-
-
-def _rows(batch):
-    """The collator: the dataset rows as they are."""
-    return list(batch)
-
-
-def _check_prompts(dataset, name: str):
-    first = next(iter(dataset), None)
-    if not isinstance(first, dict) or "prompt" not in first:
-        raise ValueError(
-            f"{name}: row 0 is {first!r}; expected a dict with a 'prompt' column (a string, or a list of "
-            "{'role', 'content'} messages for conversations)"
-        )
-    return dataset
-
 
 # the sampler-correction statistics taken over every rank: name -> 1.0 (a max) or -1.0 (a min)
 SAMPLER_EXTREMES = {"sampling/sampling_logp_difference/max": 1.0, "sampling/importance_sampling_ratio/min": -1.0,
@@ -148,17 +77,6 @@ def sampler_correction(old_logprobs_NT, batch: dict, args) -> tuple[torch.Tensor
     return weights.expand_as(old_logprobs_NT).contiguous(), stats
 
 
-def loss_mask(batch: dict) -> torch.Tensor:
-    """The completion tokens trained on: the completion mask, times a rollout's tool mask (0 on tokens a tool or
-    environment wrote) when it has one (TRL's completion_mask * tool_mask)."""
-    mask = batch["completion_mask"]
-    return mask if "tool_mask" not in batch else mask * batch["tool_mask"]
-
-
-# the adaptive entropy controller's state in a checkpoint (TRL's file)
-ENTROPY_STATE_FILE = "entropy_ctrl_state.json"
-
-
 def extremes_over_ranks(metrics: dict, data_parallel, signs: dict[str, float] | None = None) -> dict:
     """The extremes among ``metrics`` over every data-parallel rank (TRL's nanmin / nanmax of the gathered values;
     NaN where no rank has one), so that the ranks' average is that value. ``signs``: name -> 1.0 (a max) or -1.0 (a
@@ -176,7 +94,7 @@ def extremes_over_ranks(metrics: dict, data_parallel, signs: dict[str, float] | 
 # --- the objective ---------------------------------------------------------------------------------------------
 
 
-class GRPOObjective(Objective):
+class GRPOObjective(GenerationBatches, Objective):
     """Generation, scoring and the GRPO loss (see the module docstring). Subclasses (RLOO) change
     ``advantages`` and ``policy_loss``."""
 
@@ -198,17 +116,10 @@ class GRPOObjective(Objective):
         tool_calling = tool_calling_for(context, tools, environment_factory)
         # the MoE router's load-balancing loss in the policy's loss forward (TRL's rule for router_aux_loss_coef)
         self.aux_loss_coef = enable_router_loss(context.model, args.router_aux_loss_coef)
-        if context.layout is not None and context.layout.dp_size != args.world_size:  # tp / cp ranks share completions
-            resolve_generation_batch(args, context.layout.dp_size)
+        check_run_settings(args, context.layout)
         self.num_generations_train = args.num_generations
         self.num_generations_eval = args.num_generations_eval or args.num_generations
         self.loss_type = getattr(args, "loss_type", None)
-        if self.loss_type is not None and self.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type={self.loss_type!r}: expected one of {LOSS_TYPES}")
-        for name in _UNSUPPORTED_UNLESS_DEFAULT:
-            if getattr(args, name, None) not in (None, False, 0.0):
-                raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's trainer: leave it at "
-                                 "its default (generation runs on the native engine)")
         chat_template_kwargs = dict(args.chat_template_kwargs or {})
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
                                        chat_template_kwargs=chat_template_kwargs,
@@ -225,14 +136,8 @@ class GRPOObjective(Objective):
         # the reference (beta != 0): a frozen copy, or the policy's base with its adapters disabled (TRL's GRPO)
         self.reference = None if args.beta == 0.0 else ReferenceModel(self, reference, base_of_loaded_adapters=True)
         if args.sync_ref_model:
-            self._check_reference_sync(args)
-        # the entropy bonus (TRL's entropy_coef / use_adaptive_entropy): the coefficient every micro-batch of a step
-        # applies, and the adaptive controller's state (the whole batch's mean entropy of the last step, this step's
-        # running sums)
-        self.entropy_coef = getattr(args, "entropy_coef", 0.0)
-        self.adaptive_entropy = bool(getattr(args, "use_adaptive_entropy", False))
-        self.last_step_entropy = float("inf")
-        self._entropy_window = None
+            refuse_sync_without_reference(args, self.reference)
+        self.entropy_bonus = EntropyBonus(args)  # TRL's entropy_coef / use_adaptive_entropy
         self._step = 0  # micro-batches trained so far (TRL's _step)
         self._eval_batches = 0  # evaluation batches completed so far (they key their sampling streams)
         self._buffer: list[dict] | None = None
@@ -250,7 +155,7 @@ class GRPOObjective(Objective):
 
     @property
     def mode(self) -> str:
-        return "train" if self.context.model.training else "eval"
+        return self.rollout.mode
 
     @property
     def engine(self):
@@ -263,38 +168,6 @@ class GRPOObjective(Objective):
 
     def generates(self) -> bool:
         return True
-
-    # --- data -------------------------------------------------------------------------------------------------
-    def prepare_train_dataset(self, dataset):
-        return self._check_prompts(dataset, "train_dataset")
-
-    def prepare_eval_dataset(self, dataset):
-        return None if dataset is None else self._check_prompts(dataset, "eval_dataset")
-
-    def _check_prompts(self, dataset, name: str):
-        """Rows with a prompt; with environments a row may leave it out (its environment's reset writes it)."""
-        tool_calling = self.rollout.tool_calling
-        if tool_calling is not None and tool_calling.environments is not None:
-            return dataset
-        return _check_prompts(dataset, name)
-
-    def default_collator(self):
-        return _rows
-
-    def train_dataloader(self, dataset, collator):
-        return generation_dataloader(dataset, collator, self.args, self.generate_every, self.context.data_shard())
-
-    def eval_dataloader(self, dataset, collator):
-        """This rank's evaluation batches of prompts, in order: per_device_eval_batch_size completions each
-        (per_device_eval_batch_size / num_generations_eval prompts, every group on one rank)."""
-        a, G = self.args, self.num_generations_eval
-        if a.per_device_eval_batch_size % G:
-            raise ValueError(
-                f"per_device_eval_batch_size={a.per_device_eval_batch_size} counts completions and must hold whole "
-                f"groups of num_generations_eval={G}: make it a multiple of {G}"
-            )
-        return self.context.make_dataloader(dataset, a.per_device_eval_batch_size // G, collator, seed=a.seed,
-                                            shuffle=False)
 
     # --- evaluation: each batch of prompts completed (num_generations_eval each) and scored; its loss is the
     # policy loss on them, its metrics TRL's eval_* -----------------------------------------------------------------
@@ -329,52 +202,14 @@ class GRPOObjective(Objective):
             self._step += 1
         return batches
 
-    def _check_reference_sync(self, args) -> None:
-        """TRL's refusals of ``sync_ref_model`` without a reference model to synchronize."""
-        name = type(args).__name__.removesuffix("Config") + "Trainer"
-        if args.beta == 0.0:
-            raise ValueError(
-                "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "
-                f"training. Consequently, {name} does not create a `ref_model` instance, and there is nothing to "
-                "synchronize. Please set `sync_ref_model=False`, or set `beta` to a non-zero value."
-            )
-        if self.reference.is_base:
-            raise ValueError(
-                "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With PEFT, "
-                f"{name} does not keep a separate reference model in memory; instead, it recovers reference behavior "
-                "by temporarily disabling the adapter. As a result, there is no standalone `ref_model` instance to "
-                "synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you need a synced reference model."
-            )
-
-    def _update_entropy_coef(self) -> None:
-        """TRL's adaptive entropy controller at a step's end: the step's mean token entropy over every rank; the
-        coefficient up by entropy_coef_delta (to entropy_coef_max) when it is at most entropy_target, else down (to
-        entropy_coef_min); logged as entropy_coef."""
-        args = self.args
-        if self.adaptive_entropy and self._entropy_window is not None:
-            self.last_step_entropy = self.context.data_parallel.ratio_of_sums(*self._entropy_window)
-            if self.last_step_entropy <= args.entropy_target:
-                self.entropy_coef = min(self.entropy_coef + args.entropy_coef_delta, args.entropy_coef_max)
-            else:
-                self.entropy_coef = max(self.entropy_coef - args.entropy_coef_delta, args.entropy_coef_min)
-            self._entropy_window = None
-        if self.entropy_coef != 0.0 or self.adaptive_entropy:
-            self.context.metrics().add("entropy_coef", torch.tensor(float(self.entropy_coef)))
-
     def checkpoint_state(self) -> dict[str, dict]:
-        """TRL's adaptive entropy controller state (its file name and keys), when the controller runs."""
-        if not self.adaptive_entropy:
-            return {}
-        return {ENTROPY_STATE_FILE: {"entropy_coef": self.entropy_coef, "last_world_entropy": self.last_step_entropy}}
+        return self.entropy_bonus.checkpoint_state()
 
     def load_checkpoint_state(self, files: dict[str, dict]) -> None:
-        state = files.get(ENTROPY_STATE_FILE)
-        if state is not None:
-            self.entropy_coef = float(state["entropy_coef"])
-            self.last_step_entropy = float(state["last_world_entropy"])
+        self.entropy_bonus.load_checkpoint_state(files)
 
     def after_optimizer_step(self) -> None:
-        self._update_entropy_coef()
+        self.entropy_bonus.end_step(self.context.data_parallel.ratio_of_sums, self.context.metrics())
         if self.reference is not None:
             self.reference.after_optimizer_step()  # TR-DPO's sync_ref_model
         if self._step % self.generate_every == 0:  # the next step generates
@@ -409,10 +244,10 @@ class GRPOObjective(Objective):
         rewards_NF = data_parallel.gather_rows(local_rewards_NF)
         advantages = self.advantages(rewards_NF, batch)
         batch["advantages"] = advantages.advantages_N[data_parallel.local_rows(len(done.rows))]
-        self._log_rewards(rewards_NF, advantages)
         metrics = self.context.metrics(self.mode)
-        for name, value in log.flush(done.prompts, done.completions, rewards_NF, advantages.advantages_N,
-                                     data_parallel).items():
+        logged = {**self.rewards.metrics(rewards_NF), "frac_reward_zero_std": advantages.is_std_zero_N.float().mean(),
+                  **log.flush(done.prompts, done.completions, rewards_NF, advantages.advantages_N, data_parallel)}
+        for name, value in logged.items():
             metrics.add_value(name, value)
         return self._split(batch, 1 if self.mode == "eval" else self.args.steps_per_generation)
 
@@ -451,21 +286,11 @@ class GRPOObjective(Objective):
         return group_advantages(weighted_rewards(rewards_NF, weights_F), self.num_generations, self.args.scale_rewards)
 
     def _split(self, batch: dict, pieces: int) -> list[dict]:
-        """Shuffle the generation batch (torch's global RNG, as TRL; kept in order in evaluation) and cut it into
-        ``pieces`` micro-batches, each trimmed to its own longest prompt and completion."""
+        """The generation batch shuffled (torch's global RNG, as TRL; kept in order in evaluation) and cut into
+        ``pieces`` micro-batches."""
         N = batch["prompt_ids"].shape[0]
         order = self.shuffled_order(N) if self.mode == "train" else torch.arange(N)
-        # TRL's token count for dapo/cispo/vespo: the generation batch's completion tokens per micro-batch (the loop
-        # averages it over the ranks: ``normalizer``)
-        tokens_per_micro_batch = float(loss_mask(batch).sum()) / pieces
-        size = N // pieces
-        micro_batches = []
-        for start in range(0, N, size):
-            part = trimmed_rows(batch, order[start : start + size])
-            micro_batch = self.context.context_parallel.split(model_inputs(part))  # this rank's chunks under cp
-            micro_batch["completion_tokens_per_micro_batch"] = tokens_per_micro_batch
-            micro_batches.append(micro_batch)
-        return micro_batches
+        return split_generation_batch(batch, pieces, order, self.context)
 
     @staticmethod
     def shuffled_order(count: int) -> torch.Tensor:
@@ -502,8 +327,7 @@ class GRPOObjective(Objective):
             loss_type=self.loss_type, epsilon=args.epsilon, epsilon_high=args.epsilon_high, delta=args.delta,
             beta=args.beta, ref_logprobs_BT=inputs.get("ref_logprobs"), use_bias_correction_kl=args.use_bias_correction_kl,
             importance_sampling_level=args.importance_sampling_level, max_completion_length=args.max_completion_length,
-            num_items=num_items_in_batch, token_weights_BT=token_weights,
-            entropy_BT=entropy_BT,
+            num_items=num_items_in_batch, token_weights_BT=token_weights, entropy_BT=entropy_BT,
             sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
             off_policy_mask_threshold=getattr(args, "off_policy_mask_threshold", None),
             sampling_logprobs_BT=inputs.get("sampling_logprobs") if self.sampler_correction else None,
@@ -511,35 +335,10 @@ class GRPOObjective(Objective):
                        lambda_neg=args.vespo_lambda_neg) if vespo else None,
             importance_ratio_BT=sampler_weights if vespo else None,
         )
-        if self.entropy_coef != 0.0 or self.adaptive_entropy:
-            out = self._with_entropy_bonus(out, entropy_BT, mask_BT if entropy_keep is None else mask_BT * entropy_keep)
+        if self.entropy_bonus.active:
+            out = self.entropy_bonus.apply(out, entropy_BT, mask_BT if entropy_keep is None else mask_BT * entropy_keep,
+                                           self.mode == "train")
         return out
-
-    def _with_entropy_bonus(self, out, entropy_BT, mask_BT):
-        """The policy loss minus the entropy bonus (the coefficient of the step's start; 0 in adaptive mode while the
-        last step's entropy is above entropy_target, as TRL), with policy_loss logged; the adaptive controller's
-        sums gathered."""
-        coef = self.entropy_coef
-        if self.adaptive_entropy:
-            coef = coef if self.last_step_entropy <= self.args.entropy_target else 0.0
-            if self.mode == "train":
-                mask = mask_BT.to(entropy_BT.dtype)
-                sums = torch.stack([(entropy_BT.detach() * mask).sum(), mask.sum()]).double()
-                self._entropy_window = sums if self._entropy_window is None else self._entropy_window + sums
-        metrics = {**out.metrics, "policy_loss": out.loss.detach()}
-        return type(out)(out.loss + entropy_bonus(entropy_BT, mask_BT, coef), out.per_token_loss_BT, metrics)
-
-    # --- logging -------------------------------------------------------------------------------------------------
-    def _log_rewards(self, rewards_NF, advantages) -> None:
-        metrics = self.context.metrics(self.mode)
-        for index, name in enumerate(self.rewards.names):
-            metrics.add_value(f"rewards/{name}/mean", torch.nanmean(rewards_NF[:, index]))
-            metrics.add_value(f"rewards/{name}/std", nanstd(rewards_NF[:, index]))
-        rewards_N = weighted_rewards(rewards_NF, self.rewards.weights_F)
-        metrics.add_value("reward", torch.nanmean(rewards_N))
-        metrics.add_value("reward_std", nanstd(rewards_N))
-        metrics.add_value("frac_reward_zero_std", advantages.is_std_zero_N.float().mean())
-
 
 # --- the trainer -----------------------------------------------------------------------------------------------
 

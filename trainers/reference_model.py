@@ -50,6 +50,25 @@ def refuse_sync_with_new_adapters(args, peft_config) -> None:
         )
 
 
+def refuse_sync_without_reference(args, reference) -> None:
+    """TRL's GRPO and RLOO refusals of ``sync_ref_model`` with no reference model to synchronize (``reference``: the
+    objective's ReferenceModel, None with beta=0.0)."""
+    name = type(args).__name__.removesuffix("Config") + "Trainer"
+    if reference is None:
+        raise ValueError(
+            "You passed `sync_ref_model=True` while `beta=0.0`, which means the reference model is not used during "
+            f"training. Consequently, {name} does not create a `ref_model` instance, and there is nothing to "
+            "synchronize. Please set `sync_ref_model=False`, or set `beta` to a non-zero value."
+        )
+    if reference.is_base:
+        raise ValueError(
+            "You passed `sync_ref_model=True` while using a PEFT model, which is currently not supported. With PEFT, "
+            f"{name} does not keep a separate reference model in memory; instead, it recovers reference behavior "
+            "by temporarily disabling the adapter. As a result, there is no standalone `ref_model` instance to "
+            "synchronize. Use `sync_ref_model=False`, or opt for full fine-tuning if you need a synced reference model."
+        )
+
+
 @contextmanager
 def router_loss_off(model):
     """A forward of ``model`` that adds no router load-balancing loss (a reference or KL pass of the policy)."""
@@ -178,4 +197,4 @@ class ReferenceTrainer:
 
 
 __all__ = ["ReferenceModel", "ReferenceTrainer", "reference_source", "refuse_sync_with_new_adapters",
-           "router_loss_off"]
+           "refuse_sync_without_reference", "router_loss_off"]

@@ -32,6 +32,8 @@ from collections.abc import Callable
 
 import torch
 
+from hfnative.losses.policy import nanstd, weighted_rewards
+
 logger = logging.getLogger(__name__)
 
 
@@ -227,6 +229,16 @@ class RewardFunctions:
 
     def __len__(self) -> int:
         return len(self.functions)
+
+    def metrics(self, rewards_NF: torch.Tensor) -> dict[str, torch.Tensor]:
+        """TRL's reward metrics of a batch's rewards [N, F] (NaN where a function scored nothing, left out): each
+        function's rewards/<name>/mean and /std, and the weighted sum's reward and reward_std."""
+        metrics = {}
+        for index, name in enumerate(self.names):
+            metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_NF[:, index])
+            metrics[f"rewards/{name}/std"] = nanstd(rewards_NF[:, index])
+        rewards_N = weighted_rewards(rewards_NF, self.weights_F)
+        return {**metrics, "reward": torch.nanmean(rewards_N), "reward_std": nanstd(rewards_N)}
 
     def score(self, prompts: list, completions: list, completion_ids: list[list[int]], rows: list[dict],
               trainer_state=None, log_extra=None, log_metric=None, extra: dict | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from hfnative.generation import NativeRolloutEngine, Rollouts, SamplingParams
 from hfnative.generation.sampling import mix64_int
 from hfnative.parallel.replica import gather_replica, is_parallelized
 
-from .prompts import tokenize_prompts
+from .prompts import is_conversational, tokenize_prompts
 from .reference_model import router_loss_off
 from .rollout_batches import completion_length_metrics, completion_logprobs_of, model_inputs, pad_token_lists
 from .tool_calling import Episode, tool_metrics
