@@ -89,11 +89,12 @@ def test_one_message_names_the_objective_every_missing_feature_and_what_to_do():
 
 def test_declared_capabilities():
     everything = set(FEATURES)
+    # the language-modeling objectives and DPO run under pipeline parallelism (tests/test_pipeline_parallel.py)
     assert set(LanguageModelingObjective.supports) == set(SFTObjective.supports) == everything
-    assert {"tensor_parallel", "context_parallel", "expert_parallel"} <= set(DPOObjective.supports)
-    # GRPO and RLOO: every layout and evaluation (tests/test_rl_layouts.py, test_grpo.py)
-    assert set(GRPOObjective.supports) == set(RLOOObjective.supports) == everything
-    assert set(AsyncGRPOObjective.supports) == everything - {"evaluation"}
+    assert {"tensor_parallel", "context_parallel", "expert_parallel", "pipeline_parallel"} <= set(DPOObjective.supports)
+    # GRPO and RLOO: every other layout and evaluation (tests/test_rl_layouts.py, test_grpo.py)
+    assert set(GRPOObjective.supports) == set(RLOOObjective.supports) == everything - {"pipeline_parallel"}
+    assert set(AsyncGRPOObjective.supports) == everything - {"evaluation", "pipeline_parallel"}
     for objective in (DPOObjective, GRPOObjective, GKDObjective, OnPolicyDistillationObjective, AsyncGRPOObjective):
         assert set(objective.supports) <= everything, objective
 

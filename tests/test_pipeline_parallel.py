@@ -168,43 +168,67 @@ def test_pipeline_refuses_tied_embeddings():
 
 
 def _pipeline_run(schedule: str = "1f1b"):
-    dims = SimpleNamespace(pp_enabled=True, pp=2)
+    dims = SimpleNamespace(pp_enabled=True, pp=2, cp_enabled=False, tp_enabled=False, ep_enabled=False)
     return SimpleNamespace(dims=dims, plan=SimpleNamespace(pp_schedule=schedule))
 
 
 def test_pipeline_refuses_other_objectives_and_settings():
+    """The loop's one capability check (Trainer._check_supported): the objectives that do not declare pipeline
+    parallelism, and the settings it does not run, each named with what to do."""
+    from hfnative.trainers.distillation_trainer import OnPolicyDistillationObjective
     from hfnative.trainers.dpo_trainer import DPOObjective
+    from hfnative.trainers.gkd_trainer import GKDObjective
+    from hfnative.trainers.grpo_trainer import GRPOObjective
     from hfnative.trainers.kto_trainer import KTOObjective
     from hfnative.trainers.objective import LanguageModelingObjective
-    from hfnative.trainers.pipeline_training import check_pipeline_supported
-    from hfnative.trainers.sft_trainer import SFTTrainer
+    from hfnative.trainers.rloo_trainer import RLOOObjective
+    from hfnative.trainers.sft_trainer import SFTObjective, SFTTrainer
+    from hfnative.trainers.trainer import Trainer
 
-    def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", **settings):
+    def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", cls=SFTTrainer, **settings):
         args = dict(eval_strategy="no", optimizer_in_backward=False, gradient_accumulation_steps=2)
         args.update(settings)
+        run = _pipeline_run(schedule)
+        context = SimpleNamespace(world_size=4, layout=run.dims, args=SimpleNamespace(**args))
+        fake = cls.__new__(cls)
         objective = objective_class.__new__(objective_class)
-        return SimpleNamespace(distributed=_pipeline_run(schedule), args=SimpleNamespace(**args), objective=objective,
-                               compute_loss_func=None, peft_config=None, lora_settings=None)
+        objective.__dict__.update(lmbda=0.5, seq_kd=False)  # GKD's generates() reads them
+        fake.__dict__.update(distributed=run, args=context.args, objective=objective, context=context, compute_loss_func=None, compute_metrics=None, peft_config=None,
+                             lora_settings=None)
+        return fake
 
-    check_pipeline_supported(trainer())
-    check_pipeline_supported(trainer(DPOObjective))
-    with pytest.raises(ValueError, match=r"pipeline parallelism \(pp_size=2\).*SFTTrainer\) and DPO.*set pp_size=1"):
-        check_pipeline_supported(trainer(KTOObjective))
-    with pytest.raises(ValueError, match="precompute_ref_log_probs=True"):
-        check_pipeline_supported(trainer(DPOObjective, precompute_ref_log_probs=True))
+    def check(fake):
+        Trainer._check_supported(fake)
+
+    check(trainer())
+    check(trainer(SFTObjective))
+    check(trainer(DPOObjective))
+    for objective in (KTOObjective, GRPOObjective, RLOOObjective, GKDObjective, OnPolicyDistillationObjective):
+        with pytest.raises(ValueError, match=r"does not support pipeline parallelism \(pp_size > 1\): set pp_size=1"):
+            check(trainer(objective))
+    with pytest.raises(ValueError, match=r"precompute_ref_log_probs=True with pipeline parallelism \(pp_size=2\)"):
+        check(trainer(DPOObjective, precompute_ref_log_probs=True))
     with pytest.raises(ValueError, match="evaluation"):
-        check_pipeline_supported(trainer(eval_strategy="steps"))
+        check(trainer(eval_strategy="steps"))
     with pytest.raises(ValueError, match="optimizer_in_backward"):
-        check_pipeline_supported(trainer(optimizer_in_backward=True))
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=1 < 2.*pp_schedule='gpipe'"):
-        check_pipeline_supported(trainer(gradient_accumulation_steps=1))
-    check_pipeline_supported(trainer(schedule="gpipe", gradient_accumulation_steps=1))
+        check(trainer(optimizer_in_backward=True))
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1 < pp_size=2.*pp_schedule='gpipe'"):
+        check(trainer(gradient_accumulation_steps=1))
+    check(trainer(schedule="gpipe", gradient_accumulation_steps=1))
+    # every refusal of a run in one message
+    with pytest.raises(ValueError, match="KTOTrainer does not support pipeline parallelism.*; evaluation.*; "
+                                         "optimizer_in_backward=True"):
+        check(trainer(KTOObjective, eval_strategy="steps", optimizer_in_backward=True, cls=_named("KTOTrainer")))
 
     class OwnStep(SFTTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
             raise AssertionError("not run under pipeline parallel")
 
-    own_step = OwnStep.__new__(OwnStep)
-    own_step.__dict__.update(vars(trainer()))
     with pytest.raises(ValueError, match=r"an override of training_step \(OwnStep.training_step\)"):
-        check_pipeline_supported(own_step)
+        check(trainer(cls=OwnStep))
+
+
+def _named(name: str):
+    from hfnative.trainers.sft_trainer import SFTTrainer
+
+    return type(name, (SFTTrainer,), {})

@@ -32,7 +32,7 @@ from transformers.trainer_callback import TrainerState
 from hfnative.losses import IGNORE_INDEX
 from hfnative.parallel.teardown import end_process_group
 
-from .objective import MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT
+from .normalizers import MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
 from .objective import Objective, enable_router_loss
-from .pipeline_training import runs_in_pipeline
 from .reference_model import ReferenceModel, ReferenceTrainer
 from .trainer import Trainer
 
@@ -77,14 +76,14 @@ class DPOTrainer(ReferenceTrainer, Trainer):
         return DPOObjective(self.context, self._reference_for_objective(), reference_given=self._ref_given)
 
 
-@runs_in_pipeline
 class DPOObjective(Objective):
     """DPO: preference rows tokenized and collated as TRL does; the configured preference losses on the
     policy's and the reference's sequence log-probs; TRL's DPO metrics."""
 
     # the sequence log-probs are summed over the head's per-token log-probs (vocabulary-parallel under tensor parallel);
     # under context parallel, over the cp ranks' chunks
-    supports = frozenset({"multi_process", "tensor_parallel", "context_parallel", "expert_parallel", "evaluation"})
+    supports = frozenset({"multi_process", "tensor_parallel", "context_parallel", "expert_parallel", "pipeline_parallel",
+                          "evaluation"})
 
     def __init__(self, context, reference, reference_given: bool):
         """``reference``: the reference's source (a path, Hub id or model object), used unless it is the policy with

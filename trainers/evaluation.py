@@ -42,12 +42,7 @@ class EvaluationMixin:
     def _context_parallel_prediction_step(self, model, inputs, prediction_loss_only):
         """Each batch's loss over its tokens on every cp rank (the ranks' sums divided by their label-token
         count), so evaluation reports the loss one process would."""
-        run = self.distributed
-        if not prediction_loss_only:
-            raise ValueError(
-                f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
-                "sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1"
-            )
+        run = self.distributed  # compute_metrics is refused under cp (Trainer._check_supported)
         inputs = self._prepare_inputs(self.objective.eval_batch(inputs))
         if not self.objective.has_eval_loss(inputs):
             return None, None, None

@@ -34,26 +34,15 @@ and reduces the metrics; an objective that needs a gather (rewards over the rank
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy
 
-# --- normalizers ----------------------------------------------------------------------------------------------
-
-# what a normalizer may count; token counts are summed over the data-parallel and the context-parallel ranks (each
-# cp rank holds other tokens of the same sequences), the others over the data-parallel ranks only
-TOKEN_UNITS = ("label_tokens", "completion_tokens")
-ITEM_UNITS = TOKEN_UNITS + ("sequences", "pairs")
-MEAN_UNIT = "micro_batches"
-# one count per micro-batch: the completion tokens of whole sequences (before a context-parallel split), summed over
-# the data-parallel ranks
-PER_MICRO_BATCH_UNIT = "completion_tokens_per_micro_batch"
-SUM_UNIT = "summed_micro_batches"
-UNITS = ITEM_UNITS + (MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT)
+from .capabilities import FEATURES, UnsupportedLayoutError, check_supported, features_used
+from .metric_averages import MetricAverages, RankSums, ratio, ratio_if_any
+from .normalizers import Normalizer, count_label_tokens
+from .objective_context import ObjectiveContext
 
 
 def enable_router_loss(model, coef: float | None) -> float:
@@ -73,383 +62,6 @@ def enable_router_loss(model, coef: float | None) -> float:
     return moe.aux_loss_coef
 
 
-@dataclass(frozen=True)
-class Normalizer:
-    """A step's normalizer on this rank: ``count`` things of ``unit``; the loop reduces it over the ranks and divides.
-
-    - an item unit (label_tokens, completion_tokens, sequences, pairs): the loop sums ``count`` over the ranks and
-      hands the total to ``loss`` as ``num_items_in_batch``; the loss is the micro-batch's sum over its items divided
-      by it, and the loop divides nothing more.
-    - ``micro_batches``: each micro-batch's loss is its own mean (TRL's DPO and GRPO); the loop passes
-      ``num_items_in_batch=None`` and divides each loss by the step's micro-batches over every data-parallel rank.
-    - ``completion_tokens_per_micro_batch`` (``Normalizer.tokens_per_micro_batch``): ``count`` is a tuple, one
-      completion-token count per micro-batch (of whole sequences, this rank's); the loop hands micro-batch i the mean
-      of its count over the data-parallel ranks as ``num_items_in_batch``, and divides the loss, its token sum divided
-      by that, as a micro-batch mean (TRL's DAPO-style GRPO losses: the generation batch's tokens per micro-batch;
-      async GRPO: each micro-batch's own tokens).
-    - ``summed_micro_batches``: each micro-batch's loss is its own mean and the step trains on their sum, averaged
-      over the ranks, while the logged loss is their mean (TRL's online DPO backpropagates each micro-batch's mean as
-      it is).
-    """
-
-    count: int | float | tuple
-    unit: str
-
-    def __post_init__(self):
-        if self.unit not in UNITS:
-            raise ValueError(f"Normalizer unit {self.unit!r}: expected one of {UNITS}")
-
-    @property
-    def is_mean(self) -> bool:
-        """The loop divides each micro-batch's loss as a mean over the step's micro-batches on every rank."""
-        return self.unit in (MEAN_UNIT, PER_MICRO_BATCH_UNIT)
-
-    @property
-    def counts_tokens(self) -> bool:
-        return self.unit in TOKEN_UNITS
-
-    @property
-    def per_micro_batch(self) -> bool:
-        return self.unit == PER_MICRO_BATCH_UNIT
-
-    @classmethod
-    def micro_batches(cls, batches: list) -> Normalizer:
-        return cls(len(batches), MEAN_UNIT)
-
-    @classmethod
-    def summed_micro_batches(cls, batches: list) -> Normalizer:
-        return cls(len(batches), SUM_UNIT)
-
-    @classmethod
-    def tokens_per_micro_batch(cls, counts) -> Normalizer:
-        return cls(tuple(float(count) for count in counts), PER_MICRO_BATCH_UNIT)
-
-
-def count_label_tokens(batches: list[dict]) -> Normalizer | None:
-    """The (shifted) label tokens of a step's micro-batches; None when they carry no labels."""
-    if not batches or "shift_labels" not in batches[0]:
-        return None
-    return Normalizer(int(sum((b["shift_labels"] != IGNORE_INDEX).sum() for b in batches)), "label_tokens")
-
-
-# --- metrics ----------------------------------------------------------------------------------------------------
-
-
-def ratio(numerator: float, denominator: float) -> float:
-    """numerator / denominator, 0.0 over nothing (TRL's entropy and mean_token_accuracy)."""
-    return numerator / denominator if denominator > 0 else 0.0
-
-
-def ratio_if_any(numerator: float, denominator: float) -> float | None:
-    """numerator / denominator, no value over nothing (TRL's KTO rewards and logits, left out when a batch has none)."""
-    return numerator / denominator if denominator > 0 else None
-
-
-@dataclass(frozen=True)
-class RankSums:
-    """A micro-batch's metric made from sums over every data-parallel rank: ``combine(*parts summed over the ranks)``
-    is its value, or None for none (the micro-batch is left out of the mean; a metric with no value is not logged)."""
-
-    parts: tuple
-    combine: Callable[..., float | None] = ratio
-
-
-class MetricAverages:
-    """Metrics kept on the device between logging steps and read with one host sync when logged.
-
-    ``add``: one value per micro-batch, logged as their mean (as TRL averages its per-micro-batch values);
-    ``add_ratio``: one (numerator, denominator) per micro-batch, logged as the mean of the ratios, each
-    ratio taken over every data-parallel rank's sums (TRL's entropy and mean_token_accuracy: gathered sums
-    divided); ``add_rank_sums``: the same for any ``RankSums``; ``set``: logged as the last value set (running
-    totals such as num_tokens, summed over ranks).
-    """
-
-    def __init__(self):
-        self._sums: dict[str, torch.Tensor] = {}
-        self._counts: dict[str, int] = {}
-        self._latest: dict[str, torch.Tensor] = {}
-        self._combined: dict[str, list[RankSums]] = {}
-        self._missing: set[str] = set()
-
-    def add(self, name: str, value) -> None:
-        value = torch.as_tensor(value).detach().double()
-        self._sums[name] = self._sums[name] + value.to(self._sums[name].device) if name in self._sums else value
-        self._counts[name] = self._counts.get(name, 0) + 1
-
-    def add_value(self, name: str, value) -> None:
-        """One value (a float or a 0-d tensor, read now) to the mean; NaN (a reward function that scored nothing) is
-        left out of it, and the metric logged as None when no value comes before the next pop (TRL's)."""
-        value = float(value)
-        if value == value:
-            self.add(name, torch.tensor(value))
-        else:
-            self.mark_missing(name)
-
-    def add_ratio(self, name: str, numerator, denominator) -> None:
-        self.add_rank_sums(name, RankSums((numerator, denominator)))
-
-    def add_rank_sums(self, name: str, metric: RankSums) -> None:
-        parts = tuple(torch.as_tensor(part).detach().double() for part in metric.parts)
-        self._combined.setdefault(name, []).append(RankSums(parts, metric.combine))
-
-    def set(self, name: str, value) -> None:
-        self._latest[name] = torch.as_tensor(value).detach().double()
-
-    def mark_missing(self, name: str) -> None:
-        """A metric that had no value this time (a reward function that scored nothing): logged as None when no
-        value of it is added before the next pop (TRL logs such a metric as None)."""
-        self._missing.add(name)
-
-    def record(self, metrics: dict) -> None:
-        """An objective's metrics dict: (numerator, denominator) tuples are ratios, ``RankSums`` combined sums,
-        num_tokens a running total."""
-        for name, value in metrics.items():
-            if isinstance(value, RankSums):
-                self.add_rank_sums(name, value)
-            elif isinstance(value, tuple):
-                self.add_ratio(name, *value)
-            elif name == "num_tokens":
-                self.set(name, value)
-            else:
-                self.add(name, value)
-
-    def pop(self, reduce=None) -> dict[str, float]:
-        """The values since the last pop (cleared), as floats. ``reduce(values, summed)``: combines the stacked
-        values over data-parallel ranks (``summed[i]``: summed over ranks; else averaged)."""
-        names = list(self._sums) + list(self._latest)
-        values = [self._sums[n] / self._counts[n] for n in self._sums] + list(self._latest.values())
-        summed = [False] * len(self._sums) + [True] * len(self._latest)
-        entries = [(name, metric) for name, metrics in self._combined.items() for metric in metrics]
-        for _, metric in entries:
-            values += [part.reshape(()) for part in metric.parts]
-            summed += [True] * len(metric.parts)
-        missing = {name: None for name in self._missing if name not in self._sums and name not in self._latest}
-        self._sums.clear()
-        self._counts.clear()
-        self._latest.clear()
-        self._combined.clear()
-        self._missing.clear()
-        if not values:
-            return missing
-        stacked = torch.stack([v.to(values[0].device) for v in values])
-        if reduce is not None:
-            stacked = reduce(stacked, summed)
-        flat = stacked.tolist()
-        result = dict(zip(names, flat[: len(names)]))
-        combined: dict[str, list[float]] = {}
-        offset = len(names)
-        for name, metric in entries:
-            value = metric.combine(*flat[offset : offset + len(metric.parts)])
-            offset += len(metric.parts)
-            if value is not None:
-                combined.setdefault(name, []).append(value)
-        result.update({name: sum(v) / len(v) for name, v in combined.items()})
-        return {**missing, **result}
-
-
-# --- the context the loop hands an objective ------------------------------------------------------------------
-
-
-class ObjectiveContext:
-    """What an objective may use of its run, handed to it by the loop (the trainer stays private).
-
-    ``args`` (the run's config, TRL's names), ``device``, ``model`` (the policy), ``processing_class`` and
-    ``tokenizer``, ``state`` (transformers' TrainerState: global_step, num_input_tokens_seen), ``data_collator``
-    (the user's, or None before the default is made), ``rank`` (this process in the run), ``broadcast(tensor)``
-    (the first rank's tensor on every rank), ``layout`` (the run's ParallelDims, None on one process),
-    ``data_parallel`` (gathers and reductions over the data-parallel ranks);
-    ``autocast()``, ``prepare_inputs(batch)`` (the loop's own batch preparation: shifted labels, padding for the
-    layout, the attention plan, the device), ``metrics(mode)`` (the sink logged at the next log), ``record_generation``
-    (a generation call's time and tokens, for the perf/ metrics), ``data_shard()``
-    and ``make_dataloader(...)`` (this rank's share of a dataset), ``micro_batches_in_step`` (this rank's, in the
-    step being trained), ``uses_adapters`` / ``trains_new_adapters`` (LoRA on the policy; a peft_config given).
-    """
-
-    def __init__(self, trainer):
-        self._trainer = trainer
-
-    # --- the run -----------------------------------------------------------------------------------------
-    @property
-    def args(self):
-        return self._trainer.args
-
-    @property
-    def device(self) -> torch.device:
-        return self._trainer.device
-
-    @property
-    def model(self):
-        return self._trainer.native_model
-
-    @property
-    def processing_class(self):
-        return self._trainer.processing_class
-
-    @property
-    def tokenizer(self):
-        processing_class = self._trainer.processing_class
-        return getattr(processing_class, "tokenizer", processing_class)
-
-    @property
-    def state(self):
-        """transformers' TrainerState (None while the trainer is being built)."""
-        return getattr(self._trainer, "state", None)
-
-    @property
-    def data_collator(self):
-        return self._trainer.data_collator
-
-    @property
-    def rank(self) -> int:
-        run = self._trainer.distributed
-        return 0 if run is None else run.rank
-
-    @property
-    def world_size(self) -> int:
-        run = self._trainer.distributed
-        return 1 if run is None else run.world_size
-
-    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The first rank's ``tensor`` on every rank of the run (each passes one of the same shape and dtype), on
-        ``tensor``'s device; the tensor itself on one process."""
-        run = self._trainer.distributed
-        if run is None:
-            return tensor
-        return run.broadcast(tensor.to(self.device).contiguous()).to(tensor.device)
-
-    @property
-    def layout(self):
-        run = self._trainer.distributed
-        return None if run is None else run.dims
-
-    @property
-    def data_parallel(self):
-        return self._trainer.data_parallel
-
-    @property
-    def uses_adapters(self) -> bool:
-        model = self._trainer.native_model
-        return self._trainer.lora_settings is not None or getattr(model, "_has_adapters", lambda: False)()
-
-    @property
-    def trains_new_adapters(self) -> bool:
-        return getattr(self._trainer, "peft_config", None) is not None
-
-    @property
-    def micro_batches_in_step(self) -> int:
-        return self._trainer._current_accumulation_steps
-
-    @property
-    def context_parallel(self):
-        """The ranks splitting each sequence (trainers.distributed.ContextParallelGroup): ``size``, a differentiable
-        ``sum`` over their chunks, and ``split`` for a batch made after the collator (e.g. generated completions)."""
-        return self._trainer.context_parallel
-
-    # --- the router's load-balancing loss (MoE) -----------------------------------------------------------------
-    @property
-    def router_loss_ranks(self) -> int:
-        """How many ranks' tokens one router load-balancing loss is taken over (their MoE layers' ``token_group``,
-        set for every data- and context-parallel layout): each rank's loss is its share of theirs; 1 otherwise."""
-        for module in self._trainer.native_model.modules():
-            group = getattr(module, "token_group", None)
-            if group is not None:
-                return torch.distributed.get_world_size(group)
-        return 1
-
-    def router_loss(self, aux_loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
-        """The term a micro-batch adds to its loss for the router's load-balancing loss ``aux_loss`` (the model's:
-        this rank's share of the whole batch's when ``router_loss_ranks`` > 1), so that the step trains, and logs,
-        the mean over its micro-batches of the whole batch's router loss, as one process: the loop divides a loss
-        given no item count by the step's micro-batches over the ranks (a micro-batch mean), divides nothing
-        otherwise, and sums the ranks' losses; evaluation averages its data-parallel ranks' losses (a micro-batch
-        mean's also divided by the cp ranks, whose summed losses it takes)."""
-        ranks = self.router_loss_ranks
-        if not self._trainer.native_model.training:  # an item-normalized loss is summed over the cp ranks
-            return aux_loss * (ranks if num_items_in_batch is None else ranks // self.context_parallel.size)
-        # the loop divides the micro-batch's loss by the step's divisor (1 for an item count); each rank's term is its
-        # share of the whole batch's router loss over the step's micro-batches
-        return aux_loss * (self._trainer._loss_divisor / self.micro_batches_in_step)
-
-    def whole_router_loss(self, aux_loss: torch.Tensor) -> torch.Tensor:
-        """The whole batch's router loss for the logs: the metrics average the ranks' values."""
-        return aux_loss.detach() * self.router_loss_ranks
-
-    # --- what the loop does for every objective ---------------------------------------------------------------
-    def autocast(self):
-        return self._trainer._autocast()
-
-    def prepare_inputs(self, batch: dict) -> dict:
-        return self._trainer._prepare_inputs(batch)
-
-    def metrics(self, mode: str = "train") -> MetricAverages:
-        return self._trainer._metrics[mode]
-
-    def record_generation(self, seconds: float, tokens: int) -> None:
-        """One generation call's wall time and the tokens it generated on this rank, for the step's perf/ metrics."""
-        self._trainer._performance.record_generation(seconds, tokens)
-
-    def data_shard(self) -> dict:
-        return self._trainer._data_shard()
-
-    def make_dataloader(self, dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False):
-        from .data_loading import make_dataloader
-
-        return make_dataloader(dataset, batch_size, collate_fn, seed=seed, shuffle=shuffle, drop_last=drop_last,
-                               num_workers=self.args.dataloader_num_workers, **self.data_shard())
-
-    def drop_unused_columns(self, dataset):
-        return self._trainer._drop_unused_columns(dataset)
-
-
-# --- capabilities -----------------------------------------------------------------------------------------------
-
-# a feature a run may use -> (what it is, what to do instead)
-FEATURES = {
-    "multi_process": ("a multi-process run (torchrun / accelerate launch)", "launch it as one process"),
-    "tensor_parallel": ("tensor parallelism (tp_size > 1)", "set tp_size=1 (data-parallel and FSDP2 layouts remain)"),
-    "context_parallel": ("context parallelism (cp_size > 1)", "set cp_size=1"),
-    "expert_parallel": ("expert parallelism (ep_size > 1)", "set ep_size=1"),
-    "multi_process_generation": (
-        "generating completions in a multi-process run (the native engine decodes one process's whole model)",
-        "run on one process",
-    ),
-    "evaluation": ("evaluation (eval_strategy / evaluate())", "set eval_strategy='no'"),
-}
-
-
-class UnsupportedLayoutError(ValueError):
-    """A run asks its objective for a layout or feature the objective does not declare in ``supports``."""
-
-
-def features_used(objective, context, evaluating: bool = False) -> list[str]:
-    """The features of ``FEATURES`` the run asks of ``objective``."""
-    layout = context.layout
-    used = []
-    if context.world_size > 1:
-        used.append("multi_process")
-        if objective.generates():
-            used.append("multi_process_generation")
-    if layout is not None:
-        used += [name for name, on in (("tensor_parallel", layout.tp_enabled), ("context_parallel", layout.cp_enabled),
-                                       ("expert_parallel", layout.ep_enabled)) if on]
-    if evaluating or context.args.eval_strategy != "no":
-        used.append("evaluation")
-    return used
-
-
-def check_supported(objective, context, evaluating: bool = False, algorithm: str | None = None) -> None:
-    """Refuse, in one message, every feature the run uses that ``objective.supports`` does not name."""
-    missing = [name for name in features_used(objective, context, evaluating) if name not in objective.supports]
-    if not missing:
-        return
-    who = algorithm or type(objective).__name__
-    lines = [f"{FEATURES[name][0]}: {FEATURES[name][1]}" for name in missing]
-    raise UnsupportedLayoutError(f"{who} does not support " + "; ".join(lines))
-
-
-# --- the objectives' base ---------------------------------------------------------------------------------------
-
-
 def without_labels(inputs: dict) -> dict:
     """The batch as model inputs for a forward that leaves the loss to the caller."""
     return {key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")}
@@ -459,7 +71,7 @@ class Objective(ABC):
     """The contract's defaults (see the module docstring): the loop's plain batches, no generation, every
     feature declared in ``supports``. A subclass declares what it supports and changes the pieces it needs."""
 
-    supports: frozenset[str] = frozenset(FEATURES)
+    supports: frozenset[str] = frozenset(FEATURES) - {"pipeline_parallel"}
     # the collator's batches are token sequences the loop splits over the context-parallel ranks; False: the
     # objective builds its model inputs later (from generated completions) and splits them with
     # ``context.context_parallel.split``
@@ -588,6 +200,8 @@ class LanguageModelingObjective(Objective):
     """Next-token cross-entropy over the label tokens, normalized by the step's label-token count
     (transformers' Trainer on a causal LM). Subclasses change the pieces they need."""
 
+    supports = frozenset(FEATURES)  # pipeline parallelism too: the loss reads the policy only through its head
+
     def normalizer(self, batches: list[dict]) -> Normalizer | None:
         return count_label_tokens(batches)
 
@@ -612,6 +226,7 @@ __all__ = [
     "ObjectiveContext",
     "RankSums",
     "UnsupportedLayoutError",
+    "enable_router_loss",
     "check_supported",
     "count_label_tokens",
     "features_used",

@@ -9,8 +9,9 @@ one sequence length (the added positions carry no label and change no loss), run
 objective reads their last stage's hidden states the same way. The step's loss is broadcast from the last stage,
 and the logged metrics too, so every rank logs what one process logs.
 
-Supported: the language-modeling objectives (Trainer, SFTTrainer) and DPO, under PP alone or with data
-parallelism (FSDP2, HSDP, DDP). Everything else is refused here, naming the setting.
+Supported: the objectives that declare "pipeline_parallel" (the language-modeling objectives of Trainer and
+SFTTrainer, and DPO), under PP alone or with data parallelism (FSDP2, HSDP, DDP); ``pipeline_conflicts`` names the
+settings PP does not run, which the loop's one capability check refuses.
 """
 
 from __future__ import annotations
@@ -21,29 +22,14 @@ import torch.distributed as dist
 from hfnative.models.decoder import CausalLMOutput
 
 from .distributed import pad_sequence_to_length
-from .objective import LanguageModelingObjective, UnsupportedLayoutError
 
-# the objectives a pipeline runs (exactly these classes: a subclass may compute its loss otherwise)
-_PIPELINE_OBJECTIVES: list[type] = [LanguageModelingObjective]
-
-
-def runs_in_pipeline(objective_class: type) -> type:
-    """Class decorator: ``objective_class`` trains under pipeline parallel (its loss reads the policy and its frozen
-    models only through ``Objective.forward``'s call and the head)."""
-    _PIPELINE_OBJECTIVES.append(objective_class)
-    return objective_class
-
-
-def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
-    """Refuse what pipeline parallel does not run, naming the setting (nothing when pp_size is 1)."""
+def pipeline_conflicts(trainer, evaluating: bool = False) -> list[str]:
+    """The run's settings pipeline parallel does not run, each "what: what to do" (none when pp_size is 1); the
+    objectives that run under it declare "pipeline_parallel" in ``supports`` (trainers/capabilities.py)."""
     run = trainer.distributed
     if run is None or not run.dims.pp_enabled:
-        return
+        return []
     args, pp = trainer.args, run.dims.pp
-    who = f"{type(trainer).__name__} with pipeline parallelism (pp_size={pp})"
-    if type(trainer.objective) not in _PIPELINE_OBJECTIVES:
-        raise UnsupportedLayoutError(f"{who}: pipeline parallelism runs the language-modeling objectives (Trainer, "
-                                     "SFTTrainer) and DPO only; set pp_size=1")
     refused = {
         "evaluation (eval_strategy / evaluate())": evaluating or args.eval_strategy != "no",
         "compute_loss_func": trainer.compute_loss_func is not None,
@@ -55,15 +41,15 @@ def check_pipeline_supported(trainer, evaluating: bool = False) -> None:
         # the schedule runs the step's forwards and backwards itself (compute_loss overrides are honoured)
         f"an override of training_step ({type(trainer).__name__}.training_step)": _overrides_training_step(trainer),
     }
-    for setting, used in refused.items():
-        if used:
-            raise UnsupportedLayoutError(f"{who} does not support {setting}: drop it, or set pp_size=1")
+    conflicts = [f"{setting} with pipeline parallelism (pp_size={pp}): drop it, or set pp_size=1"
+                 for setting, used in refused.items() if used]
     if run.plan.pp_schedule == "1f1b" and args.gradient_accumulation_steps < pp:
-        raise UnsupportedLayoutError(
-            f"{who}: pp_schedule='1f1b' needs at least one micro-batch per stage, and gradient_accumulation_steps="
-            f"{args.gradient_accumulation_steps} < {pp}; raise gradient_accumulation_steps (the schedule's "
+        conflicts.append(
+            f"pp_schedule='1f1b' with gradient_accumulation_steps={args.gradient_accumulation_steps} < pp_size={pp} "
+            "(it needs at least one micro-batch per stage): raise gradient_accumulation_steps (the schedule's "
             "micro-batches), or set pp_schedule='gpipe'"
         )
+    return conflicts
 
 
 def _overrides_training_step(trainer) -> bool:
@@ -186,4 +172,4 @@ def _without_plan(batch: dict) -> dict:
     return {key: value for key, value in batch.items() if key != "attention_plan"}
 
 
-__all__ = ["PipelineMixin", "PipelineTraining", "check_pipeline_supported", "runs_in_pipeline"]
+__all__ = ["PipelineMixin", "PipelineTraining", "pipeline_conflicts"]

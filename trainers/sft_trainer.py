@@ -18,7 +18,6 @@ from .arguments import SFTConfig
 from .construction import config_dict
 from .model_card import write_model_card
 from .objective import LanguageModelingObjective, enable_router_loss
-from .pipeline_training import runs_in_pipeline
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -148,7 +147,6 @@ def load_chat_template(tokenizer, path: str) -> None:
     tokenizer.chat_template = template
 
 
-@runs_in_pipeline
 class SFTObjective(LanguageModelingObjective):
     """SFT: TRL's dataset preparation and collator; loss "nll" or "dft" over the completion tokens;
     metrics entropy, mean_token_accuracy, num_tokens (and aux_loss for MoE), as TRL logs them."""

@@ -62,7 +62,7 @@ from .objective import (
 )
 from .optimization import OptimizationMixin
 from .performance import StepPerformance, warn_if_cpu_low_precision_is_slow
-from .pipeline_training import PipelineMixin, check_pipeline_supported
+from .pipeline_training import PipelineMixin, pipeline_conflicts
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
@@ -206,16 +206,24 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         return LanguageModelingObjective(self.context)
 
     def _check_supported(self, evaluating: bool = False) -> None:
-        """The one place a run's layout and features are checked against what its objective declares."""
-        check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__)
-        check_pipeline_supported(self, evaluating)
+        """The one place a run's layout, features and settings are checked against what its objective declares."""
+        check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
+                        conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating))
+
+    def _context_parallel_conflicts(self, evaluating: bool) -> list[str]:
+        """Under context parallelism each rank holds a slice of every sequence: no loss or metric over whole outputs."""
         run = self.distributed
-        if self.compute_loss_func is not None and run is not None and run.dims.cp_enabled:
-            raise UnsupportedLayoutError(
-                f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of every "
-                "sequence, so a loss over the model's outputs and labels cannot be computed there; set cp_size=1 or "
-                "drop compute_loss_func"
-            )
+        if run is None or not run.dims.cp_enabled:
+            return []
+        conflicts = []
+        if self.compute_loss_func is not None:
+            conflicts.append(f"compute_loss_func with context parallelism (cp_size={run.dims.cp}): each rank holds a "
+                             "slice of every sequence, so a loss over the model's outputs and labels cannot be computed "
+                             "there; set cp_size=1 or drop compute_loss_func")
+        if evaluating and self.compute_metrics is not None:
+            conflicts.append(f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice "
+                             "of every sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1")
+        return conflicts
 
     # --- model ---------------------------------------------------------------------------------
 
