@@ -48,7 +48,45 @@ CELLS = {
     "pp4-gpipe": ("sft", "pp4-gpipe", None, False),
     "pp2xddp": ("sft", "pp2xddp", None, False),
     "pp2-1f1b-checkpointed": ("sft", "pp2-1f1b-checkpointed", None, False),
+    # no training: each on-policy trainer built under PP2 x FSDP2, its refusal recorded (refusals.json)
+    "on-policy-refusals": ("on-policy", "pp2xfsdp2", None, False),
 }
+ON_POLICY = ("GRPOTrainer", "RLOOTrainer", "AsyncGRPOTrainer", "GKDTrainer", "DistillationTrainer")
+
+
+def on_policy_refusals(output_dir: str, model_dir: str) -> dict[str, str]:
+    """Each on-policy trainer of ON_POLICY built as a user builds it under PP2 x FSDP2: its error, by name (the
+    message of a clean refusal, or the exception's type and text)."""
+    prompts = Dataset.from_list([{"prompt": f"Say {i}", "messages": [{"role": "user", "content": f"Say {i}"},
+                                                                      {"role": "assistant", "content": "ok"}]}
+                                 for i in range(8)])
+    common = dict(output_dir=output_dir, use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=1,
+                  save_strategy="no", per_device_train_batch_size=2, parallelism_config=dict(LAYOUTS["pp2xfsdp2"][0]))
+    rl = dict(num_generations=2, max_completion_length=4)
+
+    def reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    builders = {
+        "GRPOTrainer": lambda: hfnative.GRPOTrainer(model_dir, reward, hfnative.GRPOConfig(**common, **rl),
+                                                    train_dataset=prompts),
+        "RLOOTrainer": lambda: hfnative.RLOOTrainer(model_dir, reward, hfnative.RLOOConfig(**common, **rl),
+                                                    train_dataset=prompts),
+        "AsyncGRPOTrainer": lambda: hfnative.AsyncGRPOTrainer(model_dir, reward, hfnative.AsyncGRPOConfig(**common, **rl),
+                                                              train_dataset=prompts),
+        "GKDTrainer": lambda: hfnative.GKDTrainer(model_dir, model_dir, hfnative.GKDConfig(**common, max_new_tokens=4),
+                                                  train_dataset=prompts),
+        "DistillationTrainer": lambda: hfnative.DistillationTrainer(
+            model_dir, model_dir, hfnative.DistillationConfig(**common, max_completion_length=4), train_dataset=prompts),
+    }
+    errors = {}
+    for name in ON_POLICY:
+        try:
+            builders[name]()
+            errors[name] = "built"
+        except Exception as error:  # recorded for the test to read, whatever it is
+            errors[name] = f"{type(error).__name__}: {error}"
+    return errors
 
 
 def rows(name: str, n: int) -> list[dict]:
@@ -81,6 +119,12 @@ def main(output_dir: str, model_dir: str, cells: list[str]) -> None:
     for cell in cells:
         algorithm, layout, resume, save = CELLS[cell]
         out = Path(output_dir) / cell
+        if algorithm == "on-policy":
+            errors = on_policy_refusals(str(out), model_dir)
+            if rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "refusals.json").write_text(json.dumps(errors))
+            continue
         trainer = trainer_for(str(out), model_dir, layout, save, algorithm)
         checkpoint = None if resume is None else str(Path(output_dir) / resume / f"checkpoint-{SAVED_AT}")
         if trainer.args.gradient_checkpointing:  # this stage's blocks recompute

@@ -1,7 +1,7 @@
 """GRPOTrainer and RLOOTrainer as the ranks of a torchrun launch, for tests/test_rl_layouts.py.
 
 usage: torchrun --standalone --nproc_per_node N _rl_layouts_worker.py OUTPUT_DIR MODELS_DIR RUN [RUN ...]
-Each RUN (a key of RUNS: algorithm, layout) trains with the real path a user runs: sampled completions from the
+Each RUN (algorithm-layout-model; model "lora": the dense model with new LoRA adapters) trains with the real path a user runs: sampled completions from the
 native engine on a replica of the parallelized policy, the reward functions, the reference model (beta > 0) and
 the loop, on the same global batch as test_rl_layouts.py's one-process run. Rank r writes OUTPUT_DIR/RUN-rank<r>.json
 (the log history).
@@ -62,9 +62,14 @@ def train(algorithm: str, model: str, output_dir: str, per_device: int, **extra)
     from datasets import Dataset
 
     trainer_class = hfnative.GRPOTrainer if algorithm == "grpo" else hfnative.RLOOTrainer
+    peft_config = None
+    if Path(model).name == "lora":  # the dense policy with new LoRA adapters (the reference: its base, adapters off)
+        from peft import LoraConfig
+
+        model, peft_config = str(Path(model).parent / "dense"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
     trainer = trainer_class(model=model, reward_funcs=[even_fraction, near_target_length],
                             args=config(algorithm, output_dir, per_device, **extra),
-                            train_dataset=Dataset.from_list(prompts()))
+                            train_dataset=Dataset.from_list(prompts()), peft_config=peft_config)
     trainer.train()
     return trainer.state.log_history[:-1]
 

@@ -110,6 +110,17 @@ def test_pipeline_trains_like_one_process(launched, references, cell):
     _assert_steps_match(steps, expected, cell)
 
 
+def test_on_policy_trainers_refuse_pipeline_parallel_under_fsdp2(launched):
+    """GRPO, RLOO, async GRPO, GKD and on-policy distillation built under PP2 x FSDP2 on 4 processes refuse in the one
+    capability check, naming pipeline parallelism and what to do (they once crashed gathering a rollout replica from
+    a pipeline stage before the check ran)."""
+    errors = json.loads((launched / "on-policy-refusals" / "refusals.json").read_text())
+    assert sorted(errors) == sorted(worker.ON_POLICY)
+    for name, error in errors.items():
+        assert error.startswith(f"UnsupportedLayoutError: {name} does not support pipeline parallelism (pp_size > 1): "
+                                "set pp_size=1"), (name, error)
+
+
 def test_pipeline_checkpoint_resumes_under_fsdp2(launched, reference):
     resumed = _steps(launched / "fsdp2-from-pp2-gpipe")
     _assert_steps_match(resumed[worker.SAVED_AT:], _steps(reference)[worker.SAVED_AT:], "FSDP2 from PP2", resumed=True)

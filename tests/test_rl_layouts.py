@@ -1,7 +1,8 @@
 """GRPO and RLOO in every layout, each equal to one process: DDP, FSDP2, TP2, CP2, EP2 (a mixture-of-experts
 policy) on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), against the same trainer on one process with the same
 global batch; and, for an architecture without a native implementation (Cohere 2, transformers' module, sampling
-through transformers' generate on a gathered replica), GRPO under FSDP2 and RLOO under DDP. Nothing is stood in for: every rank samples its completions from the native engine (each row's own
+through transformers' generate on a gathered replica), GRPO under FSDP2 and RLOO under DDP; and GRPO with new LoRA
+adapters under FSDP2 (each rank decodes a replica with the adapters folded in). Nothing is stood in for: every rank samples its completions from the native engine (each row's own
 sampling stream, keyed by the run's seed and the row's place in the generation batch, so the samples do not depend
 on the layout), scores them with the reward functions and runs the reference model (beta > 0); GRPO's policy loss
 keeps the top 37% highest-entropy tokens of the whole batch (top_entropy_quantile, its quantile over every
@@ -37,6 +38,8 @@ TWO_PROCESS_RUNS = [
     "rloo-ddp-dense", "rloo-fsdp2-dense", "rloo-tp2-dense", "rloo-cp2-dense", "rloo-ep2-moe",
     # no native implementation: transformers' module, generating on each rank from a gathered replica
     "grpo-fsdp2-cohere2", "rloo-ddp-cohere2",
+    # a LoRA policy: each rank decodes a replica with the adapters folded in
+    "grpo-fsdp2-lora",
 ]
 FOUR_PROCESS_RUNS = ["grpo-fsdp2xtp2-dense", "rloo-fsdp2xtp2-dense"]
 
