@@ -112,7 +112,8 @@ def test_normalizers_say_what_they_count():
 
 
 def test_the_loop_reduces_and_divides_on_one_process():
-    from hfnative.trainers.distributed import DataParallelGroup, DistributedMixin
+    from hfnative.parallel.groups import DataParallelGroup
+    from hfnative.trainers.distributed import DistributedMixin
 
     loop = SimpleNamespace(distributed=None, data_parallel=DataParallelGroup(None, "cpu"), device="cpu")
 

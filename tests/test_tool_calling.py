@@ -368,7 +368,7 @@ def slow(seconds: float) -> str:
 
 
 def test_tool_runner_errors_and_timeouts():
-    from hfnative.trainers.tool_calling import ToolRunner
+    from hfnative.trainers.tool_runner import ToolRunner
 
     async def slow_async(seconds: float) -> str:
         import asyncio

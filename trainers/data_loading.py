@@ -14,6 +14,10 @@ import copy
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from hfnative.losses import shift_labels
+
+from .distributed import pad_sequence_to_multiple
+
 
 class EpochBatchSampler(Sampler):
     """Seeded per-epoch permutation cut into batches; ``skip`` drops the first batches once."""
@@ -152,3 +156,54 @@ def start_epoch(dataloader: DataLoader, epoch: int, skip_batches: int = 0):
     for _ in range(skip_batches):
         next(iterator, None)
     return iterator
+# dataset columns a batch may carry into the model and loss (others are dropped when
+# remove_unused_columns is on, as transformers drops what the model's forward does not take)
+MODEL_INPUT_COLUMNS = (
+    "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
+)
+
+
+class PreparedInputs(dict):
+    """A batch ``DataMixin._prepare_inputs`` has prepared (a plain dict to every reader)."""
+
+
+class DataMixin:
+    """The Trainer's data: the objective's dataloaders, the columns a batch keeps, and each batch prepared once for
+    the model."""
+
+    def _drop_unused_columns(self, dataset):
+        if dataset is None or not self.args.remove_unused_columns or not hasattr(dataset, "column_names"):
+            return dataset
+        if isinstance(dataset, dict):
+            return {name: self._drop_unused_columns(d) for name, d in dataset.items()}
+        columns = dataset.column_names or []
+        unused = [c for c in columns if c not in MODEL_INPUT_COLUMNS]
+        return dataset.remove_columns(unused) if unused and len(unused) < len(columns) else dataset
+
+    def get_train_dataloader(self):
+        if self.train_dataset is None:
+            raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")
+        return self.objective.train_dataloader(self.train_dataset, self.data_collator)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer.evaluate() needs an eval_dataset")
+        return self.objective.eval_dataloader(dataset, self.data_collator)
+
+    def _prepare_inputs(self, inputs: dict) -> dict:
+        """Add what the model needs once per batch (shifted targets, the attention plan, made from the
+        host tensors so no device sync), then move the tensors to the device; a batch prepared already (the loop
+        prepares each step's batches before its normalizer counts them) comes back as it is."""
+        if isinstance(inputs, PreparedInputs):
+            return inputs
+        inputs = dict(inputs)
+        if "labels" in inputs and "shift_labels" not in inputs:
+            inputs["shift_labels"] = shift_labels(inputs["labels"])
+        if self.distributed is not None and self.distributed.dims.tp_enabled:
+            inputs = pad_sequence_to_multiple(inputs, self.distributed.dims.tp)
+        if "attention_plan" not in inputs and hasattr(self.native_model, "plan_attention"):
+            inputs["attention_plan"] = self.native_model.plan_attention(
+                inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
+            )
+        return PreparedInputs({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})

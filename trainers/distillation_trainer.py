@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 
 from hfnative.data import pad_token_id_for
 from hfnative.data.collate import pad_right
-from hfnative.losses import IGNORE_INDEX
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD
 

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from transformers.trainer_callback import TrainerState
 
 from hfnative.losses import IGNORE_INDEX
+from hfnative.parallel.groups import ContextParallelGroup
 from hfnative.parallel.teardown import end_process_group
 
 from .normalizers import MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT
@@ -103,12 +104,6 @@ class DistributedRun:
         dist.broadcast(tensor, src=0)
         return tensor
 
-    def broadcast_object(self, value):
-        """rank 0's ``value``, on every rank."""
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
     def failure(self, error: BaseException, last_step: int, args) -> RankFailureError:
         """The error this rank raises when a collective failed or timed out (``is_collective_failure``): the ranks
         that did not report the failure too within ``answer_wait_s(args)`` seconds are named (they died, or are stuck
@@ -175,139 +170,6 @@ def unanswering_ranks(rank: int, world_size: int, last_step: int, wait_s: float)
             break
         time.sleep(0.2)
     return silent
-
-
-class DataParallelGroup:
-    """Gathers and reductions over the data-parallel ranks, shared by the objectives (through their context) and
-    evaluation; on one process (or one data-parallel rank) each is the identity."""
-
-    def __init__(self, run: DistributedRun | None, device: torch.device):
-        self._run = run if run is not None and run.dp_size > 1 else None
-        self.device = device
-
-    @property
-    def size(self) -> int:
-        return 1 if self._run is None else self._run.dp_size
-
-    @property
-    def rank(self) -> int:
-        return 0 if self._run is None else self._run.dp_rank
-
-    def _group(self):
-        return self._run.dp_mesh.get_group()
-
-    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` [n, ...] of every rank (the same n on each), concatenated in rank order, on its own device."""
-        if self._run is None:
-            return tensor
-        local = tensor.to(self.device).contiguous()
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local, group=self._group())
-        return torch.cat(parts).to(tensor.device)
-
-    def local_rows(self, count: int) -> slice:
-        """This rank's ``count`` rows in ``gather_rows``' concatenation."""
-        return slice(self.rank * count, (self.rank + 1) * count)
-
-    def gather_objects(self, value) -> list:
-        """``value`` of every rank, as a list in rank order ([value] for one process)."""
-        if self._run is None:
-            return [value]
-        parts = [None] * self.size
-        dist.all_gather_object(parts, value, group=self._group())
-        return parts
-
-    def gather_lists(self, items: list) -> list:
-        """The lists of every rank, concatenated in rank order (tensors moved to the CPU)."""
-        items = [x.cpu() if isinstance(x, torch.Tensor) else x for x in items]
-        return [x for part in self.gather_objects(items) for x in part]
-
-    def gather_values(self, values: torch.Tensor) -> torch.Tensor:
-        """Every rank's values [n_r] (any lengths), concatenated in rank order, on ``values``' device."""
-        if self._run is None:
-            return values
-        return torch.cat(self.gather_lists([values])).to(values.device)
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the ranks (a new tensor, on this rank's device)."""
-        total = torch.as_tensor(tensor).to(self.device).clone()
-        if self._run is not None:
-            dist.all_reduce(total, group=self._group())
-        return total
-
-    def ratio_of_sums(self, numerator: torch.Tensor, denominator: torch.Tensor, floor: float = 1.0) -> float:
-        """The ranks' summed ``numerator`` over their summed ``denominator`` (at least ``floor``): a mean over every
-        rank's items from each rank's sums, in one collective."""
-        totals = self.sum(torch.stack([torch.as_tensor(numerator), torch.as_tensor(denominator)]).double())
-        return float(totals[0] / totals[1].clamp(min=floor))
-
-    def max(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The elementwise maximum of ``tensor`` over the ranks (a new tensor, on this rank's device)."""
-        top = torch.as_tensor(tensor).to(self.device).clone()
-        if self._run is not None:
-            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self._group())
-        return top
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """``tensor`` summed over ``group``'s ranks, each rank's gradient the sum of every rank's upstream gradient
-    (every rank's loss reads the sum, so each addend's gradient gathers all of theirs)."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        total = tensor.clone()
-        dist.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class ContextParallelGroup:
-    """The ranks that split each sequence of a batch (context parallel), shared by the objectives through their
-    context; with cp = 1 (or one process) each method is the identity. ``sum`` is differentiable: a per-sequence
-    value summed over the ranks' chunks (a sequence log-prob) trains as one process's, when every rank's loss reads
-    the sum and the loop divides a micro-batch mean by the cp ranks too (``DistributedMixin._step_normalizer``)."""
-
-    def __init__(self, run: DistributedRun | None, split=None):
-        self._run = run if run is not None and run.dims.cp_enabled else None
-        self._split = split
-
-    @property
-    def size(self) -> int:
-        return 1 if self._run is None else self._run.dims.cp
-
-    @property
-    def enabled(self) -> bool:
-        return self._run is not None
-
-    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` summed over the cp ranks (differentiable; a new tensor)."""
-        if self._run is None:
-            return tensor
-        return _SumOverRanks.apply(tensor, self._run.mesh["cp"].get_group())
-
-    def split(self, batch: dict) -> dict:
-        """A batch of whole sequences (host tensors [B, S], as a collator makes them) as this rank's share: the
-        context-parallel split the trainer's collator applies (``split_batch``); unchanged with cp = 1."""
-        return batch if self._run is None else self._split(batch)
-
-    @property
-    def rank(self) -> int:
-        return 0 if self._run is None else self._run.mesh["cp"].get_local_rank()
-
-    def gather_sequence(self, x_BS: torch.Tensor) -> torch.Tensor:
-        """Per-position values of this rank's share of the sequences [B, S / cp, ...] as the whole sequences'
-        [B, S, ...] on every cp rank (differentiable, as ``sum``); unchanged with cp = 1."""
-        if self._run is None:
-            return x_BS
-        from hfnative.parallel.context_parallel import place_in_sequence
-
-        return self.sum(place_in_sequence(x_BS, self.size, self.rank))
 
 
 _ends_at_exit = False
@@ -455,8 +317,9 @@ class DistributedMixin:
         """The cp ranks' reductions and the batch split (see ContextParallelGroup)."""
         group = self.__dict__.get("_context_parallel_group")
         if group is None:
-            group = self.__dict__["_context_parallel_group"] = ContextParallelGroup(getattr(self, "distributed", None),
-                                                                                    self._split_sequences)
+            run = getattr(self, "distributed", None)
+            mesh = run.mesh["cp"] if run is not None and run.dims.cp_enabled else None
+            group = self.__dict__["_context_parallel_group"] = ContextParallelGroup(mesh, self._split_sequences)
         return group
 
     def _split_sequences(self, batch: dict) -> dict:
@@ -555,9 +418,7 @@ class DistributedMixin:
 
 
 __all__ = [
-    "ContextParallelGroup",
     "StepNormalization",
-    "DataParallelGroup",
     "DistributedMixin",
     "DistributedRun",
     "RankFailureError",

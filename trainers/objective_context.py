@@ -98,7 +98,7 @@ class ObjectiveContext:
 
     @property
     def context_parallel(self):
-        """The ranks splitting each sequence (trainers.distributed.ContextParallelGroup): ``size``, a differentiable
+        """The ranks splitting each sequence (hfnative.parallel.groups.ContextParallelGroup): ``size``, a differentiable
         ``sum`` over their chunks, and ``split`` for a batch made after the collator (e.g. generated completions)."""
         return self._trainer.context_parallel
 

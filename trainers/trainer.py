@@ -29,34 +29,27 @@ from transformers.trainer_callback import (
 )
 from transformers.trainer_utils import TrainOutput
 
-from hfnative.converters.hub_model import attach_hub_surface
-from hfnative.converters.fallback import TransformersCausalLM
-from hfnative.converters.loading import ConvertedModel
-from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
-from hfnative.losses import shift_labels
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
-from hfnative.parallel import apply_activation_checkpointing, apply_compile
+from hfnative.parallel.groups import DataParallelGroup
 
 from . import hub
 from .arguments import TrainingArguments
 from .construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
-from .data_loading import has_length, start_epoch
+from .data_loading import DataMixin, has_length, start_epoch
 from .distributed import (
-    DataParallelGroup,
     DistributedMixin,
     is_collective_failure,
-    pad_sequence_to_multiple,
     start_distributed,
 )
 from .evaluation import EvaluationMixin
-from .model_loading import disable_dropout, load_meta_model, load_processing_class, load_sharded, resolve_model
+from .model_mixin import ModelMixin
+from .model_loading import disable_dropout, load_processing_class
 from .objective import (
     LanguageModelingObjective,
     MetricAverages,
     ObjectiveContext,
-    UnsupportedLayoutError,
     check_supported,
     without_labels,
 )
@@ -70,20 +63,13 @@ from .settings_check import check_settings, seed_everything, set_log_level
 
 logger = logging.getLogger(__name__)
 
-# dataset columns a batch may carry into the model and loss (others are dropped when
-# remove_unused_columns is on, as transformers drops what the model's forward does not take)
-MODEL_INPUT_COLUMNS = (
-    "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
-)
-
-
 def resolve_device(args) -> torch.device:
     if args.use_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
+class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -140,7 +126,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         self.distributed = start_distributed(self.args, self.device)  # None for a single process
         run = self.distributed
         set_log_level(self.args, 0 if run is None else run.rank, 0 if run is None else run.local_rank)
-        self.data_parallel = DataParallelGroup(self.distributed, self.device)
+        self.data_parallel = DataParallelGroup(None if run is None or run.dp_size == 1 else run.dp_mesh, self.device)
         self.context = ObjectiveContext(self)  # what the objective sees of the run
         self._performance = StepPerformance(self.device, 1 if run is None else run.world_size,
                                             self.context_parallel.size, getattr(self.args, "peak_tflops", None))
@@ -224,140 +210,6 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
             conflicts.append(f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice "
                              "of every sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1")
         return conflicts
-
-    # --- model ---------------------------------------------------------------------------------
-
-    @property
-    def model(self):
-        """The model as TRL's trainer shows it: ``native_model`` (the module that trains), or, when native LoRA
-        adapters are on, peft's ``PeftModel`` names over it (``hfnative.converters.peft_surface``: the same
-        tensors under ``base_model.model.<transformers path>.lora_A.default.weight`` and the like); on the
-        transformers fallback with peft, the ``PeftModel`` that trains."""
-        native = self.native_model
-        if isinstance(native, TransformersCausalLM) and native.peft_model is not None:
-            return native.peft_model  # transformers' module trains through peft: its own PeftModel
-        if self.lora_settings is not None and isinstance(self.converted, ConvertedModel) and self.converted.model is native:
-            surface = peft_surface_or_none(self.converted, self.lora_settings)
-            if surface is not None:
-                return surface
-        return native
-
-    @model.setter
-    def model(self, model) -> None:
-        self.native_model = model.native_model if isinstance(model, PeftSurface) else model
-
-    def _set_model(self, model) -> None:
-        loaded = None
-        if self.distributed is not None and self._may_load_sharded(model):
-            # built on the meta device; each rank loads its slice of the checkpoint once parallelized
-            loaded = load_meta_model(model, self._model_init_kwargs)
-        sharded = loaded is not None
-        if loaded is None:
-            loaded = resolve_model(model, self.device, self._model_init_kwargs)
-        self.converted: ConvertedModel | None = loaded.converted
-        self.native_model: Transformer = loaded.model
-        self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
-        self.base_model_name_or_path = loaded.base_model_name_or_path
-        self._add_adapters()
-        if isinstance(self.native_model, Transformer):  # transformers' model surface for callbacks and user code
-            attach_hub_surface(self.native_model, self.converted, adapter_settings=self.lora_settings,
-                               base_model_name_or_path=self.base_model_name_or_path)
-        if hasattr(self.native_model, "add_model_tags"):
-            self.native_model.add_model_tags(self._tag_names)
-        # counted whole, before a pipeline stage keeps its part
-        embedding_params = self.native_model.get_input_embeddings().weight.numel()
-        self._non_embedding_params = sum(p.numel() for p in self.native_model.parameters()) - embedding_params
-        self._place(self.native_model)
-        if sharded:
-            load_sharded(self.converted, self.device)
-
-    def _place(self, model) -> None:
-        """Put a model on the device with the run's engine options (the policy and, frozen, every
-        auxiliary model go through here, so they are laid out alike). In a distributed run:
-        ``hfnative.parallel.parallelize`` with the run's layout."""
-        if self.distributed is not None:
-            self._parallelize(model)
-            return
-        model.to(self.device)
-        if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
-            apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
-        if self.args.torch_compile:
-            apply_compile(model)
-
-    def _build_auxiliary_models(self) -> None:
-        """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
-        object, loaded like the policy, frozen, in eval mode, placed like the policy."""
-        for name, source in list(self.objective.auxiliary_models.items()):
-            loaded = resolve_model(source, self.device, {})
-            model = loaded.model
-            if isinstance(model, Transformer):
-                attach_hub_surface(model, loaded.converted, base_model_name_or_path=loaded.base_model_name_or_path)
-            model.requires_grad_(False).eval()
-            self._place(model)
-            self.objective.auxiliary_models[name] = model
-
-    def _add_adapters(self) -> None:
-        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
-        kwargs = self._model_init_kwargs
-        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
-        if self.peft_config is None:
-            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
-            return
-        if self.lora_settings is not None:
-            raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
-        if self.converted is None:
-            raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
-        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
-
-        if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
-            if quantization["load_in_4bit"] or quantization["quantization_config"]:
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
-                                 "only; this peft_config trains through peft: drop the quantization")
-            self.converted = apply_peft(self.converted, self.peft_config)
-            self.native_model = self.converted.model
-            return
-        from hfnative.converters.peft import apply_lora
-        from hfnative.peft import lora_settings
-
-        self.lora_settings = lora_settings(self.peft_config)
-        apply_lora(self.converted, self.lora_settings, **quantization)
-
-    def _drop_unused_columns(self, dataset):
-        if dataset is None or not self.args.remove_unused_columns or not hasattr(dataset, "column_names"):
-            return dataset
-        if isinstance(dataset, dict):
-            return {name: self._drop_unused_columns(d) for name, d in dataset.items()}
-        columns = dataset.column_names or []
-        unused = [c for c in columns if c not in MODEL_INPUT_COLUMNS]
-        return dataset.remove_columns(unused) if unused and len(unused) < len(columns) else dataset
-
-    # --- data ----------------------------------------------------------------------------------
-
-    def get_train_dataloader(self):
-        if self.train_dataset is None:
-            raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")
-        return self.objective.train_dataloader(self.train_dataset, self.data_collator)
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("Trainer.evaluate() needs an eval_dataset")
-        return self.objective.eval_dataloader(dataset, self.data_collator)
-
-    def _prepare_inputs(self, inputs: dict) -> dict:
-        """Add what the model needs once per batch (shifted targets, the attention plan, made from the
-        host tensors so no device sync), then move the tensors to the device."""
-        inputs = dict(inputs)
-        if "labels" in inputs and "shift_labels" not in inputs:
-            inputs["shift_labels"] = shift_labels(inputs["labels"])
-        if self.distributed is not None and self.distributed.dims.tp_enabled:
-            inputs = pad_sequence_to_multiple(inputs, self.distributed.dims.tp)
-        if "attention_plan" not in inputs and hasattr(self.native_model, "plan_attention"):
-            inputs["attention_plan"] = self.native_model.plan_attention(
-                inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
-            )
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     # --- forward and loss ------------------------------------------------------------------------
 
@@ -623,61 +475,6 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
             logs["epoch"] = self.state.epoch
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
-
-    # --- what code written for transformers' Trainer reads ---------------------------------------------
-
-    @property
-    def accelerator(self):
-        """accelerate's ``Accelerator`` for this process, as transformers' Trainer has one: rank and device
-        (``is_main_process``, ``num_processes``, ``process_index``, ``device``), ``gather``, ``gather_for_metrics``,
-        ``reduce``, ``split_between_processes``, ``unwrap_model``, ``wait_for_everyone``, over the process group the
-        trainer started. Created on first use; the training loop itself does not go through it. Assigning one
-        (``trainer.accelerator = ...``) keeps what is assigned, for the code that reads it."""
-        accelerator = self.__dict__.get("_accelerator")
-        if accelerator is None:
-            from accelerate import Accelerator
-
-            accelerator = self._accelerator = Accelerator(cpu=self.device.type == "cpu" and self.args.use_cpu)
-        return accelerator
-
-    @accelerator.setter
-    def accelerator(self, accelerator) -> None:
-        self._accelerator = accelerator
-
-    @property
-    def aux_loss_enabled(self) -> bool:
-        """TRL's ``aux_loss_enabled``: the model's config has ``output_router_logits`` (a Mixture-of-Experts model)
-        and the router's load-balancing coefficient (``router_aux_loss_coef``, else the config's) is not 0.0. Where
-        the objective adds that loss (SFT, DPO, KTO), setting it turns the term and its ``aux_loss`` metric on or off."""
-        return self._aux_loss_enabled
-
-    @aux_loss_enabled.setter
-    def aux_loss_enabled(self, enabled: bool) -> None:
-        self._aux_loss_enabled = bool(enabled)
-        if hasattr(self.objective, "aux_loss_coef"):  # the objectives that add the model's router loss
-            self.native_model.aux_loss_enabled = bool(enabled)
-
-    def _router_loss_rule(self) -> bool:
-        """TRL's rule for ``aux_loss_enabled`` (a trainer where TRL decides it otherwise overrides this)."""
-        coef = getattr(self.args, "router_aux_loss_coef", None)
-        config = getattr(self.native_model, "config", None)
-        if config is None:  # a bare native model: its MoE settings say the same
-            moe = getattr(getattr(self.native_model, "args", None), "moe", None)
-            return moe is not None and (moe.aux_loss_coef if coef is None else coef) != 0.0
-        text = config.get_text_config()
-        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
-        return hasattr(text, "output_router_logits") and coef != 0.0
-
-    @property
-    def model_wrapped(self):
-        """The model the loop runs (transformers' Trainer keeps a wrapped copy here; hfnative wraps in place)."""
-        return self.native_model
-
-    def is_world_process_zero(self) -> bool:
-        return self.state.is_world_process_zero
-
-    def is_local_process_zero(self) -> bool:
-        return self.state.is_local_process_zero
 
     # --- callbacks -------------------------------------------------------------------------------
 
