@@ -247,7 +247,7 @@ def test_failing_reward_function_stops_the_run_with_its_error(tiny_model, local_
     with pytest.raises(RolloutActorError, match=r"reward actor failed: ValueError: reward boom"):
         trainer.train()
     assert time.perf_counter() - start < 60
-    assert trainer._pipeline is None  # the actors were stopped
+    assert trainer._rollout_queue is None  # the actors were stopped
     assert trainer.state.global_step == 0
 
 
@@ -265,12 +265,12 @@ def test_pipeline_reports_hung_and_dead_actors_and_regenerates_stale_work(tiny_m
     killed mid-run is reported as dead. Nothing waits forever."""
     from hfnative.converters.loading import load_pretrained
     from hfnative.generation import SamplingParams
-    from hfnative.rl import RolloutPipeline
+    from hfnative.rl import RolloutQueue
 
     model = load_pretrained(tiny_model).model
     work = [([[5, 6, 7], [5, 6, 7]], None)] * 4
     settings = dict(micro_batches_per_step=1, max_staleness=1, max_inflight=2, heartbeat_stale_after_s=3)
-    hung = RolloutPipeline(model, _sleeping_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
+    hung = RolloutQueue(model, _sleeping_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
     hung.start()
     try:
         hung.set_source(iter(work))
@@ -283,7 +283,7 @@ def test_pipeline_reports_hung_and_dead_actors_and_regenerates_stale_work(tiny_m
 
     # max_staleness=0, two micro-batches a step: both are generated at version 0 before training starts
     settings.update(micro_batches_per_step=2, max_staleness=0)
-    pipeline = RolloutPipeline(model, _no_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
+    pipeline = RolloutQueue(model, _no_score, SamplingParams(max_new_tokens=4, seed=0), **settings)
     pipeline.start()
     try:
         pipeline.set_source(iter([([[5 + i, 6, 7], [5 + i, 6, 7]], i) for i in range(4)]))
@@ -376,7 +376,7 @@ class _GeneratorNodes(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.nodes is None:
-            self.nodes = ray.get([g.node_id.remote() for g in self.trainer._pipeline.generators])
+            self.nodes = ray.get([g.node_id.remote() for g in self.trainer._rollout_queue.generators])
 
 
 def test_generators_run_on_every_node_of_a_cluster(tiny_model, tmp_path):

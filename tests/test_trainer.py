@@ -144,10 +144,21 @@ def test_early_stopping_callback_stops_training(tmp_path):
 
 
 def test_iterable_dataset_and_list_of_dicts(tmp_path):
+    """A list of dicts trains as the Dataset of the same rows; a stream (an IterableDataset, max_steps set) trains on
+    its rows in stream order, as the Dataset read sequentially."""
     rows = _rows()
+
+    def losses(train_dataset, **settings) -> list[float]:
+        trainer = SFTTrainer(model=MODEL, args=_config(tmp_path, max_steps=2, **settings), train_dataset=train_dataset)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    as_dataset = losses(Dataset.from_list(rows))
+    assert len(as_dataset) == 2
+    assert losses(rows) == as_dataset
     streamed = IterableDataset.from_generator(lambda: iter(rows))
-    SFTTrainer(model=MODEL, args=_config(tmp_path, max_steps=2), train_dataset=streamed).train()
-    SFTTrainer(model=MODEL, args=_config(tmp_path, max_steps=2), train_dataset=rows).train()
+    assert losses(streamed) == pytest.approx(losses(Dataset.from_list(rows), train_sampling_strategy="sequential"),
+                                             rel=1e-6)
 
 
 def test_formatting_func(tmp_path):

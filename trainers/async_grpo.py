@@ -155,8 +155,8 @@ class AsyncGRPOObjective(Objective):
         # TRL's async trainer tokenizes text prompts without special tokens
         self.rollout = Rollout(context, sampling, chat_template_kwargs=_chat_template_kwargs(args),
                                add_special_tokens=False)
-        self.pipeline = None
-        self.version = None  # the policy's optimizer steps, on every rank (the pipeline's version on the first)
+        self.rollout_queue = None
+        self.version = None  # the policy's optimizer steps, on every rank (the rollout queue's version on the first)
         self._epoch_iterator = None
         self.metric_names = ["reward", "reward_std", *(f"rewards/{name}" for name in reward_functions.names)]
         if self.tool_calling is not None and self.tool_calling.calls_tools:
@@ -193,14 +193,14 @@ class AsyncGRPOObjective(Objective):
         return Normalizer.tokens_per_micro_batch([batch["completion_tokens"] for batch in batches])
 
     def micro_batches(self, epoch_iterator, count: int) -> list[dict]:
-        self.start_pipeline()
+        self.start_rollout_queue()
         wholes = []
         if self.leader:
             if epoch_iterator is not self._epoch_iterator:
                 self._epoch_iterator = epoch_iterator
-                self.pipeline.set_source(self._work(epoch_iterator))
+                self.rollout_queue.set_source(self._work(epoch_iterator))
             while len(wholes) < count:
-                scored = self.pipeline.next_batch()
+                scored = self.rollout_queue.next_batch()
                 if scored is None:
                     break
                 wholes.append(self.as_tensors(scored))
@@ -252,18 +252,18 @@ class AsyncGRPOObjective(Objective):
 
             weights = trainable_weights(self.context.model)  # every rank: a sharded policy's weights are gathered
         if self.leader:
-            self.pipeline.policy_updated(self.version, weights)
+            self.rollout_queue.policy_updated(self.version, weights)
 
     def end_training(self) -> None:
-        if self.pipeline is not None:
-            self.pipeline.close()
-            self.pipeline = None
+        if self.rollout_queue is not None:
+            self.rollout_queue.close()
+            self.rollout_queue = None
         self.version = None
         self._epoch_iterator = None
 
     def on_log(self, logs: dict, mode: str) -> None:
-        if self.pipeline is not None and "loss" in logs:
-            logs.update(self.pipeline.pop_metrics())
+        if self.rollout_queue is not None and "loss" in logs:
+            logs.update(self.rollout_queue.pop_metrics())
 
     # --- the scored micro-batches ---------------------------------------------------------------------------------
     def as_tensors(self, scored: dict) -> dict[str, torch.Tensor]:
@@ -345,7 +345,7 @@ class AsyncGRPOObjective(Objective):
             print(f"[v{scored['version']}] {self.rollout.tokenizer.decode(prompt)!r} -> {text!r}  reward={reward:.4g}")
 
     # --- the rollout actors -------------------------------------------------------------------------------------
-    def start_pipeline(self) -> None:
+    def start_rollout_queue(self) -> None:
         """The generator and reward actors, started by the first rank at the first step (after a checkpoint is
         loaded: the policy version is the run's step) from the policy's whole weights, which every rank gathers."""
         if self.version is not None:
@@ -359,7 +359,7 @@ class AsyncGRPOObjective(Objective):
             policy = policy_copy(self.context.model)  # every rank: a sharded policy's weights are gathered
         if not self.leader:
             return
-        from hfnative.rl import RolloutPipeline
+        from hfnative.rl import RolloutQueue
 
         shipped = list(self.reward_functions.functions)
         if self.tool_calling is not None:  # the user's tools and environments travel to the generator actors
@@ -373,7 +373,7 @@ class AsyncGRPOObjective(Objective):
         per_micro_batch = a.per_device_train_batch_size * self.context.data_parallel.size
         options = [o if isinstance(o, dict) else {} for o in (a.rollout_actor_options, a.reward_actor_options)]
         engine = self._generator_engine() if a.use_vllm else {}
-        self.pipeline = RolloutPipeline(
+        self.rollout_queue = RolloutQueue(
             self.context.model, GroupScoring(self.reward_functions, self.rollout.tokenizer, a.num_generations),
             self.rollout.sampling, micro_batches_per_step=a.gradient_accumulation_steps, max_staleness=a.max_staleness,
             max_inflight=max(1, inflight // per_micro_batch), weight_sync_steps=a.weight_sync_steps,
@@ -382,10 +382,10 @@ class AsyncGRPOObjective(Objective):
             num_generators=a.num_rollout_actors,
             episodes=None if self.tool_calling is None else self.episodes_class(self.tool_calling), **engine,
         )
-        self.pipeline.start(policy=policy)
+        self.rollout_queue.start(policy=policy)
 
     def _generator_engine(self) -> dict:
-        """RolloutPipeline's engine arguments for vLLM: the engine the generator actor builds (colocated from
+        """RolloutQueue's engine arguments for vLLM: the engine the generator actor builds (colocated from
         the model's Hub-format folder, or the server's), Hub-named weights at start and at each sync."""
         from hfnative.converters.rollouts import hub_named_tensors, vllm_dtype, vllm_model_folder
 
@@ -467,6 +467,6 @@ class AsyncGRPOTrainer(Trainer):
         return self._reward_functions
 
     @property
-    def _pipeline(self):
-        """The running rollout pipeline (None before the first step and after training)."""
-        return self.objective.pipeline
+    def _rollout_queue(self):
+        """The running rollout queue (None before the first step and after training)."""
+        return self.objective.rollout_queue

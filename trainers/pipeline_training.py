@@ -130,8 +130,7 @@ class PipelineMixin:
 
     @property
     def _pipeline_parallel(self):
-        """``self.model``'s PipelineTraining under pipeline parallel, else None (not ``_pipeline``: async GRPO's
-        rollout pipeline has that name)."""
+        """``self.model``'s PipelineTraining under pipeline parallel, else None ."""
         run = getattr(self, "distributed", None)
         if run is None or not run.dims.pp_enabled:
             return None

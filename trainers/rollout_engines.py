@@ -86,7 +86,7 @@ class ConfiguredEngine:
     travels to the Ray actor.
 
     source: what the engine starts from when it is not the actor's copy of the policy, e.g. the Hub-format
-    folder a colocated vLLM loads (then the actor holds no native copy: ``RolloutPipeline(ship_policy=False)``).
+    folder a colocated vLLM loads (then the actor holds no native copy: ``RolloutQueue(ship_policy=False)``).
     engine_kwargs go on to the engine (e.g. ``enforce_eager=True`` for ``vllm.LLM``).
     """
 

@@ -1,8 +1,8 @@
 """Asynchronous RL on Ray: generation and reward scoring as actors, joined to the trainer by a queue,
-with bounded staleness (see pipeline.py). Ray is imported only when a pipeline starts."""
+with bounded staleness (see rollout_queue.py). Ray is imported only when a rollout queue starts."""
 
 from .actors import RewardScorer, RolloutGenerator
-from .pipeline import RolloutActorError, RolloutPipeline, RolloutStalledError
+from .rollout_queue import RolloutActorError, RolloutQueue, RolloutStalledError
 from .policy_copy import PolicyCopy, load_policy_copy, policy_copy
 from .staleness import StalenessFilter
 
@@ -11,7 +11,7 @@ __all__ = [
     "RewardScorer",
     "RolloutActorError",
     "RolloutGenerator",
-    "RolloutPipeline",
+    "RolloutQueue",
     "RolloutStalledError",
     "StalenessFilter",
     "load_policy_copy",

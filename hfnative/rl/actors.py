@@ -1,5 +1,5 @@
 """The two Ray actors of asynchronous RL: a generator (a copy of the policy and a rollout engine on it)
-and a reward scorer. Plain classes here; ``RolloutPipeline`` makes them Ray actors, so importing this
+and a reward scorer. Plain classes here; ``RolloutQueue`` makes them Ray actors, so importing this
 module needs no Ray.
 """
 

@@ -46,7 +46,7 @@ def train_and_probe(model_dir, tmp_path, steps: int, **vllm_settings):
 
     class ProbeGenerator(TrainerCallback):
         def on_train_end(self, args, state, control, **kwargs):
-            generator = trainer._pipeline.generator
+            generator = trainer._rollout_queue.generator
             seen["engine"] = ray.get(generator.__ray_call__.remote(lambda actor: type(actor.engine).__name__))
             seen["has_native_copy"] = ray.get(generator.__ray_call__.remote(lambda actor: actor.model is not None))
             seen["greedy"] = ray.get(generator.generate.remote(PROMPTS, GREEDY))

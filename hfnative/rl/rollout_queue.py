@@ -60,7 +60,7 @@ def _import_ray():
     return ray
 
 
-class RolloutPipeline:
+class RolloutQueue:
     """Generator and reward actors feeding the trainer, with bounded staleness.
 
     model: the policy being trained (its current weights seed the generator). score_fn(generated, payload) ->
@@ -189,7 +189,7 @@ class RolloutPipeline:
         return [generator.load_weights.remote(ref, version) for generator in self.generators]
 
     def close(self) -> None:
-        """Stop the actors (and Ray, when this pipeline started it)."""
+        """Stop the actors (and Ray, when this queue started it)."""
         ray = self._ray
         if ray is None:
             return
