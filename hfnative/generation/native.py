@@ -9,6 +9,8 @@ tensors; tensors from elsewhere are copied in by native name.
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -16,14 +18,15 @@ import torch
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
-from .cached_decoder import decode_step, prefill
-from .kv_cache import KVCache
+from .decode_loop import DecodeBatch, StepRunner, StopCheck, advance, choose
 from .rollouts import RolloutEngine, Rollouts, check_prompts
-from .sampling import SamplingParams, call_row_keys, choose_tokens
+from .sampling import SamplingParams, call_row_keys
 
 # with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled decode step (its cache shape) instead of compiling one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
+# the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
+MAX_BATCH_SHAPES = 4
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -47,7 +50,7 @@ class NativeRolloutEngine(RolloutEngine):
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1 or None")
         self.model, self.compile, self.max_batch_size = model, compile, max_batch_size
-        self._decode_step = torch.compile(decode_step, dynamic=False) if compile else decode_step
+        self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by native state-dict name (``layers.0.attention.wq.weight``,
@@ -88,55 +91,66 @@ class NativeRolloutEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> Rollouts:
-        """Completions of ``prompts``, rows ``offset`` onwards of the call."""
-        model, device, T = self.model, self._device, sampling.max_new_tokens
-        args = model.args
-        B, longest = len(prompts), max(len(p) for p in prompts)
-        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
-        pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
-
+    def _batch(self, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
+        """The buffers of this batch shape, made at its first call and kept (the last MAX_BATCH_SHAPES shapes)."""
+        device = self._device
         # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
         # and attention reads them in it
-        cache_dtype = autocast_dtype(device.type) or model.tok_embeddings.weight.dtype
-        cache = KVCache(
-            [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
-            P + T, pad_B, cache_dtype, device,
-        )
-        seen_BV = None
-        if sampling.repetition_penalty != 1.0:  # the prompt's tokens count as seen, as in transformers
-            seen_BV = torch.zeros(B, args.vocab_size, dtype=torch.bool, device=device)
-            rows = torch.repeat_interleave(torch.arange(B), torch.tensor([len(p) for p in prompts]))
-            seen_BV[rows.to(device), torch.tensor([t for p in prompts for t in p], device=device)] = True
-        stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
-        check_every = 1 if device.type == "cpu" else 8  # reading `finished` waits for the device
+        cache_dtype = autocast_dtype(device.type) or self.model.tok_embeddings.weight.dtype
+        key = (batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        batch = self._batches.pop(key, None)
+        if batch is None:
+            while len(self._batches) >= MAX_BATCH_SHAPES:
+                self._batches.popitem(last=False)
+            batch = DecodeBatch(self.model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        self._batches[key] = batch
+        return batch
 
-        tokens_BT = torch.zeros(B, T, dtype=torch.long, device=device)
-        logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=device)
-        lengths_B = torch.zeros(B, dtype=torch.long, device=device)
-        finished_B = torch.zeros(B, dtype=torch.bool, device=device)
-        keys_B = None
-        if sampling.seed is not None:
-            keys_B = call_row_keys(sampling, offset, B, device=device)
-        logits_BV = prefill(model, prompts, P, cache)
-        for t in range(T):
-            token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, keys_B, t)
-            tokens_BT[:, t], logprobs_BT[:, t] = token_B, logprob_B
-            lengths_B += ~finished_B
-            if stop_ids.numel():
-                finished_B |= torch.isin(token_B, stop_ids)
-            if t == T - 1 or (stop_ids.numel() and (t + 1) % check_every == 0 and bool(finished_B.all())):
+    def _runner(self, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
+        """The step of ``batch`` for this sampling kind: eager (reads the filled part of the cache), or compiled
+        (reads all of it, masked) and on CUDA captured in a graph, which holds the parameters' addresses."""
+        seeded = sampling.seed is not None
+        key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type))
+        cuda_graph = self.compile and self._device.type == "cuda"
+        if cuda_graph:
+            key += tuple(p.data_ptr() for p in self.model.parameters())
+        if key not in batch.runners:
+            if self.compile:
+                step = functools.partial(_compiled_advance, self.model, batch, sampling, seeded, None)
+                batch.runners[key] = StepRunner(step, cuda_graph)
+            else:
+                batch.runners[key] = StepRunner(functools.partial(advance, self.model, batch, sampling, seeded))
+        return batch.runners[key]
+
+    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> Rollouts:
+        """Completions of ``prompts``, rows ``offset`` onwards of the call."""
+        device, T = self._device, sampling.max_new_tokens
+        B, longest = len(prompts), max(len(p) for p in prompts)
+        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
+        batch = self._batch(B, P, T)
+        seeded = sampling.seed is not None
+        keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
+        choose(batch, batch.start(self.model, prompts, sampling, keys_B), sampling, seeded)
+        step = self._runner(batch, sampling)
+        stop = StopCheck(device) if sampling.stop_ids else None
+        for t in range(1, T):  # tokens 0 .. t-1 are chosen
+            if stop is not None and stop.all_stopped(t - 1, batch.finished_B):
                 break
-            if seen_BV is not None:
-                seen_BV[torch.arange(B, device=device), token_B] = True
-            slot = P + t
-            logits_BV = self._decode_step(model, token_B, torch.tensor(slot, device=device), cache,
-                                          None if self.compile else slot + 1)
+            if self.compile:
+                step()
+            else:
+                step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
+        tokens, logprobs, finished = batch.outputs()
+        return Rollouts(tokens, logprobs, ["stop" if done else "length" for done in finished])
 
-        lengths = lengths_B.tolist()
-        tokens, logprobs, finished = tokens_BT.tolist(), logprobs_BT.tolist(), finished_B.tolist()
-        return Rollouts(
-            [row[:n] for row, n in zip(tokens, lengths)],
-            [row[:n] for row, n in zip(logprobs, lengths)],
-            ["stop" if done else "length" for done in finished],
-        )
+
+def _compiled_advance(*args) -> None:
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT):
+        _ADVANCE_COMPILED(*args)
+
+
+# with compile=True the decode step is compiled with static shapes, one graph per batch shape and sampling kind; a
+# trainer meets a few (prompt-slot multiples, a teacher's shapes), more than torch's default limit of 8 per function
+COMPILED_SHAPES_LIMIT = 64
+_ADVANCE_COMPILED = torch.compile(advance, dynamic=False, options={"fallback_random": True})
