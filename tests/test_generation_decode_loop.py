@@ -137,3 +137,65 @@ def test_cuda_graph_step_matches_eager_on_gpu():
             assert got.completion_ids == expected.completion_ids
             diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
             assert diff <= 1e-4
+
+
+def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
+    """fp32 weights under bf16 autocast (a trainer's bf16=True): the engine decodes a replica whose matmul weights are
+    bf16 copies, which gives exactly what autocast's own casts at every use give; the copies are made again only
+    after a weight changed in place (an optimizer step), and then the rollouts follow the new weights."""
+    converted = load_pretrained(make_hf_model("llama-mha-tied-llama3"))  # tied head: the embedding stays fp32
+    model, prompts = converted.model, _prompts()
+    sampling = SamplingParams(max_new_tokens=10, seed=4)
+    engine = NativeRolloutEngine(converted)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = engine.generate(prompts, sampling)
+        replica = engine._weights.replica
+        assert replica.layers[0].attention.wq.weight.dtype == torch.bfloat16
+        assert replica.tok_embeddings.weight is model.tok_embeddings.weight
+        assert replica.output.projection().dtype == torch.bfloat16
+        cast_as_used = NativeRolloutEngine(converted)
+        cast_as_used._weights.model_for = lambda model, dtype: model  # autocast casts every weight at every use
+        theirs = cast_as_used.generate(prompts, sampling)
+        assert ours == theirs
+
+        versions = [copy._version for _, copy in engine._weights.pairs]
+        engine.generate(prompts, sampling)
+        assert [copy._version for _, copy in engine._weights.pairs] == versions  # no new weights: no copy
+    with torch.no_grad():  # an optimizer step, in place
+        model.layers[1].feed_forward.w2.weight.mul_(-3.0)
+        model.tok_embeddings.weight.add_(0.5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a new region: autocast casts afresh
+        updated = engine.generate(prompts, sampling)
+        assert engine._weights.replica is replica
+        assert updated == cast_as_used.generate(prompts, sampling) and updated != ours
+
+
+def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):
+    """torch_compile=True compiles the rollout engines a trainer decodes with (the policy's, and a teacher's), and the
+    rollouts through the trainer's own path (tokenized prompts, its sampling settings and row streams, its autocast)
+    are the eager trainer's."""
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    import hfnative
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3")
+    prompts = [{"prompt": f"Tell me about the sea number {i}"} for i in range(4)]
+    rollouts = {}
+    for compile in (False, True):
+        args = hfnative.GRPOConfig(
+            output_dir=str(tmp_path / str(compile)), use_cpu=True, bf16=False, report_to="none", max_steps=1, num_generations=2,
+            per_device_train_batch_size=4, max_completion_length=12, seed=0, torch_compile=compile,
+        )
+        trainer = hfnative.GRPOTrainer(model=tiny, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                       args=args, train_dataset=Dataset.from_list(prompts))
+        rollout = trainer.objective.rollout
+        assert rollout.engine.compile is compile
+        teacher = load_pretrained(tiny).model
+        assert rollout.engine_for(teacher).compile is compile
+        prompt_ids = rollout.tokenize([p["prompt"] for p in prompts])
+        rollouts[compile] = rollout.generate(prompt_ids, seed=11, first_row=4)
+    assert rollouts[True].completion_ids == rollouts[False].completion_ids
+    diff = max(abs(a - b) for x, y in zip(rollouts[True].logprobs, rollouts[False].logprobs) for a, b in zip(x, y))
+    assert diff <= 1e-5

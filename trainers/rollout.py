@@ -197,10 +197,10 @@ class Rollout:
         policy = model is None or model is self.context.model
         model = self.context.model if policy else model
         if policy and self.engine is None:
-            self.engine = NativeRolloutEngine(model)
+            self.engine = self._native_engine(model)
         if not policy and id(model) not in self._other_engines:  # a new replica is gathered as it is made
             parallel = is_parallelized(model)
-            self._other_engines[id(model)] = self._replica_engine(model) if parallel else NativeRolloutEngine(model)
+            self._other_engines[id(model)] = self._replica_engine(model) if parallel else self._native_engine(model)
         elif id(model) in self._replicas and any(p.requires_grad for p in model.parameters()):  # a frozen one stays
             self._replicas[id(model)] = gather_replica(model, self._replicas[id(model)])
         return self.engine if policy else self._other_engines[id(model)]
@@ -213,7 +213,11 @@ class Rollout:
                 "(use_vllm=True)"
             )
         self._replicas[id(model)] = replica = gather_replica(model)
-        return NativeRolloutEngine(replica)
+        return self._native_engine(replica)
+
+    def _native_engine(self, model) -> NativeRolloutEngine:
+        """A native engine on ``model``; with ``torch_compile`` its decode step is compiled (a CUDA graph on CUDA)."""
+        return NativeRolloutEngine(model, compile=bool(getattr(self.context.args, "torch_compile", False)))
 
     def row_streams(self, place: int, rows: int) -> dict:
         """``generate``'s seed and first row for this data-parallel rank's ``rows`` rows of the generation batch made

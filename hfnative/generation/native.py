@@ -18,6 +18,7 @@ import torch
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
+from .compute_weights import DecodingWeights
 from .decode_loop import DecodeBatch, StepRunner, StopCheck, advance, choose
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
@@ -32,8 +33,16 @@ MAX_BATCH_SHAPES = 4
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).
 
-    compile: run the decode step through ``torch.compile`` (it recompiles for a new batch size or
-    cache length; prefill stays eager). max_batch_size: at most this many prompts decode together.
+    Each step of the decode loop runs on the device with nothing read back on the host (``decode_loop``); a batch
+    shape's buffers (KV cache, RoPE tables, outputs) are made at its first call and reused. Under autocast the model
+    decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per weight version
+    (``compute_weights``).
+
+    compile: the whole decode step (decode, sampling, stop bookkeeping) through ``torch.compile`` with static shapes:
+    prompts are left-padded to a multiple of COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its
+    position mask, so one graph serves every step of a batch shape (rows, prompt slots, new tokens) and sampling kind;
+    on CUDA that step is captured in a CUDA graph, replayed at every token (one launch per token). The first call of
+    a shape compiles; prefill stays eager. max_batch_size: at most this many prompts decode together.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
@@ -51,6 +60,7 @@ class NativeRolloutEngine(RolloutEngine):
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1 or None")
         self.model, self.compile, self.max_batch_size = model, compile, max_batch_size
         self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
+        self._weights = DecodingWeights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by native state-dict name (``layers.0.attention.wq.weight``,
@@ -78,7 +88,9 @@ class NativeRolloutEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [self._generate_batch(prompts[i : i + step], sampling, i) for i in range(0, len(prompts), step)]
+            model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
+            parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
+                     for i in range(0, len(prompts), step)]
         finally:
             self.model.train(was_training)
         return Rollouts(
@@ -91,7 +103,7 @@ class NativeRolloutEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def _batch(self, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
+    def _batch(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
         """The buffers of this batch shape, made at its first call and kept (the last MAX_BATCH_SHAPES shapes)."""
         device = self._device
         # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
@@ -102,37 +114,38 @@ class NativeRolloutEngine(RolloutEngine):
         if batch is None:
             while len(self._batches) >= MAX_BATCH_SHAPES:
                 self._batches.popitem(last=False)
-            batch = DecodeBatch(self.model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
+            batch = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
         self._batches[key] = batch
         return batch
 
-    def _runner(self, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
+    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
         """The step of ``batch`` for this sampling kind: eager (reads the filled part of the cache), or compiled
         (reads all of it, masked) and on CUDA captured in a graph, which holds the parameters' addresses."""
         seeded = sampling.seed is not None
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type))
+               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type), id(model))
         cuda_graph = self.compile and self._device.type == "cuda"
         if cuda_graph:
-            key += tuple(p.data_ptr() for p in self.model.parameters())
+            key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
             if self.compile:
-                step = functools.partial(_compiled_advance, self.model, batch, sampling, seeded, None)
+                step = functools.partial(_compiled_advance, model, batch, sampling, seeded, None)
                 batch.runners[key] = StepRunner(step, cuda_graph)
             else:
-                batch.runners[key] = StepRunner(functools.partial(advance, self.model, batch, sampling, seeded))
+                batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
         return batch.runners[key]
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> Rollouts:
+    def _generate_batch(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,
+                        offset: int) -> Rollouts:
         """Completions of ``prompts``, rows ``offset`` onwards of the call."""
         device, T = self._device, sampling.max_new_tokens
         B, longest = len(prompts), max(len(p) for p in prompts)
         P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
-        batch = self._batch(B, P, T)
+        batch = self._batch(model, B, P, T)
         seeded = sampling.seed is not None
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
-        choose(batch, batch.start(self.model, prompts, sampling, keys_B), sampling, seeded)
-        step = self._runner(batch, sampling)
+        choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
+        step = self._runner(model, batch, sampling)
         stop = StopCheck(device) if sampling.stop_ids else None
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
             if stop is not None and stop.all_stopped(t - 1, batch.finished_B):
