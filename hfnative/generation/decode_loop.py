@@ -16,6 +16,7 @@ early ends early; ``StepRunner`` runs a step eagerly, compiled, or replayed from
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 
 import torch
@@ -133,8 +134,16 @@ class StepRunner:
             self.calls += 1
         else:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            try:
+                with torch.cuda.graph(graph):
+                    self.step(*args)
+            except RuntimeError as err:  # an op that cannot be captured: this step runs as it is from now on
+                warnings.warn(f"the decode step could not be captured in a CUDA graph ({err}); it runs uncaptured "
+                              "(NativeRolloutEngine(cuda_graph=False) says so without trying)", stacklevel=2)
+                torch.cuda.synchronize()
+                self.cuda_graph = False
                 self.step(*args)
+                return
             graph.replay()  # capture records the step without running it
             self.graph = graph
 

@@ -23,8 +23,8 @@ from .decode_loop import DecodeBatch, StepRunner, StopCheck, advance, choose
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
 
-# with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
-# share one compiled decode step (its cache shape) instead of compiling one per prompt length
+# with static shapes (compile, CUDA graphs) prompts are left-padded to a multiple of this, so batches of similar lengths
+# share one compiled or captured decode step (its cache shape) instead of making one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
 # the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
 MAX_BATCH_SHAPES = 4
@@ -38,18 +38,20 @@ class NativeRolloutEngine(RolloutEngine):
     decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per weight version
     (``compute_weights``).
 
-    compile: the whole decode step (decode, sampling, stop bookkeeping) through ``torch.compile`` with static shapes:
-    prompts are left-padded to a multiple of COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its
-    position mask, so one graph serves every step of a batch shape (rows, prompt slots, new tokens) and sampling kind;
-    on CUDA that step is captured in a CUDA graph, replayed at every token (one launch per token). The first call of
-    a shape compiles; prefill stays eager. max_batch_size: at most this many prompts decode together.
+    cuda_graph (default: on CUDA): the whole decode step (decode, sampling, stop bookkeeping) is captured in a CUDA
+    graph per batch shape (rows, prompt slots, new tokens) and sampling kind, and replayed at every token: one launch
+    a token, whatever the model's depth. compile: that step goes through ``torch.compile`` (fused kernels; the first
+    call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
+    COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
+    training attention kernels). max_batch_size: at most this many prompts decode together.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
     reads_live_weights = True
     samples_row_streams = True
 
-    def __init__(self, model: Transformer, *, compile: bool = False, max_batch_size: int | None = None):
+    def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
+                 max_batch_size: int | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -58,7 +60,11 @@ class NativeRolloutEngine(RolloutEngine):
             )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1 or None")
+        device_type = model.tok_embeddings.weight.device.type
+        if cuda_graph and device_type != "cuda":
+            raise ValueError(f"cuda_graph=True: the model is on {device_type}, CUDA graphs need it on a CUDA device")
         self.model, self.compile, self.max_batch_size = model, compile, max_batch_size
+        self.cuda_graph = device_type == "cuda" if cuda_graph is None else cuda_graph
         self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
         self._weights = DecodingWeights()
 
@@ -118,19 +124,26 @@ class NativeRolloutEngine(RolloutEngine):
         self._batches[key] = batch
         return batch
 
+    @property
+    def static_shapes(self) -> bool:
+        """Whether a step has one shape at every token (compiled or captured): prompts left-padded to a multiple of
+        COMPILE_SLOT_MULTIPLE slots, the whole cache read under its mask."""
+        return self.compile or self.cuda_graph
+
     def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
-        """The step of ``batch`` for this sampling kind: eager (reads the filled part of the cache), or compiled
-        (reads all of it, masked) and on CUDA captured in a graph, which holds the parameters' addresses."""
+        """The step of ``batch`` for this sampling kind: eager reading the filled part of the cache, or (static
+        shapes) reading all of it, masked, compiled or not, and captured in a CUDA graph, which holds the parameters'
+        addresses."""
         seeded = sampling.seed is not None
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type), id(model))
-        cuda_graph = self.compile and self._device.type == "cuda"
-        if cuda_graph:
+        if self.cuda_graph:
             key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
-            if self.compile:
-                step = functools.partial(_compiled_advance, model, batch, sampling, seeded, None)
-                batch.runners[key] = StepRunner(step, cuda_graph)
+            if self.static_shapes:
+                step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
+                                         None)
+                batch.runners[key] = StepRunner(step, self.cuda_graph)
             else:
                 batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
         return batch.runners[key]
@@ -140,7 +153,7 @@ class NativeRolloutEngine(RolloutEngine):
         """Completions of ``prompts``, rows ``offset`` onwards of the call."""
         device, T = self._device, sampling.max_new_tokens
         B, longest = len(prompts), max(len(p) for p in prompts)
-        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
+        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.static_shapes else longest
         batch = self._batch(model, B, P, T)
         seeded = sampling.seed is not None
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
@@ -150,7 +163,7 @@ class NativeRolloutEngine(RolloutEngine):
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
             if stop is not None and stop.all_stopped(t - 1, batch.finished_B):
                 break
-            if self.compile:
+            if self.static_shapes:
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
