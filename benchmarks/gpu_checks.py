@@ -278,7 +278,7 @@ def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
     model_attention(tally, device, dtype)
 
 
-def generation(tally: Tally, device: torch.device, configs=("qwen3-gqa", "gemma3-alternating")) -> None:
+def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating",)) -> None:
     from hfnative.generation import NativeRolloutEngine, SamplingParams
 
     prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
