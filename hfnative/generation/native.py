@@ -171,12 +171,18 @@ class NativeRolloutEngine(RolloutEngine):
         return Rollouts(tokens, logprobs, ["stop" if done else "length" for done in finished])
 
 
-def _compiled_advance(*args) -> None:
-    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT):
-        _ADVANCE_COMPILED(*args)
-
-
 # with compile=True the decode step is compiled with static shapes, one graph per batch shape and sampling kind; a
 # trainer meets a few (prompt-slot multiples, a teacher's shapes), more than torch's default limit of 8 per function
 COMPILED_SHAPES_LIMIT = 64
-_ADVANCE_COMPILED = torch.compile(advance, dynamic=False, options={"fallback_random": True})
+
+
+@functools.cache
+def _advance_compiled():
+    """``advance`` through torch.compile, made at first use (importing the compiler takes seconds); aten's random ops
+    (fallback_random), so an unseeded compiled step samples as the eager one does."""
+    return torch.compile(advance, dynamic=False, options={"fallback_random": True})
+
+
+def _compiled_advance(*args) -> None:
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT):
+        _advance_compiled()(*args)
