@@ -145,7 +145,7 @@ generate_verdict() {  # bench_generate.py: per batch size, each native runner's 
 
 grpo_verdict() {  # bench_grpo.py: the ratio line per completion length
   local ratios
-  ratios=$(awk '$2 == "ratio" {printf "%s tokens: %s TRL s/step / ours; ", $1, $3}' "$1")
+  ratios=$(awk '$2 == "ratio" {printf "%s tokens: TRL s/step / ours %s; ", $1, $3}' "$1")
   if [[ -n $ratios ]]; then echo "PASS $ratios"; else echo "FAIL $(last_line "$1")"; fi
 }
 
@@ -178,7 +178,7 @@ else
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
-  GRPO=(--preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
+  GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
 fi
 
