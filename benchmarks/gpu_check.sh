@@ -21,7 +21,10 @@
 #  12 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
 #                  skipped on a machine with one GPU
 #  13 bench-kd     bench_kd.py --device cuda --on-policy: on-policy distillation, hfnative vs TRL (use_vllm=False),
-#                  8 completions x 256 sampled tokens a step (last: run when the budget has room)
+#                  8 completions x 256 sampled tokens a step
+#  14 gen-compiled bench_generate.py --runners native-compiled: the compiled and captured decode step at
+#                  batch 64 beside its bandwidth floor (its first call compiles the 28-layer step)
+#                  (13 and 14 last: they run when the budget has room)
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
@@ -37,7 +40,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,33p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,36p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -171,6 +174,7 @@ if [[ $DEVICE == cuda ]]; then
   SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --timeout 120)
+  GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
   GRPO=(--steps 3 --timeout 100)
   KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
 else
@@ -178,6 +182,7 @@ else
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
+  GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
 fi
@@ -204,6 +209,8 @@ else
 fi
 
 run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
+run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
+  "${GENERATE_COMPILED[@]}"
 
 {
   echo
