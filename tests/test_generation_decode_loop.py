@@ -139,7 +139,8 @@ def test_cuda_graph_step_matches_eager_on_gpu():
                 assert got.completion_ids == expected.completion_ids
                 diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
                 assert diff <= 1e-4
-            assert all(runner.graph is not None for batch in engine._batches.values() for runner in batch.runners.values())
+            runners = [runner for batch in engine._batches.values() for runner in batch.runners.values()]
+            assert runners and all(runner.graph is not None for runner in runners)
 
 
 def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
@@ -188,8 +189,8 @@ def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):
     rollouts = {}
     for compile in (False, True):
         args = hfnative.GRPOConfig(
-            output_dir=str(tmp_path / str(compile)), use_cpu=True, bf16=False, report_to="none", max_steps=1, num_generations=2,
-            per_device_train_batch_size=4, max_completion_length=12, seed=0, torch_compile=compile,
+            output_dir=str(tmp_path / str(compile)), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+            num_generations=2, per_device_train_batch_size=4, max_completion_length=12, seed=0, torch_compile=compile,
         )
         trainer = hfnative.GRPOTrainer(model=tiny, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                        args=args, train_dataset=Dataset.from_list(prompts))

@@ -2,10 +2,10 @@
 
 Under autocast a model with fp32 (master) weights has every matmul weight cast to the autocast dtype at every use:
 in a compiled decode step, at every token (reading 4 bytes a parameter and writing 2 before the matmul reads them),
-and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad). ``DecodingWeights``
-keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's) are copies in the
-autocast dtype — what autocast's cast makes, so the logits are the same — and every other parameter and buffer
-shared with the model. The copies are refreshed in place when a weight's version changes (an optimizer step, a
+and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad).
+``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's)
+are copies in the autocast dtype — what autocast's cast makes, so the logits are the same — and every other parameter
+and buffer shared with the model. The copies are refreshed in place when a weight's version changes (an optimizer step, a
 ``load_weights``), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
 replica.
 """
@@ -52,7 +52,7 @@ class DecodingWeights:
         if self.replica is None or source != self.source or self.pairs[0][1].dtype != dtype:
             self._make(model, weights, head, dtype)
             self.source = source
-        versions = tuple(source._version for source, _ in self.pairs)
+        versions = tuple(weight._version for weight, _ in self.pairs)
         if versions != self.versions:
             with torch.no_grad():
                 for source_tensor, copy_tensor in self.pairs:

@@ -47,10 +47,10 @@ class DecodeBatch:
         self.token_B = torch.zeros(B, dtype=torch.long, device=device)  # the last chosen token of each row
         self.step = torch.zeros((), dtype=torch.long, device=device)  # the index of the token chosen next
         self.keys_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's sampling stream (seeded calls)
-        self.seen_BV: torch.Tensor | None = None  # tokens each row has seen (a repetition penalty), made when first asked
+        self.seen_BV: torch.Tensor | None = None  # tokens each row has seen (repetition penalty), made when first asked
         self.stop_ids = torch.zeros(0, dtype=torch.long, device=device)
         self._stop_ids: dict[int, torch.Tensor] = {}  # one buffer per count of stop ids: a captured step keeps its own
-        self.runners: dict[tuple, StepRunner] = {}  # the steps made for this shape, by sampling kind (NativeRolloutEngine)
+        self.runners: dict[tuple, StepRunner] = {}  # this shape's steps by sampling kind (NativeRolloutEngine's)
         self.vocab_size, self.device = args.vocab_size, device
 
     def start(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,

@@ -57,8 +57,8 @@ class KVCache:
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def reset(self, pad_B: torch.Tensor) -> None:
-        """Empty the cache for a new batch of the same shape, with each row's left padding ``pad_B`` [B]; the
-        buffers are refilled in place (zeros: a masked entry weighs 0 in attention, and 0 times a stale inf or NaN would not be 0)."""
+        """Empty the cache for a new batch of the same shape, with each row's left padding ``pad_B`` [B]; the buffers
+        are refilled in place (zeros: a masked entry weighs 0 in attention, and 0 times a stale inf or NaN is not 0)."""
         self.pad_B.copy_(pad_B)
         for entry_slot in self.entry_slot.values():
             entry_slot.fill_(-1)

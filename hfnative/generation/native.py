@@ -136,7 +136,8 @@ class NativeRolloutEngine(RolloutEngine):
         addresses."""
         seeded = sampling.seed is not None
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
-               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type), id(model))
+               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
+               id(model))
         if self.cuda_graph:
             key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
