@@ -1,21 +1,25 @@
 """Rollout speed: hfnative's native KV-cache engine vs transformers' ``generate`` on the same model and prompts.
 
-Every runner loads the same saved Qwen3-shaped model (harness.py's presets), completes the same batch of
-ragged prompts (documents of examples/data/sft_text.jsonl cut to 16..64 tokens, left-padded for
-transformers) greedily for a fixed number of new tokens (no EOS, so every row generates all of them),
-each runner in its own child process, alternating over rounds. Printed per runner: generated tokens/s
-(batch x new tokens over the wall time of one whole ``generate`` call: prefill, decoding, sampling),
-the ratio to transformers, how many completions equal transformers' token for token, and peak RSS.
+Every runner loads the same saved Qwen3-shaped model (harness.py's presets), completes the same ragged prompts
+(documents of examples/data/sft_text.jsonl cut to 16..64 tokens, left-padded for transformers) greedily for a
+fixed number of new tokens (no EOS, so every row generates all of them), at each batch size (the first B prompts),
+each runner in its own child process, alternating over rounds. Printed per batch size and runner: generated tokens/s
+(batch x new tokens over the wall time of one whole ``generate`` call: prefill, decoding, sampling), the ratio to
+transformers, how many completions equal transformers' token for token; for the native runners the time of one
+decode step (a call of T new tokens minus one of 1 token, the prefill, over T - 1) beside the memory-bandwidth floor: the bytes a step
+must read (every weight it multiplies by, and the KV cache of each row's tokens so far, averaged over the call) over
+the device's copy bandwidth measured in the same process.
 
     python benchmarks/bench_generate.py --quick                  # ~1 min: 32 new tokens, reference preset
     python benchmarks/bench_generate.py --write-results          # batch 32, 128 new tokens, reference and 100m
-    python benchmarks/bench_generate.py --device cuda --presets qwen3_0.6b
+    python benchmarks/bench_generate.py --device cuda            # Qwen3-0.6B's shape in bf16, batch 64 and 8, 256 tokens
 
 Runners: ``hf`` (transformers' AutoModelForCausalLM.generate, SDPA attention, its dynamic KV cache),
-``native`` (hfnative.generation.NativeRolloutEngine, eager) and ``native-compiled`` (the same with
-compile=True: the decode step through torch.compile; its first call, which compiles, is a warm-up
-reported separately). Each child makes one warm-up call (8 new tokens; the full call for the compiled
-runner) before the timed ones. ``linear-floor`` is not an engine: it times only the matmuls any
+``native`` (hfnative.generation.NativeRolloutEngine as it is by default: eager on a CPU, the decode step captured in
+a CUDA graph on CUDA), ``native-compiled`` (compile=True: the decode step through torch.compile, and on CUDA
+captured), ``native-uncaptured`` (cuda_graph=False: the eager loop on CUDA). Each child makes one warm-up call
+per batch size (8 new tokens for hf; the full call for the native runners: it compiles and captures, and is
+reported separately) before the timed ones. ``linear-floor`` is not an engine: it times only the matmuls any
 token-by-token decoder of this batch does (every linear layer and the head on [batch, in] inputs, once
 per new token; no prefill, attention or sampling) — the bound both engines approach where those
 matmuls dominate, as they do on a CPU at batch 32 in fp32.
@@ -48,7 +52,8 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     work_folder,
 )
 
-RUNNERS = ("hf", "native", "native-compiled", "linear-floor")
+RUNNERS = ("hf", "native", "native-compiled", "native-uncaptured", "linear-floor")
+DEFAULT_RUNNERS = {"cpu": "hf,native,native-compiled,linear-floor", "cuda": "hf,native,native-compiled,native-uncaptured"}
 WARMUP_NEW_TOKENS = 8
 
 
@@ -61,7 +66,8 @@ def make_prompts(batch: int, seed: int, shortest: int = 16, longest: int = 64) -
         documents = [tokenizer(json.loads(line)["text"])["input_ids"] for line in f]
     documents = [d for d in documents if len(d) >= shortest]
     rng = random.Random(seed)
-    return [d[: rng.randint(shortest, min(longest, len(d)))] for d in rng.sample(documents, batch)]
+    chosen = [documents[rng.randrange(len(documents))] for _ in range(batch)]  # with replacement: any batch size
+    return [d[: rng.randint(shortest, min(longest, len(d)))] for d in chosen]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,34 +86,35 @@ def _hf_generator(spec: dict):
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, attn_implementation="sdpa")
     model.to(spec["device"]).eval()
     model.generation_config.eos_token_id = None  # every row generates all its tokens
-    prompts = spec["prompts"]
-    P = max(map(len, prompts))
-    ids = torch.zeros(len(prompts), P, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, prompt in enumerate(prompts):
-        ids[row, P - len(prompt):], mask[row, P - len(prompt):] = torch.tensor(prompt), 1
-    ids, mask = ids.to(spec["device"]), mask.to(spec["device"])
 
     @torch.no_grad()
-    def run(new_tokens: int) -> list[list[int]]:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, use_cache=True)
+    def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        P = max(map(len, prompts))
+        ids = torch.zeros(len(prompts), P, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, prompt in enumerate(prompts):
+            ids[row, P - len(prompt):], mask[row, P - len(prompt):] = torch.tensor(prompt), 1
+        out = model.generate(input_ids=ids.to(spec["device"]), attention_mask=mask.to(spec["device"]),
+                             max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             use_cache=True)
         return out[:, P:].tolist()
 
-    return run
+    return run, None
 
 
-def _native_generator(spec: dict, compile: bool):
+def _native_generator(spec: dict, runner: str):
     from hfnative.converters.loading import load_pretrained
     from hfnative.generation import NativeRolloutEngine, SamplingParams
 
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
-    engine = NativeRolloutEngine(load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"]), compile=compile)
+    model = load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"]).model
+    options = {"native": {}, "native-compiled": {"compile": True}, "native-uncaptured": {"cuda_graph": False}}[runner]
+    engine = NativeRolloutEngine(model, **options)
 
-    def run(new_tokens: int) -> list[list[int]]:
-        return engine.generate(spec["prompts"], SamplingParams(max_new_tokens=new_tokens, do_sample=False)).completion_ids
+    def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False)).completion_ids
 
-    return run
+    return run, model
 
 
 def _linear_floor(spec: dict):
@@ -118,43 +125,92 @@ def _linear_floor(spec: dict):
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
     model = load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"]).model
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)] + [model.output.projection()]
-    batch = len(spec["prompts"])
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype, device=spec["device"]) for w in weights}
 
     @torch.no_grad()
-    def run(new_tokens: int) -> list[list[int]]:
+    def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        inputs = {w.shape[1]: torch.randn(len(prompts), w.shape[1], dtype=dtype, device=spec["device"]) for w in weights}
         for _ in range(new_tokens):
             for weight in weights:
                 torch.nn.functional.linear(inputs[weight.shape[1]], weight)
-        return [[0] * new_tokens for _ in range(batch)]
+        return [[0] * new_tokens for _ in prompts]
 
-    return run
+    return run, None
+
+
+def copy_bandwidth(device: str) -> float:
+    """The device's memory bandwidth in bytes/s as a copy measures it: (bytes read + bytes written) / seconds, the
+    best of a few copies of 1 GiB (256 MiB on a CPU)."""
+    size = 2**30 if device == "cuda" else 2**28
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size / best
+
+
+def bytes_per_step(model, prompts: list[list[int]], new_tokens: int, slot_multiple: int | None) -> dict:
+    """Bytes a decode step must read, averaged over the steps of a call: every weight a step multiplies by (the
+    embedding table only as a tied head; a lookup reads B rows), and the KV cache entries of each row's tokens so far.
+    ``static_cache``: what a step reading the whole cache of ``slot_multiple``-padded prompts reads instead."""
+    args = model.args
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.output.is_tied:
+        weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
+    per_entry = 2 * args.n_kv_heads * args.head_dim * model.tok_embeddings.weight.element_size() * len(model.layers)
+    filled = sum(len(p) for p in prompts) + len(prompts) * (new_tokens - 1) / 2
+    longest = max(map(len, prompts))
+    slots = (-(-longest // slot_multiple) * slot_multiple if slot_multiple else longest) + new_tokens
+    return {"weights": weights, "kv_cache": per_entry * filled, "static_kv_cache": per_entry * slots * len(prompts)}
+
+
+def _time_calls(run, prompts, new_tokens: int, repeats: int, device: str) -> tuple[list[float], list[list[int]]]:
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        completions = run(prompts, new_tokens)
+        _sync(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds, completions
 
 
 def generate_once(runner: str, spec: dict, notes: list) -> dict:
-    """Warm up, then time ``spec['repeats']`` whole calls."""
+    """For each batch size: warm up, then time ``spec['repeats']`` whole calls; native runners also time calls of one
+    new token (prefill only), whose difference over T - 1 is the time of a decode step, and report the bytes a step
+    reads."""
     if runner == "hf":
-        run = _hf_generator(spec)
+        run, model = _hf_generator(spec)
     elif runner == "linear-floor":
-        run = _linear_floor(spec)
+        run, model = _linear_floor(spec)
     else:
-        run = _native_generator(spec, compile=runner == "native-compiled")
-    new_tokens = spec["new_tokens"]
-    start = time.perf_counter()
-    run(new_tokens if runner == "native-compiled" else WARMUP_NEW_TOKENS)
-    _sync(spec["device"])
-    warmup_seconds = time.perf_counter() - start
-    seconds = []
-    for _ in range(spec["repeats"]):
+        run, model = _native_generator(spec, runner)
+    device, new_tokens = spec["device"], spec["new_tokens"]
+    by_batch = {}
+    for batch in spec["batches"]:
+        prompts = spec["prompts"][:batch]
         start = time.perf_counter()
-        completions = run(new_tokens)
-        _sync(spec["device"])
-        seconds.append(time.perf_counter() - start)
-    if any(len(c) != new_tokens for c in completions):
-        notes.append("some rows generated fewer tokens than asked")
-    return {"seconds": seconds, "warmup_seconds": warmup_seconds, "completions": completions,
-            "tokens": sum(map(len, completions)), "peak_rss_mib": peak_rss_mib(),
-            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if spec["device"] == "cuda" else None}
+        run(prompts, new_tokens if runner.startswith("native") else WARMUP_NEW_TOKENS)  # compiles, captures
+        _sync(device)
+        entry = {"warmup_seconds": time.perf_counter() - start}
+        entry["seconds"], completions = _time_calls(run, prompts, new_tokens, spec["repeats"], device)
+        if any(len(c) != new_tokens for c in completions):
+            notes.append("some rows generated fewer tokens than asked")
+        entry.update(completions=completions, tokens=sum(map(len, completions)))
+        if model is not None and new_tokens >= 16:
+            run(prompts, 1)  # prefill and the first token only: no decode step (nothing compiled or captured)
+            prefill_seconds, _ = _time_calls(run, prompts, 1, spec["repeats"], device)
+            entry["step_seconds"] = (min(entry["seconds"]) - min(prefill_seconds)) / (new_tokens - 1)
+            static = runner != "native-uncaptured" and (runner != "native" or device == "cuda")
+            entry["bytes"] = bytes_per_step(model, prompts, new_tokens, 64 if static else None)
+        by_batch[str(batch)] = entry
+    return {"by_batch": by_batch, "peak_rss_mib": peak_rss_mib(),
+            "bandwidth": copy_bandwidth(device) if model is not None else None,
+            "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else None}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -168,48 +224,78 @@ def _same_as(runner: str, completions: list[list[int]], reference: list[list[int
     return f"{rows}/{len(reference)}"
 
 
-def report_preset(preset: str, parameters: int, results: list[dict], runners: list[str]) -> str:
+def report_preset(preset: str, parameters: int, results: list[dict], runners: list[str], batches: list[int]) -> str:
     shape = PRESETS[preset]
     ok = {r: [x for x in results if x["runner"] == r and x["status"] == "ok"] for r in runners}
-    rates = {r: [x["tokens"] / s for x in runs for s in x["seconds"]] for r, runs in ok.items()}
-    reference = ok["hf"][0]["completions"] if ok.get("hf") else None
-    hf_rate = statistics.median(rates["hf"]) if rates.get("hf") else None
     lines = [
         f"preset {preset}: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads / "
         f"{shape.kv_heads} KV, head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, "
         f"tied; {parameters / 1e6:.2f}M parameters",
-        "",
-        f"{'runner':<17}{'tokens/s':>10}{'min..max':>18}{'s/call':>9}{'warm-up s':>11}{'x hf':>7}"
-        f"{'same as hf':>12}{'peak RSS MiB':>14}",
-        "-" * 98,
     ]
-    for runner in runners:
-        runs = ok.get(runner)
-        if not runs:
-            failed = [x for x in results if x["runner"] == runner]
-            note = (failed[0].get("note") or "").strip().splitlines()[-1:] if failed else ["not run"]
-            lines.append(f"{runner:<17}{'failed' if failed else 'skipped':>10}  {' '.join(note)}")
-            continue
-        rate = statistics.median(rates[runner])
-        seconds = statistics.median(s for x in runs for s in x["seconds"])
-        warmup = statistics.median(x["warmup_seconds"] for x in runs)
-        ratio = f"{rate / hf_rate:.2f}" if hf_rate else "-"
-        spread = f"{min(rates[runner]):,.0f}..{max(rates[runner]):,.0f}"
-        lines.append(
-            f"{runner:<17}{rate:>10,.0f}{spread:>18}{seconds:>9.2f}{warmup:>11.1f}{ratio:>7}"
-            f"{_same_as(runner, runs[0]['completions'], reference):>12}{max(x['peak_rss_mib'] for x in runs):>14,.0f}"
-        )
+    for batch in batches:
+        key = str(batch)
+        rates = {r: [x["by_batch"][key]["tokens"] / s for x in runs for s in x["by_batch"][key]["seconds"]]
+                 for r, runs in ok.items() if runs}
+        reference = ok["hf"][0]["by_batch"][key]["completions"] if ok.get("hf") else None
+        hf_rate = statistics.median(rates["hf"]) if rates.get("hf") else None
+        lines += [
+            "",
+            f"batch {batch}:",
+            f"{'runner':<19}{'tokens/s':>10}{'min..max':>18}{'s/call':>9}{'warm-up s':>11}{'x hf':>7}"
+            f"{'same as hf':>12}{'step ms':>9}{'floor ms':>10}{'x floor':>9}",
+            "-" * 114,
+        ]
+        for runner in runners:
+            runs = ok.get(runner)
+            if not runs:
+                failed = [x for x in results if x["runner"] == runner]
+                note = (failed[0].get("note") or "").strip().splitlines()[-1:] if failed else ["not run"]
+                lines.append(f"{runner:<19}{'failed' if failed else 'skipped':>10}  {' '.join(note)}")
+                continue
+            entries = [x["by_batch"][key] for x in runs]
+            rate = statistics.median(rates[runner])
+            seconds = statistics.median(s for e in entries for s in e["seconds"])
+            warmup = statistics.median(e["warmup_seconds"] for e in entries)
+            ratio = f"{rate / hf_rate:.2f}" if hf_rate else "-"
+            spread = f"{min(rates[runner]):,.0f}..{max(rates[runner]):,.0f}"
+            step = floor = ratio_floor = "-"
+            if "step_seconds" in entries[0]:
+                step_s = statistics.median(e["step_seconds"] for e in entries)
+                sizes = entries[0]["bytes"]
+                floor_s = (sizes["weights"] + sizes["kv_cache"]) / max(x["bandwidth"] for x in runs)
+                step, floor = f"{step_s * 1e3:.2f}", f"{floor_s * 1e3:.3f}"
+                ratio_floor = f"{step_s / floor_s:.1f}"
+            lines.append(
+                f"{runner:<19}{rate:>10,.0f}{spread:>18}{seconds:>9.2f}{warmup:>11.1f}{ratio:>7}"
+                f"{_same_as(runner, entries[0]['completions'], reference):>12}{step:>9}{floor:>10}"
+                f"{ratio_floor:>9}"
+            )
+        floors = [(r, x) for r, runs in ok.items() for x in runs if x.get("bandwidth") and "bytes" in x["by_batch"][key]]
+        if floors:
+            runner, x = floors[0]
+            sizes = x["by_batch"][key]["bytes"]
+            lines.append(
+                f"floor: (weights {sizes['weights'] / 2**20:,.0f} MiB + KV cache {sizes['kv_cache'] / 2**20:,.1f} MiB "
+                f"a step, on average) / copy bandwidth {max(r['bandwidth'] for r in ok[runner]) / 1e9:,.0f} GB/s; "
+                f"a step reading the whole static cache reads {sizes['static_kv_cache'] / 2**20:,.1f} MiB of it"
+            )
     notes = sorted({f"{x['runner']}: {n}" for x in results for n in x.get("notes", [])})
     return "\n".join(lines + [f"note: {n}" for n in notes])
+
+
+def _shown(result: dict) -> str:
+    return ", ".join(f"batch {b}: {e['tokens'] / statistics.median(e['seconds']):,.0f} tokens/s"
+                     for b, e in result["by_batch"].items())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", default=None, help="comma-separated harness presets (default: reference,100m on CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated subset of {','.join(RUNNERS)}")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--new-tokens", "--new_tokens", type=int, default=128)
+    parser.add_argument("--runners", default=None, help=f"comma-separated subset of {','.join(RUNNERS)} (default: "
+                        f"{DEFAULT_RUNNERS['cpu']} on cpu, {DEFAULT_RUNNERS['cuda']} on cuda)")
+    parser.add_argument("--batch", default=None, help="comma-separated batch sizes (default: 32 on cpu, 64,8 on cuda)")
+    parser.add_argument("--new-tokens", "--new_tokens", type=int, default=None, help="default: 128 on cpu, 256 on cuda")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per child process")
     parser.add_argument("--rounds", type=int, default=2, help="each round runs every runner once, in turn")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, the reference preset only")
@@ -225,21 +311,29 @@ def main() -> None:
     if cli.child:
         child_main(cli, generate_once)
         return
+    on_cuda = cli.device == "cuda"
+    if on_cuda and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here")
+    cli.new_tokens = cli.new_tokens or (256 if on_cuda else 128)
     if cli.quick:
         cli.new_tokens, cli.rounds = 32, 1
-    default_presets = "reference" if cli.quick else "reference,100m" if cli.device == "cpu" else "qwen3_0.6b"
+    default_presets = "reference" if cli.quick else "qwen3_0.6b" if on_cuda else "reference,100m"
     presets = (cli.presets or default_presets).split(",")
-    runners = cli.runners.split(",")
+    runners = (cli.runners or DEFAULT_RUNNERS[cli.device]).split(",")
+    unknown = sorted(set(runners) - set(RUNNERS))
+    if unknown:
+        sys.exit(f"--runners: unknown {', '.join(unknown)}; expected a subset of {','.join(RUNNERS)}")
+    batches = [int(b) for b in (cli.batch or ("64,8" if on_cuda else "32")).split(",")]
     if cli.threads:
         torch.set_num_threads(cli.threads)
     machine = machine_description(cli.device)
-    prompts = make_prompts(cli.batch, cli.seed)
+    prompts = make_prompts(max(batches), cli.seed)
     setup = (
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}"
         + (f", {machine['gpu']}" if "gpu" in machine else "")
         + f"\nsoftware: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}; "
         f"date {machine['date']}; load average before {machine['load_average']}"
-        f"\nworkload: batch {cli.batch} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens "
+        f"\nworkload: batch {'/'.join(map(str, batches))} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens "
         f"(mean {statistics.mean(map(len, prompts)):.1f}), greedy, {cli.new_tokens} new tokens each (no EOS), "
         f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}; "
         f"{cli.rounds} round(s) x {cli.repeats} timed call(s) per runner"
@@ -249,13 +343,12 @@ def main() -> None:
     for preset in presets:
         with work_folder("bench_generate_", cli.keep) as work:
             parameters = build_model(PRESETS[preset], work / "model", cli.seed)
-            spec = {"device": cli.device, "model_dir": str(work / "model"), "prompts": prompts, "new_tokens": cli.new_tokens,
-                    "repeats": cli.repeats, "threads": cli.threads}
+            spec = {"device": cli.device, "model_dir": str(work / "model"), "prompts": prompts, "batches": batches,
+                    "new_tokens": cli.new_tokens, "repeats": cli.repeats, "threads": cli.threads}
             spec_path = work / "spec.json"
             spec_path.write_text(json.dumps(spec))
-            results = run_rounds(runners, Workload(parameters, {}, spec_path), cli, __file__,
-                                 shown=lambda r: f"{r['tokens'] / statistics.median(r['seconds']):,.0f} tokens/s")
-            reports.append(report_preset(preset, parameters, results, runners))
+            results = run_rounds(runners, Workload(parameters, {}, spec_path), cli, __file__, shown=_shown)
+            reports.append(report_preset(preset, parameters, results, runners, batches))
     report = "\n\n".join(reports)
     print("\n" + report)
     if cli.write_results:

@@ -12,10 +12,13 @@ Two measurements, each runner in its own child process (so peak RSS is its own):
     python benchmarks/bench_grpo.py                       # both, default sizes
     python benchmarks/bench_grpo.py --what speed --lengths 64 256 --steps 4
     python benchmarks/bench_grpo.py --what curve --curve-steps 60
+    python benchmarks/bench_grpo.py --device cuda         # speed at Qwen3-0.6B's shape in bf16, 256 tokens
 
 The speed model is a Qwen3 of hidden 256, 4 layers, vocabulary 32000 (benchmarks/harness.py's
 "reference" shape) with random weights. Both runners train in fp32 with activation checkpointing on (both
-trainers' default), loss_type dapo, beta 0.
+trainers' default), loss_type dapo, beta 0. With ``--device cuda`` both train on the GPU in bf16 (bf16=True, fp32
+master weights) a model of Qwen3-0.6B's shape (``--preset``), generating with their default engines: transformers'
+``generate`` for TRL (use_vllm=False), the native engine for hfnative (its decode step in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ def _child(runner: str, spec: dict) -> dict:
         import trl as module
     else:
         import hfnative as module
+    on_cuda = spec.get("device") == "cuda"
     settings = dict(
-        output_dir=spec["output_dir"], use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
+        output_dir=spec["output_dir"], use_cpu=not on_cuda, bf16=on_cuda, report_to="none", disable_tqdm=True,
         max_steps=spec["steps"], logging_steps=1, save_strategy="no", per_device_train_batch_size=spec["batch"],
         num_generations=8, max_completion_length=spec["length"], learning_rate=spec["lr"],
         lr_scheduler_type="constant", seed=spec["seed"], beta=0.0, loss_type="dapo",
@@ -72,6 +76,8 @@ def _child(runner: str, spec: dict) -> dict:
             self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if on_cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - self.start)
             cpu_times.append(time.process_time() - self.cpu_start)
 
@@ -80,8 +86,10 @@ def _child(runner: str, spec: dict) -> dict:
         trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
     lengths = [entry["completions/mean_length"] for entry in trainer.state.log_history if "reward" in entry]
-    return {"step_seconds": times, "step_cpu_seconds": cpu_times, "rewards": rewards, "mean_length": lengths, "peak_rss_mib": peak_rss_mib(),
-            "peak_heap_mib": heap.peak_mib}
+    # on CUDA the peak of device memory stands in the heap's column
+    peak = torch.cuda.max_memory_allocated() / 2**20 if on_cuda else heap.peak_mib
+    return {"step_seconds": times, "step_cpu_seconds": cpu_times, "rewards": rewards, "mean_length": lengths,
+            "peak_rss_mib": peak_rss_mib(), "peak_heap_mib": peak}
 
 
 def run_child(runner: str, spec: dict, timeout: float) -> dict:
@@ -101,15 +109,17 @@ def run_child(runner: str, spec: dict, timeout: float) -> dict:
 
 def speed(cli, model: str) -> dict:
     """Prints the speed table; returns every length's results by runner."""
-    print(f"speed: G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), model {model}")
-    print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {'peak heap MiB':>14} "
+    print(f"speed: G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), model {model}, "
+          f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}")
+    memory = "peak GPU MiB" if cli.device == "cuda" else "peak heap MiB"
+    print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {memory:>14} "
           f"{'mean len':>9}")
     by_length = {}
     for length in cli.lengths:
         results = by_length[length] = {}
         for runner in RUNNERS:
             spec = dict(model=model, steps=cli.steps, batch=8, prompts=8, length=length, lr=1e-6, seed=0,
-                        threads=cli.threads)
+                        threads=cli.threads, device=cli.device)
             results[runner] = result = run_child(runner, spec, cli.timeout)
             if "error" in result:
                 print(f"{length:>7} {runner:>9} {result['error']}")
@@ -160,6 +170,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--curve-steps", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: speed only, bf16, --preset's model (default qwen3_0.6b), lengths 256 unless given")
+    parser.add_argument("--preset", default=None, help="the speed model's harness preset (default: reference on cpu, "
+                        "qwen3_0.6b on cuda)")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--child", choices=RUNNERS)
     parser.add_argument("--spec")
@@ -168,10 +182,19 @@ def main() -> None:
     if cli.child:
         print("RESULT " + json.dumps(_child(cli.child, json.loads(cli.spec))))
         return
-    print(json.dumps(machine_description("cpu")))
+    if cli.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            sys.exit("--device cuda: torch sees no CUDA device here")
+        cli.what = "speed"
+        if "--lengths" not in sys.argv:
+            cli.lengths = [256]
+    print(json.dumps(machine_description(cli.device)))
     if cli.what in ("speed", "both"):
         with tempfile.TemporaryDirectory() as folder:
-            parameters = build_model(PRESETS["reference"], Path(folder), seed=0)
+            preset = cli.preset or ("qwen3_0.6b" if cli.device == "cuda" else "reference")
+            parameters = build_model(PRESETS[preset], Path(folder), seed=0)
             print(f"model: {parameters / 1e6:.1f}M parameters")
             by_length = speed(cli, folder)
         if cli.json:

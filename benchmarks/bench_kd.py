@@ -5,12 +5,15 @@ student's parameters) on the same prompts, in the same seeded order, with the sa
 child process. Generation is taken out of the measurement: both trainers' generation step is replaced by the same
 fixed completions (``--completion`` tokens per prompt, cut from the corpus), so the timed work is the teacher's
 forward, the student's forward and backward and the generalized JSD through both heads (TRL's chunked divergence;
-hfnative's fused chunked JSD), and the optimizer step. Generation speed is bench_generate.py's subject.
+hfnative's fused chunked JSD), and the optimizer step. Generation speed is bench_generate.py's subject; with
+``--on-policy`` each trainer samples its completions itself (TRL with transformers' ``generate``, use_vllm=False;
+hfnative with its native engine), as on-policy distillation runs, and the step's time includes it.
 
     python benchmarks/bench_kd.py --preset smoke --rounds 1
     python benchmarks/bench_kd.py --preset reference
     python benchmarks/bench_kd.py --preset 100m --rounds 1
     python benchmarks/bench_kd.py --device cuda --preset 100m
+    python benchmarks/bench_kd.py --device cuda --preset qwen3_0.6b --on-policy --seq 320 --completion 256 --batch 8
 
 Printed: tokens/s (prompt + completion tokens of the timed steps, warm-up steps excluded), peak memory (RSS on
 CPU, max_memory_allocated on CUDA), per-step losses side by side with their largest relative difference.
@@ -147,10 +150,12 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     def fixed(prompt_ids) -> list[list[int]]:
         return [list(completions[tuple(p)]) for p in prompt_ids]
 
+    on_policy = spec.get("on_policy", False)  # each trainer generates its completions with its own engine
     if runner == "trl":
         import trl
 
-        trl.DistillationTrainer._generate_single_turn = lambda self, prompt_ids, *a, **k: fixed(prompt_ids)
+        if not on_policy:
+            trl.DistillationTrainer._generate_single_turn = lambda self, prompt_ids, *a, **k: fixed(prompt_ids)
         tokenizer.padding_side = "left"
         args = trl.DistillationConfig(**common)
         trainer = trl.DistillationTrainer(model=spec["model_dir"], teacher_model=spec["teacher_dir"], args=args,
@@ -159,13 +164,15 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
         import hfnative
         from hfnative.trainers import distillation_trainer
 
-        distillation_trainer._DistillationObjective.generate = lambda self, model, prompts, sampling: fixed(prompts)
+        if not on_policy:
+            distillation_trainer._DistillationObjective.generate = lambda self, model, prompts, sampling: fixed(prompts)
         args = hfnative.DistillationConfig(**common)
         trainer = hfnative.DistillationTrainer(model=spec["model_dir"], teacher_model=spec["teacher_dir"], args=args,
                                                train_dataset=dataset, processing_class=tokenizer)
     else:
         raise ValueError(f"unknown runner {runner!r}")
-    # fixed-length prompts and completions: every step trains batch * seq tokens
+    # fixed-length prompts and completions: every step trains batch * seq tokens (on-policy: at most, a completion
+    # stopping early at a sampled EOS)
     return train_and_measure(trainer, shape, device == "cuda", lambda: [shape.batch * shape.seq] * shape.steps)
 
 
@@ -240,6 +247,10 @@ def parse_args(argv=None):
                              "off-policy (lmbda=0; TRL's materializes both models' logits)")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of trl,ours")
     parser.add_argument("--completion", type=int, default=None, help="completion tokens per row (default: seq / 2)")
+    parser.add_argument("--on-policy", "--on_policy", action="store_true",
+                        help="distillation: each trainer samples its completions (--completion tokens) with its own "
+                             "engine (TRL: transformers' generate, use_vllm=False; hfnative: the native engine) instead "
+                             "of the fixed ones: the step then times generation too")
     parser.add_argument("--beta", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--activation_checkpointing", action="store_true", help="activation checkpointing for both")
@@ -267,7 +278,7 @@ def main() -> None:
         spec = {"device": cli.device, "shape": dataclasses.asdict(shape), "model_dir": str(work / "model"),
                 "teacher_dir": str(work / "teacher"), "work_dir": str(work), "completion": completion, "trainer": cli.trainer,
                 "beta": cli.beta, "temperature": cli.temperature, "max_grad_norm": cli.max_grad_norm, "seed": cli.seed,
-                "threads": cli.threads, "checkpointing": cli.activation_checkpointing}
+                "threads": cli.threads, "checkpointing": cli.activation_checkpointing, "on_policy": cli.on_policy}
         (work / "spec.json").write_text(json.dumps(spec))
         machine = machine_description(cli.device)
         setup = "\n".join([
@@ -279,7 +290,9 @@ def main() -> None:
             f"{student_params / 1e6:.2f}M parameters; teacher: hidden {teacher_shape.hidden}, {teacher_shape.layers} "
             f"layers, {teacher_params / 1e6:.2f}M parameters ({teacher_params / student_params:.2f}x)",
             f"training: {cli.trainer}, {'bf16 autocast' if cli.device == 'cuda' else 'fp32'}, {shape.batch} rows of "
-            f"{shape.seq - completion} prompt + {completion} fixed completion tokens, {shape.steps} steps "
+            f"{shape.seq - completion} prompt + {completion} "
+            f"{'sampled (on-policy; tokens/s counts them all)' if cli.on_policy else 'fixed'} completion tokens, "
+            f"{shape.steps} steps "
             f"({shape.warmup} warm-up not timed), beta {cli.beta}, temperature {cli.temperature}, AdamW lr 1e-3, "
             f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}; "
             f"data: {data['rows']} rows, {data['tokens']:,} tokens",

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, in under 6 minutes on a machine with one NVIDIA GPU and no network:
+# Every GPU check in one run, in about 7 minutes on a machine with one NVIDIA GPU and no network:
 #
 #   1 env          nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #   2 install      missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
@@ -10,15 +10,26 @@
 #   6 trainers     gpu_trainers.py: 3 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO)
 #                  on the shipped tiny model, bf16 on CUDA: finite losses, parameters moved, perf/ metrics logged,
 #                  the saved folder loads
-#   7 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
-#   8 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
-#   9 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
+#   7 generation   gpu_checks.py generation: the native engine's decode step uncaptured, in a CUDA graph, compiled
+#                  and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32)
+#   8 bench-gen    bench_generate.py --device cuda: native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
+#                  batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
+#   9 bench-grpo   bench_grpo.py --device cuda: s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same
+#                  model (Qwen3-0.6B shape), bf16, 8 generations x 256 tokens
+#  10 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
+#  11 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
+#  12 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
 #                  skipped on a machine with one GPU
+#  13 bench-kd     bench_kd.py --device cuda --on-policy: on-policy distillation, hfnative vs TRL (use_vllm=False),
+#                  8 completions x 256 sampled tokens a step
+#  14 gen-compiled bench_generate.py --runners native-compiled: the compiled and captured decode step at
+#                  batch 64 beside its bandwidth floor (its first call compiles the 28-layer step)
+#                  (13 and 14 last: they run when the budget has room)
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
 #
-# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 360 by default); a
+# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 420 by default); a
 # failing check never stops the next. The full output and a summary table go to
 # benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that is set. PYTHON picks the
 # interpreter (default: python3 or python, whichever imports torch). hfnative is imported from this tree
@@ -29,14 +40,14 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,25p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,36p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
   done
 fi
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-360}
+BUDGET=${GPU_CHECK_BUDGET:-420}
 START=$SECONDS
 
 RESULTS_DIR=benchmarks/gpu_results
@@ -123,6 +134,24 @@ distributed_verdict() {  # bench_distributed.py exits 0 even when a layout fails
   fi
 }
 
+generate_verdict() {  # bench_generate.py: per batch size, each native runner's ratio to hf and to the bandwidth floor
+  local summary
+  summary=$(awk '/^batch [0-9]+:/ {batch=$2} $1 ~ /^native/ && $2 != "failed" {printf "b%s %s x%s hf, %s ms/step x%s floor; ", batch, $1, $6, $8, $10}' "$1" | sed 's/:,/,/g' | cut -c1-200)
+  if grep -qE '^(hf|native[a-z-]*) +failed' "$1"; then
+    echo "FAIL $(grep -m1 -E '^(hf|native[a-z-]*) +failed' "$1" | tr -s ' ' | cut -c1-160)"
+  elif grep -q 'same as hf' "$1" && awk '$1 ~ /^native/ && $7 ~ /^[0-9]+\/[0-9]+$/ {split($7, r, "/"); if (r[1] != r[2]) bad=1} END {exit !bad}' "$1"; then
+    echo "WARN completions differ from transformers' (near-ties in bf16?): ${summary:-no native row}"
+  else
+    echo "PASS ${summary:-no native row}"
+  fi
+}
+
+grpo_verdict() {  # bench_grpo.py: the ratio line per completion length
+  local ratios
+  ratios=$(awk '$2 == "ratio" {printf "%s tokens: TRL s/step / ours %s; ", $1, $3}' "$1")
+  if [[ -n $ratios ]]; then echo "PASS $ratios"; else echo "FAIL $(last_line "$1")"; fi
+}
+
 bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lines
   local ratios
   ratios=$(grep -E '^ours(:[a-z_]+)? / ' "$1" | sed 's/, peak heap.*//' | paste -sd ';' | cut -c1-200)
@@ -144,10 +173,18 @@ if [[ $DEVICE == cuda ]]; then
   SFT_SMALL=(--preset smoke --steps 6 --warmup 2 --peak_seconds 0.5 --timeout 100)
   SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
+  GENERATE=(--rounds 1 --runners hf,native --timeout 120)
+  GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
+  GRPO=(--steps 3 --timeout 100)
+  KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
 else
   SFT_SMALL=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
+  GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
+  GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
+  GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
+  KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
 fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
@@ -156,6 +193,9 @@ run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parit
 run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
 run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
 run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
+run_check generation 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
+run_check bench-gen 150 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE[@]}"
+run_check bench-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
 run_check bench 230 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 "${SFT_BENCH[@]}"
 run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
   --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
@@ -167,6 +207,10 @@ else
   run_check distributed 70 distributed_verdict "$PYTHON" benchmarks/bench_distributed.py --device "$DEVICE" --rounds 1 \
     "${DISTRIBUTED[@]}"
 fi
+
+run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
+run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
+  "${GENERATE_COMPILED[@]}"
 
 {
   echo

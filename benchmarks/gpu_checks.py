@@ -3,6 +3,7 @@
     python benchmarks/gpu_checks.py parity --device cuda --dtype fp32
     python benchmarks/gpu_checks.py parity --device cuda --dtype bf16
     python benchmarks/gpu_checks.py attention --device cuda
+    python benchmarks/gpu_checks.py generation --device cuda
 
 Both run on CPU too (that is how they are tested without a GPU). Each output line is one comparison,
 ``PASS`` / ``FAIL`` / ``SKIP``, its name and numbers; the exit status is 1 when any comparison failed.
@@ -20,6 +21,11 @@ attention: (1) each SDPA backend on a causal batch against fp32 math; (2) a pack
 mask; (3) hfnative's model with SDPA forced to flash / efficient / cuDNN against math; (4) hfnative's own
 variable-length path (when the model offers ``attention_implementation = "varlen"``) against its dense-mask
 path on packed and padded batches. Low-precision results follow the bf16 rule above.
+
+generation: the native rollout engine's decode step as each way runs it — uncaptured (eager, the cache read up to
+the current slot), captured in a CUDA graph (the default on CUDA; static shapes), compiled and captured — on tiny
+models in fp32, called twice each (capture, then replay): the same greedy tokens and seeded samples as the
+uncaptured engine, and log-probs within 1e-4 of transformers' uncached forward on the same tokens.
 """
 
 from __future__ import annotations
@@ -272,12 +278,52 @@ def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
     model_attention(tally, device, dtype)
 
 
+def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating",)) -> None:
+    from hfnative.generation import NativeRolloutEngine, SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
+    for config in configs:
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_model(config, folder)
+            reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+            converted = load_pretrained(folder, dtype=torch.float32, device=device)
+        ways = {"uncaptured": dict(cuda_graph=False)}
+        if device.type == "cuda":
+            ways["cuda graph"] = dict(cuda_graph=True)
+        ways["compiled" + (" + cuda graph" if device.type == "cuda" else "")] = dict(compile=True)
+        engines = {way: NativeRolloutEngine(converted, **kwargs) for way, kwargs in ways.items()}
+        kinds = [("greedy", SamplingParams(max_new_tokens=16, do_sample=False)),
+                 ("sampled", SamplingParams(max_new_tokens=16, seed=3, temperature=0.9))]
+        for kind, sampling in kinds[: None if device.type == "cuda" else 1]:  # a CPU rehearsal: one compile, not two
+            expected = engines["uncaptured"].generate(prompts, sampling)
+            for way, engine in engines.items():
+                label = f"generation {config} {kind}, {way}"
+                try:
+                    start = time.perf_counter()
+                    results = [engine.generate(prompts, sampling) for _ in range(2)]
+                    seconds = time.perf_counter() - start
+                except Exception as err:  # a failure of one way is reported, the others still run
+                    tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+                    continue
+                same = all(r.completion_ids == expected.completion_ids for r in results)
+                worst = 0.0
+                with torch.no_grad():
+                    for prompt, completion, logprobs in zip(prompts, results[-1].completion_ids, results[-1].logprobs):
+                        logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
+                        logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
+                        theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
+                        worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
+                tally.check(same and worst <= 1e-4, label,
+                            f"tokens {'equal' if same else 'DIFFER'} to uncaptured; max|Δ log-prob| vs transformers "
+                            f"{worst:.1e}; two calls {seconds:.2f} s")
+
+
 # ------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("parity", "attention"))
+    parser.add_argument("check", choices=("parity", "attention", "generation"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parity: fp32 by default; attention: bf16 on cuda, fp32 on cpu by default")
@@ -291,6 +337,8 @@ def main(argv=None) -> int:
     tally = Tally()
     if args.check == "parity":
         parity(tally, device, DTYPES[args.dtype or "fp32"], sorted(CONFIGS) if args.all else ONE_PER_FAMILY)
+    elif args.check == "generation":
+        generation(tally, device)
     else:
         attention(tally, device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     print(f"{tally.failures} failed" if tally.failures else "all passed")

@@ -80,7 +80,7 @@ class Rollout:
         live weights, or on a gathered replica of a parallelized policy."""
         if self._engine is None:
             model = self.context.model
-            self._engine = self._replica_engine(model) if is_parallelized(model) else NativeRolloutEngine(model)
+            self._engine = self._replica_engine(model) if is_parallelized(model) else self._native_engine(model)
         return self._engine
 
     @engine.setter
@@ -102,14 +102,18 @@ class Rollout:
         engine = self.engine if policy else None
         if not policy and id(model) not in self._other_engines:  # a new replica is gathered as it is made
             parallel = is_parallelized(model)
-            self._other_engines[id(model)] = self._replica_engine(model) if parallel else NativeRolloutEngine(model)
+            self._other_engines[id(model)] = self._replica_engine(model) if parallel else self._native_engine(model)
         elif id(model) in self._replicas and any(p.requires_grad for p in model.parameters()):  # a frozen one stays
             self._replicas[id(model)] = gather_replica(model, self._replicas[id(model)])
         return engine if policy else self._other_engines[id(model)]
 
     def _replica_engine(self, model) -> NativeRolloutEngine:
         self._replicas[id(model)] = replica = gather_replica(model)
-        return NativeRolloutEngine(replica)
+        return self._native_engine(replica)
+
+    def _native_engine(self, model) -> NativeRolloutEngine:
+        """A native engine on ``model``; with ``torch_compile`` its decode step is compiled (a CUDA graph on CUDA)."""
+        return NativeRolloutEngine(model, compile=bool(getattr(self.context.args, "torch_compile", False)))
 
     def sync_weights(self) -> None:
         """After an optimizer step: an engine that holds its own copy of the weights (vLLM) gets the policy's new

@@ -28,7 +28,8 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
     """The rollout engine ``args`` selects (any object with TRL's field names, e.g. a GRPOConfig) for ``model``
     (a trainer's model, a ConvertedModel, a checkpoint folder or Hub id).
 
-    use_vllm False (default): ``NativeRolloutEngine(model, **engine_kwargs)`` on the model's live weights
+    use_vllm False (default): ``NativeRolloutEngine(model, **engine_kwargs)`` on the model's live weights, its decode
+    step compiled (a CUDA graph on CUDA) when ``torch_compile`` is set
     (``TransformersRolloutEngine``, transformers' generate, for a model without a native implementation).
     use_vllm True: vllm_mode "colocate" -> ``VLLMColocateEngine`` (vllm_tensor_parallel_size,
     vllm_gpu_memory_utilization, vllm_max_model_length, vllm_enable_sleep_mode, vllm_model_impl; the
@@ -40,6 +41,7 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
     if not _field(args, "use_vllm", False):
         if isinstance(model, TransformersCausalLM):  # no native implementation: transformers' generate
             return TransformersRolloutEngine(model)
+        engine_kwargs.setdefault("compile", bool(_field(args, "torch_compile", False)))
         return NativeRolloutEngine(native_model(model), **engine_kwargs)
 
     mode = _field(args, "vllm_mode", "colocate")

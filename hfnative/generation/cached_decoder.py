@@ -8,7 +8,8 @@ V vocabulary.
 call the block's submodules (norms, projections, q/k norms, MoE, feed-forward, head) as modules, so
 LoRA adapters and any later weight update are what runs; the layer order of operations mirrors
 ``TransformerBlock.forward`` and ``Attention.forward`` in hfnative/models (the parity tests in
-tests/test_generation.py hold the two together).
+tests/test_generation.py hold the two together). RoPE's cos/sin are looked up in ``DecoderTables`` made once per cache
+(the same values the model's rotary module computes per call), so a step computes no trigonometry.
 """
 
 from __future__ import annotations
@@ -27,14 +28,39 @@ def _norm_if(norm, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
+class DecoderTables:
+    """What every step reads and none changes, made once per cache: cos/sin [N, r] of positions 0..N-1 under the
+    model's RoPE (and its local RoPE, when it has one) in the dtype the decoder rotates in (``rope(positions)`` gives
+    what ``model.rope(positions, dtype)`` gives, element for element), and the embedding scale rounded to the
+    embedding's dtype (a Python float: no tensor made per step)."""
+
+    def __init__(self, model: Transformer, num_positions: int, device: torch.device):
+        embedding_dtype = model.tok_embeddings.weight.dtype
+        dtype = torch.float32 if model.args.rotary_in_float32 else embedding_dtype
+        positions_1N = torch.arange(num_positions, device=device)[None]
+        self._rope = tuple(t[0] for t in model.rope(positions_1N, dtype))
+        self._local_rope = (tuple(t[0] for t in model.local_rope(positions_1N, dtype))
+                            if model.local_rope is not None else None)
+        scale = model.args.embedding_scale
+        self.embedding_scale = None if scale is None else torch.tensor(scale).to(embedding_dtype).item()
+
+    def rope(self, positions_BS: torch.Tensor, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        cos_Nr, sin_Nr = self._local_rope if local and self._local_rope is not None else self._rope
+        return cos_Nr[positions_BS], sin_Nr[positions_BS]
+
+
 def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, visible_B11L) -> torch.Tensor:
-    """One query per row against the layer's cache entries it may see."""
+    """One query per row against the layer's cache entries it may see. The G = H / K query heads that share a key/value
+    head are its G queries (q [B, K, G, d]), so no kernel repeats the cache per query head (SDPA's GQA works only in
+    its flash and math kernels, and on a masked call the math kernel copies the whole cache G times)."""
     if attention.sinks is not None:
         return _attend_with_sinks(q_BH1d, keys_BKLd, values_BKLd, visible_B11L, attention.sinks, attention.scale)
-    return F.scaled_dot_product_attention(
-        q_BH1d, keys_BKLd, values_BKLd, attn_mask=visible_B11L, scale=attention.scale,
-        enable_gqa=keys_BKLd.shape[1] != q_BH1d.shape[1],
+    B, H, _, d = q_BH1d.shape
+    K = keys_BKLd.shape[1]
+    out_BKGd = F.scaled_dot_product_attention(
+        q_BH1d.reshape(B, K, H // K, d), keys_BKLd, values_BKLd, attn_mask=visible_B11L, scale=attention.scale,
     )
+    return out_BKGd.reshape(B, H, 1, d)
 
 
 def _block_forward(
@@ -58,20 +84,20 @@ def _block_forward(
 
 
 def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
-            plan: AttentionPlan | None) -> torch.Tensor:
+            tables: DecoderTables, plan: AttentionPlan | None) -> torch.Tensor:
     """Embedding and blocks over ``tokens_BS`` (writing the cache): hidden states [B, S, D] before the final norm."""
     h = model.tok_embeddings(tokens_BS)
-    if model.args.embedding_scale is not None:
-        h = h * torch.tensor(model.args.embedding_scale).to(h.dtype)
-    rope_dtype = torch.float32 if model.args.rotary_in_float32 else h.dtype
-    cos_sin = model.rope(positions_BS, rope_dtype)
-    local_cos_sin = model.local_rope(positions_BS, rope_dtype) if model.local_rope is not None else cos_sin
+    if tables.embedding_scale is not None:
+        h = h * tables.embedding_scale
+    cos_sin = tables.rope(positions_BS)
+    local_cos_sin = tables.rope(positions_BS, local=True) if model.local_rope is not None else cos_sin
     for layer in model.layers:
         h = _block_forward(layer, h, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
     return h
 
 
-def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cache: KVCache) -> torch.Tensor:
+def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cache: KVCache,
+            tables: DecoderTables) -> torch.Tensor:
     """All prompts in one pass, packed in one row with no padding (each attends only within itself);
     fills the cache's prompt slots, each prompt ending at slot ``prompt_slots - 1``. Returns the logits
     of each prompt's last token [B, V]."""
@@ -88,16 +114,16 @@ def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cac
     plan = plan_attention(1, tokens_1N.shape[1], device, None, positions_N[None],
                           model.args.sliding_window if has_sliding else None, "varlen")
     cache.start_prompts(rows_N.to(device), slots_N.to(device), P)
-    h_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, plan)
+    h_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, tables, plan)
     return model.output(model.norm(h_1ND[:, last_B.to(device)]))[0]
 
 
-def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache,
+def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache, tables: DecoderTables,
                 read_upto: int | None = None) -> torch.Tensor:
-    """One new token per row at ``slot`` (a 0-d long tensor, so a compiled step is reused at every
+    """One new token per row at ``slot`` (a 0-d long tensor on the device, so a compiled step is reused at every
     slot); returns its logits [B, V]. read_upto: slot + 1 to read only the filled part of the cache
     (eager), None to read all of it, masked (compiled: one shape)."""
     positions_B1 = (slot - cache.pad_B)[:, None]
     cache.start(slot.reshape(1), read_upto)
-    h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, None)
+    h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None)
     return model.output(model.norm(h_B1D))[:, 0]

@@ -17,6 +17,9 @@ Each buffer length has one ``entry_slot`` [L]: the slot each entry holds (-1 whe
 layers of that length since they are written in lockstep. An entry is visible to row b when it holds
 a slot at or after the row's padding: ``entry_slot >= pad_B[b]``; the ring's overwrite keeps older slots
 out of the window and empty or future entries hold -1 or are not written yet.
+
+A cache is made once per batch shape and reused (``reset``): the buffers keep their addresses, so a decode step
+captured in a CUDA graph reads and writes the same memory at every call.
 """
 
 from __future__ import annotations
@@ -52,6 +55,15 @@ class KVCache:
         self.read_upto = num_slots  # full-length buffers: entries past this are empty and not read
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def reset(self, pad_B: torch.Tensor) -> None:
+        """Empty the cache for a new batch of the same shape, with each row's left padding ``pad_B`` [B]; the buffers
+        are refilled in place (zeros: a masked entry weighs 0 in attention, and 0 times a stale inf or NaN is not 0)."""
+        self.pad_B.copy_(pad_B)
+        for entry_slot in self.entry_slot.values():
+            entry_slot.fill_(-1)
+        for buffer in self.keys + self.values:
+            buffer.zero_()
 
     def start(self, slots_S: torch.Tensor, read_upto: int | None = None) -> None:
         """Claim the entries of the slots written next (consecutive, increasing); a ring keeps only

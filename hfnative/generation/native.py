@@ -9,6 +9,8 @@ tensors; tensors from elsewhere are copied in by native name.
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -16,28 +18,40 @@ import torch
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
-from .cached_decoder import decode_step, prefill
-from .kv_cache import KVCache
+from .compute_weights import DecodingWeights
+from .decode_loop import DecodeBatch, StepRunner, StopCheck, advance, choose
 from .rollouts import RolloutEngine, Rollouts, check_prompts
-from .sampling import SamplingParams, call_row_keys, choose_tokens
+from .sampling import SamplingParams, call_row_keys
 
-# with compile=True prompts are left-padded to a multiple of this, so batches of similar lengths
-# share one compiled decode step (its cache shape) instead of compiling one per prompt length
+# with static shapes (compile, CUDA graphs) prompts are left-padded to a multiple of this, so batches of similar lengths
+# share one compiled or captured decode step (its cache shape) instead of making one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
+# the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
+MAX_BATCH_SHAPES = 4
 
 
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).
 
-    compile: run the decode step through ``torch.compile`` (it recompiles for a new batch size or
-    cache length; prefill stays eager). max_batch_size: at most this many prompts decode together.
+    Each step of the decode loop runs on the device with nothing read back on the host (``decode_loop``); a batch
+    shape's buffers (KV cache, RoPE tables, outputs) are made at its first call and reused. Under autocast the model
+    decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per weight version
+    (``compute_weights``).
+
+    cuda_graph (default: on CUDA): the whole decode step (decode, sampling, stop bookkeeping) is captured in a CUDA
+    graph per batch shape (rows, prompt slots, new tokens) and sampling kind, and replayed at every token: one launch
+    a token, whatever the model's depth. compile: that step goes through ``torch.compile`` (fused kernels; the first
+    call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
+    COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
+    training attention kernels). max_batch_size: at most this many prompts decode together.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
     reads_live_weights = True
     samples_row_streams = True
 
-    def __init__(self, model: Transformer, *, compile: bool = False, max_batch_size: int | None = None):
+    def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
+                 max_batch_size: int | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -46,8 +60,13 @@ class NativeRolloutEngine(RolloutEngine):
             )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}: expected an int >= 1 or None")
+        device_type = model.tok_embeddings.weight.device.type
+        if cuda_graph and device_type != "cuda":
+            raise ValueError(f"cuda_graph=True: the model is on {device_type}, CUDA graphs need it on a CUDA device")
         self.model, self.compile, self.max_batch_size = model, compile, max_batch_size
-        self._decode_step = torch.compile(decode_step, dynamic=False) if compile else decode_step
+        self.cuda_graph = device_type == "cuda" if cuda_graph is None else cuda_graph
+        self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
+        self._weights = DecodingWeights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by native state-dict name (``layers.0.attention.wq.weight``,
@@ -75,7 +94,9 @@ class NativeRolloutEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            parts = [self._generate_batch(prompts[i : i + step], sampling, i) for i in range(0, len(prompts), step)]
+            model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
+            parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
+                     for i in range(0, len(prompts), step)]
         finally:
             self.model.train(was_training)
         return Rollouts(
@@ -88,55 +109,81 @@ class NativeRolloutEngine(RolloutEngine):
     def _device(self) -> torch.device:
         return self.model.tok_embeddings.weight.device
 
-    def _generate_batch(self, prompts: list[list[int]], sampling: SamplingParams, offset: int) -> Rollouts:
-        """Completions of ``prompts``, rows ``offset`` onwards of the call."""
-        model, device, T = self.model, self._device, sampling.max_new_tokens
-        args = model.args
-        B, longest = len(prompts), max(len(p) for p in prompts)
-        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.compile else longest
-        pad_B = torch.tensor([P - len(p) for p in prompts], device=device)
-
+    def _batch(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
+        """The buffers of this batch shape, made at its first call and kept (the last MAX_BATCH_SHAPES shapes)."""
+        device = self._device
         # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
         # and attention reads them in it
-        cache_dtype = autocast_dtype(device.type) or model.tok_embeddings.weight.dtype
-        cache = KVCache(
-            [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
-            P + T, pad_B, cache_dtype, device,
-        )
-        seen_BV = None
-        if sampling.repetition_penalty != 1.0:  # the prompt's tokens count as seen, as in transformers
-            seen_BV = torch.zeros(B, args.vocab_size, dtype=torch.bool, device=device)
-            rows = torch.repeat_interleave(torch.arange(B), torch.tensor([len(p) for p in prompts]))
-            seen_BV[rows.to(device), torch.tensor([t for p in prompts for t in p], device=device)] = True
-        stop_ids = torch.tensor(sampling.stop_ids, dtype=torch.long, device=device)
-        check_every = 1 if device.type == "cpu" else 8  # reading `finished` waits for the device
+        cache_dtype = autocast_dtype(device.type) or self.model.tok_embeddings.weight.dtype
+        key = (batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        batch = self._batches.pop(key, None)
+        if batch is None:
+            while len(self._batches) >= MAX_BATCH_SHAPES:
+                self._batches.popitem(last=False)
+            batch = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        self._batches[key] = batch
+        return batch
 
-        tokens_BT = torch.zeros(B, T, dtype=torch.long, device=device)
-        logprobs_BT = torch.zeros(B, T, dtype=torch.float32, device=device)
-        lengths_B = torch.zeros(B, dtype=torch.long, device=device)
-        finished_B = torch.zeros(B, dtype=torch.bool, device=device)
-        keys_B = None
-        if sampling.seed is not None:
-            keys_B = call_row_keys(sampling, offset, B, device=device)
-        logits_BV = prefill(model, prompts, P, cache)
-        for t in range(T):
-            token_B, logprob_B = choose_tokens(logits_BV, sampling, seen_BV, keys_B, t)
-            tokens_BT[:, t], logprobs_BT[:, t] = token_B, logprob_B
-            lengths_B += ~finished_B
-            if stop_ids.numel():
-                finished_B |= torch.isin(token_B, stop_ids)
-            if t == T - 1 or (stop_ids.numel() and (t + 1) % check_every == 0 and bool(finished_B.all())):
+    @property
+    def static_shapes(self) -> bool:
+        """Whether a step has one shape at every token (compiled or captured): prompts left-padded to a multiple of
+        COMPILE_SLOT_MULTIPLE slots, the whole cache read under its mask."""
+        return self.compile or self.cuda_graph
+
+    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
+        """The step of ``batch`` for this sampling kind: eager reading the filled part of the cache, or (static
+        shapes) reading all of it, masked, compiled or not, and captured in a CUDA graph, which holds the parameters'
+        addresses."""
+        seeded = sampling.seed is not None
+        key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
+               sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
+               id(model))
+        if self.cuda_graph:
+            key += tuple(p.data_ptr() for p in model.parameters())
+        if key not in batch.runners:
+            if self.static_shapes:
+                step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
+                                         None)
+                batch.runners[key] = StepRunner(step, self.cuda_graph)
+            else:
+                batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
+        return batch.runners[key]
+
+    def _generate_batch(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,
+                        offset: int) -> Rollouts:
+        """Completions of ``prompts``, rows ``offset`` onwards of the call."""
+        device, T = self._device, sampling.max_new_tokens
+        B, longest = len(prompts), max(len(p) for p in prompts)
+        P = -(-longest // COMPILE_SLOT_MULTIPLE) * COMPILE_SLOT_MULTIPLE if self.static_shapes else longest
+        batch = self._batch(model, B, P, T)
+        seeded = sampling.seed is not None
+        keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
+        choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
+        step = self._runner(model, batch, sampling)
+        stop = StopCheck(device) if sampling.stop_ids else None
+        for t in range(1, T):  # tokens 0 .. t-1 are chosen
+            if stop is not None and stop.all_stopped(t - 1, batch.finished_B):
                 break
-            if seen_BV is not None:
-                seen_BV[torch.arange(B, device=device), token_B] = True
-            slot = P + t
-            logits_BV = self._decode_step(model, token_B, torch.tensor(slot, device=device), cache,
-                                          None if self.compile else slot + 1)
+            if self.static_shapes:
+                step()
+            else:
+                step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
+        tokens, logprobs, finished = batch.outputs()
+        return Rollouts(tokens, logprobs, ["stop" if done else "length" for done in finished])
 
-        lengths = lengths_B.tolist()
-        tokens, logprobs, finished = tokens_BT.tolist(), logprobs_BT.tolist(), finished_B.tolist()
-        return Rollouts(
-            [row[:n] for row, n in zip(tokens, lengths)],
-            [row[:n] for row, n in zip(logprobs, lengths)],
-            ["stop" if done else "length" for done in finished],
-        )
+
+# with compile=True the decode step is compiled with static shapes, one graph per batch shape and sampling kind; a
+# trainer meets a few (prompt-slot multiples, a teacher's shapes), more than torch's default limit of 8 per function
+COMPILED_SHAPES_LIMIT = 64
+
+
+@functools.cache
+def _advance_compiled():
+    """``advance`` through torch.compile, made at first use (importing the compiler takes seconds); aten's random ops
+    (fallback_random), so an unseeded compiled step samples as the eager one does."""
+    return torch.compile(advance, dynamic=False, options={"fallback_random": True})
+
+
+def _compiled_advance(*args) -> None:
+    with torch._dynamo.config.patch(recompile_limit=COMPILED_SHAPES_LIMIT):
+        _advance_compiled()(*args)

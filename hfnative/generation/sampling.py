@@ -153,9 +153,13 @@ def row_seeds(sampling: "SamplingParams", rows: int) -> list[int]:
     return [int(key) & ((1 << 63) - 1) for key in call_row_keys(sampling, 0, rows).tolist()]
 
 
-def row_uniforms(keys_B: torch.Tensor, step: int) -> torch.Tensor:
-    """One uniform draw in [0, 1) per row [B] (float64, 53 bits) at decode step ``step`` of each row's stream."""
-    bits = mix64(keys_B + _signed(_GAMMA * (step + 1)))
+def row_uniforms(keys_B: torch.Tensor, step: int | torch.Tensor) -> torch.Tensor:
+    """One uniform draw in [0, 1) per row [B] (float64, 53 bits) at decode step ``step`` of each row's stream (an int,
+    or a 0-d long tensor on the device: the same draw, int64 products wrapping as the int's are reduced)."""
+    if isinstance(step, torch.Tensor):
+        bits = mix64(keys_B + (step + 1) * _signed(_GAMMA))
+    else:
+        bits = mix64(keys_B + _signed(_GAMMA * (step + 1)))
     return _shift_right(bits, 11).double() * 2.0**-53
 
 
@@ -230,11 +234,11 @@ def choose_tokens(
     sampling: SamplingParams,
     seen_BV: torch.Tensor | None = None,
     row_keys_B: torch.Tensor | None = None,
-    step: int = 0,
+    step: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The next token of each sequence [B] and its log-prob [B] under log_softmax(logits / temperature).
-    Sampled from each row's own stream (``row_keys``) at decode ``step`` when keys are given (inverse CDF of one
-    uniform draw), else from torch's global RNG."""
+    Sampled from each row's own stream (``row_keys``) at decode ``step`` (an int or a 0-d long tensor) when keys are
+    given (inverse CDF of one uniform draw), else from torch's global RNG."""
     logits_BV = logits_BV.float()
     scores_BV = processed_scores(logits_BV, sampling, seen_BV)
     if sampling.do_sample and row_keys_B is not None:

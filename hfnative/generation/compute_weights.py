@@ -1,0 +1,77 @@
+"""The model a rollout decodes under autocast: its matmul weights in the autocast dtype, made once per weight version.
+
+Under autocast a model with fp32 (master) weights has every matmul weight cast to the autocast dtype at every use:
+in a compiled decode step, at every token (reading 4 bytes a parameter and writing 2 before the matmul reads them),
+and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad).
+``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's)
+are copies in the autocast dtype — what autocast's cast makes, so the logits are the same — and every other parameter
+and buffer shared with the model. The copies are refreshed in place when a weight's version changes (an optimizer step, a
+``load_weights``), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
+replica.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from hfnative.models.decoder import Transformer
+
+
+def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
+    """The floating 2-D parameters of nn.Linear modules (LoRA's A and B included; NF4 and DTensor weights are not
+    plain tensors, and a DoRA layer takes a norm of its weight outside autocast: those stay as they are), the untied
+    output head's matrix."""
+    found = [p for module in model.modules()
+             if isinstance(module, nn.Linear) and getattr(module, "lora_magnitude_vector", None) is None
+             for p in module.parameters(recurse=False)
+             if p.dim() == 2 and p.is_floating_point() and type(p.data) is torch.Tensor]
+    if not model.output.is_tied:
+        found.append(model.output.weight)
+    return found
+
+
+class DecodingWeights:
+    """``model_for(model, dtype)``: the model to decode under autocast to ``dtype`` (None: autocast off, the model
+    itself)."""
+
+    def __init__(self):
+        self.source: tuple[int, ...] = ()  # id() of every parameter of the model the replica was made from
+        self.replica: Transformer | None = None
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the model's weight, its copy)
+        self.versions: tuple[int, ...] = ()
+
+    def model_for(self, model: Transformer, dtype: torch.dtype | None) -> Transformer:
+        weights = _matmul_weights(model)
+        head = model.output.projection()
+        if dtype is None or all(p.dtype == dtype for p in weights + [head]):
+            return model
+        source = tuple(id(p) for p in model.parameters())
+        if self.replica is None or source != self.source or self.pairs[0][1].dtype != dtype:
+            self._make(model, weights, head, dtype)
+            self.source = source
+        versions = tuple(weight._version for weight, _ in self.pairs)
+        if versions != self.versions:
+            with torch.no_grad():
+                for source_tensor, copy_tensor in self.pairs:
+                    copy_tensor.copy_(source_tensor)
+            self.versions = versions
+        return self.replica
+
+    def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype) -> None:
+        """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype``."""
+        self.replica = None  # the old copies are freed before the new are made
+        memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+        self.pairs = []
+        for weight in weights:
+            memo[id(weight)] = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
+            self.pairs.append((weight, memo[id(weight)]))
+        replica = copy.deepcopy(model, memo)
+        if model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps reading the table
+            replica.output.untie()
+            replica.output.weight = nn.Parameter(torch.empty_like(head, dtype=dtype), requires_grad=False)
+            self.pairs.append((head, replica.output.weight))
+        self.replica = replica.eval()
+        self.versions = ()

@@ -1,0 +1,182 @@
+"""The decode loop's state, kept on the device, and the step that advances it: a generation of T tokens makes no
+device->host sync and no host->device copy per token.
+
+Shapes: B batch, P prompt slots, T new tokens, V vocabulary.
+
+``DecodeBatch`` holds one batch shape's buffers (B rows, P prompt slots, T new tokens): the KV cache, the decoder's
+tables (RoPE), the chosen tokens and their log-probs, each row's length and whether it has stopped, and the step
+counter. They are made once per shape and refilled in place by ``start``, so a compiled step, and on CUDA the graph it
+is captured in, reads and writes the same tensors at every call. ``advance`` is one step: decode the last chosen
+token, choose the next, record it. A row that has stopped goes on being decoded (what it makes past its stop token is
+cut on the host at the end, as its length says), so no step needs a value read back on the host.
+
+``StopCheck`` learns on the host that every row has stopped without stalling the device, so a call whose rows all stop
+early ends early; ``StepRunner`` runs a step eagerly, compiled, or replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+
+import torch
+
+from hfnative.models.decoder import Transformer
+
+from .cached_decoder import DecoderTables, decode_step, prefill
+from .kv_cache import KVCache
+from .sampling import SamplingParams, choose_tokens
+
+
+class DecodeBatch:
+    """One batch shape's buffers on ``device``, made once and refilled by ``start`` at every call of that shape."""
+
+    def __init__(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int,
+                 cache_dtype: torch.dtype, device: torch.device):
+        args = model.args
+        B, self.P, self.T = batch_size, prompt_slots, new_tokens
+        self.cache = KVCache(
+            [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
+            self.P + self.T, torch.zeros(B, dtype=torch.long, device=device), cache_dtype, device,
+        )
+        self.tables = DecoderTables(model, self.P + self.T, device)
+        self.tokens_BT = torch.zeros(B, self.T, dtype=torch.long, device=device)
+        self.logprobs_BT = torch.zeros(B, self.T, dtype=torch.float32, device=device)
+        self.lengths_B = torch.zeros(B, dtype=torch.long, device=device)
+        self.finished_B = torch.zeros(B, dtype=torch.bool, device=device)
+        self.token_B = torch.zeros(B, dtype=torch.long, device=device)  # the last chosen token of each row
+        self.step = torch.zeros((), dtype=torch.long, device=device)  # the index of the token chosen next
+        self.keys_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's sampling stream (seeded calls)
+        self.seen_BV: torch.Tensor | None = None  # tokens each row has seen (repetition penalty), made when first asked
+        self.stop_ids = torch.zeros(0, dtype=torch.long, device=device)
+        self._stop_ids: dict[int, torch.Tensor] = {}  # one buffer per count of stop ids: a captured step keeps its own
+        self.runners: dict[tuple, StepRunner] = {}  # this shape's steps by sampling kind (NativeRolloutEngine's)
+        self.vocab_size, self.device = args.vocab_size, device
+
+    def start(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,
+              keys_B: torch.Tensor | None) -> torch.Tensor:
+        """Refill for a call: each prompt left-padded to P slots, the call's stop ids, row keys (seeded calls) and seen
+        tokens (a repetition penalty: the prompt's tokens count as seen, as in transformers); then prefill. Returns
+        the logits of each prompt's last token [B, V]."""
+        device, B = self.device, len(prompts)
+        self.cache.reset(torch.tensor([self.P - len(p) for p in prompts], device=device))
+        for buffer in (self.tokens_BT, self.logprobs_BT, self.lengths_B, self.finished_B, self.token_B, self.step):
+            buffer.zero_()
+        n = len(sampling.stop_ids)
+        if n not in self._stop_ids:
+            self._stop_ids[n] = torch.zeros(n, dtype=torch.long, device=device)
+        self.stop_ids = self._stop_ids[n]
+        self.stop_ids.copy_(torch.tensor(sampling.stop_ids, dtype=torch.long))
+        if keys_B is not None:
+            self.keys_B.copy_(keys_B)
+        if sampling.repetition_penalty != 1.0:
+            if self.seen_BV is None:
+                self.seen_BV = torch.zeros(B, self.vocab_size, dtype=torch.bool, device=device)
+            self.seen_BV.zero_()
+            rows = torch.repeat_interleave(torch.arange(B), torch.tensor([len(p) for p in prompts]))
+            self.seen_BV[rows.to(device), torch.tensor([t for p in prompts for t in p], device=device)] = True
+        return prefill(model, prompts, self.P, self.cache, self.tables)
+
+    def outputs(self) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Each row's tokens and log-probs up to its stop token (included), and whether it stopped: read once, at the
+        end of the call."""
+        lengths = self.lengths_B.tolist()
+        tokens, logprobs, finished = self.tokens_BT.tolist(), self.logprobs_BT.tolist(), self.finished_B.tolist()
+        return [r[:n] for r, n in zip(tokens, lengths)], [r[:n] for r, n in zip(logprobs, lengths)], finished
+
+
+def choose(batch: DecodeBatch, logits_BV: torch.Tensor, sampling: SamplingParams, seeded: bool) -> None:
+    """Choose each row's next token from its logits [B, V] and record it at ``batch.step``; a row's length counts the
+    tokens up to and including its first stop token. seeded: draw from the rows' streams (``batch.keys_B``)."""
+    token_B, logprob_B = choose_tokens(logits_BV, sampling, batch.seen_BV, batch.keys_B if seeded else None, batch.step)
+    at_1 = batch.step.reshape(1)
+    batch.tokens_BT.index_copy_(1, at_1, token_B[:, None])
+    batch.logprobs_BT.index_copy_(1, at_1, logprob_B[:, None])
+    batch.lengths_B.add_((~batch.finished_B).long())
+    batch.finished_B.logical_or_((token_B[:, None] == batch.stop_ids[None, :]).any(-1))
+    if batch.seen_BV is not None:
+        batch.seen_BV.scatter_(1, token_B[:, None], True)
+    batch.token_B.copy_(token_B)
+    batch.step.add_(1)
+
+
+def advance(model: Transformer, batch: DecodeBatch, sampling: SamplingParams, seeded: bool,
+            read_upto: int | None = None) -> None:
+    """One decode step: the last chosen token of each row at its slot (P + step - 1), then the next token chosen.
+    read_upto: as ``decode_step``'s (None: the whole cache, masked, one shape at every step)."""
+    slot = batch.step + (batch.P - 1)
+    choose(batch, decode_step(model, batch.token_B, slot, batch.cache, batch.tables, read_upto), sampling, seeded)
+
+
+class StepRunner:
+    """Runs one batch shape's step, ``step()``, for one sampling kind: as it is (eager or compiled) or, with
+    ``cuda_graph``, replayed from a CUDA graph captured at its third call (the first two, real steps, compile and
+    warm up on a side stream, as capture asks). The graph holds the addresses the step read at capture: the batch's
+    buffers and the model's parameters."""
+
+    WARMUP_CALLS = 2
+
+    def __init__(self, step, cuda_graph: bool = False):
+        self.step, self.cuda_graph = step, cuda_graph
+        self.calls, self.graph = 0, None
+
+    def __call__(self, *args) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        elif not self.cuda_graph:
+            self.step(*args)
+        elif self.calls < self.WARMUP_CALLS:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.step(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            self.calls += 1
+        else:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.step(*args)
+            except RuntimeError as err:  # an op that cannot be captured: this step runs as it is from now on
+                warnings.warn(f"the decode step could not be captured in a CUDA graph ({err}); it runs uncaptured "
+                              "(NativeRolloutEngine(cuda_graph=False) says so without trying)", stacklevel=2)
+                torch.cuda.synchronize()
+                self.cuda_graph = False
+                self.step(*args)
+                return
+            graph.replay()  # capture records the step without running it
+            self.graph = graph
+
+
+class StopCheck:
+    """Whether every row has stopped, learnt on the host without stalling the device. Every ``every`` steps a copy of
+    the device's flag is queued to (pinned) host memory behind an event; the host reads a flag once its event has
+    passed, and waits for one only when it has queued ``lead`` steps beyond it (the device still has those to run),
+    which bounds the steps launched after the rows stop. On the CPU each copy is done when queued: a call ends at the
+    step its last row stops, and nothing is waited for."""
+
+    def __init__(self, device: torch.device, every: int = 8, lead: int = 32):
+        self.cuda = device.type == "cuda"
+        self.every, self.lead = (every, lead) if self.cuda else (1, 0)
+        self.pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+
+    def all_stopped(self, step: int, finished_B: torch.Tensor) -> bool:
+        """After the tokens of ``step`` were chosen (queued): whether every row is known to have stopped."""
+        if (step + 1) % self.every == 0:
+            flag = torch.empty((), dtype=torch.bool, pin_memory=self.cuda)
+            flag.copy_(finished_B.all(), non_blocking=True)
+            event = None
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self.pending.append((step, flag, event))
+        while self.pending:
+            posted, flag, event = self.pending[0]
+            if event is not None and not event.query():
+                if step - posted < self.lead:
+                    return False
+                event.synchronize()
+            self.pending.popleft()
+            if flag.numpy():  # host memory the copy has landed in: reading it waits for nothing
+                return True
+        return False

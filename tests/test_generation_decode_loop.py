@@ -1,0 +1,207 @@
+"""The native engine's decode loop as a GPU runs it, checked on the CPU: the fixed-length masked read of the KV cache
+(one shape per batch) against the growing read; no device->host sync and no host->device copy per token; the compiled
+step against the eager engine and transformers' forward; one compile per batch shape, reused across calls."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hf_configs import VOCAB, make_hf_model
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hfnative.converters.loading import load_pretrained
+from hfnative.generation import NativeRolloutEngine, SamplingParams
+from hfnative.generation.cached_decoder import decode_step
+from hfnative.generation.decode_loop import DecodeBatch
+
+PROMPT_LENGTHS = [3, 9, 6, 1]  # longer than the tiny sliding windows (4..6): the rings wrap while decoding
+
+
+def _prompts(seed: int = 1, lengths=PROMPT_LENGTHS) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _transformers_logprobs(reference, prompt, completion, temperature=1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) of each completion token under one uncached forward of transformers."""
+    with torch.no_grad():
+        logits = reference(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    logits = logits[len(prompt) - 1 : len(prompt) + len(completion) - 1] / temperature
+    return F.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa", "gemma3-alternating", "gptoss-alternating-yarn"])
+def test_fixed_length_read_equals_growing_read(name):
+    """A decode step reading the whole cache under the position mask (one shape at every step, more prompt slots of
+    left padding) gives the logits of the step reading only the filled slots."""
+    model = load_pretrained(make_hf_model(name)).model.eval()
+    prompts, steps = _prompts(), 10
+    P = max(map(len, prompts))
+    greedy = SamplingParams(max_new_tokens=steps, do_sample=False)
+    growing = DecodeBatch(model, len(prompts), P, steps, torch.float32, torch.device("cpu"))
+    fixed = DecodeBatch(model, len(prompts), P + 7, steps, torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        logits_growing = growing.start(model, prompts, greedy, None)
+        logits_fixed = fixed.start(model, prompts, greedy, None)
+        for t in range(1, steps):
+            assert (logits_fixed - logits_growing).abs().max() <= 1e-5, t
+            token_B = logits_growing.argmax(-1)
+            slot = P + t - 1
+            logits_growing = decode_step(model, token_B, torch.tensor(slot), growing.cache, growing.tables, slot + 1)
+            logits_fixed = decode_step(model, token_B, torch.tensor(slot + 7), fixed.cache, fixed.tables, None)
+
+
+class _HostRoundTrips(TorchDispatchMode):
+    """Counts the ops that read a device value on the host (on a GPU each waits for the device) and the tensors made
+    from host values (on a GPU each a host->device copy)."""
+
+    SYNCS = ("_local_scalar_dense", "item", "is_nonzero", "nonzero", "equal", "masked_select", "unique")
+
+    def __init__(self):
+        super().__init__()
+        self.counts = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.SYNCS or name == "lift_fresh":
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-growing-read", "static-shape-step"])
+def test_no_host_round_trip_per_token(compile):
+    """A generation of 32 tokens makes the same syncs and host->device copies as one of 8 (those of the prefill and of
+    reading the results once): none per token. Sampled, seeded, with a repetition penalty and a stop id. With
+    compile=True the step has static shapes; under a dispatch mode torch.compile runs its Python as written, so the
+    ops counted are those of the step a CUDA graph captures."""
+    engine = NativeRolloutEngine(load_pretrained(make_hf_model("qwen3-gqa")), compile=compile)
+    prompts = _prompts()
+    counts = {}
+    for new_tokens in (8, 32):
+        # a stop id past the vocabulary: checked at every step, never produced
+        sampling = SamplingParams(max_new_tokens=new_tokens, seed=5, repetition_penalty=1.3, eos_token_id=VOCAB)
+        engine.generate(prompts, sampling)  # the first call of a shape makes its buffers (and compiles)
+        with _HostRoundTrips() as seen:
+            rollouts = engine.generate(prompts, sampling)
+        assert all(len(c) == new_tokens for c in rollouts.completion_ids)
+        counts[new_tokens] = seen.counts
+    assert counts[8] == counts[32], counts
+    assert sum(counts[32].values()) <= 12, counts[32]
+
+
+def test_compiled_step_matches_eager_and_transformers():
+    """The compiled step (the whole cache read under the mask, prompts left-padded to 64 slots) gives the eager
+    engine's greedy tokens, and seeded samples whose log-probs are transformers' forward's on the same tokens; rows
+    that stop early stop at the same token, their outputs cut after it. The second and third calls of a batch shape
+    (other prompts, seeds and rows of the same shape) compile nothing, and the step has no graph break."""
+    reference = make_hf_model("gemma3-alternating")  # sliding rings, local RoPE, soft norms, embedding scale
+    converted = load_pretrained(reference)
+    eager, compiled = NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)
+    prompts = _prompts(seed=2)
+    greedy = SamplingParams(max_new_tokens=12, do_sample=False)
+    assert compiled.generate(prompts, greedy).completion_ids == eager.generate(prompts, greedy).completion_ids
+
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, seed=7)
+    plain = eager.generate(prompts, sampled)
+    stop = plain.completion_ids[0][3]  # a token row 0 samples fourth: that row stops there, and maybe others earlier
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, seed=7, eos_token_id=stop)
+    ours, theirs = compiled.generate(prompts, sampled), eager.generate(prompts, sampled)
+    assert ours.completion_ids == theirs.completion_ids and ours.finish_reason == theirs.finish_reason
+    assert ours.finish_reason[0] == "stop" and len(ours.completion_ids[0]) <= 4
+    for prompt, completion, logprobs, reason in zip(prompts, ours.completion_ids, ours.logprobs, ours.finish_reason):
+        assert stop not in completion[:-1] and (reason == "stop") == (completion[-1] == stop)
+        expected = _transformers_logprobs(reference, prompt, completion, temperature=0.8)
+        assert (torch.tensor(logprobs) - expected).abs().max() <= 1e-5
+
+    frames, breaks = counters["frames"]["total"], sum(counters["graph_break"].values())
+    for seed, lengths in ((8, [4, 2, 7, 5]), (9, [1, 1, 30, 2])):
+        compiled.generate(_prompts(seed, lengths), SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40,
+                                                                 seed=seed, first_row=seed, eos_token_id=stop))
+    assert counters["frames"]["total"] == frames, "a call of a shape already compiled compiled again"
+    assert sum(counters["graph_break"].values()) == breaks == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_step_matches_eager_on_gpu():
+    """On a GPU the step (eager kernels by default, compiled with compile=True) is captured in a CUDA graph at its
+    third call and replayed: the uncaptured engine's greedy tokens and seeded samples, call after call."""
+    converted = load_pretrained(make_hf_model("qwen3-gqa"), device="cuda")
+    eager = NativeRolloutEngine(converted, cuda_graph=False)
+    graphed = [NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)]
+    prompts = _prompts()
+    for sampling in (SamplingParams(max_new_tokens=16, do_sample=False), SamplingParams(max_new_tokens=16, seed=3)):
+        expected = eager.generate(prompts, sampling)
+        for engine in graphed:
+            for _ in range(2):
+                got = engine.generate(prompts, sampling)
+                assert got.completion_ids == expected.completion_ids
+                diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
+                assert diff <= 1e-4
+            runners = [runner for batch in engine._batches.values() for runner in batch.runners.values()]
+            assert runners and all(runner.graph is not None for runner in runners)
+
+
+def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
+    """fp32 weights under bf16 autocast (a trainer's bf16=True): the engine decodes a replica whose matmul weights are
+    bf16 copies, which gives exactly what autocast's own casts at every use give; the copies are made again only
+    after a weight changed in place (an optimizer step), and then the rollouts follow the new weights."""
+    converted = load_pretrained(make_hf_model("llama-mha-tied-llama3"))  # tied head: the embedding stays fp32
+    model, prompts = converted.model, _prompts()
+    sampling = SamplingParams(max_new_tokens=10, seed=4)
+    engine = NativeRolloutEngine(converted)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = engine.generate(prompts, sampling)
+        replica = engine._weights.replica
+        assert replica.layers[0].attention.wq.weight.dtype == torch.bfloat16
+        assert replica.tok_embeddings.weight is model.tok_embeddings.weight
+        assert replica.output.projection().dtype == torch.bfloat16
+        cast_as_used = NativeRolloutEngine(converted)
+        cast_as_used._weights.model_for = lambda model, dtype: model  # autocast casts every weight at every use
+        theirs = cast_as_used.generate(prompts, sampling)
+        assert ours == theirs
+
+        versions = [copy._version for _, copy in engine._weights.pairs]
+        engine.generate(prompts, sampling)
+        assert [copy._version for _, copy in engine._weights.pairs] == versions  # no new weights: no copy
+    with torch.no_grad():  # an optimizer step, in place
+        model.layers[1].feed_forward.w2.weight.mul_(-3.0)
+        model.tok_embeddings.weight.add_(0.5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a new region: autocast casts afresh
+        updated = engine.generate(prompts, sampling)
+        assert engine._weights.replica is replica
+        assert updated == cast_as_used.generate(prompts, sampling) and updated != ours
+
+
+def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):
+    """torch_compile=True compiles the rollout engines a trainer decodes with (the policy's, and a teacher's), and the
+    rollouts through the trainer's own path (tokenized prompts, its sampling settings and row streams, its autocast)
+    are the eager trainer's."""
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    import hfnative
+
+    tiny = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3")
+    prompts = [{"prompt": f"Tell me about the sea number {i}"} for i in range(4)]
+    rollouts = {}
+    for compile in (False, True):
+        args = hfnative.GRPOConfig(
+            output_dir=str(tmp_path / str(compile)), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+            num_generations=2, per_device_train_batch_size=4, max_completion_length=12, seed=0, torch_compile=compile,
+        )
+        trainer = hfnative.GRPOTrainer(model=tiny, reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                       args=args, train_dataset=Dataset.from_list(prompts))
+        rollout = trainer.objective.rollout
+        assert rollout.engine.compile is compile
+        teacher = load_pretrained(tiny).model
+        assert rollout.engine_for(teacher).compile is compile
+        prompt_ids = rollout.tokenize([p["prompt"] for p in prompts])
+        rollouts[compile] = rollout.generate(prompt_ids, seed=11, first_row=4)
+    assert rollouts[True].completion_ids == rollouts[False].completion_ids
+    diff = max(abs(a - b) for x, y in zip(rollouts[True].logprobs, rollouts[False].logprobs) for a, b in zip(x, y))
+    assert diff <= 1e-5
