@@ -24,8 +24,9 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from hfnative.log_once import warn_once
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def bf16_update_choice(mode: str, optim: str, params: list[nn.Parameter], sr_fla
     if mode == "auto":
         mode = "stochastic_round" if has_bf16 and adamw and not sr_flag_given else "round_to_nearest"
     if has_bf16 and not sr_flag_given:
-        _say_once(_describe(mode, optim))
+        warn_once(logger, _describe(mode, optim))
     return mode
 
 
@@ -145,17 +146,6 @@ def _describe(choice: str, optim: str) -> str:
             "(|w| * 2^-9) is lost. AdamW keeps them with bf16_weight_updates='stochastic_round' or 'kahan'; fp32 "
             "weights with bf16 mixed precision (bf16=True) avoid the question")
 
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    """Logged once per process (by rank 0 in a distributed run)."""
-    if message in _said:
-        return
-    _said.add(message)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        logger.warning(message)
 
 
 def stochastic_rounding_adamw():
