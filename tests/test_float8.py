@@ -155,3 +155,15 @@ def test_adapted_projections_are_named_not_converted(tmp_path):
     apply_lora(converted, lora_settings(LoraConfig(r=4, target_modules=["q_proj"])))
     with pytest.raises(ValueError, match="layers.0.attention.wq is a LoraLinear"):
         float8_candidates(converted.model)
+
+
+def test_float8_under_activation_checkpointing_makes_the_same_steps(tmp_path):
+    """Recomputed in backward, the float8 blocks quantize the same activations with the same scales: the same losses."""
+    from hfnative.parallel import apply_activation_checkpointing
+
+    folder = _hub_model("qwen3-gqa", tmp_path / "model")
+    plain, checkpointed = load_pretrained(folder).model, load_pretrained(folder).model
+    for model in (plain, checkpointed):
+        apply_float8_training(model, Float8Training("tensorwise"), "cpu")
+    apply_activation_checkpointing(checkpointed, "full")
+    assert _losses(checkpointed, steps=3) == pytest.approx(_losses(plain, steps=3), rel=1e-6)
