@@ -125,3 +125,11 @@ def test_training_arguments_check_the_field(tmp_path):
 
     with pytest.raises(ValueError, match="bf16_weight_updates='sometimes'"):
         SFTConfig(output_dir=str(tmp_path), bf16_weight_updates="sometimes", use_cpu=True)
+
+
+def test_without_torchao_auto_takes_kahan(monkeypatch):
+    import hfnative.optim.bf16_updates as bf16_updates
+
+    monkeypatch.setattr(bf16_updates, "find_spec", lambda name: None if name == "torchao" else object())
+    optimizer = build_optimizer(_model(torch.bfloat16), OptimizerSettings(learning_rate=LR))
+    assert isinstance(optimizer, KahanAdamW)

@@ -41,7 +41,7 @@ class TrainingArguments(transformers.TrainingArguments):
         GPU's datasheet peak for the training dtype (no MFU for an unlisted one), a CPU's measured once per process
         by a timed matmul.
     bf16_weight_updates: how an AdamW updates weights stored in bf16 (``model_init_kwargs={"dtype": "bfloat16"}``),
-        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there),
+        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there, Kahan without torchao),
         "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a compensation buffer, exact
         on average and deterministic) or "round_to_nearest" (torch's AdamW as is). See hfnative.optim.bf16_updates.
     float8_recipe: train the decoder blocks' attention and MLP projections in float8 through torchao: "tensorwise",

@@ -13,7 +13,8 @@ moving, and the loss stalls with nothing to say why. Two cures, chosen by ``bf16
     "round_to_nearest"  the optimizer as named (torch's AdamW rounds to nearest: small updates are lost)
     "auto"              (default) "stochastic_round" when trainable weights are bf16 and the optimizer is an AdamW
                         (``adamw_torch``, ``adamw_torch_fused``, the 8-/4-bit ones): the leaner cure, and the one
-                        torchao's low-bit AdamWs already carry; else "round_to_nearest"
+                        torchao's low-bit AdamWs already carry ("kahan" where torchao is not installed); else
+                        "round_to_nearest"
 
 Only bf16 parameters are affected; fp32 ones (norms kept in fp32, or FSDP2 mixed precision's fp32 masters) get the
 plain update in every mode.
@@ -22,6 +23,7 @@ plain update in every mode.
 from __future__ import annotations
 
 import logging
+from importlib.util import find_spec
 
 import torch
 from torch import nn
@@ -127,8 +129,11 @@ def bf16_update_choice(mode: str, optim: str, params: list[nn.Parameter], sr_fla
     if sr_flag_given and mode in ("stochastic_round", "kahan"):
         raise ValueError(f"bf16_weight_updates={mode!r} and optim_args' bf16_stochastic_round both say how bf16 "
                          "weights are rounded; set one of them")
-    if mode == "auto":
-        mode = "stochastic_round" if has_bf16 and adamw and not sr_flag_given else "round_to_nearest"
+    if mode == "auto" and has_bf16 and adamw and not sr_flag_given:
+        # torchao is an optional extra: without it, the cure that needs nothing
+        mode = "stochastic_round" if optim in LOW_BIT_ADAMW_NAMES or find_spec("torchao") else "kahan"
+    elif mode == "auto":
+        mode = "round_to_nearest"
     if has_bf16 and not sr_flag_given:
         warn_once(logger, _describe(mode, optim))
     return mode
