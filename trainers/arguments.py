@@ -41,12 +41,13 @@ class TrainingArguments(transformers.TrainingArguments):
         GPU's datasheet peak for the training dtype (no MFU for an unlisted one), a CPU's measured once per process
         by a timed matmul.
     bf16_weight_updates: how an AdamW updates weights stored in bf16 (``model_init_kwargs={"dtype": "bfloat16"}``),
-        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there, Kahan without torchao),
-        "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a compensation buffer, exact
-        on average and deterministic) or "round_to_nearest" (torch's AdamW as is). See hfnative.optim.bf16_updates.
-    float8_recipe: train the decoder blocks' attention and MLP projections in float8 through torchao: "tensorwise",
-        "rowwise" or "rowwise_with_gw_hp" (torchao's recipe names); None (default) for none, unless accelerate's
-        ``mixed_precision: fp8`` asks for it (then "tensorwise", accelerate's default recipe). See hfnative.parallel.float8.
+        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there,
+        Kahan without torchao), "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a
+        compensation buffer: deterministic, tracks the fp32 weights) or "round_to_nearest" (torch's AdamW as is).
+        See hfnative.optim.bf16_updates.
+    float8_recipe: train the decoder blocks' attention and MLP projections in float8 through torchao: "tensorwise" or
+        "rowwise" (torchao's recipe names); None (default) for none, unless accelerate's ``mixed_precision: fp8`` asks
+        for it (then "tensorwise", accelerate's default recipe). See hfnative.parallel.float8.
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "hfnative: fused linear-cross-entropy loss."})
@@ -66,7 +67,7 @@ class TrainingArguments(transformers.TrainingArguments):
     )
     float8_recipe: str | None = field(
         default=None, metadata={"help": "hfnative: float8 training of the blocks' linear layers (torchao recipe: "
-                                        "tensorwise, rowwise or rowwise_with_gw_hp)."}
+                                        "tensorwise or rowwise)."}
     )
 
     def __post_init__(self):
