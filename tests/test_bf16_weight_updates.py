@@ -4,10 +4,12 @@ The task: a linear least-squares fit whose weights start in [1, 1.5) (bf16 ulp 2
 rounds away) and must each move 0.2, with AdamW at lr 1e-3: every AdamW update (about lr) is below half an ulp, so
 torch's AdamW on bf16 weights never moves them, while fp32 weights reach a tenth of the starting loss in 200 steps.
 
-Tolerance: the bf16 runs compute the forward in bf16 (relative error ~2^-8 on each output) and their weights carry at
-most an ulp of rounding each; with the update kept (stochastic rounding: on average; Kahan: exactly, up to the buffer's
-own bf16 rounding) the loss curve stays within 5% of the starting loss of the fp32 curve at every step. Measured on
-this task: at most ~1% (stochastic rounding) and ~0.3% (Kahan). Plain bf16 AdamW ends within 1% of where it started.
+Tolerance: the bf16 runs compute the forward in bf16 (relative error ~2^-8 on each output), and their weights are the
+kept trajectory rounded to bf16: with Kahan compensation the weights (all updated alike by AdamW's first steps) cross
+their rounding points together, so the loss follows the fp32 curve as a staircase a few steps wide; stochastic rounding
+follows it on average. So the curves are compared as means over windows of 10 steps: every window within 4% of the
+starting loss of the fp32 run's. Measured on this task: 1.3% (stochastic rounding), 0.6% (Kahan), 1.4% (8-bit AdamW),
+and 93% for plain bf16 AdamW, which ends where it started.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from hfnative.optim.bf16_updates import KahanAdamW
 from hfnative.optim.in_backward import OptimizerInBackward
 
 STEPS, LR, DIM = 200, 1e-3, 64
-CURVE_TOLERANCE = 0.05  # of the starting loss, at every step
+CURVE_TOLERANCE = 0.04  # of the starting loss, for every 10-step window's mean
 
 
 def _task():
@@ -61,7 +63,8 @@ def _losses(dtype, mode, optim="adamw_torch_fused", in_backward=False, steps=STE
 
 
 def _follows(losses: torch.Tensor, oracle: torch.Tensor) -> float:
-    return float((losses - oracle).abs().max() / oracle[0])
+    """The largest gap between the two curves' 10-step means, relative to the oracle's starting loss."""
+    return float((losses.view(-1, 10).mean(1) - oracle.view(-1, 10).mean(1)).abs().max() / oracle[0])
 
 
 @pytest.fixture(scope="module")
