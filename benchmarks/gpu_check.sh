@@ -14,7 +14,7 @@
 #   8 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
 #   9 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
 #                  skipped on a machine with one GPU
-#  low precision, a section with its own budget (LOW_PRECISION_BUDGET s, 360 by default; GPU_CHECK_LOW_PRECISION=0
+#  low precision, a section with its own budget (LOW_PRECISION_BUDGET s, 420 by default; GPU_CHECK_LOW_PRECISION=0
 #  skips it): bench_low_precision.py
 #  10 float8       float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both; the per-step losses
 #  11 fit          a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
@@ -196,15 +196,15 @@ if [[ ${GPU_CHECK_LOW_PRECISION:-1} == 0 ]]; then
   record fit SKIP 0 "GPU_CHECK_LOW_PRECISION=0"
 else
   if [[ $DEVICE == cuda ]]; then
-    FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 95)
-    FIT=(--preset qwen3_4b --batches 4,8,16 --steps 4 --warmup 2 --timeout 70)
+    FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
+    FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
   else
     FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
     FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
   fi
-  MAIN_START=$START MAIN_BUDGET=$BUDGET START=$SECONDS BUDGET=${LOW_PRECISION_BUDGET:-360}
-  run_check float8 200 float8_verdict "$PYTHON" benchmarks/bench_low_precision.py float8 --device "$DEVICE" "${FLOAT8[@]}"
-  run_check fit 240 fit_verdict "$PYTHON" benchmarks/bench_low_precision.py fit --device "$DEVICE" "${FIT[@]}"
+  MAIN_START=$START MAIN_BUDGET=$BUDGET START=$SECONDS BUDGET=${LOW_PRECISION_BUDGET:-420}
+  run_check float8 220 float8_verdict "$PYTHON" benchmarks/bench_low_precision.py float8 --device "$DEVICE" "${FLOAT8[@]}"
+  run_check fit 200 fit_verdict "$PYTHON" benchmarks/bench_low_precision.py fit --device "$DEVICE" "${FIT[@]}"
   START=$MAIN_START BUDGET=$MAIN_BUDGET
 fi
 
