@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 from hfnative.converters.loading import load_pretrained
 from hfnative.optim import OptimizerSettings, build_optimizer
+from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.parallel.float8 import Float8Training, apply_float8_training, float8_candidates, is_float8_linear
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +39,11 @@ def _hub_model(name: str, folder: Path) -> Path:
     return folder
 
 
-def _losses(model, steps=STEPS) -> list[float]:
+def _losses(model, steps=STEPS, in_backward=False) -> list[float]:
     """Losses of ``steps`` AdamW steps on one batch of random tokens (learnt by heart: the loss falls by ~1 nat)."""
     ids = torch.randint(0, model.args.vocab_size, (4, 17), generator=torch.Generator().manual_seed(1))
-    optimizer = build_optimizer(model, OptimizerSettings(optim="adamw_torch", learning_rate=3e-3))
+    settings = OptimizerSettings(optim="adamw_torch", learning_rate=3e-3)
+    optimizer = OptimizerInBackward.from_model(model, settings) if in_backward else build_optimizer(model, settings)
     losses = []
     for _ in range(steps):
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -167,3 +169,12 @@ def test_float8_under_activation_checkpointing_makes_the_same_steps(tmp_path):
         apply_float8_training(model, Float8Training("tensorwise"), "cpu")
     apply_activation_checkpointing(checkpointed, "full")
     assert _losses(checkpointed, steps=3) == pytest.approx(_losses(plain, steps=3), rel=1e-6)
+
+
+def test_float8_with_optimizer_in_backward_makes_the_same_steps(tmp_path):
+    """Each float8 layer's weight stepped inside backward as its gradient is final: the plain loop's losses."""
+    folder = _hub_model("qwen3-gqa", tmp_path / "model")
+    plain, in_backward = load_pretrained(folder).model, load_pretrained(folder).model
+    for model in (plain, in_backward):
+        apply_float8_training(model, Float8Training("rowwise"), "cpu")
+    assert _losses(in_backward, steps=3, in_backward=True) == pytest.approx(_losses(plain, steps=3), rel=1e-6)
