@@ -25,6 +25,10 @@
 #  14 gen-compiled bench_generate.py --runners native-compiled: the compiled and captured decode step at
 #                  batch 64 beside its bandwidth floor (its first call compiles the 28-layer step)
 #                  (13 and 14 last: they run when the budget has room)
+#  low precision, a section with its own budget (LOW_PRECISION_BUDGET s, 420 by default; GPU_CHECK_LOW_PRECISION=0
+#  skips it): bench_low_precision.py
+#  15 float8       float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both; the per-step losses
+#  16 fit          a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
@@ -40,7 +44,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,36p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,40p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -152,6 +156,24 @@ grpo_verdict() {  # bench_grpo.py: the ratio line per completion length
   if [[ -n $ratios ]]; then echo "PASS $ratios"; else echo "FAIL $(last_line "$1")"; fi
 }
 
+float8_verdict() {  # bench_low_precision.py float8: the ratio and loss lines, or why a runner did not finish
+  local ratio loss
+  ratio=$(grep -m1 '^float8 / bf16 tokens/s' "$1" | cut -d: -f2-) loss=$(grep -m1 '^float8 vs bf16 loss' "$1" | cut -d: -f2-)
+  if [[ -z $ratio ]]; then
+    echo "FAIL $(grep -m1 -E '^ours:(bf16|float8): ' "$1" | grep -v ': ok' | cut -c1-160)"
+  elif [[ $DEVICE == cuda && ($ratio == *"NOT met"* || $loss == *OUTSIDE*) ]]; then
+    echo "WARN tokens/s$ratio; loss$loss"
+  else
+    echo "PASS tokens/s$ratio; loss$loss"
+  fi
+}
+
+fit_verdict() {  # bench_low_precision.py fit: each runner's last batch that ran, and what stopped it
+  local fitted
+  fitted=$(grep -E '^(ours|trl):batch[0-9]+: ' "$1" | sed 's/ MiB.*//' | paste -sd ';' | cut -c1-200)
+  if [[ -z $fitted ]]; then echo "FAIL no batch ran: $(last_line "$1")"; else echo "PASS $fitted"; fi
+}
+
 bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lines
   local ratios
   ratios=$(grep -E '^ours(:[a-z_]+)? / ' "$1" | sed 's/, peak heap.*//' | paste -sd ';' | cut -c1-200)
@@ -211,6 +233,24 @@ fi
 run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
 run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
   "${GENERATE_COMPILED[@]}"
+
+# low precision: its own budget, so it neither takes from the checks above nor loses to them
+if [[ ${GPU_CHECK_LOW_PRECISION:-1} == 0 ]]; then
+  record float8 SKIP 0 "GPU_CHECK_LOW_PRECISION=0"
+  record fit SKIP 0 "GPU_CHECK_LOW_PRECISION=0"
+else
+  if [[ $DEVICE == cuda ]]; then
+    FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
+    FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
+  else
+    FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
+    FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
+  fi
+  MAIN_START=$START MAIN_BUDGET=$BUDGET START=$SECONDS BUDGET=${LOW_PRECISION_BUDGET:-420}
+  run_check float8 220 float8_verdict "$PYTHON" benchmarks/bench_low_precision.py float8 --device "$DEVICE" "${FLOAT8[@]}"
+  run_check fit 200 fit_verdict "$PYTHON" benchmarks/bench_low_precision.py fit --device "$DEVICE" "${FIT[@]}"
+  START=$MAIN_START BUDGET=$MAIN_BUDGET
+fi
 
 {
   echo

@@ -176,17 +176,17 @@ def machine_description(device: str) -> dict:
 # the workload: model, data, training arguments
 
 
-def build_model(shape: Shape, folder: Path, seed: int, tied: bool = True) -> int:
-    """Save a randomly initialised Qwen3 (fp32, tied embeddings unless ``tied`` is False) and the tiny tokenizer to
-    ``folder``."""
+def build_model(shape: Shape, folder: Path, seed: int, tied: bool = True, dtype: torch.dtype = torch.float32) -> int:
+    """Save a randomly initialised Qwen3 (in ``dtype``, tied embeddings unless ``tied`` is False) and the tiny tokenizer
+    to ``folder``."""
     config = Qwen3Config(
         vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
         intermediate_size=shape.intermediate, max_position_embeddings=max(shape.seq, 2048),
-        tie_word_embeddings=tied, pad_token_id=0, eos_token_id=2, bos_token_id=None, dtype="float32",
+        tie_word_embeddings=tied, pad_token_id=0, eos_token_id=2, bos_token_id=None, dtype=str(dtype).split(".")[-1],
     )
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(TOKENIZER_DIR / name, folder / name)
@@ -231,11 +231,11 @@ class Workload:
 
 
 def prepare_workload(work: Path, shape: Shape, cli, device: str, packing: bool, tied: bool = True,
-                     **spec_extra) -> Workload:
-    """Save the model (embeddings tied unless ``tied`` is False) and data under ``work`` and the spec every child
-    process reads."""
+                     dtype: torch.dtype = torch.float32, **spec_extra) -> Workload:
+    """Save the model (in ``dtype``, embeddings tied unless ``tied`` is False) and data under ``work`` and the spec
+    every child process reads."""
     model_dir, data_dir = work / "model", work / "data"
-    parameters = build_model(shape, model_dir, cli.seed, tied)
+    parameters = build_model(shape, model_dir, cli.seed, tied, dtype)
     data = build_dataset(shape, data_dir, packing, cli.seed)
     spec = {"device": device, "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
             "data_dir": str(data_dir), "work_dir": str(work), "packing": packing, **spec_extra,

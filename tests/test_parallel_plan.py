@@ -146,9 +146,9 @@ def test_mixed_precision_from_accelerate(monkeypatch, tmp_path):
     # the TRL config's own bf16 (no --mixed_precision no): bf16, though bf16=False, as under transformers' Trainer
     accelerate_launch_environment(monkeypatch, "--config_file", trl_config("fsdp2"), "--num_processes", "2")
     assert resolve_parallel_plan(training_args(tmp_path), 2).mixed_precision == "bf16"
+    # fp8: float8 layers (trainers/float8_plan.py, tests/test_float8.py), everything else in bf16 as accelerate runs it
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
-    with pytest.raises(ValueError, match="'fp8' .* not supported by hfnative; use bf16"):
-        resolve_parallel_plan(training_args(tmp_path), 2)
+    assert resolve_parallel_plan(training_args(tmp_path), 2).mixed_precision == "bf16"
 
 
 def test_accelerate_flags_beyond_the_config(monkeypatch, tmp_path):

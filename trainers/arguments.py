@@ -14,9 +14,12 @@ from typing import Any
 import transformers
 
 from hfnative.data.packing import PACKING_STRATEGIES
+from hfnative.parallel.float8 import FLOAT8_RECIPES
+from hfnative.optim.bf16_updates import BF16_WEIGHT_UPDATES
 
 # hfnative's own arguments (everything else is transformers' / TRL's)
-HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode", "peak_tflops")
+HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode", "peak_tflops",
+                   "bf16_weight_updates", "float8_recipe")
 
 
 # counts a run divides by: 0 would fail deep inside the loop
@@ -37,6 +40,14 @@ class TrainingArguments(transformers.TrainingArguments):
     peak_tflops: the peak dense TFLOP/s of one device that ``perf/mfu_wall_clock`` divides by. None: a listed
         GPU's datasheet peak for the training dtype (no MFU for an unlisted one), a CPU's measured once per process
         by a timed matmul.
+    bf16_weight_updates: how an AdamW updates weights stored in bf16 (``model_init_kwargs={"dtype": "bfloat16"}``),
+        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there,
+        Kahan without torchao), "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a
+        compensation buffer: deterministic, tracks the fp32 weights) or "round_to_nearest" (torch's AdamW as is).
+        See hfnative.optim.bf16_updates.
+    float8_recipe: train the decoder blocks' attention and MLP projections in float8 through torchao: "tensorwise" or
+        "rowwise" (torchao's recipe names); None (default) for none, unless accelerate's ``mixed_precision: fp8`` asks
+        for it (then "tensorwise", accelerate's default recipe). See hfnative.parallel.float8.
     """
 
     fused_loss: bool = field(default=True, metadata={"help": "hfnative: fused linear-cross-entropy loss."})
@@ -50,6 +61,14 @@ class TrainingArguments(transformers.TrainingArguments):
         default=None, metadata={"help": "hfnative: peak TFLOP/s of one device for perf/mfu_wall_clock (default: the "
                                         "device's, listed or measured)."}
     )
+    bf16_weight_updates: str = field(
+        default="auto", metadata={"help": "hfnative: how AdamW updates bf16 weights: auto, stochastic_round, kahan or "
+                                          "round_to_nearest."}
+    )
+    float8_recipe: str | None = field(
+        default=None, metadata={"help": "hfnative: float8 training of the blocks' linear layers (torchao recipe: "
+                                        "tensorwise or rowwise)."}
+    )
 
     def __post_init__(self):
         for name in _AT_LEAST_ONE:
@@ -58,6 +77,10 @@ class TrainingArguments(transformers.TrainingArguments):
         super().__post_init__()
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops={self.peak_tflops!r}; it must be a positive number of TFLOP/s, or None")
+        if self.bf16_weight_updates not in BF16_WEIGHT_UPDATES:
+            raise ValueError(f"bf16_weight_updates={self.bf16_weight_updates!r}; use one of {list(BF16_WEIGHT_UPDATES)}")
+        if self.float8_recipe is not None and self.float8_recipe not in FLOAT8_RECIPES:
+            raise ValueError(f"float8_recipe={self.float8_recipe!r}; use one of {list(FLOAT8_RECIPES)}, or None")
         if self.activation_checkpointing_mode not in ("full", "selective"):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"

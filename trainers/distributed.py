@@ -347,6 +347,8 @@ class DistributedMixin:
         from hfnative.parallel import parallelize
         from hfnative.peft.quantize import is_nf4
 
+        from .float8_plan import float8_training
+
         run, args = self.distributed, self.args
         if run.dims.tp_enabled and any(is_nf4(p) for p in model.parameters()):
             raise ValueError(
@@ -359,7 +361,7 @@ class DistributedMixin:
         trainable = any(p.requires_grad for p in model.parameters())
         checkpointing = (args.checkpoint_activations or run.plan.activation_checkpointing) and trainable
         parallelize(
-            model, run.dims, run.mesh,
+            model, run.dims, run.mesh, float8=float8_training(args) if trainable else None,
             activation_checkpointing=args.activation_checkpointing_mode if checkpointing else None,
             compile=args.torch_compile or run.plan.compile, mixed_precision=run.plan.mixed_precision,
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,

@@ -10,7 +10,9 @@ from hfnative.converters.loading import ConvertedModel
 from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
 from hfnative.models.decoder import Transformer
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
+from hfnative.parallel.float8 import apply_float8_training
 
+from .float8_plan import float8_training
 from .model_loading import load_meta_model, load_sharded, resolve_model
 
 
@@ -69,6 +71,9 @@ class ModelMixin:
             self._parallelize(model)
             return
         model.to(self.device)
+        float8 = float8_training(self.args) if any(p.requires_grad for p in model.parameters()) else None
+        if float8 is not None:
+            apply_float8_training(model, float8, self.device)
         if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
             apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
         if self.args.torch_compile:

@@ -29,7 +29,7 @@ class OptimizationMixin:
                 settings = OptimizerSettings(
                     optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
                     adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
-                    adafactor_class=transformers.Adafactor,
+                    adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
                 )
                 if a.optimizer_in_backward:
                     self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)

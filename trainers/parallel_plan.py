@@ -71,7 +71,8 @@ class ParallelPlan:
         backward, as shard_grad_op / ZeRO-2).
     cpu_offload: FSDP2 keeps parameters, gradients and the optimizer step on the CPU
         (``fully_shard(offload_policy=CPUOffloadPolicy(pin_memory=<on GPU>))``).
-    mixed_precision: "bf16", "fp16" or None (parameters computed in their own dtype).
+    mixed_precision: "bf16", "fp16" or None (parameters computed in their own dtype); accelerate's "fp8" is "bf16"
+        here, its float8 layers made by ``parallelize`` (trainers/float8_plan.py).
     activation_checkpointing: asked for by the FSDP config (``fsdp_config`` / accelerate's
         ``fsdp_activation_checkpointing``), on top of the training arguments' own switch.
     compile: asked for by accelerate's dynamo config (``ACCELERATE_DYNAMO_BACKEND``) or ``torch_compile``.
@@ -406,9 +407,8 @@ def _mixed_precision(args) -> str | None:
     if choice not in PrecisionType.list():
         raise ValueError(f"mixed precision {choice!r} (ACCELERATE_MIXED_PRECISION / accelerate launch "
                          f"--mixed_precision): expected one of {PrecisionType.list()}")
-    if choice == "fp8":
-        raise ValueError("mixed precision 'fp8' (accelerate launch --mixed_precision fp8) is not supported by hfnative; "
-                         "use bf16")
+    if choice == "fp8":  # float8 linear layers (trainers/float8_plan.py), the rest in bf16 as accelerate runs it
+        return "bf16"
     return None if choice == "no" else choice
 
 

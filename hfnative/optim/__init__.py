@@ -1,6 +1,7 @@
 """Optimizers named and configured as in transformers' Trainer (the LR schedule is transformers'
 get_scheduler, built in trainers/)."""
 
+from hfnative.optim.bf16_updates import BF16_WEIGHT_UPDATES, KahanAdamW
 from hfnative.optim.factory import (
     SUPPORTED_OPTIMIZERS,
     OptimizerSettings,
@@ -15,6 +16,8 @@ from hfnative.optim.factory import (
 )
 
 __all__ = [
+    "BF16_WEIGHT_UPDATES",
+    "KahanAdamW",
     "SUPPORTED_OPTIMIZERS",
     "OptimizerSettings",
     "allocate_adam_state",

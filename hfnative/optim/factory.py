@@ -13,6 +13,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .bf16_updates import (
+    ADAMW_NAMES,
+    LOW_BIT_ADAMW_NAMES,
+    KahanAdamW,
+    bf16_update_choice,
+    stochastic_rounding_adamw,
+)
+
 # transformers' Trainer.get_decay_parameter_names: no weight decay for parameters whose lower-cased
 # full name matches one of these, or that live inside a normalization module
 _NO_DECAY_NAME_PATTERNS = [
@@ -38,6 +46,8 @@ class OptimizerSettings:
 
     adafactor_class: what ``optim="adafactor"`` builds: transformers.optimization.Adafactor, handed in by
         trainers/ so the engine imports no transformers.
+    bf16_weight_updates: how AdamW updates bf16 weights: "auto" (stochastic rounding where they are bf16),
+        "stochastic_round", "kahan" or "round_to_nearest" (see ``hfnative.optim.bf16_updates``).
     """
 
     optim: str = "adamw_torch_fused"
@@ -48,6 +58,7 @@ class OptimizerSettings:
     adam_epsilon: float = 1e-8
     optim_args: str | None = None
     adafactor_class: type[torch.optim.Optimizer] | None = None
+    bf16_weight_updates: str = "auto"
 
     def __post_init__(self):
         self.optim = str(getattr(self.optim, "value", self.optim))  # accepts transformers' OptimizerNames enum too
@@ -182,10 +193,31 @@ def optimizer_parts(
     model: nn.Module, settings: OptimizerSettings
 ) -> tuple[type[torch.optim.Optimizer], list[dict], dict]:
     """What transformers' Trainer builds its optimizer from: the class, the decay / no-decay groups of
-    `model`'s trainable parameters, and the constructor kwargs."""
+    `model`'s trainable parameters, and the constructor kwargs; an AdamW over bf16 weights made to keep their
+    small updates as ``settings.bf16_weight_updates`` says."""
     optimizer_cls, kwargs = optimizer_class_and_kwargs(settings)
     groups = split_decay_groups(model, settings.weight_decay)
-    return optimizer_cls, groups, with_fused_kernel(settings.optim, kwargs, groups)
+    optimizer_cls, kwargs = _with_bf16_weight_updates(settings, optimizer_cls, kwargs, groups)
+    if optimizer_cls is torch.optim.AdamW:
+        kwargs = with_fused_kernel(settings.optim, kwargs, groups)
+    return optimizer_cls, groups, kwargs
+
+
+def _with_bf16_weight_updates(settings: OptimizerSettings, optimizer_cls, kwargs: dict, groups: list[dict]):
+    """(class, kwargs) with bf16 weights' updates kept: torchao's stochastic-rounding AdamW or ``KahanAdamW`` in
+    place of torch's AdamW, the low-bit AdamWs' own bf16_stochastic_round flag."""
+    params = [p for group in groups for p in group["params"]]
+    sr_flag_given = "bf16_stochastic_round" in parse_optim_args(settings.optim_args)
+    choice = bf16_update_choice(settings.bf16_weight_updates, settings.optim, params, sr_flag_given)
+    if not any(p.dtype == torch.bfloat16 for p in params) or sr_flag_given:
+        return optimizer_cls, kwargs
+    if settings.optim in LOW_BIT_ADAMW_NAMES:
+        return optimizer_cls, {**kwargs, "bf16_stochastic_round": choice == "stochastic_round"}
+    if settings.optim in ADAMW_NAMES and choice != "round_to_nearest":
+        adamw_kwargs = {key: value for key, value in kwargs.items() if key != "fused"}
+        return (stochastic_rounding_adamw() if choice == "stochastic_round" else KahanAdamW), (
+            {**adamw_kwargs, "bf16_stochastic_round": True} if choice == "stochastic_round" else adamw_kwargs)
+    return optimizer_cls, kwargs
 
 
 def build_optimizer(model: nn.Module, settings: OptimizerSettings) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """Parallelism and memory/speed transforms for a native model: ``ParallelDims`` builds the named DeviceMesh,
-``parallelize`` applies, in this order, the pipeline stage split -> tensor/sequence (and expert) parallel -> activation
-checkpointing -> compile -> FSDP2; context parallel (``ring_attention``, ``split_batch``) splits each batch along the
+``parallelize`` applies, in this order, the pipeline stage split -> float8 training (``apply_float8_training``) ->
+tensor/sequence (and expert) parallel -> activation checkpointing -> compile -> FSDP2; context parallel (``ring_attention``, ``split_batch``) splits each batch along the
 sequence; ``Pipeline`` runs a step's micro-batches through the stages.
 
 The distributed pieces load on first use (PEP 562), so single-process callers do not import
@@ -24,6 +24,8 @@ _LAZY = {
     "end_process_group": "teardown",
     "Pipeline": "pipeline",
     "split_into_stage": "pipeline",
+    "Float8Training": "float8",
+    "apply_float8_training": "float8",
 }
 
 

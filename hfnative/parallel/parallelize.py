@@ -1,7 +1,8 @@
 """The one place that applies parallelism and the memory/speed transforms to a native model, in this order:
 
 0. pipeline parallel (``mesh["pp"]``): each pp rank keeps its stage's blocks (see pipeline.py), and the steps below
-   apply to what it kept;
+   apply to what it kept; then float8 training (the blocks' projections become torchao's float8 layers, see
+   float8.py), so the steps below split, checkpoint, compile and shard them as the linear layers they replace;
 1. tensor + sequence parallel (``mesh["tp"]``), with the vocabulary-parallel embedding and loss-parallel head;
    expert parallel (``mesh["ep"]``: each MoE layer's experts split over the ep ranks, see expert_parallel.py);
    context parallel needs no change to the model (its batches carry the ring-attention plan);
@@ -31,6 +32,7 @@ from hfnative.models.decoder import Transformer
 from .activation_checkpoint import apply_activation_checkpointing
 from .compile import apply_compile
 from .dims import ParallelDims
+from .float8 import Float8Training, apply_float8_training
 from .fsdp import apply_fsdp, apply_fsdp_per_layer
 from .tensor_parallel import apply_tensor_parallel
 
@@ -45,8 +47,9 @@ def parallelize(
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    float8: Float8Training | None = None,
 ) -> nn.Module:
-    """Apply TP/SP -> activation checkpointing -> compile -> FSDP2 to ``model`` (a native Transformer); in place.
+    """Apply float8 -> TP/SP -> activation checkpointing -> compile -> FSDP2 to ``model`` (a native Transformer); in place.
 
     dims, mesh: the layout and the mesh ``dims.build_mesh`` made.
     activation_checkpointing: None, "full" or "selective" (see ``apply_activation_checkpointing``).
@@ -55,9 +58,12 @@ def parallelize(
         rank, to carry the policy.
     reshard_after_forward: FSDP2's choice for the blocks (see ``apply_fsdp``).
     cpu_offload: FSDP2 keeps the sharded parameters, gradients and optimizer step in CPU memory.
+    float8: train the blocks' projections in float8 (``apply_float8_training``); None: as they are.
     Returns the model.
     """
     if not isinstance(model, Transformer):
+        if float8 is not None:
+            apply_float8_training(model, float8, mesh.device_type)  # refuses: float8 is for the native model
         if dims.pp_enabled:
             from .pipeline import check_pipeline_model
 
@@ -74,6 +80,8 @@ def parallelize(
         from .pipeline import split_into_stage
 
         split_into_stage(model, dims.pp_mesh(mesh).get_local_rank(), dims.pp)
+    if float8 is not None:
+        apply_float8_training(model, float8, mesh.device_type, tp=dims.tp, fsdp_sharded=dims.fsdp_mesh(mesh).size() > 1)
     if dims.tp_enabled:
         apply_tensor_parallel(model, mesh["tp"])
     # a dense model in an expert-parallel run (a teacher, a reference) is sharded like any other, over all dp_shard

@@ -24,6 +24,8 @@ from hfnative.peft.adapters import LORA_PARAMETERS, lora_modules
 from hfnative.peft.lora import LoraLinear
 from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
 
+from .float8 import plain_weight
+
 
 def is_parallelized(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (sharded or replicated over a device mesh)."""
@@ -31,8 +33,9 @@ def is_parallelized(model: nn.Module) -> bool:
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is (a float8
+    all-gather weight as the high-precision tensor it wraps)."""
+    return plain_weight(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
 
 
 def plain_dtype(model: nn.Module) -> torch.dtype | None:

@@ -50,6 +50,8 @@ from hfnative.losses.vocab_parallel import (
 from hfnative.models.head import GeneralizedJSD, OutputHead, TokenCrossEntropy, TokenLogprobs
 from hfnative.models.moe import MoE, local_values
 
+from .float8 import is_float8_linear
+
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     """Raise a ValueError naming what in ``model`` cannot be split over ``tp`` ranks."""
@@ -65,7 +67,8 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     if args.attention_sinks:
         problems.append("attention sinks are not split by tensor parallelism yet")
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") and type(module) is not nn.Linear:
+        if (name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") and type(module) is not nn.Linear
+                and not is_float8_linear(module)):
             problems.append(
                 f"{name} is a {type(module).__name__}, not an nn.Linear (adapters and quantized layers are not split)"
             )
