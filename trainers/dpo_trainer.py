@@ -19,7 +19,7 @@ from hfnative.losses.preference import PreferenceLogps, preference_loss
 from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
-from .objective import Objective, enable_router_loss
+from .objective import Objective, enable_router_loss, with_transformers_padding
 from .pipeline_training import runs_in_pipeline
 from .reference_model import ReferenceModel, ReferenceTrainer
 from .trainer import Trainer
@@ -277,7 +277,7 @@ class DPOObjective(Objective):
         return True
 
     def eval_outputs(self, model, inputs: dict):
-        return self.forward(model, inputs, None).logits, inputs["input_ids"]
+        return self.forward(model, with_transformers_padding(inputs), None).logits, inputs["input_ids"]
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows

@@ -25,7 +25,7 @@ from hfnative.losses.unpaired_preference import unpaired_preference_losses
 from hfnative.models.head import TokenLogprobs
 
 from .kto_config import KTOConfig
-from .objective import Objective, RankSums, enable_router_loss, ratio_if_any
+from .objective import Objective, RankSums, enable_router_loss, ratio_if_any, with_transformers_padding
 from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
 from .trainer import Trainer
 
@@ -250,7 +250,7 @@ class KTOObjective(Objective):
         return True
 
     def eval_outputs(self, model, inputs: dict):
-        return self.forward(model, inputs, None).logits, inputs["input_ids"]
+        return self.forward(model, with_transformers_padding(inputs), None).logits, inputs["input_ids"]
 
 
 def cli_command():

@@ -16,7 +16,7 @@ import transformers
 
 from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
 from hfnative.losses.preference import sft_loss
-from hfnative.models.attention import AttentionPlan, build_attention_mask
+from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenLogprobs
 
 from .objective import Objective, enable_router_loss
@@ -49,9 +49,6 @@ class ReferenceFreePreferenceTrainer(Trainer):
     ):
         args = self.resolve_args(args, model)
         args.check_for_trainer(type(self).__name__)
-        if compute_metrics is not None:
-            raise ValueError(f"{type(self).__name__}: compute_metrics is not supported (TRL hands it the batch's "
-                             "logged metrics, not logits); drop it: the evaluation logs eval_loss and TRL's eval_ metrics")
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
@@ -65,21 +62,6 @@ class ReferenceFreePreferenceTrainer(Trainer):
     def _router_loss_rule(self) -> bool:
         """TRL's rule here: the model config's ``output_router_logits``."""
         return bool(getattr(getattr(self.native_model, "config", None), "output_router_logits", False))
-
-
-def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:
-    """The loop's attention plan for a right-padded batch, with padding queries attending to the real keys before them
-    (not to themselves) as transformers' masks do: the logged mean logit reads the padding positions' outputs."""
-    if plan.kind == "causal" and plan.sliding_mask is None:  # no padding in the batch
-        return plan
-    S, device, window = attention_mask_BS.shape[1], attention_mask_BS.device, plan.sliding_window
-    padding_BS = attention_mask_BS.bool()
-    return AttentionPlan(
-        "dense", S, window,
-        global_mask=build_attention_mask(S, device, padding_BS, padding_attends_itself=False),
-        sliding_mask=build_attention_mask(S, device, padding_BS, sliding_window=window, padding_attends_itself=False)
-        if window else None,
-    )
 
 
 def shift_mask(mask_BS: torch.Tensor) -> torch.Tensor:
@@ -187,9 +169,16 @@ class ReferenceFreePreferenceObjective(Objective):
         """The micro-batch's loss and metrics from ``sums`` (per row [2B]: logps, lengths; per position [2B, S]:
         token_logps, mean_logits, completion and attended target masks)."""
 
-    # --- evaluation: the loss and TRL's metrics under eval_ -----------------------------------------------
+    # --- evaluation: the loss and TRL's metrics under eval_; compute_metrics gets the logged mean logits -----------------------------------------------
     def has_eval_loss(self, inputs: dict) -> bool:
         return True
+
+    def eval_outputs(self, model, inputs: dict):
+        """What TRL's prediction_step hands compute_metrics: the batch's logged mean logits [chosen, rejected] as
+        the "logits" and zeros as the labels."""
+        _, metrics = self.loss(model, inputs, None)
+        logits = torch.stack([metrics["logits/chosen"], metrics["logits/rejected"]]).float()
+        return logits, torch.zeros_like(logits)
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows
