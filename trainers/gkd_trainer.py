@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 
 from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
 
@@ -179,6 +180,15 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
             optimizers=optimizers, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             peft_config=peft_config, formatting_func=formatting_func,
         )
+        # TRL's generation config, as its constructor builds it (what users' code reads; sampling reads args)
+        self.generation_kwargs = {
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "do_sample": True, "top_k": 0,
+            "top_p": 1.0, "use_cache": not args.gradient_checkpointing, "pad_token_id": self.processing_class.pad_token_id,
+        }
+        self.generation_config = transformers.GenerationConfig(**self.generation_kwargs)
+        eos_token_id = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is not None:
+            self.generation_config.eos_token_id = eos_token_id
 
     def _make_objective(self):
         return GKDObjective(self.context, self._teacher)

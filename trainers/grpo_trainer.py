@@ -703,9 +703,17 @@ class GRPOTrainer(Trainer):
                              lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
-        """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every data-parallel rank's
-        completion tokens (bool [B, T], False outside ``mask``)."""
-        return high_entropy_mask(entropies, mask, threshold, gather=self.data_parallel.gather_values)
+        """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every process's completion tokens
+        (bool [B, T], False outside ``mask``), gathered as TRL's method gathers them: through ``self.accelerator``'s
+        ``pad_across_processes`` and ``gather`` (a negative pad, since entropies are not), so it runs on any object
+        TRL's runs on."""
+        pad_value = -1e9
+
+        def gather(values):
+            gathered = self.accelerator.gather(self.accelerator.pad_across_processes(values, dim=0, pad_index=pad_value))
+            return gathered[gathered != pad_value]
+
+        return high_entropy_mask(entropies, mask, threshold, gather=gather)
 
     def _reference_source(self):
         """What the reference model loads from: the policy's source when it is a path, else a copy of the
