@@ -193,7 +193,7 @@ def test_config_has_trls_fields_and_defaults(name):
     (dict(loss_type="kto_pair"), "kto_pair has been removed"),
     (dict(loss_type="robust"), "Unknown loss type: robust"),
     (dict(generate_during_eval=True), "generate_during_eval"),
-    (dict(is_encoder_decoder=True), "is_encoder_decoder"),
+    (dict(is_encoder_decoder=True), r"is_encoder_decoder=True: encoder-decoder \(seq2seq\) models are out of scope"),
 ])
 def test_bad_settings_are_refused(settings, message, tmp_path):
     with pytest.raises(ValueError, match=message):
