@@ -21,7 +21,7 @@ from hfnative.models.head import TokenLogprobs
 from .dpo_config import DPOConfig
 from .objective import Objective, enable_router_loss, with_transformers_padding
 from .pipeline_training import runs_in_pipeline
-from .reference_model import ReferenceModel, ReferenceTrainer
+from .reference_model import PREFERENCE_LOGITS_FOR_METRICS_WARNING, ReferenceModel, ReferenceTrainer
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class DPOTrainer(ReferenceTrainer, Trainer):
     requires_train_dataset = True
     refuses_quantization_of_instances = True  # as TRL's DPOTrainer (its other trainers warn)
     _tag_names = ["trl", "dpo"]
+    logits_for_metrics_warning = PREFERENCE_LOGITS_FOR_METRICS_WARNING
 
     def __init__(
         self,
@@ -57,7 +58,11 @@ class DPOTrainer(ReferenceTrainer, Trainer):
         args = self.resolve_args(args, model)
         self._take_reference_source(args, model, ref_model, peft_config)
         if args.padding_free:
-            logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
+            logger.warning(  # TRL's text
+                "`padding_free=True` is temporarily unavailable after a refactor and is currently disabled. Falling "
+                "back to standard padding (`padding_free=False`). This feature is planned to return in a future "
+                "update; for now, please set `padding_free=False` explicitly."
+            )
         super().__init__(
             model=model,
             args=args,

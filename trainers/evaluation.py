@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers.trainer_utils import EvalPrediction
@@ -12,6 +13,14 @@ from hfnative.losses import IGNORE_INDEX
 
 class EvaluationMixin:
     """evaluate() / prediction_step() as transformers' Trainer, on the native model."""
+
+    # TRL's FutureWarning when its compute_loss(return_outputs=True) recomputes the logits for compute_metrics (its
+    # SFT, DPO and KTO trainers, in evaluation with compute_metrics): the trainer's text, or None
+    logits_for_metrics_warning: str | None = None
+
+    def _warn_logits_for_metrics(self) -> None:
+        if self.logits_for_metrics_warning is not None:
+            warnings.warn(self.logits_for_metrics_warning, FutureWarning, stacklevel=3)
 
     def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
         """(loss, logits, labels) of one evaluation batch: the objective's loss when the batch has one (see
@@ -25,6 +34,7 @@ class EvaluationMixin:
             loss = self.compute_loss(model, inputs) if self.objective.has_eval_loss(inputs) else None
             logits = None
             if not prediction_loss_only:
+                self._warn_logits_for_metrics()
                 logits, labels = self.objective.eval_outputs(model, inputs)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)

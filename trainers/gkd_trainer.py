@@ -7,6 +7,7 @@ teacher's (``seq_kd``); the loss is the generalized JSD at temperature 1 over th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +20,8 @@ from .distillation_config import GKDConfig
 from .distillation_trainer import _DistillationObjective, _TeacherMixin, _teacher_kwargs, completion_batch
 from .rollout import Rollout, generation_eos_ids, pad_token_lists, sampling_params, tokenize_prompts
 from .sft_trainer import SFTTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -154,6 +157,7 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     algorithm_name = "GKD"
     config_class = GKDConfig
     _tag_names = ["trl", "gkd"]
+    logits_for_metrics_warning = None  # TRL's GKD computes its loss itself, without SFT's warning
 
     def __init__(
         self,
@@ -173,6 +177,15 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     ):
         args = self.resolve_args(args, model)
         args.remove_unused_columns = False  # the collator reads the raw rows
+        if args.lmbda == 1.0 and args.temperature == 1.0:
+            logger.warning(  # TRL's text
+                "This GKD configuration (`lmbda=1.0`, `temperature=1.0`) is fully covered by `DistillationTrainer`, "
+                "which is maintained in the main codebase and supports vLLM generation and a memory-efficient "
+                "chunked loss. Consider migrating: replace `GKDConfig`/`GKDTrainer` with "
+                "`DistillationConfig`/`DistillationTrainer`, `max_new_tokens` with `max_completion_length`, and set "
+                f"`beta={args.beta}` explicitly (`beta` means the same in both, but defaults to 0.5 here and 1.0 "
+                "there)."
+            )
         self._teacher = self._teacher_source(teacher_model, args)
         super().__init__(
             model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,

@@ -20,6 +20,7 @@ and completion statistics taken over the whole batch, and each rank keeps its ow
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 import warnings
@@ -42,6 +43,7 @@ from hfnative.losses.policy import (
 )
 from hfnative.peft import disable_adapters
 
+from .arguments import LIGER_DEPRECATION
 from .completion_log import CompletionLog
 from .construction import is_model_name
 from .data_loading import EpochBatchSampler, StreamGroupBatches, has_length
@@ -63,6 +65,8 @@ from .rollout import (
 )
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 # --- data ------------------------------------------------------------------------------------------------------
 
@@ -640,6 +644,26 @@ class GRPOObjective(Objective):
 # --- the trainer -----------------------------------------------------------------------------------------------
 
 
+def warn_like_trl(args) -> None:
+    """TRL's GRPOTrainer / RLOOTrainer warnings about these settings, word for word."""
+    if args.use_liger_kernel:
+        warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
+    loss_type, level = getattr(args, "loss_type", None), getattr(args, "importance_sampling_level", "token")
+    if loss_type == "luspo" and level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror "
+                       "the paper's setup.")
+    if loss_type == "vespo" and level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                       "should be set to `'token'` (the default).")
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+            "contributions, which effectively weights each sequence by its completion length instead of "
+            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
+            "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
+        )
+
+
 class GRPOTrainer(Trainer):
     """TRL's GRPOTrainer: ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config, rollout_func)``. ``model``: a folder, Hub id,
@@ -677,6 +701,7 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          quantization_config=quantization_config, peft_config=peft_config)
+        warn_like_trl(self.args)
 
     def _make_objective(self):
         rollout_func = getattr(self, "rollout_func", None)  # TRL calls it with the trainer

@@ -306,7 +306,7 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
 
     def _keep_trl_generation_attributes(self, args) -> None:
         """TRL's public generation attributes, as its constructor sets them (what users' code reads; the sampling
-        itself reads ``args``): the settings, the stop ids and the generation config TRL builds from them."""
+        itself reads ``args``): the settings, the stop ids and the GenerationConfig TRL builds from them."""
         self.use_vllm, self.num_generations = args.use_vllm, 2
         self.temperature, self.top_p, self.top_k, self.min_p = args.temperature, args.top_p, args.top_k, args.min_p
         self.repetition_penalty = args.repetition_penalty
@@ -315,14 +315,7 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
         self.vllm_tensor_parallel_size, self.vllm_model_impl = args.vllm_tensor_parallel_size, args.vllm_model_impl
         self.max_length = args.max_length
         self.eos_token_ids = list(self.objective.stop_ids)
-        if args.use_vllm:
-            from vllm import SamplingParams
-
-            settings = {"n": 2, "repetition_penalty": self.repetition_penalty, "temperature": self.temperature,
-                        "top_p": self.top_p, "top_k": self.top_k, "min_p": 0.0 if self.min_p is None else self.min_p,
-                        "max_tokens": args.max_new_tokens, "detokenize": False, **(args.generation_kwargs or {})}
-            self.generation_config = SamplingParams(**settings)
-            return
+        # transformers' GenerationConfig, as TRL builds it without vLLM (use_vllm=True is refused by the config)
         tokenizer = self.objective.context.tokenizer
         settings = {"max_new_tokens": args.max_new_tokens, "do_sample": True, "pad_token_id": tokenizer.pad_token_id,
                     "bos_token_id": tokenizer.bos_token_id, "eos_token_id": self.eos_token_ids,

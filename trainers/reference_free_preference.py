@@ -49,6 +49,13 @@ class ReferenceFreePreferenceTrainer(Trainer):
     ):
         args = self.resolve_args(args, model)
         args.check_for_trainer(type(self).__name__)
+        if args.max_length is None:  # TRL's warnings, word for word
+            logger.warning(f"`max_length` is not set in the {type(args).__name__}'s init it will default to `512` by "
+                           "default, but you should do it yourself in the future.")
+        if data_collator is None and args.remove_unused_columns:
+            args.remove_unused_columns = False  # as TRL sets it: its collator reads the raw columns
+            logger.warning("When using DPODataCollatorWithPadding, you should set `remove_unused_columns=False` in your "
+                           "TrainingArguments we have set it for you, but you should do it yourself in the future.")
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
@@ -83,6 +90,13 @@ class ReferenceFreePreferenceObjective(Objective):
         model = context.model
         # TRL adds the router's load-balancing loss when the model config asks for router logits
         wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
+        if wants_router_loss and getattr(model.config, "router_aux_loss_coef", 0.0) == 0.0:
+            logger.warning(  # TRL's text
+                "You set `output_router_logits` to `True` in the model config, but `router_aux_loss_coef` is set to "
+                "`0.0`, meaning the auxiliary loss will not be used. Either set `router_aux_loss_coef` to a value "
+                "greater than `0.0`, or set `output_router_logits` to `False` if you don't want to use the auxiliary "
+                "loss."
+            )
         self.aux_loss_coef = enable_router_loss(model, None if wants_router_loss else 0.0)
 
     # --- data -------------------------------------------------------------------------------------------
@@ -107,8 +121,6 @@ class ReferenceFreePreferenceObjective(Objective):
 
     def _prepare(self, dataset):
         args = self.args
-        if args.max_length is None and dataset is not None:
-            logger.warning("`max_length` is not set: sequences are cut at TRL's default of 512 tokens; set it yourself.")
         return prepare_paired_preference_dataset(dataset, self.context.processing_class, args.sequence_length_limit,
                                                  args.dataset_num_proc)
 

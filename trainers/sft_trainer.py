@@ -14,7 +14,7 @@ from hfnative.data.formats import has_prompt_and_completion
 from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
-from .arguments import SFTConfig
+from .arguments import LIGER_DEPRECATION, SFTConfig
 from .construction import config_dict
 from .model_card import write_model_card
 from .objective import LanguageModelingObjective, enable_router_loss
@@ -39,30 +39,28 @@ def _check_trainer_arguments(args: SFTConfig, data_collator, compute_loss_func) 
                 "packing with the 'bfd' / 'bfd_split' strategy, which flattens each batch into one sequence)."
             )
         if args.packing and args.packing_strategy == "wrapped":
-            logger.warning(
-                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not recommended: "
-                "wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
-                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'."
+            logger.warning(  # TRL's text, then why
+                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not "
+                "recommended. Please refer to the documentation to understand why this is not recommended. "
+                "(Wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
+                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'.)"
             )
         if args.per_device_train_batch_size == 1 and not args.packing:
-            logger.warning(
-                "You are using a per_device_train_batch_size of 1 with padding-free training: one row per batch has "
-                "no padding to remove, so padding-free saves nothing. Use a batch size of at least 2."
+            logger.warning(  # TRL's text
+                "You are using a per_device_train_batch_size of 1 with padding-free training. Using a batch size "
+                "of 1 annihilate the benefits of padding-free training. Please consider increasing the batch size "
+                "to at least 2."
             )
     if compute_loss_func is not None:
-        warnings.warn(
-            "`compute_loss_func` is deprecated (TRL removes it in v2.0.0). Subclass `SFTTrainer` and override "
-            "`compute_loss` instead: the loss then needs the full logits, an extra forward pass each step.",
+        warnings.warn(  # TRL's text
+            "`compute_loss_func` is deprecated and will be removed in v2.0.0. Subclass `SFTTrainer` and override "
+            "`compute_loss` instead. Expect slower training meanwhile: the loss needs the full logits, so each "
+            "step runs an extra forward pass.",
             FutureWarning,
             stacklevel=3,
         )
     if args.use_liger_kernel:
-        warnings.warn(
-            "`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's loss is already a fused "
-            "linear-cross-entropy (`fused_loss`, on by default).",
-            FutureWarning,
-            stacklevel=3,
-        )
+        warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
 
 
 class SFTTrainer(Trainer):
@@ -73,6 +71,11 @@ class SFTTrainer(Trainer):
     config_class = SFTConfig
     requires_train_dataset = True
     _tag_names = ["trl", "sft"]
+    logits_for_metrics_warning = (
+        "`return_outputs=True`, and the logits it passes to `compute_metrics` and "
+        "`preprocess_logits_for_metrics`, are deprecated and will be removed in v2.0.0. The fused LM head does "
+        "not build the logits, so they are recomputed with an extra forward pass."
+    )
 
     def __init__(
         self,

@@ -376,6 +376,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
         loss, metrics = self.objective.loss(model, inputs, num_items_in_batch)
         self._metrics["train" if model.training else "eval"].record(metrics)
         if return_outputs:
+            self._warn_logits_for_metrics()
             with torch.no_grad():
                 outputs = model(**without_labels(inputs))
             return loss, outputs
