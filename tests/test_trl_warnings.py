@@ -5,7 +5,6 @@ is already fused) TRL's first sentence is compared. (tests/test_trl_errors.py co
 warnings by their key phrases.)
 """
 
-import importlib
 import json
 import logging
 import os
@@ -22,6 +21,7 @@ import hfnative
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
+from test_compute_metrics_vs_trl import _class  # noqa: E402  (TRL's or hfnative's trainer and config classes)
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")
@@ -32,16 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def _jsonl(name: str, n: int) -> list[dict]:
     with open(DATA / name) as f:
         return [json.loads(line) for line in f][:n]
-
-
-def _class(module, name: str):
-    if module is hfnative:
-        return getattr(hfnative, name)
-    for path in ("trl", "trl.experimental.orpo", "trl.experimental.cpo", "trl.experimental.gkd"):
-        found = getattr(importlib.import_module(path), name, None)
-        if found is not None:
-            return found
-    raise AttributeError(name)
 
 
 class _Records(logging.Handler):
