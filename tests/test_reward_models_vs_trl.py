@@ -6,7 +6,9 @@ the same model, rows and seed (fp32, 2 steps): the per-step loss and grad norm, 
   does; TRL loads a folder through transformers, which freezes the LoRA weights and trains only the score head copy).
 - LoRA whose target_modules reach a Qwen3-MoE model's experts: peft adapts them (target_parameters on the fused expert
   tensors) on transformers' module, as under TRL; the same parameters train, equal per step.
-- Every architecture that trains through transformers' own classifier (GPT-NeoX, Qwen2-MoE, Phi, Gemma 2): with
+- Every architecture that trains through transformers' own classifier (GPT-NeoX, Qwen2-MoE, Phi, Gemma 2; the other
+  fallback families of tests/test_fallback.py, Cohere 2, LFM2 and Granite, have no *ForSequenceClassification class in
+  transformers, so TRL cannot build their reward model either and hfnative refuses them saying so): with
   center_rewards_coefficient every parameter moves, under TRL and here, equal per step. Without it, the final norm's
   bias before a bias-free score head has a gradient of round-off under both (it shifts every reward alike, and the
   Bradley-Terry loss reads only differences), so whether gpt_neox.final_layer_norm.bias moves is decided by
