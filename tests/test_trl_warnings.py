@@ -129,6 +129,9 @@ CASES = {
     "sft-model-init-kwargs": (lambda m, t: _trainer(m, "SFT", t, config=dict(model_init_kwargs={"dtype": "float32"}),
                                                     model=lambda: AutoModelForCausalLM.from_pretrained(MODEL)),
                               "`model_init_kwargs` to the"),
+    "sft-formatting-func-on-tokenized-rows": (lambda m, t: _trainer(m, "SFT", t, formatting_func=lambda row: "text", rows=[
+        {"input_ids": AutoTokenizer.from_pretrained(MODEL)("hello world " * n)["input_ids"]} for n in range(1, 5)]),
+        "already processed"),
     "sft-padding-free-batch-of-one": (lambda m, t: _trainer(m, "SFT", t, config=dict(
         padding_free=True, max_length=None, per_device_train_batch_size=1)), "per_device_train_batch_size of 1"),
     "sft-padding-free-wrapped": (lambda m, t: _trainer(m, "SFT", t, config=dict(
