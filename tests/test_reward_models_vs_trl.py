@@ -13,6 +13,8 @@ the same model, rows and seed (fp32, 2 steps): the per-step loss and grad norm, 
   bias before a bias-free score head has a gradient of round-off under both (it shifts every reward alike, and the
   Bradley-Terry loss reads only differences), so whether gpt_neox.final_layer_norm.bias moves is decided by
   round-off, alike under TRL and here; the test checks that gradient on GPT-NeoX with a chat template from a file.
+- chat_template_path naming a tokenizer folder takes its template and EOS as TRL's clone_chat_template does; where
+  TRL's clone would change the vocabulary (add tokens, resize the embeddings), hfnative refuses, naming the tokens.
 """
 
 import json
@@ -163,3 +165,43 @@ def test_final_norm_bias_gets_no_gradient_under_trl_either(tmp_path):
                                        processing_class=AutoTokenizer.from_pretrained(model))
         bias, weight = _final_norm_gradients(trainer)
         assert weight > 1e-3 and bias <= 1e-6 * weight, (module.__name__, bias, weight)
+
+
+def _template_folder(root: Path, eos_token: str, new_token: str | None = None) -> str:
+    """The tiny tokenizer with another EOS (and an added token the model's vocabulary lacks), saved as a folder."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer.eos_token = eos_token
+    if new_token is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": [new_token]})
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
+def test_chat_template_folder_sets_the_eos_as_trls_clone(tmp_path):
+    """chat_template_path naming a tokenizer folder: the template and its EOS are taken, and the model config's
+    eos_token_id follows, as TRL's clone_chat_template does (the vocabulary unchanged, so nothing is resized)."""
+    folder = _template_folder(tmp_path / "source", eos_token="<|endoftext|>")
+    seen = {}
+    for module in (trl, hfnative):
+        args = module.RewardConfig(output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False,
+                                   report_to="none", chat_template_path=folder)
+        trainer = module.RewardTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(_rows()),
+                                       processing_class=AutoTokenizer.from_pretrained(MODEL))
+        seen[module] = (trainer.processing_class.eos_token, trainer.model.config.eos_token_id,
+                        trainer.processing_class.chat_template)
+    assert seen[hfnative] == seen[trl] and seen[trl][0] == "<|endoftext|>"
+
+
+def test_chat_template_folder_that_changes_the_vocabulary_is_refused(tmp_path):
+    """Where TRL's clone would add the folder's special tokens and resize the embeddings, hfnative refuses, naming
+    them (TRL resizes: checked here so the refusal stays where TRL changes the model)."""
+    folder = _template_folder(tmp_path / "source", eos_token="<|im_end|>", new_token="<|tool_start|>")
+    args = dict(use_cpu=True, bf16=False, report_to="none", chat_template_path=folder)
+    theirs = trl.RewardTrainer(model=MODEL, args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), **args),
+                               train_dataset=Dataset.from_list(_rows()),
+                               processing_class=AutoTokenizer.from_pretrained(MODEL))
+    assert "<|tool_start|>" in theirs.processing_class.get_vocab()  # TRL added it (and resized the embeddings)
+    with pytest.raises(ValueError, match=r"TRL's clone_chat_template would change the vocabulary.*<\|tool_start\|>"):
+        hfnative.RewardTrainer(model=MODEL, args=hfnative.RewardConfig(output_dir=str(tmp_path / "ours"), **args),
+                               train_dataset=Dataset.from_list(_rows()),
+                               processing_class=AutoTokenizer.from_pretrained(MODEL))

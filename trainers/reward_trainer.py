@@ -130,7 +130,7 @@ class RewardObjective(Objective):
             tokenizer.eos_token = args.eos_token
             text_config.eos_token_id = tokenizer.eos_token_id
         if args.chat_template_path is not None:
-            load_chat_template(tokenizer, args.chat_template_path)
+            load_chat_template(tokenizer, args.chat_template_path, config)
         pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
         self._check_in_vocabulary(pad_token, "pad_token")
         tokenizer.pad_token = pad_token

@@ -139,16 +139,35 @@ class SFTTrainer(Trainer):
 
 
 
-def load_chat_template(tokenizer, path: str) -> None:
-    """SFTConfig.chat_template_path: a .jinja / .j2 file or a tokenizer folder, set as ``tokenizer``'s template."""
+def load_chat_template(tokenizer, path: str, config=None) -> None:
+    """``chat_template_path``: a .jinja / .j2 file, whose text becomes ``tokenizer``'s template, or a tokenizer folder,
+    whose template and EOS are taken as TRL's clone_chat_template takes them (``config``, the model's transformers
+    config, gets the new eos_token_id). Where TRL's clone would also change the vocabulary (add the folder's special
+    tokens the tokenizer lacks, resize the embeddings to a multiple of 64), hfnative refuses, naming what would change."""
     path = Path(path)
-    if path.is_dir():
-        template = transformers.AutoTokenizer.from_pretrained(str(path)).chat_template
-    elif path.suffix in (".jinja", ".j2") and path.is_file():
-        template = path.read_text()
-    else:
+    if path.suffix in (".jinja", ".j2") and path.is_file():
+        tokenizer.chat_template = path.read_text()
+        return
+    if not path.is_dir():
         raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
-    tokenizer.chat_template = template
+    source = transformers.AutoTokenizer.from_pretrained(str(path))
+    vocab = tokenizer.get_vocab()
+    missing = [token.content for token in source.added_tokens_decoder.values() if token.content not in vocab]
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    resized = -(-(len(vocab) + len(missing)) // 64) * 64
+    if missing or (vocab_size is not None and resized != vocab_size):
+        raise ValueError(
+            f"chat_template_path={str(path)!r}: TRL's clone_chat_template would change the vocabulary here ("
+            + (f"add the tokens {missing[:8]} to the tokenizer; " if missing else "")
+            + f"resize the model's embeddings from {vocab_size} to {resized} rows); hfnative takes a folder's template "
+            "and EOS only. Pass the template as a .jinja file whose special tokens the tokenizer has, or add the "
+            "tokens and resize the model yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that "
+            "model and tokenizer"
+        )
+    tokenizer.chat_template = source.get_chat_template()
+    tokenizer.eos_token = source.eos_token
+    if config is not None:
+        config.get_text_config().eos_token_id = tokenizer.eos_token_id
 
 
 @runs_in_pipeline
@@ -175,7 +194,7 @@ class SFTObjective(LanguageModelingObjective):
                 f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
             )
         if args.chat_template_path is not None:
-            load_chat_template(context.tokenizer, args.chat_template_path)
+            load_chat_template(context.tokenizer, args.chat_template_path, getattr(context.model, "config", None))
         tokenizer = context.tokenizer
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
