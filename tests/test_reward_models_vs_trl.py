@@ -4,6 +4,8 @@ the same model, rows and seed (fp32, 2 steps): the per-step loss and grad norm, 
 - A peft PeftModel (LoRA with task_type SEQ_CLS) as the model: native LoRA on the native classifier, equal to TRL per
   step; the same adapter saved to a folder and passed by path trains too (its adapter keeps training, as a PeftModel
   does; TRL loads a folder through transformers, which freezes the LoRA weights and trains only the score head copy).
+  On GPT-NeoX (no native model) the PeftModel trains in place through peft, and its folder onto transformers' own
+  classifier.
 - LoRA whose target_modules reach a Qwen3-MoE model's experts: peft adapts them (target_parameters on the fused expert
   tensors) on transformers' module, as under TRL; the same parameters train, equal per step.
 - Every architecture that trains through transformers' own classifier (GPT-NeoX, Qwen2-MoE, Phi, Gemma 2; the other
@@ -98,11 +100,11 @@ def _assert_steps_equal(ours, theirs):
         assert grad_norm == pytest.approx(their_grad_norm, rel=1e-4, abs=1e-6)
 
 
-def _peft_reward_model():
+def _peft_reward_model(model=MODEL, target_modules=("q_proj", "v_proj")):
     torch.manual_seed(0)
-    base = AutoModelForSequenceClassification.from_pretrained(MODEL, num_labels=1, dtype=torch.float32)
+    base = AutoModelForSequenceClassification.from_pretrained(model, num_labels=1, dtype=torch.float32)
     return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                     target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS"))
+                                                     target_modules=list(target_modules), task_type="SEQ_CLS"))
 
 
 def test_peft_model_and_adapter_folder_train(tmp_path):
@@ -117,6 +119,22 @@ def test_peft_model_and_adapter_folder_train(tmp_path):
     _, from_folder, folder_unchanged = _train(hfnative, str(folder), tmp_path / "folder")
     assert from_folder[0][0] == pytest.approx(theirs[0][0], rel=1e-5)  # the same adapter and score head loaded
     _assert_steps_equal(from_folder, ours)  # and trained as the PeftModel is
+    assert folder_unchanged == our_unchanged
+
+
+def test_peft_model_and_adapter_folder_on_a_fallback_classifier_train(tmp_path):
+    """GPT-NeoX (transformers' own classifier): the PeftModel trains in place through peft, as under TRL; its adapter
+    folder loads onto transformers' classifier and trains the same way."""
+    model = _save(tmp_path / "neox", FALLBACK_FAMILIES["gpt_neox"]())
+    peft_model = lambda: _peft_reward_model(model, target_modules=("query_key_value",))  # noqa: E731
+    _, theirs, their_unchanged = _train(trl, peft_model(), tmp_path / "trl")
+    trainer, ours, our_unchanged = _train(hfnative, peft_model(), tmp_path / "ours")
+    _assert_steps_equal(ours, theirs)
+    assert our_unchanged == their_unchanged and isinstance(trainer.model, peft.PeftModel)
+    folder = tmp_path / "adapter"
+    peft_model().save_pretrained(str(folder))
+    _, from_folder, folder_unchanged = _train(hfnative, str(folder), tmp_path / "folder")
+    _assert_steps_equal(from_folder, ours)
     assert folder_unchanged == our_unchanged
 
 

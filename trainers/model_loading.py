@@ -159,27 +159,29 @@ def _adapter_sequence_classifier(model, device, dtype, kwargs: dict, num_labels:
 
     hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
     _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
-    if fallback._is_peft_model(model):
+    is_object = fallback._is_peft_model(model)
+    if is_object:  # its base: a transformers classifier with the adapters injected (loaded without them)
         peft_config, base = model.active_peft_config, model.get_base_model()
-        base_name, base_config = getattr(peft_config, "base_model_name_or_path", None), base.config
+        base_name, base_config, base_hub = getattr(peft_config, "base_model_name_or_path", None), base.config, {}
         dtype = dtype or next(base.parameters()).dtype
     else:
         peft_config = json.loads((Path(model) / "adapter_config.json").read_text())
         base = base_name = peft_config.get("base_model_name_or_path")
         if not base:
             raise ValueError(f"{model}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
-        base_config = _config_of(base, hub)
+        base_config, base_hub = _config_of(base, hub), hub
     reason = fallback_loading.native_lora_refusal(peft_config, base_config)
     if reason is None:
         converted = load_pretrained(base, dtype=dtype, device=device, num_labels=num_labels, score_seed=score_seed,
-                                    **(hub if base is base_name else {}))
-        with tempfile.TemporaryDirectory() as folder:
-            adapter_dir = model if _is_adapter_folder(model) else folder
-            if adapter_dir == folder:
+                                    **base_hub)
+        if is_object:
+            with tempfile.TemporaryDirectory() as folder:
                 model.save_pretrained(folder)  # peft's own names, read back strictly
-            settings = load_adapter(converted, adapter_dir, is_trainable=True)
+                settings = load_adapter(converted, folder, is_trainable=True)
+        else:
+            settings = load_adapter(converted, model, is_trainable=True)
         return LoadedModel(converted.model, converted, settings, base_name)
-    if fallback._is_peft_model(model):  # the PeftModel itself trains, in place
+    if is_object:  # the PeftModel itself trains, in place
         loaded = wrap_transformers_classifier(model, dtype, reason)
     else:
         loaded = load_transformers_classifier(base, num_labels=num_labels, score_seed=score_seed, dtype=dtype,
