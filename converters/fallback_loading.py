@@ -13,7 +13,7 @@ import torch
 
 from .fallback import TransformersCausalLM, hub_state_dict, warn_fallback
 from .hub import resolve_model_dir
-from .loading import CheckpointError, SafetensorsSource
+from .loading import CheckpointError, ConvertedModel, SafetensorsSource
 
 @dataclass
 class TransformersModel:
@@ -82,14 +82,19 @@ def wrap_transformers_model(model, dtype: torch.dtype | None = None) -> Transfor
 
 
 def transformers_from_native(converted) -> TransformersModel:
-    """A native ``ConvertedModel`` rebuilt as its transformers class over the same weights (for peft)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    """A native ``ConvertedModel`` rebuilt as its transformers class over the same weights (for peft): a causal LM, or
+    a sequence classifier's ``*ForSequenceClassification``."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    )
 
     from .export import hub_state_dict_pieces, hub_tensor
 
     native = dict(converted.model.state_dict())
     state = {key: hub_tensor(pieces, native).cpu() for key, pieces in hub_state_dict_pieces(converted).items()}
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(converted.config)]
+    classifier = converted.args.num_labels is not None
+    model_class = (MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING if classifier else MODEL_FOR_CAUSAL_LM_MAPPING)[type(converted.config)]
     dtype = next(converted.model.parameters()).dtype
     causal_lm, info = model_class.from_pretrained(
         None, config=converted.config, state_dict=state, dtype=dtype, output_loading_info=True
@@ -98,6 +103,12 @@ def transformers_from_native(converted) -> TransformersModel:
     if problems:
         raise CheckpointError(f"rebuilding {model_class.__name__} from the native weights: {problems}")
     causal_lm.to(next(converted.model.parameters()).device)
+    if classifier:
+        from .fallback_classifier import TransformersSequenceClassifier
+
+        wrapper = TransformersSequenceClassifier(causal_lm)
+        wrapper.args.pad_token_id = converted.args.pad_token_id
+        return TransformersModel(wrapper, causal_lm.config, converted.source_dir)
     return TransformersModel(TransformersCausalLM(causal_lm), causal_lm.config, converted.source_dir)
 
 
@@ -125,7 +136,12 @@ def peft_route_reason(model, peft_config) -> str | None:
     implements it on ``model`` (a native ``ConvertedModel`` and a LoRA config it supports)."""
     if isinstance(model, TransformersModel):
         return f"{_architecture(model.config)} has no native implementation"
-    return native_lora_refusal(peft_config)
+    reason = native_lora_refusal(peft_config)
+    if reason is None and isinstance(model, ConvertedModel):
+        from .lora_targets import expert_targets_refusal
+
+        reason = expert_targets_refusal(model, peft_config)
+    return reason
 
 
 def apply_peft(model, peft_config) -> TransformersModel:

@@ -405,6 +405,11 @@ def dequantizing_source(source, config, dtype: torch.dtype, where: str):
 
 def _hub_state_dict(model) -> dict[str, torch.Tensor]:
     """A transformers model's tensors under their Hub checkpoint names (undoing in-memory fusions)."""
+    adapters = getattr(model, "peft_config", None)
+    if adapters:  # a PeftModel's base, adapters injected: its own tensors under their plain names
+        from .fallback import hub_state_dict
+
+        return hub_state_dict(model, set(adapters))
     state_dict = model.state_dict()
     try:
         from transformers.core_model_loading import revert_weight_conversion

@@ -193,22 +193,25 @@ def _pattern_value(patterns: dict, key: str, default):
     return default
 
 
-def _reject_expert_targets(converted: ConvertedModel, settings: LoraSettings, pieces_of) -> None:
-    """peft 0.21 turns MoE expert (and, for all-linear, router) targets into ``target_parameters`` LoRA on
-    transformers 5's stacked expert tensors; hfnative has no LoRA for stacked experts, so it says so
+def expert_targets_refusal(converted: ConvertedModel, settings) -> str | None:
+    """Why hfnative's native LoRA cannot carry ``settings`` on this MoE model (None: it can). peft 0.21 turns MoE
+    expert (and, for all-linear, router) targets into ``target_parameters`` LoRA on transformers 5's stacked expert
+    tensors; hfnative has no LoRA for stacked experts, so such a config trains through peft on transformers' module
     rather than adapting fewer modules than peft would."""
+    if converted.args.moe is None:
+        return None
+    settings = lora_settings(settings)
     target_modules = settings.target_modules
-    expert_paths = [p for p in _module_paths(pieces_of, with_experts=True) if ".experts." in p]
+    expert_paths = [p for p in _module_paths(hub_parameter_pieces(converted), with_experts=True) if ".experts." in p]
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         hit = expert_paths[:1]
     else:
         hit = [p for p in expert_paths if _is_target(settings, target_modules, p)][:3]
-    if hit:
-        raise ValueError(
-            f"LoRA target_modules={target_modules!r} reaches the MoE experts of this {converted.family.name} model "
-            f"(e.g. {hit[0]}); hfnative does not put LoRA on stacked experts (peft does it through "
-            "target_parameters). Target the attention projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']"
-        )
+    if not hit:
+        return None
+    return (f"LoRA target_modules={target_modules!r} reaches the MoE experts of this {converted.family.name} model "
+            f"(e.g. {hit[0]}), which peft adapts through target_parameters on the stacked expert tensors and hfnative's "
+            "native LoRA does not")
 
 
 @dataclass
@@ -227,8 +230,10 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
     modules = hub_modules(converted)
     pieces_of = hub_parameter_pieces(converted)
     target_modules = resolved_target_modules(converted, settings)
-    if converted.args.moe is not None:
-        _reject_expert_targets(converted, settings, pieces_of)
+    refusal = expert_targets_refusal(converted, settings)
+    if refusal is not None:  # the trainers route such a config to peft (fallback_loading.peft_route_reason)
+        raise ValueError(f"{refusal}: train it through peft (a peft_config given to a trainer does), or target the "
+                         "attention projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']")
     adapted, targets, unsupported = [], [], []
     for path in _module_paths(pieces_of):
         if not _is_target(settings, target_modules, path):

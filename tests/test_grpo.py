@@ -147,12 +147,22 @@ def test_trl_static_helpers_have_trl_signatures_and_numbers():
         torch.testing.assert_close(
             hfnative.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, ratio, 2.5, 3.0, 3.5, 2.0),
             trl.GRPOTrainer.get_gamma_weights(advantages[:, None], log_ratio, mask, ratio, 2.5, 3.0, 3.5, 2.0))
-    stand_in = types.SimpleNamespace(accelerator=types.SimpleNamespace(pad_across_processes=lambda t, **k: t,
-                                                                        gather=lambda t: t))
-    trainer = types.SimpleNamespace(data_parallel=types.SimpleNamespace(gather_values=lambda values: values))
-    for threshold in (0.2, 0.5, 0.9):
-        assert torch.equal(hfnative.GRPOTrainer.get_high_entropy_mask(trainer, entropy, mask, threshold),
-                           trl.GRPOTrainer.get_high_entropy_mask(stand_in, entropy, mask, threshold))
+    for threshold in (0.2, 0.5, 0.9):  # on the stand-in TRL's own tests build: only an accelerator
+        assert torch.equal(hfnative.GRPOTrainer.get_high_entropy_mask(_trl_stand_in(hfnative.GRPOTrainer), entropy, mask, threshold),
+                           trl.GRPOTrainer.get_high_entropy_mask(_trl_stand_in(trl.GRPOTrainer), entropy, mask, threshold))
+
+
+def _trl_stand_in(trainer_class):
+    """TRL's tests' trainer for get_high_entropy_mask: Mock(spec=GRPOTrainer) with only an accelerator's gather and
+    pad_across_processes."""
+    from unittest.mock import Mock
+
+    trainer = Mock(spec=trainer_class)
+    trainer.accelerator = Mock()
+    trainer.accelerator.num_processes = 1
+    trainer.accelerator.gather = lambda x: x
+    trainer.accelerator.pad_across_processes = lambda x, dim, pad_index: x
+    return trainer
 
 
 def test_advantages_follow_the_formulas():

@@ -1,7 +1,9 @@
 """MoE SFT against TRL's SFTTrainer at default settings: the router's load-balancing auxiliary loss
 is added as TRL adds it (coef from the model config, / accumulation steps), and 0.0 turns it off.
 
-Per step: loss, grad_norm, aux_loss, entropy and mean_token_accuracy agree within 1e-4 relative.
+Per step: loss, grad_norm, aux_loss, entropy and mean_token_accuracy agree within 1e-4 relative. LoRA whose
+target_modules reach the experts ("all-linear") trains through peft on transformers' module, as under TRL: the same
+parameters train and the steps agree.
 """
 
 from pathlib import Path
@@ -34,22 +36,33 @@ def moe_model(request, tmp_path_factory) -> Path:
     return directory
 
 
-def _run(module, model_dir, tmp_path, **extra):
+def _run(module, model_dir, tmp_path, peft_config=None, **extra):
     trainer = module.SFTTrainer(
         model=str(model_dir),
         args=_config(module, tmp_path / module.__name__, 2, **extra),
         train_dataset=_dataset("text"),
         processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
+        peft_config=peft_config,
     )
+    if peft_config is not None:  # TRL's random initial LoRA A, given to both
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        initial = tmp_path / "initial-adapter"
+        if initial.exists():
+            set_peft_model_state_dict(trainer.model, load_file(str(initial / "adapter_model.safetensors")))
+        else:
+            trainer.model.save_pretrained(str(initial))
     trainer.train()
-    return [entry for entry in trainer.state.log_history if "loss" in entry]
+    trained = sorted(name for name, parameter in trainer.model.named_parameters() if parameter.requires_grad)
+    return [entry for entry in trainer.state.log_history if "loss" in entry], trained
 
 
 @pytest.mark.parametrize("coef", [None, 0.0], ids=["config-coef", "off"])
 def test_moe_logs_match_trl_with_aux_loss(moe_model, coef, tmp_path):
     trl = pytest.importorskip("trl")
-    theirs = _run(trl, moe_model, tmp_path, router_aux_loss_coef=coef)
-    ours = _run(hfnative, moe_model, tmp_path, router_aux_loss_coef=coef)
+    theirs, _ = _run(trl, moe_model, tmp_path, router_aux_loss_coef=coef)
+    ours, _ = _run(hfnative, moe_model, tmp_path, router_aux_loss_coef=coef)
     _assert_same_logs(ours, theirs)
     if coef is None:
         assert all(entry["aux_loss"] > 0 for entry in theirs)
@@ -58,6 +71,20 @@ def test_moe_logs_match_trl_with_aux_loss(moe_model, coef, tmp_path):
     else:
         assert not any("aux_loss" in entry for entry in ours + theirs)
     assert len(ours) == STEPS
+
+
+def test_lora_on_the_experts_trains_as_peft_does(tmp_path_factory, tmp_path):
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    directory = tmp_path_factory.mktemp("qwen3_moe-lora")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(CONFIGS["qwen3_moe"]()).save_pretrained(str(directory))
+    TOKENIZER.save_pretrained(str(directory))
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    theirs, their_trained = _run(trl, directory, tmp_path, peft_config=peft.LoraConfig(**lora), learning_rate=1e-2)
+    ours, our_trained = _run(hfnative, directory, tmp_path, peft_config=peft.LoraConfig(**lora), learning_rate=1e-2)
+    _assert_same_logs(ours, theirs)
+    assert our_trained == their_trained and any(".mlp.experts." in name for name in their_trained)
 
 
 def test_aux_loss_coef_on_a_dense_model_is_refused(tmp_path):

@@ -331,7 +331,7 @@ def test_unsupported_targets_raise_clear_errors(checkpoint_dir):
     with pytest.raises(ValueError, match="no default target modules"):
         apply_lora(phi3, dict(r=4))
     moe = load_pretrained(checkpoint_dir("qwen3moe-sparse-step"))
-    with pytest.raises(ValueError, match="stacked experts"):
+    with pytest.raises(ValueError, match="reaches the MoE experts"):
         apply_lora(moe, dict(target_modules="all-linear"))
     assert len(apply_lora(moe, dict(target_modules=["q_proj", "o_proj"]))) == 6
 

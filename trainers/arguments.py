@@ -172,16 +172,14 @@ class SFTConfig(TRLBaseConfig):
         # TRL's deprecations, warned as TRL warns them; loss_type, packing_strategy and truncation_mode values
         # are checked by SFTTrainer when it is built, as TRL does (a config alone is never refused for them)
         if self.loss_type == "chunked_nll":
-            _deprecated("`loss_type='chunked_nll'` is deprecated; use `loss_type='nll'` (the default), which computes "
-                        "the loss the same way, without materializing the full logits.")
+            _deprecated("chunked_nll")
             self.loss_type = "nll"
         if self.pad_token is not None:
-            _deprecated("`pad_token` is deprecated; set `tokenizer.pad_token` directly and pass it as "
-                        "`processing_class` to the trainer instead.")
+            _deprecated("pad_token")
         if self.truncation_mode == "keep_end":
-            _deprecated("The `'keep_end'` truncation mode is deprecated; use `truncation_mode='keep_start'`.")
+            _deprecated("keep_end")
         if self.packing_strategy == "bfd-requeue":
-            _deprecated("The `bfd-requeue` packing strategy has been renamed to `bfd_split`; use the new name.")
+            _deprecated("bfd-requeue")
             self.packing_strategy = "bfd_split"
 
     def check_for_trainer(self) -> None:
@@ -220,5 +218,21 @@ class SFTConfig(TRLBaseConfig):
             )
 
 
-def _deprecated(message: str) -> None:
-    warnings.warn(f"{message} (TRL removes it in v2.0.0.)", FutureWarning, stacklevel=4)
+# TRL 1.16's deprecation warnings, word for word (users' code and tests match them)
+DEPRECATIONS = {
+    "chunked_nll": "`loss_type='chunked_nll'` is deprecated and will be removed in v2.0.0. Use `loss_type='nll'` (the "
+                   "default), which computes the loss the same way, without materializing the full logits.",
+    "pad_token": "`pad_token` is deprecated and will be removed in v2.0.0. Set `tokenizer.pad_token` directly and pass it "
+                 "as `processing_class` to the trainer instead.",
+    "keep_end": "The `'keep_end'` truncation mode is deprecated and will be removed in v2.0.0. Use "
+                "`truncation_mode='keep_start'` (the default) instead.",
+    "bfd-requeue": "The `bfd-requeue` packing strategy has been renamed to `bfd_split`. Please update your configuration "
+                   "accordingly. The `bfd-requeue` strategy is deprecated and will be removed in v2.0.0.",
+}
+# TRL's first sentence; its advice (transformers' Hub kernels) is replaced by what hfnative does instead
+LIGER_DEPRECATION = ("`use_liger_kernel=True` is deprecated and will be removed in v2.0.0. hfnative's loss is already a "
+                     "fused linear-cross-entropy (`fused_loss`, on by default).")
+
+
+def _deprecated(name: str) -> None:
+    warnings.warn(DEPRECATIONS[name], FutureWarning, stacklevel=4)

@@ -109,9 +109,9 @@ def model_init_kwargs(model, args, quantization_config=None, refuse_quantization
     given = getattr(args, "model_init_kwargs", None)
     if not is_model_name(model):
         if given is not None:
-            logger.warning(
-                f"You passed `model_init_kwargs` to the `{type(args).__name__}`, but the model is already "
-                "instantiated, so the `model_init_kwargs` will be ignored (they apply when `model` is a path or Hub id)."
+            logger.warning(  # TRL's text
+                f"You passed `model_init_kwargs` to the `{type(args).__name__}`, but your model is already instantiated. "
+                "The `model_init_kwargs` will be ignored."
             )
         if quantization_config is not None and refuse_quantization_of_instances:
             raise ValueError(
@@ -119,9 +119,9 @@ def model_init_kwargs(model, args, quantization_config=None, refuse_quantization
                 "model as a path or Hub id, or omit `quantization_config`."
             )
         if quantization_config is not None:
-            logger.warning(
-                "You passed `quantization_config` to the trainer, but the model is already instantiated, so the "
-                "`quantization_config` will be ignored (it applies when `model` is a path or Hub id)."
+            logger.warning(  # TRL's text
+                "You passed `quantization_config` to the trainer, but your model is already instantiated. The "
+                "`quantization_config` will be ignored."
             )
         return {}
     kwargs = config_dict(given)

@@ -290,6 +290,12 @@ class _TeacherMixin:
             self.objective.auxiliary_models["teacher"] = resolve_model(source, self.device, kwargs).converted
         super()._build_auxiliary_models()
 
+    @property
+    def teacher_model(self):
+        """TRL's: the frozen teacher, with transformers' model surface (``config``, ``generate``, a call's
+        ``.logits``) over the native module."""
+        return self.objective.auxiliary_models["teacher"]
+
     def _teacher_source(self, teacher_model, args):
         teacher = teacher_model if teacher_model is not None else args.teacher_model_name_or_path
         if teacher is None:

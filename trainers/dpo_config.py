@@ -77,10 +77,9 @@ class DPOConfig(TRLBaseConfig):
                 f"Got {len(self.loss_weights)} weights for {len(self.loss_type)} loss types."
             )
         if self.pad_token is not None:
-            _deprecated("`pad_token` is deprecated; set `tokenizer.pad_token` directly and pass it as "
-                        "`processing_class` to the trainer instead.")
+            _deprecated("pad_token")
         if self.truncation_mode == "keep_end":
-            _deprecated("The `'keep_end'` truncation mode is deprecated; use `truncation_mode='keep_start'`.")
+            _deprecated("keep_end")
         super().__post_init__()
         if isinstance(self.pad_to_multiple_of, str):  # the CLI passes a string; "auto" pads only on Neuron
             text = self.pad_to_multiple_of.lower()

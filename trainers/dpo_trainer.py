@@ -19,8 +19,8 @@ from hfnative.losses.preference import PreferenceLogps, preference_loss
 from hfnative.models.head import TokenLogprobs
 
 from .dpo_config import DPOConfig
-from .objective import Objective, enable_router_loss
-from .reference_model import ReferenceModel, ReferenceTrainer
+from .objective import Objective, enable_router_loss, with_transformers_padding
+from .reference_model import PREFERENCE_LOGITS_FOR_METRICS_WARNING, ReferenceModel, ReferenceTrainer
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,7 @@ class DPOTrainer(ReferenceTrainer, Trainer):
     requires_train_dataset = True
     refuses_quantization_of_instances = True  # as TRL's DPOTrainer (its other trainers warn)
     _tag_names = ["trl", "dpo"]
+    logits_for_metrics_warning = PREFERENCE_LOGITS_FOR_METRICS_WARNING
 
     def __init__(
         self,
@@ -56,7 +57,11 @@ class DPOTrainer(ReferenceTrainer, Trainer):
         args = self.resolve_args(args, model)
         self._take_reference_source(args, model, ref_model, peft_config)
         if args.padding_free:
-            logger.warning("`padding_free=True` is unavailable in TRL 1.16's DPO and falls back to standard padding.")
+            logger.warning(  # TRL's text
+                "`padding_free=True` is temporarily unavailable after a refactor and is currently disabled. Falling "
+                "back to standard padding (`padding_free=False`). This feature is planned to return in a future "
+                "update; for now, please set `padding_free=False` explicitly."
+            )
         super().__init__(
             model=model,
             args=args,
@@ -276,7 +281,7 @@ class DPOObjective(Objective):
         return True
 
     def eval_outputs(self, model, inputs: dict):
-        return self.forward(model, inputs, None).logits, inputs["input_ids"]
+        return self.forward(model, with_transformers_padding(inputs), None).logits, inputs["input_ids"]
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from transformers.trainer_utils import EvalPrediction
@@ -12,6 +13,14 @@ from hfnative.losses import IGNORE_INDEX
 
 class EvaluationMixin:
     """evaluate() / prediction_step() as transformers' Trainer, on the native model."""
+
+    # TRL's FutureWarning when its compute_loss(return_outputs=True) recomputes the logits for compute_metrics (its
+    # SFT, DPO and KTO trainers, in evaluation with compute_metrics): the trainer's text, or None
+    logits_for_metrics_warning: str | None = None
+
+    def _warn_logits_for_metrics(self) -> None:
+        if self.logits_for_metrics_warning is not None:
+            warnings.warn(self.logits_for_metrics_warning, FutureWarning, stacklevel=3)
 
     def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
         """(loss, logits, labels) of one evaluation batch: the objective's loss when the batch has one (see
@@ -26,6 +35,7 @@ class EvaluationMixin:
             loss = self.compute_loss(model, inputs, num_items_in_batch=self._eval_items(inputs)) if has_loss else None
             logits = None
             if not prediction_loss_only:
+                self._warn_logits_for_metrics()
                 logits, labels = self.objective.eval_outputs(model, inputs)
                 if self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
@@ -86,7 +96,7 @@ class EvaluationMixin:
                 losses.append(loss.detach().float().repeat(batch_size))
             if want_predictions:
                 all_logits.append(logits.float().cpu())
-                all_labels.append(labels.cpu())
+                all_labels.append(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
             num_samples += batch_size
             num_batches += 1
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
@@ -96,9 +106,12 @@ class EvaluationMixin:
             num_samples = sum(self.data_parallel.gather_lists([num_samples]))
         metrics = {}
         if want_predictions:
-            predictions = _concat_padded(all_logits, 0.0)
-            label_ids = _concat_padded(all_labels, -100)
-            metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions.numpy(), label_ids=label_ids.numpy())))
+            if self.distributed is None:
+                _keep_last_batch_remainder(all_logits, all_labels, num_samples % self.args.eval_batch_size)
+            predictions = _concat_padded(all_logits, -100).numpy()
+            # a trainer without label names (TRL's RewardTrainer) hands compute_metrics label_ids=()
+            label_ids = _concat_padded(all_labels, -100).numpy() if isinstance(all_labels[0], torch.Tensor) else ()
+            metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)))
         if losses:
             metrics["loss"] = torch.cat(losses).mean().item()
         runtime = time.time() - start
@@ -150,8 +163,22 @@ class EvaluationMixin:
         return False
 
 
+def _keep_last_batch_remainder(all_logits: list, all_labels: list, remainder: int) -> None:
+    """accelerate's gather_for_metrics, which transformers' evaluation runs: when the dataset's length is not a
+    multiple of the eval batch size, the last batch's rows are cut to that remainder, counted in the dataset's
+    samples (a no-op for a batch of one row per sample; for a batch of chosen and rejected rows it keeps the first
+    ``remainder`` rows, as TRL's trainers hand them)."""
+    if remainder > 0:
+        all_logits[-1] = all_logits[-1][:remainder]
+        if isinstance(all_labels[-1], torch.Tensor):
+            all_labels[-1] = all_labels[-1][:remainder]
+
+
 def _concat_padded(tensors: list[torch.Tensor], pad_value) -> torch.Tensor:
-    """Concatenate [B, S, ...] batches whose S differ, right-padding to the longest."""
+    """Concatenate [B, S, ...] batches whose S differ, right-padding to the longest with ``pad_value`` (-100 for
+    logits and labels alike, as transformers' evaluation pads them); [B] batches are concatenated as they are."""
+    if tensors[0].dim() == 1:
+        return torch.cat(tensors)
     longest = max(t.shape[1] for t in tensors)
     padded = []
     for t in tensors:

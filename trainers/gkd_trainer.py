@@ -7,10 +7,12 @@ teacher's (``seq_kd``); the loss is the generalized JSD at temperature 1 over th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import transformers
 
 from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
 
@@ -20,6 +22,8 @@ from .prompts import generation_eos_ids, sampling_params, tokenize_prompts
 from .rollout import Rollout
 from .rollout_batches import completion_batch, pad_token_lists
 from .sft_trainer import SFTTrainer
+
+logger = logging.getLogger(__name__)
 
 
 def _tokens_and_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
@@ -154,6 +158,7 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     algorithm_name = "GKD"
     config_class = GKDConfig
     _tag_names = ["trl", "gkd"]
+    logits_for_metrics_warning = None  # TRL's GKD computes its loss itself, without SFT's warning
 
     def __init__(
         self,
@@ -173,6 +178,15 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     ):
         args = self.resolve_args(args, model)
         args.remove_unused_columns = False  # the collator reads the raw rows
+        if args.lmbda == 1.0 and args.temperature == 1.0:
+            logger.warning(  # TRL's text
+                "This GKD configuration (`lmbda=1.0`, `temperature=1.0`) is fully covered by `DistillationTrainer`, "
+                "which is maintained in the main codebase and supports vLLM generation and a memory-efficient "
+                "chunked loss. Consider migrating: replace `GKDConfig`/`GKDTrainer` with "
+                "`DistillationConfig`/`DistillationTrainer`, `max_new_tokens` with `max_completion_length`, and set "
+                f"`beta={args.beta}` explicitly (`beta` means the same in both, but defaults to 0.5 here and 1.0 "
+                "there)."
+            )
         self._teacher = self._teacher_source(teacher_model, args)
         super().__init__(
             model, args=args, data_collator=data_collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
@@ -180,6 +194,15 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
             optimizers=optimizers, preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             peft_config=peft_config, formatting_func=formatting_func,
         )
+        # TRL's generation config, as its constructor builds it (what users' code reads; sampling reads args)
+        self.generation_kwargs = {
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "do_sample": True, "top_k": 0,
+            "top_p": 1.0, "use_cache": not args.gradient_checkpointing, "pad_token_id": self.processing_class.pad_token_id,
+        }
+        self.generation_config = transformers.GenerationConfig(**self.generation_kwargs)
+        eos_token_id = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        if eos_token_id is not None:
+            self.generation_config.eos_token_id = eos_token_id
 
     def _make_objective(self):
         return GKDObjective(self.context, self._teacher)

@@ -20,6 +20,7 @@ and completion statistics taken over the whole batch, and each rank keeps its ow
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 import warnings
@@ -38,6 +39,7 @@ from hfnative.losses.policy import (
     sampler_importance_weights,
     weighted_rewards,
 )
+from .arguments import LIGER_DEPRECATION
 from .completion_log import CompletionLog
 from .construction import is_model_name
 from .entropy_control import EntropyBonus
@@ -53,6 +55,8 @@ from .prompt_batches import GenerationBatches, loss_mask, split_generation_batch
 from .rollout_batches import completion_logprobs_of, pad_token_lists
 from .script_arguments import ScriptArguments
 from .trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 # the sampler-correction statistics taken over every rank: name -> 1.0 (a max) or -1.0 (a min)
 SAMPLER_EXTREMES = {"sampling/sampling_logp_difference/max": 1.0, "sampling/importance_sampling_ratio/min": -1.0,
@@ -343,6 +347,26 @@ class GRPOObjective(GenerationBatches, Objective):
 # --- the trainer -----------------------------------------------------------------------------------------------
 
 
+def warn_like_trl(args) -> None:
+    """TRL's GRPOTrainer / RLOOTrainer warnings about these settings, word for word."""
+    if args.use_liger_kernel:
+        warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
+    loss_type, level = getattr(args, "loss_type", None), getattr(args, "importance_sampling_level", "token")
+    if loss_type == "luspo" and level != "sequence":
+        logger.warning("When using `'luspo'` loss, `importance_sampling_level` should be set to `'sequence'` to mirror "
+                       "the paper's setup.")
+    if loss_type == "vespo" and level != "token":
+        logger.warning("VESPO computes sequence-level importance weights internally. `importance_sampling_level` "
+                       "should be set to `'token'` (the default).")
+    if level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        logger.warning(
+            f"When using `importance_sampling_level='sequence'`, the `'{loss_type}'` loss sums per-token "
+            "contributions, which effectively weights each sequence by its completion length instead of "
+            "optimizing the per-sequence objective. To reproduce the GSPO paper's setup, set `loss_type='grpo'` "
+            "(see https://huggingface.co/docs/trl/main/en/paper_index#group-sequence-policy-optimization)."
+        )
+
+
 class GRPOTrainer(Trainer):
     """TRL's GRPOTrainer: ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config, rollout_func)``. ``model``: a folder, Hub id,
@@ -380,6 +404,7 @@ class GRPOTrainer(Trainer):
         super().__init__(model=model, args=args, train_dataset=train_dataset, eval_dataset=eval_dataset,
                          processing_class=processing_class, callbacks=callbacks, optimizers=optimizers,
                          quantization_config=quantization_config, peft_config=peft_config)
+        warn_like_trl(self.args)
 
     def _make_objective(self):
         rollout_func = getattr(self, "rollout_func", None)  # TRL calls it with the trainer
@@ -406,9 +431,17 @@ class GRPOTrainer(Trainer):
                              lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg)
 
     def get_high_entropy_mask(self, entropies, mask, threshold):
-        """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every data-parallel rank's
-        completion tokens (bool [B, T], False outside ``mask``)."""
-        return high_entropy_mask(entropies, mask, threshold, gather=self.data_parallel.gather_values)
+        """TRL's: tokens whose entropy is at least the ``threshold`` quantile of every process's completion tokens
+        (bool [B, T], False outside ``mask``), gathered as TRL's method gathers them: through ``self.accelerator``'s
+        ``pad_across_processes`` and ``gather`` (a negative pad, since entropies are not), so it runs on any object
+        TRL's runs on."""
+        pad_value = -1e9
+
+        def gather(values):
+            gathered = self.accelerator.gather(self.accelerator.pad_across_processes(values, dim=0, pad_index=pad_value))
+            return gathered[gathered != pad_value]
+
+        return high_entropy_mask(entropies, mask, threshold, gather=gather)
 
     @property
     def ref_model(self):

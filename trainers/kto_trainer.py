@@ -25,8 +25,8 @@ from hfnative.losses.unpaired_preference import unpaired_preference_losses
 from hfnative.models.head import TokenLogprobs
 
 from .kto_config import KTOConfig
-from .objective import Objective, RankSums, enable_router_loss, ratio_if_any
-from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
+from .objective import Objective, RankSums, enable_router_loss, ratio_if_any, with_transformers_padding
+from .reference_model import PREFERENCE_LOGITS_FOR_METRICS_WARNING, ReferenceModel, ReferenceTrainer, router_loss_off
 from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class KTOTrainer(ReferenceTrainer, Trainer):
     requires_train_dataset = True
     refuses_quantization_of_instances = True  # as TRL's KTOTrainer
     _tag_names = ["trl", "kto"]
+    logits_for_metrics_warning = PREFERENCE_LOGITS_FOR_METRICS_WARNING
 
     def __init__(
         self,
@@ -250,7 +251,7 @@ class KTOObjective(Objective):
         return True
 
     def eval_outputs(self, model, inputs: dict):
-        return self.forward(model, inputs, None).logits, inputs["input_ids"]
+        return self.forward(model, with_transformers_padding(inputs), None).logits, inputs["input_ids"]
 
 
 def cli_command():

@@ -113,8 +113,7 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
     """A model folder, Hub id or transformers model as a native sequence classifier with ``num_labels`` scores (a
     causal LM's decoder gets a new score head drawn from ``score_seed``, as AutoModelForSequenceClassification)."""
     if _is_adapter_folder(model) or fallback._is_peft_model(model):
-        raise ValueError("a PEFT adapter (folder or PeftModel) as a sequence classifier is not supported: merge it into "
-                         "its base (merge_and_unload), save that, and pass its folder as `model`")
+        return _adapter_sequence_classifier(model, device, dtype, kwargs, num_labels, score_seed)
     if not isinstance(model, (str, os.PathLike, transformers.PreTrainedModel)):
         raise TypeError(f"a sequence classifier is loaded from a path, Hub id or transformers model; got {type(model).__name__}")
     _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
@@ -146,6 +145,49 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
         loaded = wrap_transformers_classifier(model, options["dtype"], str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
     return LoadedModel(converted.model, converted, base_model_name_or_path=name)
+
+
+def _adapter_sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, score_seed: int | None) -> LoadedModel:
+    """A peft adapter over a classifier (a PeftModel, or an adapter folder whose base is a causal LM or a classifier),
+    trained as TRL trains it, its adapter training on: LoRA on a native architecture becomes the native classifier with
+    hfnative's LoRA (the score head peft saves as modules_to_save loaded with it); anything else trains through peft
+    on transformers' own classifier."""
+    import tempfile
+
+    from hfnative.converters.fallback_classifier import load_transformers_classifier, wrap_transformers_classifier
+    from hfnative.converters.peft import load_adapter
+
+    hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
+    _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
+    is_object = fallback._is_peft_model(model)
+    if is_object:  # its base: a transformers classifier with the adapters injected (loaded without them)
+        peft_config, base = model.active_peft_config, model.get_base_model()
+        base_name, base_config, base_hub = getattr(peft_config, "base_model_name_or_path", None), base.config, {}
+        dtype = dtype or next(base.parameters()).dtype
+    else:
+        peft_config = json.loads((Path(model) / "adapter_config.json").read_text())
+        base = base_name = peft_config.get("base_model_name_or_path")
+        if not base:
+            raise ValueError(f"{model}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
+        base_config, base_hub = _config_of(base, hub), hub
+    reason = fallback_loading.native_lora_refusal(peft_config, base_config)
+    if reason is None:
+        converted = load_pretrained(base, dtype=dtype, device=device, num_labels=num_labels, score_seed=score_seed,
+                                    **base_hub)
+        if is_object:
+            with tempfile.TemporaryDirectory() as folder:
+                model.save_pretrained(folder)  # peft's own names, read back strictly
+                settings = load_adapter(converted, folder, is_trainable=True)
+        else:
+            settings = load_adapter(converted, model, is_trainable=True)
+        return LoadedModel(converted.model, converted, settings, base_name)
+    if is_object:  # the PeftModel itself trains, in place
+        loaded = wrap_transformers_classifier(model, dtype, reason)
+    else:
+        loaded = load_transformers_classifier(base, num_labels=num_labels, score_seed=score_seed, dtype=dtype,
+                                              device=device, reason=reason, **hub)
+        loaded = fallback_loading.load_peft_adapter(model, loaded, is_trainable=True)
+    return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
 
 
 def _causal(converted: ConvertedModel) -> ConvertedModel:

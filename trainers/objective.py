@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenCrossEntropy
 
 from .capabilities import FEATURES, UnsupportedLayoutError, check_supported, features_used
@@ -65,6 +66,14 @@ def enable_router_loss(model, coef: float | None) -> float:
 def without_labels(inputs: dict) -> dict:
     """The batch as model inputs for a forward that leaves the loss to the caller."""
     return {key: value for key, value in inputs.items() if key not in ("labels", "shift_labels")}
+
+
+def with_transformers_padding(inputs: dict) -> dict:
+    """The batch with padding queries attending as in transformers' masks, for a forward whose logits compute_metrics
+    is handed whole (the padding positions' included, as TRL's trainers hand them)."""
+    if inputs.get("attention_mask") is None or inputs.get("attention_plan") is None:
+        return inputs
+    return {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
 
 
 class Objective(ABC):
@@ -179,7 +188,7 @@ class Objective(ABC):
 
     def eval_outputs(self, model, inputs: dict):
         """(logits, labels) of an evaluation batch for compute_metrics."""
-        return model(**without_labels(inputs)).logits, inputs.get("labels")
+        return model(**without_labels(with_transformers_padding(inputs))).logits, inputs.get("labels")
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0]
@@ -232,5 +241,6 @@ __all__ = [
     "features_used",
     "ratio",
     "ratio_if_any",
+    "with_transformers_padding",
     "without_labels",
 ]

@@ -16,6 +16,7 @@ per rank (nothing gathered), and objective/kl and objective/entropy sum every co
 from __future__ import annotations
 
 import torch
+import transformers
 
 from hfnative.losses.preference import ipo_loss, sigmoid_loss
 
@@ -270,6 +271,30 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             peft_config=peft_config,
         )
+        self._keep_trl_generation_attributes(args)
+
+    def _keep_trl_generation_attributes(self, args) -> None:
+        """TRL's public generation attributes, as its constructor sets them (what users' code reads; the sampling
+        itself reads ``args``): the settings, the stop ids and the GenerationConfig TRL builds from them."""
+        self.use_vllm, self.num_generations = args.use_vllm, 2
+        self.temperature, self.top_p, self.top_k, self.min_p = args.temperature, args.top_p, args.top_k, args.min_p
+        self.repetition_penalty = args.repetition_penalty
+        self.vllm_mode = args.vllm_mode if args.use_vllm else None
+        self.vllm_gpu_memory_utilization = args.vllm_gpu_memory_utilization
+        self.vllm_tensor_parallel_size, self.vllm_model_impl = args.vllm_tensor_parallel_size, args.vllm_model_impl
+        self.max_length = args.max_length
+        self.eos_token_ids = list(self.objective.stop_ids)
+        # transformers' GenerationConfig, as TRL builds it without vLLM (use_vllm=True is refused by the config)
+        tokenizer = self.objective.context.tokenizer
+        settings = {"max_new_tokens": args.max_new_tokens, "do_sample": True, "pad_token_id": tokenizer.pad_token_id,
+                    "bos_token_id": tokenizer.bos_token_id, "eos_token_id": self.eos_token_ids,
+                    "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                    "repetition_penalty": self.repetition_penalty, "use_cache": not args.gradient_checkpointing}
+        if self.min_p is not None:
+            settings["min_p"] = self.min_p
+        settings.update(args.generation_kwargs or {})
+        self.generation_kwargs = {key: value for key, value in settings.items() if value is not None}
+        self.generation_config = transformers.GenerationConfig(**self.generation_kwargs)
 
     def _make_objective(self):
         return OnlineDPOObjective(self.context, self._reward_funcs, self._reward_processing_classes,
@@ -283,6 +308,20 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
     @property
     def reward_funcs(self) -> list:
         return self.objective.rewards.functions
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return self.objective.rewards.names
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's: the functions' weights [F] (float32, all 1.0 unless ``reward_weights`` is set)."""
+        return self.objective.rewards.weights_F
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """TRL's: each reward model's tokenizer (None for a callable)."""
+        return self.objective.rewards.tokenizers
 
 
 __all__ = ["OnlineDPOObjective", "OnlineDPOTrainer", "as_rows", "online_dpo_losses", "pick_pairs"]

@@ -36,8 +36,12 @@ class _ReferenceFreeConfig(TRLBaseConfig):
             raise ValueError(f"{algorithm}: generate_during_eval=True (completions logged to W&B / Comet during "
                              "evaluation) is not supported by hfnative: set generate_during_eval=False")
         if self.is_encoder_decoder:
-            raise ValueError(f"{algorithm}: is_encoder_decoder=True: hfnative trains decoder-only models; set "
-                             "is_encoder_decoder=False (or leave it None)")
+            raise ValueError(
+                f"{algorithm}: is_encoder_decoder=True: encoder-decoder (seq2seq) models are out of scope for hfnative, "
+                "which trains decoder-only causal language models (natively, or through transformers' *ForCausalLM "
+                "modules, which seq2seq models are not). Train a seq2seq model with TRL's trainer itself; for a "
+                "decoder-only model leave is_encoder_decoder unset (None) or False"
+            )
 
     @property
     def sequence_length_limit(self) -> int:

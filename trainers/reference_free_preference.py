@@ -16,7 +16,7 @@ import transformers
 
 from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
 from hfnative.losses.preference import sft_loss
-from hfnative.models.attention import AttentionPlan, build_attention_mask
+from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenLogprobs
 
 from .objective import Objective, enable_router_loss
@@ -49,9 +49,13 @@ class ReferenceFreePreferenceTrainer(Trainer):
     ):
         args = self.resolve_args(args, model)
         args.check_for_trainer(type(self).__name__)
-        if compute_metrics is not None:
-            raise ValueError(f"{type(self).__name__}: compute_metrics is not supported (TRL hands it the batch's "
-                             "logged metrics, not logits); drop it: the evaluation logs eval_loss and TRL's eval_ metrics")
+        if args.max_length is None:  # TRL's warnings, word for word
+            logger.warning(f"`max_length` is not set in the {type(args).__name__}'s init it will default to `512` by "
+                           "default, but you should do it yourself in the future.")
+        if data_collator is None and args.remove_unused_columns:
+            args.remove_unused_columns = False  # as TRL sets it: its collator reads the raw columns
+            logger.warning("When using DPODataCollatorWithPadding, you should set `remove_unused_columns=False` in your "
+                           "TrainingArguments we have set it for you, but you should do it yourself in the future.")
         super().__init__(
             model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
             eval_dataset=eval_dataset, processing_class=processing_class, model_init=model_init,
@@ -65,21 +69,6 @@ class ReferenceFreePreferenceTrainer(Trainer):
     def _router_loss_rule(self) -> bool:
         """TRL's rule here: the model config's ``output_router_logits``."""
         return bool(getattr(getattr(self.native_model, "config", None), "output_router_logits", False))
-
-
-def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:
-    """The loop's attention plan for a right-padded batch, with padding queries attending to the real keys before them
-    (not to themselves) as transformers' masks do: the logged mean logit reads the padding positions' outputs."""
-    if plan.kind == "causal" and plan.sliding_mask is None:  # no padding in the batch
-        return plan
-    S, device, window = attention_mask_BS.shape[1], attention_mask_BS.device, plan.sliding_window
-    padding_BS = attention_mask_BS.bool()
-    return AttentionPlan(
-        "dense", S, window,
-        global_mask=build_attention_mask(S, device, padding_BS, padding_attends_itself=False),
-        sliding_mask=build_attention_mask(S, device, padding_BS, sliding_window=window, padding_attends_itself=False)
-        if window else None,
-    )
 
 
 def shift_mask(mask_BS: torch.Tensor) -> torch.Tensor:
@@ -101,6 +90,13 @@ class ReferenceFreePreferenceObjective(Objective):
         model = context.model
         # TRL adds the router's load-balancing loss when the model config asks for router logits
         wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
+        if wants_router_loss and getattr(model.config, "router_aux_loss_coef", 0.0) == 0.0:
+            logger.warning(  # TRL's text
+                "You set `output_router_logits` to `True` in the model config, but `router_aux_loss_coef` is set to "
+                "`0.0`, meaning the auxiliary loss will not be used. Either set `router_aux_loss_coef` to a value "
+                "greater than `0.0`, or set `output_router_logits` to `False` if you don't want to use the auxiliary "
+                "loss."
+            )
         self.aux_loss_coef = enable_router_loss(model, None if wants_router_loss else 0.0)
 
     # --- data -------------------------------------------------------------------------------------------
@@ -125,8 +121,6 @@ class ReferenceFreePreferenceObjective(Objective):
 
     def _prepare(self, dataset):
         args = self.args
-        if args.max_length is None and dataset is not None:
-            logger.warning("`max_length` is not set: sequences are cut at TRL's default of 512 tokens; set it yourself.")
         return prepare_paired_preference_dataset(dataset, self.context.processing_class, args.sequence_length_limit,
                                                  args.dataset_num_proc)
 
@@ -187,9 +181,16 @@ class ReferenceFreePreferenceObjective(Objective):
         """The micro-batch's loss and metrics from ``sums`` (per row [2B]: logps, lengths; per position [2B, S]:
         token_logps, mean_logits, completion and attended target masks)."""
 
-    # --- evaluation: the loss and TRL's metrics under eval_ -----------------------------------------------
+    # --- evaluation: the loss and TRL's metrics under eval_; compute_metrics gets the logged mean logits -----------------------------------------------
     def has_eval_loss(self, inputs: dict) -> bool:
         return True
+
+    def eval_outputs(self, model, inputs: dict):
+        """What TRL's prediction_step hands compute_metrics: the batch's logged mean logits [chosen, rejected] as
+        the "logits" and zeros as the labels."""
+        _, metrics = self.loss(model, inputs, None)
+        logits = torch.stack([metrics["logits/chosen"], metrics["logits/rejected"]]).float()
+        return logits, torch.zeros_like(logits)
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows

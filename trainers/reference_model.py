@@ -20,6 +20,7 @@ from datasets import IterableDataset
 
 from hfnative.models.decoder import Transformer
 
+from .arguments import LIGER_DEPRECATION
 from .model_card import write_model_card
 from .model_loading import disable_dropout
 from .reference_sync import mix_into_reference, sync_due
@@ -166,6 +167,13 @@ class ReferenceModel:
         return dataset
 
 
+# TRL's DPO and KTO trainers' FutureWarning when compute_metrics gets logits recomputed for it (see EvaluationMixin)
+PREFERENCE_LOGITS_FOR_METRICS_WARNING = (
+    "`return_outputs=True`, and the logits it passes to `compute_metrics`, are deprecated and will be removed in "
+    "v2.0.0. The fused LM head does not build the logits, so they are recomputed with an extra forward pass."
+)
+
+
 class ReferenceTrainer:
     """What the trainers with a reference model (DPO, KTO) share around it, mixed in before ``Trainer``: the
     reference's source taken at construction with TRL's checks, handed once to the objective, ``ref_model``, and
@@ -178,8 +186,7 @@ class ReferenceTrainer:
         refuse_sync_with_new_adapters(args, peft_config)
         args.check_for_trainer()
         if args.use_liger_kernel:
-            warnings.warn("`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's log-probs are "
-                          "already computed by a chunked head.", FutureWarning, stacklevel=3)
+            warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
 
     def _reference_for_objective(self):
         """The reference's source, once: the objective's auxiliary_models holds it from then on."""
@@ -196,5 +203,5 @@ class ReferenceTrainer:
         super()._save_checkpoint()
 
 
-__all__ = ["ReferenceModel", "ReferenceTrainer", "reference_source", "refuse_sync_with_new_adapters",
-           "refuse_sync_without_reference", "router_loss_off"]
+__all__ = ["PREFERENCE_LOGITS_FOR_METRICS_WARNING", "ReferenceModel", "ReferenceTrainer", "reference_source",
+           "refuse_sync_with_new_adapters", "refuse_sync_without_reference", "router_loss_off"]

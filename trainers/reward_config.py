@@ -39,8 +39,7 @@ class RewardConfig(TRLBaseConfig):
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
         if self.pad_token is not None:
-            _deprecated("`pad_token` is deprecated; set `tokenizer.pad_token` directly and pass it as "
-                        "`processing_class` to the trainer instead.")
+            _deprecated("pad_token")
 
 
 __all__ = ["RewardConfig"]

@@ -10,7 +10,6 @@ as [2B, S] (chosen rows, then rejected rows) and runs through the model once; th
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +27,6 @@ from .reward_config import RewardConfig
 from .sft_trainer import load_chat_template
 from .trainer import Trainer
 
-logger = logging.getLogger(__name__)
 
 
 class RewardTrainer(Trainer):
@@ -66,8 +64,6 @@ class RewardTrainer(Trainer):
                     "single scalar reward per sequence. Please instantiate your model with `num_labels=1` or pass a "
                     "model name as a string to have it configured automatically."
                 )
-        if compute_metrics is not None:  # transformers calls it only with labels, and reward batches carry none
-            logger.warning("RewardTrainer does not call `compute_metrics`: its batches carry no labels (nor does TRL's).")
         super().__init__(
             model=model,
             args=args,
@@ -75,6 +71,7 @@ class RewardTrainer(Trainer):
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=processing_class,
+            compute_metrics=compute_metrics,
             callbacks=callbacks,
             optimizers=optimizers,
             optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
@@ -133,7 +130,7 @@ class RewardObjective(Objective):
             tokenizer.eos_token = args.eos_token
             text_config.eos_token_id = tokenizer.eos_token_id
         if args.chat_template_path is not None:
-            load_chat_template(tokenizer, args.chat_template_path)
+            load_chat_template(tokenizer, args.chat_template_path, config)
         pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
         self._check_in_vocabulary(pad_token, "pad_token")
         tokenizer.pad_token = pad_token
@@ -191,12 +188,14 @@ class RewardObjective(Objective):
             "margin": (chosen_B - rejected_B).mean(),
         }
 
-    # --- evaluation: a batch of pairs carries no labels; its loss is the pairs' mean -----------------------------
+    # --- evaluation: a batch of pairs carries no labels; its loss is the pairs' mean; compute_metrics gets the
+    # rewards [2B, 1] (chosen rows, then rejected) and label_ids=(), as TRL (no label names) hands them ----------
     def has_eval_loss(self, inputs: dict) -> bool:
         return True
 
     def eval_outputs(self, model, inputs: dict):
-        return model(inputs["input_ids"], attention_mask=inputs.get("attention_mask")).logits, None
+        return model(inputs["input_ids"], attention_mask=inputs.get("attention_mask"),
+                     position_ids=inputs.get("position_ids"), attention_plan=inputs.get("attention_plan")).logits, ()
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0] // 2  # pairs: chosen and rejected rows

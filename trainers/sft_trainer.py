@@ -14,7 +14,7 @@ from hfnative.data.formats import has_prompt_and_completion
 from hfnative.losses import IGNORE_INDEX
 from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
 
-from .arguments import SFTConfig
+from .arguments import LIGER_DEPRECATION, SFTConfig
 from .construction import config_dict
 from .model_card import write_model_card
 from .objective import LanguageModelingObjective, enable_router_loss
@@ -38,30 +38,28 @@ def _check_trainer_arguments(args: SFTConfig, data_collator, compute_loss_func) 
                 "packing with the 'bfd' / 'bfd_split' strategy, which flattens each batch into one sequence)."
             )
         if args.packing and args.packing_strategy == "wrapped":
-            logger.warning(
-                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not recommended: "
-                "wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
-                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'."
+            logger.warning(  # TRL's text, then why
+                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not "
+                "recommended. Please refer to the documentation to understand why this is not recommended. "
+                "(Wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
+                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'.)"
             )
         if args.per_device_train_batch_size == 1 and not args.packing:
-            logger.warning(
-                "You are using a per_device_train_batch_size of 1 with padding-free training: one row per batch has "
-                "no padding to remove, so padding-free saves nothing. Use a batch size of at least 2."
+            logger.warning(  # TRL's text
+                "You are using a per_device_train_batch_size of 1 with padding-free training. Using a batch size "
+                "of 1 annihilate the benefits of padding-free training. Please consider increasing the batch size "
+                "to at least 2."
             )
     if compute_loss_func is not None:
-        warnings.warn(
-            "`compute_loss_func` is deprecated (TRL removes it in v2.0.0). Subclass `SFTTrainer` and override "
-            "`compute_loss` instead: the loss then needs the full logits, an extra forward pass each step.",
+        warnings.warn(  # TRL's text
+            "`compute_loss_func` is deprecated and will be removed in v2.0.0. Subclass `SFTTrainer` and override "
+            "`compute_loss` instead. Expect slower training meanwhile: the loss needs the full logits, so each "
+            "step runs an extra forward pass.",
             FutureWarning,
             stacklevel=3,
         )
     if args.use_liger_kernel:
-        warnings.warn(
-            "`use_liger_kernel=True` is deprecated (TRL removes it in v2.0.0); hfnative's loss is already a fused "
-            "linear-cross-entropy (`fused_loss`, on by default).",
-            FutureWarning,
-            stacklevel=3,
-        )
+        warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
 
 
 class SFTTrainer(Trainer):
@@ -72,6 +70,11 @@ class SFTTrainer(Trainer):
     config_class = SFTConfig
     requires_train_dataset = True
     _tag_names = ["trl", "sft"]
+    logits_for_metrics_warning = (
+        "`return_outputs=True`, and the logits it passes to `compute_metrics` and "
+        "`preprocess_logits_for_metrics`, are deprecated and will be removed in v2.0.0. The fused LM head does "
+        "not build the logits, so they are recomputed with an extra forward pass."
+    )
 
     def __init__(
         self,
@@ -135,16 +138,35 @@ class SFTTrainer(Trainer):
 
 
 
-def load_chat_template(tokenizer, path: str) -> None:
-    """SFTConfig.chat_template_path: a .jinja / .j2 file or a tokenizer folder, set as ``tokenizer``'s template."""
+def load_chat_template(tokenizer, path: str, config=None) -> None:
+    """``chat_template_path``: a .jinja / .j2 file, whose text becomes ``tokenizer``'s template, or a tokenizer folder,
+    whose template and EOS are taken as TRL's clone_chat_template takes them (``config``, the model's transformers
+    config, gets the new eos_token_id). Where TRL's clone would also change the vocabulary (add the folder's special
+    tokens the tokenizer lacks, resize the embeddings to a multiple of 64), hfnative refuses, naming what would change."""
     path = Path(path)
-    if path.is_dir():
-        template = transformers.AutoTokenizer.from_pretrained(str(path)).chat_template
-    elif path.suffix in (".jinja", ".j2") and path.is_file():
-        template = path.read_text()
-    else:
+    if path.suffix in (".jinja", ".j2") and path.is_file():
+        tokenizer.chat_template = path.read_text()
+        return
+    if not path.is_dir():
         raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
-    tokenizer.chat_template = template
+    source = transformers.AutoTokenizer.from_pretrained(str(path))
+    vocab = tokenizer.get_vocab()
+    missing = [token.content for token in source.added_tokens_decoder.values() if token.content not in vocab]
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    resized = -(-(len(vocab) + len(missing)) // 64) * 64
+    if missing or (vocab_size is not None and resized != vocab_size):
+        raise ValueError(
+            f"chat_template_path={str(path)!r}: TRL's clone_chat_template would change the vocabulary here ("
+            + (f"add the tokens {missing[:8]} to the tokenizer; " if missing else "")
+            + f"resize the model's embeddings from {vocab_size} to {resized} rows); hfnative takes a folder's template "
+            "and EOS only. Pass the template as a .jinja file whose special tokens the tokenizer has, or add the "
+            "tokens and resize the model yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that "
+            "model and tokenizer"
+        )
+    tokenizer.chat_template = source.get_chat_template()
+    tokenizer.eos_token = source.eos_token
+    if config is not None:
+        config.get_text_config().eos_token_id = tokenizer.eos_token_id
 
 
 class SFTObjective(LanguageModelingObjective):
@@ -170,7 +192,7 @@ class SFTObjective(LanguageModelingObjective):
                 f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
             )
         if args.chat_template_path is not None:
-            load_chat_template(context.tokenizer, args.chat_template_path)
+            load_chat_template(context.tokenizer, args.chat_template_path, getattr(context.model, "config", None))
         tokenizer = context.tokenizer
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token

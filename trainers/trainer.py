@@ -237,6 +237,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         loss, metrics = self.objective.loss(model, inputs, num_items_in_batch)
         self._metrics["train" if model.training else "eval"].record(metrics)
         if return_outputs:
+            self._warn_logits_for_metrics()
             with torch.no_grad():
                 outputs = model(**without_labels(inputs))
             return loss, outputs

@@ -366,7 +366,11 @@ def _to_known_format(dataset, fmt: str, first_row: dict, formatting_func, text_f
     "messages", as `fmt` (row 0's, from `_tokenized_format`) says; returns the dataset and its text column."""
     if fmt == PRETOKENIZED:
         if formatting_func is not None:
-            logger.warning("The dataset is already tokenized (it has 'input_ids'): formatting_func is ignored.")
+            logger.warning(  # TRL's text
+                "You passed a dataset that is already processed (contains an `input_ids` field) together with a "
+                "formatting function. Therefore `formatting_func` will be ignored. Either remove the "
+                "`formatting_func` or pass a dataset that is not already processed."
+            )
         return dataset, text_field
     if formatting_func is not None:
         dataset = dataset.map(lambda row: {"text": _formatted(formatting_func, row)}, **_parallel(num_proc))

@@ -74,8 +74,9 @@ def prepare_reward_dataset(dataset, processing_class, max_length: int | None = 1
     columns = list(getattr(dataset, "column_names", None) or [])
     tokenized = {"chosen_ids", "rejected_ids"} <= set(columns)
     if not tokenized and {"chosen_input_ids", "rejected_input_ids"} <= set(columns):
-        warnings.warn("Detected legacy dataset columns `chosen_input_ids`/`rejected_input_ids`; they are deprecated: "
-                      "rename them `chosen_ids`/`rejected_ids`.", FutureWarning, stacklevel=2)
+        warnings.warn("Detected legacy dataset columns `chosen_input_ids`/`rejected_input_ids`; they are deprecated and "
+                      "will not be supported in v1. Please migrate to `chosen_ids`/`rejected_ids`.", FutureWarning,
+                      stacklevel=2)  # TRL's text, word for word
         dataset = dataset.rename_column("chosen_input_ids", "chosen_ids").rename_column("rejected_input_ids", "rejected_ids")
         tokenized = True
     map_kwargs = {"num_proc": dataset_num_proc} if isinstance(dataset, Dataset) else {}

@@ -150,6 +150,22 @@ def plan_attention(
     return AttentionPlan("dense", seq_len, window, global_mask=global_mask, sliding_mask=sliding_mask)
 
 
+def transformers_padding_plan(plan: AttentionPlan, attention_mask_BS: torch.Tensor) -> AttentionPlan:
+    """``plan`` for a right-padded batch with padding queries attending to the real keys before them (not to
+    themselves), as transformers' masks do: for what reads the padding positions' outputs (a logged mean logit, the
+    logits compute_metrics is handed)."""
+    if plan.kind == "causal" and plan.sliding_mask is None:  # no padding in the batch
+        return plan
+    S, device, window = attention_mask_BS.shape[1], attention_mask_BS.device, plan.sliding_window
+    padding_BS = attention_mask_BS.bool()
+    return AttentionPlan(
+        "dense", S, window,
+        global_mask=build_attention_mask(S, device, padding_BS, padding_attends_itself=False),
+        sliding_mask=build_attention_mask(S, device, padding_BS, sliding_window=window, padding_attends_itself=False)
+        if window else None,
+    )
+
+
 def _varlen_plan(spans, batch_size: int, seq_len: int, window: int | None, device: torch.device) -> AttentionPlan:
     lengths = [end - start for row in spans for start, end in row]
     covered = sum(lengths) == batch_size * seq_len

@@ -1,0 +1,103 @@
+"""compute_metrics in evaluation: every trainer of TRL 1.16 that calls it (SFT, DPO, KTO, RewardTrainer, GKD and the
+experimental ORPO and CPO) runs beside hfnative's on the same model, rows and eval batch size (4 eval rows in batches
+of 3: a last batch of one). The EvalPrediction each hands the user's function has the same shapes and values (fp32
+round-off), and what the function returns is logged as eval_<name> with the same value.
+
+What TRL hands it, per trainer: SFT, DPO, KTO and GKD a plain forward's logits [N, S, V] and labels (DPO and KTO the
+input ids), padded across batches with -100; RewardTrainer the rewards [N, 1] (chosen rows, then rejected) and
+label_ids=(); ORPO and CPO each batch's logged mean logits (chosen, rejected) and zeros. A dataset whose length is not a
+multiple of the batch size has its last batch's rows cut to that remainder (accelerate's gather_for_metrics).
+TRL's GKD batches are left-padded and hfnative's right-padded: there the rows' label positions are compared.
+(GRPO, RLOO and DistillationTrainer take no compute_metrics; TRL's OnlineDPOTrainer takes one, but its evaluation fails
+on a prompt-only batch, and hfnative refuses evaluation there.)
+"""
+
+import importlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hfnative
+
+trl = pytest.importorskip("trl")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "examples" / "tiny-qwen3")
+DATA = ROOT / "examples" / "data"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _jsonl(name: str) -> list[dict]:
+    with open(DATA / name) as f:
+        return [json.loads(line) for line in f]
+
+
+def _datasets(name: str) -> tuple[list[dict], list[dict]]:
+    if name == "KTO":
+        pairs = _jsonl("preference.jsonl")[:4]
+        rows = [{"prompt": r["prompt"], "completion": r["chosen"], "label": True} for r in pairs]
+        rows += [{"prompt": r["prompt"], "completion": r["rejected"], "label": False} for r in pairs]
+        return rows, rows[2:6]
+    rows = _jsonl("sft_messages.jsonl" if name in ("SFT", "GKD") else "preference.jsonl")
+    return rows[:4], rows[8:12]
+
+
+def _class(module, name: str):
+    if module is hfnative:
+        return getattr(hfnative, name)
+    for path in ("trl", "trl.experimental.orpo", "trl.experimental.cpo", "trl.experimental.gkd"):
+        found = getattr(importlib.import_module(path), name, None)
+        if found is not None:
+            return found
+    raise AttributeError(name)
+
+
+def _evaluate(module, name: str, tmp_path) -> tuple[dict, dict]:
+    """The trainer's evaluate() with a compute_metrics that keeps what it is handed; (that, the metrics)."""
+    seen = {}
+
+    def compute_metrics(prediction):
+        seen["predictions"], seen["label_ids"] = np.asarray(prediction.predictions), prediction.label_ids
+        return {"my_metric": float(np.asarray(prediction.predictions, dtype=np.float64).mean())}
+
+    train, evaluation = _datasets(name)
+    # a reward model is made from the checkpoint's name (its new score head drawn alike under the seed)
+    model = MODEL if name == "Reward" else AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    extra = {"teacher_model": AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)} if name == "GKD" else {}
+    args = _class(module, f"{name}Config")(
+        output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+        per_device_train_batch_size=2, per_device_eval_batch_size=3, save_strategy="no", seed=3,
+    )
+    trainer = _class(module, f"{name}Trainer")(
+        model=model, args=args, train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evaluation),
+        processing_class=AutoTokenizer.from_pretrained(MODEL), compute_metrics=compute_metrics, **extra,
+    )
+    return seen, trainer.evaluate()
+
+
+@pytest.mark.parametrize("name", ["SFT", "DPO", "KTO", "Reward", "ORPO", "CPO", "GKD"])
+def test_compute_metrics_gets_what_trl_hands_it(name, tmp_path):
+    theirs, their_metrics = _evaluate(trl, name, tmp_path)
+    ours, our_metrics = _evaluate(hfnative, name, tmp_path)
+    assert ours["predictions"].shape == theirs["predictions"].shape
+    if name == "Reward":
+        assert ours["label_ids"] == theirs["label_ids"] == ()
+    else:
+        assert ours["label_ids"].shape == theirs["label_ids"].shape
+    if name == "GKD":  # left-padded rows there, right-padded here: each row's label positions
+        for row in range(len(theirs["label_ids"])):
+            their_positions, our_positions = theirs["label_ids"][row] != -100, ours["label_ids"][row] != -100
+            assert np.array_equal(theirs["label_ids"][row][their_positions], ours["label_ids"][row][our_positions])
+            np.testing.assert_allclose(ours["predictions"][row][our_positions],
+                                       theirs["predictions"][row][their_positions], atol=1e-4)
+    else:
+        if name != "Reward":
+            assert np.array_equal(ours["label_ids"], theirs["label_ids"])
+        np.testing.assert_allclose(ours["predictions"], theirs["predictions"], atol=1e-4, rtol=1e-4)
+        assert our_metrics["eval_my_metric"] == pytest.approx(their_metrics["eval_my_metric"], rel=1e-4, abs=1e-7)
+    assert our_metrics["eval_loss"] == pytest.approx(their_metrics["eval_loss"], rel=1e-4, abs=1e-6)
