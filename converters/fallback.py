@@ -50,6 +50,7 @@ from hfnative.models.head import OutputHead, TokenCrossEntropy, TokenLogprobs
 
 from .fallback_packing import BatchLayout, masks_separate_documents, plan_batch
 from .hub_model import HubModelMixin
+from .loading import hub_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -164,24 +165,6 @@ def _decoder_layers(causal_lm: nn.Module) -> nn.ModuleList:
     if not matching:
         raise ValueError(f"{type(causal_lm).__name__}: found no list of decoder layers")
     return min(matching, key=lambda entry: entry[:2])[2]
-
-
-def hub_state_dict(causal_lm: nn.Module, adapter_names=()) -> dict[str, torch.Tensor]:
-    """A transformers model's tensors under their Hub checkpoint names (in-memory fusions undone, tied copies
-    left out). ``adapter_names``: peft adapters injected into it, whose tensors (stored under the adapter's
-    name) are left out; the base weights of wrapped layers (``base_layer``, ``original_module``) keep their
-    plain names."""
-    from transformers.core_model_loading import revert_weight_conversion
-
-    state = {}
-    for key, value in causal_lm.state_dict().items():
-        parts = key.split(".")
-        if not set(adapter_names) & set(parts):
-            state[".".join(p for p in parts if p not in ("base_layer", "original_module"))] = value
-    state = revert_weight_conversion(causal_lm, state)
-    for tied in getattr(causal_lm, "all_tied_weights_keys", None) or {}:
-        state.pop(tied, None)
-    return state
 
 
 class TransformersCausalLM(HubModelMixin, nn.Module):
@@ -473,4 +456,22 @@ def save_hub_folder(wrapper: TransformersCausalLM, out_dir: os.PathLike, max_sha
         wrapper.hf_model.save_pretrained(str(out_dir), max_shard_size=max_shard_size, state_dict=state)
 
 
-__all__ = ["TransformersCausalLM", "TransformersHead", "hub_state_dict", "save_hub_folder", "warn_fallback"]
+@dataclass
+class TransformersModel:
+    """The trainer's record of a fallback model, in the place of a native ``ConvertedModel``: the wrapper,
+    its transformers config and the folder it came from; ``family`` is None (no native layout)."""
+
+    model: TransformersCausalLM
+    config: object
+    source_dir: Path | None = None
+    family: None = None
+
+
+def architecture_name(config) -> str:
+    """The architecture a transformers config names (its first ``architectures`` entry, else its class name)."""
+    return (getattr(config, "architectures", None) or [type(config).__name__])[0]
+
+
+
+__all__ = ["TransformersCausalLM", "TransformersHead", "TransformersModel", "architecture_name", "save_hub_folder",
+           "warn_fallback"]

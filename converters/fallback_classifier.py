@@ -11,8 +11,7 @@ from torch import nn
 
 from hfnative.models.classifier import SequenceClassifierOutput
 
-from .fallback import TransformersCausalLM, _decoder_layers, _is_peft_model, warn_fallback
-from .fallback_loading import TransformersModel, _architecture
+from .fallback import TransformersCausalLM, TransformersModel, _decoder_layers, _is_peft_model, architecture_name, warn_fallback
 from .hub import resolve_model_dir
 from .loading import CheckpointError
 
@@ -107,7 +106,7 @@ def load_transformers_classifier(name_or_path, *, num_labels: int, score_seed: i
     if problems:
         raise CheckpointError(f"{source_dir} does not match its config.json:\n  " + "\n  ".join(problems))
     classifier.config._name_or_path = classifier.name_or_path = str(name_or_path)
-    warn_fallback(_architecture(classifier.config), reason)
+    warn_fallback(architecture_name(classifier.config), reason)
     return TransformersModel(TransformersSequenceClassifier(classifier), classifier.config, source_dir)
 
 
@@ -115,7 +114,7 @@ def wrap_transformers_classifier(model, dtype: torch.dtype | None, reason: str) 
     """A transformers ``*ForSequenceClassification`` object trained as it is, in place (cast when ``dtype`` differs)."""
     if dtype is not None and next(model.parameters()).dtype != dtype:
         model.to(dtype)
-    warn_fallback(_architecture(model.config), reason)
+    warn_fallback(architecture_name(model.config), reason)
     wrapper = TransformersSequenceClassifier(model)
     return TransformersModel(wrapper, wrapper.config)
 

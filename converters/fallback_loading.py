@@ -6,29 +6,14 @@ through peft itself where hfnative has no native adapter, and resuming from a sa
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .fallback import TransformersCausalLM, hub_state_dict, warn_fallback
+from .fallback import TransformersCausalLM, TransformersModel, architecture_name, warn_fallback
+from .loading import hub_state_dict
 from .hub import resolve_model_dir
 from .loading import CheckpointError, ConvertedModel, SafetensorsSource
-
-@dataclass
-class TransformersModel:
-    """The trainer's record of a fallback model, in the place of a native ``ConvertedModel``: the wrapper,
-    its transformers config and the folder it came from; ``family`` is None (no native layout)."""
-
-    model: TransformersCausalLM
-    config: object
-    source_dir: Path | None = None
-    family: None = None
-
-
-def _architecture(config) -> str:
-    return (getattr(config, "architectures", None) or [type(config).__name__])[0]
-
 
 def fallback_refusal(config, model_class_name: str | None = None) -> str | None:
     """Why transformers' module cannot stand in for a native model of ``config`` (None: it can): it must be
@@ -135,7 +120,7 @@ def peft_route_reason(model, peft_config) -> str | None:
     """Why ``peft_config`` goes through peft on transformers' module; None when hfnative's native LoRA
     implements it on ``model`` (a native ``ConvertedModel`` and a LoRA config it supports)."""
     if isinstance(model, TransformersModel):
-        return f"{_architecture(model.config)} has no native implementation"
+        return f"{architecture_name(model.config)} has no native implementation"
     reason = native_lora_refusal(peft_config)
     if reason is None and isinstance(model, ConvertedModel):
         from .lora_targets import expert_targets_refusal
@@ -151,7 +136,7 @@ def apply_peft(model, peft_config) -> TransformersModel:
 
     reason = peft_route_reason(model, peft_config)
     if not isinstance(model, TransformersModel):
-        warn_fallback(f"{type(peft_config).__name__} on {_architecture(model.config)}", reason)
+        warn_fallback(f"{type(peft_config).__name__} on {architecture_name(model.config)}", reason)
         model = transformers_from_native(model)
     wrapper = model.model
     if wrapper.peft_model is not None:

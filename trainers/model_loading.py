@@ -85,7 +85,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         except UnsupportedModelError as error:  # transformers' module itself trains, in place
             _check_fallback(model.config, error, type(model).__name__)
             loaded = wrap_transformers_model(model)
-            warn_fallback(fallback_loading._architecture(loaded.config), str(error))
+            warn_fallback(fallback.architecture_name(loaded.config), str(error))
             return LoadedModel(loaded.model, loaded, base_model_name_or_path=name)
         return LoadedModel(converted.model, converted, base_model_name_or_path=name)
     if not isinstance(model, (str, os.PathLike)):
@@ -104,7 +104,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         _refuse_quantization(quantization)
         attn_implementation = kwargs.get("attn_implementation")
         loaded = load_transformers_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
-        warn_fallback(fallback_loading._architecture(loaded.config), str(error))
+        warn_fallback(fallback.architecture_name(loaded.config), str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=str(model))
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
 
@@ -237,7 +237,7 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
     if refusal is not None:
         raise UnsupportedModelError(f"the adapter in {adapter_dir} cannot train: {reason}; and through transformers: {refusal}")
     loaded = load_transformers_model(base, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
-    warn_fallback(f"the {config.get('peft_type', 'LORA')} adapter on {fallback_loading._architecture(loaded.config)}", reason)
+    warn_fallback(f"the {config.get('peft_type', 'LORA')} adapter on {fallback.architecture_name(loaded.config)}", reason)
     loaded = fallback_loading.load_peft_adapter(adapter_dir, loaded, is_trainable=True)
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base)
 
@@ -252,7 +252,7 @@ def _from_peft_model(peft_model, device, dtype) -> LoadedModel:
         converted, settings = fallback_loading.native_lora_from_peft_model(peft_model, dtype=dtype, device=device)
         return LoadedModel(converted.model, converted, settings, base_name)
     loaded = wrap_transformers_model(peft_model)
-    warn_fallback(f"the {peft_config.peft_type} PeftModel on {fallback_loading._architecture(loaded.config)}", reason)
+    warn_fallback(f"the {peft_config.peft_type} PeftModel on {fallback.architecture_name(loaded.config)}", reason)
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
 
 
