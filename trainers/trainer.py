@@ -77,6 +77,12 @@ MODEL_INPUT_COLUMNS = (
 )
 
 
+def _to_device(tensor: torch.Tensor, device: torch.device, asynchronous: bool) -> torch.Tensor:
+    if asynchronous and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def resolve_device(args) -> torch.device:
     if args.use_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
@@ -339,6 +345,10 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     def _prepare_inputs(self, inputs: dict) -> dict:
         """Add what the model needs once per batch (shifted targets, the attention plan, made from the
         host tensors so no device sync), then move the tensors to the device."""
+        return self._to_device(self._complete_on_host(inputs))
+
+    def _complete_on_host(self, inputs: dict) -> dict:
+        """What ``_prepare_inputs`` adds before the move: shifted targets, padding for the layout, the attention plan."""
         inputs = dict(inputs)
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = shift_labels(inputs["labels"])
@@ -348,7 +358,13 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
             inputs["attention_plan"] = self.native_model.plan_attention(
                 inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
             )
-        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return inputs
+
+    def _to_device(self, inputs: dict) -> dict:
+        """The batch's tensors on the device; from the host to a GPU through pinned memory, so the copy does not wait
+        for the kernels queued before it (a copy from pageable memory does)."""
+        asynchronous = self.device.type == "cuda"
+        return {k: _to_device(v, self.device, asynchronous) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     # --- forward and loss ------------------------------------------------------------------------
 
@@ -500,9 +516,11 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                 if not batches:
                     self._performance.step_cancelled()
                     break
-                batches = [self._prepare_inputs(b) for b in batches]
+                # the normalizer counts on the host batches (no device read), then they move to the device
+                batches = [self._complete_on_host(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
                 num_items, self._loss_divisor = self._step_normalizer(self.objective.normalizer(batches), len(batches))
+                batches = [self._to_device(b) for b in batches]
                 if self._pipeline_parallel is not None:  # the step's micro-batches go through the pipeline stages together
                     step += len(batches)
                     self._pipeline_step(batches, num_items)
@@ -514,8 +532,9 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     with self._performance.timed("fwd_bwd"):
                         loss = self.training_step(self.native_model, inputs, num_items)
-                    if args.logging_nan_inf_filter and not torch.isfinite(loss):
-                        loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                    if args.logging_nan_inf_filter:  # on the device: no host read of the loss
+                        mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                        loss = torch.where(torch.isfinite(loss), loss, mean)
                     self._tr_loss += loss
                     self.state.total_flos += 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
                     if index < len(batches) - 1:

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from hfnative.losses import shift_labels as shift_labels_of
+from hfnative.device_policy import device_policy
+from hfnative.losses import at_least_one, shift_labels as shift_labels_of
 
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
@@ -207,6 +208,8 @@ class Transformer(nn.Module):
         local_cos_sin = cos_sin
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
             local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
+        # the device's trade: a CPU remakes cheap activations in backward, a GPU keeps them (hfnative.device_policy)
+        recompute = device_policy(h.device).recompute_in_backward
         for layer_id, layer in enumerate(self.layers):
             if isinstance(layer, BlockOnAnotherStage):
                 continue
@@ -216,7 +219,7 @@ class Transformer(nn.Module):
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
                 h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
             else:
-                with recomputed_in_backward(not _is_compiled(layer)):
+                with recomputed_in_backward(recompute and not _is_compiled(layer)):
                     h = layer(*layer_inputs)
         return h if self.norm is None else self.norm(h)
 
@@ -251,7 +254,7 @@ class Transformer(nn.Module):
         if labels is not None or shift_labels is not None:
             targets_BS = shift_labels if shift_labels is not None else shift_labels_of(labels)
             stats = self.output(hidden_BSD, loss=TokenCrossEntropy(targets_BS))
-            denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
+            denominator = num_items_in_batch if num_items_in_batch is not None else at_least_one(stats.num_tokens)
             out.loss = stats.loss_sum / denominator
             if out.aux_loss is not None:
                 out.loss = out.loss + self.args.moe.aux_loss_coef * out.aux_loss

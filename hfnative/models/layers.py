@@ -17,8 +17,9 @@ from .rope import apply_rotary
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """fresh * other, for a tensor the caller has just made and needs no more: in fresh's place when the product
-    keeps fresh's dtype (the same values without a second tensor of that size)."""
-    return fresh.mul_(other) if fresh.dtype == torch.result_type(fresh, other) else fresh * other
+    keeps fresh's dtype (the same values without a second tensor of that size). Both have dimensions, so the
+    product's dtype is the promotion of theirs (``torch.result_type`` would break a compiled graph)."""
+    return fresh.mul_(other) if fresh.dtype == torch.promote_types(fresh.dtype, other.dtype) else fresh * other
 
 
 class _RMSNormFunction(torch.autograd.Function):
