@@ -64,6 +64,12 @@ class TransformerBlock(nn.Module):
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 
 
+def _attention_planning(model: Transformer) -> tuple:
+    """What ``Transformer.plan_attention`` reads of the model."""
+    has_sliding = any(layer.is_sliding for layer in model.layers)
+    return model.args.sliding_window if has_sliding else None, model.attention_implementation
+
+
 def _is_compiled(layer: nn.Module) -> bool:
     """Whether ``hfnative.parallel.compile`` compiled the block (or its attention): the compiler then chooses what
     backward recomputes."""
@@ -156,6 +162,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.sinks, std=std)
         self.init_buffers()
 
+    def plans_attention_as(self, other) -> bool:
+        """Whether ``plan_attention`` makes ``other`` (a model run on the same batches, e.g. a teacher) the plan it
+        makes this model: one plan, made on the host, then serves both."""
+        if not isinstance(other, Transformer):
+            return False
+        return _attention_planning(self) == _attention_planning(other)
+
     def plan_attention(
         self,
         input_ids_BS: torch.Tensor,
@@ -165,10 +178,9 @@ class Transformer(nn.Module):
     ) -> AttentionPlan:
         """How attention runs for this batch (see attention.py); call it on host tensors to avoid a sync."""
         B, S = input_ids_BS.shape
-        has_sliding = any(layer.is_sliding for layer in self.layers)
+        sliding_window, implementation = _attention_planning(self)
         return plan_attention(
-            B, S, device or input_ids_BS.device, attention_mask_BS, position_ids_BS,
-            self.args.sliding_window if has_sliding else None, self.attention_implementation,
+            B, S, device or input_ids_BS.device, attention_mask_BS, position_ids_BS, sliding_window, implementation,
         )
 
     def hidden_states(
