@@ -45,6 +45,7 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     max_relative_difference,
     not_finished_line,
     prepare_workload,
+    profile_path,
     rss_mib,
     run_notes,
     run_rounds,
@@ -142,7 +143,8 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
 
     if variant == "compile":
         torch._dynamo.reset()
-    result, clock = train_and_measure(trainer, shape, is_cuda, watch_gradients=variant == "optimizer_in_backward")
+    result, clock = train_and_measure(trainer, shape, is_cuda, watch_gradients=variant == "optimizer_in_backward",
+                                      profile_to=profile_path(spec, runner))
 
     if variant == "compile":
         from torch._dynamo.utils import counters
