@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, in under 6 minutes on a machine with one NVIDIA GPU and no network:
+# Every GPU check in one run, in about 7 minutes on a machine with one NVIDIA GPU and no network:
 #
 #   1 env          nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #   2 install      missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
-#   3 parity-fp32  logits vs transformers on CUDA, fp32 (max |Δ| <= 1e-5, KL <= 1e-9)
-#   4 parity-bf16  logits vs transformers on CUDA, bf16 (error vs fp32 at most 2x transformers' own)
-#   5 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
-#                  the model under flash / efficient; hfnative's variable-length path vs its dense path
-#   6 trainers     gpu_trainers.py: 3 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO)
+#   3 trainers     gpu_trainers.py: 3 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO)
 #                  on the shipped tiny model, bf16 on CUDA: finite losses, parameters moved, perf/ metrics logged,
 #                  the saved folder loads
-#   7 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
-#   8 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
-#   9 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
+#   4 bench        bench_sft.py --device cuda, Qwen3-0.6B shape, seq 2048, no activation checkpointing: TRL vs
+#                  transformers' Trainer vs hfnative eager and with torch_compile=True; one warm-up step of each
+#                  profiled, its top kernels to <results>-profiles/sft/<runner>-top-kernels.txt
+#   5 bench-ac     the same with activation checkpointing on (TRL's default), profiles in .../sft-ac/
+#   6 packed       bench_sft.py --packing: TRL vs hfnative on packed variable-length documents
+#   7 dpo          bench_dpo.py --device cuda: TRL vs hfnative's DPO, Qwen3-0.6B shape, profiles in .../dpo/
+#   8 parity-fp32  logits vs transformers on CUDA, fp32 (max |Δ| <= 1e-5, KL <= 1e-9)
+#   9 parity-bf16  logits vs transformers on CUDA, bf16 (error vs fp32 at most 2x transformers' own)
+#  10 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
+#                  the model under flash / efficient; hfnative's variable-length path vs its dense path
+#  11 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
 #                  skipped on a machine with one GPU
+#
+# The benchmarks run in one process tree, side by side, before the correctness checks that earlier runs passed
+# (parity, attention): when the budget runs out, those are the ones skipped.
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
 #
-# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 360 by default); a
+# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 450 by default); a
 # failing check never stops the next. The full output and a summary table go to
 # benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that is set. PYTHON picks the
 # interpreter (default: python3 or python, whichever imports torch). hfnative is imported from this tree
@@ -36,12 +43,13 @@ if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   done
 fi
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-360}
+BUDGET=${GPU_CHECK_BUDGET:-450}
 START=$SECONDS
 
 RESULTS_DIR=benchmarks/gpu_results
 mkdir -p "$RESULTS_DIR"
 RESULT=$RESULTS_DIR/$(date -u +%Y-%m-%dT%H-%M-%SZ)$([[ $DEVICE == cpu ]] && echo -cpu-rehearsal).txt
+PROFILES=${RESULT%.txt}-profiles  # one profiled step per runner: <PROFILES>/<benchmark>/<runner>-top-kernels.txt
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -141,24 +149,29 @@ bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lin
 } >"$RESULT"
 
 if [[ $DEVICE == cuda ]]; then
-  SFT_SMALL=(--preset smoke --steps 6 --warmup 2 --peak_seconds 0.5 --timeout 100)
-  SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
+  SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 7 --warmup 3 --peak_seconds 1 --timeout 75)
+  DPO_BENCH=(--preset qwen3_0.6b --batch 4 --steps 7 --warmup 3 --timeout 90)
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
 else
-  SFT_SMALL=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
+  DPO_BENCH=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
 fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
+run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
+run_check bench 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
+  --runners trl,hf,ours --ours_variants default,compile --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
+run_check bench-ac 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
+  --runners trl,hf,ours --ours_variants default,compile --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
+run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
+  --runners trl,ours "${SFT_BENCH[@]}"
+run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
+  --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
 run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
 run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
 run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
-run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
-run_check bench 230 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 "${SFT_BENCH[@]}"
-run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
-  --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
 # the 2-rank layouts need a GPU per NCCL rank: on one GPU only the 1-process baseline would run, so skip the time
 GPUS=$([[ $DEVICE == cuda ]] && "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 2)
 if [[ $DEVICE == cuda && ${GPUS:-0} -lt 2 ]]; then
@@ -176,5 +189,11 @@ fi
     printf '%-12s %-8s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${DURATIONS[$i]}" "${NOTES[$i]}"
   done
 } | tee -a "$RESULT"
+if [[ -d $PROFILES ]]; then
+  echo "profiles: $PROFILES ($(find "$PROFILES" -name '*-top-kernels.txt' | wc -l) runners)" | tee -a "$RESULT"
+fi
 echo "results: $RESULT"
-if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then cp "$RESULT" "$OUT/"; fi
+if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then
+  cp "$RESULT" "$OUT/"
+  [[ -d $PROFILES ]] && cp -r "$PROFILES" "$OUT/"
+fi
