@@ -12,6 +12,9 @@
   rule (``hfnative.losses._chunks.chunk_size_for``: small chunks, the head's gradients added chunk by chunk). A
   number: chunks of that many logits, and the logits' gradients held, in the matmul dtype, for up to that many
   entries before one GEMM makes the weight's gradient (and one the hidden states') for them all.
+- ``selective_checkpointing``: a block under activation checkpointing keeps its attention output and every second
+  matmul's and recomputes the rest (``hfnative.models.selective_checkpoint``), instead of running its whole forward
+  again. On a GPU the recomputed matmuls cost time the kept memory buys back; on a CPU full checkpointing stays.
 - ``compile_dynamic``: ``torch.compile``'s ``dynamic`` for the blocks. True on a CPU (any batch and sequence length
   from the first call, so padding-free batches never recompile); None on a GPU (static kernels first, dynamic after
   the first new shape: fixed-shape batches, packed or padded to a multiple, keep static, faster kernels).
@@ -38,15 +41,16 @@ class DevicePolicy:
     host_reads: bool
     head_chunk_elements: int | None
     head_gradient_block_elements: int | None
+    selective_checkpointing: bool
     compile_dynamic: bool | None
 
 
 CPU_POLICY = DevicePolicy("cpu", recompute_in_backward=True, host_reads=True, head_chunk_elements=None,
-                          head_gradient_block_elements=None, compile_dynamic=True)
+                          head_gradient_block_elements=None, selective_checkpointing=False, compile_dynamic=True)
 # 2^27 fp32 logits: 512 MiB per [C, V] buffer (883 tokens at Qwen3's 151,936 entries); 2^29 gradient entries: 1 GiB
 # in bf16 (3,533 tokens), so a batch of 8,192 label tokens makes the head's weight gradient in 3 GEMMs, not 19 passes
 GPU_POLICY = DevicePolicy("gpu", recompute_in_backward=False, host_reads=False, head_chunk_elements=1 << 27,
-                          head_gradient_block_elements=1 << 29, compile_dynamic=None)
+                          head_gradient_block_elements=1 << 29, selective_checkpointing=True, compile_dynamic=None)
 POLICIES = {policy.name: policy for policy in (CPU_POLICY, GPU_POLICY)}
 
 _forced: list[DevicePolicy] = []

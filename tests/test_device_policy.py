@@ -222,3 +222,43 @@ def test_compiled_steps_of_one_shape_do_not_recompile_under_the_gpu_policy():
         for _ in range(3):
             _loss_and_grads(model, torch.randint(0, 64, (2, 10), generator=generator))
     assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, "a step of the same shape recompiled"
+
+
+def test_gpu_policy_checkpoints_selectively_with_the_same_gradients():
+    """Under activation checkpointing the GPU policy keeps attention and every second matmul: backward recomputes
+    half the matmuls full checkpointing does, and the gradients equal the un-checkpointed model's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hfnative.models.selective_checkpoint import MATMULS
+    from hfnative.parallel import apply_activation_checkpointing
+
+    class MatmulCounter(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in MATMULS
+            return func(*args, **(kwargs or {}))
+
+    input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    recomputed = {}
+    for name in ("cpu", "gpu"):
+        counts = {}
+        for checkpointed in (False, True):
+            model = _tiny_model()
+            if checkpointed:
+                apply_activation_checkpointing(model, "full")
+            with use_device_policy(name), MatmulCounter() as counter:
+                loss, grads = _loss_and_grads(model, input_ids)
+            counts[checkpointed] = counter.count
+            if not checkpointed:
+                plain_loss, plain_grads = loss, grads
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-6, atol=0)
+        for key, grad in plain_grads.items():
+            torch.testing.assert_close(grads[key], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")
+        recomputed[name] = counts[True] - counts[False]
+    # 7 matmuls a block forward (q, k, v, o, gate, up, down), 2 blocks: full checkpointing recomputes the first 6 of
+    # each (torch stops the recompute once backward has what it reads: the down projection's output it does not),
+    # selective only the 2nd, 4th and 6th (attention is kept too)
+    assert recomputed == {"cpu": 12, "gpu": 6}, recomputed

@@ -20,6 +20,7 @@ from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, model_norm
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .recompute import keep_as_recomputed, recomputed_in_backward
+from .selective_checkpoint import selective_checkpoint_context
 from .rope import RotaryEmbedding
 
 
@@ -220,8 +221,9 @@ class Transformer(nn.Module):
         local_cos_sin = cos_sin
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
             local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
-        # the device's trade: a CPU remakes cheap activations in backward, a GPU keeps them (hfnative.device_policy)
-        recompute = device_policy(h.device).recompute_in_backward
+        # the device's trades (hfnative.device_policy): a CPU remakes cheap activations in backward, a GPU keeps them;
+        # under activation checkpointing a GPU keeps attention and every second matmul and recomputes the rest
+        policy = device_policy(h.device)
         for layer_id, layer in enumerate(self.layers):
             if isinstance(layer, BlockOnAnotherStage):
                 continue
@@ -229,9 +231,13 @@ class Transformer(nn.Module):
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
+                selective = policy.selective_checkpointing and not _is_compiled(layer)  # compiled: the compiler chooses
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, *layer_inputs, use_reentrant=False,
+                    **({"context_fn": selective_checkpoint_context} if selective else {}),
+                )
             else:
-                with recomputed_in_backward(recompute and not _is_compiled(layer)):
+                with recomputed_in_backward(policy.recompute_in_backward and not _is_compiled(layer)):
                     h = layer(*layer_inputs)
         return h if self.norm is None else self.norm(h)
 
