@@ -76,6 +76,15 @@ def device_policy(device: torch.device | str) -> DevicePolicy:
     return CPU_POLICY if torch.device(device).type == "cpu" else GPU_POLICY
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor.to(device)``; from the host to a CUDA device through pinned memory and without waiting: a copy from
+    pageable memory makes the host wait for every kernel queued before it (torch synchronizes the stream after it)."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @contextlib.contextmanager
 def use_device_policy(policy: DevicePolicy | str):
     """Run the block under ``policy`` (a DevicePolicy or its name) on every device."""
@@ -86,4 +95,4 @@ def use_device_policy(policy: DevicePolicy | str):
         _forced.pop()
 
 
-__all__ = ["CPU_POLICY", "GPU_POLICY", "DevicePolicy", "device_policy", "use_device_policy"]
+__all__ = ["CPU_POLICY", "GPU_POLICY", "DevicePolicy", "device_policy", "host_to_device", "use_device_policy"]

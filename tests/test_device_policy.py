@@ -262,3 +262,25 @@ def test_gpu_policy_checkpoints_selectively_with_the_same_gradients():
     # each (torch stops the recompute once backward has what it reads: the down projection's output it does not),
     # selective only the 2nd, 4th and 6th (attention is kept too)
     assert recomputed == {"cpu": 12, "gpu": 6}, recomputed
+
+
+def test_selective_checkpointing_under_autocast_after_a_forward_without_grad():
+    """A forward without grad first (a reference or KL pass) leaves autocast's cast cache filled; the checkpointed
+    blocks must still recompute the ops their forward ran. Gradients equal the un-checkpointed model's under the
+    same autocast."""
+    from hfnative.parallel import apply_activation_checkpointing
+
+    input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    results = []
+    for checkpointed in (False, True):
+        model = _tiny_model()
+        if checkpointed:
+            apply_activation_checkpointing(model, "full")
+        with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():
+                model(input_ids)
+            results.append(_loss_and_grads(model, input_ids))
+    (plain_loss, plain_grads), (loss, grads) = results
+    assert torch.equal(loss, plain_loss)
+    for key, grad in plain_grads.items():
+        torch.testing.assert_close(grads[key], grad, rtol=0, atol=0, msg=key)

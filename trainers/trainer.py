@@ -30,6 +30,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import TrainOutput
 
 from hfnative.converters.hub_model import attach_hub_surface
+from hfnative.device_policy import host_to_device
 from hfnative.converters.fallback import TransformersCausalLM
 from hfnative.converters.loading import ConvertedModel
 from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
@@ -75,12 +76,6 @@ logger = logging.getLogger(__name__)
 MODEL_INPUT_COLUMNS = (
     "input_ids", "attention_mask", "position_ids", "labels", "shift_labels", "seq_lengths", "completion_mask", "assistant_masks",
 )
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device, asynchronous: bool) -> torch.Tensor:
-    if asynchronous and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def resolve_device(args) -> torch.device:
@@ -363,8 +358,7 @@ class Trainer(DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixi
     def _to_device(self, inputs: dict) -> dict:
         """The batch's tensors on the device; from the host to a GPU through pinned memory, so the copy does not wait
         for the kernels queued before it (a copy from pageable memory does)."""
-        asynchronous = self.device.type == "cuda"
-        return {k: _to_device(v, self.device, asynchronous) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        return {k: host_to_device(v, self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
     # --- forward and loss ------------------------------------------------------------------------
 

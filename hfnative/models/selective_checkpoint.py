@@ -7,12 +7,17 @@ policy does: most of full checkpointing's memory saving for a fraction of its re
 policy (``hfnative.device_policy``, ``selective_checkpointing``) chooses it; a CPU, where the recompute costs little
 next to the memory, keeps full checkpointing.
 
+Inside the block autocast's cast cache is off: a weight cast earlier in the step (a forward without grad, as KTO's
+and DPO's reference passes) would come from the cache in forward but be cast again in the recompute, and the two
+would not run the same ops (each weight is cast once a block either way).
+
 The choice is made in forward (torch 2.13 replays it in the recompute; older releases ask the policy again, so the
 matmuls are counted apart for the forward and the recompute, and both choose alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 import torch
@@ -44,9 +49,21 @@ def _policy(counts: dict):
     return policy
 
 
+@contextlib.contextmanager
+def _without_autocast_cache(context):
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with context:
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 def selective_checkpoint_context():
     """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for one block's forward."""
-    return create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+    forward, recompute = create_selective_checkpoint_contexts(_policy(defaultdict(int)))
+    return _without_autocast_cache(forward), _without_autocast_cache(recompute)
 
 
 __all__ = ["selective_checkpoint_context"]
