@@ -21,7 +21,7 @@ from hfnative.data.unpaired_preference import (
     prepare_unpaired_preference_dataset,
 )
 from hfnative.losses import IGNORE_INDEX, shift_labels
-from hfnative.losses.unpaired_preference import unpaired_preference_losses_by_label
+from hfnative.losses.unpaired_preference import unpaired_preference_losses
 from hfnative.models.head import TokenLogprobs
 
 from .kto_config import KTOConfig
@@ -221,11 +221,12 @@ class KTOObjective(Objective):
         chosen_B = inputs["label"].to(torch.bool)
         rejected_B = ~chosen_B
         logratios_B = logps_B - ref_logps_B
-        losses = unpaired_preference_losses_by_label(
-            logratios_B, chosen_B, kl, args.beta, loss_type=args.loss_type,
+        # every row's loss of both kinds, each row keeping its own kind's (the mean is the same, in another order)
+        desirable_B, undesirable_B = unpaired_preference_losses(
+            logratios_B, logratios_B, kl, args.beta, loss_type=args.loss_type,
             desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight,
-        )
-        loss = losses.nanmean()
+        ).chunk(2)
+        loss = torch.where(chosen_B, desirable_B, undesirable_B).nanmean()
         metrics = {"kl": kl.detach()}
         if outputs.aux_loss is not None:
             loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)

@@ -41,20 +41,4 @@ def unpaired_preference_losses(
     return torch.cat((desirable_weight * chosen_C, undesirable_weight * rejected_R))
 
 
-def unpaired_preference_losses_by_label(
-    logratios_B: torch.Tensor,
-    desirable_B: torch.Tensor,
-    kl: torch.Tensor,
-    beta: float,
-    loss_type: str = "kto",
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
-) -> torch.Tensor:
-    """``unpaired_preference_losses`` per row [B], in the rows' order: each row's loss of its own kind
-    (``desirable_B``, bool) from its log-ratio. No boolean index: the batch's split is never read on the host."""
-    desirable, undesirable = unpaired_preference_losses(logratios_B, logratios_B, kl, beta, loss_type, desirable_weight,
-                                                        undesirable_weight).chunk(2)
-    return torch.where(desirable_B, desirable, undesirable)
-
-
-__all__ = ["UNPAIRED_LOSS_TYPES", "kl_free", "unpaired_preference_losses", "unpaired_preference_losses_by_label"]
+__all__ = ["UNPAIRED_LOSS_TYPES", "kl_free", "unpaired_preference_losses"]
