@@ -9,7 +9,7 @@ depends on the values (``nonzero``, ``masked_select``, ``unique``, ``repeat_inte
 indexing or ``index_put`` with a boolean mask). The batch's host-side preparation (collation, the attention plan, the
 normalizer's count) runs before the batches move and is not counted: on a GPU it reads host memory. On CPU the device
 is the host, so the CPU's own policy keeps its host reads (they skip work there); a run under it shows the counter
-does find them. Each trainer runs 4 optimizer steps (logging every second) in fp32 and one of them bf16 autocast, on the shipped tiny model.
+does find them. The GPU policy's logged losses and grad norms equal the CPU policy's run (1e-5). Each trainer runs 4 optimizer steps (logging every second) in fp32 and one of them bf16 autocast, on the shipped tiny model.
 """
 
 from __future__ import annotations
@@ -137,6 +137,14 @@ def test_training_step_makes_no_host_sync_under_the_gpu_policy(name, bf16, tmp_p
         f"  {count} x {where}" for where, count in found.most_common())
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 2 and all(torch.isfinite(torch.tensor(entry["loss"])) for entry in logs), logs
+    if not bf16:  # the same run under the CPU's policy (which the trainers' TRL tests hold to TRL's numbers)
+        with use_device_policy("cpu"):
+            cpu_trainer = _trainer(name, tmp_path / "cpu", bf16)
+            cpu_trainer.train()
+        cpu_logs = [entry for entry in cpu_trainer.state.log_history if "loss" in entry]
+        for entry, cpu_entry in zip(logs, cpu_logs):
+            for key in ("loss", "grad_norm"):
+                assert entry[key] == pytest.approx(cpu_entry[key], rel=1e-5, abs=1e-7), (name, key, entry, cpu_entry)
 
 
 def test_the_counter_finds_the_cpu_policys_host_reads(tmp_path):
