@@ -10,8 +10,8 @@ indexing or ``index_put`` with a boolean mask). The batch's host-side preparatio
 normalizer's count) runs before the batches move and is not counted: on a GPU it reads host memory. On CPU the device
 is the host, so the CPU's own policy keeps its host reads (they skip work there); a run under it shows the counter
 does find them. Each trainer runs 4 optimizer steps (logging every second) on the shipped tiny model, in fp32 (its
-logged losses and grad norms equal the CPU policy's run, 1e-5) and, for three of them, under bf16 autocast. The
-masked scatter is counted as well: not every CUDA build's runs without a host read.
+logged losses and grad norms equal the CPU policy's run, 1e-5) and, for three of them, under bf16 autocast. ``masked_scatter``
+is counted too (the CPU path's compact log-probs scatter back with it); the GPU policy's paths use none.
 """
 
 from __future__ import annotations
