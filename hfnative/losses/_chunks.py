@@ -240,11 +240,14 @@ class HeadGradients:
         """Whether a chunk's dL/dh is made only when its block is (not when the chunk is added)."""
         return self.block_rows is not None
 
-    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV, weight_fp32_VD=None) -> None:
-        """Overwrites grad_raw_CV when ``weight_fp32_VD`` is given (CPU, low precision: dL/dh in fp32)."""
+    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV, weight_fp32_VD=None, row_scale_C=None) -> None:
+        """Overwrites grad_raw_CV when ``weight_fp32_VD`` or ``row_scale_C`` is given (CPU, low precision: dL/dh in
+        fp32). ``row_scale_C``: each row of grad_raw_CV multiplied by it first (in blocks: as it is held, one pass)."""
         if self.block_rows is not None:
-            self._hold(start, grad_raw_CV)
+            self._hold(start, grad_raw_CV, row_scale_C)
             return
+        if row_scale_C is not None:
+            grad_raw_CV.mul_(row_scale_C[:, None])
         rows = h_CD.shape[0]
         low_precision = low_CV is not None
         if low_precision:
@@ -272,7 +275,7 @@ class HeadGradients:
             grad_raw_CV.copy_(low_CV)  # the gradient rounded as the low-precision product would see it
             self.grad_hidden[start : start + rows].copy_(torch.mm(grad_raw_CV, weight_fp32_VD).mul_(self.scale))
 
-    def _hold(self, start: int, grad_raw_CV) -> None:
+    def _hold(self, start: int, grad_raw_CV, row_scale_C=None) -> None:
         rows = grad_raw_CV.shape[0]
         if self._held is None:
             block = min(self.block_rows, self.hidden_ND.shape[0])
@@ -281,7 +284,11 @@ class HeadGradients:
             self._flush()
         if self._held_rows == 0:
             self._held_start = start
-        self._held[self._held_rows : self._held_rows + rows].copy_(grad_raw_CV)
+        held_CV = self._held[self._held_rows : self._held_rows + rows]
+        if row_scale_C is None:
+            held_CV.copy_(grad_raw_CV)
+        else:
+            torch.mul(grad_raw_CV, row_scale_C[:, None], out=held_CV)
         self._held_rows += rows
 
     def _flush(self) -> None:
@@ -335,12 +342,12 @@ class Chunk:
         self.needs_grad = grads is not None
         self._kernel, self._grads = kernel, grads
 
-    def backpropagate(self, grad_z_CV: torch.Tensor) -> torch.Tensor | None:
-        """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (overwrites it and z_CV); returns the
-        chunk's rows of dL/dh [C, D] (None when the hidden states need no gradient, or when the gradients are made
-        per block: ``HeadGradients.defers_hidden``)."""
+    def backpropagate(self, grad_z_CV: torch.Tensor, row_scale_C: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (times ``row_scale_C`` [C] per row when given,
+        e.g. 0 for ignored rows; overwrites it and z_CV); returns the chunk's rows of dL/dh [C, D] (None when the
+        hidden states need no gradient, or when the gradients are made per block: ``HeadGradients.defers_hidden``)."""
         logit_grad_to_raw(grad_z_CV, self.z_CV, self._kernel.softcap, self._kernel.temperature)
-        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV, self.weight_fp32_VD)
+        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV, self.weight_fp32_VD, row_scale_C)
         if self._grads.grad_hidden is None or self._grads.defers_hidden:
             return None
         return self._grads.grad_hidden[self.rows]

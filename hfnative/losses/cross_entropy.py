@@ -109,12 +109,8 @@ class _CrossEntropyKernel(ChunkKernel):
             entropy += _masked(stats.entropy(overwrite_logits=self.softcap is None), valid_C).sum()
         if chunk.needs_grad:
             # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer (zero on ignored rows)
-            if valid_C is None:
-                chunk.probs_CV[stats.rows_C, t_C] -= 1.0
-            else:
-                chunk.probs_CV.mul_(valid_C[:, None])
-                chunk.probs_CV[stats.rows_C, t_C] -= valid_C.to(chunk.probs_CV.dtype)
-            grad_h_CD = chunk.backpropagate(chunk.probs_CV)
+            chunk.probs_CV[stats.rows_C, t_C] -= 1.0
+            grad_h_CD = chunk.backpropagate(chunk.probs_CV, None if valid_C is None else valid_C.to(chunk.probs_CV.dtype))
         if self.entropy_from_grad:
             expected_logit_C = expected_logit_from_hidden_grad(chunk.h_CD, grad_h_CD, stats.target_logit_C)
             entropy += _masked(stats.log_z_C - expected_logit_C, valid_C).sum()

@@ -125,7 +125,7 @@ class _GeneralizedJSDKernel(ChunkKernel):
         divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, self.beta, self.scratch, spare_CV)
         loss += (divergence_C if valid_C is None else torch.where(valid_C, divergence_C, 0.0)).sum()
         if chunk.needs_grad:
-            chunk.backpropagate(grad_z_CV if valid_C is None else grad_z_CV.mul_(valid_C[:, None]))
+            chunk.backpropagate(grad_z_CV, None if valid_C is None else valid_C.to(grad_z_CV.dtype))
 
 
 def fused_linear_generalized_jsd(
