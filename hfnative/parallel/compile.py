@@ -4,8 +4,9 @@ policy's ``compile_dynamic``, ``hfnative.device_policy``) the first shape compil
 dynamic only when a second shape arrives (torch's automatic dynamic shapes): batches of one shape (packing,
 ``pad_to_multiple_of``, fixed-length rows) keep the static kernels, the ones a GPU runs fastest.
 
-A block compiles to one graph: nothing in a block's forward breaks it (tests/test_device_policy.py checks it with
-``torch._dynamo.explain``) but the per-document attention of a packed batch on CPU, which runs eagerly.
+A block compiles to one graph for full-length rows and dense masks (tests/test_device_policy.py checks it with
+``torch._dynamo.explain``); the variable-length attention of packed or padded batches (``varlen_attn`` on CUDA, one
+SDPA call per document elsewhere) runs eagerly between two graphs of the block.
 
 Shapes: B batch, S sequence, D model dim, r rotary dim.
 
