@@ -7,8 +7,9 @@
 #                  on the shipped tiny model, bf16 on CUDA: finite losses, parameters moved, perf/ metrics logged,
 #                  the saved folder loads
 #   4 bench        bench_sft.py --device cuda, Qwen3-0.6B shape, seq 2048, no activation checkpointing: TRL vs
-#                  transformers' Trainer vs hfnative eager and with torch_compile=True; one warm-up step of each
-#                  profiled, its top kernels to <results>-profiles/sft/<runner>-top-kernels.txt
+#                  transformers' Trainer vs hfnative eager, with torch_compile=True and with the CPU's device policy
+#                  forced (the GPU policy's trades, measured); one warm-up step of each profiled, its top kernels
+#                  to <results>-profiles/sft/<runner>-top-kernels.txt
 #   5 bench-ac     the same with activation checkpointing on (TRL's default), profiles in .../sft-ac/
 #   6 packed       bench_sft.py --packing: TRL vs hfnative on packed variable-length documents
 #   7 dpo          bench_dpo.py --device cuda: TRL vs hfnative's DPO, Qwen3-0.6B shape, profiles in .../dpo/
@@ -161,8 +162,8 @@ fi
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
 run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
-run_check bench 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
-  --runners trl,hf,ours --ours_variants default,compile --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
+run_check bench 230 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
+  --runners trl,hf,ours --ours_variants default,compile,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
 run_check bench-ac 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
   --runners trl,hf,ours --ours_variants default,compile --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
 run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
