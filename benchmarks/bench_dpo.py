@@ -44,6 +44,8 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     machine_description,
     max_relative_difference,
     not_finished_line,
+    profile_dir,
+    profile_path,
     run_rounds,
     start_parent,
     train_and_measure,
@@ -108,7 +110,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
         raise ValueError(f"unknown runner {runner!r}")
     trainer = module.DPOTrainer(model=spec["model_dir"], args=module.DPOConfig(**common, **dpo), train_dataset=dataset,
                                 processing_class=tokenizer)
-    result, _ = train_and_measure(trainer, shape, spec["device"] == "cuda")
+    result, _ = train_and_measure(trainer, shape, spec["device"] == "cuda", profile_to=profile_path(spec, runner))
     return result
 
 
@@ -178,7 +180,8 @@ def main() -> None:
         data = build_preference_rows(shape, work / "data", cli.seed)
         spec = {"device": cli.device, "shape": shape.__dict__, "model_dir": str(work / "model"),
                 "data_dir": str(work / "data"), "work_dir": str(work), "checkpointing": cli.activation_checkpointing,
-                "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
+                "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads,
+                "profile_dir": profile_dir(cli)}
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
         machine = machine_description(cli.device)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     max_relative_difference,
     not_finished_line,
     prepare_workload,
+    profile_path,
     rss_mib,
     run_notes,
     run_rounds,
@@ -55,7 +57,8 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 BASE_RUNNERS = ("trl", "hf", "ours")
-OURS_VARIANTS = ("default", "optimizer_in_backward", "compile")
+# cpu_policy: hfnative with the CPU's device policy forced (hfnative/device_policy.py), to see the GPU policy's trades
+OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,6 +132,8 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             extra["optimizer_in_backward"] = True
         elif variant == "compile":
             extra["torch_compile"] = True
+        elif variant == "cpu_policy":
+            os.environ["HFNATIVE_DEVICE_POLICY"] = "cpu"  # this child process only
         try:
             args = hfnative.SFTConfig(**common, **sft, **extra)
             trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
@@ -142,7 +147,8 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
 
     if variant == "compile":
         torch._dynamo.reset()
-    result, clock = train_and_measure(trainer, shape, is_cuda, watch_gradients=variant == "optimizer_in_backward")
+    result, clock = train_and_measure(trainer, shape, is_cuda, watch_gradients=variant == "optimizer_in_backward",
+                                      profile_to=profile_path(spec, runner))
 
     if variant == "compile":
         from torch._dynamo.utils import counters

@@ -1,62 +1,67 @@
 #!/usr/bin/env bash
-# Every GPU check in one run, in about 7 minutes on a machine with one NVIDIA GPU and no network:
+# Every GPU check, in sections, on a machine with one NVIDIA GPU and no network:
 #
-#   1 env          nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
-#   2 install      missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
-#   3 parity-fp32  logits vs transformers on CUDA, fp32 (max |Δ| <= 1e-5, KL <= 1e-9)
-#   4 parity-bf16  logits vs transformers on CUDA, bf16 (error vs fp32 at most 2x transformers' own)
-#   5 attention    SDPA backends; a packed batch through varlen_attn / flex_attention vs the dense mask;
-#                  the model under flash / efficient; hfnative's variable-length path vs its dense path
-#   6 trainers     gpu_trainers.py: 3 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO)
-#                  on the shipped tiny model, bf16 on CUDA: finite losses, parameters moved, perf/ metrics logged,
-#                  the saved folder loads
-#   7 generation   gpu_checks.py generation: the native engine's decode step uncaptured, in a CUDA graph, compiled
-#                  and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32)
-#   8 bench-gen    bench_generate.py --device cuda: native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
-#                  batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
-#   9 bench-grpo   bench_grpo.py --device cuda: s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same
-#                  model (Qwen3-0.6B shape), bf16, 8 generations x 256 tokens
-#  10 bench        bench_sft.py --device cuda: hfnative vs transformers' Trainer vs TRL (Qwen3-0.6B shape)
-#  11 compile      a few SFT steps with torch_compile=True on CUDA beside the eager run (bench_sft.py)
-#  12 distributed  bench_distributed.py --device cuda: 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (bf16);
-#                  skipped on a machine with one GPU
-#  13 bench-kd     bench_kd.py --device cuda --on-policy: on-policy distillation, hfnative vs TRL (use_vllm=False),
-#                  8 completions x 256 sampled tokens a step
-#  14 gen-compiled bench_generate.py --runners native-compiled: the compiled and captured decode step at
-#                  batch 64 beside its bandwidth floor (its first call compiles the 28-layer step)
-#                  (13 and 14 last: they run when the budget has room)
-#  low precision, a section with its own budget (LOW_PRECISION_BUDGET s, 420 by default; GPU_CHECK_LOW_PRECISION=0
-#  skips it): bench_low_precision.py
-#  15 float8       float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both; the per-step losses
-#  16 fit          a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
+#   setup          1 env: nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
+#                  2 install: missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
+#   step           the training step (STEP_BUDGET s, 240 by default)
+#                  trainers: gpu_trainers.py, 3 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
+#                    GRPO, RLOO) on the shipped tiny model: finite losses, parameters moved, perf/ metrics, the saved
+#                    folder loads
+#                  bench: bench_sft.py, Qwen3-0.6B shape, seq 2048, no activation checkpointing: TRL vs transformers'
+#                    Trainer vs hfnative eager, with torch_compile=True and with the CPU's device policy forced (the
+#                    GPU policy's trades, measured); one warm-up step of each profiled, its top kernels to
+#                    <results>-profiles/sft/<runner>-top-kernels.txt
+#                  bench-ac: the same with activation checkpointing on (TRL's default), profiles in .../sft-ac/
+#                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
+#                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
+#   rollout        generation (ROLLOUT_BUDGET s, 240 by default)
+#                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
+#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32)
+#                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
+#                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
+#                  bench-grpo: bench_grpo.py, s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same model,
+#                    bf16, 8 generations x 256 tokens
+#                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
+#                  gen-compiled: the compiled and captured decode step at batch 64 beside its bandwidth floor
+#   checks         correctness earlier runs passed (CHECKS_BUDGET s, 200 by default)
+#                  parity-fp32 / parity-bf16: logits vs transformers on CUDA (fp32: max |Δ| <= 1e-5, KL <= 1e-9;
+#                    bf16: error vs fp32 at most 2x transformers' own); attention: SDPA backends, a packed batch
+#                    through varlen_attn / flex_attention vs the dense mask, hfnative's variable-length path;
+#                  distributed: bench_distributed.py, 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (skipped on
+#                    one GPU)
+#   low_precision  float8 and bigger models (LOW_PRECISION_BUDGET s, 420 by default; not run unless named)
+#                  float8: float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both, per-step losses
+#                  fit: a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
-#   bash benchmarks/gpu_check.sh                 # on the GPU machine, from anywhere
-#   bash benchmarks/gpu_check.sh --device cpu    # a rehearsal without a GPU: the same steps, CPU-sized
+#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 12 minutes at most)
+#   GPU_CHECK_SECTIONS=step,rollout bash benchmarks/gpu_check.sh   # the sections named, in this order
+#   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
-# Each check has its own timeout (and all together at most GPU_CHECK_BUDGET seconds, 420 by default); a
-# failing check never stops the next. The full output and a summary table go to
-# benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that is set. PYTHON picks the
-# interpreter (default: python3 or python, whichever imports torch). hfnative is imported from this tree
-# without being installed.
+# Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
+# The full output and a summary table go to benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that
+# is set. PYTHON picks the interpreter (default: python3 or python, whichever imports torch). hfnative is imported
+# from this tree without being installed.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,40p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,43p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
   done
 fi
 PYTHON=${PYTHON:-python3}
-BUDGET=${GPU_CHECK_BUDGET:-420}
-START=$SECONDS
+SECTIONS=${GPU_CHECK_SECTIONS:-step,rollout,checks}
+BUDGET=120 START=$SECONDS  # setup's; each section sets its own (start_section)
+RUN_START=$SECONDS
 
 RESULTS_DIR=benchmarks/gpu_results
 mkdir -p "$RESULTS_DIR"
 RESULT=$RESULTS_DIR/$(date -u +%Y-%m-%dT%H-%M-%SZ)$([[ $DEVICE == cpu ]] && echo -cpu-rehearsal).txt
+PROFILES=${RESULT%.txt}-profiles  # one profiled step per runner: <PROFILES>/<benchmark>/<runner>-top-kernels.txt
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
@@ -83,7 +88,7 @@ run_check() {
   shift 3
   local left=$((BUDGET - (SECONDS - START)))
   if ((left < 15)); then
-    record "$name" SKIP 0 "not started: the ${BUDGET} s budget is spent"
+    record "$name" SKIP 0 "not started: the section's ${BUDGET} s budget is spent"
     return
   fi
   ((limit > left)) && limit=$left
@@ -110,6 +115,13 @@ record() {
 }
 
 last_line() { grep -v '^\s*$' "$1" | tail -n 1 | cut -c1-160; }
+
+# start_section NAME BUDGET: whether NAME is among GPU_CHECK_SECTIONS; its checks then share BUDGET seconds
+start_section() {
+  [[ ",$SECTIONS," == *",$1,"* ]] || return 1
+  BUDGET=$2 START=$SECONDS
+  printf '\n##### section %s (%s s)\n' "$1" "$2" | tee -a "$RESULT"
+}
 
 # verdicts: print "STATUS note"
 checks_verdict() { echo "PASS $(last_line "$1")"; }  # gpu_checks.py exits 1 on any FAIL line
@@ -188,77 +200,87 @@ bench_verdict() {  # bench_sft.py exits 0 even when a runner fails: read its lin
 
 {
   echo "# GPU checks, $(date -u '+%Y-%m-%d %H:%M:%S UTC'), device $DEVICE, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo "python: $(command -v "$PYTHON"); budget ${BUDGET} s"
+  echo "python: $(command -v "$PYTHON"); sections ${SECTIONS}"
 } >"$RESULT"
 
 if [[ $DEVICE == cuda ]]; then
-  SFT_SMALL=(--preset smoke --steps 6 --warmup 2 --peak_seconds 0.5 --timeout 100)
-  SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 8 --warmup 3 --peak_seconds 1 --timeout 75)
+  SFT_BENCH=(--preset qwen3_0.6b --batch 4 --steps 7 --warmup 3 --peak_seconds 1 --timeout 75)
+  DPO_BENCH=(--preset qwen3_0.6b --batch 4 --steps 7 --warmup 3 --timeout 90)
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --timeout 120)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
   GRPO=(--steps 3 --timeout 100)
   KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
+  FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
+  FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
 else
-  SFT_SMALL=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
+  DPO_BENCH=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
+  FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
+  FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
 fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
-run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
-run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
-run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
-run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
-run_check generation 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
-run_check bench-gen 150 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE[@]}"
-run_check bench-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
-run_check bench 230 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 "${SFT_BENCH[@]}"
-run_check compile 110 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --runners ours \
-  --ours_variants default,compile --rounds 1 "${SFT_SMALL[@]}"
-# the 2-rank layouts need a GPU per NCCL rank: on one GPU only the 1-process baseline would run, so skip the time
-GPUS=$([[ $DEVICE == cuda ]] && "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 2)
-if [[ $DEVICE == cuda && ${GPUS:-0} -lt 2 ]]; then
-  record distributed SKIP 0 "torch sees ${GPUS:-0} GPU(s); FSDP2 / TP2 / PP2 on NCCL need 2"
-else
-  run_check distributed 70 distributed_verdict "$PYTHON" benchmarks/bench_distributed.py --device "$DEVICE" --rounds 1 \
-    "${DISTRIBUTED[@]}"
+
+if start_section step "${STEP_BUDGET:-240}"; then
+  run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
+  run_check bench 230 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
+    --runners trl,hf,ours --ours_variants default,compile,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
+  run_check bench-ac 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
+    --runners trl,hf,ours --ours_variants default,compile --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
+  run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
+    --runners trl,ours "${SFT_BENCH[@]}"
+  run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
+    --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
 fi
 
-run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
-run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
-  "${GENERATE_COMPILED[@]}"
+if start_section rollout "${ROLLOUT_BUDGET:-240}"; then
+  run_check generation 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
+  run_check bench-gen 150 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE[@]}"
+  run_check bench-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
+  run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
+  run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
+    "${GENERATE_COMPILED[@]}"
+fi
 
-# low precision: its own budget, so it neither takes from the checks above nor loses to them
-if [[ ${GPU_CHECK_LOW_PRECISION:-1} == 0 ]]; then
-  record float8 SKIP 0 "GPU_CHECK_LOW_PRECISION=0"
-  record fit SKIP 0 "GPU_CHECK_LOW_PRECISION=0"
-else
-  if [[ $DEVICE == cuda ]]; then
-    FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
-    FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
+if start_section checks "${CHECKS_BUDGET:-200}"; then
+  run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
+  run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
+  run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
+  # the 2-rank layouts need a GPU per NCCL rank: on one GPU only the 1-process baseline would run, so skip the time
+  GPUS=$([[ $DEVICE == cuda ]] && "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 2)
+  if [[ $DEVICE == cuda && ${GPUS:-0} -lt 2 ]]; then
+    record distributed SKIP 0 "torch sees ${GPUS:-0} GPU(s); FSDP2 / TP2 / PP2 on NCCL need 2"
   else
-    FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
-    FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
+    run_check distributed 70 distributed_verdict "$PYTHON" benchmarks/bench_distributed.py --device "$DEVICE" --rounds 1 \
+      "${DISTRIBUTED[@]}"
   fi
-  MAIN_START=$START MAIN_BUDGET=$BUDGET START=$SECONDS BUDGET=${LOW_PRECISION_BUDGET:-420}
+fi
+
+if start_section low_precision "${LOW_PRECISION_BUDGET:-420}"; then
   run_check float8 220 float8_verdict "$PYTHON" benchmarks/bench_low_precision.py float8 --device "$DEVICE" "${FLOAT8[@]}"
   run_check fit 200 fit_verdict "$PYTHON" benchmarks/bench_low_precision.py fit --device "$DEVICE" "${FIT[@]}"
-  START=$MAIN_START BUDGET=$MAIN_BUDGET
 fi
 
 {
   echo
-  echo "=== summary ($((SECONDS - START)) s in all)"
+  echo "=== summary ($((SECONDS - RUN_START)) s in all)"
   printf '%-12s %-8s %8s  %s\n' check status seconds note
   for i in "${!NAMES[@]}"; do
     printf '%-12s %-8s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${DURATIONS[$i]}" "${NOTES[$i]}"
   done
 } | tee -a "$RESULT"
+if [[ -d $PROFILES ]]; then
+  echo "profiles: $PROFILES ($(find "$PROFILES" -name '*-top-kernels.txt' | wc -l) runners)" | tee -a "$RESULT"
+fi
 echo "results: $RESULT"
-if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then cp "$RESULT" "$OUT/"; fi
+if [[ -n ${OUT:-} && -d ${OUT:-} ]]; then
+  cp "$RESULT" "$OUT/"
+  [[ -d $PROFILES ]] && cp -r "$PROFILES" "$OUT/"
+fi

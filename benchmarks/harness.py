@@ -239,7 +239,8 @@ def prepare_workload(work: Path, shape: Shape, cli, device: str, packing: bool, 
     data = build_dataset(shape, data_dir, packing, cli.seed)
     spec = {"device": device, "shape": dataclasses.asdict(shape), "model_dir": str(model_dir),
             "data_dir": str(data_dir), "work_dir": str(work), "packing": packing, **spec_extra,
-            "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads}
+            "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads,
+            "profile_dir": profile_dir(cli)}
     spec_path = work / "spec.json"
     spec_path.write_text(json.dumps(spec))
     return Workload(parameters, data, spec_path)
@@ -264,11 +265,15 @@ def training_arguments(runner: str, spec: dict) -> dict:
 # one training run, measured (in the child)
 
 
-def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: bool = False) -> tuple[dict, "_StepClock"]:
+def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: bool = False,
+                      profile_to: Path | None = None) -> tuple[dict, "_StepClock"]:
     """``trainer.train()`` with a step clock and a token counter: losses, tokens/s after the warm-up steps,
-    peak memory. Also returns the clock (it knows whether gradients were present before each step)."""
+    peak memory. Also returns the clock (it knows whether gradients were present before each step).
+    ``profile_to``: a file for the top kernels of one profiled step, the last warm-up step (not timed)."""
     counter = _CountingCollator(trainer.data_collator)
     trainer.data_collator = counter
+    if profile_to is not None:  # before the clock: the profile is written before the step's end is stamped
+        trainer.add_callback(_ProfiledStep(max(shape.warmup - 1, 0), profile_to, is_cuda))
     clock = _StepClock(is_cuda, watch_gradients=watch_gradients)
     trainer.add_callback(clock)
     if is_cuda:
@@ -313,6 +318,48 @@ class _CountingCollator:
         mask = batch.get("attention_mask")
         self.tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
         return batch
+
+
+def profile_dir(cli) -> str | None:
+    """``--profile_dir`` as an absolute path for the children's spec, or None."""
+    folder = getattr(cli, "profile_dir", None)
+    return str(Path(folder).resolve()) if folder else None
+
+
+def profile_path(spec: dict, runner: str) -> Path | None:
+    """Where a runner writes its profiled step's top kernels (``--profile_dir``), or None."""
+    folder = spec.get("profile_dir")
+    return None if not folder else Path(folder) / f"{runner.replace(':', '-')}-top-kernels.txt"
+
+
+class _ProfiledStep(TrainerCallback):
+    """torch.profiler over one optimizer step (0-based index ``step``); its ops and kernels by self device time (CPU
+    time on a CPU), the top 30, written to ``path``."""
+
+    def __init__(self, step: int, path: Path, is_cuda: bool):
+        self.step, self.path, self.is_cuda = step, path, is_cuda
+        self.profiler = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.is_cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize()
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None or state.global_step != self.step + 1:
+            return
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        self.profiler.__exit__(None, None, None)
+        averages = self.profiler.key_averages()
+        sort_by = "self_cuda_time_total" if self.is_cuda else "self_cpu_time_total"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"# {self.path.stem}: optimizer step {self.step + 1}, sorted by {sort_by}\n"
+                             + averages.table(sort_by=sort_by, row_limit=30, max_name_column_width=70) + "\n")
 
 
 class _StepClock(TrainerCallback):
@@ -535,6 +582,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, timeout: float, rounds: i
     parser.add_argument("--write-results", "--write_results", action="store_true", help="append to benchmarks/RESULTS.md")
     parser.add_argument("--keep", action="store_true", help="keep the temporary model, data and outputs")
     parser.add_argument("--json", help="also write every run's measurements to this JSON file")
+    parser.add_argument("--profile_dir", "--profile-dir", default=None,
+                        help="profile one warm-up step of every runner; write its top kernels to <runner>-top-kernels.txt here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)

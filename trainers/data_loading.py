@@ -14,6 +14,7 @@ import copy
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from hfnative.device_policy import host_to_device
 from hfnative.losses import shift_labels
 
 from .distributed import pad_sequence_to_multiple
@@ -192,11 +193,15 @@ class DataMixin:
         return self.objective.eval_dataloader(dataset, self.data_collator)
 
     def _prepare_inputs(self, inputs: dict) -> dict:
-        """Add what the model needs once per batch (shifted targets, the attention plan, made from the
-        host tensors so no device sync), then move the tensors to the device; a batch prepared already (the loop
-        prepares each step's batches before its normalizer counts them) comes back as it is."""
+        """Add what the model needs once per batch (shifted targets, the attention plan, made from the host tensors
+        so no device sync), then move the tensors to the device; a batch prepared already (the loop prepares each
+        step's batches, its normalizer counting them on the host between the two halves) comes back as it is."""
         if isinstance(inputs, PreparedInputs):
             return inputs
+        return self._to_device(self._complete_on_host(inputs))
+
+    def _complete_on_host(self, inputs: dict) -> dict:
+        """What ``_prepare_inputs`` adds before the move: shifted targets, padding for the layout, the attention plan."""
         inputs = dict(inputs)
         if "labels" in inputs and "shift_labels" not in inputs:
             inputs["shift_labels"] = shift_labels(inputs["labels"])
@@ -206,4 +211,10 @@ class DataMixin:
             inputs["attention_plan"] = self.native_model.plan_attention(
                 inputs["input_ids"], inputs.get("attention_mask"), inputs.get("position_ids"), device=self.device
             )
-        return PreparedInputs({k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        return inputs
+
+    def _to_device(self, inputs: dict) -> PreparedInputs:
+        """The batch's tensors on the device; from the host to a GPU through pinned memory, so the copy does not wait
+        for the kernels queued before it (a copy from pageable memory does)."""
+        return PreparedInputs({k: host_to_device(v, self.device) if isinstance(v, torch.Tensor) else v
+                               for k, v in inputs.items()})

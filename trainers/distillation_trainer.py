@@ -155,8 +155,10 @@ class _DistillationObjective(LanguageModelingObjective):
 
     def divergence(self, model, inputs):
         """DistillationOutput summed over the batch's label tokens (student entropy at the loss temperature)."""
-        # a context-parallel batch carries the ring-attention plan of its split, which the teacher runs under too
-        plan = inputs.get("attention_plan") if self.context.context_parallel.enabled else None
+        # a context-parallel batch carries the ring-attention plan of its split, which the teacher runs under too; a
+        # teacher that plans as the student does reuses the batch's plan (made on the host: no device read)
+        reuse = self.context.context_parallel.enabled or getattr(model, "plans_attention_as", lambda _: False)(self.teacher)
+        plan = inputs.get("attention_plan") if reuse else None
         with torch.no_grad():
             teacher_hidden_BSD = self.teacher(
                 inputs["input_ids"], attention_mask=inputs.get("attention_mask"), position_ids=inputs.get("position_ids"),

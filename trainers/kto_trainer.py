@@ -187,11 +187,19 @@ class KTOObjective(Objective):
             token_logps_BS, _ = self.forward(model, kl_inputs, self._completion_head(kl_inputs)).head_output
         return token_logps_BS.sum(dim=1)
 
+    def micro_batches(self, epoch_iterator, count):
+        """The step's batches, each with its mismatched sequences made model inputs while they are host tensors
+        (their attention plan read on the host, not from the device)."""
+        batches = super().micro_batches(epoch_iterator, count)
+        if self.args.uses_kl:
+            batches = [{**batch, "KL_model_inputs": self._kl_inputs(batch)} for batch in batches]
+        return batches
+
     def kl_estimate(self, model, inputs) -> torch.Tensor:
         """mean(logp_KL - ref_logp_KL) over every data-parallel rank's rows, clamped at 0 (0 for a KL-free loss)."""
         if not self.args.uses_kl:
             return torch.zeros((), device=inputs["input_ids"].device)
-        kl_inputs = self._kl_inputs(inputs)
+        kl_inputs = inputs.get("KL_model_inputs") or self._kl_inputs(inputs)
         kl_logps_B = self._policy_kl_logps(model, kl_inputs)
         ref_kl_logps_B = inputs.get("ref_KL_logps")
         ref_kl_logps_B = self.reference_logps(kl_inputs) if ref_kl_logps_B is None else ref_kl_logps_B.to(kl_logps_B.dtype)
@@ -210,35 +218,38 @@ class KTOObjective(Objective):
         logps_B = token_logps_BS.sum(dim=1)
         ref_logps_B = inputs.get("ref_logps")
         ref_logps_B = self.reference_logps(inputs) if ref_logps_B is None else ref_logps_B.to(logps_B.dtype)
+        # the desirable and undesirable rows by masks, not by boolean indexing (whose sizes the host would read)
         chosen_B = inputs["label"].to(torch.bool)
-        chosen_logps, rejected_logps = logps_B[chosen_B], logps_B[~chosen_B]
-        chosen_logratios = chosen_logps - ref_logps_B[chosen_B]
-        rejected_logratios = rejected_logps - ref_logps_B[~chosen_B]
-        losses = unpaired_preference_losses(
-            chosen_logratios, rejected_logratios, kl, args.beta, loss_type=args.loss_type,
+        rejected_B = ~chosen_B
+        logratios_B = logps_B - ref_logps_B
+        # every row's loss of both kinds, each row keeping its own kind's (the mean is the same, in another order)
+        desirable_B, undesirable_B = unpaired_preference_losses(
+            logratios_B, logratios_B, kl, args.beta, loss_type=args.loss_type,
             desirable_weight=args.desirable_weight, undesirable_weight=args.undesirable_weight,
-        )
-        loss = losses.nanmean()
+        ).chunk(2)
+        loss = torch.where(chosen_B, desirable_B, undesirable_B).nanmean()
         metrics = {"kl": kl.detach()}
         if outputs.aux_loss is not None:
             loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)
             metrics["aux_loss"] = self.context.whole_router_loss(outputs.aux_loss)
-        chosen_rewards = args.beta * chosen_logratios.detach()
-        rejected_rewards = args.beta * rejected_logratios.detach()
-        num_chosen, num_rejected = chosen_B.sum(), (~chosen_B).sum()
-        chosen_mask, rejected_mask = mask_BS[chosen_B], mask_BS[~chosen_B]
+        rewards_B = args.beta * logratios_B.detach()
+        num_chosen, num_rejected = chosen_B.sum(), rejected_B.sum()
+        chosen_mask, rejected_mask = mask_BS & chosen_B[:, None], mask_BS & rejected_B[:, None]
         mean_logits_BS = stats["mean_logits"]
+
+        def rows_sum(values_B, rows_B):  # the nan-sum over the rows of one kind
+            return torch.where(rows_B, values_B, 0.0).nansum()
+
+        chosen_rewards, rejected_rewards = rows_sum(rewards_B, chosen_B), rows_sum(rewards_B, rejected_B)
         metrics.update({
             "entropy": ((entropy_BS.detach() * mask_BS).sum(), mask_BS.sum()),
-            "logits/chosen": RankSums(((mean_logits_BS[chosen_B] * chosen_mask).sum(), chosen_mask.sum()), ratio_if_any),
-            "logits/rejected": RankSums(((mean_logits_BS[~chosen_B] * rejected_mask).sum(), rejected_mask.sum()),
-                                        ratio_if_any),
-            "rewards/chosen": RankSums((chosen_rewards.nansum(), num_chosen), ratio_if_any),
-            "logps/chosen": RankSums((chosen_logps.detach().nansum(), num_chosen), ratio_if_any),
-            "rewards/rejected": RankSums((rejected_rewards.nansum(), num_rejected), ratio_if_any),
-            "logps/rejected": RankSums((rejected_logps.detach().nansum(), num_rejected), ratio_if_any),
-            "rewards/margins": RankSums((chosen_rewards.nansum(), num_chosen, rejected_rewards.nansum(), num_rejected),
-                                        _margin_if_both),
+            "logits/chosen": RankSums(((mean_logits_BS * chosen_mask).sum(), chosen_mask.sum()), ratio_if_any),
+            "logits/rejected": RankSums(((mean_logits_BS * rejected_mask).sum(), rejected_mask.sum()), ratio_if_any),
+            "rewards/chosen": RankSums((chosen_rewards, num_chosen), ratio_if_any),
+            "logps/chosen": RankSums((rows_sum(logps_B.detach(), chosen_B), num_chosen), ratio_if_any),
+            "rewards/rejected": RankSums((rejected_rewards, num_rejected), ratio_if_any),
+            "logps/rejected": RankSums((rows_sum(logps_B.detach(), rejected_B), num_rejected), ratio_if_any),
+            "rewards/margins": RankSums((chosen_rewards, num_chosen, rejected_rewards, num_rejected), _margin_if_both),
         })
         if model.training:
             self._total_train_tokens += inputs["attention_mask"].sum()

@@ -37,6 +37,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from hfnative.losses import at_least_one
 from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenCrossEntropy
 
@@ -217,7 +218,7 @@ class LanguageModelingObjective(Objective):
     def loss(self, model, inputs: dict, num_items_in_batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Summed token NLL / num_items_in_batch, or the batch's token mean when no count is given."""
         stats = self.cross_entropy(model, inputs)
-        denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
+        denominator = num_items_in_batch if num_items_in_batch is not None else at_least_one(stats.num_tokens)
         return stats.loss_sum / denominator, {}
 
     def cross_entropy(self, model, inputs: dict):

@@ -102,6 +102,9 @@ class StepPerformance:
             args = getattr(model, "args", None)
             hook = self._hook(args if isinstance(args, ModelArgs) else None, trainable)
             self._handles.append(model.register_forward_pre_hook(hook, with_kwargs=True))
+        # the peak the MFU is taken against, found now: on a CPU it is timed (about half a second), which inside the
+        # first logged step would be counted as that step's time
+        self.peak_flops()
 
     def unwatch(self) -> None:
         for handle in self._handles:

@@ -269,7 +269,7 @@ class SFTObjective(LanguageModelingObjective):
             outputs = self.forward(model, inputs, TokenCrossEntropy(targets_BS, fused=fused))
             stats = outputs.head_output
             loss_sum, entropy_sum, correct_sum = stats.loss_sum, stats.entropy_sum, stats.correct_sum
-            num_valid = torch.tensor(stats.num_tokens, device=loss_sum.device)
+            num_valid = torch.as_tensor(stats.num_tokens, device=loss_sum.device)
         denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
         loss = loss_sum / denominator
         # (sum, count) pairs: each micro-batch's ratio is taken over every data-parallel rank's sums, as TRL does

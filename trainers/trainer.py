@@ -361,10 +361,12 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 if not batches:
                     self._performance.step_cancelled()
                     break
-                batches = [self._prepare_inputs(b) for b in batches]
+                # the normalizer counts on the host batches (no device read), then they move to the device
+                batches = [self._complete_on_host(b) for b in batches]
                 self._current_accumulation_steps = len(batches)
                 normalization = self._step_normalizer(self.objective.normalizer(batches), len(batches))
                 self._loss_divisor, self._logged_share = normalization.divisor, normalization.logged_share
+                batches = [self._to_device(b) for b in batches]
                 if self._pipeline_parallel is not None:  # the step's micro-batches go through the pipeline stages together
                     step += len(batches)
                     self._pipeline_step(batches, normalization.items)
@@ -376,8 +378,9 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                         self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                     with self._performance.timed("fwd_bwd"):
                         loss = self.training_step(self.native_model, inputs, normalization.items[index])
-                    if args.logging_nan_inf_filter and not torch.isfinite(loss):
-                        loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                    if args.logging_nan_inf_filter:  # on the device: no host read of the loss
+                        mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+                        loss = torch.where(torch.isfinite(loss), loss, mean)
                     self._tr_loss += loss
                     self.state.total_flos += 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
                     if index < len(batches) - 1:

@@ -3,6 +3,7 @@
 from hfnative.losses.cross_entropy import (
     IGNORE_INDEX,
     CrossEntropyOutput,
+    at_least_one,
     fused_linear_cross_entropy,
     label_positions,
     linear_cross_entropy,
@@ -15,6 +16,7 @@ __all__ = [
     "IGNORE_INDEX",
     "CrossEntropyOutput",
     "DistillationOutput",
+    "at_least_one",
     "fused_linear_cross_entropy",
     "fused_linear_generalized_jsd",
     "fused_linear_token_logprobs",

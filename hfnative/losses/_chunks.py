@@ -16,6 +16,7 @@ import abc
 
 import torch
 
+from hfnative.device_policy import DevicePolicy, device_policy
 from hfnative.precision import autocast_dtype
 
 IGNORE_INDEX = -100
@@ -30,14 +31,18 @@ _MAX_CHUNK_ELEMENTS = 1 << 26
 
 
 def chunk_size_for(
-    num_tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None, buffers: int = 2
+    num_tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None, buffers: int = 2,
+    chunk_elements: int | None = None,
 ) -> int:
-    """Tokens per chunk: ``chunk_size`` if given, else hidden_size / 2 within [128, 64M / vocab_size]
-    (hidden_size with a single [C, V] buffer: the same scratch memory)."""
+    """Tokens per chunk: ``chunk_size`` if given; else ``chunk_elements / vocab_size`` when given (a device policy's
+    rule, ``hfnative.device_policy``); else hidden_size / 2 within [128, 64M / vocab_size] (hidden_size with a single
+    [C, V] buffer: the same scratch memory)."""
     if chunk_size is not None:
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size}: expected a positive number of tokens")
         return chunk_size
+    if chunk_elements is not None:
+        return max(1, min(num_tokens, chunk_elements // vocab_size))
     # all buffers together hold as many logits as the [V, D] gradient has entries
     default = min(max(hidden_size // buffers, _MIN_CHUNK * 2 // buffers), max(1, _MAX_CHUNK_ELEMENTS // vocab_size))
     return max(1, min(num_tokens, default))
@@ -130,18 +135,23 @@ def softmax_in_place_verified(device: torch.device) -> bool:
 class SoftmaxStats:
     """Per-token statistics of one chunk, from z [C, V]; fills probs_CV with softmax(z).
 
-    Three cheap passes besides the softmax: the row max (``amax``), the largest probability, and
-    the row max with each target masked (the tie check of top-1 accuracy). ``max(dim)``/``argmax``
-    would give the same but on CPU cost as much as the softmax itself.
+    With ``host_reads`` (a CPU), three cheap passes besides the softmax: the row max (``amax``), the largest
+    probability, and the row max with each target masked (the tie check of top-1 accuracy, exact argmax only for
+    the rows that tie, found on the host); ``max(dim)``/``argmax`` would give the same but on CPU cost as much as
+    the softmax itself. Without (a GPU): one ``max(dim)`` pass gives the max and the argmax, no host read.
     """
 
-    def __init__(self, z_CV: torch.Tensor, targets_C: torch.Tensor, probs_CV: torch.Tensor):
+    def __init__(self, z_CV: torch.Tensor, targets_C: torch.Tensor, probs_CV: torch.Tensor, host_reads: bool = True):
         """``probs_CV`` may be ``z_CV`` itself: the softmax then overwrites the logits (one buffer instead
         of two; ``entropy`` is unavailable then)."""
-        max_C = z_CV.amax(dim=-1)
         self.rows_C = torch.arange(z_CV.shape[0], device=z_CV.device)  # with targets_C: each row's target entry
         self.target_logit_C = z_CV.gather(1, targets_C[:, None])[:, 0]
-        self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C, self.rows_C)
+        if host_reads:
+            max_C = z_CV.amax(dim=-1)
+            self.correct_C = top1_matches(z_CV, max_C, self.target_logit_C, targets_C, self.rows_C)
+        else:  # torch.max returns the first index of a tied maximum, as argmax does
+            max_C, argmax_C = z_CV.max(dim=-1)
+            self.correct_C = argmax_C == targets_C
         torch.softmax(z_CV, dim=-1, out=probs_CV)
         # the largest probability is exp(0) / sum(exp(z - max)) >= 1/V, never underflows: log Z = max - log p_max
         self.log_z_C = max_C - probs_CV.amax(dim=-1).log()
@@ -202,22 +212,42 @@ def logit_grad_to_raw(grad_z_CV, z_CV, softcap, temperature) -> None:
 
 
 class HeadGradients:
-    """Accumulates dL/dh [N, D] and dL/dW [V, D] chunk by chunk from each chunk's dL/draw [C, V].
+    """Accumulates dL/dh [N, D] and dL/dW [V, D] from each chunk's dL/draw [C, V].
 
-    dL/dW is summed in fp32 with one addmm per chunk; for bf16/fp16 inputs on CPU the addmm runs in
-    fp32 (CPU has no mixed-precision addmm), on accelerators in the input precision.
+    Without ``block_rows`` (the CPU rule) chunk by chunk: dL/dW summed in fp32 with one addmm per chunk; for
+    bf16/fp16 inputs on CPU the addmm runs in fp32 (CPU has no mixed-precision addmm), on accelerators in the input
+    precision. With ``block_rows`` (a GPU policy's ``head_gradient_block_elements``) the chunks' dL/draw are held in
+    the matmul dtype for up to that many rows, and each block makes its part of dL/dh and dL/dW with one GEMM each
+    (a single block: the weight's gradient never exists in fp32); dL/dh is then ready only at ``finish``.
     """
 
-    def __init__(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool, scale: float):
-        self.weight_VD, self.scale = weight_VD, scale
+    def __init__(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool, scale: float,
+                 block_rows: int | None = None):
+        self.hidden_ND, self.weight_VD, self.scale = hidden_ND, weight_VD, scale
+        self.block_rows = block_rows
         self.grad_hidden = torch.empty_like(hidden_ND) if need_hidden else None
+        self.need_weight = need_weight
         self.grad_weight = (
-            torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device) if need_weight else None
+            torch.empty(weight_VD.shape, dtype=torch.float32, device=weight_VD.device)
+            if need_weight and block_rows is None else None
         )
         self._weight_started = False
+        self._held = None  # [block_rows, V] in the matmul dtype: the current block's dL/draw
+        self._held_start = self._held_rows = 0
 
-    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV, weight_fp32_VD=None) -> None:
-        """Overwrites grad_raw_CV when ``weight_fp32_VD`` is given (CPU, low precision: dL/dh in fp32)."""
+    @property
+    def defers_hidden(self) -> bool:
+        """Whether a chunk's dL/dh is made only when its block is (not when the chunk is added)."""
+        return self.block_rows is not None
+
+    def add_chunk(self, start: int, grad_raw_CV, h_CD, low_CV, weight_fp32_VD=None, row_scale_C=None) -> None:
+        """Overwrites grad_raw_CV when ``weight_fp32_VD`` or ``row_scale_C`` is given (CPU, low precision: dL/dh in
+        fp32). ``row_scale_C``: each row of grad_raw_CV multiplied by it first (in blocks: as it is held, one pass)."""
+        if self.block_rows is not None:
+            self._hold(start, grad_raw_CV, row_scale_C)
+            return
+        if row_scale_C is not None:
+            grad_raw_CV.mul_(row_scale_C[:, None])
         rows = h_CD.shape[0]
         low_precision = low_CV is not None
         if low_precision:
@@ -245,7 +275,53 @@ class HeadGradients:
             grad_raw_CV.copy_(low_CV)  # the gradient rounded as the low-precision product would see it
             self.grad_hidden[start : start + rows].copy_(torch.mm(grad_raw_CV, weight_fp32_VD).mul_(self.scale))
 
+    def _hold(self, start: int, grad_raw_CV, row_scale_C=None) -> None:
+        rows = grad_raw_CV.shape[0]
+        if self._held is None:
+            block = min(self.block_rows, self.hidden_ND.shape[0])
+            self._held = torch.empty(block, grad_raw_CV.shape[1], dtype=self.weight_VD.dtype, device=grad_raw_CV.device)
+        if self._held_rows + rows > self._held.shape[0]:
+            self._flush()
+        if self._held_rows == 0:
+            self._held_start = start
+        held_CV = self._held[self._held_rows : self._held_rows + rows]
+        if row_scale_C is None:
+            held_CV.copy_(grad_raw_CV)
+        else:
+            torch.mul(grad_raw_CV, row_scale_C[:, None], out=held_CV)
+        self._held_rows += rows
+
+    def _flush(self) -> None:
+        """The held block's dL/dh rows and its part of dL/dW: one GEMM each."""
+        rows, start = self._held_rows, self._held_start
+        if rows == 0:
+            return
+        grad_CV = self._held[:rows]
+        if self.grad_hidden is not None:
+            out = self.grad_hidden[start : start + rows]
+            torch.addmm(out, grad_CV, self.weight_VD, beta=0.0, alpha=self.scale, out=out)
+        if self.need_weight:
+            part_VD = torch.mm(grad_CV.T, self.hidden_ND[start : start + rows])
+            if self.grad_weight is None:
+                self.grad_weight = part_VD
+            else:  # a second block: the sum in fp32
+                if self.grad_weight.dtype != torch.float32:
+                    self.grad_weight = self.grad_weight.float()
+                self.grad_weight.add_(part_VD)
+            self._weight_started = True
+        self._held_rows = 0
+
     def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.block_rows is not None:
+            self._flush()
+            self._held = None
+            if self.need_weight:
+                if self.grad_weight is None:  # no tokens
+                    self.grad_weight = torch.zeros_like(self.weight_VD)
+                elif self.scale != 1.0:
+                    self.grad_weight.mul_(self.scale)
+                return self.grad_hidden, self.grad_weight.to(self.weight_VD.dtype)
+            return self.grad_hidden, None
         grad_weight = self.grad_weight
         if grad_weight is not None:
             if not self._weight_started:  # no tokens
@@ -266,12 +342,15 @@ class Chunk:
         self.needs_grad = grads is not None
         self._kernel, self._grads = kernel, grads
 
-    def backpropagate(self, grad_z_CV: torch.Tensor) -> torch.Tensor | None:
-        """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (overwrites it and z_CV); returns the
-        chunk's rows of dL/dh [C, D] (None when the hidden states need no gradient)."""
+    def backpropagate(self, grad_z_CV: torch.Tensor, row_scale_C: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (times ``row_scale_C`` [C] per row when given,
+        e.g. 0 for ignored rows; overwrites it and z_CV); returns the chunk's rows of dL/dh [C, D] (None when the
+        hidden states need no gradient, or when the gradients are made per block: ``HeadGradients.defers_hidden``)."""
         logit_grad_to_raw(grad_z_CV, self.z_CV, self._kernel.softcap, self._kernel.temperature)
-        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV, self.weight_fp32_VD)
-        return None if self._grads.grad_hidden is None else self._grads.grad_hidden[self.rows]
+        self._grads.add_chunk(self.rows.start, grad_z_CV, self.h_CD, self.low_CV, self.weight_fp32_VD, row_scale_C)
+        if self._grads.grad_hidden is None or self._grads.defers_hidden:
+            return None
+        return self._grads.grad_hidden[self.rows]
 
 
 class ChunkKernel(abc.ABC):
@@ -285,9 +364,23 @@ class ChunkKernel(abc.ABC):
 
     gradient_in_forward = True
     softmax_in_place = False  # True: one [C, V] buffer, chunk.probs_CV is chunk.z_CV
+    policy: DevicePolicy  # the device's trades (hfnative.device_policy), set by fused_head_loss before prepare
 
     def __init__(self, softcap: float | None, temperature: float, chunk_size: int | None):
         self.softcap, self.temperature, self.chunk_size = softcap, temperature, chunk_size
+
+    def new_gradients(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool) -> HeadGradients:
+        """Where the chunks' gradients go: chunk by chunk (CPU rule) or in blocks (the policy's)."""
+        block_rows = None
+        elements = self.policy.head_gradient_block_elements
+        if elements is not None and self.chunk_size is None:
+            chunk = self.chunk_rows(hidden_ND.shape[0], weight_VD)
+            block_rows = max(chunk, elements // weight_VD.shape[0] // chunk * chunk)
+        return HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / self.temperature, block_rows)
+
+    def chunk_rows(self, num_tokens: int, weight_VD) -> int:
+        return chunk_size_for(num_tokens, weight_VD.shape[0], weight_VD.shape[1], self.chunk_size,
+                              buffers=1 if self.softmax_in_place else 2, chunk_elements=self.policy.head_chunk_elements)
 
     @abc.abstractmethod
     def prepare(self, hidden_ND: torch.Tensor, need_hidden: bool) -> tuple[torch.Tensor, ...]:
@@ -308,7 +401,7 @@ def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradie
     """Computes each chunk's logits and calls step(chunk); the [C, V] buffers are freed on return."""
     N, V = hidden_ND.shape[0], weight_VD.shape[0]
     one_buffer = kernel.softmax_in_place
-    chunk = chunk_size_for(N, V, weight_VD.shape[1], kernel.chunk_size, buffers=1 if one_buffer else 2)
+    chunk = kernel.chunk_rows(N, weight_VD)
     buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device, probs=not one_buffer) if N else None
     weight_fp32_VD = buffers.weight_fp32(weight_VD) if N else None
     for start in range(0, N, chunk):
@@ -322,10 +415,11 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernel: ChunkKernel, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool):
         grads = None
-        if kernel.gradient_in_forward and (need_hidden or need_weight):
-            grads = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / kernel.temperature)
         with no_autocast(hidden_ND.device):
             outputs = kernel.prepare(hidden_ND, need_hidden)
+        if kernel.gradient_in_forward and (need_hidden or need_weight):
+            grads = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight)
+        with no_autocast(hidden_ND.device):
             _for_each_chunk(kernel, hidden_ND, weight_VD, grads, lambda chunk: kernel.forward_chunk(chunk, *outputs))
         if grads is not None:
             ctx.save_for_backward(*grads.finish())
@@ -345,7 +439,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         else:
             hidden_ND, weight_VD = ctx.saved_tensors
             need_hidden, need_weight = ctx.needs_input_grad[1:3]
-            recomputed = HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / kernel.temperature)
+            recomputed = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight)
             with no_autocast(hidden_ND.device):
                 _for_each_chunk(kernel, hidden_ND, weight_VD, recomputed,
                                 lambda chunk: kernel.backward_chunk(chunk, grad_output))
@@ -357,6 +451,7 @@ def fused_head_loss(kernel: ChunkKernel, hidden_ND: torch.Tensor, weight_VD: tor
     """The kernel's outputs over hidden [N, D] and the head weight [V, D] (projected in the dtype ``matmul_inputs``
     gives); the first output is differentiable w.r.t. both, the others are statistics without gradient."""
     hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
+    kernel.policy = device_policy(hidden_ND.device)
     grad_enabled = torch.is_grad_enabled()
     need_hidden, need_weight = grad_enabled and hidden_ND.requires_grad, grad_enabled and weight_VD.requires_grad
     return _FusedHeadLoss.apply(kernel, hidden_ND, weight_VD, need_hidden, need_weight)

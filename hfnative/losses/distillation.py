@@ -17,7 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ._chunks import ChunkBuffers, ChunkKernel, chunk_logits, fused_head_loss, matmul_inputs, softmax_in_place_verified
+from ._chunks import (
+    IGNORE_INDEX,
+    ChunkBuffers,
+    ChunkKernel,
+    chunk_logits,
+    fused_head_loss,
+    matmul_inputs,
+    softmax_in_place_verified,
+)
 
 
 @dataclass
@@ -26,7 +34,7 @@ class DistillationOutput:
 
     loss_sum: torch.Tensor  # scalar, differentiable w.r.t. the student
     student_entropy_sum: torch.Tensor  # scalar, no grad: entropy of p_s (at the temperature)
-    num_tokens: int
+    num_tokens: int | torch.Tensor  # an int when counted on the host, else a device scalar (int64)
 
 
 class _Scratch:
@@ -92,11 +100,12 @@ def generalized_jsd_terms(student_log_probs: torch.Tensor, teacher_log_probs: to
 
 class _GeneralizedJSDKernel(ChunkKernel):
     """Summed JSD_beta and student entropy; the student's gradients are formed chunk by chunk in forward.
-    ``teacher_logits_fn(rows)`` returns a [C, V] fp32 tensor the kernel may overwrite."""
+    ``teacher_logits_fn(rows)`` returns a [C, V] fp32 tensor the kernel may overwrite. ``valid_N``: the positions
+    that count (the others add nothing and get no gradient); None: all of them."""
 
-    def __init__(self, teacher_logits_fn, beta, temperature, student_softcap, chunk_size):
+    def __init__(self, teacher_logits_fn, beta, temperature, student_softcap, chunk_size, valid_N=None):
         super().__init__(student_softcap, temperature, chunk_size)
-        self.teacher_logits_fn, self.beta = teacher_logits_fn, beta
+        self.teacher_logits_fn, self.beta, self.valid_N = teacher_logits_fn, beta, valid_N
         self.scratch = _Scratch()
 
     def prepare(self, hidden_ND, need_hidden):
@@ -107,14 +116,16 @@ class _GeneralizedJSDKernel(ChunkKernel):
         z_t_CV = self.teacher_logits_fn(chunk.rows)
         in_place = softmax_in_place_verified(z_t_CV.device)
         log_pt_CV = torch.log_softmax(z_t_CV, dim=-1, out=z_t_CV if in_place else self.scratch("log_pt", z_t_CV))
+        valid_C = None if self.valid_N is None else self.valid_N[chunk.rows]
         # p_s * log p_s, p_s formed in the scratch tensor
-        entropy -= torch.exp(log_ps_CV, out=self.scratch("a", log_ps_CV)).mul_(log_ps_CV).sum()
+        plogp_CV = torch.exp(log_ps_CV, out=self.scratch("a", log_ps_CV)).mul_(log_ps_CV)
+        entropy -= plogp_CV.sum() if valid_C is None else torch.where(valid_C, plogp_CV.sum(-1), 0.0).sum()
         # without a soft-cap the backward of the logits does not read them: z_s's buffer is free from here
         spare_CV = chunk.z_CV if self.softcap is None else None
         divergence_C, grad_z_CV = _divergence_and_grad(log_ps_CV, log_pt_CV, self.beta, self.scratch, spare_CV)
-        loss += divergence_C.sum()
+        loss += (divergence_C if valid_C is None else torch.where(valid_C, divergence_C, 0.0)).sum()
         if chunk.needs_grad:
-            chunk.backpropagate(grad_z_CV)
+            chunk.backpropagate(grad_z_CV, None if valid_C is None else valid_C.to(grad_z_CV.dtype))
 
 
 def fused_linear_generalized_jsd(
@@ -128,10 +139,12 @@ def fused_linear_generalized_jsd(
     student_softcap: float | None = None,
     teacher_softcap: float | None = None,
     chunk_size: int | None = None,
+    targets_N: torch.Tensor | None = None,
 ) -> DistillationOutput:
     """Summed generalized JSD between student softmax(softcap(h_s @ W_s.T) / T) and the teacher's.
 
-    student_hidden_ND: [N, D] states of the label positions only; student_weight_VD: [V, D].
+    student_hidden_ND: [N, D] states of the label positions only, or, with ``targets_N`` [N], of any positions:
+    those whose target is IGNORE_INDEX add nothing (``num_tokens`` is then a device scalar); student_weight_VD: [V, D].
     The teacher is either its states and head (teacher_hidden_ND [N, Dt], teacher_weight_VD [V, Dt],
     projected chunk by chunk, with teacher_softcap) or its final logits teacher_logits_NV [N, V]
     (soft-capping already applied; divided by the temperature here). The teacher gets no gradient.
@@ -165,6 +178,7 @@ def fused_linear_generalized_jsd(
             return chunk_logits(h_CD, teacher_weight_VD, teacher_softcap, temperature, z_CV, low_CV,
                                 teacher_buffer.weight_fp32(teacher_weight_VD))
 
-    kernel = _GeneralizedJSDKernel(teacher_logits_fn, beta, temperature, student_softcap, chunk_size)
+    valid_N = None if targets_N is None else targets_N != IGNORE_INDEX
+    kernel = _GeneralizedJSDKernel(teacher_logits_fn, beta, temperature, student_softcap, chunk_size, valid_N)
     loss, entropy = fused_head_loss(kernel, student_hidden_ND, student_weight_VD)
-    return DistillationOutput(loss, entropy, num_tokens)
+    return DistillationOutput(loss, entropy, num_tokens if valid_N is None else valid_N.sum())

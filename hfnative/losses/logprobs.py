@@ -51,7 +51,7 @@ class _TokenLogprobsKernel(ChunkKernel):
         valid_C = self.valid_N[chunk.rows]
         # the mean logit is read before the softmax statistics overwrite the logits buffer
         mean_logits_C = chunk.z_CV.mean(dim=-1) if "mean_logits" in self.statistics else None
-        stats = SoftmaxStats(chunk.z_CV, self.targets_N[chunk.rows], chunk.probs_CV)
+        stats = SoftmaxStats(chunk.z_CV, self.targets_N[chunk.rows], chunk.probs_CV, self.policy.host_reads)
         logprobs_N[chunk.rows] = torch.where(valid_C, stats.log_probs(), 0.0)
         for name, out_N in zip(self.statistics, statistics_N):
             if name == "mean_logits":

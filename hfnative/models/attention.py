@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hfnative.device_policy import host_to_device
 from hfnative.precision import autocast_dtype
 
 IMPLEMENTATIONS = ("varlen", "sdpa")
@@ -143,8 +144,9 @@ def plan_attention(
         return AttentionPlan("causal", seq_len, window, sliding_mask=sliding_mask)
     if implementation == "varlen" and spans is not None:
         return _varlen_plan(spans, batch_size, seq_len, window, device)
-    padding = attention_mask_BS.to(device) if host_mask is not None else None
-    doc_ids = document_ids(position_ids_BS.to(device).expand(batch_size, seq_len)) if host_positions is not None else None
+    padding = host_to_device(attention_mask_BS, device) if host_mask is not None else None
+    doc_ids = (document_ids(host_to_device(position_ids_BS, device).expand(batch_size, seq_len))
+               if host_positions is not None else None)
     global_mask = build_attention_mask(seq_len, device, padding, doc_ids)
     sliding_mask = build_attention_mask(seq_len, device, padding, doc_ids, window) if window else None
     return AttentionPlan("dense", seq_len, window, global_mask=global_mask, sliding_mask=sliding_mask)
@@ -174,8 +176,9 @@ def _varlen_plan(spans, batch_size: int, seq_len: int, window: int | None, devic
         token_index = torch.tensor(
             [row * seq_len + i for row, row_spans in enumerate(spans) for start, end in row_spans for i in range(start, end)],
             dtype=torch.long,
-        ).to(device)
-    cu_seq_lens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+        )
+        token_index = host_to_device(token_index, device)
+    cu_seq_lens = host_to_device(torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
     return AttentionPlan(
         "varlen", seq_len, window, spans=spans, token_index=token_index, cu_seq_lens=cu_seq_lens,
         max_len=max(lengths, default=0),

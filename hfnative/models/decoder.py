@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from hfnative.losses import shift_labels as shift_labels_of
+from hfnative.device_policy import device_policy
+from hfnative.losses import at_least_one, shift_labels as shift_labels_of
 
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
@@ -19,6 +20,7 @@ from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, model_norm
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .recompute import keep_as_recomputed, recomputed_in_backward
+from .selective_checkpoint import selective_checkpoint_context
 from .rope import RotaryEmbedding
 
 
@@ -61,6 +63,12 @@ class TransformerBlock(nn.Module):
         ffn_in = _pre_norm(self.ffn_norm, h)
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
+
+
+def _attention_planning(model: Transformer) -> tuple:
+    """What ``Transformer.plan_attention`` reads of the model."""
+    has_sliding = any(layer.is_sliding for layer in model.layers)
+    return model.args.sliding_window if has_sliding else None, model.attention_implementation
 
 
 def _is_compiled(layer: nn.Module) -> bool:
@@ -155,6 +163,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.sinks, std=std)
         self.init_buffers()
 
+    def plans_attention_as(self, other) -> bool:
+        """Whether ``plan_attention`` makes ``other`` (a model run on the same batches, e.g. a teacher) the plan it
+        makes this model: one plan, made on the host, then serves both."""
+        if not isinstance(other, Transformer):
+            return False
+        return _attention_planning(self) == _attention_planning(other)
+
     def plan_attention(
         self,
         input_ids_BS: torch.Tensor,
@@ -164,10 +179,9 @@ class Transformer(nn.Module):
     ) -> AttentionPlan:
         """How attention runs for this batch (see attention.py); call it on host tensors to avoid a sync."""
         B, S = input_ids_BS.shape
-        has_sliding = any(layer.is_sliding for layer in self.layers)
+        sliding_window, implementation = _attention_planning(self)
         return plan_attention(
-            B, S, device or input_ids_BS.device, attention_mask_BS, position_ids_BS,
-            self.args.sliding_window if has_sliding else None, self.attention_implementation,
+            B, S, device or input_ids_BS.device, attention_mask_BS, position_ids_BS, sliding_window, implementation,
         )
 
     def hidden_states(
@@ -207,6 +221,9 @@ class Transformer(nn.Module):
         local_cos_sin = cos_sin
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
             local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
+        # the device's trades (hfnative.device_policy): a CPU remakes cheap activations in backward, a GPU keeps them;
+        # under activation checkpointing a GPU keeps attention and every second matmul and recomputes the rest
+        policy = device_policy(h.device)
         for layer_id, layer in enumerate(self.layers):
             if isinstance(layer, BlockOnAnotherStage):
                 continue
@@ -214,9 +231,13 @@ class Transformer(nn.Module):
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, *layer_inputs, use_reentrant=False)
+                selective = policy.selective_checkpointing and not _is_compiled(layer)  # compiled: the compiler chooses
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, *layer_inputs, use_reentrant=False,
+                    **({"context_fn": selective_checkpoint_context} if selective else {}),
+                )
             else:
-                with recomputed_in_backward(not _is_compiled(layer)):
+                with recomputed_in_backward(policy.recompute_in_backward and not _is_compiled(layer)):
                     h = layer(*layer_inputs)
         return h if self.norm is None else self.norm(h)
 
@@ -251,7 +272,7 @@ class Transformer(nn.Module):
         if labels is not None or shift_labels is not None:
             targets_BS = shift_labels if shift_labels is not None else shift_labels_of(labels)
             stats = self.output(hidden_BSD, loss=TokenCrossEntropy(targets_BS))
-            denominator = num_items_in_batch if num_items_in_batch is not None else max(stats.num_tokens, 1)
+            denominator = num_items_in_batch if num_items_in_batch is not None else at_least_one(stats.num_tokens)
             out.loss = stats.loss_sum / denominator
             if out.aux_loss is not None:
                 out.loss = out.loss + self.args.moe.aux_loss_coef * out.aux_loss

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from hfnative.device_policy import device_policy
 from hfnative.losses import (
     IGNORE_INDEX,
     CrossEntropyOutput,
@@ -30,14 +31,19 @@ from hfnative.losses import (
 @dataclass
 class TokenCrossEntropy:
     """Summed next-token NLL over the positions whose target is not IGNORE_INDEX, with entropy and
-    top-1 sums. targets_BS: the shifted labels (position t's target is token t + 1)."""
+    top-1 sums. targets_BS: the shifted labels (position t's target is token t + 1). Where the device policy allows
+    host reads the other positions are dropped before the projection; elsewhere they are projected and masked (no
+    host read: ``num_tokens`` is then a device scalar)."""
 
     targets_BS: torch.Tensor
     fused: bool = True
 
     def __call__(self, hidden_BSD, weight_VD, softcap) -> CrossEntropyOutput:
-        hidden_ND, targets_N = label_positions(hidden_BSD, self.targets_BS)
         loss_fn = fused_linear_cross_entropy if self.fused else linear_cross_entropy
+        if not device_policy(hidden_BSD.device).host_reads:
+            return loss_fn(hidden_BSD.flatten(0, -2), weight_VD, self.targets_BS.flatten(), softcap=softcap,
+                           masked=True)
+        hidden_ND, targets_N = label_positions(hidden_BSD, self.targets_BS)
         return loss_fn(hidden_ND, weight_VD, targets_N, softcap=softcap)
 
 
@@ -48,7 +54,8 @@ class TokenLogprobs:
 
     statistics: names from ``hfnative.losses.logprobs.TOKEN_STATISTICS`` ("mean_logits", "is_top1",
     "log_sum_sq_probs"); when given, a third item maps each name to its [B, S] tensor (no gradient).
-    compact: project only the positions whose target is not IGNORE_INDEX (the others cost nothing)."""
+    compact: project only the positions whose target is not IGNORE_INDEX (the others cost nothing), where the
+    device policy allows host reads (``hfnative.device_policy``; elsewhere every position is projected)."""
 
     targets_BS: torch.Tensor
     temperature: float = 1.0
@@ -68,11 +75,12 @@ class TokenLogprobs:
         *statistics_N)`` run on the positions this spec projects (all of them, or the labelled ones with
         ``compact``); the tensor-parallel head passes its vocabulary-parallel kernel here."""
         B, S, D = hidden_BSD.shape
-        keep_BS = self.targets_BS != IGNORE_INDEX if self.compact else None
-        hidden_ND = hidden_BSD[keep_BS] if self.compact else hidden_BSD.reshape(B * S, D)
-        targets_N = self.targets_BS[keep_BS] if self.compact else self.targets_BS.reshape(-1)
+        compact = self.compact and device_policy(hidden_BSD.device).host_reads
+        keep_BS = self.targets_BS != IGNORE_INDEX if compact else None
+        hidden_ND = hidden_BSD[keep_BS] if compact else hidden_BSD.reshape(B * S, D)
+        targets_N = self.targets_BS[keep_BS] if compact else self.targets_BS.reshape(-1)
         outputs = logprobs_fn(hidden_ND, targets_N)
-        if self.compact:  # back to [B, S]; masked_scatter keeps an all-ignored batch connected to the graph
+        if compact:  # back to [B, S]; masked_scatter keeps an all-ignored batch connected to the graph
             outputs = [x.new_zeros((B, S)).masked_scatter(keep_BS, x) for x in outputs]
         else:
             outputs = [x.view(B, S) for x in outputs]
@@ -93,12 +101,15 @@ class GeneralizedJSD:
     temperature: float = 1.0
 
     def __call__(self, hidden_BSD, weight_VD, softcap) -> DistillationOutput:
+        settings = dict(teacher_weight_VD=self.teacher_head.projection(), beta=self.beta, temperature=self.temperature,
+                        student_softcap=softcap, teacher_softcap=self.teacher_head.softcap)
+        if not device_policy(hidden_BSD.device).host_reads:  # every position projected, the ignored ones masked
+            return fused_linear_generalized_jsd(hidden_BSD.flatten(0, -2), weight_VD,
+                                                teacher_hidden_ND=self.teacher_hidden_BSD.flatten(0, -2),
+                                                targets_N=self.targets_BS.flatten(), **settings)
         keep = self.targets_BS != IGNORE_INDEX
-        return fused_linear_generalized_jsd(
-            hidden_BSD[keep], weight_VD, teacher_hidden_ND=self.teacher_hidden_BSD[keep],
-            teacher_weight_VD=self.teacher_head.projection(), beta=self.beta, temperature=self.temperature,
-            student_softcap=softcap, teacher_softcap=self.teacher_head.softcap,
-        )
+        return fused_linear_generalized_jsd(hidden_BSD[keep], weight_VD, teacher_hidden_ND=self.teacher_hidden_BSD[keep],
+                                            **settings)
 
 
 class OutputHead(nn.Module):

@@ -1,5 +1,12 @@
-"""torch.compile applied block by block, with every dimension dynamic from the first call (size-1
-dimensions aside), so new sequence lengths (padding-free batches, packing) never recompile.
+"""torch.compile applied block by block. On a CPU every dimension is dynamic from the first call (size-1
+dimensions aside), so new sequence lengths (padding-free batches, packing) never recompile; on a GPU (the device
+policy's ``compile_dynamic``, ``hfnative.device_policy``) the first shape compiles static kernels and a dimension turns
+dynamic only when a second shape arrives (torch's automatic dynamic shapes): batches of one shape (packing,
+``pad_to_multiple_of``, fixed-length rows) keep the static kernels, the ones a GPU runs fastest.
+
+A block compiles to one graph for full-length rows and dense masks (tests/test_device_policy.py checks it with
+``torch._dynamo.explain``); the variable-length attention of packed or padded batches (``varlen_attn`` on CUDA, one
+SDPA call per document elsewhere) runs eagerly between two graphs of the block.
 
 Shapes: B batch, S sequence, D model dim, r rotary dim.
 
@@ -29,44 +36,56 @@ import types
 import torch
 from torch import nn
 
+from hfnative.device_policy import CPU_POLICY, device_policy
+
 
 def _call_compiled(self, *inputs, **kwargs):
     # keyword arguments pass through: transformers' decoder layers (the fallback wrapper's) take them
     return self._compiled_forward(self, *inputs, **kwargs)
 
 
-def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel: bool = False) -> None:
+def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel: bool = False,
+                     dynamic: bool | None = True) -> None:
     if "_compiled_forward" in vars(module):  # already compiled: applying twice is a no-op
         return
     cls = type(module)
     if cls not in compiled_by_type:
-        # dynamic=True: the graphs on both sides of a graph break take any batch and sequence length;
         # not fullgraph: per-document attention on CPU is a deliberate graph break (module docstring)
         compiled_by_type[cls] = (
             # under TP: static shapes, no compile caches (module docstring)
             torch.compile(cls.forward, dynamic=False, options={"fx_graph_cache": False}) if tensor_parallel
-            else torch.compile(cls.forward, dynamic=True)
+            else torch.compile(cls.forward, dynamic=dynamic)
         )
     module._compiled_forward = compiled_by_type[cls]
     # a bound method (not a closure) so copy.deepcopy(model) rebinds it to the copy
     module.forward = types.MethodType(_call_compiled, module)
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False) -> nn.Module:
+def apply_compile(model: nn.Module, tensor_parallel: bool = False, device: torch.device | str | None = None) -> nn.Module:
     """Compile each decoder block separately; in place, parameter names unchanged.
 
     tensor_parallel: the blocks are split over tensor-parallel ranks: static shapes, no compile caches (module
-    docstring).
+    docstring). device: where the model will run (default: where its parameters are; a model on the meta device
+    without it compiles as on a CPU).
 
     In a mixture-of-experts block only the attention is compiled; routing and experts run eagerly.
     Activation checkpointing (``model.checkpointed_layers``) composes with it: the recomputation in
     backward runs the same compiled graph. Evaluation under torch.no_grad compiles its own graphs
     once. copy.deepcopy of a compiled model gives a compiled copy (its blocks are rebound to it).
     """
+    dynamic = (_compile_policy(model) if device is None else device_policy(device)).compile_dynamic
     compiled_by_type: dict = {}
     for block in model.layers:
         if not hasattr(block, "attention"):  # a block another pipeline stage holds
             continue
         _compile_forward(block if getattr(block, "moe", None) is None else block.attention, compiled_by_type,
-                         tensor_parallel)
+                         tensor_parallel, dynamic)
     return model
+
+
+def _compile_policy(model: nn.Module):
+    """The policy of the device the model's parameters are on (the CPU's for a model still on the meta device)."""
+    parameter = next(model.parameters(), None)
+    if parameter is None or parameter.device.type == "meta":
+        return CPU_POLICY
+    return device_policy(parameter.device)

@@ -98,7 +98,7 @@ def parallelize(
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
         # under TP with static shapes and no compile caches (compile.py says why)
-        apply_compile(model, tensor_parallel=dims.tp_enabled)
+        apply_compile(model, tensor_parallel=dims.tp_enabled, device=mesh.device_type)
     if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
         fsdp_mesh = dims.fsdp_mesh(mesh)
         if expert_parallel:
@@ -135,7 +135,7 @@ def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, m
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model)
+        apply_compile(model, device=mesh.device_type)
     if dims.dp_enabled or mixed_precision is not None or cpu_offload:
         apply_fsdp_per_layer(model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision,
                              reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
