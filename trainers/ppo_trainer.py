@@ -1,0 +1,155 @@
+"""PPOTrainer: TRL 0.29's ``trl.experimental.ppo.PPOTrainer`` (PPO with a value model) on the one loop.
+
+One step of the loop is one of TRL's updates (a rollout batch of ``batch_size`` prompts, trained ``num_ppo_epochs``
+times in mini-batches): see trainers/ppo_objective.py. The policy, the reference (a frozen copy, or the policy with
+its new LoRA adapters off), the reward model and the value model all run natively; the value model (a
+``*ForSequenceClassification`` checkpoint with one label, or a causal LM given a new score head as RewardTrainer
+does) trains beside the policy under one optimizer, and is saved beside it in ``value_model/``.
+"""
+
+from __future__ import annotations
+
+from hfnative.models.decoder import Transformer
+
+from .model_loading import disable_dropout, resolve_model
+from .objective import UnsupportedLayoutError
+from .ppo_config import KL_ESTIMATORS, PPOConfig, resolve_batch_sizes
+from .ppo_objective import PPOObjective
+from .reference_model import reference_source
+from .trainer import Trainer
+
+
+def _len(dataset, name: str) -> int:
+    if not hasattr(dataset, "__len__"):
+        raise ValueError(f"{name} has no length (an IterableDataset): PPOTrainer takes a map-style Dataset, as TRL's")
+    return len(dataset)
+
+
+class PPOTrainer(Trainer):
+    """TRL 0.29's PPOTrainer: ``PPOTrainer(args, processing_class, model, ref_model, reward_model, train_dataset,
+    value_model, data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None)``.
+    ``model``, ``ref_model``: causal LMs (a folder, Hub id, transformers or native model; ``ref_model`` None: a frozen
+    copy of the policy, or the policy with its adapters off under ``peft_config``); ``reward_model``, ``value_model``:
+    sequence classifiers with one label (a causal LM gets a new score head seeded by ``args.seed``)."""
+
+    algorithm_name = "PPO"
+    config_class = PPOConfig
+    requires_train_dataset = True
+    _tag_names = ["trl", "ppo"]
+
+    def __init__(self, args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
+                 data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None):
+        if ref_model is model:
+            raise ValueError(
+                "`model` and `ref_model` cannot be the same object. If you want `ref_model` to be the same as `model`, "
+                "you must make a copy of it, or `None` if you use peft."
+            )
+        args = self.resolve_args(args, model)
+        self._check_args(args)
+        if reward_model is None or value_model is None:
+            raise ValueError("PPOTrainer needs a reward_model and a value_model (sequence classifiers with one label)")
+        self._dataset_length = _len(train_dataset, "train_dataset")
+        self._ref_source, self._ref_given = reference_source(model, ref_model)
+        self._reward_source, self._value_source = reward_model, value_model
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers, peft_config=peft_config)
+        self.value_model = self._load_value_model(self._value_source)
+        self.objective.value_model = self.value_model
+        self._value_source = None
+
+    @staticmethod
+    def _check_args(args) -> None:
+        """TRL's refusals, and what hfnative's PPO does not run."""
+        if args.stop_token and args.stop_token_id:
+            raise ValueError("You cannot set both `stop_token` and `stop_token_id`.")
+        if args.stop_token and args.stop_token != "eos":
+            raise ValueError(f"Unknown `stop_token` {args.stop_token}. Allowed values are: `'eos'` and `None` (no stop "
+                             "token).")
+        if args.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                "kl_estimator must be either 'k1' (straightforward, unbiased) or 'k3' (lower variance, unbiased, appears "
+                "to be a strictly better estimator). See [Approximating KL Divergence](http://joschu.net/blog/kl-approx.html) "
+                "for details."
+            )
+        if args.ref_adapter_name is not None or args.model_adapter_name is not None:
+            raise ValueError("model_adapter_name / ref_adapter_name (a policy with several named adapters) are not "
+                             "supported: leave them None (the reference is the policy with its adapters off)")
+        if args.optimizer_in_backward:
+            raise ValueError("optimizer_in_backward with PPO: a PPO step takes several optimizer steps (epochs x "
+                             "mini-batches) over the policy and the value model; set optimizer_in_backward=False")
+
+    def _make_objective(self):
+        resolve_batch_sizes(self.args, self.data_parallel.size, self._dataset_length)
+        self.args.max_steps = self.args.num_total_batches  # the loop's steps are TRL's updates
+        reward_model = resolve_model(self._reward_source, self.device, self._classifier_kwargs()).model
+        disable_dropout(reward_model)
+        source, given = self._ref_source, self._ref_given
+        self._ref_source = self._reward_source = None
+        return PPOObjective(self.context, source, given, reward_model)
+
+    def _check_supported(self, evaluating: bool = False) -> None:
+        super()._check_supported(evaluating)
+        if self.distributed is not None and (self.distributed.dims.pp_enabled):
+            raise UnsupportedLayoutError("PPOTrainer does not support pipeline parallelism: a PPO step runs three "
+                                         "more models beside the policy; set pp_size=1")
+
+    def _classifier_kwargs(self) -> dict:
+        return {"num_labels": 1, "score_seed": self.args.seed}
+
+    def _load_value_model(self, source) -> Transformer:
+        """The value model as a native sequence classifier with one score, trainable, placed as the policy."""
+        loaded = resolve_model(source, self.device, self._classifier_kwargs())
+        value_model = loaded.model
+        if getattr(value_model.args, "num_labels", None) != 1:
+            raise ValueError(f"value_model scores {value_model.args.num_labels} labels; a value model has one "
+                             "(num_labels=1)")
+        value_model.requires_grad_(True).train()
+        disable_dropout(value_model)
+        self._value_converted = loaded.converted
+        self._place(value_model)
+        return value_model
+
+    # --- one optimizer over the policy and the value model (TRL's PolicyAndValueWrapper), never clipped (TRL's PPO
+    # steps accelerate's optimizer without clipping) ---------------------------------------------------------------
+    def create_optimizer(self):
+        if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
+            import torch.nn as nn
+            import transformers
+
+            from hfnative.optim import OptimizerSettings, build_optimizer
+
+            a = self.args
+            settings = OptimizerSettings(
+                optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+                adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
+                adafactor_class=transformers.Adafactor,
+            )
+            both = nn.ModuleDict({"policy": self.native_model, "value_model": self.value_model})
+            self.optimizer = build_optimizer(both, settings)
+        elif self.optimizer is None:
+            cls, kwargs = self.optimizer_cls_and_kwargs
+            self.optimizer = cls(self._trained_parameters(), **kwargs)
+        return self.optimizer
+
+    def _trained_parameters(self) -> list:
+        return super()._trained_parameters() + [p for p in self.value_model.parameters() if p.requires_grad]
+
+    def _max_grad_norm(self) -> float:
+        return float("inf")
+
+    def _zero_gradients(self) -> None:
+        super()._zero_gradients()
+        self.value_model.zero_grad(set_to_none=True)
+
+    @property
+    def ref_model(self):
+        """The frozen reference (None when it is the policy with its adapters off)."""
+        return self.objective.reference.model
+
+    @property
+    def reward_model(self):
+        return self.objective.auxiliary_models["reward_model"]
+
+
+__all__ = ["PPOConfig", "PPOTrainer"]
