@@ -104,6 +104,7 @@ class PPOObjective(Objective):
         self._steps_after: list[bool] = []
         self._accumulated = 0  # accelerate's micro-batch counter in TRL's loop
         self._updates_per_pass = 1
+        self._dataset_length = 1
         self._start_time = None
         self.last_rollout: dict | None = None  # the last rollout batch's tensors (rewards, advantages, returns, ...)
 
@@ -138,6 +139,7 @@ class PPOObjective(Objective):
                              f"(batch_size={args.batch_size}): add prompts or lower per_device_train_batch_size / "
                              "gradient_accumulation_steps")
         self._updates_per_pass = len(sampler) // args.gradient_accumulation_steps
+        self._dataset_length = len(dataset)
         return DataLoader(dataset, batch_sampler=sampler, collate_fn=collator, num_workers=0)
 
     # --- one step: a rollout batch, then num_ppo_epochs x mini-batches x micro-batches -------------------------------
@@ -340,10 +342,11 @@ class PPOObjective(Objective):
             engine.load_weights(hub_named_tensors(self.context.model))
 
     def on_log(self, logs: dict, mode: str) -> None:
-        """TRL's lr, episode and eps beside the loop's keys."""
+        """TRL's lr, episode and eps beside the loop's keys, and its epoch (episodes over the dataset's rows)."""
         if mode != "train" or "learning_rate" not in logs:
             return
         episode = self.context.state.global_step * self.args.batch_size
+        self.context.state.epoch = episode / self._dataset_length
         logs["lr"] = logs["learning_rate"]
         logs["episode"] = episode
         logs["eps"] = int(episode / max(time.time() - (self._start_time or time.time()), 1e-9))
