@@ -42,6 +42,7 @@ from .reference_model import ReferenceModel, router_loss_off
 from .rollout import Rollout, completion_logprobs_of, pad_token_lists, sampling_params
 from .rollout_engines import make_rollout_engine
 
+PPO_STATE_FILE = "ppo_state.json"
 # the per-micro-batch statistics TRL keeps in [num_ppo_epochs, num_mini_batches, gradient_accumulation_steps] slots
 STATS = ("approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")
 # TRL's logged mean of each slot tensor
@@ -340,6 +341,15 @@ class PPOObjective(Objective):
             from hfnative.converters.rollouts import hub_named_tensors
 
             engine.load_weights(hub_named_tensors(self.context.model))
+
+    def checkpoint_state(self) -> dict[str, dict]:
+        """TRL's accumulation counter (accelerate's), which places the optimizer steps of the updates to come."""
+        return {PPO_STATE_FILE: {"accumulation_counter": self._accumulated}}
+
+    def load_checkpoint_state(self, files: dict[str, dict]) -> None:
+        state = files.get(PPO_STATE_FILE)
+        if state is not None:
+            self._accumulated = int(state["accumulation_counter"])
 
     def on_log(self, logs: dict, mode: str) -> None:
         """TRL's lr, episode and eps beside the loop's keys, and its epoch (episodes over the dataset's rows)."""

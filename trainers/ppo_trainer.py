@@ -9,6 +9,9 @@ does) trains beside the policy under one optimizer, and is saved beside it in ``
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 from hfnative.models.decoder import Transformer
 
 from .model_loading import disable_dropout, resolve_model
@@ -16,7 +19,11 @@ from .objective import UnsupportedLayoutError
 from .ppo_config import KL_ESTIMATORS, PPOConfig, resolve_batch_sizes
 from .ppo_objective import PPOObjective
 from .reference_model import reference_source
+from .saving import full_state_dict
 from .trainer import Trainer
+
+# the value model's Hub-format folder inside the output folder and every checkpoint-N (TRL never saves it)
+VALUE_MODEL_DIR = "value_model"
 
 
 def _len(dataset, name: str) -> int:
@@ -36,6 +43,7 @@ class PPOTrainer(Trainer):
     config_class = PPOConfig
     requires_train_dataset = True
     _tag_names = ["trl", "ppo"]
+    _saving_policy_only = False  # save_model writes the value model apart (its folder is published whole)
 
     def __init__(self, args, processing_class, model, ref_model, reward_model, train_dataset, value_model,
                  data_collator=None, eval_dataset=None, optimizers=(None, None), callbacks=None, peft_config=None):
@@ -141,6 +149,72 @@ class PPOTrainer(Trainer):
     def _zero_gradients(self) -> None:
         super()._zero_gradients()
         self.value_model.zero_grad(set_to_none=True)
+
+    # --- the value model saved beside the policy, and resumed with it --------------------------------------------------
+    @contextlib.contextmanager
+    def _whole_model(self):
+        with super()._whole_model() as native_state:
+            self._value_state = None if self.distributed is None else full_state_dict(self.value_model)
+            try:
+                yield native_state
+            finally:
+                self._value_state = None
+
+    def _save(self, output_dir: Path, native_state: dict | None = None) -> None:
+        """The policy as the Trainer saves it, and (in a checkpoint) the value model in ``value_model/``."""
+        super()._save(output_dir, native_state)
+        if not self._saving_policy_only:
+            self._save_value_model(Path(output_dir) / VALUE_MODEL_DIR)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The policy as the Trainer saves it (what TRL's save_model writes), then the value model into
+        ``value_model/`` beside it, a Hub-format sequence classifier with the tokenizer, published whole."""
+        from hfnative.checkpoint import atomic_directory
+
+        self._saving_policy_only = True
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self._saving_policy_only = False
+        with self._whole_model():
+            if self.state.is_world_process_zero:
+                with atomic_directory(Path(output_dir or self.args.output_dir) / VALUE_MODEL_DIR) as folder:
+                    self._save_value_model(folder)
+        if self.distributed is not None:
+            self.distributed.barrier()
+
+    def _save_value_model(self, folder: Path) -> None:
+        from hfnative.converters.export import export_hf, save_tokenizer
+
+        state = getattr(self, "_value_state", None)
+        if self._value_converted is not None:
+            export_hf(self._value_converted, folder, processing_class=self.processing_class, native_state=state)
+            return
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        state = state or {k: v.detach().cpu().contiguous() for k, v in self.value_model.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        save_tokenizer(folder, self.processing_class)
+
+    def _load_model_weights(self, checkpoint: Path) -> None:
+        super()._load_model_weights(checkpoint)
+        folder = Path(checkpoint) / VALUE_MODEL_DIR
+        if not folder.is_dir():
+            raise ValueError(f"{checkpoint} has no {VALUE_MODEL_DIR}/: it was not written by a PPOTrainer, whose "
+                             "checkpoints hold the value model beside the policy")
+        if self._value_converted is None:
+            from safetensors.torch import load_file
+
+            self.value_model.load_state_dict(load_file(str(folder / "model.safetensors")))
+            return
+        from hfnative.converters.families import model_pieces
+        from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
+
+        source = SafetensorsSource(folder)
+        pieces = model_pieces(self._value_converted.family, self.value_model.args)
+        check_checkpoint(source, pieces, self.value_model, str(folder))
+        copy_into_model(source, pieces, self.value_model)
 
     @property
     def ref_model(self):
