@@ -77,3 +77,26 @@ def test_sigkilled_run_resumes_exactly(uninterrupted, tmp_path):
     resumed = ppo_trainer(tmp_path / "run", root / "models")
     resumed.train(resume_from_checkpoint=True)
     _assert_resumed_equal(resumed.state.log_history, trainer.state.log_history)
+
+
+def test_cli_trains_ppo_and_saves_the_value_model(uninterrupted, tmp_path):
+    """``hfnative-train ppo``: a dataset's text prompts tokenized, the reward and value models from
+    reward_model_path, the policy and value_model/ saved."""
+    import json
+
+    from hfnative.trainers import cli
+
+    root, _ = uninterrupted
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Tell me about the number {i}"}) + "\n" for i in range(8)))
+    out = tmp_path / "out"
+    from _ppo_worker import MODEL
+
+    assert cli.main(["ppo", "--model_name_or_path", MODEL, "--dataset_name", str(data), "--reward_model_path",
+                     str(root / "models" / "reward"), "--output_dir", str(out), "--use_cpu", "--no_bf16",
+                     "--per_device_train_batch_size", "4", "--num_ppo_epochs", "1", "--response_length", "4",
+                     "--total_episodes", "8", "--report_to", "none", "--save_strategy", "no",
+                     "--disable_tqdm", "true"]) == 0
+    assert (out / "model.safetensors").exists() and (out / "value_model" / "model.safetensors").exists()
+    state = json.loads((out / "value_model" / "config.json").read_text())
+    assert state["architectures"] == ["Qwen3ForSequenceClassification"]

@@ -117,11 +117,16 @@ class PPOObjective(Objective):
 
     # --- data: rows with TRL's tokenized prompts ("input_ids"), one rollout batch read per micro-batch of a step -----
     def prepare_train_dataset(self, dataset):
+        """TRL's rows of tokenized prompts (``input_ids``) as they are; rows with a ``prompt`` (text, or chat messages
+        rendered with the generation prompt) are tokenized here (the command line's datasets)."""
         first = next(iter(dataset), None)
-        if not isinstance(first, dict) or "input_ids" not in first:
-            raise ValueError(f"train_dataset: row 0 is {first!r}; PPOTrainer expects tokenized prompts, rows with an "
-                             "'input_ids' column (as TRL's PPO example makes them)")
-        return dataset
+        if isinstance(first, dict) and "input_ids" in first:
+            return dataset
+        if isinstance(first, dict) and "prompt" in first:
+            return dataset.map(lambda row: {"input_ids": self.rollout.tokenize([row["prompt"]])[0]},
+                               remove_columns=dataset.column_names, num_proc=self.args.dataset_num_proc)
+        raise ValueError(f"train_dataset: row 0 is {first!r}; PPOTrainer expects tokenized prompts, rows with an "
+                         "'input_ids' column (as TRL's PPO example makes them), or a 'prompt' column to tokenize")
 
     def default_collator(self):
         return _rows

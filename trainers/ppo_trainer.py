@@ -226,4 +226,27 @@ class PPOTrainer(Trainer):
         return self.objective.auxiliary_models["reward_model"]
 
 
+def ppo_trainer_kwargs(script_args, training_args, model_args) -> dict:
+    """TRL's PPO example (examples/scripts/ppo/ppo.py): the tokenizer of the model, left-padded (its EOS as the pad
+    token when it has none); the reward and the value model both from ``reward_model_path``; the reference a frozen
+    copy of the policy (the policy with its adapters off under --use_peft)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path, padding_side="left",
+                                              revision=model_args.model_revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return {"processing_class": tokenizer, "ref_model": None, "reward_model": training_args.reward_model_path,
+            "value_model": training_args.reward_model_path}
+
+
+def cli_command():
+    """``hfnative-train ppo``: TRL's PPO example's arguments; the dataset's ``prompt`` column (text or messages) is
+    tokenized, or its ``input_ids`` taken as they are."""
+    from . import cli
+
+    return cli.Command("Proximal Policy Optimization with a value model (TRL 0.29's PPO example)", PPOConfig,
+                       PPOTrainer, cli.train_model, trainer_kwargs=ppo_trainer_kwargs)
+
+
 __all__ = ["PPOConfig", "PPOTrainer"]
