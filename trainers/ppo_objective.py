@@ -82,7 +82,9 @@ def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_
 class PPOObjective(Objective):
     """TRL 0.29's PPO (see the module docstring). ``value_model`` is set by the trainer once loaded."""
 
-    supports = frozenset({"multi_process"})
+    # one process: no layout is declared until each is checked against one process (the value model's and the reward
+    # model's forwards, the per-update statistics and the checkpoints over two trained models)
+    supports = frozenset()
     split_collated_batches = False
 
     def __init__(self, context, reference_source, reference_given: bool, reward_model):

@@ -15,7 +15,6 @@ from pathlib import Path
 from hfnative.models.decoder import Transformer
 
 from .model_loading import disable_dropout, resolve_model
-from .objective import UnsupportedLayoutError
 from .ppo_config import KL_ESTIMATORS, PPOConfig, resolve_batch_sizes
 from .ppo_objective import PPOObjective
 from .reference_model import reference_source
@@ -95,12 +94,6 @@ class PPOTrainer(Trainer):
         source, given = self._ref_source, self._ref_given
         self._ref_source = self._reward_source = None
         return PPOObjective(self.context, source, given, reward_model)
-
-    def _check_supported(self, evaluating: bool = False) -> None:
-        super()._check_supported(evaluating)
-        if self.distributed is not None and (self.distributed.dims.pp_enabled):
-            raise UnsupportedLayoutError("PPOTrainer does not support pipeline parallelism: a PPO step runs three "
-                                         "more models beside the policy; set pp_size=1")
 
     def _classifier_kwargs(self) -> dict:
         return {"num_labels": 1, "score_seed": self.args.seed}
