@@ -220,6 +220,18 @@ def test_config_has_trls_fields_and_defaults(trl029, tmp_path):
     assert PPOConfig is hfnative.PPOConfig
 
 
+def test_every_config_field_is_honoured_refused_or_listed():
+    """test_no_silent_settings' audit, on PPOConfig's own fields."""
+    from test_no_silent_settings import names_read_by_the_library
+    from hfnative.trainers.settings_check import CONFIG_NO_EFFECT, CONFIG_REFUSED, check_settings
+
+    base = {f.name for f in dataclasses.fields(hfnative.TrainingArguments)}
+    own = {f.name for f in dataclasses.fields(hfnative.PPOConfig)} - base
+    read = names_read_by_the_library()
+    assert not sorted(n for n in own if n not in read and n not in CONFIG_NO_EFFECT and n not in CONFIG_REFUSED)
+    check_settings(hfnative.PPOConfig("unused", use_cpu=True))
+
+
 def test_batch_sizes_are_trls_and_bad_ones_refused():
     from hfnative.trainers.ppo_config import resolve_batch_sizes
 
@@ -235,3 +247,32 @@ def test_batch_sizes_are_trls_and_bad_ones_refused():
     args = hfnative.PPOConfig("unused", use_cpu=True, per_device_train_batch_size=4, whiten_rewards=True)
     with pytest.raises(ValueError, match="insufficient for whitening"):
         resolve_batch_sizes(args, world_size=1, dataset_length=8)
+
+
+@pytest.mark.parametrize("settings_, message", [
+    (dict(stop_token="eos", stop_token_id=2), "You cannot set both `stop_token` and `stop_token_id`"),
+    (dict(stop_token="end"), "Unknown `stop_token` end"),
+    (dict(kl_estimator="k2"), "kl_estimator must be either 'k1'"),
+    (dict(ref_adapter_name="ref"), "ref_adapter_name"),
+    (dict(optimizer_in_backward=True, max_grad_norm=0), "optimizer_in_backward"),
+])
+def test_bad_settings_are_refused_with_trls_messages(tmp_path, settings_, message):
+    from datasets import Dataset
+
+    args = hfnative.PPOConfig(str(tmp_path), use_cpu=True, bf16=False, **settings_)
+    with pytest.raises(ValueError, match=message):
+        hfnative.PPOTrainer(args, None, MODEL, None, "unused", Dataset.from_list([{"input_ids": [1, 2]}]), "unused")
+
+
+def test_bad_models_and_rows_are_refused(tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    args = hfnative.PPOConfig(str(tmp_path), use_cpu=True, bf16=False, per_device_train_batch_size=1)
+    rows = Dataset.from_list([{"input_ids": [1, 2]}])
+    with pytest.raises(ValueError, match="cannot be the same object"):
+        hfnative.PPOTrainer(args, None, rows, rows, "unused", rows, "unused")
+    folder = save_classifier(tmp_path / "classifier", 1)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
+    with pytest.raises(ValueError, match="'input_ids' column"):
+        hfnative.PPOTrainer(args, tokenizer, MODEL, None, folder, Dataset.from_list([{"text": "hi"}]), folder)

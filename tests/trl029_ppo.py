@@ -7,7 +7,7 @@ caller names) and run in a subprocess with ``PYTHONPATH=DIR``: ``run_trl029(payl
 installed (no registry) the caller is skipped with the reason.
 
 Run as a script (``python trl029_ppo.py payload.json result.json``, inside that subprocess) it trains TRL's
-PPOTrainer on the payload's models and settings. With ``replay`` it replays the given rollouts: each update's prompts
+PPOTrainer on the payload's models and settings (its per-update seconds and peak RSS returned too). With ``replay`` it replays the given rollouts: each update's prompts
 (in order, cut into TRL's passes over the dataset so accelerate's end-of-dataloader rule holds), their completions
 (``batch_generation`` patched: the policy's forward gives the generation logits) and the mini-batch shuffles
 (``np.random.permutation`` patched), so both trainers see the same data; it returns the log history, each update's
@@ -26,10 +26,13 @@ from pathlib import Path
 TRL_VERSION = "0.29.1"
 
 
-def trl029_dir(cache_root) -> Path:
-    """A folder holding TRL 0.29.1 (installed there if needed); skips the caller with the reason when it cannot be."""
-    import pytest
+class NotInstalled(RuntimeError):
+    """TRL 0.29.1 could not be installed; the message says why."""
 
+
+def install_trl029(cache_root) -> Path:
+    """A folder holding TRL 0.29.1 (``HFNATIVE_TRL029``, else ``cache_root/trl-0.29.1``, installed there if needed);
+    raises NotInstalled with the reason when it cannot be."""
     folder = Path(os.environ.get("HFNATIVE_TRL029") or Path(cache_root) / f"trl-{TRL_VERSION}")
     if (folder / "trl" / "experimental" / "ppo" / "ppo_trainer.py").exists():
         return folder
@@ -38,10 +41,21 @@ def trl029_dir(cache_root) -> Path:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as error:
-        pytest.skip(f"TRL {TRL_VERSION} could not be installed: {error}")
+        raise NotInstalled(f"TRL {TRL_VERSION} could not be installed: {error}") from error
     if done.returncode != 0:
-        pytest.skip(f"TRL {TRL_VERSION} could not be installed (no package registry?): {done.stderr.strip()[-300:]}")
+        raise NotInstalled(f"TRL {TRL_VERSION} could not be installed (no package registry?): "
+                           f"{done.stderr.strip()[-300:]}")
     return folder
+
+
+def trl029_dir(cache_root) -> Path:
+    """``install_trl029`` for a test: skipped with the reason when TRL 0.29.1 cannot be installed."""
+    import pytest
+
+    try:
+        return install_trl029(cache_root)
+    except NotInstalled as error:
+        pytest.skip(str(error))
 
 
 def run_trl029(payload: dict, folder, trl_dir) -> dict:
@@ -109,6 +123,15 @@ def _replay_loader(trainer, tokenizer, updates: list[list[list[int]]], updates_p
     return trainer.accelerator.prepare(loader)
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak RSS (VmHWM: ru_maxrss would count the parent's RSS at fork)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def train(payload: dict) -> dict:
     import sys as _sys
 
@@ -132,9 +155,21 @@ def train(payload: dict) -> dict:
     replay = payload.get("replay")
     prompts = [ids for batch in replay["prompts"] for ids in batch] if replay else payload["prompts"]
     args = PPOConfig(**payload["config"])
+    import time
+
+    from transformers import TrainerCallback
+
+    step_seconds = []
+
+    class Clock(TrainerCallback):  # TRL's PPO calls on_step_end once per update
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            step_seconds.append(now - getattr(self, "last", start))
+            self.last = now
+
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), value_model=value,
-                         peft_config=peft_config)
+                         peft_config=peft_config, callbacks=[Clock()])
     if peft_config is not None:
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
@@ -180,8 +215,10 @@ def train(payload: dict) -> dict:
         return log(logs, *rest)
 
     trainer.log = capture_log
+    start = time.perf_counter()
     trainer.train()
-    return {"log_history": trainer.state.log_history, "updates": captured, "stats": stats}
+    return {"log_history": trainer.state.log_history, "updates": captured, "stats": stats, "step_seconds": step_seconds,
+            "peak_rss_mib": _peak_rss_mib()}
 
 
 if __name__ == "__main__":
