@@ -18,7 +18,8 @@ class PPOConfig(TRLBaseConfig):
     temperature 0.7, num_ppo_epochs 4, kl_coef 0.05, kl_estimator "k1", cliprange 0.2, vf_coef 0.1, cliprange_value
     0.2, gamma 1.0, lam 0.95, logging_steps 10, bf16 unless fp16). ``world_size``, ``num_total_batches``,
     ``micro_batch_size``, ``local_batch_size``, ``batch_size``, ``local_mini_batch_size`` and ``mini_batch_size`` are
-    set by the trainer (``resolve_batch_sizes``), as TRL's does."""
+    set by the trainer (``resolve_batch_sizes``), as TRL's does. hfnative's own: ``use_vllm`` and the ``vllm_*`` fields
+    (GRPOConfig's names), the rollout engine."""
 
     learning_rate: float = field(default=3e-6, metadata={"help": "The initial learning rate for AdamW."})
     dataset_num_proc: int | None = field(
@@ -97,6 +98,22 @@ class PPOConfig(TRLBaseConfig):
     ds3_gather_for_generation: bool = field(
         default=True, metadata={"help": "Accepted (DeepSpeed ZeRO-3 only); the native engine decodes the live weights."}
     )
+    # hfnative's own (TRL's PPO generates with transformers' generate only): the rollout engine, as GRPOConfig names it
+    use_vllm: bool = field(
+        default=False, metadata={"help": "hfnative: generate with vLLM (vllm_mode colocate or server) instead of the "
+                                         "native engine; the trained weights are pushed to it after every update."}
+    )
+    vllm_mode: str = field(default="colocate", metadata={"help": "hfnative: vLLM server or colocate."})
+    vllm_model_impl: str = field(default="vllm", metadata={"help": "hfnative: vLLM model implementation."})
+    vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "hfnative: vLLM sleep mode."})
+    vllm_server_base_url: str | None = field(default=None, metadata={"help": "hfnative: vLLM server URL."})
+    vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "hfnative: vLLM server host."})
+    vllm_server_port: int = field(default=8000, metadata={"help": "hfnative: vLLM server port."})
+    vllm_server_timeout: float = field(default=240.0, metadata={"help": "hfnative: vLLM server timeout (s)."})
+    vllm_group_port: int = field(default=51216, metadata={"help": "hfnative: vLLM weight-update group port."})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={"help": "hfnative: vLLM GPU memory share."})
+    vllm_max_model_length: int | None = field(default=None, metadata={"help": "hfnative: vLLM context length."})
+    vllm_tensor_parallel_size: int = field(default=1, metadata={"help": "hfnative: vLLM tensor-parallel size."})
 
     # read by the shared reference-model piece (trainers/reference_model.py); not PPO options: TRL's PPO scores fresh
     # completions and turns dropout off in every model it is given
