@@ -5,8 +5,7 @@ T response tokens (right-padded), S = P + T.
 
 A step: the batch's prompts are completed by the rollout engine (temperature + 1e-7, top_k 0, top_p 1, stopping at
 the stop token), then, without a graph, the policy's and the reference's log-probs, the value model's values at
-every response position and the reward model's score are read (every forward as TRL's: pad tokens masked, as id 0,
-positions counted over the real tokens, a padding query attending to the real keys before it); the score, less
+every response position and the reward model's score are read (trainers/ppo_forwards.py, as TRL's forwards); the score, less
 ``missing_eos_penalty`` for a response without EOS, and the per-token KL penalty make the rewards, GAE makes the
 advantages and returns (hfnative.losses.ppo). The step then trains ``num_ppo_epochs`` passes over the batch in
 mini-batches of micro-batches, each micro-batch's loss ``pg_loss + vf_coef * vf_loss`` divided by
@@ -20,7 +19,6 @@ import time
 import torch
 
 from hfnative.generation.sampling import mix64_int
-from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.ppo import (
     INVALID_LOGPROB,
     clipped_policy_loss,
@@ -33,12 +31,11 @@ from hfnative.losses.ppo import (
     token_rewards,
     truncate_after_stop,
 )
-from hfnative.models.head import TokenLogprobs
 
 from .grpo_trainer import GenerationBatchSampler
 from .objective import Normalizer, Objective
-from .reference_free_preference import transformers_padding_plan
-from .reference_model import ReferenceModel, router_loss_off
+from .ppo_forwards import PPOForwards, with_trl_plan
+from .reference_model import ReferenceModel
 from .rollout import Rollout, completion_logprobs_of, pad_token_lists, sampling_params
 from .rollout_engines import make_rollout_engine
 
@@ -54,17 +51,6 @@ STAT_KEYS = {"approxkl": "policy/approxkl_avg", "pg_clipfrac": "policy/clipfrac_
 def _rows(batch):
     """The collator: the dataset rows as they are."""
     return list(batch)
-
-
-def trl_inputs(query_responses_NS: torch.Tensor, pad_token_id: int) -> dict:
-    """TRL's forward inputs for prompt + response tokens: pad tokens masked out and fed as id 0, positions counted
-    over the real tokens."""
-    attention_mask_NS = query_responses_NS != pad_token_id
-    return {
-        "input_ids": query_responses_NS.masked_fill(~attention_mask_NS, 0),
-        "attention_mask": attention_mask_NS.long(),
-        "position_ids": attention_mask_NS.cumsum(1) - attention_mask_NS.long(),
-    }
 
 
 def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_pass: bool) -> tuple[list[bool], int]:
@@ -102,6 +88,7 @@ class PPOObjective(Objective):
         stops = [] if self.stop_token_id is None else [self.stop_token_id]
         sampling = sampling_params(args, args.response_length, stops, temperature=self.temperature, top_k=0, top_p=1.0)
         self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args))
+        self.forwards = PPOForwards(context, self.pad_token_id, self.temperature)
         shape = (len(STATS), args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
         self._stats = torch.zeros(shape, device=context.device)
         self._steps_after: list[bool] = []
@@ -189,14 +176,17 @@ class PPOObjective(Objective):
         sequence_lengths_N = first_true_indices(kept_NT == pad) - 1
         parts = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
         size = args.local_rollout_forward_batch_size
+        forwards, policy = self.forwards, self.context.model
         for start in range(0, len(queries), size):
             rows_slice = slice(start, start + size)
-            batch = self._forward_inputs(query_responses_NS[rows_slice], responses_NT.shape[1])
-            parts["logprobs"].append(self.policy_logprobs(self.context.model, batch)[0])
-            parts["ref_logprobs"].append(self.reference_logprobs(batch))
-            parts["values"].append(self.values(self.value_model, batch))
-            kept = self._forward_inputs(torch.cat([queries_NP[rows_slice], kept_NT[rows_slice]], dim=1), kept_NT.shape[1])
-            parts["scores"].append(self.scores(kept, queries_NP.shape[1] + sequence_lengths_N[rows_slice]))
+            inputs = forwards.prepare(forwards.batch(query_responses_NS[rows_slice], responses_NT.shape[1]))
+            parts["logprobs"].append(forwards.logprobs(policy, inputs)[0])
+            parts["ref_logprobs"].append(forwards.reference_logprobs(self.reference, inputs))
+            parts["values"].append(forwards.values(self.value_model, inputs))
+            kept = forwards.prepare(forwards.batch(torch.cat([queries_NP[rows_slice], kept_NT[rows_slice]], dim=1),
+                                                   kept_NT.shape[1]))
+            positions_B = queries_NP.shape[1] + sequence_lengths_N[rows_slice]
+            parts["scores"].append(forwards.scores(self.auxiliary_models["reward_model"], kept, positions_B))
         logprobs, ref_logprobs, values, scores = (torch.cat(parts[k]).float() for k in ("logprobs", "ref_logprobs",
                                                                                          "values", "scores"))
         contain_eos_N = (kept_NT == self.eos_token_id).any(dim=-1).to(scores.device)
@@ -251,7 +241,7 @@ class PPOObjective(Objective):
                 mini_rows = order[start : start + args.local_mini_batch_size]
                 for micro, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
                     rows = mini_rows[micro_start : micro_start + args.per_device_train_batch_size]
-                    batch = self._forward_inputs(rollout["query_responses"][rows], T)
+                    batch = self.forwards.batch(rollout["query_responses"][rows], T)
                     for name in ("responses", "logprobs", "values", "returns", "advantages", "padding_mask",
                                  "padding_mask_p1"):
                         batch[name] = rollout[name][rows.to(rollout[name].device)]
@@ -259,70 +249,15 @@ class PPOObjective(Objective):
                     batches.append(batch)
         return batches
 
-    # --- the forwards -----------------------------------------------------------------------------------------------
-    def _forward_inputs(self, query_responses_NS: torch.Tensor, T: int) -> dict:
-        """TRL's inputs for rows of prompt + response tokens, with the response tokens as the targets of the positions
-        that predict them (every response position, padding included) and the prompt width."""
-        S = query_responses_NS.shape[1]
-        P = S - T
-        targets_NS = torch.full_like(query_responses_NS, IGNORE_INDEX)
-        targets_NS[:, P - 1 : S - 1] = query_responses_NS[:, P:]
-        return {**trl_inputs(query_responses_NS, self.pad_token_id), "shift_labels": targets_NS, "prompt_length": P,
-                "completion_mask": torch.ones_like(query_responses_NS[:, P:])}
-
-    def _prepared(self, batch: dict) -> dict:
-        """On the device, with the attention plan of TRL's padded forwards."""
-        inputs = self.context.prepare_inputs({k: v for k, v in batch.items() if k != "attention_plan"})
-        return {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
-
-    def policy_logprobs(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies [B, T] of every response position at the temperature, through the fused head."""
-        inputs = self._prepared(batch)
-        with self.context.autocast(), router_loss_off(model):
-            logprobs, entropy, _ = completion_logprobs_of(model, inputs, self.temperature, self.context)
-        return logprobs, entropy
-
-    def reference_logprobs(self, batch: dict) -> torch.Tensor:
-        inputs = self._prepared(batch)
-        head = TokenLogprobs(inputs["shift_labels"], self.temperature, compact=True)
-        with self.context.autocast():
-            logprobs_BS, _ = self.reference.head_output(inputs, head)
-        P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
-        return logprobs_BS[:, P - 1 : P - 1 + T]
-
-    def values(self, value_model, batch: dict) -> torch.Tensor:
-        """The value model's score at every position that predicts a response token [B, T] (no vocabulary logits)."""
-        inputs = self._prepared(batch)
-        P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
-        with self.context.autocast():
-            values_BS1 = value_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                     position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                     every_position=True).logits
-        return values_BS1[:, P - 1 : P - 1 + T, 0]
-
-    def scores(self, batch: dict, positions_B: torch.Tensor) -> torch.Tensor:
-        """The reward model's score of each row at ``positions_B`` (TRL's: the response's last kept token)."""
-        inputs = self._prepared(batch)
-        reward_model = self.auxiliary_models["reward_model"]
-        with self.context.autocast():
-            scores_B1 = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                     position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                     score_positions=positions_B.to(inputs["input_ids"].device)).logits
-        return scores_B1[:, 0]
-
     # --- the loss ---------------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
         """pg_loss + vf_coef * vf_loss of one micro-batch (its mean), its statistics kept in its slot."""
         args = self.args
-        inputs = {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
+        inputs = with_trl_plan(inputs)
         logprobs_BT, entropy_BT, _ = completion_logprobs_of(model, inputs, self.temperature, self.context)
         padding_mask, padding_mask_p1 = inputs["padding_mask"], inputs["padding_mask_p1"]
         new_logprobs_BT = logprobs_BT.float().masked_fill(padding_mask, INVALID_LOGPROB)
-        P, T = inputs["prompt_length"], padding_mask.shape[1]
-        values_BS1 = self.value_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                      position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                      every_position=True).logits
-        predicted_BT = values_BS1[:, P - 1 : P - 1 + T, 0].float().masked_fill(padding_mask_p1, 0)
+        predicted_BT = self.forwards.values(self.value_model, inputs).float().masked_fill(padding_mask_p1, 0)
         vf_loss, vf_clipfrac = clipped_value_loss(predicted_BT, inputs["values"], inputs["returns"], padding_mask_p1,
                                                   args.cliprange_value)
         pg_loss, pg_clipfrac, ratio_BT, log_ratio_BT = clipped_policy_loss(
@@ -369,4 +304,4 @@ class PPOObjective(Objective):
         logs["eps"] = int(episode / max(time.time() - (self._start_time or time.time()), 1e-9))
 
 
-__all__ = ["PPOObjective", "accumulation_boundaries", "trl_inputs"]
+__all__ = ["PPOObjective", "accumulation_boundaries"]
