@@ -84,14 +84,15 @@ def _hfnative_child(spec: dict) -> dict:
     import hfnative
 
     torch.set_num_threads(spec["threads"])
-    seconds = []
+    seconds, cpu_seconds = [], []
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             seconds.append(time.perf_counter() - self.start)
+            cpu_seconds.append(time.process_time() - self.cpu_start)
 
     with tempfile.TemporaryDirectory() as folder:
         tokenizer = AutoTokenizer.from_pretrained(spec["policy"], padding_side="left")
@@ -99,7 +100,7 @@ def _hfnative_child(spec: dict) -> dict:
                                       spec["reward"], Dataset.from_list([{"input_ids": p} for p in spec["prompts"]]),
                                       spec["value"], callbacks=[Clock()])
         trainer.train()
-    return {"step_seconds": seconds, "peak_rss_mib": peak_rss_mib(), "log_history": trainer.state.log_history}
+    return {"step_seconds": seconds, "step_cpu_seconds": cpu_seconds, "peak_rss_mib": peak_rss_mib(), "log_history": trainer.state.log_history}
 
 
 def run(runner: str, spec: dict, trl_dir, timeout: float) -> dict:
@@ -113,9 +114,11 @@ def run(runner: str, spec: dict, trl_dir, timeout: float) -> dict:
                        "value": spec["value"], "config": settings(spec, folder), "prompts": spec["prompts"]}
             os.environ["OMP_NUM_THREADS"] = str(spec["threads"])
             try:
-                return run_trl029(payload, Path(folder) / "run", trl_dir)
+                return run_trl029(payload, Path(folder) / "run", trl_dir, timeout=timeout)
             except RuntimeError as error:
                 return {"error": str(error).splitlines()[-1]}
+            except subprocess.TimeoutExpired:
+                return {"error": f"timed out after {timeout:.0f} s"}
         command = [sys.executable, __file__, "--child", "--spec", json.dumps(spec)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
@@ -142,7 +145,7 @@ def speed(cli, trl_dir) -> None:
         print(f"speed: reference preset ({parameters / 1e6:.1f}M parameters) as policy, reward and value model; "
               f"8 prompts per update, response_length {cli.length}, num_ppo_epochs 4, {cli.updates} updates "
               "(first excluded)")
-        print(f"{'runner':>9} {'s/update':>9} {'response tok/s':>15} {'peak RSS MiB':>13}")
+        print(f"{'runner':>9} {'s/update':>9} {'CPU s/update':>13} {'response tok/s':>15} {'peak RSS MiB':>13}")
         results = {}
         for runner in RUNNERS:
             result = results[runner] = run(runner, spec, trl_dir, cli.timeout)
@@ -150,14 +153,16 @@ def speed(cli, trl_dir) -> None:
                 print(f"{runner:>9} {result['error']}")
                 continue
             per_update = statistics.mean(result["step_seconds"][1:] or result["step_seconds"])
-            lengths = [row["val/num_eos_tokens"] for row in result["log_history"] if "objective/scores" in row]
-            result["per_update"] = per_update
-            print(f"{runner:>9} {per_update:>9.2f} {8 * cli.length / per_update:>15.1f} {result['peak_rss_mib']:>13.0f}"
-                  f"   (EOS tokens per update: {statistics.mean(lengths):.1f})")
+            cpu = statistics.mean(result["step_cpu_seconds"][1:] or result["step_cpu_seconds"])
+            eos = [row["val/num_eos_tokens"] for row in result["log_history"] if "objective/scores" in row]
+            result["per_update"], result["cpu_per_update"] = per_update, cpu
+            print(f"{runner:>9} {per_update:>9.2f} {cpu:>13.2f} {8 * cli.length / per_update:>15.1f} "
+                  f"{result['peak_rss_mib']:>13.0f}   (EOS tokens per update: {statistics.mean(eos):.1f})")
         if all("per_update" in r for r in results.values()):
             ours, theirs = results["hfnative"], results["trl"]
             print(f"{'ratio':>9} {theirs['per_update'] / ours['per_update']:>8.2f}x "
-                  f"{'':>15} {ours['peak_rss_mib'] / theirs['peak_rss_mib']:>12.2f}x   (speed-up; memory hfnative/trl)")
+                  f"{theirs['cpu_per_update'] / ours['cpu_per_update']:>12.2f}x {'':>15} "
+                  f"{ours['peak_rss_mib'] / theirs['peak_rss_mib']:>12.2f}x   (speed-ups; memory hfnative/trl)")
 
 
 def curve(cli, trl_dir) -> None:

@@ -58,7 +58,7 @@ def trl029_dir(cache_root) -> Path:
         pytest.skip(str(error))
 
 
-def run_trl029(payload: dict, folder, trl_dir) -> dict:
+def run_trl029(payload: dict, folder, trl_dir, timeout: float = 900) -> dict:
     """This script on ``payload`` in a subprocess with TRL 0.29.1 first on the path; its result."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def run_trl029(payload: dict, folder, trl_dir) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(trl_dir), os.environ.get("PYTHONPATH", "")]),
            "TRL_EXPERIMENTAL_SILENCE": "1"}
     done = subprocess.run([sys.executable, __file__, str(folder / "payload.json"), str(folder / "result.json")],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          capture_output=True, text=True, env=env, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"TRL {TRL_VERSION}'s run failed:\n{done.stderr[-4000:]}")
     return json.loads((folder / "result.json").read_text())
@@ -159,13 +159,14 @@ def train(payload: dict) -> dict:
 
     from transformers import TrainerCallback
 
-    step_seconds = []
+    step_seconds, step_cpu_seconds = [], []
 
     class Clock(TrainerCallback):  # TRL's PPO calls on_step_end once per update
         def on_step_end(self, args, state, control, **kwargs):
-            now = time.perf_counter()
+            now, cpu_now = time.perf_counter(), time.process_time()
             step_seconds.append(now - getattr(self, "last", start))
-            self.last = now
+            step_cpu_seconds.append(cpu_now - getattr(self, "cpu_last", cpu_start))
+            self.last, self.cpu_last = now, cpu_now
 
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
                          train_dataset=Dataset.from_list([{"input_ids": ids} for ids in prompts]), value_model=value,
@@ -215,10 +216,10 @@ def train(payload: dict) -> dict:
         return log(logs, *rest)
 
     trainer.log = capture_log
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     trainer.train()
     return {"log_history": trainer.state.log_history, "updates": captured, "stats": stats, "step_seconds": step_seconds,
-            "peak_rss_mib": _peak_rss_mib()}
+            "step_cpu_seconds": step_cpu_seconds,            "peak_rss_mib": _peak_rss_mib()}
 
 
 if __name__ == "__main__":
