@@ -8,7 +8,8 @@ is its own).
 
   speed   seconds per update (one rollout batch: generation, the four forwards, num_ppo_epochs passes; the first
           update excluded), response tokens generated per second and peak RSS, on the "reference" preset
-          (benchmarks/harness.py: Qwen3, hidden 256, 4 layers, vocabulary 32000, random weights) as policy, and a
+          (benchmarks/harness.py: Qwen3, hidden 256, 4 layers, vocabulary 32000, random weights; or --preset 100m) as
+          policy, and a
           one-label classifier of the same shape as reward and value model; 8 prompts per update, response_length
           53 (TRL's default), num_ppo_epochs 4, stop token EOS (a random model rarely stops, so responses run to the
           limit), fp32, no activation checkpointing (TRL's PPO never turns it on, whatever gradient_checkpointing says).
@@ -137,12 +138,12 @@ def scores(result: dict) -> list[float]:
 def speed(cli, trl_dir) -> None:
     with tempfile.TemporaryDirectory() as folder:
         policy = Path(folder) / "policy"
-        parameters = build_model(PRESETS["reference"], policy, seed=0)
+        parameters = build_model(PRESETS[cli.preset], policy, seed=0)
         spec = dict(policy=str(policy), reward=save_classifier(policy, Path(folder) / "reward", 1),
                     value=save_classifier(policy, Path(folder) / "value", 2), prompts=prompt_ids(8), batch=8,
                     length=cli.length, updates=cli.updates, lr=3e-6, kl_coef=0.05, temperature=0.7,
                     threads=cli.threads)
-        print(f"speed: reference preset ({parameters / 1e6:.1f}M parameters) as policy, reward and value model; "
+        print(f"speed: {cli.preset} preset ({parameters / 1e6:.1f}M parameters) as policy, reward and value model; "
               f"8 prompts per update, response_length {cli.length}, num_ppo_epochs 4, {cli.updates} updates "
               "(first excluded)")
         print(f"{'runner':>9} {'s/update':>9} {'CPU s/update':>13} {'response tok/s':>15} {'peak RSS MiB':>13}")
@@ -193,6 +194,8 @@ def curve(cli, trl_dir) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", choices=("speed", "curve", "both"), default="both")
+    parser.add_argument("--preset", choices=("reference", "100m"), default="reference",
+                        help="the policy's shape (benchmarks/harness.py); reward and value model the same")
     parser.add_argument("--length", type=int, default=53)
     parser.add_argument("--updates", type=int, default=4)
     parser.add_argument("--curve-updates", type=int, default=160)
