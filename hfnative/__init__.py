@@ -43,7 +43,7 @@ _LAZY = {
         "RewardConfig", "RewardTrainer",
         "KTOConfig", "KTOTrainer",
         "ORPOConfig", "ORPOTrainer", "CPOConfig", "CPOTrainer",
-        "OnlineDPOConfig", "OnlineDPOTrainer",
+        "OnlineDPOConfig", "OnlineDPOTrainer", "PPOConfig", "PPOTrainer",
     )},
 }
 

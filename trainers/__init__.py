@@ -24,6 +24,8 @@ _LAZY = {
     "CPOTrainer": "cpo_trainer",
     "OnlineDPOConfig": "online_dpo_config",
     "OnlineDPOTrainer": "online_dpo_trainer",
+    "PPOConfig": "ppo_config",
+    "PPOTrainer": "ppo_trainer",
     "RewardConfig": "reward_config",
     "RewardTrainer": "reward_trainer",
     "RLOOConfig": "rloo_config",

@@ -356,6 +356,7 @@ COMMANDS: dict[str, Command | str] = {
     "grpo": "hfnative.trainers.grpo_trainer:cli_command",
     "kto": "hfnative.trainers.kto_trainer:cli_command",
     "orpo": "hfnative.trainers.orpo_trainer:cli_command",
+    "ppo": "hfnative.trainers.ppo_trainer:cli_command",
     "cpo": "hfnative.trainers.cpo_trainer:cli_command",
     "reward": "hfnative.trainers.reward_trainer:cli_command",
     "rloo": "hfnative.trainers.rloo_trainer:cli_command",

@@ -15,6 +15,8 @@ then, in ``train()``:
                                                  GRPO: generate, score, compute advantages)
     normalizer(batches) -> Normalizer | None     what every micro-batch's loss is divided by, and what it counts
     loss(model, inputs, num_items_in_batch)      the micro-batch's loss and metrics (device scalars, no host sync)
+    steps_optimizer_after(index)                 whether the optimizer steps after the step's micro-batch ``index``
+                                                 too (PPO's epochs x mini-batches in one step); default never
     after_optimizer_step()                       e.g. push new weights to a rollout engine
   end_training()                                 always, when ``train()`` returns or raises
 and at checkpoints: checkpoint_state() (JSON files saved in checkpoint-N/), load_checkpoint_state(files) on resume
@@ -159,6 +161,12 @@ class Objective(ABC):
         """The micro-batch's loss (its share of the step's, given ``num_items_in_batch``, the normalizer's total
         over the ranks; or its own mean when the normalizer counts micro-batches) and its metrics: device tensors,
         (numerator, denominator) tuples for ratios over the ranks' sums, and ``num_tokens`` as a running total."""
+
+    def steps_optimizer_after(self, index: int) -> bool:
+        """Whether the optimizer also steps (and the gradients are cleared) after the step's micro-batch ``index``,
+        before its last: several optimizer steps in one step of the loop, whose schedule, logs and checkpoints count
+        steps (PPO's epochs x mini-batches on one rollout batch). Default: only after the last micro-batch."""
+        return False
 
     def after_optimizer_step(self) -> None:
         pass

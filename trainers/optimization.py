@@ -56,12 +56,25 @@ class OptimizationMixin:
         self.create_optimizer()
         self.create_scheduler(num_training_steps)
 
-    def _optimizer_step(self):
+    def _trained_parameters(self) -> list:
+        """The parameters the optimizer steps (clipped together)."""
+        return [p for p in self.native_model.parameters() if p.requires_grad]
+
+    def _max_grad_norm(self) -> float:
+        """The global gradient norm clipped to (inf: not clipped)."""
+        max_norm = self.args.max_grad_norm
+        return max_norm if max_norm and max_norm > 0 else float("inf")
+
+    def _zero_gradients(self) -> None:
+        self.native_model.zero_grad(set_to_none=True)
+
+    def _step_parameters(self):
+        """Clip, step the optimizer and clear the gradients (the schedule does not move): the gradient norm."""
         args = self.args
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
         if not in_backward:
-            params = [p for p in self.native_model.parameters() if p.requires_grad]
-            max_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else float("inf")
+            params = self._trained_parameters()
+            max_norm = self._max_grad_norm()
             if self.distributed is not None and self.distributed.dims.pp_enabled:  # each stage holds its parameters
                 from hfnative.parallel.pipeline import clip_grad_norm_over_stages
 
@@ -80,8 +93,14 @@ class OptimizationMixin:
         if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded parameters): the norm over every shard
             grad_norm = grad_norm.full_tensor()
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+        self._zero_gradients()
+        return grad_norm
+
+    def _optimizer_step(self):
+        """The step's last optimizer step, then the schedule's step and the objective's ``after_optimizer_step``:
+        (gradient norm, the learning rate the step used)."""
+        grad_norm = self._step_parameters()
         learning_rate = self.lr_scheduler.get_last_lr()[0]
         self.lr_scheduler.step()
-        self.native_model.zero_grad(set_to_none=True)
         self.objective.after_optimizer_step()
         return grad_norm, learning_rate

@@ -92,6 +92,10 @@ CONFIG_NO_EFFECT = {
     "fork_threshold_tokens": "splits TRL's re-tokenized multi-turn conversations into rows; hfnative's tool-calling "
                              "rollouts append each turn's tokens to the row, so a row is one sequence however many "
                              "turns it has",
+    "sft_model_path": "read by TRL's PPO example script (the policy it loads), not by its trainer; hfnative-train ppo "
+                      "loads --model_name_or_path",
+    "num_sample_generations": "TRL's PPO prints a table of completions of its eval set that often; hfnative's PPO "
+                              "runs no evaluation and prints none",
     "weight_sync_timeout": "bounds a weight transfer to a vLLM server over HTTP; hfnative's generators get weights "
                            "through Ray, and a generator that stops answering is caught by heartbeat_stale_after_s",
 }

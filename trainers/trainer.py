@@ -340,7 +340,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self._tr_loss = torch.zeros((), device=self.device)
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
-        self.native_model.zero_grad(set_to_none=True)
+        self._zero_gradients()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start:
             self._evaluate_and_track_best()
@@ -384,6 +384,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                     self._tr_loss += loss
                     self.state.total_flos += 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
                     if index < len(batches) - 1:
+                        if self.objective.steps_optimizer_after(index):
+                            self._step_parameters()
                         self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
                 grad_norm, learning_rate = self._optimizer_step()
                 self._performance.step_ended()

@@ -23,7 +23,8 @@ from .moe import RouterLogits, load_balancing_loss
 class SequenceClassifierOutput:
     """What ``SequenceClassifier.forward`` returns, with transformers' names.
 
-    logits: [B, L] scores at each row's last non-pad token; hidden_states: final normed states [B, S, D];
+    logits: [B, L] scores at each row's last non-pad token (or at the positions asked for; [B, S, L] for every
+    position); hidden_states: final normed states [B, S, D];
     aux_loss: the MoE router's load-balancing loss when it is on (None otherwise)."""
 
     logits: torch.Tensor
@@ -73,18 +74,25 @@ class SequenceClassifier(Transformer):
         position_ids: torch.Tensor | None = None,
         attention_plan: AttentionPlan | None = None,
         labels: torch.Tensor | None = None,
+        score_positions: torch.Tensor | None = None,
+        every_position: bool = False,
         **unused,
     ) -> SequenceClassifierOutput:
         """input_ids [B, S] -> logits [B, L]. Other transformers keyword arguments (use_cache, ...) are accepted and
-        not needed; ``labels`` are refused (the caller computes its loss from the scores)."""
+        not needed; ``labels`` are refused (the caller computes its loss from the scores). ``score_positions`` [B]:
+        read each row's scores there instead of at its last non-pad token; ``every_position``: the scores of every
+        position, logits [B, S, L] (a value model's per-token values)."""
         if labels is not None:
             raise ValueError("SequenceClassifier computes no loss from labels: compute it from the returned logits [B, L]")
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
         hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
-        last_B = last_token_positions(input_ids, self.args.pad_token_id)
-        rows_B = torch.arange(hidden_BSD.shape[0], device=hidden_BSD.device)
-        logits_BL = self.output(hidden_BSD[rows_B, last_B])
-        out = SequenceClassifierOutput(logits_BL, hidden_BSD)
+        if every_position:
+            logits = self.output(hidden_BSD)
+        else:
+            last_B = last_token_positions(input_ids, self.args.pad_token_id) if score_positions is None else score_positions
+            rows_B = torch.arange(hidden_BSD.shape[0], device=hidden_BSD.device)
+            logits = self.output(hidden_BSD[rows_B, last_B])
+        out = SequenceClassifierOutput(logits, hidden_BSD)
         if router_logits:
             out.aux_loss = load_balancing_loss(router_logits, self.args.moe.num_experts, self.args.moe.top_k, attention_mask)
         return out

@@ -264,3 +264,34 @@ def test_grpo_tool_calling_rollouts_through_vllm(model_dir, tmp_path, request, m
     finally:
         if mode == "server":  # the server is shared: back to the checkpoint's weights for the tests after this one
             engine.load_weights(hub_named_tensors(load_pretrained(model_dir)))
+
+
+def test_ppo_trainer_generates_through_colocated_vllm(model_dir, tmp_path):
+    """PPOTrainer(use_vllm=True): two updates with vLLM's rollouts; then vLLM holds the trained weights (pushed after
+    every update) and decodes greedily as the trained model does (native engine)."""
+    from datasets import Dataset
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    import hfnative
+
+    classifier = tmp_path / "classifier"
+    AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1).save_pretrained(classifier)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    rows = [{"input_ids": tokenizer(f"Tell me about the number {i}")["input_ids"]} for i in range(8)]
+    args = hfnative.PPOConfig(
+        output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=4, num_ppo_epochs=1, response_length=8,
+        total_episodes=8, learning_rate=1e-2, seed=0, gradient_checkpointing=False, use_vllm=True,
+        vllm_mode="colocate", vllm_max_model_length=128,
+    )
+    trainer = hfnative.PPOTrainer(args, tokenizer, str(model_dir), None, str(classifier), Dataset.from_list(rows),
+                                  str(classifier))
+    engine = trainer.objective.rollout.engine
+    assert isinstance(engine, VLLMColocateEngine)
+    before = engine.generate(PROMPTS, GREEDY).completion_ids
+    trainer.train()
+    assert sum("objective/scores" in entry for entry in trainer.state.log_history) == 2
+    trainer.model.eval()
+    after = engine.generate(PROMPTS, GREEDY)  # the weights the trainer pushed after the last update
+    assert after.completion_ids != before
+    assert_same_greedy(after, NativeRolloutEngine(trainer.model).generate(PROMPTS, GREEDY), trainer.model, PROMPTS)
