@@ -98,6 +98,7 @@ def test_compiled_step_matches_eager_and_transformers():
     engine's greedy tokens, and seeded samples whose log-probs are transformers' forward's on the same tokens; rows
     that stop early stop at the same token, their outputs cut after it. The second and third calls of a batch shape
     (other prompts, seeds and rows of the same shape) compile nothing, and the step has no graph break."""
+    counters.clear()  # dynamo's counters are the process's: only this test's compiles are counted
     reference = make_hf_model("gemma3-alternating")  # sliding rings, local RoPE, soft norms, embedding scale
     converted = load_pretrained(reference)
     eager, compiled = NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)
