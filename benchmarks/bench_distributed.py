@@ -109,7 +109,7 @@ def train_layout(runner: str, spec: dict, notes: list[str]) -> dict:
     common["gradient_accumulation_steps"] = layout.accumulation
     parallel = {}
     if layout.sizes:
-        from hfnative.trainers.parallel_plan import parallelism_config_from
+        from hfnative.trainers.running.parallel_plan import parallelism_config_from
 
         # accelerate's ParallelismConfig, with hfnative's own keys (pp_size, pp_schedule) kept on it
         parallel["parallelism_config"] = parallelism_config_from(layout.sizes)

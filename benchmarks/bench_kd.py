@@ -162,7 +162,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
                                           train_dataset=dataset, processing_class=tokenizer)
     elif runner == "ours":
         import hfnative
-        from hfnative.trainers import distillation_trainer
+        from hfnative.trainers.algorithms import distillation as distillation_trainer
 
         if not on_policy:
             distillation_trainer._DistillationObjective.generate = lambda self, model, prompts, sampling: fixed(prompts)

@@ -97,7 +97,7 @@ def child(runner: str, spec: dict) -> dict:
         engine = trainer.objective.engine
         engine.generate = SteeredEngine(SimpleNamespace(generate=engine.generate), trainer.processing_class).generate
     else:
-        from hfnative.trainers.tool_calling import ToolEpisodes
+        from hfnative.trainers.rollout.tool_calling import ToolEpisodes
 
         class SteeredEpisodes(ToolEpisodes):
             def __call__(self, engine, prompt_ids, sampling):

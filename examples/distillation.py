@@ -16,8 +16,8 @@ DistillationTrainer`` runs the same script on TRL.
 """
 
 from hfnative import DistillationConfig, DistillationTrainer
-from hfnative.trainers.cli import TrainingArgumentParser
-from hfnative.trainers.script_arguments import (
+from hfnative.trainers.running.cli import TrainingArgumentParser
+from hfnative.trainers.running.script_arguments import (
     ModelArguments,
     ScriptArguments,
     model_init_kwargs_from,

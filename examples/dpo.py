@@ -15,8 +15,8 @@ and writes an output folder with the same files.
 """
 
 from hfnative import DPOConfig, DPOTrainer
-from hfnative.trainers.cli import TrainingArgumentParser
-from hfnative.trainers.script_arguments import (
+from hfnative.trainers.running.cli import TrainingArgumentParser
+from hfnative.trainers.running.script_arguments import (
     ModelArguments,
     ScriptArguments,
     model_init_kwargs_from,

@@ -15,9 +15,9 @@ GRPOTrainer`` (and TRL's script arguments) runs the same script on TRL.
 """
 
 from hfnative import GRPOConfig, GRPOTrainer
-from hfnative.trainers.cli import TrainingArgumentParser
-from hfnative.trainers.grpo_trainer import RLScriptArguments, rl_trainer_kwargs
-from hfnative.trainers.script_arguments import (
+from hfnative.trainers.running.cli import TrainingArgumentParser
+from hfnative.trainers.algorithms.grpo import RLScriptArguments, rl_trainer_kwargs
+from hfnative.trainers.running.script_arguments import (
     ModelArguments,
     model_init_kwargs_from,
     peft_config_from,

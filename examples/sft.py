@@ -13,8 +13,8 @@ and writes an output folder with the same files.
 """
 
 from hfnative import SFTConfig, SFTTrainer
-from hfnative.trainers.cli import TrainingArgumentParser
-from hfnative.trainers.script_arguments import (
+from hfnative.trainers.running.cli import TrainingArgumentParser
+from hfnative.trainers.running.script_arguments import (
     ModelArguments,
     ScriptArguments,
     model_init_kwargs_from,

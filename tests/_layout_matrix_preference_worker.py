@@ -14,7 +14,7 @@ from pathlib import Path
 from datasets import Dataset
 
 import hfnative
-from hfnative.trainers import distillation_trainer as kd
+from hfnative.trainers.algorithms import distillation as kd
 
 ROOT = Path(__file__).resolve().parents[1]
 DENSE = {"student": str(ROOT / "examples" / "tiny-qwen3"), "teacher": str(ROOT / "examples" / "tiny-qwen3-teacher")}

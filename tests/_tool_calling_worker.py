@@ -67,7 +67,7 @@ class SteeredEngine:
 
 
 def steered_episodes():
-    from hfnative.trainers.tool_calling import ToolEpisodes
+    from hfnative.trainers.rollout.tool_calling import ToolEpisodes
 
     class SteeredEpisodes(ToolEpisodes):
         def __call__(self, engine, prompt_ids, sampling, rows=None):

@@ -26,7 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM, TrainerCallback  # noqa:
 from _tiny_tokenizer import build_tiny_tokenizer  # noqa: E402
 from hfnative import AsyncGRPOConfig, AsyncGRPOTrainer  # noqa: E402
 from hfnative.rl import RolloutActorError, RolloutStalledError, StalenessFilter  # noqa: E402
-from hfnative.trainers.async_grpo import async_group_advantages  # noqa: E402
+from hfnative.trainers.algorithms.async_grpo import async_group_advantages  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by every actor
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors cannot import this test module
@@ -462,7 +462,7 @@ class _SteeredEngine:
 
 
 def _steered_episodes(calls=None):
-    from hfnative.trainers.tool_calling import ToolEpisodes
+    from hfnative.trainers.rollout.tool_calling import ToolEpisodes
 
     class SteeredEpisodes(ToolEpisodes):
         def __call__(self, engine, prompt_ids, sampling, rows=None):

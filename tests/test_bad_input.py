@@ -20,8 +20,9 @@ from transformers import AutoModelForCausalLM, TrainerCallback
 from hfnative import SFTConfig, SFTTrainer
 from hfnative.checkpoint import RefusedCheckpointFile
 from hfnative.converters import parity
-from hfnative.trainers import arguments, cli
-from hfnative.trainers.run_guard import LOCK_NAME, RunError, hold_output_dir
+from hfnative.trainers.loop import arguments
+from hfnative.trainers.running import cli
+from hfnative.trainers.loop.run_guard import LOCK_NAME, RunError, hold_output_dir
 
 
 def _rows(name: str, n: int) -> list[dict]:

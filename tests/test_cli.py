@@ -15,8 +15,8 @@ from datasets import Dataset, DatasetDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hfnative import SFTConfig
-from hfnative.trainers import cli
-from hfnative.trainers.script_arguments import (
+from hfnative.trainers.running import cli
+from hfnative.trainers.running.script_arguments import (
     ModelArguments,
     ScriptArguments,
     load_dataset_dict,
@@ -310,7 +310,7 @@ def test_launch_flags_start_the_run_through_accelerate_launch(monkeypatch, tmp_p
     assert Path(launch.config_file) == trl_fsdp2
     assert (launch.num_processes, launch.mixed_precision, launch.main_process_port) == (2, "no", 29555)
     # every process runs this command again, without the launch flags (--debug is the training argument, as in TRL)
-    assert launch.module and launch.training_script == "hfnative.trainers.cli"
+    assert launch.module and launch.training_script == "hfnative.trainers.running.cli"
     assert launch.training_script_args == ["sft", *training]
     assert not launch.multi_gpu and not (tmp_path / "out").exists()  # the config decides; nothing trained here
 
@@ -340,7 +340,7 @@ def test_launch_exit_status_is_the_runs(monkeypatch):
     assert status == 3
     for exitcode, expected in [(2, 2), (-9, 137)]:  # a usage error in the processes; a process killed by SIGKILL
         failure = ProcessFailure(local_rank=1, pid=1, exitcode=exitcode, error_file="<N/A>")
-        [(status, _, _)] = _launched_with(monkeypatch, argv, ChildFailedError("hfnative.trainers.cli", {1: failure}))
+        [(status, _, _)] = _launched_with(monkeypatch, argv, ChildFailedError("hfnative.trainers.running.cli", {1: failure}))
         assert status == expected
 
 

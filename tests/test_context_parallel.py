@@ -150,7 +150,7 @@ def test_sizes_are_validated(tmp_path):
     from accelerate.parallelism_config import ParallelismConfig
 
     from hfnative.parallel.dims import ParallelDims
-    from hfnative.trainers.parallel_plan import resolve_parallel_plan
+    from hfnative.trainers.running.parallel_plan import resolve_parallel_plan
 
     dims = ParallelDims(dp_shard=-1, cp=2, world_size=8)
     assert (dims.dp_shard, dims.shape) == (4, (1, 4, 2, 1))

@@ -22,8 +22,8 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 import hfnative
-from hfnative.trainers import cli
-from hfnative.trainers import distillation_trainer as kd
+from hfnative.trainers.running import cli
+from hfnative.trainers.algorithms import distillation as kd
 
 trl = pytest.importorskip("trl")
 

@@ -60,7 +60,7 @@ def test_accelerate_launch_with_trl_config(config, one_process, tmp_path):
 
 def test_cli_launches_its_processes(one_process, tmp_path):
     out = tmp_path / "cli"
-    _run([sys.executable, "-m", "hfnative.trainers.cli", "sft", *_script_arguments(out, PER_DEVICE),
+    _run([sys.executable, "-m", "hfnative.trainers.running.cli", "sft", *_script_arguments(out, PER_DEVICE),
           "--num_processes", "2", "--accelerate_config", "fsdp2", "--mixed_precision", "no"])
     _assert_same_training(_logged(out), one_process)
 

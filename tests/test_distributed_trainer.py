@@ -130,7 +130,7 @@ def test_rank_batches_are_accelerates(num_samples, batch_size, ranks):
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler
 
-    from hfnative.trainers.data_loading import EpochBatchSampler, ShardedEpochBatchSampler
+    from hfnative.trainers.loop.data_loading import EpochBatchSampler, ShardedEpochBatchSampler
 
     order = EpochBatchSampler(num_samples, batch_size, seed=3).order()
     base = BatchSampler(order, batch_size, drop_last=False)
@@ -145,7 +145,7 @@ def test_rank_batches_are_accelerates(num_samples, batch_size, ranks):
 def test_padding_to_a_multiple_changes_no_loss():
     from hfnative.converters.loading import load_pretrained
     from hfnative.losses import shift_labels
-    from hfnative.trainers.distributed import pad_sequence_to_multiple
+    from hfnative.trainers.running.distributed import pad_sequence_to_multiple
 
     model = load_pretrained(worker.MODEL).model.eval()
     ids = torch.randint(0, 1000, (2, 7), generator=torch.Generator().manual_seed(0))

@@ -374,7 +374,7 @@ def _logged_steps(folder: Path) -> list[dict]:
 def test_cli_and_example_on_two_processes_train_alike(tmp_path):
     """``hfnative-train dpo`` (one process, 2 pairs a step) and examples/dpo.py under torchrun (2 processes,
     1 pair each) train the same LoRA adapter on the shipped data, step for step, and write it."""
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     lora = ["--use_peft", "--lora_r", "4", "--lora_dropout", "0.0", "--lora_target_modules", "q_proj", "v_proj"]
     common = ["--model_name_or_path", MODEL, "--dataset_name", str(DATA), *QUICK, *lora]

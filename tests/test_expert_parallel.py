@@ -150,7 +150,7 @@ def test_checkpoints_resume_under_another_layout(launched):
 def test_sizes_are_validated(tmp_path):
     from hfnative.parallel.dims import ParallelDims
     from hfnative.parallel.expert_parallel import ExpertParallel
-    from hfnative.trainers.parallel_plan import resolve_parallel_plan
+    from hfnative.trainers.running.parallel_plan import resolve_parallel_plan
 
     dims = ParallelDims(dp_shard=4, ep=2, world_size=4)
     assert (dims.shape, dims.mesh_dim_names) == ((1, 2, 2, 1), ("dp_replicate", "dp_shard_mod_ep", "ep", "tp"))

@@ -37,7 +37,7 @@ from hfnative.converters.fallback_packing import masks_separate_documents
 from hfnative.converters.loading import CheckpointError, UnsupportedModelError
 from hfnative.models.decoder import Transformer
 from hfnative.parallel import apply_activation_checkpointing, apply_compile
-from hfnative.trainers.model_loading import resolve_model
+from hfnative.trainers.running.model_loading import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = AutoTokenizer.from_pretrained(str(ROOT / "examples" / "tiny-qwen3"))

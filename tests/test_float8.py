@@ -135,7 +135,7 @@ def test_float8_refusals(tmp_path, monkeypatch):
 
     with pytest.raises(ValueError, match="float8_recipe='blockwise'"):
         SFTConfig(output_dir=str(tmp_path), use_cpu=True, float8_recipe="blockwise")
-    from hfnative.trainers.float8_plan import float8_training
+    from hfnative.trainers.running.float8_plan import float8_training
 
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "TE")

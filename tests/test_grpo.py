@@ -632,7 +632,7 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference(tmp_path, trainer_na
 def test_reward_functions_calling_convention():
     import asyncio
 
-    from hfnative.trainers.rewards import BUILTIN_REWARDS, RewardFunctions
+    from hfnative.trainers.rollout.rewards import BUILTIN_REWARDS, RewardFunctions
 
     seen = {}
 
@@ -655,7 +655,7 @@ def test_reward_functions_calling_convention():
         await asyncio.sleep(0.01)
         return [0.25] * len(completions)
 
-    rewards = RewardFunctions([plain, slow, slower, "exact_match", "hfnative.trainers.rewards.completion_length"],
+    rewards = RewardFunctions([plain, slow, slower, "exact_match", "hfnative.trainers.rollout.rewards.completion_length"],
                               reward_weights=[1, 1, 1, 1, 1])
     assert rewards.names == ["plain", "slow", "slower", "exact_match", "completion_length"]
     extra = []
@@ -679,7 +679,7 @@ def test_cli_grpo_and_example_run(tmp_path):
     import json
     import subprocess
 
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Question {i}:", "answer": str(i)}) for i in range(16)))
@@ -688,7 +688,7 @@ def test_cli_grpo_and_example_run(tmp_path):
               "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no"]
     for command in ("grpo", "rloo"):
         out = tmp_path / command
-        flags = ["--reward_funcs", "exact_match", "hfnative.trainers.rewards.completion_length"]
+        flags = ["--reward_funcs", "exact_match", "hfnative.trainers.rollout.rewards.completion_length"]
         assert cli.main([command, *common, "--output_dir", str(out), *flags]) in (0, None)
         state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text()) if (out / "checkpoint-2").exists() else None
         assert (out / "model.safetensors").exists()

@@ -17,7 +17,7 @@ from datasets import Dataset
 from hub_standin import HubStandIn
 
 from hfnative import SFTConfig, SFTTrainer
-from hfnative.trainers.cli import main as cli_main
+from hfnative.trainers.running.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-qwen3"

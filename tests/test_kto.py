@@ -274,8 +274,8 @@ def test_bad_settings_are_refused(tmp_path, settings, error, message):
 def test_context_and_expert_parallel_are_refused_with_what_to_do():
     """Context and expert parallel are refused in one message with what to do (the check the loop makes when
     launched); data and tensor parallel are not."""
-    from hfnative.trainers.kto_trainer import KTOObjective
-    from hfnative.trainers.objective import UnsupportedLayoutError, check_supported
+    from hfnative.trainers.algorithms.kto import KTOObjective
+    from hfnative.trainers.loop.objective import UnsupportedLayoutError, check_supported
 
     objective = SimpleNamespace(supports=KTOObjective.supports, generates=lambda: False)
     layout = SimpleNamespace(tp_enabled=True, cp_enabled=True, ep_enabled=True)
@@ -318,7 +318,7 @@ def test_config_has_trls_fields_and_defaults():
 
 def test_cli_trains_and_saves(tmp_path):
     """``hfnative-train kto`` on the shipped paired data (unpaired as TRL does), two steps, a saved model."""
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     out = tmp_path / "cli"
     cli.main(["kto", "--model_name_or_path", MODEL, "--dataset_name", str(DATA), "--output_dir", str(out),

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
 
 import _layout_matrix_preference_worker as worker
 from _launch import logged_abs_tolerance, torchrun
-from hfnative.trainers import distillation_trainer as kd
+from hfnative.trainers.algorithms import distillation as kd
 
 # logged metrics near zero (rewards and margins at the first step, where policy = reference) carry fp32 round-off
 ABSOLUTE = 1e-6

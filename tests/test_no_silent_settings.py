@@ -1,6 +1,6 @@
 """No silent settings: every field of hfnative's TrainingArguments (transformers' fields plus hfnative's own) is
 honoured — read by hfnative's code (an attribute or a name in a library module, found by AST) or by the transformers
-code it runs (trainers/settings_check.py says which) — refused when set away from its default, or listed with the
+code it runs (trainers/running/settings_check.py says which) — refused when set away from its default, or listed with the
 reason it has no effect. Each refused field, set away from its default, raises a ValueError naming it."""
 
 import ast
@@ -12,15 +12,15 @@ from transformers.trainer_pt_utils import AcceleratorConfig
 
 import hfnative
 from hfnative import SFTConfig, SFTTrainer, TrainingArguments
-from hfnative.trainers import settings_check
-from hfnative.trainers.settings_check import (CONFIG_NO_EFFECT, CONFIG_REFUSED, HONOURED_BY_TRANSFORMERS, NO_EFFECT,
+from hfnative.trainers.running import settings_check
+from hfnative.trainers.running.settings_check import (CONFIG_NO_EFFECT, CONFIG_REFUSED, HONOURED_BY_TRANSFORMERS, NO_EFFECT,
                                               REFUSED, check_settings)
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ("hfnative", "converters", "trainers")
 AUDIT = Path(settings_check.__file__).resolve()
 CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOConfig", "DistillationConfig", "GKDConfig",
-           "AsyncGRPOConfig", "KTOConfig", "RewardConfig", "ORPOConfig", "CPOConfig"]
+           "AsyncGRPOConfig", "KTOConfig", "RewardConfig", "ORPOConfig", "CPOConfig", "OnlineDPOConfig", "PPOConfig"]
 
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {

@@ -1,4 +1,4 @@
-"""The objective contract (trainers/objective.py): objectives see the run only through their ObjectiveContext, the
+"""The objective contract (trainers/loop/objective.py): objectives see the run only through their ObjectiveContext, the
 loop reduces every normalizer and divides, and the capability check refuses, in one message, what an objective
 does not declare.
 
@@ -16,12 +16,12 @@ from types import SimpleNamespace
 import pytest
 
 from hfnative.parallel.dims import ParallelDims
-from hfnative.trainers.async_grpo import AsyncGRPOObjective
-from hfnative.trainers.distillation_trainer import OnPolicyDistillationObjective
-from hfnative.trainers.dpo_trainer import DPOObjective
-from hfnative.trainers.gkd_trainer import GKDObjective
-from hfnative.trainers.grpo_trainer import GRPOObjective
-from hfnative.trainers.objective import (
+from hfnative.trainers.algorithms.async_grpo import AsyncGRPOObjective
+from hfnative.trainers.algorithms.distillation import OnPolicyDistillationObjective
+from hfnative.trainers.algorithms.dpo import DPOObjective
+from hfnative.trainers.algorithms.gkd import GKDObjective
+from hfnative.trainers.algorithms.grpo import GRPOObjective
+from hfnative.trainers.loop.objective import (
     FEATURES,
     LanguageModelingObjective,
     Normalizer,
@@ -30,8 +30,8 @@ from hfnative.trainers.objective import (
     count_label_tokens,
     features_used,
 )
-from hfnative.trainers.rloo_trainer import RLOOObjective
-from hfnative.trainers.sft_trainer import SFTObjective
+from hfnative.trainers.algorithms.rloo import RLOOObjective
+from hfnative.trainers.algorithms.sft import SFTObjective
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_normalizers_say_what_they_count():
 
 def test_the_loop_reduces_and_divides_on_one_process():
     from hfnative.parallel.groups import DataParallelGroup
-    from hfnative.trainers.distributed import DistributedMixin
+    from hfnative.trainers.running.distributed import DistributedMixin
 
     loop = SimpleNamespace(distributed=None, data_parallel=DataParallelGroup(None, "cpu"), device="cpu")
 
@@ -221,7 +221,7 @@ def offences_in(source: str, filename: str) -> list[str]:
 
 
 def test_no_objective_reaches_into_the_trainer():
-    paths = sorted((ROOT / "trainers").glob("*.py"))
+    paths = sorted((ROOT / "trainers").rglob("*.py"))
     found = {c.name for p in paths for c in _objective_classes(ast.parse(p.read_text()))}
     assert {"SFTObjective", "DPOObjective", "GKDObjective", "OnPolicyDistillationObjective", "GRPOObjective",
             "RLOOObjective", "AsyncGRPOObjective"} <= found  # the scan sees every objective

@@ -179,7 +179,7 @@ def test_training_equals_trl_on_fixed_completions(tmp_path, monkeypatch, extra):
 # --- the pieces ----------------------------------------------------------------------------------------------
 
 def test_pairs_and_losses_follow_trls_rules():
-    from hfnative.trainers.online_dpo_trainer import online_dpo_losses, pick_pairs
+    from hfnative.trainers.algorithms.online_dpo import online_dpo_losses, pick_pairs
 
     chosen, rejected = pick_pairs(torch.tensor([1.0, 0.0, 2.0, 3.0, 0.0, 2.0]))  # ties go to the first
     assert chosen.tolist() == [3, 1, 2] and rejected.tolist() == [0, 4, 5]
@@ -208,7 +208,7 @@ def test_config_has_trls_fields_and_defaults():
 def test_every_config_field_is_honoured_refused_or_listed():
     """test_no_silent_settings' audit, on OnlineDPOConfig's own fields."""
     from test_no_silent_settings import names_read_by_the_library
-    from hfnative.trainers.settings_check import CONFIG_NO_EFFECT, CONFIG_REFUSED, check_settings
+    from hfnative.trainers.running.settings_check import CONFIG_NO_EFFECT, CONFIG_REFUSED, check_settings
 
     base = {f.name for f in dataclasses.fields(hfnative.TrainingArguments)}
     own = {f.name for f in dataclasses.fields(hfnative.OnlineDPOConfig)} - base

@@ -203,8 +203,8 @@ def test_bad_settings_are_refused(settings, message, tmp_path):
 
 def test_declared_layouts():
     """DDP / FSDP2 (multi_process) and evaluation; the loop refuses tensor, context and expert parallelism."""
-    from hfnative.trainers.cpo_trainer import CPOObjective
-    from hfnative.trainers.orpo_trainer import ORPOObjective
+    from hfnative.trainers.algorithms.cpo import CPOObjective
+    from hfnative.trainers.algorithms.orpo import ORPOObjective
 
     assert ORPOObjective.supports == CPOObjective.supports == {"multi_process", "evaluation"}
 
@@ -256,7 +256,7 @@ def test_layouts_train_like_one_process(policy, tmp_path):
 def test_cli_trains_and_saves(command, extra, tmp_path):
     """``hfnative-train cpo`` on the shipped data (``orpo`` is registered alike), two steps, a saved model
     transformers loads."""
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     out = tmp_path / command
     cli.main([command, "--model_name_or_path", MODEL, "--dataset_name", str(DATA), "--output_dir", str(out),

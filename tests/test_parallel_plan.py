@@ -15,7 +15,7 @@ from accelerate.commands import launch as accelerate_launch
 from accelerate.utils import launch as launch_env
 
 from hfnative import SFTConfig
-from hfnative.trainers.parallel_plan import ParallelPlan, resolve_parallel_plan
+from hfnative.trainers.running.parallel_plan import ParallelPlan, resolve_parallel_plan
 
 TRL_CONFIGS = resources.files("trl.accelerate_configs")
 # what a launcher's environment or transformers' TrainingArguments may leave behind
@@ -146,7 +146,7 @@ def test_mixed_precision_from_accelerate(monkeypatch, tmp_path):
     # the TRL config's own bf16 (no --mixed_precision no): bf16, though bf16=False, as under transformers' Trainer
     accelerate_launch_environment(monkeypatch, "--config_file", trl_config("fsdp2"), "--num_processes", "2")
     assert resolve_parallel_plan(training_args(tmp_path), 2).mixed_precision == "bf16"
-    # fp8: float8 layers (trainers/float8_plan.py, tests/test_float8.py), everything else in bf16 as accelerate runs it
+    # fp8: float8 layers (trainers/running/float8_plan.py, tests/test_float8.py), everything else in bf16 as accelerate runs it
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp8")
     assert resolve_parallel_plan(training_args(tmp_path), 2).mixed_precision == "bf16"
 

@@ -141,7 +141,7 @@ def test_a_cpu_low_precision_peak_is_at_least_the_fp32_rate():
 
 @pytest.mark.parametrize("bf16_rate, warns", [(1e9, True), (50e9, False)])
 def test_bf16_on_a_cpu_without_bf16_kernels_warns(monkeypatch, caplog, bf16_rate, warns):
-    from hfnative.trainers import performance
+    from hfnative.trainers.loop import performance
 
     from hfnative import metrics
 

@@ -157,7 +157,7 @@ def test_pipeline_with_tp_cp_ep_is_refused(other):
 
 
 def test_pipeline_settings_are_checked():
-    from hfnative.trainers.parallel_plan import parallelism_config_from
+    from hfnative.trainers.running.parallel_plan import parallelism_config_from
 
     config = parallelism_config_from({"dp_shard_size": 2, "pp_size": 2, "pp_schedule": "gpipe"})
     assert (config.pp_size, config.pp_schedule) == (2, "gpipe")
@@ -186,15 +186,15 @@ def _pipeline_run(schedule: str = "1f1b"):
 def test_pipeline_refuses_other_objectives_and_settings():
     """The loop's one capability check (Trainer._check_supported): the objectives that do not declare pipeline
     parallelism, and the settings it does not run, each named with what to do."""
-    from hfnative.trainers.distillation_trainer import OnPolicyDistillationObjective
-    from hfnative.trainers.dpo_trainer import DPOObjective
-    from hfnative.trainers.gkd_trainer import GKDObjective
-    from hfnative.trainers.grpo_trainer import GRPOObjective
-    from hfnative.trainers.kto_trainer import KTOObjective
-    from hfnative.trainers.objective import LanguageModelingObjective
-    from hfnative.trainers.rloo_trainer import RLOOObjective
-    from hfnative.trainers.sft_trainer import SFTObjective, SFTTrainer
-    from hfnative.trainers.trainer import Trainer
+    from hfnative.trainers.algorithms.distillation import OnPolicyDistillationObjective
+    from hfnative.trainers.algorithms.dpo import DPOObjective
+    from hfnative.trainers.algorithms.gkd import GKDObjective
+    from hfnative.trainers.algorithms.grpo import GRPOObjective
+    from hfnative.trainers.algorithms.kto import KTOObjective
+    from hfnative.trainers.loop.objective import LanguageModelingObjective
+    from hfnative.trainers.algorithms.rloo import RLOOObjective
+    from hfnative.trainers.algorithms.sft import SFTObjective, SFTTrainer
+    from hfnative.trainers.loop.trainer import Trainer
 
     def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", cls=SFTTrainer, **settings):
         args = dict(eval_strategy="no", optimizer_in_backward=False, gradient_accumulation_steps=2)
@@ -240,6 +240,6 @@ def test_pipeline_refuses_other_objectives_and_settings():
 
 
 def _named(name: str):
-    from hfnative.trainers.sft_trainer import SFTTrainer
+    from hfnative.trainers.algorithms.sft import SFTTrainer
 
     return type(name, (SFTTrainer,), {})

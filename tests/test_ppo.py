@@ -223,7 +223,7 @@ def test_config_has_trls_fields_and_defaults(trl029, tmp_path):
 def test_every_config_field_is_honoured_refused_or_listed():
     """test_no_silent_settings' audit, on PPOConfig's own fields."""
     from test_no_silent_settings import names_read_by_the_library
-    from hfnative.trainers.settings_check import CONFIG_NO_EFFECT, CONFIG_REFUSED, check_settings
+    from hfnative.trainers.running.settings_check import CONFIG_NO_EFFECT, CONFIG_REFUSED, check_settings
 
     base = {f.name for f in dataclasses.fields(hfnative.TrainingArguments)}
     own = {f.name for f in dataclasses.fields(hfnative.PPOConfig)} - base
@@ -233,7 +233,7 @@ def test_every_config_field_is_honoured_refused_or_listed():
 
 
 def test_batch_sizes_are_trls_and_bad_ones_refused():
-    from hfnative.trainers.ppo_config import resolve_batch_sizes
+    from hfnative.trainers.algorithms.ppo_config import resolve_batch_sizes
 
     args = hfnative.PPOConfig("unused", use_cpu=True, per_device_train_batch_size=3, gradient_accumulation_steps=4,
                               num_mini_batches=2, num_train_epochs=2)

@@ -84,7 +84,7 @@ def test_cli_trains_ppo_and_saves_the_value_model(uninterrupted, tmp_path):
     reward_model_path, the policy and value_model/ saved."""
     import json
 
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     root, _ = uninterrupted
     data = tmp_path / "prompts.jsonl"

@@ -129,7 +129,7 @@ def preempt_and_resume(tmp_path, name: str, second_sigterm_during_save: bool = F
 
 @pytest.mark.parametrize("second_sigterm_during_save", [False, True], ids=["one-sigterm", "second-sigterm-in-save"])
 def test_sigterm_saves_the_step_and_resumes_exactly(tmp_path, tmp_path_factory, caplog, second_sigterm_during_save):
-    caplog.set_level(logging.WARNING, logger="hfnative.trainers.preemption")
+    caplog.set_level(logging.WARNING, logger="hfnative.trainers.loop.preemption")
     reference = losses(uninterrupted("SFT", tmp_path_factory))
     # with a second SIGTERM, also save_strategy="epoch": the epoch's end after the preempted step saves nothing more
     extra = dict(save_strategy="epoch") if second_sigterm_during_save else {}

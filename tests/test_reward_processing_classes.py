@@ -13,7 +13,7 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import hfnative
-from hfnative.trainers.rewards import RewardFunctions
+from hfnative.trainers.rollout.rewards import RewardFunctions
 from test_grpo import MODEL, save_reward_model
 
 
@@ -65,7 +65,7 @@ def test_a_reward_tokenizer_without_pad_pads_with_eos_and_scores_there(tmp_path)
 
 def test_a_row_no_function_scored_gets_trl_s_warning(caplog):
     rewards = RewardFunctions([_never])
-    with caplog.at_level(logging.WARNING, logger="hfnative.trainers.rewards"):
+    with caplog.at_level(logging.WARNING, logger="hfnative.trainers.rollout.rewards"):
         scored = rewards.score(["p0", "p1"], ["c0", "c1"], [[1], [2]], [{"prompt": "p0", "topic": "a"},
                                                                           {"prompt": "p1", "topic": "b"}])
     assert torch.isnan(scored).all()

@@ -222,7 +222,7 @@ def test_bad_input_is_refused(model_path, tmp_path):
 
 
 def test_cli_trains_and_saves_a_reward_model(model_path, tmp_path):
-    from hfnative.trainers import cli
+    from hfnative.trainers.running import cli
 
     cli.main(["reward", "--model_name_or_path", model_path, "--dataset_name", str(DATA), "--use_cpu", "--no_bf16",
               "--max_steps", "2", "--logging_steps", "1", "--report_to", "none", "--disable_tqdm",

@@ -249,7 +249,7 @@ def _run_ours(tmp_path, monkeypatch, model, form, case, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
-    from hfnative.trainers import tool_calling
+    from hfnative.trainers.rollout.component import tool_calling
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     seen = []
@@ -368,7 +368,7 @@ def slow(seconds: float) -> str:
 
 
 def test_tool_runner_errors_and_timeouts():
-    from hfnative.trainers.tool_runner import ToolRunner
+    from hfnative.trainers.rollout.tool_runner import ToolRunner
 
     async def slow_async(seconds: float) -> str:
         import asyncio

@@ -11,7 +11,7 @@ from datasets import Dataset, IterableDataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, EarlyStoppingCallback, TrainerCallback
 
 from hfnative import SFTConfig, SFTTrainer
-from hfnative.trainers.checkpoints import get_last_checkpoint
+from hfnative.trainers.loop.checkpoints import get_last_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")

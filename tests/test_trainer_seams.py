@@ -74,7 +74,7 @@ def test_custom_callback_sees_logs_and_stops_training(tmp_path):
 
 
 def test_objective_auxiliary_models_are_loaded_frozen_and_placed_like_the_policy(tmp_path):
-    from hfnative.trainers.sft_trainer import SFTObjective
+    from hfnative.trainers.algorithms.sft import SFTObjective
 
     class WithTeacher(SFTObjective):
         def __init__(self, context):

@@ -19,7 +19,7 @@ from hfnative.converters.rollouts import hub_named_tensors, vllm_dtype, vllm_mod
 from hfnative.generation import NativeRolloutEngine, SamplingParams
 from hfnative.generation.vllm_backend import vllm_sampling_kwargs, write_weights_folder
 from hfnative.peft import LoraTarget, add_lora
-from hfnative.trainers.rollout_engines import make_rollout_engine
+from hfnative.trainers.rollout.engines import make_rollout_engine
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("vllm").origin is not None

@@ -2,36 +2,36 @@
 
 from importlib import import_module
 
-from .arguments import SFTConfig, TrainingArguments
-from .sft_trainer import SFTTrainer
-from .trainer import Trainer
+from .loop.arguments import SFTConfig, TrainingArguments
+from .algorithms.sft import SFTTrainer
+from .loop.trainer import Trainer
 
 # the other algorithms' trainers, imported on first use: name -> module under hfnative.trainers
 _LAZY = {
-    "DPOConfig": "dpo_config",
-    "DPOTrainer": "dpo_trainer",
-    "DistillationConfig": "distillation_config",
-    "DistillationTrainer": "distillation_trainer",
-    "GKDConfig": "distillation_config",
-    "GKDTrainer": "gkd_trainer",
-    "GRPOConfig": "grpo_trainer",
-    "GRPOTrainer": "grpo_trainer",
-    "KTOConfig": "kto_config",
-    "KTOTrainer": "kto_trainer",
-    "ORPOConfig": "reference_free_config",
-    "ORPOTrainer": "orpo_trainer",
-    "CPOConfig": "reference_free_config",
-    "CPOTrainer": "cpo_trainer",
-    "OnlineDPOConfig": "online_dpo_config",
-    "OnlineDPOTrainer": "online_dpo_trainer",
-    "PPOConfig": "ppo_config",
-    "PPOTrainer": "ppo_trainer",
-    "RewardConfig": "reward_config",
-    "RewardTrainer": "reward_trainer",
-    "RLOOConfig": "rloo_config",
-    "RLOOTrainer": "rloo_trainer",
-    "AsyncGRPOConfig": "async_grpo_config",
-    "AsyncGRPOTrainer": "async_grpo",
+    "DPOConfig": "algorithms.dpo_config",
+    "DPOTrainer": "algorithms.dpo",
+    "DistillationConfig": "algorithms.distillation_config",
+    "DistillationTrainer": "algorithms.distillation",
+    "GKDConfig": "algorithms.distillation_config",
+    "GKDTrainer": "algorithms.gkd",
+    "GRPOConfig": "algorithms.grpo",
+    "GRPOTrainer": "algorithms.grpo",
+    "KTOConfig": "algorithms.kto_config",
+    "KTOTrainer": "algorithms.kto",
+    "ORPOConfig": "algorithms.reference_free_config",
+    "ORPOTrainer": "algorithms.orpo",
+    "CPOConfig": "algorithms.reference_free_config",
+    "CPOTrainer": "algorithms.cpo",
+    "OnlineDPOConfig": "algorithms.online_dpo_config",
+    "OnlineDPOTrainer": "algorithms.online_dpo",
+    "PPOConfig": "algorithms.ppo_config",
+    "PPOTrainer": "algorithms.ppo",
+    "RewardConfig": "algorithms.reward_config",
+    "RewardTrainer": "algorithms.reward",
+    "RLOOConfig": "algorithms.rloo_config",
+    "RLOOTrainer": "algorithms.rloo",
+    "AsyncGRPOConfig": "algorithms.async_grpo_config",
+    "AsyncGRPOTrainer": "algorithms.async_grpo",
 }
 
 __all__ = ["SFTConfig", "SFTTrainer", "Trainer", "TrainingArguments", *_LAZY]

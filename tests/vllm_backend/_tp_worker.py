@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hfnative.converters.loading import load_pretrained
 from hfnative.converters.rollouts import hub_named_tensors
 from hfnative.generation import NativeRolloutEngine, SamplingParams
-from hfnative.trainers.rollout_engines import make_rollout_engine
+from hfnative.trainers.rollout.engines import make_rollout_engine
 
 model_dir, out_dir = sys.argv[1], Path(sys.argv[2])
 dist.init_process_group("gloo")

@@ -23,7 +23,7 @@ from hfnative.converters.loading import load_pretrained  # noqa: E402
 from hfnative.converters.rollouts import hub_named_tensors  # noqa: E402
 from hfnative.generation import NativeRolloutEngine, SamplingParams  # noqa: E402
 from hfnative.generation.vllm_backend import VLLMColocateEngine, VLLMServerEngine  # noqa: E402
-from hfnative.trainers.rollout_engines import make_rollout_engine  # noqa: E402
+from hfnative.trainers.rollout.engines import make_rollout_engine  # noqa: E402
 
 for _name, _value in VLLM_ENV.items():
     os.environ.setdefault(_name, _value)

@@ -1,0 +1,293 @@
+"""SFTTrainer: TRL's supervised fine-tuning front door (datasets, masks, packing, metrics)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+
+from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
+from hfnative.data.formats import has_prompt_and_completion
+from hfnative.losses import IGNORE_INDEX
+from hfnative.models.head import TokenCrossEntropy, TokenLogprobs
+
+from ..loop.arguments import LIGER_DEPRECATION, SFTConfig
+from ..running.construction import config_dict
+from ..running.model_card import write_model_card
+from ..loop.objective import LanguageModelingObjective, enable_router_loss
+from ..loop.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+
+def _check_trainer_arguments(args: SFTConfig, data_collator, compute_loss_func) -> None:
+    """TRL's checks of the arguments together with the trainer's own (collator, loss function), and its warnings."""
+    args.check_for_trainer()
+    if args.loss_type == "dft" and compute_loss_func is not None:
+        raise ValueError(
+            "You passed a `compute_loss_func` together with `loss_type='dft'`: the DFT loss is the trainer's loss "
+            "then. Drop `compute_loss_func`, or use `loss_type='nll'` with it."
+        )
+    if uses_padding_free(args.padding_free, args.packing, args.packing_strategy):
+        if data_collator is not None:
+            raise ValueError(
+                "Passing a custom data collator is not supported when using padding-free (`padding_free=True`, or "
+                "packing with the 'bfd' / 'bfd_split' strategy, which flattens each batch into one sequence)."
+            )
+        if args.packing and args.packing_strategy == "wrapped":
+            logger.warning(  # TRL's text, then why
+                "You are passing `padding_free=True` with the 'wrapped' packing strategy, which is not "
+                "recommended. Please refer to the documentation to understand why this is not recommended. "
+                "(Wrapped rows cut documents at row boundaries, and padding-free attention keeps the pieces apart, so "
+                "a document's continuation is trained without its beginning. Prefer packing_strategy='bfd'.)"
+            )
+        if args.per_device_train_batch_size == 1 and not args.packing:
+            logger.warning(  # TRL's text
+                "You are using a per_device_train_batch_size of 1 with padding-free training. Using a batch size "
+                "of 1 annihilate the benefits of padding-free training. Please consider increasing the batch size "
+                "to at least 2."
+            )
+    if compute_loss_func is not None:
+        warnings.warn(  # TRL's text
+            "`compute_loss_func` is deprecated and will be removed in v2.0.0. Subclass `SFTTrainer` and override "
+            "`compute_loss` instead. Expect slower training meanwhile: the loss needs the full logits, so each "
+            "step runs an extra forward pass.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if args.use_liger_kernel:
+        warnings.warn(LIGER_DEPRECATION, FutureWarning, stacklevel=3)
+
+
+class SFTTrainer(Trainer):
+    """TRL's SFTTrainer: same constructor and SFTConfig; logs loss, grad_norm, learning_rate,
+    entropy, mean_token_accuracy, num_tokens and epoch (eval_* in evaluation)."""
+
+    algorithm_name = "SFT"
+    config_class = SFTConfig
+    requires_train_dataset = True
+    _tag_names = ["trl", "sft"]
+    logits_for_metrics_warning = (
+        "`return_outputs=True`, and the logits it passes to `compute_metrics` and "
+        "`preprocess_logits_for_metrics`, are deprecated and will be removed in v2.0.0. The fused LM head does "
+        "not build the logits, so they are recomputed with an extra forward pass."
+    )
+
+    def __init__(
+        self,
+        model,
+        args: SFTConfig | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        compute_loss_func=None,
+        compute_metrics=None,
+        callbacks=None,
+        optimizers=(None, None),
+        optimizer_cls_and_kwargs=None,
+        preprocess_logits_for_metrics=None,
+        quantization_config=None,
+        peft_config=None,
+        formatting_func=None,
+    ):
+        args = self.resolve_args(args, model)
+        _check_trainer_arguments(args, data_collator, compute_loss_func)
+        self.formatting_func = formatting_func
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            compute_loss_func=compute_loss_func,
+            compute_metrics=compute_metrics,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            optimizer_cls_and_kwargs=optimizer_cls_and_kwargs,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+        )
+        self._sync_router_config()
+
+    def _sync_router_config(self) -> None:
+        """As TRL's SFTTrainer: a config with a router coefficient gets ``output_router_logits`` =
+        ``aux_loss_enabled`` and the coefficient in use (so a saved config.json says what was trained)."""
+        text = getattr(self.native_model, "config", None)
+        text = text.get_text_config() if text is not None else None
+        if text is None or not hasattr(text, "router_aux_loss_coef"):
+            return
+        coef = self.args.router_aux_loss_coef
+        enabled = self.aux_loss_enabled
+        text.output_router_logits = enabled
+        text.router_aux_loss_coef = text.router_aux_loss_coef if coef is None else coef
+
+    def _make_objective(self):
+        return SFTObjective(self.context, formatting_func=self.formatting_func)
+
+    def _save_checkpoint(self) -> None:
+        write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
+        super()._save_checkpoint()
+
+    # --- data --------------------------------------------------------------------------------
+
+
+
+def load_chat_template(tokenizer, path: str, config=None) -> None:
+    """``chat_template_path``: a .jinja / .j2 file, whose text becomes ``tokenizer``'s template, or a tokenizer folder,
+    whose template and EOS are taken as TRL's clone_chat_template takes them (``config``, the model's transformers
+    config, gets the new eos_token_id). Where TRL's clone would also change the vocabulary (add the folder's special
+    tokens the tokenizer lacks, resize the embeddings to a multiple of 64), hfnative refuses, naming what would change."""
+    path = Path(path)
+    if path.suffix in (".jinja", ".j2") and path.is_file():
+        tokenizer.chat_template = path.read_text()
+        return
+    if not path.is_dir():
+        raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
+    source = transformers.AutoTokenizer.from_pretrained(str(path))
+    vocab = tokenizer.get_vocab()
+    missing = [token.content for token in source.added_tokens_decoder.values() if token.content not in vocab]
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    resized = -(-(len(vocab) + len(missing)) // 64) * 64
+    if missing or (vocab_size is not None and resized != vocab_size):
+        raise ValueError(
+            f"chat_template_path={str(path)!r}: TRL's clone_chat_template would change the vocabulary here ("
+            + (f"add the tokens {missing[:8]} to the tokenizer; " if missing else "")
+            + f"resize the model's embeddings from {vocab_size} to {resized} rows); hfnative takes a folder's template "
+            "and EOS only. Pass the template as a .jinja file whose special tokens the tokenizer has, or add the "
+            "tokens and resize the model yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that "
+            "model and tokenizer"
+        )
+    tokenizer.chat_template = source.get_chat_template()
+    tokenizer.eos_token = source.eos_token
+    if config is not None:
+        config.get_text_config().eos_token_id = tokenizer.eos_token_id
+
+
+class SFTObjective(LanguageModelingObjective):
+    """SFT: TRL's dataset preparation and collator; loss "nll" or "dft" over the completion tokens;
+    metrics entropy, mean_token_accuracy, num_tokens (and aux_loss for MoE), as TRL logs them."""
+
+    def __init__(self, context, formatting_func=None):
+        super().__init__(context)
+        self.formatting_func = formatting_func
+        self._total_train_tokens = torch.zeros((), dtype=torch.float64, device=context.device)
+        self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)
+
+
+    # --- data -----------------------------------------------------------------------------------
+    def prepare_datasets(self, train_dataset, eval_dataset):
+        context, args = self.context, self.args
+        if context.processing_class is None:
+            raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
+        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
+        if not isinstance(context.processing_class, tokenizer_types):
+            raise TypeError(
+                "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
+                f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
+            )
+        if args.chat_template_path is not None:
+            load_chat_template(context.tokenizer, args.chat_template_path, getattr(context.model, "config", None))
+        tokenizer = context.tokenizer
+        if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
+            pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
+            if pad_token not in tokenizer.get_vocab():
+                raise ValueError(
+                    f"The specified `pad_token` ('{pad_token}') is not found in the vocabulary of the given "
+                    f"`processing_class` ({type(context.processing_class).__name__}): set `tokenizer.pad_token` to a "
+                    "token it has."
+                )
+            if args.pad_token is not None:
+                tokenizer.pad_token = args.pad_token
+            self._pad_token_id = pad_token_id_for(context.processing_class, args.eos_token)
+        self._completion_only_loss = args.completion_only_loss
+        if self._completion_only_loss is None:  # as TRL: decided once, by the train dataset's rows, for every dataset
+            self._completion_only_loss = has_prompt_and_completion(next(iter(train_dataset), None))
+        return super().prepare_datasets(train_dataset, eval_dataset)
+
+    def prepare_train_dataset(self, dataset):
+        return self._prepare(dataset, self.args.packing)
+
+    def prepare_eval_dataset(self, dataset):
+        """Tokenized, masked, truncated (and packed with eval_packing) as the train dataset. A dataset already
+        packed (it has "seq_lengths") is returned as it is; anything else already prepared comes back the same,
+        so a prepared dataset may be passed again (e.g. ``evaluate(trainer.eval_dataset)``)."""
+        if dataset is None or "seq_lengths" in (getattr(dataset, "column_names", None) or []):
+            return dataset
+        args = self.args
+        return self._prepare(dataset, args.packing if args.eval_packing is None else args.eval_packing)
+
+    def _prepare(self, dataset, packing: bool):
+        if dataset is None:
+            return None
+        a = self.args
+        return prepare_sft_dataset(
+            dataset,
+            self.context.processing_class,
+            dataset_text_field=a.dataset_text_field,
+            max_length=a.max_length,
+            packing=packing,
+            packing_strategy=a.packing_strategy,
+            padding_free=a.padding_free,
+            completion_only_loss=self._completion_only_loss,
+            assistant_only_loss=a.assistant_only_loss,
+            eos_token=a.eos_token,
+            formatting_func=self.formatting_func,
+            dataset_num_proc=a.dataset_num_proc,
+            dataset_kwargs=config_dict(a.dataset_kwargs),
+            truncation_mode=a.truncation_mode,
+            shuffle_dataset=a.shuffle_dataset,
+            seed=a.seed,
+        )
+
+    def default_collator(self):
+        a = self.args
+        return LanguageModelingCollator(
+            pad_token_id=self._pad_token_id,
+            padding_free=uses_padding_free(a.padding_free, a.packing, a.packing_strategy),
+            pad_to_multiple_of=a.pad_to_multiple_of,
+        )
+
+    # --- loss and metrics -------------------------------------------------------------------------
+    def loss(self, model, inputs, num_items_in_batch):
+        fused = self.args.fused_loss or self.args.use_liger_kernel
+        targets_BS = inputs["shift_labels"]
+        if self.args.loss_type == "dft":
+            outputs = self.forward(model, inputs, TokenLogprobs(targets_BS, fused=fused))
+            logprobs_BS, entropy_BS = outputs.head_output
+            # DFT: each token's NLL weighted by its (detached) probability
+            loss_sum = -(logprobs_BS * logprobs_BS.exp().detach()).sum()
+            num_valid = (targets_BS != IGNORE_INDEX).sum()
+            entropy_sum = entropy_BS.sum()
+            correct_sum = self._top1_hits(model, outputs.hidden_states, targets_BS)
+        else:
+            outputs = self.forward(model, inputs, TokenCrossEntropy(targets_BS, fused=fused))
+            stats = outputs.head_output
+            loss_sum, entropy_sum, correct_sum = stats.loss_sum, stats.entropy_sum, stats.correct_sum
+            num_valid = torch.as_tensor(stats.num_tokens, device=loss_sum.device)
+        denominator = num_items_in_batch if num_items_in_batch is not None else num_valid.clamp(min=1)
+        loss = loss_sum / denominator
+        # (sum, count) pairs: each micro-batch's ratio is taken over every data-parallel rank's sums, as TRL does
+        metrics = {"entropy": (entropy_sum, num_valid), "mean_token_accuracy": (correct_sum, num_valid)}
+        if outputs.aux_loss is not None:
+            # a per-micro-batch mean (TRL), each rank's loss its share of the whole batch's: logged as the whole
+            loss = loss + self.aux_loss_coef * self.context.router_loss(outputs.aux_loss, num_items_in_batch)
+            metrics["aux_loss"] = self.context.whole_router_loss(outputs.aux_loss)
+        if model.training:
+            if "attention_mask" in inputs:
+                self._total_train_tokens += inputs["attention_mask"].sum()
+            else:
+                self._total_train_tokens += inputs["position_ids"].size(1)
+        metrics["num_tokens"] = self._total_train_tokens
+        return loss, metrics
+
+    @staticmethod
+    @torch.no_grad()
+    def _top1_hits(model, hidden_BSD, targets_BS) -> torch.Tensor:
+        """Label tokens whose target is the argmax (a chunked pass through the head, no gradient)."""
+        return model.output(hidden_BSD.detach(), loss=TokenCrossEntropy(targets_BS)).correct_sum

@@ -1,0 +1,1 @@
+"""The one training loop and its contract with the algorithms: the Trainer, the objective base and the context it is handed, normalizers, metrics, capabilities, evaluation, optimization, saving and resuming."""

@@ -1,0 +1,176 @@
+"""The Trainer's models: the policy loaded, converted, given its adapters and placed (parallelized in a distributed
+run); the objective's frozen models loaded and placed alike; and the model-facing names transformers' and TRL's
+trainers have (``model``, ``model_wrapped``, ``accelerator``, ``aux_loss_enabled``)."""
+
+from __future__ import annotations
+
+from hfnative.converters.fallback import TransformersCausalLM
+from hfnative.converters.hub_model import attach_hub_surface
+from hfnative.converters.loading import ConvertedModel
+from hfnative.converters.peft_surface import PeftSurface, peft_surface_or_none
+from hfnative.models.decoder import Transformer
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
+from hfnative.parallel.float8 import apply_float8_training
+
+from ..running.float8_plan import float8_training
+from ..running.model_loading import load_meta_model, load_sharded, resolve_model
+
+
+class ModelMixin:
+    """The policy and the frozen models of a Trainer (see the module docstring)."""
+
+    @property
+    def model(self):
+        """The model as TRL's trainer shows it: ``native_model`` (the module that trains), or, when native LoRA
+        adapters are on, peft's ``PeftModel`` names over it (``hfnative.converters.peft_surface``: the same
+        tensors under ``base_model.model.<transformers path>.lora_A.default.weight`` and the like); on the
+        transformers fallback with peft, the ``PeftModel`` that trains."""
+        native = self.native_model
+        if isinstance(native, TransformersCausalLM) and native.peft_model is not None:
+            return native.peft_model  # transformers' module trains through peft: its own PeftModel
+        if self.lora_settings is not None and isinstance(self.converted, ConvertedModel) and self.converted.model is native:
+            surface = peft_surface_or_none(self.converted, self.lora_settings)
+            if surface is not None:
+                return surface
+        return native
+
+    @model.setter
+    def model(self, model) -> None:
+        self.native_model = model.native_model if isinstance(model, PeftSurface) else model
+
+    def _set_model(self, model) -> None:
+        loaded = None
+        if self.distributed is not None and self._may_load_sharded(model):
+            # built on the meta device; each rank loads its slice of the checkpoint once parallelized
+            loaded = load_meta_model(model, self._model_init_kwargs)
+        sharded = loaded is not None
+        if loaded is None:
+            loaded = resolve_model(model, self.device, self._model_init_kwargs)
+        self.converted: ConvertedModel | None = loaded.converted
+        self.native_model: Transformer = loaded.model
+        self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
+        self.base_model_name_or_path = loaded.base_model_name_or_path
+        self._add_adapters()
+        if isinstance(self.native_model, Transformer):  # transformers' model surface for callbacks and user code
+            attach_hub_surface(self.native_model, self.converted, adapter_settings=self.lora_settings,
+                               base_model_name_or_path=self.base_model_name_or_path)
+        if hasattr(self.native_model, "add_model_tags"):
+            self.native_model.add_model_tags(self._tag_names)
+        # counted whole, before a pipeline stage keeps its part
+        embedding_params = self.native_model.get_input_embeddings().weight.numel()
+        self._non_embedding_params = sum(p.numel() for p in self.native_model.parameters()) - embedding_params
+        self._place(self.native_model)
+        if sharded:
+            load_sharded(self.converted, self.device)
+
+    def _place(self, model) -> None:
+        """Put a model on the device with the run's engine options (the policy and, frozen, every
+        auxiliary model go through here, so they are laid out alike). In a distributed run:
+        ``hfnative.parallel.parallelize`` with the run's layout."""
+        if self.distributed is not None:
+            self._parallelize(model)
+            return
+        model.to(self.device)
+        float8 = float8_training(self.args) if any(p.requires_grad for p in model.parameters()) else None
+        if float8 is not None:
+            apply_float8_training(model, float8, self.device)
+        if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
+            apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
+        if self.args.torch_compile:
+            apply_compile(model)
+
+    def _build_auxiliary_models(self) -> None:
+        """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
+        object, loaded like the policy, frozen, in eval mode, placed like the policy."""
+        for name, source in list(self.objective.auxiliary_models.items()):
+            loaded = resolve_model(source, self.device, {})
+            model = loaded.model
+            if isinstance(model, Transformer):
+                attach_hub_surface(model, loaded.converted, base_model_name_or_path=loaded.base_model_name_or_path)
+            model.requires_grad_(False).eval()
+            self._place(model)
+            self.objective.auxiliary_models[name] = model
+
+    def _add_adapters(self) -> None:
+        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
+        kwargs = self._model_init_kwargs
+        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
+        if self.peft_config is None:
+            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
+                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
+            return
+        if self.lora_settings is not None:
+            raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
+        if self.converted is None:
+            raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
+        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
+
+        if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
+            if quantization["load_in_4bit"] or quantization["quantization_config"]:
+                raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
+                                 "only; this peft_config trains through peft: drop the quantization")
+            self.converted = apply_peft(self.converted, self.peft_config)
+            self.native_model = self.converted.model
+            return
+        from hfnative.converters.peft import apply_lora
+        from hfnative.peft import lora_settings
+
+        self.lora_settings = lora_settings(self.peft_config)
+        apply_lora(self.converted, self.lora_settings, **quantization)
+
+    # --- what code written for transformers' Trainer reads -------------------------------------------------
+    @property
+    def accelerator(self):
+        """accelerate's ``Accelerator`` for this process, as transformers' Trainer has one: rank and device
+        (``is_main_process``, ``num_processes``, ``process_index``, ``device``), ``gather``, ``gather_for_metrics``,
+        ``reduce``, ``split_between_processes``, ``unwrap_model``, ``wait_for_everyone``, over the process group the
+        trainer started. Created on first use; the training loop itself does not go through it. Assigning one
+        (``trainer.accelerator = ...``) keeps what is assigned, for the code that reads it."""
+        accelerator = self.__dict__.get("_accelerator")
+        if accelerator is None:
+            from accelerate import Accelerator
+
+            accelerator = self._accelerator = Accelerator(cpu=self.device.type == "cpu" and self.args.use_cpu)
+        return accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        self._accelerator = accelerator
+
+    @property
+    def aux_loss_enabled(self) -> bool:
+        """TRL's ``aux_loss_enabled``: the model's config has ``output_router_logits`` (a Mixture-of-Experts model)
+        and the router's load-balancing coefficient (``router_aux_loss_coef``, else the config's) is not 0.0. Where
+        the objective adds that loss (SFT, DPO, KTO), setting it turns the term and its ``aux_loss`` metric on or off."""
+        return self._aux_loss_enabled
+
+    @aux_loss_enabled.setter
+    def aux_loss_enabled(self, enabled: bool) -> None:
+        self._aux_loss_enabled = bool(enabled)
+        if hasattr(self.objective, "aux_loss_coef"):  # the objectives that add the model's router loss
+            self.native_model.aux_loss_enabled = bool(enabled)
+
+    def _router_loss_rule(self) -> bool:
+        """TRL's rule for ``aux_loss_enabled`` (a trainer where TRL decides it otherwise overrides this)."""
+        coef = getattr(self.args, "router_aux_loss_coef", None)
+        config = getattr(self.native_model, "config", None)
+        if config is None:  # a bare native model: its MoE settings say the same
+            moe = getattr(getattr(self.native_model, "args", None), "moe", None)
+            return moe is not None and (moe.aux_loss_coef if coef is None else coef) != 0.0
+        text = config.get_text_config()
+        coef = getattr(text, "router_aux_loss_coef", 0.0) if coef is None else coef
+        return hasattr(text, "output_router_logits") and coef != 0.0
+
+    @property
+    def model_wrapped(self):
+        """The model the loop runs (transformers' Trainer keeps a wrapped copy here; hfnative wraps in place)."""
+        return self.native_model
+
+    def is_world_process_zero(self) -> bool:
+        return self.state.is_world_process_zero
+
+    def is_local_process_zero(self) -> bool:
+        return self.state.is_local_process_zero
+
+
+__all__ = ["ModelMixin"]

@@ -1,0 +1,181 @@
+"""No silent settings: each field of transformers' TrainingArguments that hfnative's own code does not read is either
+honoured by the transformers code hfnative runs (``HONOURED_BY_TRANSFORMERS``), refused when set away from its
+default (``REFUSED``: ``check_settings`` raises, naming the field and what to do), or has no effect by design
+(``NO_EFFECT``, with the reason); likewise the TRL configs' own fields (``CONFIG_NO_EFFECT``, ``CONFIG_REFUSED``).
+tests/test_no_silent_settings.py checks that every field falls in one of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import transformers
+from transformers.trainer_pt_utils import AcceleratorConfig
+from transformers.trainer_utils import enable_full_determinism, set_seed
+
+# field -> the transformers code that reads it while hfnative trains
+HONOURED_BY_TRANSFORMERS = {
+    "logging_strategy": "transformers' DefaultFlowCallback, which decides the steps that log",
+    "logging_first_step": "transformers' DefaultFlowCallback",
+    "eval_delay": "transformers' DefaultFlowCallback, which decides the steps that evaluate",
+    "run_name": "the report_to integrations (transformers' reporting callbacks)",
+    "project": "the report_to integrations (trackio, wandb)",
+    "trackio_space_id": "the trackio integration",
+    "trackio_bucket_id": "the trackio integration",
+    "trackio_static_space_id": "the trackio integration",
+    "tf32": "TrainingArguments.__post_init__, which sets torch's TF32 switches",
+    "fsdp_config": "TrainingArguments.__post_init__ (into fsdp_plugin_args, which trainers/running/parallel_plan.py reads)",
+}
+
+# field -> why it changes nothing in an hfnative run
+NO_EFFECT = {
+    "do_train": "read by training scripts, not by the Trainer (as in transformers)",
+    "do_eval": "read by training scripts, not by the Trainer (as in transformers)",
+    "do_predict": "read by training scripts, not by the Trainer (as in transformers)",
+    "activation_checkpointing_kwargs": "activations are recomputed with torch's non-reentrant checkpoint; these kwargs "
+                                       "(use_reentrant, ...) choose among implementations of the same recomputation",
+    "dataloader_pin_memory": "a host-to-device copy speed setting; the values trained on are the same",
+    "length_column_name": "read only by train_sampling_strategy='group_by_length', which is refused",
+    "ddp_find_unused_parameters": "data parallelism runs on FSDP2 / replicated DTensors, not torch's "
+                                  "DistributedDataParallel: there is no unused-parameter search to configure",
+    "ddp_bucket_cap_mb": "data parallelism runs on FSDP2 / replicated DTensors, not torch's DistributedDataParallel: "
+                         "gradients are reduced per parallelized unit, not in buckets",
+    "ddp_broadcast_buffers": "data parallelism runs on FSDP2 / replicated DTensors, not torch's "
+                             "DistributedDataParallel: every rank makes the same buffers",
+    "ddp_static_graph": "data parallelism runs on FSDP2 / replicated DTensors, not torch's DistributedDataParallel",
+}
+
+# field -> what to do instead; refused when the value is neither the class's default nor in ALSO_ACCEPTED
+REFUSED = {
+    "optim_target_modules": "hfnative's optimizers (no GaLore / APOLLO) train every trainable parameter alike; "
+                            "unset optim_target_modules",
+    "average_tokens_across_devices": "hfnative always divides a step's loss by the tokens of the whole step over "
+                                     "every rank; leave it True",
+    "bf16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
+    "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
+    "torch_compile_backend": "torch_compile uses torch.compile's default backend (inductor); unset it",
+    "torch_compile_mode": "torch_compile uses torch.compile's default mode; unset it",
+    "neftune_noise_alpha": "NEFTune noise on the embeddings is not implemented; unset it",
+    "torch_empty_cache_steps": "not implemented; unset it",
+    "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
+    "include_num_input_tokens_seen": "not implemented (the SFT / RL trainers log num_tokens themselves); leave it 'no'",
+    "prediction_loss_only": "not implemented; leave it False (evaluation returns what compute_metrics asks for)",
+    "eval_do_concat_batches": "evaluation concatenates the predictions of every batch; leave it True",
+    "eval_use_gather_object": "evaluation gathers tensors; leave it False",
+    "eval_accumulation_steps": "evaluation gathers the predictions once, at the end; unset it",
+    "include_for_metrics": "compute_metrics gets predictions and labels only; leave it empty",
+    "batch_eval_metrics": "compute_metrics runs once on the whole evaluation; leave it False",
+    "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
+    "ignore_data_skip": "a resumed run always skips the batches trained before its checkpoint; leave it False",
+    "skip_memory_metrics": "memory metrics are not reported; leave it True",
+    "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
+                          "leave accelerator_config unset",
+    "dataloader_persistent_workers": "the train loader takes dataloader_num_workers only; leave it False",
+    "dataloader_prefetch_factor": "the train loader takes dataloader_num_workers only; unset it",
+    "dataloader_multiprocessing_context": "the train loader takes dataloader_num_workers only; unset it",
+    "dataloader_in_order": "the train loader takes dataloader_num_workers only; leave it True",
+    "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
+    "debug": "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not implemented; unset it",
+    "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
+    "train_sampling_strategy": "group_by_length is not implemented; use 'random' or 'sequential'",
+}
+
+# the TRL configs' own fields (beyond TrainingArguments') that hfnative's code does not read: why each changes nothing
+CONFIG_NO_EFFECT = {
+    "ds3_gather_for_generation": "a DeepSpeed ZeRO-3 switch; hfnative runs no DeepSpeed (generation gathers a "
+                                 "sharded policy's weights in every layout)",
+    "log_multimodal": "logs the images of multimodal rows; hfnative's RL trainers take text and chat prompts only",
+    "cast_lm_head_to_fp32": "the chunked head computes the log-probs in float32 already, whatever the weights' dtype",
+    "cache_implementation": "selects transformers' generate() KV cache kind; the native engine keeps its own cache, "
+                            "and every kind holds the same values",
+    "fork_threshold_tokens": "splits TRL's re-tokenized multi-turn conversations into rows; hfnative's tool-calling "
+                             "rollouts append each turn's tokens to the row, so a row is one sequence however many "
+                             "turns it has",
+    "sft_model_path": "read by TRL's PPO example script (the policy it loads), not by its trainer; hfnative-train ppo "
+                      "loads --model_name_or_path",
+    "num_sample_generations": "TRL's PPO prints a table of completions of its eval set that often; hfnative's PPO "
+                              "runs no evaluation and prints none",
+    "weight_sync_timeout": "bounds a weight transfer to a vLLM server over HTTP; hfnative's generators get weights "
+                           "through Ray, and a generator that stops answering is caught by heartbeat_stale_after_s",
+}
+
+# the TRL configs' own fields refused when set away from the config's default
+CONFIG_REFUSED = {
+    "vllm_structured_outputs_regex": "guided (regex-constrained) decoding is not implemented; unset it",
+}
+
+# values besides the class's default that a refused field may hold (what __post_init__ turns the default into,
+# or the values hfnative implements)
+ALSO_ACCEPTED = {
+    "accelerator_config": (AcceleratorConfig(),),
+    "debug": ([],),
+    "torch_compile_backend": ("inductor",),  # what __post_init__ sets with torch_compile=True
+    "include_num_input_tokens_seen": ("no", False),
+    "label_names": (["labels"],),
+    "train_sampling_strategy": ("random", "sequential"),
+}
+
+
+def field_default(config_class, name: str):
+    """The dataclass default of ``config_class``'s field ``name``."""
+    field = next(f for f in dataclasses.fields(config_class) if f.name == name)
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return field.default
+
+
+def refused_settings(args) -> list[str]:
+    """``name=value: what to do`` for every REFUSED field of ``args`` set away from its default (transformers', or the
+    config class's own where a TRL config changes it)."""
+    names = {f.name for f in dataclasses.fields(args)}
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    found = []
+    for name, what_to_do in {**REFUSED, **CONFIG_REFUSED}.items():
+        if name not in names:
+            continue
+        value = getattr(args, name)
+        defaults = (field_default(type(args), name), *ALSO_ACCEPTED.get(name, ()))
+        if name in base:
+            defaults += (field_default(transformers.TrainingArguments, name),)
+        if any(value == accepted for accepted in defaults):
+            continue
+        found.append(f"{name}={value!r}: {what_to_do}")
+    return found
+
+
+def seed_everything(args) -> None:
+    """``seed`` as transformers' Trainer sets it: with ``full_determinism``, deterministic algorithms too."""
+    (enable_full_determinism if args.full_determinism else set_seed)(args.seed)
+
+
+def set_log_level(args, rank: int, local_rank: int) -> None:
+    """transformers' log verbosity from ``log_level`` on the main process (of each node with ``log_on_each_node``)
+    and ``log_level_replica`` on the others; "passive" leaves it as it is."""
+    main = (local_rank if args.log_on_each_node else rank) == 0
+    level = args.log_level if main else args.log_level_replica
+    if level != "passive":
+        transformers.utils.logging.set_verbosity(transformers.utils.logging.get_log_levels_dict()[level])
+        logging.getLogger("hfnative").setLevel(transformers.utils.logging.get_log_levels_dict()[level])
+
+
+def check_settings(args) -> None:
+    """Raise ValueError naming every setting of ``args`` hfnative would otherwise ignore."""
+    found = refused_settings(args)
+    if found:
+        raise ValueError("hfnative does not implement these settings (set away from their defaults): "
+                         + "; ".join(found))
+
+
+__all__ = [
+    "ALSO_ACCEPTED",
+    "CONFIG_NO_EFFECT",
+    "CONFIG_REFUSED",
+    "HONOURED_BY_TRANSFORMERS",
+    "NO_EFFECT",
+    "REFUSED",
+    "check_settings",
+    "refused_settings",
+    "seed_everything",
+    "set_log_level",
+]
