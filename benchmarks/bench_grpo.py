@@ -27,14 +27,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import PRESETS, HeapPeak, build_model, machine_description, peak_rss_mib  # noqa: E402
+from harness import PRESETS, HeapPeak, build_model, machine_description, peak_rss_mib, result_line_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "examples" / "tiny-qwen3"
@@ -97,14 +96,7 @@ def run_child(runner: str, spec: dict, timeout: float) -> dict:
         spec = {**spec, "output_dir": folder}
         env = {**os.environ, "OMP_NUM_THREADS": str(spec["threads"])}
         command = [sys.executable, __file__, "--child", runner, "--spec", json.dumps(spec)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        for line in reversed(done.stdout.splitlines()):
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+        return result_line_child(command, timeout, env)
 
 
 def speed(cli, model: str) -> dict:

@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT / "tests"))
-from harness import PRESETS, build_model, machine_description, peak_rss_mib  # noqa: E402
+from harness import PRESETS, build_model, machine_description, peak_rss_mib, result_line_child  # noqa: E402
 from trl029_ppo import NotInstalled, install_trl029, run_trl029  # noqa: E402
 
 TINY = ROOT / "examples" / "tiny-qwen3"
@@ -121,14 +121,7 @@ def run(runner: str, spec: dict, trl_dir, timeout: float) -> dict:
             except subprocess.TimeoutExpired:
                 return {"error": f"timed out after {timeout:.0f} s"}
         command = [sys.executable, __file__, "--child", "--spec", json.dumps(spec)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s"}
-        for line in reversed(done.stdout.splitlines()):
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+        return result_line_child(command, timeout, env)
 
 
 def scores(result: dict) -> list[float]:

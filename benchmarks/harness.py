@@ -440,6 +440,18 @@ def run_child(runner: str, spec_path: Path, out_path: Path, timeout: float, scri
     return {"runner": runner, "status": "failed", "note": f"exit {process.returncode}: " + "\n".join(tail)}
 
 
+def result_line_child(command: list[str], timeout: float, env: dict | None = None) -> dict:
+    """The JSON a child process prints on its ``RESULT `` line, or {"error": why} when it timed out or printed none."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+
+
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (children first), from the parent ids in /proc."""
     children: dict[int, list[int]] = {}
