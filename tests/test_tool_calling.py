@@ -249,7 +249,7 @@ def _run_ours(tmp_path, monkeypatch, model, form, case, **extra):
     import hfnative
     from datasets import Dataset
     from hfnative.generation import Rollouts
-    from hfnative.trainers.rollout.component import tool_calling
+    from hfnative.trainers.rollout import tool_calling
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     seen = []
