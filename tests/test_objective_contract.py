@@ -125,6 +125,8 @@ def test_the_loop_reduces_and_divides_on_one_process():
     assert step(Normalizer(40, "label_tokens"), 3) == ([40] * 3, 1, 1.0)
     # a micro-batch mean is divided by the step's micro-batches (over every data-parallel rank: here one)
     assert step(Normalizer.micro_batches([{}] * 3), 3) == ([None] * 3, 3, 1.0)
+    # a mean over another count than the step's micro-batches (PPO: accelerate's gradient_accumulation_steps)
+    assert step(Normalizer(4, "micro_batches"), 2) == ([None] * 2, 4, 1.0)
     # per-micro-batch token counts: each micro-batch its own count (averaged over one rank), then a mean
     assert step(Normalizer.tokens_per_micro_batch([7, 5.5]), 2) == ([7.0, 5.5], 2, 1.0)
     # summed micro-batch means: nothing divided over one rank, the logs count their mean

@@ -385,14 +385,17 @@ class DistributedMixin:
             return StepNormalization([None] * micro_batches, micro_batches)
         cp = 1 if self.distributed is None else self.distributed.dims.cp
         if normalizer.unit == SUM_UNIT:
-            return StepNormalization([None] * micro_batches, self.data_parallel.size * cp, logged_share=1 / micro_batches)
+            return StepNormalization([None] * micro_batches, self.data_parallel.size * cp,
+                                     logged_share=1 / normalizer.count)
         if normalizer.unit in (MEAN_UNIT, PER_MICRO_BATCH_UNIT):
             counts = normalizer.count if normalizer.per_micro_batch else ()
-            if len(counts) not in (0, micro_batches):
+            if normalizer.per_micro_batch and len(counts) != micro_batches:
                 raise ValueError(f"a per-micro-batch normalizer has {len(counts)} counts for a step of {micro_batches} "
                                  "micro-batches")
-            # one collective: the step's micro-batches over the ranks, and each per-micro-batch count summed
-            totals = self.data_parallel.sum(torch.tensor([micro_batches, *counts], dtype=torch.float64)).tolist()
+            # one collective: the micro-batches a mean is taken over (the normalizer's count), summed over the ranks,
+            # and each per-micro-batch count summed
+            means_over = len(counts) if normalizer.per_micro_batch else normalizer.count
+            totals = self.data_parallel.sum(torch.tensor([means_over, *counts], dtype=torch.float64)).tolist()
             items = [total / self.data_parallel.size for total in totals[1:]] or [None] * micro_batches
             return StepNormalization(items, int(totals[0]) * cp)
         integral = isinstance(normalizer.count, int)
