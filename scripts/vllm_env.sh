@@ -49,6 +49,28 @@ python -m pip install --quiet "pytest>=8" "pyyaml>=6.0" "safetensors>=0.4" "tqdm
 # text generation runs with it (tests/vllm_backend trains GRPO through colocated vLLM in this environment)
 TRANSFORMERS_SPEC=$(python -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print(next(d for d in deps if d.startswith("transformers")).replace("[torch]", ""))')
 python -m pip install --quiet --no-deps "$TRANSFORMERS_SPEC"
+# --no-deps leaves out what that version added to its own requirements (e.g. `kernels`, without which its
+# from_pretrained refuses to load any model): those that are missing or unmet are installed, torch kept as pinned
+MISSING=$(python - <<'PY'
+import importlib.metadata as metadata
+from packaging.requirements import Requirement
+
+for line in metadata.requires("transformers") or []:
+    requirement = Requirement(line)
+    if requirement.marker is not None and not requirement.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        installed = metadata.version(requirement.name)
+    except metadata.PackageNotFoundError:
+        installed = None
+    if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+        print(str(requirement).split(";")[0].replace(" ", ""))
+PY
+)
+if [ -n "$MISSING" ]; then
+  # shellcheck disable=SC2086  # one argument a requirement
+  python -m pip install --quiet $MISSING "$TORCH_SPEC"
+fi
 
 python - <<'PY'
 import torch, transformers, vllm
