@@ -25,8 +25,14 @@ blocks of their own address range (best fit, split, coalesced, freed blocks kept
 at the range's end goes back to the kernel); smaller ones still come from ``malloc``. Only tensor storage is there,
 so nothing else pins its holes. Measured (2-core Xeon, 100M-parameter distillation, 4 steps): peak RSS 3,535 MiB
 against 3,950-4,007 with the heap alone, the same losses to the last bit, no slower. ``heap_stats`` counts the
-pool's bytes with the heap's. Set ``HFNATIVE_CPU_TENSOR_POOL=0`` to keep torch's own allocator; without a C++
-compiler, on a system other than Linux, or where the build fails, the pool is not installed (logged once) and
+pool's bytes with the heap's.
+
+The pool is opt-in: the trainer installs it when ``HFNATIVE_CPU_TENSOR_POOL=1``. A preloaded general allocator does
+nearly as well for memory and can be faster (``benchmarks/bench_allocators.py``, benchmarks/RESULTS.md, 2026-12-05:
+tcmalloc's peak RSS 1-2% above the pool's at 4-11% more tokens/s, jemalloc's within 1.4% at 8-11% fewer), so
+``LD_PRELOAD`` of tcmalloc or jemalloc, as PyTorch's CPU performance guidance has it, is the first choice (see the
+README). ``HFNATIVE_CPU_TENSOR_POOL=0`` keeps even a direct ``pool_cpu_tensors()`` call from installing it; without a
+C++ compiler, on a system other than Linux, or where the build fails, the pool is not installed (logged once) and
 nothing else changes.
 """
 
@@ -45,9 +51,9 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from hfnative.switches import switched_off
+from hfnative.switches import switched_off, switched_on
 
-__all__ = ["HeapStats", "heap_stats", "keep_freed_cpu_memory", "pool_cpu_tensors"]
+__all__ = ["HeapStats", "heap_stats", "keep_freed_cpu_memory", "pool_cpu_tensors", "pool_requested"]
 
 logger = logging.getLogger(__name__)
 
@@ -194,6 +200,11 @@ def _reserve_bytes() -> int:
     except (ValueError, OSError):
         physical = 64 << 30
     return max(2 * physical, 4 << 30)
+
+
+def pool_requested() -> bool:
+    """Whether the run asks for the tensor pool (``HFNATIVE_CPU_TENSOR_POOL=1``): the trainer installs it only then."""
+    return switched_on(POOL_SWITCH)
 
 
 def pool_cpu_tensors() -> bool:

@@ -128,3 +128,31 @@ def test_pool_switched_off_or_unbuildable_leaves_torch_allocator(tmp_path):
     no_compiler = _probe({"CXX": str(tmp_path / "no-such-compiler"), "HFNATIVE_CACHE_DIR": str(tmp_path / "cache")}, code)
     assert no_compiler == {"installed": False, "stats": None, "sum": 4.0 * MIB}
     assert not any((tmp_path / "cache").glob("*.so"))  # nothing half-built left behind
+
+
+_TRAINER = """
+import json, sys
+from datasets import Dataset
+from hfnative import SFTConfig, SFTTrainer
+from hfnative.allocator import _pool_stats
+
+rows = [json.loads(line) for line in open(sys.argv[1])][:8]
+args = SFTConfig(output_dir=sys.argv[2], use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=1,
+                 per_device_train_batch_size=2, save_strategy="no", max_length=64)
+SFTTrainer(model=sys.argv[3], args=args, train_dataset=Dataset.from_list(rows)).train()
+print(json.dumps({"installed": _pool_stats() is not None}))
+"""
+
+
+@pytest.mark.parametrize("switch,installed", [(None, False), ("1", True), ("0", False)])
+def test_the_trainer_installs_the_pool_only_when_asked(tmp_path, switch, installed):
+    """Opt-in: a training run on CPU leaves torch's allocator alone unless HFNATIVE_CPU_TENSOR_POOL=1."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "HFNATIVE_CPU_TENSOR_POOL"}
+    if switch is not None:
+        env["HFNATIVE_CPU_TENSOR_POOL"] = switch
+    command = [sys.executable, "-c", _TRAINER, os.path.join(root, "examples/data/sft_messages.jsonl"),
+               str(tmp_path / "run"), os.path.join(root, "examples/tiny-qwen3")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"installed": installed}

@@ -30,7 +30,7 @@ from transformers.trainer_callback import (
 from transformers.trainer_utils import TrainOutput
 
 from hfnative.models.decoder import Transformer
-from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors
+from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors, pool_requested
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel.groups import DataParallelGroup
 
@@ -297,7 +297,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
-            pool_cpu_tensors()
+            if pool_requested():  # opt-in: a preloaded tcmalloc / jemalloc does about as well (README)
+                pool_cpu_tensors()
             if self.is_world_process_zero():
                 warn_if_cpu_low_precision_is_slow(args)
 
