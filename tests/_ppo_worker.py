@@ -41,8 +41,9 @@ def prompt_rows(n: int = 8) -> list[dict]:
             for i in range(n)]
 
 
-def ppo_trainer(output_dir, models_dir, callbacks=(), **extra):
-    """PPO on 8 prompts, 4 updates of 4 rollouts (two passes over the data), saving at update 2."""
+def ppo_trainer(output_dir, models_dir, callbacks=(), policy: str = MODEL, **extra):
+    """PPO on 8 prompts, 4 updates of 4 rollouts (two passes over the data), saving at update 2; ``policy``: the
+    policy's folder (tiny-qwen3's tokenizer in any case)."""
     import hfnative
     from datasets import Dataset
     from transformers import AutoTokenizer
@@ -58,7 +59,7 @@ def ppo_trainer(output_dir, models_dir, callbacks=(), **extra):
                     report_to=[], disable_tqdm=True, save_strategy="steps", save_steps=SAVED, seed=5)
     settings.update(extra)
     return hfnative.PPOTrainer(hfnative.PPOConfig(**settings), AutoTokenizer.from_pretrained(MODEL, padding_side="left"),
-                               MODEL, None, str(folders[0]), Dataset.from_list(prompt_rows()), str(folders[1]),
+                               str(policy), None, str(folders[0]), Dataset.from_list(prompt_rows()), str(folders[1]),
                                callbacks=list(callbacks))
 
 

@@ -129,6 +129,9 @@ def test_the_loop_reduces_and_divides_on_one_process():
     assert step(Normalizer(4, "micro_batches"), 2) == ([None] * 2, 4, 1.0)
     # per-micro-batch token counts: each micro-batch its own count (averaged over one rank), then a mean
     assert step(Normalizer.tokens_per_micro_batch([7, 5.5]), 2) == ([7.0, 5.5], 2, 1.0)
+    # ... each a mean over another count than the step's micro-batches (PPO's accumulation steps, several optimizer
+    # steps in one step of the loop)
+    assert step(Normalizer.tokens_per_micro_batch([7, 5.5, 3, 4], means_over=2), 4) == ([7.0, 5.5, 3.0, 4.0], 2, 1.0)
     # summed micro-batch means: nothing divided over one rank, the logs count their mean
     assert step(Normalizer.summed_micro_batches([{}] * 4), 4) == ([None] * 4, 1, 0.25)
     # none: transformers' Trainer, each loss divided by this rank's micro-batches

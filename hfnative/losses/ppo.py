@@ -97,28 +97,36 @@ def generalized_advantages(rewards_NT: torch.Tensor, values_NT: torch.Tensor, ga
     return advantages_NT, advantages_NT + values_NT
 
 
-def clipped_policy_loss(new_logprobs_BT, old_logprobs_BT, advantages_BT, padding_mask_BT, cliprange: float):
+def _over(values: torch.Tensor, mask: torch.Tensor, tokens) -> torch.Tensor:
+    """The sum of ``values`` where ``mask`` over ``tokens`` (None: the mask's own count, a masked mean)."""
+    return masked_mean(values, mask) if tokens is None else (values * mask).sum() / tokens
+
+
+def clipped_policy_loss(new_logprobs_BT, old_logprobs_BT, advantages_BT, padding_mask_BT, cliprange: float,
+                        tokens=None):
     """PPO's clipped surrogate, the mean over the kept tokens of max(-A r, -A clip(r, 1 - c, 1 + c)):
-    (loss, clip fraction, ratio [B, T], log-ratio [B, T])."""
+    (loss, clip fraction, ratio [B, T], log-ratio [B, T]). ``tokens``: divide the sums by this count instead of the
+    kept tokens of these rows (the rows' share of a mean over a micro-batch split over processes)."""
     log_ratio_BT = new_logprobs_BT - old_logprobs_BT
     ratio_BT = torch.exp(log_ratio_BT)
     unclipped = -advantages_BT * ratio_BT
     clipped = -advantages_BT * torch.clamp(ratio_BT, 1.0 - cliprange, 1.0 + cliprange)
     kept_BT = ~padding_mask_BT
-    loss = masked_mean(torch.max(unclipped, clipped), kept_BT)
-    clip_fraction = masked_mean((clipped > unclipped).float(), kept_BT).detach()
+    loss = _over(torch.max(unclipped, clipped), kept_BT, tokens)
+    clip_fraction = _over((clipped > unclipped).float(), kept_BT, tokens).detach()
     return loss, clip_fraction, ratio_BT, log_ratio_BT
 
 
-def clipped_value_loss(predicted_BT, old_values_BT, returns_BT, padding_mask_p1_BT, cliprange_value: float):
+def clipped_value_loss(predicted_BT, old_values_BT, returns_BT, padding_mask_p1_BT, cliprange_value: float,
+                       tokens=None):
     """The clipped value loss, 0.5 times the mean over the valued tokens of max((v - R)^2, (clip(v) - R)^2) with v
-    clipped to old value +- cliprange_value: (loss, clip fraction)."""
+    clipped to old value +- cliprange_value: (loss, clip fraction). ``tokens`` as in ``clipped_policy_loss``."""
     clipped_BT = torch.clamp(predicted_BT, old_values_BT - cliprange_value, old_values_BT + cliprange_value)
     unclipped_loss = torch.square(predicted_BT - returns_BT)
     clipped_loss = torch.square(clipped_BT - returns_BT)
     valued_BT = ~padding_mask_p1_BT
-    loss = 0.5 * masked_mean(torch.max(unclipped_loss, clipped_loss), valued_BT)
-    return loss, masked_mean((clipped_loss > unclipped_loss).float(), valued_BT).detach()
+    loss = 0.5 * _over(torch.max(unclipped_loss, clipped_loss), valued_BT, tokens)
+    return loss, _over((clipped_loss > unclipped_loss).float(), valued_BT, tokens).detach()
 
 
 __all__ = [

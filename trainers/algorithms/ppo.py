@@ -126,12 +126,18 @@ class PPOTrainer(Trainer):
                 adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
                 adafactor_class=transformers.Adafactor,
             )
-            both = nn.ModuleDict({"policy": self.native_model, "value_model": self.value_model})
-            self.optimizer = build_optimizer(both, settings)
+            self.optimizer = build_optimizer(self._trained_module(), settings)
         elif self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(self._trained_parameters(), **kwargs)
         return self.optimizer
+
+    def _trained_module(self):
+        """The policy and the value model under one module (TRL's PolicyAndValueWrapper): one optimizer, and one
+        training state in a distributed checkpoint."""
+        import torch.nn as nn
+
+        return nn.ModuleDict({"policy": self.native_model, "value_model": self.value_model})
 
     def _trained_parameters(self) -> list:
         return super()._trained_parameters() + [p for p in self.value_model.parameters() if p.requires_grad]
@@ -203,11 +209,12 @@ class PPOTrainer(Trainer):
             return
         from hfnative.converters.families import model_pieces
         from hfnative.converters.loading import SafetensorsSource, check_checkpoint, copy_into_model
+        from hfnative.converters.sharded_loading import copy_shards_into_model
 
         source = SafetensorsSource(folder)
         pieces = model_pieces(self._value_converted.family, self.value_model.args)
         check_checkpoint(source, pieces, self.value_model, str(folder))
-        copy_into_model(source, pieces, self.value_model)
+        (copy_into_model if self.distributed is None else copy_shards_into_model)(source, pieces, self.value_model)
 
     @property
     def ref_model(self):

@@ -1,7 +1,14 @@
 """PPO with a value model on the one loop: TRL 0.29's PPOTrainer ``train()``, one rollout batch per step of the loop.
 
-Shapes: N rollouts of this rank's batch (local_batch_size), B of a micro-batch, P prompt tokens (left-padded),
-T response tokens (right-padded), S = P + T.
+Shapes: N rollouts of the step's whole batch (batch_size, over every data-parallel rank), B of a micro-batch, P prompt
+tokens (left-padded), T response tokens (right-padded), S = P + T.
+
+Over data-parallel ranks (DDP, FSDP2) a step is one process's step on the whole batch: each rank completes its
+local_batch_size prompts (each row from its own sampling stream), the completions are gathered, each rank runs the
+forwards of its own rows and the results are gathered, so that every rank holds the whole rollout batch and whitens
+and shuffles it as one process does. Each micro-batch of that order is cut over the ranks, and each rank's loss is
+its rows' share of the micro-batch's token means (their sums over the micro-batch's tokens, counted over every rank's
+rows through the loop's per-micro-batch normalizer). TRL whitens and shuffles each process's batch apart.
 
 A step: the batch's prompts are completed by the rollout engine (temperature + 1e-7, top_k 0, top_p 1, stopping at
 the stop token), then, without a graph, the policy's and the reference's log-probs, the value model's values at
@@ -70,9 +77,9 @@ def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_
 class PPOObjective(Objective):
     """TRL 0.29's PPO (see the module docstring). ``value_model`` is set by the trainer once loaded."""
 
-    # one process: no layout is declared until each is checked against one process (the value model's and the reward
-    # model's forwards, the per-update statistics and the checkpoints over two trained models)
-    supports = frozenset()
+    # data-parallel layouts, each checked against one process (tests/test_ppo_layouts.py); tensor, context and expert
+    # parallelism wait for a sharding plan of the one-label score heads of the value and reward models
+    supports = frozenset({"multi_process", "multi_process_generation"})
     split_collated_batches = False
 
     def __init__(self, context, reference_source, reference_given: bool, reward_model):
@@ -158,29 +165,34 @@ class PPOObjective(Objective):
         return batches
 
     def normalizer(self, batches: list[dict]) -> Normalizer:
-        """Each micro-batch's loss is its own mean divided by gradient_accumulation_steps (accelerate's backward)."""
-        return Normalizer(self.args.gradient_accumulation_steps, "micro_batches")
+        """Each micro-batch's loss is its token means divided by gradient_accumulation_steps (accelerate's backward);
+        a rank's part of those means is its rows' sums over the micro-batch's kept tokens (``loss``), counted here."""
+        return Normalizer.tokens_per_micro_batch([batch["kept_tokens"] for batch in batches],
+                                                 means_over=self.args.gradient_accumulation_steps)
 
     def steps_optimizer_after(self, index: int) -> bool:
         return self._steps_after[index]
 
     @torch.no_grad()
     def make_rollout(self, rows: list[dict], place: int) -> dict:
-        """Complete, score and value this rank's rollout batch: its tensors, the rewards, advantages and returns, and
-        TRL's objective/* metrics recorded."""
-        args, pad = self.args, self.pad_token_id
-        queries = [list(row["input_ids"]) for row in rows]
-        rollouts = self.rollout.generate(queries, **self.rollout.row_streams(place, len(queries)))
+        """Complete this rank's prompts, then score and value the whole rollout batch (each rank its own rows): the
+        batch's tensors, the rewards, advantages and returns, and TRL's objective/* metrics recorded."""
+        args, pad, data_parallel = self.args, self.pad_token_id, self.context.data_parallel
+        local_queries = [list(row["input_ids"]) for row in rows]
+        rollouts = self.rollout.generate(local_queries, **self.rollout.row_streams(place, len(local_queries)))
+        queries = data_parallel.gather_lists(local_queries)
+        completions = data_parallel.gather_lists([list(ids) for ids in rollouts.completion_ids])
         queries_NP = pad_token_lists(queries, pad, side="left")
-        responses_NT = pad_token_lists(rollouts.completion_ids, pad)
+        responses_NT = pad_token_lists(completions, pad)
         kept_NT = responses_NT if self.stop_token_id is None else truncate_after_stop(responses_NT, self.stop_token_id, pad)
         query_responses_NS = torch.cat([queries_NP, responses_NT], dim=1)
         sequence_lengths_N = first_true_indices(kept_NT == pad) - 1
         parts = {"logprobs": [], "ref_logprobs": [], "values": [], "scores": []}
         size = args.local_rollout_forward_batch_size
         forwards, policy = self.forwards, self.context.model
-        for start in range(0, len(queries), size):
-            rows_slice = slice(start, start + size)
+        mine = data_parallel.local_rows(len(local_queries))
+        for start in range(mine.start, mine.stop, size):
+            rows_slice = slice(start, min(start + size, mine.stop))
             inputs = forwards.prepare(forwards.batch(query_responses_NS[rows_slice], responses_NT.shape[1]))
             parts["logprobs"].append(forwards.logprobs(policy, inputs)[0])
             parts["ref_logprobs"].append(forwards.reference_logprobs(self.reference, inputs))
@@ -189,8 +201,8 @@ class PPOObjective(Objective):
                                                    kept_NT.shape[1]))
             positions_B = queries_NP.shape[1] + sequence_lengths_N[rows_slice]
             parts["scores"].append(forwards.scores(self.auxiliary_models["reward_model"], kept, positions_B))
-        logprobs, ref_logprobs, values, scores = (torch.cat(parts[k]).float() for k in ("logprobs", "ref_logprobs",
-                                                                                         "values", "scores"))
+        logprobs, ref_logprobs, values, scores = (data_parallel.gather_rows(torch.cat(parts[k]).float())
+                                                  for k in ("logprobs", "ref_logprobs", "values", "scores"))
         contain_eos_N = (kept_NT == self.eos_token_id).any(dim=-1).to(scores.device)
         if args.missing_eos_penalty is not None:
             scores[~contain_eos_N] -= args.missing_eos_penalty
@@ -224,46 +236,58 @@ class PPOObjective(Objective):
         metrics.add("val/num_eos_tokens", (responses_NT == self.eos_token_id).sum())
 
     def minibatch_order(self, update: int, epoch: int) -> torch.Tensor:
-        """This rank's shuffle of its rollout batch for one PPO epoch, keyed by the seed, the update, the epoch and the
-        rank (a resumed run draws the same)."""
-        key = mix64_int(mix64_int(mix64_int(int(self.args.seed)) ^ update) ^ epoch) ^ self.context.data_parallel.rank
+        """The shuffle of the whole rollout batch for one PPO epoch, keyed by the seed, the update and the epoch (the
+        same on every rank; a resumed run draws the same)."""
+        key = mix64_int(mix64_int(mix64_int(int(self.args.seed)) ^ update) ^ epoch)
         generator = torch.Generator().manual_seed(key & ((1 << 63) - 1))
-        return torch.randperm(self.args.local_batch_size, generator=generator)
+        return torch.randperm(self.args.batch_size, generator=generator)
 
     def training_micro_batches(self, rollout: dict, update: int) -> list[dict]:
-        """The step's micro-batches in TRL's order: for each PPO epoch a fresh shuffle, cut into num_mini_batches
-        mini-batches of per_device_train_batch_size micro-batches; each keeps its (epoch, mini-batch, micro-batch)
-        slot for the statistics."""
-        args = self.args
+        """This rank's micro-batches in TRL's order: for each PPO epoch a fresh shuffle of the whole batch, cut into
+        num_mini_batches mini-batches of micro-batches of micro_batch_size rows (per_device_train_batch_size on each
+        rank); each keeps its (epoch, mini-batch, micro-batch) slot for the statistics, its rank's kept tokens and
+        the whole micro-batch's kept and valued tokens (its policy and value means count different positions)."""
+        args, data_parallel = self.args, self.context.data_parallel
         T = rollout["responses"].shape[1]
         batches = []
         for epoch in range(args.num_ppo_epochs):
             order = self.minibatch_order(update, epoch)
-            for mini, start in enumerate(range(0, args.local_batch_size, args.local_mini_batch_size)):
-                mini_rows = order[start : start + args.local_mini_batch_size]
-                for micro, micro_start in enumerate(range(0, args.local_mini_batch_size, args.per_device_train_batch_size)):
-                    rows = mini_rows[micro_start : micro_start + args.per_device_train_batch_size]
+            for mini, start in enumerate(range(0, args.batch_size, args.mini_batch_size)):
+                mini_rows = order[start : start + args.mini_batch_size]
+                for micro, micro_start in enumerate(range(0, args.mini_batch_size, args.micro_batch_size)):
+                    whole = mini_rows[micro_start : micro_start + args.micro_batch_size]
+                    rows = whole[data_parallel.local_rows(args.per_device_train_batch_size)]
                     batch = self.forwards.batch(rollout["query_responses"][rows], T)
                     for name in ("responses", "logprobs", "values", "returns", "advantages", "padding_mask",
                                  "padding_mask_p1"):
                         batch[name] = rollout[name][rows.to(rollout[name].device)]
                     batch["slot"] = (epoch, mini, micro)
+                    batch["kept_tokens"] = int((~batch["padding_mask"]).sum())
+                    whole = whole.to(rollout["padding_mask"].device)
+                    batch["whole_tokens"] = (int((~rollout["padding_mask"][whole]).sum()),
+                                             int((~rollout["padding_mask_p1"][whole]).sum()))
                     batches.append(batch)
         return batches
 
     # --- the loss ---------------------------------------------------------------------------------------------------
     def loss(self, model, inputs: dict, num_items_in_batch):
-        """pg_loss + vf_coef * vf_loss of one micro-batch (its mean), its statistics kept in its slot."""
+        """pg_loss + vf_coef * vf_loss of one micro-batch (token means), its statistics kept in its slot. On one
+        process ``num_items_in_batch`` is the micro-batch's kept tokens; over data-parallel ranks it is their mean
+        over the ranks, each rank's sums divided by it making its share of the whole micro-batch's means (the loop
+        averages the ranks' shares)."""
         args = self.args
+        kept = float(inputs["kept_tokens"] if num_items_in_batch is None else num_items_in_batch)
+        whole_kept, whole_valued = inputs["whole_tokens"]
+        valued = kept * whole_valued / whole_kept if whole_kept else float(whole_valued)
         inputs = with_trl_plan(inputs)
         logprobs_BT, entropy_BT, _ = completion_logprobs_of(model, inputs, self.temperature, self.context)
         padding_mask, padding_mask_p1 = inputs["padding_mask"], inputs["padding_mask_p1"]
         new_logprobs_BT = logprobs_BT.float().masked_fill(padding_mask, INVALID_LOGPROB)
         predicted_BT = self.forwards.values(self.value_model, inputs).float().masked_fill(padding_mask_p1, 0)
         vf_loss, vf_clipfrac = clipped_value_loss(predicted_BT, inputs["values"], inputs["returns"], padding_mask_p1,
-                                                  args.cliprange_value)
+                                                  args.cliprange_value, tokens=valued)
         pg_loss, pg_clipfrac, ratio_BT, log_ratio_BT = clipped_policy_loss(
-            new_logprobs_BT, inputs["logprobs"], inputs["advantages"], padding_mask, args.cliprange)
+            new_logprobs_BT, inputs["logprobs"], inputs["advantages"], padding_mask, args.cliprange, tokens=kept)
         loss = pg_loss + args.vf_coef * vf_loss
         if model.training:
             with torch.no_grad():

@@ -33,7 +33,8 @@ class Normalizer:
       completion-token count per micro-batch (of whole sequences, this rank's); the loop hands micro-batch i the mean
       of its count over the data-parallel ranks as ``num_items_in_batch``, and divides the loss, its token sum divided
       by that, as a micro-batch mean (TRL's DAPO-style GRPO losses: the generation batch's tokens per micro-batch;
-      async GRPO: each micro-batch's own tokens).
+      async GRPO: each micro-batch's own tokens). ``means_over``: the micro-batches that mean is over on each rank
+      when it is not the step's (PPO: accelerate's accumulation steps, several optimizer steps in one step).
     - ``summed_micro_batches``: each micro-batch's loss is its own mean and the step trains on their sum, averaged
       over the ranks, while the logged loss is their mean (TRL's online DPO backpropagates each micro-batch's mean as
       it is).
@@ -41,6 +42,7 @@ class Normalizer:
 
     count: int | float | tuple
     unit: str
+    means_over: int | None = None
 
     def __post_init__(self):
         if self.unit not in UNITS:
@@ -68,8 +70,8 @@ class Normalizer:
         return cls(len(batches), SUM_UNIT)
 
     @classmethod
-    def tokens_per_micro_batch(cls, counts) -> Normalizer:
-        return cls(tuple(float(count) for count in counts), PER_MICRO_BATCH_UNIT)
+    def tokens_per_micro_batch(cls, counts, means_over: int | None = None) -> Normalizer:
+        return cls(tuple(float(count) for count in counts), PER_MICRO_BATCH_UNIT, means_over)
 
 
 def count_label_tokens(batches: list[dict]) -> Normalizer | None:

@@ -165,6 +165,10 @@ class SavingMixin:
         if files:
             self.objective.load_checkpoint_state(files)
 
+    def _trained_module(self) -> torch.nn.Module:
+        """The module whose parameters the optimizer steps, as a distributed checkpoint's training state holds it."""
+        return self.native_model
+
     def _save_distributed_checkpoint(self, final: Path) -> None:
         """checkpoint-N of a distributed run: the model in Hub format (gathered, written by rank 0) and, unless
         save_only_model, ``training_state/`` (model, optimizer, scheduler and per-rank RNG through
@@ -180,7 +184,7 @@ class SavingMixin:
                 if run.is_main:
                     self._save(tmp, native_state)
             if not self.args.save_only_model:
-                save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self.native_model, self.optimizer,
+                save_training_state(tmp / ckpt.TRAINING_STATE_DIR, self._trained_module(), self.optimizer,
                                     lr_scheduler=self.lr_scheduler, extra={"global_step": self.state.global_step})
             state = self.objective.checkpoint_state()
             if run.is_main:
@@ -232,7 +236,7 @@ class SavingMixin:
         if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
             from hfnative.checkpoint import load_training_state
 
-            load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self.native_model, self.optimizer,
+            load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self._trained_module(), self.optimizer,
                                 lr_scheduler=self.lr_scheduler,
                                 model_is_part=self.distributed is not None and self.distributed.dims.pp_enabled)
             return

@@ -394,7 +394,7 @@ class DistributedMixin:
                                  "micro-batches")
             # one collective: the micro-batches a mean is taken over (the normalizer's count), summed over the ranks,
             # and each per-micro-batch count summed
-            means_over = len(counts) if normalizer.per_micro_batch else normalizer.count
+            means_over = (normalizer.means_over or len(counts)) if normalizer.per_micro_batch else normalizer.count
             totals = self.data_parallel.sum(torch.tensor([means_over, *counts], dtype=torch.float64)).tolist()
             items = [total / self.data_parallel.size for total in totals[1:]] or [None] * micro_batches
             return StepNormalization(items, int(totals[0]) * cp)
