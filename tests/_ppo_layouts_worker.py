@@ -1,9 +1,9 @@
 """PPOTrainer as the ranks of a torchrun launch, for tests/test_ppo_layouts.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _ppo_layouts_worker.py OUTPUT_DIR MODELS_DIR RUN [RUN ...]
-Each RUN is a layout (``ddp``, ``fsdp2``), ``fsdp2-resume`` (a second FSDP2 run that resumes the ``fsdp2`` run's
-checkpoint of update SAVED and trains the updates after it) or ``tp2``, which PPO refuses when the trainer is built
-(its error is written instead of a log). Every run samples from the native engine on each rank,
+Each RUN is a layout (``ddp``, ``fsdp2``, ``tp2`` on 2 processes, ``fsdp2xtp2`` on 4), ``fsdp2-resume`` (a second
+FSDP2 run that resumes the ``fsdp2`` run's checkpoint of update SAVED and trains the updates after it) or ``cp2``, which
+PPO refuses when the trainer is built (its error is written instead of a log). Every run samples from the native engine on each rank,
 scores with the reward model and values with the value model, on the same global batch as the test's one-process run.
 Rank r writes OUTPUT_DIR/RUN-rank<r>.json (the log history).
 """
@@ -22,7 +22,15 @@ from _ppo_worker import MODEL, ppo_trainer, prompt_rows  # noqa: E402
 
 GLOBAL_BATCH = 8  # rollouts per update: the 8 prompts once
 UPDATES, SAVED = 3, 2
-LAYOUTS = {"ddp": dict(dp_replicate_size=2), "fsdp2": dict(dp_shard_size=2), "tp2": dict(tp_size=2)}
+# layout -> (parallelism_config, data-parallel ranks)
+LAYOUTS = {
+    "ddp": (dict(dp_replicate_size=2), 2),
+    "fsdp2": (dict(dp_shard_size=2), 2),
+    "tp2": (dict(tp_size=2), 1),
+    "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2),
+    "cp2": (dict(cp_size=2), 1),
+}
+REFUSED = ("cp2",)
 
 
 def save_stopping_policy(folder: Path, logit_spread: float = 5.0) -> None:
@@ -63,11 +71,11 @@ def main(output_dir: str, models_dir: str, runs: list[str]) -> None:
     for run in runs:
         layout = run.split("-")[0]
         resume = str(Path(output_dir) / layout / f"checkpoint-{SAVED}") if run.endswith("-resume") else None
+        sizes, ranks = LAYOUTS[layout]
         try:
-            logs = train(str(Path(output_dir) / run), models_dir, 2, resume=resume,
-                         parallelism_config=dict(LAYOUTS[layout]))
+            logs = train(str(Path(output_dir) / run), models_dir, ranks, resume=resume, parallelism_config=dict(sizes))
         except ValueError as error:
-            if layout != "tp2":
+            if layout not in REFUSED:
                 raise
             logs = {"error": f"{type(error).__name__}: {error}"}
         (Path(output_dir) / f"{run}-rank{rank}.json").write_text(json.dumps(logs))

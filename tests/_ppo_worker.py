@@ -17,14 +17,15 @@ MODEL = str(ROOT / "examples" / "tiny-qwen3")
 STEPS, SAVED = 4, 2
 
 
-def save_classifier(folder: Path, seed: int) -> str:
-    """A random one-label Qwen3 sequence classifier with tiny-qwen3's tokenizer."""
+def save_classifier(folder: Path, seed: int, kv_heads: int = 1) -> str:
+    """A random one-label Qwen3 sequence classifier with tiny-qwen3's tokenizer (``kv_heads`` key/value heads of its 2
+    query heads: 2 splits over 2 tensor-parallel ranks)."""
     import shutil
 
     from transformers import Qwen3Config, Qwen3ForSequenceClassification
 
     config = Qwen3Config(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=0)
+                         num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=16, num_labels=1, pad_token_id=0)
     torch.manual_seed(seed)
     Qwen3ForSequenceClassification(config).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -1,17 +1,21 @@
-"""PPOTrainer under DDP and FSDP2 on 2 processes (torchrun, gloo), each equal to one process on the same global batch,
-and an FSDP2 run resumed from its distributed checkpoint equal to the uninterrupted one.
+"""PPOTrainer under DDP, FSDP2 and TP2 on 2 processes and FSDP2 x TP2 on 4 (torchrun, gloo), each equal to one process
+on the same global batch, and an FSDP2 run resumed from its distributed checkpoint equal to the uninterrupted one;
+context parallelism refused in one message.
 
 Nothing is stood in for: each rank samples its rows from the native engine (each row's own sampling stream, keyed by
 the seed, the update and the row's place in the whole batch, so the samples do not depend on the layout), stopping at
 EOS, so rows keep different numbers of tokens; the reward model scores, the value model values and the reference
-model reads every rank's own rows, and every rank then holds the whole rollout batch: the rewards, the advantages
+model reads every rank's own rows (under tensor parallelism the score heads of the value and reward models are
+replicated, their scores whole on every rank), and every rank then holds the whole rollout batch: the rewards, the advantages
 (whitened over the whole batch) and the shuffles of the PPO epochs are one process's. The micro-batches are cut over
 the ranks and each rank's loss is its share of the whole micro-batch's token means.
 
-Checked per update (3 updates, 2 PPO epochs of 2 accumulation steps): the scores, the KL and the response tokens
-equal (the same responses were sampled and read), and the loss and the statistics of the PPO epochs (policy and value
-loss, clip fractions, approximate KL, entropy, ratio) within 1e-5 relative of one process's: the well-conditioned
-checks that each micro-batch's gradient was its share of one process's.
+Checked per update (3 updates, 2 PPO epochs of 2 accumulation steps): the scores, the EOS count and the episodes equal
+(the same responses were sampled and scored), and the KL, the entropy, the loss and the statistics of the PPO epochs
+(policy and value loss, clip fractions, approximate KL, entropy, ratio) within 1e-5 relative or 1e-6 absolute of one
+process's (the policy loss is a sum over whitened advantages that partly cancels; tensor parallelism sums in another
+order, 3e-5 relative measured on the update-3 loss of 0.0139): the checks that each micro-batch's gradient was its
+share of one process's.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from _ppo_worker import save_classifier
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 HERE = Path(__file__).resolve().parent
-RUNS = ["ddp", "fsdp2", "fsdp2-resume"]
-REFUSED = ["tp2"]
+TWO_PROCESS_RUNS = ["ddp", "fsdp2", "fsdp2-resume", "tp2"]
+FOUR_PROCESS_RUNS = ["fsdp2xtp2"]
+REFUSED = ["cp2"]
 SAME = ("objective/scores", "val/num_eos_tokens", "episode")
 CLOSE = ("loss", "objective/kl", "objective/non_score_reward", "objective/entropy", "loss/policy_avg", "loss/value_avg",
          "policy/approxkl_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "policy/entropy_avg", "val/ratio")
@@ -39,10 +44,11 @@ CLOSE = ("loss", "objective/kl", "objective/non_score_reward", "objective/entrop
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> Path:
-    """The reward and value models (random one-label classifiers), written before any rank reads them."""
+    """The reward and value models (random one-label classifiers whose heads split over 2 tensor-parallel ranks) and
+    the policy, written before any rank reads them."""
     folder = tmp_path_factory.mktemp("ppo-layout-models")
     for seed, name in enumerate(("reward", "value"), start=1):
-        save_classifier(folder / name, seed)
+        save_classifier(folder / name, seed, kv_heads=2)
     save_stopping_policy(folder / "policy")
     return folder
 
@@ -52,10 +58,11 @@ def launched(tmp_path_factory, models) -> Path:
     out = tmp_path_factory.mktemp("ppo-layouts")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE))
     env.pop("WORLD_SIZE", None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "_ppo_layouts_worker.py"), str(out), str(models), *RUNS, *REFUSED]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-8000:]
+    for processes, runs in ((2, TWO_PROCESS_RUNS + REFUSED), (4, FOUR_PROCESS_RUNS)):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+                   str(HERE / "_ppo_layouts_worker.py"), str(out), str(models), *runs]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-8000:]
     return out
 
 
@@ -68,12 +75,12 @@ def _relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-30)
 
 
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", TWO_PROCESS_RUNS + FOUR_PROCESS_RUNS)
 def test_layout_equals_one_process(launched, one_process, run):
     expected = [row for row in one_process if "objective/kl" in row]
     assert len(expected) == UPDATES
     first = SAVED + 1 if run.endswith("-resume") else 1
-    for rank in range(2):
+    for rank in range(4 if run in FOUR_PROCESS_RUNS else 2):
         logs = {row["step"]: row for row in json.loads((launched / f"{run}-rank{rank}.json").read_text())
                 if "objective/kl" in row}
         assert sorted(logs) == list(range(1, UPDATES + 1)), (run, rank, sorted(logs))
@@ -82,15 +89,15 @@ def test_layout_equals_one_process(launched, one_process, run):
             for key in SAME:
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key, got[key], want[key])
             for key in CLOSE:
-                assert _relative(got[key], want[key]) <= 1e-5 or abs(got[key] - want[key]) <= 1e-7, \
+                assert _relative(got[key], want[key]) <= 1e-5 or abs(got[key] - want[key]) <= 1e-6, \
                     (where, key, got[key], want[key])
     # the updates trained something, and some rows stopped early (the per-token means were over unequal rows)
     assert expected[-1]["objective/kl"] != 0
     assert any(row["val/num_eos_tokens"] > 0 for row in expected)
 
 
-def test_tensor_parallelism_is_refused_in_one_message(launched):
+def test_context_parallelism_is_refused_in_one_message(launched):
     for rank in range(2):
-        error = json.loads((launched / f"tp2-rank{rank}.json").read_text())["error"]
-        assert error.startswith("UnsupportedLayoutError: PPOTrainer does not support tensor parallelism (tp_size > 1): "
-                                "set tp_size=1"), error
+        error = json.loads((launched / f"cp2-rank{rank}.json").read_text())["error"]
+        assert error.startswith("UnsupportedLayoutError: PPOTrainer does not support context parallelism (cp_size > 1): "
+                                "set cp_size=1"), error

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate
 
 from .args import ModelArgs
 from .attention import AttentionPlan
@@ -86,6 +87,8 @@ class SequenceClassifier(Transformer):
             raise ValueError("SequenceClassifier computes no loss from labels: compute it from the returned logits [B, L]")
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
         hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
+        if isinstance(hidden_BSD, DTensor):  # split over the sequence (tensor parallel): whole rows, as every rank's
+            hidden_BSD = hidden_BSD.redistribute(placements=(Replicate(),) * hidden_BSD.device_mesh.ndim).to_local()
         if every_position:
             logits = self.output(hidden_BSD)
         else:

@@ -14,7 +14,8 @@ share of the heads / hidden units, and reduce-scatters back to the sequence spli
     feed_forward     w1, w3 column-split, w2 row-split
     output           rows (vocabulary) split: the losses run vocabulary-parallel (hfnative.losses.vocab_parallel)
                      on the gathered hidden states, so no rank holds full-vocabulary logits; plain logits
-                     (``head(hidden)``) are gathered, for evaluation and generation
+                     (``head(hidden)``) are gathered, for evaluation and generation. A sequence classifier's
+                     [L, D] score head (too few rows to split) is replicated instead, its scores whole on every rank
 
     moe              each rank routes its own part of the sequence (no gather): the router and the experts are
                      replicated (whole experts on every rank; expert parallelism, hfnative.parallel.expert_parallel,
@@ -210,6 +211,28 @@ def _rows_like(teacher_weight_VD: torch.Tensor, student_weight: DTensor, vocab_s
     return teacher_weight_VD[vocab_start : vocab_start + local_rows]
 
 
+class ReplicatedScoreHead(ParallelStyle):
+    """A sequence classifier's [L, D] score head (a reward or value model: L labels, too few rows to split): the weight
+    replicated (a Replicate DTensor, so the ranks' gradients stay one), the hidden states gathered over the sequence,
+    and the scores returned whole, the same on every rank (the loss computed from them is then every rank's)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, OutputHead) and not module.is_tied, type(module)
+        module.weight = nn.Parameter(distribute_tensor(module.weight, device_mesh, (Replicate(),), src_data_rank=None))
+        module.forward = types.MethodType(_replicated_score_forward, module)
+        return module
+
+
+def _replicated_score_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss=None) -> torch.Tensor:
+    if loss is not None:
+        raise ValueError(f"a tensor-parallel sequence classifier's score head returns scores, not {type(loss).__name__}")
+    weight = self.projection()
+    scores = F.linear(_replicated_hidden(hidden_BSD, weight.device_mesh), weight)
+    if self.softcap is not None:
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+    return scores.to_local()
+
+
 class RoutedOnLocalTokens(ParallelStyle):
     """A mixture-of-experts layer under sequence parallel: each rank routes its own [B, S/P, D] part of the sequence
     (taken as a local tensor), through a router and experts replicated over the ranks (Replicate DTensors, read
@@ -280,7 +303,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     })
     if tied_head:
         model.output.tie(model.tok_embeddings)  # the head reads the embedding's (now split) parameter
-    parallelize_module(model.output, tp_mesh, LossParallelHead())
+    classifier = getattr(model.args, "num_labels", None) is not None
+    parallelize_module(model.output, tp_mesh, ReplicatedScoreHead() if classifier else LossParallelHead())
     for block in model.layers:
         parallelize_module(block, tp_mesh, _block_plan(block))
         # the attention reshapes its projections by its head counts: each rank now holds 1/tp of the heads
@@ -289,5 +313,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["LossParallelHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel",
+__all__ = ["LossParallelHead", "ReplicatedScoreHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel",
            "check_tensor_parallel"]

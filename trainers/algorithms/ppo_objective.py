@@ -77,9 +77,9 @@ def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_
 class PPOObjective(Objective):
     """TRL 0.29's PPO (see the module docstring). ``value_model`` is set by the trainer once loaded."""
 
-    # data-parallel layouts, each checked against one process (tests/test_ppo_layouts.py); tensor, context and expert
-    # parallelism wait for a sharding plan of the one-label score heads of the value and reward models
-    supports = frozenset({"multi_process", "multi_process_generation"})
+    # data and tensor parallel layouts, each checked against one process (tests/test_ppo_layouts.py); context and
+    # expert parallelism are not checked yet
+    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel"})
     split_collated_batches = False
 
     def __init__(self, context, reference_source, reference_given: bool, reward_model):
