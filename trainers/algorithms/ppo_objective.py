@@ -77,9 +77,9 @@ def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_
 class PPOObjective(Objective):
     """TRL 0.29's PPO (see the module docstring). ``value_model`` is set by the trainer once loaded."""
 
-    # data and tensor parallel layouts, each checked against one process (tests/test_ppo_layouts.py); context and
-    # expert parallelism are not checked yet
-    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel"})
+    # data, tensor and expert parallel layouts, each checked against one process (tests/test_ppo_layouts.py); context
+    # parallelism is not checked yet
+    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "expert_parallel"})
     split_collated_batches = False
 
     def __init__(self, context, reference_source, reference_given: bool, reward_model):

@@ -80,6 +80,10 @@ class OptimizationMixin:
 
                 pp_group = self.distributed.dims.pp_mesh(self.distributed.mesh).get_group()
                 grad_norm = clip_grad_norm_over_stages(params, max_norm, pp_group)
+            elif self.distributed is not None:  # the parameters may be DTensors of several meshes
+                from hfnative.parallel.grad_norm import clip_grad_norm_over_meshes
+
+                grad_norm = clip_grad_norm_over_meshes(params, max_norm)
             else:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
