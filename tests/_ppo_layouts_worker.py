@@ -1,10 +1,10 @@
 """PPOTrainer as the ranks of a torchrun launch, for tests/test_ppo_layouts.py.
 
 usage: torchrun --standalone --nproc_per_node 2 _ppo_layouts_worker.py OUTPUT_DIR MODELS_DIR RUN [RUN ...]
-Each RUN is a layout (``ddp``, ``fsdp2``, ``tp2`` on 2 processes, ``fsdp2xtp2`` on 4), ``ep2-moe`` (expert parallel
-over a mixture-of-experts policy), ``fsdp2-resume`` (a second FSDP2 run that resumes the ``fsdp2`` run's checkpoint of
-update SAVED and trains the updates after it) or ``cp2``, which PPO refuses when the trainer is built (its error is
-written instead of a log). Every run samples from the native engine on each rank,
+Each RUN is a layout (``ddp``, ``fsdp2``, ``tp2``, ``cp2`` on 2 processes, ``fsdp2xtp2`` on 4), ``ep2-moe`` (expert
+parallel over a mixture-of-experts policy), ``fsdp2-resume`` (a second FSDP2 run that resumes the ``fsdp2`` run's
+checkpoint of update SAVED and trains the updates after it) or ``pp2-untied``, which PPO refuses when the trainer is
+built (its error is written instead of a log; a dense policy with untied embeddings, which pipeline stages take). Every run samples from the native engine on each rank,
 scores with the reward model and values with the value model, on the same global batch as the test's one-process run.
 Rank r writes OUTPUT_DIR/RUN-rank<r>.json (the log history).
 """
@@ -31,13 +31,18 @@ LAYOUTS = {
     "fsdp2xtp2": (dict(dp_shard_size=2, tp_size=2), 2),
     "ep2": (dict(dp_shard_size=2, ep_size=2), 2),
     "cp2": (dict(cp_size=2), 1),
+    "pp2": (dict(pp_size=2), 1),
 }
-REFUSED = ("cp2",)
+REFUSED = ("pp2",)
 
 
 def policy_folder(models_dir: str, run: str) -> Path:
-    """The policy a run trains: MODELS_DIR/moe-policy for a run named ``...-moe``, else MODELS_DIR/policy."""
-    return Path(models_dir) / ("moe-policy" if run.endswith("-moe") else "policy")
+    """The policy a run trains: MODELS_DIR/moe-policy for a run named ``...-moe``, MODELS_DIR/untied-policy for
+    ``...-untied``, else MODELS_DIR/policy."""
+    for suffix in ("moe", "untied"):
+        if run.endswith(f"-{suffix}"):
+            return Path(models_dir) / f"{suffix}-policy"
+    return Path(models_dir) / "policy"
 
 
 def save_stopping_policy(folder: Path, source: str = MODEL, logit_spread: float = 5.0) -> None:

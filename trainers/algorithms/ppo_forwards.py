@@ -6,7 +6,9 @@ Shapes: B rows, P prompt tokens (left-padded), T response tokens (right-padded),
 
 Every forward reads the rows as TRL's does: pad tokens masked out and fed as id 0, positions counted over the real
 tokens, and a padding query attending to the real keys before it (transformers' masks), so that the statistics TRL
-takes over padded positions (the entropy) are its numbers too.
+takes over padded positions (the entropy) are its numbers too. Under context parallelism each rank reads its chunks
+of every row with the ring-attention plan (padding keys masked; a padding query attends itself, so the entropy at
+padded positions is not TRL's there) and the per-position outputs are gathered back into whole rows.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ def trl_inputs(query_responses_BS: torch.Tensor, pad_token_id: int) -> dict:
 
 
 def with_trl_plan(inputs: dict) -> dict:
-    """Prepared inputs with the attention plan of TRL's padded forwards."""
+    """Prepared inputs with the attention plan of TRL's padded forwards (a context-parallel split keeps its ring plan)."""
+    if inputs["attention_plan"].kind == "context_parallel":
+        return inputs
     return {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
 
 
@@ -53,9 +57,14 @@ class PPOForwards:
         return {**trl_inputs(query_responses_BS, self.pad_token_id), "shift_labels": targets_BS, "prompt_length": P,
                 "completion_mask": torch.ones_like(query_responses_BS[:, P:])}
 
+    def split(self, batch: dict) -> dict:
+        """A ``batch`` of whole rows as this rank's share under context parallelism (as it is otherwise)."""
+        return self.context.context_parallel.split(batch)
+
     def prepare(self, batch: dict) -> dict:
-        """A ``batch`` on the device with TRL's attention plan."""
-        return with_trl_plan(self.context.prepare_inputs({k: v for k, v in batch.items() if k != "attention_plan"}))
+        """A ``batch`` of whole rows on the device (this rank's chunks under context parallelism) with TRL's attention
+        plan."""
+        return with_trl_plan(self.context.prepare_inputs(self.split(batch)))
 
     def logprobs(self, model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies [B, T] of every response position under ``model`` at the temperature."""
@@ -69,7 +78,7 @@ class PPOForwards:
         with self.context.autocast():
             logprobs_BS, _ = reference.head_output(inputs, head)
         P, T = inputs["prompt_length"], inputs["completion_mask"].shape[1]
-        return logprobs_BS[:, P - 1 : P - 1 + T]
+        return self.context.context_parallel.gather_sequence(logprobs_BS)[:, P - 1 : P - 1 + T]
 
     def values(self, value_model, inputs: dict) -> torch.Tensor:
         """The value model's score at every position that predicts a response token [B, T]."""
@@ -78,14 +87,23 @@ class PPOForwards:
             values_BS1 = value_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                      position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
                                      every_position=True).logits
-        return values_BS1[:, P - 1 : P - 1 + T, 0]
+        return self.context.context_parallel.gather_sequence(values_BS1)[:, P - 1 : P - 1 + T, 0]
 
     def scores(self, reward_model, inputs: dict, positions_B: torch.Tensor) -> torch.Tensor:
-        """The reward model's score of each row at ``positions_B`` [B]."""
+        """The reward model's score of each row at ``positions_B`` [B] (under context parallelism: the scores of every
+        position gathered into whole rows, then read there)."""
+        context_parallel = self.context.context_parallel
+        positions_B = positions_B.to(inputs["input_ids"].device)
         with self.context.autocast():
+            if context_parallel.enabled:
+                scores_BS1 = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                          position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
+                                          every_position=True).logits
+                whole_BS1 = context_parallel.gather_sequence(scores_BS1)
+                return whole_BS1[torch.arange(whole_BS1.shape[0], device=whole_BS1.device), positions_B, 0]
             scores_B1 = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                      position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                     score_positions=positions_B.to(inputs["input_ids"].device)).logits
+                                     score_positions=positions_B).logits
         return scores_B1[:, 0]
 
 

@@ -77,9 +77,9 @@ def accumulation_boundaries(count: int, accumulation: int, counter: int, end_of_
 class PPOObjective(Objective):
     """TRL 0.29's PPO (see the module docstring). ``value_model`` is set by the trainer once loaded."""
 
-    # data, tensor and expert parallel layouts, each checked against one process (tests/test_ppo_layouts.py); context
-    # parallelism is not checked yet
-    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "expert_parallel"})
+    # data, tensor, context and expert parallel layouts, each checked against one process (tests/test_ppo_layouts.py)
+    supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
+                          "expert_parallel"})
     split_collated_batches = False
 
     def __init__(self, context, reference_source, reference_given: bool, reward_model):
@@ -96,7 +96,10 @@ class PPOObjective(Objective):
         self.temperature = args.temperature + 1e-7  # TRL's, in sampling and in every log-prob
         stops = [] if self.stop_token_id is None else [self.stop_token_id]
         sampling = sampling_params(args, args.response_length, stops, temperature=self.temperature, top_k=0, top_p=1.0)
-        self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args))
+        # vLLM is started here; the native engine is made at its first use, after the run's capabilities are checked
+        # (a pipeline stage, which holds part of the model, is refused there, not here)
+        engine = make_rollout_engine(context.model, args) if args.use_vllm else None
+        self.rollout = Rollout(context, sampling, engine=engine)
         self.forwards = PPOForwards(context, self.pad_token_id, self.temperature)
         shape = (len(STATS), args.num_ppo_epochs, args.num_mini_batches, args.gradient_accumulation_steps)
         self._stats = torch.zeros(shape, device=context.device)
@@ -266,7 +269,7 @@ class PPOObjective(Objective):
                     whole = whole.to(rollout["padding_mask"].device)
                     batch["whole_tokens"] = (int((~rollout["padding_mask"][whole]).sum()),
                                              int((~rollout["padding_mask_p1"][whole]).sum()))
-                    batches.append(batch)
+                    batches.append(self.forwards.split(batch))
         return batches
 
     # --- the loss ---------------------------------------------------------------------------------------------------

@@ -112,8 +112,14 @@ class Rollout:
         return self._native_engine(replica)
 
     def _native_engine(self, model) -> NativeRolloutEngine:
-        """A native engine on ``model``; with ``torch_compile`` its decode step is compiled (a CUDA graph on CUDA)."""
-        return NativeRolloutEngine(model, compile=bool(getattr(self.context.args, "torch_compile", False)))
+        """A native engine on ``model``; with ``torch_compile`` its decode step is compiled (a CUDA graph on CUDA).
+        A model without a native implementation generates through transformers' generate."""
+        from types import SimpleNamespace
+
+        from .engines import make_rollout_engine
+
+        native_only = SimpleNamespace(use_vllm=False, torch_compile=getattr(self.context.args, "torch_compile", False))
+        return make_rollout_engine(model, native_only)
 
     def sync_weights(self) -> None:
         """After an optimizer step: an engine that holds its own copy of the weights (vLLM) gets the policy's new
