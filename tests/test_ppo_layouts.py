@@ -7,16 +7,18 @@ Nothing is stood in for: each rank samples its rows from the native engine (each
 the seed, the update and the row's place in the whole batch, so the samples do not depend on the layout), stopping at
 EOS, so rows keep different numbers of tokens; the reward model scores, the value model values and the reference
 model reads every rank's own rows (under tensor parallelism the score heads of the value and reward models are
-replicated, their scores whole on every rank), and every rank then holds the whole rollout batch: the rewards, the advantages
-(whitened over the whole batch) and the shuffles of the PPO epochs are one process's. The micro-batches are cut over
+replicated, their scores whole on every rank), and every rank then holds the whole rollout batch: the rewards, the
+advantages (whitened over the whole batch) and the shuffles of the PPO epochs are one process's. The micro-batches are cut over
 the ranks and each rank's loss is its share of the whole micro-batch's token means.
 
-Checked per update (3 updates, 2 PPO epochs of 2 accumulation steps): the scores, the EOS count and the episodes equal
-(the same responses were sampled and scored), and the KL, the entropy, the loss and the statistics of the PPO epochs
-(policy and value loss, clip fractions, approximate KL, entropy, ratio; under CP not the entropy, TRL's mean over the
-padded positions too, whose queries attend themselves there) within 1e-5 relative or 1e-6 absolute of one process's (the policy loss is a sum over whitened advantages that partly cancels; tensor parallelism sums in another
-order, 3e-5 relative measured on the update-3 loss of 0.0139), and the gradient norm within 1e-5 relative (5e-5 under
-tensor parallelism): the checks that each micro-batch's gradient was its share of one process's.
+Checked per update (3 updates, 2 PPO epochs of 2 accumulation steps): the EOS count and the episodes equal (the same
+responses were sampled), and the scores, the KL, the entropy, the loss and the statistics of the PPO epochs (policy and
+value loss, clip fractions, approximate KL, entropy, ratio; under CP not the entropy, TRL's mean over the padded
+positions too, whose queries attend themselves there) within 1e-5 relative or 1e-6 absolute of one process's (the
+policy loss is a sum over whitened advantages that partly cancels; tensor parallelism sums in another order, 3e-5
+relative measured on the update-3 loss of 0.0139; context parallelism reads the reward model in chunks, 1e-7 relative
+on the scores), and the gradient norm within 1e-5 relative (5e-5 under tensor parallelism): the checks that each
+micro-batch's gradient was its share of one process's.
 """
 
 from __future__ import annotations
