@@ -190,9 +190,11 @@ def native_lora_from_peft_model(peft_model, *, dtype: torch.dtype | None, device
     copy_into_model(StateDictSource(base), pieces, native)
     native.init_buffers()
     converted = ConvertedModel(native, config, family, None)
+    active = peft_model.active_adapter
     with tempfile.TemporaryDirectory() as tmp:
-        peft_model.save_pretrained(tmp)  # peft's own names; read back strictly
-        settings = load_adapter(converted, tmp, is_trainable=True)
+        peft_model.save_pretrained(tmp, selected_adapters=[active])  # peft's own names; read back strictly
+        # peft writes an adapter other than "default" into a folder of its name
+        settings = load_adapter(converted, tmp if active == "default" else f"{tmp}/{active}", is_trainable=True)
     return converted, settings
 
 

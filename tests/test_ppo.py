@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import hfnative
-from trl029_ppo import run_trl029, trl029_dir
+from trl029_ppo import run_trl029, trl029_dir, two_adapter_policy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,6 +38,8 @@ CASES = {
     "num_mini_batches": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_mini_batches=2),
     "accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
     "lora": dict(per_device_train_batch_size=4),
+    # a PeftModel with a trained and a reference adapter (TRL's ref_adapter_name)
+    "ref_adapter": dict(per_device_train_batch_size=4, ref_adapter_name="ref"),
 }
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
 
@@ -60,14 +62,14 @@ def save_classifier(folder: Path, seed: int) -> str:
     return str(folder)
 
 
-def save_initial_adapter(folder: Path) -> str:
+def save_initial_adapter(folder: Path, seed: int = 3) -> str:
     """peft's LoRA adapter on tiny-qwen3 as peft draws it, its B made non-zero so that the policy starts away from the
     reference; both trainers start from it."""
     from peft import get_peft_model, LoraConfig
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(3)
+    torch.manual_seed(seed)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), LoraConfig(**LORA))
     from peft import get_peft_model_state_dict
 
@@ -109,14 +111,18 @@ def run_ours(case: str, folders: dict, output_dir) -> dict:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
-    peft_config = None
+    peft_config, policy = None, MODEL
     if case == "lora":
         from peft import LoraConfig
 
         peft_config = LoraConfig(**LORA)
-    trainer = hfnative.PPOTrainer(hfnative.PPOConfig(**settings(output_dir, **CASES[case])), tokenizer, MODEL, None,
+    if case == "ref_adapter":
+        policy = two_adapter_policy(MODEL, LORA, folders["adapter"], folders["ref_adapter"])
+    trainer = hfnative.PPOTrainer(hfnative.PPOConfig(**settings(output_dir, **CASES[case])), tokenizer, policy, None,
                                   folders["reward"], Dataset.from_list([{"input_ids": p} for p in prompts()]),
                                   folders["value"], peft_config=peft_config)
+    if case == "ref_adapter":  # the reference: the base with the reference adapter in it, apart from the policy
+        assert trainer.ref_model is not None and list(policy.peft_config) == ["default"]
     if case == "lora":
         from hfnative.converters.peft import load_adapter_weights
 
@@ -164,12 +170,15 @@ def runs(trl029, tmp_path_factory):
     """Every case trained by us, then replayed by TRL 0.29.1 (one subprocess for all)."""
     root = tmp_path_factory.mktemp("ppo")
     folders = {"reward": save_classifier(root / "reward", 1), "value": save_classifier(root / "value", 2),
-               "adapter": save_initial_adapter(root / "adapter")}
+               "adapter": save_initial_adapter(root / "adapter"),
+               "ref_adapter": save_initial_adapter(root / "ref_adapter", seed=4)}
     ours = {case: run_ours(case, folders, root / f"ours-{case}") for case in CASES}
     payload = {"runs": [
         {"tokenizer": MODEL, "policy": MODEL, "reward": folders["reward"], "value": folders["value"],
          "config": settings(root / f"trl-{case}", **CASES[case]),
-         "peft": {"config": LORA, "adapter": folders["adapter"]} if case == "lora" else None,
+         "peft": ({"config": LORA, "adapter": folders["adapter"]} if case == "lora" else
+                  {"config": LORA, "adapter": folders["adapter"], "ref_adapter": folders["ref_adapter"]}
+                  if case == "ref_adapter" else None),
          "replay": {key: ours[case][key] for key in ("prompts", "completions", "permutations", "updates_per_pass")}}
         for case in CASES
     ]}
@@ -253,7 +262,7 @@ def test_batch_sizes_are_trls_and_bad_ones_refused():
     (dict(stop_token="eos", stop_token_id=2), "You cannot set both `stop_token` and `stop_token_id`"),
     (dict(stop_token="end"), "Unknown `stop_token` end"),
     (dict(kl_estimator="k2"), "kl_estimator must be either 'k1'"),
-    (dict(ref_adapter_name="ref"), "ref_adapter_name"),
+    (dict(ref_adapter_name="ref"), "name adapters of a peft PeftModel; `model` is a str"),
     (dict(optimizer_in_backward=True, max_grad_norm=0), "optimizer_in_backward"),
 ])
 def test_bad_settings_are_refused_with_trls_messages(tmp_path, settings_, message):
@@ -276,3 +285,21 @@ def test_bad_models_and_rows_are_refused(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
     with pytest.raises(ValueError, match="'input_ids' column"):
         hfnative.PPOTrainer(args, tokenizer, MODEL, None, folder, Dataset.from_list([{"text": "hi"}]), folder)
+
+
+def test_named_adapters_are_checked(tmp_path):
+    """ref_adapter_name / model_adapter_name name adapters the PeftModel holds, and nothing else is in it."""
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    def build(**settings_):
+        policy = get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), LoraConfig(**LORA))
+        args = hfnative.PPOConfig(str(tmp_path), use_cpu=True, bf16=False, **settings_)
+        return hfnative.PPOTrainer(args, None, policy, None, "unused", Dataset.from_list([{"input_ids": [1, 2]}]),
+                                   "unused")
+
+    with pytest.raises(ValueError, match=r"holds the adapters \['default'\], not \['ref'\]"):
+        build(ref_adapter_name="ref")
+    with pytest.raises(ValueError, match=r"not \['trained'\]"):
+        build(model_adapter_name="trained")

@@ -132,6 +132,22 @@ def _peak_rss_mib() -> float:
     return float("nan")
 
 
+def two_adapter_policy(model: str, lora: dict, adapter: str, ref_adapter: str):
+    """A peft PeftModel on the causal LM in ``model`` with two LoRA adapters of the settings ``lora``: "default" (the
+    trained one) and "ref" (the reference's), their weights read from the safetensors files ``adapter`` and
+    ``ref_adapter``; "default" active."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    policy = get_peft_model(AutoModelForCausalLM.from_pretrained(model), LoraConfig(**lora))
+    set_peft_model_state_dict(policy, load_file(adapter))
+    policy.add_adapter("ref", LoraConfig(**lora))
+    set_peft_model_state_dict(policy, load_file(ref_adapter), adapter_name="ref")
+    policy.set_adapter("default")
+    return policy
+
+
 def train(payload: dict) -> dict:
     import sys as _sys
 
@@ -148,7 +164,11 @@ def train(payload: dict) -> dict:
     reward = AutoModelForSequenceClassification.from_pretrained(payload["reward"], num_labels=1)
     value = AutoModelForSequenceClassification.from_pretrained(payload["value"], num_labels=1)
     peft_config = None
-    if payload.get("peft") is not None:
+    two_adapters = payload.get("peft") is not None and payload["peft"].get("ref_adapter") is not None
+    if two_adapters:  # the trained and the reference adapter in one PeftModel (ref_adapter_name)
+        peft = payload["peft"]
+        policy = two_adapter_policy(payload["policy"], peft["config"], peft["adapter"], peft["ref_adapter"])
+    elif payload.get("peft") is not None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(**payload["peft"]["config"])

@@ -53,6 +53,8 @@ class PPOTrainer(Trainer):
             )
         args = self.resolve_args(args, model)
         self._check_args(args)
+        if args.ref_adapter_name is not None or args.model_adapter_name is not None:
+            model, ref_model = named_adapters(model, ref_model, args.model_adapter_name, args.ref_adapter_name)
         if reward_model is None or value_model is None:
             raise ValueError("PPOTrainer needs a reward_model and a value_model (sequence classifiers with one label)")
         self._dataset_length = _len(train_dataset, "train_dataset")
@@ -79,9 +81,6 @@ class PPOTrainer(Trainer):
                 "to be a strictly better estimator). See [Approximating KL Divergence](http://joschu.net/blog/kl-approx.html) "
                 "for details."
             )
-        if args.ref_adapter_name is not None or args.model_adapter_name is not None:
-            raise ValueError("model_adapter_name / ref_adapter_name (a policy with several named adapters) are not "
-                             "supported: leave them None (the reference is the policy with its adapters off)")
         if args.optimizer_in_backward:
             raise ValueError("optimizer_in_backward with PPO: a PPO step takes several optimizer steps (epochs x "
                              "mini-batches) over the policy and the value model; set optimizer_in_backward=False")
@@ -224,6 +223,44 @@ class PPOTrainer(Trainer):
     @property
     def reward_model(self):
         return self.objective.auxiliary_models["reward_model"]
+
+
+def named_adapters(model, ref_model, trained_name: str | None, ref_name: str | None):
+    """TRL's LoRA policy with several named adapters (``model_adapter_name``, ``ref_adapter_name``): ``model`` a peft
+    PeftModel holding the trained adapter (``trained_name``, default "default") and, when ``ref_name`` is set, the
+    reference's. Returns (the policy, the reference): the policy is ``model`` with the trained adapter active and the
+    reference adapter taken out of it; the reference is the base with the reference adapter merged into a copy (TRL
+    switches that adapter on in its reference passes: the same weights), or ``ref_model`` (None: the policy with its
+    adapters off) when no reference adapter is named."""
+    import copy
+
+    try:
+        from peft import PeftModel
+    except ImportError:  # no peft: no PeftModel either
+        PeftModel = ()
+    if not isinstance(model, PeftModel):
+        raise ValueError(f"model_adapter_name / ref_adapter_name name adapters of a peft PeftModel; `model` is a "
+                         f"{type(model).__name__}: pass the PeftModel that holds them")
+    trained = trained_name or "default"
+    held = set(model.peft_config)
+    missing = [name for name in (trained, ref_name) if name is not None and name not in held]
+    if missing:
+        raise ValueError(f"the PeftModel holds the adapters {sorted(held)}, not {missing} (model_adapter_name="
+                         f"{trained_name!r}, ref_adapter_name={ref_name!r})")
+    others = sorted(held - {trained, ref_name})
+    if others:
+        raise ValueError(f"the PeftModel holds the adapters {others} besides the trained {trained!r}"
+                         + (f" and the reference {ref_name!r}" if ref_name else "")
+                         + ": remove them (PeftModel.delete_adapter) before training")
+    if ref_name is not None and ref_model is not None:
+        raise ValueError(f"ref_adapter_name={ref_name!r} names the reference: pass ref_model=None")
+    if ref_name is not None:
+        reference = copy.deepcopy(model)
+        reference.set_adapter(ref_name)
+        ref_model = reference.merge_and_unload(adapter_names=[ref_name])
+        model.delete_adapter(ref_name)
+    model.set_adapter(trained)
+    return model, ref_model
 
 
 def ppo_trainer_kwargs(script_args, training_args, model_args) -> dict:
