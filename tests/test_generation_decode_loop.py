@@ -206,3 +206,29 @@ def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):
     assert rollouts[True].completion_ids == rollouts[False].completion_ids
     diff = max(abs(a - b) for x, y in zip(rollouts[True].logprobs, rollouts[False].logprobs) for a, b in zip(x, y))
     assert diff <= 1e-5
+
+
+def test_expert_counts_equal_bincount():
+    from hfnative.models.moe import expert_counts
+
+    ids = torch.randint(0, 6, (50,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(ids, 8), torch.bincount(ids, minlength=8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_moe_decode_step_compiles(dtype):
+    """A mixture-of-experts model's compiled decode step gives the eager engine's greedy tokens. In bf16 it is one
+    graph with no break, as a CUDA graph captures it (the experts' token counts have a static shape, where bincount's
+    length depended on the largest id read back on the host); in fp32, which the compiler's grouped_mm does not take,
+    the experts' matmuls run eagerly between graphs instead of failing."""
+    hf = make_hf_model("qwen3moe-topk-norm")
+    greedy = SamplingParams(max_new_tokens=8, do_sample=False)
+    eager = NativeRolloutEngine(load_pretrained(hf).model.to(dtype)).generate(_prompts(), greedy).completion_ids
+    engine = NativeRolloutEngine(load_pretrained(hf).model.to(dtype), compile=True)
+    counters.clear()  # the process's: only this generation's compiles counted
+    assert engine.generate(_prompts(), greedy).completion_ids == eager
+    breaks = sum(counters["graph_break"].values())
+    if dtype == torch.bfloat16:
+        assert breaks == 0 and counters["stats"]["unique_graphs"] == 1, dict(counters["graph_break"])
+    else:
+        assert breaks > 0 and all("grouped_mm" in reason for reason in counters["graph_break"])

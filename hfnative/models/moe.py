@@ -48,6 +48,28 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def expert_counts(experts_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of the assignments ``experts_N`` go to each expert [E] (int64): ``torch.bincount(experts_N,
+    minlength=num_experts)`` for ids below ``num_experts``, with a static shape: no read of the largest id on the host
+    (bincount's output length depends on it, so it syncs a GPU, blocks CUDA graph capture and breaks a compiled
+    graph)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.long, device=experts_N.device)
+    return counts_E.scatter_add_(0, experts_N, torch.ones_like(experts_N, dtype=torch.long))
+
+
+@torch.compiler.disable
+def _grouped_mm_eager(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return F.grouped_mm(x, w, offs=offs)
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm``; inside a compiled graph, in a dtype other than bf16 it runs eagerly (the compiler's meta
+    kernel takes bf16 only, while the CPU kernel also runs fp32): a graph break instead of a failure."""
+    if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
+        return _grouped_mm_eager(x, w, offs)
+    return F.grouped_mm(x, w, offs=offs)
+
+
 class GroupedExperts(nn.Module):
     """E gated MLPs held as three stacked weights (plus stacked biases when ``moe.expert_bias``), run as
     grouped matmuls over the tokens sorted by expert."""
@@ -81,7 +103,7 @@ class GroupedExperts(nn.Module):
         w1, w2, w3, b1, b2, b3 = (local_values(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
-            out = _ContiguousGrad.apply(F.grouped_mm(x, w_EOI.transpose(-2, -1), offs=offsets_E))
+            out = _ContiguousGrad.apply(_grouped_mm(x, w_EOI.transpose(-2, -1), offsets_E))
             return out if b_EO is None else out + b_EO[expert_of_row_T]
 
         gate_TI, up_TI = grouped(x_TD, w1, b1), grouped(x_TD, w3, b3)
@@ -140,7 +162,7 @@ class MoE(nn.Module):
         # sort the (token, slot) pairs by expert so each expert sees one contiguous chunk
         order = torch.argsort(experts_Tk.reshape(-1), stable=True)
         token_of_slot = order // self.top_k
-        tokens_per_expert_E = torch.bincount(experts_Tk.reshape(-1), minlength=self.num_experts)
+        tokens_per_expert_E = expert_counts(experts_Tk.reshape(-1), self.num_experts)
         if self.expert_parallel is not None:
             routed_out = self.expert_parallel(x_TD[token_of_slot], tokens_per_expert_E, self.experts)
         else:
@@ -179,7 +201,7 @@ def load_balancing_loss(
         probs_TE = F.softmax(logits_TE, dim=-1, dtype=torch.float32)
         experts_Tk = torch.topk(probs_TE, top_k, dim=-1).indices
         if weight_T is None:
-            assignments_E = assignments_E + torch.bincount(experts_Tk.reshape(-1), minlength=num_experts)
+            assignments_E = assignments_E + expert_counts(experts_Tk.reshape(-1), num_experts)
             prob_sum_E = prob_sum_E + probs_TE.sum(0)
             rows = rows + probs_TE.shape[0]
         else:
