@@ -1,6 +1,7 @@
 """The gradient norm (and its clipping) over parameters whose DTensors live on different device meshes: one trained
 module sharded on the data-parallel mesh beside another on the expert-parallel one (PPO's value model beside an
-expert-parallel policy). torch's ``clip_grad_norm_`` stacks the per-tensor norms, which DTensor refuses across meshes."""
+expert-parallel policy). torch's ``clip_grad_norm_`` stacks the per-tensor norms, which DTensor refuses across meshes.
+The pipeline's clipping (``pipeline.clip_grad_norm_over_stages``) takes each stage's norm from here too."""
 
 from __future__ import annotations
 
@@ -8,32 +9,45 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def _grads_by_mesh(parameters) -> dict:
+def _by_mesh(parameters) -> list[list[torch.Tensor]]:
+    """The parameters that have a gradient, grouped by their gradient's device mesh (plain tensors together)."""
     groups: dict = {}
     for parameter in parameters:
         if parameter.grad is not None:
             grad = parameter.grad
             groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(parameter)
-    return groups
+    return list(groups.values())
+
+
+def total_grad_norm(parameters: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of the gradients of ``parameters`` over every shard, whatever meshes they are on (a plain tensor;
+    zero when none has a gradient)."""
+    norms = []
+    for group in _by_mesh(parameters):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # sharded: over every shard
+    if not norms:
+        return torch.zeros((), device=parameters[0].device if parameters else None)
+    if len(norms) == 1:
+        return norms[0]
+    return torch.stack([n.double().to(norms[0].device) ** 2 for n in norms]).sum().sqrt().float()
+
+
+def clip_grads_to(parameters: list[torch.Tensor], max_norm: float, total: torch.Tensor) -> None:
+    """Scale every gradient by ``max_norm / total`` when that is below 1 (``clip_grads_with_norm_``, mesh by mesh)."""
+    for group in _by_mesh(parameters):
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].device))
 
 
 def clip_grad_norm_over_meshes(parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_(parameters, max_norm)`` (the 2-norm of all the gradients, each scaled by
     ``max_norm / norm`` when that is below 1) for parameters on any number of device meshes: each mesh's norm over all
     its shards, the total their root sum of squares. Returns the norm (a plain tensor)."""
-    groups = _grads_by_mesh(parameters)
-    if len(groups) <= 1:
+    if len(_by_mesh(parameters)) <= 1:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-    squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group])
-        if isinstance(norm, DTensor):  # sharded gradients: the norm over every shard
-            norm = norm.full_tensor()
-        squares.append(norm.double() ** 2)
-    total = torch.stack([s.to(squares[0].device) for s in squares]).sum().sqrt().float()
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].device))
+    total = total_grad_norm(parameters)
+    clip_grads_to(parameters, max_norm, total)
     return total
 
 
-__all__ = ["clip_grad_norm_over_meshes"]
+__all__ = ["clip_grad_norm_over_meshes", "clip_grads_to", "total_grad_norm"]

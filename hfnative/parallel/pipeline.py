@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
-from torch.distributed.tensor import DTensor
 
 from hfnative.models.decoder import BlockOnAnotherStage, Transformer
 
@@ -181,15 +180,13 @@ def clip_grad_norm_over_stages(parameters: list[torch.Tensor], max_norm: float, 
     """``torch.nn.utils.clip_grad_norm_`` over the parameters of every pipeline stage (each rank passes its own):
     the 2-norm of all their gradients, and each gradient scaled by ``max_norm / norm`` when that is below 1. Returns
     the norm (a plain tensor)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = parameters[0].device if parameters else None
-    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=device)
-    if isinstance(norm, DTensor):  # sharded gradients: the norm over every shard of this stage
-        norm = norm.full_tensor()
+    from .grad_norm import clip_grads_to, total_grad_norm
+
+    norm = total_grad_norm(parameters)  # this stage's, over every shard
     squared = norm.double() ** 2
     dist.all_reduce(squared, group=pp_group)
     total = squared.sqrt().to(norm.dtype)
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    clip_grads_to(parameters, max_norm, total)
     return total
 
 

@@ -94,17 +94,15 @@ class PPOForwards:
         position gathered into whole rows, then read there)."""
         context_parallel = self.context.context_parallel
         positions_B = positions_B.to(inputs["input_ids"].device)
+        read = {"every_position": True} if context_parallel.enabled else {"score_positions": positions_B}
         with self.context.autocast():
-            if context_parallel.enabled:
-                scores_BS1 = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                          position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                          every_position=True).logits
-                whole_BS1 = context_parallel.gather_sequence(scores_BS1)
-                return whole_BS1[torch.arange(whole_BS1.shape[0], device=whole_BS1.device), positions_B, 0]
-            scores_B1 = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                     position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
-                                     score_positions=positions_B).logits
-        return scores_B1[:, 0]
+            scores = reward_model(inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                  position_ids=inputs["position_ids"], attention_plan=inputs["attention_plan"],
+                                  **read).logits
+        if context_parallel.enabled:  # [B, S/cp, 1] -> whole rows [B, S, 1], read at the positions
+            whole_BS1 = context_parallel.gather_sequence(scores)
+            return whole_BS1[torch.arange(whole_BS1.shape[0], device=whole_BS1.device), positions_B, 0]
+        return scores[:, 0]
 
 
 __all__ = ["PPOForwards", "trl_inputs", "with_trl_plan"]

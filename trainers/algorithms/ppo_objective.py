@@ -210,7 +210,9 @@ class PPOObjective(Objective):
         if args.missing_eos_penalty is not None:
             scores[~contain_eos_N] -= args.missing_eos_penalty
         device = scores.device
-        padding_mask, padding_mask_p1 = (m.to(device) for m in padding_masks(sequence_lengths_N, responses_NT.shape[1]))
+        host_masks = padding_masks(sequence_lengths_N, responses_NT.shape[1])
+        kept_N, valued_N = ((~mask).sum(1) for mask in host_masks)  # each row's counts, on the host: no device sync
+        padding_mask, padding_mask_p1 = (m.to(device) for m in host_masks)
         logprobs = logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
         ref_logprobs = ref_logprobs.masked_fill(padding_mask, INVALID_LOGPROB)
         values = values.masked_fill(padding_mask_p1, 0)
@@ -225,7 +227,7 @@ class PPOObjective(Objective):
         self.last_rollout = dict(queries=queries_NP, responses=responses_NT, query_responses=query_responses_NS,
                                  logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores,
                                  rewards=rewards, advantages=advantages, returns=returns, padding_mask=padding_mask,
-                                 padding_mask_p1=padding_mask_p1)
+                                 padding_mask_p1=padding_mask_p1, kept_tokens=kept_N, valued_tokens=valued_N)
         return self.last_rollout
 
     def _record_rollout(self, kl, logprobs, non_score_reward, scores, responses_NT) -> None:
@@ -265,10 +267,9 @@ class PPOObjective(Objective):
                                  "padding_mask_p1"):
                         batch[name] = rollout[name][rows.to(rollout[name].device)]
                     batch["slot"] = (epoch, mini, micro)
-                    batch["kept_tokens"] = int((~batch["padding_mask"]).sum())
-                    whole = whole.to(rollout["padding_mask"].device)
-                    batch["whole_tokens"] = (int((~rollout["padding_mask"][whole]).sum()),
-                                             int((~rollout["padding_mask_p1"][whole]).sum()))
+                    batch["kept_tokens"] = int(rollout["kept_tokens"][rows].sum())
+                    batch["whole_tokens"] = (int(rollout["kept_tokens"][whole].sum()),
+                                             int(rollout["valued_tokens"][whole].sum()))
                     batches.append(self.forwards.split(batch))
         return batches
 
