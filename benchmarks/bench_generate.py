@@ -17,12 +17,20 @@ the device's copy bandwidth measured in the same process.
 Runners: ``hf`` (transformers' AutoModelForCausalLM.generate, SDPA attention, its dynamic KV cache),
 ``native`` (hfnative.generation.NativeRolloutEngine as it is by default: eager on a CPU, the decode step captured in
 a CUDA graph on CUDA), ``native-compiled`` (compile=True: the decode step through torch.compile, and on CUDA
-captured), ``native-uncaptured`` (cuda_graph=False: the eager loop on CUDA). Each child makes one warm-up call
+captured), ``native-uncaptured`` (cuda_graph=False: the eager loop on CUDA), ``native-uncompacted`` (compact=False:
+rows that stopped stay in the batch to the end of the call). Each child makes one warm-up call
 per batch size (8 new tokens for hf; the full call for the native runners: it compiles and captures, and is
 reported separately) before the timed ones. ``linear-floor`` is not an engine: it times only the matmuls any
 token-by-token decoder of this batch does (every linear layer and the head on [batch, in] inputs, once
 per new token; no prefill, attention or sampling) — the bound both engines approach where those
 matmuls dominate, as they do on a CPU at batch 32 in fp32.
+
+``--stopping``: the saved model's EOS token gets a head row along a random direction of its hidden states, scaled so
+that greedy decoding makes it the top token at about one position in ``new_tokens / 2``: completions end at many
+lengths, some run to the limit, as a policy's do in RL. Every runner stops a row at EOS, and tokens/s counts the tokens
+made (each row up to its EOS); the per-step time and floor columns are then left out.
+
+    python benchmarks/bench_generate.py --stopping --runners hf,native,native-uncompacted --batch 64 --presets 100m
 """
 
 from __future__ import annotations
@@ -52,9 +60,10 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     work_folder,
 )
 
-RUNNERS = ("hf", "native", "native-compiled", "native-uncaptured", "linear-floor")
+RUNNERS = ("hf", "native", "native-compiled", "native-uncaptured", "native-uncompacted", "linear-floor")
 DEFAULT_RUNNERS = {"cpu": "hf,native,native-compiled,linear-floor", "cuda": "hf,native,native-compiled,native-uncaptured"}
 WARMUP_NEW_TOKENS = 8
+EOS = 2  # harness.build_model's eos_token_id
 
 
 def make_prompts(batch: int, seed: int, shortest: int = 16, longest: int = 64) -> list[list[int]]:
@@ -85,7 +94,8 @@ def _hf_generator(spec: dict):
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, attn_implementation="sdpa")
     model.to(spec["device"]).eval()
-    model.generation_config.eos_token_id = None  # every row generates all its tokens
+    eos = EOS if spec["stopping"] else None
+    model.generation_config.eos_token_id = eos  # without --stopping every row generates all its tokens
 
     @torch.no_grad()
     def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -95,9 +105,10 @@ def _hf_generator(spec: dict):
         for row, prompt in enumerate(prompts):
             ids[row, P - len(prompt):], mask[row, P - len(prompt):] = torch.tensor(prompt), 1
         out = model.generate(input_ids=ids.to(spec["device"]), attention_mask=mask.to(spec["device"]),
-                             max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+                             max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0,
                              use_cache=True)
-        return out[:, P:].tolist()
+        rows = out[:, P:].tolist()
+        return [r[: r.index(eos) + 1] if eos in r else r for r in rows]  # a stopped row is padded after its EOS
 
     return run, None
 
@@ -108,11 +119,14 @@ def _native_generator(spec: dict, runner: str):
 
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
     model = load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"]).model
-    options = {"native": {}, "native-compiled": {"compile": True}, "native-uncaptured": {"cuda_graph": False}}[runner]
+    options = {"native": {}, "native-compiled": {"compile": True}, "native-uncaptured": {"cuda_graph": False},
+               "native-uncompacted": {"compact": False}}[runner]
     engine = NativeRolloutEngine(model, **options)
+    eos = EOS if spec["stopping"] else None
 
     def run(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        return engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False)).completion_ids
+        sampling = SamplingParams(max_new_tokens=new_tokens, do_sample=False, eos_token_id=eos)
+        return engine.generate(prompts, sampling).completion_ids
 
     return run, model
 
@@ -135,6 +149,41 @@ def _linear_floor(spec: dict):
         return [[0] * new_tokens for _ in prompts]
 
     return run, None
+
+
+def make_rows_stop(model_dir: Path, prompts: list[list[int]], new_tokens: int, seed: int, device: str) -> None:
+    """Give the saved model's EOS token (a tied model: its embedding row too; no prompt holds it) a head row along a
+    random direction of the hidden states, scaled so that greedy decoding stops half of the rows within their first
+    ``new_tokens / 4`` tokens and the others later or never: completions then end at many lengths. Each row's greedy
+    completion without EOS is what it makes up to its EOS (EOS's row changes no other logit), so the scale is read off
+    those completions: a row stops at its first position where scale * (hidden . direction) tops every other logit."""
+    from transformers import AutoModelForCausalLM
+
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.generation import NativeRolloutEngine, SamplingParams
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    engine = NativeRolloutEngine(load_pretrained(str(model_dir), dtype=dtype, device=device).model)
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False)).completion_ids
+    del engine
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    reader = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    first_wins = []  # per row, per completion position: the smallest scale at which EOS has topped the logits by then
+    with torch.no_grad():
+        for prompt, completion in zip(prompts, completions):
+            out = reader(torch.tensor([prompt + completion[:-1]], device=device), output_hidden_states=True)
+            at = slice(len(prompt) - 1, None)
+            along = out.hidden_states[-1][0, at].float().cpu() @ direction
+            logits = out.logits[0, at].float().cpu()
+            logits[:, EOS] = float("-inf")
+            ratio = torch.where(along > 0, logits.amax(-1) / along.clamp(min=1e-30), float("inf"))
+            first_wins.append(ratio.cummin(0).values)
+        by_quarter = torch.stack([wins[max(new_tokens // 4, 1) - 1] for wins in first_wins])
+        half = by_quarter.sort().values[len(prompts) // 2]  # half of the rows stop by then (inf: fewer can)
+        scale = (half if half.isfinite() else by_quarter[by_quarter.isfinite()].max()).item()
+        model.get_output_embeddings().weight[EOS] = direction * scale
+    model.save_pretrained(str(model_dir))
 
 
 def copy_bandwidth(device: str) -> float:
@@ -198,10 +247,10 @@ def generate_once(runner: str, spec: dict, notes: list) -> dict:
         _sync(device)
         entry = {"warmup_seconds": time.perf_counter() - start}
         entry["seconds"], completions = _time_calls(run, prompts, new_tokens, spec["repeats"], device)
-        if any(len(c) != new_tokens for c in completions):
+        if not spec["stopping"] and any(len(c) != new_tokens for c in completions):
             notes.append("some rows generated fewer tokens than asked")
         entry.update(completions=completions, tokens=sum(map(len, completions)))
-        if model is not None and new_tokens >= 16:
+        if model is not None and new_tokens >= 16 and not spec["stopping"]:
             run(prompts, 1)  # prefill and the first token only: no decode step (nothing compiled or captured)
             prefill_seconds, _ = _time_calls(run, prompts, 1, spec["repeats"], device)
             entry["step_seconds"] = (min(entry["seconds"]) - min(prefill_seconds)) / (new_tokens - 1)
@@ -270,6 +319,13 @@ def report_preset(preset: str, parameters: int, results: list[dict], runners: li
                 f"{_same_as(runner, entries[0]['completions'], reference):>12}{step:>9}{floor:>10}"
                 f"{ratio_floor:>9}"
             )
+        made = next((x["by_batch"][key]["completions"] for runs in ok.values() for x in runs), None)
+        if made and any(len(c) != len(made[0]) for c in made):
+            lengths = sorted(map(len, made))
+            lines.append(
+                f"completion lengths: mean {statistics.mean(lengths):.1f}, median {statistics.median(lengths):g}, "
+                f"{lengths[0]}..{lengths[-1]}; {sum(lengths) / (len(lengths) * lengths[-1]):.0%} of batch x longest"
+            )
         floors = [(r, x) for r, runs in ok.items() for x in runs if x.get("bandwidth") and "bytes" in x["by_batch"][key]]
         if floors:
             runner, x = floors[0]
@@ -296,6 +352,8 @@ def main() -> None:
                         f"{DEFAULT_RUNNERS['cpu']} on cpu, {DEFAULT_RUNNERS['cuda']} on cuda)")
     parser.add_argument("--batch", default=None, help="comma-separated batch sizes (default: 32 on cpu, 64,8 on cuda)")
     parser.add_argument("--new-tokens", "--new_tokens", type=int, default=None, help="default: 128 on cpu, 256 on cuda")
+    parser.add_argument("--stopping", action="store_true",
+                        help="rows stop at EOS at many lengths (the model's EOS head row is set for it)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per child process")
     parser.add_argument("--rounds", type=int, default=2, help="each round runs every runner once, in turn")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, the reference preset only")
@@ -334,8 +392,10 @@ def main() -> None:
         + f"\nsoftware: python {machine['python']}, torch {machine['torch']}, transformers {machine['transformers']}; "
         f"date {machine['date']}; load average before {machine['load_average']}"
         f"\nworkload: batch {'/'.join(map(str, batches))} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens "
-        f"(mean {statistics.mean(map(len, prompts)):.1f}), greedy, {cli.new_tokens} new tokens each (no EOS), "
-        f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}; "
+        f"(mean {statistics.mean(map(len, prompts)):.1f}), greedy, "
+        + (f"up to {cli.new_tokens} new tokens, stopping at EOS (--stopping), " if cli.stopping else
+           f"{cli.new_tokens} new tokens each (no EOS), ")
+        + f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}; "
         f"{cli.rounds} round(s) x {cli.repeats} timed call(s) per runner"
     )
     print(setup, flush=True)
@@ -343,8 +403,11 @@ def main() -> None:
     for preset in presets:
         with work_folder("bench_generate_", cli.keep) as work:
             parameters = build_model(PRESETS[preset], work / "model", cli.seed)
+            if cli.stopping:
+                make_rows_stop(work / "model", prompts, cli.new_tokens, cli.seed, cli.device)
             spec = {"device": cli.device, "model_dir": str(work / "model"), "prompts": prompts, "batches": batches,
-                    "new_tokens": cli.new_tokens, "repeats": cli.repeats, "threads": cli.threads}
+                    "new_tokens": cli.new_tokens, "repeats": cli.repeats, "threads": cli.threads,
+                    "stopping": cli.stopping}
             spec_path = work / "spec.json"
             spec_path.write_text(json.dumps(spec))
             results = run_rounds(runners, Workload(parameters, {}, spec_path), cli, __file__, shown=_shown)

@@ -23,6 +23,8 @@
 #                    bf16, 8 generations x 256 tokens
 #                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
 #                  gen-compiled: the compiled and captured decode step at batch 64 beside its bandwidth floor
+#                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
+#                    with its finished rows compacted away vs kept vs transformers' generate, batch 64
 #   checks         correctness earlier runs passed (CHECKS_BUDGET s, 200 by default)
 #                  parity-fp32 / parity-bf16: logits vs transformers on CUDA (fp32: max |Δ| <= 1e-5, KL <= 1e-9;
 #                    bf16: error vs fp32 at most 2x transformers' own); attention: SDPA backends, a packed batch
@@ -47,7 +49,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,43p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,45p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -209,6 +211,7 @@ if [[ $DEVICE == cuda ]]; then
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --timeout 120)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
+  GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --batch 64 --timeout 100)
   GRPO=(--steps 3 --timeout 100)
   KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
   FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
@@ -219,6 +222,7 @@ else
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
+  GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
   FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
@@ -247,6 +251,8 @@ if start_section rollout "${ROLLOUT_BUDGET:-240}"; then
   run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
   run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
     "${GENERATE_COMPILED[@]}"
+  run_check gen-stopping 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" --stopping \
+    "${GENERATE_STOPPING[@]}"
 fi
 
 if start_section checks "${CHECKS_BUDGET:-200}"; then

@@ -1,6 +1,7 @@
 """The native engine's decode loop as a GPU runs it, checked on the CPU: the fixed-length masked read of the KV cache
 (one shape per batch) against the growing read; no device->host sync and no host->device copy per token; the compiled
-step against the eager engine and transformers' forward; one compile per batch shape, reused across calls."""
+step against the eager engine and transformers' forward; one compile per batch shape, reused across calls; rows still
+going moved to a smaller batch decode what they would have in the whole one."""
 
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ def test_cuda_graph_step_matches_eager_on_gpu():
                 assert got.completion_ids == expected.completion_ids
                 diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
                 assert diff <= 1e-4
-            runners = [runner for batch in engine._batches.values() for runner in batch.runners.values()]
+            runners = [runner for batches in engine._batches.values() for batch in batches.values()
+                       for runner in batch.runners.values()]
             assert runners and all(runner.graph is not None for runner in runners)
 
 
@@ -206,6 +208,73 @@ def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):
     assert rollouts[True].completion_ids == rollouts[False].completion_ids
     diff = max(abs(a - b) for x, y in zip(rollouts[True].logprobs, rollouts[False].logprobs) for a, b in zip(x, y))
     assert diff <= 1e-5
+
+
+def _stopping_call(engine, prompts, new_tokens, **sampling):
+    """Stop ids that end the rows at different steps: the tokens rows 0, 1, 2, ... make at steps 0, 3, 6, ... of a call
+    without them (a row stops at the first of any of them it makes); the settings with them."""
+    plain = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, **sampling)).completion_ids
+    stops = [c[p] for c, p in zip(plain, range(0, new_tokens, 3))]
+    return SamplingParams(max_new_tokens=new_tokens, eos_token_id=stops, **sampling)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("name", ["qwen3-gqa", "gemma3-alternating"])
+def test_rows_still_going_move_to_a_smaller_batch(name, compile):
+    """Once at most half of a call's rows are going they move to a batch of the power of two that holds them (16 ->
+    8 -> 4 here): every row gives the tokens and log-probs it gives decoded in the whole batch (greedy, and seeded with
+    a repetition penalty: its stream, seen tokens, sliding rings and padding move with it), and transformers' forward's
+    log-probs on those tokens; the later steps decode fewer rows, and moving them reads nothing on the host."""
+    from hfnative.generation import native
+
+    reference = make_hf_model(name)
+    converted = load_pretrained(reference)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (16,), generator=g)]
+    whole = NativeRolloutEngine(converted, compact=False, compile=compile)
+    rows_decoded = []
+    stepped = "_compiled_advance" if compile else "advance"  # what each step runs (through torch.compile or not)
+    real_step = getattr(native, stepped)
+
+    def counted_step(model, batch, *args):
+        rows_decoded.append(batch.B)
+        return real_step(model, batch, *args)
+
+    for sampling in ({"do_sample": False}, {"seed": 3, "temperature": 0.9, "repetition_penalty": 1.2}):
+        settings = _stopping_call(whole, prompts, 24, **sampling)
+        expected = whole.generate(prompts, settings)
+        lengths = sorted(map(len, expected.completion_ids))
+        assert lengths[7] < lengths[11] < lengths[-1] == 24, lengths  # rows end at many steps: 16 -> 8 -> 4
+        engine = NativeRolloutEngine(converted, compile=compile)
+        rows_decoded.clear()
+        with pytest.MonkeyPatch.context() as patch:  # a batch's steps are made at its first call, with this
+            patch.setattr(native, stepped, counted_step)
+            got = engine.generate(prompts, settings)
+        decoded = list(rows_decoded)
+        with _HostRoundTrips() as compacting:  # both engines' buffers made: the round trips of a call
+            engine.generate(prompts, settings)
+        with _HostRoundTrips() as kept:
+            whole.generate(prompts, settings)
+        assert compacting.counts == kept.counts  # moving rows reads nothing back on the host
+        assert got.completion_ids == expected.completion_ids and got.finish_reason == expected.finish_reason
+        diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
+        assert diff <= 1e-5
+        temperature = settings.logprob_temperature
+        for prompt, completion, logprobs in zip(prompts, got.completion_ids, got.logprobs):
+            theirs = _transformers_logprobs(reference, prompt, completion, temperature)
+            assert (torch.tensor(logprobs) - theirs).abs().max() <= 1e-4
+        going = [sum(len(c) > t for c in expected.completion_ids) for t in range(1, 24)]
+        assert decoded == [next(r for r in (16, 8, 4) if r == 4 or n > r // 2) for n in going]
+
+
+def test_compact_rows_rule():
+    from hfnative.generation.decode_loop import compact_rows, rows_going_first
+
+    assert [compact_rows(n, 64, 4) for n in (33, 32, 17, 16, 5, 1, 0)] == [None, 32, 32, 16, 8, 4, 4]
+    assert [compact_rows(n, 8, 4) for n in (5, 4, 1)] == [None, 4, 4]
+    assert compact_rows(3, 6, 4) is None and compact_rows(2, 6, 1) == 2
+    finished = torch.tensor([True, False, True, True, False, False, True, True])
+    assert rows_going_first(finished, 4).tolist() == [1, 4, 5, 0]
 
 
 def test_expert_counts_equal_bincount():

@@ -10,8 +10,10 @@ is captured in, reads and writes the same tensors at every call. ``advance`` is 
 token, choose the next, record it. A row that has stopped goes on being decoded (what it makes past its stop token is
 cut on the host at the end, as its length says), so no step needs a value read back on the host.
 
-``StopCheck`` learns on the host that every row has stopped without stalling the device, so a call whose rows all stop
-early ends early; ``StepRunner`` runs a step eagerly, compiled, or replayed from a CUDA graph.
+``LiveRows`` learns on the host how many rows are still going without stalling the device, so a call whose rows all
+stop early ends early, and one whose rows mostly stopped moves the others into a smaller batch (``compact_rows``,
+``DecodeBatch.take_rows``): the later steps decode only them. ``StepRunner`` runs a step eagerly, compiled, or replayed
+from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ class DecodeBatch:
     """One batch shape's buffers on ``device``, made once and refilled by ``start`` at every call of that shape."""
 
     def __init__(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int,
-                 cache_dtype: torch.dtype, device: torch.device):
+                 cache_dtype: torch.dtype, device: torch.device, tables: DecoderTables | None = None):
+        """tables: the decoder's tables of P + T positions when another batch of this many slots has them."""
         args = model.args
-        B, self.P, self.T = batch_size, prompt_slots, new_tokens
+        B = self.B = batch_size
+        self.P, self.T = prompt_slots, new_tokens
         self.cache = KVCache(
             [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
             self.P + self.T, torch.zeros(B, dtype=torch.long, device=device), cache_dtype, device,
         )
-        self.tables = DecoderTables(model, self.P + self.T, device)
+        self.tables = tables if tables is not None else DecoderTables(model, self.P + self.T, device)
         self.tokens_BT = torch.zeros(B, self.T, dtype=torch.long, device=device)
         self.logprobs_BT = torch.zeros(B, self.T, dtype=torch.float32, device=device)
         self.lengths_B = torch.zeros(B, dtype=torch.long, device=device)
@@ -62,11 +66,7 @@ class DecodeBatch:
         self.cache.reset(torch.tensor([self.P - len(p) for p in prompts], device=device))
         for buffer in (self.tokens_BT, self.logprobs_BT, self.lengths_B, self.finished_B, self.token_B, self.step):
             buffer.zero_()
-        n = len(sampling.stop_ids)
-        if n not in self._stop_ids:
-            self._stop_ids[n] = torch.zeros(n, dtype=torch.long, device=device)
-        self.stop_ids = self._stop_ids[n]
-        self.stop_ids.copy_(torch.tensor(sampling.stop_ids, dtype=torch.long))
+        self._set_stop_ids(torch.tensor(sampling.stop_ids, dtype=torch.long))
         if keys_B is not None:
             self.keys_B.copy_(keys_B)
         if sampling.repetition_penalty != 1.0:
@@ -76,6 +76,37 @@ class DecodeBatch:
             rows = torch.repeat_interleave(torch.arange(B), torch.tensor([len(p) for p in prompts]))
             self.seen_BV[rows.to(device), torch.tensor([t for p in prompts for t in p], device=device)] = True
         return prefill(model, prompts, self.P, self.cache, self.tables)
+
+    def _set_stop_ids(self, stop_ids: torch.Tensor) -> None:
+        n = stop_ids.shape[0]
+        if n not in self._stop_ids:
+            self._stop_ids[n] = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.stop_ids = self._stop_ids[n]
+        self.stop_ids.copy_(stop_ids)
+
+    def take_rows(self, source: "DecodeBatch", rows_b: torch.Tensor) -> None:
+        """Continue rows ``rows_b`` [b] (long, on the device; b = this batch's rows) of ``source``, a batch of the same
+        slots, here: their KV cache, padding, tokens so far, lengths, stop flags, streams and seen tokens, and the
+        step counter. Made on the device: nothing is read back on the host."""
+        for mine, theirs in zip(self.cache.keys + self.cache.values, source.cache.keys + source.cache.values):
+            torch.index_select(theirs, 0, rows_b, out=mine)
+        for n, entry_slot in self.cache.entry_slot.items():
+            entry_slot.copy_(source.cache.entry_slot[n])
+        self.cache.pad_B.copy_(source.cache.pad_B[rows_b])
+        for name in ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B", "token_B", "keys_B"):
+            torch.index_select(getattr(source, name), 0, rows_b, out=getattr(self, name))
+        self.step.copy_(source.step)
+        self._set_stop_ids(source.stop_ids)
+        if source.seen_BV is not None:  # made once and kept, as ``start`` does: a captured step holds its address
+            if self.seen_BV is None:
+                self.seen_BV = torch.zeros(self.B, self.vocab_size, dtype=torch.bool, device=self.device)
+            torch.index_select(source.seen_BV, 0, rows_b, out=self.seen_BV)
+
+    def give_rows(self, target: "DecodeBatch", rows_b: torch.Tensor) -> None:
+        """Write this batch's outputs (tokens, log-probs, lengths, stop flags) back to rows ``rows_b`` of ``target``,
+        the batch it took them from."""
+        for name in ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B"):
+            getattr(target, name).index_copy_(0, rows_b, getattr(self, name))
 
     def outputs(self) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         """Each row's tokens and log-probs up to its stop token (included), and whether it stopped: read once, at the
@@ -148,35 +179,51 @@ class StepRunner:
             self.graph = graph
 
 
-class StopCheck:
-    """Whether every row has stopped, learnt on the host without stalling the device. Every ``every`` steps a copy of
-    the device's flag is queued to (pinned) host memory behind an event; the host reads a flag once its event has
-    passed, and waits for one only when it has queued ``lead`` steps beyond it (the device still has those to run),
-    which bounds the steps launched after the rows stop. On the CPU each copy is done when queued: a call ends at the
-    step its last row stops, and nothing is waited for."""
+def compact_rows(live: int, rows: int, smallest: int) -> int | None:
+    """The rows of the smaller batch ``live`` rows still going in a batch of ``rows`` move to: the power of two that
+    holds them (at least ``smallest``), when it is at most half the batch; None: stay. Halving at least, a call moves
+    its cache at most log2(rows) times, under twice the cache's size in all; powers of two keep the shapes (compiled
+    steps, CUDA graphs) few and shared between calls."""
+    target = max(smallest, 1 << max(live - 1, 0).bit_length())
+    return target if 2 * target <= rows else None
+
+
+def rows_going_first(finished_B: torch.Tensor, rows: int) -> torch.Tensor:
+    """The indices [rows] of the rows still going, in order, then of stopped ones to fill ``rows`` (every row still
+    going is among them when at most ``rows`` are): a stable sort on the device, no read on the host."""
+    return torch.sort(finished_B.to(torch.uint8), stable=True).indices[:rows]
+
+
+class LiveRows:
+    """How many rows of a call are still going, learnt on the host without stalling the device. Every ``every`` steps
+    a count of the device's going rows is queued to (pinned) host memory behind an event; the host reads a count once
+    its event has passed, and waits for one only when it has queued ``lead`` steps beyond it (the device still has
+    those to run), which bounds the steps launched after the rows stop. A count read is an upper bound on the rows
+    going now (rows only stop), whatever batch they have moved to since. On the CPU each copy is done when queued: a
+    call knows its count at every step, and nothing is waited for."""
 
     def __init__(self, device: torch.device, every: int = 8, lead: int = 32):
         self.cuda = device.type == "cuda"
         self.every, self.lead = (every, lead) if self.cuda else (1, 0)
         self.pending: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+        self.known: int | None = None  # the latest count read (None: none yet)
 
-    def all_stopped(self, step: int, finished_B: torch.Tensor) -> bool:
-        """After the tokens of ``step`` were chosen (queued): whether every row is known to have stopped."""
+    def count(self, step: int, finished_B: torch.Tensor) -> int | None:
+        """After the tokens of ``step`` were chosen (queued): the fewest rows known to be going (None: not known yet)."""
         if (step + 1) % self.every == 0:
-            flag = torch.empty((), dtype=torch.bool, pin_memory=self.cuda)
-            flag.copy_(finished_B.all(), non_blocking=True)
+            count = torch.empty((), dtype=torch.long, pin_memory=self.cuda)
+            count.copy_(finished_B.numel() - finished_B.sum(), non_blocking=True)
             event = None
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record()
-            self.pending.append((step, flag, event))
+            self.pending.append((step, count, event))
         while self.pending:
-            posted, flag, event = self.pending[0]
+            posted, count, event = self.pending[0]
             if event is not None and not event.query():
                 if step - posted < self.lead:
-                    return False
+                    break
                 event.synchronize()
             self.pending.popleft()
-            if flag.numpy():  # host memory the copy has landed in: reading it waits for nothing
-                return True
-        return False
+            self.known = int(count.numpy())  # host memory the copy has landed in: reading it waits for nothing
+        return self.known

@@ -19,15 +19,17 @@ from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
 from .compute_weights import DecodingWeights
-from .decode_loop import DecodeBatch, StepRunner, StopCheck, advance, choose
+from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows, rows_going_first
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
 
 # with static shapes (compile, CUDA graphs) prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled or captured decode step (its cache shape) instead of making one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
-# the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
+# the call shapes (prompt slots, new tokens) whose batches' buffers an engine keeps for its next calls
 MAX_BATCH_SHAPES = 4
+# rows still going move to a batch of at least this many rows (a smaller one costs a GPU about as much)
+SMALLEST_COMPACTED_BATCH = 4
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -44,6 +46,10 @@ class NativeRolloutEngine(RolloutEngine):
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
     COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
     training attention kernels). max_batch_size: at most this many prompts decode together.
+    compact (default on): once at most half of a batch's rows are still going, they move (cache and all) to a batch
+    of the power of two that holds them (at least SMALLEST_COMPACTED_BATCH rows), and the later steps decode only
+    those: a call whose completions end at different lengths costs the tokens it makes, not its batch times its
+    longest completion. A row decodes what it would have in the whole batch (its own sampling stream when seeded).
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
@@ -51,7 +57,7 @@ class NativeRolloutEngine(RolloutEngine):
     samples_row_streams = True
 
     def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
-                 max_batch_size: int | None = None):
+                 max_batch_size: int | None = None, compact: bool = True):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -63,9 +69,10 @@ class NativeRolloutEngine(RolloutEngine):
         device_type = model.tok_embeddings.weight.device.type
         if cuda_graph and device_type != "cuda":
             raise ValueError(f"cuda_graph=True: the model is on {device_type}, CUDA graphs need it on a CUDA device")
-        self.model, self.compile, self.max_batch_size = model, compile, max_batch_size
+        self.model, self.compile, self.max_batch_size, self.compact = model, compile, max_batch_size, compact
         self.cuda_graph = device_type == "cuda" if cuda_graph is None else cuda_graph
-        self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
+        # per call shape (prompt slots, new tokens, cache dtype, device): its batches by row count
+        self._batches: OrderedDict[tuple, dict[int, DecodeBatch]] = OrderedDict()
         self._weights = DecodingWeights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -110,19 +117,23 @@ class NativeRolloutEngine(RolloutEngine):
         return self.model.tok_embeddings.weight.device
 
     def _batch(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
-        """The buffers of this batch shape, made at its first call and kept (the last MAX_BATCH_SHAPES shapes)."""
+        """The buffers of this batch shape, made at its first call and kept (those of the last MAX_BATCH_SHAPES call
+        shapes: each with its batch sizes, the smaller ones compacted rows move to included)."""
         device = self._device
         # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
         # and attention reads them in it
         cache_dtype = autocast_dtype(device.type) or self.model.tok_embeddings.weight.dtype
-        key = (batch_size, prompt_slots, new_tokens, cache_dtype, device)
-        batch = self._batches.pop(key, None)
-        if batch is None:
+        key = (prompt_slots, new_tokens, cache_dtype, device)
+        batches = self._batches.pop(key, None)
+        if batches is None:
             while len(self._batches) >= MAX_BATCH_SHAPES:
                 self._batches.popitem(last=False)
-            batch = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
-        self._batches[key] = batch
-        return batch
+            batches = {}
+        self._batches[key] = batches
+        if batch_size not in batches:
+            tables = next(iter(batches.values())).tables if batches else None
+            batches[batch_size] = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device, tables)
+        return batches[batch_size]
 
     @property
     def static_shapes(self) -> bool:
@@ -160,14 +171,26 @@ class NativeRolloutEngine(RolloutEngine):
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
         choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
         step = self._runner(model, batch, sampling)
-        stop = StopCheck(device) if sampling.stop_ids else None
+        live = LiveRows(device) if sampling.stop_ids else None
+        moves: list[tuple[DecodeBatch, torch.Tensor]] = []  # (batch left, its rows taken), in order
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
-            if stop is not None and stop.all_stopped(t - 1, batch.finished_B):
+            going = live.count(t - 1, batch.finished_B) if live is not None else None
+            if going == 0:
                 break
+            rows = compact_rows(going, batch.B, SMALLEST_COMPACTED_BATCH) if self.compact and going else None
+            if rows is not None:
+                taken_b = rows_going_first(batch.finished_B, rows)
+                smaller = self._batch(model, rows, P, T)
+                smaller.take_rows(batch, taken_b)
+                moves.append((batch, taken_b))
+                batch, step = smaller, self._runner(model, smaller, sampling)
             if self.static_shapes:
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
+        for left, taken_b in reversed(moves):
+            batch.give_rows(left, taken_b)
+            batch = left
         tokens, logprobs, finished = batch.outputs()
         return Rollouts(tokens, logprobs, ["stop" if done else "length" for done in finished])
 
