@@ -292,15 +292,24 @@ def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating"
             ways["cuda graph"] = dict(cuda_graph=True)
         ways["compiled" + (" + cuda graph" if device.type == "cuda" else "")] = dict(compile=True)
         engines = {way: NativeRolloutEngine(converted, **kwargs) for way, kwargs in ways.items()}
-        kinds = [("greedy", SamplingParams(max_new_tokens=16, do_sample=False)),
-                 ("sampled", SamplingParams(max_new_tokens=16, seed=3, temperature=0.9))]
-        for kind, sampling in kinds[: None if device.type == "cuda" else 1]:  # a CPU rehearsal: one compile, not two
-            expected = engines["uncaptured"].generate(prompts, sampling)
+        kept = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
+        # 16 rows that end at many lengths (stop ids: tokens rows 0, 1, 2, ... make at steps 0, 3, 6, ... without
+        # them), so rows still going move to the front of the buffers (16 -> 8 -> 4) while decoding
+        many = [list(range(3 + i, 3 + i + 1 + i % 7)) for i in range(16)]
+        free = kept.generate(many, SamplingParams(max_new_tokens=24, seed=5, temperature=0.9)).completion_ids
+        stops = [c[p] for c, p in zip(free, range(0, 24, 3))]
+        kinds = [("greedy", prompts, SamplingParams(max_new_tokens=16, do_sample=False)),
+                 ("sampled", prompts, SamplingParams(max_new_tokens=16, seed=3, temperature=0.9)),
+                 ("stopping, rows compacted", many,
+                  SamplingParams(max_new_tokens=24, seed=5, temperature=0.9, eos_token_id=stops))]
+        # a CPU rehearsal: one compile, not three
+        for kind, rows, sampling in kinds[: None if device.type == "cuda" else 1] + kinds[2:]:
+            expected = kept.generate(rows, sampling)
             for way, engine in engines.items():
                 label = f"generation {config} {kind}, {way}"
                 try:
                     start = time.perf_counter()
-                    results = [engine.generate(prompts, sampling) for _ in range(2)]
+                    results = [engine.generate(rows, sampling) for _ in range(2)]
                     seconds = time.perf_counter() - start
                 except Exception as err:  # a failure of one way is reported, the others still run
                     tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
@@ -308,13 +317,14 @@ def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating"
                 same = all(r.completion_ids == expected.completion_ids for r in results)
                 worst = 0.0
                 with torch.no_grad():
-                    for prompt, completion, logprobs in zip(prompts, results[-1].completion_ids, results[-1].logprobs):
+                    for prompt, completion, logprobs in zip(rows, results[-1].completion_ids, results[-1].logprobs):
                         logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
                         logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
                         theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
                         worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
                 tally.check(same and worst <= 1e-4, label,
-                            f"tokens {'equal' if same else 'DIFFER'} to uncaptured; max|Δ log-prob| vs transformers "
+                            f"tokens {'equal' if same else 'DIFFER'} to uncaptured, uncompacted; max|Δ log-prob| vs "
+                            f"transformers "
                             f"{worst:.1e}; two calls {seconds:.2f} s")
 
 

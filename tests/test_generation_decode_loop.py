@@ -143,9 +143,25 @@ def test_cuda_graph_step_matches_eager_on_gpu():
                 assert got.completion_ids == expected.completion_ids
                 diff = max(abs(a - b) for x, y in zip(got.logprobs, expected.logprobs) for a, b in zip(x, y))
                 assert diff <= 1e-4
-            runners = [runner for batches in engine._batches.values() for batch in batches.values()
-                       for runner in batch.runners.values()]
+            runners = [runner for batch in engine._batches.values() for runner in batch.runners.values()]
             assert runners and all(runner.graph is not None for runner in runners)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compacted_rows_in_cuda_graphs_on_gpu():
+    """On a GPU, rows moved to the front of the buffers decode in CUDA graphs of their own (captured per front, holding
+    the views' addresses): the uncaptured, uncompacted engine's tokens, call after call."""
+    converted = load_pretrained(make_hf_model("qwen3-gqa"), device="cuda")
+    whole = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
+    prompts = [list(range(3 + i, 4 + i + i % 7)) for i in range(16)]
+    settings = _stopping_call(whole, prompts, 48, seed=5, temperature=0.9)
+    expected = whole.generate(prompts, settings)
+    for engine in (NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)):
+        for _ in range(2):
+            got = engine.generate(prompts, settings)
+            assert got.completion_ids == expected.completion_ids and got.finish_reason == expected.finish_reason
+        [batch] = engine._batches.values()
+        assert any(r.graph is not None for f in batch._fronts.values() for r in f.runners.values())
 
 
 def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
@@ -221,8 +237,8 @@ def _stopping_call(engine, prompts, new_tokens, **sampling):
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("name", ["qwen3-gqa", "gemma3-alternating"])
 def test_rows_still_going_move_to_a_smaller_batch(name, compile):
-    """Once at most half of a call's rows are going they move to a batch of the power of two that holds them (16 ->
-    8 -> 4 here): every row gives the tokens and log-probs it gives decoded in the whole batch (greedy, and seeded with
+    """Once at most half of a call's rows are going they move to the front of the buffers, and the steps decode the
+    power of two rows that holds them (16 -> 8 -> 4 here), views into the same cache: every row gives the tokens and log-probs it gives decoded in the whole batch (greedy, and seeded with
     a repetition penalty: its stream, seen tokens, sliding rings and padding move with it), and transformers' forward's
     log-probs on those tokens; the later steps decode fewer rows, and moving them reads nothing on the host."""
     from hfnative.generation import native
@@ -265,16 +281,19 @@ def test_rows_still_going_move_to_a_smaller_batch(name, compile):
             assert (torch.tensor(logprobs) - theirs).abs().max() <= 1e-4
         going = [sum(len(c) > t for c in expected.completion_ids) for t in range(1, 24)]
         assert decoded == [next(r for r in (16, 8, 4) if r == 4 or n > r // 2) for n in going]
+        [batch] = engine._batches.values()  # the smaller batches are views: no second cache
+        assert sorted(batch._fronts) == [4, 8]
+        for front in batch._fronts.values():
+            for mine, root in zip(front.cache.keys + front.cache.values, batch.cache.keys + batch.cache.values):
+                assert mine.data_ptr() == root.data_ptr() and mine.shape[0] == front.B
 
 
 def test_compact_rows_rule():
-    from hfnative.generation.decode_loop import compact_rows, rows_going_first
+    from hfnative.generation.decode_loop import compact_rows
 
     assert [compact_rows(n, 64, 4) for n in (33, 32, 17, 16, 5, 1, 0)] == [None, 32, 32, 16, 8, 4, 4]
     assert [compact_rows(n, 8, 4) for n in (5, 4, 1)] == [None, 4, 4]
     assert compact_rows(3, 6, 4) is None and compact_rows(2, 6, 1) == 2
-    finished = torch.tensor([True, False, True, True, False, False, True, True])
-    assert rows_going_first(finished, 4).tolist() == [1, 4, 5, 0]
 
 
 def test_expert_counts_equal_bincount():

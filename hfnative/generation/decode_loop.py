@@ -11,9 +11,9 @@ token, choose the next, record it. A row that has stopped goes on being decoded 
 cut on the host at the end, as its length says), so no step needs a value read back on the host.
 
 ``LiveRows`` learns on the host how many rows are still going without stalling the device, so a call whose rows all
-stop early ends early, and one whose rows mostly stopped moves the others into a smaller batch (``compact_rows``,
-``DecodeBatch.take_rows``): the later steps decode only them. ``StepRunner`` runs a step eagerly, compiled, or replayed
-from a CUDA graph.
+stop early ends early, and one whose rows mostly stopped moves the others to the front of its buffers
+(``compact_rows``, ``DecodeBatch.move_going_first``): the later steps decode only that front, a batch of views into the
+same memory (no second cache). ``StepRunner`` runs a step eagerly, compiled, or replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -30,8 +30,16 @@ from .kv_cache import KVCache
 from .sampling import SamplingParams, choose_tokens
 
 
+# the per-row state a step reads or writes besides the KV cache (seen_BV too, once made)
+ROW_STATE = ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B", "token_B", "keys_B", "origin_B")
+
+
 class DecodeBatch:
-    """One batch shape's buffers on ``device``, made once and refilled by ``start`` at every call of that shape."""
+    """One batch shape's buffers on ``device``, made once and refilled by ``start`` at every call of that shape.
+
+    ``front(b)`` is the batch of its first b rows: views into the same buffers (cache included), sharing the step
+    counter, stop ids and tables, kept per b with its own steps (a captured step holds the views' addresses, which are
+    the buffers'). ``origin_B`` says which row of the call each row holds once rows have moved."""
 
     def __init__(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int,
                  cache_dtype: torch.dtype, device: torch.device, tables: DecoderTables | None = None):
@@ -49,6 +57,7 @@ class DecodeBatch:
         self.lengths_B = torch.zeros(B, dtype=torch.long, device=device)
         self.finished_B = torch.zeros(B, dtype=torch.bool, device=device)
         self.token_B = torch.zeros(B, dtype=torch.long, device=device)  # the last chosen token of each row
+        self.origin_B = torch.arange(B, device=device)  # the row of the call each row holds (rows move to the front)
         self.step = torch.zeros((), dtype=torch.long, device=device)  # the index of the token chosen next
         self.keys_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's sampling stream (seeded calls)
         self.seen_BV: torch.Tensor | None = None  # tokens each row has seen (repetition penalty), made when first asked
@@ -56,6 +65,7 @@ class DecodeBatch:
         self._stop_ids: dict[int, torch.Tensor] = {}  # one buffer per count of stop ids: a captured step keeps its own
         self.runners: dict[tuple, StepRunner] = {}  # this shape's steps by sampling kind (NativeRolloutEngine's)
         self.vocab_size, self.device = args.vocab_size, device
+        self.root, self._fronts = self, {}  # the batch whose buffers these are; its fronts by row count
 
     def start(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,
               keys_B: torch.Tensor | None) -> torch.Tensor:
@@ -66,6 +76,7 @@ class DecodeBatch:
         self.cache.reset(torch.tensor([self.P - len(p) for p in prompts], device=device))
         for buffer in (self.tokens_BT, self.logprobs_BT, self.lengths_B, self.finished_B, self.token_B, self.step):
             buffer.zero_()
+        torch.arange(B, out=self.origin_B)
         self._set_stop_ids(torch.tensor(sampling.stop_ids, dtype=torch.long))
         if keys_B is not None:
             self.keys_B.copy_(keys_B)
@@ -84,36 +95,50 @@ class DecodeBatch:
         self.stop_ids = self._stop_ids[n]
         self.stop_ids.copy_(stop_ids)
 
-    def take_rows(self, source: "DecodeBatch", rows_b: torch.Tensor) -> None:
-        """Continue rows ``rows_b`` [b] (long, on the device; b = this batch's rows) of ``source``, a batch of the same
-        slots, here: their KV cache, padding, tokens so far, lengths, stop flags, streams and seen tokens, and the
-        step counter. Made on the device: nothing is read back on the host."""
-        for mine, theirs in zip(self.cache.keys + self.cache.values, source.cache.keys + source.cache.values):
-            torch.index_select(theirs, 0, rows_b, out=mine)
-        for n, entry_slot in self.cache.entry_slot.items():
-            entry_slot.copy_(source.cache.entry_slot[n])
-        self.cache.pad_B.copy_(source.cache.pad_B[rows_b])
-        for name in ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B", "token_B", "keys_B"):
-            torch.index_select(getattr(source, name), 0, rows_b, out=getattr(self, name))
-        self.step.copy_(source.step)
-        self._set_stop_ids(source.stop_ids)
-        if source.seen_BV is not None:  # made once and kept, as ``start`` does: a captured step holds its address
-            if self.seen_BV is None:
-                self.seen_BV = torch.zeros(self.B, self.vocab_size, dtype=torch.bool, device=self.device)
-            torch.index_select(source.seen_BV, 0, rows_b, out=self.seen_BV)
+    def front(self, rows: int) -> "DecodeBatch":
+        """The batch of the first ``rows`` rows of this one's buffers (views; made at first use and kept)."""
+        root = self.root
+        view = root._fronts.get(rows)
+        if view is None:
+            view = object.__new__(DecodeBatch)
+            view.B, view.P, view.T, view.root, view._fronts = rows, root.P, root.T, root, {}
+            view.cache, view.tables, view.step = root.cache.front(rows), root.tables, root.step
+            for name in ROW_STATE:
+                setattr(view, name, getattr(root, name)[:rows])
+            view._stop_ids, view.runners = root._stop_ids, {}
+            view.vocab_size, view.device = root.vocab_size, root.device
+            root._fronts[rows] = view
+        view.stop_ids = root.stop_ids  # this call's (one buffer per count of ids)
+        view.seen_BV = None if root.seen_BV is None else root.seen_BV[:rows]
+        return view
 
-    def give_rows(self, target: "DecodeBatch", rows_b: torch.Tensor) -> None:
-        """Write this batch's outputs (tokens, log-probs, lengths, stop flags) back to rows ``rows_b`` of ``target``,
-        the batch it took them from."""
-        for name in ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B"):
-            getattr(target, name).index_copy_(0, rows_b, getattr(self, name))
+    def move_going_first(self, rows: int) -> "DecodeBatch":
+        """Move the rows still going to the front, in order (a stable sort of the stop flags, on the device: nothing
+        read on the host), the stopped ones after them, and return the front of ``rows`` rows, which holds every row
+        still going when at most ``rows`` are. The per-row state moves whole; the KV cache only into the front (a
+        stopped row's is never read again), through a copy of at most ``rows`` rows of one layer at a time."""
+        order_B = torch.sort(self.finished_B.to(torch.uint8), stable=True).indices
+        for name in ROW_STATE:
+            buffer = getattr(self, name)
+            buffer.copy_(buffer[order_B])
+        if self.seen_BV is not None:
+            self.seen_BV.copy_(self.seen_BV[order_B])
+        self.cache.pad_B.copy_(self.cache.pad_B[order_B])
+        kept = order_B[:rows]
+        for buffer in self.cache.keys + self.cache.values:
+            buffer[:rows] = buffer[kept]
+        return self.front(rows)
 
-    def outputs(self) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """Each row's tokens and log-probs up to its stop token (included), and whether it stopped: read once, at the
-        end of the call."""
+    def outputs(self, moved: bool = False) -> tuple[list[list[int]], list[list[float]], list[bool]]:
+        """Each row's tokens and log-probs up to its stop token (included), and whether it stopped, in the call's
+        order: read once, at the end of the call. moved: rows have moved (``origin_B`` is read too)."""
         lengths = self.lengths_B.tolist()
         tokens, logprobs, finished = self.tokens_BT.tolist(), self.logprobs_BT.tolist(), self.finished_B.tolist()
-        return [r[:n] for r, n in zip(tokens, lengths)], [r[:n] for r, n in zip(logprobs, lengths)], finished
+        rows = list(zip((r[:n] for r, n in zip(tokens, lengths)), (r[:n] for r, n in zip(logprobs, lengths)), finished))
+        if moved:
+            by_origin = dict(zip(self.origin_B.tolist(), rows))
+            rows = [by_origin[i] for i in range(len(rows))]
+        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 def choose(batch: DecodeBatch, logits_BV: torch.Tensor, sampling: SamplingParams, seeded: bool) -> None:
@@ -186,12 +211,6 @@ def compact_rows(live: int, rows: int, smallest: int) -> int | None:
     steps, CUDA graphs) few and shared between calls."""
     target = max(smallest, 1 << max(live - 1, 0).bit_length())
     return target if 2 * target <= rows else None
-
-
-def rows_going_first(finished_B: torch.Tensor, rows: int) -> torch.Tensor:
-    """The indices [rows] of the rows still going, in order, then of stopped ones to fill ``rows`` (every row still
-    going is among them when at most ``rows`` are): a stable sort on the device, no read on the host."""
-    return torch.sort(finished_B.to(torch.uint8), stable=True).indices[:rows]
 
 
 class LiveRows:

@@ -56,6 +56,16 @@ class KVCache:
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+    def front(self, rows: int) -> "KVCache":
+        """The cache of the first ``rows`` rows: views into these buffers and padding, the same entry slots (every row
+        writes the same slot at a step)."""
+        view = object.__new__(KVCache)
+        view.num_slots, view.lengths, view.entry_slot = self.num_slots, self.lengths, self.entry_slot
+        view.pad_B = self.pad_B[:rows]
+        view.keys, view.values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
+        view.index, view.visible, view.prompt_index, view.read_upto = {}, {}, {}, self.num_slots
+        return view
+
     def reset(self, pad_B: torch.Tensor) -> None:
         """Empty the cache for a new batch of the same shape, with each row's left padding ``pad_B`` [B]; the buffers
         are refilled in place (zeros: a masked entry weighs 0 in attention, and 0 times a stale inf or NaN is not 0)."""

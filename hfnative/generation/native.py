@@ -19,14 +19,14 @@ from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
 from .compute_weights import DecodingWeights
-from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows, rows_going_first
+from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
 
 # with static shapes (compile, CUDA graphs) prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled or captured decode step (its cache shape) instead of making one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
-# the call shapes (prompt slots, new tokens) whose batches' buffers an engine keeps for its next calls
+# the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
 MAX_BATCH_SHAPES = 4
 # rows still going move to a batch of at least this many rows (a smaller one costs a GPU about as much)
 SMALLEST_COMPACTED_BATCH = 4
@@ -46,10 +46,11 @@ class NativeRolloutEngine(RolloutEngine):
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
     COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
     training attention kernels). max_batch_size: at most this many prompts decode together.
-    compact (default on): once at most half of a batch's rows are still going, they move (cache and all) to a batch
-    of the power of two that holds them (at least SMALLEST_COMPACTED_BATCH rows), and the later steps decode only
-    those: a call whose completions end at different lengths costs the tokens it makes, not its batch times its
-    longest completion. A row decodes what it would have in the whole batch (its own sampling stream when seeded).
+    compact (default on): once at most half of a batch's rows are still going, they move (cache and all) to the front
+    of its buffers, and the later steps decode only the front: the power of two rows that holds them (at least
+    SMALLEST_COMPACTED_BATCH), in the same memory. A call whose completions end at different lengths costs the tokens
+    it makes, not its batch times its longest completion; a row decodes what it would have in the whole batch (its
+    own sampling stream when seeded).
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
@@ -71,8 +72,7 @@ class NativeRolloutEngine(RolloutEngine):
             raise ValueError(f"cuda_graph=True: the model is on {device_type}, CUDA graphs need it on a CUDA device")
         self.model, self.compile, self.max_batch_size, self.compact = model, compile, max_batch_size, compact
         self.cuda_graph = device_type == "cuda" if cuda_graph is None else cuda_graph
-        # per call shape (prompt slots, new tokens, cache dtype, device): its batches by row count
-        self._batches: OrderedDict[tuple, dict[int, DecodeBatch]] = OrderedDict()
+        self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
         self._weights = DecodingWeights()
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -117,23 +117,19 @@ class NativeRolloutEngine(RolloutEngine):
         return self.model.tok_embeddings.weight.device
 
     def _batch(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int) -> DecodeBatch:
-        """The buffers of this batch shape, made at its first call and kept (those of the last MAX_BATCH_SHAPES call
-        shapes: each with its batch sizes, the smaller ones compacted rows move to included)."""
+        """The buffers of this batch shape, made at its first call and kept (the last MAX_BATCH_SHAPES shapes)."""
         device = self._device
         # under autocast (fp32 master weights, bf16=True) the projections give keys and values in the autocast dtype,
         # and attention reads them in it
         cache_dtype = autocast_dtype(device.type) or self.model.tok_embeddings.weight.dtype
-        key = (prompt_slots, new_tokens, cache_dtype, device)
-        batches = self._batches.pop(key, None)
-        if batches is None:
+        key = (batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        batch = self._batches.pop(key, None)
+        if batch is None:
             while len(self._batches) >= MAX_BATCH_SHAPES:
                 self._batches.popitem(last=False)
-            batches = {}
-        self._batches[key] = batches
-        if batch_size not in batches:
-            tables = next(iter(batches.values())).tables if batches else None
-            batches[batch_size] = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device, tables)
-        return batches[batch_size]
+            batch = DecodeBatch(model, batch_size, prompt_slots, new_tokens, cache_dtype, device)
+        self._batches[key] = batch
+        return batch
 
     @property
     def static_shapes(self) -> bool:
@@ -172,26 +168,20 @@ class NativeRolloutEngine(RolloutEngine):
         choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
         step = self._runner(model, batch, sampling)
         live = LiveRows(device) if sampling.stop_ids else None
-        moves: list[tuple[DecodeBatch, torch.Tensor]] = []  # (batch left, its rows taken), in order
+        moved = False
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
             going = live.count(t - 1, batch.finished_B) if live is not None else None
             if going == 0:
                 break
             rows = compact_rows(going, batch.B, SMALLEST_COMPACTED_BATCH) if self.compact and going else None
             if rows is not None:
-                taken_b = rows_going_first(batch.finished_B, rows)
-                smaller = self._batch(model, rows, P, T)
-                smaller.take_rows(batch, taken_b)
-                moves.append((batch, taken_b))
-                batch, step = smaller, self._runner(model, smaller, sampling)
+                batch, moved = batch.move_going_first(rows), True
+                step = self._runner(model, batch, sampling)
             if self.static_shapes:
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
-        for left, taken_b in reversed(moves):
-            batch.give_rows(left, taken_b)
-            batch = left
-        tokens, logprobs, finished = batch.outputs()
+        tokens, logprobs, finished = batch.root.outputs(moved)
         return Rollouts(tokens, logprobs, ["stop" if done else "length" for done in finished])
 
 
