@@ -151,17 +151,27 @@ def test_cuda_graph_step_matches_eager_on_gpu():
 def test_compacted_rows_in_cuda_graphs_on_gpu():
     """On a GPU, rows moved to the front of the buffers decode in CUDA graphs of their own (captured per front, holding
     the views' addresses): the uncaptured, uncompacted engine's tokens, call after call."""
+    import functools
+
+    from hfnative.generation import native
+    from hfnative.generation.decode_loop import LiveRows
+
     converted = load_pretrained(make_hf_model("qwen3-gqa"), device="cuda")
     whole = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
     prompts = [list(range(3 + i, 4 + i + i % 7)) for i in range(16)]
     settings = _stopping_call(whole, prompts, 48, seed=5, temperature=0.9)
     expected = whole.generate(prompts, settings)
-    for engine in (NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)):
-        for _ in range(2):
-            got = engine.generate(prompts, settings)
-            assert got.completion_ids == expected.completion_ids and got.finish_reason == expected.finish_reason
-        [batch] = engine._batches.values()
-        assert any(r.graph is not None for f in batch._fronts.values() for r in f.runners.values())
+    lengths = sorted(map(len, expected.completion_ids))
+    assert lengths[11] + 3 < lengths[-1], lengths  # the front of 4 runs 3 steps or more: its graph is captured
+    with pytest.MonkeyPatch.context() as patch:  # the host learns the count at every step, as on a CPU
+        patch.setattr(native, "LiveRows", functools.partial(LiveRows, every=1, lead=0))
+        for engine in (NativeRolloutEngine(converted), NativeRolloutEngine(converted, compile=True)):
+            for _ in range(2):
+                got = engine.generate(prompts, settings)
+                assert got.completion_ids == expected.completion_ids and got.finish_reason == expected.finish_reason
+            [batch] = engine._batches.values()
+            assert sorted(batch._fronts) == [4, 8]
+            assert batch._fronts[4].runners and all(r.graph is not None for r in batch._fronts[4].runners.values())
 
 
 def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
@@ -263,10 +273,15 @@ def test_rows_still_going_move_to_a_smaller_batch(name, compile):
         assert lengths[7] < lengths[11] < lengths[-1] == 24, lengths  # rows end at many steps: 16 -> 8 -> 4
         engine = NativeRolloutEngine(converted, compile=compile)
         rows_decoded.clear()
+        counters.clear()
         with pytest.MonkeyPatch.context() as patch:  # a batch's steps are made at its first call, with this
             patch.setattr(native, stepped, counted_step)
             got = engine.generate(prompts, settings)
         decoded = list(rows_decoded)
+        if compile and not sampling.get("seed"):  # before any call under a dispatch mode (below), which compiles
+            # the step's functions one by one: one graph per front (8, 4), compiled once, not once per step's guards
+            # (the 16 rows' step was compiled for the uncompacted engine; shapes this process compiled before: none)
+            assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
         with _HostRoundTrips() as compacting:  # both engines' buffers made: the round trips of a call
             engine.generate(prompts, settings)
         with _HostRoundTrips() as kept:

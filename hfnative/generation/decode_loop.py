@@ -30,8 +30,9 @@ from .kv_cache import KVCache
 from .sampling import SamplingParams, choose_tokens
 
 
-# the per-row state a step reads or writes besides the KV cache (seen_BV too, once made)
-ROW_STATE = ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B", "token_B", "keys_B", "origin_B")
+# the per-row state a call's outputs are read from, and what decoding reads besides the KV cache (seen_BV too, once made)
+OUTPUT_STATE = ("tokens_BT", "logprobs_BT", "lengths_B", "finished_B", "origin_B")
+ROW_STATE = OUTPUT_STATE + ("token_B", "keys_B")
 
 
 class DecodeBatch:
@@ -42,8 +43,7 @@ class DecodeBatch:
     the buffers'). ``origin_B`` says which row of the call each row holds once rows have moved."""
 
     def __init__(self, model: Transformer, batch_size: int, prompt_slots: int, new_tokens: int,
-                 cache_dtype: torch.dtype, device: torch.device, tables: DecoderTables | None = None):
-        """tables: the decoder's tables of P + T positions when another batch of this many slots has them."""
+                 cache_dtype: torch.dtype, device: torch.device):
         args = model.args
         B = self.B = batch_size
         self.P, self.T = prompt_slots, new_tokens
@@ -51,7 +51,7 @@ class DecodeBatch:
             [layer.is_sliding for layer in model.layers], args.sliding_window, B, args.n_kv_heads, args.head_dim,
             self.P + self.T, torch.zeros(B, dtype=torch.long, device=device), cache_dtype, device,
         )
-        self.tables = tables if tables is not None else DecoderTables(model, self.P + self.T, device)
+        self.tables = DecoderTables(model, self.P + self.T, device)
         self.tokens_BT = torch.zeros(B, self.T, dtype=torch.long, device=device)
         self.logprobs_BT = torch.zeros(B, self.T, dtype=torch.float32, device=device)
         self.lengths_B = torch.zeros(B, dtype=torch.long, device=device)
@@ -115,17 +115,16 @@ class DecodeBatch:
     def move_going_first(self, rows: int) -> "DecodeBatch":
         """Move the rows still going to the front, in order (a stable sort of the stop flags, on the device: nothing
         read on the host), the stopped ones after them, and return the front of ``rows`` rows, which holds every row
-        still going when at most ``rows`` are. The per-row state moves whole; the KV cache only into the front (a
-        stopped row's is never read again), through a copy of at most ``rows`` rows of one layer at a time."""
+        still going when at most ``rows`` are. The outputs (and each row's place) move whole; what only decoding reads
+        (KV cache, padding, last token, stream, seen tokens) only into the front (a stopped row's is never read
+        again), the cache through a copy of at most ``rows`` rows of one layer at a time."""
         order_B = torch.sort(self.finished_B.to(torch.uint8), stable=True).indices
-        for name in ROW_STATE:
+        for name in OUTPUT_STATE:
             buffer = getattr(self, name)
             buffer.copy_(buffer[order_B])
-        if self.seen_BV is not None:
-            self.seen_BV.copy_(self.seen_BV[order_B])
-        self.cache.pad_B.copy_(self.cache.pad_B[order_B])
         kept = order_B[:rows]
-        for buffer in self.cache.keys + self.cache.values:
+        decoding = [self.token_B, self.keys_B, self.cache.pad_B, *self.cache.keys, *self.cache.values]
+        for buffer in decoding + ([self.seen_BV] if self.seen_BV is not None else []):
             buffer[:rows] = buffer[kept]
         return self.front(rows)
 
@@ -206,7 +205,8 @@ class StepRunner:
 
 def compact_rows(live: int, rows: int, smallest: int) -> int | None:
     """The rows of the smaller batch ``live`` rows still going in a batch of ``rows`` move to: the power of two that
-    holds them (at least ``smallest``), when it is at most half the batch; None: stay. Halving at least, a call moves
+    holds them (at least ``smallest``), when it is at most half the batch (a batch of 24 rows moves once 8 are going,
+    to 8); None: stay. Halving at least, a call moves
     its cache at most log2(rows) times, under twice the cache's size in all; powers of two keep the shapes (compiled
     steps, CUDA graphs) few and shared between calls."""
     target = max(smallest, 1 << max(live - 1, 0).bit_length())
@@ -228,7 +228,8 @@ class LiveRows:
         self.known: int | None = None  # the latest count read (None: none yet)
 
     def count(self, step: int, finished_B: torch.Tensor) -> int | None:
-        """After the tokens of ``step`` were chosen (queued): the fewest rows known to be going (None: not known yet)."""
+        """After the tokens of ``step`` were chosen (queued): the most rows that may still be going, from the latest
+        count read (None: none read yet)."""
         if (step + 1) % self.every == 0:
             count = torch.empty((), dtype=torch.long, pin_memory=self.cuda)
             count.copy_(finished_B.numel() - finished_B.sum(), non_blocking=True)

@@ -63,7 +63,11 @@ class KVCache:
         view.num_slots, view.lengths, view.entry_slot = self.num_slots, self.lengths, self.entry_slot
         view.pad_B = self.pad_B[:rows]
         view.keys, view.values = [k[:rows] for k in self.keys], [v[:rows] for v in self.values]
-        view.index, view.visible, view.prompt_index, view.read_upto = {}, {}, {}, self.num_slots
+        # the keys ``start`` fills, as the whole cache's (a compiled step's guards hold a dict's keys: an empty one
+        # would compile each front's step twice)
+        view.index = dict(self.index)
+        view.visible = {n: visible[:rows] for n, visible in self.visible.items()}
+        view.prompt_index, view.read_upto = {}, self.num_slots
         return view
 
     def reset(self, pad_B: torch.Tensor) -> None:

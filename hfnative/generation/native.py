@@ -46,9 +46,9 @@ class NativeRolloutEngine(RolloutEngine):
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
     COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
     training attention kernels). max_batch_size: at most this many prompts decode together.
-    compact (default on): once at most half of a batch's rows are still going, they move (cache and all) to the front
-    of its buffers, and the later steps decode only the front: the power of two rows that holds them (at least
-    SMALLEST_COMPACTED_BATCH), in the same memory. A call whose completions end at different lengths costs the tokens
+    compact (default on): once the rows still going fit in a power of two rows (at least SMALLEST_COMPACTED_BATCH) at
+    most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only
+    that front, in the same memory. A call whose completions end at different lengths costs the tokens
     it makes, not its batch times its longest completion; a row decodes what it would have in the whole batch (its
     own sampling stream when seeded).
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
