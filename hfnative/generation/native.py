@@ -50,7 +50,8 @@ class NativeRolloutEngine(RolloutEngine):
     most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only
     that front, in the same memory. A call whose completions end at different lengths costs the tokens
     it makes, not its batch times its longest completion; a row decodes what it would have in the whole batch (its
-    own sampling stream when seeded).
+    own sampling stream when seeded). Each front is a batch shape of its own: compiled (compile=True) and captured at
+    its first use, then reused by later calls.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
