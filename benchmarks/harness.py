@@ -71,6 +71,10 @@ class Shape:
 PRESETS = {
     "smoke": Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024,
                    seq=64, batch=8, steps=5, warmup=2),
+    # Qwen3-0.6B's depth (28 blocks) at the smoke preset's width: a step is all host work (Python, dispatch), as
+    # much of it as the 0.6B step launches on a GPU: where the GPU waits for the host, this shows it on a CPU
+    "smoke_depth28": Shape(hidden=64, layers=28, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024,
+                           seq=64, batch=8, steps=10, warmup=3),
     "reference": Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=32000,
                        seq=256, batch=8, steps=30, warmup=3),
     "vocab152k": Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=1024, vocab=151936,
