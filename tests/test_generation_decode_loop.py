@@ -311,6 +311,36 @@ def test_compact_rows_rule():
     assert compact_rows(3, 6, 4) is None and compact_rows(2, 6, 1) == 2
 
 
+def test_trainer_rollouts_compact_finished_rows(tmp_path):
+    """A GRPO trainer's rollouts (its tokenized prompts, EOS, sampling settings and row streams) through its own
+    engine: with a policy whose completions end at many lengths, rows still going move to the front of the batch, and
+    the completions and log-probs are those of the same engine keeping every row."""
+    from datasets import Dataset
+
+    import hfnative
+    from _ppo_layouts_worker import save_stopping_policy
+
+    save_stopping_policy(tmp_path / "policy")
+    prompts = [{"prompt": f"Tell me about the sea number {i}"} for i in range(8)]
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none",
+                               max_steps=1, num_generations=8, per_device_train_batch_size=16,
+                               max_completion_length=48, seed=0)
+    trainer = hfnative.GRPOTrainer(model=str(tmp_path / "policy"), args=args, train_dataset=Dataset.from_list(prompts),
+                                   reward_funcs=lambda completions, **kw: [0.0] * len(completions))
+    rollout = trainer.objective.rollout
+    prompt_ids = [ids for ids in rollout.tokenize([p["prompt"] for p in prompts]) for _ in range(2)]  # 16 rows
+    rollouts = {}
+    for compact in (True, False):
+        rollout.engine.compact = compact
+        rollouts[compact] = rollout.generate(prompt_ids, seed=3, first_row=0)
+    lengths = sorted(map(len, rollouts[True].completion_ids))
+    assert lengths[7] < lengths[-1], lengths  # more than half the rows end before the longest
+    assert rollouts[True].completion_ids == rollouts[False].completion_ids
+    diff = max(abs(a - b) for x, y in zip(rollouts[True].logprobs, rollouts[False].logprobs) for a, b in zip(x, y))
+    assert diff <= 1e-5
+    assert any(batch._fronts for batch in rollout.engine._batches.values())
+
+
 def test_expert_counts_equal_bincount():
     from hfnative.models.moe import expert_counts
 
