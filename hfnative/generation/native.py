@@ -28,7 +28,7 @@ from .sampling import SamplingParams, call_row_keys
 COMPILE_SLOT_MULTIPLE = 64
 # the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
 MAX_BATCH_SHAPES = 4
-# rows still going move to a batch of at least this many rows (a smaller one costs a GPU about as much)
+# the smallest front rows still going move to (a smaller batch would cost a GPU about as much a step)
 SMALLEST_COMPACTED_BATCH = 4
 
 
@@ -47,11 +47,11 @@ class NativeRolloutEngine(RolloutEngine):
     COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
     training attention kernels). max_batch_size: at most this many prompts decode together.
     compact (default on): once the rows still going fit in a power of two rows (at least SMALLEST_COMPACTED_BATCH) at
-    most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only
-    that front, in the same memory. A call whose completions end at different lengths costs the tokens
-    it makes, not its batch times its longest completion; a row decodes what it would have in the whole batch (its
-    own sampling stream when seeded). Each front is a batch shape of its own: compiled (compile=True) and captured at
-    its first use, then reused by later calls.
+    most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only that
+    front, in the same memory. A call whose completions end at different lengths costs the tokens it makes, not its
+    batch times its longest completion; a row decodes what it would have in the whole batch (its own sampling stream
+    when seeded). Each front is a batch shape of its own: compiled (compile=True) and captured at its first use, then
+    reused by later calls.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
     """
 
