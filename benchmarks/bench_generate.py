@@ -166,8 +166,9 @@ def make_rows_stop(model_dir: Path, prompts: list[list[int]], new_tokens: int, s
     engine = NativeRolloutEngine(load_pretrained(str(model_dir), dtype=dtype, device=device).model)
     completions = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False)).completion_ids
     del engine
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    reader = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)  # edited and saved in fp32
+    # read in the runners' dtype and device (on a CPU: the model itself)
+    reader = model if device == "cpu" else AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     direction = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
     first_wins = []  # per row, per completion position: the smallest scale at which EOS has topped the logits by then
     with torch.no_grad():

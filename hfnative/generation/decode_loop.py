@@ -131,13 +131,12 @@ class DecodeBatch:
     def outputs(self, moved: bool = False) -> tuple[list[list[int]], list[list[float]], list[bool]]:
         """Each row's tokens and log-probs up to its stop token (included), and whether it stopped, in the call's
         order: read once, at the end of the call. moved: rows have moved (``origin_B`` is read too)."""
-        lengths = self.lengths_B.tolist()
-        tokens, logprobs, finished = self.tokens_BT.tolist(), self.logprobs_BT.tolist(), self.finished_B.tolist()
-        rows = list(zip((r[:n] for r, n in zip(tokens, lengths)), (r[:n] for r, n in zip(logprobs, lengths)), finished))
-        if moved:
-            by_origin = dict(zip(self.origin_B.tolist(), rows))
-            rows = [by_origin[i] for i in range(len(rows))]
-        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+        state = (self.tokens_BT, self.logprobs_BT, self.lengths_B, self.finished_B)
+        if moved:  # row i of the call is where origin_B holds i
+            at_B = torch.argsort(self.origin_B)
+            state = tuple(buffer[at_B] for buffer in state)
+        tokens, logprobs, lengths, finished = (buffer.tolist() for buffer in state)
+        return [r[:n] for r, n in zip(tokens, lengths)], [r[:n] for r, n in zip(logprobs, lengths)], finished
 
 
 def choose(batch: DecodeBatch, logits_BV: torch.Tensor, sampling: SamplingParams, seeded: bool) -> None:
@@ -206,9 +205,8 @@ class StepRunner:
 def compact_rows(live: int, rows: int, smallest: int) -> int | None:
     """The rows of the smaller batch ``live`` rows still going in a batch of ``rows`` move to: the power of two that
     holds them (at least ``smallest``), when it is at most half the batch (a batch of 24 rows moves once 8 are going,
-    to 8); None: stay. Halving at least, a call moves
-    its cache at most log2(rows) times, under twice the cache's size in all; powers of two keep the shapes (compiled
-    steps, CUDA graphs) few and shared between calls."""
+    to 8); None: stay. Halving at least, a call moves rows at most log2(rows) times, and its copies of the cache add up
+    to less than one cache; powers of two keep the shapes (compiled steps, CUDA graphs) few and shared between calls."""
     target = max(smallest, 1 << max(live - 1, 0).bit_length())
     return target if 2 * target <= rows else None
 
