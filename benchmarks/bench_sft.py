@@ -57,8 +57,9 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
 )
 
 BASE_RUNNERS = ("trl", "hf", "ours")
-# cpu_policy: hfnative with the CPU's device policy forced (hfnative/device_policy.py), to see the GPU policy's trades
-OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy")
+# cpu_policy: hfnative with the CPU's device policy forced (hfnative/device_policy.py), to see the GPU policy's trades;
+# torch_kernels: the GPU policy without its Triton kernels (hfnative/models/triton_kernels.py), to see what they pay
+OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -134,6 +135,8 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             extra["torch_compile"] = True
         elif variant == "cpu_policy":
             os.environ["HFNATIVE_DEVICE_POLICY"] = "cpu"  # this child process only
+        elif variant == "torch_kernels":
+            os.environ["HFNATIVE_TRITON_KERNELS"] = "0"  # this child process only
         try:
             args = hfnative.SFTConfig(**common, **sft, **extra)
             trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,

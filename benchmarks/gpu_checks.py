@@ -4,6 +4,7 @@
     python benchmarks/gpu_checks.py parity --device cuda --dtype bf16
     python benchmarks/gpu_checks.py attention --device cuda
     python benchmarks/gpu_checks.py generation --device cuda
+    python benchmarks/gpu_checks.py kernels --device cuda
 
 Both run on CPU too (that is how they are tested without a GPU). Each output line is one comparison,
 ``PASS`` / ``FAIL`` / ``SKIP``, its name and numbers; the exit status is 1 when any comparison failed.
@@ -26,6 +27,10 @@ generation: the native rollout engine's decode step as each way runs it — unca
 the current slot), captured in a CUDA graph (the default on CUDA; static shapes), compiled and captured — on tiny
 models in fp32, called twice each (capture, then replay): the same greedy tokens and seeded samples as the
 uncaptured engine, and log-probs within 1e-4 of transformers' uncached forward on the same tokens.
+
+kernels: the Triton kernels (hfnative/models/triton_kernels.py) at the Qwen3-0.6B shape against the op sequences
+they replace, forward and gradients, and each way's forward + backward time (on CPU: small shapes, only under
+``TRITON_INTERPRET=1`` with Triton importable).
 """
 
 from __future__ import annotations
@@ -342,11 +347,91 @@ def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating"
 
 
 # ------------------------------------------------------------------------------------------------
+# Triton kernels
+
+
+def _kernel_cases(device: torch.device):
+    """(name, inputs, Triton function, op sequence) at the Qwen3-0.6B shape on CUDA (batch 4 x 2,048 tokens: hidden
+    1,024, 16 query heads of 128, MLP 3,072), small on CPU."""
+    from hfnative.models import layers
+    from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+
+    cuda = device.type == "cuda"
+    tokens, dim, heads, head_dim, hidden = (8192, 1024, 16, 128, 3072) if cuda else (300, 40, 3, 24, 56)
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device=device, generator=generator) * scale
+
+    def norm(x, w):
+        return TritonRMSNorm.apply(x, w, 1e-6, None)
+
+    def norm_ops(x, w):
+        return layers._RMSNormFunction.apply(x, w, 1e-6, None)
+
+    def gated_ops(gate, up):
+        return layers._GatedActivation.apply(gate, up, "silu")
+
+    for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        hidden_states = randn(tokens, dim, scale=3).to(dtype)
+        yield f"rms_norm {label} [{tokens}, {dim}]", (hidden_states, randn(dim, scale=0.3) + 1), norm, norm_ops
+        per_head = randn(4, tokens // 4, heads, head_dim, scale=3).to(dtype).transpose(1, 2)  # [B, H, S, d] view
+        yield (f"q_norm {label} [4, {heads}, {tokens // 4}, {head_dim}]", (per_head, randn(head_dim, scale=0.3) + 1),
+               norm, norm_ops)
+        yield (f"silu_gated {label} [{tokens}, {hidden}]",
+               (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
+               TritonSiluGated.apply, gated_ops)
+
+
+def kernels(tally: Tally, device: torch.device) -> None:
+    """The Triton kernels against the op sequences they replace: forward and both gradients (fp32: 1e-5 relative;
+    bf16 activations: within one bf16 step of the tensor's scale, and the share of elements that differ at all),
+    then each way's forward + backward time."""
+    import os
+
+    from hfnative.models import triton_kernels
+
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        tally("SKIP", "triton kernels", "on CPU they run only under Triton's interpreter (TRITON_INTERPRET=1)")
+        return
+    if not triton_kernels.available():
+        tally("SKIP", "triton kernels", "Triton cannot be imported here")
+        return
+    for name, inputs, fused, reference in _kernel_cases(device):
+        runs = {}
+        for way, function in (("triton", fused), ("torch", reference)):
+            leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
+            out = function(*leaves)
+            grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
+            grads = torch.autograd.grad(out, leaves, grad_out)
+
+            def step(function=function, leaves=leaves, grad_out=grad_out):
+                torch.autograd.grad(function(*leaves), leaves, grad_out)
+
+            runs[way] = (out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1))
+        (out, grads, fused_ms), (want, want_grads, torch_ms) = runs["triton"], runs["torch"]
+        worst, differing, ok = 0.0, 0.0, True
+        for got, expected in zip((out, *grads), (want, *want_grads)):
+            ok &= got.dtype == expected.dtype and got.shape == expected.shape
+            error = (got.float() - expected.float()).abs().max().item()
+            scale = expected.float().abs().max().item()
+            if inputs[0].dtype == torch.float32:
+                ok &= torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * scale)
+            else:  # the interpreter truncates to bf16 where a GPU rounds: two steps there
+                ok &= error <= (2.0**-8 if device.type == "cuda" else 2.0**-6) * scale
+            worst = max(worst, error / max(scale, 1e-30))
+            differing = max(differing, (got != expected).float().mean().item())
+        tally.check(ok, f"triton {name}", f"max |diff| / scale {worst:.1e}, elements differing {differing:.1%}; "
+                                        f"fwd+bwd {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
+                                        f"(x{torch_ms / max(fused_ms, 1e-9):.2f})")
+
+
+# ------------------------------------------------------------------------------------------------
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("parity", "attention", "generation"))
+    parser.add_argument("check", choices=("parity", "attention", "generation", "kernels"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parity: fp32 by default; attention: bf16 on cuda, fp32 on cpu by default")
@@ -362,6 +447,8 @@ def main(argv=None) -> int:
         parity(tally, device, DTYPES[args.dtype or "fp32"], sorted(CONFIGS) if args.all else ONE_PER_FAMILY)
     elif args.check == "generation":
         generation(tally, device)
+    elif args.check == "kernels":
+        kernels(tally, device)
     else:
         attention(tally, device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     print(f"{tally.failures} failed" if tally.failures else "all passed")

@@ -18,6 +18,9 @@
 - ``compile_dynamic``: ``torch.compile``'s ``dynamic`` for the blocks. True on a CPU (any batch and sequence length
   from the first call, so padding-free batches never recompile); None on a GPU (static kernels first, dynamic after
   the first new shape: fixed-shape batches, packed or padded to a multiple, keep static, faster kernels).
+- ``triton_kernels``: a block run eagerly makes its RMSNorms and SiLU-gated unit with one Triton kernel each way
+  (``hfnative.models.triton_kernels``) instead of a chain of elementwise kernels, each a pass over the activation. On
+  a GPU those passes are most of an eager step's device time; a CPU keeps torch's ops (Triton does not compile for it).
 
 ``HFNATIVE_DEVICE_POLICY=cpu|gpu`` (or ``use_device_policy``) forces one policy on every device, so the CPU tests run
 the GPU policy's code paths and a GPU run can try the CPU's trades.
@@ -43,14 +46,17 @@ class DevicePolicy:
     head_gradient_block_elements: int | None
     selective_checkpointing: bool
     compile_dynamic: bool | None
+    triton_kernels: bool
 
 
 CPU_POLICY = DevicePolicy("cpu", recompute_in_backward=True, host_reads=True, head_chunk_elements=None,
-                          head_gradient_block_elements=None, selective_checkpointing=False, compile_dynamic=True)
+                          head_gradient_block_elements=None, selective_checkpointing=False, compile_dynamic=True,
+                          triton_kernels=False)
 # 2^27 fp32 logits: 512 MiB per [C, V] buffer (883 tokens at Qwen3's 151,936 entries); 2^29 gradient entries: 1 GiB
 # in bf16 (3,533 tokens), so a batch of 8,192 label tokens makes the head's weight gradient in 3 GEMMs, not 19 passes
 GPU_POLICY = DevicePolicy("gpu", recompute_in_backward=False, host_reads=False, head_chunk_elements=1 << 27,
-                          head_gradient_block_elements=1 << 29, selective_checkpointing=True, compile_dynamic=None)
+                          head_gradient_block_elements=1 << 29, selective_checkpointing=True, compile_dynamic=None,
+                          triton_kernels=True)
 POLICIES = {policy.name: policy for policy in (CPU_POLICY, GPU_POLICY)}
 
 _forced: list[DevicePolicy] = []

@@ -13,6 +13,8 @@ from .args import ModelArgs
 from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
+from .triton_kernels import (TritonRMSNorm, TritonSiluGated, rms_norm_supported, silu_gated_supported,
+                             use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -77,6 +79,8 @@ class RMSNorm(nn.Module):
         nn.init.zeros_(self.weight) if self.unit_offset else nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton_kernels(x, self.weight) and rms_norm_supported(x, self.weight):
+            return TritonRMSNorm.apply(x, self.weight, self.eps, self.float_offset)
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset)
 
 
@@ -178,6 +182,14 @@ class _GatedActivation(torch.autograd.Function):
         return grad_gate, grad_up, None
 
 
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up with gradients, keeping gate and up for backward: one Triton kernel each way where they run
+    (``hfnative.models.triton_kernels``), else ``_GatedActivation``."""
+    if activation == "silu" and use_triton_kernels(gate, up) and silu_gated_supported(gate, up):
+        return TritonSiluGated.apply(gate, up)
+    return _GatedActivation.apply(gate, up, activation)
+
+
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's gated unit: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)."""
     gate = gate.clamp(max=limit)
@@ -197,7 +209,8 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w1(x), self.w3(x)
-        hidden = _GatedActivation.apply(gate, up, self.activation)
-        # the down projection's input is remade from gate and up (which the gated unit keeps) in backward
+        hidden = gated_activation(gate, up, self.activation)
+        # the down projection's input is remade from gate and up (which the gated unit keeps) in backward: the CPU
+        # policy's trade, whose blocks never run the Triton kernels (the remade tensor is the op sequence's)
         keep_as_recomputed(hidden, lambda: gated(gate, up, self.activation))
         return self.w2(hidden)

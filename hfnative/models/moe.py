@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import Partial
 
 from .args import MoEArgs
-from .layers import _GatedActivation, clamped_swiglu
+from .layers import clamped_swiglu, gated_activation
 
 
 class RouterLogits:
@@ -110,7 +110,7 @@ class GroupedExperts(nn.Module):
         if self.swiglu_limit is not None:
             hidden_TI = clamped_swiglu(gate_TI, up_TI, self.swiglu_alpha, self.swiglu_limit)
         else:
-            hidden_TI = _GatedActivation.apply(gate_TI, up_TI, self.activation)
+            hidden_TI = gated_activation(gate_TI, up_TI, self.activation)
         return grouped(hidden_TI, w2, b2)
 
 

@@ -1,0 +1,273 @@
+"""Triton kernels for a block's elementwise work on a GPU: RMSNorm and the SiLU-gated unit, forward and backward.
+
+Run eagerly, a block's norms and gated unit are chains of small elementwise kernels, each reading and writing a
+whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten backward;
+``silu(gate) * up`` is two forward and four backward. On a GPU these are bound by memory bandwidth and, at the
+Qwen3-0.6B shape, take most of a training step's device time. Each kernel here reads its inputs once and writes its
+outputs once:
+
+- ``rms_norm``: one kernel forward and one backward, in tiles of whole rows (4,096 elements); a backward program
+  walks 8 tiles, summing the weight's gradient over their rows in float32, then the programs' sums are added.
+- ``silu_gated``: one kernel forward, one backward that makes the gate's and the up projection's gradients together.
+
+Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
+bf16 results round at the same points; sums run in another order (a float32 round-off apart) and the norm's weight
+gradient is summed in float32 where the op sequence multiplies in the output dtype first.
+
+Where they run: the device policy's ``triton_kernels`` (on for a GPU), tensors on a CUDA device (or any device with
+``TRITON_INTERPRET=1``, Triton's interpreter, which is how the CPU tests run them), plain tensors (not DTensor), eager
+(torch.compile fuses the op sequence itself), and Triton importable. ``HFNATIVE_TRITON_KERNELS=0`` switches them off.
+The kernels are built at first use, so ``TRITON_INTERPRET`` set before then decides how they run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from hfnative.device_policy import device_policy
+from hfnative.switches import switched_off
+
+ENV_SWITCH = "HFNATIVE_TRITON_KERNELS"
+MAX_NORM_DIM = 1 << 16  # one row of the norm is one block of a program
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _kernels():
+    """The jitted kernels, or None when Triton cannot be imported."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def rms_norm_forward(X, W, Y, RSTD, n_rows, n_cols, eps, offset,
+                         LLAMA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK)
+        in_rows = rows < n_rows
+        mask = in_rows[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        tl.store(RSTD + rows, rstd, mask=in_rows)
+        normed = x * rstd[:, None]
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        if LLAMA:  # normed cast to x's dtype, then times the weight
+            y = normed.to(X.dtype.element_ty).to(tl.float32) * w
+        else:  # normed * (offset + weight) in float32
+            y = normed * (offset + w)
+        tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rms_norm_backward(DY, X, W, RSTD, DX, DW, n_rows, n_cols, offset, LLAMA: tl.constexpr, ROWS: tl.constexpr,
+                          TILES: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+        program = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        for tile in range(TILES):  # TILES tiles of ROWS rows a program, the weight's gradient summed over them
+            rows = (program.to(tl.int64) * TILES + tile) * ROWS + tl.arange(0, ROWS)
+            in_rows = rows < n_rows
+            mask = in_rows[:, None] & (cols < n_cols)[None, :]
+            at = rows[:, None] * n_cols + cols[None, :]
+            x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
+            normed = x * rstd
+            if LLAMA:
+                if WEIGHT_GRAD:
+                    dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+                grad_normed = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+            else:
+                if WEIGHT_GRAD:
+                    dw += tl.sum(dy * normed, axis=0)
+                grad_normed = dy * (offset + w)
+            # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
+            dx = rstd * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / n_cols)[:, None])
+            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+        if WEIGHT_GRAD:
+            tl.store(DW + program * n_cols + cols, dw, mask=cols < n_cols)
+
+    @triton.jit
+    def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)  # F.silu, in the gate's dtype
+        tl.store(Y + at, (silu * u).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def silu_gated_backward(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
+        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = at < n
+        dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+        sigmoid = 1.0 / (1.0 + tl.exp(-g))
+        silu = (g * sigmoid).to(G.dtype.element_ty).to(tl.float32)
+        tl.store(DU + at, (silu * dy).to(DU.dtype.element_ty), mask=mask)
+        dy_u = (dy * u).to(G.dtype.element_ty).to(tl.float32)  # grad_out * up, in the gate's dtype
+        # aten.silu_backward: grad * sigmoid * (1 + x * (1 - sigmoid))
+        tl.store(DG + at, (dy_u * sigmoid * (1.0 + g * (1.0 - sigmoid))).to(DG.dtype.element_ty), mask=mask)
+
+    return triton, rms_norm_forward, rms_norm_backward, silu_gated_forward, silu_gated_backward
+
+
+def available() -> bool:
+    return _kernels() is not None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a subclass such as DTensor
+
+
+def use_triton_kernels(*tensors: torch.Tensor) -> bool:
+    """Whether the block's elementwise ops on ``tensors`` run as these kernels (see the module docstring)."""
+    first = tensors[0]
+    if torch.compiler.is_compiling() or switched_off(ENV_SWITCH):
+        return False
+    if any(type(tensor) not in _PLAIN for tensor in tensors):
+        return False
+    if first.device.type != "cuda" and not _interpreting():
+        return False
+    return device_policy(first.device).triton_kernels and available()
+
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.dtype in _FLOATS and weight.dtype in _FLOATS and x.shape[-1] <= MAX_NORM_DIM and x.numel() > 0
+            and weight.shape == x.shape[-1:] and weight.is_contiguous())
+
+
+def _rows_of(tensor: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` laid out as ``like`` (default: as it is) when that is a dense permutation whose last dimension is
+    contiguous (its rows then lie one after another in memory, in some order of the other dimensions), else
+    contiguous. A per-head norm's input, [B, H, S, d] viewed from [B, S, H, d], keeps its layout."""
+    layout = tensor if like is None else like
+    if not _rows_in_memory(layout):
+        return tensor.contiguous()
+    if like is None or tensor.stride() == like.stride():
+        return tensor
+    return torch.empty_like(like, dtype=tensor.dtype).copy_(tensor)
+
+
+def _rows_in_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` fills its span of memory once (its dimensions, by stride, are a contiguous layout) with the
+    last dimension contiguous."""
+    if tensor.stride(-1) != 1:
+        return False
+    span = 1
+    for dim in sorted(range(tensor.dim()), key=tensor.stride):
+        if tensor.size(dim) == 1:
+            continue
+        if tensor.stride(dim) != span:
+            return False
+        span *= tensor.size(dim)
+    return True
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor from ``_rows_of`` as the memory it spans, [rows * dim] (its rows in memory order)."""
+    return tensor.as_strided((tensor.numel(),), (1,), tensor.storage_offset())
+
+
+TILE_ELEMENTS = 4096  # a tile's rows x columns: several rows of a narrow norm (q/k norms: 32 rows of 128)
+BACKWARD_TILES = 8  # tiles a backward program walks, summing the weight's gradient over them
+
+
+def _tile(triton, dim: int) -> tuple[int, int]:
+    """(columns, rows) of a program's tile: the row padded to a power of two, and as many rows as fill the tile."""
+    block = triton.next_power_of_2(dim)
+    return block, max(1, TILE_ELEMENTS // block)
+
+
+class TritonRMSNorm(torch.autograd.Function):
+    """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, float_offset: float | None):
+        triton, forward_kernel, _, _, _ = _kernels()
+        x = _rows_of(x)
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        out_dtype = torch.promote_types(x.dtype, weight.dtype) if float_offset is None else x.dtype
+        y = torch.empty_like(x, dtype=out_dtype)
+        rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+        block, tile_rows = _tile(triton, dim)
+        forward_kernel[(triton.cdiv(rows, tile_rows),)](
+            _flat(x), weight, _flat(y), rstd, rows, dim, eps, float_offset or 0.0,
+            LLAMA=float_offset is None, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
+        )
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.float_offset = float_offset
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        triton, _, backward_kernel, _, _ = _kernels()
+        x, weight, rstd = ctx.saved_tensors
+        grad_out = _rows_of(grad_out, like=x)
+        dim = x.shape[-1]
+        rows = x.numel() // dim
+        block, tile_rows = _tile(triton, dim)
+        programs = triton.cdiv(rows, tile_rows * BACKWARD_TILES)
+        weight_grad = ctx.needs_input_grad[1]
+        grad_x = torch.empty_like(x)
+        partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
+        backward_kernel[(programs,)](
+            _flat(grad_out), _flat(x), weight, rstd, _flat(grad_x), partial, rows, dim, ctx.float_offset or 0.0,
+            LLAMA=ctx.float_offset is None, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
+            WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
+        )
+        grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None
+
+
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else (8 if elements <= 8192 else 16)
+
+
+_ELEMENTWISE_BLOCK = 1024
+
+
+def silu_gated_supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return gate.dtype == up.dtype and gate.dtype in _FLOATS and gate.shape == up.shape and gate.numel() > 0
+
+
+class TritonSiluGated(torch.autograd.Function):
+    """``silu(gate) * up`` (``layers._GatedActivation``) as two kernels: keeps gate and up for backward."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        triton, _, _, forward_kernel, _ = _kernels()
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        n = gate.numel()
+        forward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](gate, up, y, n, BLOCK=_ELEMENTWISE_BLOCK)
+        ctx.save_for_backward(gate, up)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        triton, _, _, _, backward_kernel = _kernels()
+        gate, up = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        backward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](grad_out, gate, up, grad_gate, grad_up, n,
+                                                               BLOCK=_ELEMENTWISE_BLOCK)
+        return grad_gate, grad_up
+
+
+__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonSiluGated", "available", "rms_norm_supported",
+           "silu_gated_supported", "use_triton_kernels"]

@@ -1,0 +1,239 @@
+"""The Triton kernels (``hfnative.models.triton_kernels``) run by Triton's interpreter on CPU tensors, against the op
+sequences they replace and transformers' forward. Run by tests/test_triton_kernels.py in a process of its own, with
+``TRITON_INTERPRET=1`` and Triton on the path (the test's environment does not install Triton: transformers changes
+what it does when Triton is importable). Prints one JSON line: each check's name and its failure (null: passed).
+
+The interpreter turns float32 into bfloat16 by dropping the low bits (a GPU rounds to nearest, as torch does), so
+the bf16 checks allow a few bf16 ulps of the tensor's scale; the fp32 checks allow float32 round-off (sums in another
+order). The GPU script's check compares the compiled kernels on CUDA more tightly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from hf_configs import make_hf_model  # noqa: E402
+
+from hfnative.converters.loading import load_pretrained  # noqa: E402
+from hfnative.device_policy import use_device_policy  # noqa: E402
+from hfnative.models import layers, triton_kernels  # noqa: E402
+from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated  # noqa: E402
+from hfnative.parallel import apply_compile  # noqa: E402
+from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+
+BF16_SCALE_TOLERANCE = 2.0**-6  # four bf16 ulps (2^-8 each, relative) of the tensor's largest magnitude
+
+
+def _close(got, want, bf16: bool, what: str):
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, the op sequence's {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+    if bf16:
+        error = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        assert error <= BF16_SCALE_TOLERANCE * scale, f"{what}: max |diff| {error:.3g} over scale {scale:.3g}"
+    else:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6, msg=what)
+
+
+def _grads(function, inputs, grad_out_seed=1):
+    out = function(*inputs)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_out_seed)).to(out.dtype)
+    grads = torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad_out)
+    return out, grads
+
+
+def check_rms_norm():
+    """Every variant (Llama's cast-then-scale, Gemma's 1 + w, OLMo's scale in float32) over rows laid out as a
+    [B, S, D] activation (small, and over several tiles and programs), a per-head [B, H, S, d] view of [B, S, H, d]
+    (q/k norms) and a strided slice (copied), in fp32 and bf16 (with fp32 and bf16 weights), the weight's gradient on
+    and off."""
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for x_dtype, w_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                             (torch.bfloat16, torch.bfloat16)):
+        for float_offset in (None, 1.0, 0.0):
+            for layout in ("rows", "many_rows", "heads", "strided"):
+                for weight_grad in (True, False):
+                    cases.append((x_dtype, w_dtype, float_offset, layout, weight_grad))
+    for x_dtype, w_dtype, float_offset, layout, weight_grad in cases:
+        dim = 24 if layout == "heads" else 40  # 40: a block of 64 with 24 masked columns
+        if layout == "heads":
+            base = torch.randn(2, 5, 3, dim, generator=generator) * 3
+            make = lambda base: base.to(x_dtype).transpose(1, 2)  # noqa: E731
+        elif layout == "strided":
+            base = torch.randn(2, 7, 2 * dim, generator=generator) * 3
+            make = lambda base: base.to(x_dtype)[..., ::2]  # noqa: E731
+        elif layout == "many_rows":  # 64 rows a tile, 8 tiles a backward program: two programs, the last partial
+            base = torch.randn(3, 250, dim, generator=generator) * 3
+        else:
+            base = torch.randn(3, 7, dim, generator=generator) * 3
+            make = lambda base: base.to(x_dtype)  # noqa: E731
+        weight = (torch.randn(dim, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1)).to(w_dtype)
+        results = []
+        for function in (TritonRMSNorm.apply, layers._RMSNormFunction.apply):
+            x = make(base.clone()).detach().requires_grad_()
+            w = weight.clone().requires_grad_(weight_grad)
+            out, grads = _grads(lambda x, w: function(x, w, 1e-6, float_offset), (x, w))
+            results.append((out, grads, x))
+        (out, grads, x), (want_out, want_grads, _) = results
+        what = f"rms_norm x={x_dtype} w={w_dtype} offset={float_offset} {layout} weight_grad={weight_grad}"
+        bf16 = torch.bfloat16 in (x_dtype, w_dtype)
+        _close(out, want_out, bf16, what + " output")
+        assert len(grads) == len(want_grads)
+        for name, got, want in zip(("x", "weight"), grads, want_grads):
+            _close(got, want, bf16, f"{what} grad {name}")
+        if layout == "heads":
+            assert out.stride() == x.stride(), f"{what}: output strides {out.stride()} vs the input's {x.stride()}"
+
+
+def check_silu_gated():
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in ((3, 7, 40), (2000,)):  # 2,000: two programs, the second partly masked
+            gate0 = torch.randn(shape, generator=generator) * 4
+            up0 = torch.randn(shape, generator=generator)
+            results = []
+            for function in (TritonSiluGated.apply, lambda g, u: layers._GatedActivation.apply(g, u, "silu")):
+                gate = gate0.to(dtype).requires_grad_()
+                up = up0.to(dtype).requires_grad_()
+                results.append(_grads(function, (gate, up)))
+            (out, grads), (want_out, want_grads) = results
+            what = f"silu_gated {dtype} {shape}"
+            _close(out, want_out, dtype == torch.bfloat16, what + " output")
+            for name, got, want in zip(("gate", "up"), grads, want_grads):
+                _close(got, want, dtype == torch.bfloat16, f"{what} grad {name}")
+
+
+class _Launches:
+    """Counts the kernels' autograd functions as they are applied."""
+
+    def __init__(self):
+        self.counts = {"rms_norm": 0, "silu_gated": 0}
+        self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply)
+
+    def __enter__(self):
+        norm, gated = self._originals
+
+        def counted(name, apply):
+            def wrapper(*args):
+                self.counts[name] += 1
+                return apply(*args)
+            return wrapper
+
+        TritonRMSNorm.apply = counted("rms_norm", norm)
+        TritonSiluGated.apply = counted("silu_gated", gated)
+        return self
+
+    def __exit__(self, *exc):
+        TritonRMSNorm.apply, TritonSiluGated.apply = self._originals
+
+
+def _native(name, directory):
+    reference = make_hf_model(name)
+    reference.save_pretrained(directory)
+    return reference, load_pretrained(directory).model
+
+
+def _step(model, input_ids, triton: bool, bf16: bool = False):
+    """(loss, logits, {name: grad}) of one training step's forward and backward under the GPU policy."""
+    os.environ[triton_kernels.ENV_SWITCH] = "1" if triton else "0"
+    model.zero_grad(set_to_none=True)
+    with use_device_policy("gpu"):  # a checkpointed block's recompute asks the policy again in backward
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(input_ids, labels=input_ids)
+            logits = out.logits.float()
+        out.loss.backward()
+    return out.loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+EXPECTED_LAUNCHES = {  # per forward of the 2-block models: (RMSNorms, SiLU-gated units)
+    "qwen3-gqa": (2 * 4 + 1, 2),  # two pre-norms and q/k norms a block, the final norm
+    "qwen3moe-topk-norm": (2 * 4 + 1, 2),  # the experts' gated unit, once a block
+    "olmo3-sliding-gqa": (2 * 4 + 1, 2),  # post-norms, q/k norms over the projection, weights scaled in float32
+    "gemma3-softcap-linear-untied": (2 * 6 + 1, 0),  # four norms and q/k norms a block; a GELU-tanh gated unit
+}
+
+
+def check_models():
+    """A training step of each family under the GPU policy: the kernels run where expected, the logits equal
+    transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
+    with every block checkpointed (the GPU policy's selective checkpointing recomputes the kernels)."""
+    input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
+    for name, (norms, gated) in EXPECTED_LAUNCHES.items():
+        with tempfile.TemporaryDirectory() as directory:
+            reference, model = _native(name, directory)
+            with torch.no_grad():
+                want_logits = reference(input_ids).logits
+            off_loss, off_logits, off_grads = _step(model, input_ids, triton=False)
+            with _Launches() as launches:
+                loss, logits, grads = _step(model, input_ids, triton=True)
+            assert launches.counts == {"rms_norm": norms, "silu_gated": gated}, f"{name}: {launches.counts}"
+            torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
+            torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
+            for param, grad in off_grads.items():
+                torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-6, msg=f"{name} grad {param}")
+            apply_activation_checkpointing(model, "full")
+            with _Launches() as launches:
+                ac_loss, _, ac_grads = _step(model, input_ids, triton=True)
+            assert launches.counts["rms_norm"] == norms + norms - 1, f"{name} checkpointed: {launches.counts}"
+            torch.testing.assert_close(ac_loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} checkpointed loss")
+            for param, grad in off_grads.items():
+                torch.testing.assert_close(ac_grads[param], grad, rtol=1e-5, atol=1e-6,
+                                           msg=f"{name} checkpointed grad {param}")
+
+
+def check_bf16_autocast():
+    """Under bf16 autocast the step with the kernels follows the step without them to bf16 round-off."""
+    input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(4))
+    with tempfile.TemporaryDirectory() as directory:
+        _, model = _native("qwen3-gqa", directory)
+        off_loss, _, off_grads = _step(model, input_ids, triton=False, bf16=True)
+        with _Launches() as launches:
+            loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
+    assert launches.counts == {"rms_norm": 9, "silu_gated": 2}, launches.counts
+    assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
+    for param, grad in off_grads.items():
+        cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
+        assert cosine >= 0.999, f"bf16 grad {param}: cosine {cosine:.5f} to the step without the kernels"
+
+
+def check_compiled_blocks_leave_them_to_the_compiler():
+    """A compiled block runs torch's op sequence (the compiler fuses it): no kernel is applied, and the step equals
+    the eager one with the kernels."""
+    input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(5))
+    with tempfile.TemporaryDirectory() as directory:
+        _, model = _native("qwen3-gqa", directory)
+        eager_loss, _, eager_grads = _step(model, input_ids, triton=True)
+        with use_device_policy("gpu"):
+            apply_compile(model)
+        with _Launches() as launches:
+            loss, _, grads = _step(model, input_ids, triton=True)
+    assert launches.counts == {"rms_norm": 1, "silu_gated": 0}, launches.counts  # the final norm runs eagerly
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
+    for param, grad in eager_grads.items():
+        torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")
+
+
+CHECKS = {name[len("check_"):]: function for name, function in globals().items() if name.startswith("check_")}
+
+
+def main(names):
+    results = {}
+    for name in names or CHECKS:
+        try:
+            CHECKS[name]()
+            results[name] = None
+        except Exception:  # noqa: BLE001 - every check reports, one failing does not stop the next
+            results[name] = traceback.format_exc(limit=6)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,67 @@
+"""The GPU policy's Triton kernels (``hfnative.models.triton_kernels``: RMSNorm and the SiLU-gated unit, forward and
+backward), run on CPU by Triton's interpreter in a process of its own (tests/_triton_kernels_worker.py, whose
+docstrings say what each check compares and within what).
+
+Triton is not a dependency of the CPU install, and transformers behaves differently when it can import it, so the
+worker gets Triton from a folder of its own: ``.triton-cpu`` in the checkout, installed from the package registry at
+the first run (about 290 MB), or the test environment's own Triton where it has one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TRITON_DIR = ROOT / ".triton-cpu"
+TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
+CHECKS = ["rms_norm", "silu_gated", "models", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
+
+
+def _triton_path() -> str | None:
+    """A PYTHONPATH entry that makes Triton importable ("" when this environment has it), or None."""
+    if importlib.util.find_spec("triton") is not None:
+        return ""
+    if not (TRITON_DIR / "triton" / "__init__.py").exists():
+        staging = Path(tempfile.mkdtemp(prefix=".triton-cpu-", dir=ROOT))
+        try:
+            install = subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(staging),
+                 TRITON_REQUIREMENT], capture_output=True, text=True, timeout=900,
+            )
+            if install.returncode != 0:
+                return None
+            if not TRITON_DIR.exists():
+                staging.rename(TRITON_DIR)  # whole or not at all
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(TRITON_DIR)
+
+
+@pytest.fixture(scope="module")
+def results():
+    path = _triton_path()
+    if path is None:
+        pytest.skip(f"Triton could not be installed into {TRITON_DIR} ({TRITON_REQUIREMENT}: no package registry?)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("HFNATIVE_DEVICE_POLICY", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p)
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernels_worker.py"), *CHECKS],
+                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    lines = run.stdout.strip().splitlines()
+    assert run.returncode == 0 and lines, f"the worker failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_triton_kernels(results, check):
+    assert check in results, f"the worker did not run {check}"
+    assert results[check] is None, results[check]
