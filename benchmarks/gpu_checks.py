@@ -354,6 +354,7 @@ def _kernel_cases(device: torch.device):
     """(name, inputs, Triton function, op sequence) at the Qwen3-0.6B shape on CUDA (batch 4 x 2,048 tokens: hidden
     1,024, 16 query heads of 128, MLP 3,072), small on CPU."""
     from hfnative.models import layers
+    from hfnative.models.rope import apply_rotary
     from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
 
     cuda = device.type == "cuda"
@@ -372,12 +373,23 @@ def _kernel_cases(device: torch.device):
     def gated_ops(gate, up):
         return layers._GatedActivation.apply(gate, up, "silu")
 
+    angles = randn(4, tokens // 4, head_dim // 2, scale=3)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+    def norm_rope(x_BSHd, w):
+        return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos, sin).transpose(1, 2)
+
+    def norm_rope_ops(x_BSHd, w):
+        return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos, sin)
+
     for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         hidden_states = randn(tokens, dim, scale=3).to(dtype)
         yield f"rms_norm {label} [{tokens}, {dim}]", (hidden_states, randn(dim, scale=0.3) + 1), norm, norm_ops
         per_head = randn(4, tokens // 4, heads, head_dim, scale=3).to(dtype).transpose(1, 2)  # [B, H, S, d] view
         yield (f"q_norm {label} [4, {heads}, {tokens // 4}, {head_dim}]", (per_head, randn(head_dim, scale=0.3) + 1),
                norm, norm_ops)
+        yield (f"q_norm + rope {label} [4, {tokens // 4}, {heads}, {head_dim}]",
+               (per_head.transpose(1, 2).contiguous(), randn(head_dim, scale=0.3) + 1), norm_rope, norm_rope_ops)
         yield (f"silu_gated {label} [{tokens}, {hidden}]",
                (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
                TritonSiluGated.apply, gated_ops)

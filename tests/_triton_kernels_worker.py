@@ -93,6 +93,41 @@ def check_rms_norm():
             assert out.stride() == x.stride(), f"{what}: output strides {out.stride()} vs the input's {x.stride()}"
 
 
+def check_norm_rope():
+    """A per-head q/k norm and the rotation after it in one kernel against the norm then ``apply_rotary``: Llama's
+    and Gemma's norm variants, q from bf16 projections (autocast's) and fp32 ones, one batch row's tables and several,
+    over several tiles and programs (two heads of 32 channels: 128 rows a tile)."""
+    from hfnative.models.rope import apply_rotary
+    from hfnative.models.triton_kernels import norm_rope_supported
+
+    generator = torch.Generator().manual_seed(2)
+    for x_dtype, float_offset, batch, seq in ((torch.float32, None, 2, 5), (torch.bfloat16, None, 3, 700),
+                                              (torch.float32, 1.0, 1, 9), (torch.bfloat16, None, 1, 3)):
+        heads, d = 2, 32
+        base = torch.randn(batch, seq, heads, d, generator=generator) * 3
+        angles = torch.randn(batch, seq, d // 2, generator=generator) * 3
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        weight = torch.randn(d, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1)
+        results = []
+        for fused in (True, False):
+            x = base.to(x_dtype).requires_grad_()
+            w = weight.clone().requires_grad_()
+            if fused:
+                assert norm_rope_supported(x, w, float_offset, cos, sin)
+                out = TritonRMSNorm.apply(x, w, 1e-6, float_offset, cos, sin).transpose(1, 2)
+            else:
+                out = apply_rotary(layers._RMSNormFunction.apply(x.transpose(1, 2), w, 1e-6, float_offset), cos, sin)
+            grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+            results.append((out, torch.autograd.grad(out, (x, w), grad_out), out.stride()))
+        (out, grads, strides), (want, want_grads, want_strides) = results
+        what = f"norm_rope x={x_dtype} offset={float_offset} [{batch}, {seq}, {heads}, {d}]"
+        bf16 = x_dtype == torch.bfloat16
+        _close(out, want, bf16, what + " output")
+        assert strides == want_strides, f"{what}: strides {strides}, the op sequence's {want_strides}"
+        for name, got, expected in zip(("x", "weight"), grads, want_grads):
+            _close(got, expected, bf16, f"{what} grad {name}")
+
+
 def check_silu_gated():
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
@@ -115,7 +150,7 @@ class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 
     def __init__(self):
-        self.counts = {"rms_norm": 0, "silu_gated": 0}
+        self.counts = {"rms_norm": 0, "norm_rope": 0, "silu_gated": 0}
         self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply)
 
     def __enter__(self):
@@ -124,6 +159,7 @@ class _Launches:
         def counted(name, apply):
             def wrapper(*args):
                 self.counts[name] += 1
+                self.counts["norm_rope"] += len(args) > 4 and args[4] is not None  # cos: rotated in the kernel
                 return apply(*args)
             return wrapper
 
@@ -153,11 +189,11 @@ def _step(model, input_ids, triton: bool, bf16: bool = False):
     return out.loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-EXPECTED_LAUNCHES = {  # per forward of the 2-block models: (RMSNorms, SiLU-gated units)
-    "qwen3-gqa": (2 * 4 + 1, 2),  # two pre-norms and q/k norms a block, the final norm
-    "qwen3moe-topk-norm": (2 * 4 + 1, 2),  # the experts' gated unit, once a block
-    "olmo3-sliding-gqa": (2 * 4 + 1, 2),  # post-norms, q/k norms over the projection, weights scaled in float32
-    "gemma3-softcap-linear-untied": (2 * 6 + 1, 0),  # four norms and q/k norms a block; a GELU-tanh gated unit
+EXPECTED_LAUNCHES = {  # per forward of the 2-block models: (RMSNorms, of them with the rotation, SiLU-gated units)
+    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 2),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
+    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 2),  # the experts' gated unit, once a block
+    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2),  # post-norms; q/k norms over the projection, weights scaled in float32
+    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0),  # four norms a block, q/k norms (1 + w); GELU-tanh unit
 }
 
 
@@ -166,7 +202,7 @@ def check_models():
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
     with every block checkpointed (the GPU policy's selective checkpointing recomputes the kernels)."""
     input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
-    for name, (norms, gated) in EXPECTED_LAUNCHES.items():
+    for name, (norms, rotated, gated) in EXPECTED_LAUNCHES.items():
         with tempfile.TemporaryDirectory() as directory:
             reference, model = _native(name, directory)
             with torch.no_grad():
@@ -174,7 +210,8 @@ def check_models():
             off_loss, off_logits, off_grads = _step(model, input_ids, triton=False)
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
-            assert launches.counts == {"rms_norm": norms, "silu_gated": gated}, f"{name}: {launches.counts}"
+            expected = {"rms_norm": norms, "norm_rope": rotated, "silu_gated": gated}
+            assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
             for param, grad in off_grads.items():
@@ -197,7 +234,7 @@ def check_bf16_autocast():
         off_loss, _, off_grads = _step(model, input_ids, triton=False, bf16=True)
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
-    assert launches.counts == {"rms_norm": 9, "silu_gated": 2}, launches.counts
+    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "silu_gated": 2}, launches.counts
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
@@ -215,7 +252,8 @@ def check_compiled_blocks_leave_them_to_the_compiler():
             apply_compile(model)
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True)
-    assert launches.counts == {"rms_norm": 1, "silu_gated": 0}, launches.counts  # the final norm runs eagerly
+    # the final norm runs eagerly
+    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "silu_gated": 0}, launches.counts
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")

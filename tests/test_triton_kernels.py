@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_DIR = ROOT / ".triton-cpu"
 TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
-CHECKS = ["rms_norm", "silu_gated", "models", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
+CHECKS = ["rms_norm", "norm_rope", "silu_gated", "models", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
 
 
 def _triton_path() -> str | None:

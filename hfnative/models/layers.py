@@ -13,8 +13,8 @@ from .args import ModelArgs
 from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
-from .triton_kernels import (TritonRMSNorm, TritonSiluGated, rms_norm_supported, silu_gated_supported,
-                             use_triton_kernels)
+from .triton_kernels import (TritonRMSNorm, TritonSiluGated, norm_rope_supported, rms_norm_supported,
+                             silu_gated_supported, use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -124,14 +124,17 @@ class Attention(nn.Module):
 
     def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """A projection [B, S, heads * d] as heads [B, heads, S, d], normed (over the projection or per head) and
-        rotated."""
+        rotated (a per-head norm and the rotation in one Triton kernel where they run)."""
         B, S, _ = x_BSP.shape
         if norm is not None and self.qk_norm_over_projection:
             x_BSP = norm(x_BSP)
-        x_BhSd = x_BSP.view(B, S, heads, self.head_dim).transpose(1, 2)
+        x_BShd = x_BSP.view(B, S, heads, self.head_dim)
         if norm is not None and not self.qk_norm_over_projection:
-            x_BhSd = norm(x_BhSd)
-        return apply_rotary(x_BhSd, cos, sin)
+            if use_triton_kernels(x_BShd, norm.weight) and norm_rope_supported(x_BShd, norm.weight, norm.float_offset,
+                                                                                 cos, sin):
+                return TritonRMSNorm.apply(x_BShd, norm.weight, norm.eps, norm.float_offset, cos, sin).transpose(1, 2)
+            return apply_rotary(norm(x_BShd.transpose(1, 2)), cos, sin)
+        return apply_rotary(x_BShd.transpose(1, 2), cos, sin)
 
     def forward(
         self,

@@ -7,7 +7,9 @@ Qwen3-0.6B shape, take most of a training step's device time. Each kernel here r
 outputs once:
 
 - ``rms_norm``: one kernel forward and one backward, in tiles of whole rows (4,096 elements); a backward program
-  walks 8 tiles, summing the weight's gradient over their rows in float32, then the programs' sums are added.
+  walks 8 tiles, summing the weight's gradient over their rows in float32, then the programs' sums are added. A
+  per-head q/k norm (Qwen3's, Gemma 3's) rotates its heads in the same kernels, saving the rotary embedding's own
+  passes over q and k (five kernels forward, about as many backward).
 - ``silu_gated``: one kernel forward, one backward that makes the gate's and the up projection's gradients together.
 
 Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
@@ -31,7 +33,7 @@ from hfnative.device_policy import device_policy
 from hfnative.switches import switched_off
 
 ENV_SWITCH = "HFNATIVE_TRITON_KERNELS"
-MAX_NORM_DIM = 1 << 16  # one row of the norm is one block of a program
+MAX_NORM_DIM = 1 << 16  # a program holds whole rows
 
 
 def _interpreting() -> bool:
@@ -40,86 +42,15 @@ def _interpreting() -> bool:
 
 @functools.cache
 def _kernels():
-    """The jitted kernels, or None when Triton cannot be imported."""
+    """Triton and the kernels (``triton_kernel_sources``), or None when Triton cannot be imported."""
     try:
         import triton
-        import triton.language as tl
+
+        from . import triton_kernel_sources as sources
     except ImportError:
         return None
-
-    @triton.jit
-    def rms_norm_forward(X, W, Y, RSTD, n_rows, n_cols, eps, offset,
-                         LLAMA: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK)
-        in_rows = rows < n_rows
-        mask = in_rows[:, None] & (cols < n_cols)[None, :]
-        at = rows[:, None] * n_cols + cols[None, :]
-        x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
-        tl.store(RSTD + rows, rstd, mask=in_rows)
-        normed = x * rstd[:, None]
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        if LLAMA:  # normed cast to x's dtype, then times the weight
-            y = normed.to(X.dtype.element_ty).to(tl.float32) * w
-        else:  # normed * (offset + weight) in float32
-            y = normed * (offset + w)
-        tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def rms_norm_backward(DY, X, W, RSTD, DX, DW, n_rows, n_cols, offset, LLAMA: tl.constexpr, ROWS: tl.constexpr,
-                          TILES: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
-        program = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        dw = tl.zeros((BLOCK,), dtype=tl.float32)
-        for tile in range(TILES):  # TILES tiles of ROWS rows a program, the weight's gradient summed over them
-            rows = (program.to(tl.int64) * TILES + tile) * ROWS + tl.arange(0, ROWS)
-            in_rows = rows < n_rows
-            mask = in_rows[:, None] & (cols < n_cols)[None, :]
-            at = rows[:, None] * n_cols + cols[None, :]
-            x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
-            normed = x * rstd
-            if LLAMA:
-                if WEIGHT_GRAD:
-                    dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
-                grad_normed = (dy * w).to(X.dtype.element_ty).to(tl.float32)
-            else:
-                if WEIGHT_GRAD:
-                    dw += tl.sum(dy * normed, axis=0)
-                grad_normed = dy * (offset + w)
-            # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
-            dx = rstd * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / n_cols)[:, None])
-            tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
-        if WEIGHT_GRAD:
-            tl.store(DW + program * n_cols + cols, dw, mask=cols < n_cols)
-
-    @triton.jit
-    def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < n
-        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)  # F.silu, in the gate's dtype
-        tl.store(Y + at, (silu * u).to(Y.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def silu_gated_backward(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
-        at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = at < n
-        dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
-        sigmoid = 1.0 / (1.0 + tl.exp(-g))
-        silu = (g * sigmoid).to(G.dtype.element_ty).to(tl.float32)
-        tl.store(DU + at, (silu * dy).to(DU.dtype.element_ty), mask=mask)
-        dy_u = (dy * u).to(G.dtype.element_ty).to(tl.float32)  # grad_out * up, in the gate's dtype
-        # aten.silu_backward: grad * sigmoid * (1 + x * (1 - sigmoid))
-        tl.store(DG + at, (dy_u * sigmoid * (1.0 + g * (1.0 - sigmoid))).to(DG.dtype.element_ty), mask=mask)
-
-    return triton, rms_norm_forward, rms_norm_backward, silu_gated_forward, silu_gated_backward
+    return (triton, sources.rms_norm_forward, sources.rms_norm_backward, sources.silu_gated_forward,
+            sources.silu_gated_backward)
 
 
 def available() -> bool:
@@ -192,10 +123,12 @@ def _tile(triton, dim: int) -> tuple[int, int]:
 
 
 class TritonRMSNorm(torch.autograd.Function):
-    """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward."""
+    """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward. With cos and
+    sin (a per-head norm over x [B, S, H, d], tables [B, S, d]), the normed heads are rotated in the same kernel, as
+    ``rope.apply_rotary`` rotates them (``norm_rope_supported``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, float_offset: float | None):
+    def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None):
         triton, forward_kernel, _, _, _ = _kernels()
         x = _rows_of(x)
         dim = x.shape[-1]
@@ -204,18 +137,20 @@ class TritonRMSNorm(torch.autograd.Function):
         y = torch.empty_like(x, dtype=out_dtype)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         block, tile_rows = _tile(triton, dim)
+        rope = cos is not None
         forward_kernel[(triton.cdiv(rows, tile_rows),)](
-            _flat(x), weight, _flat(y), rstd, rows, dim, eps, float_offset or 0.0,
-            LLAMA=float_offset is None, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
+            _flat(x), weight, _flat(y), rstd, cos if rope else rstd, sin if rope else rstd, rows, dim,
+            x.shape[-2] if rope else 1, eps, float_offset or 0.0,
+            LLAMA=float_offset is None, ROPE=rope, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
-        ctx.save_for_backward(x, weight, rstd)
+        ctx.save_for_backward(x, weight, rstd, cos, sin)
         ctx.float_offset = float_offset
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         triton, _, backward_kernel, _, _ = _kernels()
-        x, weight, rstd = ctx.saved_tensors
+        x, weight, rstd, cos, sin = ctx.saved_tensors
         grad_out = _rows_of(grad_out, like=x)
         dim = x.shape[-1]
         rows = x.numel() // dim
@@ -224,13 +159,28 @@ class TritonRMSNorm(torch.autograd.Function):
         weight_grad = ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x)
         partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
+        rope = cos is not None
         backward_kernel[(programs,)](
-            _flat(grad_out), _flat(x), weight, rstd, _flat(grad_x), partial, rows, dim, ctx.float_offset or 0.0,
-            LLAMA=ctx.float_offset is None, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
+            _flat(grad_out), _flat(x), weight, rstd, cos if rope else rstd, sin if rope else rstd, _flat(grad_x),
+            partial, rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
+            LLAMA=ctx.float_offset is None, ROPE=rope, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
             WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
         )
         grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
-        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None
+
+
+def norm_rope_supported(x_BSHd: torch.Tensor, weight: torch.Tensor, float_offset: float | None,
+                        cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
+    """Whether a per-head norm of x [B, S, H, d] and the rotation after it run as one kernel: x contiguous, every
+    channel rotated (cos, sin [B, S, d], contiguous, float32, without gradients), and the normed heads in float32 (the
+    rotation then runs in float32 as ``apply_rotary`` does)."""
+    B, S, _, d = x_BSHd.shape
+    out_dtype = torch.promote_types(x_BSHd.dtype, weight.dtype) if float_offset is None else x_BSHd.dtype
+    return (rms_norm_supported(x_BSHd, weight) and x_BSHd.is_contiguous() and d % 2 == 0
+            and out_dtype == torch.float32 and all(
+                t.shape == (B, S, d) and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+                and type(t) in _PLAIN for t in (cos_BSd, sin_BSd)))
 
 
 def _warps(elements: int) -> int:
@@ -269,5 +219,5 @@ class TritonSiluGated(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonSiluGated", "available", "rms_norm_supported",
-           "silu_gated_supported", "use_triton_kernels"]
+__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonSiluGated", "available", "norm_rope_supported",
+           "rms_norm_supported", "silu_gated_supported", "use_triton_kernels"]

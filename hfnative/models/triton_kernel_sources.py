@@ -1,0 +1,100 @@
+"""The Triton kernels of ``hfnative.models.triton_kernels`` (which says what each computes, where and why they run).
+Imported at first use: Triton reads ``TRITON_INTERPRET`` when a kernel is defined."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scaled(normed, w, offset, X_DTYPE: tl.constexpr, LLAMA: tl.constexpr):
+    if LLAMA:  # normed cast to x's dtype, then times the weight
+        return normed.to(X_DTYPE).to(tl.float32) * w
+    return normed * (offset + w)  # normed * (offset + weight) in float32
+
+@triton.jit
+def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
+                     LLAMA: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    in_rows = rows < n_rows
+    mask = in_rows[:, None] & (cols < n_cols)[None, :]
+    at = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
+    tl.store(RSTD + rows[:, None], rstd, mask=in_rows[:, None])
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    y = _scaled(x * rstd, w, offset, X.dtype.element_ty, LLAMA)
+    if ROPE:  # then rotated: y * cos + rotate_half(y) * sin, each row a head of the token at row // heads
+        half = n_cols // 2
+        partner = tl.where(cols < half, cols + half, cols - half)
+        x_partner = tl.load(X + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+        w_partner = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        y_partner = _scaled(x_partner * rstd, w_partner, offset, X.dtype.element_ty, LLAMA)
+        at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
+        cos = tl.load(COS + at_token, mask=mask, other=0.0)
+        sin = tl.load(SIN + at_token, mask=mask, other=0.0)
+        y = y * cos + tl.where((cols < half)[None, :], -y_partner, y_partner) * sin
+    tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+
+@triton.jit
+def rms_norm_backward(DY, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, offset, LLAMA: tl.constexpr,
+                      ROPE: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
+                      WEIGHT_GRAD: tl.constexpr):
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    for tile in range(TILES):  # TILES tiles of ROWS rows a program, the weight's gradient summed over them
+        rows = (program.to(tl.int64) * TILES + tile) * ROWS + tl.arange(0, ROWS)
+        in_rows = rows < n_rows
+        mask = in_rows[:, None] & (cols < n_cols)[None, :]
+        at = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+        if ROPE:  # the rotation's transpose first: dy * cos + (dy * sin) at the partner, its sign flipped
+            half = n_cols // 2
+            partner = tl.where(cols < half, cols + half, cols - half)
+            at_token = (rows // heads)[:, None] * n_cols
+            dy_partner = tl.load(DY + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0)
+            sin_partner = tl.load(SIN + at_token + partner[None, :], mask=mask, other=0.0)
+            cos = tl.load(COS + at_token + cols[None, :], mask=mask, other=0.0)
+            dy_sin = dy_partner.to(tl.float32) * sin_partner
+            dy = dy * cos + tl.where((cols < half)[None, :], dy_sin, -dy_sin)
+        rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
+        normed = x * rstd
+        if LLAMA:
+            if WEIGHT_GRAD:
+                dw += tl.sum(dy * normed.to(X.dtype.element_ty).to(tl.float32), axis=0)
+            grad_normed = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+        else:
+            if WEIGHT_GRAD:
+                dw += tl.sum(dy * normed, axis=0)
+            grad_normed = dy * (offset + w)
+        # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
+        dx = rstd * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / n_cols)[:, None])
+        tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+    if WEIGHT_GRAD:
+        tl.store(DW + program * n_cols + cols, dw, mask=cols < n_cols)
+
+@triton.jit
+def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = at < n
+    g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)  # F.silu, in the gate's dtype
+    tl.store(Y + at, (silu * u).to(Y.dtype.element_ty), mask=mask)
+
+@triton.jit
+def silu_gated_backward(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
+    at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = at < n
+    dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+    sigmoid = 1.0 / (1.0 + tl.exp(-g))
+    silu = (g * sigmoid).to(G.dtype.element_ty).to(tl.float32)
+    tl.store(DU + at, (silu * dy).to(DU.dtype.element_ty), mask=mask)
+    dy_u = (dy * u).to(G.dtype.element_ty).to(tl.float32)  # grad_out * up, in the gate's dtype
+    # aten.silu_backward: grad * sigmoid * (1 + x * (1 - sigmoid))
+    tl.store(DG + at, (dy_u * sigmoid * (1.0 + g * (1.0 - sigmoid))).to(DG.dtype.element_ty), mask=mask)
