@@ -1,0 +1,200 @@
+"""The device work of one training step's forward and backward, counted on a CPU: how many kernels a GPU would run
+outside the matmuls and attention, and how many bytes they read and write (each op's tensors, inputs and outputs).
+At the Qwen3-0.6B shape these kernels are bound by memory bandwidth and took most of a GPU step's device time
+(../shared/gpu/2026-12-04's profiles): fewer of them, moving fewer bytes, is what the GPU policy's Triton kernels
+buy. A count, not a timing: the GPU measures the time (``gpu_checks.py kernels``, ``bench_sft.py`` on CUDA).
+
+    TRITON_INTERPRET=1 PYTHONPATH=.triton-cpu python benchmarks/bench_kernel_traffic.py
+
+Runners, each on the same blocks (Qwen3-0.6B's width: hidden 1,024, 16 query and 8 key/value heads of 128, MLP
+3,072) under CPU bf16 autocast (as ``bf16=True``), batch x seq tokens, a small vocabulary so the blocks dominate:
+- ``transformers``: transformers' Qwen3ForCausalLM (TRL's model), its loss on materialized logits;
+- ``ours:torch_kernels``: hfnative's model under the GPU policy with ``HFNATIVE_TRITON_KERNELS=0``;
+- ``ours``: the same with the Triton kernels (run by Triton's interpreter here; needs Triton importable and
+  ``TRITON_INTERPRET=1``, else the runner is skipped, saying why).
+Each op is counted by a dispatch mode: views and allocations launch no kernel and are not counted; a Triton launch
+counts once with the bytes of its tensor arguments. With ``--checkpointing`` every block is checkpointed (the GPU
+policy's selective checkpointing; transformers' full checkpointing, TRL's default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+aten = torch.ops.aten
+MATMUL = {"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"}
+ATTENTION_PREFIXES = ("_scaled_dot_product", "_flash_attention", "_efficient_attention")
+NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
+             "set_", "resize_", "_unsafe_view", "promote_types", "result_type", "_local_scalar_dense"}
+
+
+def _tensors(tree):
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _bytes(tensors) -> int:
+    seen, total = set(), 0
+    for tensor in tensors:
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        # a broadcast view (stride 0) reads its storage, not its numel
+        total += min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
+    return total
+
+
+class Traffic(TorchDispatchMode):
+    """Counts kernels and their bytes by kind: matmul, attention, other (elementwise, reductions, copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels, self.bytes, self.names = Counter(), Counter(), Counter()
+
+    def add(self, kind: str, name: str, tensors) -> None:
+        self.kernels[kind] += 1
+        self.bytes[kind] += _bytes(tensors)
+        if kind == "other":
+            self.names[name] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in NO_KERNEL:
+            return out
+        kind = "matmul" if name in MATMUL else ("attention" if name.startswith(ATTENTION_PREFIXES) else "other")
+        self.add(kind, name, _tensors((args, kwargs)) + _tensors(out))
+        return out
+
+
+class _CountedLaunch:
+    """A Triton kernel whose launches a Traffic counts (kind "other", its tensor arguments' bytes)."""
+
+    def __init__(self, kernel, name: str, traffic: list):
+        self.kernel, self.name, self.traffic = kernel, name, traffic
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def counted(*args, **kwargs):
+            if self.traffic:
+                self.traffic[-1].add("other", f"triton:{self.name}", _tensors((args, kwargs)))
+            with _disable_current_modes():  # the interpreter's own copies are not the kernel's work
+                return launch(*args, **kwargs)
+
+        return counted
+
+
+def _shape_config(cli):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=cli.vocab, hidden_size=1024, intermediate_size=3072, num_hidden_layers=cli.layers,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                       tie_word_embeddings=True)
+
+
+def _count(model_step, traffic_stack: list) -> Traffic:
+    model_step()  # a first step: lazy work (kernels built, buffers made) is not counted
+    traffic = Traffic()
+    traffic_stack.append(traffic)
+    try:
+        with traffic:
+            model_step()
+    finally:
+        traffic_stack.pop()
+    return traffic
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--checkpointing", action="store_true", help="every block checkpointed")
+    parser.add_argument("--top", type=int, default=8, help="the most frequent other kernels of each runner")
+    parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
+                        help="comma-separated from transformers, ours:torch_kernels, ours")
+    cli = parser.parse_args(argv)
+    torch.manual_seed(0)
+
+    import transformers
+
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.device_policy import use_device_policy
+    from hfnative.models import triton_kernels
+    from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    reference = transformers.AutoModelForCausalLM.from_config(_shape_config(cli), attn_implementation="sdpa")
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)
+        native = load_pretrained(folder).model
+    reference.train()
+    if cli.checkpointing:
+        enable = getattr(reference, "activation_checkpointing_enable", reference.gradient_checkpointing_enable)
+        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_activation_checkpointing(native, "full")
+    input_ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq))
+
+    traffic_stack: list[Traffic] = []
+    kernels = triton_kernels._kernels()
+    if kernels is not None:  # count each launch
+        names = ("rms_norm_forward", "rms_norm_backward", "silu_gated_forward", "silu_gated_backward")
+        counted = (kernels[0], *(_CountedLaunch(k, n, traffic_stack) for n, k in zip(names, kernels[1:])))
+        triton_kernels._kernels.cache_clear()
+        triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
+
+    def step(model, native_model: bool, triton: bool = False):
+        def run():
+            os.environ[triton_kernels.ENV_SWITCH] = "1" if triton else "0"
+            model.zero_grad(set_to_none=True)
+            with use_device_policy("gpu"):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(input_ids, labels=input_ids).loss
+                loss.backward()
+        return run
+
+    runners = {"transformers": step(reference, False), "ours:torch_kernels": step(native, True)}
+    skipped = None
+    if kernels is None:
+        skipped = "Triton cannot be imported here"
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        skipped = "Triton's kernels run on a CPU only under its interpreter: set TRITON_INTERPRET=1"
+    else:
+        runners["ours"] = step(native, True, triton=True)
+
+    chosen = cli.runners.split(",")
+    runners = {name: run for name, run in runners.items() if name in chosen}
+    tokens = cli.batch * cli.seq
+    print(f"# one forward + backward, {cli.layers} Qwen3-0.6B-wide blocks, {cli.batch} x {cli.seq} tokens, vocab "
+          f"{cli.vocab}, bf16 autocast{', every block checkpointed' if cli.checkpointing else ''}")
+    print(f"{'runner':<20} {'other kernels':>13} {'other MB':>10} {'matmul kernels':>14} {'matmul MB':>10} "
+          f"{'attention':>9}  per block: other kernels, MB")
+    results = {}
+    for name, run in runners.items():
+        traffic = _count(run, traffic_stack)
+        results[name] = traffic
+        per_block = (traffic.kernels["other"] / cli.layers, traffic.bytes["other"] / cli.layers / 2**20)
+        print(f"{name:<20} {traffic.kernels['other']:>13} {traffic.bytes['other'] / 2**20:>10.1f} "
+              f"{traffic.kernels['matmul']:>14} {traffic.bytes['matmul'] / 2**20:>10.1f} "
+              f"{traffic.kernels['attention']:>9}  {per_block[0]:.0f}, {per_block[1]:.1f}")
+    if skipped:
+        print(f"ours: skipped ({skipped})")
+    base = results.get("transformers")
+    for name, traffic in results.items():
+        if base is not None and name != "transformers":
+            print(f"{name} / transformers: other kernels x{traffic.kernels['other'] / base.kernels['other']:.2f}, "
+                  f"other bytes x{traffic.bytes['other'] / base.bytes['other']:.2f} ({tokens} tokens)")
+    for name, traffic in results.items():
+        top = ", ".join(f"{op} {count}" for op, count in traffic.names.most_common(cli.top))
+        print(f"{name} most frequent: {top}")
+
+
+if __name__ == "__main__":
+    main()
