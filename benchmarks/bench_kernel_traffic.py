@@ -1,8 +1,8 @@
 """The device work of one training step's forward and backward, counted on a CPU: how many kernels a GPU would run
 outside the matmuls and attention, and how many bytes they read and write (each op's tensors, inputs and outputs).
 At the Qwen3-0.6B shape these kernels are bound by memory bandwidth and took most of a GPU step's device time
-(../shared/gpu/2026-12-04's profiles): fewer of them, moving fewer bytes, is what the GPU policy's Triton kernels
-buy. A count, not a timing: the GPU measures the time (``gpu_checks.py kernels``, ``bench_sft.py`` on CUDA).
+(benchmarks/gpu_results/2026-12-04-prof-*.txt): fewer of them, moving fewer bytes, is what the GPU policy's Triton
+kernels buy. A count, not a timing: the GPU measures the time (``gpu_checks.py kernels``, ``bench_sft.py`` on CUDA).
 
     TRITON_INTERPRET=1 PYTHONPATH=.triton-cpu python benchmarks/bench_kernel_traffic.py
 
