@@ -1,7 +1,8 @@
 """The Triton kernels (``hfnative.models.triton_kernels``) run by Triton's interpreter on CPU tensors, against the op
-sequences they replace and transformers' forward. Run by tests/test_triton_kernels.py in a process of its own, with
-``TRITON_INTERPRET=1`` and Triton on the path (the test's environment does not install Triton: transformers changes
-what it does when Triton is importable). Prints one JSON line: each check's name and its failure (null: passed).
+sequences they replace and transformers' forward; and compiled for sm_90 (``compiles_for_sm90``). Run by
+tests/test_triton_kernels.py in a process of its own with Triton on the path (the test's environment does not
+install Triton: transformers changes what it does when Triton is importable), with ``TRITON_INTERPRET=1`` for every
+check but the compile, which runs without it. Prints one JSON line: each check's name and its failure (null: passed).
 
 The interpreter turns float32 into bfloat16 by dropping the low bits (a GPU rounds to nearest, as torch does), so
 the bf16 checks allow a few bf16 ulps of the tensor's scale; the fp32 checks allow float32 round-off (sums in another
@@ -16,17 +17,15 @@ import sys
 import tempfile
 import traceback
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+from hf_configs import make_hf_model
 
-import torch  # noqa: E402
-from hf_configs import make_hf_model  # noqa: E402
-
-from hfnative.converters.loading import load_pretrained  # noqa: E402
-from hfnative.device_policy import use_device_policy  # noqa: E402
-from hfnative.models import layers, triton_kernels  # noqa: E402
-from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated  # noqa: E402
-from hfnative.parallel import apply_compile  # noqa: E402
-from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing  # noqa: E402
+from hfnative.converters.loading import load_pretrained
+from hfnative.device_policy import use_device_policy
+from hfnative.models import layers, triton_kernels
+from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+from hfnative.parallel import apply_compile
+from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
 
 BF16_SCALE_TOLERANCE = 2.0**-6  # four bf16 ulps (2^-8 each, relative) of the tensor's largest magnitude
 
@@ -257,6 +256,21 @@ def check_compiled_blocks_leave_them_to_the_compiler():
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")
+
+
+def check_compiles_for_sm90():
+    """Every launch a forward and backward make at the Qwen3-0.6B shape (each norm variant, the rotated q/k norm,
+    the gated unit; fp32, bf16 activations over fp32 weights, bf16 weights) compiles for sm_90 (H100/H200) to a cubin
+    with no register spill."""
+    from _triton_compile import compile_for_sm90, qwen3_launches
+
+    assert os.environ.get("TRITON_INTERPRET") != "1", "the compile check runs without the interpreter"
+    reports = compile_for_sm90(qwen3_launches())
+    kernels = {report["kernel"] for report in reports}
+    assert kernels == {"rms_norm_forward", "rms_norm_backward", "silu_gated_forward", "silu_gated_backward"}, kernels
+    assert any(report["constexprs"].get("ROPE") for report in reports), "no rotated norm was compiled"
+    spilled = [report for report in reports if report["spill_bytes"]]
+    assert not spilled, f"register spills: {spilled}"
 
 
 CHECKS = {name[len("check_"):]: function for name, function in globals().items() if name.startswith("check_")}

@@ -1,6 +1,7 @@
-"""The GPU policy's Triton kernels (``hfnative.models.triton_kernels``: RMSNorm and the SiLU-gated unit, forward and
-backward), run on CPU by Triton's interpreter in a process of its own (tests/_triton_kernels_worker.py, whose
-docstrings say what each check compares and within what).
+"""The GPU policy's Triton kernels (``hfnative.models.triton_kernels``: RMSNorm, the rotated q/k norm and the
+SiLU-gated unit, forward and backward), run on CPU by Triton's interpreter in a process of its own, and compiled for
+sm_90 by Triton's compiler in another (tests/_triton_kernels_worker.py, whose docstrings say what each check compares
+and within what).
 
 Triton is not a dependency of the CPU install, and transformers behaves differently when it can import it, so the
 worker gets Triton from a folder of its own: ``.triton-cpu`` in the checkout, installed from the package registry at
@@ -23,7 +24,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TRITON_DIR = ROOT / ".triton-cpu"
 TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
-CHECKS = ["rms_norm", "norm_rope", "silu_gated", "models", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
+INTERPRETED = ["rms_norm", "norm_rope", "silu_gated", "models", "bf16_autocast",
+               "compiled_blocks_leave_them_to_the_compiler"]
+COMPILED = ["compiles_for_sm90"]  # Triton's compiler, without the interpreter: a cubin for sm_90, no GPU needed
 
 
 def _triton_path() -> str | None:
@@ -46,22 +49,29 @@ def _triton_path() -> str | None:
     return str(TRITON_DIR)
 
 
-@pytest.fixture(scope="module")
-def results():
-    path = _triton_path()
-    if path is None:
-        pytest.skip(f"Triton could not be installed into {TRITON_DIR} ({TRITON_REQUIREMENT}: no package registry?)")
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def _run_worker(path: str, checks: list[str], interpret: bool) -> dict:
+    env = dict(os.environ)
     env.pop("HFNATIVE_DEVICE_POLICY", None)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p)
-    run = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernels_worker.py"), *CHECKS],
+    run = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernels_worker.py"), *checks],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     lines = run.stdout.strip().splitlines()
     assert run.returncode == 0 and lines, f"the worker failed (exit {run.returncode}):\n{run.stderr[-4000:]}"
     return json.loads(lines[-1])
 
 
-@pytest.mark.parametrize("check", CHECKS)
+@pytest.fixture(scope="module")
+def results():
+    path = _triton_path()
+    if path is None:
+        pytest.skip(f"Triton could not be installed into {TRITON_DIR} ({TRITON_REQUIREMENT}: no package registry?)")
+    return {**_run_worker(path, INTERPRETED, interpret=True), **_run_worker(path, COMPILED, interpret=False)}
+
+
+@pytest.mark.parametrize("check", INTERPRETED + COMPILED)
 def test_triton_kernels(results, check):
     assert check in results, f"the worker did not run {check}"
     assert results[check] is None, results[check]

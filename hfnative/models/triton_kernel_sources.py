@@ -6,12 +6,6 @@ import triton.language as tl
 
 
 @triton.jit
-def _scaled(normed, w, offset, X_DTYPE: tl.constexpr, LLAMA: tl.constexpr):
-    if LLAMA:  # normed cast to x's dtype, then times the weight
-        return normed.to(X_DTYPE).to(tl.float32) * w
-    return normed * (offset + w)  # normed * (offset + weight) in float32
-
-@triton.jit
 def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
                      LLAMA: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -23,18 +17,25 @@ def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
     tl.store(RSTD + rows[:, None], rstd, mask=in_rows[:, None])
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    y = _scaled(x * rstd, w, offset, X.dtype.element_ty, LLAMA)
+    if LLAMA:  # normed cast to x's dtype, then times the weight
+        y = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    else:  # normed * (offset + weight) in float32
+        y = x * rstd * (offset + w)
     if ROPE:  # then rotated: y * cos + rotate_half(y) * sin, each row a head of the token at row // heads
         half = n_cols // 2
         partner = tl.where(cols < half, cols + half, cols - half)
         x_partner = tl.load(X + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         w_partner = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        y_partner = _scaled(x_partner * rstd, w_partner, offset, X.dtype.element_ty, LLAMA)
+        if LLAMA:
+            y_partner = (x_partner * rstd).to(X.dtype.element_ty).to(tl.float32) * w_partner
+        else:
+            y_partner = x_partner * rstd * (offset + w_partner)
         at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
         cos = tl.load(COS + at_token, mask=mask, other=0.0)
         sin = tl.load(SIN + at_token, mask=mask, other=0.0)
         y = y * cos + tl.where((cols < half)[None, :], -y_partner, y_partner) * sin
     tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def rms_norm_backward(DY, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, offset, LLAMA: tl.constexpr,
@@ -76,6 +77,7 @@ def rms_norm_backward(DY, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, o
     if WEIGHT_GRAD:
         tl.store(DW + program * n_cols + cols, dw, mask=cols < n_cols)
 
+
 @triton.jit
 def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -84,6 +86,7 @@ def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
     u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)  # F.silu, in the gate's dtype
     tl.store(Y + at, (silu * u).to(Y.dtype.element_ty), mask=mask)
+
 
 @triton.jit
 def silu_gated_backward(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):

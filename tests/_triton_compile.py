@@ -1,0 +1,137 @@
+"""Compile the Triton kernels for a GPU on a machine without one: each launch the wrappers in
+``hfnative.models.triton_kernels`` make for given inputs is recorded instead of run, then compiled by Triton for
+sm_90 (H100/H200) down to a cubin, and ptxas reports each kernel's registers and spills. Used by
+tests/_triton_kernels_worker.py (check ``compiles_for_sm90``) and runnable alone:
+
+    PYTHONPATH=.triton-cpu:tests python tests/_triton_compile.py      # the Qwen3-0.6B shape's launches
+
+Needs Triton importable and ``TRITON_INTERPRET`` unset (the interpreter's kernels do not compile).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class _Recorder:
+    """Stands in for a jitted kernel: ``kernel[grid](*args, **constexprs)`` records the launch."""
+
+    def __init__(self, kernel, launches: list):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def record(*args, **kwargs):
+            self.launches.append((self.kernel, args, kwargs))
+        return record
+
+
+def recorded_launches(run) -> list:
+    """The kernel launches ``run()`` makes through the wrappers (nothing is launched; outputs are left empty)."""
+    from hfnative.models import triton_kernels
+
+    real = triton_kernels._kernels()
+    assert real is not None, "Triton cannot be imported"
+    launches: list = []
+    recording = (real[0], *(_Recorder(kernel, launches) for kernel in real[1:]))
+    original = triton_kernels._kernels
+    triton_kernels._kernels = lambda: recording
+    try:
+        run()
+    finally:
+        triton_kernels._kernels = original
+    return launches
+
+
+def _signature(kernel, args, kwargs):
+    names = kernel.arg_names
+    signature, constexprs = {}, {}
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, bool):
+            signature[name] = "i1"
+        elif isinstance(value, int):
+            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            raise TypeError(f"{kernel.__name__}: argument {name} = {value!r}")
+    options = {}
+    for name, value in kwargs.items():
+        if name in ("num_warps", "num_stages"):
+            options[name] = value
+        else:
+            signature[name], constexprs[name] = "constexpr", value
+    return signature, constexprs, options
+
+
+def compile_for_sm90(launches) -> list[dict]:
+    """Compiles each distinct launch to a cubin for sm_90; returns name, constexprs, registers and spill bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    seen, reports = set(), []
+    for kernel, args, kwargs in launches:
+        signature, constexprs, options = _signature(kernel, args, kwargs)
+        key = (kernel.__name__, tuple(sorted(signature.items())), tuple(sorted(constexprs.items())),
+               tuple(sorted(options.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", 90, 32), options=options)
+        assert "cubin" in compiled.asm, f"{kernel.__name__}: no cubin"
+        report = {"kernel": kernel.__name__, "constexprs": constexprs, "num_warps": options.get("num_warps", 4),
+                  "types": {k: v for k, v in signature.items() if v.startswith("*")}}
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
+            ptx.write(compiled.asm["ptx"])
+        try:
+            usage = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx.name, "-o", os.devnull],
+                                   capture_output=True, text=True, check=True).stderr
+        finally:
+            os.unlink(ptx.name)
+        report["registers"] = int(re.search(r"Used (\d+) registers", usage).group(1))
+        report["spill_bytes"] = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", usage))
+        reports.append(report)
+    return reports
+
+
+def qwen3_launches(tokens: int = 8192) -> list:
+    """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
+    128, MLP 3,072) under bf16 autocast over fp32 weights, and with bf16 weights (rollouts, bf16 training)."""
+    from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+
+    def run():
+        for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                                 (torch.bfloat16, torch.bfloat16)):
+            w = torch.ones(1024, dtype=w_dtype, requires_grad=True)
+            x = torch.zeros(tokens, 1024, dtype=x_dtype, requires_grad=True)
+            TritonRMSNorm.apply(x, w, 1e-6, None).sum().backward()
+            TritonRMSNorm.apply(x, w, 1e-6, 1.0).sum().backward()  # Gemma's (1 + w)
+            q_w = torch.ones(128, dtype=w_dtype, requires_grad=True)
+            q = torch.zeros(4, tokens // 4, 16, 128, dtype=x_dtype, requires_grad=True)
+            cos = torch.zeros(4, tokens // 4, 128)
+            if w_dtype == torch.float32:
+                TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos).sum().backward()
+            TritonRMSNorm.apply(q.transpose(1, 2), q_w, 1e-6, None).sum().backward()
+            gate = torch.zeros(tokens, 3072, dtype=x_dtype, requires_grad=True)
+            TritonSiluGated.apply(gate, gate.detach()).sum().backward()
+
+    return recorded_launches(run)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("unset TRITON_INTERPRET: the interpreter's kernels do not compile")
+    for line in compile_for_sm90(qwen3_launches()):
+        print(line)
