@@ -16,10 +16,11 @@ Each gives the values of the op sequence it replaces (``hfnative.models.layers``
 bf16 results round at the same points; sums run in another order (a float32 round-off apart) and the norm's weight
 gradient is summed in float32 where the op sequence multiplies in the output dtype first.
 
-Where they run: the device policy's ``triton_kernels`` (on for a GPU), tensors on a CUDA device (or any device with
-``TRITON_INTERPRET=1``, Triton's interpreter, which is how the CPU tests run them), plain tensors (not DTensor), eager
-(torch.compile fuses the op sequence itself), and Triton importable. ``HFNATIVE_TRITON_KERNELS=0`` switches them off.
-The kernels are built at first use, so ``TRITON_INTERPRET`` set before then decides how they run.
+Where they run: the device policy's ``triton_kernels`` (on for a GPU); tensors on an NVIDIA GPU of compute capability
+8.0 or later (or any device with ``TRITON_INTERPRET=1``, Triton's interpreter, which is how the CPU tests run them);
+plain tensors (not DTensor); eager blocks (torch.compile fuses the op sequence itself); Triton importable.
+``HFNATIVE_TRITON_KERNELS=0`` switches them off. The kernels are built at first use, so ``TRITON_INTERPRET`` set
+before then decides how they run.
 """
 
 from __future__ import annotations
@@ -67,9 +68,19 @@ def use_triton_kernels(*tensors: torch.Tensor) -> bool:
         return False
     if any(type(tensor) not in _PLAIN for tensor in tensors):
         return False
-    if first.device.type != "cuda" and not _interpreting():
+    if first.device.type == "cuda":
+        if not _supported_gpu(first.device.index):
+            return False
+    elif not _interpreting():
         return False
     return device_policy(first.device).triton_kernels and available()
+
+
+@functools.cache
+def _supported_gpu(index: int | None) -> bool:
+    """An NVIDIA GPU of compute capability 8.0 or later (Ampere on: bf16, and what the kernels were compiled and
+    tested for); other CUDA devices (older GPUs, ROCm) keep torch's ops."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
