@@ -3,20 +3,16 @@
 #
 #   setup          1 env: nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #                  2 install: missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
-#   step           the training step (STEP_BUDGET s, 360 by default)
-#                  kernels: gpu_checks.py kernels, the Triton RMSNorm and SiLU-gated kernels against the op sequences
-#                    they replace at the Qwen3-0.6B shape (fp32, bf16), and each way's forward + backward time
-#                  trainers: gpu_trainers.py, 3 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
-#                    GRPO, RLOO) on the shipped tiny model: finite losses, parameters moved, perf/ metrics, the saved
-#                    folder loads
-#                  bench: bench_sft.py, Qwen3-0.6B shape, seq 2048, no activation checkpointing: TRL vs transformers'
-#                    Trainer vs hfnative eager, with torch_compile=True, with the CPU's device policy forced (the
-#                    GPU policy's trades, measured) and without the Triton kernels; one warm-up step of each profiled, its top kernels to
-#                    <results>-profiles/sft/<runner>-top-kernels.txt
-#                  bench-ac: the same with activation checkpointing on (TRL's default; without the CPU policy's run),
-#                    profiles in .../sft-ac/
-#                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
+#   step           the training step (STEP_BUDGET s, 420 by default; the issue's bars first)
+#                  kernels: gpu_checks.py kernels, the Triton RMSNorm (and rotated q/k norm) and SiLU-gated kernels
+#                    against the op sequences they replace at the Qwen3-0.6B shape (fp32, bf16), each way's time
+#                  bench-ac: bench_sft.py, Qwen3-0.6B shape, seq 2048, activation checkpointing on (TRL's default): TRL
+#                    vs hfnative eager, with torch_compile=True and without the Triton kernels; one warm-up step of
+#                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt
+#                  bench: the same without activation checkpointing, transformers' Trainer beside TRL, and hfnative
+#                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
+#                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
 #   rollout        generation (ROLLOUT_BUDGET s, 240 by default)
 #                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
 #                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32)
@@ -28,7 +24,10 @@
 #                  gen-compiled: the compiled and captured decode step at batch 64 beside its bandwidth floor
 #                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
 #                    with its finished rows compacted away vs kept vs transformers' generate, batch 64
-#   checks         correctness earlier runs passed (CHECKS_BUDGET s, 200 by default)
+#   checks         correctness earlier runs passed (CHECKS_BUDGET s, 260 by default)
+#                  trainers: gpu_trainers.py, 3 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
+#                    GRPO, RLOO) on the shipped tiny model: finite losses, parameters moved, perf/ metrics, the saved
+#                    folder loads
 #                  parity-fp32 / parity-bf16: logits vs transformers on CUDA (fp32: max |Δ| <= 1e-5, KL <= 1e-9;
 #                    bf16: error vs fp32 at most 2x transformers' own); attention: SDPA backends, a packed batch
 #                    through varlen_attn / flex_attention vs the dense mask, hfnative's variable-length path;
@@ -38,9 +37,9 @@
 #                  float8: float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both, per-step losses
 #                  fit: a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
-#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 14 minutes at most)
-#   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one or two a call
-#                                                         # where a call may run 10 minutes)
+#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 16 minutes at most)
+#   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
+#                                                         # call may run 10 minutes: step ~8, rollout ~5, checks ~5)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -236,20 +235,19 @@ fi
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
 
-if start_section step "${STEP_BUDGET:-360}"; then
+if start_section step "${STEP_BUDGET:-420}"; then
   # a CPU rehearsal runs the kernels under Triton's interpreter where tests/test_triton_kernels.py installed Triton
   KERNELS_ENV=()
   [[ $DEVICE == cpu && -d $ROOT/.triton-cpu ]] && KERNELS_ENV=(env TRITON_INTERPRET=1 "PYTHONPATH=$PYTHONPATH:$ROOT/.triton-cpu")
   run_check kernels 45 checks_verdict "${KERNELS_ENV[@]}" "$PYTHON" benchmarks/gpu_checks.py kernels --device "$DEVICE"
-  run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
-  run_check bench 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
-    --runners trl,hf,ours --ours_variants default,compile,cpu_policy,torch_kernels --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
   run_check bench-ac 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
-    --runners trl,hf,ours --ours_variants default,compile,torch_kernels --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
-  run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
-    --runners trl,ours "${SFT_BENCH[@]}"
+    --runners trl,ours --ours_variants default,compile,torch_kernels --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
+  run_check bench 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
+    --runners trl,hf,ours --ours_variants default,compile,torch_kernels,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
   run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
     --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
+  run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
+    --runners trl,ours "${SFT_BENCH[@]}"
 fi
 
 if start_section rollout "${ROLLOUT_BUDGET:-240}"; then
@@ -263,7 +261,8 @@ if start_section rollout "${ROLLOUT_BUDGET:-240}"; then
     "${GENERATE_STOPPING[@]}"
 fi
 
-if start_section checks "${CHECKS_BUDGET:-200}"; then
+if start_section checks "${CHECKS_BUDGET:-260}"; then
+  run_check trainers 90 checks_verdict "$PYTHON" benchmarks/gpu_trainers.py --device "$DEVICE" --precision bf16
   run_check parity-fp32 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype fp32
   run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
   run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
