@@ -145,8 +145,8 @@ def main(argv=None) -> None:
     traffic_stack: list[Traffic] = []
     kernels = triton_kernels._kernels()
     if kernels is not None:  # count each launch
-        names = ("rms_norm_forward", "rms_norm_backward", "silu_gated_forward", "silu_gated_backward")
-        counted = (kernels[0], *(_CountedLaunch(k, n, traffic_stack) for n, k in zip(names, kernels[1:])))
+        counted = kernels._replace(**{name: _CountedLaunch(getattr(kernels, name), name, traffic_stack)
+                                      for name in triton_kernels.KERNEL_NAMES})
         triton_kernels._kernels.cache_clear()
         triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
 

@@ -4,8 +4,8 @@
 #   setup          1 env: nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #                  2 install: missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
 #   step           the training step (STEP_BUDGET s, 420 by default; the bars first)
-#                  kernels: gpu_checks.py kernels, the Triton RMSNorm (and rotated q/k norm) and SiLU-gated kernels
-#                    against the op sequences they replace at the Qwen3-0.6B shape (fp32, bf16), each way's time
+#                  kernels: gpu_checks.py kernels, the Triton RMSNorm (and rotated q/k norm), rotary and SiLU-gated
+#                    kernels against the op sequences they replace at the Qwen3-0.6B shape (fp32, bf16), each way's time
 #                  bench-ac: bench_sft.py, Qwen3-0.6B shape, seq 2048, activation checkpointing on (TRL's default): TRL
 #                    vs hfnative eager, with torch_compile=True and without the Triton kernels; one warm-up step of
 #                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt

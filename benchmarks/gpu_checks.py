@@ -28,8 +28,8 @@ the current slot), captured in a CUDA graph (the default on CUDA; static shapes)
 models in fp32, called twice each (capture, then replay): the same greedy tokens and seeded samples as the
 uncaptured engine, and log-probs within 1e-4 of transformers' uncached forward on the same tokens.
 
-kernels: the Triton kernels (hfnative/models/triton_kernels.py) at the Qwen3-0.6B shape against the op sequences
-they replace, forward and gradients, and each way's forward + backward time (on CPU: small shapes, only under
+kernels: the Triton kernels (hfnative/models/triton_kernels.py: RMSNorm, the rotated q/k norm, the rotation alone,
+the SiLU-gated unit) at the Qwen3-0.6B shape against the op sequences they replace, forward and gradients, and each way's forward + backward time (on CPU: small shapes, only under
 ``TRITON_INTERPRET=1`` with Triton importable).
 """
 
@@ -355,7 +355,7 @@ def _kernel_cases(device: torch.device):
     1,024, 16 query heads of 128, MLP 3,072), small on CPU."""
     from hfnative.models import layers
     from hfnative.models.rope import apply_rotary
-    from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
 
     cuda = device.type == "cuda"
     tokens, dim, heads, head_dim, hidden = (8192, 1024, 16, 128, 3072) if cuda else (300, 40, 3, 24, 56)
@@ -382,6 +382,12 @@ def _kernel_cases(device: torch.device):
     def norm_rope_ops(x_BSHd, w):
         return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos, sin)
 
+    def rope(x_BSHd):
+        return TritonRope.apply(x_BSHd, cos, sin).transpose(1, 2)
+
+    def rope_ops(x_BSHd):
+        return apply_rotary(x_BSHd.transpose(1, 2), cos, sin)
+
     for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         hidden_states = randn(tokens, dim, scale=3).to(dtype)
         yield f"rms_norm {label} [{tokens}, {dim}]", (hidden_states, randn(dim, scale=0.3) + 1), norm, norm_ops
@@ -390,6 +396,8 @@ def _kernel_cases(device: torch.device):
                norm, norm_ops)
         yield (f"q_norm + rope {label} [4, {tokens // 4}, {heads}, {head_dim}]",
                (per_head.transpose(1, 2).contiguous(), randn(head_dim, scale=0.3) + 1), norm_rope, norm_rope_ops)
+        yield (f"rope {label} [4, {tokens // 4}, {heads}, {head_dim}]", (per_head.transpose(1, 2).contiguous(),),
+               rope, rope_ops)
         yield (f"silu_gated {label} [{tokens}, {hidden}]",
                (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
                TritonSiluGated.apply, gated_ops)

@@ -40,7 +40,7 @@ def recorded_launches(run) -> list:
     real = triton_kernels._kernels()
     assert real is not None, "Triton cannot be imported"
     launches: list = []
-    recording = (real[0], *(_Recorder(kernel, launches) for kernel in real[1:]))
+    recording = real._replace(**{name: _Recorder(getattr(real, name), launches) for name in triton_kernels.KERNEL_NAMES})
     original = triton_kernels._kernels
     triton_kernels._kernels = lambda: recording
     try:
@@ -108,8 +108,9 @@ def compile_for_sm90(launches) -> list[dict]:
 
 def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
-    128, MLP 3,072) under bf16 autocast over fp32 weights, and with bf16 weights (rollouts, bf16 training)."""
-    from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+    128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
+    the rotation alone as Llama's heads take it."""
+    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -124,6 +125,7 @@ def qwen3_launches(tokens: int = 8192) -> list:
             if w_dtype == torch.float32:
                 TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos).sum().backward()
             TritonRMSNorm.apply(q.transpose(1, 2), q_w, 1e-6, None).sum().backward()
+            TritonRope.apply(q, cos, cos).sum().backward()  # Llama's heads, no norm before the rotation
             gate = torch.zeros(tokens, 3072, dtype=x_dtype, requires_grad=True)
             TritonSiluGated.apply(gate, gate.detach()).sum().backward()
 

@@ -23,7 +23,7 @@ from hf_configs import make_hf_model
 from hfnative.converters.loading import load_pretrained
 from hfnative.device_policy import use_device_policy
 from hfnative.models import layers, triton_kernels
-from hfnative.models.triton_kernels import TritonRMSNorm, TritonSiluGated
+from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
 from hfnative.parallel import apply_compile
 from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -127,6 +127,37 @@ def check_norm_rope():
             _close(got, expected, bf16, f"{what} grad {name}")
 
 
+def check_rope():
+    """The rotation alone (heads without a per-head norm) in one kernel against ``apply_rotary`` with float32 tables:
+    bf16 heads (autocast's projections: rotated in float32, cast once; gradients cast where autograd casts them) and
+    fp32 ones, one batch row's tables and several, over several tiles."""
+    from hfnative.models.rope import apply_rotary
+    from hfnative.models.triton_kernels import rope_supported
+
+    generator = torch.Generator().manual_seed(4)
+    for x_dtype, batch, seq in ((torch.float32, 2, 5), (torch.bfloat16, 3, 300), (torch.bfloat16, 1, 7)):
+        heads, d = 3, 32
+        base = torch.randn(batch, seq, heads, d, generator=generator) * 3
+        angles = torch.randn(batch, seq, d // 2, generator=generator) * 3
+        cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+        results = []
+        for fused in (True, False):
+            x = base.to(x_dtype).requires_grad_()
+            if fused:
+                assert rope_supported(x, cos, sin)
+                out = TritonRope.apply(x, cos, sin).transpose(1, 2)
+            else:
+                out = apply_rotary(x.transpose(1, 2), cos, sin)
+            grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(5)).to(out.dtype)
+            results.append((out, torch.autograd.grad(out, x, grad_out)[0], out.stride()))
+        (out, grad, strides), (want, want_grad, want_strides) = results
+        what = f"rope x={x_dtype} [{batch}, {seq}, {heads}, {d}]"
+        bf16 = x_dtype == torch.bfloat16
+        _close(out, want, bf16, what + " output")
+        assert strides == want_strides, f"{what}: strides {strides}, the op sequence's {want_strides}"
+        _close(grad, want_grad, bf16, what + " grad x")
+
+
 def check_silu_gated():
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
@@ -149,11 +180,11 @@ class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 
     def __init__(self):
-        self.counts = {"rms_norm": 0, "norm_rope": 0, "silu_gated": 0}
-        self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply)
+        self.counts = {"rms_norm": 0, "norm_rope": 0, "rope": 0, "silu_gated": 0}
+        self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply)
 
     def __enter__(self):
-        norm, gated = self._originals
+        norm, gated, rope = self._originals
 
         def counted(name, apply):
             def wrapper(*args):
@@ -164,10 +195,11 @@ class _Launches:
 
         TritonRMSNorm.apply = counted("rms_norm", norm)
         TritonSiluGated.apply = counted("silu_gated", gated)
+        TritonRope.apply = counted("rope", rope)
         return self
 
     def __exit__(self, *exc):
-        TritonRMSNorm.apply, TritonSiluGated.apply = self._originals
+        TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply = self._originals
 
 
 def _native(name, directory):
@@ -188,11 +220,14 @@ def _step(model, input_ids, triton: bool, bf16: bool = False):
     return out.loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-EXPECTED_LAUNCHES = {  # per forward of the 2-block models: (RMSNorms, of them with the rotation, SiLU-gated units)
-    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 2),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
-    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 2),  # the experts' gated unit, once a block
-    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2),  # post-norms; q/k norms over the projection, weights scaled in float32
-    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0),  # four norms a block, q/k norms (1 + w); GELU-tanh unit
+EXPECTED_LAUNCHES = {  # per forward of the 2-block models: RMSNorms, of them with the rotation, rotations alone,
+    # SiLU-gated units
+    "llama-gqa": (2 * 2 + 1, 0, 2 * 2, 2),  # two pre-norms a block, the final norm; q and k rotated
+    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 0, 2),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
+    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 0, 2),  # the experts' gated unit, once a block
+    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2 * 2, 2),  # post-norms; q/k norms over the projection, then rotated;
+    # weights scaled in float32
+    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0, 0),  # four norms a block, q/k norms (1 + w); GELU-tanh
 }
 
 
@@ -201,7 +236,7 @@ def check_models():
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
     with every block checkpointed (the GPU policy's selective checkpointing recomputes the kernels)."""
     input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
-    for name, (norms, rotated, gated) in EXPECTED_LAUNCHES.items():
+    for name, (norms, rotated, rotations, gated) in EXPECTED_LAUNCHES.items():
         with tempfile.TemporaryDirectory() as directory:
             reference, model = _native(name, directory)
             with torch.no_grad():
@@ -209,7 +244,7 @@ def check_models():
             off_loss, off_logits, off_grads = _step(model, input_ids, triton=False)
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
-            expected = {"rms_norm": norms, "norm_rope": rotated, "silu_gated": gated}
+            expected = {"rms_norm": norms, "norm_rope": rotated, "rope": rotations, "silu_gated": gated}
             assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
@@ -233,7 +268,7 @@ def check_bf16_autocast():
         off_loss, _, off_grads = _step(model, input_ids, triton=False, bf16=True)
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
-    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "silu_gated": 2}, launches.counts
+    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "rope": 0, "silu_gated": 2}, launches.counts
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
@@ -252,7 +287,7 @@ def check_compiled_blocks_leave_them_to_the_compiler():
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True)
     # the final norm runs eagerly
-    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "silu_gated": 0}, launches.counts
+    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "rope": 0, "silu_gated": 0}, launches.counts
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")
@@ -267,7 +302,7 @@ def check_compiles_for_sm90():
     assert os.environ.get("TRITON_INTERPRET") != "1", "the compile check runs without the interpreter"
     reports = compile_for_sm90(qwen3_launches())
     kernels = {report["kernel"] for report in reports}
-    assert kernels == {"rms_norm_forward", "rms_norm_backward", "silu_gated_forward", "silu_gated_backward"}, kernels
+    assert kernels == set(triton_kernels.KERNEL_NAMES), kernels
     assert any(report["constexprs"].get("ROPE") for report in reports), "no rotated norm was compiled"
     spilled = [report for report in reports if report["spill_bytes"]]
     assert not spilled, f"register spills: {spilled}"

@@ -13,8 +13,8 @@ from .args import ModelArgs
 from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
-from .triton_kernels import (TritonRMSNorm, TritonSiluGated, norm_rope_supported, rms_norm_supported,
-                             silu_gated_supported, use_triton_kernels)
+from .triton_kernels import (TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported, rms_norm_supported,
+                             rope_supported, silu_gated_supported, use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -124,16 +124,19 @@ class Attention(nn.Module):
 
     def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
         """A projection [B, S, heads * d] as heads [B, heads, S, d], normed (over the projection or per head) and
-        rotated (a per-head norm and the rotation in one Triton kernel where they run)."""
+        rotated: where the Triton kernels run, a per-head norm and the rotation in one kernel, or the rotation in
+        one."""
         B, S, _ = x_BSP.shape
         if norm is not None and self.qk_norm_over_projection:
             x_BSP = norm(x_BSP)
         x_BShd = x_BSP.view(B, S, heads, self.head_dim)
+        triton = use_triton_kernels(x_BShd, *(() if norm is None else (norm.weight,)))
         if norm is not None and not self.qk_norm_over_projection:
-            if use_triton_kernels(x_BShd, norm.weight) and norm_rope_supported(x_BShd, norm.weight, norm.float_offset,
-                                                                                 cos, sin):
+            if triton and norm_rope_supported(x_BShd, norm.weight, norm.float_offset, cos, sin):
                 return TritonRMSNorm.apply(x_BShd, norm.weight, norm.eps, norm.float_offset, cos, sin).transpose(1, 2)
             return apply_rotary(norm(x_BShd.transpose(1, 2)), cos, sin)
+        if triton and rope_supported(x_BShd, cos, sin):
+            return TritonRope.apply(x_BShd, cos, sin).transpose(1, 2)
         return apply_rotary(x_BShd.transpose(1, 2), cos, sin)
 
     def forward(

@@ -1,6 +1,7 @@
-"""Triton kernels for a block's elementwise work on a GPU: RMSNorm and the SiLU-gated unit, forward and backward.
+"""Triton kernels for a block's elementwise work on a GPU: RMSNorm, the rotary embedding and the SiLU-gated unit,
+forward and backward.
 
-Run eagerly, a block's norms and gated unit are chains of small elementwise kernels, each reading and writing a
+Run eagerly, a block's norms, rotations and gated unit are chains of small elementwise kernels, each reading and writing a
 whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten backward;
 ``silu(gate) * up`` is two forward and four backward. On a GPU these are bound by memory bandwidth and, at the
 Qwen3-0.6B shape, take most of a training step's device time. Each kernel here reads its inputs once and writes its
@@ -10,6 +11,8 @@ outputs once:
   walks 8 tiles, summing the weight's gradient over their rows in float32, then the programs' sums are added. A
   per-head q/k norm (Qwen3's, Gemma 3's) rotates its heads in the same kernels, saving the rotary embedding's own
   passes over q and k (five kernels forward, about as many backward).
+- ``rope``: the rotary embedding of q or k heads without a per-head norm before it (Llama, Mistral, Qwen2; OLMo's
+  norm over the whole projection), one kernel each way where torch runs five forward and about six backward.
 - ``silu_gated``: one kernel forward, one backward that makes the gate's and the up projection's gradients together.
 
 Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
@@ -25,6 +28,7 @@ before then decides how they run.
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 
@@ -41,8 +45,13 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
+                "silu_gated_backward")
+Kernels = collections.namedtuple("Kernels", ("triton", *KERNEL_NAMES))
+
+
 @functools.cache
-def _kernels():
+def _kernels() -> Kernels | None:
     """Triton and the kernels (``triton_kernel_sources``), or None when Triton cannot be imported."""
     try:
         import triton
@@ -50,8 +59,7 @@ def _kernels():
         from . import triton_kernel_sources as sources
     except ImportError:
         return None
-    return (triton, sources.rms_norm_forward, sources.rms_norm_backward, sources.silu_gated_forward,
-            sources.silu_gated_backward)
+    return Kernels(triton, *(getattr(sources, name) for name in KERNEL_NAMES))
 
 
 def available() -> bool:
@@ -140,7 +148,8 @@ class TritonRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None):
-        triton, forward_kernel, _, _, _ = _kernels()
+        kernels = _kernels()
+        triton, forward_kernel = kernels.triton, kernels.rms_norm_forward
         x = _rows_of(x)
         dim = x.shape[-1]
         rows = x.numel() // dim
@@ -160,7 +169,8 @@ class TritonRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        triton, _, backward_kernel, _, _ = _kernels()
+        kernels = _kernels()
+        triton, backward_kernel = kernels.triton, kernels.rms_norm_backward
         x, weight, rstd, cos, sin = ctx.saved_tensors
         grad_out = _rows_of(grad_out, like=x)
         dim = x.shape[-1]
@@ -181,6 +191,54 @@ class TritonRMSNorm(torch.autograd.Function):
         return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None
 
 
+def rope_supported(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
+    """Whether the rotation of x [B, S, H, d] runs as one kernel: x contiguous, every channel rotated (cos, sin
+    [B, S, d], contiguous, float32, without gradients: ``apply_rotary`` then rotates in float32 and casts once)."""
+    B, S, _, d = x_BSHd.shape
+    return (x_BSHd.dtype in _FLOATS and x_BSHd.is_contiguous() and d % 2 == 0 and x_BSHd.numel() > 0
+            and d <= MAX_NORM_DIM and _float32_tables(cos_BSd, sin_BSd, (B, S, d)))
+
+
+def _float32_tables(cos, sin, shape) -> bool:
+    return all(t.shape == shape and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
+               and type(t) in _PLAIN for t in (cos, sin))
+
+
+class TritonRope(torch.autograd.Function):
+    """``rope.apply_rotary`` of x [B, S, H, d] (heads of the token at row // H) with float32 tables [B, S, d] as one
+    kernel each way; nothing kept for backward but the tables."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        kernels = _kernels()
+        triton, forward_kernel = kernels.triton, kernels.rope_forward
+        y = torch.empty_like(x)
+        block, tile_rows = _tile(triton, x.shape[-1])
+        rows = x.numel() // x.shape[-1]
+        forward_kernel[(triton.cdiv(rows, tile_rows),)](
+            x, y, cos, sin, rows, x.shape[-1], x.shape[-2], ROWS=tile_rows, BLOCK=block,
+            num_warps=_warps(block * tile_rows),
+        )
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.x_dtype = x.shape[-2], x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        kernels = _kernels()
+        triton, backward_kernel = kernels.triton, kernels.rope_backward
+        cos, sin = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        grad_x = torch.empty_like(grad_out, dtype=ctx.x_dtype)
+        block, tile_rows = _tile(triton, grad_out.shape[-1])
+        rows = grad_out.numel() // grad_out.shape[-1]
+        backward_kernel[(triton.cdiv(rows, tile_rows),)](
+            grad_out, grad_x, cos, sin, rows, grad_out.shape[-1], ctx.heads, ROWS=tile_rows, BLOCK=block,
+            num_warps=_warps(block * tile_rows),
+        )
+        return grad_x, None, None
+
+
 def norm_rope_supported(x_BSHd: torch.Tensor, weight: torch.Tensor, float_offset: float | None,
                         cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
     """Whether a per-head norm of x [B, S, H, d] and the rotation after it run as one kernel: x contiguous, every
@@ -189,9 +247,7 @@ def norm_rope_supported(x_BSHd: torch.Tensor, weight: torch.Tensor, float_offset
     B, S, _, d = x_BSHd.shape
     out_dtype = torch.promote_types(x_BSHd.dtype, weight.dtype) if float_offset is None else x_BSHd.dtype
     return (rms_norm_supported(x_BSHd, weight) and x_BSHd.is_contiguous() and d % 2 == 0
-            and out_dtype == torch.float32 and all(
-                t.shape == (B, S, d) and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
-                and type(t) in _PLAIN for t in (cos_BSd, sin_BSd)))
+            and out_dtype == torch.float32 and _float32_tables(cos_BSd, sin_BSd, (B, S, d)))
 
 
 def _warps(elements: int) -> int:
@@ -212,7 +268,8 @@ class TritonSiluGated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up):
-        triton, _, _, forward_kernel, _ = _kernels()
+        kernels = _kernels()
+        triton, forward_kernel = kernels.triton, kernels.silu_gated_forward
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         n = gate.numel()
@@ -222,7 +279,8 @@ class TritonSiluGated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        triton, _, _, _, backward_kernel = _kernels()
+        kernels = _kernels()
+        triton, backward_kernel = kernels.triton, kernels.silu_gated_backward
         gate, up = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
@@ -232,5 +290,5 @@ class TritonSiluGated(torch.autograd.Function):
         return grad_gate, grad_up
 
 
-__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonSiluGated", "available", "norm_rope_supported",
-           "rms_norm_supported", "silu_gated_supported", "use_triton_kernels"]
+__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonRope", "TritonSiluGated", "available", "norm_rope_supported",
+           "rms_norm_supported", "rope_supported", "silu_gated_supported", "use_triton_kernels"]
