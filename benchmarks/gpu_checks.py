@@ -352,8 +352,13 @@ def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating"
 
 def _kernel_cases(device: torch.device):
     """(name, inputs, Triton function, op sequence) at the Qwen3-0.6B shape on CUDA (batch 4 x 2,048 tokens: hidden
-    1,024, 16 query heads of 128, MLP 3,072), small on CPU."""
-    from hfnative.models import layers
+    1,024, 16 query heads of 128, MLP 3,072, vocabulary 151,936), small on CPU."""
+    import os
+
+    from hfnative.device_policy import use_device_policy
+    from hfnative.losses import IGNORE_INDEX
+    from hfnative.losses.cross_entropy import fused_linear_cross_entropy
+    from hfnative.models import layers, triton_kernels
     from hfnative.models.rope import apply_rotary
     from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
 
@@ -402,6 +407,25 @@ def _kernel_cases(device: torch.device):
                (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
                TritonSiluGated.apply, gated_ops)
 
+    # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
+    # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)
+    vocab = 151936 if cuda else 5000
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    targets[::2] = IGNORE_INDEX
+
+    def cross_entropy(switch: str):
+        def loss(h_ND, w_VD):
+            os.environ[triton_kernels.ENV_SWITCH] = switch
+            try:  # (the GPU's policy on a CPU rehearsal too)
+                with use_device_policy("gpu"), torch.autocast(device.type, dtype=torch.bfloat16):
+                    return fused_linear_cross_entropy(h_ND, w_VD, targets, masked=True).loss_sum
+            finally:
+                os.environ.pop(triton_kernels.ENV_SWITCH)
+        return loss
+
+    yield (f"cross_entropy bf16 autocast [{tokens}, {dim}] x [{vocab}, {dim}]",
+           (randn(tokens, dim), randn(vocab, dim, scale=0.05)), cross_entropy("1"), cross_entropy("0"))
+
 
 def kernels(tally: Tally, device: torch.device) -> None:
     """The Triton kernels against the op sequences they replace: forward and both gradients (fp32: 1e-5 relative;
@@ -435,7 +459,7 @@ def kernels(tally: Tally, device: torch.device) -> None:
             ok &= got.dtype == expected.dtype and got.shape == expected.shape
             error = (got.float() - expected.float()).abs().max().item()
             scale = expected.float().abs().max().item()
-            if inputs[0].dtype == torch.float32:
+            if inputs[0].dtype == torch.float32 and "autocast" not in name:
                 ok &= torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * scale)
             else:  # the interpreter truncates to bf16 where a GPU rounds: two steps there
                 ok &= error <= (2.0**-8 if device.type == "cuda" else 2.0**-6) * scale

@@ -18,7 +18,7 @@ import tempfile
 
 import torch
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
 
 
 class _Recorder:
@@ -110,7 +110,7 @@ def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
     the rotation alone as Llama's heads take it."""
-    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
+    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated, cross_entropy_rows
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -128,6 +128,12 @@ def qwen3_launches(tokens: int = 8192) -> list:
             TritonRope.apply(q, cos, cos).sum().backward()  # Llama's heads, no norm before the rotation
             gate = torch.zeros(tokens, 3072, dtype=x_dtype, requires_grad=True)
             TritonSiluGated.apply(gate, gate.detach()).sum().backward()
+            # the head's cross-entropy on a chunk of 883 tokens x 151,936 (the GPU policy's 2^27 logits), the
+            # gradient written and not
+            logits = torch.zeros(883, 151936, dtype=x_dtype)
+            targets, valid = torch.zeros(883, dtype=torch.int64), torch.ones(883)
+            cross_entropy_rows(logits, 1.0, targets, valid, torch.zeros(883, 151936, dtype=w_dtype))
+            cross_entropy_rows(logits, 1.0, targets, valid, None)
 
     return recorded_launches(run)
 

@@ -30,13 +30,16 @@ from hfnative.parallel.activation_checkpoint import apply_activation_checkpointi
 BF16_SCALE_TOLERANCE = 2.0**-6  # four bf16 ulps (2^-8 each, relative) of the tensor's largest magnitude
 
 
-def _close(got, want, bf16: bool, what: str):
+def _close(got, want, bf16: bool, what: str, fp32_scale_tolerance: float | None = None):
+    """bf16: within BF16_SCALE_TOLERANCE of the tensor's largest magnitude; fp32: elementwise to float32 round-off,
+    or with ``fp32_scale_tolerance`` within that fraction of the largest magnitude (sums over many products)."""
     assert got.dtype == want.dtype, f"{what}: dtype {got.dtype}, the op sequence's {want.dtype}"
     assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
-    if bf16:
+    if bf16 or fp32_scale_tolerance is not None:
         error = (got.float() - want.float()).abs().max().item()
         scale = want.float().abs().max().item()
-        assert error <= BF16_SCALE_TOLERANCE * scale, f"{what}: max |diff| {error:.3g} over scale {scale:.3g}"
+        bound = BF16_SCALE_TOLERANCE if bf16 else fp32_scale_tolerance
+        assert error <= bound * scale, f"{what}: max |diff| {error:.3g} over scale {scale:.3g}"
     else:
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-6, msg=what)
 
@@ -158,6 +161,62 @@ def check_rope():
         _close(grad, want_grad, bf16, what + " grad x")
 
 
+def check_cross_entropy():
+    """The fused head's cross-entropy with the Triton kernel (the GPU policy, gradients in blocks) against the same
+    loss without it and against materialized logits: the NLL, entropy and top-1 sums and both gradients, masked and
+    not, fp32 and bf16 autocast, over several chunks and blocks and three blocks of the vocabulary (5,000 entries), with
+    a tie for the maximum across those blocks (the first index wins, as argmax's)."""
+    import dataclasses
+
+    from hfnative.device_policy import GPU_POLICY
+    from hfnative.losses import IGNORE_INDEX
+    from hfnative.losses.cross_entropy import fused_linear_cross_entropy, linear_cross_entropy
+
+    N, D, V = 37, 16, 5000
+    policy = dataclasses.replace(GPU_POLICY, name="gpu-small-chunks", head_chunk_elements=8 * V,
+                                 head_gradient_block_elements=16 * V)  # chunks of 8 rows, blocks of 16
+    generator = torch.Generator().manual_seed(6)
+    hidden = torch.randn(N, D, generator=generator)
+    weight = torch.randn(V, D, generator=generator)
+    weight[4100] = weight[7]  # entries 7 and 4100 tie in every row
+    hidden[:6] = weight[7] * 4  # rows whose maximum is that tie
+    with torch.no_grad():
+        argmax = (hidden @ weight.T).argmax(-1)
+    targets = torch.randint(0, V, (N,), generator=generator)
+    targets[10:20] = argmax[10:20]  # rows the top-1 hits
+    targets[:3] = 7  # the tie's first index: a hit
+    targets[3:6] = 4100  # its second: not a hit
+    for masked in (False, True):
+        t = targets.clone()
+        if masked:
+            t[[2, 11, 30]] = IGNORE_INDEX
+        for bf16 in (False, True):
+            runs = {}
+            for way in ("triton", "torch", "materialized"):
+                os.environ[triton_kernels.ENV_SWITCH] = "1" if way == "triton" else "0"
+                h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+                with use_device_policy(policy), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    if way == "materialized":
+                        out = linear_cross_entropy(h, w, t, masked=masked)
+                    else:
+                        out = fused_linear_cross_entropy(h, w, t, masked=masked)
+                    (out.loss_sum * 0.5).backward()
+                runs[way] = (out.loss_sum.detach(), out.entropy_sum, out.correct_sum, h.grad, w.grad)
+            what = f"cross_entropy masked={masked} bf16={bf16}"
+            triton, others = runs["triton"], (runs["torch"], runs["materialized"])
+            for other in others:
+                assert int(triton[2]) == int(other[2]), f"{what}: top-1 hits {int(triton[2])} vs {int(other[2])}"
+                # the entropy log Z - E[z] cancels in the peaked rows: the two torch paths differ by 1e-5 themselves
+                for name, got, want, tolerance in zip(("loss", "entropy"), triton[:2], other[:2],
+                                                      (2e-3 if bf16 else 1e-6, 2e-3 if bf16 else 1e-4)):
+                    torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=0, msg=f"{what} {name}")
+            expected_hits = 13 - (2 if masked else 0)  # rows 10-19 and the tie's rows 0-2; masking drops 2 and 11
+            for name, got, want in zip(("hidden", "weight"), triton[3:], runs["torch"][3:]):
+                # each gradient entry sums 5,000 (hidden) or 37 (weight) products of softmax terms made apart
+                _close(got, want, bf16, f"{what} grad {name}", fp32_scale_tolerance=5e-5)
+            assert int(triton[2]) == expected_hits, f"{what}: {int(triton[2])} hits, expected {expected_hits}"
+
+
 def check_silu_gated():
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):
@@ -180,26 +239,30 @@ class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 
     def __init__(self):
-        self.counts = {"rms_norm": 0, "norm_rope": 0, "rope": 0, "silu_gated": 0}
-        self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply)
+        self.counts = {"rms_norm": 0, "norm_rope": 0, "rope": 0, "silu_gated": 0, "cross_entropy": 0}
+        self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply,
+                           triton_kernels.cross_entropy_rows)
 
     def __enter__(self):
-        norm, gated, rope = self._originals
+        norm, gated, rope, cross_entropy = self._originals
 
         def counted(name, apply):
             def wrapper(*args):
                 self.counts[name] += 1
-                self.counts["norm_rope"] += len(args) > 4 and args[4] is not None  # cos: rotated in the kernel
+                if name == "rms_norm":  # with cos: rotated in the kernel
+                    self.counts["norm_rope"] += len(args) > 4 and args[4] is not None
                 return apply(*args)
             return wrapper
 
         TritonRMSNorm.apply = counted("rms_norm", norm)
         TritonSiluGated.apply = counted("silu_gated", gated)
         TritonRope.apply = counted("rope", rope)
+        triton_kernels.cross_entropy_rows = counted("cross_entropy", cross_entropy)
         return self
 
     def __exit__(self, *exc):
-        TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply = self._originals
+        TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply, triton_kernels.cross_entropy_rows = (
+            self._originals)
 
 
 def _native(name, directory):
@@ -221,13 +284,14 @@ def _step(model, input_ids, triton: bool, bf16: bool = False):
 
 
 EXPECTED_LAUNCHES = {  # per forward of the 2-block models: RMSNorms, of them with the rotation, rotations alone,
-    # SiLU-gated units
-    "llama-gqa": (2 * 2 + 1, 0, 2 * 2, 2),  # two pre-norms a block, the final norm; q and k rotated
-    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 0, 2),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
-    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 0, 2),  # the experts' gated unit, once a block
-    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2 * 2, 2),  # post-norms; q/k norms over the projection, then rotated;
+    # SiLU-gated units, the head's cross-entropy (one chunk of these 22 tokens)
+    "llama-gqa": (2 * 2 + 1, 0, 2 * 2, 2, 1),  # two pre-norms a block, the final norm; q and k rotated
+    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 0, 2, 1),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
+    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 0, 2, 1),  # the experts' gated unit, once a block
+    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2 * 2, 2, 1),  # post-norms; q/k norms over the projection, then rotated;
     # weights scaled in float32
-    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0, 0),  # four norms a block, q/k norms (1 + w); GELU-tanh
+    # four norms a block, q/k norms (1 + w); a GELU-tanh unit; soft-capped logits (torch's cross-entropy)
+    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0, 0, 0),
 }
 
 
@@ -236,7 +300,7 @@ def check_models():
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
     with every block checkpointed (the GPU policy's selective checkpointing recomputes the kernels)."""
     input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
-    for name, (norms, rotated, rotations, gated) in EXPECTED_LAUNCHES.items():
+    for name, (norms, rotated, rotations, gated, heads) in EXPECTED_LAUNCHES.items():
         with tempfile.TemporaryDirectory() as directory:
             reference, model = _native(name, directory)
             with torch.no_grad():
@@ -244,7 +308,8 @@ def check_models():
             off_loss, off_logits, off_grads = _step(model, input_ids, triton=False)
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
-            expected = {"rms_norm": norms, "norm_rope": rotated, "rope": rotations, "silu_gated": gated}
+            expected = {"rms_norm": norms, "norm_rope": rotated, "rope": rotations, "silu_gated": gated,
+                        "cross_entropy": heads}
             assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
@@ -268,7 +333,8 @@ def check_bf16_autocast():
         off_loss, _, off_grads = _step(model, input_ids, triton=False, bf16=True)
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
-    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "rope": 0, "silu_gated": 2}, launches.counts
+    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "rope": 0, "silu_gated": 2, "cross_entropy": 1}, (
+        launches.counts)
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
@@ -287,7 +353,8 @@ def check_compiled_blocks_leave_them_to_the_compiler():
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True)
     # the final norm runs eagerly
-    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "rope": 0, "silu_gated": 0}, launches.counts
+    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "rope": 0, "silu_gated": 0, "cross_entropy": 1}, (
+        launches.counts)
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")

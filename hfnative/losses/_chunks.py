@@ -71,10 +71,15 @@ class ChunkBuffers:
     """The [C, V] scratch tensors one chunk loop reuses: logits z (fp32), probabilities/gradient (fp32),
     and, for bf16/fp16 inputs, a low-precision one for the matmuls."""
 
-    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, probs: bool = True):
-        self.logits = torch.empty(chunk, vocab, dtype=torch.float32, device=device)
+    def __init__(self, chunk: int, vocab: int, dtype: torch.dtype, device: torch.device, probs: bool = True,
+                 fp32_logits: bool = True):
+        """``fp32_logits=False``: for bf16/fp16 inputs only the matmul's own [C, V] buffer (a kernel reading the
+        product as it is: ``ChunkKernel.reads_matmul_logits``)."""
+        low = dtype != torch.float32
+        keep_fp32 = fp32_logits or not low
+        self.logits = torch.empty(chunk, vocab, dtype=torch.float32, device=device) if keep_fp32 else None
         self.probs = torch.empty(chunk, vocab, dtype=torch.float32, device=device) if probs else None
-        self.low_precision = None if dtype == torch.float32 else torch.empty(chunk, vocab, dtype=dtype, device=device)
+        self.low_precision = torch.empty(chunk, vocab, dtype=dtype, device=device) if low else None
         self._weight_fp32 = None
 
     def weight_fp32(self, weight_VD: torch.Tensor) -> torch.Tensor | None:
@@ -91,9 +96,10 @@ class ChunkBuffers:
         return self._weight_fp32
 
     def views(self, rows: int):
+        logits = None if self.logits is None else self.logits[:rows]
         probs = None if self.probs is None else self.probs[:rows]
         low = None if self.low_precision is None else self.low_precision[:rows]
-        return self.logits[:rows], probs, low
+        return logits, probs, low
 
 
 # Many CPUs have no fast bf16/fp16 matmul kernels: a [128, 32000] @ [32000, 256] product took 4.0 s in bf16 against
@@ -275,21 +281,27 @@ class HeadGradients:
             grad_raw_CV.copy_(low_CV)  # the gradient rounded as the low-precision product would see it
             self.grad_hidden[start : start + rows].copy_(torch.mm(grad_raw_CV, weight_fp32_VD).mul_(self.scale))
 
-    def _hold(self, start: int, grad_raw_CV, row_scale_C=None) -> None:
-        rows = grad_raw_CV.shape[0]
+    def hold_slot(self, start: int, rows: int) -> torch.Tensor:
+        """In block mode (``defers_hidden``): the held rows [rows, V] (matmul dtype) where the chunk starting at token
+        ``start`` puts its dL/draw, for the block's GEMMs to read."""
         if self._held is None:
             block = min(self.block_rows, self.hidden_ND.shape[0])
-            self._held = torch.empty(block, grad_raw_CV.shape[1], dtype=self.weight_VD.dtype, device=grad_raw_CV.device)
+            self._held = torch.empty(block, self.weight_VD.shape[0], dtype=self.weight_VD.dtype,
+                                     device=self.weight_VD.device)
         if self._held_rows + rows > self._held.shape[0]:
             self._flush()
         if self._held_rows == 0:
             self._held_start = start
         held_CV = self._held[self._held_rows : self._held_rows + rows]
+        self._held_rows += rows
+        return held_CV
+
+    def _hold(self, start: int, grad_raw_CV, row_scale_C=None) -> None:
+        held_CV = self.hold_slot(start, grad_raw_CV.shape[0])
         if row_scale_C is None:
             held_CV.copy_(grad_raw_CV)
         else:
             torch.mul(grad_raw_CV, row_scale_C[:, None], out=held_CV)
-        self._held_rows += rows
 
     def _flush(self) -> None:
         """The held block's dL/dh rows and its part of dL/dW: one GEMM each."""
@@ -342,6 +354,13 @@ class Chunk:
         self.needs_grad = grads is not None
         self._kernel, self._grads = kernel, grads
 
+    def gradient_slot(self) -> torch.Tensor | None:
+        """Where a kernel may write this chunk's dL/dz [C, V] itself (the matmul dtype; no soft-cap), when the
+        gradients are made per block (``HeadGradients.defers_hidden``); else None (``backpropagate`` then)."""
+        if not self.needs_grad or not self._grads.defers_hidden:
+            return None
+        return self._grads.hold_slot(self.rows.start, self.h_CD.shape[0])
+
     def backpropagate(self, grad_z_CV: torch.Tensor, row_scale_C: torch.Tensor | None = None) -> torch.Tensor | None:
         """Adds this chunk's share of dL/dh and dL/dW from dL/dz [C, V] (times ``row_scale_C`` [C] per row when given,
         e.g. 0 for ignored rows; overwrites it and z_CV); returns the chunk's rows of dL/dh [C, D] (None when the
@@ -364,6 +383,9 @@ class ChunkKernel(abc.ABC):
 
     gradient_in_forward = True
     softmax_in_place = False  # True: one [C, V] buffer, chunk.probs_CV is chunk.z_CV
+    # True: forward_chunk reads the matmul's product itself (chunk.low_CV for bf16/fp16 inputs; no fp32 copy, no
+    # second buffer) and scales it by 1 / temperature (no soft-cap)
+    reads_matmul_logits = False
     policy: DevicePolicy  # the device's trades (hfnative.device_policy), set by fused_head_loss before prepare
 
     def __init__(self, softcap: float | None, temperature: float, chunk_size: int | None):
@@ -402,12 +424,17 @@ def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradie
     N, V = hidden_ND.shape[0], weight_VD.shape[0]
     one_buffer = kernel.softmax_in_place
     chunk = kernel.chunk_rows(N, weight_VD)
-    buffers = ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device, probs=not one_buffer) if N else None
+    lean = kernel.reads_matmul_logits
+    buffers = (ChunkBuffers(min(chunk, N), V, hidden_ND.dtype, hidden_ND.device, probs=not (one_buffer or lean),
+                            fp32_logits=not lean) if N else None)
     weight_fp32_VD = buffers.weight_fp32(weight_VD) if N else None
     for start in range(0, N, chunk):
         h_CD = hidden_ND[start : start + chunk]
         z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
-        chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV, weight_fp32_VD)
+        if lean:  # the product alone, in the matmul's dtype: the kernel scales it
+            torch.mm(h_CD, weight_VD.T, out=low_CV if low_CV is not None else z_CV)
+        else:
+            chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV, weight_fp32_VD)
         step(Chunk(start, h_CD, z_CV, z_CV if one_buffer else probs_CV, low_CV, kernel, grads, weight_fp32_VD))
 
 

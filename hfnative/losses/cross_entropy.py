@@ -87,6 +87,19 @@ class _CrossEntropyKernel(ChunkKernel):
         self.targets_N = targets_N if not masked else torch.where(self.valid_N, targets_N, 0)
 
     def prepare(self, hidden_ND, need_hidden):
+        from hfnative.models.triton_kernels import cross_entropy_supported, use_triton_kernels
+
+        # the GPU's Triton kernel: statistics and gradient from the head's own product in one program a row, the
+        # gradient straight into the held block (the policy's gradients made per block)
+        blocks = self.policy.head_gradient_block_elements is not None and self.chunk_size is None
+        self.reads_matmul_logits = (blocks and use_triton_kernels(hidden_ND)
+                                    and cross_entropy_supported(hidden_ND.dtype, self.softcap))
+        if self.reads_matmul_logits:
+            device = hidden_ND.device
+            valid = self.valid_N if self.valid_N is not None else torch.ones_like(self.targets_N, dtype=torch.bool)
+            self.row_scale_N = valid.to(torch.float32)
+            zeros = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
+            return zeros[0], zeros[1], torch.zeros((), dtype=torch.int64, device=device)
         # linear logits in fp32 and dNLL/dh computed chunk by chunk: the entropy comes from dNLL/dh (no [C, V]
         # pass), and the logits are not needed once softmaxed. On CPU the softmax then runs in place (one [C, V]
         # buffer, so chunks twice as long for the same memory).
@@ -100,6 +113,16 @@ class _CrossEntropyKernel(ChunkKernel):
 
     def forward_chunk(self, chunk, loss, entropy, correct):
         t_C = self.targets_N[chunk.rows]
+        if self.reads_matmul_logits:
+            from hfnative.models.triton_kernels import cross_entropy_rows
+
+            z_CV = chunk.low_CV if chunk.low_CV is not None else chunk.z_CV
+            loss_C, entropy_C, correct_C = cross_entropy_rows(z_CV, 1.0 / self.temperature, t_C,
+                                                              self.row_scale_N[chunk.rows], chunk.gradient_slot())
+            loss += loss_C.sum()
+            entropy += entropy_C.sum()
+            correct += correct_C.sum()
+            return
         valid_C = None if self.valid_N is None else self.valid_N[chunk.rows]
         stats = SoftmaxStats(chunk.z_CV, t_C, chunk.probs_CV, self.policy.host_reads)
         loss -= _masked(stats.log_probs(), valid_C).sum()

@@ -137,3 +137,45 @@ def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, B
     through_sin = (dy_partner * sin_partner).to(DX.dtype.element_ty).to(tl.float32)
     dx = through_cos + tl.where((cols < half)[None, :], through_sin, -through_sin)
     tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, stride_z, stride_grad, scale,
+                       WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
+    """One row of a chunk's logits z = Z * scale: its NLL, entropy and top-1 hit (masked by VALID), and, with
+    WRITE_GRAD, dNLL/dz = softmax(z) - onehot(target) (times VALID) in GRAD's dtype. Two passes over the row: an
+    online max / sum / expectation / argmax, then the gradient. BLOCKS: the row's blocks of BLOCK entries (the
+    vocabulary's, fixed for a model)."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(TARGETS + row)
+    valid = tl.load(VALID + row).to(tl.float32)
+    offsets = tl.arange(0, BLOCK)
+    row_max = -float("inf")
+    total = 0.0  # sum of exp(z - row_max)
+    weighted = 0.0  # sum of exp(z - row_max) * z
+    best = 0  # the first index of the row's maximum, as torch.max and argmax choose it
+    for block in range(BLOCKS):
+        cols = block * BLOCK + offsets
+        mask = cols < n_cols
+        z = tl.load(Z + row * stride_z + cols, mask=mask, other=-float("inf")).to(tl.float32) * scale
+        block_max = tl.max(z, axis=0)
+        block_best = tl.min(tl.where(z == block_max, cols, n_cols), axis=0)
+        best = tl.where(block_max > row_max, block_best, best)
+        new_max = tl.maximum(row_max, block_max)
+        rescale = tl.exp(row_max - new_max)
+        e = tl.where(mask, tl.exp(z - new_max), 0.0)
+        total = total * rescale + tl.sum(e, axis=0)
+        weighted = weighted * rescale + tl.sum(e * tl.where(mask, z, 0.0), axis=0)
+        row_max = new_max
+    log_z = row_max + tl.log(total)
+    target_logit = tl.load(Z + row * stride_z + target).to(tl.float32) * scale
+    tl.store(LOSS + row, (log_z - target_logit) * valid)
+    tl.store(ENTROPY + row, (log_z - weighted / total) * valid)
+    tl.store(CORRECT + row, ((best == target) & (valid > 0)).to(tl.int32))
+    if WRITE_GRAD:
+        for block in range(BLOCKS):
+            cols = block * BLOCK + offsets
+            mask = cols < n_cols
+            z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32) * scale
+            grad = tl.exp(z - log_z) - tl.where(cols == target, 1.0, 0.0)
+            tl.store(GRAD + row * stride_grad + cols, (grad * valid).to(GRAD.dtype.element_ty), mask=mask)
