@@ -104,29 +104,33 @@ def silu_gated_backward(DY, G, U, DG, DU, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _rotation_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's rows of heads and their columns, the mask, each column's partner in rotate_half, and whether
+    the column is in the first half (where rotate_half negates the partner)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     half = n_cols // 2
     partner = tl.where(cols < half, cols + half, cols - half)
+    return rows, cols, mask, partner, (cols < half)[None, :]
+
+
+@triton.jit
+def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows, cols, mask, partner, first_half = _rotation_tile(n_rows, n_cols, ROWS, BLOCK)
     x = tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(X + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
     cos = tl.load(COS + at_token, mask=mask, other=0.0)
     sin = tl.load(SIN + at_token, mask=mask, other=0.0)
     # x * cos + rotate_half(x) * sin in float32, cast to x's dtype once
-    y = x * cos + tl.where((cols < half)[None, :], -x_partner, x_partner) * sin
+    y = x * cos + tl.where(first_half, -x_partner, x_partner) * sin
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK)
-    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
-    half = n_cols // 2
-    partner = tl.where(cols < half, cols + half, cols - half)
+    rows, cols, mask, partner, first_half = _rotation_tile(n_rows, n_cols, ROWS, BLOCK)
     dy = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy_partner = tl.load(DY + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     at_token = (rows // heads)[:, None] * n_cols
@@ -135,7 +139,7 @@ def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, B
     # autograd's: each product's gradient cast to x's dtype, then their sum (the rotation's transpose on the second)
     through_cos = (dy * cos).to(DX.dtype.element_ty).to(tl.float32)
     through_sin = (dy_partner * sin_partner).to(DX.dtype.element_ty).to(tl.float32)
-    dx = through_cos + tl.where((cols < half)[None, :], through_sin, -through_sin)
+    dx = through_cos + tl.where(first_half, through_sin, -through_sin)
     tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
