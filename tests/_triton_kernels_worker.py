@@ -165,7 +165,8 @@ def check_cross_entropy():
     """The fused head's cross-entropy with the Triton kernel (the GPU policy, gradients in blocks) against the same
     loss without it and against materialized logits: the NLL, entropy and top-1 sums and both gradients, masked and
     not, fp32 and bf16 autocast, over several chunks and blocks and three blocks of the vocabulary (5,000 entries), with
-    a tie for the maximum across those blocks (the first index wins, as argmax's)."""
+    a tie for the maximum across those blocks (the first index wins, as argmax's); then with a temperature, with
+    only the weight's gradient, and without gradients."""
     import dataclasses
 
     from hfnative.device_policy import GPU_POLICY
@@ -215,6 +216,27 @@ def check_cross_entropy():
                 # each gradient entry sums 5,000 (hidden) or 37 (weight) products of softmax terms made apart
                 _close(got, want, bf16, f"{what} grad {name}", fp32_scale_tolerance=5e-5)
             assert int(triton[2]) == expected_hits, f"{what}: {int(triton[2])} hits, expected {expected_hits}"
+
+    # a temperature, only the weight's gradient, and no gradient at all (evaluation): as torch's ops
+    for case in ("temperature", "weight_only", "no_grad"):
+        runs = {}
+        for switch in ("1", "0"):
+            os.environ[triton_kernels.ENV_SWITCH] = switch
+            h = hidden.clone().requires_grad_(case != "weight_only")
+            w = weight.clone().requires_grad_(case != "no_grad")
+            with use_device_policy(policy), torch.set_grad_enabled(case != "no_grad"):
+                out = fused_linear_cross_entropy(h, w, targets, temperature=0.7 if case == "temperature" else 1.0)
+                if case != "no_grad":
+                    out.loss_sum.backward()
+            runs[switch] = (out.loss_sum.detach(), out.entropy_sum, out.correct_sum, h.grad, w.grad)
+        (loss, entropy, correct, h_grad, w_grad), want = runs["1"], runs["0"]
+        torch.testing.assert_close(loss, want[0], rtol=1e-6, atol=0, msg=f"cross_entropy {case} loss")
+        torch.testing.assert_close(entropy, want[1], rtol=1e-4, atol=0, msg=f"cross_entropy {case} entropy")
+        assert int(correct) == int(want[2]), f"cross_entropy {case}: hits {int(correct)} vs {int(want[2])}"
+        assert (h_grad is None) == (want[3] is None) and (w_grad is None) == (want[4] is None), case
+        for name, got, expected in (("hidden", h_grad, want[3]), ("weight", w_grad, want[4])):
+            if expected is not None:
+                _close(got, expected, False, f"cross_entropy {case} grad {name}", fp32_scale_tolerance=5e-5)
 
 
 def check_silu_gated():

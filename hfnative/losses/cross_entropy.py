@@ -117,8 +117,11 @@ class _CrossEntropyKernel(ChunkKernel):
             from hfnative.models.triton_kernels import cross_entropy_rows
 
             z_CV = chunk.low_CV if chunk.low_CV is not None else chunk.z_CV
+            slot = chunk.gradient_slot()
+            if chunk.needs_grad and slot is None:
+                raise RuntimeError("the cross-entropy kernel needs the head's gradients made per block")
             loss_C, entropy_C, correct_C = cross_entropy_rows(z_CV, 1.0 / self.temperature, t_C,
-                                                              self.row_scale_N[chunk.rows], chunk.gradient_slot())
+                                                              self.row_scale_N[chunk.rows], slot)
             loss += loss_C.sum()
             entropy += entropy_C.sum()
             correct += correct_C.sum()

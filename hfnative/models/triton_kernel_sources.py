@@ -151,7 +151,9 @@ def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, 
     online max / sum / expectation / argmax, then the gradient. BLOCKS: the row's blocks of BLOCK entries (the
     vocabulary's, fixed for a model)."""
     row = tl.program_id(0).to(tl.int64)
-    target = tl.load(TARGETS + row)
+    # a target outside the vocabulary (never passed: ignored rows come with target 0 and VALID 0) reads no memory
+    # outside the row
+    target = tl.minimum(tl.maximum(tl.load(TARGETS + row), 0), n_cols - 1)
     valid = tl.load(VALID + row).to(tl.float32)
     offsets = tl.arange(0, BLOCK)
     row_max = -float("inf")
@@ -173,8 +175,9 @@ def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, 
         row_max = new_max
     log_z = row_max + tl.log(total)
     target_logit = tl.load(Z + row * stride_z + target).to(tl.float32) * scale
-    tl.store(LOSS + row, (log_z - target_logit) * valid)
-    tl.store(ENTROPY + row, (log_z - weighted / total) * valid)
+    # an ignored row adds nothing, even where its logits are not finite
+    tl.store(LOSS + row, tl.where(valid > 0, (log_z - target_logit) * valid, 0.0))
+    tl.store(ENTROPY + row, tl.where(valid > 0, (log_z - weighted / total) * valid, 0.0))
     tl.store(CORRECT + row, ((best == target) & (valid > 0)).to(tl.int32))
     if WRITE_GRAD:
         for block in range(BLOCKS):
@@ -182,4 +185,5 @@ def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, 
             mask = cols < n_cols
             z = tl.load(Z + row * stride_z + cols, mask=mask, other=0.0).to(tl.float32) * scale
             grad = tl.exp(z - log_z) - tl.where(cols == target, 1.0, 0.0)
-            tl.store(GRAD + row * stride_grad + cols, (grad * valid).to(GRAD.dtype.element_ty), mask=mask)
+            grad = tl.where(valid > 0, grad * valid, 0.0)
+            tl.store(GRAD + row * stride_grad + cols, grad.to(GRAD.dtype.element_ty), mask=mask)

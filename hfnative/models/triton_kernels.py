@@ -1,8 +1,8 @@
 """Triton kernels for a block's elementwise work on a GPU: RMSNorm, the rotary embedding and the SiLU-gated unit,
 forward and backward.
 
-Run eagerly, a block's norms, rotations and gated unit are chains of small elementwise kernels, each reading and writing a
-whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten backward;
+Run eagerly, a block's norms, rotations and gated unit are chains of small elementwise kernels, each reading and
+writing a whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten backward;
 ``silu(gate) * up`` is two forward and four backward. On a GPU these are bound by memory bandwidth and, at the
 Qwen3-0.6B shape, take most of a training step's device time. Each kernel here reads its inputs once and writes its
 outputs once:
@@ -34,10 +34,13 @@ before then decides how they run.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
+import warnings
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from hfnative.device_policy import device_policy
 from hfnative.switches import switched_off
@@ -89,11 +92,38 @@ def use_triton_kernels(*tensors: torch.Tensor) -> bool:
     return device_policy(first.device).triton_kernels and available()
 
 
-@functools.cache
+_GPU_CHECKED: dict[int | None, bool] = {}
+
+
 def _supported_gpu(index: int | None) -> bool:
     """An NVIDIA GPU of compute capability 8.0 or later (Ampere on: bf16, and what the kernels were compiled and
-    tested for); other CUDA devices (older GPUs, ROCm) keep torch's ops."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (8, 0)
+    tested for) where a first tiny launch works (Triton builds its launcher with the host's C compiler and finds
+    libcuda then: a machine without them keeps torch's ops, with a warning); other CUDA devices (older GPUs, ROCm)
+    keep torch's ops."""
+    if index in _GPU_CHECKED:
+        return _GPU_CHECKED[index]
+    if torch.version.hip is not None or torch.cuda.get_device_capability(index) < (8, 0) or not available():
+        _GPU_CHECKED[index] = False
+        return False
+    if torch.cuda.is_current_stream_capturing():  # no launch to try inside a CUDA graph: ask again after it
+        return True
+    try:
+        probe = torch.zeros(4, device=torch.device("cuda", index))
+        TritonSiluGated.apply(probe, probe)
+        torch.cuda.synchronize(probe.device)
+        works = True
+    except Exception as error:  # noqa: BLE001 - any failure to build or launch means torch's ops
+        warnings.warn(f"hfnative's Triton kernels could not run on cuda:{index} ({type(error).__name__}: {error}); "
+                      f"the model runs torch's ops instead ({ENV_SWITCH}=0 silences this)", stacklevel=2)
+        works = False
+    _GPU_CHECKED[index] = works
+    return works
+
+
+def _launch(kernel, grid, device: torch.device, *args, **constexprs) -> None:
+    """``kernel[grid](*args, **constexprs)`` on ``device`` (Triton launches on the current CUDA device)."""
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](*args, **constexprs)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -163,7 +193,8 @@ class TritonRMSNorm(torch.autograd.Function):
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         block, tile_rows = _tile(triton, dim)
         rope = cos is not None
-        forward_kernel[(triton.cdiv(rows, tile_rows),)](
+        _launch(
+            forward_kernel, (triton.cdiv(rows, tile_rows),), x.device,
             _flat(x), weight, _flat(y), rstd, cos if rope else rstd, sin if rope else rstd, rows, dim,
             x.shape[-2] if rope else 1, eps, float_offset or 0.0,
             LLAMA=float_offset is None, ROPE=rope, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
@@ -173,6 +204,7 @@ class TritonRMSNorm(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         kernels = _kernels()
         triton, backward_kernel = kernels.triton, kernels.rms_norm_backward
@@ -186,9 +218,10 @@ class TritonRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
         rope = cos is not None
-        backward_kernel[(programs,)](
-            _flat(grad_out), _flat(x), weight, rstd, cos if rope else rstd, sin if rope else rstd, _flat(grad_x),
-            partial, rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
+        _launch(
+            backward_kernel, (programs,), x.device,
+            _flat(grad_out), _flat(x), weight, rstd, cos if rope else rstd, sin if rope else rstd, _flat(grad_x), partial,
+            rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
             LLAMA=ctx.float_offset is None, ROPE=rope, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
             WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
         )
@@ -220,15 +253,16 @@ class TritonRope(torch.autograd.Function):
         y = torch.empty_like(x)
         block, tile_rows = _tile(triton, x.shape[-1])
         rows = x.numel() // x.shape[-1]
-        forward_kernel[(triton.cdiv(rows, tile_rows),)](
-            x, y, cos, sin, rows, x.shape[-1], x.shape[-2], ROWS=tile_rows, BLOCK=block,
-            num_warps=_warps(block * tile_rows),
+        _launch(
+            forward_kernel, (triton.cdiv(rows, tile_rows),), x.device, x, y, cos, sin, rows, x.shape[-1], x.shape[-2],
+            ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.x_dtype = x.shape[-2], x.dtype
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         kernels = _kernels()
         triton, backward_kernel = kernels.triton, kernels.rope_backward
@@ -237,9 +271,10 @@ class TritonRope(torch.autograd.Function):
         grad_x = torch.empty_like(grad_out, dtype=ctx.x_dtype)
         block, tile_rows = _tile(triton, grad_out.shape[-1])
         rows = grad_out.numel() // grad_out.shape[-1]
-        backward_kernel[(triton.cdiv(rows, tile_rows),)](
-            grad_out, grad_x, cos, sin, rows, grad_out.shape[-1], ctx.heads, ROWS=tile_rows, BLOCK=block,
-            num_warps=_warps(block * tile_rows),
+        _launch(
+            backward_kernel, (triton.cdiv(rows, tile_rows),), grad_out.device,
+            grad_out, grad_x, cos, sin, rows, grad_out.shape[-1], ctx.heads,
+            ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
         return grad_x, None, None
 
@@ -278,11 +313,13 @@ class TritonSiluGated(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         n = gate.numel()
-        forward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](gate, up, y, n, BLOCK=_ELEMENTWISE_BLOCK)
+        _launch(forward_kernel, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), gate.device, gate, up, y, n,
+                BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         kernels = _kernels()
         triton, backward_kernel = kernels.triton, kernels.silu_gated_backward
@@ -290,8 +327,8 @@ class TritonSiluGated(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        backward_kernel[(triton.cdiv(n, _ELEMENTWISE_BLOCK),)](grad_out, gate, up, grad_gate, grad_up, n,
-                                                               BLOCK=_ELEMENTWISE_BLOCK)
+        _launch(backward_kernel, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), gate.device, grad_out, gate, up, grad_gate,
+                grad_up, n, BLOCK=_ELEMENTWISE_BLOCK)
         return grad_gate, grad_up
 
 
@@ -309,9 +346,10 @@ def cross_entropy_rows(z_CV: torch.Tensor, scale: float, targets_C: torch.Tensor
     entropy = torch.empty_like(loss)
     correct = torch.empty(rows, dtype=torch.int32, device=z_CV.device)
     write = grad_CV is not None
-    kernels.cross_entropy_rows[(rows,)](
-        z_CV, targets_C, valid_C, grad_CV if write else z_CV, loss, entropy, correct, vocab, z_CV.stride(0),
-        grad_CV.stride(0) if write else 0, scale, WRITE_GRAD=write, BLOCK=CROSS_ENTROPY_BLOCK,
+    _launch(
+        kernels.cross_entropy_rows, (rows,), z_CV.device,
+        z_CV, targets_C.contiguous(), valid_C.contiguous(), grad_CV if write else z_CV, loss, entropy, correct, vocab,
+        z_CV.stride(0), grad_CV.stride(0) if write else 0, scale, WRITE_GRAD=write, BLOCK=CROSS_ENTROPY_BLOCK,
         BLOCKS=kernels.triton.cdiv(vocab, CROSS_ENTROPY_BLOCK), num_warps=_warps(CROSS_ENTROPY_BLOCK),
     )
     return loss, entropy, correct
