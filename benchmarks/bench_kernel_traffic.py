@@ -147,10 +147,9 @@ def main(argv=None) -> None:
     if kernels is not None:  # count each launch
         counted = kernels._replace(**{name: _CountedLaunch(getattr(kernels, name), name, traffic_stack)
                                       for name in triton_kernels.KERNEL_NAMES})
-        triton_kernels._kernels.cache_clear()
         triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
 
-    def step(model, native_model: bool, triton: bool = False):
+    def step(model, triton: bool = False):
         def run():
             os.environ[triton_kernels.ENV_SWITCH] = "1" if triton else "0"
             model.zero_grad(set_to_none=True)
@@ -160,14 +159,14 @@ def main(argv=None) -> None:
                 loss.backward()
         return run
 
-    runners = {"transformers": step(reference, False), "ours:torch_kernels": step(native, True)}
+    runners = {"transformers": step(reference), "ours:torch_kernels": step(native)}
     skipped = None
     if kernels is None:
         skipped = "Triton cannot be imported here"
     elif os.environ.get("TRITON_INTERPRET") != "1":
         skipped = "Triton's kernels run on a CPU only under its interpreter: set TRITON_INTERPRET=1"
     else:
-        runners["ours"] = step(native, True, triton=True)
+        runners["ours"] = step(native, triton=True)
 
     chosen = cli.runners.split(",")
     runners = {name: run for name, run in runners.items() if name in chosen}

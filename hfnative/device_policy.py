@@ -19,9 +19,10 @@
   from the first call, so padding-free batches never recompile); None on a GPU (static kernels first, dynamic after
   the first new shape: fixed-shape batches, packed or padded to a multiple, keep static, faster kernels).
 - ``triton_kernels``: a block run eagerly makes its RMSNorms (a per-head q/k norm with the rotary embedding after it),
-  its rotary embedding and its SiLU-gated unit with one Triton kernel each way (``hfnative.models.triton_kernels``) instead of a chain of
-  elementwise kernels, each a pass over the activation. On a GPU those passes are most of an eager step's device
-  time; a CPU keeps torch's ops (Triton does not compile for it).
+  its rotary embedding and its SiLU-gated unit, and the fused head its cross-entropy, with one Triton kernel each way
+  (``hfnative.models.triton_kernels``) instead of a chain of elementwise kernels, each a pass over the activation. On
+  a GPU those passes are most of an eager step's device time; a CPU keeps torch's ops (Triton does not compile for
+  it).
 
 ``HFNATIVE_DEVICE_POLICY=cpu|gpu`` (or ``use_device_policy``) forces one policy on every device, so the CPU tests run
 the GPU policy's code paths and a GPU run can try the CPU's trades.

@@ -40,7 +40,8 @@ def recorded_launches(run) -> list:
     real = triton_kernels._kernels()
     assert real is not None, "Triton cannot be imported"
     launches: list = []
-    recording = real._replace(**{name: _Recorder(getattr(real, name), launches) for name in triton_kernels.KERNEL_NAMES})
+    recording = real._replace(**{name: _Recorder(getattr(real, name), launches)
+                                 for name in triton_kernels.KERNEL_NAMES})
     original = triton_kernels._kernels
     triton_kernels._kernels = lambda: recording
     try:

@@ -394,11 +394,16 @@ class ChunkKernel(abc.ABC):
     def new_gradients(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool) -> HeadGradients:
         """Where the chunks' gradients go: chunk by chunk (CPU rule) or in blocks (the policy's)."""
         block_rows = None
-        elements = self.policy.head_gradient_block_elements
-        if elements is not None and self.chunk_size is None:
+        if self.gradients_in_blocks():
+            elements = self.policy.head_gradient_block_elements
             chunk = self.chunk_rows(hidden_ND.shape[0], weight_VD)
             block_rows = max(chunk, elements // weight_VD.shape[0] // chunk * chunk)
         return HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / self.temperature, block_rows)
+
+    def gradients_in_blocks(self) -> bool:
+        """Whether the chunks' gradients are held and made per block (the policy's rule, unless a chunk size is
+        given)."""
+        return self.policy.head_gradient_block_elements is not None and self.chunk_size is None
 
     def chunk_rows(self, num_tokens: int, weight_VD) -> int:
         return chunk_size_for(num_tokens, weight_VD.shape[0], weight_VD.shape[1], self.chunk_size,

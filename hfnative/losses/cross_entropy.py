@@ -91,15 +91,11 @@ class _CrossEntropyKernel(ChunkKernel):
 
         # the GPU's Triton kernel: statistics and gradient from the head's own product in one program a row, the
         # gradient straight into the held block (the policy's gradients made per block)
-        blocks = self.policy.head_gradient_block_elements is not None and self.chunk_size is None
-        self.reads_matmul_logits = (blocks and use_triton_kernels(hidden_ND)
+        self.reads_matmul_logits = (self.gradients_in_blocks() and use_triton_kernels(hidden_ND)
                                     and cross_entropy_supported(hidden_ND.dtype, self.softcap))
         if self.reads_matmul_logits:
-            device = hidden_ND.device
             valid = self.valid_N if self.valid_N is not None else torch.ones_like(self.targets_N, dtype=torch.bool)
             self.row_scale_N = valid.to(torch.float32)
-            zeros = [torch.zeros((), dtype=torch.float32, device=device) for _ in range(2)]
-            return zeros[0], zeros[1], torch.zeros((), dtype=torch.int64, device=device)
         # linear logits in fp32 and dNLL/dh computed chunk by chunk: the entropy comes from dNLL/dh (no [C, V]
         # pass), and the logits are not needed once softmaxed. On CPU the softmax then runs in place (one [C, V]
         # buffer, so chunks twice as long for the same memory).

@@ -2,9 +2,9 @@
 forward and backward.
 
 Run eagerly, a block's norms, rotations and gated unit are chains of small elementwise kernels, each reading and
-writing a whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten backward;
-``silu(gate) * up`` is two forward and four backward. On a GPU these are bound by memory bandwidth and, at the
-Qwen3-0.6B shape, take most of a training step's device time. Each kernel here reads its inputs once and writes its
+writing a whole activation: an RMSNorm is six kernels forward (square, mean, add, rsqrt, scale, weight) and about ten
+backward; ``silu(gate) * up`` is two forward and four backward. On a GPU these are bound by memory bandwidth and, at
+the Qwen3-0.6B shape, take most of a training step's device time. Each kernel here reads its inputs once and writes its
 outputs once:
 
 - ``rms_norm``: one kernel forward and one backward, in tiles of whole rows (4,096 elements); a backward program
@@ -55,19 +55,17 @@ def _interpreting() -> bool:
 
 KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
                 "silu_gated_backward", "cross_entropy_rows")
-Kernels = collections.namedtuple("Kernels", ("triton", *KERNEL_NAMES))
+Kernels = collections.namedtuple("Kernels", KERNEL_NAMES)
 
 
 @functools.cache
 def _kernels() -> Kernels | None:
-    """Triton and the kernels (``triton_kernel_sources``), or None when Triton cannot be imported."""
+    """The kernels (``triton_kernel_sources``), or None when Triton cannot be imported."""
     try:
-        import triton
-
         from . import triton_kernel_sources as sources
     except ImportError:
         return None
-    return Kernels(triton, *(getattr(sources, name) for name in KERNEL_NAMES))
+    return Kernels(*(getattr(sources, name) for name in KERNEL_NAMES))
 
 
 def available() -> bool:
@@ -120,10 +118,15 @@ def _supported_gpu(index: int | None) -> bool:
     return works
 
 
-def _launch(kernel, grid, device: torch.device, *args, **constexprs) -> None:
-    """``kernel[grid](*args, **constexprs)`` on ``device`` (Triton launches on the current CUDA device)."""
+def _launch(name: str, programs: int, device: torch.device, *args, **constexprs) -> None:
+    """The kernel ``name`` over ``programs`` programs on ``device`` (Triton launches on the current CUDA device)."""
+    kernel = getattr(_kernels(), name)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[grid](*args, **constexprs)
+        kernel[(programs,)](*args, **constexprs)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -170,9 +173,9 @@ TILE_ELEMENTS = 4096  # a tile's rows x columns: several rows of a narrow norm (
 BACKWARD_TILES = 8  # tiles a backward program walks, summing the weight's gradient over them
 
 
-def _tile(triton, dim: int) -> tuple[int, int]:
+def _tile(dim: int) -> tuple[int, int]:
     """(columns, rows) of a program's tile: the row padded to a power of two, and as many rows as fill the tile."""
-    block = triton.next_power_of_2(dim)
+    block = 1 << (dim - 1).bit_length()
     return block, max(1, TILE_ELEMENTS // block)
 
 
@@ -183,19 +186,17 @@ class TritonRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None):
-        kernels = _kernels()
-        triton, forward_kernel = kernels.triton, kernels.rms_norm_forward
         x = _rows_of(x)
         dim = x.shape[-1]
         rows = x.numel() // dim
         out_dtype = torch.promote_types(x.dtype, weight.dtype) if float_offset is None else x.dtype
         y = torch.empty_like(x, dtype=out_dtype)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
-        block, tile_rows = _tile(triton, dim)
+        block, tile_rows = _tile(dim)
         rope = cos is not None
         _launch(
-            forward_kernel, (triton.cdiv(rows, tile_rows),), x.device,
-            _flat(x), weight, _flat(y), rstd, cos if rope else rstd, sin if rope else rstd, rows, dim,
+            "rms_norm_forward", _cdiv(rows, tile_rows), x.device,
+            _flat(x), weight, _flat(y), rstd, *((cos, sin) if rope else (rstd, rstd)), rows, dim,
             x.shape[-2] if rope else 1, eps, float_offset or 0.0,
             LLAMA=float_offset is None, ROPE=rope, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
@@ -206,21 +207,19 @@ class TritonRMSNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        kernels = _kernels()
-        triton, backward_kernel = kernels.triton, kernels.rms_norm_backward
         x, weight, rstd, cos, sin = ctx.saved_tensors
         grad_out = _rows_of(grad_out, like=x)
         dim = x.shape[-1]
         rows = x.numel() // dim
-        block, tile_rows = _tile(triton, dim)
-        programs = triton.cdiv(rows, tile_rows * BACKWARD_TILES)
+        block, tile_rows = _tile(dim)
+        programs = _cdiv(rows, tile_rows * BACKWARD_TILES)
         weight_grad = ctx.needs_input_grad[1]
         grad_x = torch.empty_like(x)
         partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
         rope = cos is not None
         _launch(
-            backward_kernel, (programs,), x.device,
-            _flat(grad_out), _flat(x), weight, rstd, cos if rope else rstd, sin if rope else rstd, _flat(grad_x), partial,
+            "rms_norm_backward", programs, x.device,
+            _flat(grad_out), _flat(x), weight, rstd, *((cos, sin) if rope else (rstd, rstd)), _flat(grad_x), partial,
             rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
             LLAMA=ctx.float_offset is None, ROPE=rope, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
             WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
@@ -248,13 +247,11 @@ class TritonRope(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cos, sin):
-        kernels = _kernels()
-        triton, forward_kernel = kernels.triton, kernels.rope_forward
         y = torch.empty_like(x)
-        block, tile_rows = _tile(triton, x.shape[-1])
+        block, tile_rows = _tile(x.shape[-1])
         rows = x.numel() // x.shape[-1]
         _launch(
-            forward_kernel, (triton.cdiv(rows, tile_rows),), x.device, x, y, cos, sin, rows, x.shape[-1], x.shape[-2],
+            "rope_forward", _cdiv(rows, tile_rows), x.device, x, y, cos, sin, rows, x.shape[-1], x.shape[-2],
             ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
         ctx.save_for_backward(cos, sin)
@@ -264,15 +261,13 @@ class TritonRope(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        kernels = _kernels()
-        triton, backward_kernel = kernels.triton, kernels.rope_backward
         cos, sin = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         grad_x = torch.empty_like(grad_out, dtype=ctx.x_dtype)
-        block, tile_rows = _tile(triton, grad_out.shape[-1])
+        block, tile_rows = _tile(grad_out.shape[-1])
         rows = grad_out.numel() // grad_out.shape[-1]
         _launch(
-            backward_kernel, (triton.cdiv(rows, tile_rows),), grad_out.device,
+            "rope_backward", _cdiv(rows, tile_rows), grad_out.device,
             grad_out, grad_x, cos, sin, rows, grad_out.shape[-1], ctx.heads,
             ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
         )
@@ -308,12 +303,10 @@ class TritonSiluGated(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up):
-        kernels = _kernels()
-        triton, forward_kernel = kernels.triton, kernels.silu_gated_forward
         gate, up = gate.contiguous(), up.contiguous()
         y = torch.empty_like(gate)
         n = gate.numel()
-        _launch(forward_kernel, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), gate.device, gate, up, y, n,
+        _launch("silu_gated_forward", _cdiv(n, _ELEMENTWISE_BLOCK), gate.device, gate, up, y, n,
                 BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
@@ -321,14 +314,11 @@ class TritonSiluGated(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        kernels = _kernels()
-        triton, backward_kernel = kernels.triton, kernels.silu_gated_backward
         gate, up = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
-        _launch(backward_kernel, (triton.cdiv(n, _ELEMENTWISE_BLOCK),), gate.device, grad_out, gate, up, grad_gate,
-                grad_up, n, BLOCK=_ELEMENTWISE_BLOCK)
+        _launch("silu_gated_backward", _cdiv(n, _ELEMENTWISE_BLOCK), gate.device, grad_out.contiguous(), gate, up,
+                grad_gate, grad_up, n, BLOCK=_ELEMENTWISE_BLOCK)
         return grad_gate, grad_up
 
 
@@ -340,17 +330,16 @@ def cross_entropy_rows(z_CV: torch.Tensor, scale: float, targets_C: torch.Tensor
     """Per row of the logits z = z_CV * scale (any float dtype, rows contiguous): the NLL of ``targets_C``, the
     entropy and the top-1 hit (int32), each times ``valid_C`` (float32 [C], 0 for an ignored row); with ``grad_CV``,
     dNLL/dz * valid written there (its dtype). One program a row; nothing of size [C, V] allocated."""
-    kernels = _kernels()
     rows, vocab = z_CV.shape
     loss = torch.empty(rows, dtype=torch.float32, device=z_CV.device)
     entropy = torch.empty_like(loss)
     correct = torch.empty(rows, dtype=torch.int32, device=z_CV.device)
     write = grad_CV is not None
     _launch(
-        kernels.cross_entropy_rows, (rows,), z_CV.device,
+        "cross_entropy_rows", rows, z_CV.device,
         z_CV, targets_C.contiguous(), valid_C.contiguous(), grad_CV if write else z_CV, loss, entropy, correct, vocab,
         z_CV.stride(0), grad_CV.stride(0) if write else 0, scale, WRITE_GRAD=write, BLOCK=CROSS_ENTROPY_BLOCK,
-        BLOCKS=kernels.triton.cdiv(vocab, CROSS_ENTROPY_BLOCK), num_warps=_warps(CROSS_ENTROPY_BLOCK),
+        BLOCKS=_cdiv(vocab, CROSS_ENTROPY_BLOCK), num_warps=_warps(CROSS_ENTROPY_BLOCK),
     )
     return loss, entropy, correct
 
