@@ -12,9 +12,10 @@
   rule (``hfnative.losses._chunks.chunk_size_for``: small chunks, the head's gradients added chunk by chunk). A
   number: chunks of that many logits, and the logits' gradients held, in the matmul dtype, for up to that many
   entries before one GEMM makes the weight's gradient (and one the hidden states') for them all.
-- ``selective_checkpointing``: a block under activation checkpointing keeps its attention output and every second
-  matmul's and recomputes the rest (``hfnative.models.selective_checkpoint``), instead of running its whole forward
-  again. On a GPU the recomputed matmuls cost time the kept memory buys back; on a CPU full checkpointing stays.
+- ``selective_checkpointing``: a block under activation checkpointing keeps its attention output and the query,
+  value and gate projections' results and recomputes the rest (``hfnative.models.selective_checkpoint``), instead of
+  running its whole forward again. On a GPU the recomputed matmuls cost time the kept memory buys back; on a CPU full
+  checkpointing stays.
 - ``compile_dynamic``: ``torch.compile``'s ``dynamic`` for the blocks. True on a CPU (any batch and sequence length
   from the first call, so padding-free batches never recompile); None on a GPU (static kernels first, dynamic after
   the first new shape: fixed-shape batches, packed or padded to a multiple, keep static, faster kernels).

@@ -13,6 +13,7 @@ from .args import ModelArgs
 from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
+from .selective_checkpoint import kept_in_checkpoint
 from .triton_kernels import (TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported, rms_norm_supported,
                              rope_supported, silu_gated_supported, use_triton_kernels)
 
@@ -112,8 +113,9 @@ class Attention(nn.Module):
         self, x_BSD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied). The rotated
-        queries and keys are remade from the projections in backward (``hfnative.models.recompute``)."""
-        xq, xk, xv = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        queries and keys are remade from the projections in backward (``hfnative.models.recompute``); a selectively
+        checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``)."""
+        xq, xk, xv = kept_in_checkpoint(self.wq, x_BSD), self.wk(x_BSD), kept_in_checkpoint(self.wv, x_BSD)
         cos, sin = cos_sin
         q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
         keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
@@ -147,7 +149,7 @@ class Attention(nn.Module):
         sliding: bool = False,
     ) -> torch.Tensor:
         xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin)
-        out_BHSd = attend(xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
+        out_BHSd = kept_in_checkpoint(attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 
@@ -214,7 +216,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w1(x), self.w3(x)
+        gate, up = kept_in_checkpoint(self.w1, x), self.w3(x)
         hidden = gated_activation(gate, up, self.activation)
         # the down projection's input is remade from gate and up (which the gated unit keeps) in backward: the CPU
         # policy's trade, whose blocks never run the Triton kernels (the remade tensor is the op sequence's)

@@ -1,69 +1,159 @@
 """Selective activation checkpointing: what a checkpointed block keeps for backward on a GPU.
 
 Full checkpointing (``torch.utils.checkpoint``) keeps a block's input and runs its whole forward again in backward:
-every matmul twice. Selective checkpointing keeps the outputs of the expensive ops, attention and every second
-matmul, and recomputes the rest (norms, rotary embedding, activations, the other matmuls), as torchtitan's "op"
-policy does: most of full checkpointing's memory saving for a fraction of its recompute time on a GPU. The device
-policy (``hfnative.device_policy``, ``selective_checkpointing``) chooses it; a CPU, where the recompute costs little
-next to the memory, keeps full checkpointing.
+every matmul twice. Selective checkpointing keeps the results of some expensive ops and recomputes the rest, as
+torchtitan's "op" policy does: most of full checkpointing's memory saving for a fraction of its recompute time on a
+GPU. The device policy (``hfnative.device_policy``, ``selective_checkpointing``) chooses it; a CPU, where the
+recompute costs little next to the memory, keeps full checkpointing.
+
+What is kept is chosen in the block's code: it runs the calls whose results a selective checkpoint keeps through
+``kept_in_checkpoint(fn, *args)``: the attention, and the query, value and gate projections (the MoE router for a
+MoE block). Inside those calls the matmuls' and attention kernels' results are kept in forward and handed back in
+the recompute without running them again; everything else in the block is recomputed: the norms, the rotary
+embedding, the activation, the key, output and up projections (3 of a block's 7 matmuls, as torchtitan's "every
+second matmul" rule), a MoE block's experts. The down projection's result is not kept: the recompute stops once
+backward has what it reads (the down projection's input) and would never read it. A LoRA projection keeps its base
+and adapter matmuls' results alike.
+
+Only the ops inside those calls pass through a dispatch mode (a Python call each, about 10 us on a host). Torch's
+selective-checkpoint contexts pass every op of the forward and of the recompute through one, with a Python policy:
+at Qwen3-0.6B's 28 blocks that made a checkpointed step's host time 1.8x full checkpointing's, where these calls
+make it 1.2x (``benchmarks/RESULTS.md``).
 
 Inside the block autocast's cast cache is off: a weight cast earlier in the step (a forward without grad, as KTO's
 and DPO's reference passes) would come from the cache in forward but be cast again in the recompute, and the two
 would not run the same ops (each weight is cast once a block either way).
-
-The choice is made in forward (torch 2.13 replays it in the recompute; older releases ask the policy again, so the
-matmuls are counted apart for the forward and the recompute, and both choose alike).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import defaultdict
+import threading
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
 MATMULS = {aten.mm.default, aten.addmm.default}
-ATTENTION = {
-    getattr(aten, name).default
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                 "_flash_attention_forward")
-    if hasattr(aten, name)
-}
 
 
-def _policy(counts: dict):
-    def policy(ctx, func, *args, **kwargs):
-        if func in ATTENTION:
-            return CheckpointPolicy.MUST_SAVE
-        if func in MATMULS:
-            key = "recompute" if ctx.is_recompute else "forward"
-            counts[key] += 1
-            if counts[key] % 2 == 1:  # the first, third, ... matmul of the block
-                return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+def _attention_ops() -> set:
+    ops = {
+        getattr(aten, name).default
+        for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                     "_flash_attention_forward")
+        if hasattr(aten, name)
+    }
+    # torch's variable-length attention (packed batches on a GPU) is a custom op the dispatch mode sees whole
+    namespace = getattr(torch.ops, "torch_attn", None)
+    for name in ("_varlen_attn",):
+        try:
+            ops.add(getattr(namespace, name).default)
+        except (AttributeError, RuntimeError):
+            pass
+    return ops
 
-    return policy
+
+ATTENTION = _attention_ops()
+KEPT_OPS = MATMULS | ATTENTION
+
+# the selective checkpoint running its forward or its recompute on this thread (backward may run on another thread)
+_running = threading.local()
 
 
-@contextlib.contextmanager
-def _without_autocast_cache(context):
-    enabled = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        with context:
-            yield
-    finally:
-        torch.set_autocast_cache_enabled(enabled)
+def _detached(value):
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+class _Keep(TorchDispatchMode):
+    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order."""
+
+    def __init__(self, kept: list):
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in KEPT_OPS:
+            kept = tree_map(_detached, out)
+            versions = [t._version for t in _tensors(kept)]
+            self.kept.append((func, kept, versions))
+        return out
+
+
+class _Replay(TorchDispatchMode):
+    """Recompute: hands back what forward kept, in the same order, without running those ops; runs every other."""
+
+    def __init__(self, kept: list):
+        super().__init__()
+        self.kept = kept
+        self.next = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in KEPT_OPS:
+            return func(*args, **(kwargs or {}))
+        if self.next >= len(self.kept) or self.kept[self.next] is None:
+            raise RuntimeError(
+                f"selective activation checkpointing: the recompute ran {func} where forward kept "
+                f"{'nothing more' if self.next >= len(self.kept) else 'a result already handed back'}: backward "
+                "through a checkpointed block runs once (no retain_graph), and its forward must run the same ops "
+                "again (set activation_checkpointing_mode='full' for a block that does not)."
+            )
+        kept_func, kept, versions = self.kept[self.next]
+        if kept_func is not func or [t._version for t in _tensors(kept)] != versions:
+            raise RuntimeError(
+                f"selective activation checkpointing: the recompute ran {func} where forward ran {kept_func}, or a "
+                "kept result was changed in place since; the block's forward must run the same ops in the recompute."
+            )
+        self.kept[self.next] = None  # handed back: the recomputed graph holds it now
+        self.next += 1
+        return kept
+
+
+def _tensors(value) -> list:
+    return [t for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+
+
+class _RunningUnder:
+    """The block's forward (or its recompute) runs with ``mode`` for ``kept_in_checkpoint`` to enter, and autocast's
+    cast cache off. Entered again by each backward that recomputes the block."""
+
+    def __init__(self, mode: TorchDispatchMode):
+        self.mode = mode
+        self.saved = []
+
+    def __enter__(self):
+        if isinstance(self.mode, _Replay):
+            self.mode.next = 0
+        self.saved.append((torch.is_autocast_cache_enabled(), getattr(_running, "mode", None)))
+        torch.set_autocast_cache_enabled(False)
+        _running.mode = self.mode
+        return self
+
+    def __exit__(self, *exc):
+        cache_enabled, _running.mode = self.saved.pop()
+        torch.set_autocast_cache_enabled(cache_enabled)
+        return False
 
 
 def selective_checkpoint_context():
     """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for one block's forward."""
-    forward, recompute = create_selective_checkpoint_contexts(_policy(defaultdict(int)))
-    return _without_autocast_cache(forward), _without_autocast_cache(recompute)
+    kept: list = []
+    return _RunningUnder(_Keep(kept)), _RunningUnder(_Replay(kept))
 
 
-__all__ = ["selective_checkpoint_context"]
+def kept_in_checkpoint(fn, *args):
+    """``fn(*args)``; inside a selectively checkpointed block, the results of its matmuls and attention kernels are
+    kept for backward and not recomputed."""
+    if torch.compiler.is_compiling():
+        return fn(*args)
+    mode = getattr(_running, "mode", None)
+    if mode is None:
+        return fn(*args)
+    with mode:
+        return fn(*args)
+
+
+__all__ = ["ATTENTION", "MATMULS", "kept_in_checkpoint", "selective_checkpoint_context"]

@@ -1,0 +1,163 @@
+"""The GPU policy's selective activation checkpointing (hfnative.models.selective_checkpoint), run here on CPU: in
+every family a checkpointed block keeps exactly the query, value and gate projections' results (the router's in a
+MoE block) and the attention kernels', its gradients are bit-identical to the un-checkpointed model's (dense and
+padded, fp32 and bf16 autocast), and only the ops inside the kept calls pass through the dispatch mode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_configs import ONE_PER_FAMILY, save_hf_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hfnative.converters.loading import load_pretrained
+from hfnative.device_policy import use_device_policy
+from hfnative.models import selective_checkpoint
+from hfnative.models.selective_checkpoint import ATTENTION, MATMULS
+from hfnative.parallel import apply_activation_checkpointing
+
+
+@pytest.fixture(scope="module", params=ONE_PER_FAMILY)
+def checkpoint_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    save_hf_model(request.param, directory)
+    return directory
+
+
+def _model(directory, checkpointed: bool):
+    model = load_pretrained(directory).model
+    model.train()
+    return apply_activation_checkpointing(model, "full") if checkpointed else model
+
+
+def _batch(vocab: int, padded: bool):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (3, 20), generator=generator)
+    mask = torch.ones(3, 20, dtype=torch.long)
+    if padded:
+        mask[1, :4] = 0  # left padding: per-document attention
+        mask[2, -6:] = 0
+    return ids, mask
+
+
+def _loss_and_grads(model, ids, mask, bf16: bool):
+    model.zero_grad(set_to_none=True)
+    with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden = model(ids, attention_mask=mask).hidden_states
+        weights = torch.linspace(-1.0, 1.0, hidden.numel()).view_as(hidden)  # every position's gradient differs
+        loss = (hidden.float() * weights).sum()
+        loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+class _Recorder:
+    """What the forward's dispatch mode kept, and how many ops it saw."""
+
+    def __init__(self, monkeypatch):
+        self.kept, self.seen = [], 0
+        dispatch = selective_checkpoint._Keep.__torch_dispatch__
+
+        def recording(mode, func, types, args=(), kwargs=None):
+            self.seen += 1
+            before = len(mode.kept)
+            out = dispatch(mode, func, types, args, kwargs)
+            if len(mode.kept) > before:
+                self.kept.append((func, out.shape[-1] if func in MATMULS else None))
+            return out
+
+        monkeypatch.setattr(selective_checkpoint._Keep, "__torch_dispatch__", recording)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _expected_widths(args) -> list[int]:
+    """The kept matmuls' output widths for one block: query, value, then the gate (the router in a MoE block)."""
+    gate = args.moe.num_experts if args.moe is not None else args.intermediate_size
+    return [args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, gate]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_checkpointed_blocks_keep_the_chosen_results_with_identical_gradients(checkpoint_dir, monkeypatch, padded,
+                                                                              bf16):
+    plain_model = _model(checkpoint_dir, checkpointed=False)
+    ids, mask = _batch(plain_model.args.vocab_size, padded)
+    plain = _loss_and_grads(plain_model, ids, mask, bf16)
+
+    recorder = _Recorder(monkeypatch)
+    model = _model(checkpoint_dir, checkpointed=True)
+    checkpointed = _loss_and_grads(model, ids, mask, bf16)
+    assert torch.equal(checkpointed[0], plain[0])
+    assert checkpointed[1].keys() == plain[1].keys()
+    for name, grad in plain[1].items():
+        assert torch.equal(checkpointed[1][name], grad), name
+
+    widths = [width for func, width in recorder.kept if func in MATMULS]
+    assert widths == _expected_widths(model.args) * len(model.layers)
+    attention = sum(func in ATTENTION for func, _ in recorder.kept)
+    if model.args.attention_sinks:  # attention with sinks is explicit matmuls, recomputed
+        assert attention == 0
+    else:  # one kernel a block; padded, one a document (3 rows, one document each)
+        assert attention == len(model.layers) * (3 if padded else 1)
+
+
+def test_only_the_kept_calls_pass_through_the_dispatch_mode(checkpoint_dir, monkeypatch):
+    """Torch's selective-checkpoint contexts run every op of a block's forward and recompute through a Python policy
+    (about 10 us each on a host); here the mode sees only the ops inside the kept calls."""
+    plain_model = _model(checkpoint_dir, checkpointed=False)
+    ids, mask = _batch(plain_model.args.vocab_size, padded=False)
+    with use_device_policy("gpu"), _OpCounter() as counter:
+        plain_model(ids, attention_mask=mask)
+    recorder = _Recorder(monkeypatch)
+    model = _model(checkpoint_dir, checkpointed=True)
+    with use_device_policy("gpu"):
+        model(ids, attention_mask=mask)
+    assert 0 < recorder.seen < counter.count / 3, (recorder.seen, counter.count)
+
+
+def test_a_second_backward_through_a_selectively_checkpointed_block_is_refused(checkpoint_dir):
+    model = _model(checkpoint_dir, checkpointed=True)
+    ids, mask = _batch(model.args.vocab_size, padded=False)
+    with use_device_policy("gpu"):
+        loss = model(ids, attention_mask=mask).hidden_states.sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="runs once"):
+            loss.backward()
+
+
+def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tmp_path, monkeypatch):
+    from hfnative.converters.peft import apply_lora
+
+    save_hf_model("qwen3-gqa", tmp_path)
+
+    def lora_model(checkpointed: bool):
+        converted = load_pretrained(tmp_path)
+        torch.manual_seed(0)  # the adapters' initialization
+        apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():  # lora_B starts at zero: make the adapters' gradients depend on both factors
+            for name, param in sorted(converted.model.named_parameters()):
+                if "lora_" in name:
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+        model = converted.model.train()
+        return apply_activation_checkpointing(model, "full") if checkpointed else model
+
+    ids, mask = _batch(96, padded=True)
+    plain = _loss_and_grads(lora_model(False), ids, mask, bf16=False)
+    recorder = _Recorder(monkeypatch)
+    model = lora_model(True)
+    checkpointed = _loss_and_grads(model, ids, mask, bf16=False)
+    assert torch.equal(checkpointed[0], plain[0])
+    assert checkpointed[1].keys() == plain[1].keys() and any("lora_A" in name for name in plain[1])
+    for name, grad in plain[1].items():
+        assert torch.equal(checkpointed[1][name], grad), name
+    # the query, value and gate projections each keep the base matmul and the two adapter factors'
+    assert sum(func in MATMULS for func, _ in recorder.kept) == 3 * 3 * len(model.layers)
