@@ -95,6 +95,37 @@ def check_rms_norm():
             assert out.stride() == x.stride(), f"{what}: output strides {out.stride()} vs the input's {x.stride()}"
 
 
+def check_rms_norm_fanned_out():
+    """A pre-norm's output for several linear layers under autocast (``RMSNorm.for_linears``): written in bf16 by the
+    kernel, one view per layer, and the layers' gradients summed in float32 by the backward kernel; against the torch
+    path, every variant, one to three layers (the gradients of the views differ), and one layer's gradient absent."""
+    generator = torch.Generator().manual_seed(5)
+    for float_offset in (None, 1.0, 0.0):
+        for consumers in (1, 2, 3):
+            for missing in ((False, True) if consumers == 3 else (False,)):
+                base = torch.randn(3, 150, 40, generator=generator) * 3  # two backward programs, the last partial
+                weight = torch.randn(40, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1)
+                grads_out = [torch.randn(base.shape, generator=generator).bfloat16() for _ in range(consumers)]
+                results = []
+                for triton in (True, False):
+                    x, w = base.clone().requires_grad_(), weight.clone().requires_grad_()
+                    if triton:
+                        out = TritonRMSNorm.apply(x, w, 1e-6, float_offset, None, None, torch.bfloat16, consumers)
+                    else:
+                        out = layers._RMSNormFunction.apply(x, w, 1e-6, float_offset, torch.bfloat16, consumers)
+                    outs = out if consumers > 1 else (out,)
+                    used = [(o, g) for i, (o, g) in enumerate(zip(outs, grads_out)) if not (missing and i == 1)]
+                    grads = torch.autograd.grad([o for o, _ in used], [x, w], [g for _, g in used])
+                    results.append((outs, grads))
+                (outs, grads), (want_outs, want_grads) = results
+                what = f"fanned-out rms_norm offset={float_offset} consumers={consumers} missing={missing}"
+                assert len({o.data_ptr() for o in outs}) == 1, f"{what}: the views do not share the output"
+                for got, want in zip(outs, want_outs):
+                    _close(got, want, True, what + " output")
+                for name, got, want in zip(("x", "weight"), grads, want_grads):
+                    _close(got, want, False, f"{what} grad {name}", fp32_scale_tolerance=1e-5)
+
+
 def check_norm_rope():
     """A per-head q/k norm and the rotation after it in one kernel against the norm then ``apply_rotary``: Llama's
     and Gemma's norm variants, q from bf16 projections (autocast's) and fp32 ones, one batch row's tables and several,

@@ -28,11 +28,16 @@ def _norm_if(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
-def _pre_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
-    """A sublayer's input norm; its output is remade from ``x`` (kept by the norm) in backward."""
+def _pre_norm(norm: RMSNorm | None, x: torch.Tensor, linears: int | None = None):
+    """A sublayer's input norm; for ``linears`` linear layers (``RMSNorm.for_linears``), a tuple of one input each.
+    Its output is remade from ``x`` (kept by the norm) in backward."""
     if norm is None:
-        return x
-    return keep_as_recomputed(norm(x), lambda: norm(x))
+        return x if linears is None else (x,) * linears
+    if linears is None:
+        return keep_as_recomputed(norm(x), lambda: norm(x))
+    outputs = norm.for_linears(x, linears)
+    keep_as_recomputed(outputs[0], lambda: norm.for_linears(x, linears)[0])
+    return outputs
 
 
 class TransformerBlock(nn.Module):
@@ -58,9 +63,13 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = model_norm(args) if post_norms else None
 
     def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
-        attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD), cos_sin, plan, self.is_sliding)
+        # the pre-norms' outputs, one for each projection reading them (the query, key and value; the gate and up);
+        # a sublayer with forward pre-hooks (tensor parallelism's sequence gather) takes its input as one tensor
+        attn_in = _pre_norm(self.attention_norm, x_BSD, None if self.attention._forward_pre_hooks else 3)
+        attn_out = self.attention(attn_in, cos_sin, plan, self.is_sliding)
         h = x_BSD + _norm_if(self.post_attention_norm, attn_out)
-        ffn_in = _pre_norm(self.ffn_norm, h)
+        mlp_linears = None if self.moe is not None or self.feed_forward._forward_pre_hooks else 2
+        ffn_in = _pre_norm(self.ffn_norm, h, mlp_linears)
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 

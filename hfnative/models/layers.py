@@ -9,12 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hfnative.precision import autocast_dtype
+
 from .args import ModelArgs
 from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 from .selective_checkpoint import kept_in_checkpoint
-from .triton_kernels import (TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported, rms_norm_supported,
+from .triton_kernels import (MAX_FANNED, TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported, rms_norm_supported,
                              rope_supported, silu_gated_supported, use_triton_kernels)
 
 
@@ -25,28 +27,54 @@ def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return fresh.mul_(other) if fresh.dtype == torch.promote_types(fresh.dtype, other.dtype) else fresh * other
 
 
+def fanned_out(y: torch.Tensor, consumers: int):
+    """``y`` for ``consumers`` callers: y itself for one, else one view each, so that autograd hands the function
+    that made y each caller's gradient apart instead of summing them in y's dtype."""
+    return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
+
+
+def gradient_sum(grads, dtype: torch.dtype) -> torch.Tensor | None:
+    """The fanned-out callers' gradients summed in ``dtype`` (as autograd sums them behind the casts they replace)."""
+    present = [grad for grad in grads if grad is not None]
+    if not present:
+        return None
+    total = present[0].to(dtype)
+    for grad in present[1:]:
+        total = total + grad.to(dtype)
+    return total
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm that keeps only its input and 1/rms for backward (autograd on the op sequence would also
     keep the normalized [..., D] tensor); the normalized tensor is recomputed in backward. Forward is
     transformers' op sequence; backward gives autograd's gradients of it, including the casts it implies.
 
     float_offset None: ``weight * normed.to(x.dtype)`` (Llama); a number c: ``(normed * (c + weight))``
-    in float32, cast to x's dtype after (c = 1: Gemma's (1 + w); c = 0: OLMo, GPT-OSS)."""
+    in float32, cast to x's dtype after (c = 1: Gemma's (1 + w); c = 0: OLMo, GPT-OSS).
+
+    out_dtype: the output cast to it (``RMSNorm.for_linears``); consumers: that many views of it returned
+    (``fanned_out``), their gradients summed in the norm's own output dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, float_offset: float | None):
+    def forward(ctx, x, weight, eps: float, float_offset: float | None, out_dtype=None, consumers: int = 1):
         x_float = x.float()
         rstd = torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
         normed = x_float * rstd
         ctx.save_for_backward(x, weight, rstd)
         ctx.float_offset = float_offset
         if float_offset is not None:
-            return (normed * (float_offset + weight.float())).type_as(x)
-        return _times(normed.to(x.dtype), weight)
+            y = (normed * (float_offset + weight.float())).type_as(x)
+        else:
+            y = _times(normed.to(x.dtype), weight)
+        ctx.y_dtype = y.dtype
+        return fanned_out(y if out_dtype is None else y.to(out_dtype), consumers)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         x, weight, rstd = ctx.saved_tensors
+        grad_out = gradient_sum(grads, ctx.y_dtype)
+        if grad_out is None:
+            return None, None, None, None, None, None
         normed = x.float() * rstd
         reduce_dims = tuple(range(grad_out.dim() - 1))
         grad_weight = grad_normed = None
@@ -63,7 +91,7 @@ class _RMSNormFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
             grad_x = (rstd * (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True))).to(x.dtype)
-        return grad_x, grad_weight, None, None
+        return grad_x, grad_weight, None, None, None, None
 
 
 class RMSNorm(nn.Module):
@@ -83,6 +111,31 @@ class RMSNorm(nn.Module):
         if use_triton_kernels(x, self.weight) and rms_norm_supported(x, self.weight):
             return TritonRMSNorm.apply(x, self.weight, self.eps, self.float_offset)
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset)
+
+    def for_linears(self, x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
+        """The norm's output for ``consumers`` linear layers, one tensor each. Under autocast, which would cast a
+        float32 output to its dtype once for each layer (a copy each, each kept for backward), the norm writes its
+        output in the autocast dtype once and hands each layer a view of it; backward sums their gradients in
+        float32, as autograd sums them behind the casts. Elsewhere (no autocast, a tensor subclass, compiling: the
+        compiler fuses the casts) the output itself, ``consumers`` times."""
+        out_dtype = self._autocast_output_dtype(x)
+        if out_dtype is None:
+            return (self(x),) * consumers
+        if use_triton_kernels(x, self.weight) and rms_norm_supported(x, self.weight) and consumers <= MAX_FANNED:
+            out = TritonRMSNorm.apply(x, self.weight, self.eps, self.float_offset, None, None, out_dtype, consumers)
+        else:
+            out = _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset, out_dtype, consumers)
+        return out if consumers > 1 else (out,)
+
+    def _autocast_output_dtype(self, x: torch.Tensor) -> torch.dtype | None:
+        """The autocast dtype where autocast would cast this norm's output to a narrower one for a linear layer."""
+        if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+            return None
+        dtype = autocast_dtype(x.device.type)
+        produced = torch.promote_types(x.dtype, self.weight.dtype) if self.float_offset is None else x.dtype
+        if dtype is None or not produced.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(produced).bits:
+            return None
+        return dtype
 
 
 def model_norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
@@ -110,18 +163,20 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None  # [H]
 
     def project_qkv(
-        self, x_BSD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+        self, x_BSD: torch.Tensor | tuple[torch.Tensor, ...], cos_sin: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied). The rotated
         queries and keys are remade from the projections in backward (``hfnative.models.recompute``); a selectively
-        checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``)."""
-        xq, xk, xv = kept_in_checkpoint(self.wq, x_BSD), self.wk(x_BSD), kept_in_checkpoint(self.wv, x_BSD)
+        checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``).
+        x_BSD: the input, or one for each projection (``RMSNorm.for_linears``)."""
+        x_q, x_k, x_v = x_BSD if isinstance(x_BSD, tuple) else (x_BSD,) * 3
+        xq, xk, xv = kept_in_checkpoint(self.wq, x_q), self.wk(x_k), kept_in_checkpoint(self.wv, x_v)
         cos, sin = cos_sin
         q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
         keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
         k_BKSd = self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin)
         keep_as_recomputed(k_BKSd, lambda: self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin))
-        B, S, _ = x_BSD.shape
+        B, S, _ = x_q.shape
         return q_BHSd, k_BKSd, xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
     def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
@@ -143,7 +198,7 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x_BSD: torch.Tensor,
+        x_BSD: torch.Tensor | tuple[torch.Tensor, ...],
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
         sliding: bool = False,
@@ -215,8 +270,10 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden_dim, dim, bias=bias)
         self.w3 = nn.Linear(dim, hidden_dim, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = kept_in_checkpoint(self.w1, x), self.w3(x)
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x: the input, or one for the gate and one for the up projection (``RMSNorm.for_linears``)."""
+        x_gate, x_up = x if isinstance(x, tuple) else (x, x)
+        gate, up = kept_in_checkpoint(self.w1, x_gate), self.w3(x_up)
         hidden = gated_activation(gate, up, self.activation)
         # the down projection's input is remade from gate and up (which the gated unit keeps) in backward: the CPU
         # policy's trade, whose blocks never run the Triton kernels (the remade tensor is the op sequence's)

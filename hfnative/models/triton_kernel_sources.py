@@ -38,9 +38,9 @@ def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset
 
 
 @triton.jit
-def rms_norm_backward(DY, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, offset, LLAMA: tl.constexpr,
-                      ROPE: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
-                      WEIGHT_GRAD: tl.constexpr):
+def rms_norm_backward(DY, DY2, DY3, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, offset,
+                      LLAMA: tl.constexpr, ROPE: tl.constexpr, GRADS: tl.constexpr, ROWS: tl.constexpr,
+                      TILES: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
@@ -52,6 +52,10 @@ def rms_norm_backward(DY, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, o
         at = rows[:, None] * n_cols + cols[None, :]
         x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + at, mask=mask, other=0.0).to(tl.float32)
+        if GRADS > 1:  # the output fanned out to several layers: their gradients summed in float32
+            dy += tl.load(DY2 + at, mask=mask, other=0.0).to(tl.float32)
+        if GRADS > 2:
+            dy += tl.load(DY3 + at, mask=mask, other=0.0).to(tl.float32)
         if ROPE:  # the rotation's transpose first: dy * cos + (dy * sin) at the partner, its sign flipped
             half = n_cols // 2
             partner = tl.where(cols < half, cols + half, cols - half)

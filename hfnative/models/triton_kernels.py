@@ -47,6 +47,7 @@ from hfnative.switches import switched_off
 
 ENV_SWITCH = "HFNATIVE_TRITON_KERNELS"
 MAX_NORM_DIM = 1 << 16  # a program holds whole rows
+MAX_FANNED = 3  # the most fanned-out outputs of a norm whose gradients its backward kernel sums (q, k, v)
 
 
 def _interpreting() -> bool:
@@ -182,14 +183,18 @@ def _tile(dim: int) -> tuple[int, int]:
 class TritonRMSNorm(torch.autograd.Function):
     """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward. With cos and
     sin (a per-head norm over x [B, S, H, d], tables [B, S, d]), the normed heads are rotated in the same kernel, as
-    ``rope.apply_rotary`` rotates them (``norm_rope_supported``)."""
+    ``rope.apply_rotary`` rotates them (``norm_rope_supported``). With out_dtype the kernel writes the output in it
+    (rounding once, as a cast after the norm would); with consumers (up to ``MAX_FANNED``) it returns that many views
+    of the output (``layers.fanned_out``) and the backward kernel sums their gradients in float32."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None):
+    def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None, out_dtype=None,
+                consumers: int = 1):
         x = _rows_of(x)
         dim = x.shape[-1]
         rows = x.numel() // dim
-        out_dtype = torch.promote_types(x.dtype, weight.dtype) if float_offset is None else x.dtype
+        if out_dtype is None:
+            out_dtype = torch.promote_types(x.dtype, weight.dtype) if float_offset is None else x.dtype
         y = torch.empty_like(x, dtype=out_dtype)
         rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
         block, tile_rows = _tile(dim)
@@ -202,13 +207,15 @@ class TritonRMSNorm(torch.autograd.Function):
         )
         ctx.save_for_backward(x, weight, rstd, cos, sin)
         ctx.float_offset = float_offset
-        return y
+        return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, *grads):
         x, weight, rstd, cos, sin = ctx.saved_tensors
-        grad_out = _rows_of(grad_out, like=x)
+        grads = [_rows_of(grad, like=x) for grad in grads if grad is not None]
+        if not grads:
+            return None, None, None, None, None, None, None, None
         dim = x.shape[-1]
         rows = x.numel() // dim
         block, tile_rows = _tile(dim)
@@ -217,15 +224,17 @@ class TritonRMSNorm(torch.autograd.Function):
         grad_x = torch.empty_like(x)
         partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
         rope = cos is not None
+        first = _flat(grads[0])
         _launch(
             "rms_norm_backward", programs, x.device,
-            _flat(grad_out), _flat(x), weight, rstd, *((cos, sin) if rope else (rstd, rstd)), _flat(grad_x), partial,
+            first, *(_flat(grads[i]) if i < len(grads) else first for i in (1, 2)), _flat(x), weight, rstd,
+            *((cos, sin) if rope else (rstd, rstd)), _flat(grad_x), partial,
             rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
-            LLAMA=ctx.float_offset is None, ROPE=rope, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
-            WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
+            LLAMA=ctx.float_offset is None, ROPE=rope, GRADS=len(grads), ROWS=tile_rows, TILES=BACKWARD_TILES,
+            BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
         )
         grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
-        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None, None
 
 
 def rope_supported(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:

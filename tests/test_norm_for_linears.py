@@ -1,0 +1,107 @@
+"""A pre-norm's output under autocast (``RMSNorm.for_linears``): the norm writes it in the autocast dtype once and
+hands each linear layer a view, where autocast would cast the float32 output once for each layer and keep each copy
+for backward. Checked against autograd on that op sequence (outputs bit for bit, gradients to float32 round-off: only
+the order of the layers' gradients' sum differs), and in a model: each pre-norm keeps one copy, not one per layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfnative.device_policy import use_device_policy
+from hfnative.models.args import ModelArgs
+from hfnative.models.decoder import Transformer
+from hfnative.models.layers import RMSNorm
+
+D = 24
+
+
+def _setup(float_offset, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    norm = RMSNorm(D, 1e-6, unit_offset=float_offset == 1.0, scale_in_float32=float_offset == 0.0)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1))
+    linears = [torch.nn.Linear(D, width, bias=False) for width in (16, 8, 8)]
+    for linear in linears:
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator) * 0.2)
+    x = (torch.randn(2, 7, D, generator=generator) * 3).requires_grad_()
+    upstream = [torch.randn(2, 7, linear.out_features, generator=generator) for linear in linears]
+    return norm, linears, x, upstream
+
+
+def _run(float_offset, fanned: bool, consumers: int):
+    norm, linears, x, upstream = _setup(float_offset)
+    linears = linears[:consumers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inputs = norm.for_linears(x, consumers) if fanned else (norm(x),) * consumers
+        outs = [linear(inp) for linear, inp in zip(linears, inputs)]
+    loss = sum((out.float() * up).sum() for out, up in zip(outs, upstream))
+    loss.backward()
+    params = [norm.weight] + [linear.weight for linear in linears]
+    return inputs, outs, x.grad, [p.grad for p in params]
+
+
+@pytest.mark.parametrize("consumers", [2, 3])
+@pytest.mark.parametrize("float_offset", [None, 1.0, 0.0], ids=["llama", "gemma", "olmo"])
+def test_fanned_out_norm_equals_a_cast_for_each_linear(float_offset, consumers):
+    inputs, outs, grad_x, grads = _run(float_offset, fanned=True, consumers=consumers)
+    _, want_outs, want_grad_x, want_grads = _run(float_offset, fanned=False, consumers=consumers)
+    assert all(inp.dtype == torch.bfloat16 for inp in inputs)
+    assert len({inp.data_ptr() for inp in inputs}) == 1  # one tensor's views
+    for out, want in zip(outs, want_outs):
+        assert torch.equal(out, want)
+    torch.testing.assert_close(grad_x, want_grad_x, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], want_grads[0], rtol=1e-5, atol=1e-5)  # the norm's weight
+    for got, want in zip(grads[1:], want_grads[1:]):  # the layers' weights: the same bf16 inputs and gradients
+        assert torch.equal(got, want)
+
+
+def test_without_autocast_the_output_is_the_norms_own():
+    norm, _, x, _ = _setup(None)
+    outs = norm.for_linears(x, 3)
+    assert len(outs) == 3 and all(out is outs[0] for out in outs) and outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], norm(x), rtol=0, atol=0)
+
+
+def _model():
+    torch.manual_seed(0)
+    # attention width 4 x 8 = 32 differs from the model's 40: tensors of width 40 are the residual stream's
+    args = ModelArgs(vocab_size=64, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=56,
+                     qk_norm=True)
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+def _saved_bf16_inputs_and_grads(model, input_ids):
+    """Distinct bf16 [tokens, D] storages kept for backward (a linear layer's input), their bytes, and the
+    gradients."""
+    storages = {}
+
+    def pack(tensor):
+        if tensor.dtype == torch.bfloat16 and tuple(tensor.shape) == (input_ids.numel(), model.args.dim):
+            storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    model.zero_grad(set_to_none=True)
+    with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = model(input_ids, labels=input_ids).loss
+        loss.backward()
+    return len(storages), sum(storages.values()), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def test_each_pre_norm_keeps_one_copy_for_its_linears(monkeypatch):
+    input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    count, nbytes, loss, grads = _saved_bf16_inputs_and_grads(_model(), input_ids)
+    # the same model with autocast casting the norms' float32 outputs for each layer (transformers' op sequence)
+    monkeypatch.setattr(RMSNorm, "_autocast_output_dtype", lambda self, x: None)
+    cast_count, cast_bytes, cast_loss, cast_grads = _saved_bf16_inputs_and_grads(_model(), input_ids)
+    # a block: the attention's pre-norm feeds q, k and v, the MLP's the gate and up projections; the output head
+    # keeps the final norm's output, cast once either way
+    assert (cast_count, count) == (2 * (3 + 2) + 1, 2 * 2 + 1)
+    assert nbytes * 11 == cast_bytes * 5
+    assert torch.equal(loss, cast_loss)
+    for name, grad in cast_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
