@@ -14,7 +14,9 @@ Runners, each on the same blocks (Qwen3-0.6B's width: hidden 1,024, 16 query and
   ``TRITON_INTERPRET=1``, else the runner is skipped, saying why).
 Each op is counted by a dispatch mode: views and allocations launch no kernel and are not counted; a Triton launch
 counts once with the bytes of its tensor arguments. With ``--checkpointing`` every block is checkpointed (the GPU
-policy's selective checkpointing; transformers' full checkpointing, TRL's default).
+policy's selective checkpointing; transformers' full checkpointing, TRL's default). "kept MB" is what a forward
+leaves allocated for its backward (the activations, a step's memory beyond the weights and optimizer), per block
+(the head's included), from glibc's allocation counters in a step run without the counting mode.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ def main(argv=None) -> None:
 
     import transformers
 
+    from hfnative.allocator import heap_stats
     from hfnative.converters.loading import load_pretrained
     from hfnative.device_policy import use_device_policy
     from hfnative.models import triton_kernels
@@ -137,8 +140,8 @@ def main(argv=None) -> None:
         native = load_pretrained(folder).model
     reference.train()
     if cli.checkpointing:
-        enable = getattr(reference, "activation_checkpointing_enable", reference.gradient_checkpointing_enable)
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # as TRL turns it on (transformers 5.25 also names it activation_checkpointing_enable, with other keywords)
+        reference.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         apply_activation_checkpointing(native, "full")
     input_ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq))
 
@@ -150,12 +153,16 @@ def main(argv=None) -> None:
         triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
 
     def step(model, triton: bool = False):
-        def run():
+        def run(kept: list | None = None):
+            """One step; with ``kept``, appends the bytes the forward left allocated for backward."""
             os.environ[triton_kernels.ENV_SWITCH] = "1" if triton else "0"
             model.zero_grad(set_to_none=True)
+            before = heap_stats() if kept is not None else None
             with use_device_policy("gpu"):
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(input_ids, labels=input_ids).loss
+                if before is not None:
+                    kept.append(heap_stats().in_use - before.in_use)
                 loss.backward()
         return run
 
@@ -174,22 +181,30 @@ def main(argv=None) -> None:
     print(f"# one forward + backward, {cli.layers} Qwen3-0.6B-wide blocks, {cli.batch} x {cli.seq} tokens, vocab "
           f"{cli.vocab}, bf16 autocast{', every block checkpointed' if cli.checkpointing else ''}")
     print(f"{'runner':<20} {'other kernels':>13} {'other MB':>10} {'matmul kernels':>14} {'matmul MB':>10} "
-          f"{'attention':>9}  per block: other kernels, MB")
-    results = {}
+          f"{'attention':>9}  per block: other kernels, MB; kept MB")
+    results, kept_bytes = {}, {}
     for name, run in runners.items():
         traffic = _count(run, traffic_stack)
         results[name] = traffic
+        kept: list[int] = []
+        if heap_stats() is not None:  # what the forward leaves allocated for backward (glibc's counters)
+            run(kept)
+        kept_bytes[name] = kept[0] if kept else None
         per_block = (traffic.kernels["other"] / cli.layers, traffic.bytes["other"] / cli.layers / 2**20)
+        kept_text = "n/a" if not kept else f"{kept[0] / cli.layers / 2**20:.1f}"
         print(f"{name:<20} {traffic.kernels['other']:>13} {traffic.bytes['other'] / 2**20:>10.1f} "
               f"{traffic.kernels['matmul']:>14} {traffic.bytes['matmul'] / 2**20:>10.1f} "
-              f"{traffic.kernels['attention']:>9}  {per_block[0]:.0f}, {per_block[1]:.1f}")
+              f"{traffic.kernels['attention']:>9}  {per_block[0]:.0f}, {per_block[1]:.1f}; {kept_text}")
     if skipped:
         print(f"ours: skipped ({skipped})")
     base = results.get("transformers")
     for name, traffic in results.items():
         if base is not None and name != "transformers":
+            kept = ""
+            if kept_bytes[name] and kept_bytes.get("transformers"):
+                kept = f", kept for backward x{kept_bytes[name] / kept_bytes['transformers']:.2f}"
             print(f"{name} / transformers: other kernels x{traffic.kernels['other'] / base.kernels['other']:.2f}, "
-                  f"other bytes x{traffic.bytes['other'] / base.bytes['other']:.2f} ({tokens} tokens)")
+                  f"other bytes x{traffic.bytes['other'] / base.bytes['other']:.2f}{kept} ({tokens} tokens)")
     for name, traffic in results.items():
         top = ", ".join(f"{op} {count}" for op, count in traffic.names.most_common(cli.top))
         print(f"{name} most frequent: {top}")

@@ -40,6 +40,9 @@ OPTIONS = {
     "optimizer_in_backward": dict(optimizer_in_backward=True),
     "activation_checkpointing_full": dict(activation_checkpointing=True),
     "activation_checkpointing_selective": dict(activation_checkpointing=True, activation_checkpointing_mode="selective"),
+    # TRL's key: checkpointed blocks keep the attention's output
+    "gradient_checkpointing_selective": dict(activation_checkpointing=True,
+                                             gradient_checkpointing_kwargs={"selective": True}),
     "use_liger_kernel": dict(use_liger_kernel=True),
     "compile": dict(torch_compile=True),
     "all_together": dict(fused_loss=True, optimizer_in_backward=True, activation_checkpointing=True, torch_compile=True),

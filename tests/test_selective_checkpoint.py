@@ -161,3 +161,48 @@ def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tm
         assert torch.equal(checkpointed[1][name], grad), name
     # the query, value and gate projections each keep the base matmul and the two adapter factors'
     assert sum(func in MATMULS for func, _ in recorder.kept) == 3 * 3 * len(model.layers)
+
+
+@pytest.mark.parametrize("policy", ["gpu", "cpu"])
+@pytest.mark.parametrize("keep", ["attention", "nothing"])
+@pytest.mark.parametrize("family", ["qwen3-gqa", "qwen3moe-topk-norm", "gemma3-softcap-linear-untied"])
+def test_what_a_checkpointed_block_keeps_can_be_chosen(family, tmp_path, monkeypatch, keep, policy):
+    """TRL's ``gradient_checkpointing_kwargs={"selective": True}`` keeps the attention's results only, ``False``
+    nothing (full recompute), on either device policy; the gradients stay bit-identical."""
+    checkpoint_dir = tmp_path
+    save_hf_model(family, checkpoint_dir)
+    plain_model = _model(checkpoint_dir, checkpointed=False)
+    ids, mask = _batch(plain_model.args.vocab_size, padded=True)
+    plain = _loss_and_grads(plain_model, ids, mask, bf16=False)
+    recorder = _Recorder(monkeypatch)
+    model = apply_activation_checkpointing(load_pretrained(checkpoint_dir).model.train(), "full", keep=keep)
+    calls = [0]
+    for block in model.layers:  # a checkpointed block runs its forward twice
+        block.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    with use_device_policy(policy):
+        checkpointed = _loss_and_grads(model, ids, mask, bf16=False)
+    assert torch.equal(checkpointed[0], plain[0])
+    for name, grad in plain[1].items():
+        assert torch.equal(checkpointed[1][name], grad), name
+    assert calls[0] == 2 * len(model.layers)
+    if keep == "attention":
+        assert [func in ATTENTION for func, _ in recorder.kept] == [True] * (3 * len(model.layers))
+    else:
+        assert recorder.kept == [] and recorder.seen == 0
+
+
+def test_the_trainer_reads_trls_selective_key():
+    from hfnative import SFTConfig
+
+    def keeps(**kwargs):
+        return SFTConfig(output_dir="unused", report_to="none", use_cpu=True, **kwargs).checkpoint_keeps
+
+    assert keeps(gradient_checkpointing=True) is None
+    assert keeps(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True}) == "attention"
+    assert keeps(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": False}) == "nothing"
+    with pytest.raises(ValueError, match="requires `gradient_checkpointing=True`"):
+        keeps(gradient_checkpointing=False, gradient_checkpointing_kwargs={"selective": True})
+    with pytest.raises(ValueError, match="non-reentrant"):
+        keeps(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True, "use_reentrant": True})
+    with pytest.raises(ValueError, match="keeps one of"):
+        apply_activation_checkpointing(torch.nn.Module(), "full", keep="everything")

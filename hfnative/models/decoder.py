@@ -5,6 +5,7 @@ Shapes: B batch, S sequence, D model dim, V vocabulary.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -141,6 +142,8 @@ class Transformer(nn.Module):
             self.output = OutputHead(args.dim, args.num_labels)
         # blocks whose activations are recomputed in backward instead of kept (activation checkpointing)
         self.checkpointed_layers: frozenset[int] = frozenset()
+        # what a checkpointed block keeps (hfnative.models.selective_checkpoint); None: the device policy's choice
+        self.checkpoint_keeps: str | None = None
         # "varlen": packed and padded batches attend per document with no [S, S] mask; "sdpa": dense masks
         self.attention_implementation = "varlen"
         # MoE: compute the router's load-balancing loss (the trainer turns it on as TRL does)
@@ -240,10 +243,12 @@ class Transformer(nn.Module):
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
-                selective = policy.selective_checkpointing and not _is_compiled(layer)  # compiled: the compiler chooses
+                keep = self.checkpoint_keeps or ("attention_and_projections" if policy.selective_checkpointing
+                                                 else "nothing")
+                selective = keep != "nothing" and not _is_compiled(layer)  # compiled: the compiler chooses
                 h = torch.utils.checkpoint.checkpoint(
                     layer, *layer_inputs, use_reentrant=False,
-                    **({"context_fn": selective_checkpoint_context} if selective else {}),
+                    **({"context_fn": functools.partial(selective_checkpoint_context, keep)} if selective else {}),
                 )
             else:
                 with recomputed_in_backward(policy.recompute_in_backward and not _is_compiled(layer)):

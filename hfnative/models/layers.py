@@ -170,7 +170,7 @@ class Attention(nn.Module):
         checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``).
         x_BSD: the input, or one for each projection (``RMSNorm.for_linears``)."""
         x_q, x_k, x_v = x_BSD if isinstance(x_BSD, tuple) else (x_BSD,) * 3
-        xq, xk, xv = kept_in_checkpoint(self.wq, x_q), self.wk(x_k), kept_in_checkpoint(self.wv, x_v)
+        xq, xk, xv = kept_in_checkpoint("projection", self.wq, x_q), self.wk(x_k), kept_in_checkpoint("projection", self.wv, x_v)
         cos, sin = cos_sin
         q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
         keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
@@ -204,7 +204,7 @@ class Attention(nn.Module):
         sliding: bool = False,
     ) -> torch.Tensor:
         xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin)
-        out_BHSd = kept_in_checkpoint(attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
+        out_BHSd = kept_in_checkpoint("attention", attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 
@@ -273,7 +273,7 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x: the input, or one for the gate and one for the up projection (``RMSNorm.for_linears``)."""
         x_gate, x_up = x if isinstance(x, tuple) else (x, x)
-        gate, up = kept_in_checkpoint(self.w1, x_gate), self.w3(x_up)
+        gate, up = kept_in_checkpoint("projection", self.w1, x_gate), self.w3(x_up)
         hidden = gated_activation(gate, up, self.activation)
         # the down projection's input is remade from gate and up (which the gated unit keeps) in backward: the CPU
         # policy's trade, whose blocks never run the Triton kernels (the remade tensor is the op sequence's)

@@ -152,7 +152,7 @@ class MoE(nn.Module):
     def forward(self, x_BSD: torch.Tensor, router_logits: list | None = None) -> torch.Tensor:
         """router_logits: when a list, this layer's router logits [T, E] are appended (for the aux loss)."""
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        logits_TE = kept_in_checkpoint(self.router, x_TD)
+        logits_TE = kept_in_checkpoint("projection", self.router, x_TD)
         if router_logits is not None:
             # read by load_balancing_loss
             logits_TE.token_group, logits_TE.sequence_group = self.token_group, self.sequence_group

@@ -6,9 +6,12 @@ torchtitan's "op" policy does: most of full checkpointing's memory saving for a 
 GPU. The device policy (``hfnative.device_policy``, ``selective_checkpointing``) chooses it; a CPU, where the
 recompute costs little next to the memory, keeps full checkpointing.
 
-What is kept is chosen in the block's code: it runs the calls whose results a selective checkpoint keeps through
-``kept_in_checkpoint(fn, *args)``: the attention, and the query, value and gate projections (the MoE router for a
-MoE block). Inside those calls the matmuls' and attention kernels' results are kept in forward and handed back in
+What is kept is chosen in the block's code: it runs the calls whose results a selective checkpoint may keep through
+``kept_in_checkpoint(kind, fn, *args)``: the attention (kind "attention"), and the query, value and gate
+projections (the MoE router for a MoE block; kind "projection"). A checkpoint keeps the kinds its setting names
+(``CHECKPOINT_KEEPS``, ``model.checkpoint_keeps``): "attention_and_projections", the GPU policy's default;
+"attention", what TRL's ``gradient_checkpointing_kwargs={"selective": True}`` keeps (one activation a block, about
+as large as the block's input); "nothing", full checkpointing (TRL's default, and the CPU policy's). Inside the calls the matmuls' and attention kernels' results are kept in forward and handed back in
 the recompute without running them again; everything else in the block is recomputed: the norms, the rotary
 embedding, the activation, the key, output and up projections (3 of a block's 7 matmuls, as torchtitan's "every
 second matmul" rule), a MoE block's experts. The down projection's result is not kept: the recompute stops once
@@ -58,6 +61,9 @@ def _attention_ops() -> set:
 
 ATTENTION = _attention_ops()
 KEPT_OPS = MATMULS | ATTENTION
+# what a checkpointed block keeps besides its input: the kinds of kept_in_checkpoint calls whose results it keeps
+CHECKPOINT_KEEPS = {"nothing": frozenset(), "attention": frozenset({"attention"}),
+                    "attention_and_projections": frozenset({"attention", "projection"})}
 
 # the selective checkpoint running its forward or its recompute on this thread (backward may run on another thread)
 _running = threading.local()
@@ -70,9 +76,9 @@ def _detached(value):
 class _Keep(TorchDispatchMode):
     """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order."""
 
-    def __init__(self, kept: list):
+    def __init__(self, kept: list, kinds: frozenset):
         super().__init__()
-        self.kept = kept
+        self.kept, self.kinds = kept, kinds
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -86,9 +92,9 @@ class _Keep(TorchDispatchMode):
 class _Replay(TorchDispatchMode):
     """Recompute: hands back what forward kept, in the same order, without running those ops; runs every other."""
 
-    def __init__(self, kept: list):
+    def __init__(self, kept: list, kinds: frozenset):
         super().__init__()
-        self.kept = kept
+        self.kept, self.kinds = kept, kinds
         self.next = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -99,7 +105,7 @@ class _Replay(TorchDispatchMode):
                 f"selective activation checkpointing: the recompute ran {func} where forward kept "
                 f"{'nothing more' if self.next >= len(self.kept) else 'a result already handed back'}: backward "
                 "through a checkpointed block runs once (no retain_graph), and its forward must run the same ops "
-                "again (set activation_checkpointing_mode='full' for a block that does not)."
+                "again (gradient_checkpointing_kwargs={'selective': False} checkpoints blocks fully instead)."
             )
         kept_func, kept, versions = self.kept[self.next]
         if kept_func is not func or [t._version for t in _tensors(kept)] != versions:
@@ -138,22 +144,24 @@ class _RunningUnder:
         return False
 
 
-def selective_checkpoint_context():
-    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for one block's forward."""
+def selective_checkpoint_context(keep: str):
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for one block's forward that keeps ``keep``
+    (a key of ``CHECKPOINT_KEEPS`` other than "nothing")."""
+    kinds = CHECKPOINT_KEEPS[keep]
     kept: list = []
-    return _RunningUnder(_Keep(kept)), _RunningUnder(_Replay(kept))
+    return _RunningUnder(_Keep(kept, kinds)), _RunningUnder(_Replay(kept, kinds))
 
 
-def kept_in_checkpoint(fn, *args):
-    """``fn(*args)``; inside a selectively checkpointed block, the results of its matmuls and attention kernels are
-    kept for backward and not recomputed."""
+def kept_in_checkpoint(kind: str, fn, *args):
+    """``fn(*args)``; inside a selectively checkpointed block that keeps ``kind`` ("attention" or "projection"), the
+    results of its matmuls and attention kernels are kept for backward and not recomputed."""
     if torch.compiler.is_compiling():
         return fn(*args)
     mode = getattr(_running, "mode", None)
-    if mode is None:
+    if mode is None or kind not in mode.kinds:
         return fn(*args)
     with mode:
         return fn(*args)
 
 
-__all__ = ["ATTENTION", "MATMULS", "kept_in_checkpoint", "selective_checkpoint_context"]
+__all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "MATMULS", "kept_in_checkpoint", "selective_checkpoint_context"]

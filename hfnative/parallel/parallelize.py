@@ -43,6 +43,7 @@ def parallelize(
     mesh: DeviceMesh,
     *,
     activation_checkpointing: str | None = None,
+    checkpoint_keeps: str | None = None,
     compile: bool = False,
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
@@ -53,6 +54,7 @@ def parallelize(
 
     dims, mesh: the layout and the mesh ``dims.build_mesh`` made.
     activation_checkpointing: None, "full" or "selective" (see ``apply_activation_checkpointing``).
+    checkpoint_keeps: what a checkpointed block keeps (``apply_activation_checkpointing``'s ``keep``).
     mixed_precision: FSDP2's policy, or a dtype for "parameters in that dtype, gradients reduced in float32"
         (see ``mixed_precision_policy``); with a single data-parallel rank FSDP2 is still applied, over that one
         rank, to carry the policy.
@@ -95,7 +97,7 @@ def parallelize(
         if expert_parallel:
             apply_expert_parallel(model, mesh["ep", "tp"] if dims.tp_enabled else mesh["ep"])
     if activation_checkpointing is not None:
-        apply_activation_checkpointing(model, activation_checkpointing)
+        apply_activation_checkpointing(model, activation_checkpointing, checkpoint_keeps)
     if compile:
         # under TP with static shapes and no compile caches (compile.py says why)
         apply_compile(model, tensor_parallel=dims.tp_enabled, device=mesh.device_type)

@@ -85,10 +85,29 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"
             )
+        checkpointing = self.gradient_checkpointing_kwargs or {}
+        if checkpointing.get("selective") and not self.activation_checkpointing:
+            raise ValueError("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`")
+        if checkpointing.get("selective") and checkpointing.get("use_reentrant"):
+            raise ValueError(
+                "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing: "
+                "leave `use_reentrant` unset or False."
+            )
 
     @property
     def checkpoint_activations(self) -> bool:
         return bool(self.activation_checkpointing)
+
+    @property
+    def checkpoint_keeps(self) -> str | None:
+        """What a checkpointed block keeps (``hfnative.models.selective_checkpoint``): TRL's
+        ``gradient_checkpointing_kwargs={"selective": True}`` keeps the attention's output, ``False`` nothing (full
+        recompute); unset, the device policy chooses (a GPU keeps the attention and the query, value and gate
+        projections' results; a CPU nothing)."""
+        selective = (self.gradient_checkpointing_kwargs or {}).get("selective")
+        if selective is None:
+            return None
+        return "attention" if selective else "nothing"
 
     def to_sanitized_dict(self) -> dict[str, Any]:
         sanitized = super().to_sanitized_dict()
@@ -197,14 +216,6 @@ class SFTConfig(TRLBaseConfig):
             raise ValueError(
                 "When `padding_free=True` without packing, `max_length` is not enforced: enable packing "
                 "(packing=True, packing_strategy='bfd'), or set max_length=None with rows already short enough."
-            )
-        checkpointing = self.gradient_checkpointing_kwargs or {}
-        if checkpointing.get("selective") and not self.activation_checkpointing:
-            raise ValueError("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`")
-        if checkpointing.get("selective") and checkpointing.get("use_reentrant"):
-            raise ValueError(
-                "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing: "
-                "leave `use_reentrant` unset or False."
             )
         if self.use_liger_kernel and (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
             raise ValueError(

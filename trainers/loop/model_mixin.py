@@ -75,7 +75,7 @@ class ModelMixin:
         if float8 is not None:
             apply_float8_training(model, float8, self.device)
         if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
-            apply_activation_checkpointing(model, self.args.activation_checkpointing_mode)
+            apply_activation_checkpointing(model, self.args.activation_checkpointing_mode, self.args.checkpoint_keeps)
         if self.args.torch_compile:
             apply_compile(model)
 
