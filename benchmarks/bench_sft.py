@@ -58,8 +58,11 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
 
 BASE_RUNNERS = ("trl", "hf", "ours")
 # cpu_policy: hfnative with the CPU's device policy forced (hfnative/device_policy.py), to see the GPU policy's trades;
-# torch_kernels: the GPU policy without its Triton kernels (hfnative/models/triton_kernels.py), to see what they pay
-OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels")
+# torch_kernels: the GPU policy without its Triton kernels (hfnative/models/triton_kernels.py), to see what they pay;
+# keep_attention / keep_nothing: with --activation_checkpointing, TRL's gradient_checkpointing_kwargs={"selective":
+# True / False} (checkpointed blocks keep the attention's output / nothing), against the device policy's choice
+OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels", "keep_attention",
+                 "keep_nothing")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,6 +140,10 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             os.environ["HFNATIVE_DEVICE_POLICY"] = "cpu"  # this child process only
         elif variant == "torch_kernels":
             os.environ["HFNATIVE_TRITON_KERNELS"] = "0"  # this child process only
+        elif variant in ("keep_attention", "keep_nothing"):
+            if not common.get("gradient_checkpointing"):
+                raise Unavailable(f"{variant} needs --activation_checkpointing")
+            extra["gradient_checkpointing_kwargs"] = {"selective": variant == "keep_attention"}
         try:
             args = hfnative.SFTConfig(**common, **sft, **extra)
             trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,

@@ -7,7 +7,8 @@
 #                  kernels: gpu_checks.py kernels, the Triton RMSNorm (and rotated q/k norm), rotary and SiLU-gated
 #                    kernels against the op sequences they replace at the Qwen3-0.6B shape (fp32, bf16), each way's time
 #                  bench-ac: bench_sft.py, Qwen3-0.6B shape, seq 2048, activation checkpointing on (TRL's default): TRL
-#                    vs hfnative eager, with torch_compile=True and without the Triton kernels; one warm-up step of
+#                    vs hfnative eager, with torch_compile=True, without the Triton kernels and with full checkpointing
+#                    (gradient_checkpointing_kwargs={"selective": False}: the memory trade); one warm-up step of
 #                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt
 #                  bench: the same without activation checkpointing, transformers' Trainer beside TRL, and hfnative
 #                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
@@ -240,8 +241,8 @@ if start_section step "${STEP_BUDGET:-420}"; then
   KERNELS_ENV=()
   [[ $DEVICE == cpu && -d $ROOT/.triton-cpu ]] && KERNELS_ENV=(env TRITON_INTERPRET=1 "PYTHONPATH=$PYTHONPATH:$ROOT/.triton-cpu")
   run_check kernels 45 checks_verdict "${KERNELS_ENV[@]}" "$PYTHON" benchmarks/gpu_checks.py kernels --device "$DEVICE"
-  run_check bench-ac 200 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
-    --runners trl,ours --ours_variants default,compile,torch_kernels --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
+  run_check bench-ac 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
+    --runners trl,ours --ours_variants default,compile,torch_kernels,keep_nothing --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
   run_check bench 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
     --runners trl,hf,ours --ours_variants default,compile,torch_kernels,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
   run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
