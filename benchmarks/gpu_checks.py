@@ -407,6 +407,24 @@ def _kernel_cases(device: torch.device):
                (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
                TritonSiluGated.apply, gated_ops)
 
+    # a pre-norm's output for the query, key and value projections under bf16 autocast (``RMSNorm.for_linears``): one
+    # bf16 output, a view for each layer and their gradients summed in the backward kernel, against the norm's float32
+    # output that autocast casts for each layer (both with the Triton norm; the outputs concatenated)
+    projections = [randn(width, dim, scale=dim ** -0.5) for width in (heads * head_dim, dim, dim)]  # kv: 8 x 128
+
+    def qkv(fanned: bool):
+        def run(x, w, *weights):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                if fanned:
+                    inputs = TritonRMSNorm.apply(x, w, 1e-6, None, None, None, torch.bfloat16, 3)
+                else:
+                    inputs = (TritonRMSNorm.apply(x, w, 1e-6, None),) * 3
+                return torch.cat([F.linear(inp, weight) for inp, weight in zip(inputs, weights)], -1)
+        return run
+
+    yield (f"pre-norm for q, k, v bf16 autocast [{tokens}, {dim}]",
+           (randn(tokens, dim, scale=3), randn(dim, scale=0.3) + 1, *projections), qkv(True), qkv(False))
+
     # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
     # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)
     vocab = 151936 if cuda else 5000
