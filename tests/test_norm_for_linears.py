@@ -11,7 +11,7 @@ import torch
 from hfnative.device_policy import use_device_policy
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
-from hfnative.models.layers import RMSNorm
+from hfnative.models.layers import RMSNorm, cast_for_linears
 
 D = 24
 
@@ -31,19 +31,24 @@ def _setup(float_offset, seed=0):
 
 
 def _run(float_offset, fanned: bool, consumers: int):
-    norm, linears, x, upstream = _setup(float_offset)
+    """float_offset "none": no norm (a post-norm block's sublayer input, ``cast_for_linears``)."""
+    norm, linears, x, upstream = _setup(None if float_offset == "none" else float_offset)
     linears = linears[:consumers]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        inputs = norm.for_linears(x, consumers) if fanned else (norm(x),) * consumers
+        if float_offset == "none":  # the residual stream: not a leaf (autocast caches a leaf's cast, as a weight's)
+            stream = x * 1.0
+            inputs = cast_for_linears(stream, consumers) if fanned else (stream,) * consumers
+        else:
+            inputs = norm.for_linears(x, consumers) if fanned else (norm(x),) * consumers
         outs = [linear(inp) for linear, inp in zip(linears, inputs)]
     loss = sum((out.float() * up).sum() for out, up in zip(outs, upstream))
     loss.backward()
-    params = [norm.weight] + [linear.weight for linear in linears]
+    params = ([] if float_offset == "none" else [norm.weight]) + [linear.weight for linear in linears]
     return inputs, outs, x.grad, [p.grad for p in params]
 
 
 @pytest.mark.parametrize("consumers", [2, 3])
-@pytest.mark.parametrize("float_offset", [None, 1.0, 0.0], ids=["llama", "gemma", "olmo"])
+@pytest.mark.parametrize("float_offset", [None, 1.0, 0.0, "none"], ids=["llama", "gemma", "olmo", "no-norm"])
 def test_fanned_out_norm_equals_a_cast_for_each_linear(float_offset, consumers):
     inputs, outs, grad_x, grads = _run(float_offset, fanned=True, consumers=consumers)
     _, want_outs, want_grad_x, want_grads = _run(float_offset, fanned=False, consumers=consumers)
@@ -52,8 +57,10 @@ def test_fanned_out_norm_equals_a_cast_for_each_linear(float_offset, consumers):
     for out, want in zip(outs, want_outs):
         assert torch.equal(out, want)
     torch.testing.assert_close(grad_x, want_grad_x, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grads[0], want_grads[0], rtol=1e-5, atol=1e-5)  # the norm's weight
-    for got, want in zip(grads[1:], want_grads[1:]):  # the layers' weights: the same bf16 inputs and gradients
+    layers = 0 if float_offset == "none" else 1
+    if layers:
+        torch.testing.assert_close(grads[0], want_grads[0], rtol=1e-5, atol=1e-5)  # the norm's weight
+    for got, want in zip(grads[layers:], want_grads[layers:]):  # the layers' weights: the same inputs and gradients
         assert torch.equal(got, want)
 
 
@@ -62,13 +69,14 @@ def test_without_autocast_the_output_is_the_norms_own():
     outs = norm.for_linears(x, 3)
     assert len(outs) == 3 and all(out is outs[0] for out in outs) and outs[0].dtype == torch.float32
     torch.testing.assert_close(outs[0], norm(x), rtol=0, atol=0)
+    assert cast_for_linears(x, 2) == (x, x)
 
 
-def _model():
+def _model(norm_placement="pre"):
     torch.manual_seed(0)
     # attention width 4 x 8 = 32 differs from the model's 40: tensors of width 40 are the residual stream's
     args = ModelArgs(vocab_size=64, dim=40, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, intermediate_size=56,
-                     qk_norm=True)
+                     qk_norm=True, norm_placement=norm_placement)
     model = Transformer(args)
     model.init_weights()
     return model
@@ -92,12 +100,16 @@ def _saved_bf16_inputs_and_grads(model, input_ids):
     return len(storages), sum(storages.values()), loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def test_each_pre_norm_keeps_one_copy_for_its_linears(monkeypatch):
+@pytest.mark.parametrize("norm_placement", ["pre", "post"])
+def test_each_pre_norm_keeps_one_copy_for_its_linears(monkeypatch, norm_placement):
+    """Pre-norms (Llama, Qwen3) and post-norm blocks, whose sublayers read the residual stream itself (OLMo)."""
+    from hfnative.models import layers
+
     input_ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
-    count, nbytes, loss, grads = _saved_bf16_inputs_and_grads(_model(), input_ids)
-    # the same model with autocast casting the norms' float32 outputs for each layer (transformers' op sequence)
-    monkeypatch.setattr(RMSNorm, "_autocast_output_dtype", lambda self, x: None)
-    cast_count, cast_bytes, cast_loss, cast_grads = _saved_bf16_inputs_and_grads(_model(), input_ids)
+    count, nbytes, loss, grads = _saved_bf16_inputs_and_grads(_model(norm_placement), input_ids)
+    # the same model with autocast casting the float32 inputs for each layer (transformers' op sequence)
+    monkeypatch.setattr(layers, "narrowing_autocast_dtype", lambda x, produced: None)
+    cast_count, cast_bytes, cast_loss, cast_grads = _saved_bf16_inputs_and_grads(_model(norm_placement), input_ids)
     # a block: the attention's pre-norm feeds q, k and v, the MLP's the gate and up projections; the output head
     # keeps the final norm's output, cast once either way
     assert (cast_count, count) == (2 * (3 + 2) + 1, 2 * 2 + 1)

@@ -18,7 +18,7 @@ from hfnative.losses import at_least_one, shift_labels as shift_labels_of
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
 from .head import OutputHead, TokenCrossEntropy
-from .layers import Attention, FeedForward, RMSNorm, model_norm
+from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .recompute import keep_as_recomputed, recomputed_in_backward
 from .selective_checkpoint import selective_checkpoint_context
@@ -30,10 +30,10 @@ def _norm_if(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
 
 
 def _pre_norm(norm: RMSNorm | None, x: torch.Tensor, linears: int | None = None):
-    """A sublayer's input norm; for ``linears`` linear layers (``RMSNorm.for_linears``), a tuple of one input each.
-    Its output is remade from ``x`` (kept by the norm) in backward."""
+    """A sublayer's input norm; for ``linears`` linear layers (``RMSNorm.for_linears``; without a norm,
+    ``cast_for_linears``), a tuple of one input each. Its output is remade from ``x`` (kept by the norm) in backward."""
     if norm is None:
-        return x if linears is None else (x,) * linears
+        return x if linears is None else cast_for_linears(x, linears)
     if linears is None:
         return keep_as_recomputed(norm(x), lambda: norm(x))
     outputs = norm.for_linears(x, linears)

@@ -44,6 +44,41 @@ def gradient_sum(grads, dtype: torch.dtype) -> torch.Tensor | None:
     return total
 
 
+def narrowing_autocast_dtype(x: torch.Tensor, produced: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype where a linear layer under autocast would cast a ``produced``-dtype input made from ``x``
+    to a narrower one; None elsewhere (no autocast, a tensor subclass, compiling: the compiler fuses the casts)."""
+    if type(x) is not torch.Tensor or torch.compiler.is_compiling():
+        return None
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None or not produced.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(produced).bits:
+        return None
+    return dtype
+
+
+class _CastForLinears(torch.autograd.Function):
+    """x cast once to ``dtype`` and a view of it for each of ``consumers`` layers; backward sums their gradients in
+    x's dtype, as autograd sums them behind one cast per layer."""
+
+    @staticmethod
+    def forward(ctx, x, dtype: torch.dtype, consumers: int):
+        ctx.x_dtype = x.dtype
+        return fanned_out(x.to(dtype), consumers)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return gradient_sum(grads, ctx.x_dtype), None, None
+
+
+def cast_for_linears(x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
+    """``x`` for ``consumers`` linear layers, one tensor each: under autocast cast once to its dtype, a view each
+    (``RMSNorm.for_linears`` without a norm: a post-norm block's sublayer input); elsewhere x itself."""
+    dtype = narrowing_autocast_dtype(x, x.dtype)
+    if dtype is None:
+        return (x,) * consumers
+    out = _CastForLinears.apply(x, dtype, consumers)
+    return out if consumers > 1 else (out,)
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """RMSNorm that keeps only its input and 1/rms for backward (autograd on the op sequence would also
     keep the normalized [..., D] tensor); the normalized tensor is recomputed in backward. Forward is
@@ -129,13 +164,8 @@ class RMSNorm(nn.Module):
 
     def _autocast_output_dtype(self, x: torch.Tensor) -> torch.dtype | None:
         """The autocast dtype where autocast would cast this norm's output to a narrower one for a linear layer."""
-        if type(x) is not torch.Tensor or torch.compiler.is_compiling():
-            return None
-        dtype = autocast_dtype(x.device.type)
         produced = torch.promote_types(x.dtype, self.weight.dtype) if self.float_offset is None else x.dtype
-        if dtype is None or not produced.is_floating_point or torch.finfo(dtype).bits >= torch.finfo(produced).bits:
-            return None
-        return dtype
+        return narrowing_autocast_dtype(x, produced)
 
 
 def model_norm(args: ModelArgs, dim: int | None = None) -> RMSNorm:
