@@ -195,7 +195,9 @@ def test_the_trainer_reads_trls_selective_key():
     from hfnative import SFTConfig
 
     def keeps(**kwargs):
-        return SFTConfig(output_dir="unused", report_to="none", use_cpu=True, **kwargs).checkpoint_keeps
+        config = SFTConfig(output_dir="unused", report_to="none", use_cpu=True, **kwargs)
+        config.check_checkpointing()  # as a trainer does when it is built
+        return config.checkpoint_keeps
 
     assert keeps(gradient_checkpointing=True) is None
     assert keeps(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True}) == "attention"

@@ -85,6 +85,10 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"
             )
+
+    def check_checkpointing(self) -> None:
+        """TRL's checks of ``gradient_checkpointing_kwargs={"selective": True}``, made when a trainer is built (as
+        TRL's SFTTrainer makes them)."""
         checkpointing = self.gradient_checkpointing_kwargs or {}
         if checkpointing.get("selective") and not self.activation_checkpointing:
             raise ValueError("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`")
@@ -217,6 +221,7 @@ class SFTConfig(TRLBaseConfig):
                 "When `padding_free=True` without packing, `max_length` is not enforced: enable packing "
                 "(packing=True, packing_strategy='bfd'), or set max_length=None with rows already short enough."
             )
+        self.check_checkpointing()
         if self.use_liger_kernel and (self.liger_kernel_config or {}).get("fused_linear_cross_entropy"):
             raise ValueError(
                 '`liger_kernel_config={"fused_linear_cross_entropy": True}` is not supported: the loss is already '

@@ -67,6 +67,7 @@ class ModelMixin:
         """Put a model on the device with the run's engine options (the policy and, frozen, every
         auxiliary model go through here, so they are laid out alike). In a distributed run:
         ``hfnative.parallel.parallelize`` with the run's layout."""
+        self.args.check_checkpointing()
         if self.distributed is not None:
             self._parallelize(model)
             return
