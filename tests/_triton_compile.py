@@ -110,7 +110,7 @@ def compile_for_sm90(launches) -> list[dict]:
 def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
-    the rotation alone as Llama's heads take it."""
+    the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections."""
     from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated, cross_entropy_rows
 
     def run():
@@ -120,6 +120,10 @@ def qwen3_launches(tokens: int = 8192) -> list:
             x = torch.zeros(tokens, 1024, dtype=x_dtype, requires_grad=True)
             TritonRMSNorm.apply(x, w, 1e-6, None).sum().backward()
             TritonRMSNorm.apply(x, w, 1e-6, 1.0).sum().backward()  # Gemma's (1 + w)
+            if x_dtype == torch.float32:  # a pre-norm's bf16 output for q, k, v (and gate, up) under autocast
+                for consumers in (2, 3):
+                    outs = TritonRMSNorm.apply(x, w, 1e-6, None, None, None, torch.bfloat16, consumers)
+                    torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
             q_w = torch.ones(128, dtype=w_dtype, requires_grad=True)
             q = torch.zeros(4, tokens // 4, 16, 128, dtype=x_dtype, requires_grad=True)
             cos = torch.zeros(4, tokens // 4, 128)

@@ -117,3 +117,35 @@ def test_each_pre_norm_keeps_one_copy_for_its_linears(monkeypatch, norm_placemen
     assert torch.equal(loss, cast_loss)
     for name, grad in cast_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_lora_projections_keep_their_input_as_autocast_casts_it(tmp_path, monkeypatch):
+    """A LoRA projection reads its input twice (base and adapter): it is not handed a bf16 view (autograd would sum
+    the two reads' gradients in bf16), so its gradients are bit-identical to transformers' op sequence's."""
+    from hf_configs import save_hf_model
+
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.converters.peft import apply_lora
+    from hfnative.models import layers
+
+    save_hf_model("qwen3-gqa", tmp_path)
+
+    def grads():
+        converted = load_pretrained(tmp_path)
+        torch.manual_seed(0)
+        apply_lora(converted, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"]))
+        with torch.no_grad():  # lora_B starts at zero
+            for name, param in sorted(converted.model.named_parameters()):
+                if "lora_B" in name:
+                    param.add_(0.1)
+        model = converted.model.train()
+        ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        return {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    fanned = grads()
+    monkeypatch.setattr(layers, "narrowing_autocast_dtype", lambda x, produced: None)
+    for name, grad in grads().items():
+        assert torch.equal(fanned[name], grad), name

@@ -208,3 +208,11 @@ def test_the_trainer_reads_trls_selective_key():
         keeps(gradient_checkpointing=True, gradient_checkpointing_kwargs={"selective": True, "use_reentrant": True})
     with pytest.raises(ValueError, match="keeps one of"):
         apply_activation_checkpointing(torch.nn.Module(), "full", keep="everything")
+
+
+def test_torchs_variable_length_attention_is_kept_as_attention():
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+    except ImportError:
+        pytest.skip("this torch has no variable-length attention")
+    assert torch.ops.torch_attn._varlen_attn.default in ATTENTION

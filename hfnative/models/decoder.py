@@ -18,7 +18,7 @@ from hfnative.losses import at_least_one, shift_labels as shift_labels_of
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
 from .head import OutputHead, TokenCrossEntropy
-from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm
+from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .recompute import keep_as_recomputed, recomputed_in_backward
 from .selective_checkpoint import selective_checkpoint_context
@@ -64,13 +64,16 @@ class TransformerBlock(nn.Module):
         self.post_ffn_norm = model_norm(args) if post_norms else None
 
     def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
-        # the pre-norms' outputs, one for each projection reading them (the query, key and value; the gate and up);
-        # a sublayer with forward pre-hooks (tensor parallelism's sequence gather) takes its input as one tensor
-        attn_in = _pre_norm(self.attention_norm, x_BSD, None if self.attention._forward_pre_hooks else 3)
-        attn_out = self.attention(attn_in, cos_sin, plan, self.is_sliding)
+        # the pre-norms' outputs, one for each plain linear projection reading them (the query, key and value; the
+        # gate and up); a sublayer with forward pre-hooks (tensor parallelism's sequence gather) takes one tensor
+        attention = self.attention
+        fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
+        attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD, 3 if fan_out else None), cos_sin, plan,
+                                  self.is_sliding)
         h = x_BSD + _norm_if(self.post_attention_norm, attn_out)
-        mlp_linears = None if self.moe is not None or self.feed_forward._forward_pre_hooks else 2
-        ffn_in = _pre_norm(self.ffn_norm, h, mlp_linears)
+        mlp = self.feed_forward
+        fan_out = mlp is not None and not mlp._forward_pre_hooks and plain_linears(mlp.w1, mlp.w3)
+        ffn_in = _pre_norm(self.ffn_norm, h, 2 if fan_out else None)
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 

@@ -61,12 +61,21 @@ class _CastForLinears(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dtype: torch.dtype, consumers: int):
+        ctx.set_materialize_grads(False)
         ctx.x_dtype = x.dtype
         return fanned_out(x.to(dtype), consumers)
 
     @staticmethod
     def backward(ctx, *grads):
         return gradient_sum(grads, ctx.x_dtype), None, None
+
+
+def plain_linears(*modules: nn.Module) -> bool:
+    """Whether each module is a plain ``nn.Linear``, which autocast casts a float32 input for and which reads it once:
+    an input made for them in bf16 (``RMSNorm.for_linears``, ``cast_for_linears``) gives the same values. A LoRA layer
+    reads its input twice (base and adapter: autograd would sum their gradients in bf16), a QLoRA or float8 layer
+    chooses its own dtypes."""
+    return all(type(module) is nn.Linear for module in modules)
 
 
 def cast_for_linears(x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
@@ -92,6 +101,7 @@ class _RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, float_offset: float | None, out_dtype=None, consumers: int = 1):
+        ctx.set_materialize_grads(False)  # a consumer without a gradient is left out of the sum, not read as zeros
         x_float = x.float()
         rstd = torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
         normed = x_float * rstd
@@ -148,7 +158,7 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset)
 
     def for_linears(self, x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
-        """The norm's output for ``consumers`` linear layers, one tensor each. Under autocast, which would cast a
+        """The norm's output for ``consumers`` plain linear layers (``plain_linears``), one tensor each. Under autocast, which would cast a
         float32 output to its dtype once for each layer (a copy each, each kept for backward), the norm writes its
         output in the autocast dtype once and hands each layer a view of it; backward sums their gradients in
         float32, as autograd sums them behind the casts. Elsewhere (no autocast, a tensor subclass, compiling: the

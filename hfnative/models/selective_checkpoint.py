@@ -49,13 +49,14 @@ def _attention_ops() -> set:
                      "_flash_attention_forward")
         if hasattr(aten, name)
     }
-    # torch's variable-length attention (packed batches on a GPU) is a custom op the dispatch mode sees whole
-    namespace = getattr(torch.ops, "torch_attn", None)
-    for name in ("_varlen_attn",):
-        try:
-            ops.add(getattr(namespace, name).default)
-        except (AttributeError, RuntimeError):
-            pass
+    # torch's variable-length attention (packed batches on a GPU) is a custom op the dispatch mode sees whole; it is
+    # registered when its module is imported (hfnative.models.attention imports it at first use)
+    try:
+        import torch.nn.attention.varlen  # noqa: F401
+
+        ops.add(torch.ops.torch_attn._varlen_attn.default)
+    except (ImportError, AttributeError, RuntimeError):
+        pass
     return ops
 
 
