@@ -29,8 +29,9 @@ models in fp32, called twice each (capture, then replay): the same greedy tokens
 uncaptured engine, and log-probs within 1e-4 of transformers' uncached forward on the same tokens.
 
 kernels: the Triton kernels (hfnative/models/triton_kernels.py: RMSNorm, the rotated q/k norm, the rotation alone,
-the SiLU-gated unit) at the Qwen3-0.6B shape against the op sequences they replace, forward and gradients, and each way's forward + backward time (on CPU: small shapes, only under
-``TRITON_INTERPRET=1`` with Triton importable).
+the SiLU-gated unit, a pre-norm's one bf16 output for q, k and v, the head's cross-entropy) at the Qwen3-0.6B shape
+against the op sequences they replace, forward and gradients, and each way's forward + backward time (on CPU: small
+shapes, only under ``TRITON_INTERPRET=1`` with Triton importable).
 """
 
 from __future__ import annotations

@@ -239,6 +239,7 @@ class Transformer(nn.Module):
         # the device's trades (hfnative.device_policy): a CPU remakes cheap activations in backward, a GPU keeps them;
         # under activation checkpointing a GPU keeps attention and every second matmul and recomputes the rest
         policy = device_policy(h.device)
+        keep = self.checkpoint_keeps or ("attention_and_projections" if policy.selective_checkpointing else "nothing")
         for layer_id, layer in enumerate(self.layers):
             if isinstance(layer, BlockOnAnotherStage):
                 continue
@@ -246,8 +247,6 @@ class Transformer(nn.Module):
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
             if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
-                keep = self.checkpoint_keeps or ("attention_and_projections" if policy.selective_checkpointing
-                                                 else "nothing")
                 selective = keep != "nothing" and not _is_compiled(layer)  # compiled: the compiler chooses
                 h = torch.utils.checkpoint.checkpoint(
                     layer, *layer_inputs, use_reentrant=False,

@@ -16,8 +16,8 @@ from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 from .selective_checkpoint import kept_in_checkpoint
-from .triton_kernels import (MAX_FANNED, TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported, rms_norm_supported,
-                             rope_supported, silu_gated_supported, use_triton_kernels)
+from .triton_kernels import (MAX_FANNED, TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported,
+                             rms_norm_supported, rope_supported, silu_gated_supported, use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -158,11 +158,11 @@ class RMSNorm(nn.Module):
         return _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset)
 
     def for_linears(self, x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:
-        """The norm's output for ``consumers`` plain linear layers (``plain_linears``), one tensor each. Under autocast, which would cast a
-        float32 output to its dtype once for each layer (a copy each, each kept for backward), the norm writes its
-        output in the autocast dtype once and hands each layer a view of it; backward sums their gradients in
-        float32, as autograd sums them behind the casts. Elsewhere (no autocast, a tensor subclass, compiling: the
-        compiler fuses the casts) the output itself, ``consumers`` times."""
+        """The norm's output for ``consumers`` plain linear layers (``plain_linears``), one tensor each. Under
+        autocast, which would cast a float32 output to its dtype once for each layer (a copy each, each kept for
+        backward), the norm writes its output in the autocast dtype once and hands each layer a view of it; backward
+        sums their gradients in float32, as autograd sums them behind the casts. Elsewhere (no autocast, a tensor
+        subclass, compiling: the compiler fuses the casts) the output itself, ``consumers`` times."""
         out_dtype = self._autocast_output_dtype(x)
         if out_dtype is None:
             return (self(x),) * consumers
@@ -210,7 +210,8 @@ class Attention(nn.Module):
         checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``).
         x_BSD: the input, or one for each projection (``RMSNorm.for_linears``)."""
         x_q, x_k, x_v = x_BSD if isinstance(x_BSD, tuple) else (x_BSD,) * 3
-        xq, xk, xv = kept_in_checkpoint("projection", self.wq, x_q), self.wk(x_k), kept_in_checkpoint("projection", self.wv, x_v)
+        xq = kept_in_checkpoint("projection", self.wq, x_q)
+        xk, xv = self.wk(x_k), kept_in_checkpoint("projection", self.wv, x_v)
         cos, sin = cos_sin
         q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
         keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
@@ -244,7 +245,8 @@ class Attention(nn.Module):
         sliding: bool = False,
     ) -> torch.Tensor:
         xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin)
-        out_BHSd = kept_in_checkpoint("attention", attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale, self.sinks)
+        out_BHSd = kept_in_checkpoint("attention", attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale,
+                                      self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 

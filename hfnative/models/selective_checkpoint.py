@@ -11,8 +11,9 @@ What is kept is chosen in the block's code: it runs the calls whose results a se
 projections (the MoE router for a MoE block; kind "projection"). A checkpoint keeps the kinds its setting names
 (``CHECKPOINT_KEEPS``, ``model.checkpoint_keeps``): "attention_and_projections", the GPU policy's default;
 "attention", what TRL's ``gradient_checkpointing_kwargs={"selective": True}`` keeps (one activation a block, about
-as large as the block's input); "nothing", full checkpointing (TRL's default, and the CPU policy's). Inside the calls the matmuls' and attention kernels' results are kept in forward and handed back in
-the recompute without running them again; everything else in the block is recomputed: the norms, the rotary
+as large as the block's input); "nothing", full checkpointing (TRL's default, and the CPU policy's). Inside the
+calls the matmuls' and attention kernels' results are kept in forward and handed back in the recompute without
+running them again; everything else in the block is recomputed: the norms, the rotary
 embedding, the activation, the key, output and up projections (3 of a block's 7 matmuls, as torchtitan's "every
 second matmul" rule), a MoE block's experts. The down projection's result is not kept: the recompute stops once
 backward has what it reads (the down projection's input) and would never read it. A LoRA projection keeps its base
@@ -34,7 +35,7 @@ import threading
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 aten = torch.ops.aten
 
@@ -74,28 +75,32 @@ def _detached(value):
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
-class _Keep(TorchDispatchMode):
-    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order."""
+class _KeptResults(TorchDispatchMode):
+    """A selective checkpoint's results list and the kinds of ``kept_in_checkpoint`` calls it keeps."""
 
     def __init__(self, kept: list, kinds: frozenset):
         super().__init__()
         self.kept, self.kinds = kept, kinds
+
+    def start(self) -> None:
+        """Called as the block's forward (or a recompute) starts."""
+
+
+class _Keep(_KeptResults):
+    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in KEPT_OPS:
             kept = tree_map(_detached, out)
-            versions = [t._version for t in _tensors(kept)]
-            self.kept.append((func, kept, versions))
+            self.kept.append((func, kept, _versions(kept)))
         return out
 
 
-class _Replay(TorchDispatchMode):
+class _Replay(_KeptResults):
     """Recompute: hands back what forward kept, in the same order, without running those ops; runs every other."""
 
-    def __init__(self, kept: list, kinds: frozenset):
-        super().__init__()
-        self.kept, self.kinds = kept, kinds
+    def start(self) -> None:
         self.next = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -109,7 +114,7 @@ class _Replay(TorchDispatchMode):
                 "again (gradient_checkpointing_kwargs={'selective': False} checkpoints blocks fully instead)."
             )
         kept_func, kept, versions = self.kept[self.next]
-        if kept_func is not func or [t._version for t in _tensors(kept)] != versions:
+        if kept_func is not func or _versions(kept) != versions:
             raise RuntimeError(
                 f"selective activation checkpointing: the recompute ran {func} where forward ran {kept_func}, or a "
                 "kept result was changed in place since; the block's forward must run the same ops in the recompute."
@@ -119,21 +124,20 @@ class _Replay(TorchDispatchMode):
         return kept
 
 
-def _tensors(value) -> list:
-    return [t for t in (value if isinstance(value, (tuple, list)) else (value,)) if isinstance(t, torch.Tensor)]
+def _versions(value) -> list[int]:
+    return [t._version for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 class _RunningUnder:
     """The block's forward (or its recompute) runs with ``mode`` for ``kept_in_checkpoint`` to enter, and autocast's
     cast cache off. Entered again by each backward that recomputes the block."""
 
-    def __init__(self, mode: TorchDispatchMode):
+    def __init__(self, mode: _KeptResults):
         self.mode = mode
         self.saved = []
 
     def __enter__(self):
-        if isinstance(self.mode, _Replay):
-            self.mode.next = 0
+        self.mode.start()
         self.saved.append((torch.is_autocast_cache_enabled(), getattr(_running, "mode", None)))
         torch.set_autocast_cache_enabled(False)
         _running.mode = self.mode

@@ -191,7 +191,8 @@ class TritonRMSNorm(torch.autograd.Function):
     def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None, out_dtype=None,
                 consumers: int = 1):
         if consumers > MAX_FANNED or (consumers > 1 and cos is not None):
-            raise ValueError(f"TritonRMSNorm: {consumers} fanned-out outputs (at most {MAX_FANNED}, without a rotation)")
+            raise ValueError(f"TritonRMSNorm: {consumers} fanned-out outputs (at most {MAX_FANNED}, without a "
+                             "rotation)")
         ctx.set_materialize_grads(False)  # a consumer without a gradient is left out of the sum, not read as zeros
         x = _rows_of(x)
         dim = x.shape[-1]

@@ -91,7 +91,9 @@ class TrainingArguments(transformers.TrainingArguments):
         TRL's SFTTrainer makes them)."""
         checkpointing = self.gradient_checkpointing_kwargs or {}
         if checkpointing.get("selective") and not self.activation_checkpointing:
-            raise ValueError("`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`")
+            raise ValueError(
+                "`gradient_checkpointing_kwargs={'selective': True}` requires `gradient_checkpointing=True`"
+            )
         if checkpointing.get("selective") and checkpointing.get("use_reentrant"):
             raise ValueError(
                 "`gradient_checkpointing_kwargs={'selective': True}` requires non-reentrant gradient checkpointing: "
