@@ -361,7 +361,7 @@ def _kernel_cases(device: torch.device):
     from hfnative.losses.cross_entropy import fused_linear_cross_entropy
     from hfnative.models import layers, triton_kernels
     from hfnative.models.rope import apply_rotary
-    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
+    from hfnative.models.triton_kernels import TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated
 
     cuda = device.type == "cuda"
     tokens, dim, heads, head_dim, hidden = (8192, 1024, 16, 128, 3072) if cuda else (300, 40, 3, 24, 56)
@@ -425,6 +425,37 @@ def _kernel_cases(device: torch.device):
 
     yield (f"pre-norm for q, k, v bf16 autocast [{tokens}, {dim}]",
            (randn(tokens, dim, scale=3), randn(dim, scale=0.3) + 1, *projections), qkv(True), qkv(False))
+
+    # the residual add before the MLP's pre-norm (``RMSNorm.after_residual``): the float32 stream plus the attention's
+    # bf16 output, and the norm of the sum for the gate and up projections, in one kernel each way against the add
+    # then the norm (the Triton norm both ways; the sum and the projections concatenated)
+    gate_up = [randn(hidden, dim, scale=dim ** -0.5) for _ in range(2)]
+
+    def residual_gate_up(fused: bool):
+        def run(x, update, w, *weights):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                if fused:
+                    h, *inputs = TritonResidualRMSNorm.apply(x, update, w, 1e-6, None, torch.bfloat16, 2)
+                else:
+                    h = x + update
+                    inputs = TritonRMSNorm.apply(h, w, 1e-6, None, None, None, torch.bfloat16, 2)
+                return torch.cat([h, *(F.linear(inp, weight) for inp, weight in zip(inputs, weights))], -1)
+        return run
+
+    yield (f"residual add + pre-norm for gate, up bf16 autocast [{tokens}, {dim}]",
+           (randn(tokens, dim, scale=3), randn(tokens, dim).bfloat16(), randn(dim, scale=0.3) + 1, *gate_up),
+           residual_gate_up(True), residual_gate_up(False))
+
+    # the rotated q norm written in bf16 for attention under autocast, against the float32 output cast after
+    def norm_rope_for_attention(x_BSHd, w):
+        return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos, sin, torch.bfloat16).transpose(1, 2)
+
+    def norm_rope_then_cast(x_BSHd, w):
+        return norm_rope(x_BSHd, w).to(torch.bfloat16)
+
+    yield (f"q_norm + rope written in bf16 autocast [4, {tokens // 4}, {heads}, {head_dim}]",
+           (randn(4, tokens // 4, heads, head_dim, scale=3).bfloat16(), randn(head_dim, scale=0.3) + 1),
+           norm_rope_for_attention, norm_rope_then_cast)
 
     # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
     # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)

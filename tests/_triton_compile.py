@@ -110,8 +110,10 @@ def compile_for_sm90(launches) -> list[dict]:
 def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
-    the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections."""
-    from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated, cross_entropy_rows
+    the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections; the rotated
+    q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it."""
+    from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
+                                               cross_entropy_rows)
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -124,11 +126,19 @@ def qwen3_launches(tokens: int = 8192) -> list:
                 for consumers in (2, 3):
                     outs = TritonRMSNorm.apply(x, w, 1e-6, None, None, None, torch.bfloat16, consumers)
                     torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
+            # the MLP's pre-norm after the residual add (a bf16 update to the stream): fanned out in bf16 under
+            # autocast, the norm's own output otherwise
+            update = torch.zeros(tokens, 1024, dtype=torch.bfloat16, requires_grad=True)
+            fanned = (torch.bfloat16, 2) if x_dtype == torch.float32 else (None, 1)
+            outs = TritonResidualRMSNorm.apply(x, update, w, 1e-6, None, *fanned)
+            torch.autograd.backward(outs, [torch.ones_like(out) for out in outs])
             q_w = torch.ones(128, dtype=w_dtype, requires_grad=True)
             q = torch.zeros(4, tokens // 4, 16, 128, dtype=x_dtype, requires_grad=True)
             cos = torch.zeros(4, tokens // 4, 128)
             if w_dtype == torch.float32:
                 TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos).sum().backward()
+                if x_dtype == torch.bfloat16:  # written in the attention's dtype under autocast
+                    TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos, torch.bfloat16).sum().backward()
             TritonRMSNorm.apply(q.transpose(1, 2), q_w, 1e-6, None).sum().backward()
             TritonRope.apply(q, cos, cos).sum().backward()  # Llama's heads, no norm before the rotation
             gate = torch.zeros(tokens, 3072, dtype=x_dtype, requires_grad=True)

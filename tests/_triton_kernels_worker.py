@@ -19,11 +19,12 @@ import traceback
 
 import torch
 from hf_configs import make_hf_model
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.converters.loading import load_pretrained
 from hfnative.device_policy import use_device_policy
 from hfnative.models import layers, triton_kernels
-from hfnative.models.triton_kernels import TritonRMSNorm, TritonRope, TritonSiluGated
+from hfnative.models.triton_kernels import TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated
 from hfnative.parallel import apply_compile
 from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
 
@@ -126,6 +127,65 @@ def check_rms_norm_fanned_out():
                     _close(got, want, False, f"{what} grad {name}", fp32_scale_tolerance=1e-5)
 
 
+def check_residual_rms_norm():
+    """The residual add and the norm after it in one kernel each way (``TritonResidualRMSNorm``) against ``x +
+    update`` then the torch norm: every variant; a float32 stream with a bf16 update (autocast's), float32 throughout
+    and bf16 throughout; the norm's output itself and fanned out in bf16 to one to three layers; with and without
+    the stream's own gradient of the sum, and without any gradient of the norm's output. The sum bit for bit where
+    float32, the gradients of x, the update and the weight to float32 round-off (bf16 ones to bf16's)."""
+    generator = torch.Generator().manual_seed(6)
+    cases = [(torch.float32, torch.bfloat16, None, None), (torch.float32, torch.bfloat16, torch.bfloat16, 1),
+             (torch.float32, torch.bfloat16, torch.bfloat16, 3), (torch.float32, torch.float32, None, None),
+             (torch.bfloat16, torch.bfloat16, None, None), (torch.float32, torch.bfloat16, torch.bfloat16, 2)]
+    for float_offset in (None, 1.0, 0.0):
+        for x_dtype, update_dtype, out_dtype, consumers in cases:
+            for grad_h_given, outputs_used in ((True, True), (False, True), (True, False)):
+                base = torch.randn(3, 150, 40, generator=generator) * 3  # two backward programs, the last partial
+                update_base = torch.randn(base.shape, generator=generator)
+                weight = torch.randn(40, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1)
+                fanned = consumers or 1
+                grad_h = torch.randn(base.shape, generator=generator).to(torch.promote_types(x_dtype, update_dtype))
+                y_dtype = out_dtype or (torch.promote_types(grad_h.dtype, weight.dtype) if float_offset is None
+                                        else grad_h.dtype)
+                grads_y = [torch.randn(base.shape, generator=generator).to(y_dtype) for _ in range(fanned)]
+                results = []
+                for triton in (True, False):
+                    x, update = base.to(x_dtype).requires_grad_(), update_base.to(update_dtype).requires_grad_()
+                    w = weight.clone().requires_grad_()
+                    if triton:
+                        h, *outs = TritonResidualRMSNorm.apply(x, update, w, 1e-6, float_offset, out_dtype, fanned)
+                    else:
+                        h = x + update
+                        out = layers._RMSNormFunction.apply(h, w, 1e-6, float_offset, out_dtype, fanned)
+                        outs = list(out) if fanned > 1 else [out]
+                    tensors, grads_in = [], []
+                    if grad_h_given:
+                        tensors.append(h), grads_in.append(grad_h)
+                    if outputs_used:
+                        tensors += outs
+                        grads_in += grads_y
+                    grads = torch.autograd.grad(tensors, [x, update, w], grads_in, allow_unused=True)
+                    results.append((h, outs, grads))
+                (h, outs, grads), (want_h, want_outs, want_grads) = results
+                what = (f"residual rms_norm offset={float_offset} x={x_dtype} update={update_dtype} out={out_dtype} "
+                        f"consumers={consumers} grad_h={grad_h_given} outputs_used={outputs_used}")
+                bf16_sum = h.dtype == torch.bfloat16
+                _close(h, want_h, bf16_sum, what + " sum")
+                if not bf16_sum:
+                    assert torch.equal(h, want_h), f"{what}: the sum is not x + update"
+                # a bf16 sum: the interpreter rounds it otherwise than torch (see the module docstring), so all
+                # that follows from it is compared to bf16's precision
+                for got, want in zip(outs, want_outs):
+                    _close(got, want, bf16_sum or got.dtype == torch.bfloat16, what + " output")
+                for name, got, want in zip(("x", "update", "weight"), grads, want_grads):
+                    if want is None:
+                        assert got is None, f"{what}: grad {name} given where autograd gives none"
+                        continue
+                    assert got is not None, f"{what}: no grad {name}"
+                    _close(got, want, bf16_sum or got.dtype == torch.bfloat16, f"{what} grad {name}",
+                           fp32_scale_tolerance=1e-5)
+
+
 def check_norm_rope():
     """A per-head q/k norm and the rotation after it in one kernel against the norm then ``apply_rotary``: Llama's
     and Gemma's norm variants, q from bf16 projections (autocast's) and fp32 ones, one batch row's tables and several,
@@ -159,6 +219,27 @@ def check_norm_rope():
         assert strides == want_strides, f"{what}: strides {strides}, the op sequence's {want_strides}"
         for name, got, expected in zip(("x", "weight"), grads, want_grads):
             _close(got, expected, bf16, f"{what} grad {name}")
+    # written in the attention's dtype (out_dtype, ``Attention._rotated`` under autocast): the float32 rotation
+    # rounded once, as the attention's cast of it rounds; backward takes the attention's bf16 gradient as it is
+    heads, d, batch, seq = 2, 32, 2, 300
+    base = torch.randn(batch, seq, heads, d, generator=generator) * 3
+    angles = torch.randn(batch, seq, d // 2, generator=generator) * 3
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    weight = torch.randn(d, generator=generator) * 0.3 + 1
+    grad_out = torch.randn(batch, heads, seq, d, generator=generator).bfloat16()
+    results = []
+    for fused in (True, False):
+        x, w = base.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            out = TritonRMSNorm.apply(x, w, 1e-6, None, cos, sin, torch.bfloat16).transpose(1, 2)
+        else:
+            out = apply_rotary(layers._RMSNormFunction.apply(x.transpose(1, 2), w, 1e-6, None), cos, sin)
+            out = out.to(torch.bfloat16)
+        results.append((out, torch.autograd.grad(out, (x, w), grad_out)))
+    (out, grads), (want, want_grads) = results
+    _close(out, want, True, "norm_rope written in bf16: output")
+    for name, got, expected in zip(("x", "weight"), grads, want_grads):
+        _close(got, expected, True, f"norm_rope written in bf16: grad {name}")
 
 
 def check_rope():
@@ -292,18 +373,21 @@ class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 
     def __init__(self):
-        self.counts = {"rms_norm": 0, "norm_rope": 0, "rope": 0, "silu_gated": 0, "cross_entropy": 0}
+        self.counts = {"rms_norm": 0, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
+                       "cross_entropy": 0}
         self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply,
-                           triton_kernels.cross_entropy_rows)
+                           triton_kernels.cross_entropy_rows, TritonResidualRMSNorm.apply)
 
     def __enter__(self):
-        norm, gated, rope, cross_entropy = self._originals
+        norm, gated, rope, cross_entropy, residual_norm = self._originals
 
         def counted(name, apply):
             def wrapper(*args):
                 self.counts[name] += 1
-                if name == "rms_norm":  # with cos: rotated in the kernel
+                if apply is norm:  # with cos: rotated in the kernel
                     self.counts["norm_rope"] += len(args) > 4 and args[4] is not None
+                if apply is residual_norm:
+                    self.counts["residual_norm"] += 1
                 return apply(*args)
             return wrapper
 
@@ -311,11 +395,12 @@ class _Launches:
         TritonSiluGated.apply = counted("silu_gated", gated)
         TritonRope.apply = counted("rope", rope)
         triton_kernels.cross_entropy_rows = counted("cross_entropy", cross_entropy)
+        TritonResidualRMSNorm.apply = counted("rms_norm", residual_norm)  # with the residual add before the norm
         return self
 
     def __exit__(self, *exc):
-        TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply, triton_kernels.cross_entropy_rows = (
-            self._originals)
+        (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply, triton_kernels.cross_entropy_rows,
+         TritonResidualRMSNorm.apply) = self._originals
 
 
 def _native(name, directory):
@@ -336,15 +421,17 @@ def _step(model, input_ids, triton: bool, bf16: bool = False):
     return out.loss.detach(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-EXPECTED_LAUNCHES = {  # per forward of the 2-block models: RMSNorms, of them with the rotation, rotations alone,
-    # SiLU-gated units, the head's cross-entropy (one chunk of these 22 tokens)
-    "llama-gqa": (2 * 2 + 1, 0, 2 * 2, 2, 1),  # two pre-norms a block, the final norm; q and k rotated
-    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 0, 2, 1),  # two pre-norms and per-head q/k norms (rotated) a block, the final norm
-    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 0, 2, 1),  # the experts' gated unit, once a block
-    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 2 * 2, 2, 1),  # post-norms; q/k norms over the projection, then rotated;
-    # weights scaled in float32
+EXPECTED_LAUNCHES = {  # per forward of the 2-block models: RMSNorms, of them with the rotation, of them after the
+    # residual add (the MLP's pre-norm), rotations alone, SiLU-gated units, the head's cross-entropy (one chunk of
+    # these 22 tokens)
+    "llama-gqa": (2 * 2 + 1, 0, 2, 2 * 2, 2, 1),  # two pre-norms a block, the final norm; q and k rotated
+    "qwen3-gqa": (2 * 4 + 1, 2 * 2, 2, 0, 2, 1),  # two pre-norms and per-head q/k norms (rotated) a block, the final
+    # norm
+    "qwen3moe-topk-norm": (2 * 4 + 1, 2 * 2, 2, 0, 2, 1),  # the experts' gated unit, once a block
+    "olmo3-sliding-gqa": (2 * 4 + 1, 0, 0, 2 * 2, 2, 1),  # post-norms (no pre-norm after an add); q/k norms over the
+    # projection, then rotated; weights scaled in float32
     # four norms a block, q/k norms (1 + w); a GELU-tanh unit; soft-capped logits (torch's cross-entropy)
-    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 0, 0, 0),
+    "gemma3-softcap-linear-untied": (2 * 6 + 1, 2 * 2, 2, 0, 0, 0),
 }
 
 
@@ -353,7 +440,7 @@ def check_models():
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
     with every block checkpointed (the GPU policy's selective checkpointing recomputes the kernels)."""
     input_ids = torch.randint(0, 96, (2, 11), generator=torch.Generator().manual_seed(3))
-    for name, (norms, rotated, rotations, gated, heads) in EXPECTED_LAUNCHES.items():
+    for name, (norms, rotated, after_add, rotations, gated, heads) in EXPECTED_LAUNCHES.items():
         with tempfile.TemporaryDirectory() as directory:
             reference, model = _native(name, directory)
             with torch.no_grad():
@@ -361,8 +448,8 @@ def check_models():
             off_loss, off_logits, off_grads = _step(model, input_ids, triton=False)
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
-            expected = {"rms_norm": norms, "norm_rope": rotated, "rope": rotations, "silu_gated": gated,
-                        "cross_entropy": heads}
+            expected = {"rms_norm": norms, "norm_rope": rotated, "residual_norm": after_add, "rope": rotations,
+                        "silu_gated": gated, "cross_entropy": heads}
             assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
@@ -386,12 +473,31 @@ def check_bf16_autocast():
         off_loss, _, off_grads = _step(model, input_ids, triton=False, bf16=True)
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
-    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "rope": 0, "silu_gated": 2, "cross_entropy": 1}, (
-        launches.counts)
+    assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "residual_norm": 2, "rope": 0, "silu_gated": 2,
+                               "cross_entropy": 1}, launches.counts
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
         assert cosine >= 0.999, f"bf16 grad {param}: cosine {cosine:.5f} to the step without the kernels"
+    # the rotated q and k heads reach attention in bf16 and their gradients leave it so: no cast of a [B, ., S, d]
+    # tensor either way (the kernel writes bf16 and reads the bf16 gradient; written in float32, they were cast
+    # twice a block each way)
+    with _Casts() as casts:
+        _step(model, input_ids, triton=True, bf16=True)
+    assert casts.of_heads == 0, f"{casts.of_heads} casts of q or k heads with the kernels"
+
+
+class _Casts(TorchDispatchMode):
+    """Counts dtype casts of 4-D float tensors (attention heads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.of_heads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].dim() == 4 and args[0].is_floating_point():
+            self.of_heads += 1
+        return func(*args, **(kwargs or {}))
 
 
 def check_compiled_blocks_leave_them_to_the_compiler():
@@ -406,8 +512,8 @@ def check_compiled_blocks_leave_them_to_the_compiler():
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True)
     # the final norm runs eagerly
-    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "rope": 0, "silu_gated": 0, "cross_entropy": 1}, (
-        launches.counts)
+    assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
+                               "cross_entropy": 1}, launches.counts
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")

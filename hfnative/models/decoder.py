@@ -41,6 +41,16 @@ def _pre_norm(norm: RMSNorm | None, x: torch.Tensor, linears: int | None = None)
     return outputs
 
 
+def _residual_and_pre_norm(norm: RMSNorm | None, x: torch.Tensor, update: torch.Tensor, linears: int | None = None):
+    """``(x + update, the next sublayer's pre-norm of that sum)`` (``_pre_norm``'s output): one kernel each way
+    where the Triton kernels run (``RMSNorm.after_residual``), else the add and ``_pre_norm``."""
+    fused = None if norm is None else norm.after_residual(x, update, linears)
+    if fused is not None:
+        return fused
+    h = x + update
+    return h, _pre_norm(norm, h, linears)
+
+
 class TransformerBlock(nn.Module):
     """One decoder layer; with pre-norms (the default) ``h = x + attention(attention_norm(x))``,
     ``out = h + feed_forward(ffn_norm(h))``; ``args.norm_placement`` adds or moves norms after the sublayers."""
@@ -70,10 +80,10 @@ class TransformerBlock(nn.Module):
         fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
         attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD, 3 if fan_out else None), cos_sin, plan,
                                   self.is_sliding)
-        h = x_BSD + _norm_if(self.post_attention_norm, attn_out)
         mlp = self.feed_forward
         fan_out = mlp is not None and not mlp._forward_pre_hooks and plain_linears(mlp.w1, mlp.w3)
-        ffn_in = _pre_norm(self.ffn_norm, h, 2 if fan_out else None)
+        h, ffn_in = _residual_and_pre_norm(self.ffn_norm, x_BSD, _norm_if(self.post_attention_norm, attn_out),
+                                           2 if fan_out else None)
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 

@@ -16,8 +16,9 @@ from .attention import AttentionPlan, attend
 from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 from .selective_checkpoint import kept_in_checkpoint
-from .triton_kernels import (MAX_FANNED, TritonRMSNorm, TritonRope, TritonSiluGated, norm_rope_supported,
-                             rms_norm_supported, rope_supported, silu_gated_supported, use_triton_kernels)
+from .triton_kernels import (MAX_FANNED, TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
+                             norm_rope_supported, residual_rms_norm_supported, rms_norm_supported, rope_supported,
+                             silu_gated_supported, use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -172,9 +173,28 @@ class RMSNorm(nn.Module):
             out = _RMSNormFunction.apply(x, self.weight, self.eps, self.float_offset, out_dtype, consumers)
         return out if consumers > 1 else (out,)
 
-    def _autocast_output_dtype(self, x: torch.Tensor) -> torch.dtype | None:
-        """The autocast dtype where autocast would cast this norm's output to a narrower one for a linear layer."""
-        produced = torch.promote_types(x.dtype, self.weight.dtype) if self.float_offset is None else x.dtype
+    def after_residual(self, x: torch.Tensor, update: torch.Tensor, consumers: int | None = None):
+        """``(x + update, this norm of that sum)`` (a residual stream's step and the next sublayer's pre-norm) in one
+        Triton kernel each way (``TritonResidualRMSNorm``), or None where they do not run (the caller adds, then
+        norms). consumers: the norm's output for that many plain linear layers, as ``for_linears`` gives it; None:
+        the output itself."""
+        if not (use_triton_kernels(x, update, self.weight) and residual_rms_norm_supported(x, update, self.weight)
+                and (consumers or 1) <= MAX_FANNED):
+            return None
+        out_dtype = None
+        if consumers is not None:
+            out_dtype = self._autocast_output_dtype(x, torch.promote_types(x.dtype, update.dtype))
+        fanned = consumers if out_dtype is not None else 1
+        h, *out = TritonResidualRMSNorm.apply(x, update, self.weight, self.eps, self.float_offset, out_dtype, fanned)
+        if consumers is None:
+            return h, out[0]
+        return h, tuple(out) if len(out) > 1 else (out[0],) * consumers
+
+    def _autocast_output_dtype(self, x: torch.Tensor, input_dtype: torch.dtype | None = None) -> torch.dtype | None:
+        """The autocast dtype where autocast would cast this norm's output to a narrower one for a linear layer;
+        input_dtype: the normed input's (default x's)."""
+        input_dtype = x.dtype if input_dtype is None else input_dtype
+        produced = torch.promote_types(input_dtype, self.weight.dtype) if self.float_offset is None else input_dtype
         return narrowing_autocast_dtype(x, produced)
 
 
@@ -203,27 +223,32 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None  # [H]
 
     def project_qkv(
-        self, x_BSD: torch.Tensor | tuple[torch.Tensor, ...], cos_sin: tuple[torch.Tensor, torch.Tensor]
+        self, x_BSD: torch.Tensor | tuple[torch.Tensor, ...], cos_sin: tuple[torch.Tensor, torch.Tensor],
+        for_autocast_attention: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [B, H, S, d], rotated keys and values [B, K, S, d] (q/k norms applied). The rotated
         queries and keys are remade from the projections in backward (``hfnative.models.recompute``); a selectively
         checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``).
-        x_BSD: the input, or one for each projection (``RMSNorm.for_linears``)."""
+        x_BSD: the input, or one for each projection (``RMSNorm.for_linears``). for_autocast_attention: the caller's
+        attention casts q and k to the autocast dtype (``_rotated``)."""
         x_q, x_k, x_v = x_BSD if isinstance(x_BSD, tuple) else (x_BSD,) * 3
         xq = kept_in_checkpoint("projection", self.wq, x_q)
         xk, xv = self.wk(x_k), kept_in_checkpoint("projection", self.wv, x_v)
         cos, sin = cos_sin
-        q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin)
-        keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin))
-        k_BKSd = self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin)
-        keep_as_recomputed(k_BKSd, lambda: self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin))
+        narrow = for_autocast_attention
+        q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin, narrow)
+        keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin, narrow))
+        k_BKSd = self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin, narrow)
+        keep_as_recomputed(k_BKSd, lambda: self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin, narrow))
         B, S, _ = x_q.shape
         return q_BHSd, k_BKSd, xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
-    def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
+    def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin, narrow: bool = False) -> torch.Tensor:
         """A projection [B, S, heads * d] as heads [B, heads, S, d], normed (over the projection or per head) and
         rotated: where the Triton kernels run, a per-head norm and the rotation in one kernel, or the rotation in
-        one."""
+        one. narrow: the heads go to an attention that casts them to the autocast dtype; the kernel of a norm whose
+        rotation runs in float32 (a float32 weight over bf16 projections, Qwen3's) then writes them in that dtype,
+        rounding once as that cast would (a float32 copy written, read and cast back in backward saved)."""
         B, S, _ = x_BSP.shape
         if norm is not None and self.qk_norm_over_projection:
             x_BSP = norm(x_BSP)
@@ -231,7 +256,9 @@ class Attention(nn.Module):
         triton = use_triton_kernels(x_BShd, *(() if norm is None else (norm.weight,)))
         if norm is not None and not self.qk_norm_over_projection:
             if triton and norm_rope_supported(x_BShd, norm.weight, norm.float_offset, cos, sin):
-                return TritonRMSNorm.apply(x_BShd, norm.weight, norm.eps, norm.float_offset, cos, sin).transpose(1, 2)
+                out_dtype = narrowing_autocast_dtype(x_BShd, torch.float32) if narrow else None
+                return TritonRMSNorm.apply(x_BShd, norm.weight, norm.eps, norm.float_offset, cos, sin,
+                                           out_dtype).transpose(1, 2)
             return apply_rotary(norm(x_BShd.transpose(1, 2)), cos, sin)
         if triton and rope_supported(x_BShd, cos, sin):
             return TritonRope.apply(x_BShd, cos, sin).transpose(1, 2)
@@ -244,7 +271,10 @@ class Attention(nn.Module):
         plan: AttentionPlan,
         sliding: bool = False,
     ) -> torch.Tensor:
-        xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin)
+        # every attention kernel but the explicit one with sinks and context parallelism's blocks takes q and k in
+        # the autocast dtype (SDPA casts them, the variable-length kernel's caller too)
+        autocast_attention = self.sinks is None and plan.context_parallel is None
+        xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin, autocast_attention)
         out_BHSd = kept_in_checkpoint("attention", attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale,
                                       self.sinks)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))

@@ -6,19 +6,26 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
-                     LLAMA: tl.constexpr, ROPE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
+                     LLAMA: tl.constexpr, ROPE: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """The norm of H: of X itself (H is X), or with ADD of X + R, written to H (the residual stream's sum, rounded
+    to H's dtype before it is normed)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     in_rows = rows < n_rows
     mask = in_rows[:, None] & (cols < n_cols)[None, :]
     at = rows[:, None] * n_cols + cols[None, :]
     x = tl.load(X + at, mask=mask, other=0.0).to(tl.float32)
+    if ADD:
+        h = (x + tl.load(R + at, mask=mask, other=0.0).to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + at, h, mask=mask)
+        x = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
     tl.store(RSTD + rows[:, None], rstd, mask=in_rows[:, None])
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    if LLAMA:  # normed cast to x's dtype, then times the weight
-        y = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+    if LLAMA:  # normed cast to the normed input's dtype, then times the weight
+        y = (x * rstd).to(H.dtype.element_ty).to(tl.float32) * w
     else:  # normed * (offset + weight) in float32
         y = x * rstd * (offset + w)
     if ROPE:  # then rotated: y * cos + rotate_half(y) * sin, each row a head of the token at row // heads
@@ -38,9 +45,13 @@ def rms_norm_forward(X, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset
 
 
 @triton.jit
-def rms_norm_backward(DY, DY2, DY3, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols, heads, offset,
-                      LLAMA: tl.constexpr, ROPE: tl.constexpr, GRADS: tl.constexpr, ROWS: tl.constexpr,
-                      TILES: tl.constexpr, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+def rms_norm_backward(DY, DY2, DY3, DH, X, W, RSTD, COS, SIN, DX, DR, DW, n_rows, n_cols, heads, offset,
+                      LLAMA: tl.constexpr, ROPE: tl.constexpr, GRADS: tl.constexpr, RESIDUAL: tl.constexpr,
+                      UPDATE_GRAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
+                      WEIGHT_GRAD: tl.constexpr):
+    """The gradient of the norm's input X (from its output's GRADS gradients); with RESIDUAL plus DH, the residual
+    stream's own gradient of X, added as autograd adds it (the norm's rounded to X's dtype first), and with
+    UPDATE_GRAD that sum also written to DR in DR's dtype (the residual update's gradient)."""
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
@@ -77,7 +88,11 @@ def rms_norm_backward(DY, DY2, DY3, X, W, RSTD, COS, SIN, DX, DW, n_rows, n_cols
             grad_normed = dy * (offset + w)
         # d(x * rstd)/dx applied to g: rstd * (g - normed * mean(g * normed))
         dx = rstd * (grad_normed - normed * (tl.sum(grad_normed * normed, axis=1) / n_cols)[:, None])
+        if RESIDUAL:
+            dx = dx.to(DX.dtype.element_ty).to(tl.float32) + tl.load(DH + at, mask=mask, other=0.0).to(tl.float32)
         tl.store(DX + at, dx.to(DX.dtype.element_ty), mask=mask)
+        if UPDATE_GRAD:
+            tl.store(DR + at, dx.to(DX.dtype.element_ty).to(DR.dtype.element_ty), mask=mask)
     if WEIGHT_GRAD:
         tl.store(DW + program * n_cols + cols, dw, mask=cols < n_cols)
 

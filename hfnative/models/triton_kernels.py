@@ -10,7 +10,11 @@ outputs once:
 - ``rms_norm``: one kernel forward and one backward, in tiles of whole rows (4,096 elements); a backward program
   walks 8 tiles, summing the weight's gradient over their rows in float32, then the programs' sums are added. A
   per-head q/k norm (Qwen3's, Gemma 3's) rotates its heads in the same kernels, saving the rotary embedding's own
-  passes over q and k (five kernels forward, about as many backward).
+  passes over q and k (five kernels forward, about as many backward); under autocast it writes them in the dtype
+  attention casts them to and reads their gradients in it (two casts a way saved). The MLP's pre-norm takes the
+  residual add before it into its kernels (``TritonResidualRMSNorm``): forward writes the stream's sum and its norm,
+  backward adds the stream's own gradient of the sum and writes the attention output's gradient in bf16, where torch
+  runs an add forward and an add and a cast backward.
 - ``rope``: the rotary embedding of q or k heads without a per-head norm before it (Llama, Mistral, Qwen2; OLMo's
   norm over the whole projection), one kernel each way where torch runs five forward and about six backward.
 - ``silu_gated``: one kernel forward, one backward that makes the gate's and the up projection's gradients together.
@@ -180,6 +184,73 @@ def _tile(dim: int) -> tuple[int, int]:
     return block, max(1, TILE_ELEMENTS // block)
 
 
+def _norm_forward(ctx, x, weight, eps: float, float_offset: float | None, cos, sin, out_dtype, update=None):
+    """The forward launch of ``TritonRMSNorm`` and ``TritonResidualRMSNorm``: (the normed input h, the output y);
+    h is x, or with ``update`` x + update written by the kernel. Saves h, the weight, 1/rms and the tables."""
+    h = x if update is None else torch.empty_like(x, dtype=torch.promote_types(x.dtype, update.dtype))
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    if out_dtype is None:
+        out_dtype = torch.promote_types(h.dtype, weight.dtype) if float_offset is None else h.dtype
+    y = torch.empty_like(x, dtype=out_dtype)
+    rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+    block, tile_rows = _tile(dim)
+    rope = cos is not None
+    flat_x = _flat(x)
+    _launch(
+        "rms_norm_forward", _cdiv(rows, tile_rows), x.device,
+        flat_x, *((flat_x, flat_x) if update is None else (_flat(update), _flat(h))), weight, _flat(y), rstd,
+        *((cos, sin) if rope else (rstd, rstd)), rows, dim, x.shape[-2] if rope else 1, eps, float_offset or 0.0,
+        LLAMA=float_offset is None, ROPE=rope, ADD=update is not None, ROWS=tile_rows, BLOCK=block,
+        num_warps=_warps(block * tile_rows),
+    )
+    ctx.save_for_backward(h, weight, rstd, cos, sin)
+    ctx.float_offset = float_offset
+    return h, y
+
+
+def _norm_backward(ctx, grads, residual_grad=None, update_dtype=None):
+    """The backward launch: (the gradient of the normed input h, the weight's gradient, the update's gradient).
+    ``residual_grad``: the residual stream's own gradient of h, added; ``update_dtype``: the update's gradient is
+    that sum in this dtype (None: the sum itself; ``TritonRMSNorm`` leaves it unread)."""
+    x, weight, rstd, cos, sin = ctx.saved_tensors
+    grads = [_rows_of(grad, like=x) for grad in grads if grad is not None]
+    weight_grad = ctx.needs_input_grad[1]
+    if not grads:
+        if residual_grad is None:
+            return None, None, None
+        return residual_grad, None, residual_grad if update_dtype is None else residual_grad.to(update_dtype)
+    dim = x.shape[-1]
+    rows = x.numel() // dim
+    block, tile_rows = _tile(dim)
+    residual = residual_grad is not None
+    if residual:  # half tiles: a gradient more to read and one to write would spill registers at 1,024 columns
+        tile_rows = max(1, tile_rows // 2)
+    programs = _cdiv(rows, tile_rows * BACKWARD_TILES)
+    grad_x = torch.empty_like(x)
+    grad_update = None if update_dtype is None else torch.empty_like(x, dtype=update_dtype)
+    partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
+    rope = cos is not None
+    first = _flat(grads[0])
+    _launch(
+        "rms_norm_backward", programs, x.device,
+        first, *(_flat(grads[i]) if i < len(grads) else first for i in (1, 2)),
+        _flat(_rows_of(residual_grad, like=x)) if residual else first, _flat(x), weight, rstd,
+        *((cos, sin) if rope else (rstd, rstd)), _flat(grad_x),
+        _flat(grad_update) if grad_update is not None else _flat(grad_x), partial,
+        rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
+        LLAMA=ctx.float_offset is None, ROPE=rope, GRADS=len(grads), RESIDUAL=residual,
+        UPDATE_GRAD=grad_update is not None, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
+        WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
+    )
+    grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
+    return grad_x, grad_weight, grad_x if grad_update is None else grad_update
+
+
+def _fanned(y: torch.Tensor, consumers: int):
+    return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
+
+
 class TritonRMSNorm(torch.autograd.Function):
     """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward. With cos and
     sin (a per-head norm over x [B, S, H, d], tables [B, S, d]), the normed heads are rotated in the same kernel, as
@@ -194,51 +265,48 @@ class TritonRMSNorm(torch.autograd.Function):
             raise ValueError(f"TritonRMSNorm: {consumers} fanned-out outputs (at most {MAX_FANNED}, without a "
                              "rotation)")
         ctx.set_materialize_grads(False)  # a consumer without a gradient is left out of the sum, not read as zeros
-        x = _rows_of(x)
-        dim = x.shape[-1]
-        rows = x.numel() // dim
-        if out_dtype is None:
-            out_dtype = torch.promote_types(x.dtype, weight.dtype) if float_offset is None else x.dtype
-        y = torch.empty_like(x, dtype=out_dtype)
-        rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
-        block, tile_rows = _tile(dim)
-        rope = cos is not None
-        _launch(
-            "rms_norm_forward", _cdiv(rows, tile_rows), x.device,
-            _flat(x), weight, _flat(y), rstd, *((cos, sin) if rope else (rstd, rstd)), rows, dim,
-            x.shape[-2] if rope else 1, eps, float_offset or 0.0,
-            LLAMA=float_offset is None, ROPE=rope, ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
-        )
-        ctx.save_for_backward(x, weight, rstd, cos, sin)
-        ctx.float_offset = float_offset
-        return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
+        _, y = _norm_forward(ctx, _rows_of(x), weight, eps, float_offset, cos, sin, out_dtype)
+        return _fanned(y, consumers)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        x, weight, rstd, cos, sin = ctx.saved_tensors
-        grads = [_rows_of(grad, like=x) for grad in grads if grad is not None]
-        if not grads:
-            return None, None, None, None, None, None, None, None
-        dim = x.shape[-1]
-        rows = x.numel() // dim
-        block, tile_rows = _tile(dim)
-        programs = _cdiv(rows, tile_rows * BACKWARD_TILES)
-        weight_grad = ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(x)
-        partial = torch.empty((programs, dim) if weight_grad else (1,), device=x.device, dtype=torch.float32)
-        rope = cos is not None
-        first = _flat(grads[0])
-        _launch(
-            "rms_norm_backward", programs, x.device,
-            first, *(_flat(grads[i]) if i < len(grads) else first for i in (1, 2)), _flat(x), weight, rstd,
-            *((cos, sin) if rope else (rstd, rstd)), _flat(grad_x), partial,
-            rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
-            LLAMA=ctx.float_offset is None, ROPE=rope, GRADS=len(grads), ROWS=tile_rows, TILES=BACKWARD_TILES,
-            BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
-        )
-        grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
+        grad_x, grad_weight, _ = _norm_backward(ctx, grads)
         return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None, None
+
+
+def residual_rms_norm_supported(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``TritonResidualRMSNorm`` runs x + update then the norm: both contiguous, of one shape."""
+    return (rms_norm_supported(x, weight) and update.dtype in _FLOATS and update.shape == x.shape
+            and x.is_contiguous() and update.is_contiguous())
+
+
+class TritonResidualRMSNorm(torch.autograd.Function):
+    """The residual stream's ``h = x + update`` and the RMSNorm of h (``TritonRMSNorm``'s output, ``out_dtype`` and
+    ``consumers`` as there) in one kernel each way: returns (h, the norm's output or its views). The forward kernel
+    writes h in promote(x, update)'s dtype and norms it as rounded; the backward kernel adds the gradient h gets from
+    the rest of the residual stream to the norm's and writes the update's gradient in its dtype, where autograd
+    would run an add, an accumulation and a cast. Keeps h (an output), the weight and 1/rms."""
+
+    @staticmethod
+    def forward(ctx, x, update, weight, eps: float, float_offset: float | None, out_dtype=None, consumers: int = 1):
+        if consumers > MAX_FANNED:
+            raise ValueError(f"TritonResidualRMSNorm: {consumers} fanned-out outputs (at most {MAX_FANNED})")
+        ctx.set_materialize_grads(False)
+        h, y = _norm_forward(ctx, x, weight, eps, float_offset, None, None, out_dtype, update)
+        ctx.x_dtype, ctx.update_dtype = x.dtype, update.dtype
+        out = _fanned(y, consumers)
+        return (h, *out) if consumers > 1 else (h, out)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_h, *grads):
+        h_dtype = torch.promote_types(ctx.x_dtype, ctx.update_dtype)
+        update_dtype = ctx.update_dtype if ctx.update_dtype != h_dtype else None
+        grad_sum, grad_weight, grad_update = _norm_backward(ctx, grads, grad_h, update_dtype)
+        grad_x = grad_sum if grad_sum is None or ctx.x_dtype == h_dtype else grad_sum.to(ctx.x_dtype)
+        return ((grad_x if ctx.needs_input_grad[0] else None), (grad_update if ctx.needs_input_grad[1] else None),
+                grad_weight, None, None, None, None)
 
 
 def rope_supported(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
@@ -361,6 +429,6 @@ def cross_entropy_supported(z_CV_dtype: torch.dtype, softcap: float | None) -> b
     return z_CV_dtype in _FLOATS and softcap is None
 
 
-__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonRope", "TritonSiluGated", "available", "norm_rope_supported",
-           "rms_norm_supported", "rope_supported", "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows",
-           "cross_entropy_supported"]
+__all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonResidualRMSNorm", "TritonRope", "TritonSiluGated", "available",
+           "norm_rope_supported", "residual_rms_norm_supported", "rms_norm_supported", "rope_supported",
+           "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows", "cross_entropy_supported"]
