@@ -3,7 +3,8 @@
 Their rollouts run the native engine under the training step's autocast, so the key/value cache sees the
 projections' bf16 outputs; a cache kept in the weights' dtype made the first rollout fail. Each trainer runs two
 optimizer steps on the shipped tiny model and data: every logged loss finite, every completion generated to its
-length limit (a random model rarely stops), the parameters moved and still fp32.
+length limit (a random model rarely stops), the parameters moved and still fp32 (the distillation teacher's linear
+weights in bf16).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from datasets import load_dataset
 
 import hfnative as h
+from hfnative.models.compute_dtype import linear_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "examples" / "tiny-qwen3")
@@ -55,3 +57,5 @@ def test_generating_trainer_trains_under_bf16_autocast(name, tmp_path):
     after = dict(trainer.model.named_parameters())
     assert all(value.dtype == torch.float32 for value in after.values())
     assert any(not torch.equal(before[key], value) for key, value in after.items())
+    if name == "distillation":  # the frozen teacher's linear weights kept in bf16 (hfnative.models.compute_dtype)
+        assert all(p.dtype == torch.bfloat16 for p in linear_weights(trainer.teacher_model))

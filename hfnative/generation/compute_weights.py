@@ -17,17 +17,14 @@ import copy
 import torch
 from torch import nn
 
+from hfnative.models.compute_dtype import linear_weights
 from hfnative.models.decoder import Transformer
 
 
 def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
-    """The floating 2-D parameters of nn.Linear modules (LoRA's A and B included; NF4 and DTensor weights are not
-    plain tensors, and a DoRA layer takes a norm of its weight outside autocast: those stay as they are), the untied
-    output head's matrix."""
-    found = [p for module in model.modules()
-             if isinstance(module, nn.Linear) and getattr(module, "lora_magnitude_vector", None) is None
-             for p in module.parameters(recurse=False)
-             if p.dim() == 2 and p.is_floating_point() and type(p.data) is torch.Tensor]
+    """The linear layers' weights (``hfnative.models.compute_dtype.linear_weights``) and the untied output head's
+    matrix."""
+    found = linear_weights(model)
     if not model.output.is_tied:
         found.append(model.output.weight)
     return found

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
+from hfnative.models.compute_dtype import autocast_for_weights
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
@@ -102,9 +103,11 @@ class NativeRolloutEngine(RolloutEngine):
         was_training = self.model.training
         self.model.eval()
         try:
-            model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
-            parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
-                     for i in range(0, len(prompts), step)]
+            # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
+            with autocast_for_weights(self.model, self._device.type):
+                model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
+                parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
+                         for i in range(0, len(prompts), step)]
         finally:
             self.model.train(was_training)
         return Rollouts(

@@ -14,9 +14,11 @@ import torch.utils.checkpoint
 
 from hfnative.device_policy import device_policy
 from hfnative.losses import at_least_one, shift_labels as shift_labels_of
+from hfnative.precision import autocast_dtype
 
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
+from .compute_dtype import autocast_for_weights
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
@@ -164,6 +166,9 @@ class Transformer(nn.Module):
         # (stage, stages) when this model is one stage of a pipeline (hfnative.parallel.pipeline.split_into_stage):
         # its forward then maps the previous stage's hidden states (the first: token ids) to the next stage's
         self.pipeline_stage: tuple[int, int] | None = None
+        # the autocast dtype a frozen model's linear weights are kept in (hfnative.models.compute_dtype): its forward
+        # runs under autocast to it
+        self.linear_weights_dtype: torch.dtype | None = None
 
     def init_buffers(self):
         """(Re)compute non-persistent buffers, e.g. after materializing from the meta device."""
@@ -286,6 +291,10 @@ class Transformer(nn.Module):
 
         A pipeline stage (``pipeline_stage`` set) returns its hidden states [B, S, D] (the last stage's normed, for
         the loss its schedule computes through the head), taking the previous stage's as ``input_ids``."""
+        if self.linear_weights_dtype is not None and autocast_dtype(input_ids.device.type) != self.linear_weights_dtype:
+            with autocast_for_weights(self, input_ids.device.type):
+                return self.forward(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                                    attention_plan, head_loss, **unused)
         if self.pipeline_stage is not None:
             return self.hidden_states(input_ids, attention_mask, position_ids, attention_plan)
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None

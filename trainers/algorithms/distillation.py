@@ -28,6 +28,7 @@ from hfnative.models.head import GeneralizedJSD
 
 from ..running.construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
+from .reference_model import frozen_for_autocast
 from ..running.model_loading import resolve_model
 from ..loop.objective import LanguageModelingObjective
 from ..rollout.prompts import sampling_params, stop_token_ids, tokenize_prompts
@@ -133,6 +134,8 @@ class _DistillationObjective(LanguageModelingObjective):
             self.rng.setstate((version, tuple(internal), gauss))
 
     def auxiliary_models_ready(self) -> None:
+        """The teacher's vocabulary checked against the student's; under autocast its linear weights kept in the
+        autocast dtype (``frozen_for_autocast``)."""
         student_vocab, teacher_vocab = self.context.model.args.vocab_size, self.teacher.args.vocab_size
         if student_vocab != teacher_vocab:
             raise ValueError(
@@ -140,6 +143,7 @@ class _DistillationObjective(LanguageModelingObjective):
                 f"{teacher_vocab}. Distillation compares the teacher's full next-token distribution, which requires a "
                 "shared vocabulary: use a teacher with the same tokenizer and vocab_size."
             )
+        frozen_for_autocast(self.teacher, self.args)
 
     # the collator reads the raw rows (the prompt and completion columns), so no column is dropped
     def prepare_train_dataset(self, dataset):

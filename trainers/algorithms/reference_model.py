@@ -18,6 +18,7 @@ from types import FunctionType, MethodType
 import torch
 from datasets import IterableDataset
 
+from hfnative.models.compute_dtype import keep_linear_weights_in
 from hfnative.models.decoder import Transformer
 
 from ..loop.arguments import LIGER_DEPRECATION
@@ -70,6 +71,15 @@ def refuse_sync_without_reference(args, reference) -> None:
         )
 
 
+def frozen_for_autocast(model, args) -> None:
+    """A frozen native model (a reference, a teacher) that runs under the trainer's autocast (``bf16``, ``fp16``):
+    its linear weights kept in the autocast dtype, which is what autocast computes with, so the same outputs with
+    half those weights' memory and no cast of them each forward (``hfnative.models.compute_dtype``)."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    if dtype is not None and isinstance(model, Transformer):
+        keep_linear_weights_in(model, dtype)
+
+
 @contextmanager
 def router_loss_off(model):
     """A forward of ``model`` that adds no router load-balancing loss (a reference or KL pass of the policy)."""
@@ -103,15 +113,20 @@ class ReferenceModel:
         return self.objective.auxiliary_models.get("ref_model")
 
     def ready(self) -> None:
-        """The kept reference in the policy's dtype, dropout off in it too."""
+        """The kept reference in the policy's dtype, dropout off in it too; under autocast, unless it is synchronized
+        with the policy (TR-DPO mixes float32 weights), its linear weights in the autocast dtype
+        (``frozen_for_autocast``)."""
         ref = self.model
         if ref is None:
             return
+        args = self.objective.args
         policy_dtype = next(self.objective.context.model.parameters()).dtype
         if next(ref.parameters()).dtype != policy_dtype:
             ref.to(policy_dtype)
-        if self.objective.args.disable_dropout:
+        if args.disable_dropout:
             disable_dropout(ref)
+        if not getattr(args, "sync_ref_model", False):
+            frozen_for_autocast(ref, args)
 
     @contextmanager
     def running(self):

@@ -1,0 +1,99 @@
+"""A frozen model's linear weights kept in the autocast dtype (``hfnative.models.compute_dtype``): the reference
+model of DPO and the other preference / RL trainers and the distillation teacher, under ``bf16=True``.
+
+Autocast casts a float32 linear weight to bf16 at every use, so a frozen model whose linear weights already are those
+bf16 values computes exactly what it computed before (the oracle: the same model with float32 weights under
+autocast), with half those weights' memory; called outside autocast it runs under autocast to that dtype itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import load_dataset
+
+import hfnative as h
+from hf_configs import make_hf_model
+from hfnative.converters.loading import load_pretrained
+from hfnative.generation import generate
+from hfnative.models.compute_dtype import keep_linear_weights_in, linear_weights
+from hfnative.models.head import TokenCrossEntropy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "examples" / "tiny-qwen3")
+
+
+def _native(name: str):
+    with tempfile.TemporaryDirectory() as directory:
+        make_hf_model(name).save_pretrained(directory)
+        model = load_pretrained(directory).model
+    return model.requires_grad_(False).eval()
+
+
+@pytest.mark.parametrize("name", ["qwen3-gqa", "gemma3-softcap-linear-untied"])
+def test_frozen_model_in_the_autocast_dtype_computes_what_autocast_computed(name):
+    model = _native(name)
+    kept = copy.deepcopy(model)
+    linear_numel = sum(p.numel() for p in linear_weights(kept))
+    freed = keep_linear_weights_in(kept, torch.bfloat16)
+    assert freed == 2 * linear_numel
+    assert all(p.dtype == torch.bfloat16 for p in linear_weights(kept))
+    others = {n: p for n, p in kept.named_parameters() if all(p is not w for w in linear_weights(kept))}
+    assert others and all(p.dtype == torch.float32 for p in others.values()), "norms, embedding and head stay fp32"
+    assert kept.output.weight.dtype == torch.float32 if not kept.output.is_tied else True
+
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(0))
+    targets = torch.roll(ids, -1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(ids, head_loss=TokenCrossEntropy(targets))
+        got = kept(ids, head_loss=TokenCrossEntropy(targets))
+        assert torch.equal(got.logits, want.logits)
+    assert torch.equal(got.head_output.loss_sum, want.head_output.loss_sum)
+    # called outside autocast, the model runs its forward (the loss through the head included) under autocast to its
+    # weights' dtype itself
+    outside = kept(ids, head_loss=TokenCrossEntropy(targets))
+    assert torch.equal(outside.hidden_states, want.hidden_states)
+    assert torch.equal(outside.head_output.loss_sum, want.head_output.loss_sum)
+    # and generates what the float32 model generates under autocast
+    prompts = [[1, 2, 3], [4, 5]]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want_rollouts = generate(model, prompts, max_new_tokens=4, do_sample=False)
+    rollouts = generate(kept, prompts, max_new_tokens=4, do_sample=False)
+    assert rollouts.completion_ids == want_rollouts.completion_ids
+
+
+def test_a_trainable_model_is_refused():
+    model = _native("qwen3-gqa").requires_grad_(True)
+    with pytest.raises(ValueError, match="require gradients"):
+        keep_linear_weights_in(model, torch.bfloat16)
+
+
+def _dpo(tmp_path: Path, **extra):
+    data = load_dataset("json", data_files=str(ROOT / "examples" / "data" / "preference.jsonl"), split="train")
+    config = h.DPOConfig(output_dir=str(tmp_path), max_steps=1, logging_steps=1, learning_rate=1e-3, report_to="none",
+                         disable_tqdm=True, save_strategy="no", seed=0, use_cpu=True, bf16=True,
+                         per_device_train_batch_size=4, max_length=48, **extra)
+    return h.DPOTrainer(model=TINY, args=config, train_dataset=data.select(range(8)))
+
+
+def test_dpo_reference_kept_in_bf16_gives_the_policys_log_probs_at_the_first_step(tmp_path):
+    trainer = _dpo(tmp_path / "dpo")
+    trainer.train()
+    ref = trainer.ref_model
+    assert all(p.dtype == torch.bfloat16 for p in linear_weights(ref))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters()), "the policy keeps fp32 master weights"
+    first = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    # before its first update the policy is the reference: the rewards beta * (log pi - log ref) are exactly zero
+    # when the bf16-weight reference computes what the policy computes under autocast
+    assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0, first
+
+
+def test_a_synchronized_reference_keeps_float32_weights(tmp_path):
+    trainer = _dpo(tmp_path / "tr-dpo", sync_ref_model=True, ref_model_sync_steps=1)
+    trainer.train()
+    assert all(p.dtype == torch.float32 for p in trainer.ref_model.parameters())
+
