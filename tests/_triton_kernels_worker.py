@@ -184,6 +184,23 @@ def check_residual_rms_norm():
                     assert got is not None, f"{what}: no grad {name}"
                     _close(got, want, bf16_sum or got.dtype == torch.bfloat16, f"{what} grad {name}",
                            fp32_scale_tolerance=1e-5)
+    # a frozen update with a trained weight (the weight's gradient still made), a frozen weight (none made)
+    for update_grad, weight_grad in ((False, True), (True, False)):
+        x = torch.randn(2, 9, 40, generator=generator).requires_grad_()
+        update = torch.randn(2, 9, 40, generator=generator).bfloat16().requires_grad_(update_grad)
+        w = (torch.randn(40, generator=generator) * 0.3 + 1).requires_grad_(weight_grad)
+        results = []
+        for triton in (True, False):
+            if triton:
+                h, out = TritonResidualRMSNorm.apply(x, update, w, 1e-6, None)
+            else:
+                h = x + update
+                out = layers._RMSNormFunction.apply(h, w, 1e-6, None)
+            wanted = [t for t in (x, update, w) if t.requires_grad]
+            results.append(torch.autograd.grad((h * 0.5).sum() + out.square().sum(), wanted))
+        for got, want in zip(*results):
+            _close(got, want, got.dtype == torch.bfloat16, f"residual rms_norm update_grad={update_grad} "
+                   f"weight_grad={weight_grad}", fp32_scale_tolerance=1e-5)
 
 
 def check_norm_rope():

@@ -20,6 +20,7 @@ import hfnative as h
 from hf_configs import make_hf_model
 from hfnative.converters.loading import load_pretrained
 from hfnative.generation import generate
+from hfnative.generation.compute_weights import DecodingWeights
 from hfnative.models.compute_dtype import keep_linear_weights_in, linear_weights
 from hfnative.models.head import TokenCrossEntropy
 
@@ -58,12 +59,23 @@ def test_frozen_model_in_the_autocast_dtype_computes_what_autocast_computed(name
     outside = kept(ids, head_loss=TokenCrossEntropy(targets))
     assert torch.equal(outside.hidden_states, want.hidden_states)
     assert torch.equal(outside.head_output.loss_sum, want.head_output.loss_sum)
+    assert torch.equal(outside.logits, want.logits)  # made on access, under the same autocast
     # and generates what the float32 model generates under autocast
     prompts = [[1, 2, 3], [4, 5]]
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want_rollouts = generate(model, prompts, max_new_tokens=4, do_sample=False)
     rollouts = generate(kept, prompts, max_new_tokens=4, do_sample=False)
     assert rollouts.completion_ids == want_rollouts.completion_ids
+
+
+def test_decoding_shares_the_weights_already_in_the_autocast_dtype():
+    kept = _native("qwen3-gqa")
+    keep_linear_weights_in(kept, torch.bfloat16)
+    replica = DecodingWeights().model_for(kept, torch.bfloat16)
+    assert replica is not kept  # the tied head still gets a bf16 copy of its own
+    shared = {p.data_ptr() for p in linear_weights(kept)}
+    assert {p.data_ptr() for p in linear_weights(replica)} == shared, "no second copy of the kept linear weights"
+    assert replica.output.weight.dtype == torch.bfloat16
 
 
 def test_a_trainable_model_is_refused():
@@ -90,6 +102,19 @@ def test_dpo_reference_kept_in_bf16_gives_the_policys_log_probs_at_the_first_ste
     # before its first update the policy is the reference: the rewards beta * (log pi - log ref) are exactly zero
     # when the bf16-weight reference computes what the policy computes under autocast
     assert first["rewards/chosen"] == 0.0 and first["rewards/rejected"] == 0.0, first
+
+
+def test_a_users_own_native_reference_is_left_as_given(tmp_path):
+    given = h.load_pretrained(TINY).model
+    before = {name: p.detach().clone() for name, p in given.named_parameters()}
+    data = load_dataset("json", data_files=str(ROOT / "examples" / "data" / "preference.jsonl"), split="train")
+    config = h.DPOConfig(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True,
+                         save_strategy="no", use_cpu=True, bf16=True, per_device_train_batch_size=4, max_length=48)
+    trainer = h.DPOTrainer(model=TINY, ref_model=given, args=config, train_dataset=data.select(range(8)))
+    trainer.train()
+    assert trainer.ref_model is given
+    for name, p in given.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[name]), name
 
 
 def test_a_synchronized_reference_keeps_float32_weights(tmp_path):

@@ -58,11 +58,14 @@ class DecodingWeights:
         return self.replica
 
     def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype) -> None:
-        """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype``."""
+        """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype`` (one
+        already in ``dtype``, a frozen model's kept so, is shared too)."""
         self.replica = None  # the old copies are freed before the new are made
         memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
         self.pairs = []
         for weight in weights:
+            if weight.dtype == dtype:
+                continue
             memo[id(weight)] = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
             self.pairs.append((weight, memo[id(weight)]))
         replica = copy.deepcopy(model, memo)

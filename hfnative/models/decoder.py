@@ -48,6 +48,9 @@ def _residual_and_pre_norm(norm: RMSNorm | None, x: torch.Tensor, update: torch.
     where the Triton kernels run (``RMSNorm.after_residual``), else the add and ``_pre_norm``."""
     fused = None if norm is None else norm.after_residual(x, update, linears)
     if fused is not None:
+        h, out = fused
+        first = out if linears is None else out[0]
+        keep_as_recomputed(first, lambda: norm(h) if linears is None else norm.for_linears(h, linears)[0])
         return fused
     h = x + update
     return h, _pre_norm(norm, h, linears)
@@ -128,11 +131,18 @@ class CausalLMOutput:
     aux_loss: torch.Tensor | None = None
     head_output: object = None
     _logits: torch.Tensor | None = field(default=None, repr=False)
+    # (device type, dtype): the forward ran under autocast to its model's linear weights' dtype (a frozen model's,
+    # hfnative.models.compute_dtype), and the logits are made under it too
+    autocast_for: tuple[str, torch.dtype] | None = field(default=None, repr=False)
 
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            self._logits = self.head(self.hidden_states)
+            if self.autocast_for is not None and autocast_dtype(self.autocast_for[0]) != self.autocast_for[1]:
+                with torch.autocast(self.autocast_for[0], dtype=self.autocast_for[1]):
+                    self._logits = self.head(self.hidden_states)
+            else:
+                self._logits = self.head(self.hidden_states)
         return self._logits
 
     def __getitem__(self, key: str):  # outputs["loss"], as with transformers' ModelOutput
@@ -291,10 +301,14 @@ class Transformer(nn.Module):
 
         A pipeline stage (``pipeline_stage`` set) returns its hidden states [B, S, D] (the last stage's normed, for
         the loss its schedule computes through the head), taking the previous stage's as ``input_ids``."""
-        if self.linear_weights_dtype is not None and autocast_dtype(input_ids.device.type) != self.linear_weights_dtype:
-            with autocast_for_weights(self, input_ids.device.type):
-                return self.forward(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
-                                    attention_plan, head_loss, **unused)
+        device_type = input_ids.device.type
+        if self.linear_weights_dtype is not None and autocast_dtype(device_type) != self.linear_weights_dtype:
+            with autocast_for_weights(self, device_type):
+                out = self.forward(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
+                                   attention_plan, head_loss, **unused)
+            if isinstance(out, CausalLMOutput):
+                out.autocast_for = (device_type, self.linear_weights_dtype)
+            return out
         if self.pipeline_stage is not None:
             return self.hidden_states(input_ids, attention_mask, position_ids, attention_plan)
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None

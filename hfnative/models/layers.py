@@ -178,9 +178,10 @@ class RMSNorm(nn.Module):
         Triton kernel each way (``TritonResidualRMSNorm``), or None where they do not run (the caller adds, then
         norms). consumers: the norm's output for that many plain linear layers, as ``for_linears`` gives it; None:
         the output itself."""
-        if not (use_triton_kernels(x, update, self.weight) and residual_rms_norm_supported(x, update, self.weight)
-                and (consumers or 1) <= MAX_FANNED):
-            return None
+        if (self._forward_hooks or self._forward_pre_hooks or (consumers or 1) > MAX_FANNED
+                or not (use_triton_kernels(x, update, self.weight)
+                        and residual_rms_norm_supported(x, update, self.weight))):
+            return None  # (a hook on the norm sees its call, as it does without the kernels)
         out_dtype = None
         if consumers is not None:
             out_dtype = self._autocast_output_dtype(x, torch.promote_types(x.dtype, update.dtype))

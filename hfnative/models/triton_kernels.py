@@ -209,13 +209,13 @@ def _norm_forward(ctx, x, weight, eps: float, float_offset: float | None, cos, s
     return h, y
 
 
-def _norm_backward(ctx, grads, residual_grad=None, update_dtype=None):
+def _norm_backward(ctx, grads, weight_grad: bool, residual_grad=None, update_dtype=None):
     """The backward launch: (the gradient of the normed input h, the weight's gradient, the update's gradient).
-    ``residual_grad``: the residual stream's own gradient of h, added; ``update_dtype``: the update's gradient is
-    that sum in this dtype (None: the sum itself; ``TritonRMSNorm`` leaves it unread)."""
+    ``weight_grad``: whether the weight needs its gradient; ``residual_grad``: the residual stream's own gradient of
+    h, added; ``update_dtype``: the update's gradient is that sum in this dtype (None: the sum itself;
+    ``TritonRMSNorm`` leaves it unread)."""
     x, weight, rstd, cos, sin = ctx.saved_tensors
     grads = [_rows_of(grad, like=x) for grad in grads if grad is not None]
-    weight_grad = ctx.needs_input_grad[1]
     if not grads:
         if residual_grad is None:
             return None, None, None
@@ -271,7 +271,7 @@ class TritonRMSNorm(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        grad_x, grad_weight, _ = _norm_backward(ctx, grads)
+        grad_x, grad_weight, _ = _norm_backward(ctx, grads, ctx.needs_input_grad[1])
         return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None, None, None, None, None
 
 
@@ -303,7 +303,7 @@ class TritonResidualRMSNorm(torch.autograd.Function):
     def backward(ctx, grad_h, *grads):
         h_dtype = torch.promote_types(ctx.x_dtype, ctx.update_dtype)
         update_dtype = ctx.update_dtype if ctx.update_dtype != h_dtype else None
-        grad_sum, grad_weight, grad_update = _norm_backward(ctx, grads, grad_h, update_dtype)
+        grad_sum, grad_weight, grad_update = _norm_backward(ctx, grads, ctx.needs_input_grad[2], grad_h, update_dtype)
         grad_x = grad_sum if grad_sum is None or ctx.x_dtype == h_dtype else grad_sum.to(ctx.x_dtype)
         return ((grad_x if ctx.needs_input_grad[0] else None), (grad_update if ctx.needs_input_grad[1] else None),
                 grad_weight, None, None, None, None)

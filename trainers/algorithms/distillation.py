@@ -134,8 +134,8 @@ class _DistillationObjective(LanguageModelingObjective):
             self.rng.setstate((version, tuple(internal), gauss))
 
     def auxiliary_models_ready(self) -> None:
-        """The teacher's vocabulary checked against the student's; under autocast its linear weights kept in the
-        autocast dtype (``frozen_for_autocast``)."""
+        """The teacher's vocabulary checked against the student's; under autocast, unless it is the user's own native
+        model object, its linear weights kept in the autocast dtype (``frozen_for_autocast``)."""
         student_vocab, teacher_vocab = self.context.model.args.vocab_size, self.teacher.args.vocab_size
         if student_vocab != teacher_vocab:
             raise ValueError(
@@ -143,7 +143,8 @@ class _DistillationObjective(LanguageModelingObjective):
                 f"{teacher_vocab}. Distillation compares the teacher's full next-token distribution, which requires a "
                 "shared vocabulary: use a teacher with the same tokenizer and vocab_size."
             )
-        frozen_for_autocast(self.teacher, self.args)
+        if "teacher" not in self.users_models:
+            frozen_for_autocast(self.teacher, self.args)
 
     # the collator reads the raw rows (the prompt and completion columns), so no column is dropped
     def prepare_train_dataset(self, dataset):

@@ -72,9 +72,10 @@ def refuse_sync_without_reference(args, reference) -> None:
 
 
 def frozen_for_autocast(model, args) -> None:
-    """A frozen native model (a reference, a teacher) that runs under the trainer's autocast (``bf16``, ``fp16``):
-    its linear weights kept in the autocast dtype, which is what autocast computes with, so the same outputs with
-    half those weights' memory and no cast of them each forward (``hfnative.models.compute_dtype``)."""
+    """A frozen native model the trainer loaded or copied (a reference, a teacher) that runs under the trainer's
+    autocast (``bf16``, ``fp16``): its linear weights kept in the autocast dtype, which is what autocast computes
+    with, so the same outputs with half those weights' memory and no cast of them each forward
+    (``hfnative.models.compute_dtype``)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     if dtype is not None and isinstance(model, Transformer):
         keep_linear_weights_in(model, dtype)
@@ -114,8 +115,8 @@ class ReferenceModel:
 
     def ready(self) -> None:
         """The kept reference in the policy's dtype, dropout off in it too; under autocast, unless it is synchronized
-        with the policy (TR-DPO mixes float32 weights), its linear weights in the autocast dtype
-        (``frozen_for_autocast``)."""
+        with the policy (TR-DPO mixes float32 weights) or is the user's own native model object, its linear weights in
+        the autocast dtype (``frozen_for_autocast``)."""
         ref = self.model
         if ref is None:
             return
@@ -125,7 +126,7 @@ class ReferenceModel:
             ref.to(policy_dtype)
         if args.disable_dropout:
             disable_dropout(ref)
-        if not getattr(args, "sync_ref_model", False):
+        if not getattr(args, "sync_ref_model", False) and "ref_model" not in self.objective.users_models:
             frozen_for_autocast(ref, args)
 
     @contextmanager

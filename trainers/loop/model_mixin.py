@@ -86,6 +86,8 @@ class ModelMixin:
         for name, source in list(self.objective.auxiliary_models.items()):
             loaded = resolve_model(source, self.device, {})
             model = loaded.model
+            if model is source or model is getattr(source, "model", None):
+                self.objective.users_models.add(name)
             if isinstance(model, Transformer):
                 attach_hub_surface(model, loaded.converted, base_model_name_or_path=loaded.base_model_name_or_path)
             model.requires_grad_(False).eval()

@@ -3,7 +3,8 @@
 An objective is built by its trainer with an ``ObjectiveContext`` (below) and never sees the trainer itself.
 The loop calls, once at construction, in this order:
   auxiliary_models                 (read) frozen models to load, by name: a path, Hub id or model object; the
-                                   loop replaces each by the loaded, frozen model, placed and sharded as the policy
+                                   loop replaces each by the loaded, frozen model, placed and sharded as the policy,
+                                   and names in ``users_models`` those that are the user's own objects
   auxiliary_models_ready()         every auxiliary model is loaded (e.g. cast a reference to the policy's dtype)
   prepare_datasets(train, eval)    the datasets ready for the collator (``eval`` may be a dict of them)
   default_collator()               when the user gave no data_collator
@@ -94,6 +95,9 @@ class Objective(ABC):
         # frozen models this algorithm needs, by name: a path, Hub id or model object until the loop replaces each
         # by the loaded, frozen, placed native model
         self.auxiliary_models: dict[str, object] = {}
+        # the names among them whose loaded model is the user's own object (a native model given as it is): the
+        # loop leaves its weights as given
+        self.users_models: set[str] = set()
 
     @property
     def args(self):
