@@ -118,12 +118,12 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
 # report
 
 
-def summarize(results: list[dict], device: str) -> str:
+def summarize(results: list[dict], device: str, runners=RUNNERS) -> str:
     lines, summary = [], {}
     memory = "peak GPU MiB" if device == "cuda" else "peak RSS MiB"
     header = f"{'runner':<10}{'tokens/s':>10}{'min..max':>20}{'step-median':>13}{memory:>14}{'peak heap':>11}{'final loss':>12}"
     lines += [header, "-" * len(header)]
-    for runner in RUNNERS:
+    for runner in runners:
         runs = [r for r in results if r["runner"] == runner]
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
@@ -164,6 +164,9 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activation checkpointing for both runners (TRL's default)")
+    parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated, from trl and ours")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16=True (autocast over fp32 weights) on a CPU too (always on cuda)")
     add_run_arguments(parser, timeout=3600, rounds=3, overrides=("seq", "batch", "steps", "warmup", "vocab"))
     return parser.parse_args(argv)
 
@@ -174,6 +177,9 @@ def main() -> None:
         child_main(cli, train=train_once)
         return
     cli.preset = cli.preset or ("qwen3_0.6b" if cli.device == "cuda" else "reference")
+    runners = [runner for runner in RUNNERS if runner in cli.runners.split(",")]
+    if not runners or len(runners) != len(cli.runners.split(",")):
+        raise SystemExit(f"--runners {cli.runners}: choose from {', '.join(RUNNERS)}")
     shape = start_parent(cli, PRESETS)
     with work_folder("bench_dpo_", cli.keep) as work:
         parameters = build_model(shape, work / "model", cli.seed)
@@ -181,7 +187,7 @@ def main() -> None:
         spec = {"device": cli.device, "shape": shape.__dict__, "model_dir": str(work / "model"),
                 "data_dir": str(work / "data"), "work_dir": str(work), "checkpointing": cli.activation_checkpointing,
                 "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads,
-                "profile_dir": profile_dir(cli)}
+                "profile_dir": profile_dir(cli), "bf16": cli.bf16 or cli.device == "cuda"}
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
         machine = machine_description(cli.device)
@@ -192,7 +198,7 @@ def main() -> None:
             f"trl {machine['trl']}; date {machine['date']}; load average {machine['load_average']}",
             f"model: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, vocab {shape.vocab}, tied; "
             f"{parameters / 1e6:.2f}M parameters; reference: a frozen copy (ref_model=None)",
-            f"training: {'bf16 autocast' if cli.device == 'cuda' else 'fp32'}, DPO sigmoid beta 0.1, max_length {shape.seq}, "
+            f"training: {'bf16 autocast' if spec['bf16'] else 'fp32'}, DPO sigmoid beta 0.1, max_length {shape.seq}, "
             f"{max(shape.batch // 2, 1)} pairs ({shape.batch} sequences) per step, {shape.steps} steps ({shape.warmup} "
             f"warm-up not timed), AdamW lr 1e-3, max_grad_norm {cli.max_grad_norm}, "
             f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}; "
@@ -204,9 +210,9 @@ def main() -> None:
             memory = result["peak_gpu_mib"] if cli.device == "cuda" else result["peak_rss_mib"]
             return f"{result['tokens_per_second']:,.0f} tokens/s, peak {memory:,.0f} MiB, final loss {result['losses'][-1]:.6f}"
 
-        results = run_rounds(list(RUNNERS), Workload(parameters, data, spec_path), cli, __file__, shown)
+        results = run_rounds(runners, Workload(parameters, data, spec_path), cli, __file__, shown)
         title = f"## {datetime.date.today().isoformat()} — DPO, preset `{cli.preset}`, {cli.device}"
-        finish(cli, setup, summarize(results, cli.device), results, title, __file__)
+        finish(cli, setup, summarize(results, cli.device, runners), results, title, __file__)
 
 
 if __name__ == "__main__":

@@ -255,7 +255,7 @@ def training_arguments(runner: str, spec: dict) -> dict:
     shape, is_cuda = Shape(**spec["shape"]), spec["device"] == "cuda"
     return dict(
         output_dir=str(Path(spec["work_dir"]) / f"out-{runner.replace(':', '-')}"),
-        use_cpu=not is_cuda, bf16=is_cuda, report_to="none", save_strategy="no", disable_tqdm=True,
+        use_cpu=not is_cuda, bf16=spec.get("bf16", is_cuda), report_to="none", save_strategy="no", disable_tqdm=True,
         logging_steps=1, max_steps=shape.steps, per_device_train_batch_size=shape.batch,
         gradient_accumulation_steps=1, learning_rate=1e-3, optim="adamw_torch", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=spec["max_grad_norm"], seed=spec["seed"],
