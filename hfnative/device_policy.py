@@ -14,8 +14,9 @@
   entries before one GEMM makes the weight's gradient (and one the hidden states') for them all.
 - ``selective_checkpointing``: a block under activation checkpointing keeps its attention output and the query,
   value and gate projections' results and recomputes the rest (``hfnative.models.selective_checkpoint``), instead of
-  running its whole forward again. On a GPU the recomputed matmuls cost time the kept memory buys back; on a CPU full
-  checkpointing stays.
+  running its whole forward again; as much of that as takes at most half the device's free memory for the batch
+  (``affordable_keep``: the attention's alone, or nothing, when the rest would not fit). On a GPU the recomputed
+  matmuls cost time the kept memory buys back; on a CPU full checkpointing stays.
 - ``compile_dynamic``: ``torch.compile``'s ``dynamic`` for the blocks. True on a CPU (any batch and sequence length
   from the first call, so padding-free batches never recompile); None on a GPU (static kernels first, dynamic after
   the first new shape: fixed-shape batches, packed or padded to a multiple, keep static, faster kernels).

@@ -1,7 +1,8 @@
 """The GPU policy's selective activation checkpointing (hfnative.models.selective_checkpoint), run here on CPU: in
 every family a checkpointed block keeps exactly the query, value and gate projections' results (the router's in a
 MoE block) and the attention kernels', its gradients are bit-identical to the un-checkpointed model's (dense and
-padded, fp32 and bf16 autocast), and only the ops inside the kept calls pass through the dispatch mode."""
+padded, fp32 and bf16 autocast), and only the ops inside the kept calls pass through the dispatch mode; the bytes
+kept are what the default's estimate says, and the default keeps less when the device's free memory is short."""
 
 from __future__ import annotations
 
@@ -216,3 +217,65 @@ def test_torchs_variable_length_attention_is_kept_as_attention():
     except ImportError:
         pytest.skip("this torch has no variable-length attention")
     assert torch.ops.torch_attn._varlen_attn.default in ATTENTION
+
+
+class _KeptBytes:
+    """The bytes of every result the forward's dispatch mode kept."""
+
+    def __init__(self, monkeypatch):
+        self.bytes = 0
+        dispatch = selective_checkpoint._Keep.__torch_dispatch__
+
+        def recording(mode, func, types, args=(), kwargs=None):
+            before = len(mode.kept)
+            out = dispatch(mode, func, types, args, kwargs)
+            for _, kept, _ in mode.kept[before:]:
+                self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(kept)
+                                  if isinstance(t, torch.Tensor))
+            return out
+
+        monkeypatch.setattr(selective_checkpoint._Keep, "__torch_dispatch__", recording)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("keep", ["attention_and_projections", "attention"])
+@pytest.mark.parametrize("family", ["qwen3-gqa", "qwen3moe-topk-norm", "gemma3-softcap-linear-untied"])
+def test_the_kept_bytes_estimate_is_what_a_block_keeps(family, tmp_path, monkeypatch, keep, bf16):
+    """``kept_bytes_per_token`` (which the GPU policy's default weighs against the free memory) equals the bytes
+    the checkpointed forward's kept results take, on a dense batch (one attention kernel a block)."""
+    save_hf_model(family, tmp_path)
+    model = apply_activation_checkpointing(load_pretrained(tmp_path).model.train(), "full", keep=keep)
+    ids, mask = _batch(model.args.vocab_size, padded=False)
+    counted = _KeptBytes(monkeypatch)
+    _loss_and_grads(model, ids, None, bf16)
+    element_size = 2 if bf16 else 4
+    estimate = ids.numel() * sum(selective_checkpoint.kept_bytes_per_token(block, keep, element_size)
+                                 for block in model.layers)
+    assert counted.bytes == estimate
+
+
+@pytest.mark.parametrize("available, expected", [
+    (None, "attention_and_projections"), (10**12, "attention_and_projections"), ("between", "attention"),
+    ("tight", "nothing"),
+])
+def test_the_gpu_default_keeps_what_fits(tmp_path, monkeypatch, available, expected):
+    """With no choice made, the GPU policy keeps the attention and projections' results where they take at most half
+    the device's free memory, else the attention's where those do, else nothing (full checkpointing); the gradients
+    are the same whatever it keeps."""
+    save_hf_model("qwen3-gqa", tmp_path)
+    model = apply_activation_checkpointing(load_pretrained(tmp_path).model.train(), "full")
+    ids, mask = _batch(model.args.vocab_size, padded=False)
+    per_token = {keep: sum(selective_checkpoint.kept_bytes_per_token(block, keep, 4) for block in model.layers)
+                 for keep in ("attention_and_projections", "attention")}
+    if available == "between":  # room for the attention's results, not for the projections' too
+        available = 2 * ids.numel() * per_token["attention"] + 2
+    elif available == "tight":
+        available = 2 * ids.numel() * per_token["attention"] - 2
+    from hfnative.models import decoder
+
+    monkeypatch.setattr(decoder, "available_device_bytes", lambda device: available)
+    chosen = []
+    real = decoder.selective_checkpoint_context
+    monkeypatch.setattr(decoder, "selective_checkpoint_context", lambda keep: chosen.append(keep) or real(keep))
+    _loss_and_grads(model, ids, None, bf16=False)
+    assert set(chosen) <= {expected} and (chosen or expected == "nothing"), chosen

@@ -23,7 +23,7 @@ from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
 from .recompute import keep_as_recomputed, recomputed_in_backward
-from .selective_checkpoint import selective_checkpoint_context
+from .selective_checkpoint import affordable_keep, available_device_bytes, selective_checkpoint_context
 from .rope import RotaryEmbedding
 
 
@@ -262,9 +262,10 @@ class Transformer(nn.Module):
         if self.local_rope is not None and any(layer.is_sliding for layer in self.layers):
             local_cos_sin = self.local_rope(position_ids_BS, rope_dtype)
         # the device's trades (hfnative.device_policy): a CPU remakes cheap activations in backward, a GPU keeps them;
-        # under activation checkpointing a GPU keeps attention and every second matmul and recomputes the rest
+        # under activation checkpointing a GPU keeps attention and every second matmul (what fits) and recomputes the
+        # rest
         policy = device_policy(h.device)
-        keep = self.checkpoint_keeps or ("attention_and_projections" if policy.selective_checkpointing else "nothing")
+        keep = self.checkpoint_keeps or self._default_checkpoint_keep(h, policy)
         for layer_id, layer in enumerate(self.layers):
             if isinstance(layer, BlockOnAnotherStage):
                 continue
@@ -281,6 +282,19 @@ class Transformer(nn.Module):
                 with recomputed_in_backward(policy.recompute_in_backward and not _is_compiled(layer)):
                     h = layer(*layer_inputs)
         return h if self.norm is None else self.norm(h)
+
+    def _default_checkpoint_keep(self, h_BSD: torch.Tensor, policy) -> str:
+        """What checkpointed blocks keep when ``checkpoint_keeps`` is not set: full checkpointing ("nothing") under
+        the CPU policy; under the GPU policy the most of the attention and projections' results that fits in the
+        device's free memory for this batch (``affordable_keep``), so that a run that fits with full checkpointing
+        (TRL's) does not run out of memory for it."""
+        if not policy.selective_checkpointing or not self.checkpointed_layers or not torch.is_grad_enabled():
+            return "nothing"
+        blocks = [self.layers[i] for i in sorted(self.checkpointed_layers)
+                  if i < len(self.layers) and not isinstance(self.layers[i], BlockOnAnotherStage)]
+        element_size = (autocast_dtype(h_BSD.device.type) or h_BSD.dtype).itemsize
+        return affordable_keep(blocks, h_BSD.shape[0] * h_BSD.shape[1], element_size,
+                               available_device_bytes(h_BSD.device))
 
     def forward(
         self,

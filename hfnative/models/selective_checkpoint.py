@@ -9,7 +9,9 @@ recompute costs little next to the memory, keeps full checkpointing.
 What is kept is chosen in the block's code: it runs the calls whose results a selective checkpoint may keep through
 ``kept_in_checkpoint(kind, fn, *args)``: the attention (kind "attention"), and the query, value and gate
 projections (the MoE router for a MoE block; kind "projection"). A checkpoint keeps the kinds its setting names
-(``CHECKPOINT_KEEPS``, ``model.checkpoint_keeps``): "attention_and_projections", the GPU policy's default;
+(``CHECKPOINT_KEEPS``, ``model.checkpoint_keeps``): "attention_and_projections", the GPU policy's default where
+it fits (``affordable_keep`` steps down to "attention", then "nothing", when the kept results would take more than
+half the device's free memory: a run that fits with full checkpointing does not run out of memory for them);
 "attention", what TRL's ``gradient_checkpointing_kwargs={"selective": True}`` keeps (one activation a block, about
 as large as the block's input); "nothing", full checkpointing (TRL's default, and the CPU policy's). Inside the
 calls the matmuls' and attention kernels' results are kept in forward and handed back in the recompute without
@@ -157,6 +159,52 @@ def selective_checkpoint_context(keep: str):
     return _RunningUnder(_Keep(kept, kinds)), _RunningUnder(_Replay(kept, kinds))
 
 
+def kept_bytes_per_token(block, keep: str, element_size: int) -> int:
+    """What a checkpointed decoder block (``hfnative.models.decoder.TransformerBlock``) keeps a token for ``keep``
+    beyond full checkpointing's input: the attention's output in the compute dtype (``element_size`` bytes an entry)
+    with its float32 log-sum-exp a head (nothing with attention sinks, whose attention is explicit ops); the query,
+    value and gate projections' results, or a MoE block's router logits. LoRA adapters' rank-wide results are left
+    out."""
+    kinds = CHECKPOINT_KEEPS[keep]
+    attention = block.attention
+    total = 0
+    if "attention" in kinds and attention.sinks is None:
+        total += attention.n_heads * (attention.head_dim * element_size + 4)
+    if "projection" in kinds:
+        total += (attention.n_heads + attention.n_kv_heads) * attention.head_dim * element_size
+        if block.feed_forward is not None:
+            total += block.feed_forward.w1.out_features * element_size
+        else:
+            total += block.moe.num_experts * element_size
+    return total
+
+
+DEFAULT_KEEPS = ("attention_and_projections", "attention", "nothing")  # the default's choices, most kept first
+
+
+def affordable_keep(blocks: list, tokens: int, element_size: int, available_bytes: int | None) -> str:
+    """The device policy's default keep under activation checkpointing for a forward of ``tokens`` tokens through
+    the checkpointed ``blocks``: the first of ``DEFAULT_KEEPS`` whose kept results take at most half of
+    ``available_bytes`` (the device memory free to the allocator; the rest leaves room for backward), "nothing" when
+    none does; with ``available_bytes`` None (not known), the first. What is kept never changes a gradient (the
+    recompute hands back the very results), only the memory and the recompute's time."""
+    if available_bytes is None:
+        return DEFAULT_KEEPS[0]
+    for keep in DEFAULT_KEEPS[:-1]:
+        if tokens * sum(kept_bytes_per_token(block, keep, element_size) for block in blocks) <= available_bytes // 2:
+            return keep
+    return DEFAULT_KEEPS[-1]
+
+
+def available_device_bytes(device: torch.device) -> int | None:
+    """The memory a CUDA device can still give torch's allocator: free on the device plus what the allocator holds
+    unused; None elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def kept_in_checkpoint(kind: str, fn, *args):
     """``fn(*args)``; inside a selectively checkpointed block that keeps ``kind`` ("attention" or "projection"), the
     results of its matmuls and attention kernels are kept for backward and not recomputed."""
@@ -169,4 +217,5 @@ def kept_in_checkpoint(kind: str, fn, *args):
         return fn(*args)
 
 
-__all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "MATMULS", "kept_in_checkpoint", "selective_checkpoint_context"]
+__all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "DEFAULT_KEEPS", "MATMULS", "affordable_keep", "available_device_bytes",
+           "kept_bytes_per_token", "kept_in_checkpoint", "selective_checkpoint_context"]
