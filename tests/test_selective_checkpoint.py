@@ -267,10 +267,12 @@ def test_the_gpu_default_keeps_what_fits(tmp_path, monkeypatch, available, expec
     ids, mask = _batch(model.args.vocab_size, padded=False)
     per_token = {keep: sum(selective_checkpoint.kept_bytes_per_token(block, keep, 4) for block in model.layers)
                  for keep in ("attention_and_projections", "attention")}
+    # set aside first: the parameters' gradients the backward will make, the checkpointed blocks' fp32 inputs
+    reserve = sum(p.numel() * 4 for p in model.parameters()) + len(model.layers) * ids.numel() * model.args.dim * 4
     if available == "between":  # room for the attention's results, not for the projections' too
-        available = 2 * ids.numel() * per_token["attention"] + 2
+        available = reserve + 2 * ids.numel() * per_token["attention"] + 2
     elif available == "tight":
-        available = 2 * ids.numel() * per_token["attention"] - 2
+        available = reserve + 2 * ids.numel() * per_token["attention"] - 2
     from hfnative.models import decoder
 
     monkeypatch.setattr(decoder, "available_device_bytes", lambda device: available)
@@ -279,3 +281,34 @@ def test_the_gpu_default_keeps_what_fits(tmp_path, monkeypatch, available, expec
     monkeypatch.setattr(decoder, "selective_checkpoint_context", lambda keep: chosen.append(keep) or real(keep))
     _loss_and_grads(model, ids, None, bf16=False)
     assert set(chosen) <= {expected} and (chosen or expected == "nothing"), chosen
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_the_kept_bytes_estimate_counts_lora_adapters(tmp_path, monkeypatch, bf16):
+    """A LoRA projection keeps its base matmul's result and both adapter factors' (the full-width one included)."""
+    from hfnative.converters.peft import apply_lora
+
+    save_hf_model("qwen3-gqa", tmp_path)
+    converted = load_pretrained(tmp_path)
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = apply_activation_checkpointing(converted.model.train(), "full", keep="attention_and_projections")
+    ids, _ = _batch(model.args.vocab_size, padded=False)
+    counted = _KeptBytes(monkeypatch)
+    _loss_and_grads(model, ids, None, bf16)
+    estimate = ids.numel() * sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections",
+                                                                           2 if bf16 else 4) for block in model.layers)
+    assert counted.bytes == estimate
+
+
+def test_dora_projections_leave_the_default_keeping_the_attention(tmp_path):
+    """A DoRA projection also keeps weight-sized products (no count per token): the default keeps the attention's
+    results only."""
+    from hfnative.converters.peft import apply_lora
+
+    save_hf_model("qwen3-gqa", tmp_path)
+    converted = load_pretrained(tmp_path)
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True))
+    blocks = list(converted.model.layers)
+    assert selective_checkpoint.kept_bytes_per_token(blocks[0], "attention_and_projections", 4) is None
+    assert selective_checkpoint.affordable_keep(blocks, 60, 4, None) == "attention"
+    assert selective_checkpoint.affordable_keep(blocks, 60, 4, 10**12) == "attention"

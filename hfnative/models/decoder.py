@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch.distributed.tensor import DTensor
 
 from hfnative.device_policy import device_policy
 from hfnative.losses import at_least_one, shift_labels as shift_labels_of
@@ -285,16 +286,25 @@ class Transformer(nn.Module):
 
     def _default_checkpoint_keep(self, h_BSD: torch.Tensor, policy) -> str:
         """What checkpointed blocks keep when ``checkpoint_keeps`` is not set: full checkpointing ("nothing") under
-        the CPU policy; under the GPU policy the most of the attention and projections' results that fits in the
-        device's free memory for this batch (``affordable_keep``), so that a run that fits with full checkpointing
-        (TRL's) does not run out of memory for it."""
-        if not policy.selective_checkpointing or not self.checkpointed_layers or not torch.is_grad_enabled():
+        the CPU policy and in a pipeline stage (several micro-batches' forwards are kept at once there); under the
+        GPU policy the most of the attention and projections' results that fits in the device's memory for this
+        batch (``affordable_keep``), once what the step allocates anyway is set aside (the parameters' gradients still
+        to come, the checkpointed blocks' inputs): a run that fits with full checkpointing (TRL's) should not run out
+        of memory for them."""
+        if (not policy.selective_checkpointing or not self.checkpointed_layers or not torch.is_grad_enabled()
+                or self.pipeline_stage is not None):
             return "nothing"
-        blocks = [self.layers[i] for i in sorted(self.checkpointed_layers)
-                  if i < len(self.layers) and not isinstance(self.layers[i], BlockOnAnotherStage)]
-        element_size = (autocast_dtype(h_BSD.device.type) or h_BSD.dtype).itemsize
-        return affordable_keep(blocks, h_BSD.shape[0] * h_BSD.shape[1], element_size,
-                               available_device_bytes(h_BSD.device))
+        blocks = [self.layers[i] for i in sorted(self.checkpointed_layers) if i < len(self.layers)]
+        local = h_BSD.to_local() if isinstance(h_BSD, DTensor) else h_BSD  # a sequence shard under tensor parallelism
+        tokens = local.numel() // local.shape[-1]
+        element_size = (autocast_dtype(local.device.type) or local.dtype).itemsize
+        available = available_device_bytes(local.device)
+        if available is not None:
+            gradients = sum(p.numel() * p.element_size() for p in self.parameters()
+                            if p.requires_grad and p.grad is None)
+            inputs = len(blocks) * local.numel() * local.element_size()
+            available = max(available - gradients - inputs, 0)
+        return affordable_keep(blocks, tokens, element_size, available)
 
     def forward(
         self,

@@ -159,23 +159,38 @@ def selective_checkpoint_context(keep: str):
     return _RunningUnder(_Keep(kept, kinds)), _RunningUnder(_Replay(kept, kinds))
 
 
-def kept_bytes_per_token(block, keep: str, element_size: int) -> int:
+def _projection_bytes(module, element_size: int) -> int | None:
+    """What a kept projection's matmuls leave a token: a linear layer's output; a LoRA layer's base and adapter
+    outputs (the full-width one and the rank-wide one); None for a DoRA layer (it also keeps weight-sized products,
+    whatever the token count). Widths are the layers' whole ones: under tensor parallelism a rank keeps its share of
+    heads or columns over the whole sequence, which its tokens (a sequence shard) times the whole width gives."""
+    if getattr(module, "lora_magnitude_vector", None) is not None:
+        return None
+    lora_B = getattr(module, "lora_B", None)
+    rank_wide = 0 if lora_B is None else module.out_features + lora_B.shape[1]
+    return (module.out_features + rank_wide) * element_size
+
+
+def kept_bytes_per_token(block, keep: str, element_size: int) -> int | None:
     """What a checkpointed decoder block (``hfnative.models.decoder.TransformerBlock``) keeps a token for ``keep``
     beyond full checkpointing's input: the attention's output in the compute dtype (``element_size`` bytes an entry)
     with its float32 log-sum-exp a head (nothing with attention sinks, whose attention is explicit ops); the query,
-    value and gate projections' results, or a MoE block's router logits. LoRA adapters' rank-wide results are left
-    out."""
+    value and gate projections' results (``_projection_bytes``), or a MoE block's router logits. None where that is
+    not a count per token (a DoRA projection)."""
     kinds = CHECKPOINT_KEEPS[keep]
     attention = block.attention
     total = 0
     if "attention" in kinds and attention.sinks is None:
-        total += attention.n_heads * (attention.head_dim * element_size + 4)
+        width = attention.wq.out_features  # all heads (module docstring of _projection_bytes)
+        total += width * element_size + width // attention.head_dim * 4
     if "projection" in kinds:
-        total += (attention.n_heads + attention.n_kv_heads) * attention.head_dim * element_size
-        if block.feed_forward is not None:
-            total += block.feed_forward.w1.out_features * element_size
-        else:
-            total += block.moe.num_experts * element_size
+        projections = [attention.wq, attention.wv,
+                       block.feed_forward.w1 if block.feed_forward is not None else block.moe.router]
+        for module in projections:
+            size = _projection_bytes(module, element_size)
+            if size is None:
+                return None
+            total += size
     return total
 
 
@@ -185,13 +200,15 @@ DEFAULT_KEEPS = ("attention_and_projections", "attention", "nothing")  # the def
 def affordable_keep(blocks: list, tokens: int, element_size: int, available_bytes: int | None) -> str:
     """The device policy's default keep under activation checkpointing for a forward of ``tokens`` tokens through
     the checkpointed ``blocks``: the first of ``DEFAULT_KEEPS`` whose kept results take at most half of
-    ``available_bytes`` (the device memory free to the allocator; the rest leaves room for backward), "nothing" when
-    none does; with ``available_bytes`` None (not known), the first. What is kept never changes a gradient (the
-    recompute hands back the very results), only the memory and the recompute's time."""
-    if available_bytes is None:
-        return DEFAULT_KEEPS[0]
+    ``available_bytes`` (the device memory left once what the step will still allocate anyway is set aside: the
+    caller's count; the other half leaves room for backward's own buffers), "nothing" when none does; with
+    ``available_bytes`` None (not known), the first that is a count per token. What is kept never changes a gradient
+    (the recompute hands back the very results), only the memory and the recompute's time."""
     for keep in DEFAULT_KEEPS[:-1]:
-        if tokens * sum(kept_bytes_per_token(block, keep, element_size) for block in blocks) <= available_bytes // 2:
+        sizes = [kept_bytes_per_token(block, keep, element_size) for block in blocks]
+        if None in sizes:
+            continue
+        if available_bytes is None or tokens * sum(sizes) <= available_bytes // 2:
             return keep
     return DEFAULT_KEEPS[-1]
 
@@ -202,7 +219,8 @@ def available_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    stats = torch.cuda.memory_stats(device)
+    return free + stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
 
 
 def kept_in_checkpoint(kind: str, fn, *args):
