@@ -9,6 +9,8 @@ autocast), with half those weights' memory; called outside autocast it runs unde
 from __future__ import annotations
 
 import copy
+import math
+import dataclasses
 import tempfile
 from pathlib import Path
 
@@ -68,6 +70,27 @@ def test_frozen_model_in_the_autocast_dtype_computes_what_autocast_computed(name
     assert rollouts.completion_ids == want_rollouts.completion_ids
 
 
+def test_a_frozen_scorer_in_the_autocast_dtype_scores_what_autocast_scored():
+    """A sequence classifier (PPO's reward model) kept so: the same scores under autocast, and called outside it."""
+    with tempfile.TemporaryDirectory() as directory:
+        make_hf_model("qwen3-gqa").save_pretrained(directory)  # a causal LM's body, scored by a fresh 1-label head
+        from hfnative.models.classifier import SequenceClassifier
+
+        base = load_pretrained(directory).model
+        scorer = SequenceClassifier(dataclasses.replace(base.args, num_labels=1, pad_token_id=0))
+    scorer.load_state_dict({k: v for k, v in base.state_dict().items() if not k.startswith("output.")}, strict=False)
+    torch.nn.init.normal_(scorer.output.weight, std=0.3)
+    scorer.requires_grad_(False).eval()
+    kept = copy.deepcopy(scorer)
+    keep_linear_weights_in(kept, torch.bfloat16)
+    assert kept.output.weight.dtype == torch.float32
+    ids = torch.randint(1, 96, (2, 13), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = scorer(ids).logits
+        assert torch.equal(kept(ids).logits, want)
+    assert torch.equal(kept(ids).logits, want)
+
+
 def test_decoding_shares_the_weights_already_in_the_autocast_dtype():
     kept = _native("qwen3-gqa")
     keep_linear_weights_in(kept, torch.bfloat16)
@@ -122,3 +145,31 @@ def test_a_synchronized_reference_keeps_float32_weights(tmp_path):
     trainer.train()
     assert all(p.dtype == torch.float32 for p in trainer.ref_model.parameters())
 
+
+
+def test_ppo_reward_model_kept_in_bf16(tmp_path):
+    """PPO's reward model scores rollouts under the trainer's autocast: kept in bf16 under bf16=True (the trained value
+    model and the policy keep fp32 weights)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForSequenceClassification
+
+    config = Qwen3Config(vocab_size=1024, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=0)
+    folders = {}
+    for seed, name in enumerate(("reward", "value")):
+        torch.manual_seed(seed)
+        Qwen3ForSequenceClassification(config).save_pretrained(tmp_path / name)
+        folders[name] = str(tmp_path / name)
+    tokenizer = AutoTokenizer.from_pretrained(TINY, padding_side="left")
+    rows = [{"input_ids": tokenizer(f"Tell me about the number {i}")["input_ids"]} for i in range(8)]
+    from datasets import Dataset
+
+    args = h.PPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=True, num_ppo_epochs=1, response_length=4,
+                       stop_token="eos", total_episodes=8, per_device_train_batch_size=4, report_to=[],
+                       save_strategy="no", seed=0, num_sample_generations=0, logging_steps=1)
+    trainer = h.PPOTrainer(args, tokenizer, TINY, None, folders["reward"], Dataset.from_list(rows), folders["value"])
+    trainer.train()
+    assert all(p.dtype == torch.bfloat16 for p in linear_weights(trainer.reward_model))
+    assert all(p.dtype == torch.float32 for p in trainer.value_model.parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert all(math.isfinite(entry["loss/policy_avg"]) for entry in trainer.state.log_history
+               if "loss/policy_avg" in entry)

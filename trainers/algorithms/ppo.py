@@ -90,9 +90,11 @@ class PPOTrainer(Trainer):
         self.args.max_steps = self.args.num_total_batches  # the loop's steps are TRL's updates
         reward_model = resolve_model(self._reward_source, self.device, self._classifier_kwargs()).model
         disable_dropout(reward_model)
+        users_reward_model = reward_model is self._reward_source or reward_model is getattr(self._reward_source,
+                                                                                            "model", None)
         source, given = self._ref_source, self._ref_given
         self._ref_source = self._reward_source = None
-        return PPOObjective(self.context, source, given, reward_model)
+        return PPOObjective(self.context, source, given, reward_model, users_reward_model)
 
     def _classifier_kwargs(self) -> dict:
         return {"num_labels": 1, "score_seed": self.args.seed}

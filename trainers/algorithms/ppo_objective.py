@@ -41,7 +41,7 @@ from hfnative.losses.ppo import (
 
 from ..loop.objective import Normalizer, Objective
 from .ppo_forwards import PPOForwards, with_trl_plan
-from .reference_model import ReferenceModel
+from .reference_model import ReferenceModel, frozen_for_autocast
 from ..rollout.prompt_batches import GenerationBatchSampler
 from ..rollout.prompts import sampling_params
 from ..rollout.component import Rollout
@@ -82,7 +82,7 @@ class PPOObjective(Objective):
                           "expert_parallel"})
     split_collated_batches = False
 
-    def __init__(self, context, reference_source, reference_given: bool, reward_model):
+    def __init__(self, context, reference_source, reference_given: bool, reward_model, users_reward_model=False):
         super().__init__(context)
         args = context.args
         tokenizer = context.tokenizer
@@ -91,7 +91,8 @@ class PPOObjective(Objective):
         self.pad_token_id, self.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.stop_token_id = tokenizer.eos_token_id if args.stop_token == "eos" else args.stop_token_id
         self.reference = ReferenceModel(self, reference_source, reference_given)
-        self.auxiliary_models["reward_model"] = reward_model
+        self.auxiliary_models["reward_model"] = reward_model  # loaded by the trainer (its own classifier kwargs)
+        self.users_reward_model = users_reward_model  # the user's own native model object, left as given
         self.value_model = None
         self.temperature = args.temperature + 1e-7  # TRL's, in sampling and in every log-prob
         stops = [] if self.stop_token_id is None else [self.stop_token_id]
@@ -114,7 +115,11 @@ class PPOObjective(Objective):
         return True
 
     def auxiliary_models_ready(self) -> None:
+        """The reference ready; the reward model, which scores rollouts under the trainer's autocast, with its linear
+        weights kept in the autocast dtype unless it is the user's own native model object (``frozen_for_autocast``)."""
         self.reference.ready()
+        if not self.users_reward_model:
+            frozen_for_autocast(self.auxiliary_models["reward_model"], self.args)
 
     # --- data: rows with TRL's tokenized prompts ("input_ids"), one rollout batch read per micro-batch of a step -----
     def prepare_train_dataset(self, dataset):
