@@ -294,17 +294,16 @@ class Transformer(nn.Module):
         if (not policy.selective_checkpointing or not self.checkpointed_layers or not torch.is_grad_enabled()
                 or self.pipeline_stage is not None):
             return "nothing"
-        blocks = [self.layers[i] for i in sorted(self.checkpointed_layers) if i < len(self.layers)]
         local = h_BSD.to_local() if isinstance(h_BSD, DTensor) else h_BSD  # a sequence shard under tensor parallelism
-        tokens = local.numel() // local.shape[-1]
-        element_size = (autocast_dtype(local.device.type) or local.dtype).itemsize
         available = available_device_bytes(local.device)
-        if available is not None:
-            gradients = sum(p.numel() * p.element_size() for p in self.parameters()
-                            if p.requires_grad and p.grad is None)
-            inputs = len(blocks) * local.numel() * local.element_size()
-            available = max(available - gradients - inputs, 0)
-        return affordable_keep(blocks, tokens, element_size, available)
+        if available is None:  # the GPU policy forced on a CPU
+            return affordable_keep([], 0, 0, None)
+        blocks = [self.layers[i] for i in sorted(self.checkpointed_layers) if i < len(self.layers)]
+        gradients = sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad and p.grad is None)
+        inputs = len(blocks) * local.numel() * local.element_size()
+        element_size = (autocast_dtype(local.device.type) or local.dtype).itemsize
+        return affordable_keep(blocks, local.numel() // local.shape[-1], element_size,
+                               max(available - gradients - inputs, 0))
 
     def forward(
         self,

@@ -202,13 +202,13 @@ def affordable_keep(blocks: list, tokens: int, element_size: int, available_byte
     the checkpointed ``blocks``: the first of ``DEFAULT_KEEPS`` whose kept results take at most half of
     ``available_bytes`` (the device memory left once what the step will still allocate anyway is set aside: the
     caller's count; the other half leaves room for backward's own buffers), "nothing" when none does; with
-    ``available_bytes`` None (not known), the first that is a count per token. What is kept never changes a gradient
-    (the recompute hands back the very results), only the memory and the recompute's time."""
+    ``available_bytes`` None (not known: the GPU policy forced on another device), the first. What is kept never
+    changes a gradient (the recompute hands back the very results), only the memory and the recompute's time."""
+    if available_bytes is None:
+        return DEFAULT_KEEPS[0]
     for keep in DEFAULT_KEEPS[:-1]:
         sizes = [kept_bytes_per_token(block, keep, element_size) for block in blocks]
-        if None in sizes:
-            continue
-        if available_bytes is None or tokens * sum(sizes) <= available_bytes // 2:
+        if None not in sizes and tokens * sum(sizes) <= available_bytes // 2:
             return keep
     return DEFAULT_KEEPS[-1]
 
