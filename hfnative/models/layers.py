@@ -17,8 +17,8 @@ from .recompute import keep_as_recomputed
 from .rope import apply_rotary
 from .selective_checkpoint import kept_in_checkpoint
 from .triton_kernels import (MAX_FANNED, TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
-                             norm_rope_supported, residual_rms_norm_supported, rms_norm_supported, rope_supported,
-                             silu_gated_supported, use_triton_kernels)
+                             fanned_out, norm_rope_supported, residual_rms_norm_supported, rms_norm_supported,
+                             rope_supported, silu_gated_supported, use_triton_kernels)
 
 
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -26,12 +26,6 @@ def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     keeps fresh's dtype (the same values without a second tensor of that size). promote_types, not result_type (which
     torch.compile cannot trace): the two agree here, where neither tensor is 0-d."""
     return fresh.mul_(other) if fresh.dtype == torch.promote_types(fresh.dtype, other.dtype) else fresh * other
-
-
-def fanned_out(y: torch.Tensor, consumers: int):
-    """``y`` for ``consumers`` callers: y itself for one, else one view each, so that autograd hands the function
-    that made y each caller's gradient apart instead of summing them in y's dtype."""
-    return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
 
 
 def gradient_sum(grads, dtype: torch.dtype) -> torch.Tensor | None:

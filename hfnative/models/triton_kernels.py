@@ -54,6 +54,13 @@ MAX_NORM_DIM = 1 << 16  # a program holds whole rows
 MAX_FANNED = 3  # the most fanned-out outputs of a norm whose gradients its backward kernel sums (q, k, v)
 
 
+def fanned_out(y: torch.Tensor, consumers: int):
+    """``y`` for ``consumers`` callers: y itself for one, else one view each, so that autograd hands the function
+    that made y each caller's gradient apart instead of summing them in y's dtype (``layers.RMSNorm.for_linears``
+    and the kernels' norms alike)."""
+    return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -247,16 +254,12 @@ def _norm_backward(ctx, grads, weight_grad: bool, residual_grad=None, update_dty
     return grad_x, grad_weight, grad_x if grad_update is None else grad_update
 
 
-def _fanned(y: torch.Tensor, consumers: int):
-    return y if consumers == 1 else tuple(y.view_as(y) for _ in range(consumers))
-
-
 class TritonRMSNorm(torch.autograd.Function):
     """``layers._RMSNormFunction`` as two kernels: keeps x, the weight and 1/rms [rows] for backward. With cos and
     sin (a per-head norm over x [B, S, H, d], tables [B, S, d]), the normed heads are rotated in the same kernel, as
     ``rope.apply_rotary`` rotates them (``norm_rope_supported``). With out_dtype the kernel writes the output in it
     (rounding once, as a cast after the norm would); with consumers (up to ``MAX_FANNED``) it returns that many views
-    of the output (``layers.fanned_out``) and the backward kernel sums their gradients in float32."""
+    of the output (``fanned_out``) and the backward kernel sums their gradients in float32."""
 
     @staticmethod
     def forward(ctx, x, weight, eps: float, float_offset: float | None, cos=None, sin=None, out_dtype=None,
@@ -266,7 +269,7 @@ class TritonRMSNorm(torch.autograd.Function):
                              "rotation)")
         ctx.set_materialize_grads(False)  # a consumer without a gradient is left out of the sum, not read as zeros
         _, y = _norm_forward(ctx, _rows_of(x), weight, eps, float_offset, cos, sin, out_dtype)
-        return _fanned(y, consumers)
+        return fanned_out(y, consumers)
 
     @staticmethod
     @once_differentiable
@@ -295,7 +298,7 @@ class TritonResidualRMSNorm(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         h, y = _norm_forward(ctx, x, weight, eps, float_offset, None, None, out_dtype, update)
         ctx.x_dtype, ctx.update_dtype = x.dtype, update.dtype
-        out = _fanned(y, consumers)
+        out = fanned_out(y, consumers)
         return (h, *out) if consumers > 1 else (h, out)
 
     @staticmethod
@@ -430,5 +433,5 @@ def cross_entropy_supported(z_CV_dtype: torch.dtype, softcap: float | None) -> b
 
 
 __all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonResidualRMSNorm", "TritonRope", "TritonSiluGated", "available",
-           "norm_rope_supported", "residual_rms_norm_supported", "rms_norm_supported", "rope_supported",
+           "fanned_out", "norm_rope_supported", "residual_rms_norm_supported", "rms_norm_supported", "rope_supported",
            "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows", "cross_entropy_supported"]
