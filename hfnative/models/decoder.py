@@ -32,29 +32,37 @@ def _norm_if(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
     return x if norm is None else norm(x)
 
 
+def _normed(norm: RMSNorm, x: torch.Tensor, linears: int | None):
+    """``norm(x)``, or for ``linears`` linear layers one input each (``RMSNorm.for_linears``)."""
+    return norm(x) if linears is None else norm.for_linears(x, linears)
+
+
+def _remade_in_backward(norm: RMSNorm, x: torch.Tensor, linears: int | None, outputs):
+    """``outputs`` (``_normed(norm, x, linears)``'s), remade from ``x`` (kept by the norm) in backward."""
+    def first(out):  # the tensor autograd keeps (the views of a fanned-out output share it)
+        return out if linears is None else out[0]
+
+    keep_as_recomputed(first(outputs), lambda: first(_normed(norm, x, linears)))
+    return outputs
+
+
 def _pre_norm(norm: RMSNorm | None, x: torch.Tensor, linears: int | None = None):
     """A sublayer's input norm; for ``linears`` linear layers (``RMSNorm.for_linears``; without a norm,
     ``cast_for_linears``), a tuple of one input each. Its output is remade from ``x`` (kept by the norm) in backward."""
     if norm is None:
         return x if linears is None else cast_for_linears(x, linears)
-    if linears is None:
-        return keep_as_recomputed(norm(x), lambda: norm(x))
-    outputs = norm.for_linears(x, linears)
-    keep_as_recomputed(outputs[0], lambda: norm.for_linears(x, linears)[0])
-    return outputs
+    return _remade_in_backward(norm, x, linears, _normed(norm, x, linears))
 
 
 def _residual_and_pre_norm(norm: RMSNorm | None, x: torch.Tensor, update: torch.Tensor, linears: int | None = None):
     """``(x + update, the next sublayer's pre-norm of that sum)`` (``_pre_norm``'s output): one kernel each way
     where the Triton kernels run (``RMSNorm.after_residual``), else the add and ``_pre_norm``."""
     fused = None if norm is None else norm.after_residual(x, update, linears)
-    if fused is not None:
-        h, out = fused
-        first = out if linears is None else out[0]
-        keep_as_recomputed(first, lambda: norm(h) if linears is None else norm.for_linears(h, linears)[0])
-        return fused
-    h = x + update
-    return h, _pre_norm(norm, h, linears)
+    if fused is None:
+        h = x + update
+        return h, _pre_norm(norm, h, linears)
+    h, outputs = fused
+    return h, _remade_in_backward(norm, h, linears, outputs)
 
 
 class TransformerBlock(nn.Module):
