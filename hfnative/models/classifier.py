@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from hfnative.precision import autocast_dtype
-
 from .args import ModelArgs
 from .attention import AttentionPlan
-from .compute_dtype import autocast_for_weights
+from .compute_dtype import under_weights_autocast
 from .decoder import Transformer
 from .moe import RouterLogits, load_balancing_loss
 
@@ -71,6 +69,7 @@ class SequenceClassifier(Transformer):
     def pad_token_id(self, value: int | None) -> None:
         self.args.pad_token_id = value
 
+    @under_weights_autocast  # a frozen scorer kept in the autocast dtype (hfnative.models.compute_dtype)
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -88,11 +87,6 @@ class SequenceClassifier(Transformer):
         position, logits [B, S, L] (a value model's per-token values)."""
         if labels is not None:
             raise ValueError("SequenceClassifier computes no loss from labels: compute it from the returned logits [B, L]")
-        device_type = input_ids.device.type
-        if self.linear_weights_dtype is not None and autocast_dtype(device_type) != self.linear_weights_dtype:
-            with autocast_for_weights(self, device_type):  # a frozen scorer kept in the autocast dtype
-                return self.forward(input_ids, attention_mask, position_ids, attention_plan, None, score_positions,
-                                    every_position, **unused)
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
         hidden_BSD = self.hidden_states(input_ids, attention_mask, position_ids, attention_plan, router_logits)
         if isinstance(hidden_BSD, DTensor):  # split over the sequence (tensor parallel): whole rows, as every rank's

@@ -9,6 +9,7 @@ operands, so the same outputs, without the cast's pass over the weights each for
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -44,10 +45,33 @@ def keep_linear_weights_in(model: nn.Module, dtype: torch.dtype) -> int:
     return freed
 
 
-def autocast_for_weights(model: nn.Module, device_type: str):
-    """Autocast to the dtype ``model``'s linear weights are kept in (``keep_linear_weights_in``) where the caller's
-    autocast is not already that; else a context that does nothing."""
-    dtype = getattr(model, "linear_weights_dtype", None)
+def autocast_to(device_type: str, dtype: torch.dtype | None):
+    """Autocast to ``dtype`` on ``device_type`` where the caller's autocast is not already that; a context that does
+    nothing for ``dtype`` None or where it is."""
     if dtype is None or autocast_dtype(device_type) == dtype:
         return contextlib.nullcontext()
     return torch.autocast(device_type, dtype=dtype)
+
+
+def autocast_for_weights(model: nn.Module, device_type: str):
+    """Autocast to the dtype ``model``'s linear weights are kept in (``keep_linear_weights_in``), as ``autocast_to``."""
+    return autocast_to(device_type, getattr(model, "linear_weights_dtype", None))
+
+
+def under_weights_autocast(forward):
+    """A model's ``forward(self, input_ids, ...)`` run under autocast to the dtype its linear weights are kept in
+    when the caller's autocast is not that; an output with an ``autocast_for`` field records (device type, dtype) for
+    what it computes later (``CausalLMOutput.logits``)."""
+
+    @functools.wraps(forward)
+    def run(self, input_ids, *args, **kwargs):
+        dtype = self.linear_weights_dtype
+        if dtype is None:
+            return forward(self, input_ids, *args, **kwargs)
+        with autocast_to(input_ids.device.type, dtype):
+            out = forward(self, input_ids, *args, **kwargs)
+        if hasattr(out, "autocast_for"):
+            out.autocast_for = (input_ids.device.type, dtype)
+        return out
+
+    return run

@@ -19,7 +19,7 @@ from hfnative.precision import autocast_dtype
 
 from .args import ModelArgs
 from .attention import AttentionPlan, plan_attention
-from .compute_dtype import autocast_for_weights
+from .compute_dtype import autocast_to, under_weights_autocast
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
 from .moe import GroupedExperts, MoE, RouterLogits, load_balancing_loss
@@ -147,10 +147,7 @@ class CausalLMOutput:
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            if self.autocast_for is not None and autocast_dtype(self.autocast_for[0]) != self.autocast_for[1]:
-                with torch.autocast(self.autocast_for[0], dtype=self.autocast_for[1]):
-                    self._logits = self.head(self.hidden_states)
-            else:
+            with autocast_to(*(self.autocast_for or (None, None))):
                 self._logits = self.head(self.hidden_states)
         return self._logits
 
@@ -313,6 +310,7 @@ class Transformer(nn.Module):
         return affordable_keep(blocks, local.numel() // local.shape[-1], element_size,
                                max(available - gradients - inputs, 0))
 
+    @under_weights_autocast  # a frozen model kept in the autocast dtype (hfnative.models.compute_dtype)
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -332,14 +330,6 @@ class Transformer(nn.Module):
 
         A pipeline stage (``pipeline_stage`` set) returns its hidden states [B, S, D] (the last stage's normed, for
         the loss its schedule computes through the head), taking the previous stage's as ``input_ids``."""
-        device_type = input_ids.device.type
-        if self.linear_weights_dtype is not None and autocast_dtype(device_type) != self.linear_weights_dtype:
-            with autocast_for_weights(self, device_type):
-                out = self.forward(input_ids, attention_mask, position_ids, labels, shift_labels, num_items_in_batch,
-                                   attention_plan, head_loss, **unused)
-            if isinstance(out, CausalLMOutput):
-                out.autocast_for = (device_type, self.linear_weights_dtype)
-            return out
         if self.pipeline_stage is not None:
             return self.hidden_states(input_ids, attention_mask, position_ids, attention_plan)
         router_logits = RouterLogits() if self.aux_loss_enabled and self.args.moe is not None else None
