@@ -21,7 +21,7 @@ from datasets import IterableDataset
 from hfnative.models.compute_dtype import keep_linear_weights_in
 from hfnative.models.decoder import Transformer
 
-from ..loop.arguments import LIGER_DEPRECATION
+from ..loop.arguments import LIGER_DEPRECATION, mixed_precision_dtype
 from ..running.model_card import write_model_card
 from ..running.model_loading import disable_dropout
 from .reference_sync import mix_into_reference, sync_due
@@ -76,7 +76,7 @@ def frozen_for_autocast(model, args) -> None:
     autocast (``bf16``, ``fp16``): its linear weights kept in the autocast dtype, which is what autocast computes
     with, so the same outputs with half those weights' memory and no cast of them each forward
     (``hfnative.models.compute_dtype``)."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    dtype = mixed_precision_dtype(args)
     if dtype is not None and isinstance(model, Transformer):
         keep_linear_weights_in(model, dtype)
 

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import transformers
 
 from hfnative.data.packing import PACKING_STRATEGIES
@@ -24,6 +25,11 @@ HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpoint
 
 # counts a run divides by: 0 would fail deep inside the loop
 _AT_LEAST_ONE = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+
+
+def mixed_precision_dtype(args) -> torch.dtype | None:
+    """The dtype ``bf16=True`` / ``fp16=True`` trains in under autocast (any TrainingArguments), None for neither."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 # repr=False keeps transformers' __repr__, which masks the *_token fields (hub_token); a regenerated one prints it

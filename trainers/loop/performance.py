@@ -30,6 +30,8 @@ from hfnative.metrics import (
 )
 from hfnative.models.args import ModelArgs
 
+from .arguments import mixed_precision_dtype
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,10 +39,8 @@ def warn_if_cpu_low_precision_is_slow(args) -> bool:
     """On CPU with ``bf16``/``fp16``: warn (once per run) when that dtype's matmuls run far below fp32's on this
     CPU, as on CPUs without AVX512-BF16/AMX, where a bf16 step is several times slower than an fp32 one. Returns
     whether it warned."""
-    if not (args.bf16 or args.fp16):
-        return False
-    dtype = torch.bfloat16 if args.bf16 else torch.float16
-    if not cpu_low_precision_is_slow(dtype):
+    dtype = mixed_precision_dtype(args)
+    if dtype is None or not cpu_low_precision_is_slow(dtype):
         return False
     low, fp32 = measured_matmul_flops(dtype), measured_matmul_flops(torch.float32)
     flag = "bf16" if args.bf16 else "fp16"

@@ -35,7 +35,7 @@ from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_b
 from hfnative.parallel.groups import DataParallelGroup
 
 from ..running import hub
-from .arguments import TrainingArguments
+from .arguments import TrainingArguments, mixed_precision_dtype
 from ..running.construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
 from .data_loading import DataMixin, has_length, start_epoch
 from ..running.distributed import (
@@ -221,10 +221,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         return nullcontext()
 
     def _autocast(self):
-        if self.args.bf16 or self.args.fp16:
-            dtype = torch.bfloat16 if self.args.bf16 else torch.float16
-            return torch.autocast(self.device.type, dtype=dtype)
-        return nullcontext()
+        dtype = mixed_precision_dtype(self.args)
+        return nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The objective's loss (summed over label tokens / num_items_in_batch, the whole optimizer
@@ -408,10 +406,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The perf/ metrics count the forwards of the policy and of the objective's frozen models."""
         args = self.args
         performance = self._performance
-        if args.bf16 or args.fp16:
-            performance.dtype = torch.bfloat16 if args.bf16 else torch.float16
-        else:
-            performance.dtype = next(self.native_model.parameters()).dtype
+        performance.dtype = mixed_precision_dtype(args) or next(self.native_model.parameters()).dtype
         performance.watch([self.native_model, *self.objective.auxiliary_models.values()])
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
