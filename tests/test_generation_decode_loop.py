@@ -174,10 +174,11 @@ def test_compacted_rows_in_cuda_graphs_on_gpu():
             assert batch._fronts[4].runners and all(r.graph is not None for r in batch._fronts[4].runners.values())
 
 
-def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
+def test_autocast_decodes_matmul_weights_copied_once_per_call():
     """fp32 weights under bf16 autocast (a trainer's bf16=True): the engine decodes a replica whose matmul weights are
-    bf16 copies, which gives exactly what autocast's own casts at every use give; the copies are made again only
-    after a weight changed in place (an optimizer step), and then the rollouts follow the new weights."""
+    bf16 copies, which gives exactly what autocast's own casts at every use give; each call copies the weights again
+    into the same tensors, so the rollouts after an optimizer step follow the new weights: torch's fused AdamW (the
+    default optimizer) moves no weight's version counter."""
     converted = load_pretrained(make_hf_model("llama-mha-tied-llama3"))  # tied head: the embedding stays fp32
     model, prompts = converted.model, _prompts()
     sampling = SamplingParams(max_new_tokens=10, seed=4)
@@ -193,15 +194,15 @@ def test_autocast_decodes_matmul_weights_copied_once_per_weight_version():
         theirs = cast_as_used.generate(prompts, sampling)
         assert ours == theirs
 
-        versions = [copy._version for _, copy in engine._weights.pairs]
-        engine.generate(prompts, sampling)
-        assert [copy._version for _, copy in engine._weights.pairs] == versions  # no new weights: no copy
-    with torch.no_grad():  # an optimizer step, in place
-        model.layers[1].feed_forward.w2.weight.mul_(-3.0)
-        model.tok_embeddings.weight.add_(0.5)
+    addresses = [copy.data_ptr() for _, copy in engine._weights.pairs]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter)
+    optimizer.step()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # a new region: autocast casts afresh
         updated = engine.generate(prompts, sampling)
         assert engine._weights.replica is replica
+        assert [copy.data_ptr() for _, copy in engine._weights.pairs] == addresses  # in place: a CUDA graph's
         assert updated == cast_as_used.generate(prompts, sampling) and updated != ours
 
 

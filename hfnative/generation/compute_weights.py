@@ -1,13 +1,14 @@
-"""The model a rollout decodes under autocast: its matmul weights in the autocast dtype, made once per weight version.
+"""The model a rollout decodes under autocast: its matmul weights in the autocast dtype, made once per generation call.
 
 Under autocast a model with fp32 (master) weights has every matmul weight cast to the autocast dtype at every use:
 in a compiled decode step, at every token (reading 4 bytes a parameter and writing 2 before the matmul reads them),
 and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad).
 ``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's)
 are copies in the autocast dtype — what autocast's cast makes, so the logits are the same — and every other parameter
-and buffer shared with the model. The copies are refreshed in place when a weight's version changes (an optimizer step, a
-``load_weights``), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
-replica.
+and buffer shared with the model. The copies are refreshed in place at every call (one cast pass over the weights, not
+one a token), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
+replica. Every call, not when a weight's version counter moves: torch's fused AdamW (the default optimizer) and writes
+through ``.data`` change a weight without moving its counter, and rollouts after them would come from the old weights.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ class DecodingWeights:
         self.source: tuple[int, ...] = ()  # id() of every parameter of the model the replica was made from
         self.replica: Transformer | None = None
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the model's weight, its copy)
-        self.versions: tuple[int, ...] = ()
 
     def model_for(self, model: Transformer, dtype: torch.dtype | None) -> Transformer:
         weights = _matmul_weights(model)
@@ -49,12 +49,8 @@ class DecodingWeights:
         if self.replica is None or source != self.source or self.pairs[0][1].dtype != dtype:
             self._make(model, weights, head, dtype)
             self.source = source
-        versions = tuple(weight._version for weight, _ in self.pairs)
-        if versions != self.versions:
-            with torch.no_grad():
-                for source_tensor, copy_tensor in self.pairs:
-                    copy_tensor.copy_(source_tensor)
-            self.versions = versions
+        with torch.no_grad():
+            torch._foreach_copy_([copy for _, copy in self.pairs], [weight for weight, _ in self.pairs])
         return self.replica
 
     def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype) -> None:
@@ -74,4 +70,3 @@ class DecodingWeights:
             replica.output.weight = nn.Parameter(torch.empty_like(head, dtype=dtype), requires_grad=False)
             self.pairs.append((head, replica.output.weight))
         self.replica = replica.eval()
-        self.versions = ()

@@ -9,6 +9,7 @@ tensors; tensors from elsewhere are copied in by native name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -33,12 +34,26 @@ MAX_BATCH_SHAPES = 4
 SMALLEST_COMPACTED_BATCH = 4
 
 
+@contextlib.contextmanager
+def _autocast_cache_off(off: bool):
+    """Autocast's cast cache off while ``off``: a captured step must run the casts it reads (a DoRA layer's fp32 adapter
+    weights, left out of the decoded replica), not read the cache's copies, which are freed when the trainer's
+    autocast region ends while the graph keeps their addresses for the next call."""
+    enabled = torch.is_autocast_cache_enabled()
+    if off:
+        torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).
 
     Each step of the decode loop runs on the device with nothing read back on the host (``decode_loop``); a batch
     shape's buffers (KV cache, RoPE tables, outputs) are made at its first call and reused. Under autocast the model
-    decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per weight version
+    decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per call
     (``compute_weights``).
 
     cuda_graph (default: on CUDA): the whole decode step (decode, sampling, stop bookkeeping) is captured in a CUDA
@@ -104,7 +119,7 @@ class NativeRolloutEngine(RolloutEngine):
         self.model.eval()
         try:
             # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
-            with autocast_for_weights(self.model, self._device.type):
+            with autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
                 model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
                 parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
                          for i in range(0, len(prompts), step)]
