@@ -44,13 +44,14 @@ class Float8Training:
     recipe: "tensorwise" or "rowwise".
     fsdp_float8_all_gather: under FSDP2 sharding, all-gather the weights in float8 (tensorwise only; accelerate's
         ``fp8_enable_fsdp_float8_all_gather``).
-    pad_inner_dim: pad the matmuls' inner dimension to a multiple of 16 (accelerate's ``fp8_pad_inner_dim``).
+    pad_inner_dim: pad the matmuls' inner dimension to a multiple of 16 (accelerate's ``fp8_pad_inner_dim``). Off, a
+        float8 matmul needs it a multiple of 16 already: the weight gradient's is the batch's token count.
     emulate: emulated float8 matmuls; None: where the device has no float8 matmul.
     """
 
     recipe: str = "tensorwise"
     fsdp_float8_all_gather: bool = True
-    pad_inner_dim: bool = False
+    pad_inner_dim: bool = True
     emulate: bool | None = None
 
     def __post_init__(self):

@@ -36,8 +36,9 @@ def float8_training(args) -> Float8Training | None:
     return Float8Training(
         recipe=recipe or "tensorwise",
         fsdp_float8_all_gather=parse_flag_from_env("ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", default=True),
-        # accelerate's AORecipeKwargs pads by default; hfnative's own field leaves unpaddable layers in bf16
-        pad_inner_dim=from_accelerate and parse_flag_from_env("ACCELERATE_FP8_PAD_INNER_DIM", default=True),
+        # accelerate's AORecipeKwargs pads by default, and so does hfnative's own field: the weight gradient's matmul
+        # runs over the batch's tokens, whose count (padded rows, completions) need not be a multiple of 16
+        pad_inner_dim=not from_accelerate or parse_flag_from_env("ACCELERATE_FP8_PAD_INNER_DIM", default=True),
     )
 
 
