@@ -515,7 +515,9 @@ LAYOUTS = {
         ("TP2 (tied, bias, padding_idx)", "tied", dict(dp_shard=1, tp=2), {}),
         ("replicate only (dp_replicate=2, DDP-like)", "untied", dict(dp_replicate=2, dp_shard=1), {}),
         ("FSDP2, bf16 parameters, fp32 reduction", "untied", dict(dp_shard=2), {"mixed_precision": "bf16"}),
-        ("FSDP2, compiled blocks", "untied", dict(dp_shard=2), {"compile": True}),
+        # the checkpoint inside each compiled block's graph, keeping the attention and projections' results
+        ("FSDP2, compiled blocks, selective checkpoints", "untied", dict(dp_shard=2),
+         {"compile": True, "activation_checkpointing": "full", "checkpoint_keeps": "attention_and_projections"}),
         ("TP2 (untied, qk-norm), compiled blocks", "untied", dict(dp_shard=1, tp=2),
          {"compile": True}),
     ],

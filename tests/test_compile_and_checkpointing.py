@@ -3,8 +3,10 @@ tensor parallelism (2 processes) what is compiled there against the eager tensor
 on the whole tensor-parallel block held as strict expected failures."""
 
 import copy
+import functools
 import json
 import shutil
+from collections import Counter
 
 import pytest
 import torch
@@ -120,16 +122,71 @@ def test_activation_checkpointing_mode_is_checked():
 
 
 @needs_compile
-def test_compile_and_activation_checkpointing_compose(compiled_pair):
+@pytest.mark.parametrize("keep", ["nothing", "attention", "attention_and_projections"])
+@pytest.mark.parametrize("packed", [False, True], ids=["padded-free", "packed"])
+def test_compile_and_activation_checkpointing_compose(compiled_pair, keep, packed):
     eager, compiled = compiled_pair
-    input_ids, position_ids = batch(2, 10, packed=True)
+    input_ids, position_ids = batch(2, 10, packed=packed)
     _, loss, grads = loss_and_grads(eager, input_ids, position_ids)
-    checkpointed = apply_activation_checkpointing(copy.deepcopy(compiled), "full")
+    checkpointed = apply_activation_checkpointing(copy.deepcopy(compiled), "full", keep=keep)
     calls = count_block_forwards(checkpointed)
     _, c_loss, c_grads = loss_and_grads(checkpointed, input_ids, position_ids)
     torch.testing.assert_close(c_loss, loss, rtol=0, atol=1e-5)
     assert_same(c_grads, grads, atol=1e-5)
-    assert calls == [2, 2]
+    # a whole block's graph holds its checkpoint: backward recomputes inside its own graph, without calling the block
+    # again; per-document attention breaks the graph, and there the checkpoint reruns the compiled forward
+    assert calls == ([2, 2] if packed else [1, 1])
+
+
+def _graph_ops(graphs) -> Counter:
+    return Counter(str(node.target) for graph in graphs for node in graph.graph.nodes if node.op == "call_function")
+
+
+@needs_compile
+def test_a_compiled_checkpoint_recomputes_in_backward_what_it_does_not_keep(monkeypatch):
+    """The graphs inductor would get (its partitioner; the graphs captured instead of compiled): with the checkpoint
+    inside the block's graph, backward recomputes the matmuls the checkpoint does not keep and no others. A Qwen3-like
+    block runs 7 projections: full checkpointing remakes 6 (not the down projection's, which backward never reads),
+    keeping the attention and projections remakes the key, output and up projections."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs = {"forward": [], "backward": []}
+
+    def capture(kind):
+        def compiler(graph, example_inputs):
+            graphs[kind].append(graph)
+            return graph.forward
+        return compiler
+
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    compile_with_inductors_partitioner = functools.partial(torch.compile, backend=backend)
+    eager = tiny_model()
+    input_ids, _ = batch(2, 12)
+    _, loss, grads = loss_and_grads(eager, input_ids)
+    recomputed, saved = {}, {}
+    for keep in (None, "nothing", "attention_and_projections"):
+        torch._dynamo.reset()
+        counters.clear()
+        graphs["forward"].clear(), graphs["backward"].clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "compile", compile_with_inductors_partitioner)
+            model = apply_compile(copy.deepcopy(eager))
+        if keep is not None:
+            apply_activation_checkpointing(model, "full", keep=keep)
+        _, c_loss, c_grads = loss_and_grads(model, input_ids)
+        torch.testing.assert_close(c_loss, loss, rtol=0, atol=1e-5)
+        assert_same(c_grads, grads, atol=1e-5)
+        for seq_len in (7, 17):  # new lengths: no new graph (dynamic shapes), no graph break
+            loss_and_grads(model, *batch(2, seq_len))
+        assert len(graphs["forward"]) == len(graphs["backward"]) == 1, keep  # the blocks share one graph
+        assert not counters["graph_break"], keep
+        recomputed[keep] = _graph_ops(graphs["backward"])["aten.mm.default"]
+        saved[keep] = len(list(graphs["forward"][0].graph.nodes)[-1].args[0])  # the forward graph's outputs
+    assert recomputed["nothing"] - recomputed[None] == 6
+    assert recomputed["attention_and_projections"] - recomputed[None] == 3
+    assert saved[None] > saved["attention_and_projections"] > saved["nothing"]
 
 
 # --- under tensor parallelism (2 gloo processes, tests/_tp_compile_worker.py) ---------------------------------------

@@ -25,7 +25,7 @@ from hfnative.models import recompute
 from hfnative.models.args import ModelArgs
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD, OutputHead, TokenCrossEntropy, TokenLogprobs
-from hfnative.parallel import apply_compile
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
 
 V, D, B, S = 40, 16, 3, 11
 # several chunks of 4 tokens and blocks of 8 (two chunks), the last of each partial: 33 positions
@@ -152,6 +152,10 @@ def _tiny_model(seed=0, n_layers=2) -> Transformer:
     return model
 
 
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item()
+
+
 def _loss_and_grads(model, input_ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids, labels=input_ids).loss
@@ -212,16 +216,29 @@ def test_a_block_compiles_to_one_graph(bf16, padded):
 
 
 @needs_compile
-def test_compiled_steps_of_one_shape_do_not_recompile_under_the_gpu_policy():
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "activation-checkpointing"])
+def test_compiled_steps_of_one_shape_do_not_recompile_under_the_gpu_policy(checkpointed):
+    """With activation checkpointing the block's graph holds its selective checkpoint (the policy's default keep,
+    ``hfnative.parallel.compile``): one graph, no break, bf16 autocast included, and the eager model's gradients."""
     torch._dynamo.reset()
-    with use_device_policy("gpu"):
+    counters.clear()
+    generator = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 10), generator=generator) for _ in range(4)]
+    with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = _tiny_model(n_layers=1)
+        loss, grads = _loss_and_grads(eager, batches[0])
         model = apply_compile(_tiny_model(n_layers=1))
-        generator = torch.Generator().manual_seed(3)
-        _loss_and_grads(model, torch.randint(0, 64, (2, 10), generator=generator))
+        if checkpointed:
+            apply_activation_checkpointing(model, "full")
+        c_loss, c_grads = _loss_and_grads(model, batches[0])
         graphs = counters["stats"]["unique_graphs"]
-        for _ in range(3):
-            _loss_and_grads(model, torch.randint(0, 64, (2, 10), generator=generator))
-    assert graphs >= 1 and counters["stats"]["unique_graphs"] == graphs, "a step of the same shape recompiled"
+        for input_ids in batches[1:]:
+            _loss_and_grads(model, input_ids)
+    assert graphs == 1 and counters["stats"]["unique_graphs"] == graphs, "a step of the same shape recompiled"
+    assert not counters["graph_break"]
+    torch.testing.assert_close(c_loss, loss, rtol=1e-2, atol=0)  # bf16 matmuls, fused differently
+    for name in grads:
+        assert _relative_error(c_grads[name], grads[name]) < 2e-2, name
 
 
 def test_gpu_policy_checkpoints_selectively_with_the_same_gradients():

@@ -114,6 +114,14 @@ def _is_compiled(layer: nn.Module) -> bool:
     return "_compiled_forward" in vars(layer) or "_compiled_forward" in vars(layer.attention)
 
 
+def _checkpoints_itself(layer: nn.Module, plan: AttentionPlan) -> bool:
+    """Whether the block runs its activation checkpoint inside its compiled graph (``hfnative.parallel.compile``,
+    ``checkpoint_keep=``): compiled so, for a plan whose attention compiles into the graph. Variable-length attention
+    runs eagerly between two graphs (``hfnative.models.attention``), and a checkpoint's graph cannot hold that break:
+    there the checkpoint stays around the compiled forward."""
+    return "_compiled_checkpointed" in vars(layer) and plan.kind in ("causal", "dense")
+
+
 class BlockOnAnotherStage(nn.Module):
     """The place of a block that another pipeline stage holds (``hfnative.parallel.pipeline``): no parameters, skipped
     by the forward; it keeps every block's index, and so its parameter names, those of the whole model."""
@@ -278,8 +286,12 @@ class Transformer(nn.Module):
             layer_inputs = (h, local_cos_sin if layer.is_sliding else cos_sin, attention_plan)
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
-            if layer_id in self.checkpointed_layers and torch.is_grad_enabled():
-                selective = keep != "nothing" and not _is_compiled(layer)  # compiled: the compiler chooses
+            checkpointed = layer_id in self.checkpointed_layers and torch.is_grad_enabled()
+            if checkpointed and _checkpoints_itself(layer, attention_plan):
+                h = layer(*layer_inputs, checkpoint_keep=keep)
+            elif checkpointed:
+                # a block compiled otherwise recomputes its whole graph
+                selective = keep != "nothing" and not _is_compiled(layer)
                 h = torch.utils.checkpoint.checkpoint(
                     layer, *layer_inputs, use_reentrant=False,
                     **({"context_fn": functools.partial(selective_checkpoint_context, keep)} if selective else {}),

@@ -29,13 +29,22 @@ make it 1.2x (``benchmarks/RESULTS.md``).
 Inside the block autocast's cast cache is off: a weight cast earlier in the step (a forward without grad, as KTO's
 and DPO's reference passes) would come from the cache in forward but be cast again in the recompute, and the two
 would not run the same ops (each weight is cast once a block either way).
+
+A compiled block (``hfnative.parallel.compile``) runs its checkpoint inside its graph instead, with torch's selective
+checkpoint contexts (``compiled_checkpoint_context``): there the policy runs once, while the graph is traced, and no
+dispatch mode runs at all. ``kept_in_checkpoint`` then annotates the ops of its call with their kind
+(``torch.fx.traceback.annotate``), and the policy saves the annotated matmuls and attention kernels of the kinds
+kept; the compiler recomputes everything else in the backward graph, fused with backward's own elementwise work,
+instead of running the block's whole forward graph again.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -223,11 +232,51 @@ def available_device_bytes(device: torch.device) -> int | None:
     return free + stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
 
 
+# the annotation kept_in_checkpoint gives the ops of its call in a compiled graph (None: this torch cannot annotate,
+# and compiled blocks keep their checkpoint outside their graph, recomputing it whole)
+KEEP_ANNOTATION = "hfnative_checkpoint_keep"
+_annotate = getattr(fx_traceback, "annotate", None)
+# the matmuls a compiled graph may run for a projection (float8 projections: torchao's scaled matmul)
+COMPILED_KEPT_OPS = KEPT_OPS | ({aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set())
+
+
+def compiled_keeping_supported() -> bool:
+    """Whether a compiled block can keep results through its own checkpoint (``compiled_checkpoint_context``)."""
+    return _annotate is not None
+
+
+def _annotated_kind() -> str | None:
+    """The kind ``kept_in_checkpoint`` annotated the op being traced with (None outside its calls)."""
+    custom = (fx_traceback.get_current_meta() or {}).get("custom") or {}
+    return custom.get(KEEP_ANNOTATION)
+
+
+def _compiled_policy(kinds: frozenset, ctx, func, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if func in COMPILED_KEPT_OPS and _annotated_kind() in kinds:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_checkpoint_context(keep: str):
+    """The ``context_fn`` of a checkpoint inside a compiled block's graph that keeps ``keep`` (a key of
+    ``CHECKPOINT_KEEPS`` other than "nothing"): torch's selective checkpoint contexts, with a policy that saves the
+    matmuls and attention kernels ``kept_in_checkpoint`` annotated with a kept kind, and recomputes the rest."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(functools.partial(_compiled_policy, CHECKPOINT_KEEPS[keep]))
+
+
 def kept_in_checkpoint(kind: str, fn, *args):
     """``fn(*args)``; inside a selectively checkpointed block that keeps ``kind`` ("attention" or "projection"), the
-    results of its matmuls and attention kernels are kept for backward and not recomputed."""
+    results of its matmuls and attention kernels are kept for backward and not recomputed (while compiling: its ops
+    annotated for ``compiled_checkpoint_context``)."""
     if torch.compiler.is_compiling():
-        return fn(*args)
+        if _annotate is None:
+            return fn(*args)
+        with _annotate({KEEP_ANNOTATION: kind}):
+            return fn(*args)
     mode = getattr(_running, "mode", None)
     if mode is None or kind not in mode.kinds:
         return fn(*args)
@@ -236,4 +285,5 @@ def kept_in_checkpoint(kind: str, fn, *args):
 
 
 __all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "DEFAULT_KEEPS", "MATMULS", "affordable_keep", "available_device_bytes",
-           "kept_bytes_per_token", "kept_in_checkpoint", "selective_checkpoint_context"]
+           "compiled_checkpoint_context", "compiled_keeping_supported", "kept_bytes_per_token", "kept_in_checkpoint",
+           "selective_checkpoint_context"]

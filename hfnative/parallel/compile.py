@@ -10,6 +10,14 @@ SDPA call per document elsewhere) runs eagerly between two graphs of the block.
 
 Shapes: B batch, S sequence, D model dim, r rotary dim.
 
+Activation checkpointing of a compiled block runs inside its graph (``checkpoint_keep=`` on the block's call, which
+the decoder passes): the block's forward under a non-reentrant checkpoint, with torch's selective checkpoint contexts
+keeping what ``model.checkpoint_keeps`` (or the device policy) names (``hfnative.models.selective_checkpoint``). The
+compiler then saves those results in forward and recomputes the rest in the backward graph, fused with backward's own
+work, where a checkpoint around the compiled forward would run the whole forward graph again in backward. Under
+tensor parallelism, in a mixture-of-experts block (only its attention compiled) and on a torch without
+``torch.fx.traceback.annotate`` the checkpoint stays around the compiled forward.
+
 Only the blocks are compiled: the decoder's top level plans attention from host-side positions,
 which would break a whole-model graph. All blocks of one kind share one compiled graph (parameters
 are graph inputs), so compile time does not grow with depth. Per-document ("varlen") attention on
@@ -31,21 +39,52 @@ eagerly, with torch's warning); packing or ``pad_to_multiple_of`` keeps the shap
 
 from __future__ import annotations
 
+import functools
+import logging
 import types
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from hfnative.device_policy import CPU_POLICY, device_policy
+from hfnative.models.selective_checkpoint import compiled_checkpoint_context, compiled_keeping_supported
 
 
-def _call_compiled(self, *inputs, **kwargs):
+def _call_compiled(self, *inputs, checkpoint_keep: str | None = None, **kwargs):
+    """The compiled forward; with ``checkpoint_keep`` (a block compiled with its checkpoint inside), the forward under
+    an activation checkpoint that keeps that (``CHECKPOINT_KEEPS``)."""
+    if checkpoint_keep is not None:
+        return self._compiled_checkpointed(self, checkpoint_keep, *inputs, **kwargs)
     # keyword arguments pass through: transformers' decoder layers (the fallback wrapper's) take them
     return self._compiled_forward(self, *inputs, **kwargs)
 
 
+def _checkpointed(forward):
+    """``forward`` under a non-reentrant activation checkpoint, to be compiled whole: the checkpoint of a block's own
+    graph, keeping ``keep`` (its argument, a constant the graph is specialized on)."""
+
+    def checkpointed_forward(self, keep: str, *inputs, **kwargs):
+        context = {} if keep == "nothing" else {"context_fn": functools.partial(compiled_checkpoint_context, keep)}
+        return torch.utils.checkpoint.checkpoint(forward, self, *inputs, use_reentrant=False, **context, **kwargs)
+
+    return checkpointed_forward
+
+
+class _KeptRegionsMutateNothingKept(logging.Filter):
+    """torch warns, once, wherever a compiled checkpoint has a selective policy, that its region must not run in-place
+    ops. A block's in-place ops (the rotary embedding's sum, the norms' and gated units' products) write only tensors
+    they have just made, never a matmul's or the attention's result, which are all the policy keeps."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
+_in_place_warning = _KeptRegionsMutateNothingKept()
+
+
 def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel: bool = False,
-                     dynamic: bool | None = True) -> None:
+                     dynamic: bool | None = True, whole_block: bool = False) -> None:
     if "_compiled_forward" in vars(module):  # already compiled: applying twice is a no-op
         return
     cls = type(module)
@@ -57,6 +96,12 @@ def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel:
             else torch.compile(cls.forward, dynamic=dynamic)
         )
     module._compiled_forward = compiled_by_type[cls]
+    if whole_block and not tensor_parallel and compiled_keeping_supported():  # the checkpoint inside its graph
+        key = (cls, "checkpointed")
+        if key not in compiled_by_type:
+            compiled_by_type[key] = torch.compile(_checkpointed(cls.forward), dynamic=dynamic)
+            logging.getLogger("torch._higher_order_ops.wrap").addFilter(_in_place_warning)
+        module._compiled_checkpointed = compiled_by_type[key]
     # a bound method (not a closure) so copy.deepcopy(model) rebinds it to the copy
     module.forward = types.MethodType(_call_compiled, module)
 
@@ -78,8 +123,9 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, device: torch
     for block in model.layers:
         if not hasattr(block, "attention"):  # a block another pipeline stage holds
             continue
-        _compile_forward(block if getattr(block, "moe", None) is None else block.attention, compiled_by_type,
-                         tensor_parallel, dynamic)
+        whole_block = getattr(block, "moe", None) is None
+        _compile_forward(block if whole_block else block.attention, compiled_by_type, tensor_parallel, dynamic,
+                         whole_block)
     return model
 
 
