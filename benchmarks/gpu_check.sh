@@ -14,15 +14,17 @@
 #                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
 #                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
-#   rollout        generation (ROLLOUT_BUDGET s, 240 by default)
-#                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
-#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32)
+#   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
 #                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
 #                  bench-grpo: bench_grpo.py, s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same model,
 #                    bf16, 8 generations x 256 tokens
-#                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
+#                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
+#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32); and rollouts
+#                    between fused AdamW steps under bf16 autocast (a DoRA policy too) as an eager engine makes them
+#   rollout_more   the rest of generation (ROLLOUT_MORE_BUDGET s, 420 by default; not run unless named)
 #                  gen-compiled: the compiled and captured decode step at batch 64 beside its bandwidth floor
+#                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
 #                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
 #                    with its finished rows compacted away vs kept vs transformers' generate, batch 64
 #   checks         correctness earlier runs passed (CHECKS_BUDGET s, 260 by default)
@@ -38,9 +40,9 @@
 #                  float8: float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both, per-step losses
 #                  fit: a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
-#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 16 minutes at most)
+#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 20 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
-#                                                         # call may run 10 minutes: step ~8, rollout ~5, checks ~5)
+#                                                         # call may run 10 minutes: step ~8, rollout ~8, checks ~5)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -251,13 +253,16 @@ if start_section step "${STEP_BUDGET:-420}"; then
     --runners trl,ours "${SFT_BENCH[@]}"
 fi
 
-if start_section rollout "${ROLLOUT_BUDGET:-240}"; then
-  run_check generation 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
+if start_section rollout "${ROLLOUT_BUDGET:-420}"; then
   run_check bench-gen 150 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE[@]}"
   run_check bench-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
-  run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
+  run_check generation 110 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
+fi
+
+if start_section rollout_more "${ROLLOUT_MORE_BUDGET:-420}"; then
   run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
     "${GENERATE_COMPILED[@]}"
+  run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
   run_check gen-stopping 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" --stopping \
     "${GENERATE_STOPPING[@]}"
 fi

@@ -23,10 +23,8 @@ mask; (3) hfnative's model with SDPA forced to flash / efficient / cuDNN against
 variable-length path (when the model offers ``attention_implementation = "varlen"``) against its dense-mask
 path on packed and padded batches. Low-precision results follow the bf16 rule above.
 
-generation: the native rollout engine's decode step as each way runs it — uncaptured (eager, the cache read up to
-the current slot), captured in a CUDA graph (the default on CUDA; static shapes), compiled and captured — on tiny
-models in fp32, called twice each (capture, then replay): the same greedy tokens and seeded samples as the
-uncaptured engine, and log-probs within 1e-4 of transformers' uncached forward on the same tokens.
+generation: the native rollout engine (``gpu_rollout_checks.py``) as each way runs its decode step, and as a trainer
+uses it between optimizer steps.
 
 kernels: the Triton kernels (hfnative/models/triton_kernels.py: RMSNorm, the rotated q/k norm, the rotation alone,
 the SiLU-gated unit, a pre-norm's one bf16 output for q, k and v, the head's cross-entropy) at the Qwen3-0.6B shape
@@ -284,69 +282,6 @@ def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
     model_attention(tally, device, dtype)
 
 
-def generation(tally: Tally, device: torch.device, configs=("gemma3-alternating",)) -> None:
-    import contextlib
-    import functools
-    from unittest import mock
-
-    from hfnative.generation import NativeRolloutEngine, SamplingParams, native
-    from hfnative.generation.decode_loop import LiveRows
-
-    prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
-    for config in configs:
-        with tempfile.TemporaryDirectory() as folder:
-            save_hf_model(config, folder)
-            reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
-            converted = load_pretrained(folder, dtype=torch.float32, device=device)
-        ways = {"uncaptured": dict(cuda_graph=False)}
-        if device.type == "cuda":
-            ways["cuda graph"] = dict(cuda_graph=True)
-        ways["compiled" + (" + cuda graph" if device.type == "cuda" else "")] = dict(compile=True)
-        engines = {way: NativeRolloutEngine(converted, **kwargs) for way, kwargs in ways.items()}
-        kept = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
-        # 16 rows that end at many lengths (stop ids: tokens rows 0, 1, 2, ... make at steps 0, 3, 6, ... without
-        # them), so rows still going move to the front of the buffers while decoding; the host learns how many are
-        # going at every step (on CUDA it lags by up to 32 steps, past this call's end)
-        many = [list(range(3 + i, 3 + i + 1 + i % 7)) for i in range(16)]
-        free = kept.generate(many, SamplingParams(max_new_tokens=24, seed=5, temperature=0.9)).completion_ids
-        stops = [c[p] for c, p in zip(free, range(0, 24, 3))]
-        kinds = [("greedy", prompts, SamplingParams(max_new_tokens=16, do_sample=False)),
-                 ("sampled", prompts, SamplingParams(max_new_tokens=16, seed=3, temperature=0.9)),
-                 ("stopping, rows compacted", many,
-                  SamplingParams(max_new_tokens=24, seed=5, temperature=0.9, eos_token_id=stops))]
-        # a CPU rehearsal: not the sampled kind (its compiles)
-        for kind, rows, sampling in kinds if device.type == "cuda" else [kinds[0], kinds[2]]:
-            expected = kept.generate(rows, sampling)
-            for way, engine in engines.items():
-                label = f"generation {config} {kind}, {way}"
-                every_step = kind.startswith("stopping")
-                try:
-                    start = time.perf_counter()
-                    with mock.patch.object(native, "LiveRows", functools.partial(LiveRows, every=1, lead=0)) \
-                            if every_step else contextlib.nullcontext():
-                        results = [engine.generate(rows, sampling) for _ in range(2)]
-                    seconds = time.perf_counter() - start
-                except Exception as err:  # a failure of one way is reported, the others still run
-                    tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
-                    continue
-                same = all(r.completion_ids == expected.completion_ids for r in results)
-                fronts = sorted({rows for batch in engine._batches.values() for rows in batch._fronts})
-                if every_step and not fronts:
-                    tally("FAIL", label, "no rows were compacted")
-                    continue
-                worst = 0.0
-                with torch.no_grad():
-                    for prompt, completion, logprobs in zip(rows, results[-1].completion_ids, results[-1].logprobs):
-                        logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
-                        logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
-                        theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
-                        worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
-                tally.check(same and worst <= 1e-4, label,
-                            f"tokens {'equal' if same else 'DIFFER'} to uncaptured, uncompacted; max|Δ log-prob| vs "
-                            f"transformers {worst:.1e}; two calls {seconds:.2f} s"
-                            + (f"; compacted to {fronts} rows" if every_step else ""))
-
-
 # ------------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -540,7 +475,10 @@ def main(argv=None) -> int:
     if args.check == "parity":
         parity(tally, device, DTYPES[args.dtype or "fp32"], sorted(CONFIGS) if args.all else ONE_PER_FAMILY)
     elif args.check == "generation":
+        from gpu_rollout_checks import generation, rollouts_between_steps
+
         generation(tally, device)
+        rollouts_between_steps(tally, device)
     elif args.check == "kernels":
         kernels(tally, device)
     else:
