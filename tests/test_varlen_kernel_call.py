@@ -133,3 +133,31 @@ def test_models_reach_the_kernel_under_autocast(monkeypatch, name):
     assert len(calls) == len(model.layers)  # the dense path never calls the kernel
     scale = dense.abs().max().item()
     assert (varlen - dense).abs().max().item() <= 2e-2 * scale
+
+
+def test_masked_grouped_attention_repeats_key_value_heads_where_asked(monkeypatch):
+    """torch's fused CUDA kernels take a mask or ``enable_gqa``, not both (SDPA would fall back to its math kernel):
+    a masked call on CUDA repeats the key/value heads instead. Repeated, each query head reads its own group's key/value
+    head, as SDPA's grouping does; on a CPU, and without a mask, the call groups."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 7, 8, generator=generator) for heads in (4, 2, 2))
+    query, key = torch.arange(7)[:, None], torch.arange(7)[None, :]
+    mask = ((key <= query) & (key > query - 3)).expand(2, 1, 7, 7)  # a sliding window of 3
+    grouped = attention._sdpa(q, k, v, mask, 0.3, repeat_heads=False)
+    repeated = attention._sdpa(q, k, v, mask, 0.3, repeat_heads=True)
+    torch.testing.assert_close(repeated, grouped, rtol=1e-6, atol=1e-6)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(2, dim=1)) * 0.3
+    explicit = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(grouped, explicit, rtol=1e-5, atol=1e-5)
+
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **options):
+        calls.append((k.shape[1], options["enable_gqa"]))
+        return sdpa(q, k, v, **options)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    attention._sdpa(q, k, v, mask, 0.3)  # a CPU: grouped
+    attention._sdpa(q, k, v, mask, 0.3, repeat_heads=True)
+    assert calls == [(2, True), (4, False)]

@@ -275,10 +275,23 @@ def _document_attention(q_BhSd, k_BkSd, v_BkSd, window: int | None, scale: float
         return _attend_with_sinks(q_BhSd[None], k_BkSd[None], v_BkSd[None], allowed, sinks_H, scale)[0]
     # as a batch of one [1, heads, S, d]: given 3-D tensors, SDPA on CPU takes its math kernel and materialises the
     # [heads, S, S] scores; 4-D it takes the flash kernel
-    return F.scaled_dot_product_attention(
-        q_BhSd[None], k_BkSd[None], v_BkSd[None], attn_mask=None if mask is None else mask[0:1], is_causal=mask is None,
-        scale=scale, enable_gqa=k_BkSd.shape[0] != q_BhSd.shape[0],
-    )[0]
+    return _sdpa(q_BhSd[None], k_BkSd[None], v_BkSd[None], None if mask is None else mask[0:1], scale)[0]
+
+
+def _sdpa(q_BHSd, k_BKSd, v_BKSd, mask, scale: float, repeat_heads: bool | None = None) -> torch.Tensor:
+    """SDPA (causal where ``mask`` is None), query heads sharing key/value heads through ``enable_gqa``; with a mask on
+    CUDA (``repeat_heads`` None: the device's choice) the key and value heads are repeated instead: torch's fused CUDA
+    kernels take a mask or ``enable_gqa``, not both, and SDPA would fall back to its math kernel, which materialises
+    the [B, H, S, S] scores in fp32."""
+    grouped = k_BKSd.shape[1] != q_BHSd.shape[1]
+    if repeat_heads is None:
+        repeat_heads = mask is not None and q_BHSd.device.type == "cuda"
+    if grouped and repeat_heads:
+        k_BKSd = k_BKSd.repeat_interleave(q_BHSd.shape[1] // k_BKSd.shape[1], dim=1)
+        v_BKSd = v_BKSd.repeat_interleave(q_BHSd.shape[1] // v_BKSd.shape[1], dim=1)
+        grouped = False
+    return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSd, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                          enable_gqa=grouped)
 
 
 def _as_autocast(q_BHSd, k_BKSd, v_BKSd):
@@ -328,7 +341,4 @@ def attend(
     mask = plan.sliding_mask if window else plan.global_mask
     if sinks_H is not None:
         return _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, mask, sinks_H, scale)
-    return F.scaled_dot_product_attention(
-        q_BHSd, k_BKSd, v_BKSd, attn_mask=mask, is_causal=mask is None, scale=scale,
-        enable_gqa=k_BKSd.shape[1] != q_BHSd.shape[1],
-    )
+    return _sdpa(q_BHSd, k_BKSd, v_BKSd, mask, scale)
