@@ -136,3 +136,31 @@ def test_without_torchao_auto_takes_kahan(monkeypatch):
     monkeypatch.setattr(bf16_updates, "find_spec", lambda name: None if name == "torchao" else object())
     optimizer = build_optimizer(_model(torch.bfloat16), OptimizerSettings(learning_rate=LR))
     assert isinstance(optimizer, KahanAdamW)
+
+
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable here")
+def test_the_compiled_kahan_step_takes_a_models_many_parameter_shapes(monkeypatch):
+    """On an accelerator every parameter's update goes through one compiled step: a model has more parameter shapes
+    than torch's recompile limit (8), and each must update as the eager step does, the compensation (what rounding
+    the bf16 weight dropped) included."""
+    from torch._dynamo.utils import counters
+
+    from hfnative.optim import bf16_updates
+
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(bf16_updates, "_COMPILED", None)
+    shapes = [(16,), (24,), (8, 16), (16, 8), (24, 16), (16, 24), (32, 16), (16, 32), (40, 8), (8, 40), (4, 4, 4)]
+    generator = torch.Generator().manual_seed(0)
+    for shape in shapes:
+        weight = torch.randn(shape, generator=generator).bfloat16()
+        grad = torch.randn(shape, generator=generator).bfloat16()
+        states = []
+        for step in (bf16_updates._kahan_adamw_step, bf16_updates._compiled_step()):
+            param = weight.clone()
+            state = [torch.tensor(3.0), torch.full(shape, 0.1), torch.full(shape, 0.02), torch.zeros_like(param)]
+            step(param, grad, *state[:3], state[3], torch.tensor(1e-2), 0.9, 0.999, 0.01, 1e-8)
+            states.append([param.float(), *state[1:]])
+        for eager, compiled in zip(*states):
+            torch.testing.assert_close(compiled.float(), eager.float(), rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 6  # per rank of the shapes, not per shape

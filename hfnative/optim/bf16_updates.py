@@ -103,10 +103,14 @@ _COMPILED = None
 
 
 def _compiled_step():
-    """The step compiled once (per shape) on accelerators, where its ~15 elementwise kernels become one."""
+    """The step compiled once on accelerators, where its ~15 elementwise kernels become one. Shapes turn dynamic from
+    the second one: a model's many parameter shapes share a graph per rank of the shapes (static, each shape would
+    compile anew, and past torch's recompile limit a fullgraph function raises). ``emulate_precision_casts``: the
+    compiler otherwise keeps the rounded weight in fp32, and what the rounding dropped, the compensation, is lost."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(_kahan_adamw_step, fullgraph=True, dynamic=False)
+        _COMPILED = torch.compile(_kahan_adamw_step, fullgraph=True, dynamic=None,
+                                  options={"emulate_precision_casts": True})
     return _COMPILED
 
 
