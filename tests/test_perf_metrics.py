@@ -284,3 +284,29 @@ def test_reward_and_kto_trainers_log_them(tmp_path):
     for entry in _step_logs(kto):
         # the policy's forward + backward, the reference's forward, and both on the mismatched KL completions
         assert 3 * _tiny_qwen3(1) < _flops_per_trained_token(entry) < 6 * _tiny_qwen3(48)
+
+
+def test_a_steps_time_on_cuda_is_the_device_time_between_its_events():
+    """On CUDA the host returns from a step while its last kernels are queued: the step's time is read from events
+    recorded as it starts and ends (stand-ins here, whose clock is the device's), not from the host's clock."""
+    from hfnative.trainers.loop.performance import StepPerformance
+
+    device_clock = iter([0.0, 250.0, 300.0, 650.0])  # ms: two steps of 250 and 350 ms on the device
+
+    class Event:
+        def record(self):
+            self.ms = next(device_clock)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return end.ms - self.ms
+
+    performance = StepPerformance(torch.device("cpu"))
+    performance._event = Event
+    for _ in range(2):
+        performance.step_started()
+        performance.step_ended()  # the host's clock: microseconds
+    logs = performance.pop(lambda values: values)
+    assert logs["perf/step_s"] == pytest.approx(0.3)

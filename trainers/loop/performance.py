@@ -72,12 +72,17 @@ class StepPerformance:
         self._handles: list = []
         self._in_step = False
         self._step_started = 0.0
+        # on CUDA a step's time is the device's, between an event recorded as it starts and one as it ends: the host
+        # returns from a step while its last kernels are still queued, and its own clock would leave them out
+        self._event = (lambda: torch.cuda.Event(enable_timing=True)) if device.type == "cuda" else None
+        self._started_event = None
         self._flops_of: dict[tuple[int, int], int] = {}  # (id of a model's ModelArgs, span) -> forward FLOPs/token
         self._clear()
 
     def _clear(self) -> None:
         self._steps = 0
         self._step_seconds = 0.0
+        self._step_events: list = []  # (start, end) events of the window's steps, on CUDA
         # floats, or device scalars once a padded batch without a host plan was counted
         self._trained_tokens: float | torch.Tensor = 0.0
         self._flops: float | torch.Tensor = 0.0
@@ -162,12 +167,19 @@ class StepPerformance:
     def step_started(self) -> None:
         self._in_step = True
         self._step_started = time.perf_counter()
+        if self._event is not None:
+            self._started_event = self._event()
+            self._started_event.record()
 
     def step_ended(self) -> None:
         if not self._in_step:
             return
         self._in_step = False
         self._step_seconds += time.perf_counter() - self._step_started
+        if self._event is not None:
+            ended = self._event()
+            ended.record()
+            self._step_events.append((self._started_event, ended))
         self._steps += 1
 
     @contextmanager
@@ -216,6 +228,9 @@ class StepPerformance:
         values = torch.stack([torch.as_tensor(value, dtype=torch.float64).to(self.device) for value in sums])
         trained, flops, generated, fwd_bwd_flops = sum_over_ranks(values).tolist()
         seconds, ranks = self._step_seconds, self.world_size
+        if self._step_events:  # the device's time (the read above waited for the device already)
+            self._step_events[-1][1].synchronize()
+            seconds = sum(start.elapsed_time(end) for start, end in self._step_events) / 1e3
         logs = {
             "perf/step_s": seconds / self._steps,
             "perf/trained_tok_s_wall_clock": trained / seconds,
