@@ -231,8 +231,7 @@ def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
         if "enable_gqa" in keywords:
             options["enable_gqa"] = True
         else:  # an older varlen_attn wants as many key/value heads as query heads
-            k_BKSd = k_BKSd.repeat_interleave(H // k_BKSd.shape[1], dim=1)
-            v_BKSd = v_BKSd.repeat_interleave(H // v_BKSd.shape[1], dim=1)
+            k_BKSd, v_BKSd = repeat_kv_heads(k_BKSd, H), repeat_kv_heads(v_BKSd, H)
 
     def tokens(x_BHSd):  # -> [T, heads, d]
         x_Nhd = x_BHSd.transpose(1, 2).reshape(B * S, x_BHSd.shape[1], d)
@@ -247,14 +246,18 @@ def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
     return out_THd.view(B, S, H, d).transpose(1, 2)
 
 
+def repeat_kv_heads(x_BKSd: torch.Tensor, heads: int) -> torch.Tensor:
+    """Key or value heads repeated to ``heads``, each as many times in a row as query heads share it (grouped-query
+    attention spelled out for a kernel that wants one key/value head a query head)."""
+    return x_BKSd if x_BKSd.shape[1] == heads else x_BKSd.repeat_interleave(heads // x_BKSd.shape[1], dim=1)
+
+
 def _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, allowed, sinks_H: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax over [scores, sink] per query, the sink's probability dropped: the output is the plain
     attention output scaled by sigmoid(logsumexp(scores) - sink). allowed: boolean [B|1, 1, S, S]
     (True = attend), or None for causal. Materializes the [B, H, S, S] scores."""
     H, S = q_BHSd.shape[1], q_BHSd.shape[2]
-    if k_BKSd.shape[1] != H:
-        k_BKSd = k_BKSd.repeat_interleave(H // k_BKSd.shape[1], dim=1)
-        v_BKSd = v_BKSd.repeat_interleave(H // v_BKSd.shape[1], dim=1)
+    k_BKSd, v_BKSd = repeat_kv_heads(k_BKSd, H), repeat_kv_heads(v_BKSd, H)
     if allowed is None:
         allowed = torch.ones(S, S, dtype=torch.bool, device=q_BHSd.device).tril()
     scores_BHSS = torch.matmul(q_BHSd, k_BKSd.transpose(-2, -1)) * scale
@@ -287,8 +290,7 @@ def _sdpa(q_BHSd, k_BKSd, v_BKSd, mask, scale: float, repeat_heads: bool | None 
     if repeat_heads is None:
         repeat_heads = mask is not None and q_BHSd.device.type == "cuda"
     if grouped and repeat_heads:
-        k_BKSd = k_BKSd.repeat_interleave(q_BHSd.shape[1] // k_BKSd.shape[1], dim=1)
-        v_BKSd = v_BKSd.repeat_interleave(q_BHSd.shape[1] // v_BKSd.shape[1], dim=1)
+        k_BKSd, v_BKSd = repeat_kv_heads(k_BKSd, q_BHSd.shape[1]), repeat_kv_heads(v_BKSd, q_BHSd.shape[1])
         grouped = False
     return F.scaled_dot_product_attention(q_BHSd, k_BKSd, v_BKSd, attn_mask=mask, is_causal=mask is None, scale=scale,
                                           enable_gqa=grouped)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses import shift_labels as shift_labels_of
-from hfnative.models.attention import AttentionPlan, document_ids
+from hfnative.models.attention import AttentionPlan, document_ids, repeat_kv_heads
 
 # block kinds
 _CAUSAL, _FULL, _MASKED = "causal", "full", "masked"
@@ -245,10 +245,6 @@ def _sources(k_BKSd, v_BKSd, plan: ContextParallelAttention):
             current = wait()
 
 
-def _expand(x_BKcd: torch.Tensor, heads: int) -> torch.Tensor:
-    return x_BKcd if x_BKcd.shape[1] == heads else x_BKcd.repeat_interleave(heads // x_BKcd.shape[1], dim=1)
-
-
 def _masks(plan, block, q):
     if block.kind != _MASKED:
         return None, None
@@ -274,7 +270,7 @@ class _RingAttention(torch.autograd.Function):
                 q = queries[block.half]
                 mask, has_key = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
-                k, v = _expand(k_BKSd_r[:, :, keys], H), _expand(v_BKSd_r[:, :, keys], H)
+                k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
                 partial[block.half].append(_block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel))
         outs, lses = [], []
         for half in (0, 1):
@@ -305,7 +301,7 @@ class _RingAttention(torch.autograd.Function):
                 q, grad, out, lse = (x[block.half] for x in saved)
                 mask, _ = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
-                k, v = _expand(k_BKSd_r[:, :, keys], H), _expand(v_BKSd_r[:, :, keys], H)
+                k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
                 dq, dk, dv = _block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel)
                 dq_BHSd[:, :, rows[block.half]] += dq.to(acc)
                 dk_BKSd_r[:, :, keys] += _reduce_heads(dk.to(acc), K)
