@@ -3,7 +3,7 @@
 #
 #   setup          1 env: nvidia-smi; python, torch, CUDA, library versions; what imports; torch attention features
 #                  2 install: missing or older HF libraries from benchmarks/wheels (fetch_gpu_wheels.sh), into a temp dir
-#   step           the training step (STEP_BUDGET s, 420 by default; the issue's bars first)
+#   step           the training step (STEP_BUDGET s, 480 by default)
 #                  kernels: gpu_checks.py kernels, the Triton RMSNorm (and rotated q/k norm), rotary and SiLU-gated
 #                    kernels against the op sequences they replace at the Qwen3-0.6B shape (fp32, bf16), each way's time
 #                  bench-ac: bench_sft.py, Qwen3-0.6B shape, seq 2048, activation checkpointing on (TRL's default): TRL
@@ -12,6 +12,7 @@
 #                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt
 #                  bench: the same without activation checkpointing, transformers' Trainer beside TRL, and hfnative
 #                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
+#   step_more      the rest of the training step (STEP_MORE_BUDGET s, 300 by default; not run unless named)
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
 #                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
 #   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
@@ -40,9 +41,10 @@
 #                  float8: float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both, per-step losses
 #                  fit: a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
-#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 20 minutes at most)
+#   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 21 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
-#                                                         # call may run 10 minutes: step ~8, rollout ~8, checks ~5)
+#                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~5;
+#                                                         # then step_more ~6, rollout_more ~8, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -238,7 +240,7 @@ fi
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
 
-if start_section step "${STEP_BUDGET:-420}"; then
+if start_section step "${STEP_BUDGET:-480}"; then
   # a CPU rehearsal runs the kernels under Triton's interpreter where tests/test_triton_kernels.py installed Triton
   KERNELS_ENV=()
   [[ $DEVICE == cpu && -d $ROOT/.triton-cpu ]] && KERNELS_ENV=(env TRITON_INTERPRET=1 "PYTHONPATH=$PYTHONPATH:$ROOT/.triton-cpu")
@@ -247,6 +249,9 @@ if start_section step "${STEP_BUDGET:-420}"; then
     --runners trl,ours --ours_variants default,compile,torch_kernels,keep_nothing --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
   run_check bench 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
     --runners trl,hf,ours --ours_variants default,compile,torch_kernels,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
+fi
+
+if start_section step_more "${STEP_MORE_BUDGET:-300}"; then
   run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
     --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
   run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
