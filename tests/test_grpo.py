@@ -514,6 +514,28 @@ def test_tiny_model_learns_from_the_reward_like_trl(tmp_path):
         torch.testing.assert_close(micro_batch["sampling_logprobs"][mask], forward[mask], atol=2e-5, rtol=1e-5)
 
 
+def test_bf16_rollouts_come_from_the_updated_policy(tmp_path):
+    """bf16=True (autocast over fp32 weights): the engine decodes a bf16 copy of the policy's matmul weights. After
+    optimizer steps (torch's fused AdamW, the default, which moves no weight's version counter) its sampling log-probs
+    are the updated policy's forward under autocast, to bf16 rounding (a copy left at the first weights is off by
+    whole nats)."""
+    import hfnative
+    from datasets import Dataset
+
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    settings = dict(LEARN_SETTINGS, bf16=True, per_device_train_batch_size=8, num_generations=4)
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "bf16"), max_steps=2, learning_rate=5e-2, **settings)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
+    trainer.train()
+    objective = trainer.objective
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        micro_batches = objective.generate_and_score([{"prompt": "Write about the sea."}] * 2)
+        for micro_batch in micro_batches:
+            forward = objective.rollout.completion_logprobs(trainer.model, micro_batch, len(micro_batch["prompt_ids"]))
+            mask = micro_batch["completion_mask"].bool()
+            torch.testing.assert_close(micro_batch["sampling_logprobs"][mask], forward[mask], atol=0.1, rtol=0)
+
+
 def test_lora_reference_is_the_base(tmp_path):
     """beta > 0 with LoRA: the reference is the base with adapters disabled (KL 0 before the first update, > 0
     after)."""
