@@ -240,3 +240,22 @@ def test_killed_rank_run_resumes_under_other_layouts(tmp_path):
         for step, entry in steps.items():
             for key in ("loss", "grad_norm", "learning_rate"):
                 assert entry[key] == pytest.approx(expected[step][key], rel=1e-5), (layout, step, key)
+
+
+def test_metrics_are_reduced_on_the_runs_device():
+    """A logging window's metrics can all be host values (GRPO's rollout metrics): they are moved to the run's device
+    before the data-parallel reduction, which NCCL does only on the GPU (the meta device stands in for it here)."""
+    from types import SimpleNamespace
+
+    from hfnative.trainers.running.distributed import DistributedMixin
+
+    reduced = []
+
+    def sum_over_dp(values):
+        reduced.append(values.device)
+        return values
+
+    trainer = SimpleNamespace(device=torch.device("meta"),
+                              distributed=SimpleNamespace(sum_over_dp=sum_over_dp, loss_ranks=2))
+    out = DistributedMixin._reduce_metrics(trainer, torch.tensor([4.0, 2.0]), [True, False])
+    assert reduced == [torch.device("meta")] and out.device.type == "meta" and out.shape == (2,)

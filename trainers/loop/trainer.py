@@ -66,7 +66,8 @@ logger = logging.getLogger(__name__)
 def resolve_device(args) -> torch.device:
     if args.use_cpu or not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    # a launcher that shows each process only its own GPU (one visible device) leaves LOCAL_RANK past it
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
 class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin):

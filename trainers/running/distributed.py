@@ -189,6 +189,14 @@ def bound_collectives(timeout: timedelta) -> None:
         distributed_c10d._set_pg_timeout(timeout, group)
 
 
+def _backend(device: torch.device, cpu_offload: bool) -> str:
+    """The process group's backend: gloo on CPUs, NCCL on GPUs; with CPU offload also gloo for the CPU tensors (the
+    offloaded gradients' norms and gathers), which NCCL cannot reduce."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
 def start_distributed(args, device: torch.device) -> DistributedRun | None:
     """Join the launched run (None for a single process): the process group, the layout, the mesh."""
     from .parallel_plan import resolve_parallel_plan
@@ -198,10 +206,11 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
         resolve_parallel_plan(args, 1)  # refuses what no layout can honour; says when a setting is a no-op here
         return None
 
+    plan = resolve_parallel_plan(args, world_size)
+    if device.type == "cuda":  # also when another library started the group: object collectives use the current device
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend=args.ddp_backend or ("nccl" if device.type == "cuda" else "gloo"),
+        dist.init_process_group(backend=args.ddp_backend or _backend(device, plan.cpu_offload),
                                 timeout=timedelta(seconds=args.ddp_timeout))
     bound_collectives(timedelta(seconds=args.ddp_timeout))
     global _ends_at_exit
@@ -211,7 +220,6 @@ def start_distributed(args, device: torch.device) -> DistributedRun | None:
         # (hfnative/parallel/teardown.py says why)
         atexit.register(end_process_group)
         _ends_at_exit = True
-    plan = resolve_parallel_plan(args, world_size)
     mesh = plan.dims.build_mesh(device.type)
     run = DistributedRun(plan, mesh, dist.get_rank(), world_size, int(os.environ.get("LOCAL_RANK", 0)))
     if run.is_main:
@@ -417,7 +425,8 @@ class DistributedMixin:
         """Metrics over the data-parallel ranks: running totals summed, per-batch averages averaged."""
         if self.distributed is None:
             return values
-        values = self.distributed.sum_over_dp(values.clone())
+        # on the run's device: NCCL reduces no CPU tensor, and a window's first metrics may be host values
+        values = self.distributed.sum_over_dp(values.to(self.device, copy=True))
         divide = torch.tensor([1.0 if s else float(self.distributed.loss_ranks) for s in summed], dtype=values.dtype,
                               device=values.device)
         return values / divide

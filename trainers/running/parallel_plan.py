@@ -216,8 +216,10 @@ class _Layout:
 
 
 def _say(message: str) -> None:
-    """A warning logged once per run (by rank 0), not once per process."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    """A warning logged once per run (by rank 0, the launcher's RANK before the process group starts), not once per
+    process."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
         logger.warning(message)
 
 
