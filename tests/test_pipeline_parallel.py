@@ -196,8 +196,8 @@ def test_pipeline_refuses_other_objectives_and_settings():
     from hfnative.trainers.algorithms.sft import SFTObjective, SFTTrainer
     from hfnative.trainers.loop.trainer import Trainer
 
-    def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", cls=SFTTrainer, **settings):
-        args = dict(eval_strategy="no", optimizer_in_backward=False, gradient_accumulation_steps=2)
+    def trainer(objective_class=LanguageModelingObjective, schedule="1f1b", cls=SFTTrainer, device="cpu", **settings):
+        args = dict(eval_strategy="no", optimizer_in_backward=False, gradient_accumulation_steps=2, fp16=False)
         args.update(settings)
         run = _pipeline_run(schedule)
         context = SimpleNamespace(world_size=4, layout=run.dims, args=SimpleNamespace(**args))
@@ -205,7 +205,7 @@ def test_pipeline_refuses_other_objectives_and_settings():
         objective = objective_class.__new__(objective_class)
         objective.__dict__.update(lmbda=0.5, seq_kd=False)  # GKD's generates() reads them
         fake.__dict__.update(distributed=run, args=context.args, objective=objective, context=context, compute_loss_func=None, compute_metrics=None, peft_config=None,
-                             lora_settings=None)
+                             lora_settings=None, device=torch.device(device))
         return fake
 
     def check(fake):
@@ -223,6 +223,9 @@ def test_pipeline_refuses_other_objectives_and_settings():
         check(trainer(eval_strategy="steps"))
     with pytest.raises(ValueError, match="optimizer_in_backward"):
         check(trainer(optimizer_in_backward=True))
+    check(trainer(fp16=True))  # a CPU trains fp16 unscaled
+    with pytest.raises(ValueError, match=r"fp16=True on an accelerator \(its loss scaling\) with pipeline"):
+        check(trainer(fp16=True, device="cuda"))
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1 < pp_size=2.*pp_schedule='gpipe'"):
         check(trainer(gradient_accumulation_steps=1))
     check(trainer(schedule="gpipe", gradient_accumulation_steps=1))

@@ -20,6 +20,7 @@ _CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
+LOSS_SCALE_NAME = "loss_scale.json"  # fp16 loss scaling's scale (hfnative.optim.loss_scale)
 RNG_STATE_NAME = "rng_state.pth"
 TRAINING_ARGS_NAME = "training_args.bin"
 TRAINING_STATE_DIR = "training_state"  # a distributed run's model + optimizer + scheduler + RNG (DCP, no pickle)

@@ -9,11 +9,15 @@ import transformers
 
 from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward
+from hfnative.optim.loss_scale import LossScale, scales_loss
 
 
 class OptimizationMixin:
     """create_optimizer / create_scheduler as transformers' Trainer names them (users override them),
     and the step that clips, steps the optimizer and scheduler, and clears the gradients."""
+
+    _loss_scale: LossScale | None = None  # fp16 on an accelerator (_new_loss_scale)
+    _optimizer_stepped = True  # whether the last optimizer step ran (fp16: not after an overflow)
 
     def create_optimizer(self):
         if self.optimizer is None:
@@ -56,6 +60,17 @@ class OptimizationMixin:
         self.create_optimizer()
         self.create_scheduler(num_training_steps)
 
+    def _new_loss_scale(self) -> LossScale | None:
+        """fp16=True on an accelerator: the loss scaled before backward and the gradients unscaled before the step
+        (``hfnative.optim.loss_scale``), as accelerate does there; None otherwise."""
+        if not (self.args.fp16 and scales_loss(self.device)):
+            return None
+        if isinstance(self.optimizer, OptimizerInBackward):
+            raise ValueError("fp16=True with optimizer_in_backward=True: fp16's loss scaling skips a step whose "
+                             "gradients overflowed, which it learns only once every gradient is made, after the "
+                             "parameters stepped in backward; use bf16=True, or optimizer_in_backward=False")
+        return LossScale()
+
     def _trained_parameters(self) -> list:
         """The parameters the optimizer steps (clipped together)."""
         return [p for p in self.native_model.parameters() if p.requires_grad]
@@ -68,34 +83,41 @@ class OptimizationMixin:
     def _zero_gradients(self) -> None:
         self.native_model.zero_grad(set_to_none=True)
 
+    def _clip_gradients(self, params) -> torch.Tensor:
+        """Clips the gradients of ``params`` to ``max_grad_norm`` together: their global norm."""
+        max_norm = self._max_grad_norm()
+        if self.distributed is not None and self.distributed.dims.pp_enabled:  # each stage holds its parameters
+            from hfnative.parallel.pipeline import clip_grad_norm_over_stages
+
+            pp_group = self.distributed.dims.pp_mesh(self.distributed.mesh).get_group()
+            return clip_grad_norm_over_stages(params, max_norm, pp_group)
+        if self.distributed is not None:  # the parameters may be DTensors of several meshes
+            from hfnative.parallel.grad_norm import clip_grad_norm_over_meshes
+
+            return clip_grad_norm_over_meshes(params, max_norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
     def _step_parameters(self):
-        """Clip, step the optimizer and clear the gradients (the schedule does not move): the gradient norm."""
+        """Clip, step the optimizer and clear the gradients (the schedule does not move): the gradient norm. Under fp16
+        loss scaling the gradients are unscaled first, and a step whose norm overflowed is skipped
+        (``_optimizer_stepped``)."""
         args = self.args
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
         if not in_backward:
             params = self._trained_parameters()
-            max_norm = self._max_grad_norm()
-            if self.distributed is not None and self.distributed.dims.pp_enabled:  # each stage holds its parameters
-                from hfnative.parallel.pipeline import clip_grad_norm_over_stages
-
-                pp_group = self.distributed.dims.pp_mesh(self.distributed.mesh).get_group()
-                grad_norm = clip_grad_norm_over_stages(params, max_norm, pp_group)
-            elif self.distributed is not None:  # the parameters may be DTensors of several meshes
-                from hfnative.parallel.grad_norm import clip_grad_norm_over_meshes
-
-                grad_norm = clip_grad_norm_over_meshes(params, max_norm)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if self._loss_scale is not None:
+                self._loss_scale.unscale_(params)
+            grad_norm = _whole(self._clip_gradients(params))
+        self._optimizer_stepped = in_backward or self._loss_scale is None or self._loss_scale.update(grad_norm)
         self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
         # on CPU, optimizers that compile their own step (torchao's low-bit AdamW) run eagerly: compiling
         # one step per parameter shape costs far more than it saves there
         eager = torch.compiler.set_stance("force_eager") if self.device.type == "cpu" else nullcontext()
         with eager, self._performance.timed("optimizer"):
-            self.optimizer.step()  # in backward: only parameters the last backward did not reach
+            if self._optimizer_stepped:
+                self.optimizer.step()  # in backward: only parameters the last backward did not reach
         if in_backward:
-            grad_norm = self.optimizer.grad_norm()
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded parameters): the norm over every shard
-            grad_norm = grad_norm.full_tensor()
+            grad_norm = _whole(self.optimizer.grad_norm())
         self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
         self._zero_gradients()
         return grad_norm
@@ -105,6 +127,12 @@ class OptimizationMixin:
         (gradient norm, the learning rate the step used)."""
         grad_norm = self._step_parameters()
         learning_rate = self.lr_scheduler.get_last_lr()[0]
-        self.lr_scheduler.step()
+        if self._optimizer_stepped:  # a step fp16's overflow skipped leaves the schedule where it was (as transformers)
+            self.lr_scheduler.step()
         self.objective.after_optimizer_step()
         return grad_norm, learning_rate
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """A norm of sharded parameters (a DTensor) as the norm over every shard."""
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hfnative.models.decoder import CausalLMOutput
+from hfnative.optim.loss_scale import scales_loss
 
 from ..running.distributed import pad_sequence_to_length
 
@@ -34,6 +35,8 @@ def pipeline_conflicts(trainer, evaluating: bool = False) -> list[str]:
         "evaluation (eval_strategy / evaluate())": evaluating or args.eval_strategy != "no",
         "compute_loss_func": trainer.compute_loss_func is not None,
         "optimizer_in_backward=True": args.optimizer_in_backward,
+        # the schedule runs backward from the unscaled loss
+        "fp16=True on an accelerator (its loss scaling)": args.fp16 and scales_loss(trainer.device),
         "LoRA / PEFT adapters (peft_config or an adapter folder)": (trainer.peft_config is not None
                                                                     or trainer.lora_settings is not None),
         "precompute_ref_log_probs=True": getattr(args, "precompute_ref_log_probs", False),

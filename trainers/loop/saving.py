@@ -156,8 +156,14 @@ class SavingMixin:
                 torch.save(self.optimizer.state_dict(), tmp / ckpt.OPTIMIZER_NAME)
                 torch.save(self.lr_scheduler.state_dict(), tmp / ckpt.SCHEDULER_NAME)
                 save_rng_state(tmp / ckpt.RNG_STATE_NAME)
+                self._save_loss_scale(tmp)
             self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
             _write_objective_state(tmp, self.objective.checkpoint_state())
+
+    def _save_loss_scale(self, folder: Path) -> None:
+        """fp16's loss scale (the same on every rank), for a resume that goes on with it."""
+        if self._loss_scale is not None:
+            (folder / ckpt.LOSS_SCALE_NAME).write_text(json.dumps(self._loss_scale.state_dict(), indent=2) + "\n")
 
     def _load_objective_state(self, checkpoint: Path) -> None:
         names = self.objective.checkpoint_state()
@@ -190,6 +196,8 @@ class SavingMixin:
             if run.is_main:
                 self.state.save_to_json(str(tmp / ckpt.TRAINER_STATE_NAME))
                 _write_objective_state(tmp, state)
+                if not self.args.save_only_model:
+                    self._save_loss_scale(tmp)
             run.barrier()  # every rank's part is written before rank 0 renames the folder
         run.barrier()
 
@@ -233,6 +241,8 @@ class SavingMixin:
         if self.args.restore_callback_states_from_checkpoint:
             self.state.stateful_callbacks = saved.stateful_callbacks
         self._load_objective_state(checkpoint)
+        if self._loss_scale is not None and (checkpoint / ckpt.LOSS_SCALE_NAME).is_file():
+            self._loss_scale.load_state_dict(json.loads((checkpoint / ckpt.LOSS_SCALE_NAME).read_text()))
         if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
             from hfnative.checkpoint import load_training_state
 

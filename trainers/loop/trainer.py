@@ -251,7 +251,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         # with optimizer-in-backward, parameters step inside the last micro-batch's backward only
         accumulate_only = isinstance(self.optimizer, OptimizerInBackward) and not self._last_micro_batch
         with self.optimizer.accumulating() if accumulate_only else nullcontext():
-            loss.backward()
+            (loss if self._loss_scale is None else self._loss_scale.scaled(loss)).backward()
         return loss.detach() * self._logged_share
 
     # --- the loop --------------------------------------------------------------------------------
@@ -327,6 +327,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self.state.train_batch_size = args.per_device_train_batch_size
         self.state.compute_steps(args, max_steps)
         self.create_optimizer_and_scheduler(max_steps)
+        self._loss_scale = self._new_loss_scale()
         if checkpoint is not None:
             self._load_checkpoint(checkpoint)
         self.callback_handler.model, self.callback_handler.optimizer = self.model, self.optimizer
