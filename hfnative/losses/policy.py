@@ -175,7 +175,7 @@ class PolicyLoss:
 def _masked_sums(x: torch.Tensor, mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) over the completion tokens, or over the sequences for a per-sequence x [B, 1]."""
     if x.shape[1] == 1:
-        return x.detach().sum(), torch.tensor(float(x.shape[0]), device=x.device)
+        return x.detach().sum(), x.new_full((), float(x.shape[0]))  # made on the device: no copy from the host
     return (x.detach() * mask_BT).sum(), mask_BT.sum().float()
 
 
@@ -187,10 +187,14 @@ def _sequence_means(x: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 def _nan_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
-    kept = values[~torch.isnan(values)]
-    if kept.numel() == 0:
-        return torch.tensor(torch.nan, device=values.device)
-    return kept.max() if largest else kept.min()
+    """The largest (smallest) value that is not NaN; NaN when there is none. On the device: no boolean index, whose
+    size a GPU would have to report to the host."""
+    if values.numel() == 0:
+        return values.new_full((), torch.nan)
+    nan = torch.isnan(values)
+    filled = values.masked_fill(nan, -torch.inf if largest else torch.inf)
+    extreme = filled.amax() if largest else filled.amin()
+    return torch.where(nan.all(), values.new_full((), torch.nan), extreme)
 
 
 def off_policy_sequence_mask(advantages, logprobs_BT, sampling_logprobs_BT, mask_BT, threshold: float) -> torch.Tensor:
@@ -329,8 +333,13 @@ def clipped_policy_loss(
     elif loss_type == "luspo":
         loss = masked_BT.sum(-1).mean()
     else:  # dapo, cispo, vespo
-        count = mask_BT.sum() if num_items is None else torch.as_tensor(num_items, dtype=mask_BT.dtype, device=mask_BT.device)
-        loss = masked_BT.sum() / count.clamp(min=1.0)
+        if num_items is None:
+            count = mask_BT.sum().clamp(min=1.0)
+        elif isinstance(num_items, torch.Tensor):
+            count = num_items.to(device=mask_BT.device, dtype=mask_BT.dtype).clamp(min=1.0)
+        else:  # a host number divides as it is (a tensor made from it would be a copy the GPU waits for)
+            count = max(float(num_items), 1.0)
+        loss = masked_BT.sum() / count
 
     metrics: dict = {}
     if kl_BT is not None:
@@ -340,7 +349,7 @@ def clipped_policy_loss(
     if loss_type == "cispo":
         metrics["cispo_clip_ratio"] = _masked_sums(((ratio > epsilon_high) & (advantages > 0)).float(), mask_BT)
     elif loss_type == "vespo":
-        metrics["vespo/phi_seq_mean"] = (phi_B1.sum(), torch.tensor(float(phi_B1.shape[0]), device=phi_B1.device))
+        metrics["vespo/phi_seq_mean"] = (phi_B1.sum(), phi_B1.new_full((), float(phi_B1.shape[0])))
     elif loss_type != "sapo":
         low = ((ratio < 1 - epsilon_low) & (advantages < 0)).float()
         high = ((ratio > 1 + epsilon_high) & (advantages > 0)).float()
@@ -373,7 +382,7 @@ def sequence_policy_loss(
     ratio_B = torch.exp((logprobs_BT * mask_BT).sum(1) - old_logps_B)
     clipped_B = torch.clamp(ratio_B, 1 - epsilon, 1 + epsilon_high)
     per_sequence_B = -torch.min(ratio_B * advantages_B, clipped_B * advantages_B)
-    count = torch.tensor(float(ratio_B.numel()), device=ratio_B.device)
+    count = ratio_B.new_full((), float(ratio_B.numel()))
     low_B = ((ratio_B < 1 - epsilon) & (advantages_B < 0)).float()
     high_B = ((ratio_B > 1 + epsilon_high) & (advantages_B > 0)).float()
     metrics: dict = {}

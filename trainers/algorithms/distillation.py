@@ -276,7 +276,8 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         metrics = {name: value.to(out.loss_sum.device) for name, value in self._pending.items()}
         self._pending = {}
         metrics["num_tokens"] = self._tokens_seen
-        metrics["entropy"] = (out.student_entropy_sum, torch.tensor(float(out.num_tokens)))
+        # the count as it is (a device scalar on a GPU: no host read)
+        metrics["entropy"] = (out.student_entropy_sum, torch.as_tensor(out.num_tokens).float())
         return metrics
 
 

@@ -203,7 +203,7 @@ class KTOObjective(Objective):
         kl_logps_B = self._policy_kl_logps(model, kl_inputs)
         ref_kl_logps_B = inputs.get("ref_KL_logps")
         ref_kl_logps_B = self.reference_logps(kl_inputs) if ref_kl_logps_B is None else ref_kl_logps_B.to(kl_logps_B.dtype)
-        sums = torch.stack([(kl_logps_B - ref_kl_logps_B).sum(), kl_logps_B.new_tensor(kl_logps_B.numel())])
+        sums = torch.stack([(kl_logps_B - ref_kl_logps_B).sum(), kl_logps_B.new_full((), kl_logps_B.numel())])
         total, count = self.context.data_parallel.sum(sums).to(kl_logps_B.device)
         return (total / count).clamp(min=0)
 

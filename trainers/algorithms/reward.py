@@ -178,7 +178,7 @@ class RewardObjective(Objective):
         rewards = rewards_B2L.detach().float()
         chosen_B, rejected_B = chosen_B.detach(), rejected_B.detach()
         data_parallel = self.context.data_parallel  # the whole batch's rewards, as TRL gathers them
-        count = torch.tensor(float(rewards.numel()), device=rewards.device)
+        count = rewards.new_full((), float(rewards.numel()))  # made on the device: no copy from the host
         return loss, {
             "num_tokens": self._total_train_tokens,
             "min_reward": -data_parallel.max(-rewards.min()),
