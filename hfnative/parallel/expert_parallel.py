@@ -57,12 +57,15 @@ class ExpertParallel:
         received_Re = torch.empty_like(tokens_per_expert_E)
         dist.all_to_all_single(received_Re, tokens_per_expert_E.contiguous(), group=self.group)
         received_Re = received_Re.view(ep, e)
-        send_splits = tokens_per_expert_E.view(ep, e).sum(1).tolist()
-        receive_splits = received_Re.sum(1).tolist()
+        # the splits read on the host in one read (each read waits for the device)
+        splits = torch.stack([tokens_per_expert_E.view(ep, e).sum(1), received_Re.sum(1)]).tolist()
+        send_splits, receive_splits = splits
         # 2. rows to the ranks holding their experts
         x_ND = all_to_all_single_autograd(x_TD, receive_splits, send_splits, self.group)
-        # 3. regrouped by local expert (they arrive grouped by source rank, then expert), the experts run
-        expert_of_row_N = torch.arange(e, device=x_TD.device).repeat(ep).repeat_interleave(received_Re.reshape(-1))
+        # 3. regrouped by local expert (they arrive grouped by source rank, then expert), the experts run; the rows'
+        # count known on the host (repeat_interleave would read it from the device)
+        expert_of_row_N = torch.arange(e, device=x_TD.device).repeat(ep).repeat_interleave(
+            received_Re.reshape(-1), output_size=sum(receive_splits))
         order = torch.argsort(expert_of_row_N, stable=True)
         y_sorted = experts(x_ND[order], received_Re.sum(0), expert_of_row_N[order])
         y_ND = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
