@@ -136,5 +136,7 @@ def test_an_overflowed_step_is_skipped_with_the_schedule(tmp_path, scaling_on_cp
 
 
 def test_fp16_loss_scaling_refuses_the_optimizer_in_backward(tmp_path, scaling_on_cpu):
+    """Refused when the trainer is made, before anything is written."""
     with pytest.raises(ValueError, match="fp16=True with optimizer_in_backward=True"):
-        _trainer(_config(tmp_path, optimizer_in_backward=True, max_grad_norm=0.0)).train()
+        _trainer(_config(tmp_path / "run", optimizer_in_backward=True, max_grad_norm=0.0))
+    assert not (tmp_path / "run").exists()

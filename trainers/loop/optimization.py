@@ -62,14 +62,9 @@ class OptimizationMixin:
 
     def _new_loss_scale(self) -> LossScale | None:
         """fp16=True on an accelerator: the loss scaled before backward and the gradients unscaled before the step
-        (``hfnative.optim.loss_scale``), as accelerate does there; None otherwise."""
-        if not (self.args.fp16 and scales_loss(self.device)):
-            return None
-        if isinstance(self.optimizer, OptimizerInBackward):
-            raise ValueError("fp16=True with optimizer_in_backward=True: fp16's loss scaling skips a step whose "
-                             "gradients overflowed, which it learns only once every gradient is made, after the "
-                             "parameters stepped in backward; use bf16=True, or optimizer_in_backward=False")
-        return LossScale()
+        (``hfnative.optim.loss_scale``), as accelerate does there; None otherwise (``loss_scale_conflicts`` refused
+        what it cannot serve when the trainer was made)."""
+        return LossScale() if self.args.fp16 and scales_loss(self.device) else None
 
     def _trained_parameters(self) -> list:
         """The parameters the optimizer steps (clipped together)."""
@@ -136,3 +131,12 @@ class OptimizationMixin:
 def _whole(norm: torch.Tensor) -> torch.Tensor:
     """A norm of sharded parameters (a DTensor) as the norm over every shard."""
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def loss_scale_conflicts(trainer) -> list[str]:
+    """What fp16's loss scaling cannot serve, each "what: what to do" (for the trainer's one capability check)."""
+    if not (trainer.args.fp16 and scales_loss(trainer.device)) or not trainer.args.optimizer_in_backward:
+        return []
+    return ["fp16=True with optimizer_in_backward=True on an accelerator (fp16's loss scaling skips a step whose "
+            "gradients overflowed, known only once every gradient is made, after the parameters stepped in "
+            "backward): use bf16=True, or optimizer_in_backward=False"]

@@ -53,7 +53,7 @@ from .objective import (
     check_supported,
     without_labels,
 )
-from .optimization import OptimizationMixin
+from .optimization import OptimizationMixin, loss_scale_conflicts
 from .performance import StepPerformance, warn_if_cpu_low_precision_is_slow
 from .pipeline_training import PipelineMixin, pipeline_conflicts
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
@@ -195,7 +195,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
     def _check_supported(self, evaluating: bool = False) -> None:
         """The one place a run's layout, features and settings are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
-                        conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating))
+                        conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
+                        + loss_scale_conflicts(self))
 
     def _context_parallel_conflicts(self, evaluating: bool) -> list[str]:
         """Under context parallelism each rank holds a slice of every sequence: no loss or metric over whole outputs."""
