@@ -180,6 +180,22 @@ def test_bf16_inputs_run_and_stay_close(softcap, cpu_bf16_path):
         torch.testing.assert_close(out.loss_sum.double() / 40, loss_of_rounded, rtol=1e-5, atol=0)
 
 
+def test_an_upstream_scale_does_not_bias_bf16_gradients(cpu_bf16_path):
+    """The loss divided by a step's token count (1/3000, which bf16 rounds up by 0.16%): the bf16 gradients' least-
+    squares scale against float64 autograd of the same loss is 1 to within their random rounding (the scale is applied
+    in float32, not rounded to bf16 first)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(256, D, generator=generator).bfloat16().requires_grad_()
+    weight = (torch.randn(512, D, generator=generator) * 0.5).bfloat16().requires_grad_()
+    targets = torch.randint(0, 512, (256,), generator=generator)
+    (fused_linear_cross_entropy(hidden, weight, targets, None, chunk_size=64).loss_sum / 3000).backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    (F.cross_entropy(h64 @ w64.T, targets, reduction="sum") / 3000).backward()
+    for grad, ref in ((hidden.grad.double(), h64.grad), (weight.grad.double(), w64.grad)):
+        scale = ((grad * ref).sum() / (ref * ref).sum()).item()
+        assert abs(scale - 1) < 5e-4, scale
+
+
 def test_autocast_runs_the_projection_in_bf16_like_the_plain_path(cpu_bf16_path):
     """The trainer calls the loss under torch.autocast(bf16) with fp32 parameters."""
     generator = torch.Generator().manual_seed(4)

@@ -467,7 +467,7 @@ class _FusedHeadLoss(torch.autograd.Function):
         if kernel is None:
             # in place: no second [V, D] tensor; a second backward (retain_graph=True) then fails autograd's
             # saved-tensor version check instead of applying the scale twice
-            grads = [None if grad is None else grad.mul_(grad_output.to(grad.dtype)) for grad in ctx.saved_tensors]
+            grads = [None if grad is None else _scaled_in_place(grad, grad_output) for grad in ctx.saved_tensors]
         else:
             hidden_ND, weight_VD = ctx.saved_tensors
             need_hidden, need_weight = ctx.needs_input_grad[1:3]
@@ -477,6 +477,21 @@ class _FusedHeadLoss(torch.autograd.Function):
                                 lambda chunk: kernel.backward_chunk(chunk, grad_output))
             grads = recomputed.finish()
         return None, *grads, None, None
+
+
+_SCALED_ROWS = 1 << 14  # rows a block when a low-precision gradient is scaled through float32
+
+
+def _scaled_in_place(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``grad * scale`` into ``grad``, the product formed in float32: a bf16/fp16 gradient times the upstream
+    gradient (a float32 scalar such as 1 / the step's token count) rounds once, as autograd's float32 loss would give
+    it, not after the scale itself was rounded to the gradient's dtype (a bias of up to 0.4% on every entry). Row
+    blocks keep the float32 temporary small (a [V, D] head gradient would double)."""
+    if grad.dtype == torch.float32 or grad.dtype == torch.float64:
+        return grad.mul_(scale)
+    for block in grad.split(_SCALED_ROWS):
+        block.copy_(block.float().mul_(scale))
+    return grad
 
 
 def fused_head_loss(kernel: ChunkKernel, hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, ...]:
