@@ -70,8 +70,18 @@ def load_policy_copy(copy: PolicyCopy, device: torch.device | str = "cpu") -> Tr
 
 
 def generator_device() -> torch.device:
-    """The device a generator actor decodes on: the GPU Ray assigned to it, else the CPU."""
-    if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES"):
+    """The device a generator actor decodes on: the GPU Ray assigned to it, else the CPU. Read from Ray's assignment,
+    not from CUDA_VISIBLE_DEVICES: an actor given no GPU may still see the driver's (Ray leaves the variable alone
+    when told to, RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0), and would decode beside the training's first rank."""
+    try:
+        import ray
+
+        assigned = ray.get_gpu_ids() if ray.is_initialized() else None
+    except ImportError:
+        assigned = None
+    if assigned is None:  # not inside a Ray worker: what this process sees
+        assigned = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if torch.cuda.is_available() and assigned:
         return torch.device("cuda")
     return torch.device("cpu")
 
