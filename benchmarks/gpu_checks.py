@@ -5,6 +5,7 @@
     python benchmarks/gpu_checks.py attention --device cuda
     python benchmarks/gpu_checks.py generation --device cuda
     python benchmarks/gpu_checks.py kernels --device cuda
+    python benchmarks/gpu_checks.py compile --device cuda
 
 Both run on CPU too (that is how they are tested without a GPU). Each output line is one comparison,
 ``PASS`` / ``FAIL`` / ``SKIP``, its name and numbers; the exit status is 1 when any comparison failed.
@@ -25,6 +26,9 @@ path on packed and padded batches. Low-precision results follow the bf16 rule ab
 
 generation: the native rollout engine (``gpu_rollout_checks.py``) as each way runs its decode step, and as a trainer
 uses it between optimizer steps.
+
+compile: a compiled block's activation checkpoint inside its graph keeps what it is told to on this torch
+(``gpu_compile_checks.py``).
 
 kernels: the Triton kernels (hfnative/models/triton_kernels.py: RMSNorm, the rotated q/k norm, the rotation alone,
 the SiLU-gated unit, a pre-norm's one bf16 output for q, k and v, the head's cross-entropy) at the Qwen3-0.6B shape
@@ -460,7 +464,7 @@ def kernels(tally: Tally, device: torch.device) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("check", choices=("parity", "attention", "generation", "kernels"))
+    parser.add_argument("check", choices=("parity", "attention", "generation", "kernels", "compile"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parity: fp32 by default; attention: bf16 on cuda, fp32 on cpu by default")
@@ -481,6 +485,10 @@ def main(argv=None) -> int:
         rollouts_between_steps(tally, device)
     elif args.check == "kernels":
         kernels(tally, device)
+    elif args.check == "compile":
+        from gpu_compile_checks import checkpoint_in_graph
+
+        checkpoint_in_graph(tally, device)
     else:
         attention(tally, device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     print(f"{tally.failures} failed" if tally.failures else "all passed")

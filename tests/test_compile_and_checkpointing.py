@@ -149,6 +149,7 @@ def test_a_compiled_checkpoint_recomputes_in_backward_what_it_does_not_keep(monk
     block runs 7 projections: full checkpointing remakes 6 (not the down projection's, which backward never reads),
     keeping the attention and projections remakes the key, output and up projections."""
     from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     graphs = {"forward": [], "backward": []}
@@ -156,7 +157,7 @@ def test_a_compiled_checkpoint_recomputes_in_backward_what_it_does_not_keep(monk
     def capture(kind):
         def compiler(graph, example_inputs):
             graphs[kind].append(graph)
-            return graph.forward
+            return make_boxed_func(graph.forward)  # as AOTAutograd calls it
         return compiler
 
     backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"),

@@ -1,0 +1,84 @@
+"""A compiled block's activation checkpoint on a device (``gpu_checks.py compile`` runs it): on this torch and device,
+the checkpoint inside the block's graph keeps what it is told to (hfnative/parallel/compile.py: the kept ops are
+annotated while compiling, ``torch.fx.traceback.annotate``, and torch's selective checkpoint policy reads the
+annotation). The graphs inductor's partitioner makes are captured instead of compiled: backward recomputes 6 matmuls
+a block under full checkpointing and 3 when the attention and the query, value and gate projections are kept, none
+without checkpointing; the gradients are the eager model's. Where the annotation did not reach the policy, keeping
+would silently recompute as much as full checkpointing (correct, slower): this says which.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections import Counter
+from unittest import mock
+
+import torch
+
+from hfnative.models.args import ModelArgs
+from hfnative.models.decoder import Transformer
+from hfnative.parallel import apply_activation_checkpointing, apply_compile
+
+
+def _tiny(device: torch.device) -> Transformer:
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=64, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=128,
+                     qk_norm=True)
+    model = Transformer(args)
+    model.init_weights()
+    return model.to(device)
+
+
+def _loss_and_grads(model, input_ids, autocast: bool):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def checkpoint_in_graph(tally, device: torch.device) -> None:
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    graphs: dict[str, list] = {"forward": [], "backward": []}
+
+    def capture(kind):
+        def compiler(graph, example_inputs):
+            graphs[kind].append(graph)
+            return make_boxed_func(graph.forward)  # as AOTAutograd calls it
+        return compiler
+
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    for autocast in (False, True) if device.type == "cuda" else (False,):
+        label = f"compiled checkpoint inside the graph{', bf16 autocast' if autocast else ', fp32'}"
+        eager = _tiny(device)
+        loss, grads = _loss_and_grads(eager, input_ids, autocast)
+        recomputed, worst = {}, 0.0
+        try:
+            for keep in (None, "nothing", "attention_and_projections"):
+                torch._dynamo.reset()
+                graphs["forward"].clear(), graphs["backward"].clear()
+                with mock.patch.object(torch, "compile", functools.partial(torch.compile, backend=backend)):
+                    model = apply_compile(copy.deepcopy(eager))
+                if keep is not None:
+                    apply_activation_checkpointing(model, "full", keep=keep)
+                c_loss, c_grads = _loss_and_grads(model, input_ids, autocast)
+                worst = max([worst, abs(c_loss - loss).item()]
+                            + [((c_grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in grads.items()])
+                ops = Counter(str(node.target) for graph in graphs["backward"] for node in graph.graph.nodes
+                              if node.op == "call_function")
+                recomputed[keep] = ops["aten.mm.default"]
+        except Exception as err:  # reported; the next dtype still runs
+            tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            continue
+        full, kept = recomputed["nothing"] - recomputed[None], recomputed["attention_and_projections"] - recomputed[None]
+        close = worst <= (2e-2 if autocast else 1e-4)
+        tally.check(close and full == 6 and kept == 3, label,
+                    f"backward recomputes {full} matmuls a block under full checkpointing (6 expected), {kept} keeping "
+                    f"attention and projections (3 expected{'' if kept == 3 else '; 6: the annotation did not reach the policy'}); "
+                    f"worst difference from eager {worst:.1e}")
