@@ -89,8 +89,10 @@ class PipelineTraining:
                        for name, model in trainer.objective.auxiliary_models.items() if model is not None}
 
     def step(self, trainer, batches: list[dict], num_items: list) -> torch.Tensor:
-        """Forward and backward of the step's micro-batches (prepared by ``trainer._prepare_inputs``; ``num_items``:
-        each one's ``num_items_in_batch``); returns the step's loss (the sum of the micro-batches'), on every rank."""
+        """Forward and backward of the step's micro-batches (on the host, completed there by
+        ``trainer._complete_on_host``: padded to one length here, then planned and moved, so the attention plans come
+        from host tensors; ``num_items``: each one's ``num_items_in_batch``); returns the step's loss (the sum of the
+        micro-batches'), on every rank."""
         rows = {batch["input_ids"].shape[0] for batch in batches}
         if len(rows) > 1:
             raise ValueError(
@@ -148,8 +150,9 @@ class PipelineMixin:
         # (perf/fwd_bwd_s: the whole schedule; its forwards and backwards interleave, so no perf/fwd_s is taken)
         with self._performance.timed("fwd_bwd"):
             loss = self._pipeline_parallel.step(self, batches, num_items)
-        if self.args.logging_nan_inf_filter and not torch.isfinite(loss):
-            loss = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+        if self.args.logging_nan_inf_filter:  # on the device: no host read of the loss
+            mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+            loss = torch.where(torch.isfinite(loss), loss, mean)
         self._tr_loss += loss
         self.state.total_flos += sum(6.0 * b["input_ids"].numel() for b in batches) * self._non_embedding_params
 

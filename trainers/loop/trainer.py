@@ -368,11 +368,11 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 self._current_accumulation_steps = len(batches)
                 normalization = self._step_normalizer(self.objective.normalizer(batches), len(batches))
                 self._loss_divisor, self._logged_share = normalization.divisor, normalization.logged_share
-                batches = [self._to_device(b) for b in batches]
                 if self._pipeline_parallel is not None:  # the step's micro-batches go through the pipeline stages together
                     step += len(batches)
-                    self._pipeline_step(batches, normalization.items)
+                    self._pipeline_step(batches, normalization.items)  # (from the host: padded there, then moved)
                     batches = []
+                batches = [self._to_device(b) for b in batches]
                 for index, inputs in enumerate(batches):
                     step += 1
                     self._last_micro_batch = index == len(batches) - 1
