@@ -47,6 +47,7 @@ from hfnative.losses.vocab_parallel import (
     vocab_parallel_token_logprobs,
 )
 from hfnative.models.head import GeneralizedJSD, TokenLogprobs
+from hfnative.device_policy import use_device_policy
 from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.parallel import ParallelDims, end_process_group, parallelize
@@ -252,7 +253,11 @@ class References:
 
 
 def parallel_run(refs: References, name: str, dims: ParallelDims, mesh, accumulation: int = 1,
-                 in_backward: bool = False, lora: bool = False, **parallelize_options) -> dict:
+                 in_backward: bool = False, lora: bool = False, device_policy: str | None = None,
+                 **parallelize_options) -> dict:
+    if device_policy is not None:  # a device's code paths forced (the reference runs under the machine's own)
+        with use_device_policy(device_policy):
+            return parallel_run(refs, name, dims, mesh, accumulation, in_backward, lora, **parallelize_options)
     converted = meta_model(refs.model_dirs[name])
     if lora:
         add_adapters(converted.model)  # before sharding: the adapters are sharded with their blocks
@@ -320,6 +325,20 @@ def vocab_parallel_check(mesh) -> dict:
             "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
             "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
             "correct": [int(got.correct_sum), int(expected.correct_sum)],
+            **gradients(reference, split),
+        }
+        # masked (a GPU's way, every position projected): the label positions' sums and gradients, zero elsewhere
+        reference, split = leaves()
+        keep = logprob_targets != IGNORE_INDEX
+        expected = fused_linear_cross_entropy(reference[0][keep], reference[1], targets[keep], **head)
+        got = vocab_parallel_cross_entropy(*split, logprob_targets, masked=True, **on_group)
+        (expected.loss_sum * 0.5).backward()
+        (got.loss_sum * 0.5).backward()
+        results[f"ce masked softcap={softcap} T={temperature}"] = {
+            "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
+            "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
+            "correct": [int(got.correct_sum), int(expected.correct_sum)],
+            "count": [int(got.num_tokens), int(expected.num_tokens)],
             **gradients(reference, split),
         }
 
@@ -518,6 +537,8 @@ LAYOUTS = {
         # the checkpoint inside each compiled block's graph, keeping the attention and projections' results
         ("FSDP2, compiled blocks, selective checkpoints", "untied", dict(dp_shard=2),
          {"compile": True, "activation_checkpointing": "full", "checkpoint_keeps": "attention_and_projections"}),
+        # the GPU policy's head: every position projected, the ignored ones masked (no host read of the labels)
+        ("TP2 (untied, qk-norm), the GPU policy", "untied", dict(dp_shard=1, tp=2), {"device_policy": "gpu"}),
         ("TP2 (untied, qk-norm), compiled blocks", "untied", dict(dp_shard=1, tp=2),
          {"compile": True}),
     ],

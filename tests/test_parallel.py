@@ -130,8 +130,8 @@ def _assert_matches(rank: int, case: str, numbers: dict) -> None:
 
 
 def test_vocab_parallel_losses_match_the_fused_losses(measured):
-    """Cross-entropy, per-token log-probs with every token statistic, and the generalized JSD (beta 0, 0.5, 1) with the
-    head split unevenly (95 rows over 4 ranks), with and without soft-caps and temperature: values, entropy, top-1
+    """Cross-entropy (on the label positions, and masked over every position), per-token log-probs with every token
+    statistic, and the generalized JSD (beta 0, 0.5, 1) with the head split unevenly (95 rows over 4 ranks), with and without soft-caps and temperature: values, entropy, top-1
     hits (a tie across two ranks' rows included), statistics, and the gradients of the hidden states and weight."""
     per_rank = _per_rank(measured, 4, "vocab-parallel losses over 4 ranks")
     for rank, result in enumerate(per_rank):
@@ -140,6 +140,7 @@ def test_vocab_parallel_losses_match_the_fused_losses(measured):
                 _assert_matches(rank, case, numbers)
     cases = per_rank[0]
     assert sum(case.startswith("jsd beta=") for case in cases) == 6, list(cases)
+    assert sum(case.startswith("ce masked") for case in cases) == 2, list(cases)  # the GPU policy's way under TP
     for case, numbers in cases.items():
         if case.startswith("logprobs"):
             # the tie is real: row 7 (rank 0) is the argmax of token 0, not row 60 (rank 2) of token 1

@@ -124,21 +124,22 @@ class _CrossEntropyKernel(ChunkKernel):
             return
         valid_C = None if self.valid_N is None else self.valid_N[chunk.rows]
         stats = SoftmaxStats(chunk.z_CV, t_C, chunk.probs_CV, self.policy.host_reads)
-        loss -= _masked(stats.log_probs(), valid_C).sum()
+        loss -= zero_where_ignored(stats.log_probs(), valid_C).sum()
         correct += (stats.correct_C if valid_C is None else stats.correct_C & valid_C).sum()
         if not self.entropy_from_grad:
             # the logits are needed after this only to differentiate the soft-cap
-            entropy += _masked(stats.entropy(overwrite_logits=self.softcap is None), valid_C).sum()
+            entropy += zero_where_ignored(stats.entropy(overwrite_logits=self.softcap is None), valid_C).sum()
         if chunk.needs_grad:
             # dNLL/dz = softmax(z) - onehot(target), built in the probabilities buffer (zero on ignored rows)
             chunk.probs_CV[stats.rows_C, t_C] -= 1.0
             grad_h_CD = chunk.backpropagate(chunk.probs_CV, None if valid_C is None else valid_C.to(chunk.probs_CV.dtype))
         if self.entropy_from_grad:
             expected_logit_C = expected_logit_from_hidden_grad(chunk.h_CD, grad_h_CD, stats.target_logit_C)
-            entropy += _masked(stats.log_z_C - expected_logit_C, valid_C).sum()
+            entropy += zero_where_ignored(stats.log_z_C - expected_logit_C, valid_C).sum()
 
 
-def _masked(values_C: torch.Tensor, valid_C: torch.Tensor | None) -> torch.Tensor:
+def zero_where_ignored(values_C: torch.Tensor, valid_C: torch.Tensor | None) -> torch.Tensor:
+    """A masked kernel's per-row values, 0 where the row's target is ignored (``valid_C`` None: every row counts)."""
     return values_C if valid_C is None else torch.where(valid_C, values_C, 0.0)
 
 
@@ -164,10 +165,11 @@ def fused_linear_cross_entropy(
     """
     kernel = _CrossEntropyKernel(targets_N, softcap, temperature, chunk_size, masked)
     loss, entropy, correct = fused_head_loss(kernel, hidden_ND, weight_VD)
-    return CrossEntropyOutput(loss, entropy, correct, _count(targets_N, masked))
+    return CrossEntropyOutput(loss, entropy, correct, label_count(targets_N, masked))
 
 
-def _count(targets_N: torch.Tensor, masked: bool) -> int | torch.Tensor:
+def label_count(targets_N: torch.Tensor, masked: bool) -> int | torch.Tensor:
+    """The positions with a label: a host int, or with ``masked`` a device scalar (no host read)."""
     return (targets_N != IGNORE_INDEX).sum() if masked else targets_N.shape[0]
 
 
@@ -185,4 +187,4 @@ def linear_cross_entropy(
     with torch.no_grad():
         entropy, correct = _entropy_and_correct(z_NV, torch.logsumexp(z_NV, -1), targets_N,
                                                 targets_N != IGNORE_INDEX if masked else None)
-    return CrossEntropyOutput(loss, entropy, correct, _count(targets_N, masked))
+    return CrossEntropyOutput(loss, entropy, correct, label_count(targets_N, masked))

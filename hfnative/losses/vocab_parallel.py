@@ -37,7 +37,7 @@ from ._chunks import (
     fused_head_loss,
     matmul_inputs,
 )
-from .cross_entropy import CrossEntropyOutput
+from .cross_entropy import CrossEntropyOutput, label_count, zero_where_ignored
 from .distillation import DistillationOutput
 from .logprobs import _check_statistics
 
@@ -104,11 +104,14 @@ class _VocabParallelStats:
 
 
 class _VocabParallelCrossEntropyKernel(ChunkKernel):
-    """Summed NLL, entropy and top-1 hits over the full vocabulary; dNLL/dz formed chunk by chunk in forward."""
+    """Summed NLL, entropy and top-1 hits over the full vocabulary; dNLL/dz formed chunk by chunk in forward.
+    ``masked``: targets may be IGNORE_INDEX, whose positions add nothing and get no gradient."""
 
-    def __init__(self, targets_N, vocab_start, group, softcap, temperature, chunk_size):
+    def __init__(self, targets_N, vocab_start, group, softcap, temperature, chunk_size, masked: bool = False):
         super().__init__(softcap, temperature, chunk_size)
-        self.targets_N, self.vocab_start, self.group = targets_N, vocab_start, group
+        self.valid_N = targets_N != IGNORE_INDEX if masked else None
+        self.targets_N = targets_N if not masked else torch.where(self.valid_N, targets_N, 0)
+        self.vocab_start, self.group = vocab_start, group
 
     def prepare(self, hidden_ND, need_hidden):
         device = hidden_ND.device
@@ -117,13 +120,14 @@ class _VocabParallelCrossEntropyKernel(ChunkKernel):
 
     def forward_chunk(self, chunk, loss, entropy, correct):
         targets_C = self.targets_N[chunk.rows]
+        valid_C = None if self.valid_N is None else self.valid_N[chunk.rows]
         stats = _VocabParallelStats(chunk.z_CV, targets_C, chunk.probs_CV, self.vocab_start, self.group)
-        loss -= stats.log_probs().sum()
-        entropy += stats.entropy_C.sum()
-        correct += stats.correct_C.sum()
+        loss -= zero_where_ignored(stats.log_probs(), valid_C).sum()
+        entropy += zero_where_ignored(stats.entropy_C, valid_C).sum()
+        correct += (stats.correct_C if valid_C is None else stats.correct_C & valid_C).sum()
         if chunk.needs_grad:
             stats.subtract_target(chunk.probs_CV)  # softmax(z) - onehot(target), on this rank's columns
-            chunk.backpropagate(chunk.probs_CV)
+            chunk.backpropagate(chunk.probs_CV, None if valid_C is None else valid_C.to(chunk.probs_CV.dtype))
 
 
 class _VocabParallelLogprobsKernel(ChunkKernel):
@@ -269,19 +273,21 @@ def vocab_parallel_cross_entropy(
     softcap: float | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    masked: bool = False,
 ) -> CrossEntropyOutput:
     """Summed NLL of ``targets_N`` under the full-vocabulary softmax, this rank holding rows
     [vocab_start, vocab_start + Vr) of the head.
 
-    hidden_ND: [N, D] states of the label positions, the same on every rank of ``group``.
+    hidden_ND: [N, D] states of the label positions (or, with ``masked``, of any positions: those whose target is
+    IGNORE_INDEX add nothing, and ``num_tokens`` is then a device scalar), the same on every rank of ``group``.
     weight_VrD: this rank's rows of the [V, D] head. targets_N: [N] token ids in [0, vocab_size).
     Returns the same sums as ``fused_linear_cross_entropy`` (identical on every rank); the gradient it gives
     the hidden states is this rank's share: sum it over the group.
     """
     chunk = _group_chunk_size(hidden_ND, vocab_size, chunk_size)
-    kernel = _VocabParallelCrossEntropyKernel(targets_N, vocab_start, group, softcap, temperature, chunk)
+    kernel = _VocabParallelCrossEntropyKernel(targets_N, vocab_start, group, softcap, temperature, chunk, masked)
     loss, entropy, correct = fused_head_loss(kernel, hidden_ND, weight_VrD)
-    return CrossEntropyOutput(loss, entropy, correct, targets_N.shape[0])
+    return CrossEntropyOutput(loss, entropy, correct, label_count(targets_N, masked))
 
 
 def vocab_parallel_token_logprobs(
