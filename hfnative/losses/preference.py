@@ -66,10 +66,10 @@ def ipo_loss(chosen_scores_B, rejected_scores_B, chosen_lengths_B, rejected_leng
 
 def exo_pair_loss(delta_B, beta, epsilon):
     """EXO-pref: KL(softmax of beta * scores over {chosen, rejected} || [1 - epsilon, epsilon])."""
-    epsilon = torch.tensor(epsilon, device=delta_B.device)
     z_B = beta * delta_B
-    return (torch.sigmoid(z_B) * (F.logsigmoid(z_B) - torch.log1p(-epsilon))
-            + torch.sigmoid(-z_B) * (F.logsigmoid(-z_B) - torch.log(epsilon)))
+    # the target's logs as host numbers (a tensor made from epsilon would be a copy the device waits for)
+    return (torch.sigmoid(z_B) * (F.logsigmoid(z_B) - math.log1p(-epsilon))
+            + torch.sigmoid(-z_B) * (F.logsigmoid(-z_B) - math.log(epsilon)))
 
 
 def nca_pair_loss(chosen_logratio_B, rejected_logratio_B, beta):

@@ -214,8 +214,9 @@ def load_balancing_loss(
     if groups:
         import torch.distributed as dist
 
-        totals = torch.cat([assignments_E.detach(), torch.as_tensor(rows, dtype=torch.float32,
-                                                                    device=assignments_E.device).reshape(1)])
+        # a host row count made on the device (a tensor copied from the host would wait for the device's queue)
+        rows_1 = rows.reshape(1) if isinstance(rows, torch.Tensor) else assignments_E.new_full((1,), float(rows))
+        totals = torch.cat([assignments_E.detach(), rows_1.to(assignments_E.dtype)])
         for group in groups:
             dist.all_reduce(totals, group=group)
         assignments_E, rows = totals[:-1], totals[-1]

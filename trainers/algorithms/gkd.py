@@ -229,8 +229,9 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
         if labels is not None:
             mask = labels != IGNORE_INDEX
             terms = terms[mask]
-        if num_items_in_batch is not None:
-            return terms.sum() / torch.as_tensor(num_items_in_batch, device=terms.device)
+        if num_items_in_batch is not None:  # a host number divides as it is (no copy the device waits for)
+            return terms.sum() / (num_items_in_batch.to(terms.device) if isinstance(num_items_in_batch, torch.Tensor)
+                                  else num_items_in_batch)
         if reduction == "batchmean":
             return terms.sum() / (mask.sum().clamp_min(1) if mask is not None else max(terms.size(0), 1))
         if reduction == "sum":
