@@ -247,3 +247,29 @@ def test_mismatches_and_unsaveable_values_are_named(tmp_path):
     (tmp_path / "tied" / "training_state.json").unlink()
     with pytest.raises(TrainingStateError, match="training_state.json is missing"):
         load_training_state(tmp_path / "tied", model, optimizer)
+
+
+@pytest.mark.parametrize("visible, current, saved, expected", [
+    (4, 2, 2, "all"),  # the same devices: every generator restored
+    (1, 0, 3, 3),  # now one GPU a process: the current one from the device the saving process drew from
+    (1, 0, None, 0),  # a save that did not say which: the current device's index
+    (1, 0, 7, None),  # nothing saved for it: it starts afresh
+])
+def test_cuda_generators_restore_under_another_number_of_visible_gpus(monkeypatch, caplog, visible, current, saved,
+                                                                      expected):
+    """A resume that sees another number of GPUs than the save (8 then 1 a process, say) restores what it can and says
+    so, where setting every saved generator failed on the devices it cannot see. CUDA stood in for (a CPU here)."""
+    from hfnative.checkpoint import rng
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state_all", lambda states: calls.append(("all", len(states))))
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", lambda state: calls.append(("one", state)))
+    states = [f"state {index}" for index in range(4)]
+    rng.set_cuda_rng_states(states, saved)
+    if expected == "all":
+        assert calls == [("all", 4)]
+    else:
+        assert calls == ([] if expected is None else [("one", f"state {expected}")])
+        assert "this process sees 1" in caplog.text

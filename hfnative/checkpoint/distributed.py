@@ -42,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from hfnative.optim.in_backward import OptimizerInBackward
 
 from .atomic import atomic_directory
+from .rng import set_cuda_rng_states
 
 FORMAT = "hfnative-training-state"
 VERSION = 1
@@ -134,6 +135,7 @@ def rng_state() -> dict:
     }
     if torch.cuda.is_available():
         state["cuda"] = [to_json(generator) for generator in torch.cuda.random.get_rng_state_all()]
+        state["cuda_device"] = torch.cuda.current_device()
     return state
 
 
@@ -145,7 +147,7 @@ def set_rng_state(state: dict) -> None:
                          numpy_state["position"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     torch.random.set_rng_state(from_json(state["cpu"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.random.set_rng_state_all([from_json(generator) for generator in state["cuda"]])
+        set_cuda_rng_states([from_json(generator) for generator in state["cuda"]], state.get("cuda_device"))
 
 
 # ---------------------------------------------------------------- state dicts <-> flat tensors + JSON
