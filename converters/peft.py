@@ -148,12 +148,14 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
     return config
 
 
-def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none") -> dict[str, torch.Tensor]:
+def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
+                           native_state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the keys peft saves (``base_model.model.<hub path>.lora_A.weight``,
     ``.lora_B.weight``, ``.lora_magnitude_vector``, modules_to_save and bias tensors by their Hub keys,
-    biases of adapted modules as ``<path>.base_layer.bias``)."""
+    biases of adapted modules as ``<path>.base_layer.bias``). native_state: the tensors by native name, when not the
+    model's own parameters (a sharded model's, gathered: ``adapter_tensors``)."""
     model = converted.model
-    native = dict(model.named_parameters(remove_duplicate=False))
+    native = native_state if native_state is not None else dict(model.named_parameters(remove_duplicate=False))
     loras = lora_modules(model)
     tensors: dict[str, torch.Tensor] = {}
     adapted_paths = set()
@@ -165,10 +167,11 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none") -> dic
             raise ValueError(f"{module.path}: its native modules {module.native} do not carry one shared adapter")
         prefix = PEFT_PREFIX + module.path
         adapted_paths.add(module.path)
-        tensors[f"{prefix}.lora_A.weight"] = parts[0].lora_A.detach()
-        tensors[f"{prefix}.lora_B.weight"] = torch.cat([p.lora_B.detach() for p in parts])
+        tensors[f"{prefix}.lora_A.weight"] = native[f"{module.native[0]}.lora_A"].detach()
+        tensors[f"{prefix}.lora_B.weight"] = torch.cat([native[f"{name}.lora_B"].detach() for name in module.native])
         if parts[0].lora_magnitude_vector is not None:
-            tensors[f"{prefix}.lora_magnitude_vector"] = torch.cat([p.lora_magnitude_vector.detach() for p in parts])
+            tensors[f"{prefix}.lora_magnitude_vector"] = torch.cat(
+                [native[f"{name}.lora_magnitude_vector"].detach() for name in module.native])
 
     copies = {name for name, _, _ in trainable_copies(model)}
     for hf_key, pieces in hub_parameter_pieces(converted).items():
@@ -185,15 +188,30 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none") -> dic
     return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
 
 
+def adapter_tensors(model) -> dict[str, torch.Tensor]:
+    """What an adapter folder is made of (``hub_adapter_state_dict``'s ``native_state``) from a model whose
+    parameters are sharded (DTensors): the adapters' and every trainable tensor (trainable copies, trained biases)
+    gathered whole one at a time, by native name, on the CPU. Every rank calls it, in the same order; only the
+    tensors it names are gathered, never the frozen base."""
+    tensors = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad or ".lora_" in name:
+            whole = param.full_tensor() if hasattr(param, "full_tensor") else param
+            tensors[name] = whole.detach().cpu()
+    return tensors
+
+
 def save_adapter(
     converted: ConvertedModel,
     out_dir: str | os.PathLike,
     settings,
     base_model_name_or_path: str | None = None,
+    native_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write a PEFT adapter folder that ``PeftModel.from_pretrained(base, out_dir)`` loads.
 
     base_model_name_or_path: recorded in adapter_config.json; None -> the folder the model came from.
+    native_state: a sharded model's adapter tensors, gathered (``adapter_tensors``); None: the model's parameters.
     """
     from safetensors.torch import save_file
 
@@ -213,7 +231,7 @@ def save_adapter(
             "pass the settings given to apply_lora"
         )
     config = adapter_config(converted, settings, base_model_name_or_path)
-    tensors = hub_adapter_state_dict(converted, settings.bias)
+    tensors = hub_adapter_state_dict(converted, settings.bias, native_state)
     write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))

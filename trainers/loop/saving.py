@@ -50,8 +50,9 @@ class SavingMixin:
     @contextlib.contextmanager
     def _whole_model(self):
         """In a distributed run, the whole model for writing it out (every rank enters; rank 0 writes): yields
-        the gathered tensors under the model's own names (on rank 0), or None when native LoRA adapters are written
-        from the model itself, its FSDP2 units unsharded for the duration. A single process yields None."""
+        the gathered tensors under the model's own names (on rank 0); with native LoRA adapters only what the adapter
+        folder holds, gathered one tensor at a time (the frozen base never whole on a GPU). A single process yields
+        None."""
         if self.distributed is None:
             yield None
             return
@@ -61,16 +62,9 @@ class SavingMixin:
         if self.lora_settings is None:
             yield full_state_dict(self.native_model)  # the model's own names; TP and FSDP shards gathered
             return
-        from torch.distributed.fsdp import FSDPModule
+        from hfnative.converters.peft import adapter_tensors
 
-        units = [m for m in self.native_model.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.unshard()
-        try:
-            yield None
-        finally:
-            for unit in units:
-                unit.reshard()
+        yield adapter_tensors(self.native_model)
 
     def _save(self, output_dir: Path, native_state: dict | None = None) -> None:
         """Model (Hub format), tokenizer and training_args.bin into ``output_dir``. native_state: a sharded
@@ -84,7 +78,8 @@ class SavingMixin:
         elif self.lora_settings is not None:
             from hfnative.converters.peft import save_adapter
 
-            save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path)
+            save_adapter(self.converted, output_dir, self.lora_settings, base_model_name_or_path=self.base_model_name_or_path,
+                         native_state=native_state)
             save_tokenizer(output_dir, self.processing_class)
         elif self.converted is not None:
             export_hf(self.converted, output_dir, processing_class=self.processing_class, native_state=native_state)
