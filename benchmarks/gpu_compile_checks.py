@@ -39,20 +39,9 @@ def _loss_and_grads(model, input_ids, autocast: bool):
 
 
 def checkpoint_in_graph(tally, device: torch.device) -> None:
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from _compile_graphs import capturing_backend  # tests/ (gpu_checks.py puts it on the path)
 
-    graphs: dict[str, list] = {"forward": [], "backward": []}
-
-    def capture(kind):
-        def compiler(graph, example_inputs):
-            graphs[kind].append(graph)
-            return make_boxed_func(graph.forward)  # as AOTAutograd calls it
-        return compiler
-
-    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"),
-                           partition_fn=min_cut_rematerialization_partition)
+    backend, graphs = capturing_backend()
     input_ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
     for autocast in (False, True) if device.type == "cuda" else (False,):
         label = f"compiled checkpoint inside the graph{', bf16 autocast' if autocast else ', fp32'}"

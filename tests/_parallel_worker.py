@@ -316,31 +316,26 @@ def vocab_parallel_check(mesh) -> dict:
     for softcap, temperature, teacher_softcap in ((None, 1.0, None), (3.0, 0.7, 5.0)):
         head = dict(softcap=softcap, temperature=temperature, chunk_size=8)
         on_group = dict(vocab_start=start, vocab_size=V, group=group, **head)
-        reference, split = leaves()
-        expected = fused_linear_cross_entropy(*reference, targets, **head)
-        got = vocab_parallel_cross_entropy(*split, targets, **on_group)
-        (expected.loss_sum * 0.5).backward()
-        (got.loss_sum * 0.5).backward()
-        results[f"ce softcap={softcap} T={temperature}"] = {
-            "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
-            "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
-            "correct": [int(got.correct_sum), int(expected.correct_sum)],
-            **gradients(reference, split),
-        }
-        # masked (a GPU's way, every position projected): the label positions' sums and gradients, zero elsewhere
-        reference, split = leaves()
         keep = logprob_targets != IGNORE_INDEX
-        expected = fused_linear_cross_entropy(reference[0][keep], reference[1], targets[keep], **head)
-        got = vocab_parallel_cross_entropy(*split, logprob_targets, masked=True, **on_group)
-        (expected.loss_sum * 0.5).backward()
-        (got.loss_sum * 0.5).backward()
-        results[f"ce masked softcap={softcap} T={temperature}"] = {
-            "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
-            "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
-            "correct": [int(got.correct_sum), int(expected.correct_sum)],
-            "count": [int(got.num_tokens), int(expected.num_tokens)],
-            **gradients(reference, split),
-        }
+        # on the label positions; and masked (a GPU's way, every position projected): the label positions' sums and
+        # gradients, zero elsewhere
+        for case, masked in (("ce", False), ("ce masked", True)):
+            reference, split = leaves()
+            if masked:
+                expected = fused_linear_cross_entropy(reference[0][keep], reference[1], targets[keep], **head)
+                got = vocab_parallel_cross_entropy(*split, logprob_targets, masked=True, **on_group)
+            else:
+                expected = fused_linear_cross_entropy(*reference, targets, **head)
+                got = vocab_parallel_cross_entropy(*split, targets, **on_group)
+            (expected.loss_sum * 0.5).backward()
+            (got.loss_sum * 0.5).backward()
+            results[f"{case} softcap={softcap} T={temperature}"] = {
+                "loss": relative(got.loss_sum.item(), expected.loss_sum.item()),
+                "entropy": relative(got.entropy_sum.item(), expected.entropy_sum.item()),
+                "correct": [int(got.correct_sum), int(expected.correct_sum)],
+                "count": [int(got.num_tokens), int(expected.num_tokens)],
+                **gradients(reference, split),
+            }
 
         reference, split = leaves()
         expected_logprobs, expected_entropy, *expected_stats = fused_linear_token_logprobs(

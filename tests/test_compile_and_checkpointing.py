@@ -148,20 +148,9 @@ def test_a_compiled_checkpoint_recomputes_in_backward_what_it_does_not_keep(monk
     inside the block's graph, backward recomputes the matmuls the checkpoint does not keep and no others. A Qwen3-like
     block runs 7 projections: full checkpointing remakes 6 (not the down projection's, which backward never reads),
     keeping the attention and projections remakes the key, output and up projections."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from _compile_graphs import capturing_backend
 
-    graphs = {"forward": [], "backward": []}
-
-    def capture(kind):
-        def compiler(graph, example_inputs):
-            graphs[kind].append(graph)
-            return make_boxed_func(graph.forward)  # as AOTAutograd calls it
-        return compiler
-
-    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"),
-                           partition_fn=min_cut_rematerialization_partition)
+    backend, graphs = capturing_backend()
     compile_with_inductors_partitioner = functools.partial(torch.compile, backend=backend)
     eager = tiny_model()
     input_ids, _ = batch(2, 12)
