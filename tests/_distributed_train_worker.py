@@ -35,7 +35,7 @@ LAYOUTS = {
     # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
     # transformers' own fsdp argument (no parallelism_config), with CPU offload of the sharded state
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
-    # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from the unsharded units
+    # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from its gathered tensors
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
     # QLoRA: the NF4 base kept whole on every rank, the adapters (and norms, embedding) sharded
     "fsdp4-qlora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
