@@ -40,11 +40,16 @@ class TokenCrossEntropy:
 
     def __call__(self, hidden_BSD, weight_VD, softcap) -> CrossEntropyOutput:
         loss_fn = fused_linear_cross_entropy if self.fused else linear_cross_entropy
+        return self.on_positions(hidden_BSD, lambda hidden_ND, targets_N, masked: loss_fn(
+            hidden_ND, weight_VD, targets_N, softcap=softcap, masked=masked))
+
+    def on_positions(self, hidden_BSD, loss_fn) -> CrossEntropyOutput:
+        """``loss_fn(hidden_ND, targets_N, masked)`` on the positions this spec projects: the labelled ones, or every
+        one with ``masked`` (the device policy's choice, as the class docstring says)."""
         if not device_policy(hidden_BSD.device).host_reads:
-            return loss_fn(hidden_BSD.flatten(0, -2), weight_VD, self.targets_BS.flatten(), softcap=softcap,
-                           masked=True)
+            return loss_fn(hidden_BSD.flatten(0, -2), self.targets_BS.flatten(), True)
         hidden_ND, targets_N = label_positions(hidden_BSD, self.targets_BS)
-        return loss_fn(hidden_ND, weight_VD, targets_N, softcap=softcap)
+        return loss_fn(hidden_ND, targets_N, False)
 
 
 @dataclass

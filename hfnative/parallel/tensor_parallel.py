@@ -42,8 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hfnative.device_policy import device_policy
-from hfnative.losses import IGNORE_INDEX, label_positions
+from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.vocab_parallel import (
     vocab_parallel_cross_entropy,
     vocab_parallel_generalized_jsd,
@@ -176,12 +175,8 @@ def _loss_parallel_head_forward(self: OutputHead, hidden_BSD: torch.Tensor, loss
     _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
     split = dict(vocab_start=offset[0], vocab_size=weight.shape[0], group=mesh.get_group())
     if isinstance(loss, TokenCrossEntropy):
-        if device_policy(hidden_local.device).host_reads:  # only the label positions projected
-            hidden_ND, targets_N = label_positions(hidden_local, loss.targets_BS)
-            return vocab_parallel_cross_entropy(hidden_ND, weight_local, targets_N, softcap=self.softcap, **split)
-        # every position, the ignored ones masked: no boolean index whose size the host would read from the device
-        return vocab_parallel_cross_entropy(hidden_local.reshape(-1, hidden_local.shape[-1]), weight_local,
-                                            loss.targets_BS.reshape(-1), softcap=self.softcap, masked=True, **split)
+        return loss.on_positions(hidden_local, lambda hidden_ND, targets_N, masked: vocab_parallel_cross_entropy(
+            hidden_ND, weight_local, targets_N, softcap=self.softcap, masked=masked, **split))
     if isinstance(loss, TokenLogprobs):
         return loss.per_position(hidden_local, lambda hidden_ND, targets_N: vocab_parallel_token_logprobs(
             hidden_ND, weight_local, targets_N, softcap=self.softcap, temperature=loss.temperature,
