@@ -79,10 +79,9 @@ def _logged(trainer):
 
 @pytest.fixture
 def scaling_on_cpu(monkeypatch):
-    from hfnative.trainers.loop import optimization, pipeline_training
+    from hfnative.trainers.loop import optimization
 
-    for module in (optimization, pipeline_training):
-        monkeypatch.setattr(module, "scales_loss", lambda device: True)
+    monkeypatch.setattr(optimization, "scales_loss", lambda device: True)
 
 
 def test_the_trainer_scales_the_loss_and_unscales_the_gradients(tmp_path, monkeypatch):
@@ -90,10 +89,9 @@ def test_the_trainer_scales_the_loss_and_unscales_the_gradients(tmp_path, monkey
     gradients were divided back before clipping); the checkpoint keeps the scale, and a resumed run goes on with it."""
     unscaled = _trainer(_config(tmp_path / "unscaled"))
     unscaled.train()
-    from hfnative.trainers.loop import optimization, pipeline_training
+    from hfnative.trainers.loop import optimization
 
-    for module in (optimization, pipeline_training):
-        monkeypatch.setattr(module, "scales_loss", lambda device: True)
+    monkeypatch.setattr(optimization, "scales_loss", lambda device: True)
     scaled = _trainer(_config(tmp_path / "scaled", save_strategy="steps", save_steps=2))
     scaled.train()
     assert _logged(scaled)[0]["loss"] == _logged(unscaled)[0]["loss"]  # the same forward

@@ -487,7 +487,7 @@ def _scaled_in_place(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     gradient (a float32 scalar such as 1 / the step's token count) rounds once, as autograd's float32 loss would give
     it, not after the scale itself was rounded to the gradient's dtype (a bias of up to 0.4% on every entry). Row
     blocks keep the float32 temporary small (a [V, D] head gradient would double)."""
-    if grad.dtype == torch.float32 or grad.dtype == torch.float64:
+    if grad.dtype in (torch.float32, torch.float64):
         return grad.mul_(scale)
     for block in grad.split(_SCALED_ROWS):
         block.copy_(block.float().mul_(scale))

@@ -64,7 +64,7 @@ class OptimizationMixin:
         """fp16=True on an accelerator: the loss scaled before backward and the gradients unscaled before the step
         (``hfnative.optim.loss_scale``), as accelerate does there; None otherwise (``loss_scale_conflicts`` refused
         what it cannot serve when the trainer was made)."""
-        return LossScale() if self.args.fp16 and scales_loss(self.device) else None
+        return LossScale() if scales_fp16_loss(self) else None
 
     def _trained_parameters(self) -> list:
         """The parameters the optimizer steps (clipped together)."""
@@ -133,9 +133,14 @@ def _whole(norm: torch.Tensor) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def scales_fp16_loss(trainer) -> bool:
+    """Whether the trainer's run scales its loss: fp16=True on a device where it does (``scales_loss``)."""
+    return bool(trainer.args.fp16) and scales_loss(trainer.device)
+
+
 def loss_scale_conflicts(trainer) -> list[str]:
     """What fp16's loss scaling cannot serve, each "what: what to do" (for the trainer's one capability check)."""
-    if not (trainer.args.fp16 and scales_loss(trainer.device)) or not trainer.args.optimizer_in_backward:
+    if not scales_fp16_loss(trainer) or not trainer.args.optimizer_in_backward:
         return []
     return ["fp16=True with optimizer_in_backward=True on an accelerator (fp16's loss scaling skips a step whose "
             "gradients overflowed, known only once every gradient is made, after the parameters stepped in "

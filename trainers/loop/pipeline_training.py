@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from hfnative.models.decoder import CausalLMOutput
-from hfnative.optim.loss_scale import scales_loss
 
 from ..running.distributed import pad_sequence_to_length
+from .optimization import scales_fp16_loss
 
 def pipeline_conflicts(trainer, evaluating: bool = False) -> list[str]:
     """The run's settings pipeline parallel does not run, each "what: what to do" (none when pp_size is 1); the
@@ -36,7 +36,7 @@ def pipeline_conflicts(trainer, evaluating: bool = False) -> list[str]:
         "compute_loss_func": trainer.compute_loss_func is not None,
         "optimizer_in_backward=True": args.optimizer_in_backward,
         # the schedule runs backward from the unscaled loss
-        "fp16=True on an accelerator (its loss scaling)": args.fp16 and scales_loss(trainer.device),
+        "fp16=True on an accelerator (its loss scaling)": scales_fp16_loss(trainer),
         "LoRA / PEFT adapters (peft_config or an adapter folder)": (trainer.peft_config is not None
                                                                     or trainer.lora_settings is not None),
         "precompute_ref_log_probs=True": getattr(args, "precompute_ref_log_probs", False),
