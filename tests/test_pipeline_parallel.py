@@ -246,3 +246,14 @@ def _named(name: str):
     from hfnative.trainers.algorithms.sft import SFTTrainer
 
     return type(name, (SFTTrainer,), {})
+
+
+def test_stages_are_merged_on_rank_zero_one_tensor_at_a_time(tmp_path):
+    """A save under pipeline parallelism: each stage's tensors (FSDP2 shards made whole, bf16, integer, bool and 0-d
+    tensors) reach rank 0's CPU whole and exact, sent one at a time from the stage holding them; the other ranks
+    get nothing."""
+    torchrun("_gather_stages_worker.py", [str(tmp_path)], 4, timeout=120)
+    first = json.loads((tmp_path / "rank0.json").read_text())
+    assert first["names"] and all(first["equal"].values()), first
+    for rank in (1, 2, 3):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"empty": True}, rank

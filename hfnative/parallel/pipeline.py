@@ -17,12 +17,15 @@ Shapes: B batch, S sequence, D model dim.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 
@@ -190,17 +193,57 @@ def clip_grad_norm_over_stages(parameters: list[torch.Tensor], max_norm: float, 
     return total
 
 
-def gather_stages(state: dict[str, torch.Tensor], pp_group, keep: bool) -> dict[str, torch.Tensor]:
-    """Every stage's ``state`` (whole tensors, on the CPU) merged on the first stage's rank of ``pp_group``; an empty
-    dict elsewhere. keep: whether this rank's ``state`` is the one sent (one rank of a stage's data-parallel group)."""
-    parts = [None] * dist.get_world_size(pp_group) if dist.get_rank(pp_group) == 0 else None
-    dist.gather_object(state if keep else {}, parts, dst=dist.get_global_rank(pp_group, 0), group=pp_group)
-    if parts is None:
+def gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Tensor]:
+    """Every stage's whole tensors merged on the CPU of global rank 0 (an empty dict on every other rank), one tensor
+    at a time: no rank ever holds more than one whole tensor on its device beyond its own shards.
+
+    state: this rank's stage, as ``get_model_state_dict`` gives it unmerged (FSDP2's DTensor shards, or whole
+        tensors); the same names in the same order on every rank of the stage. Each tensor is made whole (a
+        collective over the stage's own ranks) just before it is used, then sent as bytes by the pipeline group that
+        holds global rank 0 to that rank, which copies it to the CPU. Every rank calls this.
+    """
+    here, first = dist.get_rank(pp_group), dist.get_global_rank(pp_group, 0)
+    merged_here = first == 0  # the pipeline group whose first stage's rank writes the model
+    layout = [(name, tensor.dtype, tuple(tensor.shape), _transfer_device(tensor, pp_group)) for name, tensor in
+              state.items()]
+    layouts = [None] * dist.get_world_size(pp_group) if merged_here and here == 0 else None
+    if merged_here:
+        dist.gather_object(layout, layouts, dst=first, group=pp_group)
+    merged: dict[str, torch.Tensor] = {}
+    for (name, _, _, device), tensor in zip(layout, state.values()):
+        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+        if not merged_here:
+            continue
+        if here == 0:
+            merged[name] = whole.to("cpu", copy=True)
+        else:
+            dist.send(_as_bytes(whole.to(device)), dst=first, group=pp_group)
+    if not (merged_here and here == 0):
         return {}
-    merged = {}
-    for part in parts:
-        merged.update(part)
+    for stage in range(1, len(layouts)):
+        source = dist.get_global_rank(pp_group, stage)
+        for name, dtype, shape, device in layouts[stage]:
+            received = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
+            dist.recv(received, src=source, group=pp_group)
+            merged[name] = received.cpu().view(dtype).reshape(shape)  # a later stage's name wins, as in the model
     return merged
+
+
+def _transfer_device(tensor: torch.Tensor, group) -> torch.device:
+    """Where a tensor travels between stages: its own device when the group's backend carries that device's tensors
+    (gloo: the CPU; nccl: CUDA; "cuda:nccl,cpu:gloo": both), else the other one."""
+    backend = str(dist.get_backend(group))
+    device = tensor.device
+    if device.type == "cpu" and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cpu" and "gloo" in backend and "nccl" not in backend:
+        return torch.device("cpu")
+    return device
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's storage as a flat uint8 tensor (any dtype, bool and 0-d included: what every backend sends)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 __all__ = ["Pipeline", "SCHEDULES", "check_pipeline_model", "clip_grad_norm_over_stages", "gather_stages",

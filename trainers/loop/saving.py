@@ -31,17 +31,14 @@ def full_state_dict(model) -> dict[str, torch.Tensor]:
 
 
 def _pipeline_full_state_dict(model, run) -> dict[str, torch.Tensor]:
-    """Under pipeline parallel: every stage's whole tensors on the CPU of rank 0 (an empty dict elsewhere); every rank
-    calls it."""
+    """Under pipeline parallel: every stage's whole tensors on the CPU of rank 0 (an empty dict elsewhere), made whole
+    and sent one tensor at a time; every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from hfnative.parallel.pipeline import gather_stages
 
-    # gathered on every rank of the stage (torch keeps a CPU copy only on global rank 0, which holds one stage)
-    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    sends = run.dp_rank == 0
-    stage = {name: tensor.detach().cpu() for name, tensor in stage.items()} if sends else {}
-    return gather_stages(stage, run.dims.pp_mesh(run.mesh).get_group(), sends)
+    stage = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))  # the shards: nothing moved
+    return gather_stages(stage, run.dims.pp_mesh(run.mesh).get_group())
 
 
 class SavingMixin:
