@@ -12,9 +12,10 @@
 #                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt
 #                  bench: the same without activation checkpointing, transformers' Trainer beside TRL, and hfnative
 #                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
-#   step_more      the rest of the training step (STEP_MORE_BUDGET s, 300 by default; not run unless named)
+#   step_more      the rest of the training step (STEP_MORE_BUDGET s, 400 by default; not run unless named)
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
-#                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents
+#                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents, eager and
+#                    compiled (torch_compile=True: varlen_attn inside each block's graph)
 #   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
 #                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
@@ -36,7 +37,8 @@
 #                    bf16: error vs fp32 at most 2x transformers' own); attention: SDPA backends, a packed batch
 #                    through varlen_attn / flex_attention vs the dense mask, hfnative's variable-length path;
 #                  compile: gpu_checks.py compile, a compiled block's checkpoint inside its graph keeps the attention
-#                    and projections' results on this torch (backward recomputes 3 matmuls a block, not 6);
+#                    and projections' results on this torch (backward recomputes 3 matmuls a block, not 6); packed
+#                    batches compile into one graph a block around varlen_attn (no graph break, no recompile);
 #                  distributed: bench_distributed.py, 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (skipped on
 #                    one GPU)
 #   low_precision  float8 and bigger models (LOW_PRECISION_BUDGET s, 420 by default; not run unless named)
@@ -46,7 +48,7 @@
 #   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 21 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
 #                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~6;
-#                                                         # then step_more ~6, rollout_more ~8, low_precision ~8)
+#                                                         # then step_more ~7, rollout_more ~8, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -253,11 +255,11 @@ if start_section step "${STEP_BUDGET:-480}"; then
     --runners trl,hf,ours --ours_variants default,compile,torch_kernels,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
 fi
 
-if start_section step_more "${STEP_MORE_BUDGET:-300}"; then
+if start_section step_more "${STEP_MORE_BUDGET:-400}"; then
   run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
     --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
-  run_check packed 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
-    --runners trl,ours "${SFT_BENCH[@]}"
+  run_check packed 220 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
+    --runners trl,ours --ours_variants default,compile "${SFT_BENCH[@]}"
 fi
 
 if start_section rollout "${ROLLOUT_BUDGET:-420}"; then

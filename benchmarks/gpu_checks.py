@@ -27,8 +27,8 @@ path on packed and padded batches. Low-precision results follow the bf16 rule ab
 generation: the native rollout engine (``gpu_rollout_checks.py``) as each way runs its decode step, and as a trainer
 uses it between optimizer steps.
 
-compile: a compiled block's activation checkpoint inside its graph keeps what it is told to on this torch
-(``gpu_compile_checks.py``).
+compile: a compiled block's activation checkpoint inside its graph keeps what it is told to on this torch, and packed
+batches compile into one graph a block around ``varlen_attn`` (``gpu_compile_checks.py``).
 
 kernels: the Triton kernels (hfnative/models/triton_kernels.py: RMSNorm, the rotated q/k norm, the rotation alone,
 the SiLU-gated unit, a pre-norm's one bf16 output for q, k and v, the head's cross-entropy) at the Qwen3-0.6B shape
@@ -486,9 +486,10 @@ def main(argv=None) -> int:
     elif args.check == "kernels":
         kernels(tally, device)
     elif args.check == "compile":
-        from gpu_compile_checks import checkpoint_in_graph
+        from gpu_compile_checks import checkpoint_in_graph, packed_in_graph
 
         checkpoint_in_graph(tally, device)
+        packed_in_graph(tally, device)
     else:
         attention(tally, device, DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")])
     print(f"{tally.failures} failed" if tally.failures else "all passed")

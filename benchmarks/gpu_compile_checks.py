@@ -5,6 +5,11 @@ annotation). The graphs inductor's partitioner makes are captured instead of com
 a block under full checkpointing and 3 when the attention and the query, value and gate projections are kept, none
 without checkpointing; the gradients are the eager model's. Where the annotation did not reach the policy, keeping
 would silently recompute as much as full checkpointing (correct, slower): this says which.
+
+Packed batches compiled (``packed_in_graph``): where ``varlen_attn`` serves the attention (CUDA, bf16 autocast) its
+call is traced into each block's graph: no graph break, no new graph after the first two batches of new document
+layouts, the eager model's loss and gradients, and a checkpointed block recomputes inside its graph (called once a
+step, not twice).
 """
 
 from __future__ import annotations
@@ -71,3 +76,62 @@ def checkpoint_in_graph(tally, device: torch.device) -> None:
                     f"backward recomputes {full} matmuls a block under full checkpointing (6 expected), {kept} keeping "
                     f"attention and projections (3 expected{'' if kept == 3 else '; 6: the annotation did not reach the policy'}); "
                     f"worst difference from eager {worst:.1e}")
+
+
+def _packed(documents: list[list[int]], device: torch.device, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, 64, (len(documents), sum(documents[0])), generator=generator).to(device)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents]).to(device)
+    return input_ids, position_ids
+
+
+def _packed_loss_and_grads(model, input_ids, position_ids):
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16):
+        loss = model(input_ids, position_ids=position_ids, labels=input_ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+PACKED_LAYOUTS = ([[40, 60, 28], [100, 28]], [[16, 16, 16, 80], [128]], [[64, 64], [20, 90, 18]],
+                  [[1, 127], [30, 30, 30, 38]])
+
+
+def packed_in_graph(tally, device: torch.device) -> None:
+    from torch._dynamo.utils import counters
+
+    from hfnative.models.attention import flash_varlen_serves
+
+    label = "packed batches compiled around varlen_attn, bf16 autocast"
+    if not flash_varlen_serves(device, torch.bfloat16, 16):
+        tally("SKIP", label, f"varlen_attn does not serve {device.type} on torch {torch.__version__}: packed blocks "
+                             "attend per document between two graphs")
+        return
+    try:
+        for keep in (None, "attention_and_projections"):
+            torch._dynamo.reset()
+            counters.clear()
+            eager = _tiny(device)
+            model = apply_compile(copy.deepcopy(eager))
+            if keep is not None:
+                apply_activation_checkpointing(model, "full", keep=keep)
+            calls = [0] * len(model.layers)
+            for index, block in enumerate(model.layers):
+                block.register_forward_pre_hook(lambda module, args, index=index: calls.__setitem__(index, calls[index] + 1))
+            worst, graphs = 0.0, None
+            for index, documents in enumerate(PACKED_LAYOUTS):
+                batch = _packed(documents, device, index)
+                loss, grads = _packed_loss_and_grads(eager, *batch)
+                c_loss, c_grads = _packed_loss_and_grads(model, *batch)
+                worst = max([worst, abs(c_loss - loss).item()]
+                            + [((c_grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in grads.items()])
+                if index == 1:
+                    graphs = counters["stats"]["unique_graphs"]
+            breaks, recompiled = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"] - graphs
+            once = calls == [len(PACKED_LAYOUTS)] * len(calls)
+            tally.check(not breaks and not recompiled and worst <= 5e-2 and once,  # bf16 products, fused otherwise
+                        f"{label}{', checkpointed (keeping attention and projections)' if keep else ''}",
+                        f"{breaks} graph breaks, {recompiled} graphs after the second layout, blocks called {calls} "
+                        f"times over {len(PACKED_LAYOUTS)} steps, worst difference from eager {worst:.1e}")
+    except Exception as err:
+        tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")

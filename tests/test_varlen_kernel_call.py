@@ -65,7 +65,7 @@ RELEASES = {
 @pytest.mark.parametrize("layout", ["packed", "padded"])
 def test_flash_varlen_call_matches_dense_mask(monkeypatch, release, window, layout):
     keywords = RELEASES[release]
-    monkeypatch.setattr(attention, "_varlen_attn_function", lambda: _stand_in(keywords))
+    monkeypatch.setattr(attention, "VARLEN_KERNEL", attention.VarlenKernel.of(_stand_in(keywords)))
     B, H, K, S, d = 2, 4, 2, 16, 8
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, heads, S, d, generator=generator) for heads in (H, K, K))
@@ -83,8 +83,7 @@ def test_flash_varlen_call_matches_dense_mask(monkeypatch, release, window, layo
         valid = mask.bool()
     scale = 0.3  # not 1/sqrt(d): a release without `scale` must leave this layer to the per-document path
     for layer_scale in (d ** -0.5, scale):
-        takes = attention._varlen_takes(attention._varlen_keywords(_stand_in(keywords)), d, plan.sliding_window,
-                                        layer_scale)
+        takes = attention.VARLEN_KERNEL.takes(d, plan.sliding_window, layer_scale)
         expected_takes = ("window_size" in keywords or not plan.sliding_window) and (
             "scale" in keywords or math.isclose(layer_scale, d ** -0.5))
         assert takes == expected_takes
@@ -98,8 +97,12 @@ def test_flash_varlen_call_matches_dense_mask(monkeypatch, release, window, layo
 
 def test_flash_varlen_needs_cuda_and_low_precision():
     q = torch.zeros(1, 2, 4, 8)
-    assert not attention._flash_varlen_available(q)
-    assert not attention._flash_varlen_available(q.bfloat16())
+    assert not attention.flash_varlen_serves(q.device, q.dtype, 8)
+    assert not attention.flash_varlen_serves(q.device, torch.bfloat16, 8)
+    cuda = torch.device("cuda")
+    assert attention.flash_varlen_serves(cuda, torch.bfloat16, 8) == (attention.VARLEN_KERNEL.function is not None)
+    assert not attention.flash_varlen_serves(cuda, torch.float32, 8)
+    assert not attention.flash_varlen_serves(cuda, torch.bfloat16, 8, sinks=True)
 
 
 @pytest.mark.parametrize("name", ["qwen3-gqa", "llama-gqa"])
@@ -118,7 +121,7 @@ def test_models_reach_the_kernel_under_autocast(monkeypatch, name):
         return kernel(query, key, value, *args, **options)
 
     counted.__signature__ = kernel.__signature__
-    monkeypatch.setattr(attention, "_varlen_attn_function", lambda: counted)
+    monkeypatch.setattr(attention, "VARLEN_KERNEL", attention.VarlenKernel.of(counted))
     monkeypatch.setattr(attention, "VARLEN_KERNEL_DEVICES", ("cpu",))  # the stand-in runs on the CPU
     model = load_pretrained(make_hf_model(name)).model.eval()
     generator = torch.Generator().manual_seed(1)

@@ -22,7 +22,6 @@ host-side decision from a device tensor.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -179,56 +178,74 @@ def _varlen_plan(spans, batch_size: int, seq_len: int, window: int | None, devic
         )
         token_index = host_to_device(token_index, device)
     cu_seq_lens = host_to_device(torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
+    # how many documents (and real tokens) a batch holds changes every batch: a compiled block takes them as dynamic
+    # sizes from its first graph on, even where the device policy compiles other sizes static first
+    for sizes in (cu_seq_lens, token_index):
+        if sizes is not None:
+            torch._dynamo.maybe_mark_dynamic(sizes, 0)
     return AttentionPlan(
         "varlen", seq_len, window, spans=spans, token_index=token_index, cu_seq_lens=cu_seq_lens,
         max_len=max(lengths, default=0),
     )
 
 
-@functools.cache
-def _varlen_keywords(varlen_attn) -> frozenset[str]:
-    """The keyword arguments this torch's ``varlen_attn`` takes. They changed between releases: torch 2.10 takes
-    ``is_causal`` (no window, no scale), 2.11 ``scale`` and ``window_size``, 2.13 also ``enable_gqa``."""
-    return frozenset(inspect.signature(varlen_attn).parameters)
+@dataclass(frozen=True)
+class VarlenKernel:
+    """torch's ``varlen_attn`` (None where this torch has none) and the keywords it takes, which changed between
+    releases: torch 2.10 takes ``is_causal`` (no window, no scale), 2.11 ``scale`` and ``window_size``, 2.13 also
+    ``enable_gqa``. Read once, when this module is imported: a compiled block reads it as a constant."""
+
+    function: object = None
+    takes_is_causal: bool = False
+    takes_scale: bool = False
+    takes_window: bool = False
+    takes_gqa: bool = False
+
+    @classmethod
+    def of(cls, function) -> VarlenKernel:
+        keywords = frozenset(inspect.signature(function).parameters) if function is not None else frozenset()
+        return cls(function, "is_causal" in keywords, "scale" in keywords, "window_size" in keywords,
+                   "enable_gqa" in keywords)
+
+    def takes(self, head_dim: int, window: int | None, scale: float | None) -> bool:
+        """Whether this release can run a layer with this window and scale (the per-document path serves the rest)."""
+        if self.function is None or (window and not self.takes_window):
+            return False
+        if not (self.takes_window or self.takes_is_causal):
+            return False
+        return scale is None or self.takes_scale or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
 
 
-@functools.cache
-def _varlen_attn_function():
+def _torch_varlen_kernel() -> VarlenKernel:
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return None
-    return varlen_attn
+        return VarlenKernel()
+    return VarlenKernel.of(varlen_attn)
 
 
-def _flash_varlen_available(q: torch.Tensor, window: int | None = None, scale: float | None = None) -> bool:
-    """Whether ``varlen_attn`` can run this layer: CUDA, bf16/fp16, and a torch whose ``varlen_attn`` takes the
-    window and the scale the layer needs (the per-document path serves the rest)."""
-    if q.device.type not in VARLEN_KERNEL_DEVICES or q.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    varlen_attn = _varlen_attn_function()
-    return varlen_attn is not None and _varlen_takes(_varlen_keywords(varlen_attn), q.shape[-1], window, scale)
+VARLEN_KERNEL = _torch_varlen_kernel()
 
 
-def _varlen_takes(keywords: frozenset[str], head_dim: int, window: int | None, scale: float | None) -> bool:
-    if window and "window_size" not in keywords:
-        return False
-    if "window_size" not in keywords and "is_causal" not in keywords:
-        return False
-    return scale is None or "scale" in keywords or math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6)
+def flash_varlen_serves(device: torch.device, dtype: torch.dtype, head_dim: int, window: int | None = None,
+                        scale: float | None = None, sinks: bool = False) -> bool:
+    """Whether ``varlen_attn`` runs a layer whose q, k and v reach attention on ``device`` in ``dtype`` (the
+    autocast dtype under autocast): CUDA, bf16/fp16, no attention sinks, and a window and scale this torch's
+    kernel takes. Everything else attends per document."""
+    return (not sinks and device.type in VARLEN_KERNEL_DEVICES and dtype in (torch.bfloat16, torch.float16)
+            and VARLEN_KERNEL.takes(head_dim, window, scale))
 
 
 def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float) -> torch.Tensor:
-    varlen_attn = _varlen_attn_function()
-    keywords = _varlen_keywords(varlen_attn)
+    kernel = VARLEN_KERNEL
     B, H, S, d = q_BHSd.shape
-    options = {"scale": scale} if "scale" in keywords else {}
-    if "window_size" in keywords:  # (left, right): -1 = unbounded; right 0 = causal
+    options = {"scale": scale} if kernel.takes_scale else {}
+    if kernel.takes_window:  # (left, right): -1 = unbounded; right 0 = causal
         options["window_size"] = (window - 1 if window else -1, 0)
     else:
         options["is_causal"] = True
     if k_BKSd.shape[1] != H:
-        if "enable_gqa" in keywords:
+        if kernel.takes_gqa:
             options["enable_gqa"] = True
         else:  # an older varlen_attn wants as many key/value heads as query heads
             k_BKSd, v_BKSd = repeat_kv_heads(k_BKSd, H), repeat_kv_heads(v_BKSd, H)
@@ -237,7 +254,7 @@ def _flash_varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
         x_Nhd = x_BHSd.transpose(1, 2).reshape(B * S, x_BHSd.shape[1], d)
         return x_Nhd if plan.token_index is None else x_Nhd.index_select(0, plan.token_index)
 
-    out_THd = varlen_attn(
+    out_THd = kernel.function(
         tokens(q_BHSd), tokens(k_BKSd), tokens(v_BKSd), plan.cu_seq_lens, plan.cu_seq_lens, plan.max_len,
         plan.max_len, **options,
     )
@@ -306,14 +323,22 @@ def _as_autocast(q_BHSd, k_BKSd, v_BKSd):
     return q_BHSd.to(dtype), k_BKSd.to(dtype), v_BKSd.to(dtype)
 
 
-@torch.compiler.disable
 def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None) -> torch.Tensor:
-    """Documents attend only within themselves; padding positions get zeros. Runs eagerly under
-    torch.compile (the spans change every batch and would otherwise be baked into the graph)."""
+    """Documents attend only within themselves; padding positions get zeros. ``varlen_attn`` where it serves the
+    layer, traced into a compiled block's graph (a custom op; the documents' bounds are tensors and their longest
+    length an integer input); elsewhere one SDPA call per document, eagerly."""
     if sinks_H is None and q_BHSd.device.type in VARLEN_KERNEL_DEVICES:
         q_low, k_low, v_low = _as_autocast(q_BHSd, k_BKSd, v_BKSd)
-        if _flash_varlen_available(q_low, window, scale):
+        if flash_varlen_serves(q_low.device, q_low.dtype, q_low.shape[-1], window, scale):
             return _flash_varlen(q_low, k_low, v_low, plan, window, scale)
+    return _per_document(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H)
+
+
+@torch.compiler.disable
+def _per_document(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float,
+                  sinks_H=None) -> torch.Tensor:
+    """One SDPA call per document (the explicit path with sinks), zeros at padding. Runs eagerly under torch.compile
+    (the spans change every batch and would otherwise be baked into the graph)."""
     rows = []
     for row, row_spans in enumerate(plan.spans):
         pieces, position = [], 0

@@ -18,7 +18,7 @@ from hfnative.losses import at_least_one, shift_labels as shift_labels_of
 from hfnative.precision import autocast_dtype
 
 from .args import ModelArgs
-from .attention import AttentionPlan, plan_attention
+from .attention import AttentionPlan, flash_varlen_serves, plan_attention
 from .compute_dtype import autocast_to, under_weights_autocast
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
@@ -114,12 +114,21 @@ def _is_compiled(layer: nn.Module) -> bool:
     return "_compiled_forward" in vars(layer) or "_compiled_forward" in vars(layer.attention)
 
 
-def _checkpoints_itself(layer: nn.Module, plan: AttentionPlan) -> bool:
+def _checkpoints_itself(layer: nn.Module, plan: AttentionPlan, h_BSD: torch.Tensor) -> bool:
     """Whether the block runs its activation checkpoint inside its compiled graph (``hfnative.parallel.compile``,
-    ``checkpoint_keep=``): compiled so, for a plan whose attention compiles into the graph. Variable-length attention
-    runs eagerly between two graphs (``hfnative.models.attention``), and a checkpoint's graph cannot hold that break:
-    there the checkpoint stays around the compiled forward."""
-    return "_compiled_checkpointed" in vars(layer) and plan.kind in ("causal", "dense")
+    ``checkpoint_keep=``): compiled so, for a plan whose attention compiles into the graph: causal, dense masks, and
+    variable-length attention where ``varlen_attn`` serves the layer (CUDA, bf16/fp16). Per-document attention runs
+    eagerly between two graphs (``hfnative.models.attention``), and a checkpoint's graph cannot hold that break: there
+    the checkpoint stays around the compiled forward."""
+    if "_compiled_checkpointed" not in vars(layer):
+        return False
+    if plan.kind == "varlen":
+        attention = layer.attention
+        dtype = autocast_dtype(h_BSD.device.type) or h_BSD.dtype
+        return flash_varlen_serves(h_BSD.device, dtype, attention.head_dim,
+                                   plan.sliding_window if layer.is_sliding else None, attention.scale,
+                                   attention.sinks is not None)
+    return plan.kind in ("causal", "dense")
 
 
 class BlockOnAnotherStage(nn.Module):
@@ -287,7 +296,7 @@ class Transformer(nn.Module):
             if layer.moe is not None:
                 layer_inputs += (router_logits,)
             checkpointed = layer_id in self.checkpointed_layers and torch.is_grad_enabled()
-            if checkpointed and _checkpoints_itself(layer, attention_plan):
+            if checkpointed and _checkpoints_itself(layer, attention_plan, h):
                 h = layer(*layer_inputs, checkpoint_keep=keep)
             elif checkpointed:
                 # a block compiled otherwise recomputes its whole graph

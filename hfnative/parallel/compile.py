@@ -5,8 +5,10 @@ dynamic only when a second shape arrives (torch's automatic dynamic shapes): bat
 ``pad_to_multiple_of``, fixed-length rows) keep the static kernels, the ones a GPU runs fastest.
 
 A block compiles to one graph for full-length rows and dense masks (tests/test_device_policy.py checks it with
-``torch._dynamo.explain``); the variable-length attention of packed or padded batches (``varlen_attn`` on CUDA, one
-SDPA call per document elsewhere) runs eagerly between two graphs of the block.
+``torch._dynamo.explain``), and for packed or padded batches where ``varlen_attn`` serves the attention (CUDA,
+bf16/fp16): the kernel is a custom op traced into the graph, the documents' bounds dynamic sizes from the first graph
+on (tests/test_varlen_compile.py). Elsewhere such batches attend with one SDPA call per document, eagerly, between
+two graphs of the block.
 
 Shapes: B batch, S sequence, D model dim, r rotary dim.
 
@@ -15,15 +17,16 @@ the decoder passes): the block's forward under a non-reentrant checkpoint, with 
 keeping what ``model.checkpoint_keeps`` (or the device policy) names (``hfnative.models.selective_checkpoint``). The
 compiler then saves those results in forward and recomputes the rest in the backward graph, fused with backward's own
 work, where a checkpoint around the compiled forward would run the whole forward graph again in backward. Under
-tensor parallelism, in a mixture-of-experts block (only its attention compiled) and on a torch without
-``torch.fx.traceback.annotate`` the checkpoint stays around the compiled forward.
+tensor parallelism, in a mixture-of-experts block (only its attention compiled), for per-document attention and on a
+torch without ``torch.fx.traceback.annotate`` the checkpoint stays around the compiled forward.
 
 Only the blocks are compiled: the decoder's top level plans attention from host-side positions,
 which would break a whole-model graph. All blocks of one kind share one compiled graph (parameters
-are graph inputs), so compile time does not grow with depth. Per-document ("varlen") attention on
-CPU runs eagerly between the graphs of a block (its spans differ every batch). Expected graphs: one
+are graph inputs), so compile time does not grow with depth. Per-document ("varlen") attention without
+the kernel runs eagerly between the graphs of a block (its spans differ every batch). Expected graphs: one
 set per attention plan kind (causal, dense mask, varlen), one more the first time a batch of size 1
-is seen (torch specializes size-1 dimensions).
+is seen (torch specializes size-1 dimensions), and under static-first compiling one more when the longest
+document's length first changes.
 
 Under tensor parallelism (``apply_compile(model, tensor_parallel=True)``) the blocks are compiled with static shapes
 and without torch's compile caches (``fx_graph_cache``, which the AOTAutograd cache stands on). torch 2.13 fails
