@@ -12,6 +12,11 @@
 #                    each profiled, its top kernels to <results>-profiles/sft-ac/<runner>-top-kernels.txt
 #                  bench: the same without activation checkpointing, transformers' Trainer beside TRL, and hfnative
 #                    with the CPU's device policy forced too (the GPU policy's trades, measured); profiles in .../sft/
+#   headline       one figure for each GPU bar, for a session whose device time fits one call (HEADLINE_BUDGET s, 520
+#                  by default; not run unless named; then run the full sections as time allows)
+#                  head-ac: bench_sft.py --activation_checkpointing, TRL vs hfnative eager and compiled, Qwen3-0.6B
+#                  head-gen: bench_generate.py, transformers' generate vs the native engine at batch 64 x 256 tokens
+#                  head-grpo: bench_grpo.py, GRPO seconds per step, hfnative vs TRL (use_vllm=False)
 #   step_more      the rest of the training step (STEP_MORE_BUDGET s, 400 by default; not run unless named)
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
 #                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents, eager and
@@ -45,6 +50,7 @@
 #                  float8: float8 vs bf16 tokens/s at the Qwen3-4B shape (8 of its blocks), compiled both, per-step losses
 #                  fit: a Qwen3-4B full fine-tune at seq 2,048, bf16 weights: the largest batch hfnative and TRL fit
 #
+#   GPU_CHECK_SECTIONS=headline bash benchmarks/gpu_check.sh  # about 7 minutes: where one call is all there is
 #   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 21 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
 #                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~6;
@@ -61,7 +67,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,45p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,58p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -222,6 +228,7 @@ if [[ $DEVICE == cuda ]]; then
   DPO_BENCH=(--preset qwen3_0.6b --batch 4 --steps 7 --warmup 3 --timeout 90)
   DISTRIBUTED=(--preset reference --steps 8 --warmup 3 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --timeout 120)
+  GENERATE_HEAD=(--rounds 1 --runners hf,native --batch 64 --timeout 100)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --batch 64 --timeout 100)
   GRPO=(--steps 3 --timeout 100)
@@ -233,6 +240,7 @@ else
   DPO_BENCH=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
   DISTRIBUTED=(--preset smoke --steps 3 --warmup 1 --timeout 45)
   GENERATE=(--rounds 1 --runners hf,native --presets smoke --batch 8,4 --new-tokens 32 --threads 1 --timeout 60)
+  GENERATE_HEAD=(--rounds 1 --runners hf,native --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
@@ -253,6 +261,13 @@ if start_section step "${STEP_BUDGET:-480}"; then
     --runners trl,ours --ours_variants default,compile,torch_kernels,keep_nothing --profile_dir "$PROFILES/sft-ac" "${SFT_BENCH[@]}"
   run_check bench 240 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 \
     --runners trl,hf,ours --ours_variants default,compile,torch_kernels,cpu_policy --profile_dir "$PROFILES/sft" "${SFT_BENCH[@]}"
+fi
+
+if start_section headline "${HEADLINE_BUDGET:-520}"; then
+  run_check head-ac 210 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --activation_checkpointing \
+    --runners trl,ours --ours_variants default,compile "${SFT_BENCH[@]}"
+  run_check head-gen 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE_HEAD[@]}"
+  run_check head-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
 fi
 
 if start_section step_more "${STEP_MORE_BUDGET:-400}"; then
