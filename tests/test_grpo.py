@@ -152,6 +152,36 @@ def test_trl_static_helpers_have_trl_signatures_and_numbers():
                            trl.GRPOTrainer.get_high_entropy_mask(_trl_stand_in(trl.GRPOTrainer), entropy, mask, threshold))
 
 
+def test_the_high_entropy_mask_never_waits_for_the_device():
+    """top_entropy_quantile's mask, as the loss takes it every micro-batch: no op whose result the host must read
+    (a boolean index's size, an item), TRL's mask on the same tensors, and nothing kept where no token is."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trl
+    from hfnative.losses.policy import high_entropy_mask
+
+    aten = torch.ops.aten
+
+    class HostReads(TorchDispatchMode):
+        found: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            boolean_index = func in (aten.index.Tensor, aten.index_put.default) and any(
+                i is not None and i.dtype == torch.bool for i in args[1])
+            if boolean_index or func in (aten._local_scalar_dense.default, aten.nonzero.default,
+                                         aten.masked_select.default):
+                self.found.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    _, _, _, entropy, mask, _ = _random_completions(seed=6)
+    with HostReads() as reads:
+        kept = high_entropy_mask(entropy, mask, 0.7)
+    assert reads.found == []
+    their = trl.GRPOTrainer.get_high_entropy_mask(_trl_stand_in(trl.GRPOTrainer), entropy, mask.float(), 0.7)
+    assert torch.equal(kept, their) and 0 < kept.sum() < mask.sum()
+    assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.7).any()
+
+
 def _trl_stand_in(trainer_class):
     """TRL's tests' trainer for get_high_entropy_mask: Mock(spec=GRPOTrainer) with only an accelerator's gather and
     pad_across_processes."""

@@ -152,13 +152,13 @@ def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, quantile:
     (TRL's top_entropy_quantile q keeps the top q: pass 1 - q). Boolean [B, T], False outside the mask.
     ``gather``: takes this rank's values [n] to every data-parallel rank's, concatenated (the quantile is then
     the whole batch's, as TRL gathers it)."""
-    values = entropy_BT[mask_BT.bool()].detach().float()
+    valid_BT = mask_BT.bool()
+    # the other positions as NaN, which nanquantile leaves out: no boolean index, whose size the host would wait for
+    values = torch.where(valid_BT, entropy_BT.detach().float(), float("nan")).reshape(-1)
     if gather is not None:
         values = gather(values)
-    if values.numel() == 0:
-        return torch.zeros_like(entropy_BT, dtype=torch.bool)
-    threshold = torch.quantile(values, quantile)
-    return ((entropy_BT * mask_BT.float()) >= threshold) & mask_BT.bool()
+    threshold = torch.nanquantile(values, quantile)  # NaN where no rank has a completion token: nothing is kept
+    return ((entropy_BT * mask_BT.float()) >= threshold) & valid_BT
 
 
 @dataclass

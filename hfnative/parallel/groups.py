@@ -58,10 +58,15 @@ class DataParallelGroup:
         return [x for part in self.gather_objects(items) for x in part]
 
     def gather_values(self, values: torch.Tensor) -> torch.Tensor:
-        """Every rank's values [n_r] (any lengths), concatenated in rank order, on ``values``' device."""
+        """Every rank's values [n_r] (any lengths), concatenated in rank order, on ``values``' device: the lengths in
+        one small gather (one read by the host), the values padded to the longest and gathered on the device."""
         if self._run is None:
             return values
-        return torch.cat(self.gather_lists([values])).to(values.device)
+        local = values.to(self.device).reshape(-1)
+        lengths = self.gather_rows(local.new_full((1,), local.numel(), dtype=torch.long)).tolist()
+        padded = torch.cat([local, local.new_zeros(max(lengths) - local.numel())])
+        parts = self.gather_rows(padded[None])
+        return torch.cat([part[:n] for part, n in zip(parts, lengths)]).to(values.device)
 
     def sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` summed over the ranks (a new tensor, on this rank's device)."""
