@@ -284,6 +284,45 @@ def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
     sdpa_backends(tally, device, dtype, seq_len)
     packed_kernels(tally, device, dtype, [seq_len * 3 // 8, seq_len // 2, seq_len // 8])
     model_attention(tally, device, dtype)
+    ring_blocks(tally, device, dtype, seq_len)
+
+
+def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len: int) -> None:
+    """Context parallelism's ring attention on one device (a plan of one rank: its two chunks, a causal block each and
+    a full block between them, merged by their log-sum-exps) through the device's block kernel (on CUDA in bf16 aten's
+    flash kernel and its backward, fed the merged output and log-sum-exp) and through the explicit softmax, against
+    SDPA over the whole sequence in fp32: the output and the gradients of q, k and v."""
+    from hfnative.parallel.context_parallel import plan_context_parallel, ring_attention
+
+    q, k, v = _random_qkv(device, dtype, heads=8, kv_heads=2, seq_len=seq_len, batch=2)
+    grad = torch.randn(q.shape, device=device, generator=torch.Generator(device=device).manual_seed(5)).to(dtype)
+    scale = q.shape[-1] ** -0.5
+
+    def run(attend, *inputs):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        out = attend(*leaves)
+        (out.float() * grad.float()).sum().backward()
+        return [out.detach().float()] + [x.grad.float() for x in leaves]
+
+    expected = run(lambda q, k, v: _fp32_math(q, k, v, is_causal=True, enable_gqa=True, scale=scale), q, k, v)
+    errors = {}
+    for kernel in (None, "math"):
+        plan = plan_context_parallel(seq_len, 1, 0, None)
+        plan.kernel = kernel
+        label = f"ring attention, one rank, {'the device kernel' if kernel is None else 'explicit softmax'}"
+        try:
+            got = run(lambda q, k, v: ring_attention(q, k, v, plan, plan.blocks["global"], scale), q, k, v)
+        except RuntimeError as err:
+            tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+            continue
+        errors[kernel] = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, expected)]
+    if None in errors and "math" in errors:
+        worst = max(errors[None])
+        ok = worst <= 1e-5 if dtype == torch.float32 else low_precision_ok(worst, max(errors["math"]))
+        tally.check(ok, f"ring attention {tuple(q.shape)} {str(dtype)[6:]}, the device's block kernel",
+                    "relative max|Δ| vs fp32 SDPA (out, dq, dk, dv): "
+                    + ", ".join(f"{e:.1e}" for e in errors[None])
+                    + "; explicit softmax: " + ", ".join(f"{e:.1e}" for e in errors["math"]))
 
 
 # ------------------------------------------------------------------------------------------------

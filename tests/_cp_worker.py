@@ -2,7 +2,8 @@
 
 usage: torchrun --standalone --nproc_per_node N _cp_worker.py OUTPUT_DIR CHECK [CHECK ...]
 CHECK "attention-cpN" (groups of N ranks): ring attention against SDPA over the whole sequence for causal,
-sliding-window, packed and padded inputs; rank 0 writes OUTPUT_DIR/attention-cpN.json. Any other CHECK is a
+sliding-window, packed and padded inputs, with each block kernel ("flash_cuda" through CPU kernels of the CUDA flash
+ops' schema); rank 0 writes OUTPUT_DIR/attention-cpN.json. Any other CHECK is a
 key of LAYOUTS: the SFTTrainer with that parallelism_config; rank 0 writes OUTPUT_DIR/LAYOUT/log.json and the
 saved model in OUTPUT_DIR/LAYOUT/.
 """
@@ -63,13 +64,38 @@ def reference_mask(batch: dict, S: int, window):
     return allowed | torch.eye(S, dtype=torch.bool)
 
 
+def cuda_flash_ops_on_cpu():
+    """aten's CUDA flash attention ops (``_scaled_dot_product_flash_attention`` and its backward) given CPU kernels of
+    their schema, the CPU flash kernel inside: the ring's "flash_cuda" blocks then call the very ops, with the very
+    arguments, a GPU runs (its kernel itself is checked by benchmarks/gpu_checks.py attention)."""
+    library = torch.library.Library("aten", "IMPL")
+
+    def forward(q, k, v, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        assert dropout_p == 0.0 and not return_debug_mask
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        empty = q.new_empty(0)
+        return out, lse, empty, empty, q.shape[2], k.shape[2], torch.tensor([7, 0]), empty, empty
+
+    def backward(grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, philox_seed,
+                 philox_offset, *, scale=None):
+        assert (max_q, max_k, dropout_p) == (q.shape[2], k.shape[2], 0.0) and philox_seed.tolist() == [7, 0]
+        assert lse.dtype == torch.float32 or lse.dtype == q.dtype == torch.float64
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+
+    library.impl("_scaled_dot_product_flash_attention", forward, "CPU")
+    library.impl("_scaled_dot_product_flash_attention_backward", backward, "CPU")
+    return library
+
+
 def check_attention(out_dir: Path, cp: int):
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group(list(range(r, r + cp))) for r in range(0, world, cp)]
     group, cp_rank = groups[rank // cp], rank % cp
     results = {}
+    library = cuda_flash_ops_on_cpu()  # noqa: F841 (the kernels stay registered while it lives)
     for communication in ("ring", "all_gather"):
-        for kernel in ("flash_cpu", "math"):
+        for kernel in ("flash_cpu", "math", "flash_cuda"):
             for name, batch, window in attention_cases():
                 key = f"{name}/{kernel}/{communication}"
                 results[key] = attention_errors(batch, window, kernel, communication, group, cp, cp_rank)

@@ -42,7 +42,7 @@ def launched(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", [name for name, _, _ in worker.attention_cases()])
-@pytest.mark.parametrize("kernel", ["flash_cpu", "math"])
+@pytest.mark.parametrize("kernel", ["flash_cpu", "math", "flash_cuda"])
 @pytest.mark.parametrize("communication", ["ring", "all_gather"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_matches_sdpa(launched, case, kernel, communication, cp):

@@ -13,8 +13,10 @@ as one block — the diagonal block causal, earlier blocks in full, and a boolea
 (packing), padding or a sliding window cut in; blocks nothing may see are skipped — and the blocks' partial
 outputs are merged by their log-sum-exp. Backward walks the same ring and blocks with the merged output and
 log-sum-exp (the flash backward of each block); each rank's key/value gradients travel with its keys and values
-and arrive back at their owner one step after the last. On CPU each block is ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and
-log-sum-exp; its backward takes them), on other devices an explicit softmax over the block.
+and arrive back at their owner one step after the last. On CPU each block is
+``aten._scaled_dot_product_flash_attention_for_cpu`` (output and log-sum-exp; its backward takes them); on CUDA in
+bf16/fp16 the causal and full blocks are ``aten._scaled_dot_product_flash_attention`` (the same contract), and the
+rest (masked blocks, float32) an explicit softmax over the block's [B, H, c, c] scores.
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
 (``split_batch``), so no layer makes a host-side decision. Rotary embeddings see the unsplit sequence's
@@ -67,7 +69,8 @@ class ContextParallelAttention:
     cp_rank: int
     chunk_len: int
     blocks: dict  # "global" / "sliding" -> list[_Block]
-    # "flash_cpu" (aten's CPU flash kernel) or "math" (explicit softmax); None: flash_cpu on CPU, math elsewhere
+    # "flash_cpu" (aten's CPU flash kernel), "flash_cuda" (aten's CUDA flash kernel where it serves a block, math
+    # elsewhere) or "math" (explicit softmax); None: the device's (see _kernel)
     kernel: str | None = None
     # "ring": each rank's keys and values passed from rank to rank (send/recv, the next received while one is
     # used); "all_gather": all gathered at once (fewer, larger messages)
@@ -143,27 +146,62 @@ def plan_context_parallel(
 # --- one block: output and log-sum-exp, and its backward ---------------------------------------------
 
 
-def _use_flash_cpu(q: torch.Tensor, kernel: str | None) -> bool:
-    return kernel == "flash_cpu" or (kernel is None and q.device.type == "cpu")
+def _kernel(q: torch.Tensor, kind: str, kernel: str | None) -> str:
+    """How a block runs: "flash_cpu" (aten's CPU flash kernel, any block), "flash_cuda" (aten's CUDA flash kernel:
+    bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks) or "math" (an explicit softmax over the
+    block's [B, H, c, c] scores, in float32). ``kernel``: the plan's choice, None for the device's: flash on either
+    device where it serves the block. A masked block under "flash_cuda" takes "math" (the CUDA flash kernel takes no
+    mask)."""
+    if kernel is None:
+        if q.device.type == "cpu":
+            return "flash_cpu"
+        serves = (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
+                  and q.shape[-1] <= 256)
+        kernel = "flash_cuda" if serves else "math"
+    return "math" if kernel == "flash_cuda" and kind == _MASKED else kernel
+
+
+def _cuda_flash_forward(q, k, v, causal: bool, scale: float):
+    """aten's CUDA flash kernel on one block: (output, float32 log-sum-exp [B, H, c], what its backward takes back)."""
+    out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale)
+    return out, lse, (cum_q, cum_k, rng_state, unused)
+
+
+def _cuda_flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, state):
+    """(dq, dk, dv) of one block from the kernel, given the merged output and log-sum-exp of its query rows and the
+    state a forward of the kernel returned (its random state: no dropout, so any block's)."""
+    cum_q, cum_k, rng_state, unused = state
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale)
 
 
 def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
-    """Output [B, H, c, d] and log-sum-exp [B, H, c] (float32; -inf for rows that see no key of the block)."""
-    if _use_flash_cpu(q, kernel):
+    """Output [B, H, c, d], log-sum-exp [B, H, c] (float32; -inf for rows that see no key of the block) and, from
+    the CUDA flash kernel, the state its backward takes (else None)."""
+    kernel = _kernel(q, kind, kernel)
+    if kernel == "flash_cuda":
+        out, lse, state = _cuda_flash_forward(q, k, v, kind == _CAUSAL, scale)
+        return out, lse.to(_accumulation(q)), state
+    if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
         if has_key is not None:  # the op returns 0 (not -inf) for a row with every key masked
             lse = lse.masked_fill(~has_key, float("-inf"))
-        return out, lse.to(_accumulation(q))
+        return out, lse.to(_accumulation(q)), None
     scores = _scores(q, k, kind, mask, scale)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return torch.matmul(probs.to(v.dtype), v), lse
+    return torch.matmul(probs.to(v.dtype), v), lse, None
 
 
-def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None):
-    """(dq, dk, dv) of one block, given the merged output and log-sum-exp of its query rows."""
-    if _use_flash_cpu(q, kernel):
+def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None, state=None):
+    """(dq, dk, dv) of one block, given the merged output and log-sum-exp of its query rows (``state``: what the CUDA
+    flash kernel's forward returned for its backward)."""
+    kernel = _kernel(q, kind, kernel)
+    if kernel == "flash_cuda":
+        return _cuda_flash_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), kind == _CAUSAL, scale, state)
+    if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
     scores = _scores(q, k, kind, mask, scale)
@@ -265,13 +303,16 @@ class _RingAttention(torch.autograd.Function):
         H, c = q_BHSd.shape[1], plan.chunk_len
         queries = [q_BHSd[:, :, half * c:(half + 1) * c].contiguous() for half in (0, 1)]
         partial = ([], [])  # per local query chunk: the (output, log-sum-exp) of each block
+        kernel_state = None  # what the CUDA flash kernel's backward takes back (any of its blocks')
         for source, k_BKSd_r, v_BKSd_r in _sources(k_BKSd, v_BKSd, plan):
             for block, key_half in _blocks_of(blocks, plan, source):
                 q = queries[block.half]
                 mask, has_key = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
                 k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
-                partial[block.half].append(_block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel))
+                out, lse, state = _block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel)
+                partial[block.half].append((out, lse))
+                kernel_state = kernel_state or state
         outs, lses = [], []
         for half in (0, 1):
             lse_stack = torch.stack([lse for _, lse in partial[half]])  # [n, B, H, c]
@@ -281,7 +322,7 @@ class _RingAttention(torch.autograd.Function):
             lses.append(lse)
         out_BHSd = torch.cat(outs, dim=2)
         ctx.save_for_backward(q_BHSd, k_BKSd, v_BKSd, out_BHSd, torch.cat(lses, dim=2))
-        ctx.plan, ctx.blocks, ctx.scale = plan, blocks, scale
+        ctx.plan, ctx.blocks, ctx.scale, ctx.kernel_state = plan, blocks, scale, kernel_state
         return out_BHSd
 
     @staticmethod
@@ -302,7 +343,8 @@ class _RingAttention(torch.autograd.Function):
                 mask, _ = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
                 k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
-                dq, dk, dv = _block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel)
+                dq, dk, dv = _block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel,
+                                             ctx.kernel_state)
                 dq_BHSd[:, :, rows[block.half]] += dq.to(acc)
                 dk_BKSd_r[:, :, keys] += _reduce_heads(dk.to(acc), K)
                 dv_BKSd_r[:, :, keys] += _reduce_heads(dv.to(acc), K)
