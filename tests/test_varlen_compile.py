@@ -231,3 +231,30 @@ def test_a_packed_blocks_checkpoint_runs_inside_its_graph(varlen_kernel_on_cpu, 
     compiled.zero_grad(set_to_none=True)
     compiled(*batch[:1], position_ids=batch[1]).logits.sum().backward()  # float32: per-document attention
     assert calls == [2, 2]
+
+
+@needs_compile
+def test_a_packed_blocks_checkpoint_keeps_the_varlen_kernels_result(varlen_kernel_on_cpu, monkeypatch):
+    """The graphs inductor's partitioner makes for a checkpointed packed block (captured, not compiled): full
+    checkpointing runs ``varlen_attn`` again in backward; keeping the attention saves its result instead (the kept op
+    is the custom op itself), and keeping the projections too recomputes 3 matmuls a block fewer."""
+    import functools
+    from collections import Counter
+
+    from _compile_graphs import capturing_backend
+
+    backend, graphs = capturing_backend()
+    batch = packed_batch(LAYOUTS[0])
+    recomputed = {}
+    for keep in ("nothing", "attention", "attention_and_projections"):
+        torch._dynamo.reset()
+        graphs["forward"].clear(), graphs["backward"].clear()
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+            model = apply_activation_checkpointing(apply_compile(tiny_model()), "full", keep=keep)
+        loss_and_grads(model, *batch)
+        assert len(graphs["forward"]) == len(graphs["backward"]) == 1, keep  # one graph for the blocks
+        ops = Counter(str(node.target) for node in graphs["backward"][0].graph.nodes if node.op == "call_function")
+        recomputed[keep] = (ops["torch_attn._varlen_attn.default"], ops["aten.mm.default"])
+    assert recomputed["nothing"][0] == 1 and recomputed["attention"][0] == 0
+    assert recomputed["attention_and_projections"] == (0, recomputed["attention"][1] - 3)
