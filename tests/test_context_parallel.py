@@ -2,7 +2,8 @@
 
 Ring attention over cp=2 and cp=4 ranks against SDPA over the whole sequence (float64: output and the query, key and
 value gradients within 1e-12) for causal, sliding-window, packed and padded inputs with grouped-query heads, on
-both block kernels, with keys and values passed around the ring (send/recv) and all-gathered. hfnative's SFTTrainer with cp=2 (2 processes), FSDP2 x cp=2 and cp=2 x TP2 (4 processes),
+each block kernel (the CUDA flash ops through CPU kernels of their schema), with keys and values passed around the
+ring (send/recv) and all-gathered; the explicit softmax a run of query rows at a time equals it whole. hfnative's SFTTrainer with cp=2 (2 processes), FSDP2 x cp=2 and cp=2 x TP2 (4 processes),
 with and without packing, at lengths that are not multiples of 2 x cp, against one process over the same global batches:
 5 steps whose losses, grad norms and logged metrics (and cp2's evaluation) agree within 1e-5 relative (fp32: the
 gradients are summed over the ranks in another order), and final weights within 2e-4 (AdamW magnifies that
@@ -162,3 +163,34 @@ def test_sizes_are_validated(tmp_path):
     assert (plan.dims.dp_shard, plan.dims.cp) == (2, 2) and "2-way context parallel" in plan.describe()
     with pytest.raises(ValueError, match=r"cp_size=2 = 4, but 2 processes were launched"):
         resolve_parallel_plan(args, 2)
+
+
+@pytest.mark.parametrize("kind", ["causal", "full", "masked"])
+def test_the_explicit_softmax_takes_query_rows_a_run_at_a_time(monkeypatch, kind):
+    """A block's explicit softmax (masked blocks on CUDA, float32) with its scores made a few query rows at a time
+    (here 5 of 12 per run, as a long chunk would be) equals the CPU flash kernel on the whole block: output,
+    log-sum-exp and the q, k, v gradients (float64)."""
+    from hfnative.parallel import context_parallel as cp
+
+    B, H, c, d, scale = 2, 3, 12, 8, 0.4
+    generator = torch.Generator().manual_seed(3)
+    q, k, v, grad = (torch.randn(B, H, c, d, generator=generator, dtype=torch.float64) for _ in range(4))
+    mask = has_key = None
+    if kind == "masked":
+        allowed = torch.rand(B, 1, c, c, generator=generator) < 0.6
+        allowed[0, 0, 4] = False  # a row that sees no key of the block
+        has_key = allowed.any(-1)
+        mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, float("-inf"))
+    whole = cp._block_forward(q, k, v, kind, mask, has_key, scale, "flash_cpu")
+    monkeypatch.setattr(cp, "_MATH_SCORE_ELEMENTS", B * H * c * 5)
+    assert len(cp._row_chunks(q, k)) == 3
+    runs = cp._block_forward(q, k, v, kind, mask, has_key, scale, "math")
+    torch.testing.assert_close(runs[0], whole[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(runs[1], whole[1], rtol=0, atol=1e-12)  # -inf where a row sees no key, in both
+    # backward gets the merged rows' log-sum-exp, finite (every query sees itself in its diagonal block): here as if
+    # another block held as much probability mass as this one's largest row
+    out, lse = whole[0], torch.logaddexp(whole[1], whole[1].max())
+    expected = cp._block_backward(grad, q, k, v, out, lse, kind, mask, scale, "flash_cpu")
+    got = cp._block_backward(grad, q, k, v, out, lse, kind, mask, scale, "math")
+    for mine, theirs in zip(got, expected):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)

@@ -16,7 +16,8 @@ log-sum-exp (the flash backward of each block); each rank's key/value gradients 
 and arrive back at their owner one step after the last. On CPU each block is
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and log-sum-exp; its backward takes them); on CUDA in
 bf16/fp16 the causal and full blocks are ``aten._scaled_dot_product_flash_attention`` (the same contract), and the
-rest (masked blocks, float32) an explicit softmax over the block's [B, H, c, c] scores.
+rest (masked blocks, float32) an explicit softmax over the block's scores, a run of query rows at a time (at most
+``_MATH_SCORE_ELEMENTS`` scores at once).
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
 (``split_batch``), so no layer makes a host-side decision. Rotary embeddings see the unsplit sequence's
@@ -189,10 +190,14 @@ def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
         if has_key is not None:  # the op returns 0 (not -inf) for a row with every key masked
             lse = lse.masked_fill(~has_key, float("-inf"))
         return out, lse.to(_accumulation(q)), None
-    scores = _scores(q, k, kind, mask, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-    return torch.matmul(probs.to(v.dtype), v), lse, None
+    outs, lses = [], []
+    for rows in _row_chunks(q, k):
+        scores = _scores(q, k, kind, mask, scale, rows)
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+        outs.append(torch.matmul(probs.to(v.dtype), v))
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), None
 
 
 def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None, state=None):
@@ -204,16 +209,18 @@ def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None,
     if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
-    scores = _scores(q, k, kind, mask, scale)
-    acc = scores.dtype
-    probs = torch.exp(scores - lse[..., None])
-    grad_acc = grad_out.to(acc)
-    dv = torch.matmul(probs.transpose(-2, -1), grad_acc)
-    dprobs = torch.matmul(grad_acc, v.to(acc).transpose(-2, -1))
-    delta = (grad_acc * out.to(acc)).sum(-1, keepdim=True)
-    dscores = probs * (dprobs - delta) * scale
-    dq = torch.matmul(dscores, k.to(acc))
-    dk = torch.matmul(dscores.transpose(-2, -1), q.to(acc))
+    acc = _accumulation(q)
+    k_acc, v_acc = k.to(acc), v.to(acc)
+    dq, dk, dv = torch.empty_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
+    for rows in _row_chunks(q, k):
+        probs = torch.exp(_scores(q, k, kind, mask, scale, rows) - lse[:, :, rows, None])
+        grad_acc = grad_out[:, :, rows].to(acc)
+        dv += torch.matmul(probs.transpose(-2, -1), grad_acc)
+        dprobs = torch.matmul(grad_acc, v_acc.transpose(-2, -1))
+        delta = (grad_acc * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
+        dscores = probs * (dprobs - delta) * scale
+        dq[:, :, rows] = torch.matmul(dscores, k_acc)
+        dk += torch.matmul(dscores.transpose(-2, -1), q[:, :, rows].to(acc))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -222,14 +229,27 @@ def _accumulation(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _scores(q, k, kind, mask, scale):
+# the explicit softmax's scores at most this many entries at a time (256 MiB in float32): a block's query rows are
+# taken in runs, so a long chunk never makes its whole [B, H, c, c] scores (and their probabilities) at once
+_MATH_SCORE_ELEMENTS = 1 << 26
+
+
+def _row_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
+    """The runs of a block's query rows whose scores [B, H, rows, c_k] stay within ``_MATH_SCORE_ELEMENTS``."""
+    B, H, c = q.shape[0], q.shape[1], q.shape[2]
+    rows = max(1, _MATH_SCORE_ELEMENTS // max(1, B * H * k.shape[2]))
+    return [slice(start, min(start + rows, c)) for start in range(0, c, rows)]
+
+
+def _scores(q, k, kind, mask, scale, rows: slice = slice(None)):
+    """The block's scaled scores [B, H, rows, c] in the accumulation dtype, for the query ``rows``, masked."""
     acc = _accumulation(q)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-2, -1)) * scale
+    scores = torch.matmul(q[:, :, rows].to(acc), k.to(acc).transpose(-2, -1)) * scale
     if kind == _CAUSAL:
-        c = q.shape[-2]
-        scores = scores.masked_fill(~torch.ones(c, c, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+        positions = torch.arange(k.shape[2], device=q.device)
+        scores = scores.masked_fill(positions[None, :] > positions[rows, None], float("-inf"))
     elif mask is not None:
-        scores = scores + mask.to(acc)
+        scores = scores + mask[:, :, rows].to(acc)
     return scores
 
 
