@@ -176,11 +176,13 @@ def test_the_explicit_softmax_takes_query_rows_a_run_at_a_time(monkeypatch, kind
     generator = torch.Generator().manual_seed(3)
     q, k, v, grad = (torch.randn(B, H, c, d, generator=generator, dtype=torch.float64) for _ in range(4))
     mask = has_key = None
-    if kind == "masked":
-        allowed = torch.rand(B, 1, c, c, generator=generator) < 0.6
-        allowed[0, 0, 4] = False  # a row that sees no key of the block
-        has_key = allowed.any(-1)
-        mask = torch.zeros(allowed.shape, dtype=torch.float64).masked_fill_(~allowed, float("-inf"))
+    if kind == "masked":  # query chunk 1 over key chunk 0: documents, padding and a window cut in
+        doc_q, doc_k = (torch.randint(0, 3, (B, c), generator=generator) for _ in range(2))
+        doc_q[0, 4] = 7  # a query whose document has no key in this block
+        real_k = torch.rand(B, c, generator=generator) < 0.8
+        mask = cp.BlockMask(1, 0, c, window=16, doc_q=doc_q, doc_k=doc_k, real_k=real_k)
+        has_key = mask.allowed().any(-1)
+        assert not has_key[0, 0, 4] and has_key.sum() > B * c // 2
     whole = cp._block_forward(q, k, v, kind, mask, has_key, scale, "flash_cpu")
     monkeypatch.setattr(cp, "_MATH_SCORE_ELEMENTS", B * H * c * 5)
     assert len(cp._row_chunks(q, k)) == 3

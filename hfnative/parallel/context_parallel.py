@@ -20,7 +20,10 @@ rest (masked blocks, float32) an explicit softmax over the block's scores, a run
 ``_MATH_SCORE_ELEMENTS`` scores at once).
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
-(``split_batch``), so no layer makes a host-side decision. Rotary embeddings see the unsplit sequence's
+(``split_batch``), so no layer makes a host-side decision. A masked block keeps [B, c] vectors (its queries' and
+keys' documents, which keys are real), not a [B, c, c] matrix (``BlockMask``): the explicit softmax makes the mask
+for each run of query rows from them; the CPU flash kernel, which takes the whole block, gets it made once per
+batch. Rotary embeddings see the unsplit sequence's
 position ids; lengths that are not a multiple of 2 cp are padded at the end (padding is masked and carries no
 label, so it never counts in the loss).
 """
@@ -52,13 +55,68 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(head * c, (head + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
 
+@dataclass(eq=False)
+class BlockMask:
+    """Which keys of a (query chunk, key chunk) block each query may see, made for a run of query rows when a kernel
+    needs it, from the block's positions and [B, c] vectors (documents, padding), never kept as a [B, c, c] matrix:
+    causal, within the sliding window, within the query's document, not padding; every query of a diagonal block
+    sees itself (so padding rows stay finite, as the dense plan's)."""
+
+    query_chunk: int
+    key_chunk: int
+    chunk_len: int
+    window: int | None = None
+    doc_q: torch.Tensor | None = None  # [B, c] the queries' document ids
+    doc_k: torch.Tensor | None = None  # [B, c] the keys' document ids
+    real_k: torch.Tensor | None = None  # [B, c] bool: the key is a real token
+    # the whole additive mask per (dtype, device), for a kernel that takes the whole block at once (the CPU flash
+    # kernel: every layer of the batch reuses it)
+    _whole: dict = field(default_factory=dict, repr=False)
+
+    def whole(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``additive`` for every query row, made once per batch."""
+        if (dtype, device) not in self._whole:
+            self._whole[dtype, device] = self.additive(slice(None), dtype, device)
+        return self._whole[dtype, device]
+
+    def allowed(self, rows: slice = slice(None), device: torch.device | None = None) -> torch.Tensor:
+        """bool [B|1, 1, r, c] (True = attend) for the query ``rows`` of the block."""
+        c = self.chunk_len
+        device = device if device is not None else torch.device("cpu")
+        q = torch.arange(self.query_chunk * c, (self.query_chunk + 1) * c, device=device)[rows]
+        k = torch.arange(self.key_chunk * c, (self.key_chunk + 1) * c, device=device)
+        allowed = k[None, :] <= q[:, None]
+        if self.window is not None:
+            allowed = allowed & (k[None, :] > q[:, None] - self.window)
+        allowed = allowed[None]
+        if self.doc_q is not None:
+            allowed = allowed & (self.doc_q[:, rows, None] == self.doc_k[:, None, :])
+        if self.real_k is not None:
+            allowed = allowed & self.real_k[:, None, :]
+        if self.key_chunk == self.query_chunk:
+            allowed = allowed | (k[None, :] == q[:, None])[None]
+        return allowed[:, None]
+
+    def additive(self, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The mask [B|1, 1, r, c] to add to the scores: 0 where a query may attend, -inf elsewhere."""
+        allowed = self.allowed(rows, device)
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+    def to(self, device: torch.device) -> BlockMask:
+        def moved(x):
+            return None if x is None else x.to(device)
+
+        return BlockMask(self.query_chunk, self.key_chunk, self.chunk_len, self.window, moved(self.doc_q),
+                         moved(self.doc_k), moved(self.real_k))
+
+
 @dataclass
 class _Block:
     half: int  # which local query chunk (0: head, 1: tail)
     key_chunk: int  # global key chunk index
     kind: str  # _CAUSAL, _FULL or _MASKED
-    mask: torch.Tensor | None = None  # [B, 1, c, c] bool (True = attend), for _MASKED
-    has_key: torch.Tensor | None = None  # [B, 1, c] bool: the query row sees at least one key of the block
+    mask: BlockMask | None = None  # for _MASKED
+    has_key: torch.Tensor | None = None  # [B|1, 1, c] bool: the query row sees at least one key of the block
 
 
 @dataclass(eq=False)
@@ -85,39 +143,35 @@ class ContextParallelAttention:
         blocks = self.blocks["sliding" if sliding and "sliding" in self.blocks else "global"]
         return ring_attention(q_BHSd, k_BKSd, v_BKSd, self, blocks, scale)
 
-    def _mask(self, block: _Block, dtype: torch.dtype, device: torch.device):
-        """The block's additive mask [B, H|1, c, c] and its rows that see a key, on the device (cached per batch)."""
-        key = (id(block), dtype, device)
+    def _mask(self, block: _Block, device: torch.device):
+        """The block's mask (its vectors) and its rows that see a key, on the device (cached per batch)."""
+        key = (id(block), device)
         if key not in self._device_masks:
-            additive = torch.zeros(block.mask.shape, dtype=dtype).masked_fill_(~block.mask, float("-inf"))
-            self._device_masks[key] = (additive.to(device), block.has_key.to(device))
+            self._device_masks[key] = (block.mask.to(device), block.has_key.to(device))
         return self._device_masks[key]
 
 
 def _block_masks(
     key_chunk: int, query_chunk: int, c: int, padding_BS, doc_BS, window: int | None
-) -> tuple[str, torch.Tensor | None]:
-    """The kind of block (query chunk x key chunk) and, when masked, its mask [B, 1, c, c] (None: skip it)."""
+) -> tuple[str | None, BlockMask | None, torch.Tensor | None]:
+    """The kind of block (query chunk x key chunk), and when masked its mask and the query rows that see a key
+    [B, 1, c] (kind None: nothing of it is seen, skip it). Decided from the block's whole [B, c, c] matrix, made here
+    once on the host and not kept."""
     if padding_BS is None and doc_BS is None and window is None:
-        return (_CAUSAL if key_chunk == query_chunk else _FULL), None
-    q = torch.arange(query_chunk * c, (query_chunk + 1) * c)
-    k = torch.arange(key_chunk * c, (key_chunk + 1) * c)
-    allowed = (k[None, :] <= q[:, None])[None]
-    if window is not None:
-        allowed = allowed & (k[None, :] > q[:, None] - window)[None]
-    if doc_BS is not None:
-        allowed = allowed & (doc_BS[:, q, None] == doc_BS[:, None, k])
-    if padding_BS is not None:
-        allowed = allowed & padding_BS[:, None, k]
-    if key_chunk == query_chunk:  # every query sees itself, so padding rows stay finite (as the dense plan does)
-        allowed = allowed | torch.eye(c, dtype=torch.bool)[None]
+        return (_CAUSAL if key_chunk == query_chunk else _FULL), None, None
+    queries, keys = slice(query_chunk * c, (query_chunk + 1) * c), slice(key_chunk * c, (key_chunk + 1) * c)
+    mask = BlockMask(query_chunk, key_chunk, c, window,
+                     None if doc_BS is None else doc_BS[:, queries].contiguous(),
+                     None if doc_BS is None else doc_BS[:, keys].contiguous(),
+                     None if padding_BS is None else padding_BS[:, keys].contiguous())
+    allowed = mask.allowed()[:, 0]  # [B|1, c, c]
     if not allowed.any():
-        return None, None
+        return None, None, None
     if key_chunk == query_chunk and bool((allowed == torch.ones(c, c, dtype=torch.bool).tril()[None]).all()):
-        return _CAUSAL, None
+        return _CAUSAL, None, None
     if key_chunk < query_chunk and bool(allowed.all()):
-        return _FULL, None
-    return _MASKED, allowed[:, None]
+        return _FULL, None, None
+    return _MASKED, mask, allowed.any(-1)[:, None]
 
 
 def plan_context_parallel(
@@ -137,9 +191,9 @@ def plan_context_parallel(
         entries = []
         for half, query_chunk in enumerate(chunk_order(cp_size, cp_rank)):
             for key_chunk in range(query_chunk + 1):
-                kind, mask = _block_masks(key_chunk, query_chunk, c, padding_BS, doc_BS, window)
+                kind, mask, has_key = _block_masks(key_chunk, query_chunk, c, padding_BS, doc_BS, window)
                 if kind is not None:
-                    entries.append(_Block(half, key_chunk, kind, mask, None if mask is None else mask.any(-1)))
+                    entries.append(_Block(half, key_chunk, kind, mask, has_key))
         blocks[name] = entries
     return ContextParallelAttention(group, cp_size, cp_rank, c, blocks)
 
@@ -186,7 +240,7 @@ def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
         return out, lse.to(_accumulation(q)), state
     if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
+            q, k, v, 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q), scale=scale)
         if has_key is not None:  # the op returns 0 (not -inf) for a row with every key masked
             lse = lse.masked_fill(~has_key, float("-inf"))
         return out, lse.to(_accumulation(q)), None
@@ -208,7 +262,8 @@ def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None,
         return _cuda_flash_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), kind == _CAUSAL, scale, state)
     if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=mask, scale=scale)
+            grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q),
+            scale=scale)
     acc = _accumulation(q)
     k_acc, v_acc = k.to(acc), v.to(acc)
     dq, dk, dv = torch.empty_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
@@ -241,7 +296,12 @@ def _row_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
     return [slice(start, min(start + rows, c)) for start in range(0, c, rows)]
 
 
-def _scores(q, k, kind, mask, scale, rows: slice = slice(None)):
+def _whole(mask: BlockMask | None, q: torch.Tensor) -> torch.Tensor | None:
+    """A masked block's whole additive mask [B|1, 1, c, c] in q's dtype (made once per batch)."""
+    return None if mask is None else mask.whole(q.dtype, q.device)
+
+
+def _scores(q, k, kind, mask: BlockMask | None, scale, rows: slice = slice(None)):
     """The block's scaled scores [B, H, rows, c] in the accumulation dtype, for the query ``rows``, masked."""
     acc = _accumulation(q)
     scores = torch.matmul(q[:, :, rows].to(acc), k.to(acc).transpose(-2, -1)) * scale
@@ -249,7 +309,7 @@ def _scores(q, k, kind, mask, scale, rows: slice = slice(None)):
         positions = torch.arange(k.shape[2], device=q.device)
         scores = scores.masked_fill(positions[None, :] > positions[rows, None], float("-inf"))
     elif mask is not None:
-        scores = scores + mask[:, :, rows].to(acc)
+        scores = scores.masked_fill(~mask.allowed(rows, q.device), float("-inf"))
     return scores
 
 
@@ -306,7 +366,7 @@ def _sources(k_BKSd, v_BKSd, plan: ContextParallelAttention):
 def _masks(plan, block, q):
     if block.kind != _MASKED:
         return None, None
-    return plan._mask(block, q.dtype, q.device)
+    return plan._mask(block, q.device)
 
 
 def _blocks_of(blocks, plan, source_rank: int):
