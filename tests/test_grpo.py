@@ -180,6 +180,17 @@ def test_the_high_entropy_mask_never_waits_for_the_device():
     their = trl.GRPOTrainer.get_high_entropy_mask(_trl_stand_in(trl.GRPOTrainer), entropy, mask.float(), 0.7)
     assert torch.equal(kept, their) and 0 < kept.sum() < mask.sum()
     assert not high_entropy_mask(entropy, torch.zeros_like(mask), 0.7).any()
+    assert high_entropy_mask(entropy[:0], mask[:0], 0.7).shape == (0, mask.shape[1])  # no row on any rank
+
+    from hfnative.losses.policy import _quantile_of_numbers
+
+    generator = torch.Generator().manual_seed(7)
+    for n, missing in ((1, 0.0), (2, 0.5), (11, 0.3), (500, 0.9)):
+        values = torch.randn(n, generator=generator)
+        values[torch.rand(n, generator=generator) < missing] = float("nan")
+        for quantile in (0.0, 0.37, 0.5, 1.0):  # torch's nanquantile, to the bit (it refuses 2**24 values or more)
+            torch.testing.assert_close(_quantile_of_numbers(values, quantile), torch.nanquantile(values, quantile),
+                                       rtol=0, atol=0, equal_nan=True)
 
 
 def _trl_stand_in(trainer_class):

@@ -258,3 +258,25 @@ def test_a_packed_blocks_checkpoint_keeps_the_varlen_kernels_result(varlen_kerne
         recomputed[keep] = (ops["torch_attn._varlen_attn.default"], ops["aten.mm.default"])
     assert recomputed["nothing"][0] == 1 and recomputed["attention"][0] == 0
     assert recomputed["attention_and_projections"] == (0, recomputed["attention"][1] - 3)
+
+
+@needs_compile
+def test_tensor_parallel_blocks_keep_the_varlen_kernel_out_of_their_static_graphs(varlen_kernel_on_cpu):
+    """Blocks compiled for tensor parallelism (static shapes) call the kernel between two graphs: its longest-document
+    length would otherwise be a constant of the graph, a new graph for almost every packed batch. New document
+    layouts of one row length then compile nothing new."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager = tiny_model()
+    compiled = apply_compile(copy.deepcopy(eager), tensor_parallel=True)
+    assert all(not block.attention.varlen_in_graph for block in compiled.layers)
+    for index, documents in enumerate(LAYOUTS):
+        batch = packed_batch(documents, seed=index)
+        (loss, grads), (c_loss, c_grads) = (loss_and_grads(model, *batch) for model in (eager, compiled))
+        torch.testing.assert_close(c_loss, loss, rtol=1e-2, atol=1e-2)
+        assert_grads_close(c_grads, grads, ("tensor parallel", index))
+        if index == 0:
+            graphs = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == graphs, "a new document layout recompiled a block"
+    assert counters["graph_break"], "the kernel ran inside the graph"
+    assert len(varlen_kernel_on_cpu) == 2 * 2 * len(LAYOUTS)  # both models' two blocks, every batch

@@ -153,12 +153,27 @@ def high_entropy_mask(entropy_BT: torch.Tensor, mask_BT: torch.Tensor, quantile:
     ``gather``: takes this rank's values [n] to every data-parallel rank's, concatenated (the quantile is then
     the whole batch's, as TRL gathers it)."""
     valid_BT = mask_BT.bool()
-    # the other positions as NaN, which nanquantile leaves out: no boolean index, whose size the host would wait for
+    # the other positions as NaN, which the quantile leaves out: no boolean index, whose size the host would wait for
     values = torch.where(valid_BT, entropy_BT.detach().float(), float("nan")).reshape(-1)
     if gather is not None:
         values = gather(values)
-    threshold = torch.nanquantile(values, quantile)  # NaN where no rank has a completion token: nothing is kept
+    if values.numel() == 0:
+        return torch.zeros_like(valid_BT)
+    threshold = _quantile_of_numbers(values, quantile)  # NaN where no rank has a completion token: nothing is kept
     return ((entropy_BT * mask_BT.float()) >= threshold) & valid_BT
+
+
+def _quantile_of_numbers(values: torch.Tensor, quantile: float) -> torch.Tensor:
+    """``torch.nanquantile(values, quantile)`` (linear interpolation between the sorted numbers; NaN when there are
+    none) from one sort on the device: no host read, and no 2**24-element limit (every position of every rank's
+    batch is here, the NaNs among them)."""
+    ordered = values.sort().values  # NaNs last
+    count = (~values.isnan()).sum()
+    position = (count - 1).clamp(min=0) * quantile
+    below = position.floor()
+    # index_select with an index tensor (ordered[tensor] would read the index on the host)
+    low, high = (ordered.index_select(0, i.long().view(1)) for i in (below, position.ceil()))
+    return torch.lerp(low, high, position - below).squeeze(0)
 
 
 @dataclass

@@ -323,15 +323,20 @@ def _as_autocast(q_BHSd, k_BKSd, v_BKSd):
     return q_BHSd.to(dtype), k_BKSd.to(dtype), v_BKSd.to(dtype)
 
 
-def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None) -> torch.Tensor:
+def _varlen(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | None, scale: float, sinks_H=None,
+            in_graph: bool = True) -> torch.Tensor:
     """Documents attend only within themselves; padding positions get zeros. ``varlen_attn`` where it serves the
     layer, traced into a compiled block's graph (a custom op; the documents' bounds are tensors and their longest
-    length an integer input); elsewhere one SDPA call per document, eagerly."""
+    length an integer input) unless ``in_graph`` is False (then eagerly between two graphs); elsewhere one SDPA call
+    per document, eagerly."""
     if sinks_H is None and q_BHSd.device.type in VARLEN_KERNEL_DEVICES:
         q_low, k_low, v_low = _as_autocast(q_BHSd, k_BKSd, v_BKSd)
         if flash_varlen_serves(q_low.device, q_low.dtype, q_low.shape[-1], window, scale):
-            return _flash_varlen(q_low, k_low, v_low, plan, window, scale)
+            return (_flash_varlen if in_graph else _flash_varlen_eagerly)(q_low, k_low, v_low, plan, window, scale)
     return _per_document(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H)
+
+
+_flash_varlen_eagerly = torch.compiler.disable(_flash_varlen)
 
 
 @torch.compiler.disable
@@ -356,15 +361,17 @@ def _per_document(q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, window: int | Non
 
 
 def attend(
-    q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, sliding: bool, scale: float, sinks_H: torch.Tensor | None = None
+    q_BHSd, k_BKSd, v_BKSd, plan: AttentionPlan, sliding: bool, scale: float, sinks_H: torch.Tensor | None = None,
+    varlen_in_graph: bool = True,
 ) -> torch.Tensor:
     """Attention output [B, H, S, d] for one layer; ``sliding``: the layer uses the sliding window;
-    ``sinks_H``: the layer's attention-sink logits [H], or None."""
+    ``sinks_H``: the layer's attention-sink logits [H], or None; ``varlen_in_graph``: a compiled block may trace the
+    variable-length kernel into its graph."""
     if plan.context_parallel is not None:
         return plan.context_parallel.attend(q_BHSd, k_BKSd, v_BKSd, sliding, scale, sinks_H)
     window = plan.sliding_window if sliding else None
     if plan.kind == "varlen":
-        return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H)
+        return _varlen(q_BHSd, k_BKSd, v_BKSd, plan, window, scale, sinks_H, varlen_in_graph)
     mask = plan.sliding_mask if window else plan.global_mask
     if sinks_H is not None:
         return _attend_with_sinks(q_BHSd, k_BKSd, v_BKSd, mask, sinks_H, scale)

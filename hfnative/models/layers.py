@@ -216,6 +216,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attention_sinks else None  # [H]
+        # whether a compiled block traces the variable-length kernel into its graph (not under tensor parallelism,
+        # whose static-shape graphs would recompile for every new longest document; hfnative.parallel.compile)
+        self.varlen_in_graph = True
 
     def project_qkv(
         self, x_BSD: torch.Tensor | tuple[torch.Tensor, ...], cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -271,7 +274,7 @@ class Attention(nn.Module):
         autocast_attention = self.sinks is None and plan.context_parallel is None
         xq_BHSd, xk_BKSd, xv_BKSd = self.project_qkv(x_BSD, cos_sin, autocast_attention)
         out_BHSd = kept_in_checkpoint("attention", attend, xq_BHSd, xk_BKSd, xv_BKSd, plan, sliding, self.scale,
-                                      self.sinks)
+                                      self.sinks, self.varlen_in_graph)
         return self.wo(out_BHSd.transpose(1, 2).flatten(2))
 
 

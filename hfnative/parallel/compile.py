@@ -99,6 +99,9 @@ def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel:
             else torch.compile(cls.forward, dynamic=dynamic)
         )
     module._compiled_forward = compiled_by_type[cls]
+    # under tensor parallelism (static shapes) the variable-length kernel stays out of the graph: its longest-document
+    # length would be a constant the graph is specialized on, a new graph for almost every packed batch
+    (module.attention if hasattr(module, "attention") else module).varlen_in_graph = not tensor_parallel
     if whole_block and not tensor_parallel and compiled_keeping_supported():  # the checkpoint inside its graph
         key = (cls, "checkpointed")
         if key not in compiled_by_type:

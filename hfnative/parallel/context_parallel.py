@@ -30,6 +30,7 @@ label, so it never counts in the loss).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -203,7 +204,7 @@ def plan_context_parallel(
 
 def _kernel(q: torch.Tensor, kind: str, kernel: str | None) -> str:
     """How a block runs: "flash_cpu" (aten's CPU flash kernel, any block), "flash_cuda" (aten's CUDA flash kernel:
-    bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks) or "math" (an explicit softmax over the
+    an Ampere or later GPU, bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks) or "math" (an explicit softmax over the
     block's [B, H, c, c] scores, in float32). ``kernel``: the plan's choice, None for the device's: flash on either
     device where it serves the block. A masked block under "flash_cuda" takes "math" (the CUDA flash kernel takes no
     mask)."""
@@ -211,9 +212,15 @@ def _kernel(q: torch.Tensor, kind: str, kernel: str | None) -> str:
         if q.device.type == "cpu":
             return "flash_cpu"
         serves = (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
-                  and q.shape[-1] <= 256)
+                  and q.shape[-1] <= 256 and _flash_capable(q.device))
         kernel = "flash_cuda" if serves else "math"
     return "math" if kernel == "flash_cuda" and kind == _MASKED else kernel
+
+
+@functools.cache
+def _flash_capable(device: torch.device) -> bool:
+    """Whether aten's CUDA flash kernel runs on this GPU (compute capability 8.0, Ampere, or later)."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _cuda_flash_forward(q, k, v, causal: bool, scale: float):

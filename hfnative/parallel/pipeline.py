@@ -204,41 +204,54 @@ def gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.T
     """
     here, first = dist.get_rank(pp_group), dist.get_global_rank(pp_group, 0)
     merged_here = first == 0  # the pipeline group whose first stage's rank writes the model
-    layout = [(name, tensor.dtype, tuple(tensor.shape), _transfer_device(tensor, pp_group)) for name, tensor in
-              state.items()]
+    layout = [(name, tensor.dtype, tuple(tensor.shape), _transfer_device_type(tensor, pp_group))
+              for name, tensor in state.items()]
     layouts = [None] * dist.get_world_size(pp_group) if merged_here and here == 0 else None
     if merged_here:
         dist.gather_object(layout, layouts, dst=first, group=pp_group)
     merged: dict[str, torch.Tensor] = {}
-    for (name, _, _, device), tensor in zip(layout, state.values()):
-        whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+    for (name, _, _, device_type), tensor in zip(layout, state.values()):
+        whole = _whole(tensor)
         if not merged_here:
             continue
         if here == 0:
             merged[name] = whole.to("cpu", copy=True)
         else:
-            dist.send(_as_bytes(whole.to(device)), dst=first, group=pp_group)
+            dist.send(_as_bytes(whole.to(_this_rank(device_type))), dst=first, group=pp_group)
     if not (merged_here and here == 0):
         return {}
     for stage in range(1, len(layouts)):
         source = dist.get_global_rank(pp_group, stage)
-        for name, dtype, shape, device in layouts[stage]:
-            received = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=device)
+        for name, dtype, shape, device_type in layouts[stage]:
+            received = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=_this_rank(device_type))
             dist.recv(received, src=source, group=pp_group)
             merged[name] = received.cpu().view(dtype).reshape(shape)  # a later stage's name wins, as in the model
     return merged
 
 
-def _transfer_device(tensor: torch.Tensor, group) -> torch.device:
-    """Where a tensor travels between stages: its own device when the group's backend carries that device's tensors
-    (gloo: the CPU; nccl: CUDA; "cuda:nccl,cpu:gloo": both), else the other one."""
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A stage's tensor made whole: a DTensor gathered over its mesh on the mesh's device (shards offloaded to the CPU
+    are moved there first, as torch's own full state dict does, so the gather runs on the device's backend)."""
+    if isinstance(tensor, DTensor):
+        return tensor.to(tensor.device_mesh.device_type).full_tensor()
+    return tensor.detach()
+
+
+def _transfer_device_type(tensor: torch.Tensor, group) -> str:
+    """The device type a tensor travels between stages on: the one its whole tensor is made on when the group's
+    backend carries it (gloo: the CPU; nccl: CUDA; "cuda:nccl,cpu:gloo": both), else the other one."""
     backend = str(dist.get_backend(group))
-    device = tensor.device
-    if device.type == "cpu" and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cpu" and "gloo" in backend and "nccl" not in backend:
-        return torch.device("cpu")
-    return device
+    device_type = tensor.device_mesh.device_type if isinstance(tensor, DTensor) else tensor.device.type
+    if device_type == "cpu" and "gloo" not in backend:
+        return "cuda"
+    if device_type != "cpu" and "gloo" in backend and "nccl" not in backend:
+        return "cpu"
+    return device_type
+
+
+def _this_rank(device_type: str) -> torch.device:
+    """This process's device of that type (its own GPU: each rank sends and receives on its own)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
