@@ -27,13 +27,18 @@ sequences and the optimizer step. For GRPO the peak of the whole step (from the 
 so generation and the reference forward included) is printed too. The first step's loss and grad norm are
 the trainer's log (cp=2 must equal cp=1).
 
+``--documents N`` (SFT) packs the sequence from N documents (position ids restarting at each): attention stays
+within a document, and under cp > 1 the ring's blocks that a document boundary cuts are masked blocks.
+
 On CPU: fp32, gloo, the cores split between a run's processes (OMP_NUM_THREADS). On CUDA: bf16, NCCL, one
-GPU per rank (the ring's blocks run the explicit-softmax kernel there; ``--algorithm sft`` only).
+GPU per rank (the ring's causal and full blocks run the CUDA flash kernel there, masked blocks the explicit
+softmax; ``--algorithm sft`` only).
 
     python benchmarks/bench_context_parallel.py                       # SFT, seq 4096 and 8192, cp 1 and 2
     python benchmarks/bench_context_parallel.py --seqs 1024 --steps 1 --warmup 1
     python benchmarks/bench_context_parallel.py --algorithm dpo --seqs 8192 --steps 1 --warmup 1
     python benchmarks/bench_context_parallel.py --algorithm grpo --seqs 8192 --steps 1 --warmup 1
+    python benchmarks/bench_context_parallel.py --seqs 16384 --documents 5  # packed: masked ring blocks
     python benchmarks/bench_context_parallel.py --device cuda
 """
 
@@ -94,6 +99,13 @@ def child(cli) -> None:
     model = load_pretrained(cli.model, dtype=torch.bfloat16 if cuda else torch.float32, device=device).model
     ids = torch.randint(0, model.args.vocab_size, (1, cli.seq), generator=torch.Generator().manual_seed(0))
     batch = dict(input_ids=ids, labels=ids.clone())
+    positions = torch.arange(cli.seq)[None]
+    if cli.documents > 1:  # packed: the position ids restart at each document (lengths 1, 2, 3, ... parts of seq)
+        weights = torch.arange(1, cli.documents + 1, dtype=torch.float64)
+        lengths = (weights / weights.sum() * cli.seq).long()
+        lengths[-1] += cli.seq - lengths.sum()
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+        batch["position_ids"] = positions
     if world > 1:
         from hfnative.parallel import parallelize
         from hfnative.parallel.context_parallel import split_batch
@@ -106,7 +118,7 @@ def child(cli) -> None:
         batch = split_batch(batch, world, mesh["cp"].get_local_rank(), mesh["cp"].get_group())
     else:
         batch["shift_labels"] = shift_labels(batch["labels"])
-        batch["position_ids"] = torch.arange(cli.seq)[None]
+        batch["position_ids"] = positions
         batch["attention_plan"] = model.plan_attention(ids, None, batch["position_ids"], device=device)
     inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     label_tokens = cli.seq - 1
@@ -304,8 +316,9 @@ def parent(cli) -> None:
         extra = ["--ref-model", str(work / "ref-model")]
     if cli.algorithm == "grpo":
         extra = ["--completion", str(cli.completion)]
-    print(f"{cli.algorithm}: reference model, fp32, {cli.warmup} warm-up + {cli.steps} timed steps, {cores} cores",
-          flush=True)
+    packed = f", {cli.documents} documents a sequence" if cli.documents > 1 else ""
+    print(f"{cli.algorithm}: reference model, fp32, {cli.warmup} warm-up + {cli.steps} timed steps, {cores} cores"
+          f"{packed}", flush=True)
     results = []
     for seq in cli.seqs:
         for cp in cli.cps:
@@ -315,7 +328,7 @@ def parent(cli) -> None:
             command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(cp),
                        __file__, "--child", "--algorithm", cli.algorithm, "--model", str(model), "--seq", str(seq),
                        "--out", str(out), "--steps", str(cli.steps), "--warmup", str(cli.warmup), "--device",
-                       cli.device, *extra]
+                       cli.device, "--documents", str(cli.documents), *extra]
             load = " ".join(f"{x:.2f}" for x in os.getloadavg())
             print(f"seq {seq} cp {cp}: start {time.strftime('%H:%M:%S', time.gmtime())} UTC, load average {load}",
                   flush=True)
@@ -369,6 +382,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="OMP threads per rank (default: cores / cp)")
     parser.add_argument("--completion", type=int, default=4, help="grpo: max_completion_length")
+    parser.add_argument("--documents", type=int, default=1,
+                        help="sft: the sequence packed from this many documents (lengths in the ratio 1 : 2 : ...)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
