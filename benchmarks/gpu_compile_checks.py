@@ -6,10 +6,10 @@ a block under full checkpointing and 3 when the attention and the query, value a
 without checkpointing; the gradients are the eager model's. Where the annotation did not reach the policy, keeping
 would silently recompute as much as full checkpointing (correct, slower): this says which.
 
-Packed batches compiled (``packed_in_graph``): where ``varlen_attn`` serves the attention (CUDA, bf16 autocast) its
-call is traced into each block's graph: no graph break, no new graph after the first two batches of new document
-layouts, the eager model's loss and gradients, and a checkpointed block recomputes inside its graph (called once a
-step, not twice).
+Packed and padded batches compiled (``packed_in_graph``): where ``varlen_attn`` serves the attention (CUDA, bf16
+autocast) its call is traced into each block's graph: no graph break, no new graph after the first two batches of a
+kind (packed layouts, paddings), the eager model's loss and gradients, and a checkpointed block recomputes inside its
+graph (called once a step, not twice).
 """
 
 from __future__ import annotations
@@ -78,23 +78,36 @@ def checkpoint_in_graph(tally, device: torch.device) -> None:
                     f"worst difference from eager {worst:.1e}")
 
 
-def _packed(documents: list[list[int]], device: torch.device, seed: int):
+def _packed(documents: list[list[int]], device: torch.device, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, 64, (len(documents), sum(documents[0])), generator=generator).to(device)
     position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in documents]).to(device)
-    return input_ids, position_ids
+    return dict(input_ids=input_ids, position_ids=position_ids, labels=input_ids)
 
 
-def _packed_loss_and_grads(model, input_ids, position_ids):
+def _padded(padding: list[int], device: torch.device, seed: int) -> dict:
+    """Rows of 128 tokens, each left-padded by its count of ``padding``; padding carries no label."""
+    generator = torch.Generator().manual_seed(100 + seed)
+    input_ids = torch.randint(0, 64, (len(padding), 128), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row, count in enumerate(padding):
+        attention_mask[row, :count] = 0
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return {name: x.to(device) for name, x in
+            dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels).items()}
+
+
+def _packed_loss_and_grads(model, input_ids, labels, **inputs):
     model.zero_grad(set_to_none=True)
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16):
-        loss = model(input_ids, position_ids=position_ids, labels=input_ids).loss
+        loss = model(input_ids, labels=labels, **inputs).loss
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 PACKED_LAYOUTS = ([[40, 60, 28], [100, 28]], [[16, 16, 16, 80], [128]], [[64, 64], [20, 90, 18]],
                   [[1, 127], [30, 30, 30, 38]])
+PADDINGS = ([30, 0], [0, 77], [5, 12])
 
 
 def packed_in_graph(tally, device: torch.device) -> None:
@@ -119,19 +132,25 @@ def packed_in_graph(tally, device: torch.device) -> None:
             for index, block in enumerate(model.layers):
                 block.register_forward_pre_hook(lambda module, args, index=index: calls.__setitem__(index, calls[index] + 1))
             worst, graphs = 0.0, None
-            for index, documents in enumerate(PACKED_LAYOUTS):
-                batch = _packed(documents, device, index)
-                loss, grads = _packed_loss_and_grads(eager, *batch)
-                c_loss, c_grads = _packed_loss_and_grads(model, *batch)
+            # four packed layouts, then three paddings (the kernel over the real tokens: an index of a new length);
+            # each kind may compile its graphs on its first two batches, none after
+            batches = [_packed(documents, device, index) for index, documents in enumerate(PACKED_LAYOUTS)]
+            batches += [_padded(padding, device, index) for index, padding in enumerate(PADDINGS)]
+            settled = {1: None, len(PACKED_LAYOUTS) - 1: None, len(PACKED_LAYOUTS) + 1: None, len(batches) - 1: None}
+            for index, batch in enumerate(batches):
+                loss, grads = _packed_loss_and_grads(eager, **batch)
+                c_loss, c_grads = _packed_loss_and_grads(model, **batch)
                 worst = max([worst, abs(c_loss - loss).item()]
                             + [((c_grads[n] - g).norm() / g.norm().clamp_min(1e-12)).item() for n, g in grads.items()])
-                if index == 1:
-                    graphs = counters["stats"]["unique_graphs"]
-            breaks, recompiled = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"] - graphs
-            once = calls == [len(PACKED_LAYOUTS)] * len(calls)
+                if index in settled:
+                    settled[index] = counters["stats"]["unique_graphs"]
+            marks = list(settled.values())
+            breaks, recompiled = sum(counters["graph_break"].values()), (marks[1] - marks[0]) + (marks[3] - marks[2])
+            once = calls == [len(batches)] * len(calls)
             tally.check(not breaks and not recompiled and worst <= 5e-2 and once,  # bf16 products, fused otherwise
                         f"{label}{', checkpointed (keeping attention and projections)' if keep else ''}",
-                        f"{breaks} graph breaks, {recompiled} graphs after the second layout, blocks called {calls} "
-                        f"times over {len(PACKED_LAYOUTS)} steps, worst difference from eager {worst:.1e}")
+                        f"{breaks} graph breaks, {recompiled} graphs after the second batch of a kind, blocks called "
+                        f"{calls} times over {len(batches)} steps (packed, then padded), worst difference from eager "
+                        f"{worst:.1e}")
     except Exception as err:
         tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
