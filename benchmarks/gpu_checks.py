@@ -289,9 +289,12 @@ def attention(tally: Tally, device: torch.device, dtype: torch.dtype) -> None:
 
 def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len: int) -> None:
     """Context parallelism's ring attention on one device (a plan of one rank: its two chunks, a causal block each and
-    a full block between them, merged by their log-sum-exps) through the device's block kernel (on CUDA in bf16 aten's
-    flash kernel and its backward, fed the merged output and log-sum-exp) and through the explicit softmax, against
-    SDPA over the whole sequence in fp32: the output and the gradients of q, k and v."""
+    a full block between them, merged by their log-sum-exps; packed, the blocks that documents cut in as one kernel
+    call per document's segment) through the device's block kernel (on CUDA in bf16 aten's flash kernel and its
+    backward, fed the merged output and log-sum-exp) and through the explicit softmax, against attention over the
+    whole sequence in fp32: the output and the gradients of q, k and v; judged against SDPA over the whole sequence
+    in this dtype."""
+    from hfnative.models.attention import document_ids
     from hfnative.parallel.context_parallel import plan_context_parallel, ring_attention
 
     q, k, v = _random_qkv(device, dtype, heads=8, kv_heads=2, seq_len=seq_len, batch=2)
@@ -304,28 +307,34 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
         (out.float() * grad.float()).sum().backward()
         return [out.detach().float()] + [x.grad.float() for x in leaves]
 
-    expected = run(lambda q, k, v: _fp32_math(q, k, v, is_causal=True, enable_gqa=True, scale=scale), q, k, v)
-    sdpa = run(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale),
-               q, k, v)  # the device's own fused kernel over the whole sequence, in this dtype: the bar
-    errors = {"sdpa": [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(sdpa, expected)]}
-    for kernel in (None, "math"):
-        plan = plan_context_parallel(seq_len, 1, 0, None)
-        plan.kernel = kernel
-        label = f"ring attention, one rank, {'the device kernel' if kernel is None else 'explicit softmax'}"
-        try:
-            got = run(lambda q, k, v: ring_attention(q, k, v, plan, plan.blocks["global"], scale), q, k, v)
-        except RuntimeError as err:
-            tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
-            continue
-        errors[kernel] = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, expected)]
-    for kernel, name in ((None, "the device's block kernel"), ("math", "explicit softmax")):
-        if kernel not in errors:
-            continue
-        worst = max(errors[kernel])
-        ok = worst <= 1e-5 if dtype == torch.float32 else low_precision_ok(worst, max(errors["sdpa"]))
-        tally.check(ok, f"ring attention {tuple(q.shape)} {str(dtype)[6:]}, {name}",
-                    "relative max|Δ| vs fp32 SDPA (out, dq, dk, dv): " + ", ".join(f"{e:.1e}" for e in errors[kernel])
-                    + "; SDPA in this dtype: " + ", ".join(f"{e:.1e}" for e in errors["sdpa"]))
+    lengths = [seq_len * 3 // 8, seq_len // 2, seq_len // 8]  # packed: documents cross the chunks' boundary
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].expand(2, seq_len)
+    documents = document_ids(positions)
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    for case, doc_BS in (("causal", None), ("packed", documents)):
+        dense = {} if doc_BS is None else {
+            "attn_mask": (causal & (doc_BS[:, :, None] == doc_BS[:, None, :]))[:, None].to(device)}
+        causal_kw = {"is_causal": True} if doc_BS is None else {}
+
+        def whole(q, k, v, **kw):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale, **dense, **causal_kw, **kw)
+
+        expected = run(lambda q, k, v: _fp32_math(q, k, v, enable_gqa=True, scale=scale, **dense, **causal_kw),
+                       q, k, v)
+        bar = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(run(whole, q, k, v), expected)]
+        for kernel, name in ((None, "the device's block kernel"), ("math", "explicit softmax")):
+            plan = plan_context_parallel(seq_len, 1, 0, None, doc_BS=doc_BS)
+            plan.kernel = kernel
+            label = f"ring attention {case} {tuple(q.shape)} {str(dtype)[6:]}, {name}"
+            try:
+                got = run(lambda q, k, v: ring_attention(q, k, v, plan, plan.blocks["global"], scale), q, k, v)
+            except RuntimeError as err:
+                tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+                continue
+            errors = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, expected)]
+            ok = max(errors) <= 1e-5 if dtype == torch.float32 else low_precision_ok(max(errors), max(bar))
+            tally.check(ok, label, "relative max|Δ| vs fp32 (out, dq, dk, dv): " + ", ".join(f"{e:.1e}" for e in errors)
+                        + "; SDPA over the sequence in this dtype: " + ", ".join(f"{e:.1e}" for e in bar))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -196,3 +196,45 @@ def test_the_explicit_softmax_takes_query_rows_a_run_at_a_time(monkeypatch, kind
     got = cp._block_backward(grad, q, k, v, out, lse, kind, mask, scale, "math")
     for mine, theirs in zip(got, expected):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("diagonal", [True, False], ids=["diagonal", "earlier-keys"])
+def test_a_packed_block_runs_the_cuda_flash_kernel_a_document_at_a_time(diagonal):
+    """A masked block of packed documents (no window, no padding key) under the CUDA flash kernel: one kernel call per
+    document's segment (causal on the diagonal, whole on earlier keys), through CPU kernels of the CUDA ops' schema;
+    equal to the CPU flash kernel on the whole masked block (float64): output, log-sum-exp (-inf where a query's
+    document has no key in the block) and the q, k, v gradients. A padding key leaves the block to the explicit
+    softmax."""
+    from _cp_worker import cuda_flash_ops_on_cpu
+
+    from hfnative.parallel import context_parallel as cp
+
+    B, H, c, d, scale = 2, 3, 12, 8, 0.4
+    generator = torch.Generator().manual_seed(4)
+    q, k, v, grad = (torch.randn(B, H, c, d, generator=generator, dtype=torch.float64) for _ in range(4))
+    # packed rows: documents are runs of positions; off the diagonal the keys' chunk comes earlier in the row
+    doc_q = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [3] * 12])
+    doc_k = doc_q if diagonal else torch.tensor([[7] * 4 + [0] * 8, [2] * 6 + [3] * 6])
+    mask = cp.BlockMask(1, 1 if diagonal else 0, c, doc_q=doc_q, doc_k=doc_k, real_k=torch.ones(B, c, dtype=torch.bool))
+    mask.segments = mask.document_segments()
+    assert mask.segments == ((((0, 0, 5, 0, 5), (0, 5, 9, 5, 9), (0, 9, 12, 9, 12), (1, 0, 12, 0, 12))) if diagonal
+                             else ((0, 0, 5, 4, 12), (1, 0, 12, 6, 12)))
+    has_key = mask.allowed().any(-1)
+    assert cp._kernel(q, "masked", "flash_cuda", mask) == "flash_cuda_segments"
+    library = cuda_flash_ops_on_cpu()
+    try:
+        got = cp._block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cuda")
+        want = cp._block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cpu")
+        assert torch.isinf(want[1]).any() != diagonal  # rows with no key off the diagonal (documents 1 and 2)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-12)
+        lse = torch.logaddexp(want[1], want[1][torch.isfinite(want[1])].max())  # merged rows: finite
+        mine = cp._block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cuda", got[2])
+        theirs = cp._block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cpu")
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    finally:
+        library._destroy()
+    padded = cp.BlockMask(1, 0, c, doc_q=doc_q, doc_k=doc_k, real_k=torch.arange(c).expand(B, c) < 10)
+    padded.segments = padded.document_segments()
+    assert padded.segments is None and cp._kernel(q, "masked", "flash_cuda", padded) == "math"

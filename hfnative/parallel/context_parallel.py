@@ -15,9 +15,10 @@ outputs are merged by their log-sum-exp. Backward walks the same ring and blocks
 log-sum-exp (the flash backward of each block); each rank's key/value gradients travel with its keys and values
 and arrive back at their owner one step after the last. On CPU each block is
 ``aten._scaled_dot_product_flash_attention_for_cpu`` (output and log-sum-exp; its backward takes them); on CUDA in
-bf16/fp16 the causal and full blocks are ``aten._scaled_dot_product_flash_attention`` (the same contract), and the
-rest (masked blocks, float32) an explicit softmax over the block's scores, a run of query rows at a time (at most
-``_MATH_SCORE_ELEMENTS`` scores at once).
+bf16/fp16 the causal and full blocks are ``aten._scaled_dot_product_flash_attention`` (the same contract), a masked
+block of packed documents one such call per document's segment (its query rows over its key columns; at most
+``_MAX_SEGMENTS``), and the rest (windows, padding keys, float32) an explicit softmax over the block's scores, a run
+of query rows at a time (at most ``_MATH_SCORE_ELEMENTS`` scores at once).
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
 (``split_batch``), so no layer makes a host-side decision. A masked block keeps [B, c] vectors (its queries' and
@@ -70,6 +71,10 @@ class BlockMask:
     doc_q: torch.Tensor | None = None  # [B, c] the queries' document ids
     doc_k: torch.Tensor | None = None  # [B, c] the keys' document ids
     real_k: torch.Tensor | None = None  # [B, c] bool: the key is a real token
+    # packed documents only (no window, no padding key): per row, each document's query rows and key columns in the
+    # block, (row, q_start, q_end, k_start, k_end), attended whole (off the diagonal) or causally (on it) by a kernel
+    # that takes no mask; None where the block is not so made (host ints, made with the plan)
+    segments: tuple | None = None
     # the whole additive mask per (dtype, device), for a kernel that takes the whole block at once (the CPU flash
     # kernel: every layer of the batch reuses it)
     _whole: dict = field(default_factory=dict, repr=False)
@@ -108,7 +113,40 @@ class BlockMask:
             return None if x is None else x.to(device)
 
         return BlockMask(self.query_chunk, self.key_chunk, self.chunk_len, self.window, moved(self.doc_q),
-                         moved(self.doc_k), moved(self.real_k))
+                         moved(self.doc_k), moved(self.real_k), self.segments)
+
+    def document_segments(self) -> tuple | None:
+        """``segments`` for this block (from its host vectors), or None when a window or a padding key cuts in, or a
+        document is not one run of positions in a row."""
+        if self.window is not None or self.doc_q is None or (self.real_k is not None and not bool(self.real_k.all())):
+            return None
+        segments = []
+        for row, (doc_q, doc_k) in enumerate(zip(self.doc_q.tolist(), self.doc_k.tolist())):
+            queries, keys = _runs(doc_q), _runs(doc_k)
+            if queries is None or keys is None:
+                return None
+            for document, (q_start, q_end) in queries.items():
+                if document in keys:
+                    segments.append((row, q_start, q_end, *keys[document]))
+        # many short documents: as many kernel calls (and host work) each layer; the explicit softmax then
+        return tuple(segments) if len(segments) <= _MAX_SEGMENTS else None
+
+
+# the most document segments a masked block runs as kernel calls (each a launch per layer, forward and backward)
+_MAX_SEGMENTS = 64
+
+
+def _runs(ids: list[int]) -> dict[int, tuple[int, int]] | None:
+    """Each id's [start, end) in ``ids``, or None when an id occurs in more than one run."""
+    runs: dict[int, tuple[int, int]] = {}
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[start]:
+            if ids[start] in runs:
+                return None
+            runs[ids[start]] = (start, i)
+            start = i
+    return runs
 
 
 @dataclass
@@ -172,6 +210,7 @@ def _block_masks(
         return _CAUSAL, None, None
     if key_chunk < query_chunk and bool(allowed.all()):
         return _FULL, None, None
+    mask.segments = mask.document_segments()
     return _MASKED, mask, allowed.any(-1)[:, None]
 
 
@@ -202,19 +241,22 @@ def plan_context_parallel(
 # --- one block: output and log-sum-exp, and its backward ---------------------------------------------
 
 
-def _kernel(q: torch.Tensor, kind: str, kernel: str | None) -> str:
+def _kernel(q: torch.Tensor, kind: str, kernel: str | None, mask: BlockMask | None = None) -> str:
     """How a block runs: "flash_cpu" (aten's CPU flash kernel, any block), "flash_cuda" (aten's CUDA flash kernel:
-    an Ampere or later GPU, bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks) or "math" (an explicit softmax over the
-    block's [B, H, c, c] scores, in float32). ``kernel``: the plan's choice, None for the device's: flash on either
-    device where it serves the block. A masked block under "flash_cuda" takes "math" (the CUDA flash kernel takes no
-    mask)."""
+    an Ampere or later GPU, bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks, and masked blocks
+    of packed documents as one call per document's segment, "flash_cuda_segments") or "math" (an explicit softmax
+    over the block's scores, in float32, a run of query rows at a time). ``kernel``: the plan's choice, None for the
+    device's: flash on either device where it serves the block. A masked block that a window or padding cuts into
+    takes "math" under "flash_cuda" (the CUDA flash kernel takes no mask)."""
     if kernel is None:
         if q.device.type == "cpu":
             return "flash_cpu"
         serves = (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
                   and q.shape[-1] <= 256 and _flash_capable(q.device))
         kernel = "flash_cuda" if serves else "math"
-    return "math" if kernel == "flash_cuda" and kind == _MASKED else kernel
+    if kernel == "flash_cuda" and kind == _MASKED:
+        return "flash_cuda_segments" if mask is not None and mask.segments is not None else "math"
+    return kernel
 
 
 @functools.cache
@@ -238,13 +280,52 @@ def _cuda_flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float
         grad_out, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale)
 
 
+def _segment_views(mask: BlockMask, *tensors):
+    """Per document segment of a masked block: whether it is causal (the block's diagonal), and each of ``tensors``
+    ([B, H, c, ...] over the block's query rows or key columns, as named by the tensor's role) cut to it."""
+    causal = mask.key_chunk == mask.query_chunk
+    for row, q_start, q_end, k_start, k_end in mask.segments:
+        rows, cols = slice(q_start, q_end), slice(k_start, k_end)
+        yield causal, rows, cols, row, [t[row:row + 1, :, rows if side == "q" else cols] for side, t in tensors]
+
+
+def _segments_forward(q, k, v, mask: BlockMask, scale: float):
+    """A masked block of packed documents through the CUDA flash kernel, one call per document's segment (its query
+    rows over its key columns): rows of a document with no key in the block keep a 0 output and a -inf
+    log-sum-exp."""
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=_accumulation(q), device=q.device)
+    state = None
+    for causal, rows, _, row, (q_s, k_s, v_s) in _segment_views(mask, ("q", q), ("k", k), ("k", v)):
+        out_s, lse_s, state = _cuda_flash_forward(q_s.contiguous(), k_s, v_s, causal, scale)
+        out[row:row + 1, :, rows] = out_s
+        lse[row:row + 1, :, rows] = lse_s
+    return out, lse, state
+
+
+def _segments_backward(grad_out, q, k, v, out, lse, mask: BlockMask, scale: float, state):
+    """(dq, dk, dv) of ``_segments_forward``'s block from the merged output and log-sum-exp of its query rows."""
+    acc = _accumulation(q)
+    dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+    views = _segment_views(mask, ("q", grad_out), ("q", q), ("k", k), ("k", v), ("q", out), ("q", lse[..., None]))
+    for causal, rows, cols, row, (grad_s, q_s, k_s, v_s, out_s, lse_s) in views:
+        dq_s, dk_s, dv_s = _cuda_flash_backward(grad_s.contiguous(), q_s.contiguous(), k_s, v_s, out_s.contiguous(),
+                                                lse_s[..., 0].contiguous(), causal, scale, state)
+        dq[row:row + 1, :, rows] += dq_s.to(acc)
+        dk[row:row + 1, :, cols] += dk_s.to(acc)
+        dv[row:row + 1, :, cols] += dv_s.to(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
     """Output [B, H, c, d], log-sum-exp [B, H, c] (float32; -inf for rows that see no key of the block) and, from
     the CUDA flash kernel, the state its backward takes (else None)."""
-    kernel = _kernel(q, kind, kernel)
+    kernel = _kernel(q, kind, kernel, mask)
     if kernel == "flash_cuda":
         out, lse, state = _cuda_flash_forward(q, k, v, kind == _CAUSAL, scale)
         return out, lse.to(_accumulation(q)), state
+    if kernel == "flash_cuda_segments":
+        return _segments_forward(q, k, v, mask, scale)
     if kernel == "flash_cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q), scale=scale)
@@ -264,9 +345,11 @@ def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
 def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None, state=None):
     """(dq, dk, dv) of one block, given the merged output and log-sum-exp of its query rows (``state``: what the CUDA
     flash kernel's forward returned for its backward)."""
-    kernel = _kernel(q, kind, kernel)
+    kernel = _kernel(q, kind, kernel, mask)
     if kernel == "flash_cuda":
         return _cuda_flash_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), kind == _CAUSAL, scale, state)
+    if kernel == "flash_cuda_segments":
+        return _segments_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), mask, scale, state)
     if kernel == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q),
