@@ -292,10 +292,11 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
     a full block between them, merged by their log-sum-exps; packed, the blocks that documents cut in as one kernel
     call per document's segment) through the device's block kernel (on CUDA in bf16 aten's flash kernel and its
     backward, fed the merged output and log-sum-exp) and through the explicit softmax, against attention over the
-    whole sequence in fp32: the output and the gradients of q, k and v; judged against SDPA over the whole sequence
-    in this dtype."""
+    whole sequence in fp32: the output and the gradients of q, k and v; judged against SDPA in this dtype (causal over
+    the sequence, or per document: the device's fused kernel either way). On CUDA in bf16 every masked block of the
+    packed case must take the flash kernel a document at a time."""
     from hfnative.models.attention import document_ids
-    from hfnative.parallel.context_parallel import plan_context_parallel, ring_attention
+    from hfnative.parallel.context_parallel import _kernel, plan_context_parallel, ring_attention
 
     q, k, v = _random_qkv(device, dtype, heads=8, kv_heads=2, seq_len=seq_len, batch=2)
     grad = torch.randn(q.shape, device=device, generator=torch.Generator(device=device).manual_seed(5)).to(dtype)
@@ -316,8 +317,13 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
             "attn_mask": (causal & (doc_BS[:, :, None] == doc_BS[:, None, :]))[:, None].to(device)}
         causal_kw = {"is_causal": True} if doc_BS is None else {}
 
-        def whole(q, k, v, **kw):
-            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale, **dense, **causal_kw, **kw)
+        def whole(q, k, v):  # the device's fused kernel: causal over the sequence, or per document (no mask)
+            if doc_BS is None:
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, scale=scale, is_causal=True)
+            bounds = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+            return torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], enable_gqa=True,
+                                                             scale=scale, is_causal=True)
+                              for a, b in zip(bounds, bounds[1:])], dim=2)
 
         expected = run(lambda q, k, v: _fp32_math(q, k, v, enable_gqa=True, scale=scale, **dense, **causal_kw),
                        q, k, v)
@@ -326,6 +332,11 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
             plan = plan_context_parallel(seq_len, 1, 0, None, doc_BS=doc_BS)
             plan.kernel = kernel
             label = f"ring attention {case} {tuple(q.shape)} {str(dtype)[6:]}, {name}"
+            masked = [block for block in plan.blocks["global"] if block.kind == "masked"]
+            wanted = "flash_cuda_segments" if device.type == "cuda" and dtype != torch.float32 else None
+            if kernel is None and wanted and any(_kernel(q, "masked", None, b.mask) != wanted for b in masked):
+                tally("FAIL", label, "a packed block did not take the flash kernel a document at a time")
+                continue
             try:
                 got = run(lambda q, k, v: ring_attention(q, k, v, plan, plan.blocks["global"], scale), q, k, v)
             except RuntimeError as err:
@@ -334,7 +345,7 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
             errors = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, expected)]
             ok = max(errors) <= 1e-5 if dtype == torch.float32 else low_precision_ok(max(errors), max(bar))
             tally.check(ok, label, "relative max|Δ| vs fp32 (out, dq, dk, dv): " + ", ".join(f"{e:.1e}" for e in errors)
-                        + "; SDPA over the sequence in this dtype: " + ", ".join(f"{e:.1e}" for e in bar))
+                        + "; SDPA in this dtype: " + ", ".join(f"{e:.1e}" for e in bar))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -304,17 +304,17 @@ def _segments_forward(q, k, v, mask: BlockMask, scale: float):
 
 
 def _segments_backward(grad_out, q, k, v, out, lse, mask: BlockMask, scale: float, state):
-    """(dq, dk, dv) of ``_segments_forward``'s block from the merged output and log-sum-exp of its query rows."""
-    acc = _accumulation(q)
-    dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+    """(dq, dk, dv) of ``_segments_forward``'s block from the merged output and log-sum-exp of its query rows. A row's
+    query rows and key columns are each in one segment at most: each gradient is written once."""
+    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
     views = _segment_views(mask, ("q", grad_out), ("q", q), ("k", k), ("k", v), ("q", out), ("q", lse[..., None]))
     for causal, rows, cols, row, (grad_s, q_s, k_s, v_s, out_s, lse_s) in views:
         dq_s, dk_s, dv_s = _cuda_flash_backward(grad_s.contiguous(), q_s.contiguous(), k_s, v_s, out_s.contiguous(),
                                                 lse_s[..., 0].contiguous(), causal, scale, state)
-        dq[row:row + 1, :, rows] += dq_s.to(acc)
-        dk[row:row + 1, :, cols] += dk_s.to(acc)
-        dv[row:row + 1, :, cols] += dv_s.to(acc)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        dq[row:row + 1, :, rows] = dq_s
+        dk[row:row + 1, :, cols] = dk_s
+        dv[row:row + 1, :, cols] = dv_s
+    return dq, dk, dv
 
 
 def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
