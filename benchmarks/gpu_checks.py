@@ -344,8 +344,11 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
                 continue
             errors = [(a - b).abs().max().item() / b.abs().max().item() for a, b in zip(got, expected)]
             ok = max(errors) <= 1e-5 if dtype == torch.float32 else low_precision_ok(max(errors), max(bar))
+            milliseconds = _milliseconds(
+                lambda: run(lambda q, k, v: ring_attention(q, k, v, plan, plan.blocks["global"], scale), q, k, v), device)
             tally.check(ok, label, "relative max|Δ| vs fp32 (out, dq, dk, dv): " + ", ".join(f"{e:.1e}" for e in errors)
-                        + "; SDPA in this dtype: " + ", ".join(f"{e:.1e}" for e in bar))
+                        + "; SDPA in this dtype: " + ", ".join(f"{e:.1e}" for e in bar)
+                        + f"; forward + backward {milliseconds:.2f} ms (SDPA {_milliseconds(lambda: run(whole, q, k, v), device):.2f})")
 
 
 # ------------------------------------------------------------------------------------------------
