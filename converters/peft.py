@@ -193,12 +193,10 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     parameters are sharded (DTensors): the adapters' and every trainable tensor (trainable copies, trained biases)
     gathered whole one at a time, by native name, on the CPU. Every rank calls it, in the same order; only the
     tensors it names are gathered, never the frozen base."""
-    tensors = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if param.requires_grad or ".lora_" in name:
-            whole = param.full_tensor() if hasattr(param, "full_tensor") else param
-            tensors[name] = whole.detach().cpu()
-    return tensors
+    from hfnative.parallel.replica import whole_tensor
+
+    return {name: whole_tensor(param.detach()).cpu() for name, param in model.named_parameters(remove_duplicate=False)
+            if param.requires_grad or ".lora_" in name}
 
 
 def save_adapter(

@@ -31,6 +31,8 @@ from torch.distributed.pipelining.schedules import _ScheduleForwardOnly
 
 from hfnative.models.decoder import BlockOnAnotherStage, Transformer
 
+from .replica import whole_tensor
+
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
@@ -211,7 +213,7 @@ def gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.T
         dist.gather_object(layout, layouts, dst=first, group=pp_group)
     merged: dict[str, torch.Tensor] = {}
     for (name, _, _, device_type), tensor in zip(layout, state.values()):
-        whole = _whole(tensor)
+        whole = whole_tensor(tensor.detach())
         if not merged_here:
             continue
         if here == 0:
@@ -227,14 +229,6 @@ def gather_stages(state: dict[str, torch.Tensor], pp_group) -> dict[str, torch.T
             dist.recv(received, src=source, group=pp_group)
             merged[name] = received.cpu().view(dtype).reshape(shape)  # a later stage's name wins, as in the model
     return merged
-
-
-def _whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A stage's tensor made whole: a DTensor gathered over its mesh on the mesh's device (shards offloaded to the CPU
-    are moved there first, as torch's own full state dict does, so the gather runs on the device's backend)."""
-    if isinstance(tensor, DTensor):
-        return tensor.to(tensor.device_mesh.device_type).full_tensor()
-    return tensor.detach()
 
 
 def _transfer_device_type(tensor: torch.Tensor, group) -> str:

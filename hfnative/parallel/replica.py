@@ -8,7 +8,9 @@ names (an untied view of a tied head) once. Its users:
     module calls that FSDP2's hooks gather the shards in, so it decodes a plain replica on each rank, refreshed from
     the policy once per weight version, each rank then decoding its own prompts without further communication;
   - hfnative.rl.policy_copy: the generator actors' copy of the policy (and its weight syncs);
-  - the transformers fallback's replica of a module (hfnative.converters.fallback_generation).
+  - the transformers fallback's replica of a module (hfnative.converters.fallback_generation);
+  - saves that gather one tensor at a time: a pipeline-parallel model's stages (``pipeline.gather_stages``) and a
+    sharded model's LoRA adapters (hfnative.converters.peft ``adapter_tensors``).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ def is_parallelized(model: nn.Module) -> bool:
 
 
 def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full tensor (gathered from every rank of its mesh); any other tensor as it is (a float8
-    all-gather weight as the high-precision tensor it wraps)."""
-    return plain_weight(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor)
+    """A DTensor's full tensor (gathered from every rank of its mesh, on the mesh's device: shards offloaded to the
+    CPU are moved there first, as torch's own full state dict does, so the gather runs on the device's backend); any
+    other tensor as it is (a float8 all-gather weight as the high-precision tensor it wraps)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to(tensor.device_mesh.device_type).full_tensor()
+    return plain_weight(tensor)
 
 
 def plain_dtype(model: nn.Module) -> torch.dtype | None:
