@@ -296,7 +296,8 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
     the sequence, or per document: the device's fused kernel either way). On CUDA in bf16 every masked block of the
     packed case must take the flash kernel a document at a time."""
     from hfnative.models.attention import document_ids
-    from hfnative.parallel.context_parallel import _kernel, plan_context_parallel, ring_attention
+    from hfnative.parallel.context_parallel import plan_context_parallel, ring_attention
+    from hfnative.parallel.ring_blocks import block_kernel
 
     q, k, v = _random_qkv(device, dtype, heads=8, kv_heads=2, seq_len=seq_len, batch=2)
     grad = torch.randn(q.shape, device=device, generator=torch.Generator(device=device).manual_seed(5)).to(dtype)
@@ -334,7 +335,7 @@ def ring_blocks(tally: Tally, device: torch.device, dtype: torch.dtype, seq_len:
             label = f"ring attention {case} {tuple(q.shape)} {str(dtype)[6:]}, {name}"
             masked = [block for block in plan.blocks["global"] if block.kind == "masked"]
             wanted = "flash_cuda_segments" if device.type == "cuda" and dtype != torch.float32 else None
-            if kernel is None and wanted and any(_kernel(q, "masked", None, b.mask) != wanted for b in masked):
+            if kernel is None and wanted and any(block_kernel(q, "masked", None, b.mask) != wanted for b in masked):
                 tally("FAIL", label, "a packed block did not take the flash kernel a document at a time")
                 continue
             try:

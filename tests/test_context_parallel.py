@@ -170,7 +170,7 @@ def test_the_explicit_softmax_takes_query_rows_a_run_at_a_time(monkeypatch, kind
     """A block's explicit softmax (masked blocks on CUDA, float32) with its scores made a few query rows at a time
     (here 5 of 12 per run, as a long chunk would be) equals the CPU flash kernel on the whole block: output,
     log-sum-exp and the q, k, v gradients (float64)."""
-    from hfnative.parallel import context_parallel as cp
+    from hfnative.parallel import ring_blocks as cp
 
     B, H, c, d, scale = 2, 3, 12, 8, 0.4
     generator = torch.Generator().manual_seed(3)
@@ -183,17 +183,17 @@ def test_the_explicit_softmax_takes_query_rows_a_run_at_a_time(monkeypatch, kind
         mask = cp.BlockMask(1, 0, c, window=16, doc_q=doc_q, doc_k=doc_k, real_k=real_k)
         has_key = mask.allowed().any(-1)
         assert not has_key[0, 0, 4] and has_key.sum() > B * c // 2
-    whole = cp._block_forward(q, k, v, kind, mask, has_key, scale, "flash_cpu")
+    whole = cp.block_forward(q, k, v, kind, mask, has_key, scale, "flash_cpu")
     monkeypatch.setattr(cp, "_MATH_SCORE_ELEMENTS", B * H * c * 5)
     assert len(cp._row_chunks(q, k)) == 3
-    runs = cp._block_forward(q, k, v, kind, mask, has_key, scale, "math")
+    runs = cp.block_forward(q, k, v, kind, mask, has_key, scale, "math")
     torch.testing.assert_close(runs[0], whole[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(runs[1], whole[1], rtol=0, atol=1e-12)  # -inf where a row sees no key, in both
     # backward gets the merged rows' log-sum-exp, finite (every query sees itself in its diagonal block): here as if
     # another block held as much probability mass as this one's largest row
     out, lse = whole[0], torch.logaddexp(whole[1], whole[1].max())
-    expected = cp._block_backward(grad, q, k, v, out, lse, kind, mask, scale, "flash_cpu")
-    got = cp._block_backward(grad, q, k, v, out, lse, kind, mask, scale, "math")
+    expected = cp.block_backward(grad, q, k, v, out, lse, kind, mask, scale, "flash_cpu")
+    got = cp.block_backward(grad, q, k, v, out, lse, kind, mask, scale, "math")
     for mine, theirs in zip(got, expected):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-12)
 
@@ -207,7 +207,7 @@ def test_a_packed_block_runs_the_cuda_flash_kernel_a_document_at_a_time(diagonal
     softmax."""
     from _cp_worker import cuda_flash_ops_on_cpu
 
-    from hfnative.parallel import context_parallel as cp
+    from hfnative.parallel import ring_blocks as cp
 
     B, H, c, d, scale = 2, 3, 12, 8, 0.4
     generator = torch.Generator().manual_seed(4)
@@ -220,21 +220,21 @@ def test_a_packed_block_runs_the_cuda_flash_kernel_a_document_at_a_time(diagonal
     assert mask.segments == ((((0, 0, 5, 0, 5), (0, 5, 9, 5, 9), (0, 9, 12, 9, 12), (1, 0, 12, 0, 12))) if diagonal
                              else ((0, 0, 5, 4, 12), (1, 0, 12, 6, 12)))
     has_key = mask.allowed().any(-1)
-    assert cp._kernel(q, "masked", "flash_cuda", mask) == "flash_cuda_segments"
+    assert cp.block_kernel(q, "masked", "flash_cuda", mask) == "flash_cuda_segments"
     library = cuda_flash_ops_on_cpu()
     try:
-        got = cp._block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cuda")
-        want = cp._block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cpu")
+        got = cp.block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cuda")
+        want = cp.block_forward(q, k, v, "masked", mask, has_key, scale, "flash_cpu")
         assert torch.isinf(want[1]).any() != diagonal  # rows with no key off the diagonal (documents 1 and 2)
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(got[1], want[1], rtol=0, atol=1e-12)
         lse = torch.logaddexp(want[1], want[1][torch.isfinite(want[1])].max())  # merged rows: finite
-        mine = cp._block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cuda", got[2])
-        theirs = cp._block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cpu")
+        mine = cp.block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cuda", got[2])
+        theirs = cp.block_backward(grad, q, k, v, want[0], lse, "masked", mask, scale, "flash_cpu")
         for a, b in zip(mine, theirs):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     finally:
         library._destroy()
     padded = cp.BlockMask(1, 0, c, doc_q=doc_q, doc_k=doc_k, real_k=torch.arange(c).expand(B, c) < 10)
     padded.segments = padded.document_segments()
-    assert padded.segments is None and cp._kernel(q, "masked", "flash_cuda", padded) == "math"
+    assert padded.segments is None and cp.block_kernel(q, "masked", "flash_cuda", padded) == "math"

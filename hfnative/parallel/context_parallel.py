@@ -9,29 +9,21 @@ blocks. Each rank runs the model on its 2 c tokens; only attention needs the oth
 Attention (``ring_attention``): the ranks' un-expanded keys and values are passed around the ring with
 send/recv, cp - 1 steps, the next rank's received while the current one is used (or, with
 ``communication="all_gather"``, gathered at once). Each local query chunk attends to each key chunk it may see
-as one block — the diagonal block causal, earlier blocks in full, and a boolean block mask where documents
+as one block — the diagonal block causal, earlier blocks in full, and a block mask where documents
 (packing), padding or a sliding window cut in; blocks nothing may see are skipped — and the blocks' partial
 outputs are merged by their log-sum-exp. Backward walks the same ring and blocks with the merged output and
 log-sum-exp (the flash backward of each block); each rank's key/value gradients travel with its keys and values
-and arrive back at their owner one step after the last. On CPU each block is
-``aten._scaled_dot_product_flash_attention_for_cpu`` (output and log-sum-exp; its backward takes them); on CUDA in
-bf16/fp16 the causal and full blocks are ``aten._scaled_dot_product_flash_attention`` (the same contract), a masked
-block of packed documents one such call per document's segment (its query rows over its key columns; at most
-``_MAX_SEGMENTS``), and the rest (windows, padding keys, float32) an explicit softmax over the block's scores, a run
-of query rows at a time (at most ``_MATH_SCORE_ELEMENTS`` scores at once).
+and arrive back at their owner one step after the last. Each block runs on the device's kernel
+(``hfnative.parallel.ring_blocks``: the flash kernels where they serve it, else an explicit softmax).
 
 Which blocks run and their masks are decided on the host from the whole (unsplit) batch once per batch
-(``split_batch``), so no layer makes a host-side decision. A masked block keeps [B, c] vectors (its queries' and
-keys' documents, which keys are real), not a [B, c, c] matrix (``BlockMask``): the explicit softmax makes the mask
-for each run of query rows from them; the CPU flash kernel, which takes the whole block, gets it made once per
-batch. Rotary embeddings see the unsplit sequence's
-position ids; lengths that are not a multiple of 2 cp are padded at the end (padding is masked and carries no
-label, so it never counts in the loss).
+(``split_batch``), so no layer makes a host-side decision; a masked block keeps [B, c] vectors, not a [B, c, c]
+matrix (``ring_blocks.BlockMask``). Rotary embeddings see the unsplit sequence's position ids; lengths that are not
+a multiple of 2 cp are padded at the end (padding is masked and carries no label, so it never counts in the loss).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -41,8 +33,7 @@ from hfnative.losses import IGNORE_INDEX
 from hfnative.losses import shift_labels as shift_labels_of
 from hfnative.models.attention import AttentionPlan, document_ids, repeat_kv_heads
 
-# block kinds
-_CAUSAL, _FULL, _MASKED = "causal", "full", "masked"
+from .ring_blocks import CAUSAL, FULL, MASKED, BlockMask, accumulation, block_backward, block_forward
 
 
 def chunk_order(cp_size: int, cp_rank: int) -> tuple[int, int]:
@@ -57,104 +48,12 @@ def local_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(head * c, (head + 1) * c), torch.arange(tail * c, (tail + 1) * c)])
 
 
-@dataclass(eq=False)
-class BlockMask:
-    """Which keys of a (query chunk, key chunk) block each query may see, made for a run of query rows when a kernel
-    needs it, from the block's positions and [B, c] vectors (documents, padding), never kept as a [B, c, c] matrix:
-    causal, within the sliding window, within the query's document, not padding; every query of a diagonal block
-    sees itself (so padding rows stay finite, as the dense plan's)."""
-
-    query_chunk: int
-    key_chunk: int
-    chunk_len: int
-    window: int | None = None
-    doc_q: torch.Tensor | None = None  # [B, c] the queries' document ids
-    doc_k: torch.Tensor | None = None  # [B, c] the keys' document ids
-    real_k: torch.Tensor | None = None  # [B, c] bool: the key is a real token
-    # packed documents only (no window, no padding key): per row, each document's query rows and key columns in the
-    # block, (row, q_start, q_end, k_start, k_end), attended whole (off the diagonal) or causally (on it) by a kernel
-    # that takes no mask; None where the block is not so made (host ints, made with the plan)
-    segments: tuple | None = None
-    # the whole additive mask per (dtype, device), for a kernel that takes the whole block at once (the CPU flash
-    # kernel: every layer of the batch reuses it)
-    _whole: dict = field(default_factory=dict, repr=False)
-
-    def whole(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``additive`` for every query row, made once per batch."""
-        if (dtype, device) not in self._whole:
-            self._whole[dtype, device] = self.additive(slice(None), dtype, device)
-        return self._whole[dtype, device]
-
-    def allowed(self, rows: slice = slice(None), device: torch.device | None = None) -> torch.Tensor:
-        """bool [B|1, 1, r, c] (True = attend) for the query ``rows`` of the block."""
-        c = self.chunk_len
-        device = device if device is not None else torch.device("cpu")
-        q = torch.arange(self.query_chunk * c, (self.query_chunk + 1) * c, device=device)[rows]
-        k = torch.arange(self.key_chunk * c, (self.key_chunk + 1) * c, device=device)
-        allowed = k[None, :] <= q[:, None]
-        if self.window is not None:
-            allowed = allowed & (k[None, :] > q[:, None] - self.window)
-        allowed = allowed[None]
-        if self.doc_q is not None:
-            allowed = allowed & (self.doc_q[:, rows, None] == self.doc_k[:, None, :])
-        if self.real_k is not None:
-            allowed = allowed & self.real_k[:, None, :]
-        if self.key_chunk == self.query_chunk:
-            allowed = allowed | (k[None, :] == q[:, None])[None]
-        return allowed[:, None]
-
-    def additive(self, rows: slice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The mask [B|1, 1, r, c] to add to the scores: 0 where a query may attend, -inf elsewhere."""
-        allowed = self.allowed(rows, device)
-        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-
-    def to(self, device: torch.device) -> BlockMask:
-        def moved(x):
-            return None if x is None else x.to(device)
-
-        return BlockMask(self.query_chunk, self.key_chunk, self.chunk_len, self.window, moved(self.doc_q),
-                         moved(self.doc_k), moved(self.real_k), self.segments)
-
-    def document_segments(self) -> tuple | None:
-        """``segments`` for this block (from its host vectors), or None when a window or a padding key cuts in, or a
-        document is not one run of positions in a row."""
-        if self.window is not None or self.doc_q is None or (self.real_k is not None and not bool(self.real_k.all())):
-            return None
-        segments = []
-        for row, (doc_q, doc_k) in enumerate(zip(self.doc_q.tolist(), self.doc_k.tolist())):
-            queries, keys = _runs(doc_q), _runs(doc_k)
-            if queries is None or keys is None:
-                return None
-            for document, (q_start, q_end) in queries.items():
-                if document in keys:
-                    segments.append((row, q_start, q_end, *keys[document]))
-        # many short documents: as many kernel calls (and host work) each layer; the explicit softmax then
-        return tuple(segments) if len(segments) <= _MAX_SEGMENTS else None
-
-
-# the most document segments a masked block runs as kernel calls (each a launch per layer, forward and backward)
-_MAX_SEGMENTS = 64
-
-
-def _runs(ids: list[int]) -> dict[int, tuple[int, int]] | None:
-    """Each id's [start, end) in ``ids``, or None when an id occurs in more than one run."""
-    runs: dict[int, tuple[int, int]] = {}
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[start]:
-            if ids[start] in runs:
-                return None
-            runs[ids[start]] = (start, i)
-            start = i
-    return runs
-
-
 @dataclass
 class _Block:
     half: int  # which local query chunk (0: head, 1: tail)
     key_chunk: int  # global key chunk index
-    kind: str  # _CAUSAL, _FULL or _MASKED
-    mask: BlockMask | None = None  # for _MASKED
+    kind: str  # CAUSAL, FULL or MASKED
+    mask: BlockMask | None = None  # for MASKED
     has_key: torch.Tensor | None = None  # [B|1, 1, c] bool: the query row sees at least one key of the block
 
 
@@ -197,7 +96,7 @@ def _block_masks(
     [B, 1, c] (kind None: nothing of it is seen, skip it). Decided from the block's whole [B, c, c] matrix, made here
     once on the host and not kept."""
     if padding_BS is None and doc_BS is None and window is None:
-        return (_CAUSAL if key_chunk == query_chunk else _FULL), None, None
+        return (CAUSAL if key_chunk == query_chunk else FULL), None, None
     queries, keys = slice(query_chunk * c, (query_chunk + 1) * c), slice(key_chunk * c, (key_chunk + 1) * c)
     mask = BlockMask(query_chunk, key_chunk, c, window,
                      None if doc_BS is None else doc_BS[:, queries].contiguous(),
@@ -207,11 +106,11 @@ def _block_masks(
     if not allowed.any():
         return None, None, None
     if key_chunk == query_chunk and bool((allowed == torch.ones(c, c, dtype=torch.bool).tril()[None]).all()):
-        return _CAUSAL, None, None
+        return CAUSAL, None, None
     if key_chunk < query_chunk and bool(allowed.all()):
-        return _FULL, None, None
+        return FULL, None, None
     mask.segments = mask.document_segments()
-    return _MASKED, mask, allowed.any(-1)[:, None]
+    return MASKED, mask, allowed.any(-1)[:, None]
 
 
 def plan_context_parallel(
@@ -236,171 +135,6 @@ def plan_context_parallel(
                     entries.append(_Block(half, key_chunk, kind, mask, has_key))
         blocks[name] = entries
     return ContextParallelAttention(group, cp_size, cp_rank, c, blocks)
-
-
-# --- one block: output and log-sum-exp, and its backward ---------------------------------------------
-
-
-def _kernel(q: torch.Tensor, kind: str, kernel: str | None, mask: BlockMask | None = None) -> str:
-    """How a block runs: "flash_cpu" (aten's CPU flash kernel, any block), "flash_cuda" (aten's CUDA flash kernel:
-    an Ampere or later GPU, bf16/fp16, head_dim a multiple of 8 up to 256, causal or full blocks, and masked blocks
-    of packed documents as one call per document's segment, "flash_cuda_segments") or "math" (an explicit softmax
-    over the block's scores, in float32, a run of query rows at a time). ``kernel``: the plan's choice, None for the
-    device's: flash on either device where it serves the block. A masked block that a window or padding cuts into
-    takes "math" under "flash_cuda" (the CUDA flash kernel takes no mask)."""
-    if kernel is None:
-        if q.device.type == "cpu":
-            return "flash_cpu"
-        serves = (q.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0
-                  and q.shape[-1] <= 256 and _flash_capable(q.device))
-        kernel = "flash_cuda" if serves else "math"
-    if kernel == "flash_cuda" and kind == _MASKED:
-        return "flash_cuda_segments" if mask is not None and mask.segments is not None else "math"
-    return kernel
-
-
-@functools.cache
-def _flash_capable(device: torch.device) -> bool:
-    """Whether aten's CUDA flash kernel runs on this GPU (compute capability 8.0, Ampere, or later)."""
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def _cuda_flash_forward(q, k, v, causal: bool, scale: float):
-    """aten's CUDA flash kernel on one block: (output, float32 log-sum-exp [B, H, c], what its backward takes back)."""
-    out, lse, cum_q, cum_k, _, _, rng_state, unused, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale)
-    return out, lse, (cum_q, cum_k, rng_state, unused)
-
-
-def _cuda_flash_backward(grad_out, q, k, v, out, lse, causal: bool, scale: float, state):
-    """(dq, dk, dv) of one block from the kernel, given the merged output and log-sum-exp of its query rows and the
-    state a forward of the kernel returned (its random state: no dropout, so any block's)."""
-    cum_q, cum_k, rng_state, unused = state
-    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        grad_out, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, rng_state, unused, scale=scale)
-
-
-def _segment_views(mask: BlockMask, *tensors):
-    """Per document segment of a masked block: whether it is causal (the block's diagonal), and each of ``tensors``
-    ([B, H, c, ...] over the block's query rows or key columns, as named by the tensor's role) cut to it."""
-    causal = mask.key_chunk == mask.query_chunk
-    for row, q_start, q_end, k_start, k_end in mask.segments:
-        rows, cols = slice(q_start, q_end), slice(k_start, k_end)
-        yield causal, rows, cols, row, [t[row:row + 1, :, rows if side == "q" else cols] for side, t in tensors]
-
-
-def _segments_forward(q, k, v, mask: BlockMask, scale: float):
-    """A masked block of packed documents through the CUDA flash kernel, one call per document's segment (its query
-    rows over its key columns): rows of a document with no key in the block keep a 0 output and a -inf
-    log-sum-exp."""
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=_accumulation(q), device=q.device)
-    state = None
-    for causal, rows, _, row, (q_s, k_s, v_s) in _segment_views(mask, ("q", q), ("k", k), ("k", v)):
-        out_s, lse_s, state = _cuda_flash_forward(q_s.contiguous(), k_s, v_s, causal, scale)
-        out[row:row + 1, :, rows] = out_s
-        lse[row:row + 1, :, rows] = lse_s
-    return out, lse, state
-
-
-def _segments_backward(grad_out, q, k, v, out, lse, mask: BlockMask, scale: float, state):
-    """(dq, dk, dv) of ``_segments_forward``'s block from the merged output and log-sum-exp of its query rows. A row's
-    query rows and key columns are each in one segment at most: each gradient is written once."""
-    dq, dk, dv = (torch.zeros_like(x) for x in (q, k, v))
-    views = _segment_views(mask, ("q", grad_out), ("q", q), ("k", k), ("k", v), ("q", out), ("q", lse[..., None]))
-    for causal, rows, cols, row, (grad_s, q_s, k_s, v_s, out_s, lse_s) in views:
-        dq_s, dk_s, dv_s = _cuda_flash_backward(grad_s.contiguous(), q_s.contiguous(), k_s, v_s, out_s.contiguous(),
-                                                lse_s[..., 0].contiguous(), causal, scale, state)
-        dq[row:row + 1, :, rows] = dq_s
-        dk[row:row + 1, :, cols] = dk_s
-        dv[row:row + 1, :, cols] = dv_s
-    return dq, dk, dv
-
-
-def _block_forward(q, k, v, kind, mask, has_key, scale, kernel=None):
-    """Output [B, H, c, d], log-sum-exp [B, H, c] (float32; -inf for rows that see no key of the block) and, from
-    the CUDA flash kernel, the state its backward takes (else None)."""
-    kernel = _kernel(q, kind, kernel, mask)
-    if kernel == "flash_cuda":
-        out, lse, state = _cuda_flash_forward(q, k, v, kind == _CAUSAL, scale)
-        return out, lse.to(_accumulation(q)), state
-    if kernel == "flash_cuda_segments":
-        return _segments_forward(q, k, v, mask, scale)
-    if kernel == "flash_cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q), scale=scale)
-        if has_key is not None:  # the op returns 0 (not -inf) for a row with every key masked
-            lse = lse.masked_fill(~has_key, float("-inf"))
-        return out, lse.to(_accumulation(q)), None
-    outs, lses = [], []
-    for rows in _row_chunks(q, k):
-        scores = _scores(q, k, kind, mask, scale, rows)
-        lse = torch.logsumexp(scores, dim=-1)
-        probs = torch.exp(scores - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
-        outs.append(torch.matmul(probs.to(v.dtype), v))
-        lses.append(lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2), None
-
-
-def _block_backward(grad_out, q, k, v, out, lse, kind, mask, scale, kernel=None, state=None):
-    """(dq, dk, dv) of one block, given the merged output and log-sum-exp of its query rows (``state``: what the CUDA
-    flash kernel's forward returned for its backward)."""
-    kernel = _kernel(q, kind, kernel, mask)
-    if kernel == "flash_cuda":
-        return _cuda_flash_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), kind == _CAUSAL, scale, state)
-    if kernel == "flash_cuda_segments":
-        return _segments_backward(grad_out, q, k, v, out, lse.to(_accumulation(q)), mask, scale, state)
-    if kernel == "flash_cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out, q, k, v, out, lse.to(_accumulation(q)), 0.0, kind == _CAUSAL, attn_mask=_whole(mask, q),
-            scale=scale)
-    acc = _accumulation(q)
-    k_acc, v_acc = k.to(acc), v.to(acc)
-    dq, dk, dv = torch.empty_like(q, dtype=acc), torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
-    for rows in _row_chunks(q, k):
-        probs = torch.exp(_scores(q, k, kind, mask, scale, rows) - lse[:, :, rows, None])
-        grad_acc = grad_out[:, :, rows].to(acc)
-        dv += torch.matmul(probs.transpose(-2, -1), grad_acc)
-        dprobs = torch.matmul(grad_acc, v_acc.transpose(-2, -1))
-        delta = (grad_acc * out[:, :, rows].to(acc)).sum(-1, keepdim=True)
-        dscores = probs * (dprobs - delta) * scale
-        dq[:, :, rows] = torch.matmul(dscores, k_acc)
-        dk += torch.matmul(dscores.transpose(-2, -1), q[:, :, rows].to(acc))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _accumulation(x: torch.Tensor) -> torch.dtype:
-    """float32, or the tensor's own dtype when wider (log-sum-exps and partial sums are kept in it)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-# the explicit softmax's scores at most this many entries at a time (256 MiB in float32): a block's query rows are
-# taken in runs, so a long chunk never makes its whole [B, H, c, c] scores (and their probabilities) at once
-_MATH_SCORE_ELEMENTS = 1 << 26
-
-
-def _row_chunks(q: torch.Tensor, k: torch.Tensor) -> list[slice]:
-    """The runs of a block's query rows whose scores [B, H, rows, c_k] stay within ``_MATH_SCORE_ELEMENTS``."""
-    B, H, c = q.shape[0], q.shape[1], q.shape[2]
-    rows = max(1, _MATH_SCORE_ELEMENTS // max(1, B * H * k.shape[2]))
-    return [slice(start, min(start + rows, c)) for start in range(0, c, rows)]
-
-
-def _whole(mask: BlockMask | None, q: torch.Tensor) -> torch.Tensor | None:
-    """A masked block's whole additive mask [B|1, 1, c, c] in q's dtype (made once per batch)."""
-    return None if mask is None else mask.whole(q.dtype, q.device)
-
-
-def _scores(q, k, kind, mask: BlockMask | None, scale, rows: slice = slice(None)):
-    """The block's scaled scores [B, H, rows, c] in the accumulation dtype, for the query ``rows``, masked."""
-    acc = _accumulation(q)
-    scores = torch.matmul(q[:, :, rows].to(acc), k.to(acc).transpose(-2, -1)) * scale
-    if kind == _CAUSAL:
-        positions = torch.arange(k.shape[2], device=q.device)
-        scores = scores.masked_fill(positions[None, :] > positions[rows, None], float("-inf"))
-    elif mask is not None:
-        scores = scores.masked_fill(~mask.allowed(rows, q.device), float("-inf"))
-    return scores
 
 
 # --- the ring -----------------------------------------------------------------------------------------
@@ -454,7 +188,7 @@ def _sources(k_BKSd, v_BKSd, plan: ContextParallelAttention):
 
 
 def _masks(plan, block, q):
-    if block.kind != _MASKED:
+    if block.kind != MASKED:
         return None, None
     return plan._mask(block, q.device)
 
@@ -480,7 +214,7 @@ class _RingAttention(torch.autograd.Function):
                 mask, has_key = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
                 k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
-                out, lse, state = _block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel)
+                out, lse, state = block_forward(q, k, v, block.kind, mask, has_key, scale, plan.kernel)
                 partial[block.half].append((out, lse))
                 kernel_state = kernel_state or state
         outs, lses = [], []
@@ -500,7 +234,7 @@ class _RingAttention(torch.autograd.Function):
         q_BHSd, k_BKSd, v_BKSd, out_BHSd, lse_BHS = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
         H, K, c = q_BHSd.shape[1], k_BKSd.shape[1], plan.chunk_len
-        acc = _accumulation(q_BHSd)
+        acc = accumulation(q_BHSd)
         dq_BHSd = torch.zeros_like(q_BHSd, dtype=acc)
         grad_BHSd = grad_BHSd.contiguous()
         rows = [slice(half * c, (half + 1) * c) for half in (0, 1)]
@@ -513,7 +247,7 @@ class _RingAttention(torch.autograd.Function):
                 mask, _ = _masks(plan, block, q)
                 keys = slice(key_half * c, (key_half + 1) * c)
                 k, v = repeat_kv_heads(k_BKSd_r[:, :, keys], H), repeat_kv_heads(v_BKSd_r[:, :, keys], H)
-                dq, dk, dv = _block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel,
+                dq, dk, dv = block_backward(grad, q, k, v, out, lse, block.kind, mask, scale, plan.kernel,
                                              ctx.kernel_state)
                 dq_BHSd[:, :, rows[block.half]] += dq.to(acc)
                 dk_BKSd_r[:, :, keys] += _reduce_heads(dk.to(acc), K)
