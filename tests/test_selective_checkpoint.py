@@ -17,6 +17,8 @@ from hfnative.models import selective_checkpoint
 from hfnative.models.selective_checkpoint import ATTENTION, MATMULS
 from hfnative.parallel import apply_activation_checkpointing
 
+aten = torch.ops.aten
+
 
 @pytest.fixture(scope="module", params=ONE_PER_FAMILY)
 def checkpoint_dir(request, tmp_path_factory):
@@ -52,21 +54,24 @@ def _loss_and_grads(model, ids, mask, bf16: bool):
 
 
 class _Recorder:
-    """What the forward's dispatch mode kept, and how many ops it saw."""
+    """What the forward kept (through the dispatch mode or a plain projection's ``_KeptProduct``: a matmul either
+    way), and how many ops the dispatch mode saw."""
 
     def __init__(self, monkeypatch):
         self.kept, self.seen = [], 0
-        dispatch = selective_checkpoint._Keep.__torch_dispatch__
+        dispatch, keep = selective_checkpoint._Keep.__torch_dispatch__, selective_checkpoint._Keep.keep
 
-        def recording(mode, func, types, args=(), kwargs=None):
+        def counting(mode, func, types, args=(), kwargs=None):
             self.seen += 1
-            before = len(mode.kept)
-            out = dispatch(mode, func, types, args, kwargs)
-            if len(mode.kept) > before:
-                self.kept.append((func, out.shape[-1] if func in MATMULS else None))
-            return out
+            return dispatch(mode, func, types, args, kwargs)
 
-        monkeypatch.setattr(selective_checkpoint._Keep, "__torch_dispatch__", recording)
+        def recording(mode, func, out):
+            keep(mode, func, out)
+            matmul = func in MATMULS or func is selective_checkpoint._KeptProduct
+            self.kept.append((aten.mm.default if matmul else func, out.shape[-1] if matmul else None))
+
+        monkeypatch.setattr(selective_checkpoint._Keep, "__torch_dispatch__", counting)
+        monkeypatch.setattr(selective_checkpoint._Keep, "keep", recording)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -122,6 +127,23 @@ def test_only_the_kept_calls_pass_through_the_dispatch_mode(checkpoint_dir, monk
     with use_device_policy("gpu"):
         model(ids, attention_mask=mask)
     assert 0 < recorder.seen < counter.count / 3, (recorder.seen, counter.count)
+
+
+def test_plain_projections_are_kept_without_the_dispatch_mode(tmp_path, monkeypatch):
+    """A plain linear projection (no bias, no adapter, a plain weight) is kept through one autograd function
+    (``_KeptProduct``): the dispatch mode sees only the attention kernel's op; the test above checks its gradients
+    to the bit (fp32 and bf16 autocast)."""
+    save_hf_model("qwen3-gqa", tmp_path)
+    model = _model(tmp_path, checkpointed=True)
+    ids, mask = _batch(model.args.vocab_size, padded=False)
+    recorder = _Recorder(monkeypatch)
+    _loss_and_grads(model, ids, mask, bf16=False)
+    assert recorder.seen == len(model.layers)  # the attention kernel (under autocast, q and k's casts too)
+    per_block = [(aten.mm.default, model.args.n_heads * model.args.head_dim),
+                 (aten.mm.default, model.args.n_kv_heads * model.args.head_dim),
+                 (aten._scaled_dot_product_flash_attention_for_cpu.default, None),
+                 (aten.mm.default, model.args.intermediate_size)]
+    assert recorder.kept == per_block * len(model.layers)
 
 
 def test_a_second_backward_through_a_selectively_checkpointed_block_is_refused(checkpoint_dir):
@@ -220,21 +242,19 @@ def test_torchs_variable_length_attention_is_kept_as_attention():
 
 
 class _KeptBytes:
-    """The bytes of every result the forward's dispatch mode kept."""
+    """The bytes of every result the forward kept."""
 
     def __init__(self, monkeypatch):
         self.bytes = 0
-        dispatch = selective_checkpoint._Keep.__torch_dispatch__
+        keep = selective_checkpoint._Keep.keep
 
-        def recording(mode, func, types, args=(), kwargs=None):
-            before = len(mode.kept)
-            out = dispatch(mode, func, types, args, kwargs)
-            for _, kept, _ in mode.kept[before:]:
-                self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(kept)
-                                  if isinstance(t, torch.Tensor))
-            return out
+        def recording(mode, func, out):
+            keep(mode, func, out)
+            _, kept, _ = mode.kept[-1]
+            self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(kept)
+                              if isinstance(t, torch.Tensor))
 
-        monkeypatch.setattr(selective_checkpoint._Keep, "__torch_dispatch__", recording)
+        monkeypatch.setattr(selective_checkpoint._Keep, "keep", recording)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 
 from hfnative.device_policy import device_policy
@@ -19,6 +18,7 @@ from hfnative.precision import autocast_dtype
 
 from .args import ModelArgs
 from .attention import AttentionPlan, flash_varlen_serves, plan_attention
+from .block_checkpoint import checkpoint_block
 from .compute_dtype import autocast_to, under_weights_autocast
 from .head import OutputHead, TokenCrossEntropy
 from .layers import Attention, FeedForward, RMSNorm, cast_for_linears, model_norm, plain_linears
@@ -301,9 +301,9 @@ class Transformer(nn.Module):
             elif checkpointed:
                 # a block compiled otherwise recomputes its whole graph
                 selective = keep != "nothing" and not _is_compiled(layer)
-                h = torch.utils.checkpoint.checkpoint(
-                    layer, *layer_inputs, use_reentrant=False,
-                    **({"context_fn": functools.partial(selective_checkpoint_context, keep)} if selective else {}),
+                h = checkpoint_block(
+                    layer, *layer_inputs,
+                    context_fn=functools.partial(selective_checkpoint_context, keep) if selective else None,
                 )
             else:
                 with recomputed_in_backward(policy.recompute_in_backward and not _is_compiled(layer)):

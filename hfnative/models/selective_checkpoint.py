@@ -24,7 +24,11 @@ and adapter matmuls' results alike.
 Only the ops inside those calls pass through a dispatch mode (a Python call each, about 10 us on a host). Torch's
 selective-checkpoint contexts pass every op of the forward and of the recompute through one, with a Python policy:
 at Qwen3-0.6B's 28 blocks that made a checkpointed step's host time 1.8x full checkpointing's, where these calls
-make it 1.2x (``benchmarks/RESULTS.md``).
+make it 1.2x (``benchmarks/RESULTS.md``). A plain projection (``nn.Linear`` without a bias over a plain tensor, the
+common case) takes no dispatch mode at all: one autograd function (``_KeptProduct``) makes its product and keeps it
+in forward, hands it back in the recompute, and gives autograd's matmul gradients; what is left in the mode is the
+attention kernel and the layers that are tensor subclasses or several matmuls (LoRA, float8, tensor parallel).
+The blocks themselves are checkpointed by ``hfnative.models.block_checkpoint`` (torch's mechanism, less host work).
 
 Inside the block autocast's cast cache is off: a weight cast earlier in the step (a forward without grad, as KTO's
 and DPO's reference passes) would come from the cache in forward but be cast again in the recompute, and the two
@@ -45,6 +49,8 @@ import threading
 
 import torch
 import torch.fx.traceback as fx_traceback
+import torch.nn.functional as F
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -103,9 +109,13 @@ class _Keep(_KeptResults):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in KEPT_OPS:
-            kept = tree_map(_detached, out)
-            self.kept.append((func, kept, _versions(kept)))
+            self.keep(func, out)
         return out
+
+    def keep(self, func, out) -> None:
+        """``out``, the result of ``func`` (an op of ``KEPT_OPS``, or ``_KeptProduct``), kept for the recompute."""
+        kept = out.detach() if type(out) is torch.Tensor else tree_map(_detached, out)
+        self.kept.append((func, kept, _versions(kept)))
 
 
 class _Replay(_KeptResults):
@@ -117,6 +127,10 @@ class _Replay(_KeptResults):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func not in KEPT_OPS:
             return func(*args, **(kwargs or {}))
+        return self.take(func)
+
+    def take(self, func):
+        """What forward kept for ``func``, the next kept result in order (handed back once)."""
         if self.next >= len(self.kept) or self.kept[self.next] is None:
             raise RuntimeError(
                 f"selective activation checkpointing: the recompute ran {func} where forward kept "
@@ -136,6 +150,8 @@ class _Replay(_KeptResults):
 
 
 def _versions(value) -> list[int]:
+    if type(value) is torch.Tensor:
+        return [value._version]
     return [t._version for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -161,8 +177,8 @@ class _RunningUnder:
 
 
 def selective_checkpoint_context(keep: str):
-    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint`` for one block's forward that keeps ``keep``
-    (a key of ``CHECKPOINT_KEEPS`` other than "nothing")."""
+    """The ``context_fn`` of ``hfnative.models.block_checkpoint.checkpoint_block`` for one block's forward that keeps
+    ``keep`` (a key of ``CHECKPOINT_KEEPS`` other than "nothing")."""
     kinds = CHECKPOINT_KEEPS[keep]
     kept: list = []
     return _RunningUnder(_Keep(kept, kinds)), _RunningUnder(_Replay(kept, kinds))
@@ -280,8 +296,61 @@ def kept_in_checkpoint(kind: str, fn, *args):
     mode = getattr(_running, "mode", None)
     if mode is None or kind not in mode.kinds:
         return fn(*args)
+    if kind == "projection" and _plain_projection(fn, args):
+        return _kept_product(mode, fn.weight, args[0])
     with mode:
         return fn(*args)
+
+
+def _plain_projection(fn, args) -> bool:
+    """Whether ``fn(*args)`` is a plain linear layer without a bias over one plain tensor: ``_KeptProduct`` serves it
+    without the dispatch mode. A LoRA, float8, quantized or tensor-parallel layer (a tensor subclass) takes the mode."""
+    return (type(fn) is nn.Linear and fn.bias is None and len(args) == 1 and type(args[0]) is torch.Tensor
+            and args[0].dim() >= 2 and type(fn.weight) is nn.Parameter and type(fn.weight.data) is torch.Tensor)
+
+
+def _autocast_operand(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as autocast hands it to a linear layer: cast to the autocast dtype (the cast cache is off in a
+    checkpointed block, ``_RunningUnder``); itself outside autocast, or already in that dtype, or float64."""
+    device_type = tensor.device.type
+    if not torch.is_autocast_enabled(device_type) or not tensor.is_floating_point():
+        return tensor
+    dtype = torch.get_autocast_dtype(device_type)
+    return tensor if tensor.dtype in (dtype, torch.float64) else tensor.to(dtype)
+
+
+def _kept_product(mode: _KeptResults, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` in a selectively checkpointed block's forward (kept) or recompute (handed back),
+    through one autograd function instead of the dispatch mode's Python call for each of its ops (a cast, a view, a
+    transpose, the matmul, a view back: the host time of 4 to 6 ops, twice a projection)."""
+    x, weight = _autocast_operand(x), _autocast_operand(weight)
+    if isinstance(mode, _Replay):
+        return _KeptProduct.apply(x, weight, [mode.take(_KeptProduct)])
+    out = _KeptProduct.apply(x, weight, None)
+    mode.keep(_KeptProduct, out)
+    return out
+
+
+class _KeptProduct(torch.autograd.Function):
+    """``x @ weight.T`` (``F.linear`` without a bias), made in forward or handed back in the recompute (``kept``: a
+    one-element list), saving what autograd's matmul saves and giving its gradients with the same matmuls, to the
+    bit (``mm``'s backward for a row-major input and a transposed weight)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, kept):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight) if kept is None else kept[0]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_2d.mm(weight).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_x, grad_weight, None
 
 
 __all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "DEFAULT_KEEPS", "MATMULS", "affordable_keep", "available_device_bytes",

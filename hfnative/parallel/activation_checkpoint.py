@@ -1,9 +1,9 @@
 """Activation checkpointing: which decoder blocks recompute their activations in backward, and what they keep.
 
-The decoder checkpoints the blocks listed in ``model.checkpointed_layers`` (non-reentrant
-``torch.utils.checkpoint``): their inputs are kept, and ``model.checkpoint_keeps`` says what else
-(``hfnative.models.selective_checkpoint``): None for the device policy's choice, "nothing" (everything inside
-recomputed in backward), "attention" or "attention_and_projections".
+The decoder checkpoints the blocks listed in ``model.checkpointed_layers``
+(``hfnative.models.block_checkpoint``: torch's non-reentrant checkpoint with less host work): their inputs are kept,
+and ``model.checkpoint_keeps`` says what else (``hfnative.models.selective_checkpoint``): None for the device
+policy's choice, "nothing" (everything inside recomputed in backward), "attention" or "attention_and_projections".
 """
 
 from __future__ import annotations
