@@ -146,6 +146,20 @@ def test_plain_projections_are_kept_without_the_dispatch_mode(tmp_path, monkeypa
     assert recorder.kept == per_block * len(model.layers)
 
 
+def test_a_projection_with_module_hooks_runs_them(tmp_path, monkeypatch):
+    """A hooked projection is called as a module (through the dispatch mode): its hooks run in forward and in the
+    recompute, as on a block without the autograd function."""
+    save_hf_model("qwen3-gqa", tmp_path)
+    model = _model(tmp_path, checkpointed=True)
+    calls = []
+    model.layers[0].attention.wq.register_forward_hook(lambda *_: calls.append(None))
+    ids, mask = _batch(model.args.vocab_size, padded=False)
+    recorder = _Recorder(monkeypatch)
+    _loss_and_grads(model, ids, mask, bf16=False)
+    assert len(calls) == 2
+    assert recorder.seen == len(model.layers) + 4  # the hooked projection's view, t, mm and view back
+
+
 def test_a_second_backward_through_a_selectively_checkpointed_block_is_refused(checkpoint_dir):
     model = _model(checkpoint_dir, checkpointed=True)
     ids, mask = _batch(model.args.vocab_size, padded=False)

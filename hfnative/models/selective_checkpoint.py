@@ -51,6 +51,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -303,10 +304,14 @@ def kept_in_checkpoint(kind: str, fn, *args):
 
 
 def _plain_projection(fn, args) -> bool:
-    """Whether ``fn(*args)`` is a plain linear layer without a bias over one plain tensor: ``_KeptProduct`` serves it
-    without the dispatch mode. A LoRA, float8, quantized or tensor-parallel layer (a tensor subclass) takes the mode."""
+    """Whether ``fn(*args)`` is a plain linear layer without a bias or module hooks over one plain tensor:
+    ``_KeptProduct`` serves it without the dispatch mode (and without ``Module.__call__``, whose hooks it would skip).
+    A LoRA, float8, quantized or tensor-parallel layer (a tensor subclass) takes the mode."""
     return (type(fn) is nn.Linear and fn.bias is None and len(args) == 1 and type(args[0]) is torch.Tensor
-            and args[0].dim() >= 2 and type(fn.weight) is nn.Parameter and type(fn.weight.data) is torch.Tensor)
+            and args[0].dim() >= 2 and type(fn.weight) is nn.Parameter and type(fn.weight.data) is torch.Tensor
+            and not (fn._forward_pre_hooks or fn._forward_hooks or fn._backward_pre_hooks or fn._backward_hooks
+                     or _module_hooks._global_forward_pre_hooks or _module_hooks._global_forward_hooks
+                     or _module_hooks._global_backward_pre_hooks or _module_hooks._global_backward_hooks))
 
 
 def _autocast_operand(tensor: torch.Tensor) -> torch.Tensor:
