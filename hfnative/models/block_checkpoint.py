@@ -35,11 +35,13 @@ class _Stop(Exception):
 
 
 def _tensor_inputs(args) -> list[torch.Tensor]:
+    """The tensors among ``args`` and in its tuples (a block's rotary tables); not in lists or other objects, which
+    the block may append to (MoE router logits)."""
     tensors = []
     for arg in args:
         if isinstance(arg, torch.Tensor):
             tensors.append(arg)
-        elif isinstance(arg, (tuple, list)):
+        elif isinstance(arg, tuple):
             tensors.extend(t for t in arg if isinstance(t, torch.Tensor))
     return tensors
 
