@@ -139,6 +139,24 @@ def test_a_recompute_that_saves_other_tensors_is_refused(change):
         out.backward()
 
 
+def test_a_saved_tensor_read_twice_in_one_backward_is_refused():
+    class ReadsTwice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.saved_tensors  # noqa: B018
+            (x,) = ctx.saved_tensors
+            return grad * 2
+
+    out = checkpoint_block(lambda t: ReadsTwice.apply(t.sin()), torch.randn(3, requires_grad=True))
+    with pytest.raises(CheckpointError, match="twice"):
+        out.sum().backward()
+
+
 def test_without_gradients_the_block_just_runs():
     with torch.no_grad():
         out = checkpoint_block(lambda t: t * 2, torch.ones(3))

@@ -160,6 +160,26 @@ def test_a_projection_with_module_hooks_runs_them(tmp_path, monkeypatch):
     assert recorder.seen == len(model.layers) + 4  # the hooked projection's view, t, mm and view back
 
 
+def test_the_recompute_takes_the_way_forward_took_when_hooks_come_or_go(tmp_path):
+    """Module hooks registered between forward and backward (a profiler's global hooks) do not change how a kept
+    projection is recomputed: the recompute follows what forward kept, and the gradients stay the plain model's."""
+    save_hf_model("qwen3-gqa", tmp_path)
+    plain_model = _model(tmp_path, checkpointed=False)
+    ids, mask = _batch(plain_model.args.vocab_size, padded=False)
+    plain = _loss_and_grads(plain_model, ids, mask, bf16=False)
+    model = _model(tmp_path, checkpointed=True)
+    with use_device_policy("gpu"):
+        hidden = model(ids, attention_mask=mask).hidden_states
+        weights = torch.linspace(-1.0, 1.0, hidden.numel()).view_as(hidden)
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+        try:
+            (hidden * weights).sum().backward()
+        finally:
+            handle.remove()
+    for name, grad in plain[1].items():
+        assert torch.equal(dict(model.named_parameters())[name].grad, grad), name
+
+
 def test_a_second_backward_through_a_selectively_checkpointed_block_is_refused(checkpoint_dir):
     model = _model(checkpoint_dir, checkpointed=True)
     ids, mask = _batch(model.args.vocab_size, padded=False)

@@ -11,12 +11,15 @@ per-backward dict for each, record its shape, dtype and device in a dict, and ru
 dynamo-disable wrapper; a Qwen3 block saves about 37 tensors, so at 28 blocks that Python is paid about 1,000 times
 in forward, in the recompute and in backward each step: about 12% of a checkpointed step's host time, where a GPU
 step of a small model waits for its host (``benchmarks/RESULTS.md``). Here a saved tensor is an index into one list
-a block, its shape and dtype a tuple: the same checks (the recompute must save tensors of the forward's shapes and
-dtypes, and the block's inputs must not have been changed in place), without the objects.
+a block, its shape, dtype and device a tuple: the same checks (the recompute must save tensors of the forward's
+shapes, dtypes and devices, backward reads each once, and the block's inputs must not have been changed in place),
+without the objects.
 
 Left out, as the decoder never needs them: nested checkpoints, ``GraphExecGroup``, the debug trace, and device
-contexts (``with torch.device(...)``) around the forward. A second backward through the block (``retain_graph``)
-recomputes it again, as torch's does for each backward.
+contexts (``with torch.device(...)``) around the forward, and torch's global early-stop switch. A second backward
+through the block (``retain_graph``) recomputes it again, as torch's does for each backward; a recomputed tensor
+whose forward node is gone before backward stays until the block's backward ends (torch's weak references free it
+sooner; the decoder's blocks save none such).
 """
 
 from __future__ import annotations
@@ -87,31 +90,40 @@ class _Frame:
     """One checkpointed call: its inputs, what its forward saved (shape and dtype, by index), and the recompute's
     tensors until backward takes them."""
 
-    __slots__ = ("fn", "args", "versions", "state", "recompute_context", "saved", "recomputed")
+    __slots__ = ("fn", "args", "versions", "state", "recompute_context", "saved", "recomputed", "task")
 
     def __init__(self, fn, args, state: _ForwardState, recompute_context):
         self.fn, self.args, self.state, self.recompute_context = fn, args, state, recompute_context
         self.versions = [t._version for t in _tensor_inputs(args)]
         self.saved: list[tuple] = []
         self.recomputed: list | None = None
+        self.task = -1  # the backward (autograd graph task) the recomputed tensors are for
 
     def pack(self, tensor: torch.Tensor) -> int:
-        self.saved.append((tensor.shape, tensor.dtype))
+        self.saved.append((tensor.shape, tensor.dtype, tensor.device))
         return len(self.saved) - 1
 
     def unpack(self, index: int) -> torch.Tensor:
+        task = torch._C._current_graph_task_id()
         recomputed = self.recomputed
-        tensor = None if recomputed is None else recomputed[index]
-        if tensor is None:  # the first unpack of this backward (or a second backward: recomputed again)
+        if recomputed is None or task != self.task or task == -1:
+            # the first unpack of this backward (a second backward, retain_graph, recomputes again, as torch's does;
+            # -1: read outside any backward, recomputed each time)
             recomputed = self.recomputed = self._recompute()
-            tensor = recomputed[index]
+            self.task = task
+        tensor = recomputed[index]
+        if tensor is None:
+            raise CheckpointError(
+                f"activation checkpointing: backward read saved tensor {index} of a checkpointed block twice; each "
+                "is handed to the node that saved it once a backward.")
         recomputed[index] = None  # backward holds it now; freed with the node that reads it
-        shape, dtype = self.saved[index]
-        if tensor.shape != shape or tensor.dtype != dtype:
+        shape, dtype, device = self.saved[index]
+        if tensor.shape != shape or tensor.dtype != dtype or tensor.device != device:
             raise CheckpointError(
                 f"activation checkpointing: the recompute saved a {tensor.dtype} tensor of shape "
-                f"{tuple(tensor.shape)} where the forward saved a {dtype} tensor of shape {tuple(shape)} (tensor "
-                f"{index}): the block's forward must run the same ops in backward as it did in forward.")
+                f"{tuple(tensor.shape)} on {tensor.device} where the forward saved a {dtype} tensor of shape "
+                f"{tuple(shape)} on {device} (tensor {index}): the block's forward must run the same ops in backward "
+                "as it did in forward.")
         return tensor
 
     def _recompute(self) -> list:

@@ -130,6 +130,10 @@ class _Replay(_KeptResults):
             return func(*args, **(kwargs or {}))
         return self.take(func)
 
+    def replays(self, func) -> bool:
+        """Whether the next kept result is ``func``'s (the recompute takes the way forward took)."""
+        return self.next < len(self.kept) and self.kept[self.next] is not None and self.kept[self.next][0] is func
+
     def take(self, func):
         """What forward kept for ``func``, the next kept result in order (handed back once)."""
         if self.next >= len(self.kept) or self.kept[self.next] is None:
@@ -297,18 +301,21 @@ def kept_in_checkpoint(kind: str, fn, *args):
     mode = getattr(_running, "mode", None)
     if mode is None or kind not in mode.kinds:
         return fn(*args)
-    if kind == "projection" and _plain_projection(fn, args):
+    if kind == "projection" and (mode.replays(_KeptProduct) if isinstance(mode, _Replay)
+                                 else _plain_projection(fn, args)):
         return _kept_product(mode, fn.weight, args[0])
     with mode:
         return fn(*args)
 
 
 def _plain_projection(fn, args) -> bool:
-    """Whether ``fn(*args)`` is a plain linear layer without a bias or module hooks over one plain tensor:
-    ``_KeptProduct`` serves it without the dispatch mode (and without ``Module.__call__``, whose hooks it would skip).
-    A LoRA, float8, quantized or tensor-parallel layer (a tensor subclass) takes the mode."""
+    """Whether ``fn(*args)`` is a plain linear layer without a bias or module hooks over one contiguous plain tensor:
+    ``_KeptProduct`` serves it without the dispatch mode (and without ``Module.__call__``, whose hooks it would skip),
+    with the matmuls of autograd's own backward for those layouts. A LoRA, float8, quantized or tensor-parallel layer
+    (a tensor subclass) takes the mode. Chosen in forward; the recompute takes what forward took (``replays``)."""
     return (type(fn) is nn.Linear and fn.bias is None and len(args) == 1 and type(args[0]) is torch.Tensor
-            and args[0].dim() >= 2 and type(fn.weight) is nn.Parameter and type(fn.weight.data) is torch.Tensor
+            and args[0].dim() >= 2 and args[0].is_contiguous() and type(fn.weight) is nn.Parameter
+            and type(fn.weight.data) is torch.Tensor and fn.weight.is_contiguous()
             and not (fn._forward_pre_hooks or fn._forward_hooks or fn._backward_pre_hooks or fn._backward_hooks
                      or _module_hooks._global_forward_pre_hooks or _module_hooks._global_forward_hooks
                      or _module_hooks._global_backward_pre_hooks or _module_hooks._global_backward_hooks))
@@ -343,16 +350,22 @@ class _KeptProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, kept):
-        ctx.save_for_backward(x, weight)
+        ctx.set_materialize_grads(False)
+        # what mm saves: the input where the weight's gradient is wanted, the weight where the input's is
+        x_grad, weight_grad = ctx.needs_input_grad[:2]
+        ctx.save_for_backward(x if weight_grad else None, weight if x_grad else None)
+        ctx.x_shape = x.shape
         return F.linear(x, weight) if kept is None else kept[0]
 
     @staticmethod
     def backward(ctx, grad_out):
+        if grad_out is None:
+            return None, None, None
         x, weight = ctx.saved_tensors
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = grad_weight = None
         if ctx.needs_input_grad[0]:
-            grad_x = grad_2d.mm(weight).view(x.shape)
+            grad_x = grad_2d.mm(weight).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             grad_weight = grad_2d.t().mm(x.reshape(-1, x.shape[-1]))
         return grad_x, grad_weight, None
