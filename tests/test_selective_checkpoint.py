@@ -190,7 +190,12 @@ def test_a_second_backward_through_a_selectively_checkpointed_block_is_refused(c
             loss.backward()
 
 
-def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tmp_path, monkeypatch):
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tmp_path, monkeypatch, dropout, bf16):
+    """LoRA projections keep their base and adapter matmuls' results (through the dispatch mode: one autograd function
+    a matmul measured no faster there); the gradients are the plain model's to the bit, the adapters' dropout drawing
+    the same masks in the recompute."""
     from hfnative.converters.peft import apply_lora
 
     save_hf_model("qwen3-gqa", tmp_path)
@@ -198,7 +203,7 @@ def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tm
     def lora_model(checkpointed: bool):
         converted = load_pretrained(tmp_path)
         torch.manual_seed(0)  # the adapters' initialization
-        apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+        apply_lora(converted, dict(r=4, lora_alpha=8, lora_dropout=dropout, target_modules="all-linear"))
         generator = torch.Generator().manual_seed(2)
         with torch.no_grad():  # lora_B starts at zero: make the adapters' gradients depend on both factors
             for name, param in sorted(converted.model.named_parameters()):
@@ -207,11 +212,14 @@ def test_lora_projections_keep_their_adapter_matmuls_with_identical_gradients(tm
         model = converted.model.train()
         return apply_activation_checkpointing(model, "full") if checkpointed else model
 
-    ids, mask = _batch(96, padded=True)
-    plain = _loss_and_grads(lora_model(False), ids, mask, bf16=False)
+    ids, mask = _batch(96, padded=False)
+    plain_model = lora_model(False)
+    torch.manual_seed(5)  # the dropout masks
+    plain = _loss_and_grads(plain_model, ids, mask, bf16=bf16)
     recorder = _Recorder(monkeypatch)
     model = lora_model(True)
-    checkpointed = _loss_and_grads(model, ids, mask, bf16=False)
+    torch.manual_seed(5)
+    checkpointed = _loss_and_grads(model, ids, mask, bf16=bf16)
     assert torch.equal(checkpointed[0], plain[0])
     assert checkpointed[1].keys() == plain[1].keys() and any("lora_A" in name for name in plain[1])
     for name, grad in plain[1].items():
