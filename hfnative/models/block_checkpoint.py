@@ -87,14 +87,14 @@ class _ForwardState:
 
 
 class _Frame:
-    """One checkpointed call: its inputs, what its forward saved (shape and dtype, by index), and the recompute's
-    tensors until backward takes them."""
+    """One checkpointed call: its inputs, what its forward saved (shape, dtype and device, by index), and the
+    recompute's tensors until backward takes them."""
 
     __slots__ = ("fn", "args", "versions", "state", "recompute_context", "saved", "recomputed", "task")
 
-    def __init__(self, fn, args, state: _ForwardState, recompute_context):
+    def __init__(self, fn, args, inputs: list[torch.Tensor], state: _ForwardState, recompute_context):
         self.fn, self.args, self.state, self.recompute_context = fn, args, state, recompute_context
-        self.versions = [t._version for t in _tensor_inputs(args)]
+        self.versions = [t._version for t in inputs]  # inputs: _tensor_inputs(args)
         self.saved: list[tuple] = []
         self.recomputed: list | None = None
         self.task = -1  # the backward (autograd graph task) the recomputed tensors are for
@@ -171,7 +171,7 @@ def checkpoint_block(fn, *args, context_fn=None):
                                           else (contextlib.nullcontext(), contextlib.nullcontext()))
     inputs = _tensor_inputs(args)
     device_type = next((t.device.type for t in inputs if t.device.type != "cpu"), "cpu")
-    frame = _Frame(fn, args, _ForwardState(device_type, inputs), recompute_context)
+    frame = _Frame(fn, args, inputs, _ForwardState(device_type, inputs), recompute_context)
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), forward_context:
         return fn(*args)
 

@@ -55,6 +55,8 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from hfnative.precision import autocast_dtype
+
 aten = torch.ops.aten
 
 MATMULS = {aten.mm.default, aten.addmm.default}
@@ -324,11 +326,10 @@ def _plain_projection(fn, args) -> bool:
 def _autocast_operand(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as autocast hands it to a linear layer: cast to the autocast dtype (the cast cache is off in a
     checkpointed block, ``_RunningUnder``); itself outside autocast, or already in that dtype, or float64."""
-    device_type = tensor.device.type
-    if not torch.is_autocast_enabled(device_type) or not tensor.is_floating_point():
+    dtype = autocast_dtype(tensor.device.type)
+    if dtype is None or not tensor.is_floating_point() or tensor.dtype in (dtype, torch.float64):
         return tensor
-    dtype = torch.get_autocast_dtype(device_type)
-    return tensor if tensor.dtype in (dtype, torch.float64) else tensor.to(dtype)
+    return tensor.to(dtype)
 
 
 def _kept_product(mode: _KeptResults, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
