@@ -24,8 +24,14 @@ from .triton_kernels import (MAX_FANNED, TritonResidualRMSNorm, TritonRMSNorm, T
 def _times(fresh: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     """fresh * other, for a tensor the caller has just made and needs no more: in fresh's place when the product
     keeps fresh's dtype (the same values without a second tensor of that size). promote_types, not result_type (which
-    torch.compile cannot trace): the two agree here, where neither tensor is 0-d."""
-    return fresh.mul_(other) if fresh.dtype == torch.promote_types(fresh.dtype, other.dtype) else fresh * other
+    torch.compile cannot trace): the two agree here, where neither tensor is 0-d.
+
+    Out of place while compiling: the compiler plans the buffers itself, and torch 2.11's dynamo routes the gradients
+    of an autograd.Function whose forward writes in place into the tensor it returns to the wrong output (zero
+    gradients for the norms and everything before them; pytorch/pytorch#180642)."""
+    if torch.compiler.is_compiling() or fresh.dtype != torch.promote_types(fresh.dtype, other.dtype):
+        return fresh * other
+    return fresh.mul_(other)
 
 
 def gradient_sum(grads, dtype: torch.dtype) -> torch.Tensor | None:
