@@ -138,6 +138,23 @@ def test_without_torchao_auto_takes_kahan(monkeypatch):
     assert isinstance(optimizer, KahanAdamW)
 
 
+def test_bf16_rounded_is_the_cast_to_bf16():
+    """The Kahan step rounds with integer ops (a compiler keeps them where it may fold a cast away): the same bits as
+    torch's cast to bf16 and back, over magnitudes, exact ties (to even), subnormals, the largest floats (to inf),
+    infinities and NaN."""
+    from hfnative.optim.bf16_updates import bf16_rounded
+
+    generator = torch.Generator().manual_seed(0)
+    values = [torch.randn(4096, generator=generator) * 10.0 ** torch.randint(-38, 38, (4096,), generator=generator)]
+    halfway = torch.arange(-40, 40, dtype=torch.int32) * 0x10000 + 0x3F808000  # exactly between two bf16 values
+    values += [halfway.view(torch.float32), (halfway + 0x10000).view(torch.float32)]
+    values.append(torch.tensor([0.0, -0.0, 1e-40, -3e-39, 1e-45, 3.4e38, -3.4e38, float("inf"), float("-inf")]))
+    x = torch.cat(values)
+    expected = x.to(torch.bfloat16).float()
+    assert torch.equal(bf16_rounded(x).view(torch.int32), expected.view(torch.int32))
+    assert bf16_rounded(torch.tensor([float("nan")])).isnan().all()
+
+
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="torch.compile is unavailable here")
 def test_the_compiled_kahan_step_takes_a_models_many_parameter_shapes(monkeypatch):
     """On an accelerator every parameter's update goes through one compiled step: a model has more parameter shapes

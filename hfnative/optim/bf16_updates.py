@@ -94,9 +94,19 @@ def _kahan_adamw_step(param, grad, step, exp_avg, exp_avg_sq, compensation, lr, 
         param.copy_(weight + update)
         return
     intended = update + compensation.float()  # this step's change plus what earlier roundings dropped
-    rounded = (weight + intended).to(param.dtype)
-    compensation.copy_(intended - (rounded.float() - weight))  # the part of it the bf16 weight could not take
-    param.copy_(rounded)
+    rounded = bf16_rounded(weight + intended)
+    compensation.copy_(intended - (rounded - weight))  # the part of it the bf16 weight could not take
+    param.copy_(rounded)  # exact: rounded holds a bf16 value
+
+
+def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The float32 ``x`` rounded to the nearest bf16 value (ties to even, NaN kept), as float32: the bits of
+    ``x.to(torch.bfloat16).float()`` made with integer ops. A compiler may fold a cast to bf16 and back into nothing
+    (torch 2.11's inductor does, even with ``emulate_precision_casts``), and the rounding's loss, the compensation,
+    would be lost with it; integer ops it keeps."""
+    bits = x.view(torch.int32)
+    bits = (bits + ((bits >> 16) & 1) + 0x7FFF) & -0x10000  # c10's round_to_nearest_even, on the bit pattern
+    return torch.where(x.isnan(), x, bits.view(torch.float32))
 
 
 _COMPILED = None
@@ -105,12 +115,11 @@ _COMPILED = None
 def _compiled_step():
     """The step compiled once on accelerators, where its ~15 elementwise kernels become one. Shapes turn dynamic from
     the second one: a model's many parameter shapes share a graph per rank of the shapes (static, each shape would
-    compile anew, and past torch's recompile limit a fullgraph function raises). ``emulate_precision_casts``: the
-    compiler otherwise keeps the rounded weight in fp32, and what the rounding dropped, the compensation, is lost."""
+    compile anew, and past torch's recompile limit a fullgraph function raises). The rounding is ``bf16_rounded``'s
+    integer ops, which the compiler keeps (a cast to bf16 and back it may fold away, losing the compensation)."""
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(_kahan_adamw_step, fullgraph=True, dynamic=None,
-                                  options={"emulate_precision_casts": True})
+        _COMPILED = torch.compile(_kahan_adamw_step, fullgraph=True, dynamic=None)
     return _COMPILED
 
 
