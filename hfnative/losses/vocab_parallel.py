@@ -42,6 +42,11 @@ from .distillation import DistillationOutput
 from .logprobs import _check_statistics
 
 
+# every rank's tensor, concatenated along dim 0 into one output tensor: all_gather_single where torch has it (2.13 has
+# it and deprecates all_gather_into_tensor; 2.11 has only all_gather_into_tensor)
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _VocabParallelStats:
     """Full-softmax statistics of one chunk from this rank's logits z_CV [C, Vr]; fills probs_CV with
     this rank's columns of softmax(z). Two collectives: an all-gather of the row max, an all-reduce.
@@ -59,7 +64,7 @@ class _VocabParallelStats:
         local_max_C = z_CV.amax(dim=-1)
         group_size = dist.get_world_size(group)
         max_PC = torch.empty(group_size * rows, dtype=local_max_C.dtype, device=z_CV.device)
-        dist.all_gather_single(max_PC, local_max_C, group=group)
+        _all_gather_rows(max_PC, local_max_C, group=group)
         max_PC = max_PC.view(group_size, rows)
         self.max_C = max_PC.amax(dim=0)
         # argmax over the full vocabulary, first index on ties (torch.argmax's rule): the lowest rank among
@@ -189,7 +194,7 @@ def _group_log_softmax_parts(group, *z_CV: torch.Tensor) -> list[tuple[torch.Ten
     local_KC = torch.stack(local)
     K, C = local_KC.shape
     gathered_PKC = torch.empty(dist.get_world_size(group) * K, C, dtype=local_KC.dtype, device=local_KC.device)
-    dist.all_gather_single(gathered_PKC, local_KC, group=group)
+    _all_gather_rows(gathered_PKC, local_KC, group=group)
     gathered_PKC = gathered_PKC.view(-1, K, C)
     parts = []
     for k in range(0, K, 2):
