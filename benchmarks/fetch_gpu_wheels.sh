@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Download, on a machine with network, the wheels benchmarks/gpu_check.sh installs on a GPU machine that has
-# none: the Hugging Face stack (transformers, trl, datasets, accelerate, peft, safetensors, huggingface_hub)
-# and everything it needs, at the versions installed in this checkout's .venv (the tested ones). Never
-# torch, triton or nvidia-* (the GPU image brings its own build).
+# none: the Hugging Face stack (transformers, trl, datasets, accelerate, peft, safetensors, huggingface_hub),
+# torchao (float8 training and stochastically rounded bf16 AdamW: the low_precision section) and everything they
+# need, at the versions installed in this checkout's .venv (the tested ones). Never torch, triton or nvidia-*
+# (the GPU image brings its own build).
 #
 #   bash benchmarks/fetch_gpu_wheels.sh                  # wheels for the GPU image's python (default: 3.11)
 #   bash benchmarks/fetch_gpu_wheels.sh --python 3.12    # another python on the GPU machine
@@ -40,7 +41,8 @@ import sys
 
 from packaging.requirements import Requirement
 
-ROOTS = ["transformers", "trl", "datasets", "accelerate", "peft", "safetensors", "huggingface_hub", "pyyaml", "tqdm"]
+ROOTS = ["transformers", "trl", "datasets", "accelerate", "peft", "safetensors", "huggingface_hub", "pyyaml", "tqdm",
+         "torchao"]
 NEVER = re.compile(r"^(torch|triton|nvidia-.*|pip|setuptools|wheel)$")
 DATA_STACK = {"numpy", "pandas", "pyarrow"}
 with_data_stack = sys.argv[1] == "1"
