@@ -434,3 +434,34 @@ def test_two_buffer_path_gives_the_in_place_results(monkeypatch):
         results.append((out.loss_sum, out.entropy_sum, out.correct_sum, *grads))
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("spec", ["cross_entropy", "token_logprobs", "generalized_jsd"])
+def test_a_heads_loss_output_shows_its_differentiable_tensors_to_pytree(spec):
+    """FSDP2 gathers a unit's parameters again before its backward from a hook on the tensors the unit's last module
+    returned; torch 2.11 finds them with ``tree_flatten``. A head loss whose output hid its loss from pytree left the
+    tied head unit resharded through its backward, and the final norm read a freed weight. The same flattening here:
+    a hook hung on each differentiable leaf fires in the loss's backward."""
+    from hfnative.models.head import GeneralizedJSD, OutputHead, TokenCrossEntropy, TokenLogprobs
+
+    generator = torch.Generator().manual_seed(0)
+    head, teacher = OutputHead(D, V), OutputHead(D, V)
+    for module in (head, teacher):
+        module.weight.data = torch.randn(V, D, generator=generator) * 0.3
+    hidden = torch.randn(B, S, D, generator=generator, requires_grad=True)
+    targets = torch.randint(0, V, (B, S), generator=generator)
+    targets[0, :3] = IGNORE_INDEX
+    loss = {
+        "cross_entropy": TokenCrossEntropy(targets),
+        "token_logprobs": TokenLogprobs(targets),
+        "generalized_jsd": GeneralizedJSD(targets, torch.randn(B, S, D, generator=generator), teacher),
+    }[spec]
+    output = head(hidden, loss=loss)
+    fired = []
+    leaves = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    assert leaves, f"{type(output).__name__} shows pytree no tensor that needs a gradient"
+    for leaf in leaves:
+        leaf.register_hook(lambda grad: fired.append(grad) or grad)
+    total = output[0].sum() if isinstance(output, tuple) else output.loss_sum
+    total.backward()
+    assert fired and hidden.grad is not None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 
 import torch
+from torch.utils._pytree import register_dataclass
 
 from hfnative.device_policy import DevicePolicy, device_policy
 from hfnative.precision import autocast_dtype
@@ -28,6 +29,16 @@ IGNORE_INDEX = -100
 # chunk rereads and rewrites the [V, D] gradient); V=151936, D=256 -> 128 tokens, +4%.
 _MIN_CHUNK = 128
 _MAX_CHUNK_ELEMENTS = 1 << 26
+
+
+def head_output(cls: type) -> type:
+    """Register ``cls``, a dataclass a head's ``forward`` returns, as a pytree node, so that wrappers which find the
+    tensors a module returned by flattening its output see the fields inside. FSDP2 hangs its pre-backward
+    all-gather on them: on torch 2.11, which flattens with ``tree_flatten``, an unregistered dataclass hides the
+    loss, no all-gather runs before the head unit's backward, and the final norm's backward reads a parameter
+    freed after forward (a tied head resharded after forward)."""
+    register_dataclass(cls)
+    return cls
 
 
 def chunk_size_for(

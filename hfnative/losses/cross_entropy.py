@@ -24,6 +24,7 @@ from ._chunks import (
     SoftmaxStats,
     expected_logit_from_hidden_grad,
     fused_head_loss,
+    head_output,
     softmax_in_place_verified,
 )
 
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 
+@head_output
 @dataclass
 class CrossEntropyOutput:
     """Sums over the label tokens; divide by the step's token count to get means."""

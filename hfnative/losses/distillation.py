@@ -23,11 +23,13 @@ from ._chunks import (
     ChunkKernel,
     chunk_logits,
     fused_head_loss,
+    head_output,
     matmul_inputs,
     softmax_in_place_verified,
 )
 
 
+@head_output
 @dataclass
 class DistillationOutput:
     """Sums over the tokens; divide by the step's token count to get means."""
