@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 from datasets import Dataset
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import hfnative
 from hfnative.trainers.algorithms import distillation as kd
@@ -131,8 +133,21 @@ def record_completions(objective, sink: list) -> None:
     objective.generate = recorded
 
 
+def count_partial_gradients(counts: list) -> None:
+    """Before each optimizer step, append how many of its gradients are still pending a sum over ranks (a ``Partial``
+    DTensor placement): the trainer sums them before the clipping and the step read them."""
+
+    def count(optimizer, args, kwargs):
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        counts.append(sum(isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements) for g in grads))
+
+    register_optimizer_step_pre_hook(count)
+
+
 def main(output_dir: str, models_dir: str, cells: list[str]) -> None:
     rank = int(os.environ["RANK"])
+    partial_counts: list[int] = []
+    count_partial_gradients(partial_counts)
     for cell in cells:
         _, layout_name, _, _ = CELLS[cell]
         sizes, _, _ = LAYOUTS[layout_name]
@@ -141,9 +156,11 @@ def main(output_dir: str, models_dir: str, cells: list[str]) -> None:
         generated = []
         if isinstance(trainer.objective, kd._DistillationObjective):
             record_completions(trainer.objective, generated)
+        partial_counts.clear()
         trainer.train()
         out.mkdir(parents=True, exist_ok=True)
         (out / f"completions-rank{rank}.json").write_text(json.dumps(generated))
+        (out / f"partial-gradients-rank{rank}.json").write_text(json.dumps(partial_counts))
         if rank == 0:
             (out / "log.json").write_text(json.dumps(trainer.state.log_history))
 

@@ -51,6 +51,7 @@ from hfnative.device_policy import use_device_policy
 from hfnative.optim import OptimizerSettings, build_optimizer
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.parallel import ParallelDims, end_process_group, parallelize
+from hfnative.parallel.grad_norm import replicate_partial_gradients
 from hfnative.parallel.tensor_parallel import _rows_like
 from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
@@ -136,6 +137,8 @@ def train(model, batches, *, dims=None, mesh=None, in_backward=False, accumulati
             optimizer.step()
             grad_norm = optimizer.grad_norm()
         else:
+            if dims is not None:  # as the trainer's step
+                replicate_partial_gradients(list(model.parameters()))
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

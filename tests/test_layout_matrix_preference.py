@@ -108,6 +108,10 @@ def test_cell_trains_like_one_process(launched, models_dir, cell, tmp_path):
                     worst = max(worst, abs(mine[key] - value) / abs(value))
     if kind == "moe" and algorithm == "dpo":
         assert all(e["aux_loss"] > 0 for e in steps)
+    # the optimizer read summed gradients: a tensor-parallel replica's (the norms') partial sums were reduced first
+    for r in range(processes):
+        counts = json.loads((launched / cell / f"partial-gradients-rank{r}.json").read_text())
+        assert len(counts) == worker.STEPS and not any(counts), (cell, r, counts)
     evaluations, expected_evaluations = [e for e in logs if "eval_loss" in e], [e for e in reference_logs if "eval_loss" in e]
     assert len(evaluations) == len(expected_evaluations) == (settings.get("eval_strategy", "no") != "no")
     for mine, theirs in zip(evaluations, expected_evaluations):

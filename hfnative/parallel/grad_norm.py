@@ -1,12 +1,28 @@
 """The gradient norm (and its clipping) over parameters whose DTensors live on different device meshes: one trained
 module sharded on the data-parallel mesh beside another on the expert-parallel one (PPO's value model beside an
 expert-parallel policy). torch's ``clip_grad_norm_`` stacks the per-tensor norms, which DTensor refuses across meshes.
-The pipeline's clipping (``pipeline.clip_grad_norm_over_stages``) takes each stage's norm from here too."""
+The pipeline's clipping (``pipeline.clip_grad_norm_over_stages``) takes each stage's norm from here too.
+``replicate_partial_gradients`` sums, once, the gradients still pending a sum over ranks before any of this reads them."""
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+
+
+@torch.no_grad()
+def replicate_partial_gradients(parameters) -> None:
+    """Replace each gradient that is a DTensor still pending a sum over ranks (a ``Partial`` placement: a parameter
+    replicated over the tensor-parallel ranks whose inputs differ there, as the norms' under sequence parallelism)
+    by that sum (``Replicate``), reduced once. Left partial, DTensor reduces it again in each op that reads it (the
+    norm, the loss scale's unscaling, each of the optimizer's), and torch 2.11 runs no in-place foreach op on a
+    partial DTensor at all: the clipping's scaling left such gradients unclipped."""
+    for parameter in parameters:
+        grad = parameter.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            parameter.grad = grad.redistribute(
+                placements=[Replicate() if placement.is_partial() else placement for placement in grad.placements]
+            )
 
 
 def _by_mesh(parameters) -> list[list[torch.Tensor]]:
@@ -50,4 +66,4 @@ def clip_grad_norm_over_meshes(parameters: list[torch.Tensor], max_norm: float) 
     return total
 
 
-__all__ = ["clip_grad_norm_over_meshes", "clip_grads_to", "total_grad_norm"]
+__all__ = ["clip_grad_norm_over_meshes", "clip_grads_to", "replicate_partial_gradients", "total_grad_norm"]

@@ -100,6 +100,10 @@ class OptimizationMixin:
         in_backward = isinstance(self.optimizer, OptimizerInBackward)
         if not in_backward:
             params = self._trained_parameters()
+            if self.distributed is not None:
+                from hfnative.parallel.grad_norm import replicate_partial_gradients
+
+                replicate_partial_gradients(params)
             if self._loss_scale is not None:
                 self._loss_scale.unscale_(params)
             grad_norm = _whole(self._clip_gradients(params))
