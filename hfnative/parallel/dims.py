@@ -217,7 +217,21 @@ class ParallelDims:
         split over ``ep`` already; its other parameters', ``(dp_mod_ep, ep)``: 2-D, replicated over the first and
         sharded over ep). Both give parameters of the one mesh ``(dp_mod_ep, ep)``."""
         assert self.ep_enabled, "expert_fsdp_meshes needs ep > 1"
-        return mesh["dp_mod_ep"], mesh["dp_mod_ep", "ep"]
+        name = self._dp_mod_ep_dim
+        return mesh[name], mesh[name, "ep"]
+
+    @property
+    def _dp_mod_ep_dim(self) -> str:
+        """The name to slice ``dp_mod_ep`` by: the one mesh dim it spans when the others it flattens have size 1
+        (``dp_shard_mod_ep`` when all do), else the flattened name. The same ranks either way; torch 2.11's
+        DeviceMesh refuses ``mesh["dp_mod_ep", "ep"]`` when ``dp_mod_ep`` flattens size-1 dims only and tp > 1."""
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // self.ep}
+        if self.cp_enabled:
+            sizes["cp"] = self.cp
+        wide = [name for name, size in sizes.items() if size > 1]
+        if len(wide) > 1:
+            return "dp_mod_ep"
+        return wide[0] if wide else "dp_shard_mod_ep"
 
     def pp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The 1-D mesh of the pipeline stages this rank's activations pass through (one rank per stage)."""
