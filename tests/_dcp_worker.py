@@ -40,6 +40,7 @@ from hfnative.converters.sharded_loading import load_sharded, meta_model
 from hfnative.optim import build_optimizer
 from hfnative.parallel import ParallelDims, end_process_group, parallelize
 from hfnative.parallel.dims import MESH_DIMS
+from hfnative.parallel.grad_norm import replicate_partial_gradients
 
 SAVED_AT, STEPS = 3, 5
 EXTRA = {"global_step": SAVED_AT, "sampler": {"epoch": 0, "position": (SAVED_AT * 4, "rows")}}
@@ -65,6 +66,7 @@ class Run:
         loss = loss.detach().clone()
         if self.dp_group is not None:
             dist.all_reduce(loss, group=self.dp_group)
+        replicate_partial_gradients(list(self.model.parameters()))  # as the trainer's step
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_GRAD_NORM)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
