@@ -73,9 +73,12 @@ def build_attention_mask(
     return allowed | torch.eye(seq_len, dtype=torch.bool, device=device)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class AttentionPlan:
-    """How attention runs for one batch (see the module docstring for the kinds)."""
+    """How attention runs for one batch (see the module docstring for the kinds). Not a frozen dataclass: torch
+    2.11's dynamo builds every field of a frozen one passed into a compiled block and guards on them all (the
+    number of rows in ``spans``, each int), recompiling the blocks for batches that differ only there; of a plain
+    object it guards only the attributes the graph reads. Compared by identity; nothing changes a plan once made."""
 
     kind: str
     seq_len: int
