@@ -280,3 +280,17 @@ def test_tensor_parallel_blocks_keep_the_varlen_kernel_out_of_their_static_graph
     assert counters["stats"]["unique_graphs"] == graphs, "a new document layout recompiled a block"
     assert counters["graph_break"], "the kernel ran inside the graph"
     assert len(varlen_kernel_on_cpu) == 2 * 2 * len(LAYOUTS)  # both models' two blocks, every batch
+
+
+def test_attention_plans_are_not_frozen_dataclasses():
+    """A plan goes into every compiled block. torch 2.11's dynamo builds each field of a frozen dataclass it is
+    handed and guards on all of them (the number of rows in ``spans``, every int), so packed batches that differ only
+    there recompiled the blocks on that release (the recompile tests here fail there with a frozen plan); of a plain
+    object it guards only what the graph reads. torch 2.13 builds the fields lazily, so this asks it directly."""
+    import dataclasses
+
+    params = attention.AttentionPlan.__dataclass_params__
+    assert dataclasses.is_dataclass(attention.AttentionPlan) and not params.frozen
+    plan = attention.AttentionPlan("varlen", 8, spans=(((0, 3), (3, 8)),))
+    assert plan == plan and plan != attention.AttentionPlan("varlen", 8, spans=plan.spans)  # by identity
+    assert {plan: 1}[plan] == 1  # hashable, as a frozen one was
