@@ -273,6 +273,104 @@ def test_bf16_base_keeps_float32_adapters(checkpoint_dir, tmp_path):
     assert _max_diff(ours.float(), _logits(peft_model, ids).float()) <= 2e-2
 
 
+_NATIVE_PROJECTIONS = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj",
+                       "w3": "up_proj", "w2": "down_proj"}
+
+
+def _logits_and_adapter_grads(model, ids, bf16: bool):
+    """Training-mode logits and the adapters' gradients, keyed (layer, Hub projection name, factor), under CPU bf16
+    autocast or not."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = model(input_ids=ids) if hasattr(model, "config") else model(ids)
+    logits = out.logits.float()
+    weights = torch.linspace(-1.0, 1.0, logits.numel()).view_as(logits)  # every logit's gradient differs
+    (logits * weights).sum().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None or "lora_" not in name:
+            continue
+        parts = name.split(".")
+        layer = int(parts[parts.index("layers") + 1])
+        factor = "lora_A" if "lora_A" in parts else "lora_B"
+        projection = parts[parts.index(factor) - 1]
+        grads[layer, _NATIVE_PROJECTIONS.get(projection, projection), factor] = param.grad.float()
+    model.eval()
+    return logits.detach(), grads
+
+
+def test_lora_under_bf16_autocast_is_as_close_to_fp32_as_peft(checkpoint_dir, tmp_path):
+    """Under bf16 autocast a LoRA layer adds its update inside the up-projection's matmul (``addmm``, one rounding
+    where peft rounds the product, its scaled copy and the sum) and hands the adapter its input without a round trip
+    through float32: logits and adapter gradients stay as close to the fp32 computation as peft's own."""
+    fields = dict(r=4, lora_alpha=8, target_modules="all-linear")
+    peft_model, converted = _native_pair(checkpoint_dir("qwen3-gqa"), fields, tmp_path)
+    ids = _input_ids()
+    results = {}
+    for name, model in (("peft", peft_model), ("ours", converted.model)):
+        results[name] = {bf16: _logits_and_adapter_grads(model, ids, bf16) for bf16 in (False, True)}
+    exact_logits, exact_grads = results["peft"][False]
+    assert _max_diff(results["ours"][False][0], exact_logits) <= TOLERANCE
+    assert results["ours"][True][1].keys() == results["peft"][True][1].keys() == exact_grads.keys()
+    assert len(exact_grads) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+
+    def relative_error(name: str, what: str) -> float:
+        """The bf16 run's distance to the fp32 one, over all logits or all adapter gradients at once (one number,
+        well-conditioned, where an entry's largest difference is a noisy draw of bf16 round-off)."""
+        logits, grads = results[name][True]
+        if what == "logits":
+            got, exact = logits, exact_logits
+        else:
+            got = torch.cat([grads[key].flatten() for key in sorted(exact_grads)])
+            exact = torch.cat([exact_grads[key].flatten() for key in sorted(exact_grads)])
+        return ((got - exact).norm() / exact.norm()).item()
+
+    for what in ("logits", "adapter gradients"):
+        ours, theirs = relative_error("ours", what), relative_error("peft", what)
+        assert 0 < ours <= 1.5 * theirs, (what, ours, theirs)
+
+
+def test_a_lora_layer_writes_no_extra_activation_sized_tensors():
+    """The update's scale and sum run inside the matmul, and under autocast the adapter reads the input as the base
+    does: forward and backward make no elementwise pass over a [tokens, out] tensor and no float32 copy of a bf16
+    input (the separate ops ran a scale and a sum over [tokens, out] forward and a scale backward, and under autocast
+    copied a bf16 input to float32 for autocast to cast back)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tokens, features_in, features_out = 24, 32, 48
+    base = torch.nn.Linear(features_in, features_out, bias=False).requires_grad_(False)
+    layer = LoraLinear(base, r=4, scaling=2.0)
+    torch.nn.init.normal_(layer.lora_B)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.seen.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+            return out
+
+    for bf16, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        x = torch.randn(2, tokens // 2, features_in, dtype=dtype, requires_grad=True)
+        with Ops() as ops:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = layer(x)
+            out.float().sum().backward()
+        matmuls = {"mm", "addmm"}
+        activation_sized = [(name, shape) for name, shape, _ in ops.seen
+                            if name not in matmuls and shape in ((tokens, features_out), (2, tokens // 2, features_out))
+                            and name not in ("view", "_unsafe_view", "reshape", "t", "transpose", "detach", "expand",
+                                             "ones_like", "sum", "_to_copy")]
+        assert activation_sized == [], (bf16, activation_sized)
+        assert not [op for op in ops.seen if op[0] == "_to_copy" and op[2] == torch.float32 and op[1][0] in (2, tokens)
+                    and op[1][-1] == features_in], (bf16, ops.seen)
+        assert sum(name == "addmm" for name, _, _ in ops.seen) == 1
+
+
 # --- (e) continuing from a peft-saved adapter -------------------------------------------------------------
 
 

@@ -5,7 +5,10 @@
 
 computed as peft 0.21 computes them (tuners/lora/layer.py, dora.py): the adapter runs in its own
 dtype (float32 when the base is bf16/fp16), and DoRA's weight norm is detached from the graph
-(DoRA paper, section 4.3). Shapes: A is [r, in], B is [out, r], the DoRA magnitude m is [out].
+(DoRA paper, section 4.3). LoRA's up-projection, scale and sum run as one matmul (``addmm``), which
+rounds once where peft rounds the product, the scaled product and the sum; under autocast without
+dropout the adapter reads the input autocast casts, not a float32 copy of it (the same values).
+Shapes: A is [r, in], B is [out, r], the DoRA magnitude m is [out].
 """
 
 from __future__ import annotations
@@ -75,16 +78,27 @@ class LoraLinear(FrozenLinear):
         return torch.linalg.norm(merged, dim=1).to(merged.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        result = super().forward(x)  # the frozen base, plain or NF4
         if not self.adapter_enabled:
-            return result
+            return super().forward(x)  # the frozen base, plain or NF4
+        if self.lora_magnitude_vector is not None:
+            result = super().forward(x)
+            return (result + self._dora_extra(x.to(self.lora_A.dtype), result)).to(result.dtype)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        result = super().forward(x)
         result_dtype = result.dtype
-        x = x.to(self.lora_A.dtype)
-        if self.lora_magnitude_vector is None:
-            result = result + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+        if isinstance(self.lora_dropout, nn.Identity) and torch.is_autocast_enabled(x.device.type):
+            adapter_input = x  # autocast casts it for the matmul, as it would cast x in the adapter's dtype
         else:
-            result = result + self._dora_extra(x, result)
-        return result.to(result_dtype)
+            adapter_input = self.lora_dropout(x.to(self.lora_A.dtype))
+        hidden = F.linear(adapter_input, self.lora_A)
+        if hidden.dtype == result.dtype:
+            # the up-projection, the scale and the sum in one matmul (alpha s, the base's output its addend), where
+            # separate ops write and read two more [tokens, out] tensors
+            result = torch.addmm(result, hidden, self.lora_B.t(), alpha=self.scaling)
+        else:  # the sum in the wider dtype, then back to the base's
+            result = (result + F.linear(hidden, self.lora_B) * self.scaling).to(result_dtype)
+        return result.view(*shape[:-1], self.out_features)
 
     def _dora_extra(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         """What DoRA adds to the base output (peft's DoraLinearLayer.forward)."""
