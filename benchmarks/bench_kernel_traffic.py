@@ -14,7 +14,10 @@ Runners, each on the same blocks (Qwen3-0.6B's width: hidden 1,024, 16 query and
   ``TRITON_INTERPRET=1``, else the runner is skipped, saying why).
 Each op is counted by a dispatch mode: views and allocations launch no kernel and are not counted; a Triton launch
 counts once with the bytes of its tensor arguments. With ``--checkpointing`` every block is checkpointed (the GPU
-policy's selective checkpointing; transformers' full checkpointing, TRL's default). "kept MB" is what a forward
+policy's selective checkpointing; transformers' full checkpointing, TRL's default). With ``--lora`` every linear layer
+of the blocks carries a LoRA adapter (``LORA``: peft's ``get_peft_model`` on transformers' model, hfnative's
+``apply_lora`` on ours) and only the adapters train; ``--weights bf16`` loads the frozen weights in bf16, as a Hub
+checkpoint stored in bf16 loads (the adapters stay float32, as peft makes them). "kept MB" is what a forward
 leaves allocated for its backward (the activations, a step's memory beyond the weights and optimizer), per block
 (the head's included), from glibc's allocation counters in a step run without the counting mode.
 """
@@ -93,6 +96,9 @@ class _CountedLaunch:
         return counted
 
 
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
+
+
 def _shape_config(cli):
     from transformers import Qwen3Config
 
@@ -120,6 +126,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--checkpointing", action="store_true", help="every block checkpointed")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA adapters on every linear layer (LORA), the rest frozen")
+    parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32", help="the dtype the weights load in")
     parser.add_argument("--top", type=int, default=8, help="the most frequent other kernels of each runner")
     parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
                         help="comma-separated from transformers, ours:torch_kernels, ours")
@@ -135,9 +144,19 @@ def main(argv=None) -> None:
     from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
 
     reference = transformers.AutoModelForCausalLM.from_config(_shape_config(cli), attn_implementation="sdpa")
+    dtype = torch.bfloat16 if cli.weights == "bf16" else torch.float32
     with tempfile.TemporaryDirectory() as folder:
         reference.save_pretrained(folder)
-        native = load_pretrained(folder).model
+        converted = load_pretrained(folder, dtype=dtype)
+        reference = reference.to(dtype)
+    if cli.lora:
+        import peft
+
+        from hfnative.converters.peft import apply_lora
+
+        reference = peft.get_peft_model(reference, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+        apply_lora(converted, LORA)
+    native = converted.model
     reference.train()
     if cli.checkpointing:
         # as TRL turns it on (transformers 5.25 also names it activation_checkpointing_enable, with other keywords)
@@ -179,7 +198,8 @@ def main(argv=None) -> None:
     runners = {name: run for name, run in runners.items() if name in chosen}
     tokens = cli.batch * cli.seq
     print(f"# one forward + backward, {cli.layers} Qwen3-0.6B-wide blocks, {cli.batch} x {cli.seq} tokens, vocab "
-          f"{cli.vocab}, bf16 autocast{', every block checkpointed' if cli.checkpointing else ''}")
+          f"{cli.vocab}, {cli.weights} weights, bf16 autocast{', LoRA on every linear layer' if cli.lora else ''}"
+          f"{', every block checkpointed' if cli.checkpointing else ''}")
     print(f"{'runner':<20} {'other kernels':>13} {'other MB':>10} {'matmul kernels':>14} {'matmul MB':>10} "
           f"{'attention':>9}  per block: other kernels, MB; kept MB")
     results, kept_bytes = {}, {}

@@ -8,12 +8,18 @@ final and per-step losses side by side, and MFU against a matmul peak measured o
     python benchmarks/bench_sft.py --preset smoke --rounds 1
     python benchmarks/bench_sft.py --preset reference --write-results
     python benchmarks/bench_sft.py --device cuda --packing --write-results
+    python benchmarks/bench_sft.py --preset smoke_depth28 --lora --activation_checkpointing --runners trl,ours
+
+--lora trains LoRA adapters on every linear layer (the same peft.LoraConfig for TRL and hfnative, ``LORA``) instead
+of the whole model; transformers' Trainer is skipped.
 
 FLOPs per trained token (PaLM appendix B convention, causal masking not discounted):
     F = 6 * (N_body + V * D) + 12 * L * H * d_head * S
 N_body = parameters of the decoder blocks and final norm (no embedding table); V * D = the output
 projection, counted even when tied to the embedding (the lookup is free, the head matmul is not);
 L layers, H query heads, d_head head dim, S sequence length (the packed row length with --packing).
+With --lora the frozen weights get no gradient: F = 4 * (N_body + V * D) + 12 * L * H * d_head * S (the
+adapters' own FLOPs, r / D of the rest, not counted).
 MFU = tokens/s * F / peak, peak = 2 n^3 / t of a timed n x n torch.mm loop (fp32 on CPU, bf16 on CUDA).
 """
 
@@ -61,6 +67,8 @@ BASE_RUNNERS = ("trl", "hf", "ours")
 # torch_kernels: the GPU policy without its Triton kernels (hfnative/models/triton_kernels.py), to see what they pay;
 # keep_attention / keep_nothing: with --activation_checkpointing, TRL's gradient_checkpointing_kwargs={"selective":
 # True / False} (checkpointed blocks keep the attention's output / nothing), against the device policy's choice
+# --lora: the LoRA every runner trains (TRL gets it as SFTTrainer(peft_config=...), hfnative the same object)
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels", "keep_attention",
                  "keep_nothing")
 
@@ -88,7 +96,7 @@ def measure_matmul_peak(device: str, seconds: float) -> float:
     return 2 * n**3 * iterations / elapsed / 1e9
 
 
-def flops_per_token(shape: Shape) -> dict:
+def flops_per_token(shape: Shape, lora: bool = False) -> dict:
     d, q_dim, kv_dim = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = d * q_dim + 2 * d * kv_dim + q_dim * d + 2 * shape.head_dim  # q, k, v, o + q/k norms
     mlp = 3 * d * shape.intermediate
@@ -99,7 +107,8 @@ def flops_per_token(shape: Shape) -> dict:
         "body_params": body,
         "head_params": head,
         "total_params": body + head,  # tied: the embedding table is the head
-        "flops_per_token": 6 * (body + head) + attention_scores,
+        # forward 2, backward 2 for the inputs' gradients and 2 for the weights' (none for frozen weights, LoRA)
+        "flops_per_token": (4 if lora else 6) * (body + head) + attention_scores,
     }
 
 
@@ -115,13 +124,19 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     is_cuda = device == "cuda"
     common = training_arguments(runner, spec)
     sft = dict(max_length=shape.seq, packing=spec["packing"])
+    peft_config = None
+    if spec.get("lora"):
+        import peft
+
+        peft_config = peft.LoraConfig(**LORA)
 
     base, _, variant = runner.partition(":")
     if base == "trl":
         import trl
 
         args = trl.SFTConfig(**common, **sft)
-        trainer = trl.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer)
+        trainer = trl.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 peft_config=peft_config)
     elif base == "hf":
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
         args = transformers.TrainingArguments(**common)
@@ -147,7 +162,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
         try:
             args = hfnative.SFTConfig(**common, **sft, **extra)
             trainer = hfnative.SFTTrainer(model=spec["model_dir"], args=args, train_dataset=dataset,
-                                          processing_class=tokenizer)
+                                          processing_class=tokenizer, peft_config=peft_config)
         except (TypeError, ValueError) as error:
             if variant:
                 raise Unavailable(f"{type(error).__name__}: {error}") from error
@@ -273,8 +288,9 @@ def describe_setup(cli, shape: Shape, flops: dict, data: dict, peak_gflops: floa
         f"{flops['total_params'] / 1e6:.2f}M parameters ({flops['body_params'] / 1e6:.2f}M in blocks)",
         f"training: {precision}, seq {shape.seq}, batch {shape.batch}, {shape.steps} steps ({shape.warmup} warm-up steps "
         f"not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, packing {cli.packing}, "
-        f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}, seed {cli.seed}; data: {data['rows']} rows, {data['tokens']:,} tokens",
-        f"FLOPs/token {flops['flops_per_token'] / 1e6:.1f}M = 6*(N_body + V*D) + 12*L*H*d_head*S; "
+        f"{'activation checkpointing' if cli.activation_checkpointing else 'no activation checkpointing'}, seed {cli.seed}; data: {data['rows']} rows, {data['tokens']:,} tokens"
+        + (f"; LoRA: peft.LoraConfig({', '.join(f'{k}={v!r}' for k, v in LORA.items())})" if cli.lora else ""),
+        f"FLOPs/token {flops['flops_per_token'] / 1e6:.1f}M = {4 if cli.lora else 6}*(N_body + V*D) + 12*L*H*d_head*S; "
         f"matmul peak {peak_gflops:,.1f} GFLOP/s ({'fp32 2048^3 mm' if cli.device == 'cpu' else 'bf16 8192^3 mm'})",
     ])
 
@@ -293,6 +309,8 @@ def parse_args(argv=None):
     parser.add_argument("--packing", action="store_true", help="variable-length documents packed to seq (no hf runner)")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activation checkpointing for every runner (TRL's default; the peak then sits at the optimizer step)")
+    parser.add_argument("--lora", action="store_true",
+                        help="LoRA adapters on every linear layer (bench_sft.LORA) for trl and ours; no hf runner")
     parser.add_argument("--peak_seconds", "--peak-seconds", type=float, default=2.0, help="matmul peak timing length")
     add_run_arguments(parser, timeout=3600, rounds=3, overrides=("seq", "batch", "steps", "warmup", "vocab"))
     return parser.parse_args(argv)
@@ -304,8 +322,9 @@ def runners_to_run(cli) -> tuple[list[str], list[dict], list[str]]:
     for name in cli.runners.split(","):
         if name not in BASE_RUNNERS:
             sys.exit(f"--runners: unknown runner {name!r}; use a subset of {','.join(BASE_RUNNERS)}")
-        if name == "hf" and cli.packing:
-            skipped.append({"runner": "hf", "status": "skipped", "note": "transformers' Trainer has no packing"})
+        if name == "hf" and (cli.packing or cli.lora):
+            note = "transformers' Trainer has no packing" if cli.packing else "transformers' Trainer takes no peft_config"
+            skipped.append({"runner": "hf", "status": "skipped", "note": note})
             order.append(name)
             continue
         if name != "ours":
@@ -336,8 +355,9 @@ def main() -> None:
     runners, skipped, order = runners_to_run(cli)
 
     with work_folder("bench_sft_", cli.keep) as work:
-        workload = prepare_workload(work, shape, cli, cli.device, cli.packing, checkpointing=cli.activation_checkpointing)
-        flops = flops_per_token(shape)
+        workload = prepare_workload(work, shape, cli, cli.device, cli.packing, checkpointing=cli.activation_checkpointing,
+                                    lora=cli.lora)
+        flops = flops_per_token(shape, cli.lora)
         if workload.parameters != flops["total_params"]:  # the FLOPs formula must count the model that trains
             sys.exit(f"FLOPs count {flops['total_params']:,} parameters, the model has {workload.parameters:,}")
         peak_gflops = measure_matmul_peak(cli.device, cli.peak_seconds)
@@ -350,7 +370,8 @@ def main() -> None:
 
         results = skipped + run_rounds(runners, workload, cli, __file__, shown)
         report, _ = summarize(results, order, flops, peak_gflops, cli.device)
-        title = f"## {datetime.date.today().isoformat()} — preset `{cli.preset}`, {cli.device}" + (", packing" if cli.packing else "")
+        title = (f"## {datetime.date.today().isoformat()} — preset `{cli.preset}`, {cli.device}"
+                 + (", packing" if cli.packing else "") + (", LoRA" if cli.lora else ""))
         finish(cli, setup, report, results, title, __file__)
 
 
