@@ -17,10 +17,12 @@
 #                  head-ac: bench_sft.py --activation_checkpointing, TRL vs hfnative eager and compiled, Qwen3-0.6B
 #                  head-gen: bench_generate.py, transformers' generate vs the native engine at batch 64 x 256 tokens
 #                  head-grpo: bench_grpo.py, GRPO seconds per step, hfnative vs TRL (use_vllm=False)
-#   step_more      the rest of the training step (STEP_MORE_BUDGET s, 400 by default; not run unless named)
+#   step_more      the rest of the training step (STEP_MORE_BUDGET s, 520 by default; not run unless named)
 #                  dpo: bench_dpo.py, TRL vs hfnative's DPO at the Qwen3-0.6B shape, profiles in .../dpo/
 #                  packed: bench_sft.py --packing, TRL vs hfnative on packed variable-length documents, eager and
 #                    compiled (torch_compile=True: varlen_attn inside each block's graph)
+#                  lora: bench_sft.py --lora --activation_checkpointing, TRL + peft vs hfnative training LoRA adapters
+#                    on every linear layer (r 16) with TRL's default checkpointing
 #   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
 #                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
@@ -54,7 +56,7 @@
 #   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 21 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
 #                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~6;
-#                                                         # then step_more ~7, rollout_more ~8, low_precision ~8)
+#                                                         # then step_more ~9, rollout_more ~8, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -270,11 +272,13 @@ if start_section headline "${HEADLINE_BUDGET:-520}"; then
   run_check head-grpo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" "${GRPO[@]}"
 fi
 
-if start_section step_more "${STEP_MORE_BUDGET:-400}"; then
+if start_section step_more "${STEP_MORE_BUDGET:-520}"; then
   run_check dpo 150 bench_verdict "$PYTHON" benchmarks/bench_dpo.py --device "$DEVICE" --rounds 1 \
     --profile_dir "$PROFILES/dpo" "${DPO_BENCH[@]}"
   run_check packed 220 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --packing \
     --runners trl,ours --ours_variants default,compile "${SFT_BENCH[@]}"
+  run_check lora 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --lora \
+    --activation_checkpointing --runners trl,ours "${SFT_BENCH[@]}"
 fi
 
 if start_section rollout "${ROLLOUT_BUDGET:-420}"; then
