@@ -283,20 +283,32 @@ def test_torchs_variable_length_attention_is_kept_as_attention():
     assert torch.ops.torch_attn._varlen_attn.default in ATTENTION
 
 
+def _tensor_bytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor))
+
+
 class _KeptBytes:
-    """The bytes of every result the forward kept."""
+    """The bytes of every result the forward kept (less those it let go again: ``_Keep.unread``)."""
 
     def __init__(self, monkeypatch):
-        self.bytes = 0
-        keep = selective_checkpoint._Keep.keep
+        self.bytes, self.let_go = 0, 0
+        keep, unread = selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread
 
         def recording(mode, func, out):
             keep(mode, func, out)
-            _, kept, _ = mode.kept[-1]
-            self.bytes += sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(kept)
-                              if isinstance(t, torch.Tensor))
+            self.bytes += _tensor_bytes(mode.kept[-1][1])
+
+        def letting_go(mode, addend):
+            before = [kept for _, kept, _ in mode.kept]
+            unread(mode, addend)
+            for was, (_, now, _) in zip(before, mode.kept):
+                if now is not was:
+                    self.bytes -= _tensor_bytes(was)
+                    self.let_go += 1
 
         monkeypatch.setattr(selective_checkpoint._Keep, "keep", recording)
+        monkeypatch.setattr(selective_checkpoint._Keep, "unread", letting_go)
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
@@ -345,21 +357,25 @@ def test_the_gpu_default_keeps_what_fits(tmp_path, monkeypatch, available, expec
     assert set(chosen) <= {expected} and (chosen or expected == "nothing"), chosen
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
-def test_the_kept_bytes_estimate_counts_lora_adapters(tmp_path, monkeypatch, bf16):
-    """A LoRA projection keeps its base matmul's result and both adapter factors' (the full-width one included)."""
+@pytest.mark.parametrize("bf16, weights", [(False, torch.float32), (True, torch.float32), (True, torch.bfloat16)],
+                         ids=["fp32", "bf16-autocast", "bf16-weights-bf16-autocast"])
+def test_the_kept_bytes_estimate_counts_lora_adapters(tmp_path, monkeypatch, bf16, weights):
+    """A LoRA projection keeps its adapter's rank-wide product and the sum its up-projection's matmul makes (not the base
+    product, that matmul's addend only)."""
     from hfnative.converters.peft import apply_lora
 
     save_hf_model("qwen3-gqa", tmp_path)
-    converted = load_pretrained(tmp_path)
-    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    converted = load_pretrained(tmp_path, dtype=weights)
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))  # float32 adapters, as peft makes
     model = apply_activation_checkpointing(converted.model.train(), "full", keep="attention_and_projections")
     ids, _ = _batch(model.args.vocab_size, padded=False)
     counted = _KeptBytes(monkeypatch)
     _loss_and_grads(model, ids, None, bf16)
     estimate = ids.numel() * sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections",
-                                                                           2 if bf16 else 4) for block in model.layers)
+                                                                           2 if bf16 else 4, autocast=bf16)
+                                 for block in model.layers)
     assert counted.bytes == estimate
+    assert counted.let_go == 3 * len(model.layers)  # the query, value and gate projections' base products
 
 
 def test_dora_projections_leave_the_default_keeping_the_attention(tmp_path):

@@ -327,9 +327,10 @@ class Transformer(nn.Module):
         blocks = [self.layers[i] for i in sorted(self.checkpointed_layers) if i < len(self.layers)]
         gradients = sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad and p.grad is None)
         inputs = len(blocks) * local.numel() * local.element_size()
-        element_size = (autocast_dtype(local.device.type) or local.dtype).itemsize
+        compute_dtype = autocast_dtype(local.device.type)
+        element_size = (compute_dtype or local.dtype).itemsize
         return affordable_keep(blocks, local.numel() // local.shape[-1], element_size,
-                               max(available - gradients - inputs, 0))
+                               max(available - gradients - inputs, 0), autocast=compute_dtype is not None)
 
     @under_weights_autocast  # a frozen model kept in the autocast dtype (hfnative.models.compute_dtype)
     def forward(

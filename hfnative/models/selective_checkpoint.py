@@ -18,8 +18,9 @@ calls the matmuls' and attention kernels' results are kept in forward and handed
 running them again; everything else in the block is recomputed: the norms, the rotary
 embedding, the activation, the key, output and up projections (3 of a block's 7 matmuls, as torchtitan's "every
 second matmul" rule), a MoE block's experts. The down projection's result is not kept: the recompute stops once
-backward has what it reads (the down projection's input) and would never read it. A LoRA projection keeps its base
-and adapter matmuls' results alike.
+backward has what it reads (the down projection's input) and would never read it. A LoRA projection keeps its
+adapter's rank-wide product and the ``addmm`` that adds the up-projection to its base product; the base product, that
+matmul's addend only, is not kept (the recompute is handed the sum back and never reads it: ``_Unread``).
 
 Only the ops inside those calls pass through a dispatch mode (a Python call each, about 10 us on a host). Torch's
 selective-checkpoint contexts pass every op of the forward and of the recompute through one, with a Python policy:
@@ -106,12 +107,31 @@ class _KeptResults(TorchDispatchMode):
         """Called as the block's forward (or a recompute) starts."""
 
 
+class _Unread:
+    """In place of a kept result that the recompute hands on to no op it runs (the addend of a kept ``addmm``, which
+    the recompute is handed back too): its layout, for an uninitialized tensor of it there."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.shape, self.stride = tensor.shape, tensor.stride()
+        self.dtype, self.device = tensor.dtype, tensor.device
+
+    def tensor(self) -> torch.Tensor:
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
 class _Keep(_KeptResults):
-    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order."""
+    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order. Inside a call
+    whose module reads a product only as the addend of a later ``addmm`` (``addends_unread``: a LoRA layer, whose base
+    product is the sum's addend), that product is not kept: the recompute is handed the ``addmm``'s result back and
+    never reads the addend."""
+
+    addends_from: int | None = None  # the index in ``kept`` where such a call's results start (None: outside one)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in KEPT_OPS:
+            if func is aten.addmm.default and self.addends_from is not None:
+                self.unread(args[0])
             self.keep(func, out)
         return out
 
@@ -119,6 +139,15 @@ class _Keep(_KeptResults):
         """``out``, the result of ``func`` (an op of ``KEPT_OPS``, or ``_KeptProduct``), kept for the recompute."""
         kept = out.detach() if type(out) is torch.Tensor else tree_map(_detached, out)
         self.kept.append((func, kept, _versions(kept)))
+
+    def unread(self, addend: torch.Tensor) -> None:
+        """The result kept in this call that is ``addend`` (the same memory and layout), if any, kept as its layout."""
+        for index in range(len(self.kept) - 1, self.addends_from - 1, -1):
+            func, kept, _ = self.kept[index]
+            if (type(kept) is torch.Tensor and kept.data_ptr() == addend.data_ptr()
+                    and kept.shape == addend.shape and kept.stride() == addend.stride()):
+                self.kept[index] = (func, _Unread(kept), [])
+                return
 
 
 class _Replay(_KeptResults):
@@ -153,12 +182,14 @@ class _Replay(_KeptResults):
             )
         self.kept[self.next] = None  # handed back: the recomputed graph holds it now
         self.next += 1
-        return kept
+        return kept.tensor() if type(kept) is _Unread else kept
 
 
 def _versions(value) -> list[int]:
     if type(value) is torch.Tensor:
         return [value._version]
+    if type(value) is _Unread:
+        return []
     return [t._version for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -191,24 +222,31 @@ def selective_checkpoint_context(keep: str):
     return _RunningUnder(_Keep(kept, kinds)), _RunningUnder(_Replay(kept, kinds))
 
 
-def _projection_bytes(module, element_size: int) -> int | None:
-    """What a kept projection's matmuls leave a token: a linear layer's output; a LoRA layer's base and adapter
-    outputs (the full-width one and the rank-wide one); None for a DoRA layer (it also keeps weight-sized products,
-    whatever the token count). Widths are the layers' whole ones: under tensor parallelism a rank keeps its share of
-    heads or columns over the whole sequence, which its tokens (a sequence shard) times the whole width gives."""
+def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
+    """What a kept projection's matmuls leave a token: a linear layer's output; a LoRA layer's adapter product (rank
+    wide) and its output, where the layer sums into its up-projection's matmul (``LoraLinear.forward``: under
+    ``autocast``, or with the base weight in the adapter's dtype; its base product is then that matmul's addend,
+    not kept), else its base product and up-projection's output too; None for a DoRA layer (it also keeps
+    weight-sized products, whatever the token count). Widths are the layers' whole ones: under tensor parallelism a
+    rank keeps its share of heads or columns over the whole sequence, which its tokens (a sequence shard) times the
+    whole width gives."""
     if getattr(module, "lora_magnitude_vector", None) is not None:
         return None
     lora_B = getattr(module, "lora_B", None)
-    rank_wide = 0 if lora_B is None else module.out_features + lora_B.shape[1]
-    return (module.out_features + rank_wide) * element_size
+    if lora_B is None:
+        return module.out_features * element_size
+    summed_in_matmul = type(module.weight).__name__ != "NF4Tensor" and (
+        autocast or module.weight.dtype == module.lora_A.dtype)
+    full_width = 1 if summed_in_matmul else 2
+    return (full_width * module.out_features + lora_B.shape[1]) * element_size
 
 
-def kept_bytes_per_token(block, keep: str, element_size: int) -> int | None:
+def kept_bytes_per_token(block, keep: str, element_size: int, autocast: bool = False) -> int | None:
     """What a checkpointed decoder block (``hfnative.models.decoder.TransformerBlock``) keeps a token for ``keep``
     beyond full checkpointing's input: the attention's output in the compute dtype (``element_size`` bytes an entry)
     with its float32 log-sum-exp a head (nothing with attention sinks, whose attention is explicit ops); the query,
-    value and gate projections' results (``_projection_bytes``), or a MoE block's router logits. None where that is
-    not a count per token (a DoRA projection)."""
+    value and gate projections' results (``_projection_bytes``; ``autocast``: the forward runs under autocast), or a
+    MoE block's router logits. None where that is not a count per token (a DoRA projection)."""
     kinds = CHECKPOINT_KEEPS[keep]
     attention = block.attention
     total = 0
@@ -219,7 +257,7 @@ def kept_bytes_per_token(block, keep: str, element_size: int) -> int | None:
         projections = [attention.wq, attention.wv,
                        block.feed_forward.w1 if block.feed_forward is not None else block.moe.router]
         for module in projections:
-            size = _projection_bytes(module, element_size)
+            size = _projection_bytes(module, element_size, autocast)
             if size is None:
                 return None
             total += size
@@ -229,7 +267,8 @@ def kept_bytes_per_token(block, keep: str, element_size: int) -> int | None:
 DEFAULT_KEEPS = ("attention_and_projections", "attention", "nothing")  # the default's choices, most kept first
 
 
-def affordable_keep(blocks: list, tokens: int, element_size: int, available_bytes: int | None) -> str:
+def affordable_keep(blocks: list, tokens: int, element_size: int, available_bytes: int | None,
+                    autocast: bool = False) -> str:
     """The device policy's default keep under activation checkpointing for a forward of ``tokens`` tokens through
     the checkpointed ``blocks``: the first of ``DEFAULT_KEEPS`` whose kept results take at most half of
     ``available_bytes`` (the device memory left once what the step will still allocate anyway is set aside: the
@@ -239,7 +278,7 @@ def affordable_keep(blocks: list, tokens: int, element_size: int, available_byte
     if available_bytes is None:
         return DEFAULT_KEEPS[0]
     for keep in DEFAULT_KEEPS[:-1]:
-        sizes = [kept_bytes_per_token(block, keep, element_size) for block in blocks]
+        sizes = [kept_bytes_per_token(block, keep, element_size, autocast) for block in blocks]
         if None not in sizes and tokens * sum(sizes) <= available_bytes // 2:
             return keep
     return DEFAULT_KEEPS[-1]
@@ -306,6 +345,13 @@ def kept_in_checkpoint(kind: str, fn, *args):
     if kind == "projection" and (mode.replays(_KeptProduct) if isinstance(mode, _Replay)
                                  else _plain_projection(fn, args)):
         return _kept_product(mode, fn.weight, args[0])
+    if isinstance(mode, _Keep) and getattr(fn, "product_addend_unread", False):
+        mode.addends_from = len(mode.kept)
+        try:
+            with mode:
+                return fn(*args)
+        finally:
+            mode.addends_from = None
     with mode:
         return fn(*args)
 

@@ -115,6 +115,13 @@ class LoraLinear(FrozenLinear):
         lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
 
+    @property
+    def product_addend_unread(self) -> bool:
+        """Whether ``forward`` reads its base product only as the addend of its last ``addmm`` (a LoRA layer, not
+        DoRA): a selectively checkpointed block keeps that ``addmm``'s result and not the addend, which its recompute,
+        handed the result back, never reads (``hfnative.models.selective_checkpoint``)."""
+        return self.adapter_enabled and self.lora_magnitude_vector is None
+
     # --- folding back ---------------------------------------------------------------------------
 
     @torch.no_grad()
