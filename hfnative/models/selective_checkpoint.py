@@ -120,10 +120,10 @@ class _Unread:
 
 
 class _Keep(_KeptResults):
-    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order. Inside a call
-    whose module reads a product only as the addend of a later ``addmm`` (``addends_unread``: a LoRA layer, whose base
-    product is the sum's addend), that product is not kept: the recompute is handed the ``addmm``'s result back and
-    never reads the addend."""
+    """Forward: runs each op and keeps the results of the matmuls and attention kernels, in order. Inside the call of
+    a module that reads a product only as the addend of a later ``addmm`` (its ``product_addend_unread``: a LoRA
+    layer, whose base product is the sum's addend), that product is not kept: the recompute is handed the ``addmm``'s
+    result back and never reads the addend."""
 
     addends_from: int | None = None  # the index in ``kept`` where such a call's results start (None: outside one)
 
