@@ -15,7 +15,7 @@ Runners, each on the same blocks (Qwen3-0.6B's width: hidden 1,024, 16 query and
 Each op is counted by a dispatch mode: views and allocations launch no kernel and are not counted; a Triton launch
 counts once with the bytes of its tensor arguments. With ``--checkpointing`` every block is checkpointed (the GPU
 policy's selective checkpointing; transformers' full checkpointing, TRL's default). With ``--lora`` every linear layer
-of the blocks carries a LoRA adapter (``LORA``: peft's ``get_peft_model`` on transformers' model, hfnative's
+of the blocks carries a LoRA adapter (``harness.LORA``: peft's ``get_peft_model`` on transformers' model, hfnative's
 ``apply_lora`` on ours) and only the adapters train; ``--weights bf16`` loads the frozen weights in bf16, as a Hub
 checkpoint stored in bf16 loads (the adapters stay float32, as peft makes them). "kept MB" is what a forward
 leaves allocated for its backward (the activations, a step's memory beyond the weights and optimizer), per block
@@ -96,9 +96,6 @@ class _CountedLaunch:
         return counted
 
 
-LORA = dict(r=16, lora_alpha=32, target_modules="all-linear")
-
-
 def _shape_config(cli):
     from transformers import Qwen3Config
 
@@ -127,7 +124,7 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--checkpointing", action="store_true", help="every block checkpointed")
     parser.add_argument("--lora", action="store_true",
-                        help="LoRA adapters on every linear layer (LORA), the rest frozen")
+                        help="LoRA adapters on every linear layer (harness.LORA), the rest frozen")
     parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32", help="the dtype the weights load in")
     parser.add_argument("--top", type=int, default=8, help="the most frequent other kernels of each runner")
     parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
@@ -151,10 +148,11 @@ def main(argv=None) -> None:
         reference = reference.to(dtype)
     if cli.lora:
         import peft
+        from harness import LORA
 
         from hfnative.converters.peft import apply_lora
 
-        reference = peft.get_peft_model(reference, peft.LoraConfig(task_type="CAUSAL_LM", **LORA))
+        reference = peft.get_peft_model(reference, peft.LoraConfig(**LORA))
         apply_lora(converted, LORA)
     native = converted.model
     reference.train()

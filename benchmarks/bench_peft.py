@@ -32,6 +32,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402  (benchmarks/ is not a package)
+    LORA,
     PRESETS,
     Shape,
     Unavailable,
@@ -59,7 +60,6 @@ PEFT_PRESETS = {
     # 24.6M embedding + 12 x 6.29M blocks = 100.1M parameters
     "100m": dataclasses.replace(PRESETS["100m"], batch=4, seq=256, steps=6, warmup=2),
 }
-LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype="float32")
 
 

@@ -10,7 +10,7 @@ final and per-step losses side by side, and MFU against a matmul peak measured o
     python benchmarks/bench_sft.py --device cuda --packing --write-results
     python benchmarks/bench_sft.py --preset smoke_depth28 --lora --activation_checkpointing --runners trl,ours
 
---lora trains LoRA adapters on every linear layer (the same peft.LoraConfig for TRL and hfnative, ``LORA``) instead
+--lora trains LoRA adapters on every linear layer (the same peft.LoraConfig for TRL and hfnative, harness.LORA) instead
 of the whole model; transformers' Trainer is skipped.
 
 FLOPs per trained token (PaLM appendix B convention, causal masking not discounted):
@@ -41,6 +41,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402  (benchmarks/ is not a package)
+    LORA,
     PRESETS,
     Shape,
     Unavailable,
@@ -67,8 +68,6 @@ BASE_RUNNERS = ("trl", "hf", "ours")
 # torch_kernels: the GPU policy without its Triton kernels (hfnative/models/triton_kernels.py), to see what they pay;
 # keep_attention / keep_nothing: with --activation_checkpointing, TRL's gradient_checkpointing_kwargs={"selective":
 # True / False} (checkpointed blocks keep the attention's output / nothing), against the device policy's choice
-# --lora: the LoRA every runner trains (TRL gets it as SFTTrainer(peft_config=...), hfnative the same object)
-LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
 OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels", "keep_attention",
                  "keep_nothing")
 
@@ -310,7 +309,7 @@ def parse_args(argv=None):
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activation checkpointing for every runner (TRL's default; the peak then sits at the optimizer step)")
     parser.add_argument("--lora", action="store_true",
-                        help="LoRA adapters on every linear layer (bench_sft.LORA) for trl and ours; no hf runner")
+                        help="LoRA adapters on every linear layer (harness.LORA) for trl and ours; no hf runner")
     parser.add_argument("--peak_seconds", "--peak-seconds", type=float, default=2.0, help="matmul peak timing length")
     add_run_arguments(parser, timeout=3600, rounds=3, overrides=("seq", "batch", "steps", "warmup", "vocab"))
     return parser.parse_args(argv)

@@ -68,6 +68,9 @@ class Shape:
     warmup: int
 
 
+# the LoRA every LoRA runner trains, TRL's (SFTTrainer(peft_config=peft.LoraConfig(**LORA))) and hfnative's alike
+LORA = dict(r=16, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+
 PRESETS = {
     "smoke": Shape(hidden=64, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024,
                    seq=64, batch=8, steps=5, warmup=2),

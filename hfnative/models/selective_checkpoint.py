@@ -224,9 +224,8 @@ def selective_checkpoint_context(keep: str):
 
 def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
     """What a kept projection's matmuls leave a token: a linear layer's output; a LoRA layer's adapter product (rank
-    wide) and its output, where the layer sums into its up-projection's matmul (``LoraLinear.forward``: under
-    ``autocast``, or with the base weight in the adapter's dtype; its base product is then that matmul's addend,
-    not kept), else its base product and up-projection's output too; None for a DoRA layer (it also keeps
+    wide) and its output, where the layer sums into its up-projection's matmul (``LoraLinear.sums_in_matmul``; its
+    base product is then that matmul's addend, not kept), else its base product and up-projection's output too; None for a DoRA layer (it also keeps
     weight-sized products, whatever the token count). Widths are the layers' whole ones: under tensor parallelism a
     rank keeps its share of heads or columns over the whole sequence, which its tokens (a sequence shard) times the
     whole width gives."""
@@ -235,9 +234,7 @@ def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
     lora_B = getattr(module, "lora_B", None)
     if lora_B is None:
         return module.out_features * element_size
-    summed_in_matmul = type(module.weight).__name__ != "NF4Tensor" and (
-        autocast or module.weight.dtype == module.lora_A.dtype)
-    full_width = 1 if summed_in_matmul else 2
+    full_width = 1 if module.sums_in_matmul(autocast) else 2
     return (full_width * module.out_features + lora_B.shape[1]) * element_size
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .quantize import FrozenLinear, dequantize
+from .quantize import FrozenLinear, dequantize, is_nf4
 
 
 class LoraLinear(FrozenLinear):
@@ -114,6 +114,14 @@ class LoraLinear(FrozenLinear):
         mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
         lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
+
+    def sums_in_matmul(self, autocast: bool) -> bool:
+        """Whether ``forward`` adds the update inside its up-projection's matmul (its base product that matmul's
+        addend), told before it runs, under ``autocast`` or not: a LoRA (not DoRA) layer over a plain (not NF4) base,
+        under autocast or with the base weight in the adapter's dtype (where the two products come out in one dtype;
+        an NF4 base's may too, which this does not count on)."""
+        return (self.adapter_enabled and self.lora_magnitude_vector is None and not is_nf4(self.weight)
+                and (autocast or self.weight.dtype == self.lora_A.dtype))
 
     @property
     def product_addend_unread(self) -> bool:
