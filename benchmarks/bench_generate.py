@@ -5,8 +5,9 @@ Every runner loads the same saved Qwen3-shaped model (harness.py's presets), com
 fixed number of new tokens (no EOS, so every row generates all of them), at each batch size (the first B prompts),
 each runner in its own child process, alternating over rounds. Printed per batch size and runner: generated tokens/s
 (batch x new tokens over the wall time of one whole ``generate`` call: prefill, decoding, sampling), the ratio to
-transformers, how many completions equal transformers' token for token; for the native runners the time of one
-decode step (a call of T new tokens minus one of 1 token, the prefill, over T - 1) beside the memory-bandwidth floor: the bytes a step
+transformers, how many completions equal transformers' token for token (and, in those that differ, the first token
+that does); for the native runners the time of one decode step (a call of T new tokens minus one of 1 token, the
+prefill, over T - 1) beside the memory-bandwidth floor: the bytes a step
 must read (every weight it multiplies by, and the KV cache of each row's tokens so far, averaged over the call) over
 the device's copy bandwidth measured in the same process.
 
@@ -274,6 +275,15 @@ def _same_as(runner: str, completions: list[list[int]], reference: list[list[int
     return f"{rows}/{len(reference)}"
 
 
+def _first_differences(completions: list[list[int]], reference: list[list[int]]) -> list[int]:
+    """For each completion that differs from its reference row, the index of the first token where they part."""
+    firsts = []
+    for made, ref in zip(completions, reference):
+        if made != ref:
+            firsts.append(next((i for i, (a, b) in enumerate(zip(made, ref)) if a != b), min(len(made), len(ref))))
+    return firsts
+
+
 def report_preset(preset: str, parameters: int, results: list[dict], runners: list[str], batches: list[int]) -> str:
     shape = PRESETS[preset]
     ok = {r: [x for x in results if x["runner"] == r and x["status"] == "ok"] for r in runners}
@@ -320,6 +330,13 @@ def report_preset(preset: str, parameters: int, results: list[dict], runners: li
                 f"{_same_as(runner, entries[0]['completions'], reference):>12}{step:>9}{floor:>10}"
                 f"{ratio_floor:>9}"
             )
+        parted = {runner: _first_differences(runs[0]["by_batch"][key]["completions"], reference)
+                  for runner, runs in ok.items() if runs and reference is not None and runner not in ("hf", "linear-floor")}
+        parted = {runner: firsts for runner, firsts in parted.items() if firsts}
+        if parted:  # greedy decoding in bf16 parts from transformers' at near-ties; where, says how near
+            lines.append("first token that differs from hf's, in the rows that differ: " + "; ".join(
+                f"{runner} median {statistics.median(firsts):g}, earliest {min(firsts)}"
+                for runner, firsts in parted.items()))
         made = next((x["by_batch"][key]["completions"] for runs in ok.values() for x in runs), None)
         if made and any(len(c) != len(made[0]) for c in made):
             lengths = sorted(map(len, made))

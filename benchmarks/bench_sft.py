@@ -225,6 +225,7 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
         )
     notes = sorted(run_notes(results) |
                    {f"{r['runner']}: {r['note'].splitlines()[-1]}" for r in results if r["status"] == "unavailable"})
+    lines += host_and_device_lines(results, runners)
 
     lines.append("")
     if "ours" in summary:
@@ -275,6 +276,23 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
     return "\n".join(lines), summary
 
 
+def host_and_device_lines(results: list[dict], runners: list[str]) -> list[str]:
+    """Per runner (CUDA runs), the median timed step split into the host's time to queue it and its wait for the device
+    at the step's end (harness._StepClock): a wait near zero means the device waited on the host."""
+    rows = []
+    for runner in runners:
+        ok = [r for r in results if r["runner"] == runner and r["status"] == "ok" and r.get("host_seconds")]
+        if ok:
+            host = statistics.median(x for r in ok for x in r["host_seconds"])
+            wait = statistics.median(x for r in ok for x in r["wait_seconds"])
+            rows.append(f"{runner:<28}{(host + wait) * 1e3:>9,.1f}{host * 1e3:>9,.1f}{wait * 1e3:>9,.1f}")
+    if not rows:
+        return []
+    return ["", "a timed step (median), ms: the host's time to queue it, then its wait for the device at the step's end "
+            "(a runner that reads a device value inside its step waits there instead)",
+            f"{'runner':<28}{'step':>9}{'host':>9}{'wait':>9}", *rows]
+
+
 def describe_setup(cli, shape: Shape, flops: dict, data: dict, peak_gflops: float, machine: dict) -> str:
     precision = "bf16 autocast, fp32 master weights" if cli.device == "cuda" else "fp32"
     return "\n".join([
@@ -291,7 +309,12 @@ def describe_setup(cli, shape: Shape, flops: dict, data: dict, peak_gflops: floa
         + (f"; LoRA: peft.LoraConfig({', '.join(f'{k}={v!r}' for k, v in LORA.items())})" if cli.lora else ""),
         f"FLOPs/token {flops['flops_per_token'] / 1e6:.1f}M = {4 if cli.lora else 6}*(N_body + V*D) + 12*L*H*d_head*S; "
         f"matmul peak {peak_gflops:,.1f} GFLOP/s ({'fp32 2048^3 mm' if cli.device == 'cpu' else 'bf16 8192^3 mm'})",
-    ])
+    ] + ([] if cli.lora else [
+        # what every runner holds whatever its activations (optimizer_in_backward: no whole set of gradients)
+        f"fixed state (fp32): weights {flops['total_params'] * 4 / 2**20:,.0f} MiB + gradients "
+        f"{flops['total_params'] * 4 / 2**20:,.0f} + AdamW's two moments {flops['total_params'] * 8 / 2**20:,.0f} = "
+        f"{flops['total_params'] * 16 / 2**20:,.0f} MiB; the rest of a peak is activations and buffers",
+    ]))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -306,6 +306,9 @@ def train_and_measure(trainer, shape: Shape, is_cuda: bool, watch_gradients: boo
         "timed_seconds": timed_seconds,
         "median_step_tokens_per_second": statistics.median(per_step_rates),  # robust to a preempted step
         "step_seconds": [b - a for a, b in zip(times, times[1:])],
+        # the timed steps' host queueing and device wait (CUDA only: _StepClock)
+        "host_seconds": clock.host_seconds[warmup:shape.steps] if len(clock.host_seconds) == len(times) else None,
+        "wait_seconds": clock.wait_seconds[warmup:shape.steps] if len(clock.wait_seconds) == len(times) else None,
         "peak_rss_mib": peak_rss_mib(),
         "peak_gpu_mib": torch.cuda.max_memory_allocated() / 2**20 if is_cuda else None,
         "peak_heap_mib": heap.peak_mib,
@@ -370,12 +373,21 @@ class _ProfiledStep(TrainerCallback):
 
 
 class _StepClock(TrainerCallback):
-    """Wall-clock time at the end of every optimizer step (after a device sync on CUDA)."""
+    """Wall-clock time at the end of every optimizer step (after a device sync on CUDA). With ``sync``, also how
+    long the host took to queue each step (its begin to its end, before the sync) and how long it then waited for
+    the device: a step that waits about nothing kept the device waiting on the host instead. A runner that reads a
+    device value inside its step waits there, not at the end, so its wait here is a lower bound."""
 
     def __init__(self, sync: bool, watch_gradients: bool = False):
         self.sync, self.watch_gradients = sync, watch_gradients
         self.step_end_times: list[float] = []
+        self.host_seconds: list[float] = []
+        self.wait_seconds: list[float] = []
+        self._began: float | None = None
         self.gradients_seen_before_step = False
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._began = time.perf_counter()
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         if self.watch_gradients and model is not None:
@@ -383,7 +395,11 @@ class _StepClock(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.sync:
+            queued = time.perf_counter()
             torch.cuda.synchronize()
+            if self._began is not None:
+                self.host_seconds.append(queued - self._began)
+                self.wait_seconds.append(time.perf_counter() - queued)
         self.step_end_times.append(time.perf_counter())
 
 
