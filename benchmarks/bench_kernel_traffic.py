@@ -20,6 +20,14 @@ of the blocks carries a LoRA adapter (``harness.LORA``: peft's ``get_peft_model`
 checkpoint stored in bf16 loads (the adapters stay float32, as peft makes them). "kept MB" is what a forward
 leaves allocated for its backward (the activations, a step's memory beyond the weights and optimizer), per block
 (the head's included), from glibc's allocation counters in a step run without the counting mode.
+
+``--decode``: instead of a training step, one greedy decode step of the native rollout engine (``ours:torch_kernels``
+and ``ours``; the kernels of a call of 12 new tokens minus those of a call of 4, over 8), batch ``--batch``: every
+kernel it launches (a CUDA graph replays them all; at batch 64 a GPU spends a few microseconds on each whatever its
+size, so their count, not their bytes, sets the step's time). ``--weights bf16``: a model loaded in bf16 (its norms and
+rotary tables too); ``fp32``: fp32 weights decoded under bf16 autocast, as the trainers' rollouts run.
+
+    TRITON_INTERPRET=1 PYTHONPATH=.triton-cpu python benchmarks/bench_kernel_traffic.py --decode --weights bf16 --batch 8
 """
 
 from __future__ import annotations
@@ -116,6 +124,60 @@ def _count(model_step, traffic_stack: list) -> Traffic:
     return traffic
 
 
+def traffic_stack_for_kernels() -> list:
+    """The stack of counting modes the Triton kernels' launches report to (each launch counts in the innermost)."""
+    from hfnative.models import triton_kernels
+
+    traffic_stack: list[Traffic] = []
+    kernels = triton_kernels._kernels()
+    if kernels is not None and not isinstance(kernels.rms_norm_forward, _CountedLaunch):  # count each launch
+        counted = kernels._replace(**{name: _CountedLaunch(getattr(kernels, name), name, traffic_stack)
+                                      for name in triton_kernels.KERNEL_NAMES})
+        triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
+    return traffic_stack
+
+
+def decode_main(cli, native, traffic_stack: list) -> None:
+    """``--decode``: the kernels of one decode step of ``NativeRolloutEngine``, with and without the Triton kernels."""
+    from hfnative.device_policy import use_device_policy
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+    from hfnative.models import triton_kernels
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, cli.vocab, (16 + 3 * row,), generator=generator).tolist() for row in range(cli.batch)]
+    short, long = 4, 12
+    runners = {"ours:torch_kernels": "0"}
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton_kernels.available():
+        runners["ours"] = "1"
+    else:
+        print("ours: skipped (Triton's kernels run on a CPU only under its interpreter: set TRITON_INTERPRET=1)")
+    autocast = cli.weights == "fp32"
+    print(f"# one greedy decode step of the native engine, {cli.layers} Qwen3-0.6B-wide blocks, batch {cli.batch}, "
+          f"vocab {cli.vocab}, {cli.weights} weights{', bf16 autocast' if autocast else ''} (the kernels of "
+          f"{long} new tokens minus those of {short}, over {long - short})")
+    print(f"{'runner':<20} {'kernels':>8} {'matmul':>7} {'attention':>10} {'other':>6} {'other MB':>9}")
+    for name, switch in [(n, s) for n, s in runners.items() if n in cli.runners.split(",")]:
+        os.environ[triton_kernels.ENV_SWITCH] = switch
+        engine = NativeRolloutEngine(native)
+
+        def generate(tokens: int, engine=engine):
+            with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                engine.generate(prompts, SamplingParams(max_new_tokens=tokens, do_sample=False))
+
+        counts = {tokens: _count(lambda tokens=tokens: generate(tokens), traffic_stack) for tokens in (short, long)}
+        step = {kind: (counts[long].kernels[kind] - counts[short].kernels[kind]) / (long - short)
+                for kind in ("matmul", "attention", "other")}
+        total = sum(step.values())
+        other_mb = (counts[long].bytes["other"] - counts[short].bytes["other"]) / (long - short) / 2**20
+        # (a block's share: the difference between runs with two --layers, over their difference)
+        print(f"{name:<20} {total:>8.0f} {step['matmul']:>7.0f} {step['attention']:>10.0f} {step['other']:>6.0f} "
+              f"{other_mb:>9.2f}")
+        names = counts[long].names - counts[short].names
+        top = ", ".join(f"{op} {count / (long - short):g}" for op, count in names.most_common(cli.top))
+        print(f"{name} most frequent other kernels a step: {top}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=2)
@@ -129,6 +191,7 @@ def main(argv=None) -> None:
     parser.add_argument("--top", type=int, default=8, help="the most frequent other kernels of each runner")
     parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
                         help="comma-separated from transformers, ours:torch_kernels, ours")
+    parser.add_argument("--decode", action="store_true", help="one decode step of the native engine (see above)")
     cli = parser.parse_args(argv)
     torch.manual_seed(0)
 
@@ -155,6 +218,8 @@ def main(argv=None) -> None:
         reference = peft.get_peft_model(reference, peft.LoraConfig(**LORA))
         apply_lora(converted, LORA)
     native = converted.model
+    if cli.decode:
+        return decode_main(cli, native, traffic_stack_for_kernels())
     reference.train()
     if cli.checkpointing:
         # as TRL turns it on (transformers 5.25 also names it activation_checkpointing_enable, with other keywords)
@@ -162,12 +227,8 @@ def main(argv=None) -> None:
         apply_activation_checkpointing(native, "full")
     input_ids = torch.randint(0, cli.vocab, (cli.batch, cli.seq))
 
-    traffic_stack: list[Traffic] = []
+    traffic_stack = traffic_stack_for_kernels()
     kernels = triton_kernels._kernels()
-    if kernels is not None:  # count each launch
-        counted = kernels._replace(**{name: _CountedLaunch(getattr(kernels, name), name, traffic_stack)
-                                      for name in triton_kernels.KERNEL_NAMES})
-        triton_kernels._kernels = lambda: counted  # noqa: E731 (this process only)
 
     def step(model, triton: bool = False):
         def run(kept: list | None = None):

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
-from hfnative.models.decoder import Transformer, TransformerBlock
-from hfnative.models.layers import Attention
+from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _residual_and_pre_norm
+from hfnative.models.layers import Attention, plain_linears
 
 from .kv_cache import KVCache
 
@@ -49,16 +49,19 @@ class DecoderTables:
         return cos_Nr[positions_BS], sin_Nr[positions_BS]
 
 
-def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, visible_B11L) -> torch.Tensor:
+def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: KVCache, layer_id: int) -> torch.Tensor:
     """One query per row against the layer's cache entries it may see. The G = H / K query heads that share a key/value
     head are its G queries (q [B, K, G, d]), so no kernel repeats the cache per query head (SDPA's GQA works only in
-    its flash and math kernels, and on a masked call the math kernel copies the whole cache G times)."""
+    its flash and math kernels, and on a masked call the math kernel copies the whole cache G times). SDPA takes the
+    cache's additive mask, made once a step (``KVCache.attention_bias``): the same weights as the boolean mask."""
     if attention.sinks is not None:
-        return _attend_with_sinks(q_BH1d, keys_BKLd, values_BKLd, visible_B11L, attention.sinks, attention.scale)
+        return _attend_with_sinks(q_BH1d, keys_BKLd, values_BKLd, cache.mask(layer_id), attention.sinks,
+                                  attention.scale)
     B, H, _, d = q_BH1d.shape
     K = keys_BKLd.shape[1]
     out_BKGd = F.scaled_dot_product_attention(
-        q_BH1d.reshape(B, K, H // K, d), keys_BKLd, values_BKLd, attn_mask=visible_B11L, scale=attention.scale,
+        q_BH1d.reshape(B, K, H // K, d), keys_BKLd, values_BKLd, attn_mask=cache.attention_bias(layer_id),
+        scale=attention.scale,
     )
     return out_BKGd.reshape(B, H, 1, d)
 
@@ -69,16 +72,23 @@ def _block_forward(
     """One block; ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
     attention = block.attention
     B, S, _ = x_BSD.shape
-    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(_norm_if(block.attention_norm, x_BSD), cos_sin)
+    # as ``TransformerBlock.forward``: each pre-norm's output made once for the plain linear layers reading it (in the
+    # autocast dtype under autocast, instead of a cast a layer), q and k handed to attention in that dtype
+    fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
+    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(_pre_norm(block.attention_norm, x_BSD, 3 if fan_out else None),
+                                                   cos_sin, for_autocast_attention=attention.sinks is None)
     if plan is not None:  # prefill: each prompt attends within itself
         cache.write_prompts(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)
     else:
         keys_BKLd, values_BKLd = cache.write(block.layer_id, k_BKSd, v_BKSd)
-        out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache.mask(block.layer_id))
+        out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache, block.layer_id)
     attn_out = attention.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
-    h = x_BSD + _norm_if(block.post_attention_norm, attn_out)
-    ffn_in = _norm_if(block.ffn_norm, h)
+    # the residual add and the MLP's pre-norm: one kernel where the Triton kernels run
+    mlp = block.feed_forward
+    fan_out = mlp is not None and not mlp._forward_pre_hooks and plain_linears(mlp.w1, mlp.w3)
+    h, ffn_in = _residual_and_pre_norm(block.ffn_norm, x_BSD, _norm_if(block.post_attention_norm, attn_out),
+                                       2 if fan_out else None)
     ffn_out = block.moe(ffn_in) if block.moe is not None else block.feed_forward(ffn_in)
     return h + _norm_if(block.post_ffn_norm, ffn_out)
 

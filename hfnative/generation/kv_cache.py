@@ -52,6 +52,7 @@ class KVCache:
         # per buffer length, set by ``start``: the entries this step's slots go to, and who sees what
         self.index: dict[int, torch.Tensor] = {}
         self.visible: dict[int, torch.Tensor] = {}
+        self.bias: dict[int, torch.Tensor] = {}  # ``visible`` as SDPA's additive mask (0, -inf) in the cache's dtype
         self.read_upto = num_slots  # full-length buffers: entries past this are empty and not read
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -67,6 +68,7 @@ class KVCache:
         # would compile each front's step twice)
         view.index = dict(self.index)
         view.visible = {n: visible[:rows] for n, visible in self.visible.items()}
+        view.bias = {n: bias[:rows] for n, bias in self.bias.items()}
         view.prompt_index, view.read_upto = {}, self.num_slots
         return view
 
@@ -91,7 +93,11 @@ class KVCache:
             entry_slot.index_copy_(0, index, kept)
             self.index[n] = index
             read = entry_slot if n != self.num_slots else entry_slot[: self.read_upto]
-            self.visible[n] = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            visible = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
+            self.visible[n] = visible
+            # made once a step for every layer of this length: SDPA would turn a boolean mask into this per call
+            self.bias[n] = torch.zeros(visible.shape, dtype=self.keys[0].dtype, device=visible.device).masked_fill_(
+                visible.logical_not(), float("-inf"))
 
     def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
         """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
@@ -124,3 +130,8 @@ class KVCache:
     def mask(self, layer_id: int) -> torch.Tensor:
         """Boolean [B, 1, 1, L]: which entries of the layer each row's query may attend to."""
         return self.visible[self.lengths[layer_id]]
+
+    def attention_bias(self, layer_id: int) -> torch.Tensor:
+        """``mask`` as an additive mask [B, 1, 1, L] in the cache's dtype: 0 where visible, -inf elsewhere (what SDPA
+        makes of a boolean mask, made once a step here instead of once a layer)."""
+        return self.bias[self.lengths[layer_id]]
