@@ -39,6 +39,7 @@ shapes, only under ``TRITON_INTERPRET=1`` with Triton importable).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import sys
 import tempfile
@@ -413,6 +414,27 @@ def _kernel_cases(device: torch.device):
                (randn(tokens, hidden, scale=4).to(dtype), randn(tokens, hidden).to(dtype)),
                TritonSiluGated.apply, gated_ops)
 
+    # a model loaded in bf16: the q/k norm's weight and the rotary tables in bf16 too; torch rotates in bf16, rounding
+    # each product and the sum, and so do the kernels (``ROUNDED``)
+    cos16, sin16 = cos.bfloat16(), sin.bfloat16()
+
+    def norm_rope16(x_BSHd, w):
+        return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos16, sin16).transpose(1, 2)
+
+    def norm_rope16_ops(x_BSHd, w):
+        return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos16, sin16)
+
+    def rope16(x_BSHd):
+        return TritonRope.apply(x_BSHd, cos16, sin16).transpose(1, 2)
+
+    def rope16_ops(x_BSHd):
+        return apply_rotary(x_BSHd.transpose(1, 2), cos16, sin16)
+
+    heads_bf16 = randn(4, tokens // 4, heads, head_dim, scale=3).bfloat16()
+    yield (f"q_norm + rope bf16 weights and tables [4, {tokens // 4}, {heads}, {head_dim}]",
+           (heads_bf16, (randn(head_dim, scale=0.3) + 1).bfloat16()), norm_rope16, norm_rope16_ops)
+    yield f"rope bf16 tables [4, {tokens // 4}, {heads}, {head_dim}]", (heads_bf16,), rope16, rope16_ops
+
     # a pre-norm's output for the query, key and value projections under bf16 autocast (``RMSNorm.for_linears``): one
     # bf16 output, a view for each layer and their gradients summed in the backward kernel, against the norm's float32
     # output that autocast casts for each layer (both with the Triton norm; the outputs concatenated)
@@ -488,6 +510,8 @@ def kernels(tally: Tally, device: torch.device) -> None:
     then each way's forward + backward time."""
     import os
 
+    from triton_interpreter import bf16_rounded_to_nearest
+
     from hfnative.models import triton_kernels
 
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -496,33 +520,40 @@ def kernels(tally: Tally, device: torch.device) -> None:
     if not triton_kernels.available():
         tally("SKIP", "triton kernels", "Triton cannot be imported here")
         return
-    for name, inputs, fused, reference in _kernel_cases(device):
-        runs = {}
-        for way, function in (("triton", fused), ("torch", reference)):
-            leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
-            out = function(*leaves)
-            grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
-            grads = torch.autograd.grad(out, leaves, grad_out)
+    # on a CPU, the interpreter's bf16 casts rounded as a GPU's are (it truncates them otherwise)
+    with bf16_rounded_to_nearest() if device.type != "cuda" else contextlib.nullcontext():
+        for name, inputs, fused, reference in _kernel_cases(device):
+            _check_kernel(tally, device, name, inputs, fused, reference)
 
-            def step(function=function, leaves=leaves, grad_out=grad_out):
-                torch.autograd.grad(function(*leaves), leaves, grad_out)
 
-            runs[way] = (out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1))
-        (out, grads, fused_ms), (want, want_grads, torch_ms) = runs["triton"], runs["torch"]
-        worst, differing, ok = 0.0, 0.0, True
-        for got, expected in zip((out, *grads), (want, *want_grads)):
-            ok &= got.dtype == expected.dtype and got.shape == expected.shape
-            error = (got.float() - expected.float()).abs().max().item()
-            scale = expected.float().abs().max().item()
-            if inputs[0].dtype == torch.float32 and "autocast" not in name:
-                ok &= torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * scale)
-            else:  # the interpreter truncates to bf16 where a GPU rounds: two steps there
-                ok &= error <= (2.0**-8 if device.type == "cuda" else 2.0**-6) * scale
-            worst = max(worst, error / max(scale, 1e-30))
-            differing = max(differing, (got != expected).float().mean().item())
-        tally.check(ok, f"triton {name}", f"max |diff| / scale {worst:.1e}, elements differing {differing:.1%}; "
-                                        f"fwd+bwd {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
-                                        f"(x{torch_ms / max(fused_ms, 1e-9):.2f})")
+def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, reference) -> None:
+    """One of ``_kernel_cases``: the kernel and the op sequence, their outputs, gradients and times."""
+    runs = {}
+    for way, function in (("triton", fused), ("torch", reference)):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
+        out = function(*leaves)
+        grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
+        grads = torch.autograd.grad(out, leaves, grad_out)
+
+        def step(function=function, leaves=leaves, grad_out=grad_out):
+            torch.autograd.grad(function(*leaves), leaves, grad_out)
+
+        runs[way] = (out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1))
+    (out, grads, fused_ms), (want, want_grads, torch_ms) = runs["triton"], runs["torch"]
+    worst, differing, ok = 0.0, 0.0, True
+    for got, expected in zip((out, *grads), (want, *want_grads)):
+        ok &= got.dtype == expected.dtype and got.shape == expected.shape
+        error = (got.float() - expected.float()).abs().max().item()
+        scale = expected.float().abs().max().item()
+        if inputs[0].dtype == torch.float32 and "autocast" not in name:
+            ok &= torch.allclose(got, expected, rtol=1e-5, atol=1e-6 * scale)
+        else:  # one bf16 step of the scale
+            ok &= error <= 2.0**-8 * scale
+        worst = max(worst, error / max(scale, 1e-30))
+        differing = max(differing, (got != expected).float().mean().item())
+    tally.check(ok, f"triton {name}", f"max |diff| / scale {worst:.1e}, elements differing {differing:.1%}; "
+                                    f"fwd+bwd {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
+                                    f"(x{torch_ms / max(fused_ms, 1e-9):.2f})")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -111,7 +111,8 @@ def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
     the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections; the rotated
-    q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it."""
+    q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
+    the rotations with bf16 tables (rounded as torch rotates in bf16)."""
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
                                                cross_entropy_rows)
 
@@ -139,6 +140,9 @@ def qwen3_launches(tokens: int = 8192) -> list:
                 TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos).sum().backward()
                 if x_dtype == torch.bfloat16:  # written in the attention's dtype under autocast
                     TritonRMSNorm.apply(q, q_w, 1e-6, None, cos, cos, torch.bfloat16).sum().backward()
+            else:  # bf16 weights: bf16 tables, the rotation rounded as torch's in bf16
+                TritonRMSNorm.apply(q, q_w, 1e-6, None, cos.bfloat16(), cos.bfloat16()).sum().backward()
+                TritonRope.apply(q, cos.bfloat16(), cos.bfloat16()).sum().backward()
             TritonRMSNorm.apply(q.transpose(1, 2), q_w, 1e-6, None).sum().backward()
             TritonRope.apply(q, cos, cos).sum().backward()  # Llama's heads, no norm before the rotation
             gate = torch.zeros(tokens, 3072, dtype=x_dtype, requires_grad=True)

@@ -6,7 +6,9 @@ check but the compile, which runs without it. Prints one JSON line: each check's
 
 The interpreter turns float32 into bfloat16 by dropping the low bits (a GPU rounds to nearest, as torch does), so
 the bf16 checks allow a few bf16 ulps of the tensor's scale; the fp32 checks allow float32 round-off (sums in another
-order). The GPU script's check compares the compiled kernels on CUDA more tightly.
+order). The checks of the rotations in bf16 (bf16 tables) run with the interpreter rounding as a GPU does
+(benchmarks/triton_interpreter.py) and compare with torch's rounding points to the bit. The GPU script's check
+compares the compiled kernels on CUDA more tightly.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import traceback
 
 import torch
 from hf_configs import make_hf_model
+from triton_interpreter import bf16_rounded_to_nearest
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.converters.loading import load_pretrained
@@ -257,6 +260,37 @@ def check_norm_rope():
     _close(out, want, True, "norm_rope written in bf16: output")
     for name, got, expected in zip(("x", "weight"), grads, want_grads):
         _close(got, expected, True, f"norm_rope written in bf16: grad {name}")
+    # a model whose weights are bf16 (the norm's weight and the tables too): torch rotates in bf16, rounding each
+    # product and the sum, and so does the kernel. The norm's sums run in another order (a 1-ulp difference now and
+    # then); a rotation in float32 rounded once would differ from torch's in far more elements than the share allowed
+    for float_offset in (None, 1.0):
+        heads, d, batch, seq = 2, 32, 2, 300
+        base = torch.randn(batch, seq, heads, d, generator=generator) * 3
+        angles = torch.randn(batch, seq, d // 2, generator=generator) * 3
+        cos, sin = (t.bfloat16() for t in (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()))
+        weight = (torch.randn(d, generator=generator) * 0.3 + (0 if float_offset == 1.0 else 1)).bfloat16()
+        grad_out = torch.randn(batch, heads, seq, d, generator=generator).bfloat16()
+        results = []
+        for fused in (True, False):
+            x, w = base.bfloat16().requires_grad_(), weight.clone().requires_grad_()
+            if fused:
+                assert norm_rope_supported(x, w, float_offset, cos, sin)
+                with bf16_rounded_to_nearest():
+                    out = TritonRMSNorm.apply(x, w, 1e-6, float_offset, cos, sin).transpose(1, 2)
+                    grads = torch.autograd.grad(out, (x, w), grad_out)
+                results.append((out, grads))
+                continue
+            else:
+                out = apply_rotary(layers._RMSNormFunction.apply(x.transpose(1, 2), w, 1e-6, float_offset), cos, sin)
+            results.append((out, torch.autograd.grad(out, (x, w), grad_out)))
+        (out, grads), (want, want_grads) = results
+        what = f"norm_rope, bf16 weights and tables, offset={float_offset}"
+        _close(out, want, True, what + ": output")
+        same = (out == want).float().mean().item()
+        assert same >= 0.97, f"{what}: {same:.1%} of the output equal to torch's bf16 rotation (>= 97% expected)"
+        for name, got, expected in zip(("x", "weight"), grads, want_grads):
+            _close(got, expected, True, f"{what}: grad {name}")
+    assert not norm_rope_supported(x.detach().half(), w, None, cos, sin), "fp16 heads with bf16 tables"
 
 
 def check_rope():
@@ -288,6 +322,31 @@ def check_rope():
         _close(out, want, bf16, what + " output")
         assert strides == want_strides, f"{what}: strides {strides}, the op sequence's {want_strides}"
         _close(grad, want_grad, bf16, what + " grad x")
+    # tables in the heads' dtype (a model whose weights are bf16): torch rotates in bf16, rounding each product and
+    # the sum; the kernel rounds at the same points, so both ways equal torch's to the bit
+    heads, d, batch, seq = 3, 32, 2, 300
+    base = torch.randn(batch, seq, heads, d, generator=generator) * 3
+    angles = torch.randn(batch, seq, d // 2, generator=generator) * 3
+    cos, sin = (t.bfloat16() for t in (torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()))
+    grad_out = torch.randn(batch, heads, seq, d, generator=generator).bfloat16()
+    results = []
+    for fused in (True, False):
+        x = base.bfloat16().requires_grad_()
+        if fused:
+            assert rope_supported(x, cos, sin)
+            with bf16_rounded_to_nearest():
+                out = TritonRope.apply(x, cos, sin).transpose(1, 2)
+                results.append((out, torch.autograd.grad(out, x, grad_out)[0]))
+            continue
+        else:
+            out = apply_rotary(x.transpose(1, 2), cos, sin)
+        results.append((out, torch.autograd.grad(out, x, grad_out)[0]))
+    (out, grad), (want, want_grad) = results
+    assert out.dtype == want.dtype == torch.bfloat16 and torch.equal(out, want), (
+        f"rope with bf16 tables: output max |diff| {(out.float() - want.float()).abs().max().item():.3g}")
+    assert torch.equal(grad, want_grad), (
+        f"rope with bf16 tables: grad max |diff| {(grad.float() - want_grad.float()).abs().max().item():.3g}")
+    assert not rope_supported(x.detach().half(), cos, sin), "fp16 heads with bf16 tables"
 
 
 def check_cross_entropy():
@@ -452,6 +511,37 @@ EXPECTED_LAUNCHES = {  # per forward of the 2-block models: RMSNorms, of them wi
 }
 
 
+def check_decoding_bf16_weights():
+    """The native engine's greedy decoding of a model loaded in bf16 (its norm weights and rotary tables bf16 too) under
+    the GPU policy: with the kernels (the q/k norms rotating in bf16 as torch does, the residual add with the MLP's
+    pre-norm) every family's completions and their log-probs equal the engine's without the kernels (torch's ops), and
+    the kernels run where expected: per decode step and block, the rotated q/k norms of Qwen3 (Llama's rotation
+    alone), and the MLP's pre-norm after the residual add."""
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+
+    prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
+    new_tokens = 6
+    for name, rotated, rotations in (("qwen3-gqa", 2 * 2, 0), ("llama-gqa", 0, 2 * 2)):
+        with tempfile.TemporaryDirectory() as directory:
+            make_hf_model(name).save_pretrained(directory)
+            model = load_pretrained(directory, dtype=torch.bfloat16).model
+        runs = {}
+        for triton in ("1", "0"):
+            os.environ[triton_kernels.ENV_SWITCH] = triton
+            with use_device_policy("gpu"), bf16_rounded_to_nearest(), _Launches() as launches:
+                out = NativeRolloutEngine(model).generate(
+                    prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
+            runs[triton] = (out, dict(launches.counts))
+        (out, counts), (want, _) = runs["1"], runs["0"]
+        assert out.completion_ids == want.completion_ids, f"decoding {name}: {out.completion_ids} vs {want.completion_ids}"
+        logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-2, msg=f"decoding {name}: log-probs")
+        calls = new_tokens  # the prefill and the decode steps: each runs every block once
+        assert counts["norm_rope"] == rotated * calls and counts["rope"] == rotations * calls, (name, counts)
+        assert counts["residual_norm"] == 2 * calls, (name, counts)
+
+
 def check_models():
     """A training step of each family under the GPU policy: the kernels run where expected, the logits equal
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
@@ -547,6 +637,8 @@ def check_compiles_for_sm90():
     kernels = {report["kernel"] for report in reports}
     assert kernels == set(triton_kernels.KERNEL_NAMES), kernels
     assert any(report["constexprs"].get("ROPE") for report in reports), "no rotated norm was compiled"
+    assert {report["kernel"] for report in reports if report["constexprs"].get("ROUNDED")} == {
+        "rms_norm_forward", "rms_norm_backward", "rope_forward"}, "the rotations with bf16 tables were not compiled"
     spilled = [report for report in reports if report["spill_bytes"]]
     assert not spilled, f"register spills: {spilled}"
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_DIR = ROOT / ".triton-cpu"
 TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
 INTERPRETED = ["rms_norm", "rms_norm_fanned_out", "residual_rms_norm", "norm_rope", "rope", "cross_entropy", "silu_gated",
-               "models", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
+               "models", "decoding_bf16_weights", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
 COMPILED = ["compiles_for_sm90"]  # Triton's compiler, without the interpreter: a cubin for sm_90, no GPU needed
 
 
@@ -55,7 +55,8 @@ def _run_worker(path: str, checks: list[str], interpret: bool) -> dict:
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), str(ROOT / "benchmarks"),
+                                                    env.get("PYTHONPATH", "")) if p)
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernels_worker.py"), *checks],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     lines = run.stdout.strip().splitlines()

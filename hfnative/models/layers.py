@@ -260,7 +260,9 @@ class Attention(nn.Module):
         triton = use_triton_kernels(x_BShd, *(() if norm is None else (norm.weight,)))
         if norm is not None and not self.qk_norm_over_projection:
             if triton and norm_rope_supported(x_BShd, norm.weight, norm.float_offset, cos, sin):
-                out_dtype = narrowing_autocast_dtype(x_BShd, torch.float32) if narrow else None
+                # a float32 rotation written narrow; tables in a narrow dtype rotate in it (the attention casts)
+                out_dtype = (narrowing_autocast_dtype(x_BShd, torch.float32)
+                             if narrow and cos.dtype == torch.float32 else None)
                 return TritonRMSNorm.apply(x_BShd, norm.weight, norm.eps, norm.float_offset, cos, sin,
                                            out_dtype).transpose(1, 2)
             return apply_rotary(norm(x_BShd.transpose(1, 2)), cos, sin)

@@ -8,9 +8,10 @@ import triton.language as tl
 @triton.jit
 def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
                      LLAMA: tl.constexpr, ROPE: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, ROUNDED: tl.constexpr = False):
     """The norm of H: of X itself (H is X), or with ADD of X + R, written to H (the residual stream's sum, rounded
-    to H's dtype before it is normed)."""
+    to H's dtype before it is normed). ROPE: the normed heads rotated, in float32, or with ROUNDED (tables in Y's
+    dtype) as torch rotates in that dtype: the normed heads, each product and the sum rounded to it."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     in_rows = rows < n_rows
@@ -38,9 +39,15 @@ def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, 
         else:
             y_partner = x_partner * rstd * (offset + w_partner)
         at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
-        cos = tl.load(COS + at_token, mask=mask, other=0.0)
-        sin = tl.load(SIN + at_token, mask=mask, other=0.0)
-        y = y * cos + tl.where((cols < half)[None, :], -y_partner, y_partner) * sin
+        cos = tl.load(COS + at_token, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(SIN + at_token, mask=mask, other=0.0).to(tl.float32)
+        if ROUNDED:
+            y = y.to(Y.dtype.element_ty).to(tl.float32)
+            y_partner = y_partner.to(Y.dtype.element_ty).to(tl.float32)
+            y = ((y * cos).to(Y.dtype.element_ty).to(tl.float32)
+                 + (tl.where((cols < half)[None, :], -y_partner, y_partner) * sin).to(Y.dtype.element_ty).to(tl.float32))
+        else:
+            y = y * cos + tl.where((cols < half)[None, :], -y_partner, y_partner) * sin
     tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -48,10 +55,11 @@ def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, 
 def rms_norm_backward(DY, DY2, DY3, DH, X, W, RSTD, COS, SIN, DX, DR, DW, n_rows, n_cols, heads, offset,
                       LLAMA: tl.constexpr, ROPE: tl.constexpr, GRADS: tl.constexpr, RESIDUAL: tl.constexpr,
                       UPDATE_GRAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
-                      WEIGHT_GRAD: tl.constexpr):
+                      WEIGHT_GRAD: tl.constexpr, ROUNDED: tl.constexpr = False):
     """The gradient of the norm's input X (from its output's GRADS gradients); with RESIDUAL plus DH, the residual
     stream's own gradient of X, added as autograd adds it (the norm's rounded to X's dtype first), and with
-    UPDATE_GRAD that sum also written to DR in DR's dtype (the residual update's gradient)."""
+    UPDATE_GRAD that sum also written to DR in DR's dtype (the residual update's gradient). ROPE with ROUNDED: the
+    rotation's transpose as autograd runs it in DY's dtype (each product's gradient and their sum rounded to it)."""
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
@@ -73,9 +81,14 @@ def rms_norm_backward(DY, DY2, DY3, DH, X, W, RSTD, COS, SIN, DX, DR, DW, n_rows
             at_token = (rows // heads)[:, None] * n_cols
             dy_partner = tl.load(DY + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0)
             sin_partner = tl.load(SIN + at_token + partner[None, :], mask=mask, other=0.0)
-            cos = tl.load(COS + at_token + cols[None, :], mask=mask, other=0.0)
-            dy_sin = dy_partner.to(tl.float32) * sin_partner
-            dy = dy * cos + tl.where((cols < half)[None, :], dy_sin, -dy_sin)
+            cos = tl.load(COS + at_token + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy_sin = dy_partner.to(tl.float32) * sin_partner.to(tl.float32)
+            if ROUNDED:
+                dy_sin = dy_sin.to(DY.dtype.element_ty).to(tl.float32)
+                dy = ((dy * cos).to(DY.dtype.element_ty).to(tl.float32)
+                      + tl.where((cols < half)[None, :], dy_sin, -dy_sin)).to(DY.dtype.element_ty).to(tl.float32)
+            else:
+                dy = dy * cos + tl.where((cols < half)[None, :], dy_sin, -dy_sin)
         rstd = tl.load(RSTD + rows, mask=in_rows, other=0.0)[:, None]
         normed = x * rstd
         if LLAMA:
@@ -135,15 +148,19 @@ def _rotation_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                 ROUNDED: tl.constexpr = False):
     rows, cols, mask, partner, first_half = _rotation_tile(n_rows, n_cols, ROWS, BLOCK)
     x = tl.load(X + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     x_partner = tl.load(X + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
-    cos = tl.load(COS + at_token, mask=mask, other=0.0)
-    sin = tl.load(SIN + at_token, mask=mask, other=0.0)
-    # x * cos + rotate_half(x) * sin in float32, cast to x's dtype once
-    y = x * cos + tl.where(first_half, -x_partner, x_partner) * sin
+    cos = tl.load(COS + at_token, mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + at_token, mask=mask, other=0.0).to(tl.float32)
+    if ROUNDED:  # tables in x's dtype: x * cos + rotate_half(x) * sin in that dtype, each product and the sum rounded
+        y = ((x * cos).to(Y.dtype.element_ty).to(tl.float32)
+             + (tl.where(first_half, -x_partner, x_partner) * sin).to(Y.dtype.element_ty).to(tl.float32))
+    else:  # x * cos + rotate_half(x) * sin in float32, cast to x's dtype once
+        y = x * cos + tl.where(first_half, -x_partner, x_partner) * sin
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -153,8 +170,8 @@ def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, B
     dy = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     dy_partner = tl.load(DY + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     at_token = (rows // heads)[:, None] * n_cols
-    cos = tl.load(COS + at_token + cols[None, :], mask=mask, other=0.0)
-    sin_partner = tl.load(SIN + at_token + partner[None, :], mask=mask, other=0.0)
+    cos = tl.load(COS + at_token + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sin_partner = tl.load(SIN + at_token + partner[None, :], mask=mask, other=0.0).to(tl.float32)
     # autograd's: each product's gradient cast to x's dtype, then their sum (the rotation's transpose on the second)
     through_cos = (dy * cos).to(DX.dtype.element_ty).to(tl.float32)
     through_sin = (dy_partner * sin_partner).to(DX.dtype.element_ty).to(tl.float32)

@@ -209,7 +209,7 @@ def _norm_forward(ctx, x, weight, eps: float, float_offset: float | None, cos, s
         flat_x, *((flat_x, flat_x) if update is None else (_flat(update), _flat(h))), weight, _flat(y), rstd,
         *((cos, sin) if rope else (rstd, rstd)), rows, dim, x.shape[-2] if rope else 1, eps, float_offset or 0.0,
         LLAMA=float_offset is None, ROPE=rope, ADD=update is not None, ROWS=tile_rows, BLOCK=block,
-        num_warps=_warps(block * tile_rows),
+        ROUNDED=_rotates_rounded(cos), num_warps=_warps(block * tile_rows),
     )
     ctx.save_for_backward(h, weight, rstd, cos, sin)
     ctx.float_offset = float_offset
@@ -248,7 +248,7 @@ def _norm_backward(ctx, grads, weight_grad: bool, residual_grad=None, update_dty
         rows, dim, x.shape[-2] if rope else 1, ctx.float_offset or 0.0,
         LLAMA=ctx.float_offset is None, ROPE=rope, GRADS=len(grads), RESIDUAL=residual,
         UPDATE_GRAD=grad_update is not None, ROWS=tile_rows, TILES=BACKWARD_TILES, BLOCK=block,
-        WEIGHT_GRAD=weight_grad, num_warps=_warps(block * tile_rows),
+        WEIGHT_GRAD=weight_grad, ROUNDED=_rotates_rounded(cos), num_warps=_warps(block * tile_rows),
     )
     grad_weight = partial.sum(0).to(weight.dtype) if weight_grad else None
     return grad_x, grad_weight, grad_x if grad_update is None else grad_update
@@ -314,20 +314,27 @@ class TritonResidualRMSNorm(torch.autograd.Function):
 
 def rope_supported(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
     """Whether the rotation of x [B, S, H, d] runs as one kernel: x contiguous, every channel rotated (cos, sin
-    [B, S, d], contiguous, float32, without gradients: ``apply_rotary`` then rotates in float32 and casts once)."""
+    [B, S, d], contiguous, without gradients, float32 (``apply_rotary`` then rotates in float32 and casts once) or
+    in x's dtype (it then rotates in that dtype, rounding each op: a model whose weights are bf16))."""
     B, S, _, d = x_BSHd.shape
     return (x_BSHd.dtype in _FLOATS and x_BSHd.is_contiguous() and d % 2 == 0 and x_BSHd.numel() > 0
-            and d <= MAX_NORM_DIM and _float32_tables(cos_BSd, sin_BSd, (B, S, d)))
+            and d <= MAX_NORM_DIM and _rotation_tables(cos_BSd, sin_BSd, (B, S, d), (torch.float32, x_BSHd.dtype)))
 
 
-def _float32_tables(cos, sin, shape) -> bool:
-    return all(t.shape == shape and t.dtype == torch.float32 and t.is_contiguous() and not t.requires_grad
-               and type(t) in _PLAIN for t in (cos, sin))
+def _rotation_tables(cos, sin, shape, dtypes) -> bool:
+    """cos and sin as the kernels read them: ``shape``, contiguous, plain, without gradients, of one of ``dtypes``."""
+    return all(t.shape == shape and t.dtype in dtypes and t.dtype == cos.dtype and t.is_contiguous()
+               and not t.requires_grad and type(t) in _PLAIN for t in (cos, sin))
+
+
+def _rotates_rounded(cos: torch.Tensor | None) -> bool:
+    """Whether a kernel rotates as torch does in a narrow dtype (tables in it), rounding each product and the sum."""
+    return cos is not None and cos.dtype != torch.float32
 
 
 class TritonRope(torch.autograd.Function):
-    """``rope.apply_rotary`` of x [B, S, H, d] (heads of the token at row // H) with float32 tables [B, S, d] as one
-    kernel each way; nothing kept for backward but the tables."""
+    """``rope.apply_rotary`` of x [B, S, H, d] (heads of the token at row // H) with tables [B, S, d] (float32, or in
+    x's dtype: ``rope_supported``) as one kernel each way; nothing kept for backward but the tables."""
 
     @staticmethod
     def forward(ctx, x, cos, sin):
@@ -336,7 +343,7 @@ class TritonRope(torch.autograd.Function):
         rows = x.numel() // x.shape[-1]
         _launch(
             "rope_forward", _cdiv(rows, tile_rows), x.device, x, y, cos, sin, rows, x.shape[-1], x.shape[-2],
-            ROWS=tile_rows, BLOCK=block, num_warps=_warps(block * tile_rows),
+            ROWS=tile_rows, BLOCK=block, ROUNDED=_rotates_rounded(cos), num_warps=_warps(block * tile_rows),
         )
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.x_dtype = x.shape[-2], x.dtype
@@ -361,12 +368,14 @@ class TritonRope(torch.autograd.Function):
 def norm_rope_supported(x_BSHd: torch.Tensor, weight: torch.Tensor, float_offset: float | None,
                         cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> bool:
     """Whether a per-head norm of x [B, S, H, d] and the rotation after it run as one kernel: x contiguous, every
-    channel rotated (cos, sin [B, S, d], contiguous, float32, without gradients), and the normed heads in float32 (the
-    rotation then runs in float32 as ``apply_rotary`` does)."""
+    channel rotated (cos, sin [B, S, d], contiguous, without gradients), and either the normed heads and the tables in
+    float32 (the rotation then runs in float32 as ``apply_rotary`` does) or both in one narrower dtype, x's (a model
+    whose weights are bf16: ``apply_rotary`` then rotates in that dtype, rounding each op, and so does the kernel)."""
     B, S, _, d = x_BSHd.shape
     out_dtype = torch.promote_types(x_BSHd.dtype, weight.dtype) if float_offset is None else x_BSHd.dtype
+    tables = (torch.float32,) if out_dtype == torch.float32 else (out_dtype,) if out_dtype == x_BSHd.dtype else ()
     return (rms_norm_supported(x_BSHd, weight) and x_BSHd.is_contiguous() and d % 2 == 0
-            and out_dtype == torch.float32 and _float32_tables(cos_BSd, sin_BSd, (B, S, d)))
+            and _rotation_tables(cos_BSd, sin_BSd, (B, S, d), tables))
 
 
 def _warps(elements: int) -> int:
