@@ -388,17 +388,23 @@ def _kernel_cases(device: torch.device):
     angles = randn(4, tokens // 4, head_dim // 2, scale=3)
     cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
 
-    def norm_rope(x_BSHd, w):
-        return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos, sin).transpose(1, 2)
+    def rotations(cos, sin):
+        """(norm + rotation kernel, its op sequence, rotation kernel, its op sequence) with these tables."""
+        def norm_rope(x_BSHd, w):
+            return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos, sin).transpose(1, 2)
 
-    def norm_rope_ops(x_BSHd, w):
-        return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos, sin)
+        def norm_rope_ops(x_BSHd, w):
+            return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos, sin)
 
-    def rope(x_BSHd):
-        return TritonRope.apply(x_BSHd, cos, sin).transpose(1, 2)
+        def rope(x_BSHd):
+            return TritonRope.apply(x_BSHd, cos, sin).transpose(1, 2)
 
-    def rope_ops(x_BSHd):
-        return apply_rotary(x_BSHd.transpose(1, 2), cos, sin)
+        def rope_ops(x_BSHd):
+            return apply_rotary(x_BSHd.transpose(1, 2), cos, sin)
+
+        return norm_rope, norm_rope_ops, rope, rope_ops
+
+    norm_rope, norm_rope_ops, rope, rope_ops = rotations(cos, sin)
 
     for dtype, label in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         hidden_states = randn(tokens, dim, scale=3).to(dtype)
@@ -416,19 +422,7 @@ def _kernel_cases(device: torch.device):
 
     # a model loaded in bf16: the q/k norm's weight and the rotary tables in bf16 too; torch rotates in bf16, rounding
     # each product and the sum, and so do the kernels (``ROUNDED``)
-    cos16, sin16 = cos.bfloat16(), sin.bfloat16()
-
-    def norm_rope16(x_BSHd, w):
-        return TritonRMSNorm.apply(x_BSHd, w, 1e-6, None, cos16, sin16).transpose(1, 2)
-
-    def norm_rope16_ops(x_BSHd, w):
-        return apply_rotary(layers._RMSNormFunction.apply(x_BSHd.transpose(1, 2), w, 1e-6, None), cos16, sin16)
-
-    def rope16(x_BSHd):
-        return TritonRope.apply(x_BSHd, cos16, sin16).transpose(1, 2)
-
-    def rope16_ops(x_BSHd):
-        return apply_rotary(x_BSHd.transpose(1, 2), cos16, sin16)
+    norm_rope16, norm_rope16_ops, rope16, rope16_ops = rotations(cos.bfloat16(), sin.bfloat16())
 
     heads_bf16 = randn(4, tokens // 4, heads, head_dim, scale=3).bfloat16()
     yield (f"q_norm + rope bf16 weights and tables [4, {tokens // 4}, {heads}, {head_dim}]",
