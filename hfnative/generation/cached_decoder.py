@@ -67,16 +67,24 @@ def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: K
 
 
 def _block_forward(
-    block: TransformerBlock, x_BSD: torch.Tensor, cos_sin, cache: KVCache, plan: AttentionPlan | None
-) -> torch.Tensor:
-    """One block; ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
+    block: TransformerBlock, x_BSD: torch.Tensor, update_BSD: torch.Tensor | None, cos_sin, cache: KVCache,
+    plan: AttentionPlan | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block on the residual stream ``x_BSD + update_BSD`` (the previous block's output, left unadded; None: x
+    alone); returns (h, its update): the block's output is their sum, which the next block adds inside its pre-norm's
+    kernel. ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
     attention = block.attention
     B, S, _ = x_BSD.shape
     # as ``TransformerBlock.forward``: each pre-norm's output made once for the plain linear layers reading it (in the
     # autocast dtype under autocast, instead of a cast a layer), q and k handed to attention in that dtype
     fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
-    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(_pre_norm(block.attention_norm, x_BSD, 3 if fan_out else None),
-                                                   cos_sin, for_autocast_attention=attention.sinks is None)
+    linears = 3 if fan_out else None
+    if update_BSD is None:
+        attention_in = _pre_norm(block.attention_norm, x_BSD, linears)
+    else:  # the previous block's residual add inside this pre-norm's kernel, where the Triton kernels run
+        x_BSD, attention_in = _residual_and_pre_norm(block.attention_norm, x_BSD, update_BSD, linears)
+    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(attention_in, cos_sin,
+                                                   for_autocast_attention=attention.sinks is None)
     if plan is not None:  # prefill: each prompt attends within itself
         cache.write_prompts(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)
@@ -90,7 +98,7 @@ def _block_forward(
     h, ffn_in = _residual_and_pre_norm(block.ffn_norm, x_BSD, _norm_if(block.post_attention_norm, attn_out),
                                        2 if fan_out else None)
     ffn_out = block.moe(ffn_in) if block.moe is not None else block.feed_forward(ffn_in)
-    return h + _norm_if(block.post_ffn_norm, ffn_out)
+    return h, _norm_if(block.post_ffn_norm, ffn_out)
 
 
 def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
@@ -101,9 +109,10 @@ def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Ten
         h = h * tables.embedding_scale
     cos_sin = tables.rope(positions_BS)
     local_cos_sin = tables.rope(positions_BS, local=True) if model.local_rope is not None else cos_sin
+    update = None
     for layer in model.layers:
-        h = _block_forward(layer, h, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
-    return h
+        h, update = _block_forward(layer, h, update, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
+    return h if update is None else h + update
 
 
 def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cache: KVCache,
