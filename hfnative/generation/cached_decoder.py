@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _residual_and_pre_norm
-from hfnative.models.layers import Attention, plain_linears
+from hfnative.models.layers import Attention
 
 from .kv_cache import KVCache
 
@@ -77,8 +77,7 @@ def _block_forward(
     B, S, _ = x_BSD.shape
     # as ``TransformerBlock.forward``: each pre-norm's output made once for the plain linear layers reading it (in the
     # autocast dtype under autocast, instead of a cast a layer), q and k handed to attention in that dtype
-    fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
-    linears = 3 if fan_out else None
+    linears = block.attention_input_linears()
     if update_BSD is None:
         attention_in = _pre_norm(block.attention_norm, x_BSD, linears)
     else:  # the previous block's residual add inside this pre-norm's kernel, where the Triton kernels run
@@ -93,10 +92,8 @@ def _block_forward(
         out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache, block.layer_id)
     attn_out = attention.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
     # the residual add and the MLP's pre-norm: one kernel where the Triton kernels run
-    mlp = block.feed_forward
-    fan_out = mlp is not None and not mlp._forward_pre_hooks and plain_linears(mlp.w1, mlp.w3)
     h, ffn_in = _residual_and_pre_norm(block.ffn_norm, x_BSD, _norm_if(block.post_attention_norm, attn_out),
-                                       2 if fan_out else None)
+                                       block.ffn_input_linears())
     ffn_out = block.moe(ffn_in) if block.moe is not None else block.feed_forward(ffn_in)
     return h, _norm_if(block.post_ffn_norm, ffn_out)
 

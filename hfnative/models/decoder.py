@@ -87,17 +87,27 @@ class TransformerBlock(nn.Module):
             self.moe = None
         self.post_ffn_norm = model_norm(args) if post_norms else None
 
-    def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
-        # the pre-norms' outputs, one for each plain linear projection reading them (the query, key and value; the
-        # gate and up); a sublayer with forward pre-hooks (tensor parallelism's sequence gather) takes one tensor
+    def attention_input_linears(self) -> int | None:
+        """How many plain linear projections read the attention's pre-norm output (the query, key and value), each
+        handed one of its own (``_pre_norm``); None where the attention takes one tensor (a LoRA or other non-plain
+        projection; forward pre-hooks, e.g. tensor parallelism's sequence gather)."""
         attention = self.attention
         fan_out = not attention._forward_pre_hooks and plain_linears(attention.wq, attention.wk, attention.wv)
-        attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD, 3 if fan_out else None), cos_sin, plan,
-                                  self.is_sliding)
+        return 3 if fan_out else None
+
+    def ffn_input_linears(self) -> int | None:
+        """``attention_input_linears`` for the MLP's pre-norm (the gate and up projections); None for a MoE block."""
         mlp = self.feed_forward
         fan_out = mlp is not None and not mlp._forward_pre_hooks and plain_linears(mlp.w1, mlp.w3)
+        return 2 if fan_out else None
+
+    def forward(self, x_BSD: torch.Tensor, cos_sin, plan: AttentionPlan, router_logits: list | None = None) -> torch.Tensor:
+        # the pre-norms' outputs, one for each plain linear projection reading them (the query, key and value; the
+        # gate and up)
+        attn_out = self.attention(_pre_norm(self.attention_norm, x_BSD, self.attention_input_linears()), cos_sin, plan,
+                                  self.is_sliding)
         h, ffn_in = _residual_and_pre_norm(self.ffn_norm, x_BSD, _norm_if(self.post_attention_norm, attn_out),
-                                           2 if fan_out else None)
+                                           self.ffn_input_linears())
         ffn_out = self.moe(ffn_in, router_logits) if self.moe is not None else self.feed_forward(ffn_in)
         return h + _norm_if(self.post_ffn_norm, ffn_out)
 
