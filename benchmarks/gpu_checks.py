@@ -478,6 +478,37 @@ def _kernel_cases(device: torch.device):
            (randn(4, tokens // 4, heads, head_dim, scale=3).bfloat16(), randn(head_dim, scale=0.3) + 1),
            norm_rope_for_attention, norm_rope_then_cast)
 
+    # a decode step's heads in one kernel (``decode_qkv``: Qwen3's q/k norms, the rotation, both cache writes) at batch
+    # 64 under bf16 autocast, against the training path's norm-and-rotation kernels and the cache's index_copy writes
+    # (no gradients: decoding); the query heads, and the cache entry written, concatenated
+    batch, kv_heads, slots = (64, 8, 320) if cuda else (4, 1, 12)
+    entry = torch.tensor([slots // 2], device=device)
+    angles_B1d = randn(batch, 1, head_dim, scale=3)
+
+    def decode(one_kernel: bool):
+        @torch.no_grad()
+        def run(xq, xk, xv, q_weight, k_weight):
+            keys = torch.zeros(batch, kv_heads, slots, head_dim, dtype=torch.bfloat16, device=device)
+            values = torch.zeros_like(keys)
+            cos_B1d, sin_B1d = angles_B1d.cos(), angles_B1d.sin()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                if one_kernel:
+                    q = triton_kernels.decode_qkv(xq, xk, xv, heads, (q_weight, k_weight), 1e-6, None, cos_B1d,
+                                                  sin_B1d, keys, values, entry)
+                else:
+                    q, k = (TritonRMSNorm.apply(x.view(batch, 1, -1, head_dim), w, 1e-6, None, cos_B1d, sin_B1d,
+                                                torch.bfloat16).transpose(1, 2) for x, w in ((xq, q_weight), (xk, k_weight)))
+                    keys.index_copy_(2, entry, k.to(keys.dtype))
+                    values.index_copy_(2, entry, xv.view(batch, 1, kv_heads, head_dim).transpose(1, 2).to(values.dtype))
+            return torch.cat([q.flatten(), keys[:, :, entry].flatten(), values[:, :, entry].flatten()])
+        return run
+
+    yield (f"decode_qkv bf16 autocast [{batch}, 1, {heads} + 2 x {kv_heads} heads of {head_dim}]",
+           (randn(batch, 1, heads * head_dim, scale=3).bfloat16(),
+            randn(batch, 1, kv_heads * head_dim, scale=3).bfloat16(), randn(batch, 1, kv_heads * head_dim).bfloat16(),
+            randn(head_dim, scale=0.3) + 1,
+            randn(head_dim, scale=0.3) + 1), decode(True), decode(False))
+
     # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
     # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)
     vocab = 151936 if cuda else 5000
@@ -527,10 +558,13 @@ def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, 
         leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
         out = function(*leaves)
         grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
-        grads = torch.autograd.grad(out, leaves, grad_out)
+        # (a forward without gradients, as decoding's: its output and time only)
+        grads = torch.autograd.grad(out, leaves, grad_out) if out.requires_grad else ()
 
-        def step(function=function, leaves=leaves, grad_out=grad_out):
-            torch.autograd.grad(function(*leaves), leaves, grad_out)
+        def step(function=function, leaves=leaves, grad_out=grad_out, backward=out.requires_grad):
+            out = function(*leaves)
+            if backward:
+                torch.autograd.grad(out, leaves, grad_out)
 
         runs[way] = (out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1))
     (out, grads, fused_ms), (want, want_grads, torch_ms) = runs["triton"], runs["torch"]
@@ -546,7 +580,7 @@ def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, 
         worst = max(worst, error / max(scale, 1e-30))
         differing = max(differing, (got != expected).float().mean().item())
     tally.check(ok, f"triton {name}", f"max |diff| / scale {worst:.1e}, elements differing {differing:.1%}; "
-                                    f"fwd+bwd {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
+                                    f"{'fwd+bwd' if grads else 'fwd'} {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
                                     f"(x{torch_ms / max(fused_ms, 1e-9):.2f})")
 
 

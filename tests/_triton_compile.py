@@ -112,9 +112,10 @@ def qwen3_launches(tokens: int = 8192) -> list:
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);
     the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections; the rotated
     q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
-    the rotations with bf16 tables (rounded as torch rotates in bf16)."""
+    the rotations with bf16 tables (rounded as torch rotates in bf16); a decode step's heads (``decode_qkv``) in
+    both."""
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
-                                               cross_entropy_rows)
+                                               cross_entropy_rows, decode_qkv)
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -153,6 +154,15 @@ def qwen3_launches(tokens: int = 8192) -> list:
             targets, valid = torch.zeros(883, dtype=torch.int64), torch.ones(883)
             cross_entropy_rows(logits, 1.0, targets, valid, torch.zeros(883, 151936, dtype=w_dtype))
             cross_entropy_rows(logits, 1.0, targets, valid, None)
+            # a decode step's heads at batch 64 (a 320-slot cache): Qwen3's normed ones written in bf16 (float32
+            # weights under autocast: float32 tables; bf16 weights: bf16 tables, rounded), Llama's rotated alone
+            cache = torch.zeros(64, 8, 320, 128, dtype=torch.bfloat16)
+            projection = torch.zeros(64, 1, 4096, dtype=torch.bfloat16)
+            q, k, v = projection[..., :2048], projection[..., 2048:3072], projection[..., 3072:]
+            tables = torch.zeros(64, 1, 128, dtype=torch.float32 if w_dtype == torch.float32 else torch.bfloat16)
+            entry = torch.zeros(1, dtype=torch.int64)
+            for weights in ((torch.ones(128, dtype=w_dtype),) * 2, None):
+                decode_qkv(q, k, v, 16, weights, 1e-6, None, tables, tables, cache, cache, entry)
 
     return recorded_launches(run)
 

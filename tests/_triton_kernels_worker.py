@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.converters.loading import load_pretrained
 from hfnative.device_policy import use_device_policy
+from hfnative.generation import cached_decoder
 from hfnative.models import layers, triton_kernels
 from hfnative.models.triton_kernels import TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated
 from hfnative.parallel import apply_compile
@@ -443,6 +444,17 @@ def check_silu_gated():
             _close(out, want_out, dtype == torch.bfloat16, what + " output")
             for name, got, want in zip(("gate", "up"), grads, want_grads):
                 _close(got, want, dtype == torch.bfloat16, f"{what} grad {name}")
+        # the two halves of one product [B, S, 2 x 600] (a decoded replica's stacked gate and up projections): read
+        # in place, rows 1,200 apart, the same values
+        product = (torch.randn(3, 5, 1200, generator=generator) * 4).to(dtype).requires_grad_()
+        gate, up = product.split(600, dim=-1)
+        out = TritonSiluGated.apply(gate, up)
+        (grad,) = torch.autograd.grad(out.sum(), product)
+        want_gate, want_up = (t.detach().contiguous().requires_grad_() for t in (gate, up))
+        want = layers._GatedActivation.apply(want_gate, want_up, "silu")
+        want_grad = torch.cat(torch.autograd.grad(want.sum(), (want_gate, want_up)), dim=-1)
+        _close(out, want, dtype == torch.bfloat16, f"silu_gated {dtype} on halves of one product")
+        _close(grad, want_grad, dtype == torch.bfloat16, f"silu_gated {dtype} on halves of one product: grad")
 
 
 class _Launches:
@@ -450,12 +462,12 @@ class _Launches:
 
     def __init__(self):
         self.counts = {"rms_norm": 0, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
-                       "cross_entropy": 0}
+                       "cross_entropy": 0, "decode_qkv": 0}
         self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply,
-                           triton_kernels.cross_entropy_rows, TritonResidualRMSNorm.apply)
+                           triton_kernels.cross_entropy_rows, TritonResidualRMSNorm.apply, cached_decoder.decode_qkv)
 
     def __enter__(self):
-        norm, gated, rope, cross_entropy, residual_norm = self._originals
+        norm, gated, rope, cross_entropy, residual_norm, decode = self._originals
 
         def counted(name, apply):
             def wrapper(*args):
@@ -472,11 +484,12 @@ class _Launches:
         TritonRope.apply = counted("rope", rope)
         triton_kernels.cross_entropy_rows = counted("cross_entropy", cross_entropy)
         TritonResidualRMSNorm.apply = counted("rms_norm", residual_norm)  # with the residual add before the norm
+        cached_decoder.decode_qkv = counted("decode_qkv", decode)
         return self
 
     def __exit__(self, *exc):
         (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply, triton_kernels.cross_entropy_rows,
-         TritonResidualRMSNorm.apply) = self._originals
+         TritonResidualRMSNorm.apply, cached_decoder.decode_qkv) = self._originals
 
 
 def _native(name, directory):
@@ -538,10 +551,52 @@ def check_decoding_bf16_weights():
         logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
         torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-2, msg=f"decoding {name}: log-probs")
         calls = new_tokens  # the prefill and the decode steps: each runs every block once
-        assert counts["norm_rope"] == rotated * calls and counts["rope"] == rotations * calls, (name, counts)
+        # the prefill rotates its q/k heads as training does; a decode step in one kernel a block (check decode_qkv)
+        assert counts["norm_rope"] == rotated and counts["rope"] == rotations, (name, counts)
+        assert counts["decode_qkv"] == 2 * (calls - 1), (name, counts)
         # the MLP's pre-norm in each of the 2 blocks and the second block's attention pre-norm (the first block's
         # output added inside it)
         assert counts["residual_norm"] == 3 * calls, (name, counts)
+
+
+def check_decode_qkv():
+    """A decode step's query, key and value heads in one kernel (``decode_qkv``: the q/k norms, the rotation and both
+    cache writes) give what the training path's kernels and the cache's writes give, to the bit: greedy completions
+    and their log-probs of the native engine with the kernel equal those with it left out (``decode_qkv_supported``
+    answering no), under the GPU policy with the interpreter rounding as a GPU does, for Qwen3's per-head norms
+    (float32 weights under bf16 autocast, as the trainers' rollouts; bf16 weights; float32), Llama's rotation alone and
+    Gemma 3's (1 + w) norms in bf16 with its sliding layers' ring caches. The kernel runs once a block and decode
+    step."""
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+
+    prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
+    new_tokens = 7
+    supported = cached_decoder.decode_qkv_supported
+    os.environ[triton_kernels.ENV_SWITCH] = "1"
+    cases = (("qwen3-gqa", torch.float32, True), ("qwen3-gqa", torch.bfloat16, False), ("qwen3-gqa", torch.float32,
+             False), ("llama-gqa", torch.float32, True), ("llama-gqa", torch.bfloat16, False),
+             ("gemma3-softcap-linear-untied", torch.bfloat16, False))
+    for name, dtype, autocast in cases:
+        with tempfile.TemporaryDirectory() as directory:
+            make_hf_model(name).save_pretrained(directory)
+            model = load_pretrained(directory, dtype=dtype).model
+        runs = {}
+        for one_kernel in (True, False):
+            cached_decoder.decode_qkv_supported = supported if one_kernel else (lambda *args: False)
+            try:
+                with (use_device_policy("gpu"), bf16_rounded_to_nearest(), _Launches() as launches,
+                      torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+                    out = NativeRolloutEngine(model).generate(
+                        prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
+            finally:
+                cached_decoder.decode_qkv_supported = supported
+            runs[one_kernel] = (out, launches.counts["decode_qkv"])
+        (out, launched), (want, _) = runs[True], runs[False]
+        what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}"
+        assert launched == len(model.layers) * (new_tokens - 1), f"{what}: decode_qkv ran {launched} times"
+        assert out.completion_ids == want.completion_ids, f"{what}: {out.completion_ids} vs {want.completion_ids}"
+        assert out.logprobs == want.logprobs, f"{what}: log-probs {out.logprobs} vs {want.logprobs}"
 
 
 def check_models():
@@ -558,7 +613,7 @@ def check_models():
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
             expected = {"rms_norm": norms, "norm_rope": rotated, "residual_norm": after_add, "rope": rotations,
-                        "silu_gated": gated, "cross_entropy": heads}
+                        "silu_gated": gated, "cross_entropy": heads, "decode_qkv": 0}
             assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
@@ -583,7 +638,7 @@ def check_bf16_autocast():
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
     assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "residual_norm": 2, "rope": 0, "silu_gated": 2,
-                               "cross_entropy": 1}, launches.counts
+                               "cross_entropy": 1, "decode_qkv": 0}, launches.counts
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
@@ -622,7 +677,7 @@ def check_compiled_blocks_leave_them_to_the_compiler():
             loss, _, grads = _step(model, input_ids, triton=True)
     # the final norm runs eagerly
     assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
-                               "cross_entropy": 1}, launches.counts
+                               "cross_entropy": 1, "decode_qkv": 0}, launches.counts
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")
@@ -640,7 +695,8 @@ def check_compiles_for_sm90():
     assert kernels == set(triton_kernels.KERNEL_NAMES), kernels
     assert any(report["constexprs"].get("ROPE") for report in reports), "no rotated norm was compiled"
     assert {report["kernel"] for report in reports if report["constexprs"].get("ROUNDED")} == {
-        "rms_norm_forward", "rms_norm_backward", "rope_forward"}, "the rotations with bf16 tables were not compiled"
+        "rms_norm_forward", "rms_norm_backward", "rope_forward", "decode_qkv"}, \
+        "the rotations with bf16 tables were not compiled"
     spilled = [report for report in reports if report["spill_bytes"]]
     assert not spilled, f"register spills: {spilled}"
 

@@ -15,9 +15,11 @@ from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.converters.loading import load_pretrained
+from hfnative.converters.peft import apply_lora
 from hfnative.generation import NativeRolloutEngine, SamplingParams
 from hfnative.generation.cached_decoder import decode_step
 from hfnative.generation.decode_loop import DecodeBatch
+from hfnative.models.compute_dtype import linear_weights
 
 PROMPT_LENGTHS = [3, 9, 6, 1]  # longer than the tiny sliding windows (4..6): the rings wrap while decoding
 
@@ -174,11 +176,23 @@ def test_compacted_rows_in_cuda_graphs_on_gpu():
             assert batch._fronts[4].runners and all(r.graph is not None for r in batch._fronts[4].runners.values())
 
 
+def _same_rollouts(ours, theirs, atol: float = 0.0) -> bool:
+    """The same completions and finish reasons, log-probs within ``atol``."""
+    return (ours.completion_ids == theirs.completion_ids and ours.finish_reason == theirs.finish_reason
+            and all(abs(a - b) <= atol for x, y in zip(ours.logprobs, theirs.logprobs) for a, b in zip(x, y)))
+
+
+# bf16 products of the same operands summed in another order (one matmul for the stacked query, key and value weights
+# instead of three): a few bf16 round-offs of a log-prob
+STACKED_MATMUL_ATOL = 5e-3
+
+
 def test_autocast_decodes_matmul_weights_copied_once_per_call():
     """fp32 weights under bf16 autocast (a trainer's bf16=True): the engine decodes a replica whose matmul weights are
-    bf16 copies, which gives exactly what autocast's own casts at every use give; each call copies the weights again
-    into the same tensors, so the rollouts after an optimizer step follow the new weights: torch's fused AdamW (the
-    default optimizer) moves no weight's version counter."""
+    bf16 copies, exactly what autocast's own casts at every use make (the rollouts equal those of the model cast at
+    every use, but for the stacked projections' round-off); each call copies the weights again into the same tensors,
+    so the rollouts after an optimizer step follow the new weights: torch's fused AdamW (the default optimizer) moves
+    no weight's version counter."""
     converted = load_pretrained(make_hf_model("llama-mha-tied-llama3"))  # tied head: the embedding stays fp32
     model, prompts = converted.model, _prompts()
     sampling = SamplingParams(max_new_tokens=10, seed=4)
@@ -186,13 +200,14 @@ def test_autocast_decodes_matmul_weights_copied_once_per_call():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         ours = engine.generate(prompts, sampling)
         replica = engine._weights.replica
-        assert replica.layers[0].attention.wq.weight.dtype == torch.bfloat16
+        for copy_, weight in zip(linear_weights(replica), linear_weights(model)):
+            assert copy_.dtype == torch.bfloat16 and torch.equal(copy_, weight.to(torch.bfloat16))
         assert replica.tok_embeddings.weight is model.tok_embeddings.weight
         assert replica.output.projection().dtype == torch.bfloat16
         cast_as_used = NativeRolloutEngine(converted)
         cast_as_used._weights.model_for = lambda model, dtype: model  # autocast casts every weight at every use
         theirs = cast_as_used.generate(prompts, sampling)
-        assert ours == theirs
+        assert _same_rollouts(ours, theirs, STACKED_MATMUL_ATOL)
 
     addresses = [copy.data_ptr() for _, copy in engine._weights.pairs]
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
@@ -203,7 +218,60 @@ def test_autocast_decodes_matmul_weights_copied_once_per_call():
         updated = engine.generate(prompts, sampling)
         assert engine._weights.replica is replica
         assert [copy.data_ptr() for _, copy in engine._weights.pairs] == addresses  # in place: a CUDA graph's
-        assert updated == cast_as_used.generate(prompts, sampling) and updated != ours
+        assert _same_rollouts(updated, cast_as_used.generate(prompts, sampling), STACKED_MATMUL_ATOL)
+        assert updated != ours
+
+
+def test_the_decoded_replica_stacks_the_projections_reading_one_input():
+    """Under autocast the replica's query, key and value weights (and the MLP's gate and up weights) are rows of one
+    bf16 tensor each, refreshed in place by every call, and a decode step multiplies each stack once: 4 matmuls a block
+    (stacked q/k/v, output, stacked gate/up, down) where the model runs 7. A LoRA projection keeps its own."""
+    converted = load_pretrained(make_hf_model("qwen3-gqa"))
+    model = converted.model
+    engine = NativeRolloutEngine(converted)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        replica = engine._weights.model_for(model, torch.bfloat16)
+    for layer, source in zip(replica.layers, model.layers):
+        for name, linears in (("attention", ("wq", "wk", "wv")), ("feed_forward", ("w1", "w3"))):
+            module, original = getattr(layer, name), getattr(source, name)
+            parts = module.fused_weight.split([getattr(module, n).out_features for n in linears])
+            for n, part in zip(linears, parts):
+                assert getattr(module, n).weight.data_ptr() == part.data_ptr()
+                assert torch.equal(part, getattr(original, n).weight.to(torch.bfloat16))
+    with torch.no_grad():  # an update reaches the stacked rows at the next call
+        model.layers[0].attention.wk.weight.add_(1.0)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert engine._weights.model_for(model, torch.bfloat16) is replica
+    wq, wk = model.layers[0].attention.wq, model.layers[0].attention.wk
+    assert torch.equal(replica.layers[0].attention.fused_weight[wq.out_features:][: wk.out_features],
+                       wk.weight.to(torch.bfloat16))
+
+    matmuls = _decode_step_matmuls(engine)
+    assert matmuls == 4 * len(model.layers) + 1, matmuls  # and the head's
+    lora = load_pretrained(make_hf_model("qwen3-gqa"))
+    apply_lora(lora, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]})
+    replica = NativeRolloutEngine(lora)._weights.model_for(lora.model, torch.bfloat16)
+    assert not hasattr(replica.layers[0].attention, "fused_weight") and hasattr(replica.layers[0].feed_forward,
+                                                                                "fused_weight")
+
+
+def _decode_step_matmuls(engine) -> int:
+    """The matmuls one greedy decode step runs under bf16 autocast (a call of 6 new tokens minus one of 5)."""
+    class Matmuls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+                Matmuls.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for tokens in (5, 6):
+        Matmuls.count = 0
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Matmuls():
+            engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=tokens, do_sample=False))
+        counts.append(Matmuls.count)
+    return counts[1] - counts[0]
 
 
 def test_trainers_compile_their_rollouts_with_torch_compile(tmp_path):

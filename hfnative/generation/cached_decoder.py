@@ -8,7 +8,9 @@ V vocabulary.
 call the block's submodules (norms, projections, q/k norms, MoE, feed-forward, head) as modules, so
 LoRA adapters and any later weight update are what runs; the layer order of operations mirrors
 ``TransformerBlock.forward`` and ``Attention.forward`` in hfnative/models (the parity tests in
-tests/test_generation.py hold the two together). RoPE's cos/sin are looked up in ``DecoderTables`` made once per cache
+tests/test_generation.py hold the two together); where a replica decoded under autocast stacked the weights of the
+projections reading one input (``compute_weights.FUSED``), those are one matmul, and a decode step's heads go into the
+cache through one Triton kernel (``decode_qkv``) where the kernels run. RoPE's cos/sin are looked up in ``DecoderTables`` made once per cache
 (the same values the model's rotary module computes per call), so a step computes no trigonometry.
 """
 
@@ -19,8 +21,10 @@ import torch.nn.functional as F
 
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _residual_and_pre_norm
-from hfnative.models.layers import Attention
+from hfnative.models.layers import Attention, FeedForward, gated_activation, narrowing_autocast_dtype
+from hfnative.models.triton_kernels import decode_qkv, decode_qkv_supported
 
+from .compute_weights import FUSED, fused_outputs
 from .kv_cache import KVCache
 
 
@@ -66,6 +70,30 @@ def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: K
     return out_BKGd.reshape(B, H, 1, d)
 
 
+def _step_heads(attention: Attention, projections: tuple[torch.Tensor, ...], cos_sin, cache: KVCache,
+                layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's rotated queries [B, H, 1, d] and the layer's cache as attention reads it, this step's keys and
+    values written in: where the Triton kernels run, one kernel (``decode_qkv``) for what ``Attention.heads`` and the
+    cache's writes do in four (the query's and the key's norm-and-rotation, a write each for keys and values), the
+    same values."""
+    keys_BKLd, values_BKLd = cache.keys[layer_id], cache.values[layer_id]
+    norms = attention.q_norm, attention.k_norm
+    per_head = norms[0] is not None and not attention.qk_norm_over_projection
+    if attention.sinks is None and (norms[0] is None or per_head):
+        weights = (norms[0].weight, norms[1].weight) if per_head else None
+        float_offset = norms[0].float_offset if per_head else None
+        xq, xk, xv = projections
+        narrow = narrowing_autocast_dtype(xq, torch.float32)
+        if (not per_head or (norms[0].eps, norms[0].float_offset) == (norms[1].eps, norms[1].float_offset)) and \
+                decode_qkv_supported(xq, xk, xv, attention.head_dim, weights, float_offset, *cos_sin, keys_BKLd,
+                                     values_BKLd, narrow):
+            q_BH1d = decode_qkv(xq, xk, xv, attention.n_heads, weights, norms[0].eps if per_head else 0.0, float_offset,
+                                *cos_sin, keys_BKLd, values_BKLd, cache.entries(layer_id))
+            return (q_BH1d, *cache.read(layer_id))
+    q_BHSd, k_BKSd, v_BKSd = attention.heads(*projections, cos_sin, for_autocast_attention=attention.sinks is None)
+    return (q_BHSd, *cache.write(layer_id, k_BKSd, v_BKSd))
+
+
 def _block_forward(
     block: TransformerBlock, x_BSD: torch.Tensor, update_BSD: torch.Tensor | None, cos_sin, cache: KVCache,
     plan: AttentionPlan | None,
@@ -82,20 +110,31 @@ def _block_forward(
         attention_in = _pre_norm(block.attention_norm, x_BSD, linears)
     else:  # the previous block's residual add inside this pre-norm's kernel, where the Triton kernels run
         x_BSD, attention_in = _residual_and_pre_norm(block.attention_norm, x_BSD, update_BSD, linears)
-    q_BHSd, k_BKSd, v_BKSd = attention.project_qkv(attention_in, cos_sin,
-                                                   for_autocast_attention=attention.sinks is None)
+    # (under autocast the replica's q, k and v weights are rows of one tensor: one matmul)
+    projections = (fused_outputs(attention, attention_in, (attention.wq, attention.wk, attention.wv))
+                   if hasattr(attention, FUSED) else attention.projections(attention_in))
     if plan is not None:  # prefill: each prompt attends within itself
+        q_BHSd, k_BKSd, v_BKSd = attention.heads(*projections, cos_sin, for_autocast_attention=attention.sinks is None)
         cache.write_prompts(block.layer_id, k_BKSd, v_BKSd)
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)
     else:
-        keys_BKLd, values_BKLd = cache.write(block.layer_id, k_BKSd, v_BKSd)
+        q_BHSd, keys_BKLd, values_BKLd = _step_heads(attention, projections, cos_sin, cache, block.layer_id)
         out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache, block.layer_id)
     attn_out = attention.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
     # the residual add and the MLP's pre-norm: one kernel where the Triton kernels run
     h, ffn_in = _residual_and_pre_norm(block.ffn_norm, x_BSD, _norm_if(block.post_attention_norm, attn_out),
                                        block.ffn_input_linears())
-    ffn_out = block.moe(ffn_in) if block.moe is not None else block.feed_forward(ffn_in)
+    ffn_out = block.moe(ffn_in) if block.moe is not None else _feed_forward(block.feed_forward, ffn_in)
     return h, _norm_if(block.post_ffn_norm, ffn_out)
+
+
+def _feed_forward(mlp: FeedForward, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``FeedForward.forward``; the gate and up projections in one matmul where the decoded replica stacked their
+    weights (``compute_weights.FUSED``), the gated unit reading the two halves of its product."""
+    if not hasattr(mlp, FUSED):
+        return mlp(x)
+    gate, up = fused_outputs(mlp, x, (mlp.w1, mlp.w3))
+    return mlp.w2(gated_activation(gate, up, mlp.activation))
 
 
 def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,

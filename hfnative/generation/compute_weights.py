@@ -4,11 +4,14 @@ Under autocast a model with fp32 (master) weights has every matmul weight cast t
 in a compiled decode step, at every token (reading 4 bytes a parameter and writing 2 before the matmul reads them),
 and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad).
 ``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's)
-are copies in the autocast dtype — what autocast's cast makes, so the logits are the same — and every other parameter
+are copies in the autocast dtype — what autocast's cast makes — and every other parameter
 and buffer shared with the model. The copies are refreshed in place at every call (one cast pass over the weights, not
 one a token), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
 replica. Every call, not when a weight's version counter moves: torch's fused AdamW (the default optimizer) and writes
 through ``.data`` change a weight without moving its counter, and rollouts after them would come from the old weights.
+The copies of a block's query, key and value weights are rows of one tensor, and so are those of its gate and up
+weights (``fused_projections``): the decoder multiplies each stack once, one matmul where the model runs three (two),
+at no memory cost over separate copies (the same bf16 operands; the products summed in another order).
 """
 
 from __future__ import annotations
@@ -29,6 +32,35 @@ def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
     if not model.output.is_tied:
         found.append(model.output.weight)
     return found
+
+
+FUSED = "fused_weight"  # a replica's attention or MLP: its input projections' weights as rows of one tensor
+
+
+def fused_projections(model: Transformer) -> list[tuple[str, tuple[nn.Linear, ...]]]:
+    """(module name, its linear layers) for each attention's query, key and value projections and each gated MLP's
+    gate and up projections: plain ``nn.Linear`` layers without a bias or hooks, which read one input (the pre-norm's
+    output), so one matmul over their weights stacked gives their three (two) outputs side by side."""
+    found = []
+    for index, layer in enumerate(model.layers):
+        for name, module, linears in (("attention", layer.attention, ("wq", "wk", "wv")),
+                                      ("feed_forward", layer.feed_forward, ("w1", "w3"))):
+            if module is None or module._forward_pre_hooks or module._forward_hooks:
+                continue
+            modules = tuple(getattr(module, n) for n in linears)
+            if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks)
+                   for m in modules):
+                found.append((f"layers.{index}.{name}", modules))
+    return found
+
+
+def fused_outputs(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...],
+                  linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of ``linears`` on x (or on the first of the views of it a pre-norm hands them) from the module's
+    ``FUSED`` weight in one matmul: slices of one product."""
+    x = x[0] if isinstance(x, tuple) else x
+    product = torch.nn.functional.linear(x, getattr(module, FUSED))
+    return product.split([linear.out_features for linear in linears], dim=-1)
 
 
 class DecodingWeights:
@@ -55,16 +87,30 @@ class DecodingWeights:
 
     def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype) -> None:
         """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype`` (one
-        already in ``dtype``, a frozen model's kept so, is shared too)."""
+        already in ``dtype``, a frozen model's kept so, is shared too). The copies of the projections that read one
+        input (``fused_projections``) are rows of one tensor, which the replica's module holds as ``FUSED`` and the
+        decoder multiplies once."""
         self.replica = None  # the old copies are freed before the new are made
         memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
         self.pairs = []
+        fused = {}
+        for name, linears in fused_projections(model):
+            if any(linear.weight.dtype == dtype for linear in linears):
+                continue
+            rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=dtype,
+                               device=linears[0].weight.device)
+            for linear, part in zip(linears, rows.split([linear.out_features for linear in linears])):
+                memo[id(linear.weight)] = nn.Parameter(part, requires_grad=False)
+                self.pairs.append((linear.weight, memo[id(linear.weight)]))
+            fused[name] = rows
         for weight in weights:
-            if weight.dtype == dtype:
+            if weight.dtype == dtype or id(weight) in memo and memo[id(weight)] is not weight:
                 continue
             memo[id(weight)] = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
             self.pairs.append((weight, memo[id(weight)]))
         replica = copy.deepcopy(model, memo)
+        for name, rows in fused.items():
+            setattr(replica.get_submodule(name), FUSED, rows)
         if model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps reading the table
             replica.output.untie()
             replica.output.weight = nn.Parameter(torch.empty_like(head, dtype=dtype), requires_grad=False)

@@ -118,12 +118,21 @@ class KVCache:
     def write(self, layer_id: int, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the keys and values of the slots ``start`` claimed (the same slots in every row);
         returns the layer's buffers [B, K, L, d] (full-length ones up to ``read_upto``)."""
-        n = self.lengths[layer_id]
-        index = self.index[n]
+        index = self.entries(layer_id)
         keys, values = self.keys[layer_id], self.values[layer_id]
         keys.index_copy_(2, index, k_BKSd[:, :, -index.shape[0]:].to(keys.dtype))
         values.index_copy_(2, index, v_BKSd[:, :, -index.shape[0]:].to(values.dtype))
-        if n == self.num_slots and self.read_upto < n:
+        return self.read(layer_id)
+
+    def entries(self, layer_id: int) -> torch.Tensor:
+        """The entries [S'] of the layer's buffers the slots ``start`` claimed go to (on the device)."""
+        return self.index[self.lengths[layer_id]]
+
+    def read(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's buffers [B, K, L, d] as attention reads them this step (full-length ones up to ``read_upto``),
+        once this step's keys and values are in them (``write``, or a kernel writing at ``entries``)."""
+        keys, values = self.keys[layer_id], self.values[layer_id]
+        if self.lengths[layer_id] == self.num_slots and self.read_upto < self.num_slots:
             return keys[:, :, : self.read_upto], values[:, :, : self.read_upto]
         return keys, values
 

@@ -235,16 +235,24 @@ class Attention(nn.Module):
         checkpointed block keeps the query and value projections (``hfnative.models.selective_checkpoint``).
         x_BSD: the input, or one for each projection (``RMSNorm.for_linears``). for_autocast_attention: the caller's
         attention casts q and k to the autocast dtype (``_rotated``)."""
+        return self.heads(*self.projections(x_BSD), cos_sin, for_autocast_attention)
+
+    def projections(self, x_BSD: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The query, key and value projections [B, S, heads * d] of x (or of one input each)."""
         x_q, x_k, x_v = x_BSD if isinstance(x_BSD, tuple) else (x_BSD,) * 3
-        xq = kept_in_checkpoint("projection", self.wq, x_q)
-        xk, xv = self.wk(x_k), kept_in_checkpoint("projection", self.wv, x_v)
+        return (kept_in_checkpoint("projection", self.wq, x_q), self.wk(x_k),
+                kept_in_checkpoint("projection", self.wv, x_v))
+
+    def heads(self, xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+              for_autocast_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``project_qkv``'s heads from the projections (``projections``)."""
         cos, sin = cos_sin
         narrow = for_autocast_attention
         q_BHSd = self._rotated(xq, self.n_heads, self.q_norm, cos, sin, narrow)
         keep_as_recomputed(q_BHSd, lambda: self._rotated(xq, self.n_heads, self.q_norm, cos, sin, narrow))
         k_BKSd = self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin, narrow)
         keep_as_recomputed(k_BKSd, lambda: self._rotated(xk, self.n_kv_heads, self.k_norm, cos, sin, narrow))
-        B, S, _ = x_q.shape
+        B, S, _ = xv.shape
         return q_BHSd, k_BKSd, xv.view(B, S, self.n_kv_heads, self.head_dim).transpose(1, 2)
 
     def _rotated(self, x_BSP, heads: int, norm: RMSNorm | None, cos, sin, narrow: bool = False) -> torch.Tensor:

@@ -111,11 +111,14 @@ def rms_norm_backward(DY, DY2, DY3, DH, X, W, RSTD, COS, SIN, DX, DR, DW, n_rows
 
 
 @triton.jit
-def silu_gated_forward(G, U, Y, n, BLOCK: tl.constexpr):
+def silu_gated_forward(G, U, Y, n, n_cols, g_stride, u_stride, BLOCK: tl.constexpr):
+    """Y = silu(G) * U over n elements, rows of n_cols: Y's contiguous, G's and U's rows g_stride and u_stride apart
+    (n_cols where contiguous; twice it for the two halves of one fused gate-and-up product)."""
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = at < n
-    g = tl.load(G + at, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + at, mask=mask, other=0.0).to(tl.float32)
+    row, col = at // n_cols, at % n_cols
+    g = tl.load(G + row * g_stride + col, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * u_stride + col, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(G.dtype.element_ty).to(tl.float32)  # F.silu, in the gate's dtype
     tl.store(Y + at, (silu * u).to(Y.dtype.element_ty), mask=mask)
 
@@ -177,6 +180,69 @@ def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, B
     through_sin = (dy_partner * sin_partner).to(DX.dtype.element_ty).to(tl.float32)
     dx = through_cos + tl.where(first_half, through_sin, -through_sin)
     tl.store(DX + rows[:, None] * n_cols + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _decode_head(X, W, COS, SIN, OUT, cols, mask, eps, offset, n_cols, NORM: tl.constexpr, LLAMA: tl.constexpr,
+                 ROUNDED: tl.constexpr):
+    """One head [1, BLOCK] of a decode step's query or key projection at X: normed by W (NORM, as
+    ``rms_norm_forward`` norms a row) and rotated by the token's tables, in float32, or with ROUNDED as torch rotates
+    in OUT's dtype; returned in float32 (the caller stores it in OUT's dtype)."""
+    half = n_cols // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    x = tl.load(X + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(X + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
+        w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        w_partner = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
+        if LLAMA:  # normed cast to the projection's dtype, then times the weight
+            x = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+            x_partner = (x_partner * rstd).to(X.dtype.element_ty).to(tl.float32) * w_partner
+        else:
+            x = x * rstd * (offset + w)
+            x_partner = x_partner * rstd * (offset + w_partner)
+    cos = tl.load(COS + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rotated_partner = tl.where((cols < half)[None, :], -x_partner, x_partner)
+    if ROUNDED:
+        if NORM:
+            x = x.to(OUT.dtype.element_ty).to(tl.float32)
+            rotated_partner = rotated_partner.to(OUT.dtype.element_ty).to(tl.float32)
+        return ((x * cos).to(OUT.dtype.element_ty).to(tl.float32)
+                + (rotated_partner * sin).to(OUT.dtype.element_ty).to(tl.float32))
+    return x * cos + rotated_partner * sin
+
+
+@triton.jit
+def decode_qkv(Q, K, V, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, ENTRY, q_stride, k_stride, v_stride, heads,
+               kv_heads, n_cols, cache_b, cache_h, cache_l, eps, offset, NORM: tl.constexpr, LLAMA: tl.constexpr,
+               ROUNDED: tl.constexpr, BLOCK: tl.constexpr):
+    """A decode step's query, key and value heads (one token a row, each projection's rows ``*_stride`` apart: three
+    projections or slices of one) in one launch, a head a program: the query heads normed and rotated into Q_OUT
+    [B, heads, d], the key heads normed and rotated into the key cache and the value heads copied into the value
+    cache, both at entry ENTRY (a device scalar) of [B, kv_heads, L, d] buffers with strides cache_b/h/l."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < n_cols)[None, :]
+    if head < heads:
+        y = _decode_head(Q + token * q_stride + head * n_cols, QW, COS + token * n_cols, SIN + token * n_cols, Q_OUT,
+                         cols, mask, eps, offset, n_cols, NORM, LLAMA, ROUNDED)
+        tl.store(Q_OUT + (token * heads + head) * n_cols + cols[None, :], y.to(Q_OUT.dtype.element_ty), mask=mask)
+    else:
+        entry = tl.load(ENTRY).to(tl.int64)
+        if head < heads + kv_heads:
+            kv_head = head - heads
+            y = _decode_head(K + token * k_stride + kv_head * n_cols, KW, COS + token * n_cols, SIN + token * n_cols,
+                             K_CACHE, cols, mask, eps, offset, n_cols, NORM, LLAMA, ROUNDED)
+            at = token * cache_b + kv_head * cache_h + entry * cache_l
+            tl.store(K_CACHE + at + cols[None, :], y.to(K_CACHE.dtype.element_ty), mask=mask)
+        else:
+            kv_head = head - heads - kv_heads
+            v = tl.load(V + token * v_stride + kv_head * n_cols + cols[None, :], mask=mask, other=0.0)
+            at = token * cache_b + kv_head * cache_h + entry * cache_l
+            tl.store(V_CACHE + at + cols[None, :], v.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
 @triton.jit

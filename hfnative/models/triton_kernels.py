@@ -66,7 +66,7 @@ def _interpreting() -> bool:
 
 
 KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
-                "silu_gated_backward", "cross_entropy_rows")
+                "silu_gated_backward", "cross_entropy_rows", "decode_qkv")
 Kernels = collections.namedtuple("Kernels", KERNEL_NAMES)
 
 
@@ -130,11 +130,13 @@ def _supported_gpu(index: int | None) -> bool:
     return works
 
 
-def _launch(name: str, programs: int, device: torch.device, *args, **constexprs) -> None:
-    """The kernel ``name`` over ``programs`` programs on ``device`` (Triton launches on the current CUDA device)."""
+def _launch(name: str, programs: int | tuple[int, int], device: torch.device, *args, **constexprs) -> None:
+    """The kernel ``name`` over ``programs`` programs (or a grid of them) on ``device`` (Triton launches on the current
+    CUDA device)."""
     kernel = getattr(_kernels(), name)
+    grid = programs if isinstance(programs, tuple) else (programs,)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel[(programs,)](*args, **constexprs)
+        kernel[grid](*args, **constexprs)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -391,28 +393,107 @@ def silu_gated_supported(gate: torch.Tensor, up: torch.Tensor) -> bool:
     return gate.dtype == up.dtype and gate.dtype in _FLOATS and gate.shape == up.shape and gate.numel() > 0
 
 
+def _strided_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as [rows, last dim] with each row contiguous and the rows one stride apart: a view where its layout
+    allows (a contiguous tensor, a slice of the last dimension), else a contiguous copy."""
+    rows = (tensor if tensor.stride(-1) == 1 else tensor.contiguous()).reshape(-1, tensor.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 class TritonSiluGated(torch.autograd.Function):
     """``silu(gate) * up`` (``layers._GatedActivation``) as two kernels: keeps gate and up for backward."""
 
     @staticmethod
     def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
+        n_cols = gate.shape[-1]
+        # rows of the last dimension, each contiguous: their stride is read by the kernel (slices of one fused
+        # gate-and-up product need no copy); anything else is copied contiguous
+        gate_rows, up_rows = (_strided_rows(t) for t in (gate, up))
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         n = gate.numel()
-        _launch("silu_gated_forward", _cdiv(n, _ELEMENTWISE_BLOCK), gate.device, gate, up, y, n,
-                BLOCK=_ELEMENTWISE_BLOCK)
+        _launch("silu_gated_forward", _cdiv(n, _ELEMENTWISE_BLOCK), gate.device, gate_rows, up_rows, y, n, n_cols,
+                gate_rows.stride(0), up_rows.stride(0), BLOCK=_ELEMENTWISE_BLOCK)
         ctx.save_for_backward(gate, up)
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        gate, up = ctx.saved_tensors
+        gate, up = (t.contiguous() for t in ctx.saved_tensors)
         grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         _launch("silu_gated_backward", _cdiv(n, _ELEMENTWISE_BLOCK), gate.device, grad_out.contiguous(), gate, up,
                 grad_gate, grad_up, n, BLOCK=_ELEMENTWISE_BLOCK)
         return grad_gate, grad_up
+
+
+def decode_qkv_written_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype | None, float_offset: float | None,
+                             tables_dtype: torch.dtype, narrow_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the training path's kernels write a decode step's rotated query and key heads in (``Attention._rotated``
+    with ``TritonRMSNorm`` or ``TritonRope``), or None where they do not rotate them (tables they do not take).
+    weight_dtype: the per-head norm's weight (None: no norm, the rotation alone); narrow_dtype: the autocast dtype an
+    attention casts the heads to (``narrowing_autocast_dtype``), None without autocast."""
+    if weight_dtype is None:  # ``rope_supported``: float32 tables, or in the heads' dtype; written in that dtype
+        return x_dtype if tables_dtype in (torch.float32, x_dtype) else None
+    normed = torch.promote_types(x_dtype, weight_dtype) if float_offset is None else x_dtype
+    if tables_dtype == torch.float32 and normed == torch.float32:  # ``norm_rope_supported``, narrowed for attention
+        return narrow_dtype or normed
+    return normed if tables_dtype == normed == x_dtype else None
+
+
+def decode_qkv_supported(q_BSP: torch.Tensor, k_BSP: torch.Tensor, v_BSP: torch.Tensor, head_dim: int,
+                         weights: tuple[torch.Tensor, torch.Tensor] | None, float_offset: float | None,
+                         cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, keys_BKLd: torch.Tensor,
+                         values_BKLd: torch.Tensor, narrow_dtype: torch.dtype | None) -> bool:
+    """Whether ``decode_qkv`` gives what the training path's kernels and the cache's writes give: one token a row
+    (S = 1), each projection's heads contiguous, the rotation's tables as those kernels take them, and the heads
+    written in the cache's dtype by one rounding where the training path rounds (written in it, or written in float32
+    and cast to it)."""
+    tensors = (q_BSP, k_BSP, v_BSP, cos_BSd, sin_BSd, keys_BKLd, values_BKLd, *(weights or ()))
+    if not use_triton_kernels(*tensors):
+        return False
+    B, S = q_BSP.shape[:2]
+    if S != 1 or k_BSP.dtype != q_BSP.dtype or q_BSP.dtype not in _FLOATS or head_dim % 2 or head_dim > MAX_NORM_DIM:
+        return False
+    if any(t.stride(-1) != 1 or t.shape[:2] != (B, 1) for t in (q_BSP, k_BSP, v_BSP)):
+        return False
+    if keys_BKLd.stride() != values_BKLd.stride() or keys_BKLd.stride(-1) != 1 or keys_BKLd.shape[0] != B:
+        return False
+    if weights is not None and not all(w.shape == (head_dim,) and w.is_contiguous() and w.dtype == weights[0].dtype
+                                       for w in weights):
+        return False
+    if not _rotation_tables(cos_BSd, sin_BSd, (B, 1, head_dim), _FLOATS):
+        return False
+    written = decode_qkv_written_dtype(q_BSP.dtype, None if weights is None else weights[0].dtype, float_offset,
+                                       cos_BSd.dtype, narrow_dtype)
+    cache_dtype = keys_BKLd.dtype
+    # (heads written in float32 reach attention through autocast's cast to its dtype, the cache's)
+    return written == cache_dtype or (written == torch.float32 and narrow_dtype == cache_dtype)
+
+
+def decode_qkv(q_BSP: torch.Tensor, k_BSP: torch.Tensor, v_BSP: torch.Tensor, heads: int,
+               weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float, float_offset: float | None,
+               cos_BSd: torch.Tensor, sin_BSd: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor,
+               entry_1: torch.Tensor) -> torch.Tensor:
+    """A decode step's heads in one kernel (``decode_qkv_supported``): the query heads of q [B, 1, heads * d] per-head
+    normed by ``weights[0]`` (None: no norm) and rotated, returned [B, heads, 1, d] in the cache's dtype; the key heads
+    (``weights[1]``) likewise, written into ``keys_BKLd`` at entry ``entry_1`` ([1], on the device); the value heads
+    copied into ``values_BKLd`` there. Where the training path runs a norm-and-rotation kernel a projection, then a
+    cache write each for keys and values: four launches."""
+    B = q_BSP.shape[0]
+    kv_heads, d = keys_BKLd.shape[1], keys_BKLd.shape[-1]
+    q_out = torch.empty(B, heads, 1, d, dtype=keys_BKLd.dtype, device=q_BSP.device)
+    block = 1 << (d - 1).bit_length()
+    norm = weights is not None
+    q_weight, k_weight = weights if norm else (cos_BSd, cos_BSd)
+    _launch(
+        "decode_qkv", (B, heads + 2 * kv_heads), q_BSP.device,
+        q_BSP, k_BSP, v_BSP, q_weight, k_weight, cos_BSd, sin_BSd, q_out, keys_BKLd, values_BKLd, entry_1,
+        q_BSP.stride(0), k_BSP.stride(0), v_BSP.stride(0), heads, kv_heads, d, *keys_BKLd.stride()[:3], eps,
+        float_offset or 0.0, NORM=norm, LLAMA=float_offset is None, ROUNDED=_rotates_rounded(cos_BSd), BLOCK=block,
+        num_warps=1 if block <= 256 else 4,
+    )
+    return q_out
 
 
 CROSS_ENTROPY_BLOCK = 2048  # vocabulary entries a cross-entropy program reads at once
@@ -443,4 +524,5 @@ def cross_entropy_supported(z_CV_dtype: torch.dtype, softcap: float | None) -> b
 
 __all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonResidualRMSNorm", "TritonRope", "TritonSiluGated", "available",
            "fanned_out", "norm_rope_supported", "residual_rms_norm_supported", "rms_norm_supported", "rope_supported",
-           "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows", "cross_entropy_supported"]
+           "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows", "cross_entropy_supported", "decode_qkv",
+           "decode_qkv_supported"]
