@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from hfnative.generation.native import READ_SLOT_MULTIPLE
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402  (benchmarks/ is not a package)
     CORPUS,
@@ -208,7 +210,10 @@ def copy_bandwidth(device: str) -> float:
 def bytes_per_step(model, prompts: list[list[int]], new_tokens: int, slot_multiple: int | None) -> dict:
     """Bytes a decode step must read, averaged over the steps of a call: every weight a step multiplies by (the
     embedding table only as a tied head; a lookup reads B rows), and the KV cache entries of each row's tokens so far.
-    ``static_cache``: what a step reading the whole cache of ``slot_multiple``-padded prompts reads instead."""
+    ``static_kv_cache``: what a step reading the whole cache of ``slot_multiple``-padded prompts reads instead (a
+    compiled step); ``bucketed_kv_cache``: what a captured step reads on average, the cache up to the next multiple of
+    ``READ_SLOT_MULTIPLE`` slots past the one it writes."""
+
     args = model.args
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     if not model.output.is_tied:
@@ -216,8 +221,11 @@ def bytes_per_step(model, prompts: list[list[int]], new_tokens: int, slot_multip
     per_entry = 2 * args.n_kv_heads * args.head_dim * model.tok_embeddings.weight.element_size() * len(model.layers)
     filled = sum(len(p) for p in prompts) + len(prompts) * (new_tokens - 1) / 2
     longest = max(map(len, prompts))
-    slots = (-(-longest // slot_multiple) * slot_multiple if slot_multiple else longest) + new_tokens
-    return {"weights": weights, "kv_cache": per_entry * filled, "static_kv_cache": per_entry * slots * len(prompts)}
+    prompt_slots = -(-longest // slot_multiple) * slot_multiple if slot_multiple else longest
+    slots = prompt_slots + new_tokens
+    read = [min(slots, -(-(prompt_slots + t) // READ_SLOT_MULTIPLE) * READ_SLOT_MULTIPLE) for t in range(1, new_tokens)]
+    return {"weights": weights, "kv_cache": per_entry * filled, "static_kv_cache": per_entry * slots * len(prompts),
+            "bucketed_kv_cache": per_entry * statistics.mean(read or [slots]) * len(prompts)}
 
 
 def _time_calls(run, prompts, new_tokens: int, repeats: int, device: str) -> tuple[list[float], list[list[int]]]:
@@ -351,7 +359,9 @@ def report_preset(preset: str, parameters: int, results: list[dict], runners: li
             lines.append(
                 f"floor: (weights {sizes['weights'] / 2**20:,.0f} MiB + KV cache {sizes['kv_cache'] / 2**20:,.1f} MiB "
                 f"a step, on average) / copy bandwidth {max(r['bandwidth'] for r in ok[runner]) / 1e9:,.0f} GB/s; "
-                f"a step reading the whole static cache reads {sizes['static_kv_cache'] / 2**20:,.1f} MiB of it"
+                f"a step reading the whole static cache (compiled) reads {sizes['static_kv_cache'] / 2**20:,.1f} MiB "
+                f"of it, a captured one ({READ_SLOT_MULTIPLE}-slot lengths) "
+                f"{sizes.get('bucketed_kv_cache', sizes['static_kv_cache']) / 2**20:,.1f} MiB on average"
             )
     notes = sorted({f"{x['runner']}: {n}" for x in results for n in x.get("notes", [])})
     return "\n".join(lines + [f"note: {n}" for n in notes])

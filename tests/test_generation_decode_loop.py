@@ -129,6 +129,31 @@ def test_compiled_step_matches_eager_and_transformers():
     assert sum(counters["graph_break"].values()) == breaks == 0, dict(counters["graph_break"])
 
 
+def test_captured_steps_read_the_cache_in_lengths(monkeypatch):
+    """A captured step (``bucketed_reads``, the default on CUDA without compile; run uncaptured here) reads the cache up
+    to the next multiple of READ_SLOT_MULTIPLE slots past the one it writes, a step (graph) per length: the tokens and
+    log-probs of the eager engine reading exactly the filled part, rows stopping early included."""
+    from hfnative.generation import native
+
+    monkeypatch.setattr(native, "READ_SLOT_MULTIPLE", 8)
+    converted = load_pretrained(make_hf_model("gemma3-alternating"))  # rings too: read whole, as before
+    eager = NativeRolloutEngine(converted, cuda_graph=False)
+    bucketed = NativeRolloutEngine(converted, cuda_graph=False)
+    bucketed.bucketed_reads = True
+    prompts = _prompts(seed=2)
+    for sampling in (SamplingParams(max_new_tokens=20, do_sample=False),
+                     SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, eos_token_id=5)):
+        ours, theirs = bucketed.generate(prompts, sampling), eager.generate(prompts, sampling)
+        assert ours.completion_ids == theirs.completion_ids and ours.finish_reason == theirs.finish_reason
+        diff = max(abs(a - b) for x, y in zip(ours.logprobs, theirs.logprobs) for a, b in zip(x, y))
+        assert diff <= 1e-5
+    [batch] = bucketed._batches.values()
+    assert batch.P == 64  # static shapes: prompts left-padded to 64 slots, 84 in all
+    # the read lengths of the steps made (on CUDA, each captured): the last argument each step is bound to
+    lengths = {runner.step.args[-1] for runner in batch.runners.values()}
+    assert lengths == {72, 80, 84}, lengths
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_step_matches_eager_on_gpu():
     """On a GPU the step (eager kernels by default, compiled with compile=True) is captured in a CUDA graph at its

@@ -177,7 +177,8 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, 
                 read_upto: int | None = None) -> torch.Tensor:
     """One new token per row at ``slot`` (a 0-d long tensor on the device, so a compiled step is reused at every
     slot); returns its logits [B, V]. read_upto: slot + 1 to read only the filled part of the cache
-    (eager), None to read all of it, masked (compiled: one shape)."""
+    (eager), more to read a fixed length past it, masked (a captured step's), None to read all of it, masked
+    (compiled: one shape)."""
     positions_B1 = (slot - cache.pad_B)[:, None]
     cache.start(slot.reshape(1), read_upto)
     h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None)

@@ -28,6 +28,10 @@ from .sampling import SamplingParams, call_row_keys
 # with static shapes (compile, CUDA graphs) prompts are left-padded to a multiple of this, so batches of similar lengths
 # share one compiled or captured decode step (its cache shape) instead of making one per prompt length
 COMPILE_SLOT_MULTIPLE = 64
+# a captured (uncompiled) step reads the cache up to the next multiple of this many slots past the last one written: a
+# graph per such length, so a step reads about the filled part of the cache, not all of it (at batch 64 x 256 new
+# tokens of Qwen3-0.6B the whole cache is two thirds of the bytes a step reads)
+READ_SLOT_MULTIPLE = 64
 # the batch shapes (rows, prompt slots, new tokens) whose buffers an engine keeps for its next calls
 MAX_BATCH_SHAPES = 4
 # the smallest front rows still going move to (a smaller batch would cost a GPU about as much a step)
@@ -60,7 +64,9 @@ class NativeRolloutEngine(RolloutEngine):
     graph per batch shape (rows, prompt slots, new tokens) and sampling kind, and replayed at every token: one launch
     a token, whatever the model's depth. compile: that step goes through ``torch.compile`` (fused kernels; the first
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
-    COMPILE_SLOT_MULTIPLE slots and the cache is read whole under its position mask. Prefill stays eager (packed, the
+    COMPILE_SLOT_MULTIPLE slots and the cache is read under its position mask: a compiled step reads it whole (one
+    shape, one compile), a captured one up to the next multiple of READ_SLOT_MULTIPLE slots past the last filled one
+    (``bucketed_reads``: a graph per read length, captured as the cache fills). Prefill stays eager (packed, the
     training attention kernels). max_batch_size: at most this many prompts decode together.
     compact (default on): once the rows still going fit in a power of two rows (at least SMALLEST_COMPACTED_BATCH) at
     most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only that
@@ -89,6 +95,8 @@ class NativeRolloutEngine(RolloutEngine):
             raise ValueError(f"cuda_graph=True: the model is on {device_type}, CUDA graphs need it on a CUDA device")
         self.model, self.compile, self.max_batch_size, self.compact = model, compile, max_batch_size, compact
         self.cuda_graph = device_type == "cuda" if cuda_graph is None else cuda_graph
+        # a captured step reads the cache in lengths of READ_SLOT_MULTIPLE slots (see above); a compiled one whole
+        self.bucketed_reads = self.cuda_graph and not compile
         self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
         self._weights = DecodingWeights()
 
@@ -152,24 +160,33 @@ class NativeRolloutEngine(RolloutEngine):
 
     @property
     def static_shapes(self) -> bool:
-        """Whether a step has one shape at every token (compiled or captured): prompts left-padded to a multiple of
-        COMPILE_SLOT_MULTIPLE slots, the whole cache read under its mask."""
-        return self.compile or self.cuda_graph
+        """Whether a step has static shapes (compiled or captured): prompts left-padded to a multiple of
+        COMPILE_SLOT_MULTIPLE slots, the cache read under its mask, whole or (``bucketed_reads``) in lengths of
+        READ_SLOT_MULTIPLE slots."""
+        return self.compile or self.cuda_graph or self.bucketed_reads
 
-    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams) -> StepRunner:
+    def _read_upto(self, batch: DecodeBatch, t: int) -> int | None:
+        """What the static-shape step choosing token t reads of the cache: up to the multiple of READ_SLOT_MULTIPLE
+        slots past the slot it writes (P + t - 1) with ``bucketed_reads``, else all of it (None)."""
+        if not self.bucketed_reads:
+            return None
+        return min(batch.P + batch.T, -(-(batch.P + t) // READ_SLOT_MULTIPLE) * READ_SLOT_MULTIPLE)
+
+    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams,
+                read_upto: int | None = None) -> StepRunner:
         """The step of ``batch`` for this sampling kind: eager reading the filled part of the cache, or (static
-        shapes) reading all of it, masked, compiled or not, and captured in a CUDA graph, which holds the parameters'
-        addresses."""
+        shapes) reading it up to ``read_upto`` (None: all of it), masked, compiled or not, and captured in a CUDA
+        graph, which holds the parameters' addresses."""
         seeded = sampling.seed is not None
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
-               id(model))
+               id(model), read_upto)
         if self.cuda_graph:
             key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
-                                         None)
+                                         read_upto)
                 batch.runners[key] = StepRunner(step, self.cuda_graph)
             else:
                 batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
@@ -185,7 +202,8 @@ class NativeRolloutEngine(RolloutEngine):
         seeded = sampling.seed is not None
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
         choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
-        step = self._runner(model, batch, sampling)
+        read_upto = self._read_upto(batch, 1)
+        step = self._runner(model, batch, sampling, read_upto)
         live = LiveRows(device) if sampling.stop_ids else None
         moved = False
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
@@ -195,8 +213,11 @@ class NativeRolloutEngine(RolloutEngine):
             rows = compact_rows(going, batch.B, SMALLEST_COMPACTED_BATCH) if self.compact and going else None
             if rows is not None:
                 batch, moved = batch.move_going_first(rows), True
-                step = self._runner(model, batch, sampling)
+                step = self._runner(model, batch, sampling, read_upto)
             if self.static_shapes:
+                if self._read_upto(batch, t) != read_upto:  # the cache filled past the length read so far
+                    read_upto = self._read_upto(batch, t)
+                    step = self._runner(model, batch, sampling, read_upto)
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
