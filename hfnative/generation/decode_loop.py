@@ -167,12 +167,15 @@ class StepRunner:
     """Runs one batch shape's step, ``step()``, for one sampling kind: as it is (eager or compiled) or, with
     ``cuda_graph``, replayed from a CUDA graph captured at its third call (the first two, real steps, compile and
     warm up on a side stream, as capture asks). The graph holds the addresses the step read at capture: the batch's
-    buffers and the model's parameters."""
+    buffers and the model's parameters. pool: a memory pool the graph shares with the engine's other graphs (a
+    step's temporaries are dead once it has run, and the graphs replay one at a time on one stream: what one graph
+    keeps it keeps in the batch's buffers, allocated outside every graph), so a graph per read length, batch shape
+    and sampling kind does not each hold a step's temporaries."""
 
     WARMUP_CALLS = 2
 
-    def __init__(self, step, cuda_graph: bool = False):
-        self.step, self.cuda_graph = step, cuda_graph
+    def __init__(self, step, cuda_graph: bool = False, pool=None):
+        self.step, self.cuda_graph, self.pool = step, cuda_graph, pool
         self.calls, self.graph = 0, None
 
     def __call__(self, *args) -> None:
@@ -190,7 +193,7 @@ class StepRunner:
         else:
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph):
+                with torch.cuda.graph(graph, pool=self.pool):
                     self.step(*args)
             except RuntimeError as err:  # an op that cannot be captured: this step runs as it is from now on
                 warnings.warn(f"the decode step could not be captured in a CUDA graph ({err}); it runs uncaptured "

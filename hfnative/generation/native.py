@@ -99,6 +99,7 @@ class NativeRolloutEngine(RolloutEngine):
         self.bucketed_reads = self.cuda_graph and not compile
         self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
         self._weights = DecodingWeights()
+        self._graph_pool = None  # the memory pool this engine's CUDA graphs share (made at the first capture's need)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by native state-dict name (``layers.0.attention.wq.weight``,
@@ -187,7 +188,9 @@ class NativeRolloutEngine(RolloutEngine):
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
                                          read_upto)
-                batch.runners[key] = StepRunner(step, self.cuda_graph)
+                if self.cuda_graph and self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                batch.runners[key] = StepRunner(step, self.cuda_graph, self._graph_pool)
             else:
                 batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
         return batch.runners[key]
