@@ -26,6 +26,8 @@ and ``ours``; the kernels of a call of 12 new tokens minus those of a call of 4,
 kernel it launches (a CUDA graph replays them all; at batch 64 a GPU spends a few microseconds on each whatever its
 size, so their count, not their bytes, sets the step's time). ``--weights bf16``: a model loaded in bf16 (its norms and
 rotary tables too); ``fp32``: fp32 weights decoded under bf16 autocast, as the trainers' rollouts run.
+``--stack_projections``: bf16 weights decoded as a CUDA device with the memory decodes them by default (the q/k/v and
+gate/up weights copied into one stack each, one matmul each).
 
     TRITON_INTERPRET=1 PYTHONPATH=.triton-cpu python benchmarks/bench_kernel_traffic.py --decode --weights bf16 --batch 8
 """
@@ -159,7 +161,7 @@ def decode_main(cli, native, traffic_stack: list) -> None:
     print(f"{'runner':<20} {'kernels':>8} {'matmul':>7} {'attention':>10} {'other':>6} {'other MB':>9}")
     for name, switch in [(n, s) for n, s in runners.items() if n in cli.runners.split(",")]:
         os.environ[triton_kernels.ENV_SWITCH] = switch
-        engine = NativeRolloutEngine(native)
+        engine = NativeRolloutEngine(native, stack_projections=cli.stack_projections or None)
 
         def generate(tokens: int, engine=engine):
             with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -192,6 +194,9 @@ def main(argv=None) -> None:
     parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
                         help="comma-separated from transformers, ours:torch_kernels, ours")
     parser.add_argument("--decode", action="store_true", help="one decode step of the native engine (see above)")
+    parser.add_argument("--stack_projections", action="store_true",
+                        help="--decode: the engine's stack_projections=True, what it does by default on a GPU with "
+                             "the memory (bf16 weights: q/k/v and gate/up stacked into one matmul each)")
     cli = parser.parse_args(argv)
     torch.manual_seed(0)
 

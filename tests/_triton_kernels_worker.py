@@ -564,7 +564,8 @@ def check_decode_qkv():
     cache writes) give what the training path's kernels and the cache's writes give, to the bit: greedy completions
     and their log-probs of the native engine with the kernel equal those with it left out (``decode_qkv_supported``
     answering no), under the GPU policy with the interpreter rounding as a GPU does, for Qwen3's per-head norms
-    (float32 weights under bf16 autocast, as the trainers' rollouts; bf16 weights; float32), Llama's rotation alone and
+    (float32 weights under bf16 autocast, as the trainers' rollouts, its q/k/v slices of one product; bf16 weights, as
+    they are and stacked; float32), Llama's rotation alone and
     Gemma 3's (1 + w) norms in bf16 with its sliding layers' ring caches. The kernel runs once a block and decode
     step."""
     from hfnative.generation.native import NativeRolloutEngine
@@ -574,10 +575,11 @@ def check_decode_qkv():
     new_tokens = 7
     supported = cached_decoder.decode_qkv_supported
     os.environ[triton_kernels.ENV_SWITCH] = "1"
-    cases = (("qwen3-gqa", torch.float32, True), ("qwen3-gqa", torch.bfloat16, False), ("qwen3-gqa", torch.float32,
-             False), ("llama-gqa", torch.float32, True), ("llama-gqa", torch.bfloat16, False),
-             ("gemma3-softcap-linear-untied", torch.bfloat16, False))
-    for name, dtype, autocast in cases:
+    cases = (("qwen3-gqa", torch.float32, True, None), ("qwen3-gqa", torch.bfloat16, False, None),
+             ("qwen3-gqa", torch.bfloat16, False, True), ("qwen3-gqa", torch.float32, False, None),
+             ("llama-gqa", torch.float32, True, None), ("llama-gqa", torch.bfloat16, False, None),
+             ("gemma3-softcap-linear-untied", torch.bfloat16, False, None))
+    for name, dtype, autocast, stack in cases:  # stack: the projections stacked (slices of one product) without a cast
         with tempfile.TemporaryDirectory() as directory:
             make_hf_model(name).save_pretrained(directory)
             model = load_pretrained(directory, dtype=dtype).model
@@ -587,13 +589,13 @@ def check_decode_qkv():
             try:
                 with (use_device_policy("gpu"), bf16_rounded_to_nearest(), _Launches() as launches,
                       torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
-                    out = NativeRolloutEngine(model).generate(
+                    out = NativeRolloutEngine(model, stack_projections=stack).generate(
                         prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
             finally:
                 cached_decoder.decode_qkv_supported = supported
             runs[one_kernel] = (out, launches.counts["decode_qkv"])
         (out, launched), (want, _) = runs[True], runs[False]
-        what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}"
+        what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}{', stacked' if stack else ''}"
         assert launched == len(model.layers) * (new_tokens - 1), f"{what}: decode_qkv ran {launched} times"
         assert out.completion_ids == want.completion_ids, f"{what}: {out.completion_ids} vs {want.completion_ids}"
         assert out.logprobs == want.logprobs, f"{what}: log-probs {out.logprobs} vs {want.logprobs}"

@@ -230,7 +230,7 @@ def test_autocast_decodes_matmul_weights_copied_once_per_call():
         assert replica.tok_embeddings.weight is model.tok_embeddings.weight
         assert replica.output.projection().dtype == torch.bfloat16
         cast_as_used = NativeRolloutEngine(converted)
-        cast_as_used._weights.model_for = lambda model, dtype: model  # autocast casts every weight at every use
+        cast_as_used._weights.model_for = lambda model, *_: model  # autocast casts every weight at every use
         theirs = cast_as_used.generate(prompts, sampling)
         assert _same_rollouts(ours, theirs, STACKED_MATMUL_ATOL)
 
@@ -280,8 +280,33 @@ def test_the_decoded_replica_stacks_the_projections_reading_one_input():
                                                                                 "fused_weight")
 
 
-def _decode_step_matmuls(engine) -> int:
-    """The matmuls one greedy decode step runs under bf16 autocast (a call of 6 new tokens minus one of 5)."""
+def test_a_model_needing_no_cast_stacks_its_projections_when_asked():
+    """A model already in the decoding dtype (bf16 weights, no autocast) decodes itself by default off CUDA; with
+    stack_projections=True a replica whose stacked projections are copies (the rest shared), refreshed at every call:
+    the unstacked engine's completions, log-probs within the stacked matmuls' round-off, 4 matmuls a block."""
+    converted = load_pretrained(make_hf_model("qwen3-gqa"), dtype=torch.bfloat16)
+    model, prompts = converted.model, _prompts()
+    plain, stacked = NativeRolloutEngine(converted), NativeRolloutEngine(converted, stack_projections=True)
+    sampling = SamplingParams(max_new_tokens=10, seed=4)
+    want = plain.generate(prompts, sampling)
+    assert plain._weights.replica is None
+    assert _same_rollouts(stacked.generate(prompts, sampling), want, STACKED_MATMUL_ATOL)
+    replica = stacked._weights.replica
+    attention = replica.layers[1].attention
+    assert attention.fused_weight.dtype == torch.bfloat16 and attention.wq.weight.data_ptr() == \
+        attention.fused_weight.data_ptr()
+    assert attention.wo.weight is model.layers[1].attention.wo.weight  # only the stacked ones are copies
+    assert replica.output.projection() is model.output.projection()
+    with torch.no_grad():
+        model.layers[1].feed_forward.w3.weight.mul_(2)
+    assert _same_rollouts(stacked.generate(prompts, sampling), plain.generate(prompts, sampling), STACKED_MATMUL_ATOL)
+    assert stacked._weights.replica is replica
+    assert _decode_step_matmuls(stacked, autocast=False) == 4 * len(model.layers) + 1
+    assert _decode_step_matmuls(plain, autocast=False) == 7 * len(model.layers) + 1
+
+
+def _decode_step_matmuls(engine, autocast: bool = True) -> int:
+    """The matmuls one greedy decode step runs (under bf16 autocast; a call of 6 new tokens minus one of 5)."""
     class Matmuls(TorchDispatchMode):
         count = 0
 
@@ -293,7 +318,7 @@ def _decode_step_matmuls(engine) -> int:
     counts = []
     for tokens in (5, 6):
         Matmuls.count = 0
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Matmuls():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), Matmuls():
             engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=tokens, do_sample=False))
         counts.append(Matmuls.count)
     return counts[1] - counts[0]

@@ -64,55 +64,71 @@ def fused_outputs(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...],
 
 
 class DecodingWeights:
-    """``model_for(model, dtype)``: the model to decode under autocast to ``dtype`` (None: autocast off, the model
-    itself)."""
+    """``model_for(model, dtype, stack)``: the model to decode under autocast to ``dtype`` (None: autocast off): a
+    replica whose matmul weights are copies in ``dtype``, their stackable projections stacked; with ``stack``, also
+    where no weight needs a cast (a model already in the decoding dtype), a replica whose stackable projections are
+    stacked copies (a second copy of those weights, which the engine makes only where the device can afford it); else
+    the model itself."""
 
     def __init__(self):
-        self.source: tuple[int, ...] = ()  # id() of every parameter of the model the replica was made from
+        self.key: tuple = ()  # what the replica was made for: the model's parameters (their id()), dtype, stack
         self.replica: Transformer | None = None
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the model's weight, its copy)
 
-    def model_for(self, model: Transformer, dtype: torch.dtype | None) -> Transformer:
+    def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False) -> Transformer:
         weights = _matmul_weights(model)
         head = model.output.projection()
-        if dtype is None or all(p.dtype == dtype for p in weights + [head]):
+        if dtype is not None and all(p.dtype == dtype for p in weights + [head]):
+            dtype = None  # nothing to cast
+        if dtype is None and not (stack and fused_projections(model)):
             return model
-        source = tuple(id(p) for p in model.parameters())
-        if self.replica is None or source != self.source or self.pairs[0][1].dtype != dtype:
-            self._make(model, weights, head, dtype)
-            self.source = source
+        key = (tuple(id(p) for p in model.parameters()), dtype, stack)
+        if self.replica is None or key != self.key:
+            self._make(model, weights, head, dtype, stack)
+            self.key = key
         with torch.no_grad():
             torch._foreach_copy_([copy for _, copy in self.pairs], [weight for weight, _ in self.pairs])
         return self.replica
 
-    def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype) -> None:
+    def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype | None,
+              stack: bool) -> None:
         """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype`` (one
-        already in ``dtype``, a frozen model's kept so, is shared too). The copies of the projections that read one
-        input (``fused_projections``) are rows of one tensor, which the replica's module holds as ``FUSED`` and the
-        decoder multiplies once."""
+        already in ``dtype``, a frozen model's kept so, is shared too; dtype None: none). The copies of the projections
+        that read one input (``fused_projections``) are rows of one tensor, which the replica's module holds as
+        ``FUSED`` and the decoder multiplies once; with ``stack`` those projections are copied so even where they
+        need no cast (in their own dtype)."""
         self.replica = None  # the old copies are freed before the new are made
         memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
         self.pairs = []
         fused = {}
         for name, linears in fused_projections(model):
-            if any(linear.weight.dtype == dtype for linear in linears):
+            target = dtype or linears[0].weight.dtype
+            if not stack and any(linear.weight.dtype == target for linear in linears):
                 continue
-            rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=dtype,
+            rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=target,
                                device=linears[0].weight.device)
             for linear, part in zip(linears, rows.split([linear.out_features for linear in linears])):
                 memo[id(linear.weight)] = nn.Parameter(part, requires_grad=False)
                 self.pairs.append((linear.weight, memo[id(linear.weight)]))
             fused[name] = rows
         for weight in weights:
-            if weight.dtype == dtype or id(weight) in memo and memo[id(weight)] is not weight:
+            if dtype is None or weight.dtype == dtype or memo[id(weight)] is not weight:
                 continue
             memo[id(weight)] = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
             self.pairs.append((weight, memo[id(weight)]))
         replica = copy.deepcopy(model, memo)
         for name, rows in fused.items():
             setattr(replica.get_submodule(name), FUSED, rows)
-        if model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps reading the table
+        if dtype is not None and model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps
+            # reading the table
             replica.output.untie()
             replica.output.weight = nn.Parameter(torch.empty_like(head, dtype=dtype), requires_grad=False)
             self.pairs.append((head, replica.output.weight))
         self.replica = replica.eval()
+
+
+def stacked_copy_bytes(model: Transformer) -> int:
+    """The bytes a replica's stacked projections take where they are copies only for the stacking (the model's own
+    dtype)."""
+    return sum(linear.weight.numel() * linear.weight.element_size()
+               for _, linears in fused_projections(model) for linear in linears)

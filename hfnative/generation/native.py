@@ -20,7 +20,7 @@ from hfnative.models.compute_dtype import autocast_for_weights
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
-from .compute_weights import DecodingWeights
+from .compute_weights import DecodingWeights, stacked_copy_bytes
 from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
@@ -36,6 +36,9 @@ READ_SLOT_MULTIPLE = 64
 MAX_BATCH_SHAPES = 4
 # the smallest front rows still going move to (a smaller batch would cost a GPU about as much a step)
 SMALLEST_COMPACTED_BATCH = 4
+# the most of a CUDA device's free memory a second copy of the stacked projections' weights may take by default
+# (Qwen3-0.6B in bf16: 0.58 GB)
+STACK_FREE_MEMORY_SHARE = 0.125
 
 
 @contextlib.contextmanager
@@ -58,7 +61,11 @@ class NativeRolloutEngine(RolloutEngine):
     Each step of the decode loop runs on the device with nothing read back on the host (``decode_loop``); a batch
     shape's buffers (KV cache, RoPE tables, outputs) are made at its first call and reused. Under autocast the model
     decoded is a replica whose matmul weights are in the autocast dtype, refreshed once per call
-    (``compute_weights``).
+    (``compute_weights``); its query, key and value weights are rows of one tensor, and so are its gate and up
+    weights, each stack multiplied once. stack_projections: whether a model that needs no cast (its weights already
+    in the decoding dtype) decodes such a replica too, at the cost of a second copy of those weights; default: on a
+    CUDA device when the copy takes at most STACK_FREE_MEMORY_SHARE of its free memory (decided at the model's first
+    call), elsewhere not.
 
     cuda_graph (default: on CUDA): the whole decode step (decode, sampling, stop bookkeeping) is captured in a CUDA
     graph per batch shape (rows, prompt slots, new tokens) and sampling kind, and replayed at every token: one launch
@@ -81,7 +88,7 @@ class NativeRolloutEngine(RolloutEngine):
     samples_row_streams = True
 
     def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
-                 max_batch_size: int | None = None, compact: bool = True):
+                 max_batch_size: int | None = None, compact: bool = True, stack_projections: bool | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -99,6 +106,8 @@ class NativeRolloutEngine(RolloutEngine):
         self.bucketed_reads = self.cuda_graph and not compile
         self._batches: OrderedDict[tuple, DecodeBatch] = OrderedDict()
         self._weights = DecodingWeights()
+        self.stack_projections = stack_projections
+        self._stacks: tuple[tuple[int, ...], bool] | None = None  # the default's answer, for the model's parameters
         self._graph_pool = None  # the memory pool this engine's CUDA graphs share (made at the first capture's need)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -129,7 +138,7 @@ class NativeRolloutEngine(RolloutEngine):
         try:
             # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
             with autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
-                model = self._weights.model_for(self.model, autocast_dtype(self._device.type))
+                model = self._weights.model_for(self.model, autocast_dtype(self._device.type), self._stacked())
                 parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
                          for i in range(0, len(prompts), step)]
         finally:
@@ -139,6 +148,18 @@ class NativeRolloutEngine(RolloutEngine):
             [lp for part in parts for lp in part.logprobs],
             [r for part in parts for r in part.finish_reason],
         )
+
+    def _stacked(self) -> bool:
+        """Whether a model needing no cast decodes a replica with stacked projections (``stack_projections``)."""
+        if self.stack_projections is not None:
+            return self.stack_projections
+        if self._device.type != "cuda":
+            return False
+        source = tuple(id(p) for p in self.model.parameters())
+        if self._stacks is None or self._stacks[0] != source:  # decided once: a new answer would make a new replica
+            free, _ = torch.cuda.mem_get_info(self._device)
+            self._stacks = (source, stacked_copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
+        return self._stacks[1]
 
     @property
     def _device(self) -> torch.device:
