@@ -104,9 +104,7 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
         if dora:
             _add_dora(model, add_lora)
         trained = [p for p in model.parameters() if p.requires_grad]
-        engine = NativeRolloutEngine(model)  # on CUDA: captured
-        cast_as_used = NativeRolloutEngine(model, cuda_graph=False)
-        cast_as_used._weights.model_for = lambda model, dtype: model  # noqa: E731 (autocast casts at every use)
+        engine = NativeRolloutEngine(model)  # on CUDA: captured, its replica refreshed in place at every call
         optimizer = torch.optim.AdamW(trained, lr=0.05, fused=True)
         label = f"rollouts between fused AdamW steps, bf16 autocast, {config}{' + DoRA' if dora else ''}"
         detail, ok, previous = [], True, None
@@ -114,7 +112,8 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
             for step in range(steps + 1):
                 with torch.autocast(device.type, dtype=torch.bfloat16):  # a trainer's bf16=True, one region a step
                     ours = engine.generate(prompts, sampling).completion_ids
-                    theirs = cast_as_used.generate(prompts, sampling).completion_ids
+                    # an uncaptured engine of its own: a replica made afresh from the weights as they are now
+                    theirs = NativeRolloutEngine(model, cuda_graph=False).generate(prompts, sampling).completion_ids
                 same = ours == theirs
                 moved = previous is None or ours != previous
                 ok &= same and moved
