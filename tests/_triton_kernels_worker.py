@@ -529,7 +529,8 @@ def check_decoding_bf16_weights():
     the GPU policy: with the kernels (the q/k norms rotating in bf16 as torch does, the residual add with the MLP's
     pre-norm) every family's completions and their log-probs equal the engine's without the kernels (torch's ops), and
     the kernels run where expected: per decode step and block, the rotated q/k norms of Qwen3 (Llama's rotation
-    alone), the MLP's pre-norm after the residual add, and the attention's pre-norm after the previous block's."""
+    alone), the MLP's pre-norm after the residual add, and the attention's pre-norm after the previous block's, and
+    per decode step the final norm after the last block's."""
     from hfnative.generation.native import NativeRolloutEngine
     from hfnative.generation.sampling import SamplingParams
 
@@ -555,8 +556,8 @@ def check_decoding_bf16_weights():
         assert counts["norm_rope"] == rotated and counts["rope"] == rotations, (name, counts)
         assert counts["decode_qkv"] == 2 * (calls - 1), (name, counts)
         # the MLP's pre-norm in each of the 2 blocks and the second block's attention pre-norm (the first block's
-        # output added inside it)
-        assert counts["residual_norm"] == 3 * calls, (name, counts)
+        # output added inside it); a decode step's final norm too (the last block's output added inside it)
+        assert counts["residual_norm"] == 3 * calls + (calls - 1), (name, counts)
 
 
 def check_decode_qkv():

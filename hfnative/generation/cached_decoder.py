@@ -138,8 +138,9 @@ def _feed_forward(mlp: FeedForward, x: torch.Tensor | tuple[torch.Tensor, torch.
 
 
 def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
-            tables: DecoderTables, plan: AttentionPlan | None) -> torch.Tensor:
-    """Embedding and blocks over ``tokens_BS`` (writing the cache): hidden states [B, S, D] before the final norm."""
+            tables: DecoderTables, plan: AttentionPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Embedding and blocks over ``tokens_BS`` (writing the cache): the hidden states [B, S, D] before the final norm
+    are the sum of the two returned (the last block's output left unadded: None where there are no blocks)."""
     h = model.tok_embeddings(tokens_BS)
     if tables.embedding_scale is not None:
         h = h * tables.embedding_scale
@@ -148,7 +149,7 @@ def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Ten
     update = None
     for layer in model.layers:
         h, update = _block_forward(layer, h, update, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
-    return h if update is None else h + update
+    return h, update
 
 
 def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cache: KVCache,
@@ -169,8 +170,10 @@ def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cac
     plan = plan_attention(1, tokens_1N.shape[1], device, None, positions_N[None],
                           model.args.sliding_window if has_sliding else None, "varlen")
     cache.start_prompts(rows_N.to(device), slots_N.to(device), P)
-    h_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, tables, plan)
-    return model.output(model.norm(h_1ND[:, last_B.to(device)]))[0]
+    h_1ND, update_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, tables, plan)
+    last_B = last_B.to(device)
+    h_1BD = h_1ND[:, last_B] if update_1ND is None else h_1ND[:, last_B] + update_1ND[:, last_B]
+    return model.output(model.norm(h_1BD))[0]
 
 
 def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache, tables: DecoderTables,
@@ -181,5 +184,8 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, 
     (compiled: one shape)."""
     positions_B1 = (slot - cache.pad_B)[:, None]
     cache.start(slot.reshape(1), read_upto)
-    h_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None)
-    return model.output(model.norm(h_B1D))[:, 0]
+    h_B1D, update_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None)
+    if update_B1D is None:
+        return model.output(model.norm(h_B1D))[:, 0]
+    # the last block's residual add inside the final norm's kernel, where the Triton kernels run
+    return model.output(_residual_and_pre_norm(model.norm, h_B1D, update_B1D)[1])[:, 0]

@@ -146,7 +146,7 @@ def choose(batch: DecodeBatch, logits_BV: torch.Tensor, sampling: SamplingParams
     at_1 = batch.step.reshape(1)
     batch.tokens_BT.index_copy_(1, at_1, token_B[:, None])
     batch.logprobs_BT.index_copy_(1, at_1, logprob_B[:, None])
-    batch.lengths_B.add_((~batch.finished_B).long())
+    batch.lengths_B.add_(batch.finished_B, alpha=-1).add_(1)  # + 1 where not finished
     batch.finished_B.logical_or_((token_B[:, None] == batch.stop_ids[None, :]).any(-1))
     if batch.seen_BV is not None:
         batch.seen_BV.scatter_(1, token_B[:, None], True)

@@ -53,6 +53,9 @@ class KVCache:
         self.index: dict[int, torch.Tensor] = {}
         self.visible: dict[int, torch.Tensor] = {}
         self.bias: dict[int, torch.Tensor] = {}  # ``visible`` as SDPA's additive mask (0, -inf) in the cache's dtype
+        # its two values, made once (a step's mask is one ``where`` over them)
+        self.bias_values = (torch.zeros((), dtype=dtype, device=device), torch.full((), float("-inf"), dtype=dtype,
+                                                                                   device=device))
         self.read_upto = num_slots  # full-length buffers: entries past this are empty and not read
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -69,7 +72,7 @@ class KVCache:
         view.index = dict(self.index)
         view.visible = {n: visible[:rows] for n, visible in self.visible.items()}
         view.bias = {n: bias[:rows] for n, bias in self.bias.items()}
-        view.prompt_index, view.read_upto = {}, self.num_slots
+        view.prompt_index, view.read_upto, view.bias_values = {}, self.num_slots, self.bias_values
         return view
 
     def reset(self, pad_B: torch.Tensor) -> None:
@@ -96,8 +99,7 @@ class KVCache:
             visible = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
             self.visible[n] = visible
             # made once a step for every layer of this length: SDPA would turn a boolean mask into this per call
-            self.bias[n] = torch.zeros(visible.shape, dtype=self.keys[0].dtype, device=visible.device).masked_fill_(
-                visible.logical_not(), float("-inf"))
+            self.bias[n] = torch.where(visible, *self.bias_values)
 
     def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
         """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
