@@ -6,6 +6,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _normed(x, rstd, w, offset, LIKE, LLAMA: tl.constexpr):
+    """x * rstd scaled by the weight, in float32: Llama's (the normed value cast to LIKE's dtype, the normed input's,
+    then times w) or normed * (offset + w)."""
+    if LLAMA:
+        return (x * rstd).to(LIKE.dtype.element_ty).to(tl.float32) * w
+    return x * rstd * (offset + w)
+
+
+@triton.jit
+def _rotated(y, y_partner, cos, sin, first_half, OUT, ROUNDED: tl.constexpr):
+    """y * cos + rotate_half(y) * sin (y_partner: y at each column's partner; first_half: where rotate_half negates
+    it), in float32, or with ROUNDED as torch rotates in OUT's dtype: the inputs, each product and the sum rounded to
+    it (the caller stores the result in OUT's dtype)."""
+    rotated_partner = tl.where(first_half, -y_partner, y_partner)
+    if ROUNDED:
+        y = y.to(OUT.dtype.element_ty).to(tl.float32)
+        rotated_partner = rotated_partner.to(OUT.dtype.element_ty).to(tl.float32)
+        return ((y * cos).to(OUT.dtype.element_ty).to(tl.float32)
+                + (rotated_partner * sin).to(OUT.dtype.element_ty).to(tl.float32))
+    return y * cos + rotated_partner * sin
+
+
+@triton.jit
 def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
                      LLAMA: tl.constexpr, ROPE: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, ROUNDED: tl.constexpr = False):
@@ -25,29 +48,17 @@ def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, 
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
     tl.store(RSTD + rows[:, None], rstd, mask=in_rows[:, None])
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-    if LLAMA:  # normed cast to the normed input's dtype, then times the weight
-        y = (x * rstd).to(H.dtype.element_ty).to(tl.float32) * w
-    else:  # normed * (offset + weight) in float32
-        y = x * rstd * (offset + w)
-    if ROPE:  # then rotated: y * cos + rotate_half(y) * sin, each row a head of the token at row // heads
+    y = _normed(x, rstd, w, offset, H, LLAMA)
+    if ROPE:  # then rotated, each row a head of the token at row // heads
         half = n_cols // 2
         partner = tl.where(cols < half, cols + half, cols - half)
         x_partner = tl.load(X + rows[:, None] * n_cols + partner[None, :], mask=mask, other=0.0).to(tl.float32)
         w_partner = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        if LLAMA:
-            y_partner = (x_partner * rstd).to(X.dtype.element_ty).to(tl.float32) * w_partner
-        else:
-            y_partner = x_partner * rstd * (offset + w_partner)
         at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
         cos = tl.load(COS + at_token, mask=mask, other=0.0).to(tl.float32)
         sin = tl.load(SIN + at_token, mask=mask, other=0.0).to(tl.float32)
-        if ROUNDED:
-            y = y.to(Y.dtype.element_ty).to(tl.float32)
-            y_partner = y_partner.to(Y.dtype.element_ty).to(tl.float32)
-            y = ((y * cos).to(Y.dtype.element_ty).to(tl.float32)
-                 + (tl.where((cols < half)[None, :], -y_partner, y_partner) * sin).to(Y.dtype.element_ty).to(tl.float32))
-        else:
-            y = y * cos + tl.where((cols < half)[None, :], -y_partner, y_partner) * sin
+        y = _rotated(y, _normed(x_partner, rstd, w_partner, offset, X, LLAMA), cos, sin, (cols < half)[None, :], Y,
+                     ROUNDED)
     tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -159,11 +170,8 @@ def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOC
     at_token = (rows // heads)[:, None] * n_cols + cols[None, :]
     cos = tl.load(COS + at_token, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(SIN + at_token, mask=mask, other=0.0).to(tl.float32)
-    if ROUNDED:  # tables in x's dtype: x * cos + rotate_half(x) * sin in that dtype, each product and the sum rounded
-        y = ((x * cos).to(Y.dtype.element_ty).to(tl.float32)
-             + (tl.where(first_half, -x_partner, x_partner) * sin).to(Y.dtype.element_ty).to(tl.float32))
-    else:  # x * cos + rotate_half(x) * sin in float32, cast to x's dtype once
-        y = x * cos + tl.where(first_half, -x_partner, x_partner) * sin
+    # in float32, cast to x's dtype once; ROUNDED (tables in x's dtype): in that dtype (x itself rounds to itself)
+    y = _rotated(x, x_partner, cos, sin, first_half, Y, ROUNDED)
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -186,8 +194,8 @@ def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, B
 def _decode_head(X, W, COS, SIN, OUT, cols, mask, eps, offset, n_cols, NORM: tl.constexpr, LLAMA: tl.constexpr,
                  ROUNDED: tl.constexpr):
     """One head [1, BLOCK] of a decode step's query or key projection at X: normed by W (NORM, as
-    ``rms_norm_forward`` norms a row) and rotated by the token's tables, in float32, or with ROUNDED as torch rotates
-    in OUT's dtype; returned in float32 (the caller stores it in OUT's dtype)."""
+    ``rms_norm_forward`` norms a row) and rotated by the token's tables as there (``_rotated``); returned in float32
+    (the caller stores it in OUT's dtype). Without NORM, ROUNDED rounds X's values to OUT's dtype, their own."""
     half = n_cols // 2
     partner = tl.where(cols < half, cols + half, cols - half)
     x = tl.load(X + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -196,22 +204,11 @@ def _decode_head(X, W, COS, SIN, OUT, cols, mask, eps, offset, n_cols, NORM: tl.
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)[:, None]
         w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
         w_partner = tl.load(W + partner, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :]
-        if LLAMA:  # normed cast to the projection's dtype, then times the weight
-            x = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
-            x_partner = (x_partner * rstd).to(X.dtype.element_ty).to(tl.float32) * w_partner
-        else:
-            x = x * rstd * (offset + w)
-            x_partner = x_partner * rstd * (offset + w_partner)
+        x = _normed(x, rstd, w, offset, X, LLAMA)
+        x_partner = _normed(x_partner, rstd, w_partner, offset, X, LLAMA)
     cos = tl.load(COS + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(SIN + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rotated_partner = tl.where((cols < half)[None, :], -x_partner, x_partner)
-    if ROUNDED:
-        if NORM:
-            x = x.to(OUT.dtype.element_ty).to(tl.float32)
-            rotated_partner = rotated_partner.to(OUT.dtype.element_ty).to(tl.float32)
-        return ((x * cos).to(OUT.dtype.element_ty).to(tl.float32)
-                + (rotated_partner * sin).to(OUT.dtype.element_ty).to(tl.float32))
-    return x * cos + rotated_partner * sin
+    return _rotated(x, x_partner, cos, sin, (cols < half)[None, :], OUT, ROUNDED)
 
 
 @triton.jit
