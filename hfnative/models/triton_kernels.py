@@ -320,7 +320,22 @@ def rope_supported(x_BSHd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.T
     in x's dtype (it then rotates in that dtype, rounding each op: a model whose weights are bf16))."""
     B, S, _, d = x_BSHd.shape
     return (x_BSHd.dtype in _FLOATS and x_BSHd.is_contiguous() and d % 2 == 0 and x_BSHd.numel() > 0
-            and d <= MAX_NORM_DIM and _rotation_tables(cos_BSd, sin_BSd, (B, S, d), (torch.float32, x_BSHd.dtype)))
+            and d <= MAX_NORM_DIM and _rotation_tables(cos_BSd, sin_BSd, (B, S, d), _rope_tables(x_BSHd.dtype)))
+
+
+def _rope_tables(x_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The table dtypes the rotation kernel takes for heads of ``x_dtype`` (written in that dtype): float32 (rotated
+    in float32, cast once) or ``x_dtype`` itself (rotated in it, rounding each op)."""
+    return torch.float32, x_dtype
+
+
+def _norm_rope_dtypes(x_dtype: torch.dtype, weight_dtype: torch.dtype,
+                      float_offset: float | None) -> tuple[torch.dtype, tuple[torch.dtype, ...]]:
+    """(the dtype a per-head norm of ``x_dtype`` heads writes them in, the table dtypes its rotation in the same
+    kernel takes): float32 tables for float32 normed heads, tables in x's dtype for heads normed in it (rotated in it,
+    rounding each op: a model whose weights are bf16), none otherwise."""
+    normed = torch.promote_types(x_dtype, weight_dtype) if float_offset is None else x_dtype
+    return normed, (torch.float32,) if normed == torch.float32 else (normed,) if normed == x_dtype else ()
 
 
 def _rotation_tables(cos, sin, shape, dtypes) -> bool:
@@ -374,8 +389,7 @@ def norm_rope_supported(x_BSHd: torch.Tensor, weight: torch.Tensor, float_offset
     float32 (the rotation then runs in float32 as ``apply_rotary`` does) or both in one narrower dtype, x's (a model
     whose weights are bf16: ``apply_rotary`` then rotates in that dtype, rounding each op, and so does the kernel)."""
     B, S, _, d = x_BSHd.shape
-    out_dtype = torch.promote_types(x_BSHd.dtype, weight.dtype) if float_offset is None else x_BSHd.dtype
-    tables = (torch.float32,) if out_dtype == torch.float32 else (out_dtype,) if out_dtype == x_BSHd.dtype else ()
+    _, tables = _norm_rope_dtypes(x_BSHd.dtype, weight.dtype, float_offset)
     return (rms_norm_supported(x_BSHd, weight) and x_BSHd.is_contiguous() and d % 2 == 0
             and _rotation_tables(cos_BSd, sin_BSd, (B, S, d), tables))
 
@@ -433,12 +447,13 @@ def decode_qkv_written_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype | N
     with ``TritonRMSNorm`` or ``TritonRope``), or None where they do not rotate them (tables they do not take).
     weight_dtype: the per-head norm's weight (None: no norm, the rotation alone); narrow_dtype: the autocast dtype an
     attention casts the heads to (``narrowing_autocast_dtype``), None without autocast."""
-    if weight_dtype is None:  # ``rope_supported``: float32 tables, or in the heads' dtype; written in that dtype
-        return x_dtype if tables_dtype in (torch.float32, x_dtype) else None
-    normed = torch.promote_types(x_dtype, weight_dtype) if float_offset is None else x_dtype
-    if tables_dtype == torch.float32 and normed == torch.float32:  # ``norm_rope_supported``, narrowed for attention
-        return narrow_dtype or normed
-    return normed if tables_dtype == normed == x_dtype else None
+    if weight_dtype is None:  # the rotation alone writes the heads in their dtype
+        return x_dtype if tables_dtype in _rope_tables(x_dtype) else None
+    normed, tables = _norm_rope_dtypes(x_dtype, weight_dtype, float_offset)
+    if tables_dtype not in tables:
+        return None
+    # float32 heads are written narrow for an attention under autocast (``Attention._rotated``)
+    return (narrow_dtype or normed) if tables_dtype == torch.float32 else normed
 
 
 def decode_qkv_supported(q_BSP: torch.Tensor, k_BSP: torch.Tensor, v_BSP: torch.Tensor, head_dim: int,
