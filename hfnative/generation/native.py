@@ -239,9 +239,9 @@ class NativeRolloutEngine(RolloutEngine):
                 batch, moved = batch.move_going_first(rows), True
                 step = self._runner(model, batch, sampling, read_upto)
             if self.static_shapes:
-                if self._read_upto(batch, t) != read_upto:  # the cache filled past the length read so far
-                    read_upto = self._read_upto(batch, t)
-                    step = self._runner(model, batch, sampling, read_upto)
+                upto = self._read_upto(batch, t)
+                if upto != read_upto:  # the cache filled past the length read so far
+                    read_upto, step = upto, self._runner(model, batch, sampling, upto)
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
