@@ -211,8 +211,9 @@ def bytes_per_step(model, prompts: list[list[int]], new_tokens: int, slot_multip
     """Bytes a decode step must read, averaged over the steps of a call: every weight a step multiplies by (the
     embedding table only as a tied head; a lookup reads B rows), and the KV cache entries of each row's tokens so far.
     ``static_kv_cache``: what a step reading the whole cache of ``slot_multiple``-padded prompts reads instead (a
-    compiled step); ``bucketed_kv_cache``: what a captured step reads on average, the cache up to the next multiple of
-    ``READ_SLOT_MULTIPLE`` slots past the one it writes."""
+    compiled step); ``bucketed_kv_cache``: what a captured step whose attention is SDPA reads on average, the cache up
+    to the next multiple of ``READ_SLOT_MULTIPLE`` slots past the one it writes (with the Triton attention kernel a
+    captured step reads each row's entries: ``kv_cache``)."""
 
     args = model.args
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -360,7 +361,8 @@ def report_preset(preset: str, parameters: int, results: list[dict], runners: li
                 f"floor: (weights {sizes['weights'] / 2**20:,.0f} MiB + KV cache {sizes['kv_cache'] / 2**20:,.1f} MiB "
                 f"a step, on average) / copy bandwidth {max(r['bandwidth'] for r in ok[runner]) / 1e9:,.0f} GB/s; "
                 f"a step reading the whole static cache (compiled) reads {sizes['static_kv_cache'] / 2**20:,.1f} MiB "
-                f"of it, a captured one ({READ_SLOT_MULTIPLE}-slot lengths) "
+                f"of it, a captured one the floor's where its attention runs as the Triton kernel (each row's "
+                f"entries), else ({READ_SLOT_MULTIPLE}-slot lengths) "
                 f"{sizes.get('bucketed_kv_cache', sizes['static_kv_cache']) / 2**20:,.1f} MiB on average"
             )
     notes = sorted({f"{x['runner']}: {n}" for x in results for n in x.get("notes", [])})

@@ -509,6 +509,34 @@ def _kernel_cases(device: torch.device):
             randn(head_dim, scale=0.3) + 1,
             randn(head_dim, scale=0.3) + 1), decode(True), decode(False))
 
+    # a decode step's attention in one kernel (``decode_attention``: each row's entries from its padding to the slot
+    # written, no mask) at batch 64 in bf16, against the path without it: SDPA over the cache read up to the next
+    # multiple of 64 slots, under the additive mask
+    slot = slots * 5 // 8
+    read = min(slots, -(-(slot + 1) // 64) * 64)
+    pad_B = torch.randint(0, slot // 4, (batch,), device=device, generator=generator)
+    slot_1 = torch.tensor([slot], device=device)
+
+    def attend(kernel: bool):
+        @torch.no_grad()
+        def run(q, keys, values):
+            if kernel:
+                return triton_kernels.decode_attention(q, keys, values, pad_B, slot_1, None, head_dim**-0.5)
+            entries = torch.arange(read, device=device)
+            seen = (entries[None] >= pad_B[:, None]) & (entries[None] <= slot)
+            bias = torch.where(seen, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
+            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim),
+                                                 keys[:, :, :read], values[:, :, :read], attn_mask=bias,
+                                                 scale=head_dim**-0.5)
+            return out.reshape(batch, heads, 1, head_dim)
+        return run
+
+    yield (f"decode_attention bf16 [{batch}, {heads} heads of {head_dim}] x {slots} slots ({kv_heads} kv heads), "
+           f"rows of {slot + 1 - pad_B.max().item()}..{slot + 1} entries",
+           (randn(batch, heads, 1, head_dim, scale=3).bfloat16(),
+            randn(batch, kv_heads, slots, head_dim).bfloat16(), randn(batch, kv_heads, slots, head_dim).bfloat16()),
+           attend(True), attend(False))
+
     # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
     # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)
     vocab = 151936 if cuda else 5000

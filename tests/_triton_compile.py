@@ -113,9 +113,9 @@ def qwen3_launches(tokens: int = 8192) -> list:
     the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections; the rotated
     q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
     the rotations with bf16 tables (rounded as torch rotates in bf16); a decode step's heads (``decode_qkv``) in
-    both."""
+    both, and its attention (``decode_attention``)."""
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
-                                               cross_entropy_rows, decode_qkv)
+                                               cross_entropy_rows, decode_attention, decode_qkv)
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -163,6 +163,13 @@ def qwen3_launches(tokens: int = 8192) -> list:
             entry = torch.zeros(1, dtype=torch.int64)
             for weights in ((torch.ones(128, dtype=w_dtype),) * 2, None):
                 decode_qkv(q, k, v, 16, weights, 1e-6, None, tables, tables, cache, cache, entry)
+            # its attention (the cache read from each row's padding to the slot written; a ring's by entry), the
+            # float32 cache of a model decoded in float32; Gemma 3's heads of 256
+            pad = torch.zeros(64, dtype=torch.int64)
+            for heads in (cache, cache.float(), torch.zeros(64, 4, 320, 256, dtype=torch.bfloat16)):
+                query = torch.zeros(64, 2 * heads.shape[1], 1, heads.shape[-1], dtype=heads.dtype)
+                for ring in (None, torch.zeros(320, dtype=torch.int64)):
+                    decode_attention(query, heads, heads, pad, entry, ring, 0.088)
 
     return recorded_launches(run)
 

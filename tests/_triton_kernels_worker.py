@@ -462,12 +462,13 @@ class _Launches:
 
     def __init__(self):
         self.counts = {"rms_norm": 0, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
-                       "cross_entropy": 0, "decode_qkv": 0}
+                       "cross_entropy": 0, "decode_qkv": 0, "decode_attention": 0}
         self._originals = (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply,
-                           triton_kernels.cross_entropy_rows, TritonResidualRMSNorm.apply, cached_decoder.decode_qkv)
+                           triton_kernels.cross_entropy_rows, TritonResidualRMSNorm.apply, cached_decoder.decode_qkv,
+                           cached_decoder.decode_attention)
 
     def __enter__(self):
-        norm, gated, rope, cross_entropy, residual_norm, decode = self._originals
+        norm, gated, rope, cross_entropy, residual_norm, decode, attend = self._originals
 
         def counted(name, apply):
             def wrapper(*args):
@@ -485,11 +486,12 @@ class _Launches:
         triton_kernels.cross_entropy_rows = counted("cross_entropy", cross_entropy)
         TritonResidualRMSNorm.apply = counted("rms_norm", residual_norm)  # with the residual add before the norm
         cached_decoder.decode_qkv = counted("decode_qkv", decode)
+        cached_decoder.decode_attention = counted("decode_attention", attend)
         return self
 
     def __exit__(self, *exc):
         (TritonRMSNorm.apply, TritonSiluGated.apply, TritonRope.apply, triton_kernels.cross_entropy_rows,
-         TritonResidualRMSNorm.apply, cached_decoder.decode_qkv) = self._originals
+         TritonResidualRMSNorm.apply, cached_decoder.decode_qkv, cached_decoder.decode_attention) = self._originals
 
 
 def _native(name, directory):
@@ -602,6 +604,99 @@ def check_decode_qkv():
         assert out.logprobs == want.logprobs, f"{what}: log-probs {out.logprobs} vs {want.logprobs}"
 
 
+def _attention_reference(q_BH1d, keys_BKLd, values_BKLd, seen_BL, scale):
+    """Softmax attention in float64 of each row's query heads over the entries it sees (query head h reads key/value
+    head h // (H / K))."""
+    H, K = q_BH1d.shape[1], keys_BKLd.shape[1]
+    keys, values = (t.double().repeat_interleave(H // K, 1) for t in (keys_BKLd, values_BKLd))
+    scores = (q_BH1d.double() @ keys.transpose(-1, -2)) * scale
+    return (scores.masked_fill(~seen_BL[:, None, None, :], float("-inf")).softmax(-1) @ values)
+
+
+def check_decode_attention():
+    """``decode_attention`` (a decode step's attention, one kernel a layer, no mask) against softmax attention in
+    float64: float32 to float32 round-off, bf16 within four bf16 ulps of the values' scale (the probabilities meet
+    the values in bf16, as a flash kernel's do); full-length buffers read from each row's padding to the slot
+    written (a padding past a whole block of entries), rings by the slot each entry holds (a block of empty entries
+    seen by no row), query heads sharing key/value heads 1, 2 and 3 to a group, heads of 16, 24, 128 and 256. Then
+    the native engine's greedy decoding with it against the engine with SDPA under the cache's mask: the same
+    completions, log-probs to float32 round-off (bf16: 2e-2), one launch a layer and step, no mask made by a step, one
+    static-shape step for every read length (no graph per length)."""
+    from hfnative.generation.kv_cache import KVCache
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(11)
+    with use_device_policy("gpu"), bf16_rounded_to_nearest():
+        for dtype in (torch.float32, torch.bfloat16):
+            for heads, kv_heads, d in ((4, 4, 16), (8, 4, 128), (6, 2, 24), (4, 2, 256)):
+                B, L, slot = 3, 150, 130
+                keys, values = (torch.randn(B, kv_heads, L, d, generator=g).to(dtype) for _ in range(2))
+                q = torch.randn(B, heads, 1, d, generator=g).to(dtype)
+                assert triton_kernels.decode_attention_supported(keys, values, heads)
+                pad = torch.tensor([0, 5, 70])
+                entries = torch.arange(L)
+                rings = torch.full((L,), -1)
+                rings[:41] = torch.arange(41)  # a ring of 150 entries filled up to slot 40
+                cases = (("full", None, (entries[None] >= pad[:, None]) & (entries[None] <= slot)),
+                         ("ring", rings, rings[None] >= torch.tensor([0, 20, 40])[:, None]))
+                for kind, entry_slot, seen in cases:
+                    row_pad = pad if entry_slot is None else torch.tensor([0, 20, 40])
+                    out = triton_kernels.decode_attention(q, keys, values, row_pad, torch.tensor([slot]), entry_slot,
+                                                          d**-0.5)
+                    want = _attention_reference(q, keys, values, seen, d**-0.5)
+                    what = f"{kind} {dtype} heads {heads}/{kv_heads} of {d}"
+                    assert out.dtype == dtype and out.shape == q.shape, what
+                    error = (out.double() - want).abs().max().item()
+                    bound = (2.0**-6 * values.abs().max().item() if dtype == torch.bfloat16 else 1e-5)
+                    assert error <= bound, f"{what}: max |diff| {error:.3g} > {bound:.3g}"
+
+    made_masks = []
+    make_masks = KVCache._make_masks
+    KVCache._make_masks = lambda cache, n: (made_masks.append(n), make_masks(cache, n))
+    supported = cached_decoder.decode_attention_supported
+    os.environ[triton_kernels.ENV_SWITCH] = "1"
+    prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
+    new_tokens = 7
+    cases = (("qwen3-gqa", torch.float32, True, True), ("qwen3-gqa", torch.bfloat16, False, False),
+             ("llama-gqa", torch.float32, False, False), ("gemma3-softcap-linear-untied", torch.bfloat16, False, True))
+    try:
+        for name, dtype, autocast, and_static in cases:
+            with tempfile.TemporaryDirectory() as directory:
+                make_hf_model(name).save_pretrained(directory)
+                model = load_pretrained(directory, dtype=dtype).model
+            runs = {}
+            for kernel, static in ((True, False), (False, False)) + (((True, True),) if and_static else ()):
+                cached_decoder.decode_attention_supported = supported if kernel else (lambda *args: False)
+                made_masks.clear()
+                engine = NativeRolloutEngine(model)
+                engine.bucketed_reads = static  # the steps a CUDA graph captures, run uncaptured
+                with (use_device_policy("gpu"), bf16_rounded_to_nearest(), _Launches() as launches,
+                      torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+                    out = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
+                runs[kernel, static] = out
+                what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}{', static' if static else ''}"
+                if kernel:
+                    assert launches.counts["decode_attention"] == len(model.layers) * (new_tokens - 1), what
+                    [batch] = engine._batches.values()
+                    # the prefill's, once for each buffer length; none a decode step
+                    assert sorted(made_masks) == sorted(set(batch.cache.lengths)), f"{what}: masks {made_masks}"
+                    assert len(batch.runners) == 1, f"{what}: {len(batch.runners)} steps made"
+                else:
+                    assert launches.counts["decode_attention"] == 0 and made_masks, what
+            want = runs[False, False]
+            tolerance = 2e-2 if torch.bfloat16 in (dtype, torch.bfloat16 if autocast else None) else 1e-5
+            for (kernel, static), out in runs.items():
+                what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}, kernel {kernel}, static {static}"
+                assert out.completion_ids == want.completion_ids, \
+                    f"{what}: {out.completion_ids} vs {want.completion_ids}"
+                logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
+                torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=tolerance, msg=what)
+    finally:
+        cached_decoder.decode_attention_supported = supported
+        KVCache._make_masks = make_masks
+
+
 def check_models():
     """A training step of each family under the GPU policy: the kernels run where expected, the logits equal
     transformers' forward, and the loss and every gradient equal the same step with the kernels off; then the same
@@ -616,7 +711,7 @@ def check_models():
             with _Launches() as launches:
                 loss, logits, grads = _step(model, input_ids, triton=True)
             expected = {"rms_norm": norms, "norm_rope": rotated, "residual_norm": after_add, "rope": rotations,
-                        "silu_gated": gated, "cross_entropy": heads, "decode_qkv": 0}
+                        "silu_gated": gated, "cross_entropy": heads, "decode_qkv": 0, "decode_attention": 0}
             assert launches.counts == expected, f"{name}: {launches.counts}"
             torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=2e-5, msg=f"{name} logits")
             torch.testing.assert_close(loss, off_loss, rtol=1e-6, atol=0, msg=f"{name} loss")
@@ -641,7 +736,7 @@ def check_bf16_autocast():
         with _Launches() as launches:
             loss, _, grads = _step(model, input_ids, triton=True, bf16=True)
     assert launches.counts == {"rms_norm": 9, "norm_rope": 4, "residual_norm": 2, "rope": 0, "silu_gated": 2,
-                               "cross_entropy": 1, "decode_qkv": 0}, launches.counts
+                               "cross_entropy": 1, "decode_qkv": 0, "decode_attention": 0}, launches.counts
     assert abs(loss.item() - off_loss.item()) <= 1e-2 * abs(off_loss.item()), (loss.item(), off_loss.item())
     for param, grad in off_grads.items():
         cosine = torch.nn.functional.cosine_similarity(grads[param].flatten(), grad.flatten(), dim=0).item()
@@ -680,7 +775,7 @@ def check_compiled_blocks_leave_them_to_the_compiler():
             loss, _, grads = _step(model, input_ids, triton=True)
     # the final norm runs eagerly
     assert launches.counts == {"rms_norm": 1, "norm_rope": 0, "residual_norm": 0, "rope": 0, "silu_gated": 0,
-                               "cross_entropy": 1, "decode_qkv": 0}, launches.counts
+                               "cross_entropy": 1, "decode_qkv": 0, "decode_attention": 0}, launches.counts
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=0)
     for param, grad in eager_grads.items():
         torch.testing.assert_close(grads[param], grad, rtol=1e-4, atol=1e-5, msg=f"compiled grad {param}")

@@ -129,6 +129,41 @@ def test_compiled_step_matches_eager_and_transformers():
     assert sum(counters["graph_break"].values()) == breaks == 0, dict(counters["graph_break"])
 
 
+def test_visible_entries_say_what_the_mask_says():
+    """``KVCache.visible_entries`` (what the decode attention kernel reads instead of a mask: each row's entries from
+    its padding to the slot written, a ring's by the slot each entry holds) gives the position mask at every decode
+    step of full-length and ring buffers (Gemma 3's sliding layers wrap here); a step started without masks makes
+    them when asked, the same."""
+    model = load_pretrained(make_hf_model("gemma3-alternating")).model.eval()
+    prompts, steps = _prompts(), 12
+    P = max(map(len, prompts)) + 5
+    batch = DecodeBatch(model, len(prompts), P, steps, torch.float32, torch.device("cpu"))
+    cache = batch.cache
+    lengths = {cache.lengths[layer] for layer in range(len(model.layers))}
+    assert len(lengths) == 2, lengths  # full-length and ring buffers
+    with torch.no_grad():
+        logits = batch.start(model, prompts, SamplingParams(max_new_tokens=steps, do_sample=False), None)
+        for t in range(1, steps):
+            slot = torch.tensor(P + t - 1)
+            logits = decode_step(model, logits.argmax(-1), slot, cache, batch.tables, None)
+            masks = [cache.mask(layer) for layer in range(len(model.layers))]
+            biases = [cache.attention_bias(layer) for layer in range(len(model.layers))]
+            for layer, mask in enumerate(masks):
+                pad_B, slot_1, entry_slot = cache.visible_entries(layer)
+                assert slot_1.tolist() == [P + t - 1]
+                if entry_slot is None:
+                    entries = torch.arange(cache.num_slots)
+                    seen = (entries[None] >= pad_B[:, None]) & (entries[None] <= slot_1)
+                else:
+                    seen = entry_slot[None] >= pad_B[:, None]
+                assert torch.equal(seen[:, None, None, :], mask), (t, layer)
+            cache.start(slot.reshape(1), None, masks=False)  # the same slot claimed again: no mask made
+            assert not cache.visible and not cache.bias
+            for layer in range(len(model.layers)):
+                assert torch.equal(cache.attention_bias(layer), biases[layer])
+                assert torch.equal(cache.mask(layer), masks[layer])
+
+
 def test_captured_steps_read_the_cache_in_lengths(monkeypatch):
     """A captured step (``bucketed_reads``, the default on CUDA without compile; run uncaptured here) reads the cache up
     to the next multiple of READ_SLOT_MULTIPLE slots past the one it writes, a step (graph) per length: the tokens and

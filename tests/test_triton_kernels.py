@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_DIR = ROOT / ".triton-cpu"
 TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
 INTERPRETED = ["rms_norm", "rms_norm_fanned_out", "residual_rms_norm", "norm_rope", "rope", "cross_entropy", "silu_gated",
-               "models", "decoding_bf16_weights", "decode_qkv", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler"]
+               "models", "decoding_bf16_weights", "decode_qkv", "decode_attention", "bf16_autocast",
+               "compiled_blocks_leave_them_to_the_compiler"]
 COMPILED = ["compiles_for_sm90"]  # Triton's compiler, without the interpreter: a cubin for sm_90, no GPU needed
 
 

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _residual_and_pre_norm
 from hfnative.models.layers import Attention, FeedForward, gated_activation, narrowing_autocast_dtype
-from hfnative.models.triton_kernels import decode_qkv, decode_qkv_supported
+from hfnative.models.triton_kernels import (decode_attention, decode_attention_supported, decode_attention_takes,
+                                            decode_qkv, decode_qkv_supported)
 
 from .compute_weights import FUSED, fused_outputs
 from .kv_cache import KVCache
@@ -53,11 +54,25 @@ class DecoderTables:
         return cos_Nr[positions_BS], sin_Nr[positions_BS]
 
 
-def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: KVCache, layer_id: int) -> torch.Tensor:
-    """One query per row against the layer's cache entries it may see. The G = H / K query heads that share a key/value
-    head are its G queries (q [B, K, G, d]), so no kernel repeats the cache per query head (SDPA's GQA works only in
-    its flash and math kernels, and on a masked call the math kernel copies the whole cache G times). SDPA takes the
-    cache's additive mask, made once a step (``KVCache.attention_bias``): the same weights as the boolean mask."""
+def attends_by_kernel(model: Transformer, cache: KVCache) -> bool:
+    """Whether a decode step's attention to ``cache`` runs as the Triton kernel ``decode_attention`` (where the kernels
+    run; not with attention sinks): each row reads only the entries it sees, with no mask made, so a step's reads
+    follow the rows' lengths whatever shape the cache has."""
+    return (all(layer.attention.sinks is None for layer in model.layers)
+            and decode_attention_supported(cache.keys[0], cache.values[0], model.args.n_heads))
+
+
+def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: KVCache, layer_id: int,
+                  by_kernel: bool) -> torch.Tensor:
+    """One query per row against the layer's cache entries it may see. by_kernel (``attends_by_kernel``): one
+    ``decode_attention`` launch reading the entries each row sees (``KVCache.visible_entries``). Else SDPA: the
+    G = H / K query heads that share a key/value head are its G queries (q [B, K, G, d]), so no kernel repeats the
+    cache per query head (SDPA's GQA works only in its flash and math kernels, and on a masked call the math kernel
+    copies the whole cache G times); it takes the cache's additive mask, made once a step
+    (``KVCache.attention_bias``): the same weights as the boolean mask."""
+    if by_kernel and decode_attention_takes(q_BH1d, keys_BKLd):
+        return decode_attention(q_BH1d, cache.keys[layer_id], cache.values[layer_id], *cache.visible_entries(layer_id),
+                                attention.scale)
     if attention.sinks is not None:
         return _attend_with_sinks(q_BH1d, keys_BKLd, values_BKLd, cache.mask(layer_id), attention.sinks,
                                   attention.scale)
@@ -96,11 +111,12 @@ def _step_heads(attention: Attention, projections: tuple[torch.Tensor, ...], cos
 
 def _block_forward(
     block: TransformerBlock, x_BSD: torch.Tensor, update_BSD: torch.Tensor | None, cos_sin, cache: KVCache,
-    plan: AttentionPlan | None,
+    plan: AttentionPlan | None, by_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block on the residual stream ``x_BSD + update_BSD`` (the previous block's output, left unadded; None: x
     alone); returns (h, its update): the block's output is their sum, which the next block adds inside its pre-norm's
-    kernel. ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1)."""
+    kernel. ``plan``: the packed prompts' attention plan at prefill (B = 1), None for a decode step (S = 1), whose
+    attention runs as ``decode_attention`` with ``by_kernel``."""
     attention = block.attention
     B, S, _ = x_BSD.shape
     # as ``TransformerBlock.forward``: each pre-norm's output made once for the plain linear layers reading it (in the
@@ -119,7 +135,7 @@ def _block_forward(
         out_BHSd = attend(q_BHSd, k_BKSd, v_BKSd, plan, block.is_sliding, attention.scale, attention.sinks)
     else:
         q_BHSd, keys_BKLd, values_BKLd = _step_heads(attention, projections, cos_sin, cache, block.layer_id)
-        out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache, block.layer_id)
+        out_BHSd = _attend_cache(attention, q_BHSd, keys_BKLd, values_BKLd, cache, block.layer_id, by_kernel)
     attn_out = attention.wo(out_BHSd.transpose(1, 2).reshape(B, S, -1))
     # the residual add and the MLP's pre-norm: one kernel where the Triton kernels run
     h, ffn_in = _residual_and_pre_norm(block.ffn_norm, x_BSD, _norm_if(block.post_attention_norm, attn_out),
@@ -138,7 +154,8 @@ def _feed_forward(mlp: FeedForward, x: torch.Tensor | tuple[torch.Tensor, torch.
 
 
 def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Tensor, cache: KVCache,
-            tables: DecoderTables, plan: AttentionPlan | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            tables: DecoderTables, plan: AttentionPlan | None,
+            by_kernel: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Embedding and blocks over ``tokens_BS`` (writing the cache): the hidden states [B, S, D] before the final norm
     are the sum of the two returned (the last block's output left unadded: None where there are no blocks)."""
     h = model.tok_embeddings(tokens_BS)
@@ -148,7 +165,8 @@ def _blocks(model: Transformer, tokens_BS: torch.Tensor, positions_BS: torch.Ten
     local_cos_sin = tables.rope(positions_BS, local=True) if model.local_rope is not None else cos_sin
     update = None
     for layer in model.layers:
-        h, update = _block_forward(layer, h, update, local_cos_sin if layer.is_sliding else cos_sin, cache, plan)
+        h, update = _block_forward(layer, h, update, local_cos_sin if layer.is_sliding else cos_sin, cache, plan,
+                                   by_kernel)
     return h, update
 
 
@@ -181,10 +199,12 @@ def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, 
     """One new token per row at ``slot`` (a 0-d long tensor on the device, so a compiled step is reused at every
     slot); returns its logits [B, V]. read_upto: slot + 1 to read only the filled part of the cache
     (eager), more to read a fixed length past it, masked (a captured step's), None to read all of it, masked
-    (compiled: one shape)."""
+    (compiled: one shape); where the attention runs as the kernel (``attends_by_kernel``) it reads each row's
+    entries whatever this says, and no mask is made."""
     positions_B1 = (slot - cache.pad_B)[:, None]
-    cache.start(slot.reshape(1), read_upto)
-    h_B1D, update_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None)
+    by_kernel = attends_by_kernel(model, cache)
+    cache.start(slot.reshape(1), read_upto, masks=not by_kernel)
+    h_B1D, update_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None, by_kernel)
     if update_B1D is None:
         return model.output(model.norm(h_B1D))[:, 0]
     # the last block's residual add inside the final norm's kernel, where the Triton kernels run

@@ -57,6 +57,7 @@ class KVCache:
         self.bias_values = (torch.zeros((), dtype=dtype, device=device), torch.full((), float("-inf"), dtype=dtype,
                                                                                    device=device))
         self.read_upto = num_slots  # full-length buffers: entries past this are empty and not read
+        self.slot_1: torch.Tensor | None = None  # set by ``start``: the last slot it claimed ([1], on the device)
         # per buffer length, set by ``start_prompts``: packed prompt tokens kept, their rows and entries
         self.prompt_index: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -73,6 +74,7 @@ class KVCache:
         view.visible = {n: visible[:rows] for n, visible in self.visible.items()}
         view.bias = {n: bias[:rows] for n, bias in self.bias.items()}
         view.prompt_index, view.read_upto, view.bias_values = {}, self.num_slots, self.bias_values
+        view.slot_1 = self.slot_1
         return view
 
     def reset(self, pad_B: torch.Tensor) -> None:
@@ -84,22 +86,33 @@ class KVCache:
         for buffer in self.keys + self.values:
             buffer.zero_()
 
-    def start(self, slots_S: torch.Tensor, read_upto: int | None = None) -> None:
+    def start(self, slots_S: torch.Tensor, read_upto: int | None = None, masks: bool = True) -> None:
         """Claim the entries of the slots written next (consecutive, increasing); a ring keeps only
         the last of them that fit. read_upto: one past the last slot written so far, when known on the
         host: attention then reads only that prefix of full-length buffers (eager decoding); None reads
-        them whole, masked (one shape for every step of a compiled decode step)."""
+        them whole, masked (one shape for every step of a compiled decode step). masks: make each buffer
+        length's masks now, for every layer of the step (False: an attention that reads ``visible_entries``
+        instead needs none; ``mask`` and ``attention_bias`` make them if asked)."""
         self.read_upto = self.num_slots if read_upto is None else read_upto
+        self.slot_1 = slots_S[-1:]
         for n, entry_slot in self.entry_slot.items():
             kept = slots_S[-n:]
             index = kept % n
             entry_slot.index_copy_(0, index, kept)
             self.index[n] = index
-            read = entry_slot if n != self.num_slots else entry_slot[: self.read_upto]
-            visible = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
-            self.visible[n] = visible
-            # made once a step for every layer of this length: SDPA would turn a boolean mask into this per call
-            self.bias[n] = torch.where(visible, *self.bias_values)
+            if masks:
+                self._make_masks(n)
+            else:
+                self.visible.pop(n, None)
+                self.bias.pop(n, None)
+
+    def _make_masks(self, n: int) -> None:
+        entry_slot = self.entry_slot[n]
+        read = entry_slot if n != self.num_slots else entry_slot[: self.read_upto]
+        visible = (read[None, :] >= self.pad_B[:, None])[:, None, None, :]  # [B, 1, 1, L]
+        self.visible[n] = visible
+        # made once a step for every layer of this length: SDPA would turn a boolean mask into this per call
+        self.bias[n] = torch.where(visible, *self.bias_values)
 
     def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
         """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
@@ -140,9 +153,22 @@ class KVCache:
 
     def mask(self, layer_id: int) -> torch.Tensor:
         """Boolean [B, 1, 1, L]: which entries of the layer each row's query may attend to."""
-        return self.visible[self.lengths[layer_id]]
+        n = self.lengths[layer_id]
+        if n not in self.visible:
+            self._make_masks(n)
+        return self.visible[n]
 
     def attention_bias(self, layer_id: int) -> torch.Tensor:
         """``mask`` as an additive mask [B, 1, 1, L] in the cache's dtype: 0 where visible, -inf elsewhere (what SDPA
         makes of a boolean mask, made once a step here instead of once a layer)."""
-        return self.bias[self.lengths[layer_id]]
+        n = self.lengths[layer_id]
+        if n not in self.bias:
+            self._make_masks(n)
+        return self.bias[n]
+
+    def visible_entries(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What ``mask`` says, as a kernel reads it without a mask: (pad_B [B], slot_1 [1], entry_slot [L] or None).
+        A full-length buffer (entry_slot None) holds slot s at entry s: row b sees entries pad_B[b] .. slot_1, the
+        last slot claimed; a ring's entry e is seen where entry_slot[e] >= pad_B[b]."""
+        n = self.lengths[layer_id]
+        return self.pad_B, self.slot_1, None if n == self.num_slots else self.entry_slot[n]

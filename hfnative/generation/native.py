@@ -20,6 +20,7 @@ from hfnative.models.compute_dtype import autocast_for_weights
 from hfnative.models.decoder import Transformer
 from hfnative.precision import autocast_dtype
 
+from .cached_decoder import attends_by_kernel
 from .compute_weights import DecodingWeights, stacked_copy_bytes
 from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows
 from .rollouts import RolloutEngine, Rollouts, check_prompts
@@ -71,10 +72,13 @@ class NativeRolloutEngine(RolloutEngine):
     graph per batch shape (rows, prompt slots, new tokens) and sampling kind, and replayed at every token: one launch
     a token, whatever the model's depth. compile: that step goes through ``torch.compile`` (fused kernels; the first
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
-    COMPILE_SLOT_MULTIPLE slots and the cache is read under its position mask: a compiled step reads it whole (one
-    shape, one compile), a captured one up to the next multiple of READ_SLOT_MULTIPLE slots past the last filled one
-    (``bucketed_reads``: a graph per read length, captured as the cache fills). Prefill stays eager (packed, the
-    training attention kernels). max_batch_size: at most this many prompts decode together.
+    COMPILE_SLOT_MULTIPLE slots. Where the Triton kernels run (a GPU of compute capability 8.0 on, no attention
+    sinks), a captured step's attention is one kernel a layer that reads each row's entries from its first token to
+    the slot written (``decode_attention``), with no mask: one graph for every step. Otherwise the cache is read
+    under its position mask: a compiled step reads it whole (one shape, one compile), a captured one up to the next
+    multiple of READ_SLOT_MULTIPLE slots past the last filled one (``bucketed_reads``: a graph per read length,
+    captured as the cache fills). Prefill stays eager (packed, the training attention kernels). max_batch_size: at
+    most this many prompts decode together.
     compact (default on): once the rows still going fit in a power of two rows (at least SMALLEST_COMPACTED_BATCH) at
     most half of a batch, they move (cache and all) to the front of its buffers, and the later steps decode only that
     front, in the same memory. A call whose completions end at different lengths costs the tokens it makes, not its
@@ -187,10 +191,16 @@ class NativeRolloutEngine(RolloutEngine):
         READ_SLOT_MULTIPLE slots."""
         return self.compile or self.cuda_graph or self.bucketed_reads
 
-    def _read_upto(self, batch: DecodeBatch, t: int) -> int | None:
+    def _bucketed(self, model: Transformer, batch: DecodeBatch) -> bool:
+        """Whether this batch's captured steps read the cache in lengths (``bucketed_reads``): not where the attention
+        runs as the Triton kernel, which reads each row's entries from a step of any read length (one graph)."""
+        return self.bucketed_reads and not attends_by_kernel(model, batch.cache)
+
+    @staticmethod
+    def _read_upto(batch: DecodeBatch, t: int, bucketed: bool) -> int | None:
         """What the static-shape step choosing token t reads of the cache: up to the multiple of READ_SLOT_MULTIPLE
-        slots past the slot it writes (P + t - 1) with ``bucketed_reads``, else all of it (None)."""
-        if not self.bucketed_reads:
+        slots past the slot it writes (P + t - 1) when ``bucketed``, else all of it (None)."""
+        if not bucketed:
             return None
         return min(batch.P + batch.T, -(-(batch.P + t) // READ_SLOT_MULTIPLE) * READ_SLOT_MULTIPLE)
 
@@ -226,7 +236,8 @@ class NativeRolloutEngine(RolloutEngine):
         seeded = sampling.seed is not None
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
         choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
-        read_upto = self._read_upto(batch, 1)
+        bucketed = self._bucketed(model, batch)
+        read_upto = self._read_upto(batch, 1, bucketed)
         step = self._runner(model, batch, sampling, read_upto)
         live = LiveRows(device) if sampling.stop_ids else None
         moved = False
@@ -239,7 +250,7 @@ class NativeRolloutEngine(RolloutEngine):
                 batch, moved = batch.move_going_first(rows), True
                 step = self._runner(model, batch, sampling, read_upto)
             if self.static_shapes:
-                upto = self._read_upto(batch, t)
+                upto = self._read_upto(batch, t, bucketed)
                 if upto != read_upto:  # the cache filled past the length read so far
                     read_upto, step = upto, self._runner(model, batch, sampling, upto)
                 step()

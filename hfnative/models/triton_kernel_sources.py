@@ -243,6 +243,67 @@ def decode_qkv(Q, K, V, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, ENTRY, q_stri
 
 
 @triton.jit
+def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, q_b, q_h, cache_b, cache_h, cache_l, out_b, out_h,
+                     group, n_cols, length, scale, FULL: tl.constexpr, GROUP_BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """One query a row against a layer's key/value cache [B, kv_heads, L, d], a program a row and key/value head: its
+    ``group`` query heads of Q [B, heads, d] (rows q_b apart, heads q_h) attend, with an online softmax in float32,
+    to the entries the row may see, written to OUT likewise. FULL (a buffer holding every slot, entry e at slot e):
+    entries PAD[row] .. SLOT (a device scalar: the slot this step wrote), and nothing past them is read; else a
+    ring of ``length`` entries, each seen where the slot it holds (ENTRY_SLOT, -1 when empty) is at or after the
+    row's padding. The probabilities meet the values in the values' dtype, as a flash kernel's do; IEEE: float32
+    products (no TF32)."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    members = tl.arange(0, GROUP_BLOCK)
+    heads = kv_head * group + members
+    cols = tl.arange(0, BLOCK_D)
+    in_cols = cols < n_cols
+    q_mask = (members < group)[:, None] & in_cols[None, :]
+    q = tl.load(Q + row * q_b + heads[:, None] * q_h + cols[None, :], mask=q_mask, other=0.0)
+    pad = tl.load(PAD + row).to(tl.int32)
+    if FULL:
+        first = pad
+        end = tl.load(SLOT).to(tl.int32) + 1
+    else:
+        first = pad * 0
+        end = first + length
+    # the row's and head's entries: offsets within them in int32 (a tile's addresses held as 32-bit offsets)
+    K_CACHE += row * cache_b + kv_head * cache_h
+    V_CACHE += row * cache_b + kv_head * cache_h
+    row_max = tl.full([GROUP_BLOCK], -float("inf"), tl.float32)
+    total = tl.zeros([GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([GROUP_BLOCK, BLOCK_D], tl.float32)
+    for start in range(first, end, BLOCK_N):
+        entries = start + tl.arange(0, BLOCK_N)
+        seen = entries < end
+        if not FULL:
+            seen = seen & (tl.load(ENTRY_SLOT + entries, mask=seen, other=-1) >= pad)
+        at = entries[:, None] * cache_l + cols[None, :]
+        kv_mask = seen[:, None] & in_cols[None, :]
+        k = tl.load(K_CACHE + at, mask=kv_mask, other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(seen[None, :], scores * scale, -float("inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        # a block a row sees nothing of (a ring's empty or padded entries) leaves it as it was
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        rescale = tl.exp(row_max - shift)
+        p = tl.exp(scores - shift[:, None])
+        total = total * rescale + tl.sum(p, axis=1)
+        v = tl.load(V_CACHE + at, mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    out = acc / total[:, None]
+    tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
 def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, stride_z, stride_grad, scale,
                        WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
     """One row of a chunk's logits z = Z * scale: its NLL, entropy and top-1 hit (masked by VALID), and, with

@@ -23,10 +23,16 @@ outputs once:
   bf16 product, and its gradient written in a second, straight into the block the weight's GEMM reads. The op
   sequence it replaces makes an fp32 copy of the logits, a softmax, a max, an expectation pass and a cast of the
   gradient: about 48 bytes an entry against 6.
+- ``decode_qkv`` and ``decode_attention``: a decode step of the native rollout engine (``hfnative.generation``): its
+  query, key and value heads normed, rotated and written into the KV cache in one kernel; its attention in one kernel
+  a layer that reads each row's cache entries from its first token to the slot written (no mask, nothing past them),
+  the query heads sharing a key/value head read together.
 
 Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
 bf16 results round at the same points; sums run in another order (a float32 round-off apart) and the norm's weight
-gradient is summed in float32 where the op sequence multiplies in the output dtype first.
+gradient is summed in float32 where the op sequence multiplies in the output dtype first. ``decode_attention`` is a
+flash kernel's attention, as SDPA's GPU kernels are: an online softmax in float32, the probabilities meeting the values
+in their dtype.
 
 Where they run: the device policy's ``triton_kernels`` (on for a GPU); tensors on an NVIDIA GPU of compute capability
 8.0 or later (or any device with ``TRITON_INTERPRET=1``, Triton's interpreter, which is how the CPU tests run them);
@@ -66,7 +72,7 @@ def _interpreting() -> bool:
 
 
 KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
-                "silu_gated_backward", "cross_entropy_rows", "decode_qkv")
+                "silu_gated_backward", "cross_entropy_rows", "decode_qkv", "decode_attention")
 Kernels = collections.namedtuple("Kernels", KERNEL_NAMES)
 
 
@@ -77,7 +83,39 @@ def _kernels() -> Kernels | None:
         from . import triton_kernel_sources as sources
     except ImportError:
         return None
+    if _interpreting():
+        _mend_interpreter()
     return Kernels(*(getattr(sources, name) for name in KERNEL_NAMES))
+
+
+def _mend_interpreter() -> None:
+    """Two things Triton's interpreter (3.6) gets wrong that ``decode_attention`` meets, mended as a GPU does them:
+    it holds a kernel's scalars as one-element arrays and makes a loop's bounds of them with ``int(array)``, which
+    numpy 2 refuses (the loop over the entries a row sees): the element is read instead; and ``tl.dot`` of bfloat16
+    operands multiplies their bits as integers: they are widened to float32 first (exact: a GPU's bf16 products are
+    exact in its float32 accumulator too)."""
+    import numpy
+    from triton.runtime import interpreter
+
+    patch_tensor, builder = getattr(interpreter, "_patch_lang_tensor", None), getattr(interpreter, "InterpreterBuilder",
+                                                                                      None)
+    if patch_tensor is None or builder is None or getattr(patch_tensor, "mended", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    dot = builder.create_dot
+
+    def widened(self, a, b, d, *args):
+        a, b = (interpreter.TensorHandle(interpreter._convert_float(x.data, x.dtype, interpreter.tl.float32, None)
+                                         .view(numpy.float32), interpreter.tl.float32)
+                if x.dtype.name == "bf16" else x for x in (a, b))
+        return dot(self, a, b, d, *args)
+
+    patched.mended = True
+    interpreter._patch_lang_tensor, builder.create_dot = patched, widened
 
 
 def available() -> bool:
@@ -511,6 +549,54 @@ def decode_qkv(q_BSP: torch.Tensor, k_BSP: torch.Tensor, v_BSP: torch.Tensor, he
     return q_out
 
 
+MAX_ATTENTION_DIM = 256  # the widest head ``decode_attention`` holds in a program
+ATTENTION_BLOCK = 32  # cache entries a ``decode_attention`` program reads at once (the grouped decode kernels' choice)
+
+
+def decode_attention_supported(keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor, heads: int) -> bool:
+    """Whether ``decode_attention`` serves a decode step's attention to this cache with ``heads`` query heads: where
+    the kernels run, heads that share key/value heads evenly, at most MAX_ATTENTION_DIM wide, keys and values laid out
+    alike (the query: ``decode_attention_takes``)."""
+    if not use_triton_kernels(keys_BKLd, values_BKLd):
+        return False
+    d = keys_BKLd.shape[-1]
+    return (keys_BKLd.dtype in _FLOATS and values_BKLd.dtype == keys_BKLd.dtype and heads % keys_BKLd.shape[1] == 0
+            and d <= MAX_ATTENTION_DIM and keys_BKLd.stride() == values_BKLd.stride() and keys_BKLd.stride(-1) == 1)
+
+
+def decode_attention_takes(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes this query (one token a row, the cache's dtype, heads' columns adjacent)."""
+    return (q_BH1d.shape[2] == 1 and q_BH1d.dtype == keys_BKLd.dtype and q_BH1d.stride(-1) == 1
+            and q_BH1d.shape[-1] == keys_BKLd.shape[-1])
+
+
+def _pow2_at_least(n: int, least: int) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor, pad_B: torch.Tensor,
+                     slot_1: torch.Tensor, entry_slot_L: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """A decode step's attention in one kernel a layer (``decode_attention_supported`` / ``_takes``): each row's query
+    heads [B, H, 1, d] against the cache's entries it may see, returned [B, H, 1, d] in the query's dtype. A buffer
+    holding every slot (``entry_slot_L`` None) is read from the row's padding ``pad_B`` [B] to the slot this step
+    wrote (``slot_1``, [1] on the device): no entry past it or before the row's first token is read, and no mask is
+    made. A ring (``entry_slot_L`` [L]: the slot each entry holds, -1 empty) is read whole, an entry seen where its slot
+    is at or after the row's padding. Query heads h of a key/value head k are k * H / K .. (k + 1) * H / K - 1."""
+    B, H, _, d = q_BH1d.shape
+    kv_heads, length = keys_BKLd.shape[1], keys_BKLd.shape[2]
+    out = torch.empty(B, H, 1, d, dtype=q_BH1d.dtype, device=q_BH1d.device)
+    block_d = _pow2_at_least(d, 16)  # (tl.dot's smallest tile: 16)
+    full = entry_slot_L is None
+    _launch(
+        "decode_attention", (B, kv_heads), q_BH1d.device,
+        q_BH1d, keys_BKLd, values_BKLd, out, pad_B, slot_1, slot_1 if full else entry_slot_L, q_BH1d.stride(0),
+        q_BH1d.stride(1), *keys_BKLd.stride()[:3], out.stride(0), out.stride(1), H // kv_heads, d, length, scale,
+        FULL=full, GROUP_BLOCK=_pow2_at_least(H // kv_heads, 16), BLOCK_D=block_d, BLOCK_N=ATTENTION_BLOCK,
+        IEEE=q_BH1d.dtype == torch.float32, num_warps=4, num_stages=2,
+    )
+    return out
+
+
 CROSS_ENTROPY_BLOCK = 2048  # vocabulary entries a cross-entropy program reads at once
 
 
@@ -540,4 +626,4 @@ def cross_entropy_supported(z_CV_dtype: torch.dtype, softcap: float | None) -> b
 __all__ = ["ENV_SWITCH", "TritonRMSNorm", "TritonResidualRMSNorm", "TritonRope", "TritonSiluGated", "available",
            "fanned_out", "norm_rope_supported", "residual_rms_norm_supported", "rms_norm_supported", "rope_supported",
            "silu_gated_supported", "use_triton_kernels", "cross_entropy_rows", "cross_entropy_supported", "decode_qkv",
-           "decode_qkv_supported"]
+           "decode_qkv_supported", "decode_attention", "decode_attention_supported", "decode_attention_takes"]
