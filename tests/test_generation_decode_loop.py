@@ -184,8 +184,9 @@ def test_captured_steps_read_the_cache_in_lengths(monkeypatch):
         assert diff <= 1e-5
     [batch] = bucketed._batches.values()
     assert batch.P == 64  # static shapes: prompts left-padded to 64 slots, 84 in all
-    # the read lengths of the steps made (on CUDA, each captured): the last argument each step is bound to
-    lengths = {runner.step.args[-1] for runner in batch.runners.values()}
+    # the read lengths of the steps made (on CUDA, each captured): the read_upto each step is bound to (no kernel here)
+    assert all(runner.step.args[-1] is False for runner in batch.runners.values())
+    lengths = {runner.step.args[-2] for runner in batch.runners.values()}
     assert lengths == {72, 80, 84}, lengths
 
 

@@ -187,7 +187,8 @@ def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cac
     # packed documents attend per document with no [N, N] mask (flash varlen kernels on GPU)
     plan = plan_attention(1, tokens_1N.shape[1], device, None, positions_N[None],
                           model.args.sliding_window if has_sliding else None, "varlen")
-    cache.start_prompts(rows_N.to(device), slots_N.to(device), P)
+    # (the decode steps' masks made only where their attention needs them: a compiled step starts from the same state)
+    cache.start_prompts(rows_N.to(device), slots_N.to(device), P, masks=not attends_by_kernel(model, cache))
     h_1ND, update_1ND = _blocks(model, tokens_1N, positions_N.to(device)[None], cache, tables, plan)
     last_B = last_B.to(device)
     h_1BD = h_1ND[:, last_B] if update_1ND is None else h_1ND[:, last_B] + update_1ND[:, last_B]
@@ -195,14 +196,16 @@ def prefill(model: Transformer, prompts: list[list[int]], prompt_slots: int, cac
 
 
 def decode_step(model: Transformer, tokens_B: torch.Tensor, slot: torch.Tensor, cache: KVCache, tables: DecoderTables,
-                read_upto: int | None = None) -> torch.Tensor:
+                read_upto: int | None = None, by_kernel: bool | None = None) -> torch.Tensor:
     """One new token per row at ``slot`` (a 0-d long tensor on the device, so a compiled step is reused at every
     slot); returns its logits [B, V]. read_upto: slot + 1 to read only the filled part of the cache
     (eager), more to read a fixed length past it, masked (a captured step's), None to read all of it, masked
     (compiled: one shape); where the attention runs as the kernel (``attends_by_kernel``) it reads each row's
-    entries whatever this says, and no mask is made."""
+    entries whatever this says, and no mask is made. by_kernel: that answer, asked before a compiled step (None: ask
+    now; the question is not one compiled code can ask)."""
     positions_B1 = (slot - cache.pad_B)[:, None]
-    by_kernel = attends_by_kernel(model, cache)
+    if by_kernel is None:
+        by_kernel = attends_by_kernel(model, cache)
     cache.start(slot.reshape(1), read_upto, masks=not by_kernel)
     h_B1D, update_B1D = _blocks(model, tokens_B[:, None], positions_B1, cache, tables, None, by_kernel)
     if update_B1D is None:

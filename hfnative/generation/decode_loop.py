@@ -155,12 +155,13 @@ def choose(batch: DecodeBatch, logits_BV: torch.Tensor, sampling: SamplingParams
 
 
 def advance(model: Transformer, batch: DecodeBatch, sampling: SamplingParams, seeded: bool,
-            read_upto: int | None = None) -> None:
+            read_upto: int | None = None, by_kernel: bool | None = None) -> None:
     """One decode step: the last chosen token of each row at its slot (P + step - 1), then the next token chosen.
-    read_upto: as ``decode_step``'s (None: the whole cache, masked, one shape at every step; a fixed length past the
-    slot written: that prefix of it, masked)."""
+    read_upto, by_kernel: as ``decode_step``'s (read_upto None: the whole cache, masked, one shape at every step; a
+    fixed length past the slot written: that prefix of it, masked)."""
     slot = batch.step + (batch.P - 1)
-    choose(batch, decode_step(model, batch.token_B, slot, batch.cache, batch.tables, read_upto), sampling, seeded)
+    logits_BV = decode_step(model, batch.token_B, slot, batch.cache, batch.tables, read_upto, by_kernel)
+    choose(batch, logits_BV, sampling, seeded)
 
 
 class StepRunner:

@@ -114,10 +114,10 @@ class KVCache:
         # made once a step for every layer of this length: SDPA would turn a boolean mask into this per call
         self.bias[n] = torch.where(visible, *self.bias_values)
 
-    def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int) -> None:
+    def start_prompts(self, rows_N: torch.Tensor, slots_N: torch.Tensor, prompt_slots: int, masks: bool = True) -> None:
         """Claim slots 0..P-1 for the prompts, given as N packed tokens: token i goes to row rows_N[i],
-        slot slots_N[i]; a ring keeps only the tokens of its last slots."""
-        self.start(torch.arange(prompt_slots, device=slots_N.device))
+        slot slots_N[i]; a ring keeps only the tokens of its last slots. masks: as ``start``'s."""
+        self.start(torch.arange(prompt_slots, device=slots_N.device), masks=masks)
         for n in self.entry_slot:
             kept_N = slots_N >= prompt_slots - n
             self.prompt_index[n] = (kept_N.nonzero()[:, 0], rows_N[kept_N], slots_N[kept_N] % n)

@@ -217,8 +217,9 @@ class NativeRolloutEngine(RolloutEngine):
             key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
             if self.static_shapes:
+                # (whether the attention runs as the Triton kernel, asked here: compiled code cannot ask it)
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
-                                         read_upto)
+                                         read_upto, attends_by_kernel(model, batch.cache))
                 if self.cuda_graph and self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 batch.runners[key] = StepRunner(step, self.cuda_graph, self._graph_pool)

@@ -48,6 +48,7 @@ import contextlib
 import functools
 import os
 import warnings
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -581,7 +582,16 @@ def decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd:
     holding every slot (``entry_slot_L`` None) is read from the row's padding ``pad_B`` [B] to the slot this step
     wrote (``slot_1``, [1] on the device): no entry past it or before the row's first token is read, and no mask is
     made. A ring (``entry_slot_L`` [L]: the slot each entry holds, -1 empty) is read whole, an entry seen where its slot
-    is at or after the row's padding. Query heads h of a key/value head k are k * H / K .. (k + 1) * H / K - 1."""
+    is at or after the row's padding. Query heads h of a key/value head k are k * H / K .. (k + 1) * H / K - 1.
+    In code torch.compile traces (a compiled decode step) it is the custom op ``hfnative::decode_attention``, which the
+    compiler calls as it is."""
+    if torch.compiler.is_compiling():
+        return _decode_attention_op(q_BH1d, keys_BKLd, values_BKLd, pad_B, slot_1, entry_slot_L, scale)
+    return _decode_attention(q_BH1d, keys_BKLd, values_BKLd, pad_B, slot_1, entry_slot_L, scale)
+
+
+def _decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor, pad_B: torch.Tensor,
+                      slot_1: torch.Tensor, entry_slot_L: torch.Tensor | None, scale: float) -> torch.Tensor:
     B, H, _, d = q_BH1d.shape
     kv_heads, length = keys_BKLd.shape[1], keys_BKLd.shape[2]
     out = torch.empty(B, H, 1, d, dtype=q_BH1d.dtype, device=q_BH1d.device)
@@ -595,6 +605,18 @@ def decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd:
         IEEE=q_BH1d.dtype == torch.float32, num_warps=4, num_stages=2,
     )
     return out
+
+
+@torch.library.custom_op("hfnative::decode_attention", mutates_args=())
+def _decode_attention_op(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor,
+                         pad_B: torch.Tensor, slot_1: torch.Tensor, entry_slot_L: Optional[torch.Tensor],
+                         scale: float) -> torch.Tensor:
+    return _decode_attention(q_BH1d, keys_BKLd, values_BKLd, pad_B, slot_1, entry_slot_L, scale)
+
+
+@_decode_attention_op.register_fake
+def _(q_BH1d, keys_BKLd, values_BKLd, pad_B, slot_1, entry_slot_L, scale):
+    return torch.empty(q_BH1d.shape, dtype=q_BH1d.dtype, device=q_BH1d.device)
 
 
 CROSS_ENTROPY_BLOCK = 2048  # vocabulary entries a cross-entropy program reads at once
