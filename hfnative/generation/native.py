@@ -73,8 +73,8 @@ class NativeRolloutEngine(RolloutEngine):
     a token, whatever the model's depth. compile: that step goes through ``torch.compile`` (fused kernels; the first
     call of a shape compiles). Either gives the step static shapes: prompts are left-padded to a multiple of
     COMPILE_SLOT_MULTIPLE slots. Where the Triton kernels run (a GPU of compute capability 8.0 on, no attention
-    sinks), a captured step's attention is one kernel a layer that reads each row's entries from its first token to
-    the slot written (``decode_attention``), with no mask: one graph for every step. Otherwise the cache is read
+    sinks), a captured or compiled step's attention is one kernel a layer that reads each row's entries from its first
+    token to the slot written (``decode_attention``), with no mask: one graph for every step. Otherwise the cache is read
     under its position mask: a compiled step reads it whole (one shape, one compile), a captured one up to the next
     multiple of READ_SLOT_MULTIPLE slots past the last filled one (``bucketed_reads``: a graph per read length,
     captured as the cache fills). Prefill stays eager (packed, the training attention kernels). max_batch_size: at
