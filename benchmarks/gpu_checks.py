@@ -510,14 +510,12 @@ def _kernel_cases(device: torch.device):
             randn(head_dim, scale=0.3) + 1), decode(True), decode(False))
 
     # a decode step's attention in one kernel (``decode_attention``: each row's entries from its padding to the slot
-    # written, no mask) at batch 64 in bf16, against the path without it: SDPA over the cache read up to the next
-    # multiple of 64 slots, under the additive mask
-    slot = slots * 5 // 8
-    read = min(slots, -(-(slot + 1) // 64) * 64)
-    pad_B = torch.randint(0, slot // 4, (batch,), device=device, generator=generator)
-    slot_1 = torch.tensor([slot], device=device)
+    # written, no mask) in bf16, against the path without it: SDPA over the cache read up to the next multiple of 64
+    # slots, under the additive mask; at batch 64 (the rows x heads fill the GPU) and at batch 8 with a long cache
+    # (each row's cache read in parts, ``attention_splits``)
+    def attend(kernel: bool, rows: int, slot: int, read: int, pad_B: torch.Tensor):
+        slot_1 = torch.tensor([slot], device=device)
 
-    def attend(kernel: bool):
         @torch.no_grad()
         def run(q, keys, values):
             if kernel:
@@ -525,17 +523,24 @@ def _kernel_cases(device: torch.device):
             entries = torch.arange(read, device=device)
             seen = (entries[None] >= pad_B[:, None]) & (entries[None] <= slot)
             bias = torch.where(seen, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
-            out = F.scaled_dot_product_attention(q.reshape(batch, kv_heads, heads // kv_heads, head_dim),
+            out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, heads // kv_heads, head_dim),
                                                  keys[:, :, :read], values[:, :, :read], attn_mask=bias,
                                                  scale=head_dim**-0.5)
-            return out.reshape(batch, heads, 1, head_dim)
+            return out.reshape(rows, heads, 1, head_dim)
         return run
 
-    yield (f"decode_attention bf16 [{batch}, {heads} heads of {head_dim}] x {slots} slots ({kv_heads} kv heads), "
-           f"rows of {slot + 1 - pad_B.max().item()}..{slot + 1} entries",
-           (randn(batch, heads, 1, head_dim, scale=3).bfloat16(),
-            randn(batch, kv_heads, slots, head_dim).bfloat16(), randn(batch, kv_heads, slots, head_dim).bfloat16()),
-           attend(True), attend(False))
+    for rows, cache_slots in ((batch, slots), (8, 4096)) if cuda else ((batch, slots),):
+        slot = cache_slots * 5 // 8
+        read = min(cache_slots, -(-(slot + 1) // 64) * 64)
+        pad_B = torch.randint(0, max(slot // 4, 1), (rows,), device=device, generator=generator)
+        splits = triton_kernels.attention_splits(rows, kv_heads, cache_slots, device)
+        yield (f"decode_attention bf16 [{rows}, {heads} heads of {head_dim}] x {cache_slots} slots ({kv_heads} kv "
+               f"heads, {splits} part{'s' if splits > 1 else ''}), rows of {slot + 1 - pad_B.max().item()}..{slot + 1} "
+               "entries",
+               (randn(rows, heads, 1, head_dim, scale=3).bfloat16(),
+                randn(rows, kv_heads, cache_slots, head_dim).bfloat16(),
+                randn(rows, kv_heads, cache_slots, head_dim).bfloat16()),
+               attend(True, rows, slot, read, pad_B), attend(False, rows, slot, read, pad_B))
 
     # the fused head's cross-entropy, as SFT runs it under bf16 autocast (the GPU policy's chunks and blocks), with the
     # kernel and with torch's ops: the loss sum and both gradients; half the rows a prompt (ignored)

@@ -114,6 +114,7 @@ def qwen3_launches(tokens: int = 8192) -> list:
     q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
     the rotations with bf16 tables (rounded as torch rotates in bf16); a decode step's heads (``decode_qkv``) in
     both, and its attention (``decode_attention``)."""
+    from hfnative.models import triton_kernels
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
                                                cross_entropy_rows, decode_attention, decode_qkv)
 
@@ -170,6 +171,9 @@ def qwen3_launches(tokens: int = 8192) -> list:
                 query = torch.zeros(64, 2 * heads.shape[1], 1, heads.shape[-1], dtype=heads.dtype)
                 for ring in (None, torch.zeros(320, dtype=torch.int64)):
                     decode_attention(query, heads, heads, pad, entry, ring, 0.088)
+            # at batch 8 each row's cache read in 4 parts, then joined
+            query = torch.zeros(8, 16, 1, 128, dtype=torch.bfloat16)
+            triton_kernels._decode_attention(query, cache[:8], cache[:8], pad[:8], entry, None, 0.088, 4)
 
     return recorded_launches(run)
 

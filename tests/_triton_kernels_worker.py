@@ -13,6 +13,7 @@ compares the compiled kernels on CUDA more tightly.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -618,7 +619,9 @@ def check_decode_attention():
     float64: float32 to float32 round-off, bf16 within four bf16 ulps of the values' scale (the probabilities meet
     the values in bf16, as a flash kernel's do); full-length buffers read from each row's padding to the slot
     written (a padding past a whole block of entries), rings by the slot each entry holds (a block of empty entries
-    seen by no row), query heads sharing key/value heads 1, 2 and 3 to a group, heads of 16, 24, 128 and 256. Then
+    seen by no row), query heads sharing key/value heads 1, 2 and 3 to a group, heads of 16, 24, 128 and 256, each
+    row's cache read whole and in 2 and 4 parts joined by ``decode_attention_combine`` (a part of unseen or no
+    entries among them). Then
     the native engine's greedy decoding with it against the engine with SDPA under the cache's mask: the same
     completions, log-probs to float32 round-off (bf16: 2e-2), one launch a layer and step, no mask made, one
     static-shape step for every read length (no graph per length); and a compiled step (bf16 Gemma 3) calling it as a
@@ -641,12 +644,12 @@ def check_decode_attention():
                 rings[:41] = torch.arange(41)  # a ring of 150 entries filled up to slot 40
                 cases = (("full", None, (entries[None] >= pad[:, None]) & (entries[None] <= slot)),
                          ("ring", rings, rings[None] >= torch.tensor([0, 20, 40])[:, None]))
-                for kind, entry_slot, seen in cases:
+                for (kind, entry_slot, seen), splits in itertools.product(cases, (1, 2, 4)):
                     row_pad = pad if entry_slot is None else torch.tensor([0, 20, 40])
-                    out = triton_kernels.decode_attention(q, keys, values, row_pad, torch.tensor([slot]), entry_slot,
-                                                          d**-0.5)
+                    out = triton_kernels._decode_attention(q, keys, values, row_pad, torch.tensor([slot]), entry_slot,
+                                                           d**-0.5, splits)
                     want = _attention_reference(q, keys, values, seen, d**-0.5)
-                    what = f"{kind} {dtype} heads {heads}/{kv_heads} of {d}"
+                    what = f"{kind} {dtype} heads {heads}/{kv_heads} of {d} in {splits} parts"
                     assert out.dtype == dtype and out.shape == q.shape, what
                     error = (out.double() - want).abs().max().item()
                     bound = (2.0**-6 * values.abs().max().item() if dtype == torch.bfloat16 else 1e-5)

@@ -243,16 +243,19 @@ def decode_qkv(Q, K, V, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, ENTRY, q_stri
 
 
 @triton.jit
-def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, q_b, q_h, cache_b, cache_h, cache_l, out_b, out_h,
-                     group, n_cols, length, scale, FULL: tl.constexpr, GROUP_BLOCK: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, PART_ACC, PART_MAX, PART_SUM, q_b, q_h, cache_b,
+                     cache_h, cache_l, out_b, out_h, group, n_cols, length, scale, FULL: tl.constexpr,
+                     GROUP_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                     SPLITS: tl.constexpr):
     """One query a row against a layer's key/value cache [B, kv_heads, L, d], a program a row and key/value head: its
     ``group`` query heads of Q [B, heads, d] (rows q_b apart, heads q_h) attend, with an online softmax in float32,
     to the entries the row may see, written to OUT likewise. FULL (a buffer holding every slot, entry e at slot e):
     entries PAD[row] .. SLOT (a device scalar: the slot this step wrote), and nothing past them is read; else a
     ring of ``length`` entries, each seen where the slot it holds (ENTRY_SLOT, -1 when empty) is at or after the
     row's padding. The probabilities meet the values in the values' dtype, as a flash kernel's do; IEEE: float32
-    products (no TF32)."""
+    products (no TF32). SPLITS > 1: the entries are read in that many consecutive parts, a program each (the grid's
+    third axis), each leaving its unnormalised sum, running max and softmax total [GROUP_BLOCK(, BLOCK_D)] in
+    PART_ACC / PART_MAX / PART_SUM for ``decode_attention_combine``."""
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     members = tl.arange(0, GROUP_BLOCK)
@@ -268,6 +271,10 @@ def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, q_b, q_h, 
     else:
         first = pad * 0
         end = first + length
+    if SPLITS > 1:  # this program's part: whole blocks, the last part shorter (or empty)
+        part = ((end - first + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        first = first + tl.program_id(2) * part
+        end = tl.minimum(end, first + part)
     # the row's and head's entries: offsets within them in int32 (a tile's addresses held as 32-bit offsets)
     K_CACHE += row * cache_b + kv_head * cache_h
     V_CACHE += row * cache_b + kv_head * cache_h
@@ -299,8 +306,42 @@ def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, q_b, q_h, 
         else:
             acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
-    out = acc / total[:, None]
-    tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], out.to(OUT.dtype.element_ty),
+                 mask=q_mask)
+    else:
+        at_part = ((row * tl.num_programs(1) + kv_head) * SPLITS + tl.program_id(2)) * GROUP_BLOCK + members
+        tl.store(PART_MAX + at_part, row_max)
+        tl.store(PART_SUM + at_part, total)
+        tl.store(PART_ACC + at_part[:, None] * BLOCK_D + cols[None, :], acc)
+
+
+@triton.jit
+def decode_attention_combine(PART_ACC, PART_MAX, PART_SUM, OUT, out_b, out_h, group, n_cols, SPLITS: tl.constexpr,
+                             GROUP_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``decode_attention``'s SPLITS parts of a row's and key/value head's attention joined (a program each): each
+    part's sum rescaled to the largest running max, over the total so rescaled, written to OUT [B, heads, d]."""
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    members = tl.arange(0, GROUP_BLOCK)
+    cols = tl.arange(0, BLOCK_D)
+    row_max = tl.full([GROUP_BLOCK], -float("inf"), tl.float32)
+    total = tl.zeros([GROUP_BLOCK], tl.float32)
+    acc = tl.zeros([GROUP_BLOCK, BLOCK_D], tl.float32)
+    for split in tl.static_range(SPLITS):
+        at_part = ((row * tl.num_programs(1) + kv_head) * SPLITS + split) * GROUP_BLOCK + members
+        part_max = tl.load(PART_MAX + at_part)
+        new_max = tl.maximum(row_max, part_max)
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)  # (a part that read nothing weighs 0)
+        rescale, weight = tl.exp(row_max - shift), tl.exp(part_max - shift)
+        total = total * rescale + tl.load(PART_SUM + at_part) * weight
+        acc = acc * rescale[:, None] + tl.load(PART_ACC + at_part[:, None] * BLOCK_D + cols[None, :]) * weight[:, None]
+        row_max = new_max
+    heads = kv_head * group + members
+    mask = (members < group)[:, None] & (cols < n_cols)[None, :]
+    tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
+             mask=mask)
 
 
 @triton.jit

@@ -73,7 +73,8 @@ def _interpreting() -> bool:
 
 
 KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
-                "silu_gated_backward", "cross_entropy_rows", "decode_qkv", "decode_attention")
+                "silu_gated_backward", "cross_entropy_rows", "decode_qkv", "decode_attention",
+                "decode_attention_combine")
 Kernels = collections.namedtuple("Kernels", KERNEL_NAMES)
 
 
@@ -169,7 +170,7 @@ def _supported_gpu(index: int | None) -> bool:
     return works
 
 
-def _launch(name: str, programs: int | tuple[int, int], device: torch.device, *args, **constexprs) -> None:
+def _launch(name: str, programs: int | tuple[int, ...], device: torch.device, *args, **constexprs) -> None:
     """The kernel ``name`` over ``programs`` programs (or a grid of them) on ``device`` (Triton launches on the current
     CUDA device)."""
     kernel = getattr(_kernels(), name)
@@ -590,20 +591,49 @@ def decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd:
     return _decode_attention(q_BH1d, keys_BKLd, values_BKLd, pad_B, slot_1, entry_slot_L, scale)
 
 
+MAX_ATTENTION_SPLITS = 16
+MIN_SPLIT_ENTRIES = 4 * ATTENTION_BLOCK  # the shortest part of a cache a program is given alone
+
+
+def attention_splits(rows: int, kv_heads: int, length: int, device: torch.device) -> int:
+    """In how many parts ``decode_attention`` reads each row's cache of ``length`` entries: one where the grid's rows x
+    key/value heads programs fill the GPU's multiprocessors twice over; else the power of two that does, at most
+    MAX_ATTENTION_SPLITS and each part at least MIN_SPLIT_ENTRIES entries (a small batch with a long cache: without
+    parts its programs would each walk their whole cache while most multiprocessors idle). One on a CPU."""
+    if device.type != "cuda":
+        return 1
+    wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count // max(rows * kv_heads, 1)
+    splits = 1
+    while 2 * splits <= min(wanted, MAX_ATTENTION_SPLITS, length // MIN_SPLIT_ENTRIES):
+        splits *= 2
+    return splits
+
+
 def _decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor, pad_B: torch.Tensor,
-                      slot_1: torch.Tensor, entry_slot_L: torch.Tensor | None, scale: float) -> torch.Tensor:
+                      slot_1: torch.Tensor, entry_slot_L: torch.Tensor | None, scale: float,
+                      splits: int | None = None) -> torch.Tensor:
+    """``decode_attention``; splits: the parts each row's cache is read in (None: ``attention_splits``)."""
     B, H, _, d = q_BH1d.shape
     kv_heads, length = keys_BKLd.shape[1], keys_BKLd.shape[2]
-    out = torch.empty(B, H, 1, d, dtype=q_BH1d.dtype, device=q_BH1d.device)
+    device = q_BH1d.device
+    out = torch.empty(B, H, 1, d, dtype=q_BH1d.dtype, device=device)
     block_d = _pow2_at_least(d, 16)  # (tl.dot's smallest tile: 16)
+    group_block = _pow2_at_least(H // kv_heads, 16)
     full = entry_slot_L is None
+    splits = attention_splits(B, kv_heads, length, device) if splits is None else splits
+    parts = B * kv_heads * splits * group_block
+    part_max, part_sum = (torch.empty(parts if splits > 1 else 1, device=device) for _ in range(2))
+    part_acc = torch.empty(parts * block_d if splits > 1 else 1, device=device)
     _launch(
-        "decode_attention", (B, kv_heads), q_BH1d.device,
-        q_BH1d, keys_BKLd, values_BKLd, out, pad_B, slot_1, slot_1 if full else entry_slot_L, q_BH1d.stride(0),
-        q_BH1d.stride(1), *keys_BKLd.stride()[:3], out.stride(0), out.stride(1), H // kv_heads, d, length, scale,
-        FULL=full, GROUP_BLOCK=_pow2_at_least(H // kv_heads, 16), BLOCK_D=block_d, BLOCK_N=ATTENTION_BLOCK,
-        IEEE=q_BH1d.dtype == torch.float32, num_warps=4, num_stages=2,
+        "decode_attention", (B, kv_heads, splits), device,
+        q_BH1d, keys_BKLd, values_BKLd, out, pad_B, slot_1, slot_1 if full else entry_slot_L, part_acc, part_max,
+        part_sum, q_BH1d.stride(0), q_BH1d.stride(1), *keys_BKLd.stride()[:3], out.stride(0), out.stride(1),
+        H // kv_heads, d, length, scale, FULL=full, GROUP_BLOCK=group_block, BLOCK_D=block_d, BLOCK_N=ATTENTION_BLOCK,
+        IEEE=q_BH1d.dtype == torch.float32, SPLITS=splits, num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        _launch("decode_attention_combine", (B, kv_heads), device, part_acc, part_max, part_sum, out, out.stride(0),
+                out.stride(1), H // kv_heads, d, SPLITS=splits, GROUP_BLOCK=group_block, BLOCK_D=block_d, num_warps=4)
     return out
 
 
