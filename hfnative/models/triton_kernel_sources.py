@@ -340,8 +340,8 @@ def decode_attention_combine(PART_ACC, PART_MAX, PART_SUM, OUT, out_b, out_h, gr
         row_max = new_max
     heads = kv_head * group + members
     mask = (members < group)[:, None] & (cols < n_cols)[None, :]
-    tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], (acc / total[:, None]).to(OUT.dtype.element_ty),
-             mask=mask)
+    out = acc / total[:, None]
+    tl.store(OUT + row * out_b + heads[:, None] * out_h + cols[None, :], out.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
