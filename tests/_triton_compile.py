@@ -165,9 +165,10 @@ def qwen3_launches(tokens: int = 8192) -> list:
             for weights in ((torch.ones(128, dtype=w_dtype),) * 2, None):
                 decode_qkv(q, k, v, 16, weights, 1e-6, None, tables, tables, cache, cache, entry)
             # its attention (the cache read from each row's padding to the slot written; a ring's by entry), the
-            # float32 cache of a model decoded in float32; Gemma 3's heads of 256
+            # float32 cache of a model decoded in float32; Gemma 3's heads of 256 (in float32: blocks of 16 entries)
             pad = torch.zeros(64, dtype=torch.int64)
-            for heads in (cache, cache.float(), torch.zeros(64, 4, 320, 256, dtype=torch.bfloat16)):
+            wide = torch.zeros(64, 4, 320, 256, dtype=torch.bfloat16)
+            for heads in (cache, cache.float(), wide, wide.float()):
                 query = torch.zeros(64, 2 * heads.shape[1], 1, heads.shape[-1], dtype=heads.dtype)
                 for ring in (None, torch.zeros(320, dtype=torch.int64)):
                     decode_attention(query, heads, heads, pad, entry, ring, 0.088)

@@ -624,8 +624,8 @@ def check_decode_attention():
     entries among them). Then
     the native engine's greedy decoding with it against the engine with SDPA under the cache's mask: the same
     completions, log-probs to float32 round-off (bf16: 2e-2), one launch a layer and step, no mask made, one
-    static-shape step for every read length (no graph per length); and a compiled step (bf16 Gemma 3) calling it as a
-    custom op."""
+    static-shape step for every read length (no graph per length); the same after rows moved to the front of the
+    batch (most stopped); and a compiled step (bf16 Gemma 3) calling it as a custom op."""
     from hfnative.generation.kv_cache import KVCache
     from hfnative.generation.native import NativeRolloutEngine
     from hfnative.generation.sampling import SamplingParams
@@ -646,8 +646,11 @@ def check_decode_attention():
                          ("ring", rings, rings[None] >= torch.tensor([0, 20, 40])[:, None]))
                 for (kind, entry_slot, seen), splits in itertools.product(cases, (1, 2, 4)):
                     row_pad = pad if entry_slot is None else torch.tensor([0, 20, 40])
-                    out = triton_kernels._decode_attention(q, keys, values, row_pad, torch.tensor([slot]), entry_slot,
-                                                           d**-0.5, splits)
+                    # the entries a row does not see hold NaN: read and weighed 0, they would make NaN
+                    unseen = (~seen)[:, None, :, None].expand_as(keys)
+                    out = triton_kernels._decode_attention(
+                        q, keys.masked_fill(unseen, float("nan")), values.masked_fill(unseen, float("nan")), row_pad,
+                        torch.tensor([slot]), entry_slot, d**-0.5, splits)
                     want = _attention_reference(q, keys, values, seen, d**-0.5)
                     what = f"{kind} {dtype} heads {heads}/{kv_heads} of {d} in {splits} parts"
                     assert out.dtype == dtype and out.shape == q.shape, what
@@ -685,6 +688,8 @@ def check_decode_attention():
                     [batch] = engine._batches.values()
                     assert not made_masks, f"{what}: masks made for lengths {made_masks}"
                     assert len(batch.runners) == 1, f"{what}: {len(batch.runners)} steps made"
+                    if static:  # bound to read the whole cache (no length), the attention by the kernel
+                        assert [runner.step.args[-2:] for runner in batch.runners.values()] == [(None, True)], what
                 else:
                     assert launches.counts["decode_attention"] == 0 and made_masks, what
             want = runs[False, False]
@@ -695,6 +700,26 @@ def check_decode_attention():
                     f"{what}: {out.completion_ids} vs {want.completion_ids}"
                 logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
                 torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=tolerance, msg=what)
+        # rows moved to the front of the batch's buffers once most have stopped (8 rows, seeded samples, many stop ids):
+        # the kernel reads the front's views, the same tokens and log-probs as SDPA's
+        with tempfile.TemporaryDirectory() as directory:
+            make_hf_model("llama-gqa").save_pretrained(directory)
+            llama = load_pretrained(directory).model
+        eight = [[5 + i, 9, 11, 3][: 1 + i % 4] for i in range(8)]
+        stopping = SamplingParams(max_new_tokens=12, seed=3, eos_token_id=list(range(20, 80)))
+        moved = {}
+        for kernel in (True, False):
+            cached_decoder.decode_attention_supported = supported if kernel else (lambda *args: False)
+            engine = NativeRolloutEngine(llama)
+            with use_device_policy("gpu"), _Launches() as launches:
+                moved[kernel] = (engine.generate(eight, stopping), launches.counts["decode_attention"])
+            [batch] = engine._batches.values()
+            assert batch._fronts, "no rows moved: the stop ids are not met early enough"
+        (out, launched), (want, _) = moved[True], moved[False]
+        assert launched and out.completion_ids == want.completion_ids, (out.completion_ids, want.completion_ids)
+        torch.testing.assert_close(torch.tensor([x for row in out.logprobs for x in row]),
+                                   torch.tensor([x for row in want.logprobs for x in row]), rtol=0, atol=1e-5)
+        cached_decoder.decode_attention_supported = supported
         # a compiled step (compile=True, what the trainers pass with torch_compile=True) calls the kernel as the custom
         # op hfnative::decode_attention: one frame, no graph break, no mask made by a step, the eager engine's tokens
         launched = []

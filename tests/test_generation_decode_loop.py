@@ -417,9 +417,9 @@ def test_rows_still_going_move_to_a_smaller_batch(name, compile):
     stepped = "_compiled_advance" if compile else "advance"  # what each step runs (through torch.compile or not)
     real_step = getattr(native, stepped)
 
-    def counted_step(model, batch, *args):
+    def counted_step(model, batch, *args, **kwargs):
         rows_decoded.append(batch.B)
-        return real_step(model, batch, *args)
+        return real_step(model, batch, *args, **kwargs)
 
     for sampling in ({"do_sample": False}, {"seed": 3, "temperature": 0.9, "repetition_penalty": 1.2}):
         settings = _stopping_call(whole, prompts, 24, **sampling)

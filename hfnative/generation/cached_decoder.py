@@ -24,6 +24,7 @@ from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _r
 from hfnative.models.layers import Attention, FeedForward, gated_activation, narrowing_autocast_dtype
 from hfnative.models.triton_kernels import (decode_attention, decode_attention_supported, decode_attention_takes,
                                             decode_qkv, decode_qkv_supported)
+from hfnative.precision import autocast_dtype
 
 from .compute_weights import FUSED, fused_outputs
 from .kv_cache import KVCache
@@ -64,12 +65,16 @@ def attends_by_kernel(model: Transformer, cache: KVCache) -> bool:
 
 def _attend_cache(attention: Attention, q_BH1d, keys_BKLd, values_BKLd, cache: KVCache, layer_id: int,
                   by_kernel: bool) -> torch.Tensor:
-    """One query per row against the layer's cache entries it may see. by_kernel (``attends_by_kernel``): one
-    ``decode_attention`` launch reading the entries each row sees (``KVCache.visible_entries``). Else SDPA: the
+    """One query per row against the layer's cache entries it may see. by_kernel (``attends_by_kernel``): the
+    ``decode_attention`` kernel reading the entries each row sees (``KVCache.visible_entries``), the query in the
+    cache's dtype (under autocast to it, the dtype SDPA would cast it to); a query it does not take (another dtype
+    outside autocast) goes to SDPA under a mask made then. Else SDPA: the
     G = H / K query heads that share a key/value head are its G queries (q [B, K, G, d]), so no kernel repeats the
     cache per query head (SDPA's GQA works only in its flash and math kernels, and on a masked call the math kernel
     copies the whole cache G times); it takes the cache's additive mask, made once a step
     (``KVCache.attention_bias``): the same weights as the boolean mask."""
+    if by_kernel and q_BH1d.dtype != keys_BKLd.dtype and autocast_dtype(q_BH1d.device.type) == keys_BKLd.dtype:
+        q_BH1d = q_BH1d.to(keys_BKLd.dtype)
     if by_kernel and decode_attention_takes(q_BH1d, keys_BKLd):
         return decode_attention(q_BH1d, cache.keys[layer_id], cache.values[layer_id], *cache.visible_entries(layer_id),
                                 attention.scale)

@@ -187,8 +187,8 @@ class NativeRolloutEngine(RolloutEngine):
     @property
     def static_shapes(self) -> bool:
         """Whether a step has static shapes (compiled or captured): prompts left-padded to a multiple of
-        COMPILE_SLOT_MULTIPLE slots, the cache read under its mask, whole or (``bucketed_reads``) in lengths of
-        READ_SLOT_MULTIPLE slots."""
+        COMPILE_SLOT_MULTIPLE slots; the cache read by the attention kernel row by row (``attends_by_kernel``), or
+        under its mask, whole or (``bucketed_reads``) in lengths of READ_SLOT_MULTIPLE slots."""
         return self.compile or self.cuda_graph or self.bucketed_reads
 
     def _bucketed(self, model: Transformer, batch: DecodeBatch) -> bool:
@@ -206,25 +206,27 @@ class NativeRolloutEngine(RolloutEngine):
 
     def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams,
                 read_upto: int | None = None) -> StepRunner:
-        """The step of ``batch`` for this sampling kind: eager reading the filled part of the cache, or (static
-        shapes) reading it up to ``read_upto`` (None: all of it), masked, compiled or not, and captured in a CUDA
-        graph, which holds the parameters' addresses."""
+        """The step of ``batch`` for this sampling kind: eager, its attention reading the filled part of the cache,
+        or (static shapes) compiled or not and captured in a CUDA graph, which holds the parameters' addresses; its
+        attention the Triton kernel reading each row's entries (``attends_by_kernel``, asked here: compiled code
+        cannot ask it) or SDPA reading the cache up to ``read_upto`` (None: all of it) under its mask."""
         seeded = sampling.seed is not None
+        by_kernel = attends_by_kernel(model, batch.cache)
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
-               id(model), read_upto)
+               id(model), read_upto, by_kernel)
         if self.cuda_graph:
             key += tuple(p.data_ptr() for p in model.parameters())
         if key not in batch.runners:
             if self.static_shapes:
-                # (whether the attention runs as the Triton kernel, asked here: compiled code cannot ask it)
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
-                                         read_upto, attends_by_kernel(model, batch.cache))
+                                         read_upto, by_kernel)
                 if self.cuda_graph and self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
                 batch.runners[key] = StepRunner(step, self.cuda_graph, self._graph_pool)
             else:
-                batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded))
+                batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded,
+                                                                  by_kernel=by_kernel))
         return batch.runners[key]
 
     def _generate_batch(self, model: Transformer, prompts: list[list[int]], sampling: SamplingParams,

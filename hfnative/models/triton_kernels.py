@@ -26,7 +26,8 @@ outputs once:
 - ``decode_qkv`` and ``decode_attention``: a decode step of the native rollout engine (``hfnative.generation``): its
   query, key and value heads normed, rotated and written into the KV cache in one kernel; its attention in one kernel
   a layer that reads each row's cache entries from its first token to the slot written (no mask, nothing past them),
-  the query heads sharing a key/value head read together.
+  the query heads sharing a key/value head read together (two kernels where a small batch's rows are read in parts,
+  ``attention_splits``).
 
 Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
 bf16 results round at the same points; sums run in another order (a float32 round-off apart) and the norm's weight
@@ -104,9 +105,14 @@ def _mend_interpreter() -> None:
     if patch_tensor is None or builder is None or getattr(patch_tensor, "mended", False):
         return
 
+    def _element(self):
+        data = self.handle.data
+        assert data.size == 1, f"a block of {data.size} values where Triton takes a scalar"
+        return int(data.reshape(-1)[0])
+
     def patched(tensor, scope):
         patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+        scope.set_attr(tensor, "__index__", _element)
 
     dot = builder.create_dot
 
@@ -553,6 +559,9 @@ def decode_qkv(q_BSP: torch.Tensor, k_BSP: torch.Tensor, v_BSP: torch.Tensor, he
 
 MAX_ATTENTION_DIM = 256  # the widest head ``decode_attention`` holds in a program
 ATTENTION_BLOCK = 32  # cache entries a ``decode_attention`` program reads at once (the grouped decode kernels' choice)
+ATTENTION_BLOCK_BYTES = 32 * 256 * 2  # at most this many bytes of keys (and of values) a block: wider entries, fewer
+# of them (float32 heads of 256: 16), so two stages of key and value blocks fit in 64 KB of shared memory (Ampere's
+# consumer GPUs have about 99 KB a block)
 
 
 def decode_attention_supported(keys_BKLd: torch.Tensor, values_BKLd: torch.Tensor, heads: int) -> bool:
@@ -596,10 +605,12 @@ MIN_SPLIT_ENTRIES = 4 * ATTENTION_BLOCK  # the shortest part of a cache a progra
 
 
 def attention_splits(rows: int, kv_heads: int, length: int, device: torch.device) -> int:
-    """In how many parts ``decode_attention`` reads each row's cache of ``length`` entries: one where the grid's rows x
-    key/value heads programs fill the GPU's multiprocessors twice over; else the power of two that does, at most
-    MAX_ATTENTION_SPLITS and each part at least MIN_SPLIT_ENTRIES entries (a small batch with a long cache: without
-    parts its programs would each walk their whole cache while most multiprocessors idle). One on a CPU."""
+    """In how many parts ``decode_attention`` reads each row's cache (a buffer of ``length`` entries): one where the
+    grid's rows x key/value heads programs are at least twice the GPU's multiprocessors; else the largest power of two
+    that keeps parts x programs within twice them, at most MAX_ATTENTION_SPLITS and at most ``length`` /
+    MIN_SPLIT_ENTRIES (a small batch with a long cache: without parts its programs would each walk their whole cache
+    while most multiprocessors idle). A step splits the entries a row sees now, so early in a call the parts are
+    short and the last ones may be empty. One on a CPU. Chosen by the buffer's shape, so fixed for a captured step."""
     if device.type != "cuda":
         return 1
     wanted = 2 * torch.cuda.get_device_properties(device).multi_processor_count // max(rows * kv_heads, 1)
@@ -613,22 +624,25 @@ def _decode_attention(q_BH1d: torch.Tensor, keys_BKLd: torch.Tensor, values_BKLd
                       slot_1: torch.Tensor, entry_slot_L: torch.Tensor | None, scale: float,
                       splits: int | None = None) -> torch.Tensor:
     """``decode_attention``; splits: the parts each row's cache is read in (None: ``attention_splits``)."""
+    if q_BH1d.stride(-1) != 1:  # (what ``decode_attention_takes`` asked of a traced query, whatever layout runs)
+        q_BH1d = q_BH1d.contiguous()
     B, H, _, d = q_BH1d.shape
     kv_heads, length = keys_BKLd.shape[1], keys_BKLd.shape[2]
     device = q_BH1d.device
     out = torch.empty(B, H, 1, d, dtype=q_BH1d.dtype, device=device)
     block_d = _pow2_at_least(d, 16)  # (tl.dot's smallest tile: 16)
+    block_n = max(16, min(ATTENTION_BLOCK, ATTENTION_BLOCK_BYTES // (block_d * keys_BKLd.element_size())))
     group_block = _pow2_at_least(H // kv_heads, 16)
     full = entry_slot_L is None
     splits = attention_splits(B, kv_heads, length, device) if splits is None else splits
-    parts = B * kv_heads * splits * group_block
-    part_max, part_sum = (torch.empty(parts if splits > 1 else 1, device=device) for _ in range(2))
-    part_acc = torch.empty(parts * block_d if splits > 1 else 1, device=device)
+    parts = B * kv_heads * splits * group_block if splits > 1 else 1
+    part_max, part_sum = (torch.empty(parts, dtype=torch.float32, device=device) for _ in range(2))
+    part_acc = torch.empty(parts * (block_d if splits > 1 else 1), dtype=torch.float32, device=device)
     _launch(
         "decode_attention", (B, kv_heads, splits), device,
         q_BH1d, keys_BKLd, values_BKLd, out, pad_B, slot_1, slot_1 if full else entry_slot_L, part_acc, part_max,
         part_sum, q_BH1d.stride(0), q_BH1d.stride(1), *keys_BKLd.stride()[:3], out.stride(0), out.stride(1),
-        H // kv_heads, d, length, scale, FULL=full, GROUP_BLOCK=group_block, BLOCK_D=block_d, BLOCK_N=ATTENTION_BLOCK,
+        H // kv_heads, d, length, scale, FULL=full, GROUP_BLOCK=group_block, BLOCK_D=block_d, BLOCK_N=block_n,
         IEEE=q_BH1d.dtype == torch.float32, SPLITS=splits, num_warps=4, num_stages=2,
     )
     if splits > 1:
