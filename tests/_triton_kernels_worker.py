@@ -624,8 +624,9 @@ def check_decode_attention():
     entries among them). Then
     the native engine's greedy decoding with it against the engine with SDPA under the cache's mask: the same
     completions, log-probs to float32 round-off (bf16: 2e-2), one launch a layer and step, no mask made, one
-    static-shape step for every read length (no graph per length); the same after rows moved to the front of the
-    batch (most stopped); and a compiled step (bf16 Gemma 3) calling it as a custom op."""
+    static-shape step for every read length (no graph per length); a query it does not take going to SDPA under masks
+    made then; the same after rows moved to the front of the batch (most stopped); and a compiled step (bf16 Gemma 3)
+    calling it as a custom op."""
     from hfnative.generation.kv_cache import KVCache
     from hfnative.generation.native import NativeRolloutEngine
     from hfnative.generation.sampling import SamplingParams
@@ -700,6 +701,17 @@ def check_decode_attention():
                     f"{what}: {out.completion_ids} vs {want.completion_ids}"
                 logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
                 torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=tolerance, msg=what)
+        # a query the kernel does not take (here: none) goes to SDPA under masks made then: the engine without it
+        takes = cached_decoder.decode_attention_takes
+        cached_decoder.decode_attention_takes = lambda *args: False
+        made_masks.clear()
+        try:
+            with use_device_policy("gpu"), bf16_rounded_to_nearest():
+                out = NativeRolloutEngine(model).generate(prompts, SamplingParams(max_new_tokens=new_tokens,
+                                                                                  do_sample=False))
+        finally:
+            cached_decoder.decode_attention_takes = takes
+        assert made_masks and out.logprobs == runs[False, False].logprobs, "a query the kernel does not take"
         # rows moved to the front of the batch's buffers once most have stopped (8 rows, seeded samples, many stop ids):
         # the kernel reads the front's views, the same tokens and log-probs as SDPA's
         with tempfile.TemporaryDirectory() as directory:
