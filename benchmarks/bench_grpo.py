@@ -1,4 +1,4 @@
-"""GRPO: hfnative's GRPOTrainer vs TRL's GRPOTrainer on the same model, task, prompts and settings.
+"""GRPO (or RLOO, ``--trainer rloo``): hfnative's trainer vs TRL's on the same model, task, prompts and settings.
 
 Two measurements, each runner in its own child process (so peak RSS is its own):
 
@@ -19,6 +19,8 @@ The speed model is a Qwen3 of hidden 256, 4 layers, vocabulary 32000 (benchmarks
 trainers' default), loss_type dapo, beta 0. With ``--device cuda`` both train on the GPU in bf16 (bf16=True, fp32
 master weights) a model of Qwen3-0.6B's shape (``--preset``), generating with their default engines: transformers'
 ``generate`` for TRL (use_vllm=False), the native engine for hfnative (its decode step in a CUDA graph).
+``--trainer rloo``: RLOOTrainer / RLOOConfig of each package with the same settings (RLOO has no ``loss_type``; its
+baseline is the other completions' mean reward).
 """
 
 from __future__ import annotations
@@ -59,14 +61,17 @@ def _child(runner: str, spec: dict) -> dict:
     else:
         import hfnative as module
     on_cuda = spec.get("device") == "cuda"
+    rloo = spec.get("trainer") == "rloo"
     settings = dict(
         output_dir=spec["output_dir"], use_cpu=not on_cuda, bf16=on_cuda, report_to="none", disable_tqdm=True,
         max_steps=spec["steps"], logging_steps=1, save_strategy="no", per_device_train_batch_size=spec["batch"],
         num_generations=8, max_completion_length=spec["length"], learning_rate=spec["lr"],
-        lr_scheduler_type="constant", seed=spec["seed"], beta=0.0, loss_type="dapo",
+        lr_scheduler_type="constant", seed=spec["seed"], beta=0.0, **({} if rloo else {"loss_type": "dapo"}),
     )
-    trainer = module.GRPOTrainer(model=spec["model"], reward_funcs=letter_e, args=module.GRPOConfig(**settings),
-                                 train_dataset=Dataset.from_list(prompts(spec["prompts"])))
+    trainer_class, config_class = ((module.RLOOTrainer, module.RLOOConfig) if rloo
+                                   else (module.GRPOTrainer, module.GRPOConfig))
+    trainer = trainer_class(model=spec["model"], reward_funcs=letter_e, args=config_class(**settings),
+                            train_dataset=Dataset.from_list(prompts(spec["prompts"])))
     times, cpu_times = [], []
     from transformers import TrainerCallback
 
@@ -101,7 +106,8 @@ def run_child(runner: str, spec: dict, timeout: float) -> dict:
 
 def speed(cli, model: str) -> dict:
     """Prints the speed table; returns every length's results by runner."""
-    print(f"speed: G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), model {model}, "
+    print(f"speed ({cli.trainer}): G=8 completions of 1 prompt per step, {cli.steps} steps (first excluded), "
+          f"model {model}, "
           f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}")
     memory = "peak GPU MiB" if cli.device == "cuda" else "peak heap MiB"
     print(f"{'length':>7} {'runner':>9} {'s/step':>8} {'CPU s/step':>11} {'peak RSS MiB':>13} {memory:>14} "
@@ -111,7 +117,7 @@ def speed(cli, model: str) -> dict:
         results = by_length[length] = {}
         for runner in RUNNERS:
             spec = dict(model=model, steps=cli.steps, batch=8, prompts=8, length=length, lr=1e-6, seed=0,
-                        threads=cli.threads, device=cli.device)
+                        threads=cli.threads, device=cli.device, trainer=cli.trainer)
             results[runner] = result = run_child(runner, spec, cli.timeout)
             if "error" in result:
                 print(f"{length:>7} {runner:>9} {result['error']}")
@@ -133,11 +139,11 @@ def speed(cli, model: str) -> dict:
 
 
 def curve(cli) -> None:
-    print(f"curve: letter-e reward, tiny-qwen3, 16 completions (2 prompts x 8) of 16 tokens, {cli.curve_steps} steps")
+    print(f"curve ({cli.trainer}): letter-e reward, tiny-qwen3, 16 completions (2 prompts x 8) of 16 tokens, {cli.curve_steps} steps")
     curves = {}
     for runner in RUNNERS:
         spec = dict(model=str(TINY), steps=cli.curve_steps, batch=16, prompts=64, length=16, lr=3e-3, seed=0,
-                    threads=cli.threads)
+                    threads=cli.threads, trainer=cli.trainer)
         result = run_child(runner, spec, cli.timeout)
         if "error" in result:
             print(f"{runner:>9} {result['error']}")
@@ -158,6 +164,8 @@ def curve(cli) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--what", choices=("speed", "curve", "both"), default="both")
+    parser.add_argument("--trainer", choices=("grpo", "rloo"), default="grpo",
+                        help="the trainer both packages run")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--curve-steps", type=int, default=60)

@@ -129,7 +129,8 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     dataset = datasets.load_from_disk(str(work / "data"))
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     common = dict(training_arguments(runner, spec), beta=spec["beta"], temperature=spec["temperature"])
-    if spec.get("trainer") == "gkd":  # off-policy: the conversations as they are
+    on_policy = spec.get("on_policy", False)  # each trainer generates its completions with its own engine
+    if spec.get("trainer") == "gkd":  # off-policy: the conversations as they are; on-policy: the student's samples
         rows = [{"messages": [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]}
                 for r in dataset]
         dataset = datasets.Dataset.from_list(rows)
@@ -137,7 +138,7 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             from trl.experimental.gkd import GKDConfig, GKDTrainer
         else:
             from hfnative import GKDConfig, GKDTrainer
-        args = GKDConfig(**common, lmbda=0.0)
+        args = GKDConfig(**common, lmbda=1.0 if on_policy else 0.0, max_new_tokens=spec["completion"])
         trainer = GKDTrainer(model=spec["model_dir"], teacher_model=spec["teacher_dir"], args=args,
                              train_dataset=dataset, processing_class=tokenizer)
         counter = _CountingCollator(trainer.data_collator)
@@ -150,7 +151,6 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
     def fixed(prompt_ids) -> list[list[int]]:
         return [list(completions[tuple(p)]) for p in prompt_ids]
 
-    on_policy = spec.get("on_policy", False)  # each trainer generates its completions with its own engine
     if runner == "trl":
         import trl
 
@@ -244,11 +244,12 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--trainer", choices=("distillation", "gkd"), default="distillation",
                         help="DistillationTrainer with fixed completions (TRL's chunked divergence), or GKDTrainer "
-                             "off-policy (lmbda=0; TRL's materializes both models' logits)")
+                             "off-policy (lmbda=0; TRL's materializes both models' logits; with --on-policy lmbda=1: "
+                             "every step trains on the student's samples)")
     parser.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of trl,ours")
     parser.add_argument("--completion", type=int, default=None, help="completion tokens per row (default: seq / 2)")
     parser.add_argument("--on-policy", "--on_policy", action="store_true",
-                        help="distillation: each trainer samples its completions (--completion tokens) with its own "
+                        help="each trainer samples its completions (--completion tokens) with its own "
                              "engine (TRL: transformers' generate, use_vllm=False; hfnative: the native engine) instead "
                              "of the fixed ones: the step then times generation too")
     parser.add_argument("--beta", type=float, default=0.5)

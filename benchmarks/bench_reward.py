@@ -209,8 +209,17 @@ class _GeneratedTokenCounter:
         return self.inner(features)
 
 
+def _sampled_tokens(prompt_lengths: list[int], completions: list[list[int]], eos_id: int) -> int:
+    """A generation call's tokens as the trainers keep them: each sequence's prompt and its completion up to and
+    including its first EOS."""
+    return sum(n + (c.index(eos_id) + 1 if eos_id in c else len(c)) for n, c in zip(prompt_lengths, completions))
+
+
 def online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer, notes: list[str]):
-    """Either runner's OnlineDPOTrainer on the fixed completions (module docstring)."""
+    """Either runner's OnlineDPOTrainer on the fixed completions (module docstring), or with ``on_policy`` on the
+    completions each samples with its own engine (its tokens counted as they come back)."""
+    if spec.get("on_policy"):
+        return _sampling_online_dpo_trainer(runner, spec, common, dataset, tokenizer, notes)
     table = fixed_completion_table(dataset, tokenizer)
     prompts = dataset.select_columns(["prompt"])
     settings = dict(common, max_new_tokens=spec["max_new_tokens"], max_length=spec["max_length"], beta=ONLINE_DPO_BETA,
@@ -257,6 +266,56 @@ def online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer
         return Rollouts(completions, [[0.0] * len(c) for c in completions], ["stop"] * len(completions))
 
     trainer.objective.engine.generate = engine_generate
+    return trainer
+
+
+def _sampling_online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer, notes: list[str]):
+    """Either runner's OnlineDPOTrainer generating its own completions (max_new_tokens ``spec['completion']``), each
+    generation call's tokens recorded in GENERATED_TOKENS where the trainer gets them back."""
+    prompts = dataset.select_columns(["prompt"])
+    settings = dict(common, max_new_tokens=spec["completion"], max_length=spec["max_length"], beta=ONLINE_DPO_BETA,
+                    loss_type="sigmoid", missing_eos_penalty=None)
+    eos_id = tokenizer.eos_token_id
+    reward = make_reward(eos_id)
+    notes.append("completions sampled by each trainer: the losses follow different samples")
+    if runner == "trl":
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+        generate = transformers.Qwen3ForCausalLM.generate
+
+        def counted(self, input_ids=None, attention_mask=None, **kwargs):
+            output = generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            completions = output[:, input_ids.shape[1]:].tolist()
+            GENERATED_TOKENS.append(_sampled_tokens(attention_mask.sum(1).tolist(), completions, eos_id))
+            return output
+
+        transformers.Qwen3ForCausalLM.generate = counted  # this child process only
+
+        class RecordingOnlineDPOTrainer(OnlineDPOTrainer):
+            def training_step(self, *args, **kwargs):
+                loss = super().training_step(*args, **kwargs)
+                self.step_losses.append(float(loss))
+                return loss
+
+        trainer = RecordingOnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
+                                            args=OnlineDPOConfig(**settings), train_dataset=prompts,
+                                            processing_class=tokenizer)
+        trainer.step_losses = []
+        return trainer
+    import hfnative
+
+    trainer = hfnative.OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
+                                        args=hfnative.OnlineDPOConfig(**settings), train_dataset=prompts,
+                                        processing_class=tokenizer)
+    engine_generate = trainer.objective.engine.generate
+
+    def counted_generate(prompt_ids, sampling):
+        rollouts = engine_generate(prompt_ids, sampling)
+        GENERATED_TOKENS.append(_sampled_tokens([len(p) for p in prompt_ids], rollouts.completion_ids, eos_id))
+        return rollouts
+
+    trainer.objective.engine.generate = counted_generate
     return trainer
 
 
@@ -330,6 +389,13 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
                         help="model and batch shape (default: reference on cpu, qwen3_0.6b on cuda)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--on-policy", "--on_policy", action="store_true",
+                        help="online_dpo: each trainer samples its completions with its own engine (TRL: transformers' "
+                             "generate, use_vllm=False; hfnative: the native engine) instead of the fixed ones: the "
+                             "step then times generation too, and the losses are not comparable (other samples)")
+    parser.add_argument("--completion", type=int, default=None,
+                        help="with --on-policy: max_new_tokens of the sampled completions (default: the longest fixed "
+                             "completion)")
     parser.add_argument("--activation_checkpointing", action="store_true",
                         help="activation checkpointing for both runners (TRL's default)")
     add_run_arguments(parser, timeout=3600, rounds=3, overrides=("seq", "batch", "steps", "warmup", "vocab"))
@@ -363,6 +429,10 @@ def main() -> None:
             table = fixed_completion_table(datasets.load_from_disk(str(work / "data")),
                                            AutoTokenizer.from_pretrained(str(work / "model")))
             spec["max_new_tokens"], spec["max_length"] = completion_limits(table)
+            if cli.on_policy:  # sampled completions of --completion tokens at most (the fixed ones' longest)
+                completion = cli.completion or spec["max_new_tokens"]
+                spec["max_length"] += completion - spec["max_new_tokens"]
+                spec["on_policy"], spec["completion"], spec["max_new_tokens"] = True, completion, completion
         spec_path = work / "spec.json"
         spec_path.write_text(json.dumps(spec))
         machine = machine_description(cli.device)
@@ -391,6 +461,11 @@ def main() -> None:
             elif cli.trainer == "cpo":
                 method = (f"CPO (loss_type sigmoid, beta {PREFERENCE_BETA}, cpo_alpha 1.0, label_smoothing 0), "
                           f"max_length {shape.seq}, {pairs} pairs ({shape.batch} sequences) per step")
+            elif cli.on_policy:
+                method = (f"online DPO (loss_type sigmoid) beta {ONLINE_DPO_BETA}, reward even_token_share, "
+                          f"{pairs} prompts x 2 SAMPLED completions (each trainer's own engine; TRL use_vllm=False) = "
+                          f"{shape.batch} sequences per step, max_new_tokens {spec['max_new_tokens']}, max_length "
+                          f"{spec['max_length']}; tokens/s counts prompts and completions up to their EOS")
             else:
                 method = (f"online DPO (loss_type sigmoid) beta {ONLINE_DPO_BETA}, reward even_token_share, "
                           f"{pairs} prompts x 2 FIXED completions (each row's chosen and rejected answer + EOS; "
@@ -417,7 +492,7 @@ def main() -> None:
 
         results = run_rounds(list(RUNNERS), Workload(parameters, data, spec_path), cli, __file__, shown)
         what = {"reward": "reward model (RewardTrainer)", "kto": "KTO", "orpo": "ORPO", "cpo": "CPO",
-                "online_dpo": "online DPO (fixed completions)"}[cli.trainer]
+                "online_dpo": f"online DPO ({'sampled' if cli.on_policy else 'fixed'} completions)"}[cli.trainer]
         title = f"## {datetime.date.today().isoformat()} — {what}, preset `{cli.preset}`, {cli.device}"
         finish(cli, setup, summarize(results, cli.device), results, title, __file__)
 

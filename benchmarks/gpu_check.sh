@@ -36,6 +36,12 @@
 #                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
 #                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
 #                    with its finished rows compacted away vs kept vs transformers' generate, batch 64
+#   rollout_trainers  the other on-policy trainers' steps against TRL's (ROLLOUT_TRAINERS_BUDGET s, 420 by default;
+#                  not run unless named), each generating with its own engine (TRL use_vllm=False), Qwen3-0.6B, bf16
+#                  bench-rloo: bench_grpo.py --trainer rloo, s/step of RLOOTrainer, 8 generations x 256 tokens
+#                  bench-gkd: bench_kd.py --trainer gkd --on-policy, GKDTrainer with lmbda=1 (the student's samples)
+#                  bench-odpo: bench_reward.py --trainer online_dpo --on-policy, OnlineDPOTrainer, 2 x 256 sampled
+#                    tokens a prompt
 #   checks         correctness (CHECKS_BUDGET s, 400 by default)
 #                  trainers: gpu_trainers.py, 3 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
 #                    GRPO, RLOO) on the shipped tiny model: finite losses, parameters moved, perf/ metrics, the saved
@@ -56,7 +62,8 @@
 #   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 24 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
 #                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~7;
-#                                                         # then step_more ~9, rollout_more ~8, low_precision ~8)
+#                                                         # then step_more ~9, rollout_more ~8, rollout_trainers
+#                                                         # ~7, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
@@ -69,7 +76,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,58p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,67p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -235,6 +242,8 @@ if [[ $DEVICE == cuda ]]; then
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --batch 64 --timeout 100)
   GRPO=(--steps 3 --timeout 100)
   KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
+  ONLINE_DPO=(--trainer online_dpo --on-policy --preset qwen3_0.6b --seq 320 --completion 256 --batch 16 --steps 3
+    --warmup 1 --rounds 1 --timeout 100)
   FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
   FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
 else
@@ -247,6 +256,8 @@ else
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
+  ONLINE_DPO=(--trainer online_dpo --on-policy --preset smoke --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1
+    --threads 1 --timeout 60)
   FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
   FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
 fi
@@ -293,6 +304,15 @@ if start_section rollout_more "${ROLLOUT_MORE_BUDGET:-420}"; then
   run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
   run_check gen-stopping 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" --stopping \
     "${GENERATE_STOPPING[@]}"
+fi
+
+if start_section rollout_trainers "${ROLLOUT_TRAINERS_BUDGET:-420}"; then
+  run_check bench-rloo 150 grpo_verdict "$PYTHON" benchmarks/bench_grpo.py --device "$DEVICE" --trainer rloo \
+    "${GRPO[@]}"
+  run_check bench-gkd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --trainer gkd --on-policy \
+    "${KD[@]}"
+  run_check bench-odpo 150 bench_verdict "$PYTHON" benchmarks/bench_reward.py --device "$DEVICE" \
+    "${ONLINE_DPO[@]}"
 fi
 
 if start_section checks "${CHECKS_BUDGET:-400}"; then
