@@ -139,7 +139,8 @@ def speed(cli, model: str) -> dict:
 
 
 def curve(cli) -> None:
-    print(f"curve ({cli.trainer}): letter-e reward, tiny-qwen3, 16 completions (2 prompts x 8) of 16 tokens, {cli.curve_steps} steps")
+    print(f"curve ({cli.trainer}): letter-e reward, tiny-qwen3, 16 completions (2 prompts x 8) of 16 tokens, "
+          f"{cli.curve_steps} steps")
     curves = {}
     for runner in RUNNERS:
         spec = dict(model=str(TINY), steps=cli.curve_steps, batch=16, prompts=64, length=16, lr=3e-3, seed=0,
