@@ -215,34 +215,15 @@ def _sampled_tokens(prompt_lengths: list[int], completions: list[list[int]], eos
     return sum(n + (c.index(eos_id) + 1 if eos_id in c else len(c)) for n, c in zip(prompt_lengths, completions))
 
 
-def online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer, notes: list[str]):
-    """Either runner's OnlineDPOTrainer on the fixed completions (module docstring), or with ``on_policy`` on the
-    completions each samples with its own engine (its tokens counted as they come back)."""
-    if spec.get("on_policy"):
-        return _sampling_online_dpo_trainer(runner, spec, common, dataset, tokenizer, notes)
-    table = fixed_completion_table(dataset, tokenizer)
+def _online_dpo(runner: str, spec: dict, settings: dict, reward, dataset, tokenizer):
+    """Either runner's OnlineDPOTrainer on the rows' prompts; TRL's keeps each training step's loss unrounded (its log
+    rounds it to 4 digits) in ``step_losses``."""
     prompts = dataset.select_columns(["prompt"])
-    settings = dict(common, max_new_tokens=spec["max_new_tokens"], max_length=spec["max_length"], beta=ONLINE_DPO_BETA,
-                    loss_type="sigmoid", missing_eos_penalty=None)
-    reward = make_reward(tokenizer.eos_token_id)
     if runner == "trl":
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-        def generate(self, input_ids=None, attention_mask=None, **kwargs):
-            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-            completions = completions_for(rows, table)
-            width = max(len(c) for c in completions)
-            padded = torch.tensor([c + [pad_id] * (width - len(c)) for c in completions], dtype=input_ids.dtype)
-            return torch.cat([input_ids, padded.to(input_ids.device)], dim=1)
-
-        transformers.Qwen3ForCausalLM.generate = generate  # this child process only
-
         class RecordingOnlineDPOTrainer(OnlineDPOTrainer):
-            """TRL's, keeping each training step's loss unrounded (its log rounds it to 4 digits) in step_losses."""
-
             def training_step(self, *args, **kwargs):
                 loss = super().training_step(*args, **kwargs)  # the micro-batch's loss / accumulation steps
                 self.step_losses.append(float(loss))
@@ -252,70 +233,59 @@ def online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer
                                             args=OnlineDPOConfig(**settings), train_dataset=prompts,
                                             processing_class=tokenizer)
         trainer.step_losses = []
-        notes.append("per-step loss from training_step (TRL's log rounds it to 4 digits)")
         return trainer
     import hfnative
+
+    return hfnative.OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
+                                     args=hfnative.OnlineDPOConfig(**settings), train_dataset=prompts,
+                                     processing_class=tokenizer)
+
+
+def online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer, notes: list[str]):
+    """Either runner's OnlineDPOTrainer on the fixed completions (module docstring), or with ``on_policy`` on the
+    completions each samples with its own engine (max_new_tokens ``spec['completion']``), each generation call's
+    tokens recorded in GENERATED_TOKENS where the trainer gets them back."""
+    on_policy = spec.get("on_policy", False)
+    eos_id = tokenizer.eos_token_id
+    settings = dict(common, max_new_tokens=spec["completion"] if on_policy else spec["max_new_tokens"],
+                    max_length=spec["max_length"], beta=ONLINE_DPO_BETA, loss_type="sigmoid", missing_eos_penalty=None)
+    trainer = _online_dpo(runner, spec, settings, make_reward(eos_id), dataset, tokenizer)
+    if on_policy:
+        notes.append("completions sampled by each trainer: the losses follow different samples")
+    elif runner == "trl":
+        notes.append("per-step loss from training_step (TRL's log rounds it to 4 digits)")
+    table = None if on_policy else fixed_completion_table(dataset, tokenizer)
+    if runner == "trl":
+        generate = transformers.Qwen3ForCausalLM.generate
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+
+        def patched(self, input_ids=None, attention_mask=None, **kwargs):
+            if on_policy:  # TRL's own sampling, its tokens counted
+                output = generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+                completions = output[:, input_ids.shape[1]:].tolist()
+                GENERATED_TOKENS.append(_sampled_tokens(attention_mask.sum(1).tolist(), completions, eos_id))
+                return output
+            rows = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+            completions = completions_for(rows, table)
+            width = max(len(c) for c in completions)
+            padded = torch.tensor([c + [pad_id] * (width - len(c)) for c in completions], dtype=input_ids.dtype)
+            return torch.cat([input_ids, padded.to(input_ids.device)], dim=1)
+
+        transformers.Qwen3ForCausalLM.generate = patched  # this child process only
+        return trainer
     from hfnative.generation import Rollouts
 
-    trainer = hfnative.OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
-                                        args=hfnative.OnlineDPOConfig(**settings), train_dataset=prompts,
-                                        processing_class=tokenizer)
+    engine_generate = trainer.objective.engine.generate
 
-    def engine_generate(prompt_ids, sampling):
+    def patched_engine(prompt_ids, sampling):
+        if on_policy:  # the native engine's own sampling, its tokens counted
+            rollouts = engine_generate(prompt_ids, sampling)
+            GENERATED_TOKENS.append(_sampled_tokens([len(p) for p in prompt_ids], rollouts.completion_ids, eos_id))
+            return rollouts
         completions = completions_for([list(p) for p in prompt_ids], table)
         return Rollouts(completions, [[0.0] * len(c) for c in completions], ["stop"] * len(completions))
 
-    trainer.objective.engine.generate = engine_generate
-    return trainer
-
-
-def _sampling_online_dpo_trainer(runner: str, spec: dict, common: dict, dataset, tokenizer, notes: list[str]):
-    """Either runner's OnlineDPOTrainer generating its own completions (max_new_tokens ``spec['completion']``), each
-    generation call's tokens recorded in GENERATED_TOKENS where the trainer gets them back."""
-    prompts = dataset.select_columns(["prompt"])
-    settings = dict(common, max_new_tokens=spec["completion"], max_length=spec["max_length"], beta=ONLINE_DPO_BETA,
-                    loss_type="sigmoid", missing_eos_penalty=None)
-    eos_id = tokenizer.eos_token_id
-    reward = make_reward(eos_id)
-    notes.append("completions sampled by each trainer: the losses follow different samples")
-    if runner == "trl":
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
-
-        generate = transformers.Qwen3ForCausalLM.generate
-
-        def counted(self, input_ids=None, attention_mask=None, **kwargs):
-            output = generate(self, input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-            completions = output[:, input_ids.shape[1]:].tolist()
-            GENERATED_TOKENS.append(_sampled_tokens(attention_mask.sum(1).tolist(), completions, eos_id))
-            return output
-
-        transformers.Qwen3ForCausalLM.generate = counted  # this child process only
-
-        class RecordingOnlineDPOTrainer(OnlineDPOTrainer):
-            def training_step(self, *args, **kwargs):
-                loss = super().training_step(*args, **kwargs)
-                self.step_losses.append(float(loss))
-                return loss
-
-        trainer = RecordingOnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
-                                            args=OnlineDPOConfig(**settings), train_dataset=prompts,
-                                            processing_class=tokenizer)
-        trainer.step_losses = []
-        return trainer
-    import hfnative
-
-    trainer = hfnative.OnlineDPOTrainer(model=spec["model_dir"], reward_funcs=[reward],
-                                        args=hfnative.OnlineDPOConfig(**settings), train_dataset=prompts,
-                                        processing_class=tokenizer)
-    engine_generate = trainer.objective.engine.generate
-
-    def counted_generate(prompt_ids, sampling):
-        rollouts = engine_generate(prompt_ids, sampling)
-        GENERATED_TOKENS.append(_sampled_tokens([len(p) for p in prompt_ids], rollouts.completion_ids, eos_id))
-        return rollouts
-
-    trainer.objective.engine.generate = counted_generate
+    trainer.objective.engine.generate = patched_engine
     return trainer
 
 
