@@ -191,27 +191,23 @@ class NativeRolloutEngine(RolloutEngine):
         under its mask, whole or (``bucketed_reads``) in lengths of READ_SLOT_MULTIPLE slots."""
         return self.compile or self.cuda_graph or self.bucketed_reads
 
-    def _bucketed(self, model: Transformer, batch: DecodeBatch) -> bool:
-        """Whether this batch's captured steps read the cache in lengths (``bucketed_reads``): not where the attention
-        runs as the Triton kernel, which reads each row's entries from a step of any read length (one graph)."""
-        return self.bucketed_reads and not attends_by_kernel(model, batch.cache)
-
     @staticmethod
     def _read_upto(batch: DecodeBatch, t: int, bucketed: bool) -> int | None:
         """What the static-shape step choosing token t reads of the cache: up to the multiple of READ_SLOT_MULTIPLE
-        slots past the slot it writes (P + t - 1) when ``bucketed``, else all of it (None)."""
+        slots past the slot it writes (P + t - 1) when ``bucketed`` (``bucketed_reads`` where the attention is not the
+        Triton kernel, which reads each row's entries from a step of any read length), else all of it (None)."""
         if not bucketed:
             return None
         return min(batch.P + batch.T, -(-(batch.P + t) // READ_SLOT_MULTIPLE) * READ_SLOT_MULTIPLE)
 
-    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams,
-                read_upto: int | None = None) -> StepRunner:
+    def _runner(self, model: Transformer, batch: DecodeBatch, sampling: SamplingParams, read_upto: int | None,
+                by_kernel: bool) -> StepRunner:
         """The step of ``batch`` for this sampling kind: eager, its attention reading the filled part of the cache,
         or (static shapes) compiled or not and captured in a CUDA graph, which holds the parameters' addresses; its
-        attention the Triton kernel reading each row's entries (``attends_by_kernel``, asked here: compiled code
-        cannot ask it) or SDPA reading the cache up to ``read_upto`` (None: all of it) under its mask."""
+        attention the Triton kernel reading each row's entries (``by_kernel``: ``attends_by_kernel``, asked outside
+        the step: compiled code cannot ask it) or SDPA reading the cache up to ``read_upto`` (None: all of it) under
+        its mask."""
         seeded = sampling.seed is not None
-        by_kernel = attends_by_kernel(model, batch.cache)
         key = (seeded, sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p,
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
                id(model), read_upto, by_kernel)
@@ -239,9 +235,10 @@ class NativeRolloutEngine(RolloutEngine):
         seeded = sampling.seed is not None
         keys_B = call_row_keys(sampling, offset, B, device=device) if seeded else None
         choose(batch, batch.start(model, prompts, sampling, keys_B), sampling, seeded)
-        bucketed = self._bucketed(model, batch)
+        by_kernel = attends_by_kernel(model, batch.cache)
+        bucketed = self.bucketed_reads and not by_kernel
         read_upto = self._read_upto(batch, 1, bucketed)
-        step = self._runner(model, batch, sampling, read_upto)
+        step = self._runner(model, batch, sampling, read_upto, by_kernel)
         live = LiveRows(device) if sampling.stop_ids else None
         moved = False
         for t in range(1, T):  # tokens 0 .. t-1 are chosen
@@ -251,11 +248,11 @@ class NativeRolloutEngine(RolloutEngine):
             rows = compact_rows(going, batch.B, SMALLEST_COMPACTED_BATCH) if self.compact and going else None
             if rows is not None:
                 batch, moved = batch.move_going_first(rows), True
-                step = self._runner(model, batch, sampling, read_upto)
+                step = self._runner(model, batch, sampling, read_upto, by_kernel)
             if self.static_shapes:
                 upto = self._read_upto(batch, t, bucketed)
                 if upto != read_upto:  # the cache filled past the length read so far
-                    read_upto, step = upto, self._runner(model, batch, sampling, upto)
+                    read_upto, step = upto, self._runner(model, batch, sampling, upto, by_kernel)
                 step()
             else:
                 step(P + t)  # the eager step reads the cache up to the slot it writes, P + t - 1
