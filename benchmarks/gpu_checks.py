@@ -365,7 +365,7 @@ def _kernel_cases(device: torch.device):
     from hfnative.device_policy import use_device_policy
     from hfnative.losses import IGNORE_INDEX
     from hfnative.losses.cross_entropy import fused_linear_cross_entropy
-    from hfnative.models import layers, triton_kernels
+    from hfnative.models import layers, triton_decode, triton_kernels
     from hfnative.models.rope import apply_rotary
     from hfnative.models.triton_kernels import TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated
 
@@ -493,7 +493,7 @@ def _kernel_cases(device: torch.device):
             cos_B1d, sin_B1d = angles_B1d.cos(), angles_B1d.sin()
             with torch.autocast(device.type, dtype=torch.bfloat16):
                 if one_kernel:
-                    q = triton_kernels.decode_qkv(xq, xk, xv, heads, (q_weight, k_weight), 1e-6, None, cos_B1d,
+                    q = triton_decode.decode_qkv(xq, xk, xv, heads, (q_weight, k_weight), 1e-6, None, cos_B1d,
                                                   sin_B1d, keys, values, entry)
                 else:
                     q, k = (TritonRMSNorm.apply(x.view(batch, 1, -1, head_dim), w, 1e-6, None, cos_B1d, sin_B1d,
@@ -519,7 +519,7 @@ def _kernel_cases(device: torch.device):
         @torch.no_grad()
         def run(q, keys, values):
             if kernel:
-                return triton_kernels.decode_attention(q, keys, values, pad_B, slot_1, None, head_dim**-0.5)
+                return triton_decode.decode_attention(q, keys, values, pad_B, slot_1, None, head_dim**-0.5)
             entries = torch.arange(read, device=device)
             seen = (entries[None] >= pad_B[:, None]) & (entries[None] <= slot)
             bias = torch.where(seen, 0.0, float("-inf")).to(q.dtype)[:, None, None, :]
@@ -533,7 +533,7 @@ def _kernel_cases(device: torch.device):
         slot = cache_slots * 5 // 8
         read = min(cache_slots, -(-(slot + 1) // 64) * 64)
         pad_B = torch.randint(0, max(slot // 4, 1), (rows,), device=device, generator=generator)
-        splits = triton_kernels.attention_splits(rows, kv_heads, cache_slots, device)
+        splits = triton_decode.attention_splits(rows, kv_heads, cache_slots, device)
         yield (f"decode_attention bf16 [{rows}, {heads} heads of {head_dim}] x {cache_slots} slots ({kv_heads} kv "
                f"heads, {splits} part{'s' if splits > 1 else ''}), rows of {slot + 1 - pad_B.max().item()}..{slot + 1} "
                "entries",

@@ -114,9 +114,10 @@ def qwen3_launches(tokens: int = 8192) -> list:
     q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
     the rotations with bf16 tables (rounded as torch rotates in bf16); a decode step's heads (``decode_qkv``) in
     both, and its attention (``decode_attention``)."""
-    from hfnative.models import triton_kernels
+    from hfnative.models import triton_decode
+    from hfnative.models.triton_decode import decode_attention, decode_qkv
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
-                                               cross_entropy_rows, decode_attention, decode_qkv)
+                                               cross_entropy_rows)
 
     def run():
         for x_dtype, w_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32),
@@ -174,7 +175,7 @@ def qwen3_launches(tokens: int = 8192) -> list:
                     decode_attention(query, heads, heads, pad, entry, ring, 0.088)
             # at batch 8 each row's cache read in 4 parts, then joined
             query = torch.zeros(8, 16, 1, 128, dtype=torch.bfloat16)
-            triton_kernels._decode_attention(query, cache[:8], cache[:8], pad[:8], entry, None, 0.088, 4)
+            triton_decode._decode_attention(query, cache[:8], cache[:8], pad[:8], entry, None, 0.088, 4)
 
     return recorded_launches(run)
 

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hfnative.converters.loading import load_pretrained
 from hfnative.device_policy import use_device_policy
 from hfnative.generation import cached_decoder
-from hfnative.models import layers, triton_kernels
+from hfnative.models import layers, triton_decode, triton_kernels
 from hfnative.models.triton_kernels import TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated
 from hfnative.parallel import apply_compile
 from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -638,7 +638,7 @@ def check_decode_attention():
                 B, L, slot = 3, 150, 130
                 keys, values = (torch.randn(B, kv_heads, L, d, generator=g).to(dtype) for _ in range(2))
                 q = torch.randn(B, heads, 1, d, generator=g).to(dtype)
-                assert triton_kernels.decode_attention_supported(keys, values, heads)
+                assert triton_decode.decode_attention_supported(keys, values, heads)
                 pad = torch.tensor([0, 5, 70])
                 entries = torch.arange(L)
                 rings = torch.full((L,), -1)
@@ -649,7 +649,7 @@ def check_decode_attention():
                     row_pad = pad if entry_slot is None else torch.tensor([0, 20, 40])
                     # the entries a row does not see hold NaN: read and weighed 0, they would make NaN
                     unseen = (~seen)[:, None, :, None].expand_as(keys)
-                    out = triton_kernels._decode_attention(
+                    out = triton_decode._decode_attention(
                         q, keys.masked_fill(unseen, float("nan")), values.masked_fill(unseen, float("nan")), row_pad,
                         torch.tensor([slot]), entry_slot, d**-0.5, splits)
                     want = _attention_reference(q, keys, values, seen, d**-0.5)
@@ -735,8 +735,8 @@ def check_decode_attention():
         # a compiled step (compile=True, what the trainers pass with torch_compile=True) calls the kernel as the custom
         # op hfnative::decode_attention: one frame, no graph break, no mask made by a step, the eager engine's tokens
         launched = []
-        launch = triton_kernels._decode_attention
-        triton_kernels._decode_attention = lambda *args: (launched.append(1), launch(*args))[1]
+        launch = triton_decode._decode_attention
+        triton_decode._decode_attention = lambda *args: (launched.append(1), launch(*args))[1]
         made_masks.clear()
         torch._dynamo.reset()
         from torch._dynamo.utils import counters
@@ -746,7 +746,7 @@ def check_decode_attention():
                 out = NativeRolloutEngine(model, compile=True).generate(
                     prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
         finally:
-            triton_kernels._decode_attention = launch
+            triton_decode._decode_attention = launch
         want = runs[True, False]
         assert len(launched) == len(model.layers) * (new_tokens - 1), f"compiled: {len(launched)} launches"
         assert counters["frames"]["total"] == 1 and not counters["graph_break"], (dict(counters["frames"]),

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from hfnative.models.attention import AttentionPlan, _attend_with_sinks, attend, plan_attention
 from hfnative.models.decoder import Transformer, TransformerBlock, _pre_norm, _residual_and_pre_norm
 from hfnative.models.layers import Attention, FeedForward, gated_activation, narrowing_autocast_dtype
-from hfnative.models.triton_kernels import (decode_attention, decode_attention_supported, decode_attention_takes,
-                                            decode_qkv, decode_qkv_supported)
+from hfnative.models.triton_decode import (decode_attention, decode_attention_supported, decode_attention_takes,
+                                           decode_qkv, decode_qkv_supported)
 from hfnative.precision import autocast_dtype
 
 from .compute_weights import FUSED, fused_outputs

@@ -1,4 +1,5 @@
-"""The Triton kernels of ``hfnative.models.triton_kernels`` (which says what each computes, where and why they run).
+"""The Triton kernels of ``hfnative.models.triton_kernels`` and of the decode step's ``hfnative.models.triton_decode``
+(which say what each computes, where and why they run).
 Imported at first use: Triton reads ``TRITON_INTERPRET`` when a kernel is defined."""
 
 import triton
