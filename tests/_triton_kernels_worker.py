@@ -495,6 +495,13 @@ class _Launches:
          TritonResidualRMSNorm.apply, cached_decoder.decode_qkv, cached_decoder.decode_attention) = self._originals
 
 
+def _same_rollouts(out, want, atol: float, what: str) -> None:
+    """The same completions, and log-probs within ``atol`` of ``want``'s."""
+    assert out.completion_ids == want.completion_ids, f"{what}: {out.completion_ids} vs {want.completion_ids}"
+    logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=atol, msg=f"{what}: log-probs")
+
+
 def _native(name, directory):
     reference = make_hf_model(name)
     reference.save_pretrained(directory)
@@ -551,9 +558,7 @@ def check_decoding_bf16_weights():
                     prompts, SamplingParams(max_new_tokens=new_tokens, do_sample=False))
             runs[triton] = (out, dict(launches.counts))
         (out, counts), (want, _) = runs["1"], runs["0"]
-        assert out.completion_ids == want.completion_ids, f"decoding {name}: {out.completion_ids} vs {want.completion_ids}"
-        logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
-        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-2, msg=f"decoding {name}: log-probs")
+        _same_rollouts(out, want, 2e-2, f"decoding {name}")
         calls = new_tokens  # the prefill and the decode steps: each runs every block once
         # the prefill rotates its q/k heads as training does; a decode step in one kernel a block (check decode_qkv)
         assert counts["norm_rope"] == rotated and counts["rope"] == rotations, (name, counts)
@@ -697,10 +702,7 @@ def check_decode_attention():
             tolerance = 2e-2 if torch.bfloat16 in (dtype, torch.bfloat16 if autocast else None) else 1e-5
             for (kernel, static), out in runs.items():
                 what = f"{name} {dtype}{' under bf16 autocast' if autocast else ''}, kernel {kernel}, static {static}"
-                assert out.completion_ids == want.completion_ids, \
-                    f"{what}: {out.completion_ids} vs {want.completion_ids}"
-                logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
-                torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=tolerance, msg=what)
+                _same_rollouts(out, want, tolerance, what)
         # a query the kernel does not take (here: none) goes to SDPA under masks made then: the engine without it
         takes = cached_decoder.decode_attention_takes
         cached_decoder.decode_attention_takes = lambda *args: False
@@ -728,9 +730,8 @@ def check_decode_attention():
             [batch] = engine._batches.values()
             assert batch._fronts, "no rows moved: the stop ids are not met early enough"
         (out, launched), (want, _) = moved[True], moved[False]
-        assert launched and out.completion_ids == want.completion_ids, (out.completion_ids, want.completion_ids)
-        torch.testing.assert_close(torch.tensor([x for row in out.logprobs for x in row]),
-                                   torch.tensor([x for row in want.logprobs for x in row]), rtol=0, atol=1e-5)
+        assert launched, "moved rows: no decode_attention launch"
+        _same_rollouts(out, want, 1e-5, "moved rows")
         cached_decoder.decode_attention_supported = supported
         # a compiled step (compile=True, what the trainers pass with torch_compile=True) calls the kernel as the custom
         # op hfnative::decode_attention: one frame, no graph break, no mask made by a step, the eager engine's tokens
@@ -752,9 +753,7 @@ def check_decode_attention():
         assert counters["frames"]["total"] == 1 and not counters["graph_break"], (dict(counters["frames"]),
                                                                                   dict(counters["graph_break"]))
         assert not made_masks, f"compiled: masks {made_masks}"
-        assert out.completion_ids == want.completion_ids, f"compiled: {out.completion_ids} vs {want.completion_ids}"
-        logprobs, want_logprobs = (torch.tensor([x for row in o.logprobs for x in row]) for o in (out, want))
-        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-2, msg="compiled")
+        _same_rollouts(out, want, 2e-2, "compiled")
     finally:
         cached_decoder.decode_attention_supported = supported
         KVCache._make_masks = make_masks
