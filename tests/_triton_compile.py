@@ -107,6 +107,24 @@ def compile_for_sm90(launches) -> list[dict]:
     return reports
 
 
+def specializations_for_sm90(launches) -> set[tuple[str, str]]:
+    """Each launch's kernel and the specialisation Triton's launcher would compile it under for sm_90 (the argument
+    types, the integers it specialises as 1 or multiples of 16, the pointers' alignment, the constexprs): one
+    compiled variant per distinct entry."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binders, variants = {}, set()
+    for kernel, args, kwargs in launches:
+        if kernel not in binders:
+            binders[kernel] = create_function_from_signature(kernel.signature, kernel.params, backend)
+        _, specialization, options = binders[kernel](*args, **kwargs)
+        variants.add((kernel.__name__, repr((specialization, sorted(options.items())))))
+    return variants
+
+
 def qwen3_launches(tokens: int = 8192) -> list:
     """The launches of one forward and backward of each kernel at the Qwen3-0.6B shape (hidden 1,024, 16 heads of
     128, MLP 3,072) under bf16 autocast over fp32 weights, in fp32, and with bf16 weights (rollouts, bf16 training);

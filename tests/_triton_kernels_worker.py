@@ -861,6 +861,19 @@ def check_compiles_for_sm90():
     assert not spilled, f"register spills: {spilled}"
 
 
+def check_one_variant_for_any_token_count():
+    """A batch's token count does not pick the Triton variant its launches compile: the Qwen3-0.6B shape's launches at
+    8,192 tokens (multiples of 16 rows) and at 8,180 (not) are the same variants, so a batch of another length never
+    compiles the kernels again."""
+    from _triton_compile import qwen3_launches, specializations_for_sm90
+
+    assert os.environ.get("TRITON_INTERPRET") != "1", "Triton's launcher specialises only without the interpreter"
+    variants = {tokens: specializations_for_sm90(qwen3_launches(tokens)) for tokens in (8192, 8180)}
+    assert len(variants[8192]) > 10, variants[8192]
+    new = sorted({name for name, _ in variants[8180] - variants[8192]})
+    assert not new, f"kernels compiled again for 8,180 tokens: {new}"
+
+
 CHECKS = {name[len("check_"):]: function for name, function in globals().items() if name.startswith("check_")}
 
 

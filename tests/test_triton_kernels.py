@@ -27,7 +27,8 @@ TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs th
 INTERPRETED = ["rms_norm", "rms_norm_fanned_out", "residual_rms_norm", "norm_rope", "rope", "cross_entropy", "silu_gated",
                "models", "decoding_bf16_weights", "decode_qkv", "decode_attention", "bf16_autocast",
                "compiled_blocks_leave_them_to_the_compiler"]
-COMPILED = ["compiles_for_sm90"]  # Triton's compiler, without the interpreter: a cubin for sm_90, no GPU needed
+# Triton's compiler and launcher, without the interpreter: a cubin for sm_90, the variants launches compile; no GPU
+COMPILED = ["compiles_for_sm90", "one_variant_for_any_token_count"]
 
 
 def _triton_path() -> str | None:

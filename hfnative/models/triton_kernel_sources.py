@@ -5,6 +5,14 @@ Imported at first use: Triton reads ``TRITON_INTERPRET`` when a kernel is define
 import triton
 import triton.language as tl
 
+# Triton specialises a kernel's integer arguments: a value of 1, a multiple of 16 and any other each compile a
+# variant of their own. A launch's row count follows the batch's tokens (a batch of 112 tokens after batches of 124
+# compiled the norm kernels again in the middle of training); the kernels read it only to mask the rows past the
+# end, where the specialisation buys nothing (loads vectorise over a row's columns, masked by the width, a model's
+# constant). The gated unit's element count stays specialised: it is a multiple of 16 wherever the width is, and its
+# mask runs over the contiguous elements.
+ROW_COUNTS = ("n_rows",)
+
 
 @triton.jit
 def _normed(x, rstd, w, offset, LIKE, LLAMA: tl.constexpr):
@@ -29,7 +37,7 @@ def _rotated(y, y_partner, cos, sin, first_half, OUT, ROUNDED: tl.constexpr):
     return y * cos + rotated_partner * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, offset,
                      LLAMA: tl.constexpr, ROPE: tl.constexpr, ADD: tl.constexpr, ROWS: tl.constexpr,
                      BLOCK: tl.constexpr, ROUNDED: tl.constexpr = False):
@@ -63,7 +71,7 @@ def rms_norm_forward(X, R, H, W, Y, RSTD, COS, SIN, n_rows, n_cols, heads, eps, 
     tl.store(Y + at, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def rms_norm_backward(DY, DY2, DY3, DH, X, W, RSTD, COS, SIN, DX, DR, DW, n_rows, n_cols, heads, offset,
                       LLAMA: tl.constexpr, ROPE: tl.constexpr, GRADS: tl.constexpr, RESIDUAL: tl.constexpr,
                       UPDATE_GRAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, BLOCK: tl.constexpr,
@@ -162,7 +170,7 @@ def _rotation_tile(n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     return rows, cols, mask, partner, (cols < half)[None, :]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                  ROUNDED: tl.constexpr = False):
     rows, cols, mask, partner, first_half = _rotation_tile(n_rows, n_cols, ROWS, BLOCK)
@@ -176,7 +184,7 @@ def rope_forward(X, Y, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOC
     tl.store(Y + rows[:, None] * n_cols + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNTS)
 def rope_backward(DY, DX, COS, SIN, n_rows, n_cols, heads, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows, cols, mask, partner, first_half = _rotation_tile(n_rows, n_cols, ROWS, BLOCK)
     dy = tl.load(DY + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
