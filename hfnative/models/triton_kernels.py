@@ -86,11 +86,15 @@ def _kernels() -> Kernels | None:
 
 
 def _mend_interpreter() -> None:
-    """Two things Triton's interpreter (3.6) gets wrong that ``decode_attention`` meets, mended as a GPU does them:
-    it holds a kernel's scalars as one-element arrays and makes a loop's bounds of them with ``int(array)``, which
-    numpy 2 refuses (the loop over the entries a row sees): the element is read instead; and ``tl.dot`` of bfloat16
-    operands multiplies their bits as integers: they are widened to float32 first (exact: a GPU's bf16 products are
-    exact in its float32 accumulator too)."""
+    """What Triton's interpreter (3.6) gets wrong that the kernels meet, mended as a GPU does it:
+    - it holds a kernel's scalars as one-element arrays and makes a loop's bounds of them with ``int(array)``, which
+      numpy 2 refuses (``decode_attention``'s loop over the entries a row sees): the element is read instead;
+    - ``tl.dot`` of bfloat16 operands multiplies their bits as integers: they are widened to float32 first (exact: a
+      GPU's bf16 products are exact in its float32 accumulator too);
+    - a float32 value cast to bfloat16 has its low bits cut off (rounded toward zero) where a GPU rounds
+      to the nearest, ties to even (``cvt.rn.bf16.f32``, Triton's default): the cast rounds as torch's does, which
+      is a GPU's. Cut off, every bf16 result the kernels write sat about twice as far from its exact value as
+      torch's."""
     import numpy
     from triton.runtime import interpreter
 
@@ -116,8 +120,16 @@ def _mend_interpreter() -> None:
                 if x.dtype.name == "bf16" else x for x in (a, b))
         return dot(self, a, b, d, *args)
 
+    convert = interpreter._convert_float
+
+    def rounded(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype.primitive_bitwidth == 32 and output_dtype.name == "bf16":
+            values = torch.from_numpy(numpy.array(data, copy=True).view(numpy.float32))
+            return values.bfloat16().view(torch.int16).numpy().view(numpy.uint16).reshape(numpy.shape(data))
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+
     patched.mended = True
-    interpreter._patch_lang_tensor, builder.create_dot = patched, widened
+    interpreter._patch_lang_tensor, builder.create_dot, interpreter._convert_float = patched, widened, rounded
 
 
 def available() -> bool:
