@@ -65,27 +65,27 @@ SETUPS = {
 }
 
 
-def triton_variants() -> dict[str, int]:
-    """Each of hfnative's Triton kernels: how many variants Triton has compiled for it in this process (on CUDA; an
-    empty dict where the kernels are not in use). A variant compiled after a trainer's first step is a stall in the
-    middle of training, a fraction of a second or more each."""
+def triton_variants(device: torch.device) -> dict[str, int]:
+    """Each of hfnative's Triton kernels: how many variants Triton holds for it in this process, compiled or read
+    from its disk cache (on CUDA; an empty dict where the kernels are not in use or run interpreted). A variant
+    compiled after a trainer's first step is a stall in the middle of training, a fraction of a second or more."""
     from hfnative.models import triton_kernels
 
-    kernels = triton_kernels._kernels() if torch.cuda.is_available() else None
+    kernels = triton_kernels._kernels() if device.type == "cuda" else None
     if kernels is None:
         return {}
-    return {name: sum(len(cache[0]) for cache in getattr(kernels, name).device_caches.values())
+    return {name: sum(len(cache[0]) for cache in getattr(getattr(kernels, name), "device_caches", {}).values())
             for name in triton_kernels.KERNEL_NAMES}
 
 
-def _after_first_step(snapshot: dict):
-    """A callback that records ``triton_variants()`` into ``snapshot`` at the end of the first optimizer step."""
+def _after_first_step(snapshot: dict, device: torch.device):
+    """A callback that records ``triton_variants(device)`` into ``snapshot`` at the end of the first optimizer step."""
     from transformers import TrainerCallback
 
     class AfterFirstStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == 1:
-                snapshot.update(triton_variants())
+                snapshot.update(triton_variants(device))
 
     return AfterFirstStep()
 
@@ -111,10 +111,10 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
     module = trainer.model
     before = {key: value.detach().float().cpu().clone() for key, value in module.named_parameters()}
     first_step_variants: dict[str, int] = {}
-    trainer.add_callback(_after_first_step(first_step_variants))
+    trainer.add_callback(_after_first_step(first_step_variants, device))
     trainer.train()
     later_variants = {kernel: count - first_step_variants.get(kernel, 0)
-                      for kernel, count in triton_variants().items()
+                      for kernel, count in triton_variants(device).items()
                       if count > first_step_variants.get(kernel, 0)} if first_step_variants else {}
     trainer.save_model(str(folder / name))
     seconds = time.perf_counter() - begin

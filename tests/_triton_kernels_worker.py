@@ -940,16 +940,46 @@ def check_compiles_for_sm90():
 
 
 def check_one_variant_for_any_token_count():
-    """A batch's token count does not pick the Triton variant its launches compile: the Qwen3-0.6B shape's launches at
-    8,192 tokens (multiples of 16 rows) and at 8,180 (not) are the same variants, so a batch of another length never
-    compiles the kernels again."""
-    from _triton_compile import qwen3_launches, specializations_for_sm90
+    """A batch's token count does not pick the Triton variant its launches compile, so a batch of another length never
+    compiles the kernels again: the Qwen3-0.6B shape's launches at 8,192 tokens and at 8,180 (its pre-norms' rows a
+    multiple of 16, then not); each kernel's launches at 64, 61 and 1 tokens (rows of 8 key/value heads rotated,
+    normed and rotated, alone, after the residual add); a decode step's attention over caches of 320 and 317 slots."""
+    from _triton_compile import qwen3_launches, recorded_launches, specializations_for_sm90
+
+    from hfnative.models.triton_decode import decode_attention
 
     assert os.environ.get("TRITON_INTERPRET") != "1", "Triton's launcher specialises only without the interpreter"
+
+    def launches(tokens: int, slots: int):
+        def run():
+            w = torch.ones(1024, requires_grad=True)
+            x = torch.zeros(tokens, 1024, requires_grad=True)
+            TritonRMSNorm.apply(x, w, 1e-6, None, None, None, torch.bfloat16).sum().backward()
+            update = torch.zeros(tokens, 1024, dtype=torch.bfloat16, requires_grad=True)
+            h, y = TritonResidualRMSNorm.apply(x, update, w, 1e-6, None, torch.bfloat16)
+            torch.autograd.backward((h, y), (torch.ones_like(h), torch.ones_like(y)))
+            heads = torch.zeros(1, tokens, 8, 128, dtype=torch.bfloat16, requires_grad=True)
+            cos = torch.zeros(1, tokens, 128)
+            head_w = torch.ones(128, requires_grad=True)
+            TritonRMSNorm.apply(heads, head_w, 1e-6, None, cos, cos, torch.bfloat16).sum().backward()
+            TritonRope.apply(heads, cos, cos).sum().backward()
+            gate = torch.zeros(tokens, 3072, dtype=torch.bfloat16, requires_grad=True)
+            TritonSiluGated.apply(gate, gate.detach()).sum().backward()
+            cache = torch.zeros(4, 8, slots, 128, dtype=torch.bfloat16)
+            decode_attention(torch.zeros(4, 16, 1, 128, dtype=torch.bfloat16), cache, cache,
+                             torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), None, 0.088)
+        return recorded_launches(run)
+
     variants = {tokens: specializations_for_sm90(qwen3_launches(tokens)) for tokens in (8192, 8180)}
     assert len(variants[8192]) > 10, variants[8192]
     new = sorted({name for name, _ in variants[8180] - variants[8192]})
     assert not new, f"kernels compiled again for 8,180 tokens: {new}"
+    first = specializations_for_sm90(launches(64, 320))
+    assert {name for name, _ in first} >= {"rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward",
+                                           "silu_gated_forward", "silu_gated_backward", "decode_attention"}, first
+    for tokens, slots in ((61, 317), (1, 320)):
+        new = sorted({name for name, _ in specializations_for_sm90(launches(tokens, slots)) - first})
+        assert not new, f"kernels compiled again for {tokens} tokens and {slots} cache slots: {new}"
 
 
 CHECKS = {name[len("check_"):]: function for name, function in globals().items() if name.startswith("check_")}

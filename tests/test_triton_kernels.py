@@ -57,8 +57,7 @@ def _run_worker(path: str, checks: list[str], interpret: bool) -> dict:
     env.pop("TRITON_INTERPRET", None)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), str(ROOT / "benchmarks"),
-                                                    env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(ROOT / "tests"), env.get("PYTHONPATH", "")) if p)
     run = subprocess.run([sys.executable, str(ROOT / "tests" / "_triton_kernels_worker.py"), *checks],
                          capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
     lines = run.stdout.strip().splitlines()

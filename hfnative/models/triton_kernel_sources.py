@@ -251,7 +251,7 @@ def decode_qkv(Q, K, V, QW, KW, COS, SIN, Q_OUT, K_CACHE, V_CACHE, ENTRY, q_stri
             tl.store(V_CACHE + at + cols[None, :], v.to(V_CACHE.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("length",))  # the cache's length: a call's prompt slots + new tokens, read for rings
 def decode_attention(Q, K_CACHE, V_CACHE, OUT, PAD, SLOT, ENTRY_SLOT, PART_ACC, PART_MAX, PART_SUM, q_b, q_h, cache_b,
                      cache_h, cache_l, out_b, out_h, group, n_cols, length, scale, FULL: tl.constexpr,
                      GROUP_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,

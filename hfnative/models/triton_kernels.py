@@ -122,8 +122,10 @@ def _mend_interpreter() -> None:
 
     convert = interpreter._convert_float
 
+    nearest = (None, interpreter._ir.ROUNDING_MODE.RTNE)  # a cast's default, and asked for; rtz stays cut off
+
     def rounded(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype.primitive_bitwidth == 32 and output_dtype.name == "bf16":
+        if input_dtype.primitive_bitwidth == 32 and output_dtype.name == "bf16" and rounding_mode in nearest:
             values = torch.from_numpy(numpy.array(data, copy=True).view(numpy.float32))
             return values.bfloat16().view(torch.int16).numpy().view(numpy.uint16).reshape(numpy.shape(data))
         return convert(data, input_dtype, output_dtype, rounding_mode)
