@@ -579,6 +579,7 @@ def kernels(tally: Tally, device: torch.device) -> None:
     # on a CPU the interpreter's bf16 casts round as a GPU's do (triton_kernels._mend_interpreter)
     for name, inputs, fused, reference in _kernel_cases(device):
         _check_kernel(tally, device, name, inputs, fused, reference)
+    _warps_sweep(tally, device)
 
 
 def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, reference) -> None:
@@ -609,9 +610,56 @@ def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, 
             ok &= error <= 2.0**-8 * scale
         worst = max(worst, error / max(scale, 1e-30))
         differing = max(differing, (got != expected).float().mean().item())
+    # (the decode kernels read or write a few entries of their cache inputs, not all of them: no bound from those)
+    moved = None if name.startswith("decode_") else _bytes_moved(inputs, out, grads)
     tally.check(ok, f"triton {name}", f"max |diff| / scale {worst:.1e}, elements differing {differing:.1%}; "
                                     f"{'fwd+bwd' if grads else 'fwd'} {fused_ms:.3f} ms vs torch {torch_ms:.3f} ms "
-                                    f"(x{torch_ms / max(fused_ms, 1e-9):.2f})")
+                                    f"(x{torch_ms / max(fused_ms, 1e-9):.2f})"
+                                    + ("" if moved is None else f"; at least {moved / 1e6:.1f} MB moved: "
+                                                                f"{moved / (fused_ms * 1e6):.0f} GB/s"))
+
+
+def _bytes_moved(inputs, out: torch.Tensor, grads) -> int:
+    """The fewest bytes a kernel's forward (and backward, with ``grads``) can move: the inputs read and the output
+    written; then the output's gradient and the inputs read again, the inputs' gradients written. What a time over
+    it says is how near the kernel runs to the memory's bandwidth."""
+    size = sum(t.numel() * t.element_size() for t in inputs)
+    moved = size + out.numel() * out.element_size()
+    if grads:
+        moved += out.numel() * out.element_size() + size + sum(g.numel() * g.element_size() for g in grads)
+    return moved
+
+
+def _warps_sweep(tally: Tally, device: torch.device) -> None:
+    """On CUDA, the norm kernels' forward + backward timed at 4, 8, 16 and 32 warps a program (the wrappers' rule,
+    ``triton_kernels._warps``, gives about 8 elements a thread: 16 warps for the hidden norm's 4 rows of 1,024), for
+    choosing that rule by measurement."""
+    from hfnative.models import triton_kernels
+
+    if device.type != "cuda":
+        return
+    rule = triton_kernels._warps
+    try:
+        for name, inputs, fused, _ in _kernel_cases(device):
+            if not name.startswith(("rms_norm bf16", "q_norm + rope bf16", "residual")):
+                continue
+            times = {}
+            for warps in (4, 8, 16, 32):
+                triton_kernels._warps = lambda elements, warps=warps: warps
+                leaves = [t.detach().clone().requires_grad_() for t in inputs]
+                out = fused(*leaves)
+                grad_out = torch.ones_like(out)
+
+                def step(leaves=leaves, grad_out=grad_out):
+                    torch.autograd.grad(fused(*leaves), leaves, grad_out)
+
+                times[warps] = _milliseconds(step, device, repeats=10)
+            moved = _bytes_moved(inputs, out, leaves)
+            tally("TIME", f"warps {name}", ", ".join(f"{w}: {ms:.3f} ms ({moved / (ms * 1e6):.0f} GB/s)"
+                                                     for w, ms in times.items())
+                  + f"; the rule gives {rule(4096)} to a forward tile of 4,096 elements")
+    finally:
+        triton_kernels._warps = rule
 
 
 # ------------------------------------------------------------------------------------------------
