@@ -579,26 +579,30 @@ def kernels(tally: Tally, device: torch.device) -> None:
     # on a CPU the interpreter's bf16 casts round as a GPU's do (triton_kernels._mend_interpreter)
     for name, inputs, fused, reference in _kernel_cases(device):
         _check_kernel(tally, device, name, inputs, fused, reference)
-    _warps_sweep(tally, device)
+        if device.type == "cuda" and name.startswith(WARPS_SWEPT):
+            _warps_sweep(tally, device, name, inputs, fused)
+
+
+def _run_timed(function, inputs, device: torch.device):
+    """``function`` on fresh leaves of ``inputs``: (its output, the inputs' gradients for a fixed output gradient,
+    none for a forward without them (decoding's), milliseconds a forward + backward)."""
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
+    out = function(*leaves)
+    grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
+    grads = torch.autograd.grad(out, leaves, grad_out) if out.requires_grad else ()
+
+    def step(backward=out.requires_grad):
+        out = function(*leaves)
+        if backward:
+            torch.autograd.grad(out, leaves, grad_out)
+
+    return out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1)
 
 
 def _check_kernel(tally: Tally, device: torch.device, name: str, inputs, fused, reference) -> None:
     """One of ``_kernel_cases``: the kernel and the op sequence, their outputs, gradients and times."""
-    runs = {}
-    for way, function in (("triton", fused), ("torch", reference)):
-        leaves = [t.detach().clone().requires_grad_() for t in inputs]  # clone keeps a view's layout
-        out = function(*leaves)
-        grad_out = torch.ones_like(out).normal_(generator=torch.Generator(device=device).manual_seed(1))
-        # (a forward without gradients, as decoding's: its output and time only)
-        grads = torch.autograd.grad(out, leaves, grad_out) if out.requires_grad else ()
-
-        def step(function=function, leaves=leaves, grad_out=grad_out, backward=out.requires_grad):
-            out = function(*leaves)
-            if backward:
-                torch.autograd.grad(out, leaves, grad_out)
-
-        runs[way] = (out, grads, _milliseconds(step, device, repeats=10 if device.type == "cuda" else 1))
-    (out, grads, fused_ms), (want, want_grads, torch_ms) = runs["triton"], runs["torch"]
+    (out, grads, fused_ms), (want, want_grads, torch_ms) = (_run_timed(fused, inputs, device),
+                                                            _run_timed(reference, inputs, device))
     worst, differing, ok = 0.0, 0.0, True
     for got, expected in zip((out, *grads), (want, *want_grads)):
         ok &= got.dtype == expected.dtype and got.shape == expected.shape
@@ -630,36 +634,26 @@ def _bytes_moved(inputs, out: torch.Tensor, grads) -> int:
     return moved
 
 
-def _warps_sweep(tally: Tally, device: torch.device) -> None:
-    """On CUDA, the norm kernels' forward + backward timed at 4, 8, 16 and 32 warps a program (the wrappers' rule,
+WARPS_SWEPT = ("rms_norm bf16", "q_norm + rope bf16", "residual")  # the cases ``_warps_sweep`` times
+
+
+def _warps_sweep(tally: Tally, device: torch.device, name: str, inputs, fused) -> None:
+    """A norm kernel's forward + backward timed at 4, 8, 16 and 32 warps a program (the wrappers' rule,
     ``triton_kernels._warps``, gives about 8 elements a thread: 16 warps for the hidden norm's 4 rows of 1,024), for
     choosing that rule by measurement."""
     from hfnative.models import triton_kernels
 
-    if device.type != "cuda":
-        return
-    rule = triton_kernels._warps
+    rule, times = triton_kernels._warps, {}
     try:
-        for name, inputs, fused, _ in _kernel_cases(device):
-            if not name.startswith(("rms_norm bf16", "q_norm + rope bf16", "residual")):
-                continue
-            times = {}
-            for warps in (4, 8, 16, 32):
-                triton_kernels._warps = lambda elements, warps=warps: warps
-                leaves = [t.detach().clone().requires_grad_() for t in inputs]
-                out = fused(*leaves)
-                grad_out = torch.ones_like(out)
-
-                def step(leaves=leaves, grad_out=grad_out):
-                    torch.autograd.grad(fused(*leaves), leaves, grad_out)
-
-                times[warps] = _milliseconds(step, device, repeats=10)
-            moved = _bytes_moved(inputs, out, leaves)
-            tally("TIME", f"warps {name}", ", ".join(f"{w}: {ms:.3f} ms ({moved / (ms * 1e6):.0f} GB/s)"
-                                                     for w, ms in times.items())
-                  + f"; the rule gives {rule(4096)} to a forward tile of 4,096 elements")
+        for warps in (4, 8, 16, 32):
+            triton_kernels._warps = lambda elements, warps=warps: warps
+            out, grads, times[warps] = _run_timed(fused, inputs, device)
     finally:
         triton_kernels._warps = rule
+    moved = _bytes_moved(inputs, out, grads)
+    tally("TIME", f"warps {name}", ", ".join(f"{w}: {ms:.3f} ms ({moved / (ms * 1e6):.0f} GB/s)"
+                                             for w, ms in times.items())
+          + f"; the rule gives {rule(4096)} to a forward tile of 4,096 elements")
 
 
 # ------------------------------------------------------------------------------------------------
