@@ -113,9 +113,7 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
     first_step_variants: dict[str, int] = {}
     trainer.add_callback(_after_first_step(first_step_variants, device))
     trainer.train()
-    later_variants = {kernel: count - first_step_variants.get(kernel, 0)
-                      for kernel, count in triton_variants(device).items()
-                      if count > first_step_variants.get(kernel, 0)} if first_step_variants else {}
+    variants = triton_variants(device)
     trainer.save_model(str(folder / name))
     seconds = time.perf_counter() - begin
 
@@ -158,7 +156,9 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
               f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, step s {shown('perf/step_s')}, "
               f"{seconds:.1f} s")
     if first_step_variants:  # informational: a kernel path first taken after step 1 compiles then, legitimately
-        compiled = ", ".join(f"{kernel} {count}" for kernel, count in sorted(later_variants.items())) or "none"
+        compiled = ", ".join(f"{kernel} {count - first_step_variants[kernel]}"
+                             for kernel, count in sorted(variants.items()) if count > first_step_variants[kernel])
+        compiled = compiled or "none"
         detail += f"; Triton variants compiled after step 1: {compiled}"
     if problems:
         return False, "; ".join(problems) + " | " + detail

@@ -121,7 +121,6 @@ def _mend_interpreter() -> None:
         return dot(self, a, b, d, *args)
 
     convert = interpreter._convert_float
-
     nearest = (None, interpreter._ir.ROUNDING_MODE.RTNE)  # a cast's default, and asked for; rtz stays cut off
 
     def rounded(data, input_dtype, output_dtype, rounding_mode):
