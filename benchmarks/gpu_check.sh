@@ -66,6 +66,13 @@
 #                                                         # then step_more ~9, rollout_more ~8, rollout_trainers
 #                                                         # ~7, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
+#   GPU_CHECK_SECTIONS=rollout,checks GPU_CHECK_ONLY=bench-gen,trainers bash benchmarks/gpu_check.sh
+#                                                         # only the checks named (with install) of the sections named
+#   Every bar of one issue in one session of two calls, e.g. generation's (bench-gen, generation, trainers,
+#   bench-grpo in the first; bench-rloo, bench-gkd, bench-odpo, bench-kd in the second):
+#   GPU_CHECK_SECTIONS=rollout,checks GPU_CHECK_ONLY=env,bench-gen,generation,bench-grpo,trainers bash ...
+#   GPU_CHECK_SECTIONS=rollout_more,rollout_trainers GPU_CHECK_ONLY=bench-rloo,bench-gkd,bench-odpo,bench-kd bash ...
+#   (on a GPU the wheels install into benchmarks/.gpu_site, which a warm machine keeps: the second call skips them)
 #
 # Each check has its own timeout, cut to what is left of its section's budget; a failing check never stops the next.
 # The full output and a summary table go to benchmarks/gpu_results/<UTC time>.txt, also copied into $OUT when that
@@ -77,7 +84,7 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 DEVICE=cuda
 if [[ ${1:-} == --device ]]; then DEVICE=${2:?--device needs cuda or cpu}; shift 2; fi
-[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,68p' "$0"; exit 2; }
+[[ $# -eq 0 && ($DEVICE == cuda || $DEVICE == cpu) ]] || { sed -n '2,75p' "$0"; exit 2; }
 if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
   for candidate in python3 python; do
     if "$candidate" -c "import torch" >/dev/null 2>&1; then PYTHON=$candidate && break; fi
@@ -85,6 +92,7 @@ if [[ -z ${PYTHON:-} ]]; then  # the image's interpreter that has torch
 fi
 PYTHON=${PYTHON:-python3}
 SECTIONS=${GPU_CHECK_SECTIONS:-step,rollout,checks}
+ONLY=${GPU_CHECK_ONLY:-}  # where set, only the checks it names run (and install, which the others need)
 BUDGET=120 START=$SECONDS  # setup's; each section sets its own (start_section)
 RUN_START=$SECONDS
 
@@ -96,8 +104,21 @@ WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 trap 'rm -rf "$WORK"' EXIT
 
 # hfnative without installing it: its package layout (converters/ and trainers/ are hfnative.converters and
-# hfnative.trainers, pyproject's package-dir) rebuilt from links; wheels installed by check 2 go to $SITE
-STAGE=$WORK/stage SITE=$WORK/site
+# hfnative.trainers, pyproject's package-dir) rebuilt from links; wheels installed by check 2 go to $SITE: on a GPU
+# benchmarks/.gpu_site (git ignores it), which a device machine keeps between calls while it stays warm, so a second
+# call finds them installed; it is used again only where an install into it finished, from the same wheels
+# (GPU_CHECK_SITE names another such folder, on any device)
+STAGE=$WORK/stage KEPT_SITE=${GPU_CHECK_SITE:-$([[ $DEVICE == cuda ]] && echo "$ROOT/benchmarks/.gpu_site")}
+SITE=${KEPT_SITE:-$WORK/site}
+if [[ -n $KEPT_SITE ]]; then  # a folder this script made (.gpu_check-site in it) is emptied unless it is complete
+  WHEELS_LIST=$(ls benchmarks/wheels 2>/dev/null | grep '\.whl$' || true)
+  if [[ -f $SITE/.gpu_check-site ]] && [[ ! -f $SITE/.installed-from || $(cat "$SITE/.installed-from") != "$WHEELS_LIST" ]]; then
+    rm -rf "$SITE"
+  elif [[ -d $SITE && ! -f $SITE/.gpu_check-site && -n $(ls -A "$SITE") ]]; then
+    echo "GPU_CHECK_SITE=$SITE: a folder this script did not make; name an empty or new one" >&2 && exit 2
+  fi
+  mkdir -p "$SITE" && touch "$SITE/.gpu_check-site"
+fi
 mkdir -p "$STAGE/hfnative" "$SITE"
 for entry in "$ROOT"/hfnative/*; do ln -s "$entry" "$STAGE/hfnative/"; done
 ln -s "$ROOT/converters" "$STAGE/hfnative/converters"
@@ -116,6 +137,7 @@ NAMES=() STATUSES=() DURATIONS=() NOTES=()
 run_check() {
   local name=$1 limit=$2 verdict=$3
   shift 3
+  if [[ -n $ONLY && ",$ONLY," != *",$name,"* && $name != install ]]; then return; fi
   local left=$((BUDGET - (SECONDS - START)))
   if ((left < 15)); then
     record "$name" SKIP 0 "not started: the section's ${BUDGET} s budget is spent"
@@ -265,6 +287,9 @@ fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
 run_check install 60 install_verdict bash -c "$PYTHON benchmarks/gpu_env.py install --target '$SITE' && echo && echo 'after install:' && $PYTHON benchmarks/gpu_env.py report"
+if [[ -n $KEPT_SITE && ${STATUSES[-1]} != FAIL && ${STATUSES[-1]} != TIMEOUT ]]; then
+  printf '%s' "$WHEELS_LIST" >"$SITE/.installed-from"
+fi
 
 if start_section step "${STEP_BUDGET:-480}"; then
   # a CPU rehearsal runs the kernels under Triton's interpreter where tests/test_triton_kernels.py installed Triton
