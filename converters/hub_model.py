@@ -15,6 +15,12 @@ key names (``layers.0.attention.wq.weight``); Hub names appear only in what is w
 ``generate`` runs transformers' generation on the current weights: a transformers model is built
 over the Hub-format tensors (LoRA merged, views of the live weights where the layouts agree) and
 kept until the weights change or a training forward runs.
+
+A model with a transformers config has the class name transformers gives its architecture
+(``Qwen3ForCausalLM``, ``LlamaForSequenceClassification``): a subclass of ``NativeCausalLM`` /
+``NativeSequenceClassifier`` of that name, defined in this module. transformers reads a model's
+class name where it checks what a model is: a ``pipeline`` logs an error for a name not among its
+task's models, and its Trainer asks ``_get_name()``.
 """
 
 from __future__ import annotations
@@ -144,8 +150,8 @@ class HubModelMixin:
     def generate(self, *args, **kwargs):
         """transformers' ``generate`` (same arguments and outputs) on the current weights."""
         model = self._generation_model()
-        if "generation_config" not in kwargs and self.generation_config is not None:
-            kwargs["generation_config"] = self.generation_config
+        if self.generation_config is not None:  # this model's, as set now (the copy may be older than a change)
+            model.generation_config = self.generation_config
         return model.generate(*args, **kwargs)
 
     def _generation_model(self) -> nn.Module:
@@ -296,6 +302,31 @@ def _generation_config_for(converted: ConvertedModel):
     return GenerationConfig.from_model_config(converted.config)
 
 
+_NAMED_CLASSES: dict[tuple[type, str], type] = {}
+
+
+def _named_after_transformers(model: nn.Module, config) -> type:
+    """The class ``model`` (a NativeCausalLM or NativeSequenceClassifier, or one of their named subclasses) takes
+    for ``config``: a subclass named as transformers' class for the architecture (see the module docstring), made
+    once and kept in this module's namespace (so a model pickles by reference, as one of the base class does);
+    the base class itself where transformers has no such class (a config registered elsewhere)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    base = NativeSequenceClassifier if isinstance(model, NativeSequenceClassifier) else NativeCausalLM
+    names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if base is NativeSequenceClassifier else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = names.get(getattr(config, "model_type", None))
+    if not isinstance(name, str) or not name.isidentifier() or name in (NativeCausalLM.__name__, NativeSequenceClassifier.__name__):
+        return base
+    named = _NAMED_CLASSES.get((base, name))
+    if named is None:
+        named = type(name, (base,), {"__module__": __name__, "__qualname__": name, "__doc__": base.__doc__})
+        _NAMED_CLASSES[(base, name)] = globals()[name] = named
+    return named
+
+
 def attach_hub_surface(model: nn.Module, converted: ConvertedModel | None, *, adapter_settings=None,
                        base_model_name_or_path: str | None = None) -> nn.Module:
     """Give a native model transformers' model surface in place (its class becomes NativeCausalLM;
@@ -308,6 +339,8 @@ def attach_hub_surface(model: nn.Module, converted: ConvertedModel | None, *, ad
     if not isinstance(model, HubModelMixin):
         raise TypeError(f"cannot give {type(model).__name__} transformers' model surface")
     if converted is not None:
+        if type(model) in (NativeCausalLM, NativeSequenceClassifier, *_NAMED_CLASSES.values()):
+            model.__class__ = _named_after_transformers(model, converted.config)
         model.__dict__["_hub_converted"] = converted  # a plain attribute (not a submodule)
         model.config = converted.config
         if model.generation_config is None and model.can_generate():

@@ -6,8 +6,9 @@ written for it selects parameters and modules by those names:
 ``base_model.model.lm_head.modules_to_save.default.weight``. hfnative trains a native module whose own
 names are ``layers.0.attention.wq.lora_A``; the engine, its parallel plans and its checkpoints keep those.
 
-``peft_surface(model)`` is a real peft ``PeftModel`` (``isinstance(surface, PeftModel)`` holds) built with
-the model's transformers config on the meta device and the same adapter settings, so its module tree,
+``peft_surface(model)`` is a real peft ``PeftModel`` (``isinstance(surface, PeftModel)`` holds; its class, a
+subclass of peft's for the task, has peft's class name, ``PeftModelForCausalLM``, which transformers' pipelines
+read) built with the model's transformers config on the meta device and the same adapter settings, so its module tree,
 ``named_modules``, ``named_parameters``, ``get_parameter``, ``get_submodule`` and ``state_dict`` keys are
 exactly peft's. Its tensors are the native model's:
 
@@ -330,7 +331,7 @@ def peft_surface(converted, settings) -> nn.Module:
             slots[first] += slots.pop(full)
             del peft_names[full]
     cls = type(skeleton)
-    skeleton.__class__ = type(f"Native{cls.__name__}", (PeftSurface, cls), {"__module__": __name__})
+    skeleton.__class__ = type(cls.__name__, (PeftSurface, cls), {"__module__": __name__, "__qualname__": cls.__name__})
     skeleton.__dict__.update(native_model=model, _sources=_sources(converted, peft_names), _slots=slots)
     skeleton.train(model.training)
     model.__dict__["_peft_surface"] = skeleton

@@ -6,10 +6,11 @@ and TRL's SFTTrainer running the same TRL callback on the same data.
 
 import contextlib
 import io
+import logging
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback, pipeline
 
 import hfnative
 from hfnative.converters.hub_model import NativeCausalLM
@@ -61,6 +62,59 @@ def test_trained_model_has_transformers_surface(tmp_path):
         model.get_input_embeddings().weight.mul_(-1.0)
         loaded.get_input_embeddings().weight.mul_(-1.0)
     assert torch.equal(_greedy(model, tokenizer), _greedy(loaded, tokenizer))
+
+
+@contextlib.contextmanager
+def _transformers_warnings():
+    """The records transformers' loggers emit at WARNING or above inside the block."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    root = logging.getLogger("transformers")
+    root.addHandler(handler)
+    try:
+        yield records
+    finally:
+        root.removeHandler(handler)
+
+
+def _pipeline_and_generate(model, tokenizer) -> tuple[str, torch.Tensor]:
+    text = pipeline("text-generation", model=model, tokenizer=tokenizer)(
+        PROMPTS[0], max_new_tokens=6, do_sample=False)[0]["generated_text"]
+    return text, model.generate(**tokenizer(PROMPTS[1], return_tensors="pt"), max_new_tokens=4, do_sample=False)
+
+
+def test_trained_model_in_a_pipeline_as_transformers_own(tmp_path):
+    """trainer.model goes into transformers' text-generation pipeline and generate() as transformers' own model does:
+    the class name the pipeline checks (transformers' for the architecture), the same text, and nothing logged; a
+    LoRA model as peft's does (PeftModelForCausalLM)."""
+    peft = pytest.importorskip("peft")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    trainer = _sft(hfnative, tmp_path, steps=1)
+    trainer.train()
+    model = trainer.model.eval()
+    with _transformers_warnings() as ours:
+        ours_out = _pipeline_and_generate(model, tokenizer)
+    model.save_pretrained(tmp_path / "saved")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert isinstance(model, NativeCausalLM) and type(model).__name__ == type(reference).__name__ == "Qwen3ForCausalLM"
+    with _transformers_warnings() as theirs:
+        theirs_out = _pipeline_and_generate(reference, tokenizer)
+    assert [r.getMessage()[:120] for r in ours] == [r.getMessage()[:120] for r in theirs] == []
+    assert ours_out[0] == theirs_out[0] and torch.equal(ours_out[1], theirs_out[1])
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    config = _config(hfnative, tmp_path / "lora", 1)
+    config.max_steps = 1
+    adapted = hfnative.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("prompt-completion"),
+                                  processing_class=tokenizer, peft_config=lora)
+    adapted.train()
+    with _transformers_warnings() as ours:
+        text = pipeline("text-generation", model=adapted.model.eval(), tokenizer=tokenizer)(
+            PROMPTS[0], max_new_tokens=4, do_sample=False)[0]["generated_text"]
+    assert isinstance(adapted.model, peft.PeftModelForCausalLM)
+    assert type(adapted.model).__name__ == "PeftModelForCausalLM" and text.startswith(PROMPTS[0])
+    assert [r.getMessage()[:120] for r in ours] == []
 
 
 def test_rebuilding_from_config_round_trips_state_dict(tmp_path):

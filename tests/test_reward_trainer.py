@@ -23,6 +23,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPTNeoXConfig
 
 import hfnative
+from hfnative.converters.hub_model import NativeSequenceClassifier
 
 trl = pytest.importorskip("trl")
 
@@ -198,7 +199,8 @@ def test_model_objects_train_natively(model_path, tmp_path):
     classifier.config.pad_token_id = tokenizer.pad_token_id
     trainer = hfnative.RewardTrainer(model=classifier, args=_config(hfnative, tmp_path), train_dataset=_rows(8),
                                      processing_class=tokenizer)
-    assert type(trainer.model).__name__ == "NativeSequenceClassifier"
+    # trained natively, under transformers' class name (what pipelines and Trainer read)
+    assert isinstance(trainer.model, NativeSequenceClassifier) and type(trainer.model).__name__ == type(classifier).__name__
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
     with torch.no_grad():
         expected = classifier(**batch).logits
@@ -253,7 +255,7 @@ def test_trained_reward_model_drives_grpo(model_path, tmp_path):
     reward_trainer.save_model(str(folder))
     grpo, native = _grpo_rewards(str(folder), tmp_path, "native")
     scorer = grpo.objective.rewards.functions[0]
-    assert type(scorer).__name__ == "NativeSequenceClassifier"
+    assert isinstance(scorer, NativeSequenceClassifier)
     _, reference = _grpo_rewards(AutoModelForSequenceClassification.from_pretrained(str(folder)), tmp_path, "reference")
     assert len(native) == len(reference) == 2
     for mine, theirs in zip(native, reference):
