@@ -117,6 +117,54 @@ def test_trained_model_in_a_pipeline_as_transformers_own(tmp_path):
     assert [r.getMessage()[:120] for r in ours] == []
 
 
+def test_model_object_given_gets_the_trained_weights(tmp_path):
+    """TRL trains the transformers model object given as ``model`` in place, so scripts save or push that object
+    after train(); hfnative trains a native copy and writes the trained weights into the object when train() ends:
+    the object then equals the folder save_model() exports. A PeftModel object gets its trained adapters (peft's
+    own load of the saved adapter folder is the oracle), its base untouched; an object the caller dropped is not
+    kept alive by the trainer."""
+    import gc
+
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    initial = AutoModelForCausalLM.from_pretrained(MODEL).state_dict()
+
+    def train(module, model, name, **extra):
+        config = _config(module, tmp_path / name, 1, **extra)
+        config.max_steps = 2
+        trainer = module.SFTTrainer(model=model, args=config, train_dataset=_dataset("prompt-completion"),
+                                    processing_class=tokenizer)
+        trainer.train()
+        return trainer
+
+    theirs = AutoModelForCausalLM.from_pretrained(MODEL)
+    train(trl, theirs, "trl")
+    ours = AutoModelForCausalLM.from_pretrained(MODEL)
+    train(hfnative, ours, "ours").save_model(str(tmp_path / "saved"))
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").state_dict()
+    for obj in (theirs, ours):  # TRL's object trained, and ours
+        assert any(not torch.equal(value, initial[name]) for name, value in obj.state_dict().items())
+    assert ours.state_dict().keys() == saved.keys()
+    assert all(torch.equal(value, saved[name]) for name, value in ours.state_dict().items())
+
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(MODEL), lora)
+    before = {name: value.clone() for name, value in adapted.state_dict().items()}
+    train(hfnative, adapted, "lora").save_model(str(tmp_path / "adapter"))
+    reloaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(MODEL), tmp_path / "adapter")
+    expected = reloaded.state_dict()
+    trainable = {name for name, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)
+    for name, value in adapted.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+        assert (name in trainable) == (not torch.equal(value, before[name])), name  # adapters trained, base as given
+
+    trainer = train(hfnative, AutoModelForCausalLM.from_pretrained(MODEL), "dropped")
+    gc.collect()
+    assert trainer._given_model() is None
+
+
 def test_rebuilding_from_config_round_trips_state_dict(tmp_path):
     trainer = _sft(hfnative, tmp_path, steps=1)
     model = trainer.model

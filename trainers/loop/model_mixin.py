@@ -1,9 +1,21 @@
 """The Trainer's models: the policy loaded, converted, given its adapters and placed (parallelized in a distributed
 run); the objective's frozen models loaded and placed alike; and the model-facing names transformers' and TRL's
-trainers have (``model``, ``model_wrapped``, ``accelerator``, ``aux_loss_enabled``)."""
+trainers have (``model``, ``model_wrapped``, ``accelerator``, ``aux_loss_enabled``).
+
+A transformers model or peft ``PeftModel`` object given as ``model`` trains as a native copy; TRL trains the object
+itself, and scripts go on using it (``model.save_pretrained``, ``model.generate``, ``model.push_to_hub`` after
+``trainer.train()``). So when ``train()`` ends, the object's parameters get the trained values
+(``update_given_model``), if the caller still holds it: the trainer keeps only a weak reference to it."""
 
 from __future__ import annotations
 
+import logging
+import weakref
+
+import torch
+import transformers
+
+from hfnative.converters import fallback
 from hfnative.converters.fallback import TransformersCausalLM
 from hfnative.converters.hub_model import attach_hub_surface
 from hfnative.converters.loading import ConvertedModel
@@ -14,6 +26,8 @@ from hfnative.parallel.float8 import apply_float8_training
 
 from ..running.float8_plan import float8_training
 from ..running.model_loading import load_meta_model, load_sharded, resolve_model
+
+logger = logging.getLogger(__name__)
 
 
 class ModelMixin:
@@ -48,6 +62,9 @@ class ModelMixin:
             loaded = resolve_model(model, self.device, self._model_init_kwargs)
         self.converted: ConvertedModel | None = loaded.converted
         self.native_model: Transformer = loaded.model
+        given = isinstance(model, transformers.PreTrainedModel) or fallback._is_peft_model(model)
+        # a native copy of a transformers / peft object: the object gets the trained weights at the end of train()
+        self._given_model = weakref.ref(model) if given and isinstance(loaded.converted, ConvertedModel) else None
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
         self._add_adapters()
@@ -62,6 +79,39 @@ class ModelMixin:
         self._place(self.native_model)
         if sharded:
             load_sharded(self.converted, self.device)
+
+    def update_given_model(self) -> None:
+        """Copy the trained weights into the transformers model or ``PeftModel`` object given as ``model`` (see the
+        module docstring): by name, transformers' (``hub_state_dict``) or peft's (the ``PeftModel`` surface; its
+        trainable parameters only, the adapters). In a distributed run each rank holds a part of the weights:
+        the object is not updated, and the log says so."""
+        given = self._given_model() if self._given_model is not None else None
+        if given is None:
+            return
+        if self.distributed is not None:
+            if self.is_world_process_zero():
+                logger.warning("the %s object given as `model` was copied for training and is not updated in a "
+                               "distributed run: trainer.model and trainer.save_model() hold the trained weights",
+                               type(given).__name__)
+            return
+        surface = self.model
+        adapters = isinstance(surface, PeftSurface)
+        if adapters and not fallback._is_peft_model(given):  # adapters added by peft_config: its weights are frozen
+            return
+        trained = surface.state_dict() if adapters else self.native_model.hub_state_dict()
+        missed = []
+        with torch.no_grad():
+            for name, parameter in given.named_parameters():
+                if adapters and not parameter.requires_grad:
+                    continue
+                if name in trained and trained[name].shape == parameter.shape:
+                    parameter.copy_(trained[name])
+                else:
+                    missed.append(name)
+        if missed:
+            logger.warning("the %s object given as `model` did not get the trained values of %d parameters whose "
+                           "layout differs from the checkpoint's (%s): trainer.model and trainer.save_model() hold "
+                           "them", type(given).__name__, len(missed), ", ".join(missed[:3]) + (", ..." if len(missed) > 3 else ""))
 
     def _place(self, model) -> None:
         """Put a model on the device with the run's engine options (the policy and, frozen, every

@@ -284,6 +284,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             logger.warning("stopped by %s at step %d with checkpoint-%d saved: exiting with status 0",
                            self._stopped_by, self.state.global_step, self.state.global_step)
             raise SystemExit(0)
+        self.update_given_model()
         return output
 
     def _train(self, resume_from_checkpoint):
