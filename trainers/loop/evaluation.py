@@ -1,4 +1,4 @@
-"""Evaluation for the Trainer: eval loss, compute_metrics on logits, best-metric tracking."""
+"""Evaluation for the Trainer: eval loss, compute_metrics on logits, best-metric tracking; predict."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import time
 import warnings
 
 import torch
-from transformers.trainer_utils import EvalPrediction
+from transformers.trainer_utils import EvalPrediction, PredictionOutput
 
 from hfnative.losses import IGNORE_INDEX
 
@@ -85,10 +85,46 @@ class EvaluationMixin:
             return metrics
         dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
         self.callback_handler.eval_dataloader = dataloader
+        # prediction_loss_only: the loss alone, compute_metrics not called (as transformers' evaluation loop)
+        want_predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
+        predictions, label_ids, metrics = self._prediction_loop(dataloader, want_predictions)
+        # the objective's metrics (entropy, mean_token_accuracy, ...) take the prefix too, so each eval dataset
+        # of a dict keeps its own (TRL names them eval_* whatever the prefix, and the last dataset's win)
+        metrics.update(self._metrics["eval"].pop(self._reduce_metrics))
+        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        return metrics
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
+        """transformers' predict: ``PredictionOutput(predictions, label_ids, metrics)`` over ``test_dataset`` (a
+        dataset the trainer takes for evaluation, prepared as its own). The predictions are what
+        ``compute_metrics`` is handed in evaluate (the objective's logits, or ``preprocess_logits_for_metrics``'
+        output), for every row in order; None with ``prediction_loss_only``. Metrics: ``{prefix}_loss``, the speed
+        figures and compute_metrics' results, not logged (as transformers, they go to the callbacks' on_predict)."""
+        self._check_supported(evaluating=True)
+        run = self.distributed
+        if not self.args.prediction_loss_only and run is not None and run.dims.cp_enabled:
+            raise ValueError(f"predict() with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of "
+                             "every sequence's logits; set prediction_loss_only=True for the loss alone, or cp_size=1")
+        dataloader = self.get_test_dataloader(test_dataset)
+        predictions, label_ids, metrics = self._prediction_loop(dataloader, not self.args.prediction_loss_only)
+        self._metrics["eval"].pop(self._reduce_metrics)  # the objective's evaluation metrics belong to evaluate()
+        metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
+
+    def get_test_dataloader(self, test_dataset):
+        """transformers' get_test_dataloader: ``test_dataset`` prepared as an evaluation dataset, batched as one."""
+        return self.get_eval_dataloader(self._dataset_to_evaluate(test_dataset))
+
+    def _prediction_loop(self, dataloader, want_predictions: bool):
+        """One pass of the eval model over ``dataloader``: (predictions, label_ids, metrics): the gathered logits
+        and labels as numpy arrays (None unless ``want_predictions``; label_ids ``()`` for a trainer without label
+        names), and the loss, runtime and speed metrics with compute_metrics' results, unprefixed."""
         start = time.time()
         self.native_model.eval()
         losses, all_logits, all_labels, num_samples, num_batches = [], [], [], 0, 0
-        want_predictions = self.compute_metrics is not None
         for inputs in dataloader:
             loss, logits, labels = self.prediction_step(self.native_model, inputs, prediction_loss_only=not want_predictions)
             batch_size = self.objective.samples_in_batch(inputs)
@@ -104,26 +140,27 @@ class EvaluationMixin:
         if self.distributed is not None:  # every data-parallel rank's share, in rank order
             all_logits, all_labels, losses = (self.data_parallel.gather_lists(x) for x in (all_logits, all_labels, losses))
             num_samples = sum(self.data_parallel.gather_lists([num_samples]))
-        metrics = {}
-        if want_predictions:
+        metrics, predictions, label_ids = {}, None, None
+        if want_predictions and all_logits:
             if self.distributed is None:
                 _keep_last_batch_remainder(all_logits, all_labels, num_samples % self.args.eval_batch_size)
             predictions = _concat_padded(all_logits, -100).numpy()
             # a trainer without label names (TRL's RewardTrainer) hands compute_metrics label_ids=()
             label_ids = _concat_padded(all_labels, -100).numpy() if isinstance(all_labels[0], torch.Tensor) else ()
-            metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)))
+            if self.compute_metrics is not None:
+                metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)))
         if losses:
             metrics["loss"] = torch.cat(losses).mean().item()
+        # transformers prepares the model (accelerate) at the first evaluation of a trainer that has not trained and
+        # from then on reports the time it took; hfnative prepares the model when the trainer is made: none here
+        if not getattr(self, "_trained", False) and not hasattr(self, "model_preparation_time"):
+            self.model_preparation_time = 0.0
+        if hasattr(self, "model_preparation_time"):
+            metrics["model_preparation_time"] = self.model_preparation_time
         runtime = time.time() - start
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
                        steps_per_second=round(num_batches / runtime, 3))
-        # the objective's metrics (entropy, mean_token_accuracy, ...) take the prefix too, so each eval dataset
-        # of a dict keeps its own (TRL names them eval_* whatever the prefix, and the last dataset's win)
-        metrics.update(self._metrics["eval"].pop(self._reduce_metrics))
-        metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
-        self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
-        return metrics
+        return predictions, label_ids, metrics
 
     def _dataset_to_evaluate(self, eval_dataset):
         """None: the trainer's eval dataset; a str: that entry of the trainer's dict of eval datasets; a dataset:

@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from hfnative.optim import OptimizerSettings, build_optimizer
+from hfnative.optim.factory import decay_parameter_names
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.optim.loss_scale import LossScale, scales_loss
 
@@ -39,6 +40,36 @@ class OptimizationMixin:
                     self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)
                 else:
                     self.optimizer = build_optimizer(self.native_model, settings)
+        return self.optimizer
+
+    # transformers' static helper: the optimizer class and kwargs TrainingArguments' ``optim`` names
+    get_optimizer_cls_and_kwargs = staticmethod(transformers.Trainer.get_optimizer_cls_and_kwargs)
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        """The names of ``model``'s parameters that get weight decay (all but biases and norms), in order."""
+        decayed = decay_parameter_names(model)
+        return [name for name, _ in model.named_parameters() if name in decayed]
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        """Each optimizer parameter group's current learning rate."""
+        return [group["lr"] for group in self._made_optimizer().param_groups]
+
+    def get_optimizer_group(self, param=None):
+        """The optimizer's parameter group holding ``param``, or (None, or a parameter it does not hold) every
+        group's parameters, as transformers' Trainer."""
+        optimizer = self._made_optimizer()
+        if param is not None:
+            for group in optimizer.param_groups:
+                if any(param is p for p in group["params"]):
+                    return group
+        return [group["params"] for group in optimizer.param_groups]
+
+    def _made_optimizer(self):
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
         return self.optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

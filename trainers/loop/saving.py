@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import trainer_pt_utils
 from transformers.trainer_callback import ExportableState, TrainerState
 
 from hfnative.checkpoint import atomic_directory, atomic_files, load_rng_state, safe_torch_load, save_rng_state
@@ -112,6 +113,21 @@ class SavingMixin:
                     revision: str | None = None, private: bool | None = None, **kwargs):
         """Save the model and card into output_dir and upload it to ``hub_model_id`` (see trainers/running/hub.py)."""
         return hub.push_to_hub(self, commit_message, blocking, token, revision, private, **kwargs)
+
+    # transformers' Trainer's own: print a split's metrics, write {split}_results.json and all_results.json to
+    # output_dir (on the main process), format them
+    log_metrics = trainer_pt_utils.log_metrics
+    save_metrics = trainer_pt_utils.save_metrics
+    metrics_format = trainer_pt_utils.metrics_format
+
+    def create_model_card(self, model_name: str | None = None, dataset_name: str | None = None,
+                          tags: str | list[str] | None = None) -> None:
+        """TRL's create_model_card: output_dir/README.md (on the main process)."""
+        from ..running.model_card import write_model_card
+
+        if self.is_world_process_zero():
+            Path(self.args.output_dir).mkdir(parents=True, exist_ok=True)
+            write_model_card(self, Path(self.args.output_dir), model_name=model_name, dataset_name=dataset_name, tags=tags)
 
     def save_state(self) -> None:
         if not self.state.is_world_process_zero:

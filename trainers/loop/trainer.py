@@ -289,6 +289,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
 
     def _train(self, resume_from_checkpoint):
         args = self.args
+        self._trained = True  # (evaluation.py: what an evaluation reports before any training)
         if self.model_init is not None:
             seed_everything(args)
             if isinstance(self.optimizer, OptimizerInBackward):

@@ -60,7 +60,6 @@ REFUSED = {
     "torch_empty_cache_steps": "not implemented; unset it",
     "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
     "include_num_input_tokens_seen": "not implemented (the SFT / RL trainers log num_tokens themselves); leave it 'no'",
-    "prediction_loss_only": "not implemented; leave it False (evaluation returns what compute_metrics asks for)",
     "eval_do_concat_batches": "evaluation concatenates the predictions of every batch; leave it True",
     "eval_use_gather_object": "evaluation gathers tensors; leave it False",
     "eval_accumulation_steps": "evaluation gathers the predictions once, at the end; unset it",

@@ -1,0 +1,118 @@
+"""transformers' Trainer methods that training scripts call around train(): the metrics files (log_metrics,
+save_metrics, save_state, as the alignment handbook's and transformers' example scripts do), predict, the
+optimizer's groups and learning rates, the trainable-parameter count, TRL's create_model_card.
+
+Oracle: TRL's SFTTrainer running the same calls on the same data and settings.
+"""
+
+import contextlib
+import io
+import json
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+import hfnative
+from test_sft_vs_trl import MODEL, _config, _dataset
+
+trl = pytest.importorskip("trl")
+
+
+def _script(module, tmp_path):
+    """A training script's calls, as the alignment handbook's run_sft.py makes them; what each returned."""
+    data = _dataset("prompt-completion")
+    config = _config(module, tmp_path / module.__name__, 1, eval_strategy="no")
+    config.max_steps = 2
+    trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=data.select(range(12)),
+                                eval_dataset=data.select(range(12, 19)), processing_class=AutoTokenizer.from_pretrained(MODEL))
+    result = trainer.train()
+    metrics = dict(result.metrics, train_samples=12)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    evaluated = trainer.evaluate()
+    trainer.save_metrics("eval", evaluated)
+    predicted = trainer.predict(trainer.eval_dataset)  # prepared: TRL's predict takes no raw rows
+    trainer.create_model_card(model_name="tiny-sft", tags=["handbook"])
+    group = trainer.get_optimizer_group(next(p for p in trainer.model.parameters() if p.requires_grad))
+    return dict(
+        trainer=trainer, printed=printed.getvalue(), predicted=predicted, group=group,
+        files={name: json.loads((tmp_path / module.__name__ / name).read_text())
+               for name in ("train_results.json", "eval_results.json", "all_results.json", "trainer_state.json")},
+        card=(tmp_path / module.__name__ / "README.md").read_text(),
+    )
+
+
+def test_script_calls_around_train_match_trl(tmp_path):
+    ours, theirs = _script(hfnative, tmp_path), _script(trl, tmp_path)
+
+    # metrics files: the same keys, the same step count and losses
+    for name in ("train_results.json", "eval_results.json", "all_results.json"):
+        assert ours["files"][name].keys() == theirs["files"][name].keys(), name
+    assert ours["files"]["all_results.json"]["train_samples"] == 12
+    for key in ("train_loss", "eval_loss"):
+        assert ours["files"]["all_results.json"][key] == pytest.approx(theirs["files"]["all_results.json"][key], rel=1e-4)
+    assert ours["files"]["trainer_state.json"]["global_step"] == theirs["files"]["trainer_state.json"]["global_step"] == 2
+    assert ours["printed"].splitlines()[0] == theirs["printed"].splitlines()[0] == "***** train metrics *****"
+    assert [line.split("=")[0] for line in ours["printed"].splitlines()] == \
+        [line.split("=")[0] for line in theirs["printed"].splitlines()]
+
+    # predict: the evaluation logits and labels of every row, the loss under the test_ prefix
+    mine, reference = ours["predicted"], theirs["predicted"]
+    assert mine.metrics.keys() == reference.metrics.keys()
+    assert mine.metrics["test_loss"] == pytest.approx(reference.metrics["test_loss"], rel=1e-4)
+    assert mine.predictions.shape == reference.predictions.shape and mine.predictions.shape[0] == 7
+    np.testing.assert_array_equal(mine.label_ids, reference.label_ids)
+    scored = reference.label_ids != -100
+    np.testing.assert_allclose(mine.predictions[scored], reference.predictions[scored], rtol=1e-4, atol=1e-4)
+
+    # optimizer groups, learning rates, trainable parameters, decayed parameters
+    ours_trainer, trl_trainer = ours["trainer"], theirs["trainer"]
+    assert ours_trainer.get_learning_rates() == pytest.approx(trl_trainer.get_learning_rates())
+    assert ours_trainer.get_num_trainable_parameters() == trl_trainer.get_num_trainable_parameters()
+
+    def decayed(trainer):
+        names = set(trainer.get_decay_parameter_names(trainer.model))
+        return sum(p.numel() for name, p in trainer.model.named_parameters() if name in names)
+
+    assert decayed(ours_trainer) == decayed(trl_trainer) > 0
+    sizes = [[sum(p.numel() for p in params) for params in t.get_optimizer_group()] for t in (ours_trainer, trl_trainer)]
+    assert sizes[0] == sizes[1]
+    assert ours["group"]["weight_decay"] == theirs["group"]["weight_decay"]
+    assert type(ours_trainer).get_optimizer_cls_and_kwargs(ours_trainer.args)[0] is \
+        type(trl_trainer).get_optimizer_cls_and_kwargs(trl_trainer.args)[0]
+
+    # TRL's model card: in output_dir, under the name and with the tags given
+    for card in (ours["card"], theirs["card"]):
+        assert "model_name: tiny-sft" in card and "- handbook" in card
+
+
+def test_prediction_loss_only_and_before_an_optimizer(tmp_path):
+    """prediction_loss_only, as transformers' evaluation loop: predict gives no predictions, the loss only, and
+    evaluate does not call compute_metrics (TRL's trainer on the same call is the oracle); raw rows given to predict
+    are prepared as evaluation rows. The optimizer's helpers before one exists: transformers' error."""
+    calls = []
+    outputs = {}
+    for module in (hfnative, trl):
+        config = _config(module, tmp_path / module.__name__, 1, prediction_loss_only=True)
+        data = _dataset("prompt-completion")
+        trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=data, eval_dataset=data.select(range(4)),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL),
+                                    compute_metrics=lambda prediction: calls.append(prediction) or {"called": 1.0})
+        with pytest.raises(ValueError, match="optimizer is None"):
+            trainer.get_learning_rates()
+        outputs[module.__name__] = (trainer.evaluate(), trainer.predict(trainer.eval_dataset))
+    assert calls == []
+    (ours_eval, ours), (theirs_eval, theirs) = outputs["hfnative"], outputs["trl"]
+    assert "eval_called" not in ours_eval and ours_eval["eval_loss"] == pytest.approx(theirs_eval["eval_loss"], rel=1e-4)
+    assert ours.predictions is None and ours.label_ids is None and theirs.predictions is None
+    assert ours.metrics.keys() == theirs.metrics.keys()
+    assert ours.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], rel=1e-4)
+    assert ours_eval.keys() == theirs_eval.keys()  # evaluated before training: eval_model_preparation_time too
+    raw = _dataset("prompt-completion").select(range(4))
+    assert hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "raw", 1, prediction_loss_only=True),
+                               train_dataset=raw, processing_class=AutoTokenizer.from_pretrained(MODEL)
+                               ).predict(raw).metrics["test_loss"] == pytest.approx(ours.metrics["test_loss"], rel=1e-4)
