@@ -11,7 +11,7 @@ import json
 
 import numpy as np
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 
 import hfnative
 from test_sft_vs_trl import MODEL, _config, _dataset
@@ -24,9 +24,20 @@ def _script(module, tmp_path):
     data = _dataset("prompt-completion")
     config = _config(module, tmp_path / module.__name__, 1, eval_strategy="no")
     config.max_steps = 2
+    seen = []
+
+    class InTrain(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(trainer.is_in_train)
+
     trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=data.select(range(12)),
-                                eval_dataset=data.select(range(12, 19)), processing_class=AutoTokenizer.from_pretrained(MODEL))
+                                eval_dataset=data.select(range(12, 19)), processing_class=AutoTokenizer.from_pretrained(MODEL),
+                                callbacks=[InTrain()])
+    seen.append(trainer.is_in_train)
     result = trainer.train()
+    seen.append(trainer.is_in_train)
+    with trainer.compute_loss_context_manager(), trainer.autocast_smart_context_manager():
+        pass
     metrics = dict(result.metrics, train_samples=12)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -38,8 +49,12 @@ def _script(module, tmp_path):
     predicted = trainer.predict(trainer.eval_dataset)  # prepared: TRL's predict takes no raw rows
     trainer.create_model_card(model_name="tiny-sft", tags=["handbook"])
     group = trainer.get_optimizer_group(next(p for p in trainer.model.parameters() if p.requires_grad))
+    setup = dict(in_train=seen, total_batch=trainer.get_total_train_batch_size(trainer.args),
+                 sizes=(trainer.get_tp_size(), trainer.get_cp_size(), trainer.get_sp_size()),
+                 examples=trainer.num_examples(trainer.get_train_dataloader()),
+                 engines=(trainer.is_deepspeed_enabled, trainer.is_fsdp_enabled, trainer.is_model_parallel))
     return dict(
-        trainer=trainer, printed=printed.getvalue(), predicted=predicted, group=group,
+        trainer=trainer, printed=printed.getvalue(), predicted=predicted, group=group, setup=setup,
         files={name: json.loads((tmp_path / module.__name__ / name).read_text())
                for name in ("train_results.json", "eval_results.json", "all_results.json", "trainer_state.json")},
         card=(tmp_path / module.__name__ / "README.md").read_text(),
@@ -84,6 +99,10 @@ def test_script_calls_around_train_match_trl(tmp_path):
     assert ours["group"]["weight_decay"] == theirs["group"]["weight_decay"]
     assert type(ours_trainer).get_optimizer_cls_and_kwargs(ours_trainer.args)[0] is \
         type(trl_trainer).get_optimizer_cls_and_kwargs(trl_trainer.args)[0]
+
+    # what the trainer says of its setup: in train() or not, the global batch, parallel sizes, rows
+    assert ours["setup"] == theirs["setup"]
+    assert ours["setup"]["in_train"] == [False, True, True, False]
 
     # TRL's model card: in output_dir, under the name and with the tags given
     for card in (ours["card"], theirs["card"]):

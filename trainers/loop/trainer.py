@@ -14,7 +14,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -192,6 +192,48 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The algorithm's piece of the loop (see trainers/loop/objective.py), built on ``self.context``."""
         return LanguageModelingObjective(self.context)
 
+    # --- what transformers' Trainer says of its setup, for code that reads it -------------------------
+
+    is_deepspeed_enabled = False  # DeepSpeed is refused (trainers/running/settings_check.py)
+    # no accelerate FSDP plugin: hfnative shards with FSDP2 itself, and save_model() gathers the whole model
+    is_fsdp_enabled = False
+    is_model_parallel = False  # no device_map spreading one model over devices
+    place_model_on_device = True
+
+    @property
+    def is_in_train(self) -> bool:
+        """Whether train() is running."""
+        return self.__dict__.get("_in_train", False)
+
+    def get_tp_size(self) -> int:
+        return self.distributed.dims.tp if self.distributed is not None else 1
+
+    def get_cp_size(self) -> int:
+        return self.distributed.dims.cp if self.distributed is not None else 1
+
+    def get_sp_size(self) -> int:
+        return 1  # sequence parallelism (DeepSpeed's Ulysses) is not a layout here; context parallelism is cp
+
+    def get_total_train_batch_size(self, args=None) -> int:
+        """Rows an optimizer step trains on: per-device batch x gradient accumulation x data-parallel ranks."""
+        args = args or self.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.data_parallel.size
+
+    def num_examples(self, dataloader) -> int:
+        """Rows in ``dataloader``'s dataset (its batches x the per-device batch where it has no length)."""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
+    def compute_loss_context_manager(self):
+        """transformers' context for a compute_loss override's own forwards; the loop runs compute_loss under the
+        run's autocast already, as accelerate does for transformers, so it adds nothing."""
+        return ExitStack()
+
+    def autocast_smart_context_manager(self, cache_enabled: bool | None = True):
+        return nullcontext()  # as transformers: autocast is the loop's (see compute_loss_context_manager)
+
     def _check_supported(self, evaluating: bool = False) -> None:
         """The one place a run's layout, features and settings are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
@@ -266,6 +308,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
         self._stopped_by = None
         self._preemption = None
+        self._in_train = True
         if self.args.enable_jit_checkpoint:
             self._preemption = Preemption(self.distributed is not None, self.device)
             self._preemption.install()
@@ -276,6 +319,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 raise self.distributed.failure(error, self.state.global_step, self.args) from error
             raise
         finally:
+            self._in_train = False
             if self._preemption is not None:
                 self._preemption.uninstall()
             self._performance.unwatch()
