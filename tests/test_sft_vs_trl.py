@@ -151,3 +151,18 @@ def test_dft_loss_matches_trl(fused_loss, tmp_path):
     theirs = _run(trl, "prompt-completion", tmp_path, 2, loss_type="dft")
     ours = _run(hfnative, "prompt-completion", tmp_path, 2, loss_type="dft", fused_loss=fused_loss)
     _assert_same_logs(ours, theirs)
+
+
+def test_neftune_matches_trl(tmp_path):
+    """neftune_noise_alpha: transformers' NEFTune hook on the input embeddings while train() runs. The noise comes
+    from the same random stream as TRL's, so every step's logs equal TRL's (and differ from a run without it); the
+    hook is gone after training."""
+    trl = pytest.importorskip("trl")
+    theirs = _run(trl, "messages", tmp_path / "trl", 1, neftune_noise_alpha=5.0)
+    trainer = hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", 1, neftune_noise_alpha=5.0),
+                                  train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(MODEL))
+    trainer.train()
+    _assert_same_logs([entry for entry in trainer.state.log_history if "loss" in entry], theirs)
+    plain = _run(hfnative, "messages", tmp_path / "plain", 1)
+    assert plain[0]["loss"] != pytest.approx(theirs[0]["loss"], rel=1e-6)
+    assert trainer.neftune_noise_alpha == 5.0 and not trainer.native_model.get_input_embeddings()._forward_hooks

@@ -308,6 +308,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
         self._stopped_by = None
         self._preemption = None
+        neftune = self._activate_neftune()
         self._in_train = True
         if self.args.enable_jit_checkpoint:
             self._preemption = Preemption(self.distributed is not None, self.device)
@@ -320,6 +321,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise
         finally:
             self._in_train = False
+            if neftune is not None:
+                neftune.remove()
             if self._preemption is not None:
                 self._preemption.uninstall()
             self._performance.unwatch()
@@ -330,6 +333,32 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise SystemExit(0)
         self.update_given_model()
         return output
+
+    @property
+    def neftune_noise_alpha(self) -> float | None:
+        return self.args.neftune_noise_alpha
+
+    def _activate_neftune(self):
+        """transformers' NEFTune (``neftune_noise_alpha``): its own forward hook on the policy's input embeddings for
+        the length of train(), adding uniform noise of alpha / sqrt(sequence length x hidden size) to the
+        embeddings of each training forward; the hook's handle, or None. Refused where a rank's embeddings are a
+        slice of the sequence or of the hidden size (context or tensor parallel: the noise's scale would be a
+        slice's)."""
+        alpha = self.args.neftune_noise_alpha
+        if alpha is None:
+            return None
+        run = self.distributed
+        if run is not None and (run.dims.tp_enabled or run.dims.cp_enabled):
+            raise ValueError(f"neftune_noise_alpha={alpha} with tensor or context parallelism (tp_size={run.dims.tp}, "
+                             f"cp_size={run.dims.cp}): each rank holds a slice of the embeddings, so the noise would not "
+                             "be scaled as NEFTune's; unset neftune_noise_alpha or set tp_size=1 and cp_size=1")
+        from transformers.integrations.neftune import neftune_post_forward_hook
+
+        embeddings = self.native_model.get_input_embeddings()
+        if embeddings is None:  # a pipeline stage after the first: the first stage's rank adds the noise
+            return None
+        embeddings.neftune_noise_alpha = alpha
+        return embeddings.register_forward_hook(neftune_post_forward_hook)
 
     def _train(self, resume_from_checkpoint):
         args = self.args
