@@ -33,7 +33,7 @@ AWAY_FROM_DEFAULT = {
     "accelerator_config": AcceleratorConfig(split_batches=True), "dataloader_persistent_workers": True,
     "dataloader_prefetch_factor": 4, "dataloader_multiprocessing_context": "spawn", "dataloader_in_order": False,
     "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
-    "train_sampling_strategy": "group_by_length",
+    "train_sampling_strategy": "batch_rebalance",
 }
 
 

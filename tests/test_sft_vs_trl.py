@@ -166,3 +166,44 @@ def test_neftune_matches_trl(tmp_path):
     plain = _run(hfnative, "messages", tmp_path / "plain", 1)
     assert plain[0]["loss"] != pytest.approx(theirs[0]["loss"], rel=1e-6)
     assert trainer.neftune_noise_alpha == 5.0 and not trainer.native_model.get_input_embeddings()._forward_hooks
+
+
+def test_group_by_length_orders_rows_as_transformers_sampler(tmp_path):
+    """train_sampling_strategy="group_by_length": the rows' lengths are those TRL's trainer hands transformers'
+    LengthGroupedSampler, the order is that sampler's (mega-batches of the step's rows sorted longest first, the
+    longest row in the first batch) drawn from the data seed's generator, epoch by epoch, and the run trains. A
+    trainer that makes its own batches (GRPO's prompt groups) refuses it."""
+    import torch
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    trl = pytest.importorskip("trl")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    made = {}
+    for module in (trl, hfnative):
+        config = _config(module, tmp_path / module.__name__, 2, train_sampling_strategy="group_by_length")
+        made[module.__name__] = module.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                                  processing_class=tokenizer)
+    ours, theirs = made["hfnative"], made["trl"]
+    reference = theirs._get_train_sampler()
+    assert isinstance(reference, LengthGroupedSampler) and reference.batch_size == 3 * 2
+    loader = ours.get_train_dataloader()
+    for epoch in (0, 1):
+        loader.batch_sampler.set_epoch(epoch)
+        reference.generator = torch.Generator().manual_seed(ours.args.seed + epoch)
+        expected = list(reference)
+        assert [i for batch in loader.batch_sampler for i in batch] == expected
+        lengths = reference.lengths
+        assert lengths[expected[0]] == max(lengths)
+    assert [len(row["input_ids"]) for row in ours.train_dataset] == reference.lengths
+    ours.train()
+    assert all(entry["loss"] > 0 for entry in ours.state.log_history if "loss" in entry)
+
+    from datasets import Dataset
+
+    prompts = Dataset.from_list([{"prompt": "Say something"}] * 8)
+    with pytest.raises(ValueError, match="group_by_length"):
+        hfnative.GRPOTrainer(model=MODEL, reward_funcs=lambda completions, **_: [1.0] * len(completions),
+                             args=hfnative.GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, bf16=False,
+                                                      report_to="none", per_device_train_batch_size=4, num_generations=4,
+                                                      train_sampling_strategy="group_by_length"),
+                             train_dataset=prompts, processing_class=tokenizer)

@@ -21,11 +21,19 @@ from ..running.distributed import pad_sequence_to_multiple
 
 
 class EpochBatchSampler(Sampler):
-    """Seeded per-epoch permutation cut into batches; ``skip`` drops the first batches once."""
+    """Seeded per-epoch permutation cut into batches; ``skip`` drops the first batches once.
 
-    def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = False):
+    ``grouped_by_length`` (``(lengths, group_batch)``, ``train_sampling_strategy="group_by_length"``): the order of
+    transformers' LengthGroupedSampler, rows of similar lengths together (the permutation cut into mega-batches of
+    ``group_batch`` x up to 50 rows, each sorted longest first, the longest row of all in the first batch), its
+    permutation drawn from the same seeded generator as the plain order: transformers draws it from torch's global
+    generator, so its order after a resume differs from the first run's; this one does not."""
+
+    def __init__(self, num_samples: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = False,
+                 grouped_by_length: tuple[list[int], int] | None = None):
         self.num_samples, self.batch_size = num_samples, batch_size
         self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        self.grouped_by_length = grouped_by_length
         self.epoch, self.skip_batches = 0, 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -35,6 +43,11 @@ class EpochBatchSampler(Sampler):
         if not self.shuffle:
             return list(range(self.num_samples))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        if self.grouped_by_length is not None:
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+
+            lengths, group_batch = self.grouped_by_length
+            return get_length_grouped_indices(lengths, group_batch, generator=generator)
         return torch.randperm(self.num_samples, generator=generator).tolist()
 
     def __iter__(self):
@@ -93,11 +106,13 @@ def has_length(dataset) -> bool:
 
 
 def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False,
-                    num_workers: int = 0, num_shards: int = 1, shard_index: int = 0):
-    """A DataLoader over a sized dataset (seeded epochs) or an iterable one (stream order); with
-    ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only."""
+                    num_workers: int = 0, num_shards: int = 1, shard_index: int = 0,
+                    grouped_by_length: tuple[list[int], int] | None = None):
+    """A DataLoader over a sized dataset (seeded epochs; ``grouped_by_length``: see EpochBatchSampler) or an
+    iterable one (stream order); with ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only."""
     if has_length(dataset):
-        batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last)
+        batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last,
+                                          grouped_by_length=grouped_by_length)
         if num_shards > 1:
             batch_sampler = ShardedEpochBatchSampler(batch_sampler, num_shards, shard_index)
         return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers)

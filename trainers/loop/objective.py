@@ -39,6 +39,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+from transformers.trainer_utils import has_length
 
 from hfnative.losses import at_least_one
 from hfnative.models.attention import transformers_padding_plan
@@ -140,12 +141,27 @@ class Objective(ABC):
         return DataCollatorForLanguageModeling(self.context.processing_class, mlm=False)
 
     def train_dataloader(self, dataset, collator):
-        """This rank's train batches: per_device_train_batch_size rows, a seeded order per epoch."""
+        """This rank's train batches: per_device_train_batch_size rows, a seeded order per epoch;
+        ``train_sampling_strategy="group_by_length"``: rows of similar lengths together, as transformers'
+        LengthGroupedSampler groups them (its lengths: ``length_column_name``'s column, else each row's
+        ``input_ids``), in mega-batches of the step's rows (per-device batch x accumulation)."""
         a = self.args
-        shuffle = a.train_sampling_strategy != "sequential" if hasattr(a, "train_sampling_strategy") else True
+        strategy = getattr(a, "train_sampling_strategy", "random")
         seed = a.data_seed if a.data_seed is not None else a.seed
+        grouped = None
+        if strategy == "group_by_length" and has_length(dataset):
+            from transformers.trainer_pt_utils import LengthGroupedSampler
+
+            column = getattr(dataset, "column_names", None) or []
+            processing_class = self.context.processing_class
+            sampler = LengthGroupedSampler(  # transformers' own: its lengths, and its error where it finds none
+                a.per_device_train_batch_size * a.gradient_accumulation_steps, dataset=dataset,
+                lengths=dataset[a.length_column_name] if a.length_column_name in column else None,
+                model_input_name=processing_class.model_input_names[0] if processing_class is not None else None)
+            grouped = (list(sampler.lengths), sampler.batch_size)
         return self.context.make_dataloader(dataset, a.per_device_train_batch_size, collator, seed=seed,
-                                            shuffle=shuffle, drop_last=a.dataloader_drop_last)
+                                            shuffle=strategy != "sequential", drop_last=a.dataloader_drop_last,
+                                            grouped_by_length=grouped)
 
     def eval_dataloader(self, dataset, collator):
         """This rank's evaluation batches: per_device_eval_batch_size rows, in order."""

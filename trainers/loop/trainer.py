@@ -49,6 +49,7 @@ from ..running.model_loading import disable_dropout, load_processing_class
 from .objective import (
     LanguageModelingObjective,
     MetricAverages,
+    Objective,
     ObjectiveContext,
     check_supported,
     without_labels,
@@ -238,7 +239,17 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The one place a run's layout, features and settings are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
                         conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
-                        + loss_scale_conflicts(self))
+                        + loss_scale_conflicts(self) + self._sampling_conflicts())
+
+    def _sampling_conflicts(self) -> list[str]:
+        """group_by_length orders the rows of the loop's own batches; a trainer that makes its batches otherwise
+        (prompt groups for generation, rollouts) would not follow it."""
+        if getattr(self.args, "train_sampling_strategy", None) != "group_by_length":
+            return []
+        if type(self.objective).train_dataloader is Objective.train_dataloader:
+            return []
+        return [f"train_sampling_strategy='group_by_length' with {type(self).__name__}, whose batches are made by the "
+                "trainer itself (prompt groups, rollouts), not drawn row by row: use 'random' or 'sequential'"]
 
     def _context_parallel_conflicts(self, evaluating: bool) -> list[str]:
         """Under context parallelism each rank holds a slice of every sequence: no loss or metric over whole outputs."""

@@ -36,7 +36,6 @@ NO_EFFECT = {
     "activation_checkpointing_kwargs": "activations are recomputed with torch's non-reentrant checkpoint; these kwargs "
                                        "(use_reentrant, ...) choose among implementations of the same recomputation",
     "dataloader_pin_memory": "a host-to-device copy speed setting; the values trained on are the same",
-    "length_column_name": "read only by train_sampling_strategy='group_by_length', which is refused",
     "ddp_find_unused_parameters": "data parallelism runs on FSDP2 / replicated DTensors, not torch's "
                                   "DistributedDataParallel: there is no unused-parameter search to configure",
     "ddp_bucket_cap_mb": "data parallelism runs on FSDP2 / replicated DTensors, not torch's DistributedDataParallel: "
@@ -76,7 +75,7 @@ REFUSED = {
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not implemented; unset it",
     "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
-    "train_sampling_strategy": "group_by_length is not implemented; use 'random' or 'sequential'",
+    "train_sampling_strategy": "batch_rebalance is not implemented; use 'random', 'sequential' or 'group_by_length'",
 }
 
 # the TRL configs' own fields (beyond TrainingArguments') that hfnative's code does not read: why each changes nothing
@@ -111,7 +110,7 @@ ALSO_ACCEPTED = {
     "torch_compile_backend": ("inductor",),  # what __post_init__ sets with torch_compile=True
     "include_num_input_tokens_seen": ("no", False),
     "label_names": (["labels"],),
-    "train_sampling_strategy": ("random", "sequential"),
+    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
 }
 
 
