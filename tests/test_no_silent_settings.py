@@ -26,7 +26,7 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
     "fp16_full_eval": True, "torch_compile_backend": "aot_eager", "torch_compile_mode": "max-autotune",
-    "torch_empty_cache_steps": 10, "auto_find_batch_size": True,
+    "auto_find_batch_size": True,
     "include_num_input_tokens_seen": "all", "eval_do_concat_batches": False,
     "eval_use_gather_object": True, "eval_accumulation_steps": 2, "include_for_metrics": ["inputs"],
     "batch_eval_metrics": True, "save_on_each_node": True, "ignore_data_skip": True, "skip_memory_metrics": False,
@@ -113,6 +113,6 @@ def test_every_config_s_defaults_pass(config_class):
 
 
 def test_the_trainer_refuses_before_loading_anything(tmp_path):
-    with pytest.raises(ValueError, match="torch_empty_cache_steps=10: not implemented"):
+    with pytest.raises(ValueError, match="eval_accumulation_steps=2: evaluation gathers"):
         SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
-                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, torch_empty_cache_steps=10))
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, eval_accumulation_steps=2))

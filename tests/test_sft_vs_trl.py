@@ -207,3 +207,24 @@ def test_group_by_length_orders_rows_as_transformers_sampler(tmp_path):
                                                       report_to="none", per_device_train_batch_size=4, num_generations=4,
                                                       train_sampling_strategy="group_by_length"),
                              train_dataset=prompts, processing_class=tokenizer)
+
+
+def test_torch_empty_cache_steps_empties_where_trl_does(tmp_path, monkeypatch):
+    """torch_empty_cache_steps: the device cache emptied in the micro-batches of every N-th step, as TRL's trainer
+    (transformers') empties it: the same calls, counted on both."""
+    import accelerate.utils.memory
+    import transformers.trainer
+
+    trl = pytest.importorskip("trl")
+    calls = {"trl": 0, "hfnative": 0}
+    current = ["trl"]
+
+    def counted(*args, **kwargs):
+        calls[current[0]] += 1
+
+    monkeypatch.setattr(transformers.trainer, "clear_device_cache", counted)  # TRL's step's own call
+    _run(trl, "text", tmp_path, 2, torch_empty_cache_steps=2)
+    current[0] = "hfnative"
+    monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", counted)
+    _run(hfnative, "text", tmp_path, 2, torch_empty_cache_steps=2)
+    assert calls["hfnative"] == calls["trl"] == 2 * len(range(0, STEPS, 2))

@@ -302,6 +302,11 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         with self._autocast(), self._activation_offloading(), self._performance.timed("fwd"):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         loss = loss / self._loss_divisor  # e.g. a micro-batch mean: its share of the step's mean over every rank
+        empty_cache = self.args.torch_empty_cache_steps
+        if empty_cache is not None and self.state.global_step % empty_cache == 0:  # as transformers: before backward
+            from accelerate.utils.memory import clear_device_cache
+
+            clear_device_cache()
         # with optimizer-in-backward, parameters step inside the last micro-batch's backward only
         accumulate_only = isinstance(self.optimizer, OptimizerInBackward) and not self._last_micro_batch
         with self.optimizer.accumulating() if accumulate_only else nullcontext():

@@ -55,7 +55,6 @@ REFUSED = {
     "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "torch_compile_backend": "torch_compile uses torch.compile's default backend (inductor); unset it",
     "torch_compile_mode": "torch_compile uses torch.compile's default mode; unset it",
-    "torch_empty_cache_steps": "not implemented; unset it",
     "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
     "include_num_input_tokens_seen": "not implemented (the SFT / RL trainers log num_tokens themselves); leave it 'no'",
     "eval_do_concat_batches": "evaluation concatenates the predictions of every batch; leave it True",
