@@ -27,7 +27,7 @@ AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
     "fp16_full_eval": True, "torch_compile_backend": "aot_eager", "torch_compile_mode": "max-autotune",
     "auto_find_batch_size": True,
-    "include_num_input_tokens_seen": "all", "eval_do_concat_batches": False,
+    "eval_do_concat_batches": False,
     "eval_use_gather_object": True, "eval_accumulation_steps": 2, "include_for_metrics": ["inputs"],
     "batch_eval_metrics": True, "save_on_each_node": True, "ignore_data_skip": True, "skip_memory_metrics": False,
     "accelerator_config": AcceleratorConfig(split_batches=True), "dataloader_persistent_workers": True,

@@ -228,3 +228,15 @@ def test_torch_empty_cache_steps_empties_where_trl_does(tmp_path, monkeypatch):
     monkeypatch.setattr(accelerate.utils.memory, "clear_device_cache", counted)
     _run(hfnative, "text", tmp_path, 2, torch_empty_cache_steps=2)
     assert calls["hfnative"] == calls["trl"] == 2 * len(range(0, STEPS, 2))
+
+
+@pytest.mark.parametrize("mode", ["all", "non_padding"])
+def test_input_tokens_seen_match_trl(mode, tmp_path):
+    """include_num_input_tokens_seen: every log's num_input_tokens_seen equals TRL's (the input ids' entries, or the
+    attention mask's ones, of every micro-batch so far), with transformers' train_tokens_per_second beside it."""
+    trl = pytest.importorskip("trl")
+    ours = _run(hfnative, "messages", tmp_path / "ours", 2, include_num_input_tokens_seen=mode)
+    theirs = _run(trl, "messages", tmp_path / "trl", 2, include_num_input_tokens_seen=mode)
+    assert [entry["num_input_tokens_seen"] for entry in ours] == [entry["num_input_tokens_seen"] for entry in theirs]
+    assert ours[-1]["num_input_tokens_seen"] > ours[0]["num_input_tokens_seen"] > 0
+    assert all({"train_runtime", "train_tokens_per_second"} <= entry.keys() for entry in ours)

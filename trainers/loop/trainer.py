@@ -27,7 +27,7 @@ from transformers.trainer_callback import (
     ProgressCallback,
     TrainerControl,
 )
-from transformers.trainer_utils import TrainOutput
+from transformers.trainer_utils import TrainOutput, speed_metrics
 
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors, pool_requested
@@ -430,6 +430,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         batches_to_skip = (self.state.global_step % steps_per_epoch) * accumulation
         start_time = time.time()
         initial_step = self.state.global_step
+        self._input_tokens_local, self._initial_num_input_tokens_seen = 0, self.state.num_input_tokens_seen
         self._tr_loss = torch.zeros((), device=self.device)
         self._total_loss_scalar = 0.0
         self._globalstep_last_logged = self.state.global_step
@@ -456,6 +457,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                     break
                 # the normalizer counts on the host batches (no device read), then they move to the device
                 batches = [self._complete_on_host(b) for b in batches]
+                self._count_input_tokens(batches)
                 self._current_accumulation_steps = len(batches)
                 normalization = self._step_normalizer(self.objective.normalizer(batches), len(batches))
                 self._loss_divisor, self._logged_share = normalization.divisor, normalization.logged_share
@@ -503,7 +505,39 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         performance.dtype = mixed_precision_dtype(args) or next(self.native_model.parameters()).dtype
         performance.watch([self.native_model, *self.objective.auxiliary_models.values()])
 
+    def _count_input_tokens(self, batches: list) -> None:
+        """include_num_input_tokens_seen ("all" / "non_padding"): this rank's micro-batches' input tokens, counted
+        on the host as transformers counts them (the input ids' entries, or the attention mask's ones), added to the
+        state at the next log or save (``_gather_input_tokens``); a batch without input ids is not counted (warned
+        once, as transformers warns)."""
+        mode = self.args.include_num_input_tokens_seen
+        if mode == "no":
+            return
+        pad_id = getattr(self.processing_class, "pad_token_id", None)
+        for batch in batches:
+            ids = batch.get("input_ids") if isinstance(batch, dict) else None
+            if not isinstance(ids, torch.Tensor):
+                if not self.__dict__.get("_warned_input_tokens"):
+                    self._warned_input_tokens = True
+                    logger.warning("include_num_input_tokens_seen: the training batches have no input_ids to count")
+                continue
+            if mode == "non_padding" and isinstance(batch.get("attention_mask"), torch.Tensor):
+                self._input_tokens_local += int(batch["attention_mask"].sum())
+            elif mode == "non_padding" and pad_id is not None:
+                self._input_tokens_local += int((ids != pad_id).sum())
+            else:
+                self._input_tokens_local += ids.numel()
+
+    def _gather_input_tokens(self) -> None:
+        """The input tokens every data-parallel rank counted since the last call, added to the state."""
+        if self.args.include_num_input_tokens_seen == "no":
+            return
+        local, self._input_tokens_local = self._input_tokens_local, 0
+        self.state.num_input_tokens_seen += sum(self.data_parallel.gather_lists([local])) if self.data_parallel.size > 1 else local
+
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
+        if self.control.should_log or self.control.should_save:
+            self._gather_input_tokens()
         if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
             tr_loss = self._summed_over_ranks(self._tr_loss).item()
             self._tr_loss.zero_()
@@ -538,6 +572,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self.control.should_training_stop = True
 
     def _finish_training(self, start_time, initial_step, num_train_samples) -> TrainOutput:
+        self._gather_input_tokens()
         self._total_loss_scalar += self._summed_over_ranks(self._tr_loss).item()
         steps_done = self.state.global_step - initial_step
         train_loss = self._total_loss_scalar / max(steps_done, 0.001)
@@ -569,6 +604,11 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         logs.update(metrics)
         if self.state.epoch is not None:
             logs["epoch"] = self.state.epoch
+        if self.args.include_num_input_tokens_seen != "no":  # transformers' keys, a training log's speed with them
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
+            if start_time is not None:
+                seen = self.state.num_input_tokens_seen - self._initial_num_input_tokens_seen
+                logs.update(speed_metrics("train", start_time, num_tokens=seen))
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 

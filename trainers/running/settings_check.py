@@ -56,7 +56,6 @@ REFUSED = {
     "torch_compile_backend": "torch_compile uses torch.compile's default backend (inductor); unset it",
     "torch_compile_mode": "torch_compile uses torch.compile's default mode; unset it",
     "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
-    "include_num_input_tokens_seen": "not implemented (the SFT / RL trainers log num_tokens themselves); leave it 'no'",
     "eval_do_concat_batches": "evaluation concatenates the predictions of every batch; leave it True",
     "eval_use_gather_object": "evaluation gathers tensors; leave it False",
     "eval_accumulation_steps": "evaluation gathers the predictions once, at the end; unset it",
@@ -107,7 +106,6 @@ ALSO_ACCEPTED = {
     "accelerator_config": (AcceleratorConfig(),),
     "debug": ([],),
     "torch_compile_backend": ("inductor",),  # what __post_init__ sets with torch_compile=True
-    "include_num_input_tokens_seen": ("no", False),
     "label_names": (["labels"],),
     "train_sampling_strategy": ("random", "sequential", "group_by_length"),
 }
