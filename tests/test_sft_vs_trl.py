@@ -240,3 +240,23 @@ def test_input_tokens_seen_match_trl(mode, tmp_path):
     assert [entry["num_input_tokens_seen"] for entry in ours] == [entry["num_input_tokens_seen"] for entry in theirs]
     assert ours[-1]["num_input_tokens_seen"] > ours[0]["num_input_tokens_seen"] > 0
     assert all({"train_runtime", "train_tokens_per_second"} <= entry.keys() for entry in ours)
+
+
+def test_group_by_length_resumes_exactly(tmp_path):
+    """group_by_length's order comes from the data seed, epoch by epoch: a run resumed from a checkpoint (mid-epoch,
+    then across an epoch boundary) logs the uninterrupted run's losses step for step."""
+
+    def run(output_dir, resume=None, save=False):
+        config = _config(hfnative, output_dir, 1, train_sampling_strategy="group_by_length")
+        config.max_steps = 12  # 8 batches an epoch: a boundary after step 8
+        if save:
+            config.save_strategy, config.save_steps = "steps", 5
+        trainer = hfnative.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                      processing_class=AutoTokenizer.from_pretrained(MODEL))
+        trainer.train(resume_from_checkpoint=resume)
+        return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+    whole = run(tmp_path / "whole")
+    run(tmp_path / "cut", save=True)
+    resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-5"))
+    assert [resumed[step] for step in range(6, 13)] == pytest.approx([whole[step] for step in range(6, 13)], rel=1e-6)
