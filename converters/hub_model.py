@@ -318,7 +318,7 @@ def _named_after_transformers(model: nn.Module, config) -> type:
     base = NativeSequenceClassifier if isinstance(model, NativeSequenceClassifier) else NativeCausalLM
     names = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES if base is NativeSequenceClassifier else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     name = names.get(getattr(config, "model_type", None))
-    if not isinstance(name, str) or not name.isidentifier() or name in (NativeCausalLM.__name__, NativeSequenceClassifier.__name__):
+    if not isinstance(name, str):
         return base
     named = _NAMED_CLASSES.get((base, name))
     if named is None:
@@ -339,7 +339,7 @@ def attach_hub_surface(model: nn.Module, converted: ConvertedModel | None, *, ad
     if not isinstance(model, HubModelMixin):
         raise TypeError(f"cannot give {type(model).__name__} transformers' model surface")
     if converted is not None:
-        if type(model) in (NativeCausalLM, NativeSequenceClassifier, *_NAMED_CLASSES.values()):
+        if isinstance(model, NativeCausalLM):  # NativeSequenceClassifier too, and their named subclasses
             model.__class__ = _named_after_transformers(model, converted.config)
         model.__dict__["_hub_converted"] = converted  # a plain attribute (not a submodule)
         model.config = converted.config

@@ -196,6 +196,13 @@ class DataMixin:
         unused = [c for c in columns if c not in MODEL_INPUT_COLUMNS]
         return dataset.remove_columns(unused) if unused and len(unused) < len(columns) else dataset
 
+    def num_examples(self, dataloader) -> int:
+        """Rows in ``dataloader``'s dataset (its batches x the per-device batch where it has no length)."""
+        try:
+            return len(dataloader.dataset)
+        except (AttributeError, TypeError):
+            return len(dataloader) * self.args.per_device_train_batch_size
+
     def get_train_dataloader(self):
         if self.train_dataset is None:
             raise ValueError(f"{type(self).__name__}: training requires a train_dataset.")

@@ -153,7 +153,7 @@ class EvaluationMixin:
             metrics["loss"] = torch.cat(losses).mean().item()
         # transformers prepares the model (accelerate) at the first evaluation of a trainer that has not trained and
         # from then on reports the time it took; hfnative prepares the model when the trainer is made: none here
-        if not getattr(self, "_trained", False) and not hasattr(self, "model_preparation_time"):
+        if not getattr(self, "_trained", False):
             self.model_preparation_time = 0.0
         if hasattr(self, "model_preparation_time"):
             metrics["model_preparation_time"] = self.model_preparation_time

@@ -39,13 +39,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-from transformers.trainer_utils import has_length
 
 from hfnative.losses import at_least_one
 from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenCrossEntropy
 
 from .capabilities import FEATURES, UnsupportedLayoutError, check_supported, features_used
+from .data_loading import has_length
 from .metric_averages import MetricAverages, RankSums, ratio, ratio_if_any
 from .normalizers import Normalizer, count_label_tokens
 from .objective_context import ObjectiveContext

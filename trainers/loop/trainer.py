@@ -193,39 +193,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The algorithm's piece of the loop (see trainers/loop/objective.py), built on ``self.context``."""
         return LanguageModelingObjective(self.context)
 
-    # --- what transformers' Trainer says of its setup, for code that reads it -------------------------
-
-    is_deepspeed_enabled = False  # DeepSpeed is refused (trainers/running/settings_check.py)
-    # no accelerate FSDP plugin: hfnative shards with FSDP2 itself, and save_model() gathers the whole model
-    is_fsdp_enabled = False
-    is_model_parallel = False  # no device_map spreading one model over devices
-    place_model_on_device = True
-
     @property
     def is_in_train(self) -> bool:
         """Whether train() is running."""
         return self.__dict__.get("_in_train", False)
-
-    def get_tp_size(self) -> int:
-        return self.distributed.dims.tp if self.distributed is not None else 1
-
-    def get_cp_size(self) -> int:
-        return self.distributed.dims.cp if self.distributed is not None else 1
-
-    def get_sp_size(self) -> int:
-        return 1  # sequence parallelism (DeepSpeed's Ulysses) is not a layout here; context parallelism is cp
-
-    def get_total_train_batch_size(self, args=None) -> int:
-        """Rows an optimizer step trains on: per-device batch x gradient accumulation x data-parallel ranks."""
-        args = args or self.args
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.data_parallel.size
-
-    def num_examples(self, dataloader) -> int:
-        """Rows in ``dataloader``'s dataset (its batches x the per-device batch where it has no length)."""
-        try:
-            return len(dataloader.dataset)
-        except (AttributeError, TypeError):
-            return len(dataloader) * self.args.per_device_train_batch_size
 
     def compute_loss_context_manager(self):
         """transformers' context for a compute_loss override's own forwards; the loop runs compute_loss under the
@@ -533,7 +504,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         if self.args.include_num_input_tokens_seen == "no":
             return
         local, self._input_tokens_local = self._input_tokens_local, 0
-        self.state.num_input_tokens_seen += sum(self.data_parallel.gather_lists([local])) if self.data_parallel.size > 1 else local
+        self.state.num_input_tokens_seen += sum(self.data_parallel.gather_lists([local]))
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log or self.control.should_save:

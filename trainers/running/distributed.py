@@ -288,6 +288,27 @@ class DistributedMixin:
     rank-aware state, parallelizing each model, the data shard (and its sequence split over context-parallel
     ranks), and reductions over the data-parallel ranks."""
 
+    # what transformers' Trainer says of its layout, for code that reads it
+    is_deepspeed_enabled = False  # DeepSpeed is refused (trainers/running/settings_check.py)
+    # no accelerate FSDP plugin: hfnative shards with FSDP2 itself, and save_model() gathers the whole model
+    is_fsdp_enabled = False
+    is_model_parallel = False  # no device_map spreading one model over devices
+    place_model_on_device = True
+
+    def get_tp_size(self) -> int:
+        return self.distributed.dims.tp if self.distributed is not None else 1
+
+    def get_cp_size(self) -> int:
+        return self.distributed.dims.cp if self.distributed is not None else 1
+
+    def get_sp_size(self) -> int:
+        return 1  # sequence parallelism (DeepSpeed's Ulysses) is not a layout here; context parallelism is cp
+
+    def get_total_train_batch_size(self, args=None) -> int:
+        """Rows an optimizer step trains on: per-device batch x gradient accumulation x data-parallel ranks."""
+        args = args or self.args
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * self.data_parallel.size
+
     @property
     def data_collator(self):
         return self.__dict__.get("_data_collator")
