@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from datasets import Dataset
 from transformers import AutoTokenizer
 
@@ -173,7 +174,6 @@ def test_group_by_length_orders_rows_as_transformers_sampler(tmp_path):
     LengthGroupedSampler, the order is that sampler's (mega-batches of the step's rows sorted longest first, the
     longest row in the first batch) drawn from the data seed's generator, epoch by epoch, and the run trains. A
     trainer that makes its own batches (GRPO's prompt groups) refuses it."""
-    import torch
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
     trl = pytest.importorskip("trl")
@@ -197,8 +197,6 @@ def test_group_by_length_orders_rows_as_transformers_sampler(tmp_path):
     assert [len(row["input_ids"]) for row in ours.train_dataset] == reference.lengths
     ours.train()
     assert all(entry["loss"] > 0 for entry in ours.state.log_history if "loss" in entry)
-
-    from datasets import Dataset
 
     prompts = Dataset.from_list([{"prompt": "Say something"}] * 8)
     with pytest.raises(ValueError, match="group_by_length"):
