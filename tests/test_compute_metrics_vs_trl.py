@@ -101,3 +101,102 @@ def test_compute_metrics_gets_what_trl_hands_it(name, tmp_path):
         np.testing.assert_allclose(ours["predictions"], theirs["predictions"], atol=1e-4, rtol=1e-4)
         assert our_metrics["eval_my_metric"] == pytest.approx(their_metrics["eval_my_metric"], rel=1e-4, abs=1e-7)
     assert our_metrics["eval_loss"] == pytest.approx(their_metrics["eval_loss"], rel=1e-4, abs=1e-6)
+
+
+def _evaluation_settings(module, name: str, tmp_path) -> dict:
+    """What compute_metrics is handed, and what evaluate / predict return, under transformers' evaluation settings:
+    include_for_metrics (inputs and losses), batch_eval_metrics (called per batch), eval_do_concat_batches=False (a
+    list per batch), eval_accumulation_steps (no change to the values)."""
+    calls = []
+
+    def compute_metrics(prediction, compute_result=None):
+        calls.append(dict(compute_result=compute_result, predictions=prediction.predictions,
+                          label_ids=prediction.label_ids, losses=prediction.losses, inputs=prediction.inputs))
+        return {"calls": len(calls), "first": torch.as_tensor(np.asarray(prediction.predictions[0])).flatten()[0]}
+
+    train, evaluation = _datasets(name)
+    args = _class(module, f"{name}Config")(
+        output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+        per_device_train_batch_size=2, per_device_eval_batch_size=3, save_strategy="no", seed=3,
+        include_for_metrics=["inputs", "loss"], eval_accumulation_steps=1,
+    )
+    trainer = _class(module, f"{name}Trainer")(
+        model=AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32), args=args,
+        train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evaluation),
+        processing_class=AutoTokenizer.from_pretrained(MODEL), compute_metrics=compute_metrics,
+    )
+    seen = {}
+    for setting, changes in (("whole", {}), ("listed", {"eval_do_concat_batches": False}),
+                             ("per_batch", {"batch_eval_metrics": True})):
+        for field, value in changes.items():
+            setattr(trainer.args, field, value)
+        metrics = trainer.evaluate()
+        seen[setting] = (calls[:], metrics)
+        calls.clear()
+        for field in changes:
+            setattr(trainer.args, field, getattr(type(trainer.args), field))
+    trainer.args.batch_eval_metrics = True
+    seen["predict"] = (calls, trainer.predict(trainer.eval_dataset))
+    return seen
+
+
+def _as_array(value):
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+
+
+@pytest.mark.parametrize("name", ["SFT", "DPO"])
+def test_evaluation_settings_hand_compute_metrics_what_trl_does(name, tmp_path):
+    ours, theirs = _evaluation_settings(hfnative, name, tmp_path), _evaluation_settings(trl, name, tmp_path)
+
+    # include_for_metrics: each row's input ids (padded across batches with -100) and its batch's loss
+    (mine,), my_metrics = ours["whole"][0], ours["whole"][1]
+    (their,), their_metrics = theirs["whole"][0], theirs["whole"][1]
+    assert mine["compute_result"] is their["compute_result"] is None
+    assert np.array_equal(mine["inputs"], their["inputs"]) and np.array_equal(mine["label_ids"], their["label_ids"])
+    np.testing.assert_allclose(mine["predictions"], their["predictions"], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(mine["losses"], their["losses"], rtol=1e-5)
+    assert len(mine["losses"]) == 4  # one per evaluated sample: 3 + 1
+    assert my_metrics["eval_loss"] == pytest.approx(their_metrics["eval_loss"], rel=1e-5)
+
+    # eval_do_concat_batches=False: a list of each batch's arrays
+    (mine,), (their,) = ours["listed"][0], theirs["listed"][0]
+    for key in ("predictions", "label_ids", "inputs", "losses"):
+        assert isinstance(mine[key], list) and isinstance(their[key], list) and len(mine[key]) == len(their[key]) == 2
+        for my_batch, their_batch in zip(mine[key], their[key]):
+            np.testing.assert_allclose(my_batch, their_batch, atol=1e-4, rtol=1e-4)
+
+    # batch_eval_metrics: a call per batch (compute_result on the last), the batch as collated for "inputs", the
+    # last call's result as the metrics; evaluate keeps no predictions, predict keeps them
+    for setting in ("per_batch", "predict"):
+        my_calls, their_calls = ours[setting][0], theirs[setting][0]
+        assert [c["compute_result"] for c in my_calls] == [c["compute_result"] for c in their_calls] == [False, True]
+        for mine, their in zip(my_calls, their_calls):
+            np.testing.assert_allclose(_as_array(mine["predictions"]), _as_array(their["predictions"]), atol=1e-4)
+            assert np.array_equal(_as_array(mine["label_ids"]), _as_array(their["label_ids"]))
+            np.testing.assert_allclose(_as_array(mine["losses"]), _as_array(their["losses"]), rtol=1e-5)
+            assert mine["inputs"].keys() == their["inputs"].keys()
+            assert np.array_equal(_as_array(mine["inputs"]["input_ids"]), _as_array(their["inputs"]["input_ids"]))
+    my_metrics, their_metrics = ours["per_batch"][1], theirs["per_batch"][1]
+    assert my_metrics["eval_calls"] == their_metrics["eval_calls"] == 2
+    assert my_metrics["eval_first"] == pytest.approx(their_metrics["eval_first"], abs=1e-4)
+    my_output, their_output = ours["predict"][1], theirs["predict"][1]
+    np.testing.assert_allclose(my_output.predictions, their_output.predictions, atol=1e-4, rtol=1e-4)
+    assert my_output.metrics["test_calls"] == their_output.metrics["test_calls"] == 2
+
+
+def test_per_batch_evaluation_settings_are_refused_over_ranks(tmp_path):
+    """batch_eval_metrics and eval_do_concat_batches=False need each batch's predictions from every rank as it is
+    made; a multi-process run gathers them when evaluation ends, so it refuses both, naming them."""
+    from types import SimpleNamespace
+
+    train, evaluation = _datasets("SFT")
+    trainer = hfnative.SFTTrainer(
+        model=MODEL, args=hfnative.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                             batch_eval_metrics=True, eval_do_concat_batches=False),
+        train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evaluation),
+        processing_class=AutoTokenizer.from_pretrained(MODEL), compute_metrics=lambda p, compute_result: {})
+    assert trainer._evaluation_conflicts() == []
+    trainer.distributed = SimpleNamespace(world_size=2)
+    conflicts = trainer._evaluation_conflicts()
+    assert [c.split("=")[0] for c in conflicts] == ["batch_eval_metrics", "eval_do_concat_batches"]
+    assert all("2 processes" in c for c in conflicts)

@@ -59,6 +59,48 @@ def test_option_reproduces_the_plain_losses(name, plain, tmp_path):
         assert lr == plain_lr
 
 
+COUNTED_GRAPHS = []
+
+
+def _counting_backend(graph_module, example_inputs):
+    """A torch.compile backend that counts the graphs it is handed and runs them as traced."""
+    COUNTED_GRAPHS.append(graph_module)
+    return graph_module.forward
+
+
+def test_compile_backend_and_mode_reach_torch_compile(plain, tmp_path, monkeypatch):
+    """torch_compile_backend (which sets torch_compile, as in transformers): the blocks compile with that backend (one
+    registered here counts its graphs) and the run reproduces the plain losses; torch_compile_mode reaches
+    torch.compile with the backend's mode (spied: inductor's autotuning would take minutes on a CPU); an unknown
+    backend or mode is refused by name before anything loads."""
+    import torch._dynamo
+
+    if "hfnative_test_counting" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(_counting_backend, name="hfnative_test_counting")
+    COUNTED_GRAPHS.clear()
+    got = _losses(tmp_path / "backend", torch_compile=False, torch_compile_backend="hfnative_test_counting")
+    assert COUNTED_GRAPHS  # the blocks went through the named backend
+    for (loss, grad_norm, _), (plain_loss, plain_grad_norm, _) in zip(got, plain, strict=True):
+        assert loss == pytest.approx(plain_loss, rel=1e-5) and grad_norm == pytest.approx(plain_grad_norm, rel=1e-4)
+
+    calls, compile_ = [], torch.compile
+
+    def spy(fn, **kwargs):
+        calls.append(kwargs)
+        return compile_(fn, backend="hfnative_test_counting", dynamic=kwargs.get("dynamic"))
+
+    monkeypatch.setattr(torch, "compile", spy)
+    _losses(tmp_path / "mode", torch_compile=False, torch_compile_mode="max-autotune-no-cudagraphs")
+    assert calls and all(call["mode"] == "max-autotune-no-cudagraphs" for call in calls)
+    monkeypatch.undo()
+
+    for field, value, said in (("torch_compile_backend", "no_such_backend", "torch.compile has no such backend"),
+                               ("torch_compile_mode", "fastest", "torch.compile's modes are")):
+        with pytest.raises(ValueError, match=f"{field}='{value}': {said}"):
+            SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
+                       args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value}))
+
+
 def test_low_bit_adamw_stays_close_to_adamw(plain, tmp_path):
     pytest.importorskip("torchao")
     for options in (dict(optim="adamw_torch_8bit"), dict(optim="adamw_torch_8bit", optimizer_in_backward=True)):

@@ -25,11 +25,9 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
-    "fp16_full_eval": True, "torch_compile_backend": "aot_eager", "torch_compile_mode": "max-autotune",
+    "fp16_full_eval": True,
     "auto_find_batch_size": True,
-    "eval_do_concat_batches": False,
-    "eval_use_gather_object": True, "eval_accumulation_steps": 2, "include_for_metrics": ["inputs"],
-    "batch_eval_metrics": True, "save_on_each_node": True, "ignore_data_skip": True, "skip_memory_metrics": False,
+    "eval_use_gather_object": True, "save_on_each_node": True, "ignore_data_skip": True,
     "accelerator_config": AcceleratorConfig(split_batches=True), "dataloader_persistent_workers": True,
     "dataloader_prefetch_factor": 4, "dataloader_multiprocessing_context": "spawn", "dataloader_in_order": False,
     "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
@@ -113,6 +111,6 @@ def test_every_config_s_defaults_pass(config_class):
 
 
 def test_the_trainer_refuses_before_loading_anything(tmp_path):
-    with pytest.raises(ValueError, match="eval_accumulation_steps=2: evaluation gathers"):
+    with pytest.raises(ValueError, match="eval_use_gather_object=True: evaluation gathers"):
         SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
-                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, eval_accumulation_steps=2))
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, eval_use_gather_object=True))

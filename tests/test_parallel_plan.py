@@ -158,9 +158,20 @@ def test_accelerate_flags_beyond_the_config(monkeypatch, tmp_path):
         "--dynamo_backend", "inductor",
     )
     plan = resolve_parallel_plan(training_args(tmp_path, gradient_checkpointing=False), 2)
-    assert layout(plan) == (1, 2, 1, False, True) and plan.activation_checkpointing and plan.compile
-    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "EAGER")
-    with pytest.raises(ValueError, match="dynamo_backend=EAGER is not supported .* INDUCTOR or NO"):
+    assert layout(plan) == (1, 2, 1, False, True) and plan.activation_checkpointing
+    assert (plan.compile.backend, plan.compile.mode) == ("inductor", "default")
+    # accelerate's backend and mode, as transformers' Trainer hands them to torch.compile
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "AOT_EAGER")
+    assert resolve_parallel_plan(training_args(tmp_path), 2).compile.backend == "aot_eager"
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    monkeypatch.setenv("ACCELERATE_DYNAMO_MODE", "max-autotune")
+    assert "compiled (inductor, mode max-autotune)" in resolve_parallel_plan(training_args(tmp_path), 2).describe()
+    # the training arguments' own switch wins, as in transformers' Trainer
+    assert resolve_parallel_plan(training_args(tmp_path, torch_compile_mode="reduce-overhead"), 2).compile.mode == \
+        "reduce-overhead"
+    # a backend accelerate names but this torch does not have (torch-tensorrt not installed)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "TENSORRT")
+    with pytest.raises(ValueError, match="dynamo config .*torch_compile_backend='tensorrt': torch.compile has no such"):
         resolve_parallel_plan(training_args(tmp_path), 2)
 
 

@@ -135,3 +135,28 @@ def test_prediction_loss_only_and_before_an_optimizer(tmp_path):
     assert hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "raw", 1, prediction_loss_only=True),
                                train_dataset=raw, processing_class=AutoTokenizer.from_pretrained(MODEL)
                                ).predict(raw).metrics["test_loss"] == pytest.approx(ours.metrics["test_loss"], rel=1e-4)
+
+
+def test_memory_metrics_as_transformers_reports_them(tmp_path):
+    """skip_memory_metrics=False: transformers' memory tracker's figures under the same names (the init stage's with
+    the train metrics, in the log too; eval_ and test_ ones in what evaluate and predict return), TRL's trainer on
+    the same calls the oracle for the names; the values are this process's resident memory (bytes)."""
+    reported = {}
+    for module in (hfnative, trl):
+        config = _config(module, tmp_path / module.__name__, 1, skip_memory_metrics=False, eval_strategy="no")
+        config.max_steps = 1
+        data = _dataset("prompt-completion")
+        trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=data.select(range(8)),
+                                    eval_dataset=data.select(range(8, 11)),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL))
+        train = trainer.train().metrics
+        reported[module.__name__] = dict(train=train, logged=trainer.state.log_history[-1], eval=trainer.evaluate(),
+                                         test=trainer.predict(trainer.eval_dataset).metrics)
+    ours, theirs = reported["hfnative"], reported["trl"]
+    memory = lambda metrics: {key for key in metrics if "_mem_" in key}  # noqa: E731
+    for stage in ("train", "logged", "eval", "test"):
+        assert memory(ours[stage]) == memory(theirs[stage]), stage
+    assert {"init_mem_cpu_alloc_delta", "before_init_mem_cpu", "train_mem_cpu_peaked_delta"} <= memory(ours["train"])
+    assert {"eval_mem_cpu_alloc_delta", "eval_mem_cpu_peaked_delta"} == memory(ours["eval"])
+    assert {"test_mem_cpu_alloc_delta", "test_mem_cpu_peaked_delta"} == memory(ours["test"])
+    assert ours["train"]["before_init_mem_cpu"] > 2**20 and ours["train"]["train_mem_cpu_peaked_delta"] >= 0

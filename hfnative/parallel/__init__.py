@@ -9,7 +9,7 @@ torch.distributed's tensor-parallel and FSDP modules."""
 from importlib import import_module
 
 from hfnative.parallel.activation_checkpoint import AC_MODES, apply_activation_checkpointing
-from hfnative.parallel.compile import apply_compile
+from hfnative.parallel.compile import CompileSettings, apply_compile
 
 _LAZY = {
     "ParallelDims": "dims",
@@ -38,4 +38,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'hfnative.parallel' has no attribute {name!r}")
 
 
-__all__ = ["AC_MODES", "apply_activation_checkpointing", "apply_compile", *_LAZY]
+__all__ = ["AC_MODES", "CompileSettings", "apply_activation_checkpointing", "apply_compile", *_LAZY]

@@ -42,6 +42,7 @@ eagerly, with torch's warning); packing or ``pad_to_multiple_of`` keeps the shap
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import types
@@ -52,6 +53,46 @@ from torch import nn
 
 from hfnative.device_policy import CPU_POLICY, device_policy
 from hfnative.models.selective_checkpoint import compiled_checkpoint_context, compiled_keeping_supported
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """How torch.compile compiles the blocks: its backend (any name torch's registry knows: "inductor", "aot_eager",
+    "eager", a backend registered with ``torch._dynamo.register_backend``) and inductor's mode ("default",
+    "reduce-overhead", "max-autotune", ...: the names ``torch._inductor.list_mode_options()`` gives; None is
+    "default"). transformers' ``torch_compile_backend`` / ``torch_compile_mode`` and accelerate's ``dynamo_backend``
+    / ``dynamo_mode`` ask for them."""
+
+    backend: str = "inductor"
+    mode: str | None = None
+
+    def __post_init__(self):
+        import torch._dynamo
+        from torch._inductor import list_mode_options
+
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if self.backend not in known:
+            raise ValueError(f"torch_compile_backend={self.backend!r}: torch.compile has no such backend; use one of "
+                             f"{sorted(known)} (or register yours with torch._dynamo.register_backend)")
+        modes = list(list_mode_options())
+        if self.mode is not None and self.mode not in modes:
+            raise ValueError(f"torch_compile_mode={self.mode!r}: torch.compile's modes are {modes}")
+        if self.backend != "inductor" and self.mode not in (None, "default"):
+            raise ValueError(f"torch_compile_mode={self.mode!r} with torch_compile_backend={self.backend!r}: the modes "
+                             "are inductor's; unset the mode or use the inductor backend")
+
+    def compile(self, fn, dynamic: bool | None, options: dict | None = None):
+        """``torch.compile(fn)`` with this backend and mode; ``options`` are inductor settings (what the mode sets,
+        overridden by them; a backend other than inductor takes none)."""
+        if self.backend != "inductor":
+            return torch.compile(fn, backend=self.backend, dynamic=dynamic)
+        if options is None:
+            return torch.compile(fn, dynamic=dynamic, mode=self.mode)
+        # torch.compile takes a mode or options, not both: the mode's settings, then the given ones over them
+        from torch._inductor import list_mode_options
+
+        mode_options = list_mode_options(self.mode, dynamic) if self.mode else {}
+        return torch.compile(fn, dynamic=dynamic, options={**mode_options, **options})
 
 
 def _call_compiled(self, *inputs, checkpoint_keep: str | None = None, **kwargs):
@@ -87,16 +128,18 @@ _in_place_warning = _KeptRegionsMutateNothingKept()
 
 
 def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel: bool = False,
-                     dynamic: bool | None = True, whole_block: bool = False) -> None:
+                     dynamic: bool | None = True, whole_block: bool = False,
+                     settings: CompileSettings | None = None) -> None:
     if "_compiled_forward" in vars(module):  # already compiled: applying twice is a no-op
         return
+    settings = settings or CompileSettings()
     cls = type(module)
     if cls not in compiled_by_type:
         # not fullgraph: per-document attention on CPU is a deliberate graph break (module docstring)
         compiled_by_type[cls] = (
             # under TP: static shapes, no compile caches (module docstring)
-            torch.compile(cls.forward, dynamic=False, options={"fx_graph_cache": False}) if tensor_parallel
-            else torch.compile(cls.forward, dynamic=dynamic)
+            settings.compile(cls.forward, dynamic=False, options={"fx_graph_cache": False}) if tensor_parallel
+            else settings.compile(cls.forward, dynamic=dynamic)
         )
     module._compiled_forward = compiled_by_type[cls]
     # under tensor parallelism (static shapes) the variable-length kernel stays out of the graph: its longest-document
@@ -105,19 +148,21 @@ def _compile_forward(module: nn.Module, compiled_by_type: dict, tensor_parallel:
     if whole_block and not tensor_parallel and compiled_keeping_supported():  # the checkpoint inside its graph
         key = (cls, "checkpointed")
         if key not in compiled_by_type:
-            compiled_by_type[key] = torch.compile(_checkpointed(cls.forward), dynamic=dynamic)
+            compiled_by_type[key] = settings.compile(_checkpointed(cls.forward), dynamic=dynamic)
             logging.getLogger("torch._higher_order_ops.wrap").addFilter(_in_place_warning)
         module._compiled_checkpointed = compiled_by_type[key]
     # a bound method (not a closure) so copy.deepcopy(model) rebinds it to the copy
     module.forward = types.MethodType(_call_compiled, module)
 
 
-def apply_compile(model: nn.Module, tensor_parallel: bool = False, device: torch.device | str | None = None) -> nn.Module:
+def apply_compile(model: nn.Module, tensor_parallel: bool = False, device: torch.device | str | None = None,
+                  settings: CompileSettings | None = None) -> nn.Module:
     """Compile each decoder block separately; in place, parameter names unchanged.
 
     tensor_parallel: the blocks are split over tensor-parallel ranks: static shapes, no compile caches (module
     docstring). device: where the model will run (default: where its parameters are; a model on the meta device
-    without it compiles as on a CPU).
+    without it compiles as on a CPU). settings: torch.compile's backend and mode (default: inductor, its default
+    mode).
 
     In a mixture-of-experts block only the attention is compiled; routing and experts run eagerly.
     Activation checkpointing (``model.checkpointed_layers``) composes with it: the recomputation in
@@ -131,7 +176,7 @@ def apply_compile(model: nn.Module, tensor_parallel: bool = False, device: torch
             continue
         whole_block = getattr(block, "moe", None) is None
         _compile_forward(block if whole_block else block.attention, compiled_by_type, tensor_parallel, dynamic,
-                         whole_block)
+                         whole_block, settings)
     return model
 
 

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from hfnative.models.decoder import Transformer
 
 from .activation_checkpoint import apply_activation_checkpointing
-from .compile import apply_compile
+from .compile import CompileSettings, apply_compile
 from .dims import ParallelDims
 from .float8 import Float8Training, apply_float8_training
 from .fsdp import apply_fsdp, apply_fsdp_per_layer
@@ -44,7 +44,7 @@ def parallelize(
     *,
     activation_checkpointing: str | None = None,
     checkpoint_keeps: str | None = None,
-    compile: bool = False,
+    compile: bool | CompileSettings = False,
     mixed_precision: MixedPrecisionPolicy | torch.dtype | str | None = None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
@@ -55,6 +55,7 @@ def parallelize(
     dims, mesh: the layout and the mesh ``dims.build_mesh`` made.
     activation_checkpointing: None, "full" or "selective" (see ``apply_activation_checkpointing``).
     checkpoint_keeps: what a checkpointed block keeps (``apply_activation_checkpointing``'s ``keep``).
+    compile: compile each block (``apply_compile``): True, or the backend and mode to compile with.
     mixed_precision: FSDP2's policy, or a dtype for "parameters in that dtype, gradients reduced in float32"
         (see ``mixed_precision_policy``); with a single data-parallel rank FSDP2 is still applied, over that one
         rank, to carry the policy.
@@ -100,7 +101,7 @@ def parallelize(
         apply_activation_checkpointing(model, activation_checkpointing, checkpoint_keeps)
     if compile:
         # under TP with static shapes and no compile caches (compile.py says why)
-        apply_compile(model, tensor_parallel=dims.tp_enabled, device=mesh.device_type)
+        apply_compile(model, tensor_parallel=dims.tp_enabled, device=mesh.device_type, settings=_settings(compile))
     if dims.dp_enabled or dims.cp_enabled or mixed_precision is not None or cpu_offload:
         fsdp_mesh = dims.fsdp_mesh(mesh)
         if expert_parallel:
@@ -137,11 +138,15 @@ def _parallelize_foreign(model, dims, mesh, activation_checkpointing, compile, m
     if activation_checkpointing is not None:
         apply_activation_checkpointing(model, activation_checkpointing)
     if compile:
-        apply_compile(model, device=mesh.device_type)
+        apply_compile(model, device=mesh.device_type, settings=_settings(compile))
     if dims.dp_enabled or mixed_precision is not None or cpu_offload:
         apply_fsdp_per_layer(model, dims.fsdp_mesh(mesh), mixed_precision=mixed_precision,
                              reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     return model
+
+
+def _settings(compile: bool | CompileSettings) -> CompileSettings | None:
+    return compile if isinstance(compile, CompileSettings) else None
 
 
 __all__ = ["parallelize"]

@@ -6,7 +6,7 @@ import time
 import warnings
 
 import torch
-from transformers.trainer_utils import EvalPrediction, PredictionOutput
+from transformers.trainer_utils import EvalPrediction, PredictionOutput, denumpify_detensorize
 
 from hfnative.losses import IGNORE_INDEX
 
@@ -83,6 +83,7 @@ class EvaluationMixin:
             for name, dataset in datasets.items():
                 metrics.update(self.evaluate(dataset if given else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
+        self._memory_tracker.start()
         dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
         self.callback_handler.eval_dataloader = dataloader
         # prediction_loss_only: the loss alone, compute_metrics not called (as transformers' evaluation loop)
@@ -94,6 +95,7 @@ class EvaluationMixin:
         metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.log(metrics)  # log() adds the epoch to this same dict, as transformers does
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)  # not logged, as in transformers
         return metrics
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test") -> PredictionOutput:
@@ -107,50 +109,89 @@ class EvaluationMixin:
         if not self.args.prediction_loss_only and run is not None and run.dims.cp_enabled:
             raise ValueError(f"predict() with context parallelism (cp_size={run.dims.cp}): each rank holds a slice of "
                              "every sequence's logits; set prediction_loss_only=True for the loss alone, or cp_size=1")
+        self._memory_tracker.start()
         dataloader = self.get_test_dataloader(test_dataset)
-        predictions, label_ids, metrics = self._prediction_loop(dataloader, not self.args.prediction_loss_only)
+        predictions, label_ids, metrics = self._prediction_loop(dataloader, not self.args.prediction_loss_only,
+                                                                 predicting=True)
         self._metrics["eval"].pop(self._reduce_metrics)  # the objective's evaluation metrics belong to evaluate()
         metrics = {f"{metric_key_prefix}_{k}": v for k, v in metrics.items()}
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        self._memory_tracker.stop_and_update_metrics(metrics)
         return PredictionOutput(predictions=predictions, label_ids=label_ids, metrics=metrics)
 
     def get_test_dataloader(self, test_dataset):
         """transformers' get_test_dataloader: ``test_dataset`` prepared as an evaluation dataset, batched as one."""
         return self.get_eval_dataloader(self._dataset_to_evaluate(test_dataset))
 
-    def _prediction_loop(self, dataloader, want_predictions: bool):
+    def _prediction_loop(self, dataloader, want_predictions: bool, predicting: bool = False):
         """One pass of the eval model over ``dataloader``: (predictions, label_ids, metrics): the gathered logits
         and labels as numpy arrays (None unless ``want_predictions``; label_ids ``()`` for a trainer without label
-        names), and the loss, runtime and speed metrics with compute_metrics' results, unprefixed."""
+        names), and the loss, runtime and speed metrics with compute_metrics' results, unprefixed.
+
+        As transformers' evaluation loop: ``include_for_metrics`` adds each row's input ids ("inputs", padded across
+        batches with -100) and its batch's loss ("loss") to the EvalPrediction; ``batch_eval_metrics`` calls
+        compute_metrics on each batch (its tensors, ``compute_result=True`` on the last, whose result is the
+        metrics; "inputs" is then the batch as collated) and keeps no predictions in evaluate (predict keeps them);
+        ``eval_do_concat_batches=False`` hands each batch's arrays as a list. ``eval_accumulation_steps`` changes
+        nothing here: each batch's outputs go to the host as soon as they are made."""
+        args = self.args
+        include = set(args.include_for_metrics or ()) if self.compute_metrics is not None else set()
+        per_batch = want_predictions and args.batch_eval_metrics and self.compute_metrics is not None
+        keep = want_predictions and (predicting or not args.batch_eval_metrics)
         start = time.time()
         self.native_model.eval()
-        losses, all_logits, all_labels, num_samples, num_batches = [], [], [], 0, 0
-        for inputs in dataloader:
+        kept = {"predictions": [], "label_ids": [], "inputs": []}
+        losses, num_samples, num_batches, batch_metrics = [], 0, 0, None
+        for inputs, last in _marking_the_last(dataloader):
             loss, logits, labels = self.prediction_step(self.native_model, inputs, prediction_loss_only=not want_predictions)
             batch_size = self.objective.samples_in_batch(inputs)
-            if loss is not None and torch.isfinite(loss):
-                losses.append(loss.detach().float().repeat(batch_size))
-            if want_predictions:
-                all_logits.append(logits.float().cpu())
-                all_labels.append(labels.cpu() if isinstance(labels, torch.Tensor) else labels)
             num_samples += batch_size
             num_batches += 1
+            # each sample's loss is its batch's, as transformers repeats it (the last batch's cut to its samples)
+            sample_losses = None if loss is None else loss.detach().float().cpu().repeat(batch_size)
+            if sample_losses is not None:
+                losses.append(sample_losses)
+            if want_predictions:
+                batch = {"predictions": logits.float().cpu(),
+                         "label_ids": labels.cpu() if isinstance(labels, torch.Tensor) else labels,
+                         "inputs": self._input_ids_for_metrics(inputs) if "inputs" in include else None}
+                if last and self.distributed is None:
+                    _keep_last_batch_remainder(batch, num_samples % args.eval_batch_size)
+                if keep:
+                    for name, values in kept.items():
+                        values.append(batch[name])
+                if per_batch:
+                    extra = {"losses": sample_losses if "loss" in include else None,
+                             "inputs": inputs if "inputs" in include else None}
+                    batch_metrics = self.compute_metrics(
+                        EvalPrediction(predictions=batch["predictions"], label_ids=batch["label_ids"], **extra),
+                        compute_result=last)
             self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         # the model stays in eval mode until the next training step, as in transformers (log() reads it)
         if self.distributed is not None:  # every data-parallel rank's share, in rank order
-            all_logits, all_labels, losses = (self.data_parallel.gather_lists(x) for x in (all_logits, all_labels, losses))
+            kept = {name: self.data_parallel.gather_lists(values) for name, values in kept.items()}
+            losses = self.data_parallel.gather_lists(losses)
             num_samples = sum(self.data_parallel.gather_lists([num_samples]))
         metrics, predictions, label_ids = {}, None, None
-        if want_predictions and all_logits:
-            if self.distributed is None:
-                _keep_last_batch_remainder(all_logits, all_labels, num_samples % self.args.eval_batch_size)
-            predictions = _concat_padded(all_logits, -100).numpy()
+        if keep and kept["predictions"]:
+            concat = args.eval_do_concat_batches
+            predictions = _arrays(kept["predictions"], concat)
             # a trainer without label names (TRL's RewardTrainer) hands compute_metrics label_ids=()
-            label_ids = _concat_padded(all_labels, -100).numpy() if isinstance(all_labels[0], torch.Tensor) else ()
-            if self.compute_metrics is not None:
-                metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids)))
+            label_ids = _arrays(kept["label_ids"], concat) if isinstance(kept["label_ids"][0], torch.Tensor) else ()
+            if self.compute_metrics is not None and not per_batch:
+                extra = {"losses": _arrays(losses, concat) if "loss" in include and losses else None,
+                         "inputs": _arrays(kept["inputs"], concat) if "inputs" in include else None}
+                metrics.update(self.compute_metrics(EvalPrediction(predictions=predictions, label_ids=label_ids, **extra)))
+        if per_batch and batch_metrics is not None:
+            metrics.update(batch_metrics)
+        metrics = denumpify_detensorize(metrics)  # JSON-serializable, as transformers hands them on
         if losses:
-            metrics["loss"] = torch.cat(losses).mean().item()
+            # transformers' mean: without the non-finite losses (logging_nan_inf_filter) unless none is finite
+            losses = torch.cat(losses)
+            finite = torch.isfinite(losses)
+            if args.logging_nan_inf_filter and finite.any():
+                losses = losses[finite]
+            metrics["loss"] = losses.mean().item()
         # transformers prepares the model (accelerate) at the first evaluation of a trainer that has not trained and
         # from then on reports the time it took; hfnative prepares the model when the trainer is made: none here
         if not getattr(self, "_trained", False):
@@ -161,6 +202,32 @@ class EvaluationMixin:
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
                        steps_per_second=round(num_batches / runtime, 3))
         return predictions, label_ids, metrics
+
+    def _input_ids_for_metrics(self, inputs) -> torch.Tensor:
+        """An evaluation batch's input ids, what ``include_for_metrics=["inputs"]`` hands compute_metrics (the
+        model's main input, as transformers reads it from the batch)."""
+        ids = inputs.get("input_ids") if isinstance(inputs, dict) else None
+        if not isinstance(ids, torch.Tensor):
+            keys = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+            raise ValueError(f"include_for_metrics=['inputs'] hands compute_metrics each evaluation batch's input_ids, "
+                             f"but {type(self).__name__}'s evaluation batches have none ({keys}); drop 'inputs' from "
+                             "include_for_metrics")
+        return ids.cpu()
+
+    def _evaluation_conflicts(self) -> list[str]:
+        """What evaluation cannot honour in this layout: per-batch arrays over data-parallel ranks, whose batches
+        are gathered when the pass ends."""
+        if self.distributed is None or self.compute_metrics is None:
+            return []
+        conflicts = []
+        if self.args.batch_eval_metrics:
+            conflicts.append(f"batch_eval_metrics=True in a run of {self.distributed.world_size} processes: each "
+                             "rank's predictions are gathered when evaluation ends, not batch by batch; leave it False "
+                             "(compute_metrics then runs once, on every row)")
+        if not self.args.eval_do_concat_batches:
+            conflicts.append(f"eval_do_concat_batches=False in a run of {self.distributed.world_size} processes: "
+                             "each rank's predictions are gathered when evaluation ends, not batch by batch; leave it True")
+        return conflicts
 
     def _dataset_to_evaluate(self, eval_dataset):
         """None: the trainer's eval dataset; a str: that entry of the trainer's dict of eval datasets; a dataset:
@@ -200,15 +267,36 @@ class EvaluationMixin:
         return False
 
 
-def _keep_last_batch_remainder(all_logits: list, all_labels: list, remainder: int) -> None:
+def _marking_the_last(iterable):
+    """(item, whether it is the last) for each item of ``iterable`` (accelerate's end_of_dataloader)."""
+    iterator = iter(iterable)
+    try:
+        item = next(iterator)
+    except StopIteration:
+        return
+    for following in iterator:
+        yield item, False
+        item = following
+    yield item, True
+
+
+def _keep_last_batch_remainder(batch: dict, remainder: int) -> None:
     """accelerate's gather_for_metrics, which transformers' evaluation runs: when the dataset's length is not a
     multiple of the eval batch size, the last batch's rows are cut to that remainder, counted in the dataset's
     samples (a no-op for a batch of one row per sample; for a batch of chosen and rejected rows it keeps the first
     ``remainder`` rows, as TRL's trainers hand them)."""
     if remainder > 0:
-        all_logits[-1] = all_logits[-1][:remainder]
-        if isinstance(all_labels[-1], torch.Tensor):
-            all_labels[-1] = all_labels[-1][:remainder]
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                batch[name] = value[:remainder]
+
+
+def _arrays(tensors: list[torch.Tensor], concat: bool):
+    """Per-batch tensors as transformers' evaluation hands them on: one numpy array, concatenated with -100 padding
+    (``eval_do_concat_batches``), or a list of each batch's array."""
+    if not concat:
+        return [t.numpy() for t in tensors]
+    return _concat_padded(tensors, -100).numpy()
 
 
 def _concat_padded(tensors: list[torch.Tensor], pad_value) -> torch.Tensor:

@@ -26,6 +26,7 @@ from hfnative.parallel.float8 import apply_float8_training
 
 from ..running.float8_plan import float8_training
 from ..running.model_loading import load_meta_model, load_sharded, resolve_model
+from ..running.parallel_plan import compile_settings
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +128,9 @@ class ModelMixin:
             apply_float8_training(model, float8, self.device)
         if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
             apply_activation_checkpointing(model, self.args.activation_checkpointing_mode, self.args.checkpoint_keeps)
-        if self.args.torch_compile:
-            apply_compile(model)
+        settings = compile_settings(self.args)
+        if settings is not None:
+            apply_compile(model, settings=settings)
 
     def _build_auxiliary_models(self) -> None:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model

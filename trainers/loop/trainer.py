@@ -27,7 +27,7 @@ from transformers.trainer_callback import (
     ProgressCallback,
     TrainerControl,
 )
-from transformers.trainer_utils import TrainOutput, speed_metrics
+from transformers.trainer_utils import TrainerMemoryTracker, TrainOutput, speed_metrics
 
 from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors, pool_requested
@@ -116,6 +116,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         peft_config=None,
     ):
         self.args = self.resolve_args(args, model)
+        # transformers' memory metrics (skip_memory_metrics=False): init_/train_/eval_/test_mem_cpu_*_delta and, on a
+        # GPU, *_mem_gpu_*; its start() and stop_and_update_metrics() name the stage after the calling method
+        self._memory_tracker = TrainerMemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker.start()
         if self.requires_train_dataset:
             check_train_dataset(train_dataset, type(self).__name__)
         check_peft_config(peft_config, model)
@@ -180,6 +184,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self.state = self._new_state()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        self._memory_tracker.stop_and_update_metrics()
 
     # --- hooks subclasses specialise -----------------------------------------------------------
 
@@ -210,7 +215,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The one place a run's layout, features and settings are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
                         conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
-                        + loss_scale_conflicts(self) + self._sampling_conflicts())
+                        + loss_scale_conflicts(self) + self._sampling_conflicts()
+                        + (self._evaluation_conflicts() if evaluating else []))
 
     def _sampling_conflicts(self) -> list[str]:
         """group_by_length orders the rows of the loop's own batches; a trainer that makes its batches otherwise
@@ -295,6 +301,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise TypeError(f"train() got unexpected keyword arguments: {sorted(kwargs)}")
         self._stopped_by = None
         self._preemption = None
+        self._memory_tracker.start()
         neftune = self._activate_neftune()
         self._in_train = True
         if self.args.enable_jit_checkpoint:
@@ -556,6 +563,9 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             "total_flos": self.state.total_flos,
             "train_loss": train_loss,
         }
+        if not self._memory_tracker.skip_memory_metrics:  # with the init stage's figures, as transformers reports them
+            self._memory_tracker.stop("train")
+            self._memory_tracker.update_metrics("train", metrics)
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint and self._stopped_by is None:
             self._load_model_weights(Path(self.state.best_model_checkpoint))

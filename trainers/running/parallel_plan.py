@@ -75,7 +75,8 @@ class ParallelPlan:
         here, its float8 layers made by ``parallelize`` (trainers/running/float8_plan.py).
     activation_checkpointing: asked for by the FSDP config (``fsdp_config`` / accelerate's
         ``fsdp_activation_checkpointing``), on top of the training arguments' own switch.
-    compile: asked for by accelerate's dynamo config (``ACCELERATE_DYNAMO_BACKEND``) or ``torch_compile``.
+    compile: how the blocks are compiled (``compile_settings``: ``torch_compile`` and its backend and mode, or
+        accelerate's dynamo config), None: not compiled.
     source: where the layout came from, in words.
     pp_schedule: the pipeline schedule with pp > 1 ("1f1b" or "gpipe", ``parallelism_config``'s pp_schedule).
     """
@@ -85,7 +86,7 @@ class ParallelPlan:
     cpu_offload: bool = False
     mixed_precision: str | None = None
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: object = None  # hfnative.parallel.CompileSettings
     source: str = _DEFAULT_SOURCE
     pp_schedule: str = "1f1b"
 
@@ -119,7 +120,8 @@ class ParallelPlan:
         if self.activation_checkpointing:
             parts.append("activation checkpointing (FSDP config)")
         if self.compile:
-            parts.append("compiled")
+            mode = f", mode {self.compile.mode}" if self.compile.mode not in (None, "default") else ""
+            parts.append(f"compiled ({self.compile.backend}{mode})")
         processes = f"{d.world_size} process{'es' if d.world_size > 1 else ''}"
         return f"{', '.join(parts)} [{processes}; from {self.source}]"
 
@@ -161,7 +163,7 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         cpu_offload=layout.cpu_offload,
         mixed_precision=_mixed_precision(args),
         activation_checkpointing=layout.activation_checkpointing,
-        compile=_compile(args),
+        compile=compile_settings(args),
         source=layout.source,
         pp_schedule=_pp_schedule(args),
     )
@@ -414,25 +416,31 @@ def _mixed_precision(args) -> str | None:
     return None if choice == "no" else choice
 
 
-def _compile(args) -> bool:
-    """``torch_compile``, or accelerate's dynamo config (which compiles the model under transformers' Trainer)."""
+def compile_settings(args):
+    """How the blocks are compiled (``hfnative.parallel.CompileSettings``), or None: as transformers' Trainer asks
+    torch.compile, from ``torch_compile`` with ``torch_compile_backend`` / ``torch_compile_mode`` (which set it), else
+    from accelerate's dynamo config (``ACCELERATE_DYNAMO_BACKEND`` / ``_MODE``, what ``accelerate launch
+    --dynamo_backend`` exports)."""
     from accelerate.utils import DynamoBackend, TorchDynamoPlugin
 
+    from hfnative.parallel import CompileSettings
+
+    if getattr(args, "torch_compile", False):
+        return CompileSettings(backend=getattr(args, "torch_compile_backend", None) or "inductor",
+                               mode=getattr(args, "torch_compile_mode", None))
     dynamo = TorchDynamoPlugin()  # ACCELERATE_DYNAMO_* only: the training arguments' own switch is torch_compile
     if dynamo.backend == DynamoBackend.NO:
-        return bool(getattr(args, "torch_compile", False))
-    if dynamo.backend != DynamoBackend.INDUCTOR:
-        raise ValueError(
-            f"accelerate's dynamo_backend={dynamo.backend.value} is not supported by hfnative, which compiles with "
-            "inductor: set dynamo_backend to INDUCTOR or NO in the accelerate config (--dynamo_backend)"
-        )
+        return None
     # (its dynamic switch is always exported, "False" by default, so it says nothing; hfnative's graphs are dynamic,
     # static under tensor parallel)
-    if dynamo.mode != "default" or dynamo.fullgraph or dynamo.use_regional_compilation:
+    if dynamo.fullgraph or dynamo.use_regional_compilation:
         _say("accelerate's dynamo config: hfnative compiles each decoder block with dynamic shapes (static under "
-             f"tensor parallel), in inductor's default mode; mode={dynamo.mode}, fullgraph and regional compilation "
-             "do not apply")
-    return True
+             "tensor parallel); fullgraph and regional compilation do not apply")
+    try:
+        return CompileSettings(backend=dynamo.backend.value.lower(), mode=dynamo.mode)
+    except ValueError as err:
+        raise ValueError(f"accelerate's dynamo config (--dynamo_backend {dynamo.backend.value}, --dynamo_mode "
+                         f"{dynamo.mode}): {err}") from err
 
 
-__all__ = ["ParallelPlan", "parallelism_config_from", "resolve_parallel_plan"]
+__all__ = ["ParallelPlan", "compile_settings", "parallelism_config_from", "resolve_parallel_plan"]

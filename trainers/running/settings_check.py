@@ -43,6 +43,8 @@ NO_EFFECT = {
     "ddp_broadcast_buffers": "data parallelism runs on FSDP2 / replicated DTensors, not torch's "
                              "DistributedDataParallel: every rank makes the same buffers",
     "ddp_static_graph": "data parallelism runs on FSDP2 / replicated DTensors, not torch's DistributedDataParallel",
+    "eval_accumulation_steps": "evaluation moves each batch's predictions to the host as soon as they are made (what "
+                               "eval_accumulation_steps=1 does); the metrics are the same for any value",
 }
 
 # field -> what to do instead; refused when the value is neither the class's default nor in ALSO_ACCEPTED
@@ -53,17 +55,10 @@ REFUSED = {
                                      "every rank; leave it True",
     "bf16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
-    "torch_compile_backend": "torch_compile uses torch.compile's default backend (inductor); unset it",
-    "torch_compile_mode": "torch_compile uses torch.compile's default mode; unset it",
     "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
-    "eval_do_concat_batches": "evaluation concatenates the predictions of every batch; leave it True",
     "eval_use_gather_object": "evaluation gathers tensors; leave it False",
-    "eval_accumulation_steps": "evaluation gathers the predictions once, at the end; unset it",
-    "include_for_metrics": "compute_metrics gets predictions and labels only; leave it empty",
-    "batch_eval_metrics": "compute_metrics runs once on the whole evaluation; leave it False",
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "ignore_data_skip": "a resumed run always skips the batches trained before its checkpoint; leave it False",
-    "skip_memory_metrics": "memory metrics are not reported; leave it True",
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
     "dataloader_persistent_workers": "the train loader takes dataloader_num_workers only; leave it False",
@@ -105,7 +100,6 @@ CONFIG_REFUSED = {
 ALSO_ACCEPTED = {
     "accelerator_config": (AcceleratorConfig(),),
     "debug": ([],),
-    "torch_compile_backend": ("inductor",),  # what __post_init__ sets with torch_compile=True
     "label_names": (["labels"],),
     "train_sampling_strategy": ("random", "sequential", "group_by_length"),
 }
