@@ -45,6 +45,9 @@ OPTIONS = {
                                              gradient_checkpointing_kwargs={"selective": True}),
     "use_liger_kernel": dict(use_liger_kernel=True),
     "compile": dict(torch_compile=True),
+    # transformers' DataLoader worker fields: rows read and collated in two forked processes give the same batches
+    "dataloader_workers": dict(dataloader_num_workers=2, dataloader_persistent_workers=True,
+                               dataloader_prefetch_factor=3, dataloader_multiprocessing_context="fork"),
     "all_together": dict(fused_loss=True, optimizer_in_backward=True, activation_checkpointing=True, torch_compile=True),
 }
 
@@ -99,6 +102,24 @@ def test_compile_backend_and_mode_reach_torch_compile(plain, tmp_path, monkeypat
         with pytest.raises(ValueError, match=f"{field}='{value}': {said}"):
             SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
                        args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, **{field: value}))
+
+
+def test_dataloader_worker_fields_reach_the_loaders(tmp_path):
+    """dataloader_num_workers, _persistent_workers, _prefetch_factor, _multiprocessing_context and _in_order are the
+    train and eval DataLoaders' own arguments, as transformers passes them; persistent workers without workers are
+    refused by name."""
+    rows = Dataset.from_list([{"text": f"row {i} of the data"} for i in range(8)])
+    fields = dict(dataloader_num_workers=2, dataloader_persistent_workers=True, dataloader_prefetch_factor=3,
+                  dataloader_multiprocessing_context="fork", dataloader_in_order=False)
+    trainer = SFTTrainer(model=MODEL, train_dataset=rows, eval_dataset=rows,
+                         args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **fields))
+    for loader in (trainer.get_train_dataloader(), trainer.get_eval_dataloader()):
+        assert (loader.num_workers, loader.persistent_workers, loader.prefetch_factor, loader.in_order) == (2, True, 3, False)
+        assert loader.multiprocessing_context.get_start_method() == "fork"
+    assert trainer.get_eval_dataloader() is trainer.get_eval_dataloader()  # its workers kept, as transformers keeps them
+    with pytest.raises(ValueError, match="dataloader_persistent_workers=True .* dataloader_num_workers=0"):
+        SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=rows,
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, dataloader_persistent_workers=True))
 
 
 def test_low_bit_adamw_stays_close_to_adamw(plain, tmp_path):

@@ -27,9 +27,8 @@ AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
     "fp16_full_eval": True,
     "auto_find_batch_size": True,
-    "eval_use_gather_object": True, "save_on_each_node": True, "ignore_data_skip": True,
-    "accelerator_config": AcceleratorConfig(split_batches=True), "dataloader_persistent_workers": True,
-    "dataloader_prefetch_factor": 4, "dataloader_multiprocessing_context": "spawn", "dataloader_in_order": False,
+    "save_on_each_node": True, "ignore_data_skip": True,
+    "accelerator_config": AcceleratorConfig(split_batches=True),
     "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
     "train_sampling_strategy": "batch_rebalance",
 }
@@ -111,6 +110,6 @@ def test_every_config_s_defaults_pass(config_class):
 
 
 def test_the_trainer_refuses_before_loading_anything(tmp_path):
-    with pytest.raises(ValueError, match="eval_use_gather_object=True: evaluation gathers"):
+    with pytest.raises(ValueError, match="save_on_each_node=True: rank 0 writes"):
         SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
-                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, eval_use_gather_object=True))
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, save_on_each_node=True))

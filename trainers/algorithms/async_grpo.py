@@ -25,7 +25,7 @@ import torch
 from hfnative.losses.policy import clipped_policy_loss, weighted_rewards
 
 from .async_grpo_config import AsyncGRPOConfig
-from ..loop.data_loading import make_dataloader
+from ..loop.data_loading import make_dataloader, worker_options
 from .grpo import extremes_over_ranks
 from ..rollout.prompt_batches import loss_mask
 from ..loop.objective import Normalizer, Objective, enable_router_loss
@@ -186,7 +186,7 @@ class AsyncGRPOObjective(Objective):
         a = self.args
         prompts = a.per_device_train_batch_size * self.context.data_parallel.size // a.num_generations
         return make_dataloader(dataset, prompts, collator, seed=a.data_seed if a.data_seed is not None else a.seed,
-                               shuffle=True, drop_last=a.dataloader_drop_last, num_workers=a.dataloader_num_workers)
+                               shuffle=True, drop_last=a.dataloader_drop_last, workers=worker_options(a))
 
     # --- one optimizer step: each micro-batch normalized by its own completion tokens ----------------------------
     def normalizer(self, batches: list[dict]) -> Normalizer:

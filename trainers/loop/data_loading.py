@@ -105,17 +105,39 @@ def has_length(dataset) -> bool:
         return False
 
 
+def worker_options(args) -> dict:
+    """The DataLoader's worker settings as transformers passes them: ``dataloader_num_workers`` and, with workers,
+    ``dataloader_persistent_workers``, ``dataloader_prefetch_factor``, ``dataloader_multiprocessing_context`` and
+    ``dataloader_in_order`` (torch's DataLoader arguments of those names)."""
+    workers = args.dataloader_num_workers
+    if workers == 0:
+        if args.dataloader_persistent_workers:
+            raise ValueError("dataloader_persistent_workers=True keeps the loader's worker processes between epochs, "
+                             "but dataloader_num_workers=0 starts none; set dataloader_num_workers > 0 or leave "
+                             "dataloader_persistent_workers False")
+        return {"num_workers": 0}
+    options = {"num_workers": workers, "persistent_workers": args.dataloader_persistent_workers,
+               "in_order": args.dataloader_in_order}
+    if args.dataloader_prefetch_factor is not None:
+        options["prefetch_factor"] = args.dataloader_prefetch_factor
+    if args.dataloader_multiprocessing_context is not None:
+        options["multiprocessing_context"] = args.dataloader_multiprocessing_context
+    return options
+
+
 def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False,
-                    num_workers: int = 0, num_shards: int = 1, shard_index: int = 0,
+                    workers: dict | None = None, num_shards: int = 1, shard_index: int = 0,
                     grouped_by_length: tuple[list[int], int] | None = None):
     """A DataLoader over a sized dataset (seeded epochs; ``grouped_by_length``: see EpochBatchSampler) or an
-    iterable one (stream order); with ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only."""
+    iterable one (stream order); with ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only.
+    ``workers``: the DataLoader's worker options (``worker_options``; None: none, the main process reads)."""
+    workers = workers or {}
     if has_length(dataset):
         batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last,
                                           grouped_by_length=grouped_by_length)
         if num_shards > 1:
             batch_sampler = ShardedEpochBatchSampler(batch_sampler, num_shards, shard_index)
-        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, num_workers=num_workers)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **workers)
     if num_shards > 1:  # accelerate's split of a stream (dispatch_batches=False): rank r reads rows
         # [r * batch_size, (r + 1) * batch_size) of every batch_size * num_shards, the last round completed from
         # the stream's first rows unless drop_last (every rank gets as many batches)
@@ -123,8 +145,8 @@ def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle:
 
         dataset = IterableDatasetShard(dataset, batch_size=batch_size, drop_last=drop_last, num_processes=num_shards,
                                        process_index=shard_index, split_batches=False)
-        num_workers = 0  # one reader keeps the rows in the split's order
-    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, num_workers=num_workers)
+        workers = {}  # one reader keeps the rows in the split's order
+    return DataLoader(dataset, batch_size=batch_size, collate_fn=collate_fn, drop_last=drop_last, **workers)
 
 
 class StreamGroupBatches(torch.utils.data.IterableDataset):
@@ -212,7 +234,15 @@ class DataMixin:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
             raise ValueError("Trainer.evaluate() needs an eval_dataset")
-        return self.objective.eval_dataloader(dataset, self.data_collator)
+        own = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else [self.eval_dataset]
+        if not self.args.dataloader_persistent_workers or not any(dataset is d for d in own):
+            return self.objective.eval_dataloader(dataset, self.data_collator)
+        # persistent workers: one loader per eval dataset of the trainer for its life, as transformers keeps them (its
+        # workers are not started again at every evaluation)
+        kept = self.__dict__.setdefault("_eval_dataloaders", {})
+        if id(dataset) not in kept:
+            kept[id(dataset)] = self.objective.eval_dataloader(dataset, self.data_collator)
+        return kept[id(dataset)]
 
     def _prepare_inputs(self, inputs: dict) -> dict:
         """Add what the model needs once per batch (shifted targets, the attention plan, made from the host tensors

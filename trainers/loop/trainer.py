@@ -37,7 +37,7 @@ from hfnative.parallel.groups import DataParallelGroup
 from ..running import hub
 from .arguments import TrainingArguments, mixed_precision_dtype
 from ..running.construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
-from .data_loading import DataMixin, has_length, start_epoch
+from .data_loading import DataMixin, has_length, start_epoch, worker_options
 from ..running.distributed import (
     DistributedMixin,
     is_collective_failure,
@@ -127,6 +127,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         if self.args.optimizer_in_backward:
             check_optimizer_in_backward_args(self.args.max_grad_norm)
         check_settings(self.args)  # nothing hfnative would ignore is set
+        worker_options(self.args)  # the loaders' worker fields agree, checked before anything loads
         seed_everything(self.args)
         self.device = resolve_device(self.args)
         self.distributed = start_distributed(self.args, self.device)  # None for a single process

@@ -43,6 +43,8 @@ NO_EFFECT = {
     "ddp_broadcast_buffers": "data parallelism runs on FSDP2 / replicated DTensors, not torch's "
                              "DistributedDataParallel: every rank makes the same buffers",
     "ddp_static_graph": "data parallelism runs on FSDP2 / replicated DTensors, not torch's DistributedDataParallel",
+    "eval_use_gather_object": "evaluation gathers every rank's outputs with all_gather_object already (any "
+                              "picklable object, tensors included)",
     "eval_accumulation_steps": "evaluation moves each batch's predictions to the host as soon as they are made (what "
                                "eval_accumulation_steps=1 does); the metrics are the same for any value",
 }
@@ -56,15 +58,10 @@ REFUSED = {
     "bf16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
-    "eval_use_gather_object": "evaluation gathers tensors; leave it False",
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "ignore_data_skip": "a resumed run always skips the batches trained before its checkpoint; leave it False",
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
-    "dataloader_persistent_workers": "the train loader takes dataloader_num_workers only; leave it False",
-    "dataloader_prefetch_factor": "the train loader takes dataloader_num_workers only; unset it",
-    "dataloader_multiprocessing_context": "the train loader takes dataloader_num_workers only; unset it",
-    "dataloader_in_order": "the train loader takes dataloader_num_workers only; leave it True",
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not implemented; unset it",
     "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
