@@ -27,7 +27,7 @@ AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
     "fp16_full_eval": True,
     "auto_find_batch_size": True,
-    "save_on_each_node": True, "ignore_data_skip": True,
+    "save_on_each_node": True,
     "accelerator_config": AcceleratorConfig(split_batches=True),
     "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
     "train_sampling_strategy": "batch_rebalance",

@@ -258,3 +258,29 @@ def test_group_by_length_resumes_exactly(tmp_path):
     run(tmp_path / "cut", save=True)
     resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-5"))
     assert [resumed[step] for step in range(6, 13)] == pytest.approx([whole[step] for step in range(6, 13)], rel=1e-6)
+
+
+def test_ignore_data_skip_resumes_as_trl_does(tmp_path):
+    """ignore_data_skip=True: a run resumed mid-epoch starts that epoch from its first batch instead of skipping the
+    batches trained before the checkpoint; each runner resumes its own checkpoint, and the resumed steps' losses
+    equal TRL's (which also differ from the uninterrupted run's)."""
+    trl = pytest.importorskip("trl")
+
+    def resumed(module):
+        output_dir = tmp_path / module.__name__
+        config = _config(module, output_dir, 1, save_strategy="steps", save_steps=5)
+        config.max_steps = 10  # 8 batches an epoch: the resumed run restarts epoch 0 at step 6
+        module.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                          processing_class=AutoTokenizer.from_pretrained(MODEL)).train()
+        whole = {entry["step"]: entry["loss"] for entry in json.loads(
+            (output_dir / "checkpoint-10" / "trainer_state.json").read_text())["log_history"] if "loss" in entry}
+        config.ignore_data_skip = True
+        trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL))
+        trainer.train(resume_from_checkpoint=str(output_dir / "checkpoint-5"))
+        return whole, {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+    (our_whole, ours), (their_whole, theirs) = resumed(hfnative), resumed(trl)
+    steps = range(6, 11)
+    assert [ours[step] for step in steps] == pytest.approx([theirs[step] for step in steps], rel=1e-4)
+    assert ours[6] != pytest.approx(our_whole[6], rel=1e-3) and theirs[6] != pytest.approx(their_whole[6], rel=1e-3)
