@@ -26,7 +26,6 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 AWAY_FROM_DEFAULT = {
     "optim_target_modules": ["q_proj"], "average_tokens_across_devices": False, "bf16_full_eval": True,
     "fp16_full_eval": True,
-    "auto_find_batch_size": True,
     "save_on_each_node": True,
     "accelerator_config": AcceleratorConfig(split_batches=True),
     "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",

@@ -284,3 +284,78 @@ def test_ignore_data_skip_resumes_as_trl_does(tmp_path):
     steps = range(6, 11)
     assert [ours[step] for step in steps] == pytest.approx([theirs[step] for step in steps], rel=1e-4)
     assert ours[6] != pytest.approx(our_whole[6], rel=1e-3) and theirs[6] != pytest.approx(their_whole[6], rel=1e-3)
+
+
+class _OutOfMemoryAbove:
+    """Raises the CUDA allocator's out-of-memory error while the run's train batch size is above ``fits``."""
+
+    def __init__(self, fits: int):
+        self.fits, self.sizes_tried = fits, []
+
+    def check(self, state):
+        if not self.sizes_tried or self.sizes_tried[-1] != state.train_batch_size:
+            self.sizes_tried.append(state.train_batch_size)
+        if state.train_batch_size > self.fits:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_auto_find_batch_size_as_trl_finds_it(tmp_path):
+    """auto_find_batch_size: out of memory at 4 and 3 rows (raised before a step's forward), TRL's trainer and
+    hfnative's both try accelerate's sizes 4, 3, 2 and train at 2 with the same losses; the arguments keep the size
+    given, the state holds the one trained with."""
+    from transformers import TrainerCallback
+
+    trl = pytest.importorskip("trl")
+    runs = {}
+    for module in (hfnative, trl):
+        memory = _OutOfMemoryAbove(fits=2)
+
+        class OutOfMemory(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                memory.check(state)
+
+        config = _config(module, tmp_path / module.__name__, 2, auto_find_batch_size=True)
+        config.per_device_train_batch_size = 4
+        trainer = module.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL), callbacks=[OutOfMemory()])
+        trainer.train()
+        runs[module.__name__] = (memory.sizes_tried, trainer, [e for e in trainer.state.log_history if "loss" in e])
+    (our_sizes, ours, our_logs), (their_sizes, theirs, their_logs) = runs["hfnative"], runs["trl"]
+    assert our_sizes == their_sizes == [4, 3, 2]
+    assert ours.state.train_batch_size == theirs.state.train_batch_size == 2
+    assert ours.args.per_device_train_batch_size == theirs.args.per_device_train_batch_size == 4
+    _assert_same_logs(our_logs, their_logs)
+
+
+def test_auto_find_batch_size_puts_back_what_an_in_backward_optimizer_stepped(tmp_path):
+    """With optimizer_in_backward a backward that runs out of memory has already stepped the parameters whose
+    gradients came first (the last blocks'): the next try starts from the weights as they were, so the run equals one
+    made at the size that fits from the start."""
+
+    def run(name, batch_size, fits=None):
+        config = _config(hfnative, tmp_path / name, 1, optimizer_in_backward=True, max_grad_norm=0.0, warmup_steps=0,
+                         auto_find_batch_size=fits is not None)
+        config.per_device_train_batch_size = batch_size
+        trainer = hfnative.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                      processing_class=AutoTokenizer.from_pretrained(MODEL))
+        if fits is not None:  # out of memory in backward, at the first block's first weight (its gradient comes last)
+            memory = _OutOfMemoryAbove(fits)
+            first = next(p for name, p in trainer.native_model.named_parameters() if ".0." in name and p.dim() == 2)
+            first.register_hook(lambda grad: memory.check(trainer.state) or grad)
+        trainer.train()
+        if fits is not None:
+            assert memory.sizes_tried == [4, 3, 2]
+        return [value for e in trainer.state.log_history if "loss" in e for value in (e["loss"], e["grad_norm"])]
+
+    plain = run("plain", 2)
+    found = run("found", 4, fits=2)
+    assert found == pytest.approx(plain, rel=1e-6)
+
+    # a trainer that makes its own batches refuses it, by name
+    with pytest.raises(ValueError, match="auto_find_batch_size=True with GRPOTrainer"):
+        hfnative.GRPOTrainer(model=MODEL, reward_funcs=lambda completions, **_: [1.0] * len(completions),
+                             args=hfnative.GRPOConfig(output_dir=str(tmp_path / "grpo"), use_cpu=True, bf16=False,
+                                                      report_to="none", per_device_train_batch_size=4, num_generations=4,
+                                                      auto_find_batch_size=True),
+                             train_dataset=Dataset.from_list([{"prompt": "Say something"}] * 8),
+                             processing_class=AutoTokenizer.from_pretrained(MODEL))

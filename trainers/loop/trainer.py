@@ -37,6 +37,7 @@ from hfnative.parallel.groups import DataParallelGroup
 from ..running import hub
 from .arguments import TrainingArguments, mixed_precision_dtype
 from ..running.construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
+from .batch_size_search import batch_size_search_conflicts, train_finding_batch_size
 from .data_loading import DataMixin, has_length, start_epoch, worker_options
 from ..running.distributed import (
     DistributedMixin,
@@ -216,7 +217,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """The one place a run's layout, features and settings are checked against what its objective declares."""
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
                         conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
-                        + loss_scale_conflicts(self) + self._sampling_conflicts()
+                        + loss_scale_conflicts(self) + self._sampling_conflicts() + batch_size_search_conflicts(self)
                         + (self._evaluation_conflicts() if evaluating else []))
 
     def _sampling_conflicts(self) -> list[str]:
@@ -309,7 +310,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             self._preemption = Preemption(self.distributed is not None, self.device)
             self._preemption.install()
         try:
-            output = self._train(resume_from_checkpoint)
+            if self.args.auto_find_batch_size:
+                output = train_finding_batch_size(self, resume_from_checkpoint)
+            else:
+                output = self._train(resume_from_checkpoint)
         except Exception as error:
             if self.distributed is not None and is_collective_failure(error):
                 raise self.distributed.failure(error, self.state.global_step, self.args) from error

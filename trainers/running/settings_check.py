@@ -57,7 +57,6 @@ REFUSED = {
                                      "every rank; leave it True",
     "bf16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
-    "auto_find_batch_size": "not implemented; set per_device_train_batch_size to a size that fits",
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
