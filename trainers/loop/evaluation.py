@@ -247,6 +247,7 @@ class EvaluationMixin:
 
     def _evaluate_and_track_best(self) -> bool:
         metrics = self.evaluate()
+        self._report_to_hp_search(self.state.global_step, metrics)
         name = self.args.metric_for_best_model
         if name is None:
             return False

@@ -39,6 +39,7 @@ from .arguments import TrainingArguments, mixed_precision_dtype
 from ..running.construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
 from .batch_size_search import batch_size_search_conflicts, train_finding_batch_size
 from .data_loading import DataMixin, has_length, start_epoch, worker_options
+from .hyperparameter_search import HyperparameterSearchMixin
 from ..running.distributed import (
     DistributedMixin,
     is_collective_failure,
@@ -72,7 +73,8 @@ def resolve_device(args) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
 
 
-class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin):
+class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin,
+              HyperparameterSearchMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -145,7 +147,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self.model_init = model_init
         self._model_init_kwargs = model_init_kwargs(model, self.args, quantization_config,
                                                     self.refuses_quantization_of_instances)
-        self._set_model(model if model is not None else model_init())
+        self._set_model(model if model is not None else self.call_model_init())
         if getattr(self.args, "disable_dropout", False):  # the TRL configs that have the option
             disable_dropout(self.native_model)
         self.processing_class = processing_class if processing_class is not None else load_processing_class(self.converted)
@@ -304,6 +306,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self._stopped_by = None
         self._preemption = None
         self._memory_tracker.start()
+        self._trial = trial  # a hyperparameter search's trial (hyperparameter_search.py)
         neftune = self._activate_neftune()
         self._in_train = True
         if self.args.enable_jit_checkpoint:
@@ -366,8 +369,11 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             seed_everything(args)
             if isinstance(self.optimizer, OptimizerInBackward):
                 self.optimizer.remove_hooks()
-            self._set_model(self.model_init())
+            self._set_model(self.call_model_init(self._trial))
             self.optimizer = self.lr_scheduler = None
+        # a search trial's arguments, set after the model is made again (transformers' order: model_init runs with
+        # the seed set before the trial's)
+        self._hp_search_setup(self._trial)
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
