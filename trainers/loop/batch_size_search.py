@@ -29,14 +29,12 @@ def batch_size_search_conflicts(trainer) -> list[str]:
     sizes are derived from the batch size when the config is made)."""
     if not trainer.args.auto_find_batch_size:
         return []
-    from .objective import Objective
-
     conflicts = []
     if trainer.distributed is not None:
         conflicts.append(f"auto_find_batch_size=True in a run of {trainer.distributed.world_size} processes: a rank "
                          "that runs out of memory alone would leave the others waiting; set per_device_train_batch_size "
                          "to a size that fits")
-    if type(trainer.objective).train_dataloader is not Objective.train_dataloader:
+    if not trainer.batches_are_dataset_rows:
         conflicts.append(f"auto_find_batch_size=True with {type(trainer).__name__}, whose batches are made by the "
                          "trainer itself (prompt groups, rollouts); set per_device_train_batch_size to a size that fits")
     return conflicts

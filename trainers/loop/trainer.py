@@ -222,12 +222,16 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                         + loss_scale_conflicts(self) + self._sampling_conflicts() + batch_size_search_conflicts(self)
                         + (self._evaluation_conflicts() if evaluating else []))
 
+    @property
+    def batches_are_dataset_rows(self) -> bool:
+        """Whether the loop's batches are rows of the train dataset drawn by the objective's default loader (not
+        batches the trainer makes itself: prompt groups for generation, rollouts)."""
+        return type(self.objective).train_dataloader is Objective.train_dataloader
+
     def _sampling_conflicts(self) -> list[str]:
         """group_by_length orders the rows of the loop's own batches; a trainer that makes its batches otherwise
         (prompt groups for generation, rollouts) would not follow it."""
-        if getattr(self.args, "train_sampling_strategy", None) != "group_by_length":
-            return []
-        if type(self.objective).train_dataloader is Objective.train_dataloader:
+        if getattr(self.args, "train_sampling_strategy", None) != "group_by_length" or self.batches_are_dataset_rows:
             return []
         return [f"train_sampling_strategy='group_by_length' with {type(self).__name__}, whose batches are made by the "
                 "trainer itself (prompt groups, rollouts), not drawn row by row: use 'random' or 'sequential'"]
