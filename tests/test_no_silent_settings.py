@@ -28,7 +28,7 @@ AWAY_FROM_DEFAULT = {
     "fp16_full_eval": True,
     "save_on_each_node": True,
     "accelerator_config": AcceleratorConfig(split_batches=True),
-    "label_names": ["targets"], "debug": ["underflow_overflow"], "deepspeed": "ds_config.json",
+    "label_names": ["targets"], "debug": ["tpu_metrics_debug"], "deepspeed": "ds_config.json",
     "train_sampling_strategy": "batch_rebalance",
 }
 

@@ -359,3 +359,26 @@ def test_auto_find_batch_size_puts_back_what_an_in_backward_optimizer_stepped(tm
                                                       auto_find_batch_size=True),
                              train_dataset=Dataset.from_list([{"prompt": "Say something"}] * 8),
                              processing_class=AutoTokenizer.from_pretrained(MODEL))
+
+
+def test_underflow_overflow_debugging_stops_where_trl_does(tmp_path):
+    """debug="underflow_overflow": transformers' DebugUnderflowOverflow watches the forwards; a weight set to inf
+    stops training with its error (TRL's trainer the oracle), and a sound model trains to the same losses as without
+    the hooks."""
+    from transformers import AutoModelForCausalLM
+
+    trl = pytest.importorskip("trl")
+
+    def poisoned():
+        model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+        with torch.no_grad():
+            model.model.layers[1].mlp.down_proj.weight[0, 0] = float("inf")
+        return model
+
+    for module in (hfnative, trl):
+        trainer = module.SFTTrainer(model=poisoned(), args=_config(module, tmp_path / module.__name__, 1, debug="underflow_overflow"),
+                                    train_dataset=_dataset("text"), processing_class=AutoTokenizer.from_pretrained(MODEL))
+        with pytest.raises(ValueError, match="DebugUnderflowOverflow: inf/nan detected"):
+            trainer.train()
+    _assert_same_logs(_run(hfnative, "text", tmp_path / "watched", 1, debug="underflow_overflow"),
+                      _run(trl, "text", tmp_path / "plain", 1))

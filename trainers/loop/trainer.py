@@ -378,6 +378,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         # a search trial's arguments, set after the model is made again (transformers' order: model_init runs with
         # the seed set before the trial's)
         self._hp_search_setup(self._trial)
+        self._watch_underflow_overflow()
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
@@ -491,6 +492,15 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             if self.control.should_training_stop:
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
+
+    def _watch_underflow_overflow(self) -> None:
+        """``debug="underflow_overflow"``: transformers' DebugUnderflowOverflow on the policy's modules (forward hooks
+        that keep the last frames of activation and weight extremes and raise, printing them, at the first inf or
+        nan), once per model."""
+        from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
+
+        if DebugOption.UNDERFLOW_OVERFLOW in self.args.debug and not hasattr(self.native_model, "_underflow_overflow"):
+            self.native_model._underflow_overflow = DebugUnderflowOverflow(self.native_model)
 
     def _watch_performance(self) -> None:
         """The perf/ metrics count the forwards of the policy and of the objective's frozen models."""

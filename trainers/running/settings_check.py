@@ -11,6 +11,7 @@ import dataclasses
 import logging
 
 import transformers
+from transformers.debug_utils import DebugOption
 from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
@@ -61,7 +62,7 @@ REFUSED = {
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
-    "debug": "transformers' debug options (underflow_overflow, tpu_metrics_debug) are not implemented; unset it",
+    "debug": "tpu_metrics_debug reports TPU metrics, and hfnative runs on CPUs and GPUs; keep underflow_overflow only",
     "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
     "train_sampling_strategy": "batch_rebalance is not implemented; use 'random', 'sequential' or 'group_by_length'",
 }
@@ -94,7 +95,7 @@ CONFIG_REFUSED = {
 # or the values hfnative implements)
 ALSO_ACCEPTED = {
     "accelerator_config": (AcceleratorConfig(),),
-    "debug": ([],),
+    "debug": ([], [DebugOption.UNDERFLOW_OVERFLOW]),
     "label_names": (["labels"],),
     "train_sampling_strategy": ("random", "sequential", "group_by_length"),
 }
