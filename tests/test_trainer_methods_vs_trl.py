@@ -160,3 +160,20 @@ def test_memory_metrics_as_transformers_reports_them(tmp_path):
     assert {"eval_mem_cpu_alloc_delta", "eval_mem_cpu_peaked_delta"} == memory(ours["eval"])
     assert {"test_mem_cpu_alloc_delta", "test_mem_cpu_peaked_delta"} == memory(ours["test"])
     assert ours["train"]["before_init_mem_cpu"] > 2**20 and ours["train"]["train_mem_cpu_peaked_delta"] >= 0
+
+
+def test_full_eval_in_bf16_as_trl(tmp_path):
+    """bf16_full_eval: evaluate() outside training casts the model to bf16 in place, as transformers' evaluation
+    loop does (TRL's trainer the oracle): the same dtype afterwards and the eval loss within bf16's error."""
+    import torch
+
+    results = {}
+    for module in (hfnative, trl):
+        data = _dataset("prompt-completion")
+        trainer = module.SFTTrainer(model=MODEL, args=_config(module, tmp_path / module.__name__, 1, bf16_full_eval=True),
+                                    train_dataset=data, eval_dataset=data.select(range(6)),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL))
+        results[module.__name__] = (trainer.evaluate()["eval_loss"], next(trainer.model.parameters()).dtype)
+    (loss, dtype), (their_loss, their_dtype) = results["hfnative"], results["trl"]
+    assert dtype == their_dtype == torch.bfloat16
+    assert loss == pytest.approx(their_loss, rel=1e-2)

@@ -139,6 +139,7 @@ class EvaluationMixin:
         per_batch = want_predictions and args.batch_eval_metrics and self.compute_metrics is not None
         keep = want_predictions and (predicting or not args.batch_eval_metrics)
         start = time.time()
+        self._cast_for_full_eval()
         self.native_model.eval()
         kept = {"predictions": [], "label_ids": [], "inputs": []}
         losses, num_samples, num_batches, batch_metrics = [], 0, 0, None
@@ -202,6 +203,20 @@ class EvaluationMixin:
         metrics.update(runtime=round(runtime, 4), samples_per_second=round(num_samples / runtime, 3),
                        steps_per_second=round(num_batches / runtime, 3))
         return predictions, label_ids, metrics
+
+    def _cast_for_full_eval(self) -> None:
+        """``bf16_full_eval`` / ``fp16_full_eval``, as transformers' evaluation loop: an evaluation outside training
+        casts the model to that dtype, in place (it stays so, as transformers' does); evaluations during training
+        run in the training precision."""
+        dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16 if self.args.bf16_full_eval else None
+        if dtype is None or self.is_in_train:
+            return
+        quantized = [name for name, p in self.native_model.named_parameters() if type(p.data) is not torch.Tensor]
+        if quantized:
+            raise ValueError(f"{'fp16' if dtype == torch.float16 else 'bf16'}_full_eval casts the whole model, but "
+                             f"{len(quantized)} of its weights are quantized ({quantized[0]}, ...): evaluate in the "
+                             "training precision (leave it False)")
+        self.native_model.to(dtype)
 
     def _input_ids_for_metrics(self, inputs) -> torch.Tensor:
         """An evaluation batch's input ids, what ``include_for_metrics=["inputs"]`` hands compute_metrics (the

@@ -56,8 +56,6 @@ REFUSED = {
                             "unset optim_target_modules",
     "average_tokens_across_devices": "hfnative always divides a step's loss by the tokens of the whole step over "
                                      "every rank; leave it True",
-    "bf16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
-    "fp16_full_eval": "evaluation runs in the training precision (bf16 / fp16 autocast); leave it False",
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
