@@ -382,3 +382,32 @@ def test_underflow_overflow_debugging_stops_where_trl_does(tmp_path):
             trainer.train()
     _assert_same_logs(_run(hfnative, "text", tmp_path / "watched", 1, debug="underflow_overflow"),
                       _run(trl, "text", tmp_path / "plain", 1))
+
+
+def test_batch_rebalance_batches_as_trl(tmp_path):
+    """train_sampling_strategy="batch_rebalance": the micro-batches of transformers' BatchRebalanceSampler (variable
+    row counts, each step's rows balanced by cost), the same rows in each as TRL's train loader gives at the default
+    seed, and TRL's losses step for step; a run resumed mid-epoch logs the uninterrupted run's losses."""
+    trl = pytest.importorskip("trl")
+    settings = dict(train_sampling_strategy="batch_rebalance")
+
+    def micro_batches(module):
+        trainer = module.SFTTrainer(model=MODEL, args=_config(module, tmp_path / "loader", 2, **settings),
+                                    train_dataset=_dataset("text"), processing_class=AutoTokenizer.from_pretrained(MODEL))
+        return [sorted(tuple(row[mask.bool()].tolist()) for row, mask in zip(batch["input_ids"], batch["attention_mask"]))
+                for batch in trainer.get_train_dataloader()]
+
+    ours, theirs = micro_batches(hfnative), micro_batches(trl)
+    assert ours == theirs and len({len(batch) for batch in ours}) > 1  # rows counts vary: rebalanced, not cut evenly
+    _assert_same_logs(_run(hfnative, "text", tmp_path, 2, **settings), _run(trl, "text", tmp_path, 2, **settings))
+
+    def run(output_dir, resume=None):
+        config = _config(hfnative, output_dir, 2, save_strategy="steps", save_steps=2, **settings)
+        trainer = hfnative.SFTTrainer(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                      processing_class=AutoTokenizer.from_pretrained(MODEL))
+        trainer.train(resume_from_checkpoint=resume)
+        return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+    whole = run(tmp_path / "cut")
+    resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-2"))
+    assert [resumed[step] for step in range(3, STEPS + 1)] == pytest.approx([whole[step] for step in range(3, STEPS + 1)], rel=1e-6)

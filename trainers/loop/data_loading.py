@@ -10,6 +10,7 @@ torchrun or accelerate sees the batches transformers' Trainer would.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -105,6 +106,33 @@ def has_length(dataset) -> bool:
         return False
 
 
+class RebalancedBatchSampler(Sampler):
+    """transformers' BatchRebalanceSampler (``train_sampling_strategy="batch_rebalance"``): each step's rows over every
+    data-parallel rank (per-device batch x accumulation x ranks) taken from the epoch's seeded permutation, sorted by
+    length and cut into micro-batches of balanced cost (fewer rows where rows are long), this rank's
+    ``grad_accum`` of them; ``skip_batches`` drops this rank's first micro-batches once. Its permutation is seeded
+    with the data seed (transformers leaves the sampler's own default, 42, which is also TrainingArguments' seed)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, grad_accum: int, seed: int, drop_last: bool,
+                 shuffle: bool = True, num_shards: int = 1, shard_index: int = 0):
+        from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+        self.sampler = BatchRebalanceSampler(lengths, effective_batch_size=batch_size * grad_accum * num_shards,
+                                             dp_size=num_shards, grad_accum=grad_accum, shuffle=shuffle, seed=seed,
+                                             rank=shard_index, drop_last=drop_last)
+        self.skip_batches = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        skip, self.skip_batches = self.skip_batches, 0
+        yield from itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def worker_options(args) -> dict:
     """The DataLoader's worker settings as transformers passes them: ``dataloader_num_workers`` and, with workers,
     ``dataloader_persistent_workers``, ``dataloader_prefetch_factor``, ``dataloader_multiprocessing_context`` and
@@ -127,11 +155,18 @@ def worker_options(args) -> dict:
 
 def make_dataloader(dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False,
                     workers: dict | None = None, num_shards: int = 1, shard_index: int = 0,
-                    grouped_by_length: tuple[list[int], int] | None = None):
-    """A DataLoader over a sized dataset (seeded epochs; ``grouped_by_length``: see EpochBatchSampler) or an
-    iterable one (stream order); with ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only.
-    ``workers``: the DataLoader's worker options (``worker_options``; None: none, the main process reads)."""
+                    grouped_by_length: tuple[list[int], int] | None = None,
+                    rebalanced: tuple[list[int], int] | None = None):
+    """A DataLoader over a sized dataset (seeded epochs; ``grouped_by_length``: see EpochBatchSampler;
+    ``rebalanced``: ``(lengths, grad_accum)``, see RebalancedBatchSampler) or an iterable one (stream order); with
+    ``num_shards`` > 1, the batches of data-parallel rank ``shard_index`` only. ``workers``: the DataLoader's worker
+    options (``worker_options``; None: none, the main process reads)."""
     workers = workers or {}
+    if rebalanced is not None and has_length(dataset):
+        lengths, grad_accum = rebalanced
+        batch_sampler = RebalancedBatchSampler(lengths, batch_size, grad_accum, seed, drop_last, shuffle=shuffle,
+                                               num_shards=num_shards, shard_index=shard_index)
+        return DataLoader(dataset, batch_sampler=batch_sampler, collate_fn=collate_fn, **workers)
     if has_length(dataset):
         batch_sampler = EpochBatchSampler(len(dataset), batch_size, seed, shuffle=shuffle, drop_last=drop_last,
                                           grouped_by_length=grouped_by_length)
@@ -184,7 +219,7 @@ class StreamGroupBatches(torch.utils.data.IterableDataset):
 def start_epoch(dataloader: DataLoader, epoch: int, skip_batches: int = 0):
     """An iterator over the epoch's batches, the first ``skip_batches`` left out."""
     sampler = dataloader.batch_sampler
-    if isinstance(sampler, (EpochBatchSampler, ShardedEpochBatchSampler)):
+    if isinstance(sampler, (EpochBatchSampler, ShardedEpochBatchSampler, RebalancedBatchSampler)):
         sampler.set_epoch(epoch)
         sampler.skip_batches = skip_batches
         return iter(dataloader)

@@ -81,6 +81,19 @@ def with_transformers_padding(inputs: dict) -> dict:
     return {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
 
 
+def _row_lengths(dataset, length_column_name: str, processing_class) -> list[int]:
+    """Each row's length as transformers' batch_rebalance reads it: the ``length_column_name`` column, else the
+    length of each row's main input (the processing class's first model input name, else input_ids)."""
+    if length_column_name in (getattr(dataset, "column_names", None) or []):
+        lengths = dataset[length_column_name]
+        return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+    name = processing_class.model_input_names[0] if processing_class is not None else "input_ids"
+    if not isinstance(dataset[0], dict) or name not in dataset[0]:
+        raise ValueError(f"Can only automatically infer lengths for datasets whose items are dictionaries with an "
+                         f"'{name}' key.")
+    return [len(row[name]) for row in dataset]
+
+
 class Objective(ABC):
     """The contract's defaults (see the module docstring): the loop's plain batches, no generation, every
     feature declared in ``supports``. A subclass declares what it supports and changes the pieces it needs."""
@@ -144,7 +157,9 @@ class Objective(ABC):
         """This rank's train batches: per_device_train_batch_size rows, a seeded order per epoch;
         ``train_sampling_strategy="group_by_length"``: rows of similar lengths together, as transformers'
         LengthGroupedSampler groups them (its lengths: ``length_column_name``'s column, else each row's
-        ``input_ids``), in mega-batches of the step's rows (per-device batch x accumulation)."""
+        ``input_ids``), in mega-batches of the step's rows (per-device batch x accumulation);
+        ``"batch_rebalance"``: transformers' BatchRebalanceSampler's micro-batches of balanced cost (the same lengths;
+        ``data_loading.RebalancedBatchSampler``)."""
         a = self.args
         strategy = getattr(a, "train_sampling_strategy", "random")
         seed = a.data_seed if a.data_seed is not None else a.seed
@@ -159,9 +174,13 @@ class Objective(ABC):
                 lengths=dataset[a.length_column_name] if a.length_column_name in column else None,
                 model_input_name=processing_class.model_input_names[0] if processing_class is not None else None)
             grouped = (list(sampler.lengths), sampler.batch_size)
+        rebalanced = None
+        if strategy == "batch_rebalance" and has_length(dataset):
+            rebalanced = (_row_lengths(dataset, a.length_column_name, self.context.processing_class),
+                          a.gradient_accumulation_steps)
         return self.context.make_dataloader(dataset, a.per_device_train_batch_size, collator, seed=seed,
                                             shuffle=strategy != "sequential", drop_last=a.dataloader_drop_last,
-                                            grouped_by_length=grouped)
+                                            grouped_by_length=grouped, rebalanced=rebalanced)
 
     def eval_dataloader(self, dataset, collator):
         """This rank's evaluation batches: per_device_eval_batch_size rows, in order."""

@@ -149,11 +149,13 @@ class ObjectiveContext:
         return self._trainer._data_shard()
 
     def make_dataloader(self, dataset, batch_size: int, collate_fn, *, seed: int, shuffle: bool, drop_last: bool = False,
-                        grouped_by_length: tuple[list[int], int] | None = None):
+                        grouped_by_length: tuple[list[int], int] | None = None,
+                        rebalanced: tuple[list[int], int] | None = None):
         from .data_loading import make_dataloader, worker_options
 
         return make_dataloader(dataset, batch_size, collate_fn, seed=seed, shuffle=shuffle, drop_last=drop_last,
                                workers=worker_options(self.args), grouped_by_length=grouped_by_length,
+                               rebalanced=rebalanced,
                                **self.data_shard())
 
     def drop_unused_columns(self, dataset):

@@ -229,11 +229,12 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         return type(self.objective).train_dataloader is Objective.train_dataloader
 
     def _sampling_conflicts(self) -> list[str]:
-        """group_by_length orders the rows of the loop's own batches; a trainer that makes its batches otherwise
-        (prompt groups for generation, rollouts) would not follow it."""
-        if getattr(self.args, "train_sampling_strategy", None) != "group_by_length" or self.batches_are_dataset_rows:
+        """group_by_length and batch_rebalance order the rows of the loop's own batches; a trainer that makes its
+        batches otherwise (prompt groups for generation, rollouts) would not follow them."""
+        strategy = getattr(self.args, "train_sampling_strategy", None)
+        if strategy not in ("group_by_length", "batch_rebalance") or self.batches_are_dataset_rows:
             return []
-        return [f"train_sampling_strategy='group_by_length' with {type(self).__name__}, whose batches are made by the "
+        return [f"train_sampling_strategy={strategy!r} with {type(self).__name__}, whose batches are made by the "
                 "trainer itself (prompt groups, rollouts), not drawn row by row: use 'random' or 'sequential'"]
 
     def _context_parallel_conflicts(self, evaluating: bool) -> list[str]:

@@ -62,7 +62,6 @@ REFUSED = {
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "tpu_metrics_debug reports TPU metrics, and hfnative runs on CPUs and GPUs; keep underflow_overflow only",
     "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
-    "train_sampling_strategy": "batch_rebalance is not implemented; use 'random', 'sequential' or 'group_by_length'",
 }
 
 # the TRL configs' own fields (beyond TrainingArguments') that hfnative's code does not read: why each changes nothing
@@ -95,7 +94,6 @@ ALSO_ACCEPTED = {
     "accelerator_config": (AcceleratorConfig(),),
     "debug": ([], [DebugOption.UNDERFLOW_OVERFLOW]),
     "label_names": (["labels"],),
-    "train_sampling_strategy": ("random", "sequential", "group_by_length"),
 }
 
 
