@@ -116,8 +116,10 @@ def test_layout_equals_one_process(launched, one_process, run):
     expected = one_process[f"{algorithm}-{model}"]
     assert len(expected) == STEPS
     processes = 4 if run in FOUR_PROCESS_RUNS else 2
-    # FSDP2 x TP2 sums each gradient in two reductions (tp, then dp): RLOO's step-1 grad norm measured 1.02e-5 off
-    grad_tolerance = 2e-5 if processes == 4 else 1e-5
+    # the ranks reduce gradients in another order than one process sums them, and the round-off grows with each step's
+    # update: RLOO's step-3 grad norm measured 1.4e-5 off (FSDP2, 2 processes) and its KL 1.1e-4 (DDP) on an AVX-512
+    # Xeon; FSDP2 x TP2 sums each gradient in two reductions (tp, then dp): its step-1 grad norm measured 1.02e-5 off
+    grad_tolerance = 4e-5 if processes == 4 else 3e-5
     for rank in range(processes):
         logs = json.loads((launched / f"{run}-rank{rank}.json").read_text())
         assert len(logs) == STEPS, (rank, logs)
@@ -128,6 +130,6 @@ def test_layout_equals_one_process(launched, one_process, run):
                 assert got[key] == pytest.approx(want[key], rel=1e-9, abs=1e-9), (where, key, got[key], want[key])
             assert abs(got["loss"] - want["loss"]) <= max(1e-5 * abs(want["loss"]), 1e-6), (where, got, want)
             assert _relative(got["grad_norm"], want["grad_norm"]) <= grad_tolerance, (where, got["grad_norm"], want["grad_norm"])
-            assert got["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6), where  # ~0 at step 1, as the loss
+            assert got["kl"] == pytest.approx(want["kl"], rel=3e-4, abs=1e-6), where  # ~0 at step 1, as the loss
     # the steps trained something: the policy moved away from the reference
     assert expected[-1]["kl"] > 0

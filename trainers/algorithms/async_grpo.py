@@ -124,6 +124,9 @@ class AsyncGRPOObjective(Objective):
     supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
                           "expert_parallel"})
     split_collated_batches = False  # prompts are collated; the scored completions are split in micro_batches
+    # TRL forces ignore_data_skip=True (its default here) because its rollout queue does not replay; a resumed run
+    # here continues with the prompts after its checkpoint's step (AsyncGRPOConfig)
+    always_skips_trained_batches = True
     episodes_class = ToolEpisodes  # what the generator actors run for a tool-calling rollout
 
     def __init__(self, context, reward_funcs, tools=None, environment_factory=None):

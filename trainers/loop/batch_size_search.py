@@ -27,7 +27,7 @@ def batch_size_search_conflicts(trainer) -> list[str]:
     """What auto_find_batch_size cannot serve: several processes (a rank that runs out of memory alone would leave
     the others waiting in a collective) and trainers that make their own batches (prompt groups, rollouts: their
     sizes are derived from the batch size when the config is made)."""
-    if not trainer.args.auto_find_batch_size:
+    if not getattr(trainer.args, "auto_find_batch_size", False):
         return []
     conflicts = []
     if trainer.distributed is not None:

@@ -103,6 +103,9 @@ class Objective(ABC):
     # objective builds its model inputs later (from generated completions) and splits them with
     # ``context.context_parallel.split``
     split_collated_batches = True
+    # a resumed run continues after the batches its checkpoint trained even with ignore_data_skip=True (an objective
+    # whose batches stream from elsewhere, which transformers' replay of the epoch does not reach)
+    always_skips_trained_batches = False
 
     def __init__(self, context: ObjectiveContext):
         self.context = context

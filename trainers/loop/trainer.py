@@ -423,7 +423,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
 
         epochs_trained = self.state.global_step // steps_per_epoch
         # ignore_data_skip: the resumed epoch starts from its first batch (transformers' fast-forward left out)
-        batches_to_skip = 0 if args.ignore_data_skip else (self.state.global_step % steps_per_epoch) * accumulation
+        replay = args.ignore_data_skip and not self.objective.always_skips_trained_batches
+        batches_to_skip = 0 if replay else (self.state.global_step % steps_per_epoch) * accumulation
         start_time = time.time()
         initial_step = self.state.global_step
         self._input_tokens_local, self._initial_num_input_tokens_seen = 0, self.state.num_input_tokens_seen
