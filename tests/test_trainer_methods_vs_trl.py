@@ -177,3 +177,32 @@ def test_full_eval_in_bf16_as_trl(tmp_path):
     (loss, dtype), (their_loss, their_dtype) = results["hfnative"], results["trl"]
     assert dtype == their_dtype == torch.bfloat16
     assert loss == pytest.approx(their_loss, rel=1e-2)
+
+
+def test_overrides_of_hooks_the_loop_never_calls_are_refused(tmp_path):
+    """A subclass overriding transformers' evaluation_loop or _get_train_sampler (hooks hfnative's loop never calls)
+    is refused when made, by name and with what to override instead; floating_point_ops, which the loop calls, is
+    honoured (state.total_flos counts what the override returns); end() after training is transformers' call."""
+
+    class OwnEvaluation(hfnative.SFTTrainer):
+        def evaluation_loop(self, *args, **kwargs):
+            raise AssertionError("never reached")
+
+        def _get_train_sampler(self, dataset=None):
+            raise AssertionError("never reached")
+
+    data = _dataset("prompt-completion").select(range(6))
+    with pytest.raises(ValueError, match=r"OwnEvaluation\.evaluation_loop: .*override prediction_step.*"
+                                         r"OwnEvaluation\._get_train_sampler: override get_train_dataloader"):
+        OwnEvaluation(model=str(tmp_path / "never-loaded"), args=_config(hfnative, tmp_path, 1), train_dataset=data)
+
+    class OneFlopPerBatch(hfnative.SFTTrainer):
+        def floating_point_ops(self, inputs):
+            return 1.0
+
+    config = _config(hfnative, tmp_path / "flops", 2)
+    config.max_steps = 3
+    trainer = OneFlopPerBatch(model=MODEL, args=config, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(MODEL))
+    trainer.train()
+    assert trainer.state.total_flos == 3 * 2  # steps x micro-batches
+    trainer.end()

@@ -154,7 +154,7 @@ class PipelineMixin:
             mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
             loss = torch.where(torch.isfinite(loss), loss, mean)
         self._tr_loss += loss
-        self.state.total_flos += sum(6.0 * b["input_ids"].numel() for b in batches) * self._non_embedding_params
+        self.state.total_flos += sum(self.floating_point_ops(b) for b in batches)
 
     def _pop_metrics(self, mode: str) -> dict:
         """The objective's metrics since the last log, reduced over the ranks; under pipeline parallel the last

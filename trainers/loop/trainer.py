@@ -33,6 +33,7 @@ from hfnative.models.decoder import Transformer
 from hfnative.allocator import keep_freed_cpu_memory, pool_cpu_tensors, pool_requested
 from hfnative.optim.in_backward import OptimizerInBackward, check_optimizer_in_backward_args
 from hfnative.parallel.groups import DataParallelGroup
+from hfnative.parallel.teardown import end_process_group
 
 from ..running import hub
 from .arguments import TrainingArguments, mixed_precision_dtype
@@ -40,6 +41,7 @@ from ..running.construction import as_config, check_peft_config, check_train_dat
 from .batch_size_search import batch_size_search_conflicts, train_finding_batch_size
 from .data_loading import DataMixin, has_length, start_epoch, worker_options
 from .hyperparameter_search import HyperparameterSearchMixin
+from .overrides import check_overrides
 from ..running.distributed import (
     DistributedMixin,
     is_collective_failure,
@@ -130,6 +132,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         if self.args.optimizer_in_backward:
             check_optimizer_in_backward_args(self.args.max_grad_norm)
         check_settings(self.args)  # nothing hfnative would ignore is set
+        check_overrides(type(self))  # nor a transformers hook the loop never calls overridden
         worker_options(self.args)  # the loaders' worker fields agree, checked before anything loads
         seed_everything(self.args)
         self.device = resolve_device(self.args)
@@ -474,7 +477,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                         mean = self._tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
                         loss = torch.where(torch.isfinite(loss), loss, mean)
                     self._tr_loss += loss
-                    self.state.total_flos += 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
+                    self.state.total_flos += self.floating_point_ops(inputs)
                     if index < len(batches) - 1:
                         if self.objective.steps_optimizer_after(index):
                             self._step_parameters()
@@ -494,6 +497,16 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             if self.control.should_training_stop:
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
+
+    def floating_point_ops(self, inputs: dict) -> float:
+        """transformers' estimate of a micro-batch's training FLOPs (``state.total_flos``): 6 x its input tokens x the
+        model's non-embedding parameters (forward and backward); override it for another count."""
+        return 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
+
+    def end(self) -> None:
+        """transformers' ``end``: the process group the trainer joined, ended; call it once, last in a script (train,
+        evaluate, predict, save_model and push_to_hub communicate between the processes)."""
+        end_process_group()
 
     def _watch_underflow_overflow(self) -> None:
         """``debug="underflow_overflow"``: transformers' DebugUnderflowOverflow on the policy's modules (forward hooks
