@@ -186,7 +186,8 @@ def test_evaluation_settings_hand_compute_metrics_what_trl_does(name, tmp_path):
 
 def test_per_batch_evaluation_settings_are_refused_over_ranks(tmp_path):
     """batch_eval_metrics and eval_do_concat_batches=False need each batch's predictions from every rank as it is
-    made; a multi-process run gathers them when evaluation ends, so it refuses both, naming them."""
+    made; a multi-process run gathers them when evaluation ends, so it refuses both, naming them (when the trainer is
+    made if the loop evaluates, and at evaluate()); bf16_full_eval's in-place cast too."""
     from types import SimpleNamespace
 
     train, evaluation = _datasets("SFT")
@@ -195,8 +196,13 @@ def test_per_batch_evaluation_settings_are_refused_over_ranks(tmp_path):
                                              batch_eval_metrics=True, eval_do_concat_batches=False),
         train_dataset=Dataset.from_list(train), eval_dataset=Dataset.from_list(evaluation),
         processing_class=AutoTokenizer.from_pretrained(MODEL), compute_metrics=lambda p, compute_result: {})
-    assert trainer._evaluation_conflicts() == []
+    assert trainer._evaluation_conflicts(evaluating=True) == []
     trainer.distributed = SimpleNamespace(world_size=2)
-    conflicts = trainer._evaluation_conflicts()
-    assert [c.split("=")[0] for c in conflicts] == ["batch_eval_metrics", "eval_do_concat_batches"]
-    assert all("2 processes" in c for c in conflicts)
+    assert trainer._evaluation_conflicts(evaluating=False) == []  # eval_strategy="no": the loop never evaluates
+    trainer.args.eval_strategy = "steps"  # when the trainer is made, if the loop will evaluate; at each evaluate()
+    for evaluating in (False, True):
+        conflicts = trainer._evaluation_conflicts(evaluating)
+        assert [c.split("=")[0] for c in conflicts] == ["batch_eval_metrics", "eval_do_concat_batches"]
+        assert all("2 processes" in c for c in conflicts)
+    trainer.args.bf16_full_eval = True  # an in-place cast of one process's model
+    assert trainer._evaluation_conflicts(False)[0].startswith("bf16_full_eval=True in a run of 2 processes")

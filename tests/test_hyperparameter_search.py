@@ -89,3 +89,22 @@ def test_search_needs_model_init_and_optuna_backend(tmp_path):
         trainer.hyperparameter_search(n_trials=1)
     with pytest.raises(ValueError, match="backend='ray'.*with optuna"):
         trainer.hyperparameter_search(n_trials=1, backend="ray")
+
+
+def test_model_init_model_gets_neftune_as_transformers(tmp_path):
+    """train() remakes the model with model_init before NEFTune's hook goes on its embeddings (transformers' order):
+    the noised run's losses equal transformers' Trainer's, and differ from a run without noise."""
+    data = _data()
+
+    def losses(module, alpha):
+        args = module.TrainingArguments(output_dir=str(tmp_path / f"{module.__name__}-{alpha}"), use_cpu=True,
+                                        report_to="none", max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                                        save_strategy="no", disable_tqdm=True, neftune_noise_alpha=alpha)
+        trainer = module.Trainer(model_init=lambda: AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32),
+                                 args=args, train_dataset=data)
+        trainer.train()
+        return [e["loss"] for e in trainer.state.log_history if "loss" in e]
+
+    noised = losses(hfnative, 5.0)
+    assert noised == pytest.approx(losses(transformers, 5.0), rel=1e-5)
+    assert noised != pytest.approx(losses(hfnative, None), rel=1e-4)

@@ -411,3 +411,22 @@ def test_batch_rebalance_batches_as_trl(tmp_path):
     whole = run(tmp_path / "cut")
     resumed = run(tmp_path / "cut", resume=str(tmp_path / "cut" / "checkpoint-2"))
     assert [resumed[step] for step in range(3, STEPS + 1)] == pytest.approx([whole[step] for step in range(3, STEPS + 1)], rel=1e-6)
+
+
+def test_auto_find_batch_size_leaves_an_evaluation_out_of_memory_alone(tmp_path):
+    """An evaluation that runs out of memory during training is not handed to the batch size search (which shrinks
+    the train batch only): transformers' error, asking for a smaller per_device_eval_batch_size, after one try."""
+    tries = []
+
+    class EvaluationOutOfMemory(hfnative.SFTTrainer):
+        def prediction_step(self, model, inputs, prediction_loss_only=True, ignore_keys=None):
+            tries.append(self.state.train_batch_size)
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    config = _config(hfnative, tmp_path, 1, auto_find_batch_size=True, eval_strategy="steps", eval_steps=1)
+    trainer = EvaluationOutOfMemory(model=MODEL, args=config, train_dataset=_dataset("text"),
+                                    eval_dataset=_dataset("text").select(range(3)),
+                                    processing_class=AutoTokenizer.from_pretrained(MODEL))
+    with pytest.raises(RuntimeError, match="reduce `per_device_eval_batch_size` instead"):
+        trainer.train()
+    assert tries == [3]

@@ -178,6 +178,15 @@ def test_full_eval_in_bf16_as_trl(tmp_path):
     assert dtype == their_dtype == torch.bfloat16
     assert loss == pytest.approx(their_loss, rel=1e-2)
 
+    # a 4-bit (QLoRA) base cannot be cast: refused when the trainer is made, not at its first evaluate()
+    from peft import LoraConfig
+
+    with pytest.raises(ValueError, match="bf16_full_eval=True with a 4-bit"):
+        hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "qlora", 1, bf16_full_eval=True,
+                                                      model_init_kwargs={"load_in_4bit": True}),
+                            train_dataset=_dataset("prompt-completion"), peft_config=LoraConfig(r=4, target_modules="all-linear"),
+                            processing_class=AutoTokenizer.from_pretrained(MODEL))
+
 
 def test_overrides_of_hooks_the_loop_never_calls_are_refused(tmp_path):
     """A subclass overriding transformers' evaluation_loop or _get_train_sampler (hooks hfnative's loop never calls)

@@ -3,9 +3,11 @@ the start; when it fails with an out-of-memory error (accelerate's ``should_redu
 CPU allocator messages) the batch size is reduced by accelerate's rule (``find_executable_batch_size``: 90% of the
 last, rounded down) and training starts again, until one fits or none does.
 
-As in transformers, each try starts the run afresh (state, optimizer, scheduler, data order at the new batch size)
-and the gradient accumulation steps stay as set, so the global batch shrinks with the per-device one; a resumed run
-starts from the batch size its checkpoint was trained with. An optimizer that steps in backward
+As in transformers, each try starts the run afresh (state, optimizer, scheduler, data order at the new batch size;
+the model made by ``model_init`` once, before the first try) and the gradient accumulation steps stay as set, so the
+global batch shrinks with the per-device one; a resumed run starts from the batch size its checkpoint was trained
+with, from the checkpoint resolved before the first try. An evaluation that runs out of memory is not retried at a
+smaller train batch size (its error says to lower per_device_eval_batch_size). An optimizer that steps in backward
 (``optimizer_in_backward``) may have stepped some parameters when a backward ran out of memory: their values from
 before the try's first step are kept on the host until that step ends, and put back before the next try.
 """
@@ -49,6 +51,9 @@ def train_finding_batch_size(trainer, resume_from_checkpoint):
     args = trainer.args
     given = args.per_device_train_batch_size
     created = trainer.optimizer is None  # the trainer makes (and may remake) its optimizer and scheduler
+    # resolved once: a failed try may have saved a checkpoint of its own (resume_from_checkpoint=True would find it)
+    checkpoint = trainer._resolve_checkpoint(resume_from_checkpoint)
+    resume = None if checkpoint is None else str(checkpoint)
     tries = []
 
     def attempt(batch_size: int):
@@ -60,21 +65,20 @@ def train_finding_batch_size(trainer, resume_from_checkpoint):
         tries.append(_KeepUntilTheFirstStep(trainer))
         trainer.callback_handler.add_callback(tries[-1])
         try:
-            return trainer._train(resume_from_checkpoint)
+            return trainer._train(resume)
         finally:
             trainer.callback_handler.remove_callback(tries[-1])
 
     try:
-        return find_executable_batch_size(attempt, starting_batch_size=_starting_batch_size(trainer, resume_from_checkpoint))()
+        return find_executable_batch_size(attempt, starting_batch_size=_starting_batch_size(trainer, checkpoint))()
     finally:
         args.per_device_train_batch_size = given
         tries.clear()
 
 
-def _starting_batch_size(trainer, resume_from_checkpoint) -> int:
+def _starting_batch_size(trainer, checkpoint) -> int:
     """The batch size a resumed run's checkpoint was trained with (transformers restores it with
     auto_find_batch_size), else per_device_train_batch_size."""
-    checkpoint = trainer._resolve_checkpoint(resume_from_checkpoint)
     if checkpoint is not None and (checkpoint / "trainer_state.json").is_file():
         trained = json.loads((checkpoint / "trainer_state.json").read_text()).get("train_batch_size")
         if trained:
@@ -87,9 +91,8 @@ class _KeepUntilTheFirstStep(TrainerCallback):
     ends, on the host (None otherwise, or once that step has ended)."""
 
     def __init__(self, trainer):
-        stepping_in_backward = trainer.args.optimizer_in_backward and trainer.model_init is None
         self.saved = None
-        if stepping_in_backward:
+        if trainer.args.optimizer_in_backward:
             self.saved = {name: p.detach().to("cpu", copy=True)
                           for name, p in trainer.native_model.named_parameters() if p.requires_grad}
 

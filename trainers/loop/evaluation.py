@@ -211,12 +211,7 @@ class EvaluationMixin:
         dtype = torch.float16 if self.args.fp16_full_eval else torch.bfloat16 if self.args.bf16_full_eval else None
         if dtype is None or self.is_in_train:
             return
-        quantized = [name for name, p in self.native_model.named_parameters() if type(p.data) is not torch.Tensor]
-        if quantized:
-            raise ValueError(f"{'fp16' if dtype == torch.float16 else 'bf16'}_full_eval casts the whole model, but "
-                             f"{len(quantized)} of its weights are quantized ({quantized[0]}, ...): evaluate in the "
-                             "training precision (leave it False)")
-        self.native_model.to(dtype)
+        self.native_model.to(dtype)  # (a sharded or 4-bit model is refused when the trainer is made)
 
     def _input_ids_for_metrics(self, inputs) -> torch.Tensor:
         """An evaluation batch's input ids, what ``include_for_metrics=["inputs"]`` hands compute_metrics (the
@@ -229,19 +224,31 @@ class EvaluationMixin:
                              "include_for_metrics")
         return ids.cpu()
 
-    def _evaluation_conflicts(self) -> list[str]:
-        """What evaluation cannot honour in this layout: per-batch arrays over data-parallel ranks, whose batches
-        are gathered when the pass ends."""
-        if self.distributed is None or self.compute_metrics is None:
-            return []
+    def _evaluation_conflicts(self, evaluating: bool) -> list[str]:
+        """What evaluation cannot honour in this run, checked when the trainer is made and at each evaluation:
+        bf16 / fp16_full_eval's in-place cast of a model split over ranks or with a 4-bit base, and, where the loop
+        evaluates (or evaluate() runs), per-batch arrays over data-parallel ranks, whose batches are gathered when
+        the pass ends."""
+        from hfnative.peft.quantize import is_nf4
+
+        args, run = self.args, self.distributed
         conflicts = []
-        if self.args.batch_eval_metrics:
-            conflicts.append(f"batch_eval_metrics=True in a run of {self.distributed.world_size} processes: each "
-                             "rank's predictions are gathered when evaluation ends, not batch by batch; leave it False "
-                             "(compute_metrics then runs once, on every row)")
-        if not self.args.eval_do_concat_batches:
-            conflicts.append(f"eval_do_concat_batches=False in a run of {self.distributed.world_size} processes: "
-                             "each rank's predictions are gathered when evaluation ends, not batch by batch; leave it True")
+        full = ("fp16_full_eval" if getattr(args, "fp16_full_eval", False)
+                else "bf16_full_eval" if getattr(args, "bf16_full_eval", False) else None)
+        if full is not None and run is not None:
+            conflicts.append(f"{full}=True in a run of {run.world_size} processes: it casts a one-process model in "
+                             "place, and here each rank holds a part of it; leave it False")
+        elif full is not None and any(is_nf4(p) for p in self.native_model.parameters()):
+            conflicts.append(f"{full}=True with a 4-bit (QLoRA) base: its NF4 weights are not cast; leave it False")
+        if run is None or self.compute_metrics is None or not (evaluating or getattr(args, "eval_strategy", "no") != "no"):
+            return conflicts
+        if args.batch_eval_metrics:
+            conflicts.append(f"batch_eval_metrics=True in a run of {run.world_size} processes: each rank's predictions "
+                             "are gathered when evaluation ends, not batch by batch; leave it False (compute_metrics "
+                             "then runs once, on every row)")
+        if not args.eval_do_concat_batches:
+            conflicts.append(f"eval_do_concat_batches=False in a run of {run.world_size} processes: each rank's "
+                             "predictions are gathered when evaluation ends, not batch by batch; leave it True")
         return conflicts
 
     def _dataset_to_evaluate(self, eval_dataset):
@@ -261,8 +268,18 @@ class EvaluationMixin:
         return self.objective.prepare_eval_dataset(eval_dataset)
 
     def _evaluate_and_track_best(self) -> bool:
-        metrics = self.evaluate()
-        self._report_to_hp_search(self.state.global_step, metrics)
+        try:
+            metrics = self.evaluate()
+        except RuntimeError as error:
+            # auto_find_batch_size shrinks the train batch only: as transformers, an evaluation out of memory is not
+            # handed to the search (which would train again and again at smaller sizes)
+            from accelerate.utils.memory import should_reduce_batch_size
+
+            if self.args.auto_find_batch_size and should_reduce_batch_size(error):
+                raise RuntimeError("Evaluation hit an out-of-memory error. `auto_find_batch_size` only adjusts the "
+                                   "training batch size, reduce `per_device_eval_batch_size` instead.") from error
+            raise
+        self._report_to_hp_search(self._trial, self.state.global_step, metrics)
         name = self.args.metric_for_best_model
         if name is None:
             return False

@@ -105,10 +105,9 @@ class HyperparameterSearchMixin:
             setattr(self.args, key, type(old)(value) if old is not None else value)
         logger.info("Trial: %s", trial.params)
 
-    def _report_to_hp_search(self, step: int, metrics: dict) -> None:
+    def _report_to_hp_search(self, trial, step: int, metrics: dict) -> None:
         """An evaluation during a trial: its objective reported to optuna at ``step``; a trial its pruner stops
         ends the training (on_train_end) and raises ``optuna.TrialPruned``."""
-        trial = self._trial
         if self.hp_search_backend is None or trial is None:
             return
         self._hp_objective = self.compute_objective(dict(metrics))

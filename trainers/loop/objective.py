@@ -81,17 +81,16 @@ def with_transformers_padding(inputs: dict) -> dict:
     return {**inputs, "attention_plan": transformers_padding_plan(inputs["attention_plan"], inputs["attention_mask"])}
 
 
-def _row_lengths(dataset, length_column_name: str, processing_class) -> list[int]:
-    """Each row's length as transformers' batch_rebalance reads it: the ``length_column_name`` column, else the
-    length of each row's main input (the processing class's first model input name, else input_ids)."""
-    if length_column_name in (getattr(dataset, "column_names", None) or []):
-        lengths = dataset[length_column_name]
-        return lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
-    name = processing_class.model_input_names[0] if processing_class is not None else "input_ids"
-    if not isinstance(dataset[0], dict) or name not in dataset[0]:
-        raise ValueError(f"Can only automatically infer lengths for datasets whose items are dictionaries with an "
-                         f"'{name}' key.")
-    return [len(row[name]) for row in dataset]
+def _row_lengths(dataset, args, processing_class) -> list[int]:
+    """Each row's length as transformers' length-aware samplers read it (through its LengthGroupedSampler: the
+    ``length_column_name`` column, else the length of each row's main input, with its error where a row has none)."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    column = getattr(dataset, "column_names", None) or []
+    sampler = LengthGroupedSampler(
+        1, dataset=dataset, lengths=dataset[args.length_column_name] if args.length_column_name in column else None,
+        model_input_name=processing_class.model_input_names[0] if processing_class is not None else None)
+    return list(sampler.lengths)
 
 
 class Objective(ABC):
@@ -166,21 +165,13 @@ class Objective(ABC):
         a = self.args
         strategy = getattr(a, "train_sampling_strategy", "random")
         seed = a.data_seed if a.data_seed is not None else a.seed
-        grouped = None
-        if strategy == "group_by_length" and has_length(dataset):
-            from transformers.trainer_pt_utils import LengthGroupedSampler
-
-            column = getattr(dataset, "column_names", None) or []
-            processing_class = self.context.processing_class
-            sampler = LengthGroupedSampler(  # transformers' own: its lengths, and its error where it finds none
-                a.per_device_train_batch_size * a.gradient_accumulation_steps, dataset=dataset,
-                lengths=dataset[a.length_column_name] if a.length_column_name in column else None,
-                model_input_name=processing_class.model_input_names[0] if processing_class is not None else None)
-            grouped = (list(sampler.lengths), sampler.batch_size)
-        rebalanced = None
-        if strategy == "batch_rebalance" and has_length(dataset):
-            rebalanced = (_row_lengths(dataset, a.length_column_name, self.context.processing_class),
-                          a.gradient_accumulation_steps)
+        grouped = rebalanced = None
+        if strategy in ("group_by_length", "batch_rebalance") and has_length(dataset):
+            lengths = _row_lengths(dataset, a, self.context.processing_class)
+            if strategy == "group_by_length":  # mega-batches of a step's rows
+                grouped = (lengths, a.per_device_train_batch_size * a.gradient_accumulation_steps)
+            else:
+                rebalanced = (lengths, a.gradient_accumulation_steps)
         return self.context.make_dataloader(dataset, a.per_device_train_batch_size, collator, seed=seed,
                                             shuffle=strategy != "sequential", drop_last=a.dataloader_drop_last,
                                             grouped_by_length=grouped, rebalanced=rebalanced)

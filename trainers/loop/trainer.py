@@ -121,10 +121,6 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         peft_config=None,
     ):
         self.args = self.resolve_args(args, model)
-        # transformers' memory metrics (skip_memory_metrics=False): init_/train_/eval_/test_mem_cpu_*_delta and, on a
-        # GPU, *_mem_gpu_*; its start() and stop_and_update_metrics() name the stage after the calling method
-        self._memory_tracker = TrainerMemoryTracker(self.args.skip_memory_metrics)
-        self._memory_tracker.start()
         if self.requires_train_dataset:
             check_train_dataset(train_dataset, type(self).__name__)
         check_peft_config(peft_config, model)
@@ -134,6 +130,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         check_settings(self.args)  # nothing hfnative would ignore is set
         check_overrides(type(self))  # nor a transformers hook the loop never calls overridden
         worker_options(self.args)  # the loaders' worker fields agree, checked before anything loads
+        # transformers' memory metrics (skip_memory_metrics=False): init_/train_/eval_/test_mem_cpu_*_delta and, on a
+        # GPU, *_mem_gpu_*; its start() and stop_and_update_metrics() name the stage after the calling method
+        self._memory_tracker = TrainerMemoryTracker(self.args.skip_memory_metrics)
+        self._memory_tracker.start()
         seed_everything(self.args)
         self.device = resolve_device(self.args)
         self.distributed = start_distributed(self.args, self.device)  # None for a single process
@@ -223,7 +223,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
                         conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
                         + loss_scale_conflicts(self) + self._sampling_conflicts() + batch_size_search_conflicts(self)
-                        + (self._evaluation_conflicts() if evaluating else []))
+                        + self._evaluation_conflicts(evaluating))
 
     @property
     def batches_are_dataset_rows(self) -> bool:
@@ -315,6 +315,12 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self._preemption = None
         self._memory_tracker.start()
         self._trial = trial  # a hyperparameter search's trial (hyperparameter_search.py)
+        if self.model_init is not None:
+            self._remake_model()
+        # a search trial's arguments, set after the model is made again (transformers' order: model_init runs with
+        # the seed set before the trial's) and before a batch size search starts from them
+        self._hp_search_setup(trial)
+        self._watch_underflow_overflow()
         neftune = self._activate_neftune()
         self._in_train = True
         if self.args.enable_jit_checkpoint:
@@ -330,6 +336,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 raise self.distributed.failure(error, self.state.global_step, self.args) from error
             raise
         finally:
+            self._stop_memory_tracker("train")  # a train() that failed or was stopped: its sampling thread too
             self._in_train = False
             if neftune is not None:
                 neftune.remove()
@@ -343,6 +350,22 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             raise SystemExit(0)
         self.update_given_model()
         return output
+
+    def _remake_model(self) -> None:
+        """``model_init``'s model, made again at each train() (a hyperparameter search trial's, with the trial), from
+        the run's seed; the optimizer and scheduler are made again for it."""
+        seed_everything(self.args)
+        if isinstance(self.optimizer, OptimizerInBackward):
+            self.optimizer.remove_hooks()
+        self._set_model(self.call_model_init(self._trial))
+        self.optimizer = self.lr_scheduler = None
+
+    def _stop_memory_tracker(self, stage: str) -> None:
+        """Stop the memory tracker's sampling of ``stage`` if it still runs (it ends when the stage's metrics are
+        taken)."""
+        tracker = self._memory_tracker
+        if not tracker.skip_memory_metrics and tracker.cur_stage == stage:
+            tracker.stop(stage)
 
     @property
     def neftune_noise_alpha(self) -> float | None:
@@ -373,16 +396,6 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
     def _train(self, resume_from_checkpoint):
         args = self.args
         self._trained = True  # (evaluation.py: what an evaluation reports before any training)
-        if self.model_init is not None:
-            seed_everything(args)
-            if isinstance(self.optimizer, OptimizerInBackward):
-                self.optimizer.remove_hooks()
-            self._set_model(self.call_model_init(self._trial))
-            self.optimizer = self.lr_scheduler = None
-        # a search trial's arguments, set after the model is made again (transformers' order: model_init runs with
-        # the seed set before the trial's)
-        self._hp_search_setup(self._trial)
-        self._watch_underflow_overflow()
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         if self.device.type == "cpu":
             keep_freed_cpu_memory()
