@@ -29,6 +29,10 @@ LAYOUTS = {
     "fsdp2xtp2-accumulation-compiled": (dict(dp_shard_size=2, tp_size=2), dict(
         gradient_accumulation_steps=2, torch_compile=True, pad_to_multiple_of=64)),
     "ddp4": (dict(dp_replicate_size=4, dp_shard_size=1), {}),
+    # transformers' BatchRebalanceSampler: each step's 16 rows over the 4 ranks in micro-batches of balanced cost
+    # (3 to 5 rows a rank here); the step's rows are the one process's, so are its loss and gradient
+    "ddp4-rebalance": (dict(dp_replicate_size=4, dp_shard_size=1), dict(train_sampling_strategy="batch_rebalance",
+                                                                        per_device_train_batch_size=4)),
     # the rows as a stream (an IterableDataset): each rank its slice of every 4 x per-device rows, as accelerate
     "ddp4-stream": (dict(dp_replicate_size=4, dp_shard_size=1), dict(stream=True)),
     # transformers' own module (no native implementation): FSDP2 per decoder layer. SGD: GPT-NeoX's key bias has

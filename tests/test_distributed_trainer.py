@@ -57,7 +57,8 @@ def _reference(tmp_path, sizes: dict, extra: dict):
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1) if sizes else 4  # fsdp: all 4 shard
     model, trainer_kwargs, extra = worker.model_of(extra)
     extra.pop("fsdp", None)
-    args = worker.config(str(tmp_path / "reference"), worker.PER_DEVICE * dp, **extra)
+    per_device = extra.pop("per_device_train_batch_size", worker.PER_DEVICE)
+    args = worker.config(str(tmp_path / "reference"), per_device * dp, **extra)
     trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra), **trainer_kwargs)
     trainer.train()
     trainer.save_model()
