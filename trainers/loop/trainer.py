@@ -42,6 +42,7 @@ from .batch_size_search import batch_size_search_conflicts, train_finding_batch_
 from .data_loading import DataMixin, has_length, start_epoch, worker_options
 from .hyperparameter_search import HyperparameterSearchMixin
 from .overrides import check_overrides
+from .training_features import TrainingFeaturesMixin
 from ..running.distributed import (
     DistributedMixin,
     is_collective_failure,
@@ -76,7 +77,7 @@ def resolve_device(args) -> torch.device:
 
 
 class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, OptimizationMixin, EvaluationMixin, SavingMixin,
-              HyperparameterSearchMixin):
+              HyperparameterSearchMixin, TrainingFeaturesMixin):
     """transformers.Trainer's constructor, methods and outputs, running hfnative's engine.
 
     ``model``: a model folder or Hub id, a transformers PreTrainedModel (converted in memory),
@@ -360,39 +361,6 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self._set_model(self.call_model_init(self._trial))
         self.optimizer = self.lr_scheduler = None
 
-    def _stop_memory_tracker(self, stage: str) -> None:
-        """Stop the memory tracker's sampling of ``stage`` if it still runs (it ends when the stage's metrics are
-        taken)."""
-        tracker = self._memory_tracker
-        if not tracker.skip_memory_metrics and tracker.cur_stage == stage:
-            tracker.stop(stage)
-
-    @property
-    def neftune_noise_alpha(self) -> float | None:
-        return self.args.neftune_noise_alpha
-
-    def _activate_neftune(self):
-        """transformers' NEFTune (``neftune_noise_alpha``): its own forward hook on the policy's input embeddings for
-        the length of train(), adding uniform noise of alpha / sqrt(sequence length x hidden size) to the
-        embeddings of each training forward; the hook's handle, or None. Refused where a rank's embeddings are a
-        slice of the sequence or of the hidden size (context or tensor parallel: the noise's scale would be a
-        slice's)."""
-        alpha = self.args.neftune_noise_alpha
-        if alpha is None:
-            return None
-        run = self.distributed
-        if run is not None and (run.dims.tp_enabled or run.dims.cp_enabled):
-            raise ValueError(f"neftune_noise_alpha={alpha} with tensor or context parallelism (tp_size={run.dims.tp}, "
-                             f"cp_size={run.dims.cp}): each rank holds a slice of the embeddings, so the noise would not "
-                             "be scaled as NEFTune's; unset neftune_noise_alpha or set tp_size=1 and cp_size=1")
-        from transformers.integrations.neftune import neftune_post_forward_hook
-
-        embeddings = self.native_model.get_input_embeddings()
-        if embeddings is None:  # a pipeline stage after the first: the first stage's rank adds the noise
-            return None
-        embeddings.neftune_noise_alpha = alpha
-        return embeddings.register_forward_hook(neftune_post_forward_hook)
-
     def _train(self, resume_from_checkpoint):
         args = self.args
         self._trained = True  # (evaluation.py: what an evaluation reports before any training)
@@ -511,24 +479,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 break
         return self._finish_training(start_time, initial_step, num_train_samples)
 
-    def floating_point_ops(self, inputs: dict) -> float:
-        """transformers' estimate of a micro-batch's training FLOPs (``state.total_flos``): 6 x its input tokens x the
-        model's non-embedding parameters (forward and backward); override it for another count."""
-        return 6.0 * inputs["input_ids"].numel() * self._non_embedding_params
-
     def end(self) -> None:
         """transformers' ``end``: the process group the trainer joined, ended; call it once, last in a script (train,
         evaluate, predict, save_model and push_to_hub communicate between the processes)."""
         end_process_group()
-
-    def _watch_underflow_overflow(self) -> None:
-        """``debug="underflow_overflow"``: transformers' DebugUnderflowOverflow on the policy's modules (forward hooks
-        that keep the last frames of activation and weight extremes and raise, printing them, at the first inf or
-        nan), once per model."""
-        from transformers.debug_utils import DebugOption, DebugUnderflowOverflow
-
-        if DebugOption.UNDERFLOW_OVERFLOW in self.args.debug and not hasattr(self.native_model, "_underflow_overflow"):
-            self.native_model._underflow_overflow = DebugUnderflowOverflow(self.native_model)
 
     def _watch_performance(self) -> None:
         """The perf/ metrics count the forwards of the policy and of the objective's frozen models."""
@@ -536,36 +490,6 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         performance = self._performance
         performance.dtype = mixed_precision_dtype(args) or next(self.native_model.parameters()).dtype
         performance.watch([self.native_model, *self.objective.auxiliary_models.values()])
-
-    def _count_input_tokens(self, batches: list) -> None:
-        """include_num_input_tokens_seen ("all" / "non_padding"): this rank's micro-batches' input tokens, counted
-        on the host as transformers counts them (the input ids' entries, or the attention mask's ones), added to the
-        state at the next log or save (``_gather_input_tokens``); a batch without input ids is not counted (warned
-        once, as transformers warns)."""
-        mode = self.args.include_num_input_tokens_seen
-        if mode == "no":
-            return
-        pad_id = getattr(self.processing_class, "pad_token_id", None)
-        for batch in batches:
-            ids = batch.get("input_ids") if isinstance(batch, dict) else None
-            if not isinstance(ids, torch.Tensor):
-                if not self.__dict__.get("_warned_input_tokens"):
-                    self._warned_input_tokens = True
-                    logger.warning("include_num_input_tokens_seen: the training batches have no input_ids to count")
-                continue
-            if mode == "non_padding" and isinstance(batch.get("attention_mask"), torch.Tensor):
-                self._input_tokens_local += int(batch["attention_mask"].sum())
-            elif mode == "non_padding" and pad_id is not None:
-                self._input_tokens_local += int((ids != pad_id).sum())
-            else:
-                self._input_tokens_local += ids.numel()
-
-    def _gather_input_tokens(self) -> None:
-        """The input tokens every data-parallel rank counted since the last call, added to the state."""
-        if self.args.include_num_input_tokens_seen == "no":
-            return
-        local, self._input_tokens_local = self._input_tokens_local, 0
-        self.state.num_input_tokens_seen += sum(self.data_parallel.gather_lists([local]))
 
     def _maybe_log_save_evaluate(self, grad_norm, learning_rate, start_time):
         if self.control.should_log or self.control.should_save:
@@ -617,9 +541,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             "total_flos": self.state.total_flos,
             "train_loss": train_loss,
         }
-        if not self._memory_tracker.skip_memory_metrics:  # with the init stage's figures, as transformers reports them
-            self._memory_tracker.stop("train")
-            self._memory_tracker.update_metrics("train", metrics)
+        self._stop_memory_tracker("train")
+        self._memory_tracker.update_metrics("train", metrics)  # with the init stage's, as transformers reports them
         self.log(metrics)
         if self.args.load_best_model_at_end and self.state.best_model_checkpoint and self._stopped_by is None:
             self._load_model_weights(Path(self.state.best_model_checkpoint))
