@@ -14,13 +14,15 @@ before the try's first step are kept on the host until that step ends, and put b
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_callback import TrainerState
 
 from hfnative.optim.in_backward import OptimizerInBackward
+
+from .checkpoints import TRAINER_STATE_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -79,10 +81,10 @@ def train_finding_batch_size(trainer, resume_from_checkpoint):
 def _starting_batch_size(trainer, checkpoint) -> int:
     """The batch size a resumed run's checkpoint was trained with (transformers restores it with
     auto_find_batch_size), else per_device_train_batch_size."""
-    if checkpoint is not None and (checkpoint / "trainer_state.json").is_file():
-        trained = json.loads((checkpoint / "trainer_state.json").read_text()).get("train_batch_size")
+    if checkpoint is not None:
+        trained = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME)).train_batch_size
         if trained:
-            return int(trained)
+            return trained
     return trainer.args.per_device_train_batch_size
 
 

@@ -9,6 +9,7 @@ itself, and scripts go on using it (``model.save_pretrained``, ``model.generate`
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 
@@ -128,9 +129,15 @@ class ModelMixin:
             apply_float8_training(model, float8, self.device)
         if self.args.checkpoint_activations and any(p.requires_grad for p in model.parameters()):
             apply_activation_checkpointing(model, self.args.activation_checkpointing_mode, self.args.checkpoint_keeps)
-        settings = compile_settings(self.args)
-        if settings is not None:
-            apply_compile(model, settings=settings)
+        if self._compile_settings is not None:
+            apply_compile(model, settings=self._compile_settings)
+
+    @functools.cached_property
+    def _compile_settings(self):
+        """How this run compiles the blocks of every model it places (``compile_settings``: None, not at all),
+        resolved once: the layout's in a distributed run."""
+        run = self.distributed
+        return run.plan.compile if run is not None else compile_settings(self.args)
 
     def _build_auxiliary_models(self) -> None:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model

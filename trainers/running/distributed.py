@@ -393,7 +393,7 @@ class DistributedMixin:
             model, run.dims, run.mesh, float8=float8_training(args) if trainable else None,
             activation_checkpointing=args.activation_checkpointing_mode if checkpointing else None,
             checkpoint_keeps=args.checkpoint_keeps,
-            compile=run.plan.compile or False, mixed_precision=run.plan.mixed_precision,
+            compile=self._compile_settings or False, mixed_precision=run.plan.mixed_precision,
             reshard_after_forward=run.plan.reshard_after_forward, cpu_offload=run.plan.cpu_offload,
         )
 
