@@ -25,6 +25,7 @@ task's models, and its Trainer asks ``_get_name()``.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import logging
 import tempfile
@@ -49,7 +50,7 @@ def _weights_version(model: nn.Module) -> tuple:
     return tuple((id(p), p._version) for p in model.parameters())
 
 
-class HubModelMixin:
+class HubModelMixin(metaclass=abc.ABCMeta):
     """The transformers-facing names of a trainable causal LM (see the module docstring).
 
     A class using it provides ``config`` and implements ``_generation_model()`` (a transformers
@@ -154,8 +155,9 @@ class HubModelMixin:
             model.generation_config = self.generation_config
         return model.generate(*args, **kwargs)
 
+    @abc.abstractmethod
     def _generation_model(self) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__} must define _generation_model()")
+        """A transformers model holding the current weights, which ``generate`` runs."""
 
     # --- saving ----------------------------------------------------------------------------------
 
@@ -174,8 +176,9 @@ class HubModelMixin:
             self.push_to_hub(kwargs.get("repo_id") or directory.name, token=kwargs.get("token"),
                              private=kwargs.get("private"), commit_message=kwargs.get("commit_message"))
 
+    @abc.abstractmethod
     def _save_hub_folder(self, directory: Path, max_shard_size) -> None:
-        raise NotImplementedError(f"{type(self).__name__} must define _save_hub_folder()")
+        """Write the model's Hub-format folder (or adapter folder) into ``directory``."""
 
     def push_to_hub(self, repo_id: str, commit_message: str | None = None, private: bool | None = None,
                     token: str | bool | None = None, revision: str | None = None, create_pr: bool = False, **kwargs):
