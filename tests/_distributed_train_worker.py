@@ -45,6 +45,8 @@ LAYOUTS = {
     "fsdp4-qlora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
                                                model_init_kwargs=dict(load_in_4bit=True))),
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
+    # bitsandbytes' AdEMAMix with 8-bit states: each shard's rows quantized in the blocks one process gives them
+    "fsdp4-ademamix-8bit": (dict(dp_shard_size=4), dict(optim="ademamix_8bit")),
 }
 
 

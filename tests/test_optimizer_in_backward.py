@@ -93,7 +93,8 @@ def run_in_backward(model, optim, batches, schedule="linear", optim_args=None, w
 
 @pytest.mark.parametrize(
     "optim, optim_args",
-    [("adamw_torch", None), ("adamw_torch_fused", None), ("sgd", "momentum=0.9"), ("adafactor", None)],
+    [("adamw_torch", None), ("adamw_torch_fused", None), ("sgd", "momentum=0.9"), ("adafactor", None),
+     ("lion_8bit", None), ("ademamix_8bit", "t_alpha=4,t_beta3=6")],
 )
 def test_same_parameters_grad_norm_and_lr_as_the_plain_loop(optim, optim_args):
     batches = micro_batches()

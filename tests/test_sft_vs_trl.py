@@ -13,6 +13,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 import hfnative
+from hfnative.optim.bf16_updates import STATE_OPTIMIZER_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "examples" / "tiny-qwen3")
@@ -115,10 +116,17 @@ def test_packed_logs_match_trl(strategy, tmp_path):
         ("adafactor", "polynomial", {"power": 2.0}),
         ("adamw_torch_fused", "cosine_with_min_lr", {"min_lr_rate": 0.1}),
         ("adamw_torch", "warmup_stable_decay", {"num_decay_steps": 2}),
+        # bitsandbytes' names: TRL runs bitsandbytes, hfnative the same updates in PyTorch (hfnative.optim)
+        ("paged_adamw_32bit", "linear", None),
+        ("lion_32bit", "cosine", None),
+        ("ademamix", "constant_with_warmup", None),
+        ("rmsprop_bnb", "linear", None),
     ],
 )
 def test_optimizers_and_schedules_match_trl(optim, scheduler, scheduler_kwargs, tmp_path):
     trl = pytest.importorskip("trl")
+    if optim in STATE_OPTIMIZER_NAMES + ("paged_adamw_32bit",):
+        pytest.importorskip("bitsandbytes")
     extra = dict(optim=optim, lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs)
     theirs = _run(trl, "text", tmp_path, 1, **extra)
     ours = _run(hfnative, "text", tmp_path, 1, **extra)

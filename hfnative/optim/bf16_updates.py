@@ -12,9 +12,9 @@ moving, and the loss stalls with nothing to say why. Two cures, chosen by ``bf16
                         fp32 (12 bytes a parameter with the weight and the buffer)
     "round_to_nearest"  the optimizer as named (torch's AdamW rounds to nearest: small updates are lost)
     "auto"              (default) "stochastic_round" when trainable weights are bf16 and the optimizer is an AdamW
-                        (``adamw_torch``, ``adamw_torch_fused``, the 8-/4-bit ones): the leaner cure, and the one
-                        torchao's low-bit AdamWs already carry ("kahan" where torchao is not installed); else
-                        "round_to_nearest"
+                        (``adamw_torch``, ``adamw_torch_fused``, ``paged_adamw_32bit``, the 8-/4-bit ones) or one of
+                        bitsandbytes' Lion / AdEMAMix / RMSprop names (``ROUNDING_FLAG_NAMES``: their own flag): the
+                        leaner cure ("kahan" for the AdamWs where torchao is not installed); else "round_to_nearest"
 
 Only bf16 parameters are affected; fp32 ones (norms kept in fp32, or FSDP2 mixed precision's fp32 masters) get the
 plain update in every mode.
@@ -27,14 +27,23 @@ from importlib.util import find_spec
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hfnative.log_once import warn_once
 
 logger = logging.getLogger(__name__)
 
 BF16_WEIGHT_UPDATES = ("auto", "stochastic_round", "kahan", "round_to_nearest")
-ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
-LOW_BIT_ADAMW_NAMES = ("adamw_torch_8bit", "adamw_torch_4bit", "adamw_8bit")
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "paged_adamw_32bit")
+LOW_BIT_ADAMW_NAMES = ("adamw_torch_8bit", "adamw_torch_4bit", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit")
+# bitsandbytes' other optimizers, made by hfnative.optim.state_optimizers
+STATE_OPTIMIZER_NAMES = (
+    "lion_32bit", "lion_8bit", "paged_lion_32bit", "paged_lion_8bit",
+    "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
+    "rmsprop_bnb", "rmsprop_bnb_32bit", "rmsprop_bnb_8bit",
+)
+# the optimizers with a bf16_stochastic_round flag of their own
+ROUNDING_FLAG_NAMES = LOW_BIT_ADAMW_NAMES + STATE_OPTIMIZER_NAMES
 
 
 class KahanAdamW(torch.optim.Optimizer):
@@ -109,6 +118,17 @@ def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), x, bits.view(torch.float32))
 
 
+def bf16_stochastically_rounded(x: torch.Tensor) -> torch.Tensor:
+    """The float32 ``x`` as bf16, rounded away from zero with probability (the dropped 16 bits) / 2^16, else toward
+    zero: unbiased, so an update smaller than a bf16 ulp lands on average. A DTensor rounds its local values."""
+    if isinstance(x, DTensor):
+        return DTensor.from_local(bf16_stochastically_rounded(x.to_local()), x.device_mesh, x.placements,
+                                  run_check=False, shape=x.shape, stride=x.stride())
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
+    return ((bits + noise) & -0x10000).view(torch.float32).to(torch.bfloat16)
+
+
 _COMPILED = None
 
 
@@ -125,26 +145,26 @@ def _compiled_step():
 
 def bf16_update_choice(mode: str, optim: str, params: list[nn.Parameter], sr_flag_given: bool) -> str:
     """What ``bf16_weight_updates=mode`` means for ``optim`` on these trainable ``params``: "stochastic_round",
-    "kahan" or "round_to_nearest". ``sr_flag_given``: ``optim_args`` set the low-bit AdamWs' bf16_stochastic_round
+    "kahan" or "round_to_nearest". ``sr_flag_given``: ``optim_args`` set the optimizer's own bf16_stochastic_round
     itself (then that flag decides). Raises ValueError for a mode the optimizer cannot honour."""
     if mode not in BF16_WEIGHT_UPDATES:
         raise ValueError(f"bf16_weight_updates={mode!r}: expected one of {list(BF16_WEIGHT_UPDATES)}")
     has_bf16 = any(p.dtype == torch.bfloat16 for p in params)
-    adamw = optim in ADAMW_NAMES or optim in LOW_BIT_ADAMW_NAMES
-    if mode in ("stochastic_round", "kahan") and not adamw:
-        raise ValueError(f"bf16_weight_updates={mode!r} is made for AdamW; optim={optim!r} has no such update: use "
-                         f"optim='adamw_torch_fused' (or {', '.join(LOW_BIT_ADAMW_NAMES)} for stochastic rounding), "
-                         "or bf16_weight_updates='round_to_nearest'")
-    if mode == "kahan" and optim in LOW_BIT_ADAMW_NAMES:
-        raise ValueError(f"bf16_weight_updates='kahan' with optim={optim!r}: torchao's low-bit AdamW can only round "
+    covered = optim in ADAMW_NAMES or optim in ROUNDING_FLAG_NAMES
+    if mode in ("stochastic_round", "kahan") and not covered:
+        raise ValueError(f"bf16_weight_updates={mode!r}: optim={optim!r} has no such update: use "
+                         f"optim='adamw_torch_fused' (or one of {', '.join(ROUNDING_FLAG_NAMES)} for stochastic "
+                         "rounding), or bf16_weight_updates='round_to_nearest'")
+    if mode == "kahan" and optim in ROUNDING_FLAG_NAMES:
+        raise ValueError(f"bf16_weight_updates='kahan' with optim={optim!r}: this optimizer can only round "
                          "stochastically; use bf16_weight_updates='stochastic_round' (or 'auto'), or "
                          "optim='adamw_torch_fused' for Kahan-compensated updates")
     if sr_flag_given and mode in ("stochastic_round", "kahan"):
         raise ValueError(f"bf16_weight_updates={mode!r} and optim_args' bf16_stochastic_round both say how bf16 "
                          "weights are rounded; set one of them")
-    if mode == "auto" and has_bf16 and adamw and not sr_flag_given:
+    if mode == "auto" and has_bf16 and covered and not sr_flag_given:
         # torchao is an optional extra: without it, the cure that needs nothing
-        mode = "stochastic_round" if optim in LOW_BIT_ADAMW_NAMES or find_spec("torchao") else "kahan"
+        mode = "stochastic_round" if optim in ROUNDING_FLAG_NAMES or find_spec("torchao") else "kahan"
     elif mode == "auto":
         mode = "round_to_nearest"
     if has_bf16 and not sr_flag_given:

@@ -6,6 +6,7 @@ optimizer per parameter with the same class, kwargs and weight decay.
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 from dataclasses import dataclass
@@ -13,13 +14,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hfnative.log_once import warn_once
+
 from .bf16_updates import (
     ADAMW_NAMES,
     LOW_BIT_ADAMW_NAMES,
+    ROUNDING_FLAG_NAMES,
+    STATE_OPTIMIZER_NAMES,
     KahanAdamW,
     bf16_update_choice,
     stochastic_rounding_adamw,
 )
+from .state_optimizers import AdEMAMix, Lion, RMSprop
+
+logger = logging.getLogger(__name__)
 
 # transformers' Trainer.get_decay_parameter_names: no weight decay for parameters whose lower-cased
 # full name matches one of these, or that live inside a normalization module
@@ -37,6 +45,11 @@ SUPPORTED_OPTIMIZERS = (
     "adamw_torch_8bit",
     "adamw_torch_4bit",
     "adamw_8bit",
+    # the names transformers gives bitsandbytes' optimizers, made here in PyTorch (state_optimizers.py)
+    "adamw_bnb_8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
+    *STATE_OPTIMIZER_NAMES,
 )
 
 
@@ -133,11 +146,16 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
 
     kwargs: dict = {"lr": settings.learning_rate}
     adam_kwargs = {"betas": (settings.adam_beta1, settings.adam_beta2), "eps": settings.adam_epsilon}
-    if optim in ("adamw_torch", "adamw_torch_fused"):
+    if optim.startswith("paged_"):
+        warn_once(logger, f"optim={optim!r}: the optimizer state stays in the parameters' memory (bitsandbytes' paging to "
+                       "host memory under pressure is not implemented); the update is the unpaged optimizer's")
+    if optim in ("adamw_torch", "adamw_torch_fused", "paged_adamw_32bit"):
+        # bitsandbytes' 32-bit AdamW is torch's update (step size lr * sqrt(1 - beta2^t) / (1 - beta1^t) over
+        # sqrt(v) + eps * sqrt(1 - beta2^t) is lr / (1 - beta1^t) over sqrt(v / (1 - beta2^t)) + eps)
         optimizer_cls = torch.optim.AdamW
         kwargs.update(adam_kwargs)
-        if optim == "adamw_torch_fused":
-            # as transformers: always fused; torch >= 2.4 has fused AdamW for cpu, cuda, mps and xpu
+        if optim != "adamw_torch":
+            # adamw_torch_fused as transformers: always fused; torch >= 2.4 has fused AdamW for cpu, cuda, mps, xpu
             kwargs["fused"] = True
     elif optim in ("sgd", "adagrad", "rmsprop"):
         optimizer_cls, float_keys, bool_keys = {
@@ -157,12 +175,15 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
         optimizer_cls = settings.adafactor_class
         # the Trainer's settings: an external learning rate, no scaling by parameter RMS
         kwargs.update({"scale_parameter": False, "relative_step": False})
-    elif optim in ("adamw_torch_8bit", "adamw_torch_4bit", "adamw_8bit"):
-        # transformers maps adamw_8bit to bitsandbytes; the engine stays pure PyTorch with torchao's AdamW8bit
+    elif optim in LOW_BIT_ADAMW_NAMES:
+        # transformers maps adamw_8bit, adamw_bnb_8bit and paged_adamw_8bit to bitsandbytes; the engine stays pure
+        # PyTorch with torchao's AdamW8bit (the same blockwise dynamic quantization of both moments)
         optimizer_cls = _import_torchao_adamw(optim)
         kwargs["block_size"] = take("block_size", int, 256)
         kwargs["bf16_stochastic_round"] = take("bf16_stochastic_round", _to_bool, False)
         kwargs.update(adam_kwargs)
+    elif optim in STATE_OPTIMIZER_NAMES:
+        optimizer_cls, kwargs = _state_optimizer(optim, settings, kwargs, take, extra)
     else:
         raise ValueError(f"optim={optim!r} is not supported; choose one of {', '.join(SUPPORTED_OPTIMIZERS)}")
 
@@ -170,6 +191,29 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
     if unused:
         warnings.warn(f"optim_args {unused} are ignored by optim={optim!r}", stacklevel=2)
     return optimizer_cls, kwargs
+
+
+def _state_optimizer(optim: str, settings: OptimizerSettings, kwargs: dict, take, extra: dict):
+    """bitsandbytes' Lion / AdEMAMix / RMSprop for ``optim``, with the kwargs transformers gives them."""
+    kwargs = {**kwargs, "optim_bits": 8 if "8bit" in optim else 32,
+              "bf16_stochastic_round": take("bf16_stochastic_round", _to_bool, False)}
+    if "lion" in optim:
+        return Lion, {**kwargs, "betas": (settings.adam_beta1, settings.adam_beta2)}
+    if "ademamix" in optim:
+        kwargs["betas"] = (take("beta1", float, settings.adam_beta1), take("beta2", float, settings.adam_beta2),
+                           take("beta3", float, 0.9999))
+        kwargs["alpha"] = take("alpha", float, 5.0)
+        kwargs["eps"] = take("eps", float, settings.adam_epsilon)
+        kwargs.update({key: take(key, int) for key in ("t_alpha", "t_beta3") if key in extra})
+        return AdEMAMix, kwargs
+    # transformers hands optim_args to bitsandbytes' RMSprop as they are: alpha, eps (momentum and centered it has
+    # not; it ignores momentum, refuses centered)
+    for key in ("momentum", "centered"):
+        if key in extra and take(key, float if key == "momentum" else _to_bool):
+            raise ValueError(f"optim={optim!r}: bitsandbytes' RMSprop has no {key}; use optim='rmsprop' (torch's "
+                             f"RMSprop) for optim_args {key}={extra[key]}")
+    kwargs.update({key: take(key, float) for key in ("alpha", "eps") if key in extra})
+    return RMSprop, kwargs
 
 
 def with_fused_kernel(optim: str, kwargs: dict, params) -> dict:
@@ -211,7 +255,7 @@ def _with_bf16_weight_updates(settings: OptimizerSettings, optimizer_cls, kwargs
     choice = bf16_update_choice(settings.bf16_weight_updates, settings.optim, params, sr_flag_given)
     if not any(p.dtype == torch.bfloat16 for p in params) or sr_flag_given:
         return optimizer_cls, kwargs
-    if settings.optim in LOW_BIT_ADAMW_NAMES:
+    if settings.optim in ROUNDING_FLAG_NAMES:
         return optimizer_cls, {**kwargs, "bf16_stochastic_round": choice == "stochastic_round"}
     if settings.optim in ADAMW_NAMES and choice != "round_to_nearest":
         adamw_kwargs = {key: value for key, value in kwargs.items() if key != "fused"}

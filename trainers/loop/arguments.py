@@ -46,9 +46,9 @@ class TrainingArguments(transformers.TrainingArguments):
     peak_tflops: the peak dense TFLOP/s of one device that ``perf/mfu_wall_clock`` divides by. None: a listed
         GPU's datasheet peak for the training dtype (no MFU for an unlisted one), a CPU's measured once per process
         by a timed matmul.
-    bf16_weight_updates: how an AdamW updates weights stored in bf16 (``model_init_kwargs={"dtype": "bfloat16"}``),
-        where an update smaller than half a bf16 ulp would round away: "auto" (default: stochastic rounding there,
-        Kahan without torchao), "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a
+    bf16_weight_updates: how an AdamW (or Lion, AdEMAMix, RMSprop by bitsandbytes' names) updates weights stored in
+        bf16 (``model_init_kwargs={"dtype": "bfloat16"}``), where an update smaller than half a bf16 ulp would round
+        away: "auto" (default: stochastic rounding there, Kahan for AdamW without torchao), "stochastic_round" (torchao's AdamW, bf16 moments), "kahan" (fp32 moments and a
         compensation buffer: deterministic, tracks the fp32 weights) or "round_to_nearest" (torch's AdamW as is).
         See hfnative.optim.bf16_updates.
     float8_recipe: train the decoder blocks' attention and MLP projections in float8 through torchao: "tensorwise" or
@@ -68,8 +68,8 @@ class TrainingArguments(transformers.TrainingArguments):
                                         "device's, listed or measured)."}
     )
     bf16_weight_updates: str = field(
-        default="auto", metadata={"help": "hfnative: how AdamW updates bf16 weights: auto, stochastic_round, kahan or "
-                                          "round_to_nearest."}
+        default="auto", metadata={"help": "hfnative: how the optimizer updates bf16 weights: auto, stochastic_round, "
+                                          "kahan or round_to_nearest."}
     )
     float8_recipe: str | None = field(
         default=None, metadata={"help": "hfnative: float8 training of the blocks' linear layers (torchao recipe: "
