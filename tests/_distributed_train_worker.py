@@ -47,6 +47,8 @@ LAYOUTS = {
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
     # bitsandbytes' AdEMAMix with 8-bit states: each shard's rows quantized in the blocks one process gives them
     "fsdp4-ademamix-8bit": (dict(dp_shard_size=4), dict(optim="ademamix_8bit")),
+    # the schedulefree package's AdamW on the shards (foreach ops over DTensors), switched to train() every step
+    "fsdp4-schedule-free": (dict(dp_shard_size=4), dict(optim="schedule_free_adamw", lr_scheduler_type="constant")),
 }
 
 

@@ -144,6 +144,9 @@ OPTIMIZER_CASES = [
     ("adafactor", None),
     ("adamw_torch_8bit", None),
     ("adamw_torch_4bit", "bf16_stochastic_round=true"),
+    ("schedule_free_adamw", "weight_lr_power=1.5,r=0.5"),
+    ("schedule_free_radam", None),
+    ("schedule_free_sgd", None),
 ]
 HYPERPARAMETERS = dict(learning_rate=3e-4, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7)
 
@@ -152,6 +155,8 @@ HYPERPARAMETERS = dict(learning_rate=3e-4, weight_decay=0.05, adam_beta1=0.8, ad
 def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
     if "bit" in optim:
         pytest.importorskip("torchao.optim")
+    if optim.startswith("schedule_free"):
+        pytest.importorskip("schedulefree")
     model = _tiny_qwen3()
     hf = _hf_trainer_optimizer(model, tmp_path, optim=optim, optim_args=optim_args, **HYPERPARAMETERS)
     settings = OptimizerSettings(optim, optim_args=optim_args, adafactor_class=Adafactor, **HYPERPARAMETERS)
@@ -384,11 +389,13 @@ def test_paged_names_say_the_state_is_not_paged(caplog, monkeypatch):
     assert "paging to host memory under pressure is not implemented" in caplog.text
 
 
-@pytest.mark.parametrize("optim, optim_args", [("lion_8bit", None), ("ademamix_8bit", "t_alpha=3,t_beta3=3")])
-def test_bitsandbytes_names_resume_to_the_uninterrupted_steps(optim, optim_args, tmp_path):
-    """SFT with the optimizer's state in a checkpoint (8-bit states and the per-parameter step that AdEMAMix's
-    schedules read): resumed from checkpoint-2, steps 3 and 4 equal the uninterrupted run's."""
-    pytest.importorskip("torchao.optim")
+@pytest.mark.parametrize("optim, optim_args", [("lion_8bit", None), ("ademamix_8bit", "t_alpha=3,t_beta3=3"),
+                                              ("schedule_free_adamw", None)])
+def test_optimizer_state_resumes_to_the_uninterrupted_steps(optim, optim_args, tmp_path):
+    """SFT with the optimizer's state in a checkpoint (8-bit states, the per-parameter step that AdEMAMix's
+    schedules read; schedule-free's, saved after an evaluation left the averaged weights in the model): resumed from
+    checkpoint-2, steps 3 and 4 and the evaluation at 4 equal the uninterrupted run's."""
+    pytest.importorskip("schedulefree" if optim.startswith("schedule_free") else "torchao.optim")
     import json
     from pathlib import Path
 
@@ -404,15 +411,16 @@ def test_bitsandbytes_names_resume_to_the_uninterrupted_steps(optim, optim_args,
         args = hfnative.SFTConfig(output_dir=str(tmp_path / "run"), use_cpu=True, bf16=False, report_to="none",
                                   disable_tqdm=True, logging_steps=1, save_strategy="steps", save_steps=2, max_steps=4,
                                   per_device_train_batch_size=2, learning_rate=3e-3, optim=optim,
-                                  optim_args=optim_args, seed=5)
+                                  optim_args=optim_args, seed=5, eval_strategy="steps", eval_steps=2)
         return hfnative.SFTTrainer(model=str(root / "examples" / "tiny-qwen3"), args=args,
-                                   train_dataset=Dataset.from_list(rows))
+                                   train_dataset=Dataset.from_list(rows[:12]), eval_dataset=Dataset.from_list(rows[12:]))
 
     whole = trainer()
     whole.train()
     state = next(iter(whole.optimizer.state.values()))
-    assert type(whole.optimizer).__name__ in ("Lion", "AdEMAMix") and state["step"] == 4
+    assert type(whole.optimizer).__name__ in ("Lion", "AdEMAMix", "AdamWScheduleFree") and state
     expected = {e["step"]: e for e in whole.state.log_history if "loss" in e}
+    expected_eval = [e["eval_loss"] for e in whole.state.log_history if "eval_loss" in e and e["step"] == 4]
     resumed = trainer()
     resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     got = {e["step"]: e for e in resumed.state.log_history if "loss" in e and e["step"] > 2}  # 1-2: the checkpoint's
@@ -420,3 +428,24 @@ def test_bitsandbytes_names_resume_to_the_uninterrupted_steps(optim, optim_args,
     for step, entry in got.items():
         for key in ("loss", "grad_norm"):
             assert entry[key] == pytest.approx(expected[step][key], rel=1e-6), (step, key)
+    got_eval = [e["eval_loss"] for e in resumed.state.log_history if "eval_loss" in e and e["step"] == 4]
+    assert len(got_eval) == 1 and got_eval == pytest.approx(expected_eval, rel=1e-6)
+
+
+def test_schedule_free_warmup_is_the_schedules_steps(tmp_path):
+    """warmup_steps reaches the schedule-free AdamW / SGD as a step count: transformers' own for a count, and for a
+    ratio (< 1) the steps the LR schedule warms up over (transformers hands the ratio over as it is)."""
+    pytest.importorskip("schedulefree")
+    from pathlib import Path
+
+    from datasets import Dataset
+
+    import hfnative
+
+    model = str(Path(__file__).resolve().parents[1] / "examples" / "tiny-qwen3")
+    for warmup, expected in ((3, 3), (0.25, 2)):
+        args = hfnative.SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", max_steps=8,
+                                  optim="schedule_free_adamw", warmup_steps=warmup)
+        trainer = hfnative.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list([{"text": "a b c"}] * 4))
+        trainer.state.max_steps = 8
+        assert trainer.create_optimizer().defaults["warmup_steps"] == expected

@@ -29,6 +29,8 @@ from .state_optimizers import AdEMAMix, Lion, RMSprop
 
 logger = logging.getLogger(__name__)
 
+SCHEDULE_FREE_NAMES = ("schedule_free_adamw", "schedule_free_radam", "schedule_free_sgd")
+
 # transformers' Trainer.get_decay_parameter_names: no weight decay for parameters whose lower-cased
 # full name matches one of these, or that live inside a normalization module
 _NO_DECAY_NAME_PATTERNS = [
@@ -50,6 +52,8 @@ SUPPORTED_OPTIMIZERS = (
     "paged_adamw_8bit",
     "paged_adamw_32bit",
     *STATE_OPTIMIZER_NAMES,
+    # the schedulefree package's (pip install schedulefree), as transformers builds them
+    *SCHEDULE_FREE_NAMES,
 )
 
 
@@ -61,6 +65,8 @@ class OptimizerSettings:
         trainers/ so the engine imports no transformers.
     bf16_weight_updates: how AdamW updates bf16 weights: "auto" (stochastic rounding where they are bf16),
         "stochastic_round", "kahan" or "round_to_nearest" (see ``hfnative.optim.bf16_updates``).
+    warmup_steps: TrainingArguments' ``warmup_steps``, which transformers also hands the schedule-free AdamW and SGD
+        (their own warmup).
     """
 
     optim: str = "adamw_torch_fused"
@@ -72,6 +78,7 @@ class OptimizerSettings:
     optim_args: str | None = None
     adafactor_class: type[torch.optim.Optimizer] | None = None
     bf16_weight_updates: str = "auto"
+    warmup_steps: float = 0
 
     def __post_init__(self):
         self.optim = str(getattr(self.optim, "value", self.optim))  # accepts transformers' OptimizerNames enum too
@@ -184,6 +191,8 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
         kwargs.update(adam_kwargs)
     elif optim in STATE_OPTIMIZER_NAMES:
         optimizer_cls, kwargs = _state_optimizer(optim, settings, kwargs, take, extra)
+    elif optim in SCHEDULE_FREE_NAMES:
+        optimizer_cls, kwargs = _schedule_free(optim, settings, kwargs, take, adam_kwargs)
     else:
         raise ValueError(f"optim={optim!r} is not supported; choose one of {', '.join(SUPPORTED_OPTIMIZERS)}")
 
@@ -214,6 +223,29 @@ def _state_optimizer(optim: str, settings: OptimizerSettings, kwargs: dict, take
                              f"RMSprop) for optim_args {key}={extra[key]}")
     kwargs.update({key: take(key, float) for key in ("alpha", "eps") if key in extra})
     return RMSprop, kwargs
+
+
+def _schedule_free(optim: str, settings: OptimizerSettings, kwargs: dict, take, adam_kwargs: dict):
+    """The schedulefree package's optimizer for ``optim`` with the kwargs transformers gives it: Adam's betas and eps
+    (not SGD), ``warmup_steps`` (not RAdam, which warms up itself), ``weight_lr_power`` and ``r`` from optim_args.
+    The loop calls its ``train()`` before each training step and ``eval()`` when evaluation starts, as transformers'
+    does (hfnative/optim/in_backward.py passes both on to each parameter's optimizer)."""
+    try:
+        import schedulefree
+    except ImportError as error:
+        raise ImportError(f"optim={optim!r} needs the schedulefree package: pip install schedulefree (or "
+                          "pip install hfnative[schedulefree])") from error
+    name = optim.removeprefix("schedule_free_")
+    optimizer_cls = {"adamw": schedulefree.AdamWScheduleFree, "radam": getattr(schedulefree, "RAdamScheduleFree", None),
+                     "sgd": schedulefree.SGDScheduleFree}[name]
+    if optimizer_cls is None:
+        raise ImportError("optim='schedule_free_radam' needs schedulefree>=1.4.0: pip install -U schedulefree")
+    kwargs = {**kwargs, **(adam_kwargs if name != "sgd" else {}), "weight_decay": settings.weight_decay}
+    if name != "radam":
+        kwargs["warmup_steps"] = settings.warmup_steps
+    kwargs["weight_lr_power"] = take("weight_lr_power", float, 2.0)
+    kwargs["r"] = take("r", float, 0.0)
+    return optimizer_cls, kwargs
 
 
 def with_fused_kernel(optim: str, kwargs: dict, params) -> dict:

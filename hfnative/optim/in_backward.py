@@ -144,6 +144,22 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._grad_norms.clear()
         return loss
 
+    def train(self) -> None:
+        """Each parameter's optimizer's ``train()``, where it has one (the schedule-free optimizers: the parameters
+        become the points gradients are taken at); nothing for the others."""
+        self._each_mode("train")
+
+    def eval(self) -> None:
+        """Each parameter's optimizer's ``eval()``, where it has one (schedule-free: the parameters become the
+        averaged weights evaluation uses); nothing for the others."""
+        self._each_mode("eval")
+
+    def _each_mode(self, mode: str) -> None:
+        for optimizer in self._optimizers.values():
+            switch = getattr(optimizer, mode, None)
+            if callable(switch):
+                switch()
+
     def grad_norm(self) -> torch.Tensor | None:
         """Total 2-norm of the last completed step's gradients (before the update); None before the first."""
         return self._last_grad_norm

@@ -141,6 +141,7 @@ class EvaluationMixin:
         start = time.time()
         self._cast_for_full_eval()
         self.native_model.eval()
+        self._optimizer_mode("eval")
         kept = {"predictions": [], "label_ids": [], "inputs": []}
         losses, num_samples, num_batches, batch_metrics = [], 0, 0, None
         for inputs, last in _marking_the_last(dataloader):

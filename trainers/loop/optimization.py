@@ -35,6 +35,9 @@ class OptimizationMixin:
                     optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
                     adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
                     adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
+                    # a ratio (< 1) in steps, as the LR schedule reads it (transformers hands the schedule-free
+                    # optimizers the ratio itself, which they take as a step count below one)
+                    warmup_steps=a.get_warmup_steps(self.state.max_steps),
                 )
                 if a.optimizer_in_backward:
                     self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)
@@ -66,6 +69,14 @@ class OptimizationMixin:
                 if any(param is p for p in group["params"]):
                     return group
         return [group["params"] for group in optimizer.param_groups]
+
+    def _optimizer_mode(self, mode: str) -> None:
+        """The optimizer's ``train()`` or ``eval()`` where it has one (schedule-free optimizers swap the parameters
+        between the points gradients are taken at and the averaged weights): transformers' Trainer calls them at
+        each training step and when its evaluation loop starts."""
+        switch = getattr(self.optimizer, mode, None)
+        if callable(switch):
+            switch()
 
     def _made_optimizer(self):
         if self.optimizer is None:

@@ -118,6 +118,7 @@ class PipelineTraining:
             return loss / trainer._loss_divisor
 
         self.model.train()
+        trainer._optimizer_mode("train")
         with trainer._autocast(), trainer._activation_offloading():
             frozen_outputs = {name: pipeline.forward(batches) for name, pipeline in self.frozen.items()}
             return self.pipeline.run(batches, loss_of)

@@ -288,6 +288,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
 
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         model.train()
+        self._optimizer_mode("train")
         inputs = self._prepare_inputs(inputs)
         with self._autocast(), self._activation_offloading(), self._performance.timed("fwd"):
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
