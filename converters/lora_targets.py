@@ -284,3 +284,27 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
 
 
 __all__ = ["DEFAULT_TARGET_MODULES", "HubModule", "LoraPlan", "hub_modules", "hub_parameter_pieces", "plan_lora", "resolved_target_modules"]
+
+
+# --- GaLore / APOLLO targets: transformers' rule -------------------------------------------------------------------
+
+
+def optim_target_parameters(converted: ConvertedModel, optim_target_modules) -> tuple[list[str], list[str]]:
+    """What transformers' Trainer projects for GaLore / APOLLO (``_setup_low_rank_optimizer``), as native parameter
+    names: the weights of the Hub model's ``nn.Linear`` modules whose path ``optim_target_modules`` names (its
+    ``check_target_module_exists``: list entries as exact paths, substrings or full-match regexes; a string as a
+    full-match regex; "all-linear" every linear, the output head too unless tied to the embedding), in the Hub
+    model's order. Also returns the Hub paths among them that are one fused projection here split in several
+    (each piece is projected on its own)."""
+    from transformers.trainer_utils import check_target_module_exists
+
+    all_linear = isinstance(optim_target_modules, str) and optim_target_modules.replace("_", "-") == ALL_LINEAR
+    names, fused = [], []
+    for path, module in hub_modules(converted).items():
+        linear = module.lora_ok or (path == "lm_head" and not converted.args.tie_embeddings)
+        if not linear or not (all_linear or check_target_module_exists(optim_target_modules, path)):
+            continue
+        names.extend(f"{native}.weight" for native in module.native)
+        if len(module.native) > 1:
+            fused.append(path)
+    return names, fused

@@ -260,7 +260,7 @@ def test_missing_torchao_names_the_extra(monkeypatch):
 
 def test_optimizer_input_errors():
     with pytest.raises(ValueError, match="adamw_torch_fused"):
-        build_optimizer(nn.Linear(2, 2), OptimizerSettings("galore_adamw"))
+        build_optimizer(nn.Linear(2, 2), OptimizerSettings("lomo"))
     with pytest.raises(ValueError, match="key=value"):
         parse_optim_args("momentum")
     assert parse_optim_args("a=1, b=x") == {"a": "1", "b": "x"}

@@ -25,6 +25,7 @@ from .bf16_updates import (
     bf16_update_choice,
     stochastic_rounding_adamw,
 )
+from .low_rank import LOW_RANK_NAMES, low_rank_class_and_kwargs
 from .state_optimizers import AdEMAMix, Lion, RMSprop
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ SUPPORTED_OPTIMIZERS = (
     *STATE_OPTIMIZER_NAMES,
     # the schedulefree package's (pip install schedulefree), as transformers builds them
     *SCHEDULE_FREE_NAMES,
+    # galore_torch's and apollo_torch's, over the parameters optim_target_modules names (low_rank.py)
+    *LOW_RANK_NAMES,
 )
 
 
@@ -67,6 +70,8 @@ class OptimizerSettings:
         "stochastic_round", "kahan" or "round_to_nearest" (see ``hfnative.optim.bf16_updates``).
     warmup_steps: TrainingArguments' ``warmup_steps``, which transformers also hands the schedule-free AdamW and SGD
         (their own warmup).
+    optim_target_names: the parameters (names in the model) a GaLore / APOLLO optimizer projects, in the order
+        transformers' Trainer gives them (trainers/ resolves ``optim_target_modules`` into them).
     """
 
     optim: str = "adamw_torch_fused"
@@ -79,6 +84,7 @@ class OptimizerSettings:
     adafactor_class: type[torch.optim.Optimizer] | None = None
     bf16_weight_updates: str = "auto"
     warmup_steps: float = 0
+    optim_target_names: tuple[str, ...] | None = None
 
     def __post_init__(self):
         self.optim = str(getattr(self.optim, "value", self.optim))  # accepts transformers' OptimizerNames enum too
@@ -143,7 +149,14 @@ def _import_torchao_adamw(optim: str):
 
 def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.optim.Optimizer], dict]:
     """The optimizer class and constructor kwargs (weight decay excluded: it is per group) for `settings.optim`."""
+    optimizer_cls, kwargs, _ = _class_kwargs_and_target_group(settings)
+    return optimizer_cls, kwargs
+
+
+def _class_kwargs_and_target_group(settings: OptimizerSettings):
+    """(class, constructor kwargs, the settings of GaLore's / APOLLO's target group, None for other optimizers)."""
     optim = settings.optim
+    target_group = None
     extra = parse_optim_args(settings.optim_args)
     used: set[str] = set()
 
@@ -193,13 +206,15 @@ def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.
         optimizer_cls, kwargs = _state_optimizer(optim, settings, kwargs, take, extra)
     elif optim in SCHEDULE_FREE_NAMES:
         optimizer_cls, kwargs = _schedule_free(optim, settings, kwargs, take, adam_kwargs)
+    elif optim in LOW_RANK_NAMES:
+        optimizer_cls, kwargs, target_group = low_rank_class_and_kwargs(optim, settings.learning_rate, adam_kwargs, take)
     else:
         raise ValueError(f"optim={optim!r} is not supported; choose one of {', '.join(SUPPORTED_OPTIMIZERS)}")
 
     unused = sorted(set(extra) - used)
     if unused:
-        warnings.warn(f"optim_args {unused} are ignored by optim={optim!r}", stacklevel=2)
-    return optimizer_cls, kwargs
+        warnings.warn(f"optim_args {unused} are ignored by optim={optim!r}", stacklevel=3)
+    return optimizer_cls, kwargs, target_group
 
 
 def _state_optimizer(optim: str, settings: OptimizerSettings, kwargs: dict, take, extra: dict):
@@ -223,6 +238,25 @@ def _state_optimizer(optim: str, settings: OptimizerSettings, kwargs: dict, take
                              f"RMSprop) for optim_args {key}={extra[key]}")
     kwargs.update({key: take(key, float) for key in ("alpha", "eps") if key in extra})
     return RMSprop, kwargs
+
+
+def low_rank_groups(model: nn.Module, target_names, target_group: dict, optim: str) -> list[dict]:
+    """transformers' groups for GaLore / APOLLO: the trainable parameters that are not targets (no weight decay: the
+    classes' defaults), then the targets (``target_names``, in that order) with the projection's settings."""
+    if not target_names:
+        raise ValueError(f"optim={optim!r}: no target parameters: set optim_target_modules (transformers' module names, "
+                         "a regex, or 'all-linear') to the linear layers to project")
+    params = dict(model.named_parameters())
+    missing = [name for name in target_names if name not in params]
+    if missing:
+        raise ValueError(f"optim={optim!r}: target parameters {missing} are not the model's")
+    targets = [params[name] for name in target_names]
+    if optim.startswith("galore_adamw_8bit") and any(p.device.type != "cuda" for p in targets):
+        raise ValueError(f"optim={optim!r} runs bitsandbytes' 8-bit GaLore step, which needs CUDA; on "
+                         f"{targets[0].device.type} use optim='galore_adamw'")
+    chosen = {id(p) for p in targets}
+    others = [p for p in params.values() if p.requires_grad and id(p) not in chosen]
+    return [{"params": others}, {"params": targets, **target_group}]
 
 
 def _schedule_free(optim: str, settings: OptimizerSettings, kwargs: dict, take, adam_kwargs: dict):
@@ -271,8 +305,11 @@ def optimizer_parts(
     """What transformers' Trainer builds its optimizer from: the class, the decay / no-decay groups of
     `model`'s trainable parameters, and the constructor kwargs; an AdamW over bf16 weights made to keep their
     small updates as ``settings.bf16_weight_updates`` says."""
-    optimizer_cls, kwargs = optimizer_class_and_kwargs(settings)
-    groups = split_decay_groups(model, settings.weight_decay)
+    optimizer_cls, kwargs, target_group = _class_kwargs_and_target_group(settings)
+    if target_group is None:
+        groups = split_decay_groups(model, settings.weight_decay)
+    else:
+        groups = low_rank_groups(model, settings.optim_target_names, target_group, settings.optim)
     optimizer_cls, kwargs = _with_bf16_weight_updates(settings, optimizer_cls, kwargs, groups)
     if optimizer_cls is torch.optim.AdamW:
         kwargs = with_fused_kernel(settings.optim, kwargs, groups)

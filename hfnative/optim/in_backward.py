@@ -72,10 +72,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._group_of: dict[nn.Parameter, dict] = {}
         self._optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
         for group in self.param_groups:
+            # the group's settings go in the parameter's own group: some belong to no constructor (GaLore's rank)
             hyperparameters = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
             for param in group["params"]:
                 self._group_of[param] = group
-                self._optimizers[param] = optimizer_cls([param], **hyperparameters)
+                self._optimizers[param] = optimizer_cls([{"params": [param], **hyperparameters}], **optimizer_kwargs)
         if compile_step is None:
             compile_step = any(p.device.type != "cpu" for p in self._params)
         self._step_stance = nullcontext if compile_step else partial(torch.compiler.set_stance, "force_eager")

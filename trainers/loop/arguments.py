@@ -17,6 +17,7 @@ import transformers
 from hfnative.data.packing import PACKING_STRATEGIES
 from hfnative.parallel.float8 import FLOAT8_RECIPES
 from hfnative.optim.bf16_updates import BF16_WEIGHT_UPDATES
+from hfnative.optim.low_rank import is_layerwise
 
 # hfnative's own arguments (everything else is transformers' / TRL's)
 HFNATIVE_FIELDS = ("fused_loss", "optimizer_in_backward", "activation_checkpointing_mode", "peak_tflops",
@@ -81,6 +82,7 @@ class TrainingArguments(transformers.TrainingArguments):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; it must be at least 1")
         super().__post_init__()
+        self._layerwise_optimizer_in_backward()
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops={self.peak_tflops!r}; it must be a positive number of TFLOP/s, or None")
         if self.bf16_weight_updates not in BF16_WEIGHT_UPDATES:
@@ -91,6 +93,20 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"
             )
+
+    def _layerwise_optimizer_in_backward(self) -> None:
+        """``optim="galore_adamw_layerwise"`` (and the other ``_layerwise`` names) steps each parameter inside backward,
+        as transformers does with its hooks: hfnative's optimizer-in-backward, turned on here. Gradients cannot be
+        clipped there; transformers' layerwise optimizers leave them unclipped, and so does this (said once)."""
+        optim = str(getattr(self.optim, "value", self.optim))
+        if not is_layerwise(optim):
+            return
+        self.optimizer_in_backward = True
+        if self.max_grad_norm is not None and self.max_grad_norm > 0:
+            warnings.warn(f"optim={optim!r} steps each parameter inside backward, before the gradient norm is known: "
+                          f"max_grad_norm={self.max_grad_norm} is not applied (as with transformers' layerwise "
+                          "optimizers); grad_norm is still logged", stacklevel=3)
+            self.max_grad_norm = 0.0
 
     def check_checkpointing(self) -> None:
         """TRL's checks of ``gradient_checkpointing_kwargs={"selective": True}``, made when a trainer is built (as

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 
 import torch
 import transformers
+from transformers.trainer_utils import check_target_module_exists
 
+from hfnative.converters.loading import ConvertedModel
+from hfnative.converters.lora_targets import optim_target_parameters
+from hfnative.log_once import warn_once
 from hfnative.optim import OptimizerSettings, build_optimizer
+from hfnative.optim.low_rank import LOW_RANK_NAMES
 from hfnative.optim.factory import decay_parameter_names
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.optim.loss_scale import LossScale, scales_loss
+
+logger = logging.getLogger(__name__)
 
 
 class OptimizationMixin:
@@ -38,6 +46,7 @@ class OptimizationMixin:
                     # a ratio (< 1) in steps, as the LR schedule reads it (transformers hands the schedule-free
                     # optimizers the ratio itself, which they take as a step count below one)
                     warmup_steps=a.get_warmup_steps(self.state.max_steps),
+                    optim_target_names=self._optim_target_names(),
                 )
                 if a.optimizer_in_backward:
                     self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)
@@ -69,6 +78,41 @@ class OptimizationMixin:
                 if any(param is p for p in group["params"]):
                     return group
         return [group["params"] for group in optimizer.param_groups]
+
+    def _optim_target_names(self) -> tuple[str, ...] | None:
+        """The parameters a GaLore / APOLLO ``optim`` projects: ``optim_target_modules`` (transformers' module names)
+        resolved as transformers' Trainer resolves them, named in the native model; None for other optimizers."""
+        a = self.args
+        optim = str(getattr(a.optim, "value", a.optim))
+        if optim not in LOW_RANK_NAMES:
+            return None
+        if a.optim_target_modules is None:
+            raise ValueError(f"You need to define `optim_target_modules` to use {optim} optimizers")
+        if not isinstance(a.optim_target_modules, (list, str)):
+            raise TypeError("`optim_target_modules` must be a list of strings, a regex string, or 'all-linear'. "
+                            f"Got: {a.optim_target_modules}")
+        if self.distributed is not None:
+            raise ValueError(f"optim={optim!r} runs on one process in hfnative: its projections are not made for "
+                             "sharded or replicated parameters; launch one process, or choose another optimizer")
+        if self.lora_settings is not None:
+            raise ValueError(f"optim={optim!r} projects the gradients of full weights; with LoRA adapters only the "
+                             "adapters train: drop peft_config, or choose another optimizer")
+        if isinstance(self.converted, ConvertedModel):
+            names, fused = optim_target_parameters(self.converted, a.optim_target_modules)
+            if fused:
+                warn_once(logger, f"optim={optim!r}: the fused projections {fused} are split in this model's blocks, "
+                                  "and each part is projected on its own (transformers projects the fused matrix)")
+        else:  # transformers' own module (converters/fallback.py holds it as ``module``): its paths
+            all_linear = (isinstance(a.optim_target_modules, str)
+                          and a.optim_target_modules.replace("_", "-") == "all-linear")
+            hub = self.native_model.module
+            parameters = dict(hub.named_parameters())
+            names = [f"module.{path}.weight" for path, module in hub.named_modules()
+                     if isinstance(module, torch.nn.Linear) and f"{path}.weight" in parameters
+                     and (all_linear or check_target_module_exists(a.optim_target_modules, path))]
+        if not names:
+            raise ValueError(f"No target modules found for {optim} ({a.optim_target_modules}).")
+        return tuple(names)
 
     def _optimizer_mode(self, mode: str) -> None:
         """The optimizer's ``train()`` or ``eval()`` where it has one (schedule-free optimizers swap the parameters
