@@ -5,6 +5,7 @@ usage: torchrun ... _distributed_resume_worker.py OUTPUT_DIR LAYOUT MODE
   MODE    kill    train, saving every 2 steps; rank 1 SIGKILLs itself in step 5 (the launcher ends the job)
           resume  resume_from_checkpoint=True; rank 0 writes OUTPUT_DIR/resumed-LAYOUT.json (the log history)
           oib     train with optimizer_in_backward, saving every 2 steps; rank 0 writes OUTPUT_DIR/oib-LAYOUT.json
+          sf      the same with the schedule-free AdamW (its optimizer-in-backward form); OUTPUT_DIR/sf-LAYOUT.json
 """
 
 import json
@@ -35,16 +36,18 @@ def run_config(output_dir: str, per_device: int, **extra):
 
 
 OPTIMIZER_IN_BACKWARD = dict(optimizer_in_backward=True, max_grad_norm=0.0)
+SCHEDULE_FREE = dict(OPTIMIZER_IN_BACKWARD, optim="schedule_free_adamw", lr_scheduler_type="constant")
+MODES = {"oib": OPTIMIZER_IN_BACKWARD, "sf": SCHEDULE_FREE}
 
 
 def main(output_dir: str, layout: str, mode: str) -> None:
-    extra = OPTIMIZER_IN_BACKWARD if mode == "oib" else {}
+    extra = MODES.get(mode, {})
     args = run_config(output_dir, PER_DEVICE, parallelism_config=ParallelismConfig(**LAYOUTS[layout]), **extra)
     callbacks = [KillRankOneInStepFive()] if mode == "kill" else []
     trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()), callbacks=callbacks)
     trainer.train(resume_from_checkpoint=mode == "resume")
-    if mode in ("resume", "oib") and int(os.environ["RANK"]) == 0:
-        name = "resumed" if mode == "resume" else "oib"
+    if mode in ("resume", *MODES) and int(os.environ["RANK"]) == 0:
+        name = "resumed" if mode == "resume" else mode
         Path(output_dir, f"{name}-{layout}.json").write_text(json.dumps(trainer.state.log_history))
 
 

@@ -177,26 +177,30 @@ def _torchrun(nproc: int, *arguments, check=True):
     return result
 
 
-def test_optimizer_in_backward_checkpoints_resume_on_one_process(tmp_path):
+@pytest.mark.parametrize("mode", ["oib", "sf"])
+def test_optimizer_in_backward_checkpoints_resume_on_one_process(tmp_path, mode):
     """optimizer_in_backward under FSDP2 writes distributed checkpoints (each parameter's optimizer state under its
     name, through torch's get_state_dict over the per-parameter optimizers): the 2-process run equals one process
     step by step, and its checkpoint-4 resumed on one process (optimizer_in_backward too) trains steps 5 and 6 as the
-    uninterrupted run did, with the scheduled learning rate restored."""
+    uninterrupted run did, with the scheduled learning rate restored. "sf": the schedule-free AdamW, whose fresh
+    optimizers torch's loader steps (in train mode) before the saved state replaces theirs."""
     import _distributed_resume_worker as resume
 
-    out = tmp_path / "oib"
-    _torchrun(2, out, "fsdp2", "oib")
-    logged = {e["step"]: e for e in json.loads((out / "oib-fsdp2.json").read_text()) if "loss" in e}
+    if mode == "sf":
+        pytest.importorskip("schedulefree")
+    settings = resume.MODES[mode]
+    out = tmp_path / mode
+    _torchrun(2, out, "fsdp2", mode)
+    logged = {e["step"]: e for e in json.loads((out / f"{mode}-fsdp2.json").read_text()) if "loss" in e}
     assert (out / "checkpoint-4" / "training_state").is_dir()
-    args = resume.run_config(str(tmp_path / "one"), 2 * resume.PER_DEVICE, **resume.OPTIMIZER_IN_BACKWARD)
+    args = resume.run_config(str(tmp_path / "one"), 2 * resume.PER_DEVICE, **settings)
     one = SFTTrainer(model=worker.MODEL, args=args, train_dataset=Dataset.from_list(worker.rows()))
     one.train()
     expected = {e["step"]: e for e in one.state.log_history if "loss" in e}
     for step in range(1, resume.STEPS + 1):
         for key in ("loss", "grad_norm", "learning_rate"):
             assert logged[step][key] == pytest.approx(expected[step][key], rel=1e-5), (step, key)
-    resumed = SFTTrainer(model=worker.MODEL, args=resume.run_config(str(out), 2 * resume.PER_DEVICE,
-                                                                      **resume.OPTIMIZER_IN_BACKWARD),
+    resumed = SFTTrainer(model=worker.MODEL, args=resume.run_config(str(out), 2 * resume.PER_DEVICE, **settings),
                          train_dataset=Dataset.from_list(worker.rows()))
     with pytest.warns(UserWarning, match="saved by 2 ranks and is loaded by 1"):
         resumed.train(resume_from_checkpoint=str(out / "checkpoint-4"))

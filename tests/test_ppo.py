@@ -303,3 +303,19 @@ def test_named_adapters_are_checked(tmp_path):
         build(ref_adapter_name="ref")
     with pytest.raises(ValueError, match=r"not \['trained'\]"):
         build(model_adapter_name="trained")
+
+
+def test_low_rank_optimizers_are_refused(tmp_path):
+    """GaLore / APOLLO resolve their targets over one model; PPO trains the policy and the value model under one
+    optimizer: refused by name when the optimizer is made."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    folder = save_classifier(tmp_path / "classifier", 1)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL, padding_side="left")
+    args = hfnative.PPOConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=2,
+                              optim="galore_adamw", optim_target_modules=["attn"])
+    trainer = hfnative.PPOTrainer(args, tokenizer, MODEL, None, folder, Dataset.from_list([{"input_ids": [1, 2]}] * 4),
+                                  folder)
+    with pytest.raises(ValueError, match="GaLore / APOLLO targets are not resolved over both"):
+        trainer.create_optimizer()

@@ -61,6 +61,17 @@ class KahanAdamW(torch.optim.Optimizer):
                              "lr, eps, weight_decay >= 0 and betas in [0, 1)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which casts floating-point state to each parameter's dtype, then the moments back in fp32 as they
+        were saved (the compensation stays bf16)."""
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self.state[params[index]]
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in saved:
+                    state[name] = saved[name].to(params[index].device, torch.float32)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None

@@ -26,7 +26,7 @@ from .bf16_updates import (
     stochastic_rounding_adamw,
 )
 from .low_rank import LOW_RANK_NAMES, low_rank_class_and_kwargs
-from .state_optimizers import AdEMAMix, Lion, RMSprop
+from .state_optimizers import AdEMAMix, Lion, RMSprop, low_bit_adamw_with_full_precision_groups
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,27 @@ def _import_torchao_adamw(optim: str):
         from torchao.optim import AdamW4bit, AdamW8bit
     except ImportError as error:
         raise ImportError(f"optim={optim!r} needs torchao's low-bit AdamW: pip install hfnative[quant]") from error
+    if optim in BITSANDBYTES_8BIT_NAMES:
+        return low_bit_adamw_with_full_precision_groups()
     return AdamW4bit if optim == "adamw_torch_4bit" else AdamW8bit
+
+
+# the names transformers maps to bitsandbytes' 8-bit optimizers, under which it keeps embeddings' state in 32 bits
+BITSANDBYTES_8BIT_NAMES = ("adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit", "lion_8bit", "paged_lion_8bit",
+                           "ademamix_8bit", "paged_ademamix_8bit", "rmsprop_bnb_8bit")
+
+
+def with_full_precision_embeddings(model: nn.Module, groups: list[dict]) -> list[dict]:
+    """``groups`` with each embedding weight moved to a group of its own that keeps 32-bit state (``optim_bits=32``,
+    its group's other settings), as transformers registers every ``nn.Embedding`` with bitsandbytes for 32-bit state
+    under an 8-bit optimizer; the groups left as they were when there is none."""
+    embeddings = {id(module.weight) for module in model.modules() if isinstance(module, nn.Embedding)}
+    moved = []
+    for group in groups:
+        kept = [p for p in group["params"] if id(p) not in embeddings]
+        moved += [{**group, "params": [p], "optim_bits": 32} for p in group["params"] if id(p) in embeddings]
+        group["params"] = kept
+    return groups + moved
 
 
 def optimizer_class_and_kwargs(settings: OptimizerSettings) -> tuple[type[torch.optim.Optimizer], dict]:
@@ -308,6 +328,8 @@ def optimizer_parts(
     optimizer_cls, kwargs, target_group = _class_kwargs_and_target_group(settings)
     if target_group is None:
         groups = split_decay_groups(model, settings.weight_decay)
+        if settings.optim in BITSANDBYTES_8BIT_NAMES:
+            groups = with_full_precision_embeddings(model, groups)
     else:
         groups = low_rank_groups(model, settings.optim_target_names, target_group, settings.optim)
     optimizer_cls, kwargs = _with_bf16_weight_updates(settings, optimizer_cls, kwargs, groups)

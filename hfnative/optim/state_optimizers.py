@@ -5,10 +5,13 @@ bitsandbytes' optimizers. These classes compute the same updates (bitsandbytes' 
 torch ops, so they run wherever the parameters do: DTensors of any layout, optimizer-in-backward, CPU or GPU.
 
 ``optim_bits=8`` keeps each state in 8 bits as bitsandbytes' blockwise optimizers do: torchao's ``OptimState8bit``
-(the same dynamic quantization map, absmax scales per block of 256 values), for parameters of at least 4,096 values
-(bitsandbytes' ``min_8bit_size``) whose local values (a shard's, under FSDP2) are a whole number of blocks; others
-keep fp32 state. A row-sharded parameter's blocks are then the blocks of those rows in one process. The update is
-computed in fp32 from the dequantized state.
+(bitsandbytes' signed dynamic quantization map, as its optimizers use for their first state, and the unsigned one for
+AdEMAMix's second moment; absmax scales per block of 256 values), for parameters of at least 4,096 values
+(bitsandbytes' ``min_8bit_size``) whose local values (a shard's, under FSDP2) are a whole number of blocks, not none;
+others keep fp32 state, as do the parameters of a group with ``optim_bits=32`` (transformers keeps embeddings' state
+in 32 bits under bitsandbytes' 8-bit optimizers: ``factory.with_full_precision_embeddings``). A row-sharded
+parameter's blocks are then the blocks of those rows in one process. The update is computed in fp32 from the
+dequantized state.
 
 bf16 parameters: the fp32 result is rounded to nearest, or stochastically with ``bf16_stochastic_round=True``
 (unbiased: updates smaller than half a bf16 ulp still land on average; ``hfnative.optim.bf16_updates``).
@@ -17,6 +20,7 @@ bf16 parameters: the fp32 result is rounded to nearest, or stochastically with `
 from __future__ import annotations
 
 import abc
+import functools
 import math
 
 import torch
@@ -46,10 +50,11 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.block_size = block_size
         self.bf16_stochastic_round = bf16_stochastic_round
 
-    def _zeros(self, param: torch.Tensor, signed: bool) -> torch.Tensor:
+    def _zeros(self, param: torch.Tensor, signed: bool, group: dict) -> torch.Tensor:
         local = param.to_local() if isinstance(param, DTensor) else param
+        bits = group.get("optim_bits", self.optim_bits)
         # the parameter's size decides (bitsandbytes' rule), so a shard quantizes as its rows do in one process
-        if self.optim_bits == 8 and param.numel() >= MIN_8BIT_SIZE and local.numel() % self.block_size == 0:
+        if bits == 8 and param.numel() >= MIN_8BIT_SIZE and local.numel() > 0 and local.numel() % self.block_size == 0:
             out = _optim_state_8bit().zeros(local.shape, signed, self.block_size, local.device)
         else:
             out = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
@@ -74,7 +79,7 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 if not state:
                     state["step"] = torch.tensor(0.0)  # on the host: reading it makes no device sync
                     for name, signed in self.STATE_SIGNS.items():
-                        state[name] = self._zeros(param, signed)
+                        state[name] = self._zeros(param, signed, group)
                 state["step"] += 1
                 stored = {name: state[name] for name in self.STATE_SIGNS}
                 values = {name: _dequantized(tensor) for name, tensor in stored.items()}
@@ -85,6 +90,22 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     new_param = bf16_stochastically_rounded(new_param)
                 param.copy_(new_param)
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, which casts floating-point state to each parameter's dtype, then each state as it was saved: fp32
+        (or 8-bit) over bf16 weights too, and the step count on the host."""
+        super().load_state_dict(state_dict)
+        params = [param for group in self.param_groups for param in group["params"]]
+        for index, saved in state_dict["state"].items():
+            state = self.state[params[index]]
+            for name in self.STATE_SIGNS:
+                if name in saved:
+                    value = saved[name]
+                    if type(value) is torch.Tensor or isinstance(value, DTensor) and type(value.to_local()) is torch.Tensor:
+                        value = value.float()
+                    state[name] = value.to(params[index].device)
+            if "step" in saved:
+                state["step"] = saved["step"].detach().to("cpu", torch.float32)
 
     @abc.abstractmethod
     def _update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], group: dict,
@@ -158,7 +179,7 @@ class RMSprop(_StateOptimizer):
     g^2``, ``p -= lr * g / (sqrt(v) + eps)``. bitsandbytes has neither momentum nor the centered variant; torch's
     ``RMSprop`` (``optim="rmsprop"``) has both."""
 
-    STATE_SIGNS = {"square_avg": False}
+    STATE_SIGNS = {"square_avg": True}  # bitsandbytes' one-state optimizers quantize with the signed map
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  *, optim_bits: int = 32, block_size: int = 256, bf16_stochastic_round: bool = False):
@@ -184,6 +205,27 @@ def _dequantized(state: torch.Tensor) -> torch.Tensor:
     if state.dtype == torch.float32 and type(state) is torch.Tensor:
         return state
     return state.dequantize()
+
+
+@functools.cache
+def low_bit_adamw_with_full_precision_groups():
+    """torchao's AdamW8bit whose groups with ``optim_bits=32`` keep fp32 moments (bitsandbytes' per-module override,
+    which transformers sets for embeddings); the others quantized as torchao does."""
+    from torchao.optim import AdamW8bit
+
+    class AdamW8bitFullPrecisionGroups(AdamW8bit):
+        def _new_buffer(self, p, signed: bool):
+            if not any(group.get("optim_bits") == 32 and any(p is q for q in group["params"])
+                       for group in self.param_groups):
+                return super()._new_buffer(p, signed)
+            local = p.to_local() if isinstance(p, DTensor) else p
+            out = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+            if isinstance(p, DTensor):
+                out = DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                         stride=p.stride())
+            return out
+
+    return AdamW8bitFullPrecisionGroups
 
 
 def _check_betas(optimizer, betas, count: int = 2) -> None:

@@ -121,11 +121,18 @@ class PPOTrainer(Trainer):
 
             from hfnative.optim import OptimizerSettings, build_optimizer
 
+            from hfnative.optim.low_rank import LOW_RANK_NAMES
+
             a = self.args
+            optim = str(getattr(a.optim, "value", a.optim))
+            if optim in LOW_RANK_NAMES:
+                raise ValueError(f"optim={optim!r} with PPO: the policy and the value model train under one optimizer "
+                                 "here, and GaLore / APOLLO targets are not resolved over both; choose another optim")
             settings = OptimizerSettings(
                 optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
                 adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
-                adafactor_class=transformers.Adafactor,
+                adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
+                warmup_steps=a.get_warmup_steps(self.state.max_steps),
             )
             self.optimizer = build_optimizer(self._trained_module(), settings)
         elif self.optimizer is None:

@@ -122,6 +122,18 @@ class OptimizationMixin:
         if callable(switch):
             switch()
 
+    def _optimizer_ready_to_load(self) -> None:
+        """Before torch's distributed loader fills the optimizer: it first steps an optimizer without state at lr 0 to
+        make its state, and a schedule-free optimizer steps only in train mode (the saved mode comes back with its
+        groups). Switching a fresh one leaves empty per-parameter entries (its state is a defaultdict), which would
+        tell the loader the state is made already: they are dropped."""
+        self._optimizer_mode("train")
+        optimizers = (self.optimizer.parameter_optimizers() if isinstance(self.optimizer, OptimizerInBackward)
+                      else [self.optimizer])
+        for optimizer in optimizers:
+            for param in [param for param, state in optimizer.state.items() if not state]:
+                del optimizer.state[param]
+
     def _made_optimizer(self):
         if self.optimizer is None:
             raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")

@@ -254,6 +254,7 @@ class SavingMixin:
         if (checkpoint / ckpt.TRAINING_STATE_DIR).is_dir():  # a distributed run's: any layout resumes it
             from hfnative.checkpoint import load_training_state
 
+            self._optimizer_ready_to_load()
             load_training_state(checkpoint / ckpt.TRAINING_STATE_DIR, self._trained_module(), self.optimizer,
                                 lr_scheduler=self.lr_scheduler,
                                 model_is_part=self.distributed is not None and self.distributed.dims.pp_enabled)

@@ -433,6 +433,9 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
             for update_step in range(skip // accumulation, steps_per_epoch):
                 wanted = accumulation if update_step != steps_per_epoch - 1 else last_group
                 self._performance.step_started()  # the step's time includes making its micro-batches (generation)
+                # a schedule-free optimizer's training weights before the step's rollouts are generated (TRL
+                # generates after transformers' training_step has called optimizer.train())
+                self._optimizer_mode("train")
                 batches = self.objective.micro_batches(epoch_iterator, wanted)
                 if not batches:
                     self._performance.step_cancelled()
