@@ -24,7 +24,6 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
-    "average_tokens_across_devices": False,
     "save_on_each_node": True,
     "accelerator_config": AcceleratorConfig(split_batches=True),
     "label_names": ["targets"], "debug": ["tpu_metrics_debug"], "deepspeed": "ds_config.json",

@@ -431,6 +431,11 @@ class DistributedMixin:
         integral = isinstance(normalizer.count, int)
         if self.distributed is None:
             return StepNormalization([normalizer.count] * micro_batches, 1)
+        if normalizer.counts_tokens and not self.args.average_tokens_across_devices:
+            # transformers' average_tokens_across_devices=False: each rank divides its loss by its own tokens and the
+            # ranks' gradients are averaged (their sum over the data-parallel ranks, divided by their number); a
+            # rank without a label token adds nothing (transformers would divide by 0)
+            return StepNormalization([max(normalizer.count, 1)] * micro_batches, self.data_parallel.size)
         count = torch.tensor(normalizer.count, dtype=torch.int64 if integral else torch.float64)
         total = self.distributed.sum_over_dp(count.to(self.device)) if normalizer.counts_tokens else self.data_parallel.sum(count)
         total = int(total.item()) if integral else float(total.item())

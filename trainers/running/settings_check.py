@@ -52,8 +52,6 @@ NO_EFFECT = {
 
 # field -> what to do instead; refused when the value is neither the class's default nor in ALSO_ACCEPTED
 REFUSED = {
-    "average_tokens_across_devices": "hfnative always divides a step's loss by the tokens of the whole step over "
-                                     "every rank; leave it True",
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
                           "leave accelerator_config unset",
