@@ -8,7 +8,6 @@ import dataclasses
 from pathlib import Path
 
 import pytest
-from transformers.trainer_pt_utils import AcceleratorConfig
 
 import hfnative
 from hfnative import SFTConfig, SFTTrainer, TrainingArguments
@@ -25,7 +24,6 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
     "save_on_each_node": True,
-    "accelerator_config": AcceleratorConfig(split_batches=True),
     "label_names": ["targets"], "debug": ["tpu_metrics_debug"], "deepspeed": "ds_config.json",
 }
 
@@ -108,3 +106,31 @@ def test_the_trainer_refuses_before_loading_anything(tmp_path):
     with pytest.raises(ValueError, match="save_on_each_node=True: rank 0 writes"):
         SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
                    args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, save_on_each_node=True))
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(split_batches=True), "accelerator_config.split_batches=True: each rank trains on per_device_train_batch_size"),
+    (dict(even_batches=False), "accelerator_config.even_batches=False"),
+    (dict(use_seedable_sampler=False), "accelerator_config.use_seedable_sampler=False"),
+    (dict(gradient_accumulation_kwargs={"num_step": 2}), r"gradient_accumulation_kwargs \['num_step'\]"),
+])
+def test_accelerator_options_that_would_change_training_are_refused(options, match):
+    args = TrainingArguments(output_dir="unused", use_cpu=True, accelerator_config=options)
+    with pytest.raises(ValueError, match=match):
+        check_settings(args)
+
+
+def test_accelerator_options_without_effect_pass_and_num_steps_sets_the_accumulation(tmp_path):
+    """non_blocking, dispatch_batches, use_configured_state and the accumulation plugin's sync options change nothing
+    here (transformers accumulates and schedules itself); num_steps becomes gradient_accumulation_steps when that is 1,
+    and is refused beside it, as transformers' Trainer does."""
+    options = dict(non_blocking=True, dispatch_batches=False,
+                   gradient_accumulation_kwargs={"sync_each_batch": True, "num_steps": 3})
+    rows = [{"text": "a row of text"}] * 4
+    trainer = SFTTrainer(model=str(ROOT / "examples" / "tiny-qwen3"), train_dataset=rows,
+                         args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, accelerator_config=options))
+    assert trainer.args.gradient_accumulation_steps == 3
+    with pytest.raises(ValueError, match="`num_steps` is set but `gradient_accumulation_steps` is greater than 1"):
+        SFTTrainer(model=str(ROOT / "examples" / "tiny-qwen3"), train_dataset=rows,
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, accelerator_config=options,
+                                  gradient_accumulation_steps=2))

@@ -65,7 +65,7 @@ from .pipeline_training import PipelineMixin, pipeline_conflicts
 from .preemption import SIGTERM_REASON, STOPPED_BY, Preemption
 from .run_guard import check_run_can_start
 from .saving import SavingMixin
-from ..running.settings_check import check_settings, seed_everything, set_log_level
+from ..running.settings_check import apply_accelerator_config, check_settings, seed_everything, set_log_level
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         if self.args.optimizer_in_backward:
             check_optimizer_in_backward_args(self.args.max_grad_norm)
         check_settings(self.args)  # nothing hfnative would ignore is set
+        apply_accelerator_config(self.args)  # gradient_accumulation_kwargs' num_steps, as transformers' Trainer
         check_overrides(type(self))  # nor a transformers hook the loop never calls overridden
         worker_options(self.args)  # the loaders' worker fields agree, checked before anything loads
         # transformers' memory metrics (skip_memory_metrics=False): init_/train_/eval_/test_mem_cpu_*_delta and, on a

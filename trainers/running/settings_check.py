@@ -12,7 +12,6 @@ import logging
 
 import transformers
 from transformers.debug_utils import DebugOption
-from transformers.trainer_pt_utils import AcceleratorConfig
 from transformers.trainer_utils import enable_full_determinism, set_seed
 
 # field -> the transformers code that reads it while hfnative trains
@@ -53,8 +52,6 @@ NO_EFFECT = {
 # field -> what to do instead; refused when the value is neither the class's default nor in ALSO_ACCEPTED
 REFUSED = {
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
-    "accelerator_config": "hfnative's loop shards its batches itself, not through accelerate's dataloader options; "
-                          "leave accelerator_config unset",
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "tpu_metrics_debug reports TPU metrics, and hfnative runs on CPUs and GPUs; keep underflow_overflow only",
     "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
@@ -87,10 +84,54 @@ CONFIG_REFUSED = {
 # values besides the class's default that a refused field may hold (what __post_init__ turns the default into,
 # or the values hfnative implements)
 ALSO_ACCEPTED = {
-    "accelerator_config": (AcceleratorConfig(),),
     "debug": ([], [DebugOption.UNDERFLOW_OVERFLOW]),
     "label_names": (["labels"],),
 }
+
+
+# accelerate's options in accelerator_config that would change what trains, and what to do instead; the others change
+# nothing here: non_blocking (a host-to-device copy flag), dispatch_batches (each rank gets the rows it would have been
+# sent), use_configured_state, and gradient_accumulation_kwargs' sync_each_batch, sync_with_dataloader and
+# adjust_scheduler (transformers accumulates gradients and steps its scheduler itself, as hfnative does); num_steps is
+# applied (``apply_accelerator_config``)
+ACCELERATOR_CONFIG_REFUSED = {
+    "split_batches": (False, "each rank trains on per_device_train_batch_size rows here: set it to the batch size "
+                             "divided by the number of processes and leave split_batches False"),
+    "even_batches": (True, "a last step shorter than the ranks is filled from the start of the data, as accelerate's "
+                           "default does; leave even_batches True"),
+    "use_seedable_sampler": (True, "the rows are shuffled from the data seed epoch by epoch (accelerate's seedable "
+                                   "sampler, its default); leave use_seedable_sampler True"),
+}
+GRADIENT_ACCUMULATION_KWARGS = ("num_steps", "sync_each_batch", "sync_with_dataloader", "adjust_scheduler")
+
+
+def accelerator_config_refusals(args) -> list[str]:
+    """``accelerator_config.<option>=value: what to do`` for each option hfnative does not follow."""
+    config = getattr(args, "accelerator_config", None)
+    if config is None:
+        return []
+    found = [f"accelerator_config.{name}={getattr(config, name)!r}: {what_to_do}"
+             for name, (default, what_to_do) in ACCELERATOR_CONFIG_REFUSED.items() if getattr(config, name) != default]
+    unknown = sorted(set(config.gradient_accumulation_kwargs or {}) - set(GRADIENT_ACCUMULATION_KWARGS))
+    if unknown:
+        found.append(f"accelerator_config.gradient_accumulation_kwargs {unknown}: accelerate's GradientAccumulationPlugin "
+                     f"takes {list(GRADIENT_ACCUMULATION_KWARGS)}")
+    return found
+
+
+def apply_accelerator_config(args) -> None:
+    """``gradient_accumulation_kwargs={"num_steps": N}`` as transformers' Trainer reads it: the accumulation steps
+    when ``gradient_accumulation_steps`` is 1, an error when both are set."""
+    num_steps = ((getattr(args, "accelerator_config", None) and args.accelerator_config.gradient_accumulation_kwargs)
+                 or {}).get("num_steps")
+    if num_steps is None:
+        return
+    if args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
+            "passed `TrainingArguments`. If using the passed `AcceleratorConfig` is desired, do not set the "
+            "`TrainingArguments` `gradient_accumulation_steps`.")
+    args.gradient_accumulation_steps = int(num_steps)
 
 
 def field_default(config_class, name: str):
@@ -117,7 +158,7 @@ def refused_settings(args) -> list[str]:
         if any(value == accepted for accepted in defaults):
             continue
         found.append(f"{name}={value!r}: {what_to_do}")
-    return found
+    return found + accelerator_config_refusals(args)
 
 
 def seed_everything(args) -> None:
@@ -144,12 +185,14 @@ def check_settings(args) -> None:
 
 
 __all__ = [
+    "ACCELERATOR_CONFIG_REFUSED",
     "ALSO_ACCEPTED",
     "CONFIG_NO_EFFECT",
     "CONFIG_REFUSED",
     "HONOURED_BY_TRANSFORMERS",
     "NO_EFFECT",
     "REFUSED",
+    "apply_accelerator_config",
     "check_settings",
     "refused_settings",
     "seed_everything",
