@@ -117,6 +117,7 @@ def test_stochastic_rounding_in_backward_follows_fp32(fp32_curve):
     ("adamw_torch_8bit", "kahan", None, "can only round stochastically"),
     ("adamw_torch_8bit", "stochastic_round", "bf16_stochastic_round=False", "set one of them"),
     ("adamw_torch", "nearest", None, "expected one of"),
+    ("stable_adamw", "kahan", None, "keeps bf16 weights' small updates itself"),
 ])
 def test_a_mode_the_optimizer_cannot_honour_is_refused(optim, mode, optim_args, match):
     settings = OptimizerSettings(optim=optim, learning_rate=LR, bf16_weight_updates=mode, optim_args=optim_args)

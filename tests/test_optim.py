@@ -147,6 +147,7 @@ OPTIMIZER_CASES = [
     ("schedule_free_adamw", "weight_lr_power=1.5,r=0.5"),
     ("schedule_free_radam", None),
     ("schedule_free_sgd", None),
+    ("stable_adamw", "decouple_lr=true,max_lr=1e-3"),
 ]
 HYPERPARAMETERS = dict(learning_rate=3e-4, weight_decay=0.05, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-7)
 
@@ -155,8 +156,9 @@ HYPERPARAMETERS = dict(learning_rate=3e-4, weight_decay=0.05, adam_beta1=0.8, ad
 def test_optimizer_matches_trainer(optim, optim_args, tmp_path):
     if "bit" in optim:
         pytest.importorskip("torchao.optim")
-    if optim.startswith("schedule_free"):
-        pytest.importorskip("schedulefree")
+    for prefix, module in (("schedule_free", "schedulefree"), ("stable_adamw", "optimi")):
+        if optim.startswith(prefix):
+            pytest.importorskip(module)
     model = _tiny_qwen3()
     hf = _hf_trainer_optimizer(model, tmp_path, optim=optim, optim_args=optim_args, **HYPERPARAMETERS)
     settings = OptimizerSettings(optim, optim_args=optim_args, adafactor_class=Adafactor, **HYPERPARAMETERS)

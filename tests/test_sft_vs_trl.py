@@ -121,12 +121,15 @@ def test_packed_logs_match_trl(strategy, tmp_path):
         ("lion_32bit", "cosine", None),
         ("ademamix", "constant_with_warmup", None),
         ("rmsprop_bnb", "linear", None),
+        ("stable_adamw", "cosine", None),
     ],
 )
 def test_optimizers_and_schedules_match_trl(optim, scheduler, scheduler_kwargs, tmp_path):
     trl = pytest.importorskip("trl")
     if optim in STATE_OPTIMIZER_NAMES + ("paged_adamw_32bit",):
         pytest.importorskip("bitsandbytes")
+    if optim == "stable_adamw":
+        pytest.importorskip("optimi")
     extra = dict(optim=optim, lr_scheduler_type=scheduler, lr_scheduler_kwargs=scheduler_kwargs)
     theirs = _run(trl, "text", tmp_path, 1, **extra)
     ours = _run(hfnative, "text", tmp_path, 1, **extra)

@@ -42,6 +42,9 @@ STATE_OPTIMIZER_NAMES = (
     "ademamix", "ademamix_8bit", "paged_ademamix_32bit", "paged_ademamix_8bit",
     "rmsprop_bnb", "rmsprop_bnb_32bit", "rmsprop_bnb_8bit",
 )
+# optimizers that keep bf16 weights' small updates themselves (torch-optimi's StableAdamW: Kahan summation by default
+# over bf16 weights)
+OWN_BF16_UPDATES_NAMES = ("stable_adamw",)
 # the optimizers with a bf16_stochastic_round flag of their own
 ROUNDING_FLAG_NAMES = LOW_BIT_ADAMW_NAMES + STATE_OPTIMIZER_NAMES
 
@@ -161,6 +164,11 @@ def bf16_update_choice(mode: str, optim: str, params: list[nn.Parameter], sr_fla
     if mode not in BF16_WEIGHT_UPDATES:
         raise ValueError(f"bf16_weight_updates={mode!r}: expected one of {list(BF16_WEIGHT_UPDATES)}")
     has_bf16 = any(p.dtype == torch.bfloat16 for p in params)
+    if optim in OWN_BF16_UPDATES_NAMES:
+        if mode in ("stochastic_round", "kahan"):
+            raise ValueError(f"bf16_weight_updates={mode!r} with optim={optim!r}: it keeps bf16 weights' small updates "
+                             "itself (Kahan summation, its optim_args kahan_sum); leave bf16_weight_updates='auto'")
+        return "round_to_nearest"  # the optimizer's own update, as it is
     covered = optim in ADAMW_NAMES or optim in ROUNDING_FLAG_NAMES
     if mode in ("stochastic_round", "kahan") and not covered:
         raise ValueError(f"bf16_weight_updates={mode!r}: optim={optim!r} has no such update: use "

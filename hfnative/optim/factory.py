@@ -57,6 +57,7 @@ SUPPORTED_OPTIMIZERS = (
     *SCHEDULE_FREE_NAMES,
     # galore_torch's and apollo_torch's, over the parameters optim_target_modules names (low_rank.py)
     *LOW_RANK_NAMES,
+    "stable_adamw",  # torch-optimi's
 )
 
 
@@ -228,6 +229,11 @@ def _class_kwargs_and_target_group(settings: OptimizerSettings):
         optimizer_cls, kwargs = _schedule_free(optim, settings, kwargs, take, adam_kwargs)
     elif optim in LOW_RANK_NAMES:
         optimizer_cls, kwargs, target_group = low_rank_class_and_kwargs(optim, settings.learning_rate, adam_kwargs, take)
+    elif optim == "stable_adamw":
+        # transformers' kwargs; its booleans parsed as words ("false" is False; transformers takes any word as True)
+        optimizer_cls = _import_class("optimi", "StableAdamW", "torch-optimi", optim)
+        kwargs.update(adam_kwargs, weight_decay=settings.weight_decay, decouple_lr=take("decouple_lr", _to_bool, False),
+                      max_lr=take("max_lr", float), kahan_sum=take("kahan_sum", _to_bool))
     else:
         raise ValueError(f"optim={optim!r} is not supported; choose one of {', '.join(SUPPORTED_OPTIMIZERS)}")
 
@@ -277,6 +283,13 @@ def low_rank_groups(model: nn.Module, target_names, target_group: dict, optim: s
     chosen = {id(p) for p in targets}
     others = [p for p in params.values() if p.requires_grad and id(p) not in chosen]
     return [{"params": others}, {"params": targets, **target_group}]
+
+
+def _import_class(module: str, name: str, package: str, optim: str):
+    try:
+        return getattr(__import__(module), name)
+    except ImportError as error:
+        raise ImportError(f"optim={optim!r} needs {module}: pip install {package}") from error
 
 
 def _schedule_free(optim: str, settings: OptimizerSettings, kwargs: dict, take, adam_kwargs: dict):
