@@ -47,8 +47,15 @@ def test_context_parallelism_refuses_per_rank_means(tmp_path):
         class dims:
             cp_enabled, cp = True, 2
 
+    from hfnative.trainers.algorithms.distillation import OnPolicyDistillationObjective
+    from hfnative.trainers.loop.objective import LanguageModelingObjective
+
     trainer = Trainer.__new__(Trainer)
     trainer.__dict__.update(distributed=Run(), compute_loss_func=None, compute_metrics=None,
-                            args=type("Args", (), {"average_tokens_across_devices": False})())
+                            args=type("Args", (), {"average_tokens_across_devices": False})(),
+                            objective=LanguageModelingObjective.__new__(LanguageModelingObjective))
     conflicts = trainer._context_parallel_conflicts(evaluating=False)
     assert len(conflicts) == 1 and "average_tokens_across_devices=False with context parallelism" in conflicts[0]
+    # TRL's DistillationTrainer normalizes over every rank's tokens whatever the flag says: nothing to refuse
+    trainer.objective = OnPolicyDistillationObjective.__new__(OnPolicyDistillationObjective)
+    assert trainer._context_parallel_conflicts(evaluating=False) == []

@@ -113,11 +113,21 @@ def test_the_trainer_refuses_before_loading_anything(tmp_path):
     (dict(even_batches=False), "accelerator_config.even_batches=False"),
     (dict(use_seedable_sampler=False), "accelerator_config.use_seedable_sampler=False"),
     (dict(gradient_accumulation_kwargs={"num_step": 2}), r"gradient_accumulation_kwargs \['num_step'\]"),
+    (dict(dispatch_batches=True), "accelerator_config.dispatch_batches=True: each rank reads its own rows"),
 ])
 def test_accelerator_options_that_would_change_training_are_refused(options, match):
     args = TrainingArguments(output_dir="unused", use_cpu=True, accelerator_config=options)
     with pytest.raises(ValueError, match=match):
         check_settings(args)
+
+
+def test_num_steps_is_refused_where_the_generation_batch_is_sized_from_the_accumulation():
+    from hfnative.trainers.running.settings_check import apply_accelerator_config
+
+    args = hfnative.GRPOConfig(output_dir="unused", use_cpu=True,
+                               accelerator_config=dict(gradient_accumulation_kwargs={"num_steps": 2}))
+    with pytest.raises(ValueError, match="num_steps=2 with GRPOConfig: its generation batch is sized"):
+        apply_accelerator_config(args)
 
 
 def test_accelerator_options_without_effect_pass_and_num_steps_sets_the_accumulation(tmp_path):

@@ -252,3 +252,31 @@ def test_low_bit_adamw_plain_loop_tracks_adamw():
         low_bit = run_plain(tiny_model(**LOW_BIT_MODEL), "adamw_torch_8bit", batches, weight_decay=0.0, steps=4)
     for expected, actual in zip(reference["loss"], low_bit["loss"]):
         assert abs(actual - expected) <= LOW_BIT_TOLERANCE["adamw_torch_8bit"] * abs(expected)
+
+
+@pytest.mark.parametrize("optim_args", [None, "decouple_lr=true"])
+def test_stable_adamw_in_backward_keeps_its_own_settings(optim_args):
+    """torch-optimi's StableAdamW sets kahan_sum itself over bf16 weights and fills max_lr from lr: per parameter,
+    the outer group's None leaves them so, and the bf16 weights follow the plain optimizer's step for step."""
+    pytest.importorskip("optimi")
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+
+    settings = OptimizerSettings("stable_adamw", 1e-6, 0.01, optim_args=optim_args)
+    plain_model, fused_model = model(), model()
+    plain = build_optimizer(plain_model, settings)
+    fused = OptimizerInBackward.from_model(fused_model, settings)
+    torch.manual_seed(1)
+    inputs = torch.randn(8, 64, dtype=torch.bfloat16)
+    for _ in range(20):
+        plain_model(inputs).float().square().mean().backward()
+        plain.step()
+        plain.zero_grad()
+        fused_model(inputs).float().square().mean().backward()
+        fused.step()
+        fused.zero_grad()
+    for a, b in zip(plain_model.parameters(), fused_model.parameters()):
+        assert torch.equal(a, b)
+    assert all(group["kahan_sum"] for optimizer in fused.parameter_optimizers() for group in optimizer.param_groups)

@@ -178,7 +178,7 @@ def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
     for name, fields in optimizer_state["state"].items():
         for field, value in fields.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{OPTIMIZER_PREFIX}{name}.{field}"] = value
+                tensors[f"{OPTIMIZER_PREFIX}{name}.{field}"] = dequantized(value)
             else:
                 non_tensor_state.setdefault(name, {})[field] = to_json(value, f"optimizer state[{name!r}][{field!r}]")
     rest = {
@@ -187,6 +187,20 @@ def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
         "optimizer_non_tensor_state": non_tensor_state,
     }
     return tensors, rest
+
+
+def dequantized(value: torch.Tensor) -> torch.Tensor:
+    """A quantized optimizer state (torchao's 8-bit, 4-bit and float8 states, a DTensor of one) as the fp32 values it
+    holds, which the safetensors writer can store (it reads a tensor's storage; a quantized state's is its wrapper's);
+    the optimizer quantizes them again when it loads them (``hfnative.optim``'s load_state_dict). Others as they are."""
+    local = value.to_local() if isinstance(value, DTensor) else value
+    if type(local) is torch.Tensor or not hasattr(local, "dequantize"):
+        return value
+    dense = local.dequantize().float()
+    if isinstance(value, DTensor):
+        return DTensor.from_local(dense, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                                  stride=value.stride())
+    return dense
 
 
 def _check_fits(directory: Path, targets: dict, aliases: dict, saved: dict, model_is_part: bool) -> None:
@@ -365,6 +379,11 @@ def load_training_state(
     with _single_process_is_intended():
         dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(directory)), process_group=process_group,
                  no_dist=not _distributed())
+    for name, fields in optimizer_state["state"].items():  # a quantized state was loaded into an fp32 stand-in
+        for field, value in fields.items():
+            loaded = targets.get(f"{OPTIMIZER_PREFIX}{name}.{field}")
+            if loaded is not None and loaded is not value:
+                fields[field] = loaded
 
     for name, fields in state["optimizer_non_tensor_state"].items():
         optimizer_state["state"].setdefault(name, {}).update(from_json(fields))

@@ -68,12 +68,10 @@ class KahanAdamW(torch.optim.Optimizer):
         """torch's, which casts floating-point state to each parameter's dtype, then the moments back in fp32 as they
         were saved (the compensation stays bf16)."""
         super().load_state_dict(state_dict)
-        params = [param for group in self.param_groups for param in group["params"]]
-        for index, saved in state_dict["state"].items():
-            state = self.state[params[index]]
+        for param, saved in saved_states(self, state_dict):
             for name in ("exp_avg", "exp_avg_sq"):
                 if name in saved:
-                    state[name] = saved[name].to(params[index].device, torch.float32)
+                    self.state[param][name] = saved[name].to(param.device, torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -120,6 +118,16 @@ def _kahan_adamw_step(param, grad, step, exp_avg, exp_avg_sq, compensation, lr, 
     rounded = bf16_rounded(weight + intended)
     compensation.copy_(intended - (rounded - weight))  # the part of it the bf16 weight could not take
     param.copy_(rounded)  # exact: rounded holds a bf16 value
+
+
+def saved_states(optimizer: torch.optim.Optimizer, state_dict: dict):
+    """(parameter, its saved state) for each parameter of ``optimizer`` that ``state_dict`` holds state for, matched
+    as torch's ``load_state_dict`` matches them: by position in the saved groups' ``params``, whatever their keys are
+    (indices in a torch.save file, parameter names from torch's distributed checkpoint loader)."""
+    for group, saved_group in zip(optimizer.param_groups, state_dict["param_groups"]):
+        for param, key in zip(group["params"], saved_group["params"]):
+            if key in state_dict["state"]:
+                yield param, state_dict["state"][key]
 
 
 def bf16_rounded(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from .bf16_updates import (
     stochastic_rounding_adamw,
 )
 from .low_rank import LOW_RANK_NAMES, low_rank_class_and_kwargs
-from .state_optimizers import AdEMAMix, Lion, RMSprop, low_bit_adamw_with_full_precision_groups
+from .state_optimizers import AdEMAMix, Lion, RMSprop, low_bit_adamw_with_full_precision_groups, requantizing
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _import_torchao_adamw(optim: str):
         raise ImportError(f"optim={optim!r} needs torchao's low-bit AdamW: pip install hfnative[quant]") from error
     if optim in BITSANDBYTES_8BIT_NAMES:
         return low_bit_adamw_with_full_precision_groups()
-    return AdamW4bit if optim == "adamw_torch_4bit" else AdamW8bit
+    return requantizing(AdamW4bit if optim == "adamw_torch_4bit" else AdamW8bit)
 
 
 # the names transformers maps to bitsandbytes' 8-bit optimizers, under which it keeps embeddings' state in 32 bits

@@ -73,7 +73,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._optimizers: dict[nn.Parameter, torch.optim.Optimizer] = {}
         for group in self.param_groups:
             # the group's settings go in the parameter's own group: some belong to no constructor (GaLore's rank)
-            hyperparameters = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS}
+            # (a None is left to the optimizer's own default: torch-optimi fills max_lr from lr there)
+            hyperparameters = {k: v for k, v in group.items() if k not in _NOT_HYPERPARAMETERS and v is not None}
             for param in group["params"]:
                 self._group_of[param] = group
                 self._optimizers[param] = optimizer_cls([{"params": [param], **hyperparameters}], **optimizer_kwargs)
@@ -226,8 +227,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
 
 def _copy_hyperparameters(source: dict, target: dict) -> None:
+    """The outer group's hyperparameters into a parameter's own optimizer's group; a None (the optimizer decides:
+    torch-optimi's kahan_sum, max_lr) leaves what that optimizer set there itself."""
     for key, value in source.items():
-        if key in _NOT_HYPERPARAMETERS or key not in target:
+        if key in _NOT_HYPERPARAMETERS or key not in target or value is None:
             continue
         current = target[key]
         if isinstance(current, torch.Tensor) and not isinstance(value, torch.Tensor):

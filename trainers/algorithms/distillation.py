@@ -199,6 +199,10 @@ class OnPolicyDistillationObjective(_DistillationObjective):
     generalized JSD with ``beta`` at ``temperature`` over the completion tokens / the step's completion-token
     count; logs entropy, num_tokens and completions/* as TRL does."""
 
+    # TRL's DistillationTrainer divides by the step's completion tokens over every process, whatever
+    # average_tokens_across_devices says
+    follows_average_tokens_across_devices = False
+
     def __init__(self, context, teacher, tools=None):
         """``tools``: TRL's tool-calling rollouts (synchronous callables; trainers/rollout/tool_calling.py)."""
         super().__init__(context, teacher)

@@ -105,6 +105,10 @@ class Objective(ABC):
     # a resumed run continues after the batches its checkpoint trained even with ignore_data_skip=True (an objective
     # whose batches stream from elsewhere, which transformers' replay of the epoch does not reach)
     always_skips_trained_batches = False
+    # average_tokens_across_devices=False makes each data-parallel rank divide its token-count normalized loss by its
+    # own tokens, as transformers does for a trainer whose loss takes num_items_in_batch; False: the TRL trainer
+    # normalizes by the step's tokens over every rank whatever the flag says
+    follows_average_tokens_across_devices = True
 
     def __init__(self, context: ObjectiveContext):
         self.context = context

@@ -255,7 +255,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         if evaluating and self.compute_metrics is not None:
             conflicts.append(f"compute_metrics with context parallelism (cp_size={run.dims.cp}): each rank holds a slice "
                              "of every sequence's logits; evaluate the loss only (drop compute_metrics) or set cp_size=1")
-        if not self.args.average_tokens_across_devices:
+        if not self.args.average_tokens_across_devices and self.objective.follows_average_tokens_across_devices:
             conflicts.append(f"average_tokens_across_devices=False with context parallelism (cp_size={run.dims.cp}): a "
                              "data-parallel rank's tokens are spread over its context-parallel ranks; leave it True "
                              "(the step's loss over all its tokens) or set cp_size=1")

@@ -431,7 +431,8 @@ class DistributedMixin:
         integral = isinstance(normalizer.count, int)
         if self.distributed is None:
             return StepNormalization([normalizer.count] * micro_batches, 1)
-        if normalizer.counts_tokens and not self.args.average_tokens_across_devices:
+        if (normalizer.counts_tokens and not self.args.average_tokens_across_devices
+                and self.objective.follows_average_tokens_across_devices):
             # transformers' average_tokens_across_devices=False: each rank divides its loss by its own tokens and the
             # ranks' gradients are averaged (their sum over the data-parallel ranks, divided by their number); a
             # rank without a label token adds nothing (transformers would divide by 0)

@@ -89,12 +89,14 @@ ALSO_ACCEPTED = {
 }
 
 
-# accelerate's options in accelerator_config that would change what trains, and what to do instead; the others change
-# nothing here: non_blocking (a host-to-device copy flag), dispatch_batches (each rank gets the rows it would have been
-# sent), use_configured_state, and gradient_accumulation_kwargs' sync_each_batch, sync_with_dataloader and
+# accelerate's options in accelerator_config that would change what trains (the values accepted, what to do instead);
+# the others change nothing here: non_blocking (a host-to-device copy flag), use_configured_state, and
+# gradient_accumulation_kwargs' sync_each_batch, sync_with_dataloader and
 # adjust_scheduler (transformers accumulates gradients and steps its scheduler itself, as hfnative does); num_steps is
 # applied (``apply_accelerator_config``)
 ACCELERATOR_CONFIG_REFUSED = {
+    "dispatch_batches": ((None, False), "each rank reads its own rows here, which dispatch_batches=True would only "
+                                        "change in how a short last step is spread; leave it unset or False"),
     "split_batches": (False, "each rank trains on per_device_train_batch_size rows here: set it to the batch size "
                              "divided by the number of processes and leave split_batches False"),
     "even_batches": (True, "a last step shorter than the ranks is filled from the start of the data, as accelerate's "
@@ -111,7 +113,8 @@ def accelerator_config_refusals(args) -> list[str]:
     if config is None:
         return []
     found = [f"accelerator_config.{name}={getattr(config, name)!r}: {what_to_do}"
-             for name, (default, what_to_do) in ACCELERATOR_CONFIG_REFUSED.items() if getattr(config, name) != default]
+             for name, (accepted, what_to_do) in ACCELERATOR_CONFIG_REFUSED.items()
+             if getattr(config, name) not in (accepted if isinstance(accepted, tuple) else (accepted,))]
     unknown = sorted(set(config.gradient_accumulation_kwargs or {}) - set(GRADIENT_ACCUMULATION_KWARGS))
     if unknown:
         found.append(f"accelerator_config.gradient_accumulation_kwargs {unknown}: accelerate's GradientAccumulationPlugin "
@@ -126,6 +129,10 @@ def apply_accelerator_config(args) -> None:
                  or {}).get("num_steps")
     if num_steps is None:
         return
+    if hasattr(args, "steps_per_generation"):
+        raise ValueError(f"accelerator_config.gradient_accumulation_kwargs num_steps={num_steps} with "
+                         f"{type(args).__name__}: its generation batch is sized from gradient_accumulation_steps when "
+                         "the config is made, before num_steps would set it; set gradient_accumulation_steps instead")
     if args.gradient_accumulation_steps > 1:
         raise ValueError(
             "The `AcceleratorConfig`'s `num_steps` is set but `gradient_accumulation_steps` is greater than 1 in the "
