@@ -13,14 +13,9 @@ from pathlib import Path
 
 from datasets import Dataset
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL = str(ROOT / "examples" / "tiny-qwen3")
+from _distributed_train_worker import MODEL, rows
+
 STEPS = 4
-
-
-def rows(n: int = 64) -> list[dict]:
-    with open(ROOT / "examples" / "data" / "sft_prompt_completion.jsonl") as f:
-        return [json.loads(line) for line, _ in zip(f, range(n))]
 
 
 def main(output_dir: str, runner: str) -> None:
@@ -38,7 +33,7 @@ def train(module, output_dir: str, runner: str, average: str) -> None:
         max_steps=STEPS, logging_steps=1, save_strategy="no", per_device_train_batch_size=2,
         gradient_accumulation_steps=2, learning_rate=3e-3, lr_scheduler_type="constant", max_length=64, seed=11,
         average_tokens_across_devices=average == "true")
-    trainer = module.SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()))
+    trainer = module.SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows(64)))
     trainer.train()
     if int(os.environ["RANK"]) == 0:
         steps = [e for e in trainer.state.log_history if "loss" in e]

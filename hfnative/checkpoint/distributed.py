@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from hfnative.optim.in_backward import OptimizerInBackward
+from hfnative.optim.state_optimizers import dequantized
 
 from .atomic import atomic_directory
 from .rng import set_cuda_rng_states
@@ -178,6 +179,8 @@ def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
     for name, fields in optimizer_state["state"].items():
         for field, value in fields.items():
             if isinstance(value, torch.Tensor):
+                # a quantized state as the fp32 values it holds: the safetensors writer reads a tensor's storage,
+                # and a quantized state's is its wrapper's; the optimizer quantizes them again when it loads them
                 tensors[f"{OPTIMIZER_PREFIX}{name}.{field}"] = dequantized(value)
             else:
                 non_tensor_state.setdefault(name, {})[field] = to_json(value, f"optimizer state[{name!r}][{field!r}]")
@@ -187,20 +190,6 @@ def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
         "optimizer_non_tensor_state": non_tensor_state,
     }
     return tensors, rest
-
-
-def dequantized(value: torch.Tensor) -> torch.Tensor:
-    """A quantized optimizer state (torchao's 8-bit, 4-bit and float8 states, a DTensor of one) as the fp32 values it
-    holds, which the safetensors writer can store (it reads a tensor's storage; a quantized state's is its wrapper's);
-    the optimizer quantizes them again when it loads them (``hfnative.optim``'s load_state_dict). Others as they are."""
-    local = value.to_local() if isinstance(value, DTensor) else value
-    if type(local) is torch.Tensor or not hasattr(local, "dequantize"):
-        return value
-    dense = local.dequantize().float()
-    if isinstance(value, DTensor):
-        return DTensor.from_local(dense, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                                  stride=value.stride())
-    return dense
 
 
 def _check_fits(directory: Path, targets: dict, aliases: dict, saved: dict, model_is_part: bool) -> None:

@@ -140,12 +140,22 @@ def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x.isnan(), x, bits.view(torch.float32))
 
 
+def on_local_values(tensor: torch.Tensor, fn) -> torch.Tensor:
+    """``fn`` of ``tensor``'s local values, as a DTensor laid out like ``tensor`` when it is one (its shape and
+    stride given, as a shard may be uneven); ``fn(tensor)`` otherwise."""
+    if not isinstance(tensor, DTensor):
+        return fn(tensor)
+    return DTensor.from_local(fn(tensor.to_local()), tensor.device_mesh, tensor.placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
+
+
 def bf16_stochastically_rounded(x: torch.Tensor) -> torch.Tensor:
     """The float32 ``x`` as bf16, rounded away from zero with probability (the dropped 16 bits) / 2^16, else toward
     zero: unbiased, so an update smaller than a bf16 ulp lands on average. A DTensor rounds its local values."""
-    if isinstance(x, DTensor):
-        return DTensor.from_local(bf16_stochastically_rounded(x.to_local()), x.device_mesh, x.placements,
-                                  run_check=False, shape=x.shape, stride=x.stride())
+    return on_local_values(x, _stochastically_rounded)
+
+
+def _stochastically_rounded(x: torch.Tensor) -> torch.Tensor:
     bits = x.view(torch.int32)
     noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)
     return ((bits + noise) & -0x10000).view(torch.float32).to(torch.bfloat16)

@@ -25,7 +25,7 @@ from .bf16_updates import (
     bf16_update_choice,
     stochastic_rounding_adamw,
 )
-from .low_rank import LOW_RANK_NAMES, low_rank_class_and_kwargs
+from .low_rank import LOW_RANK_NAMES, low_rank_class_and_kwargs, optional_module
 from .state_optimizers import AdEMAMix, Lion, RMSprop, low_bit_adamw_with_full_precision_groups, requantizing
 
 logger = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ def _class_kwargs_and_target_group(settings: OptimizerSettings):
         optimizer_cls, kwargs, target_group = low_rank_class_and_kwargs(optim, settings.learning_rate, adam_kwargs, take)
     elif optim == "stable_adamw":
         # transformers' kwargs; its booleans parsed as words ("false" is False; transformers takes any word as True)
-        optimizer_cls = _import_class("optimi", "StableAdamW", "torch-optimi", optim)
+        optimizer_cls = optional_module("optimi", "torch-optimi", optim).StableAdamW
         kwargs.update(adam_kwargs, weight_decay=settings.weight_decay, decouple_lr=take("decouple_lr", _to_bool, False),
                       max_lr=take("max_lr", float), kahan_sum=take("kahan_sum", _to_bool))
     else:
@@ -285,23 +285,12 @@ def low_rank_groups(model: nn.Module, target_names, target_group: dict, optim: s
     return [{"params": others}, {"params": targets, **target_group}]
 
 
-def _import_class(module: str, name: str, package: str, optim: str):
-    try:
-        return getattr(__import__(module), name)
-    except ImportError as error:
-        raise ImportError(f"optim={optim!r} needs {module}: pip install {package}") from error
-
-
 def _schedule_free(optim: str, settings: OptimizerSettings, kwargs: dict, take, adam_kwargs: dict):
     """The schedulefree package's optimizer for ``optim`` with the kwargs transformers gives it: Adam's betas and eps
     (not SGD), ``warmup_steps`` (not RAdam, which warms up itself), ``weight_lr_power`` and ``r`` from optim_args.
     The loop calls its ``train()`` before each training step and ``eval()`` when evaluation starts, as transformers'
     does (hfnative/optim/in_backward.py passes both on to each parameter's optimizer)."""
-    try:
-        import schedulefree
-    except ImportError as error:
-        raise ImportError(f"optim={optim!r} needs the schedulefree package: pip install schedulefree (or "
-                          "pip install hfnative[schedulefree])") from error
+    schedulefree = optional_module("schedulefree", "schedulefree (or pip install hfnative[schedulefree])", optim)
     name = optim.removeprefix("schedule_free_")
     optimizer_cls = {"adamw": schedulefree.AdamWScheduleFree, "radam": getattr(schedulefree, "RAdamScheduleFree", None),
                      "sgd": schedulefree.SGDScheduleFree}[name]

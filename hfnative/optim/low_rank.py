@@ -42,7 +42,7 @@ def low_rank_class_and_kwargs(optim: str, learning_rate: float, adam_kwargs: dic
     base = optim.removesuffix(LAYERWISE_SUFFIX)
     kwargs = {"lr": learning_rate}
     if base.startswith("galore"):
-        module = _import("galore_torch", "galore-torch", optim)
+        module = optional_module("galore_torch", "galore-torch", optim)
         optimizer_cls = {"galore_adamw": "GaLoreAdamW", "galore_adamw_8bit": "GaLoreAdamW8bit",
                          "galore_adafactor": "GaLoreAdafactor"}[base]
         optimizer_cls = getattr(module, optimizer_cls)
@@ -51,18 +51,19 @@ def low_rank_class_and_kwargs(optim: str, learning_rate: float, adam_kwargs: dic
         if base == "galore_adafactor":
             kwargs.update(scale_parameter=False, relative_step=False)
     else:
-        optimizer_cls = _import("apollo_torch", "apollo-torch", optim).APOLLOAdamW
+        optimizer_cls = optional_module("apollo_torch", "apollo-torch", optim).APOLLOAdamW
         group = {"rank": take("rank", int, 128), "proj": take("proj", str, "random"),
                  "scale_type": take("scale_type", str, "channel"), "update_proj_gap": take("update_proj_gap", int, 200),
                  "scale": take("scale", float, 1.0), "proj_type": take("proj_type", str, "std"), **adam_kwargs}
     return checkpointable(optimizer_cls), kwargs, group
 
 
-def _import(module: str, package: str, optim: str):
+def optional_module(module: str, install: str, optim: str):
+    """The optional package ``module`` that ``optim`` runs on; an ImportError saying ``pip install <install>``."""
     try:
         return __import__(module)
     except ImportError as error:
-        raise ImportError(f"optim={optim!r} needs {module}: pip install {package}") from error
+        raise ImportError(f"optim={optim!r} needs {module}: pip install {install}") from error
 
 
 @functools.cache
@@ -109,4 +110,4 @@ def _projector_from_fields(fields: dict):
     return projector
 
 
-__all__ = ["LOW_RANK_NAMES", "checkpointable", "is_layerwise", "low_rank_class_and_kwargs"]
+__all__ = ["LOW_RANK_NAMES", "checkpointable", "is_layerwise", "low_rank_class_and_kwargs", "optional_module"]

@@ -26,7 +26,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from .bf16_updates import bf16_stochastically_rounded, saved_states
+from .bf16_updates import bf16_stochastically_rounded, on_local_values, saved_states
 
 MIN_8BIT_SIZE = 4096
 
@@ -51,17 +51,15 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.bf16_stochastic_round = bf16_stochastic_round
 
     def _zeros(self, param: torch.Tensor, signed: bool, group: dict) -> torch.Tensor:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        bits = group.get("optim_bits", self.optim_bits)
-        # the parameter's size decides (bitsandbytes' rule), so a shard quantizes as its rows do in one process
-        if bits == 8 and param.numel() >= MIN_8BIT_SIZE and local.numel() > 0 and local.numel() % self.block_size == 0:
-            out = _optim_state_8bit().zeros(local.shape, signed, self.block_size, local.device)
-        else:
-            out = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
-        if isinstance(param, DTensor):
-            out = DTensor.from_local(out, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                     stride=param.stride())
-        return out
+        eight_bit = group.get("optim_bits", self.optim_bits) == 8 and param.numel() >= MIN_8BIT_SIZE
+
+        def zeros(local):
+            # the parameter's size decides (bitsandbytes' rule), so a shard quantizes as its rows do in one process
+            if eight_bit and local.numel() > 0 and local.numel() % self.block_size == 0:
+                return _optim_state_8bit().zeros(local.shape, signed, self.block_size, local.device)
+            return torch.zeros(local.shape, dtype=torch.float32, device=local.device)
+
+        return on_local_values(param, zeros)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -82,7 +80,7 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                         state[name] = self._zeros(param, signed, group)
                 state["step"] += 1
                 stored = {name: state[name] for name in self.STATE_SIGNS}
-                values = {name: _dequantized(tensor) for name, tensor in stored.items()}
+                values = {name: dequantized(tensor) for name, tensor in stored.items()}
                 new_param = self._update(param.float(), param.grad.float(), values, group, int(state["step"].item()))
                 for name, tensor in stored.items():
                     tensor.copy_(values[name])
@@ -100,7 +98,7 @@ class _StateOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             state = self.state[param]
             for name, signed in self.STATE_SIGNS.items():
                 if name in saved:
-                    state[name] = requantized(saved[name], self._zeros(param, signed, group_of[id(param)]))
+                    state[name] = requantized(saved[name], lambda: self._zeros(param, signed, group_of[id(param)]))
             if "step" in saved:
                 state["step"] = saved["step"].detach().to("cpu", torch.float32)
 
@@ -194,32 +192,30 @@ class RMSprop(_StateOptimizer):
         return param - lr * grad / (torch.sqrt(square_avg) + eps)
 
 
-def _is_plain(tensor: torch.Tensor) -> bool:
+def is_plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a DTensor: its local values) is a plain tensor, not a quantized state."""
     return type(tensor.to_local() if isinstance(tensor, DTensor) else tensor) is torch.Tensor
 
 
-def requantized(value: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """A loaded state ``value`` in the form ``buffer`` (a fresh state of the parameter) has: an 8-bit buffer takes the
-    fp32 values a distributed checkpoint stores (``hfnative.checkpoint.distributed.dequantized``) quantized again
-    (the same codes, but in a block whose largest value is negative: the signed map ends at -0.993, so that block's
-    scale comes out 0.7% smaller); a state saved quantized (torch.save) is kept; a plain one comes back in fp32 on the
-    buffer's device."""
-    if not _is_plain(value):
+def dequantized(state: torch.Tensor) -> torch.Tensor:
+    """The fp32 values a quantized optimizer state holds (torchao's 8-bit, 4-bit and float8 states, a DTensor of one);
+    a plain tensor as it is."""
+    return state if is_plain(state) else on_local_values(state, lambda local: local.dequantize().float())
+
+
+def requantized(value: torch.Tensor, make_buffer) -> torch.Tensor:
+    """A loaded state ``value`` in the form the parameter's fresh state (``make_buffer()``) has: an 8-bit buffer takes
+    the fp32 values a distributed checkpoint stores (``hfnative.checkpoint.distributed``) quantized again (the same
+    codes, but in a block whose largest value is negative: the signed map ends at -0.993, so that block's scale comes
+    out 0.7% smaller); a state saved quantized (torch.save) is kept; a plain one comes back in fp32 on the buffer's
+    device."""
+    if not is_plain(value):
         return value
-    if _is_plain(buffer):
+    buffer = make_buffer()
+    if is_plain(buffer):
         return value.to(buffer.device, torch.float32)
     buffer.copy_(value.to(buffer.device, torch.float32))
     return buffer
-
-
-def _dequantized(state: torch.Tensor) -> torch.Tensor:
-    """The fp32 values of a state tensor (8-bit ones dequantized; a DTensor's local values, as a DTensor)."""
-    if isinstance(state, DTensor):
-        return DTensor.from_local(_dequantized(state.to_local()), state.device_mesh, state.placements,
-                                  run_check=False, shape=state.shape, stride=state.stride())
-    if state.dtype == torch.float32 and type(state) is torch.Tensor:
-        return state
-    return state.dequantize()
 
 
 @functools.cache
@@ -233,10 +229,9 @@ def requantizing(optimizer_cls: type[torch.optim.Optimizer]) -> type[torch.optim
             for param, saved in saved_states(self, state_dict):
                 state = self.state[param]
                 for name, signed in (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False)):
-                    if name in saved and _is_plain(saved[name]):
-                        buffer = self._new_buffer(param, signed)
-                        state[name] = (requantized(saved[name], buffer) if not _is_plain(buffer)
-                                       else state[name])
+                    buffer = self._new_buffer(param, signed) if name in saved and is_plain(saved[name]) else None
+                    if buffer is not None and not is_plain(buffer):  # plain ones: torch's loader's, as torchao makes
+                        state[name] = requantized(saved[name], lambda: buffer)
 
     Requantizing.__name__ = Requantizing.__qualname__ = optimizer_cls.__name__
     Requantizing.__module__ = __name__
@@ -254,12 +249,7 @@ def low_bit_adamw_with_full_precision_groups():
             if not any(group.get("optim_bits") == 32 and any(p is q for q in group["params"])
                        for group in self.param_groups):
                 return super()._new_buffer(p, signed)
-            local = p.to_local() if isinstance(p, DTensor) else p
-            out = torch.zeros(local.shape, dtype=torch.float32, device=local.device)
-            if isinstance(p, DTensor):
-                out = DTensor.from_local(out, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                         stride=p.stride())
-            return out
+            return on_local_values(p, lambda local: torch.zeros(local.shape, dtype=torch.float32, device=local.device))
 
     return AdamW8bitFullPrecisionGroups
 

@@ -13,6 +13,7 @@ import contextlib
 from pathlib import Path
 
 from hfnative.models.decoder import Transformer
+from hfnative.optim.low_rank import LOW_RANK_NAMES
 
 from ..running.model_loading import disable_dropout, resolve_model
 from .ppo_config import KL_ESTIMATORS, PPOConfig, resolve_batch_sizes
@@ -116,29 +117,21 @@ class PPOTrainer(Trainer):
     # steps accelerate's optimizer without clipping) ---------------------------------------------------------------
     def create_optimizer(self):
         if self.optimizer is None and self.optimizer_cls_and_kwargs is None:
-            import torch.nn as nn
-            import transformers
+            from hfnative.optim import build_optimizer
 
-            from hfnative.optim import OptimizerSettings, build_optimizer
-
-            from hfnative.optim.low_rank import LOW_RANK_NAMES
-
-            a = self.args
-            optim = str(getattr(a.optim, "value", a.optim))
-            if optim in LOW_RANK_NAMES:
-                raise ValueError(f"optim={optim!r} with PPO: the policy and the value model train under one optimizer "
-                                 "here, and GaLore / APOLLO targets are not resolved over both; choose another optim")
-            settings = OptimizerSettings(
-                optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-                adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
-                adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
-                warmup_steps=a.get_warmup_steps(self.state.max_steps),
-            )
-            self.optimizer = build_optimizer(self._trained_module(), settings)
+            self.optimizer = build_optimizer(self._trained_module(), self._optimizer_settings())
         elif self.optimizer is None:
             cls, kwargs = self.optimizer_cls_and_kwargs
             self.optimizer = cls(self._trained_parameters(), **kwargs)
         return self.optimizer
+
+    def _optim_target_names(self):
+        """GaLore / APOLLO targets are the policy's; one optimizer here steps the policy and the value model."""
+        optim = str(getattr(self.args.optim, "value", self.args.optim))
+        if optim in LOW_RANK_NAMES:
+            raise ValueError(f"optim={optim!r} with PPO: the policy and the value model train under one optimizer "
+                             "here, and GaLore / APOLLO targets are not resolved over both; choose another optim")
+        return None
 
     def _trained_module(self):
         """The policy and the value model under one module (TRL's PolicyAndValueWrapper): one optimizer, and one

@@ -37,22 +37,25 @@ class OptimizationMixin:
                     self.optimizer = OptimizerInBackward(trainable, cls, kwargs, max_grad_norm=self.args.max_grad_norm)
                 else:
                     self.optimizer = cls(trainable, **kwargs)
+            elif self.args.optimizer_in_backward:
+                self.optimizer = OptimizerInBackward.from_model(self.native_model, self._optimizer_settings(),
+                                                                max_grad_norm=self.args.max_grad_norm)
             else:
-                a = self.args
-                settings = OptimizerSettings(
-                    optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-                    adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
-                    adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
-                    # a ratio (< 1) in steps, as the LR schedule reads it (transformers hands the schedule-free
-                    # optimizers the ratio itself, which they take as a step count below one)
-                    warmup_steps=a.get_warmup_steps(self.state.max_steps),
-                    optim_target_names=self._optim_target_names(),
-                )
-                if a.optimizer_in_backward:
-                    self.optimizer = OptimizerInBackward.from_model(self.native_model, settings, max_grad_norm=a.max_grad_norm)
-                else:
-                    self.optimizer = build_optimizer(self.native_model, settings)
+                self.optimizer = build_optimizer(self.native_model, self._optimizer_settings())
         return self.optimizer
+
+    def _optimizer_settings(self) -> OptimizerSettings:
+        """The TrainingArguments fields hfnative's optimizers are built from."""
+        a = self.args
+        return OptimizerSettings(
+            optim=a.optim, learning_rate=a.learning_rate, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, adam_epsilon=a.adam_epsilon, optim_args=a.optim_args,
+            adafactor_class=transformers.Adafactor, bf16_weight_updates=a.bf16_weight_updates,
+            # a ratio (< 1) in steps, as the LR schedule reads it (transformers hands the schedule-free optimizers the
+            # ratio itself, which they take as a step count below one)
+            warmup_steps=a.get_warmup_steps(self.state.max_steps),
+            optim_target_names=self._optim_target_names(),
+        )
 
     # transformers' static helper: the optimizer class and kwargs TrainingArguments' ``optim`` names
     get_optimizer_cls_and_kwargs = staticmethod(transformers.Trainer.get_optimizer_cls_and_kwargs)
