@@ -20,6 +20,7 @@ import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
 from hfnative.checkpoint import atomic_files
+from hfnative.peft.adapters import folded_expert_weights
 from hfnative.peft.lora import LoraLinear
 from hfnative.peft.quantize import dequantize, is_nf4
 
@@ -65,6 +66,7 @@ def merged_native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             state[f"{name}.weight"] = module.merged_weight()
         elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_nf4(module.weight):
             state[f"{name}.weight"] = dequantize(module.weight)
+    state.update(folded_expert_weights(model))
     return state
 
 

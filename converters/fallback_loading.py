@@ -110,10 +110,18 @@ def native_lora_refusal(peft_config, config=None) -> str | None:
     try:
         lora_settings(peft_config)
         if config is not None:
-            family_for_config(config).config_to_args(config)
+            family = family_for_config(config)
+            args = family.config_to_args(config)
     except (UnsupportedModelError, ValueError) as err:
         return str(err)
-    return None
+    if config is None:
+        return None
+    from types import SimpleNamespace
+
+    from .lora_targets import expert_targets_refusal, target_parameters_refusal
+
+    described = ConvertedModel(SimpleNamespace(args=args), config, family)  # what the refusals read: no weights
+    return expert_targets_refusal(described, peft_config) or target_parameters_refusal(described, peft_config)
 
 
 def peft_route_reason(model, peft_config) -> str | None:
@@ -123,9 +131,9 @@ def peft_route_reason(model, peft_config) -> str | None:
         return f"{architecture_name(model.config)} has no native implementation"
     reason = native_lora_refusal(peft_config)
     if reason is None and isinstance(model, ConvertedModel):
-        from .lora_targets import expert_targets_refusal
+        from .lora_targets import expert_targets_refusal, target_parameters_refusal
 
-        reason = expert_targets_refusal(model, peft_config)
+        reason = expert_targets_refusal(model, peft_config) or target_parameters_refusal(model, peft_config)
     return reason
 
 

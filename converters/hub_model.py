@@ -37,7 +37,7 @@ from torch import nn
 from hfnative.models.args import ModelArgs
 from hfnative.models.classifier import SequenceClassifier
 from hfnative.models.decoder import Transformer
-from hfnative.peft.adapters import disable_adapters, lora_modules
+from hfnative.peft.adapters import disable_adapters, has_adapters
 
 from .families import family_for_config
 from .loading import ConvertedModel
@@ -121,7 +121,7 @@ class HubModelMixin(metaclass=abc.ABCMeta):
         return ["default"] if self._has_adapters() else []
 
     def _has_adapters(self) -> bool:
-        return bool(lora_modules(self))
+        return has_adapters(self)
 
     @contextlib.contextmanager
     def disable_adapter(self):

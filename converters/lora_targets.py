@@ -7,15 +7,17 @@ rank/alpha patterns and modules_to_save apply as in peft. The family's ``Piece``
 linear(s) each Hub module is (``hub_modules``), so the mapping is stated once. A fused Hub projection
 (Phi-3's qkv_proj, gate_up_proj) becomes one ``LoraTarget`` over the native projections it splits into.
 
-Not adaptable: MoE experts (transformers 5 keeps them as stacked 3-D parameters, not modules; peft
-adapts them through ``target_parameters``, hfnative not at all), MoE routers (not nn.Linear in
-transformers 5), the output head and the embedding (they can train in full through modules_to_save).
+MoE experts are no modules in transformers 5 but stacked 3-D parameters, which peft adapts through
+``target_parameters`` (matched as suffixes of the parameter keys): natively the stacked ``gate_up_proj`` /
+``down_proj`` of GPT-OSS, Qwen3-MoE and Mixtral (``fused_expert_parameters``; hfnative.peft.expert_lora). Not
+adaptable: MoE routers (not nn.Linear in transformers 5), the output head and the embedding (they can train in full
+through modules_to_save).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -163,6 +165,8 @@ def resolved_target_modules(converted: ConvertedModel, settings: LoraSettings):
     """target_modules as peft stores it after resolving: a regex string, or a set of names/paths."""
     target_modules = settings.target_modules
     model_type = getattr(converted.config, "model_type", None)
+    if target_modules is None and settings.target_parameters:
+        return set()  # peft adapts the parameters alone
     if target_modules is None:
         if model_type not in DEFAULT_TARGET_MODULES:
             raise ValueError(
@@ -194,14 +198,21 @@ def _pattern_value(patterns: dict, key: str, default):
 
 
 def expert_targets_refusal(converted: ConvertedModel, settings) -> str | None:
-    """Why hfnative's native LoRA cannot carry ``settings`` on this MoE model (None: it can). peft 0.21 turns MoE
-    expert (and, for all-linear, router) targets into ``target_parameters`` LoRA on transformers 5's stacked expert
-    tensors; hfnative has no LoRA for stacked experts, so such a config trains through peft on transformers' module
-    rather than adapting fewer modules than peft would."""
+    """Why hfnative's native LoRA cannot carry ``settings`` on this MoE model (None: it can). peft 0.21 turns
+    target_modules that reach the experts of transformers 5's stacked expert tensors (and, for all-linear, the router)
+    into target_parameters of its own choosing (a Qwen3-MoE gate_up_proj at twice the rank, say); hfnative follows
+    explicit target_parameters only, so such a config trains through peft on transformers' module rather than
+    adapting other tensors than peft would."""
     if converted.args.moe is None:
         return None
     settings = lora_settings(settings)
     target_modules = settings.target_modules
+    if target_modules is None:  # peft's per-architecture default, or no module when parameters are targeted
+        if settings.target_parameters:
+            return None
+        target_modules = DEFAULT_TARGET_MODULES.get(getattr(converted.config, "model_type", None))
+        if target_modules is None:
+            return None
     expert_paths = [p for p in _module_paths(hub_parameter_pieces(converted), with_experts=True) if ".experts." in p]
     if isinstance(target_modules, str) and target_modules.lower() == ALL_LINEAR:
         hit = expert_paths[:1]
@@ -210,8 +221,98 @@ def expert_targets_refusal(converted: ConvertedModel, settings) -> str | None:
     if not hit:
         return None
     return (f"LoRA target_modules={target_modules!r} reaches the MoE experts of this {converted.family.name} model "
-            f"(e.g. {hit[0]}), which peft adapts through target_parameters on the stacked expert tensors and hfnative's "
-            "native LoRA does not")
+            f"(e.g. {hit[0]}), which peft turns into target_parameters on the stacked expert tensors by rules of its "
+            "own; hfnative's native LoRA follows target_parameters given explicitly")
+
+
+# --- stacked expert tensors: peft's target_parameters ------------------------------------------------------------
+
+# how transformers 5 holds each family's gate and up projections in one stacked gate_up_proj: as its output features'
+# first and second halves, or interleaved feature by feature (gate, up, gate, up, ...)
+GATE_UP_LAYOUT = {"qwen3_moe": "halves", "mixtral": "halves", "gpt_oss": "interleaved"}
+
+
+@dataclass
+class ExpertParameter:
+    """A stacked expert tensor of the transformers model and the native weights it is."""
+
+    key: str  # "model.layers.0.mlp.experts.gate_up_proj"
+    module: str  # the native GroupedExperts: "layers.0.moe.experts"
+    in_features: int
+    out_features: int
+    parts: dict[str, slice]  # native weight ("w1") -> its output features (rows of the adapter's B)
+
+
+@dataclass
+class ExpertTarget:
+    parameter: ExpertParameter
+    r: int
+    lora_alpha: float
+
+
+def fused_expert_parameters(converted: ConvertedModel) -> dict[str, ExpertParameter]:
+    """transformers 5's stacked expert tensors of the model (``model.layers.{i}.mlp.experts.gate_up_proj`` /
+    ``.down_proj``, in that order, as transformers registers them), by Hub key; empty for a family without them."""
+    args = converted.args
+    layout = GATE_UP_LAYOUT.get(converted.family.name)
+    if args.moe is None or layout is None:
+        return {}
+    dim, hidden = args.dim, args.moe.intermediate_size
+    if layout == "halves":
+        gate_up = {"w1": slice(0, hidden), "w3": slice(hidden, 2 * hidden)}
+    else:
+        gate_up = {"w1": slice(0, None, 2), "w3": slice(1, None, 2)}
+    found = {}
+    for layer_id in range(args.n_layers):
+        if not args.is_moe_layer(layer_id):
+            continue
+        hub, native = f"model.layers.{layer_id}.mlp.experts", f"layers.{layer_id}.moe.experts"
+        found[f"{hub}.gate_up_proj"] = ExpertParameter(f"{hub}.gate_up_proj", native, dim, 2 * hidden, gate_up)
+        found[f"{hub}.down_proj"] = ExpertParameter(f"{hub}.down_proj", native, hidden, dim, {"w2": slice(None)})
+    return found
+
+
+def _parameter_keys(converted: ConvertedModel) -> list[str]:
+    """The keys peft's target_parameters are matched against: the stacked expert tensors and every other Hub
+    parameter (per-expert checkpoint keys left out: transformers 5 stacks them)."""
+    others = [key for key, pieces in hub_parameter_pieces(converted).items()
+              if all(p.native_index is None for p in pieces) and ".experts." not in key]
+    return list(fused_expert_parameters(converted)) + others
+
+
+def _parameter_matches(settings: LoraSettings, key: str) -> bool:
+    """peft 0.21's target_parameters rule: the key itself or a dotted suffix of it."""
+    return any(key == target or key.endswith(f".{target}") for target in settings.target_parameters or ())
+
+
+def target_parameters_refusal(converted: ConvertedModel, settings) -> str | None:
+    """Why hfnative's native LoRA cannot carry ``settings``' target_parameters on this model (None: it can, or there
+    are none): it adapts the stacked expert tensors of its MoE families, and peft any 2-D or 3-D parameter."""
+    settings = lora_settings(settings)
+    if not settings.target_parameters:
+        return None
+    experts = fused_expert_parameters(converted)
+    other = [key for key in _parameter_keys(converted) if key not in experts and _parameter_matches(settings, key)]
+    if other:
+        return (f"LoRA target_parameters={settings.target_parameters!r} reaches {other[0]}, and hfnative adapts "
+                "parameters only where they are the stacked MoE expert tensors of GPT-OSS, Qwen3-MoE and Mixtral "
+                "(gate_up_proj, down_proj)")
+    return None
+
+
+def _expert_targets(converted: ConvertedModel, settings: LoraSettings) -> list[ExpertTarget]:
+    targets = []
+    for key, parameter in fused_expert_parameters(converted).items():
+        if _parameter_matches(settings, key):
+            r = _pattern_value(settings.rank_pattern, key, settings.r)
+            alpha = _pattern_value(settings.alpha_pattern, key, settings.lora_alpha)
+            targets.append(ExpertTarget(parameter, r, alpha))
+    if settings.target_parameters and not targets:
+        refusal = target_parameters_refusal(converted, settings)
+        raise ValueError(refusal or f"LoRA target_parameters={settings.target_parameters!r} matches no parameter of "
+                                    f"the {converted.family.name} model (its stacked expert tensors: "
+                                    f"{sorted({k.rpartition('.')[2] for k in fused_expert_parameters(converted)})})")
+    return targets
 
 
 @dataclass
@@ -222,6 +323,7 @@ class LoraPlan:
     targets: list[LoraTarget]  # the same, natively
     copies: list[str]  # native parameter names trained in full (modules_to_save)
     untie: bool  # a tied head/embedding is among modules_to_save
+    expert_targets: list[ExpertTarget] = field(default_factory=list)  # target_parameters, in Hub order
 
 
 def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
@@ -230,13 +332,14 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
     modules = hub_modules(converted)
     pieces_of = hub_parameter_pieces(converted)
     target_modules = resolved_target_modules(converted, settings)
-    refusal = expert_targets_refusal(converted, settings)
+    refusal = expert_targets_refusal(converted, settings) or target_parameters_refusal(converted, settings)
     if refusal is not None:  # the trainers route such a config to peft (fallback_loading.peft_route_reason)
         raise ValueError(f"{refusal}: train it through peft (a peft_config given to a trainer does), or target the "
                          "attention projections, e.g. ['q_proj', 'k_proj', 'v_proj', 'o_proj']")
+    expert_targets = _expert_targets(converted, settings)
     adapted, targets, unsupported = [], [], []
     for path in _module_paths(pieces_of):
-        if not _is_target(settings, target_modules, path):
+        if target_modules is None or not _is_target(settings, target_modules, path):
             continue
         module = modules.get(path)
         if module is None or not module.lora_ok:
@@ -252,7 +355,7 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
             "LoRA applies to the nn.Linear projections of attention and dense MLPs; the output head and the "
             "embedding can train in full with modules_to_save=['lm_head'] / ['embed_tokens']"
         )
-    if not adapted:
+    if not adapted and not expert_targets:
         note = f" (layers_to_transform={settings.layers_to_transform})" if settings.layers_to_transform is not None else ""
         linear = sorted({m.path.rpartition(".")[2] for m in modules.values() if m.lora_ok})
         raise ValueError(
@@ -280,10 +383,11 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
                     if piece.native_key not in copies:
                         copies.append(piece.native_key)
     untie = converted.args.tie_embeddings and any(k in copies for k in ("tok_embeddings.weight", "output.weight"))
-    return LoraPlan(adapted, targets, copies, untie)
+    return LoraPlan(adapted, targets, copies, untie, expert_targets)
 
 
-__all__ = ["DEFAULT_TARGET_MODULES", "HubModule", "LoraPlan", "hub_modules", "hub_parameter_pieces", "plan_lora", "resolved_target_modules"]
+__all__ = ["DEFAULT_TARGET_MODULES", "ExpertParameter", "ExpertTarget", "HubModule", "LoraPlan", "fused_expert_parameters",
+           "hub_modules", "hub_parameter_pieces", "plan_lora", "resolved_target_modules", "target_parameters_refusal"]
 
 
 # --- GaLore / APOLLO targets: transformers' rule -------------------------------------------------------------------

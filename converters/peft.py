@@ -16,9 +16,13 @@ from pathlib import Path
 import torch
 
 from hfnative.peft import (
+    ExpertLoraTarget,
     LoraSettings,
+    add_expert_lora,
     add_lora,
     add_trainable_copies,
+    expert_lora_modules,
+    has_adapters,
     lora_modules,
     lora_settings,
     mark_trainable,
@@ -30,7 +34,13 @@ from hfnative.peft import (
 
 from .export import write_atomically, hub_tensor
 from .loading import ConvertedModel
-from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora, resolved_target_modules
+from .lora_targets import (
+    fused_expert_parameters,
+    hub_modules,
+    hub_parameter_pieces,
+    plan_lora,
+    resolved_target_modules,
+)
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -57,7 +67,7 @@ def apply_lora(
     """
     settings = lora_settings(settings)
     model = converted.model
-    if lora_modules(model):
+    if has_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge_lora() it first or start from the base model")
     plan = plan_lora(converted, settings)
     if plan.untie:
@@ -67,8 +77,33 @@ def apply_lora(
     if nf4 is not None:
         quantize_base_nf4(model, nf4.compute_dtype)
     add_lora(model, plan.targets, settings)
+    add_expert_lora(model, [ExpertLoraTarget(t.parameter.module, t.parameter.key.rpartition(".")[2],
+                                             t.parameter.in_features, t.parameter.out_features,
+                                             tuple(t.parameter.parts.items()), t.r, t.lora_alpha)
+                            for t in plan.expert_targets], settings)
     mark_trainable(model, settings.bias, trainable=not settings.inference_mode)
-    return plan.adapted
+    return plan.adapted + [t.parameter.key for t in plan.expert_targets]
+
+
+def expert_adapter_keys(converted: ConvertedModel) -> dict[str, str]:
+    """The adapters on stacked expert tensors: each tensor's key as peft saves it (without ``base_model.model.``) ->
+    its native parameter name. peft wraps every targeted parameter of a module in one more ``ParamWrapper``, in the
+    order the module registers them, so the first (``gate_up_proj``) lies deepest:
+    ``model.layers.0.mlp.experts.base_layer.lora_A.weight`` when ``down_proj`` is adapted too (its own adapter
+    ``model.layers.0.mlp.experts.lora_A.weight``)."""
+    adapters = expert_lora_modules(converted.model)
+    by_module: dict[str, list[tuple[str, str]]] = {}
+    for key, parameter in fused_expert_parameters(converted).items():
+        native = f"{parameter.module}.lora.{key.rpartition('.')[2]}"
+        if native in adapters:
+            by_module.setdefault(key.rpartition(".")[0], []).append((key, native))
+    keys = {}
+    for path, adapted in by_module.items():
+        for depth, (_, native) in enumerate(reversed(adapted)):  # the last registered is the outermost wrapper
+            prefix = path + ".base_layer" * depth
+            for attr in ("lora_A", "lora_B"):
+                keys[f"{prefix}.{attr}.weight"] = f"{native}.{attr}"
+    return keys
 
 
 # --- writing and reading PEFT folders ------------------------------------------------------------------
@@ -134,7 +169,7 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
         "rank_pattern": dict(settings.rank_pattern),
         "revision": None,
         "target_modules": _json_list(resolved_target_modules(converted, settings)),
-        "target_parameters": None,
+        "target_parameters": _json_list(settings.target_parameters),
         "task_type": settings.task_type,
         "trainable_token_indices": None,
         "use_bdlora": None,
@@ -172,6 +207,8 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
         if parts[0].lora_magnitude_vector is not None:
             tensors[f"{prefix}.lora_magnitude_vector"] = torch.cat(
                 [native[f"{name}.lora_magnitude_vector"].detach() for name in module.native])
+    for key, name in expert_adapter_keys(converted).items():
+        tensors[PEFT_PREFIX + key] = native[name].detach()
 
     copies = {name for name, _, _ in trainable_copies(model)}
     for hf_key, pieces in hub_parameter_pieces(converted).items():
@@ -219,9 +256,16 @@ def save_adapter(
     if base_model_name_or_path is None and converted.source_dir is not None:
         base_model_name_or_path = str(converted.source_dir)
     loras = lora_modules(converted.model)
-    if not loras:
+    if not has_adapters(converted.model):
         raise ValueError("the model has no LoRA adapters to save; call apply_lora() first")
-    planned = {n for target in plan_lora(converted, settings).targets for n in target.modules}
+    plan = plan_lora(converted, settings)
+    planned = {n for target in plan.targets for n in target.modules}
+    planned_experts = {f"{t.parameter.module}.lora.{t.parameter.key.rpartition('.')[2]}" for t in plan.expert_targets}
+    if planned_experts != set(expert_lora_modules(converted.model)):
+        raise ValueError(
+            "save_adapter: the settings' target_parameters do not describe the model's adapters on stacked experts "
+            f"({sorted(planned_experts)[:3]} against {sorted(expert_lora_modules(converted.model))[:3]}); pass the "
+            "settings given to apply_lora")
     if planned != set(loras):
         raise ValueError(
             "save_adapter: the settings do not describe the model's adapters (they would target "
@@ -256,6 +300,7 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
     modules = hub_modules(converted)
     pieces_of = hub_parameter_pieces(converted)
     loras = lora_modules(model)
+    expert_keys = expert_adapter_keys(converted)
     params = dict(model.named_parameters(remove_duplicate=False))
     written, unexpected, wrong_shape = set(), [], []
 
@@ -272,6 +317,9 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
     with torch.no_grad():
         for key, value in state.items():
             hub_key = key.removeprefix(PEFT_PREFIX)
+            if hub_key in expert_keys:
+                put(expert_keys[hub_key], value, key)
+                continue
             lora_kind = next((k for k in (".lora_A.weight", ".lora_B.weight", ".lora_magnitude_vector") if hub_key.endswith(k)), None)
             if lora_kind is not None:
                 module = modules.get(hub_key[: -len(lora_kind)])
@@ -292,7 +340,7 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
                 rows = piece.hf_rows
                 put(piece.native_key, value if rows is None else value[rows[0] : rows[1]], key)
     expected = {f"{name}.{attr}" for name, m in loras.items() for attr in ("lora_A", "lora_B", "lora_magnitude_vector") if getattr(m, attr) is not None}
-    expected |= {name for name, _, _ in trainable_copies(model)}
+    expected |= {name for name, _, _ in trainable_copies(model)} | set(expert_keys.values())
     missing = sorted(expected - written)
     problems = []
     if unexpected:
@@ -328,6 +376,7 @@ __all__ = [
     "ADAPTER_WEIGHTS_NAME",
     "adapter_config",
     "apply_lora",
+    "expert_adapter_keys",
     "hub_adapter_state_dict",
     "load_adapter",
     "load_adapter_weights",

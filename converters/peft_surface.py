@@ -33,13 +33,13 @@ import torch
 from torch import nn
 
 from hfnative.models.classifier import SequenceClassifier
-from hfnative.peft import lora_modules
+from hfnative.peft import has_adapters, lora_modules
 from hfnative.peft.adapters import ORIGINAL_PREFIX
 
 from .export import hub_tensor
 from .hub_model import _weights_version
 from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora
-from .peft import PEFT_PREFIX
+from .peft import PEFT_PREFIX, expert_adapter_keys
 
 _LORA_KINDS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
@@ -194,13 +194,14 @@ def _attribute(root: nn.Module, dotted: str):
     return getattr(root.get_submodule(module_name) if module_name else root, leaf)
 
 
-def _peft_config(settings, adapted: list[str]):
+def _peft_config(settings, adapted: list[str], parameters: list[str]):
     from peft import LoraConfig
 
     return LoraConfig(
         r=settings.r,
         lora_alpha=settings.lora_alpha,
         target_modules=list(adapted),  # exact module paths: peft takes them as they are
+        target_parameters=list(parameters) or None,  # exact parameter keys likewise
         lora_dropout=settings.lora_dropout,
         bias=settings.bias,
         use_rslora=settings.use_rslora,
@@ -212,7 +213,7 @@ def _peft_config(settings, adapted: list[str]):
     )
 
 
-def _meta_peft_model(converted, settings, adapted: list[str]):
+def _meta_peft_model(converted, settings, adapted: list[str], parameters: list[str]):
     """The transformers model for ``converted.config`` on the meta device, with peft's LoRA on it."""
     import warnings
 
@@ -224,7 +225,7 @@ def _meta_peft_model(converted, settings, adapted: list[str]):
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_model = auto.from_config(converted.config)
-        return get_peft_model(hf_model, _peft_config(settings, adapted))
+        return get_peft_model(hf_model, _peft_config(settings, adapted, parameters))
 
 
 def _runtime_parameters(converted):
@@ -268,11 +269,15 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
 
         return _Source(assemble=assemble)
 
+    expert_keys = expert_adapter_keys(converted)
     sources = {}
     for full, meta in peft_names.items():
         name = full.removeprefix(PEFT_PREFIX)
         kind = next((k for k in _LORA_KINDS if f".{k}.default." in name or name.endswith(f".{k}.default")), None)
-        if kind is not None:
+        if kind is not None and name.replace(f".{kind}.default", f".{kind}") in expert_keys:
+            source = _Source(native=expert_keys[name.replace(f".{kind}.default", f".{kind}")])
+            source.requires_grad = True
+        elif kind is not None:
             path = name.split(f".{kind}.default")[0]
             parts = [loras[n] for n in modules[path].native]
             names = [f"{n}.{kind}" for n in modules[path].native]
@@ -290,7 +295,9 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
             has_original = all(_original_name(p.native_key) in buffers for p in pieces)
             source = from_pieces(pieces, originals=has_original)
         else:
-            hub_key = name.replace(".base_layer.", ".")
+            hub_key = name
+            while ".base_layer." in hub_key:  # a parameter under nested wrappers (several stacked expert tensors)
+                hub_key = hub_key.replace(".base_layer.", ".")
             source = from_pieces(pieces_of[hub_key]) if hub_key in pieces_of else runtime_tensor(hub_key)
             source.requires_grad = bool(meta.requires_grad)
         sources[full] = source
@@ -310,10 +317,10 @@ def peft_surface(converted, settings) -> nn.Module:
     cached = model.__dict__.get("_peft_surface")
     if cached is not None:
         return cached
-    if not lora_modules(model):
+    if not has_adapters(model):
         raise ValueError("peft_surface(): the model has no LoRA adapters")
-    adapted = plan_lora(converted, settings).adapted
-    skeleton = _meta_peft_model(converted, settings, adapted)
+    plan = plan_lora(converted, settings)
+    skeleton = _meta_peft_model(converted, settings, plan.adapted, [t.parameter.key for t in plan.expert_targets])
     slots: dict[str, list[tuple[nn.Module, str]]] = {}
     peft_names = {}
     for module_name, module in skeleton.named_modules(remove_duplicate=False):

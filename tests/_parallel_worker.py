@@ -53,7 +53,7 @@ from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.parallel import ParallelDims, end_process_group, parallelize
 from hfnative.parallel.grad_norm import replicate_partial_gradients
 from hfnative.parallel.tensor_parallel import _rows_like
-from hfnative.peft.adapters import LoraTarget, add_lora, mark_trainable
+from hfnative.peft.adapters import ExpertLoraTarget, LoraTarget, add_expert_lora, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
 
 STEPS, ROWS, SEQ = 5, 4, 16
@@ -183,9 +183,20 @@ LORA_TARGETS = [
 ]
 
 
+def expert_lora_targets(args) -> list[ExpertLoraTarget]:
+    """LoRA on every MoE layer's stacked gate/up (its halves) and down tensors (peft's target_parameters)."""
+    D, I = args.dim, args.moe.intermediate_size
+    return [target for layer in range(args.n_layers) if args.is_moe_layer(layer) for target in (
+        ExpertLoraTarget(f"layers.{layer}.moe.experts", "gate_up_proj", D, 2 * I,
+                         (("w1", slice(0, I)), ("w3", slice(I, 2 * I))), r=4, lora_alpha=8.0),
+        ExpertLoraTarget(f"layers.{layer}.moe.experts", "down_proj", I, D, (("w2", slice(None)),), r=2, lora_alpha=8.0))]
+
+
 def add_adapters(model) -> None:
-    """LoRA on the q and v projections; only the adapters train."""
+    """LoRA on the q and v projections, and on a mixture of experts' stacked experts; only the adapters train."""
     add_lora(model, LORA_TARGETS, LoraSettings(r=4, lora_alpha=8))
+    if model.args.moe is not None:
+        add_expert_lora(model, expert_lora_targets(model.args), LoraSettings(r=4, lora_alpha=8))
     mark_trainable(model)
 
 
@@ -528,6 +539,7 @@ LAYOUTS = {
         ("FSDP2 (untied), optimizer in backward", "untied", dict(dp_shard=2), {"in_backward": True}),
         ("FSDP2 (mixture of experts)", "moe", dict(dp_shard=2), {}),
         ("FSDP2 + LoRA (adapters sharded with their blocks)", "untied", dict(dp_shard=2), {"lora": True}),
+        ("FSDP2 + LoRA on the stacked experts (target_parameters)", "moe", dict(dp_shard=2), {"lora": True}),
         ("TP2 (untied, qk-norm)", "untied", dict(dp_shard=1, tp=2), {}),
         ("TP2 (tied, bias, padding_idx)", "tied", dict(dp_shard=1, tp=2), {}),
         ("replicate only (dp_replicate=2, DDP-like)", "untied", dict(dp_replicate=2, dp_shard=1), {}),

@@ -3,14 +3,15 @@ is added as TRL adds it (coef from the model config, / accumulation steps), and 
 
 Per step: loss, grad_norm, aux_loss, entropy and mean_token_accuracy agree within 1e-4 relative. LoRA whose
 target_modules reach the experts ("all-linear") trains through peft on transformers' module, as under TRL: the same
-parameters train and the steps agree.
+parameters train and the steps agree. LoRA with explicit target_parameters on the stacked expert tensors (the way
+gpt-oss is fine-tuned with TRL) trains natively, with the same steps and parameter names as TRL + peft.
 """
 
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
 import hfnative
 from test_sft_vs_trl import MODEL, STEPS, _assert_same_logs, _config, _dataset
@@ -85,6 +86,40 @@ def test_lora_on_the_experts_trains_as_peft_does(tmp_path_factory, tmp_path):
     ours, our_trained = _run(hfnative, directory, tmp_path, peft_config=peft.LoraConfig(**lora), learning_rate=1e-2)
     _assert_same_logs(ours, theirs)
     assert our_trained == their_trained and any(".mlp.experts." in name for name in their_trained)
+
+
+EXPERT_LORA = {
+    "gpt_oss": (lambda: GptOssConfig(**COMMON, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                                     layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+                dict(target_modules="all-linear", target_parameters=["1.mlp.experts.gate_up_proj",
+                                                                     "1.mlp.experts.down_proj"])),
+    "qwen3_moe": (CONFIGS["qwen3_moe"], dict(target_modules=["q_proj", "v_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPERT_LORA))
+def test_lora_on_stacked_experts_trains_natively_as_peft_does(family, tmp_path_factory, tmp_path):
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    from hfnative.peft import expert_lora_modules
+
+    make_config, targets = EXPERT_LORA[family]
+    directory = tmp_path_factory.mktemp(f"{family}-expert-lora")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(make_config()).save_pretrained(str(directory))
+    TOKENIZER.save_pretrained(str(directory))
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, **targets)
+    theirs, their_trained = _run(trl, directory, tmp_path, peft_config=peft.LoraConfig(**lora), learning_rate=1e-2)
+    trainer = hfnative.SFTTrainer(model=str(directory), args=_config(hfnative, tmp_path / "ours", 2, learning_rate=1e-2),
+                                  train_dataset=_dataset("text"),
+                                  processing_class=AutoTokenizer.from_pretrained(str(directory)),
+                                  peft_config=peft.LoraConfig(**lora))
+    assert expert_lora_modules(trainer.converted.model), "the experts' adapters should be native"
+    ours, our_trained = _run(hfnative, directory, tmp_path, peft_config=peft.LoraConfig(**lora), learning_rate=1e-2)
+    _assert_same_logs(ours, theirs)
+    assert our_trained == their_trained
+    assert any(".mlp.experts." in name and "lora_B" in name for name in their_trained)
 
 
 def test_aux_loss_coef_on_a_dense_model_is_refused(tmp_path):

@@ -56,8 +56,13 @@ CASES = [
     ("phi3-all-linear", "phi3-gqa", dict(r=4, target_modules="all-linear", exclude_modules=["o_proj"])),
     # 3 layers x 7 linears >= 20: peft condenses the resolved all-linear paths to suffixes before saving
     ("all-linear-condensed", "gemma3-alternating", dict(r=2, target_modules="all-linear")),
+    # target_parameters: transformers 5's stacked expert tensors (gate/up as halves, or interleaved for GPT-OSS)
+    ("experts-qwen3moe", "qwen3moe-topk-norm", dict(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
+    ("experts-gptoss-by-layer", "gptoss-alternating-yarn", dict(r=4, target_modules="all-linear", target_parameters=["1.mlp.experts.gate_up_proj", "0.mlp.experts.down_proj"])),
+    ("experts-mixtral-only", "mixtral-top2", dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], rank_pattern={"down_proj": 3})),
 ]
-MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern"]
+MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern",
+               "experts-qwen3moe", "experts-gptoss-by-layer"]
 _BY_ID = {case_id: (checkpoint, fields) for case_id, checkpoint, fields in CASES}
 
 
@@ -137,7 +142,7 @@ def test_logits_and_saved_adapter_match_peft(case_id, checkpoint_dir, tmp_path):
     ours = json.loads((ours_dir / "adapter_config.json").read_text())
     theirs = json.loads((tmp_path / "peft-adapter" / "adapter_config.json").read_text())
     assert sorted(ours) == sorted(theirs)
-    for key in ("target_modules", "exclude_modules"):  # sets in peft, written in no particular order
+    for key in ("target_modules", "exclude_modules", "target_parameters"):  # sets in peft, in no particular order
         if isinstance(theirs[key], list):
             assert sorted(ours.pop(key)) == sorted(theirs.pop(key)), key
     assert ours == theirs
@@ -223,10 +228,10 @@ def test_only_adapters_train_and_steps_match_peft(checkpoint_dir, tmp_path):
         assert not torch.equal(after[name], value), f"{name} did not train"
 
 
-@pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save"])
+@pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save", "experts-gptoss-by-layer"])
 def test_disable_adapters_runs_the_base_model(case_id, checkpoint_dir, tmp_path):
     checkpoint, fields = _BY_ID[case_id]
-    fields = dict(fields, use_dora=True)
+    fields = dict(fields, use_dora=not fields.get("target_parameters"))  # peft's parameter adapters take no DoRA
     peft_model, converted = _native_pair(checkpoint_dir(checkpoint), fields, tmp_path)
     ids = _input_ids()
     base = AutoModelForCausalLM.from_pretrained(str(checkpoint_dir(checkpoint))).eval()

@@ -87,6 +87,9 @@ class GroupedExperts(nn.Module):
             self.b1, self.b2, self.b3 = (nn.Parameter(torch.empty(E, n)) for n in (I, dim, I))
         else:
             self.b1 = self.b2 = self.b3 = None
+        # adapters on the stacked weights (hfnative.peft.expert_lora, peft's target_parameters): a ModuleDict whose
+        # modules have ``parts`` (the weights each changes), ``adapter_enabled`` and ``fold(name, weight)``
+        self.lora: nn.ModuleDict | None = None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):
@@ -102,6 +105,8 @@ class GroupedExperts(nn.Module):
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
         # under expert parallelism the stacked weights are DTensors split over the experts: this rank's experts
         w1, w2, w3, b1, b2, b3 = (local_values(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
+        if self.lora is not None:
+            w1, w2, w3 = (self.adapted(name, w) for name, w in (("w1", w1), ("w2", w2), ("w3", w3)))
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
             out = _ContiguousGrad.apply(_grouped_mm(x, w_EOI.transpose(-2, -1), offsets_E))
@@ -113,6 +118,13 @@ class GroupedExperts(nn.Module):
         else:
             hidden_TI = gated_activation(gate_TI, up_TI, self.activation)
         return grouped(hidden_TI, w2, b2)
+
+    def adapted(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (the stacked weight ``name``) with every enabled adapter on it folded in."""
+        for adapter in (self.lora or {}).values():
+            if adapter.adapter_enabled and name in adapter.parts:
+                weight = adapter.fold(name, weight)
+        return weight
 
 
 def local_values(t: torch.Tensor | None) -> torch.Tensor | None:

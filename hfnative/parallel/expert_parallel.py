@@ -81,6 +81,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh, token_group=Non
     token_group: the process group of all ranks holding different tokens (the router's loss is taken over them).
     Call before FSDP2 (``parallelize`` does), on the meta device or on real weights.
     """
+    for module in model.modules():
+        if isinstance(module, MoE) and module.experts.lora is not None:
+            raise ValueError("expert parallelism with LoRA on the stacked experts (target_parameters) is not "
+                             "available: the adapters are not split over the experts; use FSDP2 without ep, or leave "
+                             "the experts out of target_parameters")
     exchange_mesh = ep_mesh["ep"] if ep_mesh.ndim > 1 else ep_mesh
     ep_size, ep_rank = exchange_mesh.size(), exchange_mesh.get_local_rank()
     placements = [Shard(0)] + [Replicate()] * (ep_mesh.ndim - 1)

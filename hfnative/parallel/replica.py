@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hfnative.models.decoder import Transformer
-from hfnative.peft.adapters import LORA_PARAMETERS, lora_modules
+from hfnative.peft.adapters import LORA_PARAMETERS, adapted_experts, folded_expert_weights, lora_modules
 from hfnative.peft.lora import LoraLinear
 from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
 
@@ -62,11 +62,12 @@ def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of each tensor of a plain ``Transformer(model.args)`` computing what ``model`` computes,
     one at a time (each gathered as it is reached: every rank of the model's mesh iterates in step)."""
     special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, NF4Linear))}
+    experts = _expert_adapter_names(model)
     dtype = plain_dtype(model)
     seen = set()
     for name, tensor in model.state_dict().items():
         module_name, _, attr = name.rpartition(".")
-        if module_name in special and (attr in LORA_PARAMETERS or attr == "weight"):
+        if module_name in special and (attr in LORA_PARAMETERS or attr == "weight") or name in experts:
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         same_tensor = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
@@ -76,6 +77,17 @@ def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, whole_tensor(tensor.detach())
     for name, module in special.items():
         yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
+    yield from folded_expert_weights(model, gather=whole_tensor).items()
+
+
+def _expert_adapter_names(model: nn.Module) -> set[str]:
+    """The state-dict names of the adapters on stacked experts and of the expert weights they fold into."""
+    names = set()
+    for name, experts in adapted_experts(model).items():
+        for key, adapter in experts.lora.items():
+            names |= {f"{name}.lora.{key}.{attr}" for attr in ("lora_A", "lora_B")}
+            names |= {f"{name}.{attr}" for attr in adapter.parts}
+    return names
 
 
 @torch.no_grad()
@@ -83,13 +95,15 @@ def trainable_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of the plain copy's tensors that training changes: every trainable parameter, except that
     an adapted linear gives its folded weight (under the base weight's name) instead of its adapter."""
     adapted = lora_modules(model)
+    experts = _expert_adapter_names(model)
     for name, parameter in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
-        if parameter.requires_grad and not (module_name in adapted and attr in LORA_PARAMETERS):
+        if parameter.requires_grad and not (module_name in adapted and attr in LORA_PARAMETERS) and name not in experts:
             yield name, whole_tensor(parameter.detach())
     dtype = plain_dtype(model)
     for name, module in adapted.items():
         yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
+    yield from folded_expert_weights(model, gather=whole_tensor).items()
 
 
 @torch.no_grad()

@@ -74,6 +74,8 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
                 f"{name} is a {type(module).__name__}, not an nn.Linear (adapters and quantized layers are not split)"
             )
             break
+    if any(getattr(module, "lora", None) is not None for module in model.modules() if hasattr(module, "w1")):
+        problems.append("LoRA on stacked MoE experts (target_parameters) is not replicated over the ranks")
     if problems:
         raise ValueError(f"tensor parallelism over tp={tp} ranks cannot split this model: " + "; ".join(problems))
 

@@ -5,11 +5,17 @@ adapter folders lives in ``hfnative.converters.peft`` (``apply_lora``, ``save_ad
 """
 
 from .adapters import (
+    ExpertLoraTarget,
     LoraTarget,
+    adapted_experts,
     adapter_parameters,
+    add_expert_lora,
     add_lora,
     add_trainable_copies,
     disable_adapters,
+    expert_lora_modules,
+    folded_expert_weights,
+    has_adapters,
     load_lora_state_dict,
     lora_modules,
     lora_state_dict,
@@ -18,20 +24,28 @@ from .adapters import (
     trainable_copies,
     untie_output_head,
 )
+from .expert_lora import ExpertLora
 from .lora import LoraLinear
 from .quantize import NF4Linear, quantize_base_nf4
 from .settings import LoraSettings, NF4Settings, lora_settings, nf4_settings
 
 __all__ = [
+    "ExpertLora",
+    "ExpertLoraTarget",
     "LoraLinear",
     "LoraSettings",
     "LoraTarget",
     "NF4Linear",
     "NF4Settings",
+    "adapted_experts",
     "adapter_parameters",
+    "add_expert_lora",
     "add_lora",
     "add_trainable_copies",
     "disable_adapters",
+    "expert_lora_modules",
+    "folded_expert_weights",
+    "has_adapters",
     "load_lora_state_dict",
     "lora_modules",
     "lora_settings",

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .expert_lora import ExpertLora
 from .lora import LoraLinear
 from .quantize import NF4Linear, dequantize, is_nf4
 from .settings import LoraSettings, lora_settings
@@ -31,6 +32,21 @@ class LoraTarget:
     (a fused Hub projection, e.g. Phi-3's qkv_proj over wq, wk, wv), in row order."""
 
     modules: tuple[str, ...]
+    r: int
+    lora_alpha: float
+
+
+@dataclass(frozen=True)
+class ExpertLoraTarget:
+    """One adapter on a stacked expert tensor (peft's target_parameters): the native experts module it goes on, its
+    key there (the Hub tensor's name, "gate_up_proj"), the tensor's features and the native weights it folds into
+    (``ExpertLora.parts``)."""
+
+    module: str  # "layers.0.moe.experts"
+    name: str
+    in_features: int
+    out_features: int
+    parts: tuple[tuple[str, slice], ...]
     r: int
     lora_alpha: float
 
@@ -71,6 +87,25 @@ def add_lora(model: nn.Module, targets: list[LoraTarget], settings) -> None:
             _set_submodule(model, name, lora)
 
 
+def add_expert_lora(model: nn.Module, targets: list[ExpertLoraTarget], settings) -> None:
+    """Put an ``ExpertLora`` on each target's stacked experts (their ``lora`` ModuleDict, in target order)."""
+    settings = lora_settings(settings)
+    for target in targets:
+        experts = model.get_submodule(target.module)
+        if not hasattr(experts, "lora") or not hasattr(experts, "w1"):
+            raise ValueError(f"{target.module} is a {type(experts).__name__}, not stacked MoE experts")
+        if experts.lora is None:
+            experts.lora = nn.ModuleDict()
+        if target.name in experts.lora:
+            raise ValueError(f"{target.module}.{target.name} already has a LoRA adapter; hfnative holds one adapter per "
+                             "model")
+        weight = experts.w1
+        experts.lora[target.name] = ExpertLora(
+            weight.shape[0], target.in_features, target.out_features, target.r,
+            settings.scaling(target.r, target.lora_alpha), dict(target.parts), init=settings.init_lora_weights,
+            dtype=_adapter_dtype(weight, settings), device=weight.device)
+
+
 def untie_output_head(model: nn.Module) -> None:
     """Let a tied model's head hold the embedding parameter itself, so that the head and the embedding
     can each be replaced by a trainable copy (peft's modules_to_save unties them too)."""
@@ -106,6 +141,39 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     return {name: module for name, module in model.named_modules() if isinstance(module, LoraLinear)}
 
 
+def expert_lora_modules(model: nn.Module) -> dict[str, ExpertLora]:
+    """The adapters on stacked expert tensors, by module name ("layers.0.moe.experts.lora.gate_up_proj")."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, ExpertLora)}
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` carries any LoRA adapter (on a linear or on stacked experts)."""
+    return any(isinstance(module, (LoraLinear, ExpertLora)) for module in model.modules())
+
+
+def adapted_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """The stacked MoE experts that carry adapters, by module name."""
+    return {name: module for name, module in model.named_modules() if getattr(module, "lora", None) is not None
+            and any(isinstance(adapter, ExpertLora) for adapter in module.lora.values())}
+
+
+@torch.no_grad()
+def folded_expert_weights(model: nn.Module, gather=None) -> dict[str, torch.Tensor]:
+    """Each adapted stacked expert weight with its enabled adapters folded in, by native parameter name
+    ("layers.0.moe.experts.w1"). gather: what makes a tensor whole (a sharded model's: ``whole_tensor``, called on
+    every tensor in the same order on each rank); None for a model whose tensors are whole."""
+    gather = gather or (lambda tensor: tensor)
+    folded = {}
+    for name, experts in adapted_experts(model).items():
+        for attr in sorted({part for adapter in experts.lora.values() for part in adapter.parts}):
+            weight = gather(getattr(experts, attr).detach())
+            for adapter in experts.lora.values():
+                if adapter.adapter_enabled and attr in adapter.parts:
+                    weight = adapter.fold(attr, weight, gather(adapter.lora_A.detach()), gather(adapter.lora_B.detach()))
+            folded[f"{name}.{attr}"] = weight
+    return folded
+
+
 def mark_trainable(model: nn.Module, bias: str = "none", trainable: bool = True) -> None:
     """Freeze everything but the adapters and trainable copies (and biases, per peft's ``bias``)."""
     for param in model.parameters():
@@ -119,6 +187,9 @@ def mark_trainable(model: nn.Module, bias: str = "none", trainable: bool = True)
                 param.requires_grad_(True)
         if bias == "lora_only" and module.bias is not None:
             module.bias.requires_grad_(True)
+    for module in expert_lora_modules(model).values():
+        module.lora_A.requires_grad_(True)
+        module.lora_B.requires_grad_(True)
     for _, module, attr in trainable_copies(model):
         getattr(module, attr).requires_grad_(True)
     if bias == "all":
@@ -162,7 +233,7 @@ def disable_adapters(model: nn.Module):
     """Run the base model: LoRA layers skip their adapter and trainable copies show the original weights
     (peft's ``disable_adapter()``; DPO's reference model when training with LoRA). Biases trained with
     ``bias="all"/"lora_only"`` stay trained, as in peft."""
-    loras = list(lora_modules(model).values())
+    loras = list(lora_modules(model).values()) + list(expert_lora_modules(model).values())
     copies = trainable_copies(model)
     was_enabled = [module.adapter_enabled for module in loras]
     trained = [module._parameters[attr] for _, module, attr in copies]
@@ -205,6 +276,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
             plain.weight = nn.Parameter(weight.detach().clone())
             plain.bias = module.bias
             _set_submodule(model, name, plain)
+    for name, weight in folded_expert_weights(model).items():
+        experts_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(experts_name), attr, nn.Parameter(weight.clone()))
+    for experts in adapted_experts(model).values():
+        experts.lora = None
     for _, module, attr in trainable_copies(model):
         del module._buffers[ORIGINAL_PREFIX + attr]
     if getattr(model.args, "tie_embeddings", False):

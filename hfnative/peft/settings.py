@@ -32,6 +32,9 @@ class LoraSettings:
     use_dora: bool = False
     modules_to_save: list[str] | None = None  # HF module names trained in full (e.g. lm_head)
     layers_to_transform: list[int] | int | None = None
+    # Hub parameter names (suffixes, as peft matches them) of stacked MoE expert tensors adapted directly
+    # ("mlp.experts.gate_up_proj", "7.mlp.experts.down_proj"): hfnative.peft.expert_lora
+    target_parameters: list[str] | None = None
     layers_pattern: list[str] | str | None = None
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
@@ -48,6 +51,15 @@ class LoraSettings:
             self.exclude_modules = sorted(self.exclude_modules)
         if isinstance(self.modules_to_save, (set, tuple)):
             self.modules_to_save = list(self.modules_to_save)
+        if isinstance(self.target_parameters, str):
+            self.target_parameters = [self.target_parameters]
+        elif isinstance(self.target_parameters, (set, tuple)):
+            self.target_parameters = list(self.target_parameters)
+        if self.target_parameters:  # peft's ParamWrapper refuses these
+            for name, value, unset in (("lora_dropout", self.lora_dropout, 0.0), ("use_dora", self.use_dora, False)):
+                if value != unset:
+                    raise ValueError(f"LoRA target_parameters={self.target_parameters!r} with {name}={value!r}: peft's "
+                                     f"adapters on parameters do not work with {name}; set {name}={unset!r}")
         if not isinstance(self.r, int) or self.r <= 0:
             raise ValueError(f"LoRA r={self.r!r}: expected a positive integer")
         if self.bias not in BIAS_MODES:
@@ -75,7 +87,6 @@ UNSUPPORTED_DEFAULTS = {
     "use_qalora": False,
     "layer_replication": None,
     "trainable_token_indices": None,
-    "target_parameters": None,
     "alora_invocation_tokens": None,
     "arrow_config": None,
     "use_bdlora": None,

@@ -230,8 +230,10 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
         except UnsupportedModelError as error:
             reason = str(error)
         else:
-            settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
-            return LoadedModel(converted.model, converted, settings, base)
+            reason = fallback_loading.peft_route_reason(converted, config)
+            if reason is None:
+                settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
+                return LoadedModel(converted.model, converted, settings, base)
     _refuse_quantization(quantization)
     refusal = fallback_loading.fallback_refusal(_config_of(base, hub))
     if refusal is not None:
