@@ -39,6 +39,9 @@ DEFAULT_TARGET_MODULES = {
     "qwen3": ["q_proj", "v_proj"],
     "gemma3_text": ["q_proj", "v_proj"],
 }
+# the model types whose LoRA configs transformers 5's peft integration converts for its stacked experts (target_modules
+# reaching them become target_parameters)
+PEFT_CONVERTED_MOE_TYPES = ("qwen3_moe", "mixtral")
 # peft condenses a target list this long into distinguishing suffixes before saving it
 MIN_TARGET_MODULES_FOR_OPTIMIZATION = 20
 
@@ -165,8 +168,9 @@ def resolved_target_modules(converted: ConvertedModel, settings: LoraSettings):
     """target_modules as peft stores it after resolving: a regex string, or a set of names/paths."""
     target_modules = settings.target_modules
     model_type = getattr(converted.config, "model_type", None)
-    if target_modules is None and settings.target_parameters:
-        return set()  # peft adapts the parameters alone
+    if target_modules is None and settings.target_parameters:  # peft adapts the parameters alone; transformers 5's
+        # peft integration rewrites target_modules (to an empty set) for the MoE types it converts
+        return set() if model_type in PEFT_CONVERTED_MOE_TYPES else None
     if target_modules is None:
         if model_type not in DEFAULT_TARGET_MODULES:
             raise ValueError(
@@ -272,46 +276,36 @@ def fused_expert_parameters(converted: ConvertedModel) -> dict[str, ExpertParame
     return found
 
 
-def _parameter_keys(converted: ConvertedModel) -> list[str]:
-    """The keys peft's target_parameters are matched against: the stacked expert tensors and every other Hub
-    parameter (per-expert checkpoint keys left out: transformers 5 stacks them)."""
-    others = [key for key, pieces in hub_parameter_pieces(converted).items()
-              if all(p.native_index is None for p in pieces) and ".experts." not in key]
-    return list(fused_expert_parameters(converted)) + others
-
-
-def _parameter_matches(settings: LoraSettings, key: str) -> bool:
-    """peft 0.21's target_parameters rule: the key itself or a dotted suffix of it."""
-    return any(key == target or key.endswith(f".{target}") for target in settings.target_parameters or ())
-
-
 def target_parameters_refusal(converted: ConvertedModel, settings) -> str | None:
     """Why hfnative's native LoRA cannot carry ``settings``' target_parameters on this model (None: it can, or there
-    are none): it adapts the stacked expert tensors of its MoE families, and peft any 2-D or 3-D parameter."""
+    are none). It adapts the stacked expert tensors of its MoE families (``fused_expert_parameters``), and each entry
+    must name some of them (by their own name, ``gate_up_proj`` / ``down_proj``, as the last part); peft adapts any
+    2-D or 3-D parameter (a router's weight, an expert bias), and warns where an entry matches nothing."""
     settings = lora_settings(settings)
     if not settings.target_parameters:
         return None
     experts = fused_expert_parameters(converted)
-    other = [key for key in _parameter_keys(converted) if key not in experts and _parameter_matches(settings, key)]
-    if other:
-        return (f"LoRA target_parameters={settings.target_parameters!r} reaches {other[0]}, and hfnative adapts "
-                "parameters only where they are the stacked MoE expert tensors of GPT-OSS, Qwen3-MoE and Mixtral "
-                "(gate_up_proj, down_proj)")
+    names = sorted({key.rpartition(".")[2] for key in experts})
+    for target in settings.target_parameters:
+        if target.rpartition(".")[2] not in names or not any(_parameter_matches(target, key) for key in experts):
+            return (f"LoRA target_parameters entry {target!r} names no stacked MoE expert tensor of this "
+                    f"{converted.family.name} model that hfnative adapts (" + (f"its {names}" if names else "it has none")
+                    + "; hfnative adapts the stacked expert tensors of GPT-OSS, Qwen3-MoE and Mixtral)")
     return None
+
+
+def _parameter_matches(target: str, key: str) -> bool:
+    """peft 0.21's target_parameters rule: the key itself or a dotted suffix of it."""
+    return key == target or key.endswith(f".{target}")
 
 
 def _expert_targets(converted: ConvertedModel, settings: LoraSettings) -> list[ExpertTarget]:
     targets = []
     for key, parameter in fused_expert_parameters(converted).items():
-        if _parameter_matches(settings, key):
+        if any(_parameter_matches(target, key) for target in settings.target_parameters or ()):
             r = _pattern_value(settings.rank_pattern, key, settings.r)
             alpha = _pattern_value(settings.alpha_pattern, key, settings.lora_alpha)
             targets.append(ExpertTarget(parameter, r, alpha))
-    if settings.target_parameters and not targets:
-        refusal = target_parameters_refusal(converted, settings)
-        raise ValueError(refusal or f"LoRA target_parameters={settings.target_parameters!r} matches no parameter of "
-                                    f"the {converted.family.name} model (its stacked expert tensors: "
-                                    f"{sorted({k.rpartition('.')[2] for k in fused_expert_parameters(converted)})})")
     return targets
 
 

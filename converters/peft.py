@@ -34,6 +34,7 @@ from hfnative.peft import (
 
 from .export import write_atomically, hub_tensor
 from .loading import ConvertedModel
+from .sharded_loading import copy_shard
 from .lora_targets import (
     fused_expert_parameters,
     hub_modules,
@@ -289,7 +290,8 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraSettings:
 
 def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLike) -> None:
     """Copy a PEFT adapter's tensors into a model that already carries the matching adapters (e.g. on
-    resume). Raises ValueError naming any key that maps nowhere or any adapter tensor left unset."""
+    resume; a sharded model's adapters each take their own rows). Raises ValueError naming any key that maps nowhere
+    or any adapter tensor left unset."""
     from safetensors.torch import load_file
 
     path = Path(adapter_dir) / ADAPTER_WEIGHTS_NAME
@@ -311,7 +313,7 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
         elif tuple(target.shape) != tuple(value.shape):
             wrong_shape.append(f"{key}: adapter {list(value.shape)}, model {list(target.shape)}")
         else:
-            target.copy_(value)
+            copy_shard(target, value)  # a sharded adapter (DTensor) takes its rows only
             written.add(native_name)
 
     with torch.no_grad():

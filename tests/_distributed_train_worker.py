@@ -41,6 +41,12 @@ LAYOUTS = {
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
     # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from its gathered tensors
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
+    # load_best_model_at_end: the best checkpoint's adapter read back into the sharded adapters, each rank its rows
+    # ("best" is the highest eval loss, so an earlier checkpoint than the last step's weights)
+    "fsdp4-lora-best": (dict(dp_shard_size=4), dict(
+        peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), eval=True, eval_strategy="steps",
+        eval_steps=2, save_strategy="steps", save_steps=2, load_best_model_at_end=True,
+        metric_for_best_model="eval_loss", greater_is_better=True)),
     # QLoRA: the NF4 base kept whole on every rank, the adapters (and norms, embedding) sharded
     "fsdp4-qlora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
                                                model_init_kwargs=dict(load_in_4bit=True))),
@@ -59,6 +65,7 @@ def model_of(extra: dict) -> tuple[str, dict, dict]:
     model = extra.pop("model", MODEL)
     peft = extra.pop("peft", None)
     extra.pop("stream", None)  # a property of the dataset (train_dataset)
+    extra.pop("eval", None)  # likewise (eval_dataset)
     trainer_kwargs = {}
     if peft is not None:
         from peft import LoraConfig
@@ -71,6 +78,11 @@ def train_dataset(layout_extra: dict):
     """The layout's training rows: a Dataset, or the same rows as a stream for a layout with ``stream``."""
     dataset = Dataset.from_list(rows())
     return dataset.to_iterable_dataset() if layout_extra.get("stream") else dataset
+
+
+def eval_dataset(layout_extra: dict):
+    """Rows to evaluate on for a layout with ``eval`` (the file's first 16), else None."""
+    return Dataset.from_list(rows(16)) if layout_extra.get("eval") else None
 
 
 def rows(n: int = 200) -> list[dict]:
@@ -96,7 +108,8 @@ def main(output_dir: str, layouts: list[str]) -> None:
         out = Path(output_dir) / name
         layout = dict(parallelism_config=ParallelismConfig(**sizes)) if sizes else {}
         args = config(str(out), PER_DEVICE, **layout, **extra)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset(LAYOUTS[name][1]), **trainer_kwargs)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset(LAYOUTS[name][1]),
+                             eval_dataset=eval_dataset(LAYOUTS[name][1]), **trainer_kwargs)
         trainer.save_model(str(out / "before-training"))  # gathered from the shards, before any step
         if args.torch_compile:  # the split blocks are the compiled ones
             assert all("_compiled_forward" in vars(block) for block in trainer.native_model.layers)

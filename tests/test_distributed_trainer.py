@@ -59,7 +59,8 @@ def _reference(tmp_path, sizes: dict, extra: dict):
     extra.pop("fsdp", None)
     per_device = extra.pop("per_device_train_batch_size", worker.PER_DEVICE)
     args = worker.config(str(tmp_path / "reference"), per_device * dp, **extra)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra), **trainer_kwargs)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra),
+                         eval_dataset=worker.eval_dataset(layout_extra), **trainer_kwargs)
     trainer.train()
     trainer.save_model()
     names = worker.surface_names(trainer) if "peft_config" in trainer_kwargs else None
@@ -110,7 +111,8 @@ def test_sharded_save_equals_single_process_export(launched, layout, tmp_path):
     name = _weights_file(trainer_kwargs)
     if trainer_kwargs:
         one = SFTTrainer(model=model, args=worker.config(str(tmp_path / "one"), worker.PER_DEVICE, **settings),
-                         train_dataset=Dataset.from_list(worker.rows()), **trainer_kwargs)
+                         train_dataset=Dataset.from_list(worker.rows()), eval_dataset=worker.eval_dataset(extra),
+                         **trainer_kwargs)
         one.save_model()
         expected = load_file(str(tmp_path / "one" / name))
     else:

@@ -60,6 +60,8 @@ CASES = [
     ("experts-qwen3moe", "qwen3moe-topk-norm", dict(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])),
     ("experts-gptoss-by-layer", "gptoss-alternating-yarn", dict(r=4, target_modules="all-linear", target_parameters=["1.mlp.experts.gate_up_proj", "0.mlp.experts.down_proj"])),
     ("experts-mixtral-only", "mixtral-top2", dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], rank_pattern={"down_proj": 3})),
+    ("experts-gptoss-only", "gptoss-alternating-yarn", dict(r=2, target_parameters=["mlp.experts.gate_up_proj"])),
+    ("experts-qwen3moe-one-layer", "qwen3moe-topk-norm", dict(r=2, target_parameters=["1.mlp.experts.down_proj"], alpha_pattern={"down_proj": 5})),
 ]
 MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern",
                "experts-qwen3moe", "experts-gptoss-by-layer"]

@@ -74,6 +74,7 @@ class DecodingWeights:
         self.key: tuple = ()  # what the replica was made for: the model's parameters (their id()), dtype, stack
         self.replica: Transformer | None = None
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the model's weight, its copy)
+        self.switches: list[tuple[nn.Module, nn.Module]] = []  # (the model's adapter, the replica's)
 
     def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False) -> Transformer:
         weights = _matmul_weights(model)
@@ -88,6 +89,8 @@ class DecodingWeights:
             self.key = key
         with torch.no_grad():
             torch._foreach_copy_([copy for _, copy in self.pairs], [weight for weight, _ in self.pairs])
+        for source, copy in self.switches:  # adapters switched on or off since (disable_adapters) are so here too
+            copy.adapter_enabled = source.adapter_enabled
         return self.replica
 
     def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype | None,
@@ -119,6 +122,8 @@ class DecodingWeights:
         replica = copy.deepcopy(model, memo)
         for name, rows in fused.items():
             setattr(replica.get_submodule(name), FUSED, rows)
+        self.switches = [(source, copy) for source, copy in zip(model.modules(), replica.modules())
+                         if hasattr(source, "adapter_enabled")]
         if dtype is not None and model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps
             # reading the table
             replica.output.untie()

@@ -18,6 +18,7 @@ import torch
 
 from hfnative.models.compute_dtype import autocast_for_weights
 from hfnative.models.decoder import Transformer
+from hfnative.models.moe import adapted_experts, adapters_folded, folded_copy_bytes
 from hfnative.precision import autocast_dtype
 
 from .cached_decoder import attends_by_kernel
@@ -86,13 +87,18 @@ class NativeRolloutEngine(RolloutEngine):
     when seeded). Each front is a batch shape of its own: compiled (compile=True) and captured at its first use, then
     reused by later calls.
     The model is put in eval mode while generating (no dropout, e.g. LoRA's) and restored after.
+    fold_expert_adapters: whether LoRA adapters on stacked MoE experts (peft's target_parameters) are folded into
+    copies of the expert weights once per call (a copy of every adapted expert weight, kept between calls) instead of
+    at every token's forward; default: on a CUDA device when the copies take at most STACK_FREE_MEMORY_SHARE of its
+    free memory (decided at the model's first call), elsewhere not.
     """
 
     reads_live_weights = True
     samples_row_streams = True
 
     def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
-                 max_batch_size: int | None = None, compact: bool = True, stack_projections: bool | None = None):
+                 max_batch_size: int | None = None, compact: bool = True, stack_projections: bool | None = None,
+                 fold_expert_adapters: bool | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -112,6 +118,10 @@ class NativeRolloutEngine(RolloutEngine):
         self._weights = DecodingWeights()
         self.stack_projections = stack_projections
         self._stacks: tuple[tuple[int, ...], bool] | None = None  # the default's answer, for the model's parameters
+        self.fold_expert_adapters = fold_expert_adapters
+        self._folds: tuple[tuple[int, ...], bool] | None = None  # likewise for fold_expert_adapters
+        self._folded: dict[tuple[int, str], torch.Tensor] = {}  # the folded expert weights (adapters_folded)
+        self._folded_for: tuple[int, ...] = ()  # the decoded model's adapted experts they were made for
         self._graph_pool = None  # the memory pool this engine's CUDA graphs share (made at the first capture's need)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -143,8 +153,9 @@ class NativeRolloutEngine(RolloutEngine):
             # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
             with autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
                 model = self._weights.model_for(self.model, autocast_dtype(self._device.type), self._stacked())
-                parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
-                         for i in range(0, len(prompts), step)]
+                with self._experts_folded(model):
+                    parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
+                             for i in range(0, len(prompts), step)]
         finally:
             self.model.train(was_training)
         return Rollouts(
@@ -164,6 +175,27 @@ class NativeRolloutEngine(RolloutEngine):
             free, _ = torch.cuda.mem_get_info(self._device)
             self._stacks = (source, stacked_copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
         return self._stacks[1]
+
+    def _experts_folded(self, model: Transformer):
+        """``adapters_folded`` over ``model`` (the model decoded) where fold_expert_adapters says so; else nothing."""
+        experts = adapted_experts(model)
+        if not experts:
+            return contextlib.nullcontext()
+        fold = self.fold_expert_adapters
+        if fold is None:
+            fold = False
+            if self._device.type == "cuda":
+                source = tuple(id(p) for p in self.model.parameters())
+                if self._folds is None or self._folds[0] != source:
+                    free, _ = torch.cuda.mem_get_info(self._device)
+                    self._folds = (source, folded_copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
+                fold = self._folds[1]
+        if not fold:
+            return contextlib.nullcontext()
+        owners = tuple(id(m) for m in experts)
+        if owners != self._folded_for:  # another model decoded (a new replica): its own copies
+            self._folded, self._folded_for = {}, owners
+        return adapters_folded(model, self._folded)
 
     @property
     def _device(self) -> torch.device:

@@ -6,6 +6,8 @@ Shapes: T tokens, D model dim, E experts, I expert hidden dim, k experts per tok
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -90,6 +92,8 @@ class GroupedExperts(nn.Module):
         # adapters on the stacked weights (hfnative.peft.expert_lora, peft's target_parameters): a ModuleDict whose
         # modules have ``parts`` (the weights each changes), ``adapter_enabled`` and ``fold(name, weight)``
         self.lora: nn.ModuleDict | None = None
+        # while decoding (``adapters_folded``): (w1, w2, w3) with the adapters folded in once, read instead
+        self.decode_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def reset_parameters(self, std: float = 0.02):
         for w in (self.w1, self.w2, self.w3):
@@ -105,7 +109,9 @@ class GroupedExperts(nn.Module):
         offsets_E = tokens_per_expert_E.cumsum(0).to(torch.int32)
         # under expert parallelism the stacked weights are DTensors split over the experts: this rank's experts
         w1, w2, w3, b1, b2, b3 = (local_values(t) for t in (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3))
-        if self.lora is not None:
+        if self.decode_weights is not None:
+            w1, w2, w3 = self.decode_weights
+        elif self.lora is not None:
             w1, w2, w3 = (self.adapted(name, w) for name, w in (("w1", w1), ("w2", w2), ("w3", w3)))
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
@@ -125,6 +131,46 @@ class GroupedExperts(nn.Module):
             if adapter.adapter_enabled and name in adapter.parts:
                 weight = adapter.fold(name, weight)
         return weight
+
+
+def adapted_experts(model: nn.Module) -> list[GroupedExperts]:
+    """The stacked experts of ``model`` that carry adapters."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts) and m.lora is not None]
+
+
+def folded_copy_bytes(model: nn.Module) -> int:
+    """The bytes of the copies ``adapters_folded`` holds: every stacked weight an adapter changes."""
+    return sum(getattr(experts, name).numel() * getattr(experts, name).element_size()
+               for experts in adapted_experts(model)
+               for name in {part for adapter in experts.lora.values() for part in adapter.parts})
+
+
+@contextlib.contextmanager
+def adapters_folded(model: nn.Module, held: dict[tuple[int, str], torch.Tensor]):
+    """Inside, every adapted GroupedExperts of ``model`` reads its weights with its enabled adapters folded in once
+    (decoding, under no_grad: a forward a token would fold them again at every token). The folded copies live in
+    ``held`` (the caller's, kept between calls): a copy of the same shape is refreshed in place, so its address stays
+    fixed for a captured decode step."""
+    experts = adapted_experts(model)
+    try:
+        with torch.no_grad():
+            for module in experts:
+                weights = []
+                for name in ("w1", "w2", "w3"):
+                    weight = local_values(getattr(module, name))
+                    folded = module.adapted(name, weight)
+                    key = (id(module), name)
+                    if folded is not weight:
+                        copy = held.get(key)
+                        if copy is not None and copy.shape == folded.shape and copy.dtype == folded.dtype:
+                            folded = copy.copy_(folded)
+                        held[key] = folded
+                    weights.append(folded)
+                module.decode_weights = tuple(weights)
+        yield model
+    finally:
+        for module in experts:
+            module.decode_weights = None
 
 
 def local_values(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -159,16 +159,17 @@ def adapted_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 @torch.no_grad()
 def folded_expert_weights(model: nn.Module, gather=None) -> dict[str, torch.Tensor]:
-    """Each adapted stacked expert weight with its enabled adapters folded in, by native parameter name
-    ("layers.0.moe.experts.w1"). gather: what makes a tensor whole (a sharded model's: ``whole_tensor``, called on
-    every tensor in the same order on each rank); None for a model whose tensors are whole."""
+    """Each adapted stacked expert weight with its adapters folded in (enabled or not, as a LoRA layer's
+    ``merged_weight`` and peft's merge), by native parameter name ("layers.0.moe.experts.w1"). gather: what makes a
+    tensor whole (a sharded model's: ``whole_tensor``, called on every tensor in the same order on each rank); None
+    for a model whose tensors are whole."""
     gather = gather or (lambda tensor: tensor)
     folded = {}
     for name, experts in adapted_experts(model).items():
         for attr in sorted({part for adapter in experts.lora.values() for part in adapter.parts}):
             weight = gather(getattr(experts, attr).detach())
             for adapter in experts.lora.values():
-                if adapter.adapter_enabled and attr in adapter.parts:
+                if attr in adapter.parts:
                     weight = adapter.fold(attr, weight, gather(adapter.lora_A.detach()), gather(adapter.lora_B.detach()))
             folded[f"{name}.{attr}"] = weight
     return folded

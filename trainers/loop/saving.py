@@ -223,14 +223,15 @@ class SavingMixin:
 
             self.native_model.load_state_dict(load_file(str(checkpoint / "model.safetensors")))
             return
-        if self.lora_settings is not None and self.distributed is None:
+        if self.lora_settings is not None:
+            if self.distributed is not None and self.distributed.dims.pp_enabled:
+                raise ValueError("load_best_model_at_end with LoRA under pipeline parallelism is not available (each "
+                                 f"stage holds some blocks' adapters): resume the best checkpoint ({checkpoint}) "
+                                 "without pipeline parallelism")
             from hfnative.converters.peft import load_adapter_weights
 
-            load_adapter_weights(self.converted, checkpoint)
+            load_adapter_weights(self.converted, checkpoint)  # a sharded adapter takes its rows on each rank
             return
-        if self.distributed is not None and self.lora_settings is not None:
-            raise ValueError("load_best_model_at_end with LoRA in a distributed run is not supported yet: resume the "
-                             f"best checkpoint ({checkpoint}) on one process")
         source = SafetensorsSource(checkpoint)
         pieces = model_pieces(self.converted.family, self.native_model.args)
         check_checkpoint(source, pieces, self.native_model, str(checkpoint))

@@ -223,17 +223,15 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
     base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{adapter_dir}/adapter_config.json names no base_model_name_or_path to load the adapter onto")
-    reason = fallback_loading.native_lora_refusal(config)
+    reason = fallback_loading.native_lora_refusal(config, _config_of(base, hub))  # before any weight is loaded
     if reason is None:
         try:
             converted = load_pretrained(base, dtype=dtype, device=device, **hub)
         except UnsupportedModelError as error:
             reason = str(error)
         else:
-            reason = fallback_loading.peft_route_reason(converted, config)
-            if reason is None:
-                settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
-                return LoadedModel(converted.model, converted, settings, base)
+            settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
+            return LoadedModel(converted.model, converted, settings, base)
     _refuse_quantization(quantization)
     refusal = fallback_loading.fallback_refusal(_config_of(base, hub))
     if refusal is not None:
