@@ -1,7 +1,8 @@
 """GRPOTrainer and RLOOTrainer as the ranks of a torchrun launch, for tests/test_rl_layouts.py.
 
 usage: torchrun --standalone --nproc_per_node N _rl_layouts_worker.py OUTPUT_DIR MODELS_DIR RUN [RUN ...]
-Each RUN (algorithm-layout-model; model "lora": the dense model with new LoRA adapters) trains with the real path a user runs: sampled completions from the
+Each RUN (algorithm-layout-model; model "lora": the dense model with new LoRA adapters, "moelora": the MoE model with
+LoRA on its attention and stacked experts) trains with the real path a user runs: sampled completions from the
 native engine on a replica of the parallelized policy, the reward functions, the reference model (beta > 0) and
 the loop, on the same global batch as test_rl_layouts.py's one-process run. Rank r writes OUTPUT_DIR/RUN-rank<r>.json
 (the log history).
@@ -67,6 +68,12 @@ def train(algorithm: str, model: str, output_dir: str, per_device: int, **extra)
         from peft import LoraConfig
 
         model, peft_config = str(Path(model).parent / "dense"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    elif Path(model).name == "moelora":  # the MoE policy with LoRA on its stacked experts too (peft's target_parameters)
+        from peft import LoraConfig
+
+        model, peft_config = str(Path(model).parent / "moe"), LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     trainer = trainer_class(model=model, reward_funcs=[even_fraction, near_target_length],
                             args=config(algorithm, output_dir, per_device, **extra),
                             train_dataset=Dataset.from_list(prompts()), peft_config=peft_config)

@@ -38,8 +38,9 @@ TWO_PROCESS_RUNS = [
     "rloo-ddp-dense", "rloo-fsdp2-dense", "rloo-tp2-dense", "rloo-cp2-dense", "rloo-ep2-moe",
     # no native implementation: transformers' module, generating on each rank from a gathered replica
     "grpo-fsdp2-cohere2", "rloo-ddp-cohere2",
-    # a LoRA policy: each rank decodes a replica with the adapters folded in
-    "grpo-fsdp2-lora",
+    # a LoRA policy: each rank decodes a replica with the adapters folded in (on a MoE policy: the stacked experts'
+    # adapters too, their sharded factors gathered)
+    "grpo-fsdp2-lora", "grpo-fsdp2-moelora",
 ]
 FOUR_PROCESS_RUNS = ["grpo-fsdp2xtp2-dense", "rloo-fsdp2xtp2-dense"]
 
