@@ -138,6 +138,7 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
         if dtype_name and fields.get(key) not in (None, dtype_name):
             fields[key] = dtype_name
             changed = True
+        changed |= _token_fields_followed(converted, fields)
         if changed:
             text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     else:
@@ -147,6 +148,25 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
             fields["dtype"] = dtype_name
         text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
+
+
+# the fields training may change in the config (a cloned chat template's EOS and resized vocabulary, a reward model's
+# pad token), written as the model now has them
+TOKEN_FIELDS = ("vocab_size", "eos_token_id", "pad_token_id")
+
+
+def _token_fields_followed(converted: ConvertedModel, fields: dict) -> bool:
+    """Set ``fields``' (the source config.json's, top level or its text_config) TOKEN_FIELDS that the model's config
+    now holds otherwise; whether any was."""
+    text = converted.config.get_text_config()
+    target = fields["text_config"] if isinstance(fields.get("text_config"), dict) and "vocab_size" not in fields else fields
+    changed = False
+    for name in TOKEN_FIELDS:
+        value = getattr(text, name, None)
+        if name in target and value is not None and target[name] != value:
+            target[name] = value
+            changed = True
+    return changed
 
 
 def _classifier_config_changed(converted: ConvertedModel, fields: dict) -> bool:

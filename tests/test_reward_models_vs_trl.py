@@ -15,8 +15,8 @@ the same model, rows and seed (fp32, 2 steps): the per-step loss and grad norm, 
   bias before a bias-free score head has a gradient of round-off under both (it shifts every reward alike, and the
   Bradley-Terry loss reads only differences), so whether gpt_neox.final_layer_norm.bias moves is decided by
   round-off, alike under TRL and here; the test checks that gradient on GPT-NeoX with a chat template from a file.
-- chat_template_path naming a tokenizer folder takes its template and EOS as TRL's clone_chat_template does; where
-  TRL's clone would change the vocabulary (add tokens, resize the embeddings), hfnative refuses, naming the tokens.
+- chat_template_path naming a tokenizer folder takes its template and EOS as TRL's clone_chat_template does, and where
+  TRL's clone changes the vocabulary (adds tokens, resizes the embeddings) so does hfnative.
 """
 
 import json
@@ -210,16 +210,14 @@ def test_chat_template_folder_sets_the_eos_as_trls_clone(tmp_path):
     assert seen[hfnative] == seen[trl] and seen[trl][0] == "<|endoftext|>"
 
 
-def test_chat_template_folder_that_changes_the_vocabulary_is_refused(tmp_path):
-    """Where TRL's clone would add the folder's special tokens and resize the embeddings, hfnative refuses, naming
-    them (TRL resizes: checked here so the refusal stays where TRL changes the model)."""
+def test_chat_template_folder_that_changes_the_vocabulary_resizes_as_trls_clone(tmp_path):
+    """Where TRL's clone adds the folder's special tokens and resizes the embeddings (1,025 tokens: 1,088 rows, with
+    63 placeholder tokens), hfnative does the same to its classifier: the same tokenizer, rows and steps."""
     folder = _template_folder(tmp_path / "source", eos_token="<|im_end|>", new_token="<|tool_start|>")
-    args = dict(use_cpu=True, bf16=False, report_to="none", chat_template_path=folder)
-    theirs = trl.RewardTrainer(model=MODEL, args=trl.RewardConfig(output_dir=str(tmp_path / "trl"), **args),
-                               train_dataset=Dataset.from_list(_rows()),
-                               processing_class=AutoTokenizer.from_pretrained(MODEL))
-    assert "<|tool_start|>" in theirs.processing_class.get_vocab()  # TRL added it (and resized the embeddings)
-    with pytest.raises(ValueError, match=r"TRL's clone_chat_template would change the vocabulary.*<\|tool_start\|>"):
-        hfnative.RewardTrainer(model=MODEL, args=hfnative.RewardConfig(output_dir=str(tmp_path / "ours"), **args),
-                               train_dataset=Dataset.from_list(_rows()),
-                               processing_class=AutoTokenizer.from_pretrained(MODEL))
+    theirs_trainer, theirs, _ = _train(trl, MODEL, tmp_path, chat_template_path=folder)
+    ours_trainer, ours, _ = _train(hfnative, MODEL, tmp_path, chat_template_path=folder)
+    _assert_steps_equal(ours, theirs)
+    assert ours_trainer.processing_class.get_vocab() == theirs_trainer.processing_class.get_vocab()
+    assert "<|tool_start|>" in ours_trainer.processing_class.get_vocab()
+    rows = [t.model.get_input_embeddings().weight.shape for t in (ours_trainer, theirs_trainer)]
+    assert rows[0] == rows[1] == (1088, 64)

@@ -24,7 +24,7 @@ from ..running.construction import is_model_name
 from ..running.model_card import write_model_card
 from ..loop.objective import Objective
 from .reward_config import RewardConfig
-from .sft import load_chat_template
+from .sft import load_chat_template, refuse_new_tokens_under_lora
 from ..loop.trainer import Trainer
 
 
@@ -130,7 +130,8 @@ class RewardObjective(Objective):
             tokenizer.eos_token = args.eos_token
             text_config.eos_token_id = tokenizer.eos_token_id
         if args.chat_template_path is not None:
-            load_chat_template(tokenizer, args.chat_template_path, config)
+            refuse_new_tokens_under_lora(
+                load_chat_template(tokenizer, args.chat_template_path, config, resize=context.resize_vocabulary), context)
         pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
         self._check_in_vocabulary(pad_token, "pad_token")
         tokenizer.pad_token = pad_token

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from tokenizers import AddedToken
 
 from hfnative.data import LanguageModelingCollator, pad_token_id_for, prepare_sft_dataset, uses_padding_free
 from hfnative.data.formats import has_prompt_and_completion
@@ -138,35 +139,64 @@ class SFTTrainer(Trainer):
 
 
 
-def load_chat_template(tokenizer, path: str, config=None) -> None:
+def load_chat_template(tokenizer, path: str, config=None, resize=None) -> list[int]:
     """``chat_template_path``: a .jinja / .j2 file, whose text becomes ``tokenizer``'s template, or a tokenizer folder,
-    whose template and EOS are taken as TRL's clone_chat_template takes them (``config``, the model's transformers
-    config, gets the new eos_token_id). Where TRL's clone would also change the vocabulary (add the folder's special
-    tokens the tokenizer lacks, resize the embeddings to a multiple of 64), hfnative refuses, naming what would change."""
+    cloned as TRL's clone_chat_template clones it: its template and EOS (``config``, the model's transformers config,
+    gets the new eos_token_id), the folder's added tokens the tokenizer lacks, and the model's token rows resized to
+    the vocabulary rounded up to a multiple of 64 (``resize(rows)``, the trainer's; rows past the end dropped, new ones
+    started at the mean row) with placeholder tokens (``<extra_id_N>``) filling the vocabulary up to them. Returns the
+    ids of the tokens added (TRL's ``added_tokens``). Without ``resize``, a clone that would change the vocabulary is
+    refused, naming what would change."""
     path = Path(path)
     if path.suffix in (".jinja", ".j2") and path.is_file():
         tokenizer.chat_template = path.read_text()
-        return
+        return []
     if not path.is_dir():
         raise ValueError(f"chat_template_path={str(path)!r}: expected a .jinja / .j2 file or a tokenizer folder")
     source = transformers.AutoTokenizer.from_pretrained(str(path))
     vocab = tokenizer.get_vocab()
-    missing = [token.content for token in source.added_tokens_decoder.values() if token.content not in vocab]
-    vocab_size = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
-    resized = -(-(len(vocab) + len(missing)) // 64) * 64
-    if missing or (vocab_size is not None and resized != vocab_size):
+    missing = [token for token in source.added_tokens_decoder.values() if token.content not in vocab]
+    rows = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
+    resized = -(-(len(vocab) + len(missing)) // VOCABULARY_MULTIPLE) * VOCABULARY_MULTIPLE
+    if (missing or (rows is not None and resized != rows)) and resize is None:
         raise ValueError(
             f"chat_template_path={str(path)!r}: TRL's clone_chat_template would change the vocabulary here ("
-            + (f"add the tokens {missing[:8]} to the tokenizer; " if missing else "")
-            + f"resize the model's embeddings from {vocab_size} to {resized} rows); hfnative takes a folder's template "
-            "and EOS only. Pass the template as a .jinja file whose special tokens the tokenizer has, or add the "
-            "tokens and resize the model yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that "
-            "model and tokenizer"
+            + (f"add the tokens {[t.content for t in missing][:8]} to the tokenizer; " if missing else "")
+            + f"resize the model's embeddings from {rows} to {resized} rows), which this run cannot do. Pass the "
+            "template as a .jinja file whose special tokens the tokenizer has, or add the tokens and resize the model "
+            "yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that model and tokenizer"
         )
     tokenizer.chat_template = source.get_chat_template()
+    tokenizer.add_tokens(missing)
     tokenizer.eos_token = source.eos_token
     if config is not None:
         config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    added = [token.content for token in missing]
+    if missing or (rows is not None and resized != rows):
+        resize(resized)
+        rows = resized
+    if rows is not None:
+        index = 0
+        while rows > len(tokenizer.get_vocab()):  # placeholder tokens up to the model's rows, as TRL adds them
+            placeholder = AddedToken(f"<extra_id_{index}>")
+            index += 1
+            if tokenizer.add_tokens(placeholder) == 1:
+                added.append(placeholder.content)
+    return tokenizer.convert_tokens_to_ids(added)
+
+
+def refuse_new_tokens_under_lora(added: list[int], context) -> None:
+    """Tokens a cloned chat template added, under LoRA: TRL then also trains their embedding rows (peft's
+    trainable_token_indices) and the output head in full; hfnative's LoRA does not, so it says so instead."""
+    if added and context.trains_new_adapters:
+        raise ValueError(f"chat_template_path: cloning the template added {len(added)} tokens to the tokenizer; under "
+                         "LoRA TRL would also train their embedding rows (peft's trainable_token_indices), which "
+                         "hfnative's LoRA does not: clone the template and resize the model first (trl's "
+                         "clone_chat_template, then save_pretrained), and train LoRA from that model and tokenizer")
+
+
+# TRL's clone_chat_template rounds the resized vocabulary up to a multiple of this
+VOCABULARY_MULTIPLE = 64
 
 
 class SFTObjective(LanguageModelingObjective):
@@ -192,7 +222,9 @@ class SFTObjective(LanguageModelingObjective):
                 f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
             )
         if args.chat_template_path is not None:
-            load_chat_template(context.tokenizer, args.chat_template_path, getattr(context.model, "config", None))
+            added = load_chat_template(context.tokenizer, args.chat_template_path,
+                                       getattr(context.model, "config", None), resize=context.resize_vocabulary)
+            refuse_new_tokens_under_lora(added, context)
         tokenizer = context.tokenizer
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token

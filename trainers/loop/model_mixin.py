@@ -180,6 +180,37 @@ class ModelMixin:
         self.lora_settings = lora_settings(self.peft_config)
         apply_lora(self.converted, self.lora_settings, **quantization)
 
+    def _resize_vocabulary(self, rows: int) -> None:
+        """The policy's token rows resized to ``rows``, as TRL's clone_chat_template resizes its model
+        (``hfnative.models.vocabulary``; transformers' resize_token_embeddings for a model on the transformers
+        fallback), with the config's vocab_size; a transformers object given as ``model`` is resized too, so the
+        trained weights can be copied back into it. Refused where the weights are already sharded or adapted."""
+        current = self.native_model.get_input_embeddings().weight.shape[0]
+        what = f"chat_template_path: cloning the template resizes the model's token rows from {current} to {rows}"
+        if self.distributed is not None:
+            raise ValueError(f"{what}, which a distributed run cannot do once its weights are sharded: clone the template "
+                             "on one process (trl's clone_chat_template, or an hfnative run's save_model), and train "
+                             "from the saved model and tokenizer")
+        if self.peft_config is not None or self.context.uses_adapters:
+            raise ValueError(f"{what}; under LoRA TRL would also train the new rows (peft's trainable_token_indices), "
+                             "which hfnative's LoRA does not: clone the template and resize the model first (trl's "
+                             "clone_chat_template, then save_pretrained), and train LoRA from that model")
+        if isinstance(self.converted, ConvertedModel):
+            from hfnative.models.vocabulary import resize_vocabulary
+
+            resize_vocabulary(self.native_model, rows)
+            self.converted.config.get_text_config().vocab_size = rows
+        else:
+            hf_model = getattr(self.native_model, "hf_model", None)
+            if hf_model is None:
+                raise ValueError(f"{what}; this model has no transformers config or module to resize")
+            hf_model.resize_token_embeddings(rows, mean_resizing=True)
+        given = self._given_model() if self._given_model is not None else None
+        if given is not None:
+            given.resize_token_embeddings(rows, mean_resizing=False)  # its rows are the trained ones after train()
+        embedding_params = self.native_model.get_input_embeddings().weight.numel()
+        self._non_embedding_params = sum(p.numel() for p in self.native_model.parameters()) - embedding_params
+
     # --- what code written for transformers' Trainer reads -------------------------------------------------
     @property
     def accelerator(self):

@@ -19,7 +19,8 @@ class ObjectiveContext:
     layout, the attention plan, the device), ``metrics(mode)`` (the sink logged at the next log), ``record_generation``
     (a generation call's time and tokens, for the perf/ metrics), ``data_shard()``
     and ``make_dataloader(...)`` (this rank's share of a dataset), ``micro_batches_in_step`` (this rank's, in the
-    step being trained), ``uses_adapters`` / ``trains_new_adapters`` (LoRA on the policy; a peft_config given).
+    step being trained), ``uses_adapters`` / ``trains_new_adapters`` (LoRA on the policy; a peft_config given),
+    ``resize_vocabulary(rows)`` (the policy's token rows, as TRL's clone_chat_template resizes them).
     """
 
     def __init__(self, trainer):
@@ -87,6 +88,10 @@ class ObjectiveContext:
     def uses_adapters(self) -> bool:
         model = self._trainer.native_model
         return self._trainer.lora_settings is not None or getattr(model, "_has_adapters", lambda: False)()
+
+    def resize_vocabulary(self, rows: int) -> None:
+        """The policy's token rows resized (TRL's clone_chat_template: ``ModelMixin._resize_vocabulary``)."""
+        self._trainer._resize_vocabulary(rows)
 
     @property
     def trains_new_adapters(self) -> bool:

@@ -1,0 +1,121 @@
+"""chat_template_path naming a tokenizer folder whose cloning changes the vocabulary, against TRL's SFTTrainer (its
+clone_chat_template): the folder's special tokens added to the tokenizer, the model's token rows resized to the
+vocabulary rounded up to a multiple of 64 (grown: new rows at the old rows' mean; cut: rows past the end dropped),
+placeholder tokens up to the rows. The kept rows are the old ones and the new rows lie at the old rows' mean (drawn
+with a covariance of 1e-9 times theirs: TRL's draw and ours differ in the last digits, so TRL then trains from ours);
+per step the logs equal TRL's; the saved tokenizer, config and embeddings are TRL's. Under LoRA (TRL would train the new rows through peft's
+trainable_token_indices) hfnative refuses, saying what to do."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+
+import hfnative
+from test_sft_vs_trl import MODEL, STEPS, _assert_same_logs, _config, _dataset
+
+trl = pytest.importorskip("trl")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+NEW_TOKEN = "<|tool_start|>"
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n" + NEW_TOKEN
+            + "{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% endif %}")
+
+
+def _source(folder: Path, new_token: bool) -> str:
+    """The tiny tokenizer as a template folder: a template that writes NEW_TOKEN into every message (when added)."""
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    if new_token:
+        tokenizer.add_special_tokens({"additional_special_tokens": [NEW_TOKEN]})
+        tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(str(folder))
+    return str(folder)
+
+
+def _model_with_rows(folder: Path, rows: int) -> str:
+    """The tiny Qwen3 with ``rows`` embedding rows (more than its tokenizer's 1,024 tokens), untied."""
+    config = Qwen3Config.from_pretrained(MODEL)
+    config.vocab_size, config.tie_word_embeddings = rows, False
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(folder))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(Path(MODEL) / name, folder / name)
+    return str(folder)
+
+
+def _trainer(module, model: str, source: str, out: Path):
+    return module.SFTTrainer(model=model, args=_config(module, out, 1, chat_template_path=source, save_strategy="no"),
+                             train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(model))
+
+
+def _train(trainer):
+    trainer.train()
+    trainer.save_model()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _token_rows(trainer) -> list[torch.Tensor]:
+    """The embedding's and an untied head's [rows, D] weights."""
+    model = trainer.model
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings().weight
+    return [embedding] + ([head.weight] if head is not None and head.weight is not embedding else [])
+
+
+@pytest.mark.parametrize("case", ["grown-tied", "cut-untied"])
+def test_cloning_resizes_the_vocabulary_as_trl(case, tmp_path):
+    if case == "grown-tied":  # 1,024 tokens + 1 -> 1,088 rows, 63 placeholders; the new token in every message
+        model, source, rows = MODEL, _source(tmp_path / "source", new_token=True), 1088
+    else:  # 1,152 rows for 1,024 tokens -> cut to 1,024, no placeholder
+        model, source, rows = _model_with_rows(tmp_path / "wide", 1152), _source(tmp_path / "source", False), 1024
+    ours_trainer = _trainer(hfnative, model, source, tmp_path / "ours")
+    theirs_trainer = _trainer(trl, model, source, tmp_path / "trl")  # last: its accelerate state is the one in place
+    old_rows = min(1024, rows)
+    for mine, reference in zip(_token_rows(ours_trainer), _token_rows(theirs_trainer), strict=True):
+        assert mine.shape == reference.shape == (rows, 64)
+        assert torch.equal(mine[:old_rows], reference[:old_rows])  # the kept rows as they were
+        if rows > 1024:  # the new rows: near the old rows' mean, as TRL's (each a random draw of its own)
+            mean = mine[:1024].mean(0)
+            assert (mine[1024:] - mean).abs().max() <= 1e-4 and (reference[1024:] - mean).abs().max() <= 1e-4
+            with torch.no_grad():  # TRL trains from our draw, so the steps can be compared exactly
+                reference[1024:] = mine[1024:]
+    theirs, ours = _train(theirs_trainer), _train(ours_trainer)
+    _assert_same_logs(ours, theirs)
+    assert len(ours) == STEPS
+
+    ours_tokenizer, theirs_tokenizer = ours_trainer.processing_class, theirs_trainer.processing_class
+    assert ours_tokenizer.get_vocab() == theirs_tokenizer.get_vocab() and len(ours_tokenizer.get_vocab()) == rows
+    assert ours_tokenizer.chat_template == theirs_tokenizer.chat_template
+    for folder in ("trl", "ours"):
+        saved = json.loads((tmp_path / folder / "config.json").read_text())
+        assert saved["vocab_size"] == rows, folder
+        assert len(AutoTokenizer.from_pretrained(str(tmp_path / folder)).get_vocab()) == rows, folder
+    mine, reference = (load_file(str(tmp_path / folder / "model.safetensors")) for folder in ("ours", "trl"))
+    assert set(mine) == set(reference)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        if key in reference:
+            assert mine[key].shape == reference[key].shape == (rows, 64), key
+            torch.testing.assert_close(mine[key], reference[key], rtol=0, atol=1e-3, msg=key)
+    # the resized model loads in transformers and predicts as the trained one does
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).eval()
+    text = ours_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    ids = torch.tensor([ours_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        expected = ours_trainer.native_model(ids).logits
+        assert (reloaded(ids).logits - expected).abs().max() <= 1e-4
+
+
+def test_cloning_that_adds_tokens_under_lora_is_refused(tmp_path):
+    peft = pytest.importorskip("peft")
+    source = _source(tmp_path / "source", new_token=True)
+    with pytest.raises(ValueError, match="trainable_token_indices"):
+        hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", 1, chat_template_path=source),
+                            train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(MODEL),
+                            peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
