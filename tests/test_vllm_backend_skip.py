@@ -69,6 +69,30 @@ def test_sampling_settings_in_vllms_terms():
     assert {k: sampled[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")} == dict(
         temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.2, seed=3)
     assert sampled["stop_token_ids"] == []
+    assert "structured_outputs" not in sampled
+
+
+def test_structured_outputs_regex_reaches_vllm_and_nothing_else(tmp_path):
+    """vllm_structured_outputs_regex: the rollout's sampling carries it to vLLM's structured outputs (as TRL passes it);
+    without vLLM it is refused at the start (TRL drops it), and the native engine refuses a regex it cannot honour."""
+    import hfnative
+    from datasets import Dataset
+
+    regex = r"(yes|no)\."
+    assert vllm_sampling_kwargs(SamplingParams(max_new_tokens=4, regex=regex))["structured_outputs"] == {"regex": regex}
+    with pytest.raises(ValueError, match="decoded by the vLLM backends only"):
+        NativeRolloutEngine(load_pretrained(TINY)).generate([[5, 6]], SamplingParams(max_new_tokens=2, regex=regex))
+    rows = Dataset.from_list([{"prompt": "Say yes"}] * 8)
+    fields = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, num_generations=2,
+                  per_device_train_batch_size=2, max_completion_length=4, vllm_structured_outputs_regex=regex)
+    with pytest.raises(ValueError, match="vllm_structured_outputs_regex=.*use_vllm=True"):
+        hfnative.GRPOTrainer(model=str(TINY), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                             args=hfnative.GRPOConfig(**fields), train_dataset=rows)
+    from hfnative.trainers.rollout.prompts import sampling_params
+
+    # the rollout's sampling under use_vllm=True (tests/vllm_backend trains with it through vLLM itself)
+    assert sampling_params(hfnative.GRPOConfig(**fields, use_vllm=True), 4, [2]).regex == regex
+    assert sampling_params(hfnative.GRPOConfig(**{**fields, "vllm_structured_outputs_regex": None}), 4, [2]).regex is None
 
 
 def _lora_model():

@@ -145,6 +145,9 @@ class NativeRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> Rollouts:
+        if sampling.regex is not None:
+            raise ValueError("SamplingParams.regex (vllm_structured_outputs_regex): completions constrained to a regex "
+                             "are decoded by the vLLM backends only; generate with vLLM (use_vllm=True), or drop it")
         prompts = check_prompts(prompts, self.model.args.vocab_size)
         step = self.max_batch_size or len(prompts)
         was_training = self.model.training

@@ -38,7 +38,9 @@ class SamplingParams:
     row of the call in its batch, for a call whose rows are not consecutive (a later turn of a multi-turn
     rollout continues only some rows); it replaces ``first_row + index``.
     Greedy when ``do_sample`` is False (temperature, top-k, top-p and min-p are then ignored; the
-    repetition penalty still applies, as in transformers).
+    repetition penalty still applies, as in transformers). ``regex``: each completion is constrained to match it
+    (vLLM's structured outputs: TRL's vllm_structured_outputs_regex); the vLLM backends decode it, the native
+    engine refuses it.
     """
 
     max_new_tokens: int
@@ -53,6 +55,7 @@ class SamplingParams:
     seed: int | None = None
     first_row: int = 0
     row_indices: tuple[int, ...] | None = None
+    regex: str | None = None
     stop_ids: tuple[int, ...] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -74,6 +77,8 @@ class SamplingParams:
                 raise ValueError(f"row_indices={self.row_indices!r}: expected ints >= 0 (each row's place in its batch)")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed={self.seed!r}: expected an int or None")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ValueError(f"regex={self.regex!r}: expected a non-empty regular expression or None")
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty={self.repetition_penalty}: expected > 0 (1.0: no penalty)")
         self.stop_ids = tuple(dict.fromkeys(

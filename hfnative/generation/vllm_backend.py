@@ -70,7 +70,9 @@ def write_weights_folder(named_tensors: Iterable[tuple[str, torch.Tensor]], fold
 
 def vllm_sampling_kwargs(sampling: SamplingParams) -> dict:
     """vLLM SamplingParams fields for ``sampling``: one completion per prompt, the sampled token's
-    log-prob, stopping exactly on ``sampling.stop_ids`` (the model's own EOS is not added)."""
+    log-prob, stopping exactly on ``sampling.stop_ids`` (the model's own EOS is not added); a regex as
+    ``structured_outputs`` ({"regex": ...}: the server's form; the colocated engine makes vLLM's
+    StructuredOutputsParams of it)."""
     kwargs = dict(
         n=1,
         max_tokens=sampling.max_new_tokens,
@@ -87,6 +89,8 @@ def vllm_sampling_kwargs(sampling: SamplingParams) -> dict:
             kwargs["seed"] = sampling.seed
     else:
         kwargs.update(temperature=0.0)  # vLLM's greedy
+    if sampling.regex is not None:  # vLLM's structured outputs (a dict, as the server takes them)
+        kwargs["structured_outputs"] = {"regex": sampling.regex}
     return kwargs
 
 
@@ -154,13 +158,14 @@ class VLLMColocateEngine(RolloutEngine):
     one engine; with ``tensor_parallel_size`` > 1 consecutive ranks form one vLLM instance, which generates
     for the prompts of all of them (every rank gets its own prompts' rollouts back). ``load_weights``
     takes (Hub key, tensor) pairs — all of the model's weights — and resets vLLM's prefix cache (its KV
-    blocks were computed with the old weights). llm_kwargs go to ``vllm.LLM`` unchanged.
+    blocks were computed with the old weights). skip_tokenizer_init: False where rollouts are constrained to a regex
+    (SamplingParams.regex: vLLM compiles it over the tokenizer's vocabulary). llm_kwargs go to ``vllm.LLM`` unchanged.
     """
 
     def __init__(self, model: str | os.PathLike, *, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
                  max_num_seqs: int | None = None, enable_sleep_mode: bool = False, model_impl: str = "vllm",
-                 dtype: str = "auto", seed: int | None = None, **llm_kwargs):
+                 dtype: str = "auto", seed: int | None = None, skip_tokenizer_init: bool = True, **llm_kwargs):
         from vllm import LLM
 
         rank, world = 0, 1
@@ -192,7 +197,8 @@ class VLLMColocateEngine(RolloutEngine):
             distributed_executor_backend="external_launcher",
             seed=rank // tensor_parallel_size if seed is None else seed,  # one stream per tensor-parallel group
             logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=True,  # prompts and completions are token ids
+            # prompts and completions are token ids; a regex (structured outputs) needs the tokenizer
+            skip_tokenizer_init=skip_tokenizer_init,
             **llm_kwargs,
         )
         self.vocab_size = self.llm.llm_engine.model_config.get_vocab_size()
@@ -215,6 +221,10 @@ class VLLMColocateEngine(RolloutEngine):
             rows = [row for part in gathered for row in part]
             prompts, seeds, mine = [r[0] for r in rows], [r[1] for r in rows], slice(start, start + len(prompts))
         kwargs.pop("seed", None)
+        if "structured_outputs" in kwargs:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kwargs["structured_outputs"] = StructuredOutputsParams(**kwargs["structured_outputs"])
         params = [VLLMSamplingParams(**kwargs, seed=seed, detokenize=False) for seed in seeds]
         if self.enable_sleep_mode:
             self.llm.wake_up()

@@ -295,3 +295,42 @@ def test_ppo_trainer_generates_through_colocated_vllm(model_dir, tmp_path):
     after = engine.generate(PROMPTS, GREEDY)  # the weights the trainer pushed after the last update
     assert after.completion_ids != before
     assert_same_greedy(after, NativeRolloutEngine(trainer.model).generate(PROMPTS, GREEDY), trainer.model, PROMPTS)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+def test_grpo_rollouts_constrained_to_a_regex(model_dir, tmp_path, request, mode):
+    """GRPOConfig(use_vllm=True, vllm_structured_outputs_regex=...): every rollout vLLM makes for the trainer, colocated
+    or served, matches the regex (its text, the stop token off), as TRL's vLLM generation constrains it; the same
+    sampling without the regex does not (a random tiny model writes anything)."""
+    import re
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    import hfnative
+
+    regex = r"(yes|no), (red|green|blue)\."
+    args = hfnative.GRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+        logging_steps=1, save_strategy="no", per_device_train_batch_size=8, num_generations=4,
+        max_completion_length=16, learning_rate=1e-2, seed=0, gradient_checkpointing=False, use_vllm=True,
+        vllm_mode=mode, vllm_max_model_length=256, vllm_structured_outputs_regex=regex,
+    )
+    if mode == "server":
+        args.vllm_server_base_url = request.getfixturevalue("vllm_server")
+        args.vllm_weight_transport, args.vllm_weights_dir = "files", str(tmp_path / "weights")
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = []
+
+    def matches(completion_ids, **kwargs):
+        decoded = [tokenizer.decode([t for t in ids if t != EOS]) for ids in completion_ids]
+        texts.extend(decoded)
+        return [float(re.fullmatch(regex, text) is not None) for text in decoded]
+
+    rows = [{"prompt": f"Answer {i}:"} for i in range(16)]
+    trainer = hfnative.GRPOTrainer(model=str(model_dir), reward_funcs=matches, args=args,
+                                   train_dataset=Dataset.from_list(rows))
+    trainer.train()
+    assert len(texts) == 16 and all(re.fullmatch(regex, text) for text in texts), texts
+    free = trainer.objective.engine.generate(PROMPTS, SamplingParams(max_new_tokens=16, seed=3, eos_token_id=EOS))
+    assert not any(re.fullmatch(regex, tokenizer.decode([t for t in ids if t != EOS])) for ids in free.completion_ids)

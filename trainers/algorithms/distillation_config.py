@@ -90,7 +90,7 @@ class DistillationConfig(TRLBaseConfig):
     vllm_mode: str = field(default="colocate", metadata={"help": "Accepted for TRL compatibility."})
     vllm_model_impl: str = field(default="vllm", metadata={"help": "Accepted for TRL compatibility."})
     vllm_enable_sleep_mode: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})
-    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
+    vllm_structured_outputs_regex: str | None = field(default=None, metadata={"help": "Refused: completions come from the native engine."})
     vllm_server_base_url: str | None = field(default=None, metadata={"help": "Accepted for TRL compatibility."})
     vllm_server_host: str = field(default="0.0.0.0", metadata={"help": "Accepted for TRL compatibility."})
     vllm_server_port: int = field(default=8000, metadata={"help": "Accepted for TRL compatibility."})

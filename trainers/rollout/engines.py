@@ -75,6 +75,8 @@ def make_rollout_engine(model, args, **engine_kwargs) -> RolloutEngine:
         enable_sleep_mode=_field(args, "vllm_enable_sleep_mode", False),
         model_impl=_field(args, "vllm_model_impl", "vllm"),
         dtype=_field(args, "vllm_dtype", None) or vllm_dtype(model),
+        # a regex is compiled over the tokenizer's vocabulary (vLLM's structured outputs): vLLM loads it then
+        skip_tokenizer_init=_field(args, "vllm_structured_outputs_regex", None) is None,
         **engine_kwargs,
     )
     if not isinstance(model, (str, os.PathLike)):  # the live weights (adapters merged), not the folder's

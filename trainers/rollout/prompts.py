@@ -50,8 +50,9 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return ids
 
 
-# the SamplingParams fields a config's generation_kwargs may set (the stop tokens and the seed are the run's)
-GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams) if f.init and f.name != "seed")
+# the SamplingParams fields a config's generation_kwargs may set (the stop tokens, the seed and the regex are the
+# run's)
+GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams) if f.init and f.name not in ("seed", "regex"))
 
 
 def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generation_kwargs=None, strict: bool = False,
@@ -62,6 +63,9 @@ def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generatio
     settings = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=args.temperature,
                     top_p=getattr(args, "top_p", 1.0), top_k=getattr(args, "top_k", 0),
                     min_p=getattr(args, "min_p", None) or 0.0, repetition_penalty=getattr(args, "repetition_penalty", 1.0))
+    regex = getattr(args, "vllm_structured_outputs_regex", None)
+    if regex is not None:  # TRL's structured outputs: vLLM's engines decode them (the native engine refuses)
+        settings["regex"] = regex
     settings.update(overrides, eos_token_id=list(stop_ids))
     for key, value in (generation_kwargs or {}).items():
         if key in GENERATION_KWARGS:

@@ -77,9 +77,7 @@ CONFIG_NO_EFFECT = {
 }
 
 # the TRL configs' own fields refused when set away from the config's default
-CONFIG_REFUSED = {
-    "vllm_structured_outputs_regex": "guided (regex-constrained) decoding is not implemented; unset it",
-}
+CONFIG_REFUSED = {}
 
 # values besides the class's default that a refused field may hold (what __post_init__ turns the default into,
 # or the values hfnative implements)
@@ -165,6 +163,10 @@ def refused_settings(args) -> list[str]:
         if any(value == accepted for accepted in defaults):
             continue
         found.append(f"{name}={value!r}: {what_to_do}")
+    if getattr(args, "vllm_structured_outputs_regex", None) is not None and not getattr(args, "use_vllm", False):
+        found.append(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r}: completions constrained to "
+                     "a regex are decoded by vLLM only (GRPO and RLOO with use_vllm=True; TRL drops the regex "
+                     "without vLLM); generate with vLLM, or unset it")
     return found + accelerator_config_refusals(args)
 
 
