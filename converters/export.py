@@ -161,9 +161,11 @@ def _token_fields_followed(converted: ConvertedModel, fields: dict) -> bool:
     text = converted.config.get_text_config()
     target = fields["text_config"] if isinstance(fields.get("text_config"), dict) and "vocab_size" not in fields else fields
     changed = False
+    differs_from_defaults = text.to_diff_dict()
     for name in TOKEN_FIELDS:
         value = getattr(text, name, None)
-        if name in target and value is not None and target[name] != value:
+        absent_as_default = name not in target and name not in differs_from_defaults
+        if value is not None and target.get(name) != value and not absent_as_default:
             target[name] = value
             changed = True
     return changed
@@ -182,9 +184,16 @@ def _classifier_config_changed(converted: ConvertedModel, fields: dict) -> bool:
 
 
 def _save_generation_config(converted: ConvertedModel, out_dir: Path, generation_config=None) -> None:
+    """``generation_config`` (the model's live one: a cloned chat template or ``eos_token`` may have changed its EOS)
+    where it says something else than the source folder's file, else that file as it is."""
     if converted.args.num_labels is not None:  # a sequence classifier does not generate (transformers writes none)
         return
     source = converted.source_dir / "generation_config.json" if converted.source_dir else None
+    if generation_config is not None and source is not None and source.exists():
+        from transformers import GenerationConfig
+
+        if GenerationConfig.from_pretrained(str(source.parent)).to_diff_dict() == generation_config.to_diff_dict():
+            generation_config = None  # the same settings: the file is copied byte for byte
     if generation_config is not None:
         text = generation_config.to_json_string()
     elif source is not None and source.exists():

@@ -119,3 +119,67 @@ def test_cloning_that_adds_tokens_under_lora_is_refused(tmp_path):
         hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", 1, chat_template_path=source),
                             train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(MODEL),
                             peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
+
+
+def test_eos_token_and_a_cloned_eos_reach_the_generation_config_as_trls(tmp_path):
+    """SFTConfig(eos_token=...) and a template folder with another EOS: the tokenizer's EOS, the config's and the
+    generation config's eos_token_id (in memory and saved) are TRL's."""
+    source = tmp_path / "source"
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    tokenizer.eos_token = "<|endoftext|>"
+    tokenizer.save_pretrained(str(source))
+    seen = {}
+    for settings in (dict(eos_token="<|endoftext|>"), dict(chat_template_path=str(source))):
+        for module in (hfnative, trl):  # TRL last: its accelerate state is the one in place
+            out = tmp_path / f"{module.__name__}-{sorted(settings)[0]}"
+            trainer = module.SFTTrainer(model=MODEL, args=_config(module, out, 1, max_steps=1, **settings),
+                                        train_dataset=_dataset("messages"),
+                                        processing_class=AutoTokenizer.from_pretrained(MODEL))
+            trainer.train()
+            trainer.save_model()
+            saved = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
+            seen[module, sorted(settings)[0]] = (trainer.processing_class.eos_token, trainer.model.config.eos_token_id,
+                                                 trainer.model.generation_config.eos_token_id, saved)
+        assert seen[hfnative, sorted(settings)[0]] == seen[trl, sorted(settings)[0]], settings
+    assert seen[trl, "eos_token"][0] == "<|endoftext|>" and isinstance(seen[trl, "eos_token"][2], list)
+
+
+def test_the_draw_of_new_rows_leaves_the_random_stream_as_it_was():
+    """The mean-row draw runs on a forked stream: training draws after it (dropout, NEFTune) are the seed's, as under
+    TRL, which clones before its Trainer seeds."""
+    from hfnative.converters.loading import load_pretrained
+    from hfnative.models.vocabulary import resize_vocabulary
+
+    model = load_pretrained(MODEL).model
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    resize_vocabulary(model, 1088)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert model.tok_embeddings.weight.shape == (1088, 64) and model.args.vocab_size == 1088
+
+
+def test_a_model_object_given_is_resized_with_the_same_rows(tmp_path):
+    """A transformers model given as ``model``: TRL's clone resizes that object; here the native copy is resized and
+    the object holds the same rows at once (the trained ones after train())."""
+    given = AutoModelForCausalLM.from_pretrained(MODEL)
+    trainer = hfnative.SFTTrainer(model=given, args=_config(hfnative, tmp_path / "ours", 1,
+                                                             chat_template_path=_source(tmp_path / "source", True)),
+                                  train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(MODEL))
+    ours = trainer.native_model.get_input_embeddings().weight
+    assert given.get_input_embeddings().weight.shape == ours.shape == (1088, 64)
+    assert torch.equal(given.get_input_embeddings().weight, ours.detach())
+    assert given.config.vocab_size == 1088
+
+
+def test_gkd_applies_the_template_and_eos_token(tmp_path):
+    """GKDConfig is an SFTConfig: its chat_template_path (a .jinja file) and eos_token apply, as under TRL's
+    GKDTrainer (an SFTTrainer); its generation stops at the new EOS."""
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE.replace(NEW_TOKEN, ""))
+    args = hfnative.GKDConfig(output_dir=str(tmp_path / "gkd"), use_cpu=True, bf16=False, report_to="none",
+                              max_steps=1, chat_template_path=str(template), eos_token="<|endoftext|>")
+    trainer = hfnative.GKDTrainer(model=MODEL, teacher_model=MODEL, args=args, train_dataset=_dataset("messages"),
+                                  processing_class=AutoTokenizer.from_pretrained(MODEL))
+    tokenizer = trainer.processing_class
+    assert tokenizer.chat_template == template.read_text() and tokenizer.eos_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id in trainer.objective.rollout.stop_ids

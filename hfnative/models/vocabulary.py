@@ -28,10 +28,13 @@ def mean_rows(weight_VD: torch.Tensor, count: int) -> torch.Tensor:
     centered = weight - mean_D
     covariance_DD = centered.T @ centered / weight.shape[0]
     scaled = COVARIANCE_SCALE * covariance_DD
-    if constraints.positive_definite.check(scaled).all():
+    if not constraints.positive_definite.check(scaled).all():
+        return mean_D[None, :].repeat(count, 1).to(weight_VD.dtype)
+    # the draw leaves the global random stream where it was: training draws (dropout, NEFTune noise) go on from the
+    # run's seed as they do where the model was resized before the seed was set (TRL clones before its Trainer seeds)
+    devices = [weight_VD.device] if weight_VD.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
         rows = MultivariateNormal(mean_D, covariance_matrix=scaled).sample((count,))
-    else:
-        rows = mean_D[None, :].repeat(count, 1)
     return rows.to(weight_VD.dtype)
 
 

@@ -18,6 +18,7 @@ from hfnative.losses import IGNORE_INDEX, generalized_jsd_terms
 
 from .distillation_config import GKDConfig
 from .distillation import _DistillationObjective, _TeacherMixin, _teacher_kwargs
+from .sft import apply_tokenizer_settings
 from ..rollout.prompts import generation_eos_ids, sampling_params, tokenize_prompts
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_batch, pad_token_lists
@@ -120,6 +121,9 @@ class GKDObjective(_DistillationObjective):
     loss_temperature = 1.0
 
     def __init__(self, context, teacher):
+        # SFTConfig's eos_token and chat_template_path, as TRL's GKDTrainer (an SFTTrainer) applies them, before the
+        # stop tokens are read; a template that would change the vocabulary is refused (the teacher's would not follow)
+        apply_tokenizer_settings(context, context.args)
         super().__init__(context, teacher)
         args = context.args
         self.beta, self.lmbda, self.seq_kd = args.beta, args.lmbda, args.seq_kd

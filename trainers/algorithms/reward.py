@@ -10,6 +10,8 @@ as [2B, S] (chosen rows, then rejected rows) and runs through the model once; th
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -130,8 +132,8 @@ class RewardObjective(Objective):
             tokenizer.eos_token = args.eos_token
             text_config.eos_token_id = tokenizer.eos_token_id
         if args.chat_template_path is not None:
-            refuse_new_tokens_under_lora(
-                load_chat_template(tokenizer, args.chat_template_path, config, resize=context.resize_vocabulary), context)
+            load_chat_template(tokenizer, args.chat_template_path, config, resize=context.resize_vocabulary,
+                               refuse_new_tokens=functools.partial(refuse_new_tokens_under_lora, context=context))
         pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
         self._check_in_vocabulary(pad_token, "pad_token")
         tokenizer.pad_token = pad_token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from pathlib import Path
@@ -139,14 +140,16 @@ class SFTTrainer(Trainer):
 
 
 
-def load_chat_template(tokenizer, path: str, config=None, resize=None) -> list[int]:
+def load_chat_template(tokenizer, path: str, config=None, resize=None, generation_config=None,
+                       refuse_new_tokens=None) -> list[int]:
     """``chat_template_path``: a .jinja / .j2 file, whose text becomes ``tokenizer``'s template, or a tokenizer folder,
     cloned as TRL's clone_chat_template clones it: its template and EOS (``config``, the model's transformers config,
-    gets the new eos_token_id), the folder's added tokens the tokenizer lacks, and the model's token rows resized to
-    the vocabulary rounded up to a multiple of 64 (``resize(rows)``, the trainer's; rows past the end dropped, new ones
-    started at the mean row) with placeholder tokens (``<extra_id_N>``) filling the vocabulary up to them. Returns the
-    ids of the tokens added (TRL's ``added_tokens``). Without ``resize``, a clone that would change the vocabulary is
-    refused, naming what would change."""
+    and ``generation_config`` get the new eos_token_id), the folder's added tokens the tokenizer lacks, and the model's
+    token rows resized to the vocabulary rounded up to a multiple of 64 (``resize(rows)``, the trainer's; rows past the
+    end dropped, new ones started at the mean row) with placeholder tokens (``<extra_id_N>``) filling the vocabulary up
+    to them. Returns the ids of the tokens added (TRL's ``added_tokens``). Nothing is changed before what refuses has
+    spoken: a resize without ``resize`` (the message names what would change), ``resize`` itself, and
+    ``refuse_new_tokens(count)`` when tokens would be added."""
     path = Path(path)
     if path.suffix in (".jinja", ".j2") and path.is_file():
         tokenizer.chat_template = path.read_text()
@@ -158,7 +161,8 @@ def load_chat_template(tokenizer, path: str, config=None, resize=None) -> list[i
     missing = [token for token in source.added_tokens_decoder.values() if token.content not in vocab]
     rows = getattr(config.get_text_config(), "vocab_size", None) if config is not None else None
     resized = -(-(len(vocab) + len(missing)) // VOCABULARY_MULTIPLE) * VOCABULARY_MULTIPLE
-    if (missing or (rows is not None and resized != rows)) and resize is None:
+    resizes = resized != rows if rows is not None else bool(missing)
+    if resizes and resize is None:
         raise ValueError(
             f"chat_template_path={str(path)!r}: TRL's clone_chat_template would change the vocabulary here ("
             + (f"add the tokens {[t.content for t in missing][:8]} to the tokenizer; " if missing else "")
@@ -166,33 +170,71 @@ def load_chat_template(tokenizer, path: str, config=None, resize=None) -> list[i
             "template as a .jinja file whose special tokens the tokenizer has, or add the tokens and resize the model "
             "yourself (tokenizer.add_tokens, model.resize_token_embeddings) and pass that model and tokenizer"
         )
+    target = resized if resizes else rows
+    adding = len(missing) + max((target or 0) - len(vocab) - len(missing), 0)  # with the placeholders
+    if adding and refuse_new_tokens is not None:
+        refuse_new_tokens(adding)
+    if resizes:
+        resize(resized)
     tokenizer.chat_template = source.get_chat_template()
     tokenizer.add_tokens(missing)
     tokenizer.eos_token = source.eos_token
     if config is not None:
         config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    if generation_config is not None:
+        generation_config.eos_token_id = tokenizer.eos_token_id
     added = [token.content for token in missing]
-    if missing or (rows is not None and resized != rows):
-        resize(resized)
-        rows = resized
-    if rows is not None:
-        index = 0
-        while rows > len(tokenizer.get_vocab()):  # placeholder tokens up to the model's rows, as TRL adds them
-            placeholder = AddedToken(f"<extra_id_{index}>")
-            index += 1
-            if tokenizer.add_tokens(placeholder) == 1:
-                added.append(placeholder.content)
+    index = 0
+    while target is not None and target > len(tokenizer.get_vocab()):  # placeholders up to the rows, as TRL adds them
+        placeholder = AddedToken(f"<extra_id_{index}>")
+        index += 1
+        if tokenizer.add_tokens(placeholder) == 1:
+            added.append(placeholder.content)
     return tokenizer.convert_tokens_to_ids(added)
 
 
-def refuse_new_tokens_under_lora(added: list[int], context) -> None:
-    """Tokens a cloned chat template added, under LoRA: TRL then also trains their embedding rows (peft's
+def set_eos_token(tokenizer, eos_token: str, model, processing_class=None) -> None:
+    """SFTConfig's ``eos_token`` as TRL's SFTTrainer sets it: the tokenizer's EOS, the model config's eos_token_id,
+    and the first of generation_config's EOS ids (the others kept: any of them stops generation)."""
+    if eos_token not in tokenizer.get_vocab():
+        raise ValueError(
+            f"The specified `eos_token` ('{eos_token}') is not found in the vocabulary of the given "
+            f"`processing_class` ({type(processing_class or tokenizer).__name__}). Ensure that the `eos_token` exists "
+            "in the vocabulary before using it as an EOS token."
+        )
+    tokenizer.eos_token = eos_token
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        ids = generation_config.eos_token_id
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if tokenizer.eos_token_id not in ids:
+            generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]
+
+
+def apply_tokenizer_settings(context, args, resize=None) -> list[int]:
+    """TRL's SFTTrainer's own tokenizer settings, in its order: ``eos_token``, then ``chat_template_path``
+    (``load_chat_template``; ``resize``: the trainer's, where the vocabulary may change). Returns the tokens added."""
+    model = context.model
+    if args.eos_token is not None:
+        set_eos_token(context.tokenizer, args.eos_token, model, context.processing_class)
+    if args.chat_template_path is None:
+        return []
+    return load_chat_template(context.tokenizer, args.chat_template_path, getattr(model, "config", None), resize=resize,
+                              generation_config=getattr(model, "generation_config", None),
+                              refuse_new_tokens=functools.partial(refuse_new_tokens_under_lora, context=context))
+
+
+def refuse_new_tokens_under_lora(count: int, context) -> None:
+    """Tokens a cloned chat template would add, under LoRA: TRL then also trains their embedding rows (peft's
     trainable_token_indices) and the output head in full; hfnative's LoRA does not, so it says so instead."""
-    if added and context.trains_new_adapters:
-        raise ValueError(f"chat_template_path: cloning the template added {len(added)} tokens to the tokenizer; under "
-                         "LoRA TRL would also train their embedding rows (peft's trainable_token_indices), which "
-                         "hfnative's LoRA does not: clone the template and resize the model first (trl's "
-                         "clone_chat_template, then save_pretrained), and train LoRA from that model and tokenizer")
+    if count and (context.trains_new_adapters or context.uses_adapters):
+        raise ValueError(f"chat_template_path: cloning the template adds {count} tokens to the tokenizer; under LoRA "
+                         "TRL would also train their embedding rows (peft's trainable_token_indices), which hfnative's "
+                         "LoRA does not: clone the template and resize the model first (trl's clone_chat_template, "
+                         "then save_pretrained), and train LoRA from that model and tokenizer")
 
 
 # TRL's clone_chat_template rounds the resized vocabulary up to a multiple of this
@@ -221,10 +263,7 @@ class SFTObjective(LanguageModelingObjective):
                 "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
                 f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
             )
-        if args.chat_template_path is not None:
-            added = load_chat_template(context.tokenizer, args.chat_template_path,
-                                       getattr(context.model, "config", None), resize=context.resize_vocabulary)
-            refuse_new_tokens_under_lora(added, context)
+        apply_tokenizer_settings(context, args, resize=context.resize_vocabulary)
         tokenizer = context.tokenizer
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token

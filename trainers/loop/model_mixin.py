@@ -186,6 +186,8 @@ class ModelMixin:
         fallback), with the config's vocab_size; a transformers object given as ``model`` is resized too, so the
         trained weights can be copied back into it. Refused where the weights are already sharded or adapted."""
         current = self.native_model.get_input_embeddings().weight.shape[0]
+        if rows == current:
+            return
         what = f"chat_template_path: cloning the template resizes the model's token rows from {current} to {rows}"
         if self.distributed is not None:
             raise ValueError(f"{what}, which a distributed run cannot do once its weights are sharded: clone the template "
@@ -205,9 +207,18 @@ class ModelMixin:
             if hf_model is None:
                 raise ValueError(f"{what}; this model has no transformers config or module to resize")
             hf_model.resize_token_embeddings(rows, mean_resizing=True)
+            if hasattr(getattr(self.native_model, "args", None), "vocab_size"):
+                self.native_model.args.vocab_size = rows
         given = self._given_model() if self._given_model is not None else None
-        if given is not None:
-            given.resize_token_embeddings(rows, mean_resizing=False)  # its rows are the trained ones after train()
+        if given is not None:  # the object given as `model` holds the same rows now (the trained ones after train())
+            given.resize_token_embeddings(rows, mean_resizing=False)
+            with torch.no_grad():
+                pairs = [(given.get_input_embeddings(), self.native_model.get_input_embeddings())]
+                head = given.get_output_embeddings()
+                if head is not None and head.weight is not pairs[0][0].weight:
+                    pairs.append((head, self.native_model.get_output_embeddings()))
+                for theirs, ours in pairs:
+                    theirs.weight.copy_(ours.weight)
         embedding_params = self.native_model.get_input_embeddings().weight.numel()
         self._non_embedding_params = sum(p.numel() for p in self.native_model.parameters()) - embedding_params
 

@@ -80,7 +80,8 @@ class SavingMixin:
                          native_state=native_state)
             save_tokenizer(output_dir, self.processing_class)
         elif self.converted is not None:
-            export_hf(self.converted, output_dir, processing_class=self.processing_class, native_state=native_state)
+            export_hf(self.converted, output_dir, processing_class=self.processing_class, native_state=native_state,
+                      generation_config=getattr(self.native_model, "generation_config", None))
         else:
             from safetensors.torch import save_file
 
