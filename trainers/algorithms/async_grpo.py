@@ -30,7 +30,9 @@ from .grpo import extremes_over_ranks
 from ..rollout.prompt_batches import loss_mask
 from ..loop.objective import Normalizer, Objective, enable_router_loss
 from ..rollout.rewards import RewardFunctions
-from ..rollout.prompts import is_conversational, sampling_params
+from ..running.construction import config_dict
+from .sft import mirror_pad_token
+from ..rollout.prompts import is_conversational, sampling_params, stop_token_ids
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_logprobs_of, model_inputs, pad_token_lists, trimmed_rows
 from ..rollout.tool_calling import Episode, EpisodeReward, ToolEpisodes, tool_calling_for
@@ -134,12 +136,15 @@ class AsyncGRPOObjective(Objective):
         rollouts (trainers/rollout/tool_calling.py), run by the generator actors (an environment's get_reward there too)."""
         super().__init__(context)
         args = context.args
+        if context.processing_class is not None:  # TRL's: the EOS pads when the tokenizer has no pad token
+            mirror_pad_token(context.tokenizer, context.model)
         self.tool_calling = tool_calling_for(context, tools, environment_factory)
         self.aux_loss_coef = enable_router_loss(context.model, context.args.router_aux_loss_coef)  # TRL's rule
         environments = None if self.tool_calling is None else self.tool_calling.environments
         episode_rewards = [] if environments is None else [EpisodeReward(cls.__name__) for cls in environments.reward_classes]
         reward_functions = RewardFunctions(reward_funcs, chat_template_kwargs=_chat_template_kwargs(args),
-                                           episode_rewards=episode_rewards)
+                                           episode_rewards=episode_rewards,
+                                           model_init_kwargs=config_dict(getattr(args, "model_init_kwargs", None)))
         if context.processing_class is None:
             raise ValueError("AsyncGRPOTrainer needs a processing_class (tokenizer) or a model folder that has one")
         if context.world_size > 1 and args.use_vllm:
@@ -150,11 +155,11 @@ class AsyncGRPOObjective(Objective):
             )
         self.reward_functions = reward_functions
         self.leader = context.rank == 0  # runs the actors and hands out the scored micro-batches
-        eos = context.tokenizer.eos_token_id
+        # TRL's stop tokens: the tokenizer's EOS and the model's generation_config EOS ids (a chat model's end of turn)
+        stops = stop_token_ids(context.tokenizer, context.model)
         # vLLM seeds every request of a batch alike, so a seed would make a group's completions identical: it samples
         # from its engine's own seeded stream instead
-        sampling = sampling_params(args, args.max_completion_length, [] if eos is None else [eos],
-                                   seed=None if args.use_vllm else args.seed)
+        sampling = sampling_params(args, args.max_completion_length, stops, seed=None if args.use_vllm else args.seed)
         # TRL's async trainer tokenizes text prompts without special tokens
         self.rollout = Rollout(context, sampling, chat_template_kwargs=_chat_template_kwargs(args),
                                add_special_tokens=False)

@@ -31,6 +31,7 @@ from .distillation_config import DistillationConfig
 from .reference_model import frozen_for_autocast
 from ..running.model_loading import resolve_model
 from ..loop.objective import LanguageModelingObjective
+from .sft import mirror_pad_token
 from ..rollout.prompts import sampling_params, stop_token_ids, tokenize_prompts
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_batch, completion_length_metrics
@@ -205,6 +206,8 @@ class OnPolicyDistillationObjective(_DistillationObjective):
 
     def __init__(self, context, teacher, tools=None):
         """``tools``: TRL's tool-calling rollouts (synchronous callables; trainers/rollout/tool_calling.py)."""
+        if context.processing_class is not None:  # TRL's: the EOS pads when the tokenizer has no pad token
+            mirror_pad_token(context.tokenizer, context.model)
         super().__init__(context, teacher)
         args = context.args
         self.beta, self.loss_temperature = args.beta, args.temperature
@@ -326,6 +329,8 @@ class DistillationTrainer(_TeacherMixin, Trainer):
     """TRL's DistillationTrainer: same constructor and DistillationConfig. Always on-policy: each optimizer step's
     prompts ("prompt" column, text or conversational) are completed by the student in one generation call; logs
     loss, grad_norm, learning_rate, entropy, num_tokens and completions/* (eval_* in evaluation)."""
+
+    loaded_tokenizer_kwargs = {"padding_side": "left", "truncation_side": "left"}  # as TRL loads it
 
     algorithm_name = "Distillation"
     config_class = DistillationConfig

@@ -22,6 +22,7 @@ from .dpo_config import DPOConfig
 from ..loop.objective import Objective, enable_router_loss, with_transformers_padding
 from .reference_model import PREFERENCE_LOGITS_FOR_METRICS_WARNING, ReferenceModel, ReferenceTrainer
 from ..loop.trainer import Trainer
+from .sft import mirror_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,7 @@ class DPOObjective(Objective):
         if not isinstance(context.processing_class, tokenizer_types):
             raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
         tokenizer = context.tokenizer
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        mirror_pad_token(tokenizer, context.model)  # TRL's: the EOS pads when the tokenizer has no pad token
         if context.data_collator is None:
             pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
             if pad_token not in tokenizer.get_vocab():
@@ -119,7 +119,7 @@ class DPOObjective(Objective):
                     f"`processing_class` ({type(context.processing_class).__name__}). Ensure that the `pad_token` "
                     "exists in the vocabulary before using it as a padding token."
                 )
-            tokenizer.pad_token = pad_token
+            mirror_pad_token(tokenizer, context.model, pad_token)
         return super().prepare_datasets(train_dataset, eval_dataset)
 
     def prepare_train_dataset(self, dataset):

@@ -41,12 +41,12 @@ from hfnative.losses.policy import (
 )
 from ..loop.arguments import LIGER_DEPRECATION
 from ..rollout.completion_log import CompletionLog
-from ..running.construction import is_model_name
+from ..running.construction import config_dict, is_model_name
 from .entropy_control import EntropyBonus
 from .grpo_config import GRPOConfig, check_run_settings
 from ..loop.objective import Normalizer, Objective, enable_router_loss
 from .reference_model import ReferenceModel, refuse_sync_without_reference
-from ..rollout.rewards import RewardFunctions
+from ..rollout.rewards import RewardAttributes, RewardFunctions
 from ..rollout.engines import make_rollout_engine
 from ..rollout.tool_calling import tool_calling_for
 from ..rollout.prompts import sampling_params, stop_token_ids
@@ -55,6 +55,7 @@ from ..rollout.prompt_batches import GenerationBatches, loss_mask, split_generat
 from ..rollout.batches import completion_logprobs_of, pad_token_lists
 from ..running.script_arguments import ScriptArguments
 from ..loop.trainer import Trainer
+from .sft import mirror_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class GRPOObjective(GenerationBatches, Objective):
         multi-turn tool-calling rollouts (trainers/rollout/tool_calling.py)."""
         super().__init__(context)
         args = context.args
+        if context.processing_class is not None:  # TRL's: the EOS pads when the tokenizer has no pad token
+            mirror_pad_token(context.tokenizer, context.model)
         tool_calling = tool_calling_for(context, tools, environment_factory)
         # the MoE router's load-balancing loss in the policy's loss forward (TRL's rule for router_aux_loss_coef)
         self.aux_loss_coef = enable_router_loss(context.model, args.router_aux_loss_coef)
@@ -127,9 +130,10 @@ class GRPOObjective(GenerationBatches, Objective):
         chat_template_kwargs = dict(args.chat_template_kwargs or {})
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
                                        chat_template_kwargs=chat_template_kwargs,
+                                       model_init_kwargs=config_dict(args.model_init_kwargs),
                                        episode_rewards=tool_calling.reward_functions() if tool_calling else None)
         sampling = sampling_params(args, args.max_completion_length, stop_token_ids(context.tokenizer, context.model),
-                                   generation_kwargs=args.generation_kwargs)
+                                   generation_kwargs=config_dict(args.generation_kwargs), strict=True)
         self.rollout = Rollout(context, sampling, engine=make_rollout_engine(context.model, args),
                                chat_template_kwargs=chat_template_kwargs, tool_calling=tool_calling,
                                rollout_func=rollout_func)
@@ -367,12 +371,14 @@ def warn_like_trl(args) -> None:
         )
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(RewardAttributes, Trainer):
     """TRL's GRPOTrainer: ``GRPOTrainer(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
     reward_processing_classes, callbacks, optimizers, peft_config, rollout_func)``. ``model``: a folder, Hub id,
     transformers model or native model; ``reward_funcs``: a callable, a reward model (path or model), a built-in
     name or a dotted import path, or a list of them (see trainers/rollout/rewards.py); ``rollout_func(prompts, trainer)``:
     the user's rollout in place of the engine (TRL's contract, see ``GRPOObjective._custom_rollout``)."""
+
+    loaded_tokenizer_kwargs = {"padding_side": "left", "truncation_side": "left"}  # as TRL loads it
 
     algorithm_name = "GRPO"
     config_class = GRPOConfig

@@ -28,6 +28,7 @@ from .kto_config import KTOConfig
 from ..loop.objective import Objective, RankSums, enable_router_loss, ratio_if_any, with_transformers_padding
 from .reference_model import PREFERENCE_LOGITS_FOR_METRICS_WARNING, ReferenceModel, ReferenceTrainer, router_loss_off
 from ..loop.trainer import Trainer
+from .sft import mirror_pad_token
 
 logger = logging.getLogger(__name__)
 
@@ -114,9 +115,7 @@ class KTOObjective(Objective):
         tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
         if not isinstance(context.processing_class, tokenizer_types):
             raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
-        tokenizer = context.tokenizer
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        mirror_pad_token(context.tokenizer, context.model)  # TRL's: the EOS pads when the tokenizer has no pad token
         return super().prepare_datasets(train_dataset, eval_dataset)
 
     def prepare_train_dataset(self, dataset):

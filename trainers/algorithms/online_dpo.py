@@ -24,12 +24,14 @@ from .online_dpo_config import OnlineDPOConfig
 from ..loop.objective import Normalizer, Objective
 from .reference_free_preference import transformers_padding_plan
 from .reference_model import ReferenceModel, ReferenceTrainer, router_loss_off
-from ..rollout.rewards import RewardFunctions
+from ..rollout.rewards import RewardAttributes, RewardFunctions
+from ..running.construction import config_dict
 from ..rollout.prompts import sampling_params, stop_token_ids
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_logprobs_of, model_inputs
 from ..rollout.engines import make_rollout_engine
 from ..loop.trainer import Trainer
+from .sft import mirror_pad_token
 
 
 def _rows(batch):
@@ -79,9 +81,9 @@ class OnlineDPOObjective(Objective):
     def __init__(self, context, reward_funcs, reward_processing_classes, reference, reference_given: bool):
         super().__init__(context)
         args, tokenizer = context.args, context.tokenizer
-        if tokenizer.pad_token is None:  # TRL's: the EOS pads
-            tokenizer.pad_token = tokenizer.eos_token
-        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device)
+        mirror_pad_token(tokenizer, context.model)  # TRL's: the EOS pads when the tokenizer has no pad token
+        self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
+                                       model_init_kwargs=config_dict(args.model_init_kwargs))
         self.stop_ids = stop_token_ids(tokenizer, context.model)
         sampling = sampling_params(args, args.max_new_tokens, self.stop_ids, generation_kwargs=args.generation_kwargs,
                                    strict=True)
@@ -217,7 +219,7 @@ class OnlineDPOObjective(Objective):
         self.rollout.sync_weights()
 
 
-class OnlineDPOTrainer(ReferenceTrainer, Trainer):
+class OnlineDPOTrainer(RewardAttributes, ReferenceTrainer, Trainer):
     """TRL's experimental OnlineDPOTrainer: ``OnlineDPOTrainer(model, ref_model, reward_funcs, args, data_collator,
     train_dataset, eval_dataset, processing_class, reward_processing_classes, peft_config, compute_metrics,
     callbacks, optimizers, preprocess_logits_for_metrics)``. ``reward_funcs``: a callable, a reward model (path or
@@ -305,23 +307,6 @@ class OnlineDPOTrainer(ReferenceTrainer, Trainer):
         """TRL's: β of the current epoch."""
         return self.objective.beta
 
-    @property
-    def reward_funcs(self) -> list:
-        return self.objective.rewards.functions
-
-    @property
-    def reward_func_names(self) -> list[str]:
-        return self.objective.rewards.names
-
-    @property
-    def reward_weights(self) -> torch.Tensor:
-        """TRL's: the functions' weights [F] (float32, all 1.0 unless ``reward_weights`` is set)."""
-        return self.objective.rewards.weights_F
-
-    @property
-    def reward_processing_classes(self) -> list:
-        """TRL's: each reward model's tokenizer (None for a callable)."""
-        return self.objective.rewards.tokenizers
 
 
 __all__ = ["OnlineDPOObjective", "OnlineDPOTrainer", "as_rows", "online_dpo_losses", "pick_pairs"]

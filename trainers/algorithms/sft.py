@@ -214,6 +214,21 @@ def set_eos_token(tokenizer, eos_token: str, model, processing_class=None) -> No
             generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]
 
 
+def mirror_pad_token(tokenizer, model, pad_token: str | None = None) -> None:
+    """The tokenizer's pad token (``pad_token``, else its own, else its EOS) set on it and mirrored onto the model's
+    config and generation config, as TRL's trainers do from construction (the saved tokenizer, config.json and
+    generation_config.json then carry it)."""
+    pad_token = pad_token or tokenizer.pad_token or tokenizer.eos_token
+    if pad_token is not None:
+        tokenizer.pad_token = pad_token
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+
+
 def apply_tokenizer_settings(context, args, resize=None) -> list[int]:
     """TRL's SFTTrainer's own tokenizer settings, in its order: ``eos_token``, then ``chat_template_path``
     (``load_chat_template``; ``resize``: the trainer's, where the vocabulary may change). Returns the tokens added."""
@@ -273,8 +288,7 @@ class SFTObjective(LanguageModelingObjective):
                     f"`processing_class` ({type(context.processing_class).__name__}): set `tokenizer.pad_token` to a "
                     "token it has."
                 )
-            if args.pad_token is not None:
-                tokenizer.pad_token = args.pad_token
+            mirror_pad_token(tokenizer, context.model, pad_token)
             self._pad_token_id = pad_token_id_for(context.processing_class, args.eos_token)
         self._completion_only_loss = args.completion_only_loss
         if self._completion_only_loss is None:  # as TRL: decided once, by the train dataset's rows, for every dataset

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
 
 import torch
@@ -55,6 +56,7 @@ class ModelMixin:
         self.native_model = model.native_model if isinstance(model, PeftSurface) else model
 
     def _set_model(self, model) -> None:
+        self._policy_source = model if isinstance(model, (str, os.PathLike)) else None
         loaded = None
         if self.distributed is not None and self._may_load_sharded(model):
             # built on the meta device; each rank loads its slice of the checkpoint once parallelized
@@ -143,7 +145,7 @@ class ModelMixin:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
         object, loaded like the policy, frozen, in eval mode, placed like the policy."""
         for name, source in list(self.objective.auxiliary_models.items()):
-            loaded = resolve_model(source, self.device, {})
+            loaded = resolve_model(source, self.device, self._auxiliary_init_kwargs(source))
             model = loaded.model
             if model is source or model is getattr(source, "model", None):
                 self.objective.users_models.add(name)
@@ -152,6 +154,17 @@ class ModelMixin:
             model.requires_grad_(False).eval()
             self._place(model)
             self.objective.auxiliary_models[name] = model
+
+    def _auxiliary_init_kwargs(self, source) -> dict:
+        """How a frozen model is loaded: a copy of the policy made from the policy's own name (the reference when no
+        ref_model is given) is loaded as TRL loads it, with the policy's model_init_kwargs (revision, dtype, config
+        fields), less what only a trained policy takes (quantization: hfnative's QLoRA trains adapters, and with
+        adapters the reference is the base with them off); any other source as it is."""
+        policy = getattr(self, "_policy_source", None)
+        if policy is None or not isinstance(source, (str, os.PathLike)) or os.fspath(source) != os.fspath(policy):
+            return {}
+        return {key: value for key, value in self._model_init_kwargs.items()
+                if key not in ("load_in_4bit", "quantization_config", "num_labels", "score_seed")}
 
     def _add_adapters(self) -> None:
         """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""

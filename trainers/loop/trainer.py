@@ -91,6 +91,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
     requires_train_dataset = False  # TRL's trainers refuse to be built without one; transformers' Trainer does not
     # a quantization_config with a model object: an error (TRL's DPOTrainer), else a warning that it is ignored
     refuses_quantization_of_instances = False
+    # how the trainer loads the tokenizer when none is given (TRL's RL trainers: padded and truncated on the left)
+    loaded_tokenizer_kwargs: dict = {}
     _last_micro_batch = True  # is the micro-batch in training_step the optimizer step's last one
     _current_accumulation_steps = 1  # this rank's micro-batches in the step being trained
     _stopped_by: str | None = None  # why train() stopped before its last step (enable_jit_checkpoint: "SIGTERM")
@@ -155,7 +157,8 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self._set_model(model if model is not None else self.call_model_init())
         if getattr(self.args, "disable_dropout", False):  # the TRL configs that have the option
             disable_dropout(self.native_model)
-        self.processing_class = processing_class if processing_class is not None else load_processing_class(self.converted)
+        self.processing_class = (processing_class if processing_class is not None
+                                 else load_processing_class(self.converted, **self.loaded_tokenizer_kwargs))
 
         self.compute_loss_func = compute_loss_func
         self.compute_metrics = compute_metrics

@@ -124,9 +124,10 @@ def _looks_like_model(spec: str) -> bool:
     return os.path.isdir(spec) or "/" in spec
 
 
-def resolve_reward_function(spec) -> Callable | torch.nn.Module:
+def resolve_reward_function(spec, model_init_kwargs: dict | None = None) -> Callable | torch.nn.Module:
     """A callable, a built-in name, a dotted import path, or a reward model (a folder, a Hub id or a
-    transformers model) -> the callable or the sequence-classification model."""
+    transformers model) -> the callable or the sequence-classification model (a folder or Hub id loaded with
+    ``model_init_kwargs``, the policy's, as TRL loads it)."""
     if isinstance(spec, torch.nn.Module) or (callable(spec) and not isinstance(spec, str)):
         return spec
     if not isinstance(spec, str):
@@ -134,23 +135,27 @@ def resolve_reward_function(spec) -> Callable | torch.nn.Module:
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if _looks_like_model(spec):
-        return load_reward_model(spec)
+        return load_reward_model(spec, model_init_kwargs)
     return import_reward_function(spec)
 
 
-def load_reward_model(name_or_path: str) -> torch.nn.Module:
+def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) -> torch.nn.Module:
     """A reward model folder or Hub id with one score: hfnative's native sequence classifier where the architecture
     has one (a causal LM gets a new score head, as AutoModelForSequenceClassification gives it), else transformers'
-    ``AutoModelForSequenceClassification``."""
+    ``AutoModelForSequenceClassification``; ``model_init_kwargs`` (the policy's, which TRL loads reward models with):
+    its dtype ("auto" or none: the checkpoint's), revision, cache_dir and token, all of it on the fallback."""
     from hfnative.converters.hub_model import attach_hub_surface
     from hfnative.converters.loading import UnsupportedModelError, load_pretrained
 
+    kwargs = dict(model_init_kwargs or {})
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    hub = {name: kwargs[name] for name in ("revision", "cache_dir", "token") if kwargs.get(name) is not None}
     try:
-        converted = load_pretrained(name_or_path, num_labels=1)
+        converted = load_pretrained(name_or_path, num_labels=1, dtype=None if dtype in (None, "auto") else dtype, **hub)
     except UnsupportedModelError:
         from transformers import AutoModelForSequenceClassification
 
-        return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1)
+        return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, **kwargs)
     return attach_hub_surface(converted.model, converted, base_model_name_or_path=str(name_or_path))
 
 
@@ -184,13 +189,15 @@ class RewardFunctions:
     """
 
     def __init__(self, reward_funcs, reward_weights=None, reward_processing_classes=None, device="cpu",
-                 chat_template_kwargs: dict | None = None, episode_rewards: list | None = None):
-        """``episode_rewards``: functions added after the user's, weight 1 each (an environment's get_reward)."""
+                 chat_template_kwargs: dict | None = None, episode_rewards: list | None = None,
+                 model_init_kwargs: dict | None = None):
+        """``episode_rewards``: functions added after the user's, weight 1 each (an environment's get_reward);
+        ``model_init_kwargs``: how reward models named by folder or Hub id load (the config's, as TRL's)."""
         specs = [] if reward_funcs is None else reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
         if not specs and not episode_rewards:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
-        self.functions = [resolve_reward_function(spec) for spec in specs]
+        self.functions = [resolve_reward_function(spec, model_init_kwargs) for spec in specs]
         self.names = [reward_function_name(f) for f in self.functions]
         if reward_weights is None:
             reward_weights = [1.0] * len(self.functions)
@@ -312,3 +319,27 @@ def _pad_like_trl(model, tokenizer) -> None:
     config = getattr(model, "config", None)
     if config is not None:
         (config.get_text_config() if hasattr(config, "get_text_config") else config).pad_token_id = tokenizer.pad_token_id
+
+
+class RewardAttributes:
+    """The reward attributes TRL's GRPO, RLOO and online DPO trainers have, over the objective's ``rewards``
+    (a RewardFunctions): what callbacks and user code read."""
+
+    @property
+    def reward_funcs(self) -> list:
+        """TRL's: the reward functions and models, resolved (a name or path is the loaded model)."""
+        return self.objective.rewards.functions
+
+    @property
+    def reward_func_names(self) -> list[str]:
+        return self.objective.rewards.names
+
+    @property
+    def reward_weights(self) -> torch.Tensor:
+        """TRL's: the functions' weights [F] (float32, all 1.0 unless ``reward_weights`` is set)."""
+        return self.objective.rewards.weights_F
+
+    @property
+    def reward_processing_classes(self) -> list:
+        """TRL's: each reward model's tokenizer (None for a callable)."""
+        return self.objective.rewards.tokenizers

@@ -281,8 +281,9 @@ def load_sharded(converted: ConvertedModel, device: torch.device) -> None:
     load_rank_slices(converted, device)
 
 
-def load_processing_class(converted: ConvertedModel | TransformersModel | None):
-    """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder).
+def load_processing_class(converted: ConvertedModel | TransformersModel | None, **tokenizer_kwargs):
+    """The tokenizer saved beside the checkpoint (None when there is no checkpoint folder); ``tokenizer_kwargs`` go to
+    ``from_pretrained`` (the sides TRL's RL trainers load theirs with).
 
     Raises ValueError naming the folder when it holds no tokenizer: transformers would then build one
     from config.json alone, with a single token, and every row would be dropped or trained as nothing.
@@ -293,7 +294,7 @@ def load_processing_class(converted: ConvertedModel | TransformersModel | None):
             return None
     else:
         name = str(converted.source_dir)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name, **tokenizer_kwargs)
     if len(tokenizer) <= 1:
         raise ValueError(
             f"model {name!r} has no tokenizer files (tokenizer.json, tokenizer.model, vocab.json, ...): copy the base "

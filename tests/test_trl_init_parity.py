@@ -1,0 +1,132 @@
+"""What TRL's trainers set up when they are built, against hfnative's on the same arguments: the pad token mirrored
+onto the tokenizer, the config and the generation config (a tokenizer without one pads with its EOS), and saved so;
+the reference model and reward models named by path loaded with the policy's model_init_kwargs; the tokenizer the RL
+trainers load themselves padded and truncated on the left; generation_kwargs the native engine cannot honour
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+import hfnative
+
+trl = pytest.importorskip("trl")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "examples" / "tiny-qwen3"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _no_pad_model(folder: Path) -> str:
+    """The tiny model with a tokenizer that has no pad token (a base model's, e.g. Llama 3's)."""
+    shutil.copytree(MODEL, folder)
+    tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+    tokenizer.pad_token = None
+    tokenizer.save_pretrained(str(folder))
+    for name in ("config.json", "generation_config.json"):
+        fields = json.loads((folder / name).read_text())
+        fields.pop("pad_token_id", None)
+        (folder / name).write_text(json.dumps(fields))
+    assert AutoTokenizer.from_pretrained(str(folder)).pad_token is None
+    return str(folder)
+
+
+def _preference_rows():
+    return Dataset.from_list([{"prompt": f"Say {i}", "chosen": " yes", "rejected": " no"} for i in range(8)])
+
+
+def _rewarded(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def _trainers(model: str, out: Path):
+    """name -> (a function building the trainer of ``module``)."""
+    common = dict(use_cpu=True, bf16=False, report_to="none", max_steps=1, per_device_train_batch_size=2,
+                  save_strategy="no")
+    return {
+        "sft": lambda m: m.SFTTrainer(model=model, args=m.SFTConfig(output_dir=str(out / f"sft-{m.__name__}"), **common),
+                                      train_dataset=Dataset.from_list([{"text": f"row {i}"} for i in range(8)])),
+        "dpo": lambda m: m.DPOTrainer(model=model, args=m.DPOConfig(output_dir=str(out / f"dpo-{m.__name__}"), **common),
+                                      train_dataset=_preference_rows()),
+        "grpo": lambda m: m.GRPOTrainer(model=model, reward_funcs=_rewarded, train_dataset=Dataset.from_list(
+            [{"prompt": f"Say {i}"} for i in range(8)]), args=m.GRPOConfig(
+                output_dir=str(out / f"grpo-{m.__name__}"), num_generations=2, max_completion_length=4, **common)),
+    }
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "grpo"])
+def test_the_pad_token_is_mirrored_and_saved_as_trl(name, tmp_path):
+    model = _no_pad_model(tmp_path / "no-pad")
+    seen = {}
+    for module in (hfnative, trl):  # TRL last: its accelerate state is the one in place
+        trainer = _trainers(model, tmp_path)[name](module)
+        out = tmp_path / f"saved-{name}-{module.__name__}"
+        trainer.save_model(str(out))
+        tokenizer = trainer.processing_class
+        seen[module] = (tokenizer.pad_token, trainer.model.config.pad_token_id,
+                        trainer.model.generation_config.pad_token_id,
+                        json.loads((out / "config.json").read_text()).get("pad_token_id"),
+                        json.loads((out / "generation_config.json").read_text()).get("pad_token_id"),
+                        AutoTokenizer.from_pretrained(str(out)).pad_token)
+    assert seen[hfnative] == seen[trl]
+    assert seen[trl][0] == AutoTokenizer.from_pretrained(model).eos_token  # the EOS pads
+
+
+def test_the_rl_trainers_load_their_tokenizer_padded_on_the_left(tmp_path):
+    sides = {}
+    for module in (hfnative, trl):
+        tokenizer = _trainers(str(MODEL), tmp_path)["grpo"](module).processing_class
+        sides[module] = (tokenizer.padding_side, tokenizer.truncation_side)
+    assert sides[hfnative] == sides[trl] == ("left", "left")
+
+
+def test_the_reference_and_reward_models_load_with_the_policys_model_init_kwargs(tmp_path):
+    """model_init_kwargs={"dtype": "bfloat16"}: the policy, the reference built from its name and a reward model named
+    by path all load in bfloat16, as under TRL."""
+    common = dict(use_cpu=True, bf16=False, report_to="none", max_steps=1, per_device_train_batch_size=2,
+                  save_strategy="no", model_init_kwargs={"dtype": "bfloat16"})
+    dtypes = {}
+    for module in (hfnative, trl):
+        dpo = module.DPOTrainer(model=str(MODEL), args=module.DPOConfig(output_dir=str(tmp_path / "dpo"), **common),
+                                train_dataset=_preference_rows())
+        grpo = module.GRPOTrainer(model=str(MODEL), reward_funcs=str(MODEL), train_dataset=Dataset.from_list(
+            [{"prompt": f"Say {i}"} for i in range(8)]), args=module.GRPOConfig(
+                output_dir=str(tmp_path / "grpo"), num_generations=2, max_completion_length=4, beta=0.1, **common))
+        reference = dpo.ref_model if module is trl else dpo.objective.auxiliary_models["ref_model"]
+        reward = grpo.reward_funcs[0]
+        dtypes[module] = [next(m.parameters()).dtype for m in (dpo.model, reference, reward)]
+    assert dtypes[hfnative] == dtypes[trl] == [torch.bfloat16] * 3
+
+
+def test_generation_kwargs_the_engine_cannot_honour_are_refused(tmp_path):
+    config = hfnative.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=2,
+                                 per_device_train_batch_size=2, max_completion_length=4,
+                                 generation_kwargs={"suppress_tokens": [5]})
+    with pytest.raises(ValueError, match=r"generation_kwargs\['suppress_tokens'\] is not a setting"):
+        hfnative.GRPOTrainer(model=str(MODEL), reward_funcs=_rewarded, args=config,
+                             train_dataset=Dataset.from_list([{"prompt": "Say"}] * 4))
+
+
+@pytest.mark.parametrize("trainer", ["GRPO", "RLOO"])
+def test_reward_attributes_are_trls(trainer, tmp_path):
+    """trainer.reward_funcs / reward_func_names / reward_weights / reward_processing_classes, as TRL's."""
+    seen = {}
+    for module in (hfnative, trl):
+        config = getattr(module, f"{trainer}Config")(
+            output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+            num_generations=2, per_device_train_batch_size=2, max_completion_length=4, reward_weights=[0.5, 2.0])
+        built = getattr(module, f"{trainer}Trainer")(model=str(MODEL), reward_funcs=[_rewarded, str(MODEL)],
+                                                     args=config, train_dataset=Dataset.from_list([{"prompt": "Hi"}] * 4))
+        seen[module] = built
+    ours, theirs = seen[hfnative], seen[trl]
+    assert ours.reward_func_names == theirs.reward_func_names
+    assert torch.equal(ours.reward_weights, theirs.reward_weights) and ours.reward_weights.dtype == torch.float32
+    assert ours.reward_funcs[0] is _rewarded and ours.reward_funcs[1].config.num_labels == 1
+    assert [type(t).__name__ if t is not None else None for t in ours.reward_processing_classes] == \
+        [type(t).__name__ if t is not None else None for t in theirs.reward_processing_classes]
