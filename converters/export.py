@@ -139,6 +139,10 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
             fields[key] = dtype_name
             changed = True
         changed |= _token_fields_followed(converted, fields)
+        if converted.config_overrides:  # model_init_kwargs' config fields, as the trained model has them
+            current = converted.config.to_dict()
+            fields.update({name: current[name] for name in converted.config_overrides if name in current})
+            changed = True
         if changed:
             text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     else:

@@ -82,7 +82,8 @@ def classifier_refusal(config) -> str | None:
 
 
 def load_transformers_classifier(name_or_path, *, num_labels: int, score_seed: int | None, dtype, device, reason: str,
-                                 revision=None, cache_dir=None, token=None) -> TransformersModel:
+                                 revision=None, cache_dir=None, token=None, config_overrides: dict | None = None,
+                                 ) -> TransformersModel:
     """``AutoModelForSequenceClassification.from_pretrained`` with ``num_labels`` on a folder or Hub id (safetensors
     only, no remote code): a causal LM's head is dropped and its new score head drawn after seeding torch with
     ``score_seed``, as transformers does; any other missing, unexpected or mis-shaped tensor is a CheckpointError."""
@@ -98,6 +99,12 @@ def load_transformers_classifier(name_or_path, *, num_labels: int, score_seed: i
               "num_labels": num_labels}
     if torch.device(device).type != "cpu":
         kwargs["device_map"] = str(device)
+    if config_overrides:  # model_init_kwargs' config fields, set as from_pretrained sets them
+        from .loading import config_with_overrides
+
+        config = config_with_overrides(source_dir, config_overrides)
+        config.num_labels = num_labels
+        kwargs["config"] = config
     classifier, info = AutoModelForSequenceClassification.from_pretrained(str(source_dir), **kwargs)
     missing = [key for key in info.get("missing_keys", []) if key != "score.weight"]
     unexpected = [key for key in info.get("unexpected_keys", []) if not str(key).startswith(("lm_head.", "embed_out."))]

@@ -36,15 +36,19 @@ def fallback_refusal(config, model_class_name: str | None = None) -> str | None:
 
 def load_transformers_model(
     name_or_path, *, dtype: torch.dtype | None, device, revision=None, cache_dir=None, token=None,
-    attn_implementation: str | None = None,
+    attn_implementation: str | None = None, config_overrides: dict | None = None,
 ) -> TransformersModel:
     """``AutoModelForCausalLM.from_pretrained`` on a folder or Hub id: weights from safetensors only, every one
     of them (a missing, unexpected or mis-shaped tensor is a CheckpointError naming it), no remote code.
-    dtype None: the checkpoint's own."""
+    dtype None: the checkpoint's own. config_overrides: config fields set as from_pretrained sets its kwargs."""
     from transformers import AutoModelForCausalLM
 
     source_dir = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir, token=token)
     kwargs = {"dtype": dtype or "auto", "use_safetensors": True, "trust_remote_code": False, "output_loading_info": True}
+    if config_overrides:
+        from .loading import config_with_overrides
+
+        kwargs["config"] = config_with_overrides(source_dir, config_overrides)
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if torch.device(device).type != "cpu":

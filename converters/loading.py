@@ -51,6 +51,7 @@ class ConvertedModel:
     config: object  # the transformers PretrainedConfig it was built from
     family: Family
     source_dir: Path | None = None  # the checkpoint folder (None when converted from an object)
+    config_overrides: tuple[str, ...] = ()  # config fields model_init_kwargs set (written to a saved config.json)
 
     @property
     def args(self) -> ModelArgs:
@@ -275,6 +276,22 @@ def _check_config_json(path: Path) -> None:
         raise CheckpointError(f"{path} holds a JSON {type(fields).__name__}, not the object of a model config")
 
 
+def config_with_overrides(source_dir: Path, overrides: dict | None):
+    """The folder's transformers config with ``overrides`` set, as ``from_pretrained(..., **kwargs)`` sets the kwargs
+    that are config fields; a key that is none is refused by name (transformers would hand it to the model's
+    constructor, which takes no such argument)."""
+    from transformers import AutoConfig
+
+    if not overrides:
+        return AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
+    config, unused = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False, return_unused_kwargs=True,
+                                                **overrides)
+    if unused:
+        raise ValueError(f"model_init_kwargs {sorted(unused)}: neither a loading option hfnative reads nor a field of "
+                         f"the model's config ({type(config).__name__}); remove them")
+    return config
+
+
 def load_pretrained(
     model: str | os.PathLike | object,
     *,
@@ -285,8 +302,12 @@ def load_pretrained(
     token: str | bool | None = None,
     num_labels: int | None = None,
     score_seed: int | None = None,
+    config_overrides: dict | None = None,
 ) -> ConvertedModel:
     """Load a checkpoint folder, a Hub id or a transformers PreTrainedModel as a native model.
+
+    config_overrides: fields of the folder's config to set before the model is built (the rest of TRL's
+    ``model_init_kwargs``, as ``from_pretrained`` takes them: ``config_with_overrides``).
 
     dtype: None keeps the config's dtype (float32 when it names none). MXFP4-quantized tensors
     (``quantization_config.quant_method == "mxfp4"``) are dequantized into parameters of that dtype.
@@ -304,7 +325,7 @@ def load_pretrained(
     else:
         source_dir = resolve_model_dir(model, revision=revision, cache_dir=cache_dir, token=token)
         _check_config_json(source_dir / "config.json")
-        config = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
+        config = config_with_overrides(source_dir, config_overrides)
         config._name_or_path = str(model)  # the name passed (a Hub id, not its cache folder), as transformers keeps it
         source = SafetensorsSource(source_dir)
         where = str(source_dir)
@@ -332,7 +353,7 @@ def load_pretrained(
     if new_head:
         init_score_head(native, config, score_seed)
     native.init_buffers()
-    return ConvertedModel(native, config, family, source_dir)
+    return ConvertedModel(native, config, family, source_dir, tuple(config_overrides or ()))
 
 
 # --- sequence classifiers ---------------------------------------------------------------------------

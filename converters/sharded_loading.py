@@ -27,6 +27,7 @@ from .loading import (
     SafetensorsSource,
     _check_config_json,
     _config_dtype,
+    config_with_overrides,
     check_checkpoint,
     copy_into_model,
     dequantizing_source,
@@ -41,16 +42,16 @@ def meta_model(
     revision: str | None = None,
     cache_dir: str | None = None,
     token: str | bool | None = None,
+    config_overrides: dict | None = None,
 ) -> ConvertedModel:
     """The native model of a checkpoint folder or Hub id, built on the meta device (no weight read, no memory).
 
     dtype: None keeps the config's dtype (float32 when it names none). Parallelize the model, then ``load_sharded``.
+    config_overrides: as ``load_pretrained``'s.
     """
-    from transformers import AutoConfig
-
     source_dir = resolve_model_dir(model, revision=revision, cache_dir=cache_dir, token=token)
     _check_config_json(source_dir / "config.json")
-    config = AutoConfig.from_pretrained(str(source_dir), trust_remote_code=False)
+    config = config_with_overrides(source_dir, config_overrides)
     config._name_or_path = str(model)
     family = family_for_config(config)
     if isinstance(dtype, str):
@@ -58,7 +59,7 @@ def meta_model(
     with torch.device("meta"):
         native = build_model(model_args(family, config))
     native.to(dtype=dtype or _config_dtype(config))
-    return ConvertedModel(native, config, family, source_dir)
+    return ConvertedModel(native, config, family, source_dir, tuple(config_overrides or ()))
 
 
 def _local_box(target: DTensor) -> tuple[list[int], list[int]]:

@@ -130,3 +130,44 @@ def test_reward_attributes_are_trls(trainer, tmp_path):
     assert ours.reward_funcs[0] is _rewarded and ours.reward_funcs[1].config.num_labels == 1
     assert [type(t).__name__ if t is not None else None for t in ours.reward_processing_classes] == \
         [type(t).__name__ if t is not None else None for t in theirs.reward_processing_classes]
+
+
+def _sft_run(module, out: Path, model_init_kwargs: dict):
+    trainer = module.SFTTrainer(model=str(MODEL), train_dataset=Dataset.from_list([{"text": f"row {i} " * 6} for i in range(12)]),
+                                args=module.SFTConfig(output_dir=str(out), use_cpu=True, bf16=False, report_to="none",
+                                                      max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                                                      save_strategy="no", learning_rate=1e-2,
+                                                      model_init_kwargs=model_init_kwargs))
+    trainer.train()
+    trainer.save_model()
+    return trainer, [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+@pytest.mark.parametrize("case", ["rope-and-cache", "dropout"])
+def test_config_fields_in_model_init_kwargs_train_and_save_as_trl(case, tmp_path):
+    """model_init_kwargs holding config fields (as from_pretrained takes them): a linear RoPE scaling and use_cache
+    train natively, a dropout the native models lack trains through transformers' module (with a warning); the steps
+    equal TRL's and the saved config.json holds the fields as TRL's does."""
+    if case == "rope-and-cache":
+        kwargs = {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, "use_cache": False}
+    else:
+        kwargs = {"attention_dropout": 0.1}
+    runs = {module: _sft_run(module, tmp_path / module.__name__, dict(kwargs)) for module in (hfnative, trl)}
+    (ours_trainer, ours), (_, theirs) = runs[hfnative], runs[trl]
+    for (loss, grad_norm), (their_loss, their_grad_norm) in zip(ours, theirs, strict=True):
+        assert loss == pytest.approx(their_loss, rel=1e-5) and grad_norm == pytest.approx(their_grad_norm, rel=1e-4)
+    saved = {m: json.loads((tmp_path / m.__name__ / "config.json").read_text()) for m in (hfnative, trl)}
+    for name in kwargs:
+        assert saved[hfnative][name] == saved[trl][name], name
+    from hfnative.models.decoder import Transformer
+
+    assert isinstance(ours_trainer.native_model, Transformer) == (case == "rope-and-cache")
+    # the scaling is what trained: without it the first loss differs
+    if case == "rope-and-cache":
+        _, plain = _sft_run(hfnative, tmp_path / "plain", {})
+        assert plain[0][0] != pytest.approx(ours[0][0], rel=1e-6)
+
+
+def test_model_init_kwargs_that_are_no_config_field_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"model_init_kwargs \['not_a_field'\]: neither a loading option"):
+        _sft_run(hfnative, tmp_path, {"not_a_field": 1})

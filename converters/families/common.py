@@ -95,11 +95,18 @@ def _padding_idx(config) -> int | None:
     return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
 
 
+# config fields asking for dropout in the transformers modules of hfnative's families
+DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+
+
 def dense_args(config, **overrides) -> ModelArgs:
     """ModelArgs for the Llama-shaped fields every family shares; families pass their differences."""
     activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if activation not in ACTIVATIONS:
         raise unsupported(config, "hidden_act", activation, sorted(ACTIVATIONS))
+    for name in DROPOUT_FIELDS:  # the native decoders have no dropout: a model that asks for it trains in transformers
+        if getattr(config, name, None):
+            raise unsupported(config, name, getattr(config, name), "0.0 (hfnative's native models apply no dropout)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     fields = dict(
         vocab_size=config.vocab_size,

@@ -55,6 +55,18 @@ def _check_fallback(config, error: UnsupportedModelError, model_class_name: str 
         raise UnsupportedModelError(f"{error}; and it cannot train through transformers' modeling code: {refusal}") from error
 
 
+# model_init_kwargs keys hfnative reads itself, and those that change nothing here (how transformers would place the
+# model or which code it would run); every other key is a field of the model's config, set as from_pretrained sets it
+LOADING_KEYS = frozenset({"dtype", "torch_dtype", "num_labels", "score_seed", "revision", "cache_dir", "token",
+                          "load_in_4bit", "quantization_config", "attn_implementation"})
+NO_EFFECT_KEYS = frozenset({"device_map", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "use_kernels"})
+
+
+def config_overrides(model_init_kwargs: dict | None) -> dict:
+    """The model_init_kwargs that are config fields (``attention_dropout``, ``rope_parameters``, ``use_cache``, ...)."""
+    return {key: value for key, value in (model_init_kwargs or {}).items() if key not in LOADING_KEYS | NO_EFFECT_KEYS}
+
+
 def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> LoadedModel:
     """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
     Transformer -> the model the trainer runs. An architecture without a native implementation (or a
@@ -95,15 +107,20 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
         )
     hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
     quantization = dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config"))
+    overrides = config_overrides(kwargs)
     if _is_adapter_folder(model):
+        if overrides:
+            raise ValueError(f"model_init_kwargs {sorted(overrides)} with an adapter folder as the model: its base loads "
+                             "as the adapter was trained on it; load the base with them and pass a peft_config")
         return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"))
     try:
-        converted = _causal(load_pretrained(model, dtype=dtype, device=device, **hub))
+        converted = _causal(load_pretrained(model, dtype=dtype, device=device, config_overrides=overrides, **hub))
     except UnsupportedModelError as error:
         _check_fallback(_config_of(model, hub), error)
         _refuse_quantization(quantization)
         attn_implementation = kwargs.get("attn_implementation")
-        loaded = load_transformers_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation, **hub)
+        loaded = load_transformers_model(model, dtype=dtype, device=device, attn_implementation=attn_implementation,
+                                         config_overrides=overrides, **hub)
         warn_fallback(fallback.architecture_name(loaded.config), str(error))
         return LoadedModel(loaded.model, loaded, base_model_name_or_path=str(model))
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
@@ -123,7 +140,7 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
     else:
         name = str(model)
         source, options = model, dict(dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
-                                      token=kwargs.get("token"))
+                                      token=kwargs.get("token"), config_overrides=config_overrides(kwargs))
     try:
         converted = load_pretrained(source, device=device, num_labels=num_labels, score_seed=score_seed, **options)
     except UnsupportedModelError as error:  # transformers' own *ForSequenceClassification module trains instead
@@ -268,7 +285,7 @@ def load_meta_model(model, model_init_kwargs: dict) -> LoadedModel | None:
     dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     try:
         converted = meta_model(model, dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
-                               token=kwargs.get("token"))
+                               token=kwargs.get("token"), config_overrides=config_overrides(kwargs))
     except UnsupportedModelError:
         return None
     return LoadedModel(_causal(converted).model, converted, base_model_name_or_path=str(model))
