@@ -171,3 +171,32 @@ def test_config_fields_in_model_init_kwargs_train_and_save_as_trl(case, tmp_path
 def test_model_init_kwargs_that_are_no_config_field_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"model_init_kwargs \['not_a_field'\]: neither a loading option"):
         _sft_run(hfnative, tmp_path, {"not_a_field": 1})
+
+
+MARKED_WITHOUT_STOP = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+                       "{% generation %}{{ message['content'] }}{% endgeneration %}{% else %}{{ message['content'] }}"
+                       "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("stop_in_mask", [False, True])
+def test_assistant_only_loss_warns_where_the_stop_token_is_not_trained(stop_in_mask, tmp_path, caplog):
+    """TRL's warning when the template's generation markers leave the assistant's end-of-turn token out of the mask
+    (the model would never learn to stop); none where the token is inside."""
+    import logging
+
+    template = MARKED_WITHOUT_STOP.replace("{% endgeneration %}{% else %}{{ message['content'] }}{% endif %}<|im_end|>",
+                                           "<|im_end|>{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>"
+                                           "{% endif %}") if stop_in_mask else MARKED_WITHOUT_STOP
+    rows = Dataset.from_list([{"messages": [{"role": "user", "content": f"hi {i}"},
+                                            {"role": "assistant", "content": "hello"}]} for i in range(4)])
+    warned = {}
+    for module in (hfnative, trl):
+        tokenizer = AutoTokenizer.from_pretrained(str(MODEL))
+        tokenizer.chat_template = template
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            module.SFTTrainer(model=str(MODEL), train_dataset=rows, processing_class=tokenizer,
+                              args=module.SFTConfig(output_dir=str(tmp_path / module.__name__), use_cpu=True,
+                                                    report_to="none", max_steps=1, assistant_only_loss=True))
+        warned[module] = any("end-of-turn token in the loss mask" in r.getMessage() for r in caplog.records)
+    assert warned[hfnative] == warned[trl] == (not stop_in_mask)

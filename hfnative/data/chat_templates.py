@@ -110,3 +110,32 @@ def multi_turn_chat_template(tokenizer_or_template) -> str | None:
     has and generate on."""
     filename = _MULTI_TURN_VERSIONS.get(training_template_name(tokenizer_or_template) or "")
     return _read_template(filename) if filename else None
+
+
+STOP_NOT_TRAINED = (
+    "The chat template does not include the assistant turn's end-of-turn token in the loss mask; the model may not "
+    "learn to stop. The training loss still looks healthy, so this usually only surfaces at inference. Either set "
+    "`assistant_only_loss=False` to train on the full sequence, or edit the chat template so the end-of-turn token "
+    "falls inside `{% generation %}...{% endgeneration %}`."
+)
+
+
+def stop_token_trained(tokenizer, chat_template: str | None = None) -> bool:
+    """Whether the template (``chat_template``, else the tokenizer's) puts an assistant turn's end-of-turn token in
+    the assistant mask, as TRL checks it (its ``is_chat_template_stop_token_trained``): an assistant turn followed by
+    a user turn is rendered, and the last masked token that is not whitespace must be one of the added tokens (an
+    end-of-turn marker), not content."""
+    messages = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "dummy"},
+                {"role": "user", "content": "dummy"}]
+    try:
+        output = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                               return_assistant_tokens_mask=True, chat_template=chat_template)
+    except Exception:  # noqa: BLE001 - a template that cannot render this: not trained (TRL catches its errors too)
+        return False
+    added = set(tokenizer.get_added_vocab().values())
+    masked = [token for token, on in zip(output["input_ids"], output["assistant_masks"]) if on]
+    for token in reversed(masked):
+        if tokenizer.decode([token]).strip() == "":
+            continue
+        return token in added
+    return False

@@ -19,6 +19,8 @@ from .chat_templates import (
     KNOWN_TEMPLATES,
     has_generation_markers,
     template_text,
+    STOP_NOT_TRAINED,
+    stop_token_trained,
     training_chat_template,
     training_template_name,
 )
@@ -40,6 +42,7 @@ from .formats import (
 from .from_rows import dataset_from_rows
 from .packing import PACKING_STRATEGIES, pack_dataset
 from .tokenize import has_label_token, labels_from_masks, tokenize_row, truncate
+from ..log_once import warn_once
 
 logger = logging.getLogger(__name__)
 _announced_templates: set[str] = set()  # training versions already announced in the log
@@ -265,6 +268,10 @@ def prepare_sft_dataset(
     if fmt in (LANGUAGE_MODELING, PROMPT_COMPLETION) and effective_eos is None:
         raise ValueError("The tokenizer has no eos_token to end each text with; pass eos_token=<a token it has>.")
     chat_template = _assistant_mask_template(processing_class) if assistant_only_loss and fmt != PRETOKENIZED else None
+    if assistant_only_loss and fmt != PRETOKENIZED:
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if not stop_token_trained(tokenizer, chat_template):
+            warn_once(logger, STOP_NOT_TRAINED)  # TRL's warning
     columns = column_names(dataset)
     build_labels = "labels" not in columns  # a dataset's own labels are used as they are
     mask_columns = applied_masks(fmt, columns, completion_only_loss, assistant_only_loss) if build_labels else []
