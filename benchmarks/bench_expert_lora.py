@@ -25,17 +25,17 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402  (benchmarks/ is not a package)
-    TOKENIZER_DIR,
     Shape,
+    TOKENIZER_DIR,
     Workload,
     add_run_arguments,
     build_dataset,
     child_main,
     finish,
+    finished_runs,
     loss_rows,
     machine_description,
     max_relative_difference,
-    not_finished_line,
     package_version,
     profile_dir,
     run_notes,
@@ -106,13 +106,7 @@ def train(runner: str, spec: dict, notes: list[str]) -> dict:
 def summarize(results: list[dict]) -> str:
     header = f"{'runner':<8}{'peak RSS MiB':>14}{'tokens/s':>10}{'min..max':>16}{'final loss':>12}{'trainable':>12}"
     lines, summary = [header, "-" * len(header)], {}
-    for runner in RUNNERS:
-        runs = [r for r in results if r["runner"] == runner]
-        ok = [r for r in runs if r["status"] == "ok"]
-        if not ok:
-            lines.append(not_finished_line(runner, runs, runner_width=8, status_width=14))
-            continue
-        rates = [r["tokens_per_second"] for r in ok]
+    for runner, ok, rates in finished_runs(results, RUNNERS, lines, runner_width=8, status_width=14):
         summary[runner] = s = {"peak": max(r["peak_rss_mib"] for r in ok), "rate": statistics.median(rates),
                                "losses": ok[0]["losses"], "trainable": ok[0]["trainable_params"]}
         lines.append(f"{runner:<8}{s['peak']:>14,.0f}{s['rate']:>10,.0f}{f'{min(rates):,.0f}..{max(rates):,.0f}':>16}"

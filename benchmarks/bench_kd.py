@@ -37,20 +37,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402  (benchmarks/ is not a package)
     CORPUS,
-    PRESETS,
-    TOKENIZER_DIR,
     HeapPeak,
+    PRESETS,
     Shape,
+    TOKENIZER_DIR,
     _CountingCollator,
     _StepClock,
     add_run_arguments,
     build_model,
     child_main,
     finish,
+    finished_runs,
     loss_rows,
     machine_description,
     max_relative_difference,
-    not_finished_line,
     peak_rss_mib,
     run_rounds,
     start_parent,
@@ -212,13 +212,7 @@ def summarize(results: list[dict], device: str) -> str:
     memory = "peak GPU MiB" if device == "cuda" else "peak RSS MiB"
     header = f"{'runner':<10}{'tokens/s':>12}{'min..max':>20}{memory:>14}{'peak heap':>11}{'final loss':>14}"
     lines += [header, "-" * len(header)]
-    for runner in RUNNERS:
-        runs = [r for r in results if r["runner"] == runner]
-        ok = [r for r in runs if r["status"] == "ok"]
-        if not ok:
-            lines.append(not_finished_line(runner, runs, runner_width=10, status_width=12))
-            continue
-        rates = [r["tokens_per_second"] for r in ok]
+    for runner, ok, rates in finished_runs(results, RUNNERS, lines, runner_width=10, status_width=12):
         peak = max(r["peak_gpu_mib"] if device == "cuda" else r["peak_rss_mib"] for r in ok)
         heap = max((r.get("peak_heap_mib") or float("nan") for r in ok), default=float("nan"))
         summary[runner] = {"rate": statistics.median(rates), "peak": peak, "losses": ok[0]["losses"],

@@ -39,10 +39,10 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     add_run_arguments,
     child_main,
     finish,
+    finished_runs,
     loss_rows,
     machine_description,
     max_relative_difference,
-    not_finished_line,
     package_version,
     prepare_workload,
     rss_mib,
@@ -118,13 +118,7 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
     header = (f"{'runner':<12}{'peak RSS MiB':>14}{'RSS@import':>12}{'RSS@setup':>11}{'tokens/s':>10}{'min..max':>16}"
               f"{'final loss':>12}{'trainable params':>22}")
     lines, summary = [header, "-" * len(header)], {}
-    for runner in runners:
-        runs = [r for r in results if r["runner"] == runner]
-        ok = [r for r in runs if r["status"] == "ok"]
-        if not ok:
-            lines.append(not_finished_line(runner, runs, runner_width=12, status_width=14))
-            continue
-        rates = [r["tokens_per_second"] for r in ok]
+    for runner, ok, rates in finished_runs(results, runners, lines, runner_width=12, status_width=14):
         summary[runner] = s = {
             "peak": max(r["peak_rss_mib"] for r in ok),
             "tokens_per_second": statistics.median(rates),

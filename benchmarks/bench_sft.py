@@ -48,10 +48,10 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     add_run_arguments,
     child_main,
     finish,
+    finished_runs,
     loss_rows,
     machine_description,
     max_relative_difference,
-    not_finished_line,
     prepare_workload,
     profile_path,
     rss_mib,
@@ -196,13 +196,7 @@ def summarize(results: list[dict], runners: list[str], flops: dict, peak_gflops:
     header = (f"{'runner':<28}{'tokens/s':>10}{'min..max':>20}{'step-median':>13}{memory:>14}{'RSS@import':>12}"
               f"{'peak heap':>11}{'final loss':>12}{'MFU':>8}")
     lines += [header, "-" * len(header)]
-    for runner in runners:
-        runs = [r for r in results if r["runner"] == runner]
-        ok = [r for r in runs if r["status"] == "ok"]
-        if not ok:
-            lines.append(not_finished_line(runner, runs, runner_width=28, status_width=10))
-            continue
-        rates = [r["tokens_per_second"] for r in ok]
+    for runner, ok, rates in finished_runs(results, runners, lines, runner_width=28, status_width=10):
         median = statistics.median(rates)
         peak_mem = max(r["peak_gpu_mib"] if device == "cuda" else r["peak_rss_mib"] for r in ok)
         summary[runner] = {

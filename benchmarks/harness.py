@@ -550,6 +550,18 @@ def max_relative_difference(a: list, b: list) -> float:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in pairs)
 
 
+def finished_runs(results: list[dict], runners, lines: list[str], runner_width: int, status_width: int):
+    """(runner, its finished runs, their tokens/s) for each runner with a finished run, in ``runners`` order; for each
+    without one, its ``not_finished_line`` appended to ``lines`` (the report's table)."""
+    for runner in runners:
+        runs = [r for r in results if r["runner"] == runner]
+        ok = [r for r in runs if r["status"] == "ok"]
+        if not ok:
+            lines.append(not_finished_line(runner, runs, runner_width=runner_width, status_width=status_width))
+            continue
+        yield runner, ok, [r["tokens_per_second"] for r in ok]
+
+
 def not_finished_line(runner: str, runs: list[dict], runner_width: int, status_width: int) -> str:
     """The table row of a runner with no finished run: its status and the last line of its note."""
     note = (runs[0].get("note") or "").strip() if runs else "not run"

@@ -203,15 +203,24 @@ def set_eos_token(tokenizer, eos_token: str, model, processing_class=None) -> No
             "in the vocabulary before using it as an EOS token."
         )
     tokenizer.eos_token = eos_token
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    set_token_ids(model, "eos_token_id", tokenizer.eos_token_id,
+                  None if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids])
+
+
+KEEP = object()  # set_token_ids' default: the generation config gets the config's value
+
+
+def set_token_ids(model, name: str, value, generation_value=KEEP) -> None:
+    """``name`` (eos_token_id, pad_token_id) on the model's config (its text config) and ``generation_value`` (by
+    default the same; None: left as it is) on its generation config, where the model has them."""
     config = getattr(model, "config", None)
     if config is not None:
-        config.get_text_config().eos_token_id = tokenizer.eos_token_id
+        setattr(config.get_text_config(), name, value)
     generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        ids = generation_config.eos_token_id
-        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-        if tokenizer.eos_token_id not in ids:
-            generation_config.eos_token_id = [tokenizer.eos_token_id, *ids]
+    if generation_config is not None and generation_value is not None:
+        setattr(generation_config, name, value if generation_value is KEEP else generation_value)
 
 
 def mirror_pad_token(tokenizer, model, pad_token: str | None = None) -> None:
@@ -221,12 +230,7 @@ def mirror_pad_token(tokenizer, model, pad_token: str | None = None) -> None:
     pad_token = pad_token or tokenizer.pad_token or tokenizer.eos_token
     if pad_token is not None:
         tokenizer.pad_token = pad_token
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.get_text_config().pad_token_id = tokenizer.pad_token_id
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.pad_token_id = tokenizer.pad_token_id
+    set_token_ids(model, "pad_token_id", tokenizer.pad_token_id)
 
 
 def apply_tokenizer_settings(context, args, resize=None) -> list[int]:
