@@ -139,10 +139,15 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
             fields[key] = dtype_name
             changed = True
         changed |= _token_fields_followed(converted, fields)
-        if converted.config_overrides:  # model_init_kwargs' config fields, as the trained model has them
+        if converted.config_overrides:  # model_init_kwargs' config fields (aliases too), as the trained model has them
+            from transformers import AutoConfig
+
+            base = AutoConfig.from_pretrained(str(converted.source_dir), trust_remote_code=False).to_dict()
             current = converted.config.to_dict()
-            fields.update({name: current[name] for name in converted.config_overrides if name in current})
-            changed = True
+            differing = {name: value for name, value in current.items()
+                         if not name.startswith("_") and name not in _NOT_OVERRIDES and base.get(name) != value}
+            fields.update(differing)
+            changed |= bool(differing)
         if changed:
             text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     else:
@@ -153,6 +158,9 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
         text = json.dumps(fields, indent=2, sort_keys=True) + "\n"
     write_atomically(out_dir / "config.json", lambda tmp: tmp.write_text(text))
 
+
+# config.json fields an override comparison leaves alone (written by transformers, or followed elsewhere)
+_NOT_OVERRIDES = ("transformers_version", "dtype", "torch_dtype", "architectures")
 
 # the fields training may change in the config (a cloned chat template's EOS and resized vocabulary, a reward model's
 # pad token), written as the model now has them

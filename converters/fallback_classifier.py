@@ -105,6 +105,7 @@ def load_transformers_classifier(name_or_path, *, num_labels: int, score_seed: i
         config = config_with_overrides(source_dir, config_overrides)
         config.num_labels = num_labels
         kwargs["config"] = config
+        del kwargs["num_labels"]  # set on the config: from_pretrained would hand it to the model's constructor
     classifier, info = AutoModelForSequenceClassification.from_pretrained(str(source_dir), **kwargs)
     missing = [key for key in info.get("missing_keys", []) if key != "score.weight"]
     unexpected = [key for key in info.get("unexpected_keys", []) if not str(key).startswith(("lm_head.", "embed_out."))]

@@ -200,3 +200,74 @@ def test_assistant_only_loss_warns_where_the_stop_token_is_not_trained(stop_in_m
                                                     report_to="none", max_steps=1, assistant_only_loss=True))
         warned[module] = any("end-of-turn token in the loss mask" in r.getMessage() for r in caplog.records)
     assert warned[hfnative] == warned[trl] == (not stop_in_mask)
+
+
+def test_config_fields_given_by_alias_are_saved_as_trl(tmp_path):
+    """transformers 5 reads rope_scaling as rope_parameters: the saved config holds what trained, as TRL's."""
+    kwargs = {"rope_scaling": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
+    for module in (hfnative, trl):
+        _sft_run(module, tmp_path / module.__name__, dict(kwargs))
+    saved = {m: json.loads((tmp_path / m.__name__ / "config.json").read_text()) for m in (hfnative, trl)}
+    assert saved[hfnative]["rope_parameters"] == saved[trl]["rope_parameters"]
+    assert saved[trl]["rope_parameters"]["rope_type"] == "linear"
+
+
+def test_dropout_sends_only_the_trained_model_to_transformers(tmp_path):
+    """attention_dropout in model_init_kwargs: DPO's policy trains in transformers' module (dropout on, as TRL's), and
+    so does its reference made from the same name (where the policy's batches are laid out); the steps equal TRL's. A
+    teacher or any other frozen model stays native (eval mode: no dropout). A reward model (a classifier) takes the
+    field through transformers' classifier."""
+    from hfnative.models.decoder import Transformer
+
+    common = dict(use_cpu=True, bf16=False, report_to="none", max_steps=2, per_device_train_batch_size=2,
+                  logging_steps=1, save_strategy="no", learning_rate=1e-2, model_init_kwargs={"attention_dropout": 0.2})
+    logs = {}
+    for module in (hfnative, trl):
+        trainer = module.DPOTrainer(model=str(MODEL), train_dataset=_preference_rows(),
+                                    args=module.DPOConfig(output_dir=str(tmp_path / module.__name__), **common))
+        if module is hfnative:
+            assert not isinstance(trainer.native_model, Transformer)
+            assert not isinstance(trainer.objective.auxiliary_models["ref_model"], Transformer)
+        trainer.train()
+        logs[module] = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+    for (loss, grad_norm), (their_loss, their_grad_norm) in zip(logs[hfnative], logs[trl], strict=True):
+        assert loss == pytest.approx(their_loss, rel=1e-5) and grad_norm == pytest.approx(their_grad_norm, rel=1e-4)
+    reward = hfnative.RewardTrainer(model=str(MODEL), train_dataset=_preference_rows().remove_columns("prompt"),
+                                    args=hfnative.RewardConfig(output_dir=str(tmp_path / "reward"), **common))
+    assert reward.model.config.attention_dropout == 0.2
+
+
+def test_a_teacher_of_the_policys_name_loads_with_its_own_kwargs(tmp_path):
+    """model_init_kwargs are the student's: a teacher named like it loads as given (TRL: teacher_model_init_kwargs)."""
+    dtypes = {}
+    for module in (hfnative, trl):
+        config_class = module.GKDConfig if module is hfnative else __import__("trl.experimental.gkd", fromlist=["x"]).GKDConfig
+        trainer_class = module.GKDTrainer if module is hfnative else __import__("trl.experimental.gkd", fromlist=["x"]).GKDTrainer
+        args = config_class(output_dir=str(tmp_path / module.__name__), use_cpu=True, bf16=False, report_to="none",
+                            max_steps=1, model_init_kwargs={"dtype": "bfloat16"})
+        trainer = trainer_class(model=str(MODEL), teacher_model=str(MODEL), args=args,
+                                processing_class=AutoTokenizer.from_pretrained(str(MODEL)),
+                                train_dataset=Dataset.from_list([{"messages": [{"role": "user", "content": "hi"},
+                                                                               {"role": "assistant", "content": "yo"}]}] * 4))
+        teacher = trainer.teacher_model if module is trl else trainer.objective.teacher
+        dtypes[module] = (next(trainer.model.parameters()).dtype, next(teacher.parameters()).dtype)
+    assert dtypes[hfnative] == dtypes[trl] == (torch.bfloat16, torch.float32)
+
+
+def test_loading_options_without_effect_pass_and_others_are_refused(tmp_path):
+    from hfnative.trainers.running.model_loading import config_overrides
+
+    assert config_overrides({"max_memory": {"cpu": "1GB"}, "device_map": "auto", "use_cache": False}) == {"use_cache": False}
+    with pytest.raises(ValueError, match="subfolder: a checkpoint in a subfolder"):
+        config_overrides({"subfolder": "step-100"})
+
+
+def test_harmless_generation_kwargs_pass_and_reward_weights_can_be_set(tmp_path):
+    config = hfnative.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", num_generations=2,
+                                 per_device_train_batch_size=2, max_completion_length=4,
+                                 generation_kwargs={"use_cache": True, "pad_token_id": 0, "top_k": 3})
+    trainer = hfnative.GRPOTrainer(model=str(MODEL), reward_funcs=[_rewarded, _rewarded], args=config,
+                                   train_dataset=Dataset.from_list([{"prompt": "Say"}] * 4))
+    assert trainer.objective.rollout.sampling.top_k == 3
+    trainer.reward_weights = [0.25, 4.0]
+    assert torch.equal(trainer.reward_weights, torch.tensor([0.25, 4.0]))

@@ -95,8 +95,20 @@ def _padding_idx(config) -> int | None:
     return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
 
 
-# config fields asking for dropout in the transformers modules of hfnative's families
-DROPOUT_FIELDS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop")
+# config fields asking for dropout in the transformers modules of hfnative's families, which the native decoders do
+# not apply: a float the attention reads (TRL's disable_dropout leaves it), and dropout layers (disable_dropout zeroes)
+ATTENTION_DROPOUT_FIELDS = ("attention_dropout",)
+LAYER_DROPOUT_FIELDS = ("resid_pdrop", "hidden_dropout")
+
+
+def dropout_refusal(config, fields) -> UnsupportedModelError | None:
+    """The error for the first of ``fields`` that asks ``config``'s model for dropout (None: none does)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in fields:
+        if getattr(text, name, None):
+            return unsupported(text, name, getattr(text, name), "0.0 when training (hfnative's native models apply "
+                               "no dropout)")
+    return None
 
 
 def dense_args(config, **overrides) -> ModelArgs:
@@ -104,9 +116,6 @@ def dense_args(config, **overrides) -> ModelArgs:
     activation = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
     if activation not in ACTIVATIONS:
         raise unsupported(config, "hidden_act", activation, sorted(ACTIVATIONS))
-    for name in DROPOUT_FIELDS:  # the native decoders have no dropout: a model that asks for it trains in transformers
-        if getattr(config, name, None):
-            raise unsupported(config, name, getattr(config, name), "0.0 (hfnative's native models apply no dropout)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     fields = dict(
         vocab_size=config.vocab_size,

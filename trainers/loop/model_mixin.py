@@ -58,12 +58,13 @@ class ModelMixin:
     def _set_model(self, model) -> None:
         self._policy_source = model if isinstance(model, (str, os.PathLike)) else None
         loaded = None
+        dropout = self._trained_dropout_fields()
         if self.distributed is not None and self._may_load_sharded(model):
             # built on the meta device; each rank loads its slice of the checkpoint once parallelized
-            loaded = load_meta_model(model, self._model_init_kwargs)
+            loaded = load_meta_model(model, self._model_init_kwargs, dropout)
         sharded = loaded is not None
         if loaded is None:
-            loaded = resolve_model(model, self.device, self._model_init_kwargs)
+            loaded = resolve_model(model, self.device, self._model_init_kwargs, dropout)
         self.converted: ConvertedModel | None = loaded.converted
         self.native_model: Transformer = loaded.model
         given = isinstance(model, transformers.PreTrainedModel) or fallback._is_peft_model(model)
@@ -145,7 +146,10 @@ class ModelMixin:
         """The objective's frozen models (a reference, a teacher): given as a path, Hub id or model
         object, loaded like the policy, frozen, in eval mode, placed like the policy."""
         for name, source in list(self.objective.auxiliary_models.items()):
-            loaded = resolve_model(source, self.device, self._auxiliary_init_kwargs(source))
+            kwargs = self._auxiliary_init_kwargs(name, source)
+            # the reference made from the policy's name runs where the policy runs (its batches are laid out alike)
+            dropout = self._trained_dropout_fields() if kwargs else ()
+            loaded = resolve_model(source, self.device, kwargs, dropout)
             model = loaded.model
             if model is source or model is getattr(source, "model", None):
                 self.objective.users_models.add(name)
@@ -155,16 +159,28 @@ class ModelMixin:
             self._place(model)
             self.objective.auxiliary_models[name] = model
 
-    def _auxiliary_init_kwargs(self, source) -> dict:
-        """How a frozen model is loaded: a copy of the policy made from the policy's own name (the reference when no
-        ref_model is given) is loaded as TRL loads it, with the policy's model_init_kwargs (revision, dtype, config
-        fields), less what only a trained policy takes (quantization: hfnative's QLoRA trains adapters, and with
-        adapters the reference is the base with them off); any other source as it is."""
+    def _trained_dropout_fields(self) -> tuple[str, ...]:
+        """The config fields whose dropout the policy would train with under TRL and the native decoders do not apply
+        (a policy that asks for it trains in transformers' module): the attention's, and the dropout layers' unless
+        ``disable_dropout`` zeroes them."""
+        from hfnative.converters.families.common import ATTENTION_DROPOUT_FIELDS, LAYER_DROPOUT_FIELDS
+
+        if getattr(self.args, "disable_dropout", False):
+            return ATTENTION_DROPOUT_FIELDS
+        return ATTENTION_DROPOUT_FIELDS + LAYER_DROPOUT_FIELDS
+
+    def _auxiliary_init_kwargs(self, name: str, source) -> dict:
+        """How a frozen model is loaded: the reference made from the policy's own name (no ref_model given) is loaded
+        as TRL loads it, with the policy's model_init_kwargs (revision, dtype, config fields), less what only a
+        trained policy takes (quantization: hfnative's QLoRA trains adapters, and with adapters the reference is the
+        base with them off); any other (a teacher, even of the policy's name: TRL loads it with its own kwargs) as it
+        is."""
         policy = getattr(self, "_policy_source", None)
-        if policy is None or not isinstance(source, (str, os.PathLike)) or os.fspath(source) != os.fspath(policy):
+        if (name != "ref_model" or policy is None or not isinstance(source, (str, os.PathLike))
+                or os.fspath(source) != os.fspath(policy)):
             return {}
         return {key: value for key, value in self._model_init_kwargs.items()
-                if key not in ("load_in_4bit", "quantization_config", "num_labels", "score_seed")}
+                if key not in ("load_in_4bit", "quantization_config")}
 
     def _add_adapters(self) -> None:
         """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""

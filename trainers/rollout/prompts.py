@@ -50,9 +50,14 @@ def stop_token_ids(tokenizer, model) -> list[int]:
     return ids
 
 
-# the SamplingParams fields a config's generation_kwargs may set (the stop tokens, the seed and the regex are the
-# run's)
-GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams) if f.init and f.name not in ("seed", "regex"))
+# the SamplingParams fields a config's generation_kwargs may set (the stop tokens, the seed, the regex and the rows'
+# places are the run's)
+GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams)
+                          if f.init and f.name not in ("seed", "regex", "first_row", "row_indices"))
+# generation_kwargs keys that change no sampled token (transformers' cache and output switches, ids the run sets)
+NO_EFFECT_GENERATION_KWARGS = frozenset({"use_cache", "pad_token_id", "bos_token_id", "cache_implementation",
+                                         "disable_compile", "return_dict_in_generate", "output_scores",
+                                         "output_logits"})
 
 
 def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generation_kwargs=None, strict: bool = False,
@@ -70,10 +75,11 @@ def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generatio
     for key, value in (generation_kwargs or {}).items():
         if key in GENERATION_KWARGS:
             settings[key] = value
-        elif strict:
+        elif strict and key not in NO_EFFECT_GENERATION_KWARGS:
+            engine = "the vLLM backend" if getattr(args, "use_vllm", False) else "the native generation engine"
             raise ValueError(
-                f"generation_kwargs[{key!r}] is not a setting of the native generation engine; it takes "
-                f"{', '.join(sorted(GENERATION_KWARGS))}"
+                f"generation_kwargs[{key!r}] is not a setting hfnative passes to {engine}; it takes "
+                f"{', '.join(sorted(GENERATION_KWARGS))} (and ignores {', '.join(sorted(NO_EFFECT_GENERATION_KWARGS))})"
             )
     return SamplingParams(**settings)
 

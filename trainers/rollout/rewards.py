@@ -147,14 +147,18 @@ def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) 
     from hfnative.converters.hub_model import attach_hub_surface
     from hfnative.converters.loading import UnsupportedModelError, load_pretrained
 
+    from ..running.model_loading import config_overrides
+
     kwargs = dict(model_init_kwargs or {})
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     hub = {name: kwargs[name] for name in ("revision", "cache_dir", "token") if kwargs.get(name) is not None}
     try:
-        converted = load_pretrained(name_or_path, num_labels=1, dtype=None if dtype in (None, "auto") else dtype, **hub)
+        converted = load_pretrained(name_or_path, num_labels=1, dtype=None if dtype in (None, "auto") else dtype,
+                                    config_overrides=config_overrides(kwargs), **hub)
     except UnsupportedModelError:
         from transformers import AutoModelForSequenceClassification
 
+        kwargs["trust_remote_code"] = False  # hfnative runs no code a checkpoint brings
         return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, **kwargs)
     return attach_hub_surface(converted.model, converted, base_model_name_or_path=str(name_or_path))
 
@@ -336,8 +340,17 @@ class RewardAttributes:
 
     @property
     def reward_weights(self) -> torch.Tensor:
-        """TRL's: the functions' weights [F] (float32, all 1.0 unless ``reward_weights`` is set)."""
+        """TRL's: the functions' weights [F] (float32, all 1.0 unless ``reward_weights`` is set); assignable, as
+        TRL's attribute is (the next scoring uses it)."""
         return self.objective.rewards.weights_F
+
+    @reward_weights.setter
+    def reward_weights(self, weights) -> None:
+        weights = torch.as_tensor(weights, dtype=torch.float32)
+        if weights.shape != self.objective.rewards.weights_F.shape:
+            raise ValueError(f"reward_weights: {list(weights.shape)} weights for "
+                             f"{self.objective.rewards.weights_F.numel()} reward functions")
+        self.objective.rewards.weights_F = weights
 
     @property
     def reward_processing_classes(self) -> list:

@@ -59,15 +59,47 @@ def _check_fallback(config, error: UnsupportedModelError, model_class_name: str 
 # model or which code it would run); every other key is a field of the model's config, set as from_pretrained sets it
 LOADING_KEYS = frozenset({"dtype", "torch_dtype", "num_labels", "score_seed", "revision", "cache_dir", "token",
                           "load_in_4bit", "quantization_config", "attn_implementation"})
-NO_EFFECT_KEYS = frozenset({"device_map", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "use_kernels"})
+NO_EFFECT_KEYS = frozenset({
+    "device_map", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "use_kernels", "max_memory",
+    "offload_folder", "offload_buffers", "offload_state_dict", "tp_plan", "tp_size", "distributed_config",
+    "device_mesh", "kernel_config", "output_loading_info", "weights_only", "local_files_only", "force_download",
+    "proxies", "resume_download", "_fast_init",
+})
+# from_pretrained options that choose other weights or another way of reading them: not implemented here
+REFUSED_KEYS = {
+    "subfolder": "a checkpoint in a subfolder: pass the subfolder's path (or download it) as the model",
+    "variant": "weight files of a variant: pass a folder holding that variant's files as model.safetensors",
+    "gguf_file": "GGUF weights: convert them to a safetensors checkpoint first",
+    "key_mapping": "renamed checkpoint keys: save the checkpoint under transformers' names first",
+    "from_tf": "TensorFlow weights: convert them to safetensors first",
+    "from_flax": "Flax weights: convert them to safetensors first",
+    "generation_config": "a generation config given at load: set trainer.model.generation_config after loading",
+    "return_unused_kwargs": "drop it",
+}
 
 
 def config_overrides(model_init_kwargs: dict | None) -> dict:
-    """The model_init_kwargs that are config fields (``attention_dropout``, ``rope_parameters``, ``use_cache``, ...)."""
-    return {key: value for key, value in (model_init_kwargs or {}).items() if key not in LOADING_KEYS | NO_EFFECT_KEYS}
+    """The model_init_kwargs that are config fields (``attention_dropout``, ``rope_parameters``, ``use_cache``, ...);
+    a from_pretrained option hfnative does not implement (``REFUSED_KEYS``) is refused by name."""
+    kwargs = model_init_kwargs or {}
+    refused = [f"{key}: {what}" for key, what in REFUSED_KEYS.items() if key in kwargs]
+    if refused:
+        raise ValueError("model_init_kwargs: from_pretrained options hfnative does not implement: " + "; ".join(refused))
+    return {key: value for key, value in kwargs.items() if key not in LOADING_KEYS | NO_EFFECT_KEYS}
 
 
-def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> LoadedModel:
+def _trainable_natively(converted: ConvertedModel, dropout_fields: tuple[str, ...]) -> ConvertedModel:
+    """``converted``, unless its config asks for dropout (one of ``dropout_fields``) that the native decoders would not
+    apply while it trains: then the UnsupportedModelError that sends it to transformers' module."""
+    from hfnative.converters.families.common import dropout_refusal
+
+    error = dropout_refusal(converted.config, dropout_fields)
+    if error is not None:
+        raise error
+    return converted
+
+
+def resolve_model(model, device: torch.device, model_init_kwargs: dict, dropout_fields: tuple[str, ...] = ()) -> LoadedModel:
     """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
     Transformer -> the model the trainer runs. An architecture without a native implementation (or a
     PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``."""
@@ -87,13 +119,14 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     classifier = dict(num_labels=kwargs.pop("num_labels", None), score_seed=kwargs.pop("score_seed", None))
     if classifier["num_labels"] is not None:
-        return _sequence_classifier(model, device, dtype, kwargs, **classifier)
+        return _sequence_classifier(model, device, dtype, kwargs, **classifier, dropout_fields=dropout_fields)
     if fallback._is_peft_model(model):
         return _from_peft_model(model, device, dtype)
     if isinstance(model, transformers.PreTrainedModel):
         name = model.config._name_or_path
         try:
-            converted = _causal(load_pretrained(model, dtype=dtype or next(model.parameters()).dtype, device=device))
+            converted = _trainable_natively(_causal(load_pretrained(model, dtype=dtype or next(model.parameters()).dtype,
+                                                                    device=device)), dropout_fields)
         except UnsupportedModelError as error:  # transformers' module itself trains, in place
             _check_fallback(model.config, error, type(model).__name__)
             loaded = wrap_transformers_model(model)
@@ -114,7 +147,8 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
                              "as the adapter was trained on it; load the base with them and pass a peft_config")
         return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"))
     try:
-        converted = _causal(load_pretrained(model, dtype=dtype, device=device, config_overrides=overrides, **hub))
+        converted = _trainable_natively(_causal(load_pretrained(model, dtype=dtype, device=device,
+                                                                config_overrides=overrides, **hub)), dropout_fields)
     except UnsupportedModelError as error:
         _check_fallback(_config_of(model, hub), error)
         _refuse_quantization(quantization)
@@ -126,7 +160,8 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict) -> Loade
     return LoadedModel(converted.model, converted, base_model_name_or_path=str(model))
 
 
-def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, score_seed: int | None) -> LoadedModel:
+def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, score_seed: int | None,
+                         dropout_fields: tuple[str, ...] = ()) -> LoadedModel:
     """A model folder, Hub id or transformers model as a native sequence classifier with ``num_labels`` scores (a
     causal LM's decoder gets a new score head drawn from ``score_seed``, as AutoModelForSequenceClassification)."""
     if _is_adapter_folder(model) or fallback._is_peft_model(model):
@@ -142,7 +177,8 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
         source, options = model, dict(dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
                                       token=kwargs.get("token"), config_overrides=config_overrides(kwargs))
     try:
-        converted = load_pretrained(source, device=device, num_labels=num_labels, score_seed=score_seed, **options)
+        converted = _trainable_natively(load_pretrained(source, device=device, num_labels=num_labels,
+                                                        score_seed=score_seed, **options), dropout_fields)
     except UnsupportedModelError as error:  # transformers' own *ForSequenceClassification module trains instead
         from hfnative.converters.fallback_classifier import (
             classifier_refusal,
@@ -273,7 +309,7 @@ def _from_peft_model(peft_model, device, dtype) -> LoadedModel:
     return LoadedModel(loaded.model, loaded, base_model_name_or_path=base_name)
 
 
-def load_meta_model(model, model_init_kwargs: dict) -> LoadedModel | None:
+def load_meta_model(model, model_init_kwargs: dict, dropout_fields: tuple[str, ...] = ()) -> LoadedModel | None:
     """A native model of the Hub-format folder or id ``model`` built on the meta device, for a distributed run to
     parallelize and then load rank by rank (``load_sharded``); None when it cannot be (a PEFT adapter folder, an
     architecture without a native implementation)."""
@@ -284,8 +320,9 @@ def load_meta_model(model, model_init_kwargs: dict) -> LoadedModel | None:
     kwargs = dict(model_init_kwargs or {})
     dtype = model_dtype(kwargs.pop("dtype", kwargs.pop("torch_dtype", None)))
     try:
-        converted = meta_model(model, dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
-                               token=kwargs.get("token"), config_overrides=config_overrides(kwargs))
+        converted = _trainable_natively(meta_model(
+            model, dtype=dtype, revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"),
+            token=kwargs.get("token"), config_overrides=config_overrides(kwargs)), dropout_fields)
     except UnsupportedModelError:
         return None
     return LoadedModel(_causal(converted).model, converted, base_model_name_or_path=str(model))
