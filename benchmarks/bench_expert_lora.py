@@ -5,6 +5,7 @@ experts.down_proj])`` and SFTConfig. Each run is its own child process; runners 
 
     python benchmarks/bench_expert_lora.py --preset smoke
     python benchmarks/bench_expert_lora.py --write-results
+    python benchmarks/bench_expert_lora.py --device cuda --preset gptoss_20b_2layers   # bf16 autocast on one GPU
 
 LoRA's B starts at zero, so the step-1 loss is the base model's and must agree; peft and hfnative draw A from their
 own random streams, so the losses part after it.
@@ -53,6 +54,9 @@ PRESETS = {
                     batch=4, steps=4, warmup=2), 4, 2),
     "small": (Shape(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=4096, seq=256,
                     batch=4, steps=8, warmup=2), 16, 4),
+    # gpt-oss-20b's layer shape (32 experts, top 4) and vocabulary, 2 of its 24 layers: for --device cuda
+    "gptoss_20b_2layers": (Shape(hidden=2880, layers=2, heads=64, kv_heads=8, head_dim=64, intermediate=2880,
+                                 vocab=201088, seq=1024, batch=2, steps=6, warmup=2), 32, 4),
 }
 
 
@@ -99,21 +103,21 @@ def train(runner: str, spec: dict, notes: list[str]) -> dict:
                                       train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config)
         if not expert_lora_modules(trainer.converted.model):
             raise RuntimeError("hfnative did not adapt the experts natively")
-    result, _ = train_and_measure(trainer, shape, is_cuda=False)
+    result, _ = train_and_measure(trainer, shape, is_cuda=spec["device"] == "cuda")
     return {**result, "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
 
 
 def summarize(results: list[dict]) -> str:
-    header = f"{'runner':<8}{'peak RSS MiB':>14}{'tokens/s':>10}{'min..max':>16}{'final loss':>12}{'trainable':>12}"
+    header = f"{'runner':<8}{'peak MiB':>14}{'tokens/s':>10}{'min..max':>16}{'final loss':>12}{'trainable':>12}"
     lines, summary = [header, "-" * len(header)], {}
     for runner, ok, rates in finished_runs(results, RUNNERS, lines, runner_width=8, status_width=14):
-        summary[runner] = s = {"peak": max(r["peak_rss_mib"] for r in ok), "rate": statistics.median(rates),
+        summary[runner] = s = {"peak": max(r["peak_gpu_mib"] or r["peak_rss_mib"] for r in ok), "rate": statistics.median(rates),
                                "losses": ok[0]["losses"], "trainable": ok[0]["trainable_params"]}
         lines.append(f"{runner:<8}{s['peak']:>14,.0f}{s['rate']:>10,.0f}{f'{min(rates):,.0f}..{max(rates):,.0f}':>16}"
                      f"{s['losses'][-1]:>12.6f}{s['trainable']:>12,}")
     if len(summary) == 2:
         ours, theirs = summary["ours"], summary["trl"]
-        lines += ["", f"ours / trl: tokens/s x{ours['rate'] / theirs['rate']:.2f}, peak RSS x{ours['peak'] / theirs['peak']:.2f}",
+        lines += ["", f"ours / trl: tokens/s x{ours['rate'] / theirs['rate']:.2f}, peak memory x{ours['peak'] / theirs['peak']:.2f}",
                   f"step-1 loss rel. diff {max_relative_difference(ours['losses'][:1], theirs['losses'][:1]):.2e} "
                   "(B starts at 0: the base model's loss)", ""]
         rows, _ = loss_rows({n: summary[n]["losses"] for n in RUNNERS}, range(len(theirs["losses"])), min_width=12)
@@ -129,6 +133,8 @@ def summarize(results: list[dict]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: bf16 autocast over fp32 weights on one GPU (TRL's bf16=True), peak GPU memory")
     add_run_arguments(parser, timeout=900, rounds=2, overrides=("seq", "batch", "steps", "warmup"))
     cli = parser.parse_args(argv)
     if cli.child:
@@ -140,7 +146,7 @@ def main(argv=None) -> None:
     with work_folder("bench-expert-lora-", cli.keep) as work:
         parameters = build_model(shape, experts, top_k, work / "model", cli.seed)
         data = build_dataset(shape, work / "data", packing=False, seed=cli.seed)
-        spec = {"device": "cpu", "shape": dataclasses.asdict(shape), "model_dir": str(work / "model"),
+        spec = {"device": cli.device, "shape": dataclasses.asdict(shape), "model_dir": str(work / "model"),
                 "data_dir": str(work / "data"), "work_dir": str(work), "packing": False,
                 "max_grad_norm": cli.max_grad_norm, "seed": cli.seed, "threads": cli.threads,
                 "profile_dir": profile_dir(cli)}
@@ -148,20 +154,22 @@ def main(argv=None) -> None:
         spec_path.write_text(json.dumps(spec))
         results = run_rounds(list(RUNNERS), Workload(parameters, data, spec_path), cli, __file__,
                              lambda r: f"{r['tokens_per_second']:,.0f} tokens/s")
-    machine = machine_description("cpu")
+    machine = machine_description(cli.device)
     setup = "\n".join([
         f"machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}",
         f"software: torch {machine['torch']}, transformers {machine['transformers']}, trl {machine['trl']}, "
         f"peft {package_version('peft')}; date {machine['date']}; load average {machine['load_average']}",
         f"model: GPT-OSS-shaped, hidden {shape.hidden}, {shape.layers} layers, {experts} experts (top {top_k}) of "
         f"hidden {shape.intermediate}, vocab {shape.vocab}; {parameters / 1e6:.2f}M parameters",
-        f"training: fp32, seq {shape.seq}, batch {shape.batch}, {shape.steps} steps ({shape.warmup} warm-up not timed), "
+        f"training: {'bf16 autocast' if cli.device == 'cuda' else 'fp32'}, seq {shape.seq}, batch {shape.batch}, "
+        f"{shape.steps} steps ({shape.warmup} warm-up not timed), "
         f"AdamW lr 1e-3; data {data['rows']} rows",
         "LoRA: peft.LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in lora_config(shape.layers).items()) + ")",
     ])
     print(setup)
     finish(cli, setup, summarize(results), results,
-           f"## {machine['date'][:10]} — LoRA on stacked MoE experts (target_parameters), preset `{cli.preset}`, cpu",
+           f"## {machine['date'][:10]} — LoRA on stacked MoE experts (target_parameters), preset `{cli.preset}`, "
+           f"{cli.device}",
            __file__)
 
 

@@ -24,6 +24,8 @@
 #                    compiled (torch_compile=True: varlen_attn inside each block's graph)
 #                  lora: bench_sft.py --lora --activation_checkpointing, TRL + peft vs hfnative training LoRA adapters
 #                    on every linear layer (r 16) with TRL's default checkpointing
+#                  moe-lora: bench_expert_lora.py, TRL + peft vs hfnative on LoRA over the stacked experts
+#                    (target_parameters, the gpt-oss recipe) at gpt-oss-20b's layer shape, 2 layers, bf16 autocast
 #   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
 #                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
@@ -269,6 +271,7 @@ if [[ $DEVICE == cuda ]]; then
     --warmup 1 --rounds 1 --timeout 100)
   FLOAT8=(--preset qwen3_4b --layers 8 --batch 4 --steps 8 --warmup 3 --timeout 105)
   FIT=(--preset qwen3_4b --batches 8,16,32 --steps 4 --warmup 2 --timeout 60)
+  MOE_LORA=(--preset gptoss_20b_2layers --timeout 95)
 else
   SFT_BENCH=(--preset smoke --steps 3 --warmup 1 --peak_seconds 0.2 --threads 1 --timeout 120)
   DPO_BENCH=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
@@ -283,6 +286,7 @@ else
     --threads 1 --timeout 60)
   FLOAT8=(--preset smoke --steps 3 --warmup 1 --threads 1 --timeout 120)
   FIT=(--preset smoke --batches 2,4 --steps 3 --warmup 1 --threads 1 --timeout 120)
+  MOE_LORA=(--preset smoke --threads 1 --timeout 90)
 fi
 
 run_check env 40 env_verdict bash -c "(nvidia-smi || echo 'nvidia-smi: not available') && $PYTHON benchmarks/gpu_env.py report"
@@ -316,6 +320,7 @@ if start_section step_more "${STEP_MORE_BUDGET:-520}"; then
     --runners trl,ours --ours_variants default,compile "${SFT_BENCH[@]}"
   run_check lora 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --lora \
     --activation_checkpointing --runners trl,ours "${SFT_BENCH[@]}"
+  run_check moe-lora 200 bench_verdict "$PYTHON" benchmarks/bench_expert_lora.py --device "$DEVICE" --rounds 1 "${MOE_LORA[@]}"
 fi
 
 if start_section rollout "${ROLLOUT_BUDGET:-420}"; then
