@@ -162,9 +162,9 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
 # config.json fields an override comparison leaves alone (written by transformers, or followed elsewhere)
 _NOT_OVERRIDES = ("transformers_version", "dtype", "torch_dtype", "architectures")
 
-# the fields training may change in the config (a cloned chat template's EOS and resized vocabulary, a reward model's
-# pad token), written as the model now has them
-TOKEN_FIELDS = ("vocab_size", "eos_token_id", "pad_token_id")
+# the fields training may change in the config (a cloned chat template's EOS and resized vocabulary, the pad token,
+# online DPO's use_cache under gradient checkpointing), written as the model now has them
+TOKEN_FIELDS = ("vocab_size", "eos_token_id", "pad_token_id", "use_cache")
 
 
 def _token_fields_followed(converted: ConvertedModel, fields: dict) -> bool:

@@ -271,3 +271,20 @@ def test_harmless_generation_kwargs_pass_and_reward_weights_can_be_set(tmp_path)
     assert trainer.objective.rollout.sampling.top_k == 3
     trainer.reward_weights = [0.25, 4.0]
     assert torch.equal(trainer.reward_weights, torch.tensor([0.25, 4.0]))
+
+
+def test_online_dpo_saves_use_cache_off_under_gradient_checkpointing_as_trl(tmp_path):
+    from trl.experimental.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    saved = {}
+    for module, (config_class, trainer_class) in ((hfnative, (hfnative.OnlineDPOConfig, hfnative.OnlineDPOTrainer)),
+                                                  (trl, (OnlineDPOConfig, OnlineDPOTrainer))):
+        out = tmp_path / module.__name__
+        trainer = trainer_class(model=str(MODEL), reward_funcs=[_rewarded], train_dataset=Dataset.from_list(
+            [{"prompt": "Hello"}] * 4), args=config_class(output_dir=str(out), use_cpu=True, bf16=False,
+                                                         report_to="none", max_steps=1, max_new_tokens=4,
+                                                         gradient_checkpointing=True),
+            processing_class=AutoTokenizer.from_pretrained(str(MODEL)))
+        trainer.save_model(str(out / "saved"))
+        saved[module] = json.loads((out / "saved" / "config.json").read_text()).get("use_cache")
+    assert saved[hfnative] == saved[trl] is False

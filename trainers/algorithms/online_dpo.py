@@ -82,6 +82,9 @@ class OnlineDPOObjective(Objective):
         super().__init__(context)
         args, tokenizer = context.args, context.tokenizer
         mirror_pad_token(tokenizer, context.model)  # TRL's: the EOS pads when the tokenizer has no pad token
+        config = getattr(context.model, "config", None)
+        if args.gradient_checkpointing and config is not None:  # TRL's online DPO turns the cache off (and saves it so)
+            config.use_cache = False
         self.rewards = RewardFunctions(reward_funcs, args.reward_weights, reward_processing_classes, context.device,
                                        model_init_kwargs=config_dict(args.model_init_kwargs))
         self.stop_ids = stop_token_ids(tokenizer, context.model)

@@ -55,9 +55,8 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 GENERATION_KWARGS = tuple(f.name for f in fields(SamplingParams)
                           if f.init and f.name not in ("seed", "regex", "first_row", "row_indices"))
 # generation_kwargs keys that change no sampled token (transformers' cache and output switches, ids the run sets)
-NO_EFFECT_GENERATION_KWARGS = frozenset({"use_cache", "pad_token_id", "bos_token_id", "cache_implementation",
-                                         "disable_compile", "return_dict_in_generate", "output_scores",
-                                         "output_logits"})
+NO_EFFECT_GENERATION_KWARGS = frozenset({"use_cache", "pad_token_id", "bos_token_id", "disable_compile",
+                                         "return_dict_in_generate", "output_scores", "output_logits"})
 
 
 def sampling_params(args, max_new_tokens: int, stop_ids: list[int], *, generation_kwargs=None, strict: bool = False,
