@@ -211,7 +211,8 @@ def _expected_hf_shapes(pieces: list[Piece], model: Transformer) -> dict[str, tu
     return shapes
 
 
-def check_checkpoint(source, pieces: list[Piece], model: Transformer, where: str) -> None:
+def check_checkpoint(source, pieces: list[Piece], model: Transformer, where: str,
+                     config_overrides: dict | tuple | None = None) -> None:
     """Raise one CheckpointError naming every missing, unexpected and mis-shaped tensor."""
     expected = _expected_hf_shapes(pieces, model)
     found = source.shapes
@@ -230,6 +231,10 @@ def check_checkpoint(source, pieces: list[Piece], model: Transformer, where: str
     if wrong_shape:
         problems.append(f"tensors with the wrong shape ({len(wrong_shape)}): {wrong_shape}")
     if problems:
+        if config_overrides:  # what the checkpoint is checked against is not its own config.json alone
+            raise CheckpointError(f"{where} does not match its config.json as model_init_kwargs "
+                                  f"{sorted(config_overrides)} change it (a field that sets a tensor's shape or count "
+                                  "must keep the checkpoint's value):\n  " + "\n  ".join(problems))
         raise CheckpointError(f"{where} does not match its config.json:\n  " + "\n  ".join(problems))
 
 
@@ -347,7 +352,7 @@ def load_pretrained(
         pieces = [piece for piece in pieces if piece.hf_key != SCORE_KEY]
     with torch.device("meta"):
         native = build_model(args)
-    check_checkpoint(source, pieces, native, where)  # before any memory is allocated
+    check_checkpoint(source, pieces, native, where, config_overrides)  # before any memory is allocated
     native = native.to(dtype=dtype).to_empty(device=device)
     copy_into_model(source, pieces, native)
     if new_head:

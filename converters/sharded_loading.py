@@ -100,7 +100,7 @@ def load_sharded(converted: ConvertedModel, device: torch.device | str) -> Conve
     dtype = next(model.parameters()).dtype
     source = dequantizing_source(SafetensorsSource(converted.source_dir), converted.config, dtype, where)
     pieces = model_pieces(converted.family, model.args)
-    check_checkpoint(source, pieces, model, where)
+    check_checkpoint(source, pieces, model, where, converted.config_overrides)
     model.to_empty(device=device)
     copy_shards_into_model(source, pieces, model)
     model.init_buffers()

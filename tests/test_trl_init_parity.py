@@ -288,3 +288,8 @@ def test_online_dpo_saves_use_cache_off_under_gradient_checkpointing_as_trl(tmp_
         trainer.save_model(str(out / "saved"))
         saved[module] = json.loads((out / "saved" / "config.json").read_text()).get("use_cache")
     assert saved[hfnative] == saved[trl] is False
+
+
+def test_a_config_field_that_changes_a_shape_is_named_in_the_error(tmp_path):
+    with pytest.raises(Exception, match=r"as model_init_kwargs \['num_hidden_layers'\] change it"):
+        _sft_run(hfnative, tmp_path, {"num_hidden_layers": 1})
