@@ -138,7 +138,7 @@ def _save_config(converted: ConvertedModel, out_dir: Path) -> None:
         if dtype_name and fields.get(key) not in (None, dtype_name):
             fields[key] = dtype_name
             changed = True
-        changed |= _token_fields_followed(converted, fields)
+        changed |= _followed_fields(converted, fields)
         if converted.config_overrides:  # model_init_kwargs' config fields (aliases too), as the trained model has them
             from transformers import AutoConfig
 
@@ -164,17 +164,17 @@ _NOT_OVERRIDES = ("transformers_version", "dtype", "torch_dtype", "architectures
 
 # the fields training may change in the config (a cloned chat template's EOS and resized vocabulary, the pad token,
 # online DPO's use_cache under gradient checkpointing), written as the model now has them
-TOKEN_FIELDS = ("vocab_size", "eos_token_id", "pad_token_id", "use_cache")
+FOLLOWED_FIELDS = ("vocab_size", "eos_token_id", "pad_token_id", "use_cache")
 
 
-def _token_fields_followed(converted: ConvertedModel, fields: dict) -> bool:
-    """Set ``fields``' (the source config.json's, top level or its text_config) TOKEN_FIELDS that the model's config
+def _followed_fields(converted: ConvertedModel, fields: dict) -> bool:
+    """Set ``fields``' (the source config.json's, top level or its text_config) FOLLOWED_FIELDS that the model's config
     now holds otherwise; whether any was."""
     text = converted.config.get_text_config()
     target = fields["text_config"] if isinstance(fields.get("text_config"), dict) and "vocab_size" not in fields else fields
     changed = False
     differs_from_defaults = text.to_diff_dict()
-    for name in TOKEN_FIELDS:
+    for name in FOLLOWED_FIELDS:
         value = getattr(text, name, None)
         absent_as_default = name not in target and name not in differs_from_defaults
         if value is not None and target.get(name) != value and not absent_as_default:

@@ -173,11 +173,18 @@ class NativeRolloutEngine(RolloutEngine):
             return self.stack_projections
         if self._device.type != "cuda":
             return False
-        source = tuple(id(p) for p in self.model.parameters())
-        if self._stacks is None or self._stacks[0] != source:  # decided once: a new answer would make a new replica
-            free, _ = torch.cuda.mem_get_info(self._device)
-            self._stacks = (source, stacked_copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
+        # decided once per set of parameters: a new answer would make a new replica
+        self._stacks = self._fits_in_free_memory(self._stacks, stacked_copy_bytes)
         return self._stacks[1]
+
+    def _fits_in_free_memory(self, decided: tuple[tuple[int, ...], bool] | None, copy_bytes):
+        """(the model's parameters, whether ``copy_bytes(model)`` takes at most STACK_FREE_MEMORY_SHARE of the device's
+        free memory): ``decided`` where it was made for these parameters, else decided now."""
+        source = tuple(id(p) for p in self.model.parameters())
+        if decided is None or decided[0] != source:
+            free, _ = torch.cuda.mem_get_info(self._device)
+            decided = (source, copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
+        return decided
 
     def _experts_folded(self, model: Transformer):
         """``adapters_folded`` over ``model`` (the model decoded) where fold_expert_adapters says so; else nothing."""
@@ -188,14 +195,11 @@ class NativeRolloutEngine(RolloutEngine):
         if fold is None:
             fold = False
             if self._device.type == "cuda":
-                source = tuple(id(p) for p in self.model.parameters())
-                if self._folds is None or self._folds[0] != source:
-                    free, _ = torch.cuda.mem_get_info(self._device)
-                    self._folds = (source, folded_copy_bytes(self.model) <= STACK_FREE_MEMORY_SHARE * free)
+                self._folds = self._fits_in_free_memory(self._folds, folded_copy_bytes)
                 fold = self._folds[1]
         if not fold:
             return contextlib.nullcontext()
-        owners = tuple(id(m) for m in experts)
+        owners = tuple(id(m) for m in experts.values())
         if owners != self._folded_for:  # another model decoded (a new replica): its own copies
             self._folded, self._folded_for = {}, owners
         return adapters_folded(model, self._folded)

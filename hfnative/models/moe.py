@@ -133,15 +133,15 @@ class GroupedExperts(nn.Module):
         return weight
 
 
-def adapted_experts(model: nn.Module) -> list[GroupedExperts]:
-    """The stacked experts of ``model`` that carry adapters."""
-    return [m for m in model.modules() if isinstance(m, GroupedExperts) and m.lora is not None]
+def adapted_experts(model: nn.Module) -> dict[str, GroupedExperts]:
+    """The stacked experts of ``model`` that carry adapters, by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, GroupedExperts) and m.lora is not None}
 
 
 def folded_copy_bytes(model: nn.Module) -> int:
     """The bytes of the copies ``adapters_folded`` holds: every stacked weight an adapter changes."""
     return sum(getattr(experts, name).numel() * getattr(experts, name).element_size()
-               for experts in adapted_experts(model)
+               for experts in adapted_experts(model).values()
                for name in {part for adapter in experts.lora.values() for part in adapter.parts})
 
 
@@ -151,7 +151,7 @@ def adapters_folded(model: nn.Module, held: dict[tuple[int, str], torch.Tensor])
     (decoding, under no_grad: a forward a token would fold them again at every token). The folded copies live in
     ``held`` (the caller's, kept between calls): a copy of the same shape is refreshed in place, so its address stays
     fixed for a captured decode step."""
-    experts = adapted_experts(model)
+    experts = list(adapted_experts(model).values())
     try:
         with torch.no_grad():
             for module in experts:

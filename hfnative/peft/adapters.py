@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from hfnative.models.moe import adapted_experts
+
 from .expert_lora import ExpertLora
 from .lora import LoraLinear
 from .quantize import NF4Linear, dequantize, is_nf4
@@ -149,12 +151,6 @@ def expert_lora_modules(model: nn.Module) -> dict[str, ExpertLora]:
 def has_adapters(model: nn.Module) -> bool:
     """Whether ``model`` carries any LoRA adapter (on a linear or on stacked experts)."""
     return any(isinstance(module, (LoraLinear, ExpertLora)) for module in model.modules())
-
-
-def adapted_experts(model: nn.Module) -> dict[str, nn.Module]:
-    """The stacked MoE experts that carry adapters, by module name."""
-    return {name: module for name, module in model.named_modules() if getattr(module, "lora", None) is not None
-            and any(isinstance(adapter, ExpertLora) for adapter in module.lora.values())}
 
 
 @torch.no_grad()
