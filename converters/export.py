@@ -21,6 +21,7 @@ from huggingface_hub import split_torch_state_dict_into_shards
 
 from hfnative.checkpoint import atomic_files
 from hfnative.peft.adapters import folded_expert_weights
+from hfnative.peft.token_rows import rows_weights
 from hfnative.peft.lora import LoraLinear
 from hfnative.peft.quantize import dequantize, is_nf4
 
@@ -60,13 +61,15 @@ def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Te
 def merged_native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The native state dict of ``model`` with every LoRA adapter folded into its base weight and NF4 weights
     dequantized (the adapters' own tensors left out): what a model without adapters holds."""
-    state = {name: tensor for name, tensor in model.state_dict().items() if ".lora_" not in name}
+    state = {name: tensor for name, tensor in model.state_dict().items()
+             if ".lora_" not in name and ".token_rows." not in name}
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             state[f"{name}.weight"] = module.merged_weight()
         elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_nf4(module.weight):
             state[f"{name}.weight"] = dequantize(module.weight)
     state.update(folded_expert_weights(model))
+    state.update(rows_weights(model))
     return state
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from hfnative.peft import LoraSettings, LoraTarget, lora_settings
+from hfnative.peft.token_rows import check_token_indices
 from hfnative.peft.settings import SEQ_CLS_HEADS
 
 from .export import hub_state_dict_pieces
@@ -318,6 +319,67 @@ class LoraPlan:
     copies: list[str]  # native parameter names trained in full (modules_to_save)
     untie: bool  # a tied head/embedding is among modules_to_save
     expert_targets: list[ExpertTarget] = field(default_factory=list)  # target_parameters, in Hub order
+    token_rows: TokenRowsPlan | None = None  # trainable_token_indices
+
+
+@dataclass
+class TokenRowsPlan:
+    """peft's trainable_token_indices resolved against the model: the embedding's trained rows, the head's own, and
+    whether the head applies the embedding's (a tied model, when the two are not given different rows: peft then
+    ties the head's adapter to the embedding's)."""
+
+    embedding: list[int] | None
+    head: list[int] | None
+    head_shares: bool
+    embedding_path: str  # the Hub module paths ("model.embed_tokens", "lm_head")
+    head_path: str
+
+
+def token_layer_paths(converted: ConvertedModel) -> tuple[str, str]:
+    """The Hub module paths of the token embedding and the output head ("model.embed_tokens", "lm_head")."""
+    pieces_of = hub_parameter_pieces(converted)
+    embedding = next(k for k, pieces in pieces_of.items() if any(p.native_key == "tok_embeddings.weight" for p in pieces))
+    head = next((k for k, pieces in pieces_of.items()
+                 if k != embedding and any(p.native_key == "output.weight" for p in pieces)), "lm_head.weight")
+    return embedding.rpartition(".")[0], head.rpartition(".")[0]
+
+
+def plan_token_rows(converted: ConvertedModel, settings: LoraSettings) -> TokenRowsPlan | None:
+    """trainable_token_indices as peft reads it: a list names rows of the input embedding, a dict names layers by
+    the end of their path; a layer also in modules_to_save is an error; on a tied model the head follows the
+    embedding's rows unless the dict gives it others."""
+    indices = settings.trainable_token_indices
+    if indices is None:
+        return None
+    embedding_path, head_path = token_layer_paths(converted)
+    if not isinstance(indices, dict):
+        indices = {embedding_path.rpartition(".")[2]: indices}
+    embedding = head = None
+    for name, ids in indices.items():
+        if name in (settings.modules_to_save or []):
+            raise ValueError(
+                "The embedding layer is already marked to be trained fully, either specify "
+                f'`modules_to_save=[..., "{name}", ...]` or `trainable_tokens={{\'{name}\': x}}` but not both.')
+        if embedding_path.endswith(name):
+            embedding = list(ids)
+        elif head_path.endswith(name) and converted.args.num_labels is None:
+            head = list(ids)
+        else:
+            raise ValueError(f"trainable_token_indices: {name!r} is not the {converted.family.name} model's token "
+                             f"embedding ({embedding_path!r}) or output head ({head_path!r}), the layers whose rows "
+                             "hfnative trains on their own")
+    for name, ids in (("embed_tokens", embedding), ("lm_head", head)):
+        if ids is not None:
+            check_token_indices(ids, converted.args.vocab_size, name)
+    tied = bool(converted.args.tie_embeddings)
+    head_shares = tied and embedding is not None and (head is None or head == embedding)
+    if head_shares and any(head_path.endswith(name) for name in settings.modules_to_save or []):
+        raise ValueError(
+            f"trainable_token_indices with modules_to_save={settings.modules_to_save!r} on a model whose output head is "
+            "tied to its embedding: peft cannot run that adapter (its tied token adapter would wrap the head's trained "
+            f"copy). Leave {head_path!r} out of modules_to_save (the head's rows for those tokens train with the "
+            "embedding's, as the two are tied), or load the model with tie_word_embeddings=False")
+    return TokenRowsPlan(embedding, None if head_shares else head, head_shares, embedding_path, head_path)
 
 
 def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
@@ -363,8 +425,9 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
     copies = []
     for name in settings.modules_to_save or []:
         matched = [p for p in _module_paths(pieces_of, with_experts=True) if p.endswith(name)]  # peft: key.endswith(name)
-        if not matched and settings.task_type == "SEQ_CLS" and name in SEQ_CLS_HEADS:
-            continue  # peft's own additions for a classifier (one of them names its head)
+        if not matched and settings.task_type == "SEQ_CLS" and name in (*SEQ_CLS_HEADS, "lm_head"):
+            continue  # peft's own additions for a classifier (one of them names its head), and the LM head TRL's
+            # reward trainer adds for a cloned template's new tokens (a classifier has none; peft matches nothing)
         if not matched:
             raise ValueError(f"modules_to_save: {name!r} matches no module of the {converted.family.name} model")
         for path in matched:
@@ -377,11 +440,12 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
                     if piece.native_key not in copies:
                         copies.append(piece.native_key)
     untie = converted.args.tie_embeddings and any(k in copies for k in ("tok_embeddings.weight", "output.weight"))
-    return LoraPlan(adapted, targets, copies, untie, expert_targets)
+    return LoraPlan(adapted, targets, copies, untie, expert_targets, plan_token_rows(converted, settings))
 
 
-__all__ = ["DEFAULT_TARGET_MODULES", "ExpertParameter", "ExpertTarget", "HubModule", "LoraPlan", "fused_expert_parameters",
-           "hub_modules", "hub_parameter_pieces", "plan_lora", "resolved_target_modules", "target_parameters_refusal"]
+__all__ = ["DEFAULT_TARGET_MODULES", "ExpertParameter", "ExpertTarget", "HubModule", "LoraPlan", "TokenRowsPlan",
+           "fused_expert_parameters", "hub_modules", "hub_parameter_pieces", "plan_lora", "plan_token_rows",
+           "resolved_target_modules", "target_parameters_refusal", "token_layer_paths"]
 
 
 # --- GaLore / APOLLO targets: transformers' rule -------------------------------------------------------------------

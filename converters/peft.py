@@ -20,6 +20,7 @@ from hfnative.peft import (
     LoraSettings,
     add_expert_lora,
     add_lora,
+    add_token_rows,
     add_trainable_copies,
     expert_lora_modules,
     has_adapters,
@@ -32,6 +33,8 @@ from hfnative.peft import (
     untie_output_head,
 )
 
+from hfnative.peft.adapters import ORIGINAL_PREFIX
+
 from .export import write_atomically, hub_tensor
 from .loading import ConvertedModel
 from .sharded_loading import copy_shard
@@ -40,7 +43,9 @@ from .lora_targets import (
     hub_modules,
     hub_parameter_pieces,
     plan_lora,
+    plan_token_rows,
     resolved_target_modules,
+    token_layer_paths,
 )
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
@@ -78,6 +83,8 @@ def apply_lora(
     if nf4 is not None:
         quantize_base_nf4(model, nf4.compute_dtype)
     add_lora(model, plan.targets, settings)
+    if plan.token_rows is not None:
+        add_token_rows(model, plan.token_rows.embedding, plan.token_rows.head, plan.token_rows.head_shares)
     add_expert_lora(model, [ExpertLoraTarget(t.parameter.module, t.parameter.key.rpartition(".")[2],
                                              t.parameter.in_features, t.parameter.out_features,
                                              tuple(t.parameter.parts.items()), t.r, t.lora_alpha)
@@ -172,7 +179,7 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
         "target_modules": _json_list(resolved_target_modules(converted, settings)),
         "target_parameters": _json_list(settings.target_parameters),
         "task_type": settings.task_type,
-        "trainable_token_indices": None,
+        "trainable_token_indices": settings.trainable_token_indices,
         "use_bdlora": None,
         "use_dora": settings.use_dora,
         "use_qalora": False,
@@ -184,8 +191,87 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
     return config
 
 
+TOKEN_ADAPTER = ".token_adapter"  # peft's TrainableTokensWrapper: the layer whose token rows train
+DELTA = TOKEN_ADAPTER + ".trainable_tokens_delta"
+
+
+def _token_layers(converted: ConvertedModel, settings: LoraSettings, native: dict[str, torch.Tensor],
+                  copies: set[str]) -> list[dict]:
+    """The token embedding and the output head as peft holds them under ``settings``: each one's Hub path, the path
+    its weight sits under in peft's module tree (``.token_adapter.base_layer`` where its token rows train), its
+    native weight (the trained copy's with modules_to_save, else the base's), its base weight (the original behind
+    a copy), and its trained rows (its own, or the embedding's a tied head shares) by native name."""
+    plan = plan_token_rows(converted, settings)
+    model = converted.model
+    embedding_path, head_path = token_layer_paths(converted)
+    layers = [dict(path=embedding_path, weight="tok_embeddings.weight", own_rows=True,
+                   rows="tok_embeddings.token_rows.values" if plan is not None and plan.embedding else None)]
+    if converted.args.num_labels is None:  # a classifier's score head is no output embedding (peft saves none)
+        head_rows = None
+        if plan is not None and plan.head_shares:
+            head_rows = "tok_embeddings.token_rows.values"
+        elif plan is not None and plan.head:
+            head_rows = "output.token_rows.values"
+        weight = "output.weight" if "output.weight" in native else "tok_embeddings.weight"  # tied: the embedding's
+        layers.append(dict(path=head_path, weight=weight, rows=head_rows,
+                           own_rows=head_rows == "output.token_rows.values"))
+    for layer in layers:
+        layer["inner"] = layer["path"] + (TOKEN_ADAPTER + ".base_layer" if layer["rows"] else "")
+        layer["copy"] = layer["weight"] in copies
+        module_name, _, attr = layer["weight"].rpartition(".")
+        original = getattr(model.get_submodule(module_name), ORIGINAL_PREFIX + attr, None) if layer["copy"] else None
+        layer["base"] = original if original is not None else native.get(layer["weight"])
+    return layers
+
+
+def _vocabulary_changed(converted: ConvertedModel, base_model_name_or_path: str | None) -> bool:
+    """Whether the model's vocabulary differs from its base model's config.json (peft's save_embedding_layers="auto":
+    the embedding layers are then saved whole). The base's config is read from its folder or the local Hub cache;
+    where neither has it, peft assumes the vocabulary unchanged, and so does this."""
+    if not base_model_name_or_path:
+        return False
+    path = Path(base_model_name_or_path) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(base_model_name_or_path), "config.json")
+        except Exception:  # not a Hub id
+            return False
+        if not isinstance(cached, str):
+            return False
+        path = Path(cached)
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    base = base.get("text_config", base) if "vocab_size" not in base else base
+    vocab = getattr(converted.config.get_text_config(), "vocab_size", None)
+    return base.get("vocab_size") is not None and vocab is not None and base["vocab_size"] != vocab
+
+
+def _token_layer_tensors(converted: ConvertedModel, settings: LoraSettings, native: dict[str, torch.Tensor],
+                         tensors: dict[str, torch.Tensor], vocabulary_changed: bool) -> None:
+    """The token rows' tensors under peft's keys, a trained copy of a head whose rows train under its wrapped path,
+    and (``vocabulary_changed``) every tensor of the embedding and the output head, as peft saves them then."""
+    copies = {name for name, _, _ in trainable_copies(converted.model)}
+    for layer in _token_layers(converted, settings, native, copies):
+        path, inner = PEFT_PREFIX + layer["path"], PEFT_PREFIX + layer["inner"]
+        if layer["copy"] and inner != path:  # the copy's key moves under the wrapper
+            tensors[inner + ".weight"] = tensors.pop(path + ".weight")
+        if layer["rows"] is not None and (layer["own_rows"] or vocabulary_changed):
+            tensors[path + DELTA] = native[layer["rows"]].detach()
+        if not vocabulary_changed:
+            continue
+        tensors[inner + ".weight"] = native[layer["weight"]].detach()
+        if layer["copy"]:
+            tensors[inner + ".modules_to_save.weight"] = native[layer["weight"]].detach()
+            tensors[inner + ".original_module.weight"] = layer["base"].detach()
+
+
 def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
-                           native_state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                           native_state: dict[str, torch.Tensor] | None = None, settings=None,
+                           vocabulary_changed: bool = False) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the keys peft saves (``base_model.model.<hub path>.lora_A.weight``,
     ``.lora_B.weight``, ``.lora_magnitude_vector``, modules_to_save and bias tensors by their Hub keys,
     biases of adapted modules as ``<path>.base_layer.bias``). native_state: the tensors by native name, when not the
@@ -223,7 +309,16 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
             continue
         key = f"{path}.base_layer.{leaf}" if (path in adapted_paths and not is_copy) else hf_key
         tensors[PEFT_PREFIX + key] = hub_tensor(pieces, native)
-    return {k: v.to("cpu").contiguous() for k, v in tensors.items()}
+    if settings is not None:
+        _token_layer_tensors(converted, lora_settings(settings), native, tensors, vocabulary_changed)
+    saved, seen = {}, set()
+    for key, value in tensors.items():
+        value = value.to("cpu").contiguous()
+        if value.untyped_storage().data_ptr() in seen:  # one tensor under two keys (a copy, and under the wrapper)
+            value = value.clone()
+        seen.add(value.untyped_storage().data_ptr())
+        saved[key] = value
+    return saved
 
 
 def adapter_tensors(model) -> dict[str, torch.Tensor]:
@@ -234,7 +329,7 @@ def adapter_tensors(model) -> dict[str, torch.Tensor]:
     from hfnative.parallel.replica import whole_tensor
 
     return {name: whole_tensor(param.detach()).cpu() for name, param in model.named_parameters(remove_duplicate=False)
-            if param.requires_grad or ".lora_" in name}
+            if param.requires_grad or ".lora_" in name or ".token_rows." in name}
 
 
 def save_adapter(
@@ -274,11 +369,36 @@ def save_adapter(
             "pass the settings given to apply_lora"
         )
     config = adapter_config(converted, settings, base_model_name_or_path)
-    tensors = hub_adapter_state_dict(converted, settings.bias, native_state)
+    tensors = hub_adapter_state_dict(converted, settings.bias, native_state, settings,
+                                     _vocabulary_changed(converted, base_model_name_or_path))
     write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))
     return out_dir
+
+
+def peft_module_key(key: str) -> str:
+    """A key of peft's module tree as the Hub model's: the wrappers' segments dropped (``.base_layer``,
+    ``.token_adapter``, ``.modules_to_save``, ``.original_module``)."""
+    for wrapper in (".base_layer.", TOKEN_ADAPTER + ".", ".modules_to_save.", ".original_module."):
+        key = key.replace(wrapper, ".")
+    return key
+
+
+def saved_vocabulary(converted: ConvertedModel, adapter_dir: str | os.PathLike) -> int | None:
+    """The rows of the token embedding an adapter folder holds whole (peft saves it so when training changed the
+    vocabulary), or None."""
+    from safetensors import safe_open
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS_NAME
+    if not path.is_file():
+        return None
+    embedding = token_layer_paths(converted)[0] + ".weight"
+    with safe_open(str(path), "pt") as saved:
+        for key in saved.keys():
+            if peft_module_key(key.removeprefix(PEFT_PREFIX)) == embedding:
+                return saved.get_slice(key).get_shape()[0]
+    return None
 
 
 def read_adapter_config(adapter_dir: str | os.PathLike) -> LoraSettings:
@@ -305,9 +425,25 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
     expert_keys = expert_adapter_keys(converted)
     params = dict(model.named_parameters(remove_duplicate=False))
     written, unexpected, wrong_shape = set(), [], []
+    copies = {name: (module, attr) for name, module, attr in trainable_copies(model)}
+    embedding_path, head_path = token_layer_paths(converted)
+    head_rows = model.output.token_rows_in_use()
+    rows_of = {embedding_path: "tok_embeddings.token_rows.values",
+               head_path: "output.token_rows.values" if "token_rows" in model.output._modules
+               else "tok_embeddings.token_rows.values" if head_rows is not None else None}
 
-    def put(native_name: str, value: torch.Tensor, key: str):
+    def put(native_name: str, value: torch.Tensor, key: str, original: bool = False):
+        if original and native_name in copies:  # the weight behind a trained copy (peft's original_module)
+            module, attr = copies[native_name]
+            target = getattr(module, ORIGINAL_PREFIX + attr)
+            if tuple(target.shape) != tuple(value.shape):
+                wrong_shape.append(f"{key}: adapter {list(value.shape)}, model {list(target.shape)}")
+            else:
+                target.copy_(value)
+            return
         target = params.get(native_name)
+        if target is None and native_name == "output.weight" and model.output.is_tied:
+            return  # a tied head's weight: the embedding's, which its own key sets
         if target is None:
             unexpected.append(key)
         elif tuple(target.shape) != tuple(value.shape):
@@ -333,16 +469,24 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
                     part = value if attr == "lora_A" or rows is None else value[rows[0] : rows[1]]
                     put(f"{name}.{attr}", part, key)
                 continue
-            hub_key = hub_key.replace(".base_layer.", ".")
+            if hub_key.endswith(DELTA):  # trained token rows: a layer's own, or the embedding's a tied head shares
+                native_name = rows_of.get(hub_key[: -len(DELTA)])
+                if native_name is None:
+                    unexpected.append(key)
+                else:
+                    put(native_name, value, key)
+                continue
+            original = ".original_module." in hub_key
+            hub_key = peft_module_key(hub_key)
             pieces = pieces_of.get(hub_key)
             if pieces is None or any(p.native_index is not None for p in pieces):
                 unexpected.append(key)
                 continue
             for piece in pieces:
                 rows = piece.hf_rows
-                put(piece.native_key, value if rows is None else value[rows[0] : rows[1]], key)
+                put(piece.native_key, value if rows is None else value[rows[0] : rows[1]], key, original)
     expected = {f"{name}.{attr}" for name, m in loras.items() for attr in ("lora_A", "lora_B", "lora_magnitude_vector") if getattr(m, attr) is not None}
-    expected |= {name for name, _, _ in trainable_copies(model)} | set(expert_keys.values())
+    expected |= set(copies) | set(expert_keys.values()) | {name for name in params if ".token_rows." in name}
     missing = sorted(expected - written)
     problems = []
     if unexpected:
@@ -368,6 +512,13 @@ def load_adapter(
     default for PeftModel.from_pretrained)."""
     settings = read_adapter_config(adapter_dir)
     settings.inference_mode = not is_trainable
+    rows = saved_vocabulary(converted, adapter_dir)
+    if rows is not None and rows != converted.model.tok_embeddings.weight.shape[0]:
+        # the folder holds the resized embedding (a cloned chat template added tokens): the base takes its rows
+        from hfnative.models.vocabulary import resize_vocabulary
+
+        resize_vocabulary(converted.model, rows)
+        converted.config.get_text_config().vocab_size = rows
     apply_lora(converted, settings, load_in_4bit=load_in_4bit, quantization_config=quantization_config)
     load_adapter_weights(converted, adapter_dir)
     return settings

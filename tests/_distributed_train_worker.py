@@ -41,6 +41,9 @@ LAYOUTS = {
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
     # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from its gathered tensors
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
+    # LoRA with trainable token rows (peft's trainable_token_indices): the rows sharded with the embedding's group
+    "fsdp4-lora-tokens": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                                trainable_token_indices=list(range(3, 40))))),
     # load_best_model_at_end: the best checkpoint's adapter read back into the sharded adapters, each rank its rows
     # ("best" is the highest eval loss, so an earlier checkpoint than the last step's weights)
     "fsdp4-lora-best": (dict(dp_shard_size=4), dict(

@@ -3,8 +3,8 @@ clone_chat_template): the folder's special tokens added to the tokenizer, the mo
 vocabulary rounded up to a multiple of 64 (grown: new rows at the old rows' mean; cut: rows past the end dropped),
 placeholder tokens up to the rows. The kept rows are the old ones and the new rows lie at the old rows' mean (drawn
 with a covariance of 1e-9 times theirs: TRL's draw and ours differ in the last digits, so TRL then trains from ours);
-per step the logs equal TRL's; the saved tokenizer, config and embeddings are TRL's. Under LoRA (TRL would train the new rows through peft's
-trainable_token_indices) hfnative refuses, saying what to do."""
+per step the logs equal TRL's; the saved tokenizer, config and embeddings are TRL's. Under LoRA the new rows train
+through peft's trainable_token_indices, as TRL trains them, natively."""
 
 from __future__ import annotations
 
@@ -112,13 +112,79 @@ def test_cloning_resizes_the_vocabulary_as_trl(case, tmp_path):
         assert (reloaded(ids).logits - expected).abs().max() <= 1e-4
 
 
-def test_cloning_that_adds_tokens_under_lora_is_refused(tmp_path):
+def _lora_trainer(module, model: str, source: str, out: Path, peft_config):
+    return module.SFTTrainer(model=model, args=_config(module, out, 1, chat_template_path=source, save_strategy="no"),
+                             train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(model),
+                             peft_config=peft_config)
+
+
+def test_cloning_that_adds_tokens_under_lora_trains_their_rows_as_trl(tmp_path):
+    """An untied model: as TRL, the new tokens' embedding rows train through trainable_token_indices and the head in
+    full (lm_head added to modules_to_save), natively. From TRL's initial adapter (its resized rows with it), the
+    steps equal TRL's; the saved adapter holds TRL's tensors (the resized embedding layers whole, as peft saves them
+    when the vocabulary changed) and config, and loads in peft over the resized base with our logits."""
     peft = pytest.importorskip("peft")
-    source = _source(tmp_path / "source", new_token=True)
-    with pytest.raises(ValueError, match="trainable_token_indices"):
-        hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", 1, chat_template_path=source),
-                            train_dataset=_dataset("messages"), processing_class=AutoTokenizer.from_pretrained(MODEL),
-                            peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    from hfnative.converters.peft import load_adapter_weights
+
+    model, source = _model_with_rows(tmp_path / "untied", 1024), _source(tmp_path / "source", new_token=True)
+    configs = [peft.LoraConfig(r=4, target_modules=["q_proj"]) for _ in range(2)]
+    ours_trainer = _lora_trainer(hfnative, model, source, tmp_path / "ours", configs[0])
+    theirs_trainer = _lora_trainer(trl, model, source, tmp_path / "trl", configs[1])
+    new_rows = list(range(1024, 1088))
+    for config in configs:  # the user's LoraConfig, changed in place as TRL changes it
+        assert config.trainable_token_indices == {"embed_tokens": new_rows} and config.modules_to_save == ["lm_head"]
+    assert type(ours_trainer.native_model).__module__.startswith("hfnative")  # native, not transformers' fallback
+    theirs_trainer.model.save_pretrained(str(tmp_path / "initial"))
+    load_adapter_weights(ours_trainer.converted, tmp_path / "initial")
+    theirs, ours = _train(theirs_trainer), _train(ours_trainer)
+    _assert_same_logs(ours, theirs)
+
+    mine, reference = (load_file(str(tmp_path / folder / "adapter_model.safetensors")) for folder in ("ours", "trl"))
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in reference.items()}
+    delta = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta"
+    torch.testing.assert_close(mine[delta], reference[delta], rtol=0, atol=1e-3)
+    ours_config, theirs_config = (json.loads((tmp_path / f / "adapter_config.json").read_text()) for f in ("ours", "trl"))
+    for key in ("trainable_token_indices", "modules_to_save", "target_modules"):
+        assert ours_config[key] == theirs_config[key], key
+
+    base = AutoModelForCausalLM.from_pretrained(model)
+    base.resize_token_embeddings(1088)  # drawn anew: the saved embedding layers replace the draw
+    reloaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "ours")).eval()
+    ids = torch.tensor([[1024, 5, 1030, 7, 1087]])
+    with torch.no_grad():
+        expected = ours_trainer.native_model(ids).logits
+        assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-4
+
+
+def test_cloning_that_adds_tokens_under_lora_on_a_tied_model(tmp_path):
+    """A tied model, where TRL fails (its fused head reads the bias of peft's token wrapper on lm_head, and peft's
+    forward cannot run a trained copy of a tied head): the new rows train in the embedding and, tied, in the head
+    (lm_head stays out of modules_to_save), natively; the old rows stay as they were; the saved adapter loads in peft
+    over the resized base with our logits."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj"])
+    trainer = _lora_trainer(hfnative, MODEL, _source(tmp_path / "source", new_token=True), tmp_path / "ours", config)
+    assert config.trainable_token_indices == {"embed_tokens": list(range(1024, 1088))} and config.modules_to_save is None
+    table = trainer.native_model.tok_embeddings.weight.detach().clone()
+    rows = trainer.native_model.tok_embeddings.token_rows
+    start = rows.values.detach().clone()
+    assert _train(trainer)
+    assert torch.equal(trainer.native_model.tok_embeddings.weight, table)
+    assert not torch.equal(rows.values, start)
+    ids = torch.tensor([[1024, 5, 7]])  # the new token, in every message of the data
+    with torch.no_grad():
+        expected = trainer.native_model(ids).logits
+    base = AutoModelForCausalLM.from_pretrained(MODEL)
+    base.resize_token_embeddings(1088)
+    reloaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "ours")).eval()
+    with torch.no_grad():
+        assert (reloaded(input_ids=ids).logits - expected).abs().max() <= 1e-4
+    # the folder as the model keeps training its adapter: the base resized to the folder's rows, which it restores
+    again = hfnative.SFTTrainer(model=str(tmp_path / "ours"), args=_config(hfnative, tmp_path / "again", 1),
+                                train_dataset=_dataset("messages"))
+    assert again.native_model.tok_embeddings.weight.shape[0] == 1088
+    with torch.no_grad():
+        assert (again.native_model(ids).logits - expected).abs().max() <= 1e-6
 
 
 def test_eos_token_and_a_cloned_eos_reach_the_generation_config_as_trls(tmp_path):

@@ -321,6 +321,40 @@ def test_lora_adapters_are_live():
     assert stats["exact"] >= len(prompts), stats
 
 
+@pytest.mark.parametrize("checkpoint, indices", [
+    ("qwen3-mha-tied-bias", list(range(0, 96, 2))),  # tied: the head applies the embedding's rows
+    ("llama-gqa", {"embed_tokens": list(range(0, 96, 2)), "lm_head": list(range(1, 96, 3))}),
+])
+def test_trained_token_rows_are_live(checkpoint, indices):
+    """trainable_token_indices: the engine embeds and projects with the trained rows as they are now, the model's own
+    and (under bf16 autocast) its decoded replica's: the merged model's greedy output and log-probs."""
+    from hfnative.converters.peft import apply_lora
+
+    converted = load_pretrained(make_hf_model(checkpoint))
+    model = converted.model
+    apply_lora(converted, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "trainable_token_indices": indices})
+    rows = [p for n, p in model.named_parameters() if ".token_rows." in n]
+    engine, prompts = NativeRolloutEngine(model), _prompts(seed=4)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    base = engine.generate(prompts, greedy)
+    stats = {"exact": 0, "near_ties": 0}
+    with torch.no_grad():
+        for p in rows:
+            p.add_(torch.randn_like(p) * 2.0)
+        merged = merge_lora(copy.deepcopy(model)).eval()
+        ours = engine.generate(prompts, greedy)
+        assert ours.completion_ids != base.completion_ids
+        expected = NativeRolloutEngine(merged).generate(prompts, greedy)
+        _compare_greedy(merged, prompts, ours.completion_ids, expected.completion_ids, stats)
+        assert _check_logprobs(merged, prompts, ours) <= 1e-5
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the replica's bf16 head copy, with the rows applied
+            replica = engine._weights.model_for(model, torch.bfloat16)
+            merged_replica = NativeRolloutEngine(merged)._weights.model_for(merged, torch.bfloat16)
+            ids = torch.tensor([prompts[0]])
+            torch.testing.assert_close(replica(ids).logits, merged_replica(ids).logits, rtol=0, atol=1e-5)
+    assert stats["exact"] >= len(prompts), stats
+
+
 def test_load_weights_copies_by_native_name():
     reference = load_pretrained(make_hf_model("qwen3-gqa", seed=5)).model
     engine = NativeRolloutEngine(load_pretrained(make_hf_model("qwen3-gqa", seed=6)))

@@ -62,9 +62,13 @@ CASES = [
     ("experts-mixtral-only", "mixtral-top2", dict(r=2, lora_alpha=4, target_parameters=["mlp.experts.down_proj", "mlp.experts.gate_up_proj"], rank_pattern={"down_proj": 3})),
     ("experts-gptoss-only", "gptoss-alternating-yarn", dict(r=2, target_parameters=["mlp.experts.gate_up_proj"])),
     ("experts-qwen3moe-one-layer", "qwen3moe-topk-norm", dict(r=2, target_parameters=["1.mlp.experts.down_proj"], alpha_pattern={"down_proj": 5})),
+    # trainable_token_indices: token rows trained on their own (a tied head follows the embedding's rows)
+    ("tokens-tied", "qwen3-mha-tied-bias", dict(r=4, target_modules=["q_proj"], trainable_token_indices=[7, 15, 44])),  # tokens _input_ids holds
+    ("tokens-tied-head-apart", "qwen3-mha-tied-bias", dict(r=4, target_modules=["v_proj"], trainable_token_indices={"embed_tokens": [0, 7], "lm_head": [4]})),
+    ("tokens-untied-both", "llama-gqa", dict(r=4, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [15, 53], "lm_head": [4, 9]})),
 ]
 MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern",
-               "experts-qwen3moe", "experts-gptoss-by-layer"]
+               "experts-qwen3moe", "experts-gptoss-by-layer", "tokens-tied", "tokens-untied-both"]
 _BY_ID = {case_id: (checkpoint, fields) for case_id, checkpoint, fields in CASES}
 
 
@@ -176,10 +180,23 @@ def test_merged_export_matches_merge_and_unload(case_id, checkpoint_dir, tmp_pat
     assert _max_diff(_logits(merged, ids), expected) <= TOLERANCE
 
 
-def test_merge_refuses_a_tied_head_trained_apart(checkpoint_dir, tmp_path):
-    _, converted = _native_pair(checkpoint_dir("qwen3-mha-tied-bias"), _BY_ID["tied-modules-to-save"][1], tmp_path)
+@pytest.mark.parametrize("case_id", ["tied-modules-to-save", "tokens-tied-head-apart"])
+def test_merge_refuses_a_tied_head_trained_apart(case_id, checkpoint_dir, tmp_path):
+    _, converted = _native_pair(checkpoint_dir("qwen3-mha-tied-bias"), _BY_ID[case_id][1], tmp_path)
     with pytest.raises(ValueError, match="tie_word_embeddings=False"):
         merge_lora(converted.model)
+
+
+def test_token_rows_refuse_a_trained_copy_of_a_tied_head(checkpoint_dir):
+    """peft's forward fails on this adapter (its tied token adapter wraps the head's copy): refused, saying why."""
+    converted = load_pretrained(checkpoint_dir("qwen3-mha-tied-bias"))
+    fields = dict(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], trainable_token_indices=[3, 5])
+    with pytest.raises(ValueError, match="tied to its embedding: peft cannot run that adapter"):
+        apply_lora(converted, fields)
+    with pytest.raises(ValueError, match="trained fully, either specify"):  # peft's own refusal, in its words
+        apply_lora(converted, dict(fields, modules_to_save=["embed_tokens"], trainable_token_indices={"embed_tokens": [3]}))
+    with pytest.raises(ValueError, match=r"\[200\] are not token ids"):
+        apply_lora(converted, dict(fields, modules_to_save=None, trainable_token_indices=[200]))
 
 
 # --- (d) what trains, and training steps ------------------------------------------------------------------
@@ -230,7 +247,28 @@ def test_only_adapters_train_and_steps_match_peft(checkpoint_dir, tmp_path):
         assert not torch.equal(after[name], value), f"{name} did not train"
 
 
-@pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save", "experts-gptoss-by-layer"])
+@pytest.mark.parametrize("case_id", ["tokens-tied", "tokens-untied-both"])
+def test_token_rows_train_alone_and_steps_match_peft(case_id, checkpoint_dir, tmp_path):
+    """trainable_token_indices: the rows named (and the adapters) train, the rest of the table stays as it was;
+    SGD steps follow peft's (the tied head with the embedding's rows)."""
+    checkpoint, fields = _BY_ID[case_id]
+    peft_model, converted = _native_pair(checkpoint_dir(checkpoint), fields, tmp_path)
+    model = converted.model
+    rows = {name for name, p in model.named_parameters() if p.requires_grad and ".token_rows." in name}
+    assert rows == ({"tok_embeddings.token_rows.values"} | ({"output.token_rows.values"} if "lm_head" in str(fields) else set()))
+    assert sum(p.numel() for p in adapter_parameters(model)) == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    table = model.tok_embeddings.weight.detach().clone()
+    ours = _sgd_steps(model, _input_ids(), steps=3)
+    theirs = _sgd_steps(peft_model, _input_ids(), steps=3)
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert _max_diff(a, b) <= TOLERANCE, f"step {step + 1}"
+    assert torch.equal(model.tok_embeddings.weight, table)
+    trained = model.tok_embeddings.token_rows.values.detach()
+    assert not torch.equal(trained, table[model.tok_embeddings.token_rows.indices])
+
+
+@pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save", "experts-gptoss-by-layer",
+                                     "tokens-tied", "tokens-untied-both"])
 def test_disable_adapters_runs_the_base_model(case_id, checkpoint_dir, tmp_path):
     checkpoint, fields = _BY_ID[case_id]
     fields = dict(fields, use_dora=not fields.get("target_parameters"))  # peft's parameter adapters take no DoRA

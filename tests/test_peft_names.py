@@ -82,6 +82,21 @@ def test_names_and_tensors_equal_peft(checkpoint, tmp_path):
         assert [n for n, _ in ours.get_submodule(name).named_children()] == [n for n, _ in theirs.get_submodule(name).named_children()]
 
 
+@pytest.mark.parametrize("checkpoint, indices", [
+    ("qwen3-mha-tied-bias", [3, 5, 7]),  # the tied head's token adapter shares the embedding's rows
+    ("llama-gqa", {"embed_tokens": [1, 2], "lm_head": [4, 9]}),
+])
+def test_token_rows_names_equal_peft(checkpoint, indices, tmp_path):
+    """trainable_token_indices: peft's token_adapter names (trainable_tokens_delta, base_layer) over the native rows."""
+    save_hf_model(checkpoint, tmp_path / "base")
+    fields = dict(r=2, lora_alpha=4, task_type="CAUSAL_LM", target_modules=["q_proj"], trainable_token_indices=indices)
+    theirs = get_peft_model(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")), LoraConfig(**fields))
+    converted, ours = _native_surface(tmp_path / "base", LoraConfig(**fields))
+    _assert_same_names_and_values(theirs, ours)
+    delta = "base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta.default"
+    assert ours.get_parameter(delta) is converted.model.tok_embeddings.token_rows.values
+
+
 def test_reward_model_names_equal_peft(tmp_path):
     save_hf_model("qwen2-gqa", tmp_path / "base")
     fields = dict(r=2, lora_alpha=4, task_type="SEQ_CLS", target_modules=["q_proj", "v_proj"])

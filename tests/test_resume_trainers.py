@@ -60,11 +60,28 @@ def _rloo(output_dir):
     return hfnative.RLOOTrainer(model=STUDENT, reward_funcs=_even_ids, args=args, train_dataset=Dataset.from_list(prompts))
 
 
+def _sft_cloned_template_lora(output_dir):
+    """SFT with LoRA, a cloned chat template adding a token: the new rows train (trainable_token_indices); the
+    checkpoint's adapter holds them and the resized embedding whole."""
+    from peft import LoraConfig
+    from test_clone_chat_template import _source
+
+    source = output_dir.parent / "template"
+    if not source.exists():
+        _source(source, new_token=True)
+    args = hfnative.SFTConfig(**_common(output_dir), per_device_train_batch_size=2, max_length=64,
+                              chat_template_path=str(source))
+    return hfnative.SFTTrainer(model=STUDENT, args=args, train_dataset=Dataset.from_list(_rows("sft_messages.jsonl", 16)),
+                               processing_class=AutoTokenizer.from_pretrained(STUDENT),
+                               peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
 def _steps(trainer, first: int = 1) -> dict[int, dict]:
     return {e["step"]: e for e in trainer.state.log_history if "loss" in e and e["step"] >= first}
 
 
-@pytest.mark.parametrize("make", [_gkd, _distillation, _rloo], ids=["gkd-on-policy", "distillation", "rloo"])
+@pytest.mark.parametrize("make", [_gkd, _distillation, _rloo, _sft_cloned_template_lora],
+                         ids=["gkd-on-policy", "distillation", "rloo", "sft-lora-cloned-template"])
 def test_checkpoint_resumes_to_the_uninterrupted_steps(tmp_path, make):
     whole = make(tmp_path / "run")
     whole.train()

@@ -98,6 +98,11 @@ def _trainer(module, model, tmp_path, case):
         extra = dict(gradient_accumulation_steps=2, per_device_train_batch_size=2, center_rewards_coefficient=0.1)
     elif case == "lora":
         peft_config, extra = _lora_config(), dict(learning_rate=2e-2)
+    elif case == "lora-cloned-template":  # the template adds a token: its rows train (trainable_token_indices)
+        from test_clone_chat_template import _source
+
+        source = tmp_path / "template" if (tmp_path / "template").exists() else _source(tmp_path / "template", True)
+        peft_config, extra = _lora_config(), dict(learning_rate=2e-2, chat_template_path=str(source))
     elif case == "fallback-lora":  # peft itself, on transformers' module
         from peft import LoraConfig
 
@@ -116,14 +121,14 @@ def _trainer(module, model, tmp_path, case):
 
 def _train_logs(module, model_path, tmp_path, case):
     trainer = _trainer(module, model_path, tmp_path, case)
-    if case in ("lora", "fallback-lora") and module is trl:  # peft's random initial A, given to both
-        trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))
+    if case in ("lora", "fallback-lora", "lora-cloned-template") and module is trl:  # peft's random initial A (and
+        trainer.model.save_pretrained(str(tmp_path / "initial-adapter"))  # the resized rows), given to both
     elif case == "fallback-lora":
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(trainer.model, load_file(str(tmp_path / "initial-adapter" / "adapter_model.safetensors")))
-    elif case == "lora":
+    elif case in ("lora", "lora-cloned-template"):
         from hfnative.converters.peft import load_adapter_weights
 
         load_adapter_weights(trainer.converted, tmp_path / "initial-adapter")
@@ -138,7 +143,7 @@ def test_new_score_head_is_transformers(model_path, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["conversational", "text-implicit-margin", "lora", "evaluation", "fallback",
-                                  "fallback-lora"])
+                                  "fallback-lora", "lora-cloned-template"])
 def test_training_matches_trl_per_step(model_path, neox_path, tmp_path, case):
     model = neox_path if case.startswith("fallback") else model_path
     _, theirs = _train_logs(trl, model, tmp_path, case)
@@ -155,14 +160,25 @@ def test_training_matches_trl_per_step(model_path, neox_path, tmp_path, case):
         assert mine["num_tokens"] == reference["num_tokens"], step
         assert mine["learning_rate"] == pytest.approx(reference["learning_rate"], rel=1e-12)
         tolerance = 1e-5 if step == 1 else 1e-4
-        for key in PER_STEP_KEYS:
+        keys = PER_STEP_KEYS
+        if case == "lora-cloned-template":
+            # the new token is in every row, chosen and rejected alike: a shift of every reward, which the loss does
+            # not see, follows its near-zero gradient's round-off (AdamW takes steps of the learning rate's size on
+            # it). The rewards are compared by their differences, which the loss does see
+            keys = PER_STEP_KEYS[:4]
+            for low, high in (("min_reward", "max_reward"), ("min_reward", "mean_reward")):
+                assert mine[high] - mine[low] == pytest.approx(reference[high] - reference[low], rel=tolerance, abs=1e-7)
+        for key in keys:
             assert mine[key] == pytest.approx(reference[key], rel=tolerance, abs=1e-7), (case, step, key, mine[key], reference[key])
     assert theirs[-1]["margin"] != theirs[0]["margin"]  # the model moved
-    if case == "lora":  # the adapter folder: peft loads it onto transformers' classifier, which scores the same
+    if case.startswith("lora"):  # the adapter folder: peft loads it onto transformers' classifier, which scores the same
         from peft import PeftModel
 
         trainer.save_model(str(tmp_path / "adapter"))
         base = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=torch.float32)
+        if case == "lora-cloned-template":  # resized as the run was (the folder holds the resized embedding whole)
+            assert trainer.model.peft_config["default"].trainable_token_indices == {"embed_tokens": list(range(1024, 1088))}
+            base.resize_token_embeddings(1088)
         base.config.pad_token_id = trainer.processing_class.pad_token_id
         reloaded = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
         batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])

@@ -78,7 +78,7 @@ class DecodingWeights:
 
     def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False) -> Transformer:
         weights = _matmul_weights(model)
-        head = model.output.projection()
+        head = model.output.base_projection()  # trained token rows: the replica applies them
         if dtype is not None and all(p.dtype == dtype for p in weights + [head]):
             dtype = None  # nothing to cast
         if dtype is None and not (stack and fused_projections(model)):

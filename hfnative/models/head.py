@@ -159,15 +159,33 @@ class OutputHead(nn.Module):
 
     @property
     def in_features(self) -> int:
-        return self.projection().shape[1]
+        return self.base_projection().shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.projection().shape[0]
+        return self.base_projection().shape[0]
+
+    def base_projection(self) -> torch.Tensor:
+        """The [V, D] matrix the head holds (or the tied embedding's), without trained token rows."""
+        return self._tied_embedding[0].weight if self.is_tied else self.weight
 
     def projection(self) -> torch.Tensor:
-        """The [V, D] head matrix."""
-        return self._tied_embedding[0].weight if self.is_tied else self.weight
+        """The [V, D] head matrix (with trained token rows in place: ``hfnative.peft.token_rows``)."""
+        weight = self.base_projection()
+        rows = self.token_rows_in_use()
+        return weight if rows is None else rows.replace(weight)
+
+    def token_rows_in_use(self):
+        """The ``TokenRows`` the head applies: its own (``token_rows``), or the embedding's it shares; None."""
+        return self._modules.get("token_rows") or self.__dict__.get("_shared_token_rows")
+
+    def share_token_rows(self, rows) -> None:
+        """Apply the embedding's trained rows too (a tied head: peft ties the head's adapter to the embedding's)."""
+        self.__dict__["_shared_token_rows"] = rows  # not registered: the embedding owns it
+
+    def drop_token_rows(self) -> None:
+        self._modules.pop("token_rows", None)
+        self.__dict__.pop("_shared_token_rows", None)
 
     def forward(self, hidden_BSD: torch.Tensor, loss=None):
         """Logits [B, S, V] (soft-capped), or ``loss(hidden, weight, softcap)`` for a loss spec

@@ -84,7 +84,7 @@ def apply_fsdp(
             fully_shard(model.tok_embeddings, reshard_after_forward=reshard_after_forward, **shard)
         if head_group:
             fully_shard(head_group, reshard_after_forward=False, **shard)
-    elif model.output.projection() is model.tok_embeddings.weight:
+    elif model.output.base_projection() is model.tok_embeddings.weight:
         # the head uses the embedding's parameter (tied, or untied to one tensor under two names): one unit, so
         # calling either gathers it
         fully_shard([model.tok_embeddings, *head_group], reshard_after_forward=reshard_after_forward, **shard)

@@ -57,7 +57,7 @@ def check_pipeline_model(model: nn.Module) -> None:
         raise ValueError("pipeline parallelism (pp_size > 1) with a Mixture-of-Experts model is not supported (the "
                          "router's load-balancing loss spans every stage's blocks): set pp_size=1")
     if model.output is not None and model.tok_embeddings is not None and (
-            model.output.projection() is model.tok_embeddings.weight):
+            model.output.base_projection() is model.tok_embeddings.weight):
         raise ValueError("pipeline parallelism (pp_size > 1) with tied input and output embeddings "
                          "(tie_word_embeddings) is not supported: the first stage holds the embedding and the last "
                          "the head; set pp_size=1, or use a model with untied embeddings")

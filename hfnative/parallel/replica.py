@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from hfnative.models.decoder import Transformer
 from hfnative.peft.adapters import LORA_PARAMETERS, adapted_experts, folded_expert_weights, lora_modules
+from hfnative.peft.token_rows import rows_weights
 from hfnative.peft.lora import LoraLinear
 from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
 
@@ -63,11 +64,13 @@ def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     one at a time (each gathered as it is reached: every rank of the model's mesh iterates in step)."""
     special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, NF4Linear))}
     experts = _expert_adapter_names(model)
+    rows = rows_weights(model, gather=whole_tensor)
     dtype = plain_dtype(model)
     seen = set()
     for name, tensor in model.state_dict().items():
         module_name, _, attr = name.rpartition(".")
-        if module_name in special and (attr in LORA_PARAMETERS or attr == "weight") or name in experts:
+        if (module_name in special and (attr in LORA_PARAMETERS or attr == "weight") or name in experts or name in rows
+                or ".token_rows." in name):
             continue
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         same_tensor = (local.data_ptr(), tuple(tensor.shape), tuple(local.stride()))
@@ -78,6 +81,7 @@ def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     for name, module in special.items():
         yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
     yield from folded_expert_weights(model, gather=whole_tensor).items()
+    yield from rows.items()
 
 
 def _expert_adapter_names(model: nn.Module) -> set[str]:
@@ -96,14 +100,17 @@ def trainable_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     an adapted linear gives its folded weight (under the base weight's name) instead of its adapter."""
     adapted = lora_modules(model)
     experts = _expert_adapter_names(model)
+    rows = rows_weights(model, gather=whole_tensor)
     for name, parameter in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
-        if parameter.requires_grad and not (module_name in adapted and attr in LORA_PARAMETERS) and name not in experts:
+        if (parameter.requires_grad and not (module_name in adapted and attr in LORA_PARAMETERS) and name not in experts
+                and ".token_rows." not in name and name not in rows):
             yield name, whole_tensor(parameter.detach())
     dtype = plain_dtype(model)
     for name, module in adapted.items():
         yield f"{name}.weight", whole_tensor(folded_weight(module, dtype).detach())
     yield from folded_expert_weights(model, gather=whole_tensor).items()
+    yield from rows.items()  # the matrices whose rows trained
 
 
 @torch.no_grad()

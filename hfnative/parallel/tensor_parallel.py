@@ -298,7 +298,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     over the sequence, and ``model.output`` runs the losses vocabulary-parallel."""
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
-    tied_head = model.output.projection() is model.tok_embeddings.weight
+    tied_head = model.output.base_projection() is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": VocabParallelEmbedding(),
         "norm": SequenceParallel(),

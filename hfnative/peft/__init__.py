@@ -28,6 +28,7 @@ from .expert_lora import ExpertLora
 from .lora import LoraLinear
 from .quantize import NF4Linear, quantize_base_nf4
 from .settings import LoraSettings, NF4Settings, lora_settings, nf4_settings
+from .token_rows import TokenRows, add_token_rows, has_token_rows, rows_weights, token_rows_modules
 
 __all__ = [
     "ExpertLora",
@@ -37,15 +38,18 @@ __all__ = [
     "LoraTarget",
     "NF4Linear",
     "NF4Settings",
+    "TokenRows",
     "adapted_experts",
     "adapter_parameters",
     "add_expert_lora",
     "add_lora",
+    "add_token_rows",
     "add_trainable_copies",
     "disable_adapters",
     "expert_lora_modules",
     "folded_expert_weights",
     "has_adapters",
+    "has_token_rows",
     "load_lora_state_dict",
     "lora_modules",
     "lora_settings",
@@ -54,6 +58,8 @@ __all__ = [
     "merge_lora",
     "nf4_settings",
     "quantize_base_nf4",
+    "rows_weights",
+    "token_rows_modules",
     "trainable_copies",
     "untie_output_head",
 ]

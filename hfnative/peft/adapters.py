@@ -23,6 +23,7 @@ from .expert_lora import ExpertLora
 from .lora import LoraLinear
 from .quantize import NF4Linear, dequantize, is_nf4
 from .settings import LoraSettings, lora_settings
+from .token_rows import TokenRows, remove_token_rows, token_rows_modules
 
 ORIGINAL_PREFIX = "original_"
 LORA_PARAMETERS = ("lora_A", "lora_B", "lora_magnitude_vector")
@@ -150,7 +151,7 @@ def expert_lora_modules(model: nn.Module) -> dict[str, ExpertLora]:
 
 def has_adapters(model: nn.Module) -> bool:
     """Whether ``model`` carries any LoRA adapter (on a linear or on stacked experts)."""
-    return any(isinstance(module, (LoraLinear, ExpertLora)) for module in model.modules())
+    return any(isinstance(module, (LoraLinear, ExpertLora, TokenRows)) for module in model.modules())
 
 
 @torch.no_grad()
@@ -189,6 +190,8 @@ def mark_trainable(model: nn.Module, bias: str = "none", trainable: bool = True)
         module.lora_B.requires_grad_(True)
     for _, module, attr in trainable_copies(model):
         getattr(module, attr).requires_grad_(True)
+    for module in token_rows_modules(model).values():
+        module.values.requires_grad_(True)
     if bias == "all":
         for name, param in model.named_parameters():
             if "bias" in name:
@@ -230,7 +233,8 @@ def disable_adapters(model: nn.Module):
     """Run the base model: LoRA layers skip their adapter and trainable copies show the original weights
     (peft's ``disable_adapter()``; DPO's reference model when training with LoRA). Biases trained with
     ``bias="all"/"lora_only"`` stay trained, as in peft."""
-    loras = list(lora_modules(model).values()) + list(expert_lora_modules(model).values())
+    loras = (list(lora_modules(model).values()) + list(expert_lora_modules(model).values())
+             + list(token_rows_modules(model).values()))
     copies = trainable_copies(model)
     was_enabled = [module.adapter_enabled for module in loras]
     trained = [module._parameters[attr] for _, module, attr in copies]
@@ -263,6 +267,13 @@ def merge_lora(model: nn.Module) -> nn.Module:
             "(lm_head / embed_tokens); a tied checkpoint cannot hold both. Load the base with "
             "tie_word_embeddings=False before training, or do not list them in modules_to_save"
         )
+    if getattr(getattr(model, "args", None), "tie_embeddings", False) and "token_rows" in model.output._modules:
+        raise ValueError(
+            "the model ties its output head to the embedding, but trainable_token_indices trained other rows of the "
+            "head than of the embedding; a tied checkpoint cannot hold both. Give lm_head the embedding's rows (or "
+            "leave it out of trainable_token_indices), or load the base with tie_word_embeddings=False"
+        )
+    remove_token_rows(model)
     plain_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)]
     for name, module in list(model.named_modules()):
         if isinstance(module, (LoraLinear, NF4Linear)):

@@ -36,6 +36,9 @@ class LoraSettings:
     # ("mlp.experts.gate_up_proj", "7.mlp.experts.down_proj"): hfnative.peft.expert_lora
     target_parameters: list[str] | None = None
     layers_pattern: list[str] | str | None = None
+    # token rows trained on their own (peft's trainable tokens): ids of the input embedding's rows, or a dict of
+    # layer name ("embed_tokens", "lm_head") -> ids (hfnative.peft.token_rows)
+    trainable_token_indices: list[int] | dict[str, list[int]] | None = None
     rank_pattern: dict[str, int] = field(default_factory=dict)
     alpha_pattern: dict[str, float] = field(default_factory=dict)
     init_lora_weights: bool | str = True  # True: A kaiming-uniform(a=sqrt 5), B zeros; "gaussian"; False
@@ -55,6 +58,13 @@ class LoraSettings:
             self.target_parameters = [self.target_parameters]
         elif isinstance(self.target_parameters, (set, tuple)):
             self.target_parameters = list(self.target_parameters)
+        if isinstance(self.trainable_token_indices, (tuple, set)):
+            self.trainable_token_indices = list(self.trainable_token_indices)
+        if isinstance(self.trainable_token_indices, dict):
+            self.trainable_token_indices = {name: list(ids) for name, ids in self.trainable_token_indices.items()}
+        elif self.trainable_token_indices is not None and not isinstance(self.trainable_token_indices, list):
+            raise ValueError(f"trainable_token_indices={self.trainable_token_indices!r}: expected a list of token ids "
+                             "or a dict of layer name -> token ids")
         if self.target_parameters:  # peft's ParamWrapper refuses these
             for name, value, unset in (("lora_dropout", self.lora_dropout, 0.0), ("use_dora", self.use_dora, False)):
                 if value != unset:
@@ -86,7 +96,6 @@ UNSUPPORTED_DEFAULTS = {
     "lora_bias": False,
     "use_qalora": False,
     "layer_replication": None,
-    "trainable_token_indices": None,
     "alora_invocation_tokens": None,
     "arrow_config": None,
     "use_bdlora": None,

@@ -211,6 +211,9 @@ class GKDTrainer(_TeacherMixin, SFTTrainer):
     def _make_objective(self):
         return GKDObjective(self.context, self._teacher)
 
+    def _tokenizer_settings(self) -> list[int]:
+        return []  # GKDObjective applies them, before it reads the stop tokens, and refuses a new vocabulary
+
     # --- TRL's static helpers (what scripts and tests call on the class) ----------------------------------------
 
     @staticmethod

@@ -82,11 +82,11 @@ class RewardTrainer(Trainer):
             peft_config=peft_config,
         )
 
-    def _set_model(self, model) -> None:
+    def _set_model(self, model, before_adapters=None) -> None:
         """The model as a native sequence classifier with one score (a new score head seeded by ``args.seed``)."""
         if not isinstance(model, Transformer):
             self._model_init_kwargs = {**self._model_init_kwargs, "num_labels": 1, "score_seed": self.args.seed}
-        super()._set_model(model)
+        super()._set_model(model, before_adapters)
         if getattr(self.native_model.args, "num_labels", None) != 1:
             raise ValueError(
                 f"RewardTrainer: the model scores {self.native_model.args.num_labels} labels; a reward model has one "
@@ -99,9 +99,39 @@ class RewardTrainer(Trainer):
     def _make_objective(self):
         return RewardObjective(self.context)
 
+    def _tokenizer_settings(self) -> list[int]:
+        return reward_tokenizer_settings(self.context, self.args)
+
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
         super()._save_checkpoint()
+
+
+def reward_tokenizer_settings(context, args) -> list[int]:
+    """RewardConfig's eos_token, then chat_template_path, as TRL applies them before the adapters; returns the
+    tokens the template added."""
+    tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
+    if not isinstance(context.processing_class, tokenizer_types):
+        raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
+    tokenizer = context.tokenizer
+    config = getattr(context.model, "config", None)  # None for a bare native model given without one
+    if args.eos_token is not None:
+        check_in_vocabulary(context.processing_class, args.eos_token, "eos_token")
+        tokenizer.eos_token = args.eos_token
+        if config is not None:
+            config.get_text_config().eos_token_id = tokenizer.eos_token_id
+    if args.chat_template_path is None:
+        return []
+    return load_chat_template(tokenizer, args.chat_template_path, config, resize=context.resize_vocabulary,
+                              refuse_new_tokens=functools.partial(refuse_new_tokens_under_lora, context=context))
+
+
+def check_in_vocabulary(processing_class, token: str, name: str) -> None:
+    if token not in processing_class.get_vocab():
+        raise ValueError(
+            f"The specified `{name}` ('{token}') is not found in the vocabulary of the given `processing_class` "
+            f"({type(processing_class).__name__}). Ensure that the `{name}` exists in the vocabulary before using it."
+        )
 
 
 class RewardObjective(Objective):
@@ -121,33 +151,15 @@ class RewardObjective(Objective):
         """The tokenizer's EOS, chat template and pad token set as TRL sets them (the model pools at that pad
         token), then the datasets tokenized."""
         context, args = self.context, self.args
-        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
-        if not isinstance(context.processing_class, tokenizer_types):
-            raise TypeError("The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`")
-        tokenizer = context.tokenizer
+        tokenizer = context.tokenizer  # eos_token and chat_template_path are set (``tokenizer_settings``)
         config = getattr(context.model, "config", None)  # None for a bare native model given without one
         text_config = config.get_text_config() if config is not None else SimpleNamespace()
-        if args.eos_token is not None:
-            self._check_in_vocabulary(args.eos_token, "eos_token")
-            tokenizer.eos_token = args.eos_token
-            text_config.eos_token_id = tokenizer.eos_token_id
-        if args.chat_template_path is not None:
-            load_chat_template(tokenizer, args.chat_template_path, config, resize=context.resize_vocabulary,
-                               refuse_new_tokens=functools.partial(refuse_new_tokens_under_lora, context=context))
         pad_token = args.pad_token or tokenizer.pad_token or tokenizer.eos_token
-        self._check_in_vocabulary(pad_token, "pad_token")
+        check_in_vocabulary(context.processing_class, pad_token, "pad_token")
         tokenizer.pad_token = pad_token
         text_config.pad_token_id = tokenizer.pad_token_id  # where the score is read: the last token that is not this
         context.model.args.pad_token_id = tokenizer.pad_token_id
         return super().prepare_datasets(train_dataset, eval_dataset)
-
-    def _check_in_vocabulary(self, token: str, name: str) -> None:
-        processing_class = self.context.processing_class
-        if token not in processing_class.get_vocab():
-            raise ValueError(
-                f"The specified `{name}` ('{token}') is not found in the vocabulary of the given `processing_class` "
-                f"({type(processing_class).__name__}). Ensure that the `{name}` exists in the vocabulary before using it."
-            )
 
     def prepare_train_dataset(self, dataset):
         return self._prepare(dataset)

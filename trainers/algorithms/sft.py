@@ -132,6 +132,10 @@ class SFTTrainer(Trainer):
     def _make_objective(self):
         return SFTObjective(self.context, formatting_func=self.formatting_func)
 
+    def _tokenizer_settings(self) -> list[int]:
+        check_tokenizer_type(self.context.processing_class, "SFTTrainer")
+        return apply_tokenizer_settings(self.context, self.args, resize=self.context.resize_vocabulary)
+
     def _save_checkpoint(self) -> None:
         write_model_card(self, Path(self.args.output_dir))  # TRL refreshes output_dir's card at every checkpoint
         super()._save_checkpoint()
@@ -223,6 +227,17 @@ def set_token_ids(model, name: str, value, generation_value=KEEP) -> None:
         setattr(generation_config, name, value if generation_value is KEEP else generation_value)
 
 
+def check_tokenizer_type(processing_class, trainer: str) -> None:
+    """A tokenizer or processor, as TRL's SFT and GKD trainers require."""
+    if processing_class is None:
+        raise ValueError(f"{trainer} needs a processing_class (tokenizer) or a model folder that has one")
+    if not isinstance(processing_class, (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)):
+        raise TypeError(
+            "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
+            f"{type(processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
+        )
+
+
 def mirror_pad_token(tokenizer, model, pad_token: str | None = None) -> None:
     """The tokenizer's pad token (``pad_token``, else its own, else its EOS) set on it and mirrored onto the model's
     config and generation config, as TRL's trainers do from construction (the saved tokenizer, config.json and
@@ -247,13 +262,14 @@ def apply_tokenizer_settings(context, args, resize=None) -> list[int]:
 
 
 def refuse_new_tokens_under_lora(count: int, context) -> None:
-    """Tokens a cloned chat template would add, under LoRA: TRL then also trains their embedding rows (peft's
-    trainable_token_indices) and the output head in full; hfnative's LoRA does not, so it says so instead."""
-    if count and (context.trains_new_adapters or context.uses_adapters):
-        raise ValueError(f"chat_template_path: cloning the template adds {count} tokens to the tokenizer; under LoRA "
-                         "TRL would also train their embedding rows (peft's trainable_token_indices), which hfnative's "
-                         "LoRA does not: clone the template and resize the model first (trl's clone_chat_template, "
-                         "then save_pretrained), and train LoRA from that model and tokenizer")
+    """Tokens a cloned chat template would add to a model that already carries its adapter (an adapter folder, or a
+    model given with one): TRL makes new tokens trainable only as it adds the adapter (peft's
+    trainable_token_indices, ``train_new_tokens``), so it says what to do instead."""
+    if count and context.uses_adapters:
+        raise ValueError(f"chat_template_path: cloning the template adds {count} tokens to the tokenizer of a model "
+                         "that already carries an adapter, whose rows for them would not train: clone the template "
+                         "on the base model with a new peft_config (the new rows train through "
+                         "trainable_token_indices), or merge the adapter first")
 
 
 # TRL's clone_chat_template rounds the resized vocabulary up to a multiple of this
@@ -274,16 +290,7 @@ class SFTObjective(LanguageModelingObjective):
     # --- data -----------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):
         context, args = self.context, self.args
-        if context.processing_class is None:
-            raise ValueError("SFTTrainer needs a processing_class (tokenizer) or a model folder that has one")
-        tokenizer_types = (transformers.PreTrainedTokenizerBase, transformers.ProcessorMixin)
-        if not isinstance(context.processing_class, tokenizer_types):
-            raise TypeError(
-                "The `processing_class` must be either a `PreTrainedTokenizerBase` or a `ProcessorMixin`, got "
-                f"{type(context.processing_class).__name__}: pass e.g. AutoTokenizer.from_pretrained(<model>)."
-            )
-        apply_tokenizer_settings(context, args, resize=context.resize_vocabulary)
-        tokenizer = context.tokenizer
+        tokenizer = context.tokenizer  # eos_token and chat_template_path are set (SFTTrainer._tokenizer_settings)
         if context.data_collator is None:  # the padding token is the default collator's (TRL checks it only then)
             pad_token = args.pad_token or tokenizer.pad_token or args.eos_token or tokenizer.eos_token
             if pad_token not in tokenizer.get_vocab():

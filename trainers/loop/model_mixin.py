@@ -55,7 +55,11 @@ class ModelMixin:
     def model(self, model) -> None:
         self.native_model = model.native_model if isinstance(model, PeftSurface) else model
 
-    def _set_model(self, model) -> None:
+    def _set_model(self, model, before_adapters=None) -> None:
+        """The policy from ``model`` (loaded, converted, adapters added from ``peft_config``, placed).
+        ``before_adapters()`` runs once the weights are loaded and before the adapters go on: the tokenizer's settings
+        there, as TRL clones a chat template (which may resize the token rows and make new tokens trainable) before
+        it adds the adapters."""
         self._policy_source = model if isinstance(model, (str, os.PathLike)) else None
         loaded = None
         dropout = self._trained_dropout_fields()
@@ -72,10 +76,11 @@ class ModelMixin:
         self._given_model = weakref.ref(model) if given and isinstance(loaded.converted, ConvertedModel) else None
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
+        if before_adapters is not None:
+            self._attach_surface()  # the tokenizer settings read the model as transformers' (config, embeddings)
+            before_adapters()
         self._add_adapters()
-        if isinstance(self.native_model, Transformer):  # transformers' model surface for callbacks and user code
-            attach_hub_surface(self.native_model, self.converted, adapter_settings=self.lora_settings,
-                               base_model_name_or_path=self.base_model_name_or_path)
+        self._attach_surface()
         if hasattr(self.native_model, "add_model_tags"):
             self.native_model.add_model_tags(self._tag_names)
         # counted whole, before a pipeline stage keeps its part
@@ -84,6 +89,12 @@ class ModelMixin:
         self._place(self.native_model)
         if sharded:
             load_sharded(self.converted, self.device)
+
+    def _attach_surface(self) -> None:
+        """transformers' model surface on a native policy, for callbacks and user code."""
+        if isinstance(self.native_model, Transformer):
+            attach_hub_surface(self.native_model, self.converted, adapter_settings=self.lora_settings,
+                               base_model_name_or_path=self.base_model_name_or_path)
 
     def update_given_model(self) -> None:
         """Copy the trained weights into the transformers model or ``PeftModel`` object given as ``model`` (see the
@@ -222,10 +233,9 @@ class ModelMixin:
             raise ValueError(f"{what}, which a distributed run cannot do once its weights are sharded: clone the template "
                              "on one process (trl's clone_chat_template, or an hfnative run's save_model), and train "
                              "from the saved model and tokenizer")
-        if self.peft_config is not None or self.context.uses_adapters:
-            raise ValueError(f"{what}; under LoRA TRL would also train the new rows (peft's trainable_token_indices), "
-                             "which hfnative's LoRA does not: clone the template and resize the model first (trl's "
-                             "clone_chat_template, then save_pretrained), and train LoRA from that model")
+        if self.context.uses_adapters:  # a peft_config's adapters go on after this (``before_adapters``)
+            raise ValueError(f"{what}, under the adapter this model already carries: clone the template on the base "
+                             "model with a new peft_config, or merge the adapter first")
         if isinstance(self.converted, ConvertedModel):
             from hfnative.models.vocabulary import resize_vocabulary
 

@@ -9,6 +9,7 @@ transformers' own classes, so users' callbacks work unchanged.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -37,7 +38,14 @@ from hfnative.parallel.teardown import end_process_group
 
 from ..running import hub
 from .arguments import TrainingArguments, mixed_precision_dtype
-from ..running.construction import as_config, check_peft_config, check_train_dataset, model_init_kwargs
+from ..running.construction import (
+    as_config,
+    check_peft_config,
+    check_train_dataset,
+    head_tied_to_embedding,
+    model_init_kwargs,
+    train_new_tokens,
+)
 from .batch_size_search import batch_size_search_conflicts, train_finding_batch_size
 from .data_loading import DataMixin, has_length, start_epoch, worker_options
 from .hyperparameter_search import HyperparameterSearchMixin
@@ -154,11 +162,10 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         self.model_init = model_init
         self._model_init_kwargs = model_init_kwargs(model, self.args, quantization_config,
                                                     self.refuses_quantization_of_instances)
-        self._set_model(model if model is not None else self.call_model_init())
+        self._set_model(model if model is not None else self.call_model_init(),
+                        before_adapters=functools.partial(self._set_processing_class, processing_class))
         if getattr(self.args, "disable_dropout", False):  # the TRL configs that have the option
             disable_dropout(self.native_model)
-        self.processing_class = (processing_class if processing_class is not None
-                                 else load_processing_class(self.converted, **self.loaded_tokenizer_kwargs))
 
         self.compute_loss_func = compute_loss_func
         self.compute_metrics = compute_metrics
@@ -205,6 +212,21 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         """``args`` as this trainer's ``config_class`` (TRL's default when None); a subclass that reads its
         arguments before ``Trainer.__init__`` calls this first."""
         return as_config(args, cls.config_class, model, cls.algorithm_name)
+
+    def _set_processing_class(self, processing_class) -> None:
+        """``processing_class`` (or the model folder's tokenizer) and the config's tokenizer settings on it
+        (``_tokenizer_settings``), between loading the weights and adding the adapters, as TRL orders them."""
+        self.processing_class = (processing_class if processing_class is not None
+                                 else load_processing_class(self.converted, **self.loaded_tokenizer_kwargs))
+        added = self._tokenizer_settings()
+        if added and self.peft_config is not None:
+            train_new_tokens(self.peft_config, added, tied_head=head_tied_to_embedding(self.native_model))
+
+    def _tokenizer_settings(self) -> list[int]:
+        """The config's settings of the tokenizer that come before the adapters (a trainer's own: SFTConfig's
+        eos_token and chat_template_path, say); returns the ids of the tokens they added, which the adapters then
+        train (``train_new_tokens``). None here."""
+        return []
 
     def _make_objective(self):
         """The algorithm's piece of the loop (see trainers/loop/objective.py), built on ``self.context``."""

@@ -101,6 +101,56 @@ def check_peft_config(peft_config, model) -> None:
         )
 
 
+def head_tied_to_embedding(model) -> bool:
+    """Whether ``model``'s output head is its token embedding (a native model's ``tie_embeddings``, else its
+    transformers config's ``tie_word_embeddings``); never for a sequence classifier, whose head is a score head."""
+    if getattr(getattr(model, "args", None), "num_labels", None) is not None:
+        return False
+    tied = getattr(getattr(model, "args", None), "tie_embeddings", None)
+    if tied is None:
+        config = getattr(model, "config", None)
+        text = config.get_text_config() if config is not None else None
+        tied = getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+    return bool(tied)
+
+
+def train_new_tokens(peft_config, token_ids: list[int], tied_head: bool) -> None:
+    """Tokens a cloned chat template added, made trainable under ``peft_config`` (changed in place) as TRL's SFT and
+    reward trainers make them: their embedding rows through peft's ``trainable_token_indices`` (under
+    ``"embed_tokens"``, joined to any the config names), and an untied output head in full (``"lm_head"`` added to
+    ``modules_to_save``, with TRL's warning when the config did not list it). A head tied to the embedding
+    (``tied_head``) trains those rows with the embedding's (peft ties the two token adapters); TRL adds it to
+    modules_to_save there too, which makes an adapter neither TRL's fused head nor peft's forward can run, so it is
+    left out, and the log says so."""
+    if isinstance(peft_config, dict):
+        get, set_ = peft_config.get, peft_config.__setitem__
+    else:
+        get, set_ = (lambda name: getattr(peft_config, name, None)), (lambda name, value: setattr(peft_config, name, value))
+    indices = get("trainable_token_indices")
+    if indices is None:
+        set_("trainable_token_indices", {"embed_tokens": list(token_ids)})
+    elif isinstance(indices, dict):
+        indices.setdefault("embed_tokens", [])
+        indices["embed_tokens"] = list(indices["embed_tokens"]) + list(token_ids)
+    else:  # a list names rows of the input embedding, as the dict's "embed_tokens" does
+        set_("trainable_token_indices", {"embed_tokens": list(indices) + list(token_ids)})
+    modules_to_save = get("modules_to_save")
+    if tied_head:
+        if modules_to_save is None or "lm_head" not in modules_to_save:
+            logger.warning("Cloning chat template added new tokens to the tokenizer; the model's output head is tied to "
+                           "its embedding, so the head's rows for them train with the embedding's "
+                           "(trainable_token_indices), and 'lm_head' is not added to PEFT's `modules_to_save` (a trained "
+                           "copy of a tied head makes an adapter peft cannot run).")
+        return
+    if modules_to_save is None or "lm_head" not in modules_to_save:
+        logger.warning(
+            "Cloning chat template added new tokens to the tokenizer, but 'lm_head' is not in PEFT's `modules_to_save`. "
+            "As a result, the model may not learn to generate outputs with these new tokens, leading to degraded "
+            "generation quality. To fix this, add `modules_to_save=['lm_head']` to your PEFT configuration."
+        )
+        set_("modules_to_save", list(modules_to_save or []) + ["lm_head"])
+
+
 def model_init_kwargs(model, args, quantization_config=None, refuse_quantization_of_instances: bool = False) -> dict:
     """How a model given by name is loaded: a copy of ``args.model_init_kwargs`` with the config's ``dtype`` (where it
     has one) and the trainer's ``quantization_config`` added (set in both places, it is an error). A model object is used as it is, so both
