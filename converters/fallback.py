@@ -98,6 +98,8 @@ class TransformersHead(OutputHead):
         bias = getattr(lm_head, "bias", None)
         return lm_head.weight if bias is None else torch.cat([lm_head.weight, bias[:, None]], dim=1)
 
+    base_projection = projection  # no native token rows here (peft's own, inside lm_head, when there are any)
+
 
 class LogitsHead(nn.Module):
     """For architectures whose logits the chunked head cannot express: the "hidden states" are

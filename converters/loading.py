@@ -432,15 +432,15 @@ def dequantizing_source(source, config, dtype: torch.dtype, where: str):
 def hub_state_dict(causal_lm, adapter_names=()) -> dict[str, torch.Tensor]:
     """A transformers model's tensors under their Hub checkpoint names (in-memory fusions undone, tied copies
     left out). ``adapter_names``: peft adapters injected into it, whose tensors (stored under the adapter's
-    name) are left out; the base weights of wrapped layers (``base_layer``, ``original_module``) keep their
-    plain names."""
+    name) are left out; the base weights of wrapped layers (``base_layer``, ``original_module``, a token
+    adapter's ``token_adapter``) keep their plain names."""
     from transformers.core_model_loading import revert_weight_conversion
 
     state = {}
     for key, value in causal_lm.state_dict().items():
         parts = key.split(".")
         if not set(adapter_names) & set(parts):
-            state[".".join(p for p in parts if p not in ("base_layer", "original_module"))] = value
+            state[".".join(p for p in parts if p not in ("base_layer", "original_module", "token_adapter"))] = value
     state = revert_weight_conversion(causal_lm, state)
     for tied in getattr(causal_lm, "all_tied_weights_keys", None) or {}:
         state.pop(tied, None)

@@ -344,10 +344,11 @@ def token_layer_paths(converted: ConvertedModel) -> tuple[str, str]:
     return embedding.rpartition(".")[0], head.rpartition(".")[0]
 
 
-def plan_token_rows(converted: ConvertedModel, settings: LoraSettings) -> TokenRowsPlan | None:
+def plan_token_rows(converted: ConvertedModel, settings: LoraSettings, check_ids: bool = True) -> TokenRowsPlan | None:
     """trainable_token_indices as peft reads it: a list names rows of the input embedding, a dict names layers by
     the end of their path; a layer also in modules_to_save is an error; on a tied model the head follows the
-    embedding's rows unless the dict gives it others."""
+    embedding's rows unless the dict gives it others. ``check_ids``: refuse ids past the vocabulary (False before a
+    cloned template has resized it)."""
     indices = settings.trainable_token_indices
     if indices is None:
         return None
@@ -369,7 +370,7 @@ def plan_token_rows(converted: ConvertedModel, settings: LoraSettings) -> TokenR
                              f"embedding ({embedding_path!r}) or output head ({head_path!r}), the layers whose rows "
                              "hfnative trains on their own")
     for name, ids in (("embed_tokens", embedding), ("lm_head", head)):
-        if ids is not None:
+        if ids is not None and check_ids:
             check_token_indices(ids, converted.args.vocab_size, name)
     tied = bool(converted.args.tie_embeddings)
     head_shares = tied and embedding is not None and (head is None or head == embedding)
@@ -382,8 +383,9 @@ def plan_token_rows(converted: ConvertedModel, settings: LoraSettings) -> TokenR
     return TokenRowsPlan(embedding, None if head_shares else head, head_shares, embedding_path, head_path)
 
 
-def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
-    """Resolve target_modules / layers_to_transform / modules_to_save against the model, as peft does."""
+def plan_lora(converted: ConvertedModel, settings, check_token_ids: bool = True) -> LoraPlan:
+    """Resolve target_modules / layers_to_transform / modules_to_save / trainable_token_indices against the model,
+    as peft does (``check_token_ids``: see ``plan_token_rows``)."""
     settings = lora_settings(settings)
     modules = hub_modules(converted)
     pieces_of = hub_parameter_pieces(converted)
@@ -425,9 +427,11 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
     copies = []
     for name in settings.modules_to_save or []:
         matched = [p for p in _module_paths(pieces_of, with_experts=True) if p.endswith(name)]  # peft: key.endswith(name)
-        if not matched and settings.task_type == "SEQ_CLS" and name in (*SEQ_CLS_HEADS, "lm_head"):
-            continue  # peft's own additions for a classifier (one of them names its head), and the LM head TRL's
-            # reward trainer adds for a cloned template's new tokens (a classifier has none; peft matches nothing)
+        if not matched and settings.task_type == "SEQ_CLS" and name in SEQ_CLS_HEADS:
+            continue  # peft's own additions for a classifier (one of them names its head)
+        if not matched and name == "lm_head" and converted.args.num_labels is not None:
+            continue  # what TRL's reward trainer adds for a cloned template's new tokens: a classifier has no LM head
+            # (peft matches nothing)
         if not matched:
             raise ValueError(f"modules_to_save: {name!r} matches no module of the {converted.family.name} model")
         for path in matched:
@@ -440,7 +444,7 @@ def plan_lora(converted: ConvertedModel, settings) -> LoraPlan:
                     if piece.native_key not in copies:
                         copies.append(piece.native_key)
     untie = converted.args.tie_embeddings and any(k in copies for k in ("tok_embeddings.weight", "output.weight"))
-    return LoraPlan(adapted, targets, copies, untie, expert_targets, plan_token_rows(converted, settings))
+    return LoraPlan(adapted, targets, copies, untie, expert_targets, plan_token_rows(converted, settings, check_token_ids))
 
 
 __all__ = ["DEFAULT_TARGET_MODULES", "ExpertParameter", "ExpertTarget", "HubModule", "LoraPlan", "TokenRowsPlan",

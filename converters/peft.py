@@ -76,15 +76,16 @@ def apply_lora(
     if has_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge_lora() it first or start from the base model")
     plan = plan_lora(converted, settings)
+    nf4 = nf4_settings(load_in_4bit, quantization_config)  # refuses a bad quantization before anything changes
     if plan.untie:
         untie_output_head(model)
     add_trainable_copies(model, plan.copies)
-    nf4 = nf4_settings(load_in_4bit, quantization_config)
     if nf4 is not None:
         quantize_base_nf4(model, nf4.compute_dtype)
     add_lora(model, plan.targets, settings)
     if plan.token_rows is not None:
-        add_token_rows(model, plan.token_rows.embedding, plan.token_rows.head, plan.token_rows.head_shares)
+        add_token_rows(model, plan.token_rows.embedding, plan.token_rows.head, plan.token_rows.head_shares,
+                       upcast=settings.autocast_adapter_dtype)
     add_expert_lora(model, [ExpertLoraTarget(t.parameter.module, t.parameter.key.rpartition(".")[2],
                                              t.parameter.in_features, t.parameter.out_features,
                                              tuple(t.parameter.parts.items()), t.r, t.lora_alpha)
@@ -263,6 +264,9 @@ def _token_layer_tensors(converted: ConvertedModel, settings: LoraSettings, nati
             tensors[path + DELTA] = native[layer["rows"]].detach()
         if not vocabulary_changed:
             continue
+        if layer["weight"] not in native or layer["base"] is None:
+            raise ValueError(f"save_adapter: the vocabulary changed, so peft saves {layer['path']} whole, and the "
+                             "gathered tensors lack it: gather with adapter_tensors(model, token_layers=True)")
         tensors[inner + ".weight"] = native[layer["weight"]].detach()
         if layer["copy"]:
             tensors[inner + ".modules_to_save.weight"] = native[layer["weight"]].detach()
@@ -321,15 +325,25 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
     return saved
 
 
-def adapter_tensors(model) -> dict[str, torch.Tensor]:
+def adapter_tensors(model, token_layers: bool = False) -> dict[str, torch.Tensor]:
     """What an adapter folder is made of (``hub_adapter_state_dict``'s ``native_state``) from a model whose
-    parameters are sharded (DTensors): the adapters' and every trainable tensor (trainable copies, trained biases)
-    gathered whole one at a time, by native name, on the CPU. Every rank calls it, in the same order; only the
-    tensors it names are gathered, never the frozen base."""
+    parameters are sharded (DTensors): the adapters' and every trainable tensor (trainable copies, trained biases,
+    token rows) gathered whole one at a time, by native name, on the CPU; with ``token_layers`` (the vocabulary
+    changed: ``saves_token_layers``) the embedding's and the head's weights too. Every rank calls it, in the same
+    order; only the tensors it names are gathered, never the rest of the frozen base."""
     from hfnative.parallel.replica import whole_tensor
 
+    layers = ("tok_embeddings.weight", "output.weight") if token_layers else ()
     return {name: whole_tensor(param.detach()).cpu() for name, param in model.named_parameters(remove_duplicate=False)
-            if param.requires_grad or ".lora_" in name or ".token_rows." in name}
+            if param.requires_grad or ".lora_" in name or ".token_rows." in name or name in layers}
+
+
+def saves_token_layers(converted: ConvertedModel, base_model_name_or_path: str | None) -> bool:
+    """Whether ``save_adapter`` writes the embedding and the head whole (peft's save_embedding_layers="auto": the
+    vocabulary differs from the base model's)."""
+    if base_model_name_or_path is None and converted.source_dir is not None:
+        base_model_name_or_path = str(converted.source_dir)
+    return _vocabulary_changed(converted, base_model_name_or_path)
 
 
 def save_adapter(
@@ -535,4 +549,5 @@ __all__ = [
     "load_adapter_weights",
     "read_adapter_config",
     "save_adapter",
+    "saves_token_layers",
 ]

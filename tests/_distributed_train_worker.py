@@ -44,6 +44,9 @@ LAYOUTS = {
     # LoRA with trainable token rows (peft's trainable_token_indices): the rows sharded with the embedding's group
     "fsdp4-lora-tokens": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                                 trainable_token_indices=list(range(3, 40))))),
+    # an adapter folder whose run cloned a template that added tokens (test_distributed_trainer.cloned_adapter): the
+    # base resized to its rows, its token rows trained on; saved with the resized embedding whole (gathered)
+    "fsdp4-cloned-template-adapter": (dict(dp_shard_size=4), dict(model="CLONED_ADAPTER")),
     # load_best_model_at_end: the best checkpoint's adapter read back into the sharded adapters, each rank its rows
     # ("best" is the highest eval loss, so an earlier checkpoint than the last step's weights)
     "fsdp4-lora-best": (dict(dp_shard_size=4), dict(
@@ -62,7 +65,8 @@ LAYOUTS = {
 
 
 def model_of(extra: dict) -> tuple[str, dict, dict]:
-    """The model a layout trains (the fallback layout's comes from $FALLBACK_MODEL), the trainer's other keyword
+    """The model a layout trains (the fallback layout's from $FALLBACK_MODEL, the adapter folder's from
+    $CLONED_ADAPTER), the trainer's other keyword
     arguments (peft_config) and the config's settings."""
     extra = dict(extra)
     model = extra.pop("model", MODEL)
@@ -74,7 +78,7 @@ def model_of(extra: dict) -> tuple[str, dict, dict]:
         from peft import LoraConfig
 
         trainer_kwargs["peft_config"] = LoraConfig(task_type="CAUSAL_LM", **peft)
-    return (os.environ[model] if model == "FALLBACK_MODEL" else model), trainer_kwargs, extra
+    return (os.environ[model] if model in ("FALLBACK_MODEL", "CLONED_ADAPTER") else model), trainer_kwargs, extra
 
 
 def train_dataset(layout_extra: dict):

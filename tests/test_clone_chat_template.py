@@ -187,6 +187,21 @@ def test_cloning_that_adds_tokens_under_lora_on_a_tied_model(tmp_path):
         assert (again.native_model(ids).logits - expected).abs().max() <= 1e-6
 
 
+def test_a_refused_peft_config_changes_nothing(tmp_path):
+    """A peft_config refused (a target module the model lacks) speaks before the template is cloned: the tokenizer
+    and the LoraConfig are as they were."""
+    peft = pytest.importorskip("peft")
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    vocab, template = tokenizer.get_vocab(), tokenizer.chat_template
+    config = peft.LoraConfig(r=4, target_modules=["no_such_proj"])
+    with pytest.raises(ValueError, match="no_such_proj"):
+        hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", 1, chat_template_path=_source(
+            tmp_path / "source", new_token=True)), train_dataset=_dataset("messages"), processing_class=tokenizer,
+            peft_config=config)
+    assert tokenizer.get_vocab() == vocab and tokenizer.chat_template == template
+    assert config.trainable_token_indices is None and config.modules_to_save is None
+
+
 def test_eos_token_and_a_cloned_eos_reach_the_generation_config_as_trls(tmp_path):
     """SFTConfig(eos_token=...) and a template folder with another EOS: the tokenizer's EOS, the config's and the
     generation config's eos_token_id (in memory and saved) are TRL's."""

@@ -41,9 +41,26 @@ def fallback_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, fallback_model):
+def cloned_adapter(tmp_path_factory) -> str:
+    """A LoRA adapter folder from one step of SFT whose chat template (a tokenizer folder) added a token: the
+    vocabulary resized, the new rows trained (trainable_token_indices), the embedding saved whole."""
+    from peft import LoraConfig
+    from test_clone_chat_template import _source
+
+    root = tmp_path_factory.mktemp("cloned")
+    args = worker.config(str(root / "adapter"), 2, max_steps=1, chat_template_path=_source(root / "template", True))
+    trainer = SFTTrainer(model=worker.MODEL, args=args, train_dataset=Dataset.from_list(worker.rows(8)),
+                         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    trainer.train()
+    trainer.save_model()
+    return str(root / "adapter")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, fallback_model, cloned_adapter):
     out = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), FALLBACK_MODEL=fallback_model)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), FALLBACK_MODEL=fallback_model,
+               CLONED_ADAPTER=cloned_adapter)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(HERE / "_distributed_train_worker.py"), str(out), *worker.LAYOUTS]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -64,16 +81,19 @@ def _reference(tmp_path, sizes: dict, extra: dict):
     trainer.train()
     trainer.save_model()
     names = worker.surface_names(trainer) if "peft_config" in trainer_kwargs else None
-    return trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs))), names
+    return (trainer.state.log_history, load_file(str(tmp_path / "reference" / _weights_file(trainer_kwargs, layout_extra))),
+            names)
 
 
-def _weights_file(trainer_kwargs: dict) -> str:
-    return "adapter_model.safetensors" if "peft_config" in trainer_kwargs else "model.safetensors"
+def _weights_file(trainer_kwargs: dict, layout_extra: dict | None = None) -> str:
+    adapter = "peft_config" in trainer_kwargs or (layout_extra or {}).get("model") == "CLONED_ADAPTER"
+    return "adapter_model.safetensors" if adapter else "model.safetensors"
 
 
 @pytest.mark.parametrize("layout", list(worker.LAYOUTS))
-def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, monkeypatch):
+def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, cloned_adapter, monkeypatch):
     monkeypatch.setenv("FALLBACK_MODEL", fallback_model)
+    monkeypatch.setenv("CLONED_ADAPTER", cloned_adapter)
     sizes, extra = worker.LAYOUTS[layout]
     reference_logs, reference_weights, reference_names = _reference(tmp_path, sizes, extra)
     logs = json.loads((launched / layout / "log.json").read_text())
@@ -89,7 +109,7 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
                 assert mine[key] * per_rank * mine["perf/step_s"] == pytest.approx(
                     reference[key] * reference["perf/step_s"], rel=1e-9), (layout, reference["step"], key)
         assert mine["perf/trained_tok_s_per_rank"] == pytest.approx(mine["perf/trained_tok_s_wall_clock"] / 4, rel=1e-12)
-    weights = load_file(str(launched / layout / _weights_file(worker.model_of(extra)[1])))
+    weights = load_file(str(launched / layout / _weights_file(worker.model_of(extra)[1], extra)))
     assert set(weights) == set(reference_weights)
     for key, value in reference_weights.items():
         torch.testing.assert_close(weights[key], value, rtol=0, atol=2e-4, msg=key)

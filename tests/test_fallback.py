@@ -409,6 +409,21 @@ def test_peft_models_take_the_native_route_when_they_can(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids).logits, lora(input_ids=ids).logits, rtol=0, atol=1e-5)
 
+    for tied in (True, False):  # with trainable token rows (a tied head applying the embedding's), natively too
+        torch.manual_seed(1)
+        base = AutoModelForCausalLM.from_config(Qwen3Config(**{**COMMON, "tie_word_embeddings": tied},
+                                                            num_key_value_heads=2, head_dim=8))
+        rows = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                         trainable_token_indices=sorted(set(ids[0].tolist()))[:3]))
+        with torch.no_grad():
+            for name, param in rows.named_parameters():
+                if "trainable_tokens_delta" in name:
+                    param.add_(torch.randn_like(param))
+        loaded = resolve_model(rows, torch.device("cpu"), {})
+        assert isinstance(loaded.model, Transformer) and loaded.lora_settings.trainable_token_indices is not None
+        with torch.no_grad():
+            torch.testing.assert_close(loaded.model(ids).logits, rows(input_ids=ids).logits, rtol=0, atol=1e-5)
+
     ia3 = peft.get_peft_model(AutoModelForCausalLM.from_config(config), peft.IA3Config(task_type="CAUSAL_LM"))
     loaded = resolve_model(ia3, torch.device("cpu"), {})
     assert isinstance(loaded.model, TransformersCausalLM) and loaded.model.peft_model is ia3

@@ -595,6 +595,29 @@ def test_lora_reference_is_the_base(tmp_path):
 
 
 
+def test_trained_token_rows_in_grpo(tmp_path):
+    """LoRA with trainable_token_indices, the tied head given rows of its own: rollouts from the native engine on the
+    model itself, the reference the base with the rows off (KL 0 before the first update, > 0 after). A plain copy of
+    such a model cannot exist: rollouts that decode one (vLLM here) are refused when the trainer is made."""
+    import hfnative
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "rows"), max_steps=2, learning_rate=5e-2, beta=0.1, **LEARN_SETTINGS)
+    lora = LoraConfig(r=4, target_modules=["q_proj"],
+                      trainable_token_indices={"embed_tokens": list(range(100, 300)), "lm_head": list(range(0, 1024, 3))})
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows, peft_config=lora)
+    head_rows = trainer.native_model.output.token_rows.values.detach().clone()
+    trainer.train()
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 1e-6
+    assert not torch.equal(trainer.native_model.output.token_rows.values, head_rows)
+    trainer.args.use_vllm = True
+    with pytest.raises(ValueError, match="decode a plain copy"):
+        trainer._check_supported()
+
+
 def test_adaptive_entropy_bonus_off_policy_mask_and_vespo_in_the_trainer(tmp_path):
     """TRL's adaptive entropy controller in a real run: the coefficient starts applied at 0 (no step's entropy yet),
     then rises by entropy_coef_delta each step while the step's entropy is at most entropy_target; each step's loss

@@ -65,6 +65,7 @@ CASES = [
     # trainable_token_indices: token rows trained on their own (a tied head follows the embedding's rows)
     ("tokens-tied", "qwen3-mha-tied-bias", dict(r=4, target_modules=["q_proj"], trainable_token_indices=[7, 15, 44])),  # tokens _input_ids holds
     ("tokens-tied-head-apart", "qwen3-mha-tied-bias", dict(r=4, target_modules=["v_proj"], trainable_token_indices={"embed_tokens": [0, 7], "lm_head": [4]})),
+    ("tokens-padding-row", "phi3-gqa", dict(r=4, target_modules=["qkv_proj"], trainable_token_indices=[0, 7, 15])),  # 0: pad
     ("tokens-untied-both", "llama-gqa", dict(r=4, target_modules=["q_proj"], trainable_token_indices={"embed_tokens": [15, 53], "lm_head": [4, 9]})),
 ]
 MERGE_CASES = ["lora-default-targets", "dora-bias-all", "modules-to-save-lm-head", "phi3-fused-dora", "rank-alpha-pattern",
@@ -197,6 +198,12 @@ def test_token_rows_refuse_a_trained_copy_of_a_tied_head(checkpoint_dir):
         apply_lora(converted, dict(fields, modules_to_save=["embed_tokens"], trainable_token_indices={"embed_tokens": [3]}))
     with pytest.raises(ValueError, match=r"\[200\] are not token ids"):
         apply_lora(converted, dict(fields, modules_to_save=None, trainable_token_indices=[200]))
+    assert not any(p.requires_grad is False for p in converted.model.parameters())  # nothing was put on before those
+    from hfnative.parallel.tensor_parallel import check_tensor_parallel
+
+    apply_lora(converted, dict(fields, modules_to_save=None))
+    with pytest.raises(ValueError, match="trained token rows"):  # the vocabulary split would not carry them
+        check_tensor_parallel(converted.model, 2)
 
 
 # --- (d) what trains, and training steps ------------------------------------------------------------------
@@ -247,7 +254,7 @@ def test_only_adapters_train_and_steps_match_peft(checkpoint_dir, tmp_path):
         assert not torch.equal(after[name], value), f"{name} did not train"
 
 
-@pytest.mark.parametrize("case_id", ["tokens-tied", "tokens-untied-both"])
+@pytest.mark.parametrize("case_id", ["tokens-tied", "tokens-untied-both", "tokens-padding-row"])
 def test_token_rows_train_alone_and_steps_match_peft(case_id, checkpoint_dir, tmp_path):
     """trainable_token_indices: the rows named (and the adapters) train, the rest of the table stays as it was;
     SGD steps follow peft's (the tied head with the embedding's rows)."""
@@ -301,10 +308,10 @@ def test_dropout_in_training_matches_peft(use_dora, checkpoint_dir, tmp_path):
 
 
 def test_bf16_base_keeps_float32_adapters(checkpoint_dir, tmp_path):
-    """peft's autocast_adapter_dtype: a bf16 base gets float32 adapters; logits agree to bf16 precision
-    (the base models themselves differ by about 3e-3 in bf16)."""
+    """peft's autocast_adapter_dtype: a bf16 base gets float32 adapters (trained token rows too); logits agree to
+    bf16 precision (the base models themselves differ by about 3e-3 in bf16)."""
     base_dir = checkpoint_dir("qwen3-gqa")
-    fields = dict(r=4, use_dora=True, target_modules="all-linear")
+    fields = dict(r=4, use_dora=True, target_modules="all-linear", trainable_token_indices=[7, 15, 44])
     _peft_model(base_dir, fields).save_pretrained(str(tmp_path / "peft"))
     hf_model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.bfloat16)
     peft_model = PeftModel.from_pretrained(hf_model, str(tmp_path / "peft")).eval()
@@ -312,6 +319,7 @@ def test_bf16_base_keeps_float32_adapters(checkpoint_dir, tmp_path):
     load_adapter(converted, tmp_path / "peft")
     converted.model.eval()
     assert {p.dtype for p in adapter_parameters(converted.model)} == {torch.float32}
+    assert converted.model.tok_embeddings.token_rows.values.dtype == torch.float32
     ids = _input_ids()
     ours = _logits(converted.model, ids)
     assert ours.dtype == torch.bfloat16

@@ -190,10 +190,13 @@ class OutputHead(nn.Module):
     def forward(self, hidden_BSD: torch.Tensor, loss=None):
         """Logits [B, S, V] (soft-capped), or ``loss(hidden, weight, softcap)`` for a loss spec
         (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD)."""
-        weight_VD = self.projection()
         if loss is not None:
-            return loss(hidden_BSD, weight_VD, self.softcap)
-        logits = hidden_BSD @ weight_VD.T
+            return loss(hidden_BSD, self.projection(), self.softcap)
+        rows = self.token_rows_in_use()
+        if rows is None:
+            logits = hidden_BSD @ self.projection().T
+        else:  # trained token rows: their columns, without a copy of the matrix
+            logits = rows.logits(hidden_BSD, hidden_BSD @ self.base_projection().T)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits

@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hfnative.peft.token_rows import has_token_rows
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.vocab_parallel import (
     vocab_parallel_cross_entropy,
@@ -76,6 +77,8 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
             break
     if any(getattr(module, "lora", None) is not None for module in model.modules() if hasattr(module, "w1")):
         problems.append("LoRA on stacked MoE experts (target_parameters) is not replicated over the ranks")
+    if has_token_rows(model):
+        problems.append("trained token rows (trainable_token_indices) are not split with the vocabulary")
     if problems:
         raise ValueError(f"tensor parallelism over tp={tp} ranks cannot split this model: " + "; ".join(problems))
 

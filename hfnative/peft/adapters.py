@@ -267,13 +267,7 @@ def merge_lora(model: nn.Module) -> nn.Module:
             "(lm_head / embed_tokens); a tied checkpoint cannot hold both. Load the base with "
             "tie_word_embeddings=False before training, or do not list them in modules_to_save"
         )
-    if getattr(getattr(model, "args", None), "tie_embeddings", False) and "token_rows" in model.output._modules:
-        raise ValueError(
-            "the model ties its output head to the embedding, but trainable_token_indices trained other rows of the "
-            "head than of the embedding; a tied checkpoint cannot hold both. Give lm_head the embedding's rows (or "
-            "leave it out of trainable_token_indices), or load the base with tie_word_embeddings=False"
-        )
-    remove_token_rows(model)
+    remove_token_rows(model)  # refuses a tied head trained apart from the embedding (token_rows.TIED_HEAD_APART)
     plain_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)]
     for name, module in list(model.named_modules()):
         if isinstance(module, (LoraLinear, NF4Linear)):

@@ -123,6 +123,7 @@ class AsyncGRPOObjective(Objective):
     when training ends); TRL's async loss, each micro-batch normalized by its own tokens; the policy version bumped
     after each step."""
 
+    decodes_a_copy = True  # the actors decode a plain copy of the policy (hfnative.rl.policy_copy)
     supports = frozenset({"multi_process", "multi_process_generation", "tensor_parallel", "context_parallel",
                           "expert_parallel"})
     split_collated_batches = False  # prompts are collated; the scored completions are split in micro_batches

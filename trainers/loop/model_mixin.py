@@ -193,32 +193,54 @@ class ModelMixin:
         return {key: value for key, value in self._model_init_kwargs.items()
                 if key not in ("load_in_4bit", "quantization_config")}
 
-    def _add_adapters(self) -> None:
-        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
+    def _adapter_route(self) -> str | None:
+        """Where ``peft_config``'s adapters go ("native", "peft": peft itself on transformers' module; None without
+        one), after what refuses the request: checked before the tokenizer settings change anything (the template
+        cloned, the model resized) and again as the adapters go on. A native config is planned on the model as it
+        is (its target modules, modules_to_save, token rows; not their ids, which may name tokens the template
+        adds)."""
         kwargs = self._model_init_kwargs
-        quantization = dict(load_in_4bit=bool(kwargs.get("load_in_4bit")), quantization_config=kwargs.get("quantization_config"))
+        quantized = bool(kwargs.get("load_in_4bit")) or kwargs.get("quantization_config") is not None
         if self.peft_config is None:
-            if self.lora_settings is None and (quantization["load_in_4bit"] or quantization["quantization_config"]):
+            if self.lora_settings is None and quantized:
                 raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
-            return
+            return None
         if self.lora_settings is not None:
             raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
         if self.converted is None:
             raise ValueError("peft_config needs a Hub-format model: a path, a Hub id or a transformers model")
-        from hfnative.converters.fallback_loading import apply_peft, peft_route_reason
+        from hfnative.converters.fallback_loading import peft_route_reason
 
-        if peft_route_reason(self.converted, self.peft_config) is not None:  # peft itself, on transformers' module
-            if quantization["load_in_4bit"] or quantization["quantization_config"]:
+        if peft_route_reason(self.converted, self.peft_config) is not None:
+            if quantized:
                 raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
                                  "only; this peft_config trains through peft: drop the quantization")
+            return "peft"
+        from hfnative.converters.lora_targets import plan_lora
+        from hfnative.peft import lora_settings, nf4_settings
+
+        nf4_settings(bool(kwargs.get("load_in_4bit")), kwargs.get("quantization_config"))
+        plan_lora(self.converted, lora_settings(self.peft_config), check_token_ids=False)
+        return "native"
+
+    def _add_adapters(self) -> None:
+        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
+        route = self._adapter_route()
+        if route is None:
+            return
+        if route == "peft":  # peft itself, on transformers' module
+            from hfnative.converters.fallback_loading import apply_peft
+
             self.converted = apply_peft(self.converted, self.peft_config)
             self.native_model = self.converted.model
             return
         from hfnative.converters.peft import apply_lora
         from hfnative.peft import lora_settings
 
+        kwargs = self._model_init_kwargs
         self.lora_settings = lora_settings(self.peft_config)
-        apply_lora(self.converted, self.lora_settings, **quantization)
+        apply_lora(self.converted, self.lora_settings, load_in_4bit=bool(kwargs.get("load_in_4bit")),
+                   quantization_config=kwargs.get("quantization_config"))
 
     def _resize_vocabulary(self, rows: int) -> None:
         """The policy's token rows resized to ``rows``, as TRL's clone_chat_template resizes its model

@@ -105,6 +105,9 @@ class Objective(ABC):
     # a resumed run continues after the batches its checkpoint trained even with ignore_data_skip=True (an objective
     # whose batches stream from elsewhere, which transformers' replay of the epoch does not reach)
     always_skips_trained_batches = False
+    # rollouts decode a plain copy of the policy (adapters folded in), made elsewhere than the trained model (async
+    # GRPO's actors); the single-process native engine decodes the model itself
+    decodes_a_copy = False
     # average_tokens_across_devices=False makes each data-parallel rank divide its token-count normalized loss by its
     # own tokens, as transformers does for a trainer whose loss takes num_items_in_batch; False: the TRL trainer
     # normalizes by the step's tokens over every rank whatever the flag says

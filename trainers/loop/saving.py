@@ -60,9 +60,13 @@ class SavingMixin:
         if self.lora_settings is None:
             yield full_state_dict(self.native_model)  # the model's own names; TP and FSDP shards gathered
             return
-        from hfnative.converters.peft import adapter_tensors
+        from hfnative.converters.peft import adapter_tensors, saves_token_layers
 
-        yield adapter_tensors(self.native_model)
+        # whether the embedding layers are saved whole is read from the base's config.json: rank 0's answer, so
+        # that every rank gathers the same tensors (another node may not have the file)
+        token_layers = torch.tensor([int(saves_token_layers(self.converted, self.base_model_name_or_path))],
+                                    device=self.device)
+        yield adapter_tensors(self.native_model, bool(self.distributed.broadcast(token_layers).item()))
 
     def _save(self, output_dir: Path, native_state: dict | None = None) -> None:
         """Model (Hub format), tokenizer and training_args.bin into ``output_dir``. native_state: a sharded

@@ -218,6 +218,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         (``_tokenizer_settings``), between loading the weights and adding the adapters, as TRL orders them."""
         self.processing_class = (processing_class if processing_class is not None
                                  else load_processing_class(self.converted, **self.loaded_tokenizer_kwargs))
+        self._adapter_route()  # what refuses the peft_config speaks before the settings change anything
         added = self._tokenizer_settings()
         if added and self.peft_config is not None:
             train_new_tokens(self.peft_config, added, tied_head=head_tied_to_embedding(self.native_model))
@@ -250,7 +251,23 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         check_supported(self.objective, self.context, evaluating, algorithm=type(self).__name__,
                         conflicts=pipeline_conflicts(self, evaluating) + self._context_parallel_conflicts(evaluating)
                         + loss_scale_conflicts(self) + self._sampling_conflicts() + batch_size_search_conflicts(self)
-                        + self._evaluation_conflicts(evaluating))
+                        + self._evaluation_conflicts(evaluating) + self._token_rows_conflicts())
+
+    def _token_rows_conflicts(self) -> list[str]:
+        """A head tied to the embedding that trains token rows of its own: no plain model holds it, and rollouts
+        through vLLM, over several processes or in async GRPO's actors decode a plain copy (the native engine on one
+        process decodes the model itself)."""
+        from hfnative.peft.token_rows import tied_head_apart
+
+        model = getattr(self, "native_model", None)
+        if not (isinstance(model, Transformer) and tied_head_apart(model) and self.objective.generates()):
+            return []
+        if not (self.context.world_size > 1 or getattr(self.args, "use_vllm", False)
+                or self.objective.decodes_a_copy):
+            return []
+        return ["trainable_token_indices giving lm_head rows other than embed_tokens' on a model whose head is tied "
+                "to its embedding, with rollouts that decode a plain copy of the policy (vLLM, several processes, "
+                "async GRPO): give lm_head the embedding's rows (or leave it out of trainable_token_indices)"]
 
     @property
     def batches_are_dataset_rows(self) -> bool:

@@ -130,10 +130,10 @@ def train_new_tokens(peft_config, token_ids: list[int], tied_head: bool) -> None
     if indices is None:
         set_("trainable_token_indices", {"embed_tokens": list(token_ids)})
     elif isinstance(indices, dict):
-        indices.setdefault("embed_tokens", [])
-        indices["embed_tokens"] = list(indices["embed_tokens"]) + list(token_ids)
+        listed = list(indices.get("embed_tokens", []))  # ids listed already (a config used twice) are not repeated
+        indices["embed_tokens"] = listed + [i for i in token_ids if i not in listed]
     else:  # a list names rows of the input embedding, as the dict's "embed_tokens" does
-        set_("trainable_token_indices", {"embed_tokens": list(indices) + list(token_ids)})
+        set_("trainable_token_indices", {"embed_tokens": list(indices) + [i for i in token_ids if i not in indices]})
     modules_to_save = get("modules_to_save")
     if tied_head:
         if modules_to_save is None or "lm_head" not in modules_to_save:
