@@ -295,6 +295,28 @@ def test_seeded_sampling_is_reproducible_and_filtered():
 # --- live weights: LoRA, load_weights ---------------------------------------------------------------
 
 
+def _check_live(model, parameters, scale: float, steps: int):
+    """Perturb ``parameters`` in place ``steps`` times (as optimizer steps do); after each, the engine made before on
+    ``model`` gives the merged model's greedy output and log-probs. Returns the engine, the last merged model and the
+    prompts."""
+    engine, prompts = NativeRolloutEngine(model), _prompts(seed=4)
+    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
+    base = engine.generate(prompts, greedy)
+    stats = {"exact": 0, "near_ties": 0}
+    with torch.no_grad():
+        for _ in range(steps):
+            for p in parameters:
+                p.add_(torch.randn_like(p) * scale)
+            merged = merge_lora(copy.deepcopy(model)).eval()
+            ours = engine.generate(prompts, greedy)
+            assert ours.completion_ids != base.completion_ids
+            expected = NativeRolloutEngine(merged).generate(prompts, greedy)
+            _compare_greedy(merged, prompts, ours.completion_ids, expected.completion_ids, stats)
+            assert _check_logprobs(merged, prompts, ours) <= 1e-5
+    assert stats["exact"] >= len(prompts), stats
+    return engine, merged, prompts
+
+
 def test_lora_adapters_are_live():
     """The engine runs the model's adapters as they are now: the merged model's greedy output, before
     and after an in-place update (as an optimizer step makes it)."""
@@ -303,22 +325,7 @@ def test_lora_adapters_are_live():
     names = [f"layers.{i}.{m}" for i in range(model.args.n_layers)
              for m in ("attention.wq", "attention.wv", "feed_forward.w1", "feed_forward.w2")]
     add_lora(model, [LoraTarget((name,), r=4, lora_alpha=8) for name in names], {"r": 4, "lora_alpha": 8})
-    lora_B = [p for n, p in model.named_parameters() if n.endswith("lora_B")]
-    engine, prompts = NativeRolloutEngine(model), _prompts(seed=4)
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
-    base = engine.generate(prompts, greedy)
-    stats = {"exact": 0, "near_ties": 0}
-    with torch.no_grad():
-        for step in range(2):
-            for p in lora_B:
-                p.add_(torch.randn_like(p) * 0.5)
-            merged = merge_lora(copy.deepcopy(model)).eval()
-            ours = engine.generate(prompts, greedy)
-            assert ours.completion_ids != base.completion_ids
-            expected = NativeRolloutEngine(merged).generate(prompts, greedy)
-            _compare_greedy(merged, prompts, ours.completion_ids, expected.completion_ids, stats)
-            assert _check_logprobs(merged, prompts, ours) <= 1e-5
-    assert stats["exact"] >= len(prompts), stats
+    _check_live(model, [p for n, p in model.named_parameters() if n.endswith("lora_B")], scale=0.5, steps=2)
 
 
 @pytest.mark.parametrize("checkpoint, indices", [
@@ -334,25 +341,12 @@ def test_trained_token_rows_are_live(checkpoint, indices):
     model = converted.model
     apply_lora(converted, {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "trainable_token_indices": indices})
     rows = [p for n, p in model.named_parameters() if ".token_rows." in n]
-    engine, prompts = NativeRolloutEngine(model), _prompts(seed=4)
-    greedy = SamplingParams(max_new_tokens=NEW_TOKENS, do_sample=False)
-    base = engine.generate(prompts, greedy)
-    stats = {"exact": 0, "near_ties": 0}
-    with torch.no_grad():
-        for p in rows:
-            p.add_(torch.randn_like(p) * 2.0)
-        merged = merge_lora(copy.deepcopy(model)).eval()
-        ours = engine.generate(prompts, greedy)
-        assert ours.completion_ids != base.completion_ids
-        expected = NativeRolloutEngine(merged).generate(prompts, greedy)
-        _compare_greedy(merged, prompts, ours.completion_ids, expected.completion_ids, stats)
-        assert _check_logprobs(merged, prompts, ours) <= 1e-5
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the replica's bf16 head copy, with the rows applied
-            replica = engine._weights.model_for(model, torch.bfloat16)
-            merged_replica = NativeRolloutEngine(merged)._weights.model_for(merged, torch.bfloat16)
-            ids = torch.tensor([prompts[0]])
-            torch.testing.assert_close(replica(ids).logits, merged_replica(ids).logits, rtol=0, atol=1e-5)
-    assert stats["exact"] >= len(prompts), stats
+    engine, merged, prompts = _check_live(model, rows, scale=2.0, steps=1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # the replica's bf16 head copy, rows applied
+        replica = engine._weights.model_for(model, torch.bfloat16)
+        merged_replica = NativeRolloutEngine(merged)._weights.model_for(merged, torch.bfloat16)
+        ids = torch.tensor([prompts[0]])
+        torch.testing.assert_close(replica(ids).logits, merged_replica(ids).logits, rtol=0, atol=1e-5)
 
 
 def test_load_weights_copies_by_native_name():
