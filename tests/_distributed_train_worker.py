@@ -47,6 +47,9 @@ LAYOUTS = {
     # an adapter folder whose run cloned a template that added tokens (test_distributed_trainer.cloned_adapter): the
     # base resized to its rows, its token rows trained on; saved with the resized embedding whole (gathered)
     "fsdp4-cloned-template-adapter": (dict(dp_shard_size=4), dict(model="CLONED_ADAPTER")),
+    # a chat template (a tokenizer folder, $TEMPLATE_FOLDER) whose cloning adds a token: the model loaded whole,
+    # resized before it is sharded, the drawn rows rank 0's
+    "fsdp4-cloned-template": (dict(dp_shard_size=4), dict(chat_template_path="TEMPLATE_FOLDER")),
     # load_best_model_at_end: the best checkpoint's adapter read back into the sharded adapters, each rank its rows
     # ("best" is the highest eval loss, so an earlier checkpoint than the last step's weights)
     "fsdp4-lora-best": (dict(dp_shard_size=4), dict(
@@ -73,6 +76,8 @@ def model_of(extra: dict) -> tuple[str, dict, dict]:
     peft = extra.pop("peft", None)
     extra.pop("stream", None)  # a property of the dataset (train_dataset)
     extra.pop("eval", None)  # likewise (eval_dataset)
+    if extra.get("chat_template_path") == "TEMPLATE_FOLDER":
+        extra["chat_template_path"] = os.environ["TEMPLATE_FOLDER"]
     trainer_kwargs = {}
     if peft is not None:
         from peft import LoraConfig

@@ -57,10 +57,18 @@ def cloned_adapter(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory, fallback_model, cloned_adapter):
+def template_folder(tmp_path_factory) -> str:
+    """A tokenizer folder whose chat template writes a token the tiny model's tokenizer lacks."""
+    from test_clone_chat_template import _source
+
+    return _source(tmp_path_factory.mktemp("template"), new_token=True)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, fallback_model, cloned_adapter, template_folder):
     out = tmp_path_factory.mktemp("distributed")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(HERE), FALLBACK_MODEL=fallback_model,
-               CLONED_ADAPTER=cloned_adapter)
+               CLONED_ADAPTER=cloned_adapter, TEMPLATE_FOLDER=template_folder)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
                str(HERE / "_distributed_train_worker.py"), str(out), *worker.LAYOUTS]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
@@ -91,9 +99,11 @@ def _weights_file(trainer_kwargs: dict, layout_extra: dict | None = None) -> str
 
 
 @pytest.mark.parametrize("layout", list(worker.LAYOUTS))
-def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, cloned_adapter, monkeypatch):
+def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_model, cloned_adapter, template_folder,
+                                        monkeypatch):
     monkeypatch.setenv("FALLBACK_MODEL", fallback_model)
     monkeypatch.setenv("CLONED_ADAPTER", cloned_adapter)
+    monkeypatch.setenv("TEMPLATE_FOLDER", template_folder)
     sizes, extra = worker.LAYOUTS[layout]
     reference_logs, reference_weights, reference_names = _reference(tmp_path, sizes, extra)
     logs = json.loads((launched / layout / "log.json").read_text())
@@ -122,14 +132,16 @@ def test_layout_trains_like_one_process(launched, layout, tmp_path, fallback_mod
 
 
 @pytest.mark.parametrize("layout", [name for name, (_, extra) in worker.LAYOUTS.items() if "model" not in extra])
-def test_sharded_save_equals_single_process_export(launched, layout, tmp_path):
+def test_sharded_save_equals_single_process_export(launched, layout, tmp_path, template_folder, monkeypatch):
     """Saved from the shards before training: tensor for tensor what one process exports from the checkpoint (with
-    LoRA: the adapter one process saves with the same seed)."""
+    LoRA: the adapter one process saves with the same seed; with a cloned template: the model one process resizes
+    with the same seed)."""
+    monkeypatch.setenv("TEMPLATE_FOLDER", template_folder)
     sizes, extra = worker.LAYOUTS[layout]
     model, trainer_kwargs, settings = worker.model_of(extra)
     settings.pop("fsdp", None)
     name = _weights_file(trainer_kwargs)
-    if trainer_kwargs:
+    if trainer_kwargs or "chat_template_path" in settings:
         one = SFTTrainer(model=model, args=worker.config(str(tmp_path / "one"), worker.PER_DEVICE, **settings),
                          train_dataset=Dataset.from_list(worker.rows()), eval_dataset=worker.eval_dataset(extra),
                          **trainer_kwargs)

@@ -246,12 +246,15 @@ class ModelMixin:
         """The policy's token rows resized to ``rows``, as TRL's clone_chat_template resizes its model
         (``hfnative.models.vocabulary``; transformers' resize_token_embeddings for a model on the transformers
         fallback), with the config's vocab_size; a transformers object given as ``model`` is resized too, so the
-        trained weights can be copied back into it. Refused where the weights are already sharded or adapted."""
+        trained weights can be copied back into it. In a distributed run (the model is loaded whole for it:
+        ``_may_load_sharded``) the new rows are rank 0's on every rank. Refused where the weights are already sharded
+        or adapted."""
         current = self.native_model.get_input_embeddings().weight.shape[0]
         if rows == current:
             return
         what = f"chat_template_path: cloning the template resizes the model's token rows from {current} to {rows}"
-        if self.distributed is not None:
+        if self.distributed is not None and any(p.is_meta or type(p.data) is not torch.Tensor
+                                                for p in self.native_model.parameters()):
             raise ValueError(f"{what}, which a distributed run cannot do once its weights are sharded: clone the template "
                              "on one process (trl's clone_chat_template, or an hfnative run's save_model), and train "
                              "from the saved model and tokenizer")
@@ -270,6 +273,14 @@ class ModelMixin:
             hf_model.resize_token_embeddings(rows, mean_resizing=True)
             if hasattr(getattr(self.native_model, "args", None), "vocab_size"):
                 self.native_model.args.vocab_size = rows
+        if self.distributed is not None:  # every rank drew its new rows: rank 0's are the ones trained, everywhere
+            with torch.no_grad():
+                tables = [self.native_model.get_input_embeddings().weight]
+                head = self.native_model.get_output_embeddings()
+                if head is not None and head.weight is not tables[0]:
+                    tables.append(head.weight)
+                for table in tables:
+                    self.distributed.broadcast(table.data)
         given = self._given_model() if self._given_model is not None else None
         if given is not None:  # the object given as `model` holds the same rows now (the trained ones after train())
             given.resize_token_embeddings(rows, mean_resizing=False)

@@ -365,9 +365,13 @@ class DistributedMixin:
 
     def _may_load_sharded(self, model) -> bool:
         """Whether each rank may read just its slice of ``model``'s checkpoint: a Hub-format folder or id with
-        nothing to add before parallelizing (adapters, quantization). Others are loaded whole, then sharded."""
+        nothing to add before parallelizing (adapters, quantization, token rows a cloned chat template may resize).
+        Others are loaded whole, then sharded."""
         kwargs = self._model_init_kwargs
         if self.distributed.dims.pp_enabled:  # each stage keeps its blocks of the whole model, loaded first
+            return False
+        template = getattr(self.args, "chat_template_path", None)
+        if template is not None and os.path.isdir(template):  # cloning it may resize the token rows, before sharding
             return False
         return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
                 and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
