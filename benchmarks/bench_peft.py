@@ -11,6 +11,12 @@ Every run is its own child process (peak RSS is that runner's alone, VmHWM), run
 
     python benchmarks/bench_peft.py --preset smoke
     python benchmarks/bench_peft.py --preset 100m --write-results
+    python benchmarks/bench_peft.py --preset 100m --clone-template --runners trl-lora,ours-lora --rounds 2
+
+--clone-template: the model untied, its tokenizer grown to one token short of its rows, and both runners given
+``chat_template_path`` naming a tokenizer folder with one special token more, as a user adding a chat template to a
+base model does: under LoRA the new token's row trains through peft's trainable_token_indices, with the head in full
+(modules_to_save=["lm_head"]), as TRL's SFTTrainer arranges it.
 
 LoRA's B starts at zero, so the first step's loss is the base model's and every runner's step-1 loss
 must agree (QLoRA's up to the NF4 rounding of the base). peft and hfnative draw A from their own
@@ -75,6 +81,8 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
     dataset = datasets.load_from_disk(spec["data_dir"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     arguments = dict(training_arguments(runner, spec), max_length=shape.seq, packing=False)
+    if spec.get("template_dir"):
+        arguments["chat_template_path"] = spec["template_dir"]
     if method == "qlora":  # the TRL user's QLoRA recipe, unchanged for both
         arguments["model_init_kwargs"] = {"quantization_config": transformers.BitsAndBytesConfig(**NF4)}
     peft_config = None
@@ -183,7 +191,8 @@ def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
         f"trl {machine['trl']}, peft {package_version('peft')}, torchao {package_version('torchao')}, "
         f"bitsandbytes {package_version('bitsandbytes')}; date {machine['date']}; load average {machine['load_average']}",
         f"model: Qwen3-shaped, hidden {shape.hidden}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
-        f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, tied; "
+        f"head_dim {shape.head_dim}, intermediate {shape.intermediate}, vocab {shape.vocab}, "
+        f"{'untied, a cloned chat template adding a token (chat_template_path)' if cli.clone_template else 'tied'}; "
         f"{total_params / 1e6:.2f}M parameters",
         f"training: fp32 (use_cpu, bf16=False), seq {shape.seq}, batch {shape.batch}, {shape.steps} steps "
         f"({shape.warmup} warm-up steps not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, "
@@ -201,6 +210,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PEFT_PRESETS), default="100m")
     parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated subset of {','.join(RUNNERS)}")
+    parser.add_argument("--clone-template", action="store_true",
+                        help="untied model; chat_template_path adds a token (its rows train under LoRA)")
     add_run_arguments(parser, timeout=1800, rounds=1, overrides=("seq", "batch", "steps", "warmup"))
     return parser.parse_args(argv)
 
@@ -218,7 +229,22 @@ def main() -> None:
         sys.exit(f"--runners: unknown runner(s) {', '.join(unknown)}; use a subset of {','.join(RUNNERS)}")
 
     with work_folder("bench_peft_", cli.keep) as work:
-        workload = prepare_workload(work, shape, cli, device="cpu", packing=False)
+        template_dir = None
+        if cli.clone_template:
+            template_dir = work / "template"
+        workload = prepare_workload(work, shape, cli, device="cpu", packing=False, tied=not cli.clone_template,
+                                    template_dir=str(template_dir) if template_dir else None)
+        if template_dir is not None:
+            # the model's tokenizer grown to one token short of its rows (placeholders), so that the template's token
+            # takes the last row and the vocabulary keeps the preset's size; the template folder: that tokenizer plus
+            # one special token, with a template that writes it
+            tokenizer = AutoTokenizer.from_pretrained(str(work / "model"))
+            tokenizer.add_tokens([f"<placeholder_{i}>" for i in range(shape.vocab - 1 - len(tokenizer))])
+            tokenizer.save_pretrained(str(work / "model"))
+            tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool_start|>"]})
+            tokenizer.chat_template = ("{% for message in messages %}<|tool_start|>{{ message['content'] }}"
+                                       "{% endfor %}")
+            tokenizer.save_pretrained(str(template_dir))
         setup = describe_setup(cli, shape, workload.parameters, workload.data)
         print(setup, flush=True)
 
@@ -228,7 +254,8 @@ def main() -> None:
 
         results = run_rounds(runners, workload, cli, __file__, shown)
         report = summarize(results, runners, workload.parameters)
-        title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`), preset `{cli.preset}`, cpu"
+        cloned = ", a cloned chat template adding a token" if cli.clone_template else ""
+        title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`{cloned}), preset `{cli.preset}`, cpu"
         finish(cli, setup, report, results, title, __file__)
 
 
