@@ -34,6 +34,7 @@ from hfnative.peft import (
 )
 
 from hfnative.peft.adapters import ORIGINAL_PREFIX
+from hfnative.peft.token_rows import TokenRowsEmbedding
 
 from .export import write_atomically, hub_tensor
 from .loading import ConvertedModel
@@ -43,7 +44,6 @@ from .lora_targets import (
     hub_modules,
     hub_parameter_pieces,
     plan_lora,
-    plan_token_rows,
     resolved_target_modules,
     token_layer_paths,
 )
@@ -196,26 +196,32 @@ TOKEN_ADAPTER = ".token_adapter"  # peft's TrainableTokensWrapper: the layer who
 DELTA = TOKEN_ADAPTER + ".trainable_tokens_delta"
 
 
-def _token_layers(converted: ConvertedModel, settings: LoraSettings, native: dict[str, torch.Tensor],
-                  copies: set[str]) -> list[dict]:
-    """The token embedding and the output head as peft holds them under ``settings``: each one's Hub path, the path
-    its weight sits under in peft's module tree (``.token_adapter.base_layer`` where its token rows train), its
-    native weight (the trained copy's with modules_to_save, else the base's), its base weight (the original behind
-    a copy), and its trained rows (its own, or the embedding's a tied head shares) by native name."""
-    plan = plan_token_rows(converted, settings)
+EMBEDDING_ROWS = "tok_embeddings.token_rows.values"  # the native parameters holding trained token rows
+HEAD_ROWS = "output.token_rows.values"
+
+
+def token_rows_names(converted: ConvertedModel) -> dict[str, str | None]:
+    """The Hub paths of the token embedding and of the output head -> the native parameter holding the token rows each
+    trains (a tied head's may be the embedding's, which it shares), or None."""
     model = converted.model
     embedding_path, head_path = token_layer_paths(converted)
-    layers = [dict(path=embedding_path, weight="tok_embeddings.weight", own_rows=True,
-                   rows="tok_embeddings.token_rows.values" if plan is not None and plan.embedding else None)]
+    embedding = EMBEDDING_ROWS if isinstance(model.tok_embeddings, TokenRowsEmbedding) else None
+    head = model.output
+    head_rows = HEAD_ROWS if "token_rows" in head._modules else embedding if head.token_rows_in_use() is not None else None
+    return {embedding_path: embedding, head_path: head_rows}
+
+
+def _token_layers(converted: ConvertedModel, native: dict[str, torch.Tensor], copies: set[str]) -> list[dict]:
+    """The token embedding and the output head as peft holds them: each one's Hub path, the path its weight sits under
+    in peft's module tree (``.token_adapter.base_layer`` where its token rows train), its native weight (the trained
+    copy's with modules_to_save, else the base's), its base weight (the original behind a copy), and its trained rows
+    (``token_rows_names``) and whether they are its own."""
+    model = converted.model
+    (embedding_path, embedding_rows), (head_path, head_rows) = token_rows_names(converted).items()
+    layers = [dict(path=embedding_path, weight="tok_embeddings.weight", rows=embedding_rows, own_rows=True)]
     if converted.args.num_labels is None:  # a classifier's score head is no output embedding (peft saves none)
-        head_rows = None
-        if plan is not None and plan.head_shares:
-            head_rows = "tok_embeddings.token_rows.values"
-        elif plan is not None and plan.head:
-            head_rows = "output.token_rows.values"
         weight = "output.weight" if "output.weight" in native else "tok_embeddings.weight"  # tied: the embedding's
-        layers.append(dict(path=head_path, weight=weight, rows=head_rows,
-                           own_rows=head_rows == "output.token_rows.values"))
+        layers.append(dict(path=head_path, weight=weight, rows=head_rows, own_rows=head_rows == HEAD_ROWS))
     for layer in layers:
         layer["inner"] = layer["path"] + (TOKEN_ADAPTER + ".base_layer" if layer["rows"] else "")
         layer["copy"] = layer["weight"] in copies
@@ -225,38 +231,12 @@ def _token_layers(converted: ConvertedModel, settings: LoraSettings, native: dic
     return layers
 
 
-def _vocabulary_changed(converted: ConvertedModel, base_model_name_or_path: str | None) -> bool:
-    """Whether the model's vocabulary differs from its base model's config.json (peft's save_embedding_layers="auto":
-    the embedding layers are then saved whole). The base's config is read from its folder or the local Hub cache;
-    where neither has it, peft assumes the vocabulary unchanged, and so does this."""
-    if not base_model_name_or_path:
-        return False
-    path = Path(base_model_name_or_path) / "config.json"
-    if not path.is_file():
-        try:
-            from huggingface_hub import try_to_load_from_cache
-
-            cached = try_to_load_from_cache(str(base_model_name_or_path), "config.json")
-        except Exception:  # not a Hub id
-            return False
-        if not isinstance(cached, str):
-            return False
-        path = Path(cached)
-    try:
-        base = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    base = base.get("text_config", base) if "vocab_size" not in base else base
-    vocab = getattr(converted.config.get_text_config(), "vocab_size", None)
-    return base.get("vocab_size") is not None and vocab is not None and base["vocab_size"] != vocab
-
-
-def _token_layer_tensors(converted: ConvertedModel, settings: LoraSettings, native: dict[str, torch.Tensor],
-                         tensors: dict[str, torch.Tensor], vocabulary_changed: bool) -> None:
+def _token_layer_tensors(converted: ConvertedModel, native: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor],
+                         vocabulary_changed: bool) -> None:
     """The token rows' tensors under peft's keys, a trained copy of a head whose rows train under its wrapped path,
     and (``vocabulary_changed``) every tensor of the embedding and the output head, as peft saves them then."""
     copies = {name for name, _, _ in trainable_copies(converted.model)}
-    for layer in _token_layers(converted, settings, native, copies):
+    for layer in _token_layers(converted, native, copies):
         path, inner = PEFT_PREFIX + layer["path"], PEFT_PREFIX + layer["inner"]
         if layer["copy"] and inner != path:  # the copy's key moves under the wrapper
             tensors[inner + ".weight"] = tensors.pop(path + ".weight")
@@ -274,7 +254,7 @@ def _token_layer_tensors(converted: ConvertedModel, settings: LoraSettings, nati
 
 
 def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
-                           native_state: dict[str, torch.Tensor] | None = None, settings=None,
+                           native_state: dict[str, torch.Tensor] | None = None,
                            vocabulary_changed: bool = False) -> dict[str, torch.Tensor]:
     """The adapter's tensors under the keys peft saves (``base_model.model.<hub path>.lora_A.weight``,
     ``.lora_B.weight``, ``.lora_magnitude_vector``, modules_to_save and bias tensors by their Hub keys,
@@ -313,8 +293,7 @@ def hub_adapter_state_dict(converted: ConvertedModel, bias: str = "none",
             continue
         key = f"{path}.base_layer.{leaf}" if (path in adapted_paths and not is_copy) else hf_key
         tensors[PEFT_PREFIX + key] = hub_tensor(pieces, native)
-    if settings is not None:
-        _token_layer_tensors(converted, lora_settings(settings), native, tensors, vocabulary_changed)
+    _token_layer_tensors(converted, native, tensors, vocabulary_changed)
     saved, seen = {}, set()
     for key, value in tensors.items():
         value = value.to("cpu").contiguous()
@@ -339,11 +318,32 @@ def adapter_tensors(model, token_layers: bool = False) -> dict[str, torch.Tensor
 
 
 def saves_token_layers(converted: ConvertedModel, base_model_name_or_path: str | None) -> bool:
-    """Whether ``save_adapter`` writes the embedding and the head whole (peft's save_embedding_layers="auto": the
-    vocabulary differs from the base model's)."""
+    """Whether ``save_adapter`` writes the embedding and the head whole: peft's save_embedding_layers="auto", when the
+    model's vocabulary differs from its base model's config.json (``base_model_name_or_path``; None: the folder the
+    model came from). The base's config is read from its folder or the local Hub cache; where neither has it, peft
+    assumes the vocabulary unchanged, and so does this."""
     if base_model_name_or_path is None and converted.source_dir is not None:
         base_model_name_or_path = str(converted.source_dir)
-    return _vocabulary_changed(converted, base_model_name_or_path)
+    if not base_model_name_or_path:
+        return False
+    path = Path(base_model_name_or_path) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(str(base_model_name_or_path), "config.json")
+        except Exception:  # not a Hub id
+            return False
+        if not isinstance(cached, str):
+            return False
+        path = Path(cached)
+    try:
+        base = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    base = base.get("text_config", base) if "vocab_size" not in base else base
+    vocab = getattr(converted.config.get_text_config(), "vocab_size", None)
+    return base.get("vocab_size") is not None and vocab is not None and base["vocab_size"] != vocab
 
 
 def save_adapter(
@@ -383,8 +383,8 @@ def save_adapter(
             "pass the settings given to apply_lora"
         )
     config = adapter_config(converted, settings, base_model_name_or_path)
-    tensors = hub_adapter_state_dict(converted, settings.bias, native_state, settings,
-                                     _vocabulary_changed(converted, base_model_name_or_path))
+    tensors = hub_adapter_state_dict(converted, settings.bias, native_state,
+                                     saves_token_layers(converted, base_model_name_or_path))
     write_atomically(out_dir / ADAPTER_WEIGHTS_NAME, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     text = json.dumps(config, indent=2, sort_keys=True) + "\n"
     write_atomically(out_dir / ADAPTER_CONFIG_NAME, lambda tmp: tmp.write_text(text))
@@ -393,10 +393,14 @@ def save_adapter(
 
 def peft_module_key(key: str) -> str:
     """A key of peft's module tree as the Hub model's: the wrappers' segments dropped (``.base_layer``,
-    ``.token_adapter``, ``.modules_to_save``, ``.original_module``)."""
-    for wrapper in (".base_layer.", TOKEN_ADAPTER + ".", ".modules_to_save.", ".original_module."):
-        key = key.replace(wrapper, ".")
-    return key
+    ``.token_adapter``, ``.modules_to_save``, ``.original_module``), nested ones too."""
+    while True:
+        plain = key
+        for wrapper in (".base_layer.", TOKEN_ADAPTER + ".", ".modules_to_save.", ".original_module."):
+            plain = plain.replace(wrapper, ".")
+        if plain == key:
+            return key
+        key = plain
 
 
 def saved_vocabulary(converted: ConvertedModel, adapter_dir: str | os.PathLike) -> int | None:
@@ -440,11 +444,7 @@ def load_adapter_weights(converted: ConvertedModel, adapter_dir: str | os.PathLi
     params = dict(model.named_parameters(remove_duplicate=False))
     written, unexpected, wrong_shape = set(), [], []
     copies = {name: (module, attr) for name, module, attr in trainable_copies(model)}
-    embedding_path, head_path = token_layer_paths(converted)
-    head_rows = model.output.token_rows_in_use()
-    rows_of = {embedding_path: "tok_embeddings.token_rows.values",
-               head_path: "output.token_rows.values" if "token_rows" in model.output._modules
-               else "tok_embeddings.token_rows.values" if head_rows is not None else None}
+    rows_of = token_rows_names(converted)
 
     def put(native_name: str, value: torch.Tensor, key: str, original: bool = False):
         if original and native_name in copies:  # the weight behind a trained copy (peft's original_module)
@@ -550,4 +550,5 @@ __all__ = [
     "read_adapter_config",
     "save_adapter",
     "saves_token_layers",
+    "token_rows_names",
 ]

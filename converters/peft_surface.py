@@ -38,8 +38,8 @@ from hfnative.peft.adapters import ORIGINAL_PREFIX
 
 from .export import hub_tensor
 from .hub_model import _weights_version
-from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora, token_layer_paths
-from .peft import DELTA, PEFT_PREFIX, TOKEN_ADAPTER, expert_adapter_keys, peft_module_key
+from .lora_targets import hub_modules, hub_parameter_pieces, plan_lora
+from .peft import DELTA, PEFT_PREFIX, expert_adapter_keys, peft_module_key, token_rows_names
 
 _LORA_KINDS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
@@ -271,7 +271,7 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
         return _Source(assemble=assemble)
 
     expert_keys = expert_adapter_keys(converted)
-    embedding_path = token_layer_paths(converted)[0]
+    rows_of = token_rows_names(converted)
     sources = {}
     for full, meta in peft_names.items():
         name = full.removeprefix(PEFT_PREFIX)
@@ -289,9 +289,7 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
                 source = _Source(assemble=lambda tensors, runtime, names=names: torch.cat([tensors[n].detach() for n in names]))
             source.requires_grad = True
         elif DELTA + ".default" in name:  # trained token rows: a layer's own, or the embedding's a tied head shares
-            layer = name.split(DELTA)[0]
-            source = _Source(native="tok_embeddings.token_rows.values" if layer == embedding_path
-                             else "output.token_rows.values")
+            source = _Source(native=rows_of[name.split(DELTA)[0]])
             source.requires_grad = True
         elif ".modules_to_save.default." in name:
             source = from_pieces(pieces_of[peft_module_key(name.replace(".modules_to_save.default.", "."))])
@@ -301,9 +299,7 @@ def _sources(converted, peft_names: dict[str, torch.Tensor]) -> dict[str, _Sourc
             has_original = all(_original_name(p.native_key) in buffers for p in pieces)
             source = from_pieces(pieces, originals=has_original)
         else:
-            hub_key = name
-            while ".base_layer." in hub_key or TOKEN_ADAPTER + "." in hub_key:  # under nested wrappers (several
-                hub_key = peft_module_key(hub_key)  # stacked expert tensors, a head's token rows over its copy)
+            hub_key = peft_module_key(name)  # under nested wrappers too (stacked expert tensors, a head's token rows)
             source = from_pieces(pieces_of[hub_key]) if hub_key in pieces_of else runtime_tensor(hub_key)
             source.requires_grad = bool(meta.requires_grad)
         sources[full] = source

@@ -76,10 +76,11 @@ class ModelMixin:
         self._given_model = weakref.ref(model) if given and isinstance(loaded.converted, ConvertedModel) else None
         self.lora_settings = loaded.lora_settings  # set when `model` is a PEFT adapter folder
         self.base_model_name_or_path = loaded.base_model_name_or_path
+        route = self._adapter_route()  # what refuses the peft_config speaks before the tokenizer settings change anything
         if before_adapters is not None:
             self._attach_surface()  # the tokenizer settings read the model as transformers' (config, embeddings)
             before_adapters()
-        self._add_adapters()
+        self._add_adapters(route)
         self._attach_surface()
         if hasattr(self.native_model, "add_model_tags"):
             self.native_model.add_model_tags(self._tag_names)
@@ -196,9 +197,9 @@ class ModelMixin:
     def _adapter_route(self) -> str | None:
         """Where ``peft_config``'s adapters go ("native", "peft": peft itself on transformers' module; None without
         one), after what refuses the request: checked before the tokenizer settings change anything (the template
-        cloned, the model resized) and again as the adapters go on. A native config is planned on the model as it
-        is (its target modules, modules_to_save, token rows; not their ids, which may name tokens the template
-        adds)."""
+        cloned, the model resized). A native config is planned on the model as it is (its target modules,
+        modules_to_save, token rows; not their ids, which may name tokens the template adds); ``apply_lora`` plans
+        it again on the model the adapters go on."""
         kwargs = self._model_init_kwargs
         quantized = bool(kwargs.get("load_in_4bit")) or kwargs.get("quantization_config") is not None
         if self.peft_config is None:
@@ -223,9 +224,9 @@ class ModelMixin:
         plan_lora(self.converted, lora_settings(self.peft_config), check_token_ids=False)
         return "native"
 
-    def _add_adapters(self) -> None:
-        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config``: only adapter parameters train."""
-        route = self._adapter_route()
+    def _add_adapters(self, route: str | None) -> None:
+        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config`` by ``route`` (``_adapter_route``): only adapter
+        parameters train."""
         if route is None:
             return
         if route == "peft":  # peft itself, on transformers' module

@@ -218,7 +218,6 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
         (``_tokenizer_settings``), between loading the weights and adding the adapters, as TRL orders them."""
         self.processing_class = (processing_class if processing_class is not None
                                  else load_processing_class(self.converted, **self.loaded_tokenizer_kwargs))
-        self._adapter_route()  # what refuses the peft_config speaks before the settings change anything
         added = self._tokenizer_settings()
         if added and self.peft_config is not None:
             train_new_tokens(self.peft_config, added, tied_head=head_tied_to_embedding(self.native_model))
