@@ -426,6 +426,49 @@ def check_cross_entropy():
                 _close(got, expected, False, f"cross_entropy {case} grad {name}", fp32_scale_tolerance=5e-5)
 
 
+def check_cross_entropy_replaced_rows():
+    """The Triton cross-entropy kernel (the GPU policy, gradients in blocks) with rows of the head read from elsewhere
+    (``ReplacedRows``: trained token rows over a frozen matrix) against torch's ops over the matrix with the rows copied
+    in: the loss and the gradients of the hidden states and the rows, fp32 and bf16 autocast, masked rows, several
+    chunks and blocks."""
+    import dataclasses
+
+    from hfnative.device_policy import GPU_POLICY
+    from hfnative.losses import IGNORE_INDEX, ReplacedRows
+    from hfnative.losses.cross_entropy import fused_linear_cross_entropy
+
+    N, D, V = 37, 16, 3000
+    policy = dataclasses.replace(GPU_POLICY, name="gpu-small-chunks", head_chunk_elements=8 * V,
+                                 head_gradient_block_elements=16 * V)
+    generator = torch.Generator().manual_seed(9)
+    hidden = torch.randn(N, D, generator=generator)
+    weight = torch.randn(V, D, generator=generator)  # frozen
+    rows = torch.randn(3, D, generator=generator)
+    indices = torch.tensor([2999, 5, 1200])
+    targets = torch.randint(0, V, (N,), generator=generator)
+    targets[:6] = indices.repeat(2)
+    targets[[8, 30]] = IGNORE_INDEX
+    for bf16 in (False, True):
+        runs = {}
+        for way in ("triton", "copied"):
+            os.environ[triton_kernels.ENV_SWITCH] = "1" if way == "triton" else "0"
+            h, r = hidden.clone().requires_grad_(), rows.clone().requires_grad_()
+            with use_device_policy(policy), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                if way == "triton":
+                    out = fused_linear_cross_entropy(h, weight, targets, masked=True,
+                                                     replaced_rows=ReplacedRows(indices, r))
+                else:
+                    out = fused_linear_cross_entropy(h, weight.index_copy(0, indices, r), targets, masked=True)
+                (out.loss_sum * 0.5).backward()
+            runs[way] = (out.loss_sum.detach(), h.grad, r.grad)
+        what = f"cross_entropy replaced rows bf16={bf16}"
+        (loss, h_grad, r_grad), (want, want_h, want_r) = runs["triton"], runs["copied"]
+        torch.testing.assert_close(loss, want, rtol=2e-3 if bf16 else 1e-6, atol=0, msg=f"{what} loss")
+        assert r_grad.abs().sum() > 0, what
+        for name, got, expected in (("hidden", h_grad, want_h), ("rows", r_grad, want_r)):
+            _close(got, expected, bf16, f"{what} grad {name}", fp32_scale_tolerance=5e-5)
+
+
 def check_silu_gated():
     generator = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.bfloat16):

@@ -274,6 +274,33 @@ def test_token_rows_train_alone_and_steps_match_peft(case_id, checkpoint_dir, tm
     assert not torch.equal(trained, table[model.tok_embeddings.token_rows.indices])
 
 
+@pytest.mark.parametrize("case_id", ["tokens-tied", "tokens-tied-head-apart", "tokens-untied-both"])
+def test_token_rows_in_the_fused_loss_match_peft(case_id, checkpoint_dir, tmp_path):
+    """The loss through the fused head (the rows read in place of the matrix's, no copy of it) and the rows' gradients
+    equal peft's cross-entropy over its logits, on a tied head (the embedding's rows, or rows of its own) and an
+    untied one."""
+    checkpoint, fields = _BY_ID[case_id]
+    peft_model, converted = _native_pair(checkpoint_dir(checkpoint), fields, tmp_path)
+    ids = _input_ids(seed=3)
+    ids[0, 2:5] = torch.tensor([7, 4, 0])  # trained tokens as inputs and as labels
+    model = converted.model.train()
+    peft_model.train()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    expected = peft_model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    assert abs(loss.item() - expected.item()) <= TOLERANCE
+    theirs = {name.split("base_model.model.")[-1]: p.grad for name, p in peft_model.named_parameters()
+              if "trainable_tokens_delta" in name}
+    ours = {name: p.grad for name, p in model.named_parameters() if ".token_rows." in name}
+    layers = {"tok_embeddings.token_rows.values": "model.embed_tokens.token_adapter.trainable_tokens_delta.default",
+              "output.token_rows.values": "lm_head.token_adapter.trainable_tokens_delta.default"}
+    assert {layers[name] for name in ours} == set(theirs)
+    for name, grad in ours.items():
+        assert grad.abs().sum() > 0, name
+        assert _max_diff(grad, theirs[layers[name]]) <= TOLERANCE, name
+
+
 @pytest.mark.parametrize("case_id", ["modules-to-save-lm-head", "tied-modules-to-save", "experts-gptoss-by-layer",
                                      "tokens-tied", "tokens-untied-both"])
 def test_disable_adapters_runs_the_base_model(case_id, checkpoint_dir, tmp_path):

@@ -1,5 +1,6 @@
 """Losses over the output head: fused (chunked, no [tokens, vocab] tensor kept) and plain references."""
 
+from hfnative.losses._chunks import ReplacedRows
 from hfnative.losses.cross_entropy import (
     IGNORE_INDEX,
     CrossEntropyOutput,
@@ -16,6 +17,7 @@ __all__ = [
     "IGNORE_INDEX",
     "CrossEntropyOutput",
     "DistillationOutput",
+    "ReplacedRows",
     "at_least_one",
     "fused_linear_cross_entropy",
     "fused_linear_generalized_jsd",

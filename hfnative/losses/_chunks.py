@@ -13,6 +13,7 @@ softmax running in place); nothing of size [N, V] is ever allocated.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 from torch.utils._pytree import register_dataclass
@@ -78,6 +79,37 @@ def no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False)
 
 
+@dataclass
+class ReplacedRows:
+    """Rows ``indices_K`` of the head matrix W taken from ``rows_KD`` instead (peft's trained token rows,
+    ``hfnative.peft.token_rows``), without a copy of W: each chunk's product h @ W.T gets those columns from
+    h @ rows.T, and their gradient goes to the rows, not to W. K is small (the trained tokens), so the extra work is
+    two [C, K] x [K, D]-sized products per chunk; a copy of W with the rows in place would cost a [V, D] tensor and,
+    through autograd, a [V, D] gradient."""
+
+    indices_K: torch.Tensor
+    rows_KD: torch.Tensor
+
+    def weight(self, weight_VD: torch.Tensor) -> torch.Tensor:
+        """W with the rows in place (a new [V, D] tensor): for the paths that materialise the logits."""
+        return weight_VD.index_copy(0, self.indices_K, self.rows_KD.to(weight_VD.dtype))
+
+    def put_columns(self, h_CD: torch.Tensor, product_CV: torch.Tensor, scale: float = 1.0) -> None:
+        """In place: the replaced columns of ``product_CV`` (h @ W.T times ``scale``) from h @ rows.T times ``scale``,
+        the product formed in h's dtype (the rows' values cast to it, as a copy of W would hold them)."""
+        columns_CK = h_CD @ self.rows_KD.to(h_CD.dtype).T
+        if scale != 1.0:
+            columns_CK = columns_CK.mul_(scale)
+        product_CV.index_copy_(1, self.indices_K, columns_CK.to(product_CV.dtype))
+
+    def take_columns(self, grad_CV: torch.Tensor) -> torch.Tensor:
+        """The replaced columns of a logit gradient, in float32 [C, K], zeroed in ``grad_CV`` (W's rows there do not
+        reach the logits: they get no gradient, and the hidden states get theirs through the rows)."""
+        taken_CK = grad_CV.index_select(1, self.indices_K).float()
+        grad_CV.index_fill_(1, self.indices_K, 0)
+        return taken_CK
+
+
 class ChunkBuffers:
     """The [C, V] scratch tensors one chunk loop reuses: logits z (fp32), probabilities/gradient (fp32),
     and, for bf16/fp16 inputs, a low-precision one for the matmuls."""
@@ -120,21 +152,29 @@ class ChunkBuffers:
 # the product to the input dtype, as that kernel does. The fp32 copy of the head weight costs one [V, D] fp32 tensor.
 
 
-def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV, weight_fp32_VD=None) -> torch.Tensor:
+def chunk_logits(h_CD, weight_VD, softcap, temperature, z_CV, low_CV, weight_fp32_VD=None,
+                 replaced: ReplacedRows | None = None) -> torch.Tensor:
     """z = softcap(h @ W.T) / temperature, written into z_CV (fp32). With ``weight_fp32_VD`` (CPU, low-precision
-    operands: ``ChunkBuffers.weight_fp32``) the product runs in fp32 and is rounded to the operands' dtype."""
+    operands: ``ChunkBuffers.weight_fp32``) the product runs in fp32 and is rounded to the operands' dtype.
+    ``replaced``: rows of W read from elsewhere (``ReplacedRows``)."""
     scale = 1.0 / softcap if softcap is not None else 1.0 / temperature
     if low_CV is None:
         if scale == 1.0:
             torch.mm(h_CD, weight_VD.T, out=z_CV)
         else:
             torch.addmm(z_CV, h_CD, weight_VD.T, beta=0.0, alpha=scale, out=z_CV)
+        if replaced is not None:
+            replaced.put_columns(h_CD, z_CV, scale)
     else:
         if weight_fp32_VD is not None:
             torch.mm(h_CD.float(), weight_fp32_VD.T, out=z_CV)
+            if replaced is not None:  # the rows' low-precision values exactly, in fp32 like the rest
+                replaced.put_columns(h_CD.float(), z_CV)
             low_CV.copy_(z_CV)
         else:
             torch.mm(h_CD, weight_VD.T, out=low_CV)
+            if replaced is not None:
+                replaced.put_columns(h_CD, low_CV)
         z_CV.copy_(low_CV)
         if scale != 1.0:
             z_CV.mul_(scale)
@@ -236,11 +276,17 @@ class HeadGradients:
     precision. With ``block_rows`` (a GPU policy's ``head_gradient_block_elements``) the chunks' dL/draw are held in
     the matmul dtype for up to that many rows, and each block makes its part of dL/dh and dL/dW with one GEMM each
     (a single block: the weight's gradient never exists in fp32); dL/dh is then ready only at ``finish``.
+
+    ``replaced`` (``ReplacedRows``): the replaced columns of each dL/draw are taken out before the GEMMs (W's rows
+    there get none) and make dL/dh's share through the rows and dL/drows [K, D] (fp32 sums; ``need_rows``).
     """
 
     def __init__(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool, scale: float,
-                 block_rows: int | None = None):
+                 block_rows: int | None = None, replaced: ReplacedRows | None = None, need_rows: bool = False):
         self.hidden_ND, self.weight_VD, self.scale = hidden_ND, weight_VD, scale
+        self.replaced = replaced
+        self.grad_rows = (torch.zeros(replaced.rows_KD.shape, dtype=torch.float32, device=weight_VD.device)
+                          if replaced is not None and need_rows else None)
         self.block_rows = block_rows
         self.grad_hidden = torch.empty_like(hidden_ND) if need_hidden else None
         self.need_weight = need_weight
@@ -265,6 +311,7 @@ class HeadGradients:
             return
         if row_scale_C is not None:
             grad_raw_CV.mul_(row_scale_C[:, None])
+        taken_CK = self.replaced.take_columns(grad_raw_CV) if self.replaced is not None else None
         rows = h_CD.shape[0]
         low_precision = low_CV is not None
         if low_precision:
@@ -291,6 +338,16 @@ class HeadGradients:
         if self.grad_hidden is not None and weight_fp32_VD is not None:  # after dL/dW, which reads grad_raw_CV
             grad_raw_CV.copy_(low_CV)  # the gradient rounded as the low-precision product would see it
             self.grad_hidden[start : start + rows].copy_(torch.mm(grad_raw_CV, weight_fp32_VD).mul_(self.scale))
+        if taken_CK is not None:
+            self._add_replaced(start, taken_CK, h_CD)
+
+    def _add_replaced(self, start: int, taken_CK: torch.Tensor, h_CD: torch.Tensor) -> None:
+        """The replaced columns' share: dL/dh += g @ rows and dL/drows += g.T @ h (g: their dL/draw, fp32)."""
+        if self.grad_hidden is not None:
+            out = self.grad_hidden[start : start + h_CD.shape[0]]
+            out.add_(torch.mm(taken_CK, self.replaced.rows_KD.float()).mul_(self.scale))
+        if self.grad_rows is not None:
+            self.grad_rows.addmm_(taken_CK.T, h_CD.float(), alpha=self.scale)
 
     def hold_slot(self, start: int, rows: int) -> torch.Tensor:
         """In block mode (``defers_hidden``): the held rows [rows, V] (matmul dtype) where the chunk starting at token
@@ -320,6 +377,7 @@ class HeadGradients:
         if rows == 0:
             return
         grad_CV = self._held[:rows]
+        taken_CK = self.replaced.take_columns(grad_CV) if self.replaced is not None else None
         if self.grad_hidden is not None:
             out = self.grad_hidden[start : start + rows]
             torch.addmm(out, grad_CV, self.weight_VD, beta=0.0, alpha=self.scale, out=out)
@@ -332,25 +390,30 @@ class HeadGradients:
                     self.grad_weight = self.grad_weight.float()
                 self.grad_weight.add_(part_VD)
             self._weight_started = True
+        if taken_CK is not None:
+            self._add_replaced(start, taken_CK, self.hidden_ND[start : start + rows])
         self._held_rows = 0
 
-    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """dL/dh, dL/dW and dL/drows (None where not wanted)."""
         if self.block_rows is not None:
             self._flush()
             self._held = None
+        grad_rows = None if self.grad_rows is None else self.grad_rows.to(self.replaced.rows_KD.dtype)
+        if self.block_rows is not None:
             if self.need_weight:
                 if self.grad_weight is None:  # no tokens
                     self.grad_weight = torch.zeros_like(self.weight_VD)
                 elif self.scale != 1.0:
                     self.grad_weight.mul_(self.scale)
-                return self.grad_hidden, self.grad_weight.to(self.weight_VD.dtype)
-            return self.grad_hidden, None
+                return self.grad_hidden, self.grad_weight.to(self.weight_VD.dtype), grad_rows
+            return self.grad_hidden, None, grad_rows
         grad_weight = self.grad_weight
         if grad_weight is not None:
             if not self._weight_started:  # no tokens
                 grad_weight.zero_()
             grad_weight = grad_weight.to(self.weight_VD.dtype)
-        return self.grad_hidden, grad_weight
+        return self.grad_hidden, grad_weight, grad_rows
 
 
 class Chunk:
@@ -397,19 +460,22 @@ class ChunkKernel(abc.ABC):
     # True: forward_chunk reads the matmul's product itself (chunk.low_CV for bf16/fp16 inputs; no fp32 copy, no
     # second buffer) and scales it by 1 / temperature (no soft-cap)
     reads_matmul_logits = False
+    replaced: ReplacedRows | None = None  # rows of W read from elsewhere, set by fused_head_loss
     policy: DevicePolicy  # the device's trades (hfnative.device_policy), set by fused_head_loss before prepare
 
     def __init__(self, softcap: float | None, temperature: float, chunk_size: int | None):
         self.softcap, self.temperature, self.chunk_size = softcap, temperature, chunk_size
 
-    def new_gradients(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool) -> HeadGradients:
+    def new_gradients(self, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool,
+                      need_rows: bool = False) -> HeadGradients:
         """Where the chunks' gradients go: chunk by chunk (CPU rule) or in blocks (the policy's)."""
         block_rows = None
         if self.gradients_in_blocks():
             elements = self.policy.head_gradient_block_elements
             chunk = self.chunk_rows(hidden_ND.shape[0], weight_VD)
             block_rows = max(chunk, elements // weight_VD.shape[0] // chunk * chunk)
-        return HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / self.temperature, block_rows)
+        return HeadGradients(hidden_ND, weight_VD, need_hidden, need_weight, 1.0 / self.temperature, block_rows,
+                             self.replaced, need_rows)
 
     def gradients_in_blocks(self) -> bool:
         """Whether the chunks' gradients are held and made per block (the policy's rule, unless a chunk size is
@@ -448,20 +514,26 @@ def _for_each_chunk(kernel: ChunkKernel, hidden_ND, weight_VD, grads: HeadGradie
         h_CD = hidden_ND[start : start + chunk]
         z_CV, probs_CV, low_CV = buffers.views(h_CD.shape[0])
         if lean:  # the product alone, in the matmul's dtype: the kernel scales it
-            torch.mm(h_CD, weight_VD.T, out=low_CV if low_CV is not None else z_CV)
+            product_CV = low_CV if low_CV is not None else z_CV
+            torch.mm(h_CD, weight_VD.T, out=product_CV)
+            if kernel.replaced is not None:
+                kernel.replaced.put_columns(h_CD, product_CV)
         else:
-            chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV, weight_fp32_VD)
+            chunk_logits(h_CD, weight_VD, kernel.softcap, kernel.temperature, z_CV, low_CV, weight_fp32_VD,
+                         kernel.replaced)
         step(Chunk(start, h_CD, z_CV, z_CV if one_buffer else probs_CV, low_CV, kernel, grads, weight_fp32_VD))
 
 
 class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, kernel: ChunkKernel, hidden_ND, weight_VD, need_hidden: bool, need_weight: bool):
+    def forward(ctx, kernel: ChunkKernel, hidden_ND, weight_VD, rows_KD, need_hidden: bool, need_weight: bool,
+                need_rows: bool):
+        """``rows_KD``: ``kernel.replaced``'s rows (an input here for their gradient), or None."""
         grads = None
         with no_autocast(hidden_ND.device):
             outputs = kernel.prepare(hidden_ND, need_hidden)
-        if kernel.gradient_in_forward and (need_hidden or need_weight):
-            grads = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight)
+        if kernel.gradient_in_forward and (need_hidden or need_weight or need_rows):
+            grads = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight, need_rows)
         with no_autocast(hidden_ND.device):
             _for_each_chunk(kernel, hidden_ND, weight_VD, grads, lambda chunk: kernel.forward_chunk(chunk, *outputs))
         if grads is not None:
@@ -481,13 +553,13 @@ class _FusedHeadLoss(torch.autograd.Function):
             grads = [None if grad is None else _scaled_in_place(grad, grad_output) for grad in ctx.saved_tensors]
         else:
             hidden_ND, weight_VD = ctx.saved_tensors
-            need_hidden, need_weight = ctx.needs_input_grad[1:3]
-            recomputed = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight)
+            need_hidden, need_weight, need_rows = ctx.needs_input_grad[1:4]
+            recomputed = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight, need_rows)
             with no_autocast(hidden_ND.device):
                 _for_each_chunk(kernel, hidden_ND, weight_VD, recomputed,
                                 lambda chunk: kernel.backward_chunk(chunk, grad_output))
             grads = recomputed.finish()
-        return None, *grads, None, None
+        return None, *grads, None, None, None
 
 
 _SCALED_ROWS = 1 << 14  # rows a block when a low-precision gradient is scaled through float32
@@ -505,11 +577,18 @@ def _scaled_in_place(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def fused_head_loss(kernel: ChunkKernel, hidden_ND: torch.Tensor, weight_VD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def fused_head_loss(kernel: ChunkKernel, hidden_ND: torch.Tensor, weight_VD: torch.Tensor,
+                    replaced_rows: ReplacedRows | None = None) -> tuple[torch.Tensor, ...]:
     """The kernel's outputs over hidden [N, D] and the head weight [V, D] (projected in the dtype ``matmul_inputs``
-    gives); the first output is differentiable w.r.t. both, the others are statistics without gradient."""
+    gives); the first output is differentiable w.r.t. both, the others are statistics without gradient.
+    ``replaced_rows``: rows of the weight read from there instead (``ReplacedRows``; differentiable w.r.t. them)."""
     hidden_ND, weight_VD = matmul_inputs(hidden_ND, weight_VD)
     kernel.policy = device_policy(hidden_ND.device)
+    rows_KD = None
+    if replaced_rows is not None:  # in the matmul dtype, the values a copy of the weight would hold
+        rows_KD = replaced_rows.rows_KD.to(weight_VD.dtype)
+        kernel.replaced = ReplacedRows(replaced_rows.indices_K, rows_KD)
     grad_enabled = torch.is_grad_enabled()
     need_hidden, need_weight = grad_enabled and hidden_ND.requires_grad, grad_enabled and weight_VD.requires_grad
-    return _FusedHeadLoss.apply(kernel, hidden_ND, weight_VD, need_hidden, need_weight)
+    need_rows = grad_enabled and rows_KD is not None and rows_KD.requires_grad
+    return _FusedHeadLoss.apply(kernel, hidden_ND, weight_VD, rows_KD, need_hidden, need_weight, need_rows)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ._chunks import (
     IGNORE_INDEX,
     ChunkKernel,
+    ReplacedRows,
     SoftmaxStats,
     expected_logit_from_hidden_grad,
     fused_head_loss,
@@ -153,6 +154,7 @@ def fused_linear_cross_entropy(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     masked: bool = False,
+    replaced_rows: ReplacedRows | None = None,
 ) -> CrossEntropyOutput:
     """Summed NLL of ``targets_N`` under softmax(softcap(hidden @ weight.T) / temperature).
 
@@ -162,11 +164,12 @@ def fused_linear_cross_entropy(
     weight_VD: [V, D] head (the embedding matrix when tied; its gradient adds to the lookup's).
     targets_N: [N] token ids, all real labels unless ``masked``.
     chunk_size: tokens per chunk (default: the device policy's rule, ``hfnative.device_policy``).
+    replaced_rows: rows of the weight read from elsewhere (trained token rows: ``ReplacedRows``).
     Under torch.autocast the projection runs in the autocast dtype, as the plain path's matmul would.
     Returns loss, entropy and correct-prediction sums; fp32 statistics whatever the input dtype.
     """
     kernel = _CrossEntropyKernel(targets_N, softcap, temperature, chunk_size, masked)
-    loss, entropy, correct = fused_head_loss(kernel, hidden_ND, weight_VD)
+    loss, entropy, correct = fused_head_loss(kernel, hidden_ND, weight_VD, replaced_rows)
     return CrossEntropyOutput(loss, entropy, correct, label_count(targets_N, masked))
 
 

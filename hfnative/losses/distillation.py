@@ -21,6 +21,7 @@ from ._chunks import (
     IGNORE_INDEX,
     ChunkBuffers,
     ChunkKernel,
+    ReplacedRows,
     chunk_logits,
     fused_head_loss,
     head_output,
@@ -142,6 +143,7 @@ def fused_linear_generalized_jsd(
     teacher_softcap: float | None = None,
     chunk_size: int | None = None,
     targets_N: torch.Tensor | None = None,
+    student_replaced_rows: ReplacedRows | None = None,
 ) -> DistillationOutput:
     """Summed generalized JSD between student softmax(softcap(h_s @ W_s.T) / T) and the teacher's.
 
@@ -151,6 +153,7 @@ def fused_linear_generalized_jsd(
     projected chunk by chunk, with teacher_softcap) or its final logits teacher_logits_NV [N, V]
     (soft-capping already applied; divided by the temperature here). The teacher gets no gradient.
     beta in [0, 1]: 0 is KL(teacher || student), 1 is KL(student || teacher).
+    student_replaced_rows: rows of the student's weight read from elsewhere (trained token rows: ``ReplacedRows``).
     """
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta={beta}: the generalized JSD needs 0 <= beta <= 1")
@@ -182,5 +185,5 @@ def fused_linear_generalized_jsd(
 
     valid_N = None if targets_N is None else targets_N != IGNORE_INDEX
     kernel = _GeneralizedJSDKernel(teacher_logits_fn, beta, temperature, student_softcap, chunk_size, valid_N)
-    loss, entropy = fused_head_loss(kernel, student_hidden_ND, student_weight_VD)
+    loss, entropy = fused_head_loss(kernel, student_hidden_ND, student_weight_VD, student_replaced_rows)
     return DistillationOutput(loss, entropy, num_tokens if valid_N is None else valid_N.sum())

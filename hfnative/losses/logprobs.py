@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._chunks import IGNORE_INDEX, ChunkKernel, SoftmaxStats, fused_head_loss
+from ._chunks import IGNORE_INDEX, ChunkKernel, ReplacedRows, SoftmaxStats, fused_head_loss
 
 # per-token statistics the log-prob losses may also return (no gradient): the mean logit over the vocabulary,
 # whether the target is the argmax (first index on ties, as torch.argmax), and log sum_v p_v^2
@@ -81,6 +81,7 @@ def fused_linear_token_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     statistics: tuple[str, ...] = (),
+    replaced_rows: ReplacedRows | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """log softmax(softcap(hidden @ weight.T) / temperature)[target] per token, and the entropy.
 
@@ -91,9 +92,10 @@ def fused_linear_token_logprobs(
     any upstream gradient, entropy_N is not (a logged statistic).
     ``statistics``: names from TOKEN_STATISTICS, returned after the entropy in that order ([N] each, 0 / False
     where ignored; is_top1 bool), computed in the same chunk loop.
+    replaced_rows: rows of the weight read from elsewhere (trained token rows: ``ReplacedRows``).
     """
     kernel = _TokenLogprobsKernel(targets_N, softcap, temperature, chunk_size, statistics)
-    return fused_head_loss(kernel, hidden_ND, weight_VD)
+    return fused_head_loss(kernel, hidden_ND, weight_VD, replaced_rows)
 
 
 def linear_token_logprobs(

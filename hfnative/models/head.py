@@ -19,6 +19,7 @@ from hfnative.losses import (
     IGNORE_INDEX,
     CrossEntropyOutput,
     DistillationOutput,
+    ReplacedRows,
     fused_linear_cross_entropy,
     fused_linear_generalized_jsd,
     fused_linear_token_logprobs,
@@ -38,10 +39,12 @@ class TokenCrossEntropy:
     targets_BS: torch.Tensor
     fused: bool = True
 
-    def __call__(self, hidden_BSD, weight_VD, softcap) -> CrossEntropyOutput:
-        loss_fn = fused_linear_cross_entropy if self.fused else linear_cross_entropy
-        return self.on_positions(hidden_BSD, lambda hidden_ND, targets_N, masked: loss_fn(
-            hidden_ND, weight_VD, targets_N, softcap=softcap, masked=masked))
+    def __call__(self, hidden_BSD, weight_VD, softcap, replaced_rows: ReplacedRows | None = None) -> CrossEntropyOutput:
+        if not self.fused:
+            return self.on_positions(hidden_BSD, lambda hidden_ND, targets_N, masked: linear_cross_entropy(
+                hidden_ND, _with_rows(weight_VD, replaced_rows), targets_N, softcap=softcap, masked=masked))
+        return self.on_positions(hidden_BSD, lambda hidden_ND, targets_N, masked: fused_linear_cross_entropy(
+            hidden_ND, weight_VD, targets_N, softcap=softcap, masked=masked, replaced_rows=replaced_rows))
 
     def on_positions(self, hidden_BSD, loss_fn) -> CrossEntropyOutput:
         """``loss_fn(hidden_ND, targets_N, masked)`` on the positions this spec projects: the labelled ones, or every
@@ -68,12 +71,13 @@ class TokenLogprobs:
     statistics: tuple[str, ...] = ()
     compact: bool = False
 
-    def __call__(self, hidden_BSD, weight_VD, softcap) -> tuple:
-        logprobs_fn = fused_linear_token_logprobs if self.fused else linear_token_logprobs
-        return self.per_position(hidden_BSD, lambda hidden_ND, targets_N: logprobs_fn(
-            hidden_ND, weight_VD, targets_N, softcap=softcap, temperature=self.temperature,
-            statistics=tuple(self.statistics),
-        ))
+    def __call__(self, hidden_BSD, weight_VD, softcap, replaced_rows: ReplacedRows | None = None) -> tuple:
+        settings = dict(softcap=softcap, temperature=self.temperature, statistics=tuple(self.statistics))
+        if not self.fused:
+            return self.per_position(hidden_BSD, lambda hidden_ND, targets_N: linear_token_logprobs(
+                hidden_ND, _with_rows(weight_VD, replaced_rows), targets_N, **settings))
+        return self.per_position(hidden_BSD, lambda hidden_ND, targets_N: fused_linear_token_logprobs(
+            hidden_ND, weight_VD, targets_N, replaced_rows=replaced_rows, **settings))
 
     def per_position(self, hidden_BSD, logprobs_fn) -> tuple:
         """What ``__call__`` returns, from ``logprobs_fn(hidden_ND, targets_N) -> (logprobs_N, entropy_N,
@@ -105,9 +109,10 @@ class GeneralizedJSD:
     beta: float = 0.5
     temperature: float = 1.0
 
-    def __call__(self, hidden_BSD, weight_VD, softcap) -> DistillationOutput:
+    def __call__(self, hidden_BSD, weight_VD, softcap, replaced_rows: ReplacedRows | None = None) -> DistillationOutput:
         settings = dict(teacher_weight_VD=self.teacher_head.projection(), beta=self.beta, temperature=self.temperature,
-                        student_softcap=softcap, teacher_softcap=self.teacher_head.softcap)
+                        student_softcap=softcap, teacher_softcap=self.teacher_head.softcap,
+                        student_replaced_rows=replaced_rows)
         if not device_policy(hidden_BSD.device).host_reads:  # every position projected, the ignored ones masked
             return fused_linear_generalized_jsd(hidden_BSD.flatten(0, -2), weight_VD,
                                                 teacher_hidden_ND=self.teacher_hidden_BSD.flatten(0, -2),
@@ -115,6 +120,11 @@ class GeneralizedJSD:
         keep = self.targets_BS != IGNORE_INDEX
         return fused_linear_generalized_jsd(hidden_BSD[keep], weight_VD, teacher_hidden_ND=self.teacher_hidden_BSD[keep],
                                             **settings)
+
+
+def _with_rows(weight_VD: torch.Tensor, replaced_rows: ReplacedRows | None) -> torch.Tensor:
+    """The weight with the replaced rows in place, for the paths that materialise the logits."""
+    return weight_VD if replaced_rows is None else replaced_rows.weight(weight_VD)
 
 
 class OutputHead(nn.Module):
@@ -189,10 +199,16 @@ class OutputHead(nn.Module):
 
     def forward(self, hidden_BSD: torch.Tensor, loss=None):
         """Logits [B, S, V] (soft-capped), or ``loss(hidden, weight, softcap)`` for a loss spec
-        (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD)."""
-        if loss is not None:
-            return loss(hidden_BSD, self.projection(), self.softcap)
+        (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD); trained token rows reach a loss as
+        ``replaced_rows=`` (the fused losses read them in place of the weight's rows, without a copy of it)."""
         rows = self.token_rows_in_use()
+        if rows is not None and not rows.adapter_enabled:
+            rows = None
+        if loss is not None:
+            if rows is None:
+                return loss(hidden_BSD, self.projection(), self.softcap)
+            weight = self.base_projection()
+            return loss(hidden_BSD, weight, self.softcap, replaced_rows=rows.replaced_rows(weight.dtype))
         if rows is None:
             logits = hidden_BSD @ self.projection().T
         else:  # trained token rows: their columns, without a copy of the matrix

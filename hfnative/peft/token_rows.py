@@ -4,7 +4,8 @@ trained while the rest stay frozen, as peft's ``TrainableTokensLayer`` trains th
 A ``TokenRows`` holds, for one [V, D] matrix, the trained rows themselves (``values``, peft's
 ``trainable_tokens_delta``: rows, not differences, started from the matrix's own) and their token ids. The embedding
 (``TokenRowsEmbedding``) looks tokens up in the base table and puts the trained row where a token is one of them; the
-output head multiplies by the matrix with those rows replaced (``OutputHead.projection``). On a model whose head is
+output head's logits get the trained rows' columns in place (``TokenRows.logits``), and its fused losses read the rows
+in place of the matrix's (``hfnative.losses.ReplacedRows``), so the matrix is never copied. On a model whose head is
 tied to the embedding, the head reads the embedding's ``TokenRows`` (peft ties the two adapters). Switched off
 (``adapter_enabled``, peft's ``disable_adapter``) both read the base rows again.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from hfnative.losses import ReplacedRows
 
 
 class TokenRows(nn.Module):
@@ -34,7 +37,12 @@ class TokenRows(nn.Module):
         """``weight_VD`` with the trained rows in place (a new tensor; the weight itself is untouched)."""
         if not self.adapter_enabled:
             return weight_VD
-        return weight_VD.index_copy(0, self.indices, self.values.to(weight_VD.dtype))
+        return self.replaced_rows(weight_VD.dtype).weight(weight_VD)
+
+    def replaced_rows(self, dtype: torch.dtype) -> ReplacedRows:
+        """The rows as a fused loss reads them in place of the matrix's (``hfnative.losses.ReplacedRows``), in the
+        matrix's ``dtype`` as ``replace`` puts them."""
+        return ReplacedRows(self.indices, self.values.to(dtype))
 
     def lookup(self, tokens: torch.Tensor, weight_VD: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
         """The embedding of ``tokens`` in ``weight_VD`` with the trained rows in place, without copying the table."""
