@@ -12,11 +12,16 @@ Every run is its own child process (peak RSS is that runner's alone, VmHWM), run
     python benchmarks/bench_peft.py --preset smoke
     python benchmarks/bench_peft.py --preset 100m --write-results
     python benchmarks/bench_peft.py --preset 100m --clone-template --runners trl-lora,ours-lora --rounds 2
+    python benchmarks/bench_peft.py --preset 100m --token-rows 8 --runners trl-lora,ours-lora --rounds 2
 
 --clone-template: the model untied, its tokenizer grown to one token short of its rows, and both runners given
 ``chat_template_path`` naming a tokenizer folder with one special token more, as a user adding a chat template to a
 base model does: under LoRA the new token's row trains through peft's trainable_token_indices, with the head in full
 (modules_to_save=["lm_head"]), as TRL's SFTTrainer arranges it.
+
+--token-rows N: the tied model, and the LoRA runners' LoraConfig also given trainable_token_indices naming the
+vocabulary's last N tokens (tokens a user added and trains): their rows train in the embedding and, through the tie,
+in the output head.
 
 LoRA's B starts at zero, so the first step's loss is the base model's and every runner's step-1 loss
 must agree (QLoRA's up to the NF4 rounding of the base). peft and hfnative draw A from their own
@@ -89,7 +94,7 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
     if method != "full":
         import peft
 
-        peft_config = peft.LoraConfig(**LORA)
+        peft_config = peft.LoraConfig(**LORA, **token_rows_fields(spec))
 
     if library == "trl":
         import trl
@@ -115,6 +120,12 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
         "rss_after_setup_mib": rss_after_setup,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
+
+
+def token_rows_fields(spec: dict) -> dict:
+    """The LoraConfig fields ``--token-rows`` adds: the vocabulary's last N tokens."""
+    count, vocab = spec.get("token_rows", 0), spec["shape"]["vocab"]
+    return {"trainable_token_indices": list(range(vocab - count, vocab))} if count else {}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,7 +208,9 @@ def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
         f"training: fp32 (use_cpu, bf16=False), seq {shape.seq}, batch {shape.batch}, {shape.steps} steps "
         f"({shape.warmup} warm-up steps not timed), AdamW lr 1e-3 constant, max_grad_norm {cli.max_grad_norm}, "
         f"no gradient checkpointing, seed {cli.seed}; data: {data['rows']} rows of {shape.seq} tokens",
-        "LoRA: peft.LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in LORA.items()) + ")",
+        "LoRA: peft.LoraConfig(" + ", ".join(f"{k}={v!r}" for k, v in LORA.items())
+        + (f", trainable_token_indices=[{shape.vocab - cli.token_rows}..{shape.vocab - 1}]" if cli.token_rows else "")
+        + ")",
         "QLoRA: SFTConfig(model_init_kwargs={'quantization_config': BitsAndBytesConfig("
         + ", ".join(f"{k}={v!r}" for k, v in NF4.items()) + ")}) + the LoRA config",
     ])
@@ -212,6 +225,8 @@ def parse_args(argv=None):
     parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated subset of {','.join(RUNNERS)}")
     parser.add_argument("--clone-template", action="store_true",
                         help="untied model; chat_template_path adds a token (its rows train under LoRA)")
+    parser.add_argument("--token-rows", type=int, default=0, metavar="N",
+                        help="LoRA also trains the rows of the vocabulary's last N tokens (trainable_token_indices)")
     add_run_arguments(parser, timeout=1800, rounds=1, overrides=("seq", "batch", "steps", "warmup"))
     return parser.parse_args(argv)
 
@@ -222,6 +237,10 @@ def main() -> None:
         child_main(cli, train=train_peft)
         return
 
+    if cli.token_rows and cli.clone_template:
+        sys.exit("--token-rows and --clone-template: choose one (the cloned template chooses its own token rows)")
+    if cli.token_rows < 0:
+        sys.exit(f"--token-rows {cli.token_rows}: expected a number of tokens, at least 0")
     shape = start_parent(cli, PEFT_PRESETS)
     runners = cli.runners.split(",")
     unknown = [r for r in runners if r not in RUNNERS]
@@ -233,7 +252,8 @@ def main() -> None:
         if cli.clone_template:
             template_dir = work / "template"
         workload = prepare_workload(work, shape, cli, device="cpu", packing=False, tied=not cli.clone_template,
-                                    template_dir=str(template_dir) if template_dir else None)
+                                    template_dir=str(template_dir) if template_dir else None,
+                                    token_rows=cli.token_rows)
         if template_dir is not None:
             # the model's tokenizer grown to one token short of its rows (placeholders), so that the template's token
             # takes the last row and the vocabulary keeps the preset's size; the template folder: that tokenizer plus
@@ -254,7 +274,8 @@ def main() -> None:
 
         results = run_rounds(runners, workload, cli, __file__, shown)
         report = summarize(results, runners, workload.parameters)
-        cloned = ", a cloned chat template adding a token" if cli.clone_template else ""
+        cloned = (", a cloned chat template adding a token" if cli.clone_template
+                  else f", {cli.token_rows} trained token rows" if cli.token_rows else "")
         title = f"## {datetime.date.today().isoformat()} — PEFT (`bench_peft.py`{cloned}), preset `{cli.preset}`, cpu"
         finish(cli, setup, report, results, title, __file__)
 
