@@ -5,8 +5,8 @@
     python benchmarks/gpu_trainers.py --device cpu --precision bf16   # the GPU's autocast path, rehearsed on the CPU
     python benchmarks/gpu_trainers.py --only SFT,GRPO
 
-Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO) is built from its config exactly as a user's
-script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
+Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO, and SFT with a LoRA config that also trains
+two token rows: ``SFT-lora-tokens``) is built from its config exactly as a user's script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
 model. One line per trainer: PASS when every logged loss is finite, the model's parameters moved and sit on the
 device, the saved folder loads with transformers, and the perf/ metrics the README lists for that device were
 logged (on CUDA: cuda_max_allocated_gib, and mfu_wall_clock where the GPU is in hfnative.metrics.PEAK_FLOPS);
@@ -62,6 +62,12 @@ SETUPS = {
             dict(max_length=128, per_device_train_batch_size=4, lmbda=0.5), dict(teacher_model=str(TEACHER))),
     "GRPO": ("GRPOConfig", "GRPOTrainer", "sft_prompt_completion.jsonl", 32, _RL, dict(reward_funcs=letter_e)),
     "RLOO": ("RLOOConfig", "RLOOTrainer", "sft_prompt_completion.jsonl", 32, _RL, dict(reward_funcs=letter_e)),
+    # peft's trainable_token_indices on the tied tiny model: the chat template's <|im_start|> and <|im_end|> rows (in
+    # every example) train in the embedding and, through the tie, in the fused head (hfnative.losses.ReplacedRows)
+    "SFT-lora-tokens": ("SFTConfig", "SFTTrainer", "sft_messages.jsonl", 64,
+                        dict(max_length=128, per_device_train_batch_size=8),
+                        dict(peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear",
+                                              trainable_token_indices=[1, 2]))),
 }
 
 
@@ -95,6 +101,10 @@ def _build(name: str, common: dict):
     import hfnative
 
     config_class, trainer_class, data, rows, settings, keywords = SETUPS[name]
+    if "peft_config" in keywords:
+        import peft
+
+        keywords = dict(keywords, peft_config=peft.LoraConfig(task_type="CAUSAL_LM", **keywords["peft_config"]))
     args = getattr(hfnative, config_class)(**common, **settings)
     return getattr(hfnative, trainer_class)(model=str(TINY), args=args, train_dataset=_dataset(data, rows), **keywords)
 
