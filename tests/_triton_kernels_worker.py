@@ -448,6 +448,14 @@ def check_cross_entropy_replaced_rows():
     targets = torch.randint(0, V, (N,), generator=generator)
     targets[:6] = indices.repeat(2)
     targets[[8, 30]] = IGNORE_INDEX
+    launches = [0]
+    rows_kernel = triton_kernels.cross_entropy_rows
+
+    def counted(*args, **kwargs):
+        launches[0] += 1
+        return rows_kernel(*args, **kwargs)
+
+    triton_kernels.cross_entropy_rows = counted
     for bf16 in (False, True):
         runs = {}
         for way in ("triton", "copied"):
@@ -462,11 +470,14 @@ def check_cross_entropy_replaced_rows():
                 (out.loss_sum * 0.5).backward()
             runs[way] = (out.loss_sum.detach(), h.grad, r.grad)
         what = f"cross_entropy replaced rows bf16={bf16}"
+        assert launches[0] == 5, f"{what}: the Triton kernel ran {launches[0]} times, not once for each of 5 chunks"
+        launches[0] = 0
         (loss, h_grad, r_grad), (want, want_h, want_r) = runs["triton"], runs["copied"]
         torch.testing.assert_close(loss, want, rtol=2e-3 if bf16 else 1e-6, atol=0, msg=f"{what} loss")
         assert r_grad.abs().sum() > 0, what
         for name, got, expected in (("hidden", h_grad, want_h), ("rows", r_grad, want_r)):
             _close(got, expected, bf16, f"{what} grad {name}", fp32_scale_tolerance=5e-5)
+    triton_kernels.cross_entropy_rows = rows_kernel
 
 
 def check_silu_gated():

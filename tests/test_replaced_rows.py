@@ -8,8 +8,7 @@ import dataclasses
 
 import pytest
 import torch
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_fused_loss import _NewTensorsOfAtLeast, cpu_bf16_path  # noqa: F401  (a fixture, used by name)
 
 from hfnative.device_policy import GPU_POLICY, use_device_policy
 from hfnative.losses import (
@@ -20,6 +19,9 @@ from hfnative.losses import (
     fused_linear_token_logprobs,
     generalized_jsd_terms,
 )
+from hfnative.losses import _chunks
+from hfnative.models.head import OutputHead, TokenCrossEntropy
+from hfnative.peft.token_rows import TokenRows
 
 V, D, N, DT = 50, 16, 29, 12
 INDICES = [17, 3, 48]  # unsorted, the last row included
@@ -28,6 +30,26 @@ CASES = {"plain": (None, 1.0, 7), "softcap+temperature": (4.0, 0.8, 5)}  # (soft
 GPU_BLOCKS = dataclasses.replace(GPU_POLICY, name="gpu-small-blocks", head_chunk_elements=5 * V,
                                  head_gradient_block_elements=12 * V)  # chunks of 5 rows, blocks of 10
 POLICIES = {"cpu": "cpu", "gpu-blocks": GPU_BLOCKS}
+
+
+def _chunk_for(policy: str, chunk: int) -> int | None:
+    """The CPU cases' own chunk size; None under the GPU policy, whose rule (chunks and blocks) then applies: a given
+    chunk size would make its gradients chunk by chunk."""
+    return None if policy == "gpu-blocks" else chunk
+
+
+@pytest.fixture
+def flushes(monkeypatch):
+    """How many blocks of held gradients ``HeadGradients`` made (the GPU policy's path)."""
+    count = [0]
+    flush = _chunks.HeadGradients._flush
+
+    def counted(self):
+        count[0] += self._held_rows > 0
+        flush(self)
+
+    monkeypatch.setattr(_chunks.HeadGradients, "_flush", counted)
+    return count
 
 
 def _inputs(seed: int = 0):
@@ -80,9 +102,10 @@ def _oracle(loss, hidden, weight, targets, upstream, teacher, softcap, temperatu
 @pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("loss", LOSSES)
-def test_replaced_rows_equal_float64_logits_of_the_copied_matrix(loss, case, policy):
+def test_replaced_rows_equal_float64_logits_of_the_copied_matrix(loss, case, policy, flushes):
     """fp32: the value and the gradients of the hidden states, the rows and the matrix (zero on the replaced rows)."""
     softcap, temperature, chunk = CASES[case]
+    chunk = _chunk_for(policy, chunk)
     hidden, weight, rows, targets, upstream, teacher = _inputs()
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, rows)]
     with use_device_policy(POLICIES[policy]):
@@ -100,16 +123,41 @@ def test_replaced_rows_equal_float64_logits_of_the_copied_matrix(loss, case, pol
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6, msg=name)
     assert not grads[1][INDICES].any()  # the matrix's replaced rows reach no logit
     assert grads[2].abs().sum() > 0
+    assert (flushes[0] >= 3) == (policy == "gpu-blocks")  # 29 tokens in blocks of 10
 
 
-@pytest.fixture(params=["bf16 matmuls", "fp32 products"])
-def cpu_bf16_path(request, monkeypatch):
-    """Both CPU paths of a bf16 head (as tests/test_fused_loss.py forces them)."""
-    from hfnative import metrics
+def test_rows_changed_in_place_before_backward_are_refused():
+    """The per-token log-probs make their gradients in backward, from the rows saved in forward: rows changed in place
+    between the two (an optimizer step too early) fail autograd's check instead of giving wrong gradients."""
+    hidden, weight, rows, targets, _, _ = _inputs()
+    rows = rows.clone().requires_grad_()
+    logprobs, _ = fused_linear_token_logprobs(hidden.requires_grad_(), weight, targets.clamp(min=0),
+                                              replaced_rows=ReplacedRows(torch.tensor(INDICES), rows))
+    with torch.no_grad():
+        rows.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        logprobs.sum().backward()
 
-    slow = request.param == "fp32 products"
-    monkeypatch.setattr(metrics, "cpu_low_precision_is_slow", lambda dtype: slow and dtype != torch.float32)
-    return request.param
+
+def test_a_head_with_token_rows_gives_a_callers_own_spec_the_matrix_with_the_rows_in_place():
+    """The head's three loss specs read the rows in place (ReplacedRows); a spec of the caller's own keeps the
+    documented call ``loss(hidden, weight, softcap)`` and gets the matrix with the rows in place."""
+    hidden, weight, rows, targets, _, _ = _inputs()
+    head = OutputHead(D, V)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+    head.weight.requires_grad_(False)
+    head.token_rows = TokenRows(head.weight, INDICES)
+    with torch.no_grad():
+        head.token_rows.values.copy_(rows)
+    seen = head(hidden[None], loss=lambda hidden_BSD, weight_VD, softcap: weight_VD)
+    assert torch.equal(seen, weight.index_copy(0, torch.tensor(INDICES), rows))
+    out = head(hidden[None], loss=TokenCrossEntropy(targets[None]))
+    expected = _oracle("cross_entropy", hidden.double(), weight.index_copy(0, torch.tensor(INDICES), rows), targets,
+                       None, None, None, 1.0)
+    torch.testing.assert_close(out.loss_sum.double(), expected, rtol=1e-5, atol=1e-5)
+    out.loss_sum.backward()
+    assert head.token_rows.values.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
@@ -118,6 +166,7 @@ def test_replaced_rows_under_bf16_autocast_follow_the_copied_matrix(loss, policy
     """bf16 autocast over fp32 weights and float32 rows (peft's on a bf16 base): as the fused loss over the copied
     matrix, to bf16 round-off (the replaced columns are a product of their own, rounded apart)."""
     softcap, temperature, chunk = CASES["softcap+temperature"]
+    chunk = _chunk_for(policy, chunk)
     hidden, weight, rows, targets, upstream, teacher = _inputs(seed=1)
     results = []
     for way in ("replaced", "copied"):
@@ -138,32 +187,18 @@ def test_replaced_rows_under_bf16_autocast_follow_the_copied_matrix(loss, policy
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * scale, msg=name)
 
 
-class _NewTensorsOfAtLeast(TorchDispatchMode):
-    """Counts op results of at least ``numel`` elements held in new memory."""
-
-    def __init__(self, numel: int):
-        super().__init__()
-        self.numel, self.count = numel, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        self.count += sum(1 for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() >= self.numel
-                          and t.untyped_storage().data_ptr() not in inputs)
-        return out
-
-
 @pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
-def test_replaced_rows_of_a_frozen_matrix_make_no_matrix_sized_tensor(policy):
+def test_replaced_rows_of_a_frozen_matrix_make_no_matrix_sized_tensor(policy, flushes):
     """A frozen head with trained rows (LoRA with trainable_token_indices): forward and backward make no tensor as
     large as the [V, D] matrix, where the copied matrix makes the copy and its gradient."""
     vocab, dim, tokens, chunk = 200, 64, 40, 8  # V * D = 12,800 > C * V = 1,600 and N * D = 2,560
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(vocab, dim, generator=generator)  # frozen
     targets = torch.randint(0, vocab, (tokens,), generator=generator)
-    policy = dataclasses.replace(GPU_POLICY, head_chunk_elements=chunk * vocab, head_gradient_block_elements=chunk * vocab,
-                                 name="gpu-small") if policy == "gpu-blocks" else "cpu"
+    blocks = policy == "gpu-blocks"  # chunks of 8 tokens, blocks of 16
+    policy = dataclasses.replace(GPU_POLICY, head_chunk_elements=chunk * vocab,
+                                 head_gradient_block_elements=2 * chunk * vocab, name="gpu-small") if blocks else "cpu"
+    chunk = None if blocks else chunk
     counts = {}
     for way in ("replaced", "copied"):
         hidden = torch.randn(tokens, dim, generator=generator, requires_grad=True)
@@ -181,3 +216,4 @@ def test_replaced_rows_of_a_frozen_matrix_make_no_matrix_sized_tensor(policy):
         counts[way] = counter.count
     assert counts["copied"] >= 2  # the check can fail: the copy and its gradient
     assert counts["replaced"] == 0
+    assert (flushes[0] >= 4) == blocks  # 40 tokens in blocks of 16, twice

@@ -538,8 +538,8 @@ class _FusedHeadLoss(torch.autograd.Function):
             _for_each_chunk(kernel, hidden_ND, weight_VD, grads, lambda chunk: kernel.forward_chunk(chunk, *outputs))
         if grads is not None:
             ctx.save_for_backward(*grads.finish())
-        elif not kernel.gradient_in_forward:
-            ctx.save_for_backward(hidden_ND, weight_VD)
+        elif not kernel.gradient_in_forward:  # the rows saved too: autograd then checks they are not changed in place
+            ctx.save_for_backward(hidden_ND, weight_VD, rows_KD)
         ctx.kernel = None if kernel.gradient_in_forward else kernel  # it holds no outputs: no reference cycle
         ctx.mark_non_differentiable(*outputs[1:])
         return outputs
@@ -552,7 +552,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             # saved-tensor version check instead of applying the scale twice
             grads = [None if grad is None else _scaled_in_place(grad, grad_output) for grad in ctx.saved_tensors]
         else:
-            hidden_ND, weight_VD = ctx.saved_tensors
+            hidden_ND, weight_VD, rows_KD = ctx.saved_tensors
+            if rows_KD is not None:
+                kernel.replaced = ReplacedRows(kernel.replaced.indices_K, rows_KD)
             need_hidden, need_weight, need_rows = ctx.needs_input_grad[1:4]
             recomputed = kernel.new_gradients(hidden_ND, weight_VD, need_hidden, need_weight, need_rows)
             with no_autocast(hidden_ND.device):

@@ -199,13 +199,14 @@ class OutputHead(nn.Module):
 
     def forward(self, hidden_BSD: torch.Tensor, loss=None):
         """Logits [B, S, V] (soft-capped), or ``loss(hidden, weight, softcap)`` for a loss spec
-        (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD); trained token rows reach a loss as
-        ``replaced_rows=`` (the fused losses read them in place of the weight's rows, without a copy of it)."""
+        (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD, or one of the caller's own); trained token rows reach these
+        three as ``replaced_rows=`` (the fused losses read them in place of the weight's rows, without a copy of it),
+        any other spec gets the matrix with the rows in place."""
         rows = self.token_rows_in_use()
         if rows is not None and not rows.adapter_enabled:
             rows = None
         if loss is not None:
-            if rows is None:
+            if rows is None or not isinstance(loss, (TokenCrossEntropy, TokenLogprobs, GeneralizedJSD)):
                 return loss(hidden_BSD, self.projection(), self.softcap)
             weight = self.base_projection()
             return loss(hidden_BSD, weight, self.softcap, replaced_rows=rows.replaced_rows(weight.dtype))
