@@ -39,6 +39,14 @@ LAYOUTS = {
     # a zero gradient up to round-off, which AdamW would blow up to learning-rate-sized differences in the weights
     # transformers' own fsdp argument (no parallelism_config), with CPU offload of the sharded state
     "fsdp4-offload-from-fsdp-argument": ({}, dict(fsdp="full_shard offload")),
+    # transformers' deepspeed argument, a ZeRO-3 config as TRL / transformers users write it ("auto" filled from the
+    # training arguments, an AdamW section that is theirs), run as FSDP2 without DeepSpeed
+    "zero3-from-deepspeed-argument": ({}, dict(deepspeed={
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_gather_16bit_weights_on_model_save": True},
+        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    })),
     # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from its gathered tensors
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
     # LoRA with trainable token rows (peft's trainable_token_indices): the rows sharded with the embedding's group

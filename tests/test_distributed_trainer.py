@@ -82,6 +82,7 @@ def _reference(tmp_path, sizes: dict, extra: dict):
     dp = sizes.get("dp_replicate_size", 1) * sizes.get("dp_shard_size", 1) if sizes else 4  # fsdp: all 4 shard
     model, trainer_kwargs, extra = worker.model_of(extra)
     extra.pop("fsdp", None)
+    extra.pop("deepspeed", None)  # the one process runs plain
     per_device = extra.pop("per_device_train_batch_size", worker.PER_DEVICE)
     args = worker.config(str(tmp_path / "reference"), per_device * dp, **extra)
     trainer = SFTTrainer(model=model, args=args, train_dataset=worker.train_dataset(layout_extra),

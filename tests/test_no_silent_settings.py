@@ -24,7 +24,7 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
     "save_on_each_node": True,
-    "label_names": ["targets"], "debug": ["tpu_metrics_debug"], "deepspeed": "ds_config.json",
+    "label_names": ["targets"], "debug": ["tpu_metrics_debug"],
 }
 
 

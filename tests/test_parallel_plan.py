@@ -138,7 +138,7 @@ def test_deepspeed_config_file(monkeypatch, tmp_path):
                                   "--num_processes", "2", "--mixed_precision", "no")
     assert layout(resolve_parallel_plan(args, 2)) == (1, 2, 1, True, True)
     ds_config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}))
-    with pytest.raises(ValueError, match="'optimizer' section is not supported .* set the training arguments"):
+    with pytest.raises(ValueError, match="'optimizer' section is not supported .* set optim instead"):
         resolve_parallel_plan(args, 2)
 
 
@@ -316,3 +316,103 @@ def test_nothing_set_is_data_parallel(tmp_path):
     assert resolve_parallel_plan(training_args(tmp_path, torch_compile=True), 2).compile
     with pytest.raises(ValueError, match="world_size=0"):
         resolve_parallel_plan(training_args(tmp_path), 0)
+
+
+# --- TrainingArguments(deepspeed=...): read without DeepSpeed ------------------------------------
+
+def _ds_file(tmp_path, config) -> str:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+@pytest.mark.parametrize("stage, expected", [(0, (2, 1, 1, True, False)), (1, (1, 2, 1, False, False)),
+                                             (2, (1, 2, 1, False, False)), (3, (1, 2, 1, True, False))])
+@pytest.mark.parametrize("given_as", ["file", "dict", "base64"])
+def test_deepspeed_argument_runs_as_fsdp2_without_deepspeed(stage, expected, given_as, tmp_path):
+    """transformers' ``deepspeed=`` (a JSON file, a dict or base64 JSON, as transformers and accelerate take it):
+    the ZeRO stage's FSDP2 layout, with DeepSpeed not installed; the argument keeps the user's value, and the
+    arguments' device setup (which would start DeepSpeed) runs."""
+    import base64
+    import importlib.util
+
+    assert importlib.util.find_spec("deepspeed") is None  # the check can fail: this is the run without it
+    config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
+    value = {"file": lambda: _ds_file(tmp_path, config), "dict": lambda: config,
+             "base64": lambda: base64.urlsafe_b64encode(json.dumps(config).encode()).decode()}[given_as]()
+    args = training_args(tmp_path, deepspeed=value)
+    assert args.deepspeed == value and args.world_size == 1 and args.device.type == "cpu"
+    plan = resolve_parallel_plan(args, 2)
+    assert layout(plan) == expected and f"DeepSpeed ZeRO-{stage}" in plan.describe()
+    assert layout(resolve_parallel_plan(args, 1))[:3] == (1, 1, 1)  # one process: nothing to shard
+
+
+def test_deepspeed_argument_fills_auto_and_refuses_mismatches_as_transformers_does(tmp_path):
+    """"auto" takes the training arguments' value; a value given must equal it (transformers' rule and message:
+    the global batch is world size x micro-batch x accumulation)."""
+    from hfnative.trainers.running.deepspeed_config import deepspeed_config
+
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+              "fp16": {"enabled": False},
+              "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                        "weight_decay": "auto"}}}
+    args = training_args(tmp_path, deepspeed=config, per_device_train_batch_size=3, gradient_accumulation_steps=2,
+                         learning_rate=1e-4, weight_decay=0.1, max_grad_norm=0.5)
+    filled = deepspeed_config(args, 4).deepspeed_config
+    assert (filled["train_micro_batch_size_per_gpu"], filled["train_batch_size"], filled["gradient_accumulation_steps"],
+            filled["gradient_clipping"], filled["bf16"]["enabled"]) == (3, 24, 2, 0.5, False)
+    assert filled["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1}
+    assert config["train_batch_size"] == "auto"  # the user's dict is not written into
+    assert layout(resolve_parallel_plan(args, 4)) == (1, 4, 1, True, False)
+
+    wrong = dict(config, train_batch_size=12, gradient_clipping=1.0, bf16={"enabled": True},
+                 optimizer={"type": "Adam", "params": {"lr": 3e-4}})
+    with pytest.raises(ValueError) as error:
+        resolve_parallel_plan(training_args(tmp_path, deepspeed=wrong, per_device_train_batch_size=3,
+                                            gradient_accumulation_steps=2, learning_rate=1e-4, max_grad_norm=0.5), 4)
+    assert str(error.value) == (
+        "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+        "- ds train_batch_size=12 vs hf train_batch_size (calculated)=24\n"
+        "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.5\n"
+        "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False\n"
+        "- ds optimizer.params.lr=0.0003 vs hf learning_rate=0.0001\n"
+        "The easiest method is to set these DeepSpeed config values to 'auto'.")
+
+
+@pytest.mark.parametrize("config, optim, match", [
+    ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "adamw_torch", "not the training arguments'"),
+    ({"optimizer": {"type": "Lamb"}}, "adamw_torch", "DeepSpeed's Adam / AdamW"),
+    ({"optimizer": {"type": "AdamW"}}, "adafactor", "optim='adafactor'"),
+    ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "adamw_torch", r"it sets \['amsgrad'\]"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, "adamw_torch",
+     "'scheduler' section is not supported .* set lr_scheduler_type and warmup_steps"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "adamw_torch",
+     "offload_param_device='nvme' is not supported"),
+    ({"zero_optimization": {"stage": 4}}, "adamw_torch", "zero_stage=4: expected 0, 1, 2 or 3"),
+])
+def test_deepspeed_argument_refuses_what_it_would_change_beyond_the_layout(config, optim, match, tmp_path):
+    args = training_args(tmp_path, deepspeed=config, optim=optim)
+    with pytest.raises(ValueError, match=match):
+        resolve_parallel_plan(args, 2)
+
+
+def test_deepspeed_argument_cpu_offload(tmp_path):
+    config = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}}
+    assert layout(resolve_parallel_plan(training_args(tmp_path, deepspeed=config), 2)) == (1, 2, 1, True, True)
+
+
+@pytest.mark.parametrize("value, match", [
+    ("missing.json", "no such file; pass the path of a DeepSpeed JSON config"),
+    ("BROKEN", "not a readable JSON file"),
+    ("LIST", "the config is a JSON list, not an object"),
+    (3, "expected the path of a DeepSpeed JSON config or a dict"),
+])
+def test_bad_deepspeed_arguments_are_refused_when_the_arguments_are_made(value, match, tmp_path):
+    if value == "BROKEN":
+        value = str(tmp_path / "broken.json")
+        Path(value).write_text("{'zero_optimization': ")
+    elif value == "LIST":
+        value = _ds_file(tmp_path, [1, 2])
+    with pytest.raises(ValueError, match=match):
+        training_args(tmp_path, deepspeed=value)

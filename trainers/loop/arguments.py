@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -81,7 +82,17 @@ class TrainingArguments(transformers.TrainingArguments):
         for name in _AT_LEAST_ONE:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}; it must be at least 1")
-        super().__post_init__()
+        # a DeepSpeed config runs as its FSDP2 layout (trainers/running/deepspeed_config.py): transformers' own
+        # processing of it, which starts DeepSpeed and needs the package, is skipped; the field keeps the user's value
+        deepspeed, self.deepspeed = self.deepspeed, None
+        try:
+            super().__post_init__()
+        finally:
+            self.deepspeed = deepspeed
+        if deepspeed:
+            from ..running.deepspeed_config import read_deepspeed_config
+
+            read_deepspeed_config(deepspeed)  # a bad value is refused here, not when the trainer is built
         self._layerwise_optimizer_in_backward()
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops={self.peak_tflops!r}; it must be a positive number of TFLOP/s, or None")
@@ -93,6 +104,15 @@ class TrainingArguments(transformers.TrainingArguments):
             raise ValueError(
                 f"activation_checkpointing_mode={self.activation_checkpointing_mode!r}; use 'full' or 'selective'"
             )
+
+    @cached_property
+    def _setup_devices(self) -> torch.device:
+        """transformers' device setup, without the DeepSpeed engine a ``deepspeed`` config would make it start."""
+        deepspeed, self.deepspeed = self.deepspeed, None
+        try:
+            return transformers.TrainingArguments._setup_devices.func(self)
+        finally:
+            self.deepspeed = deepspeed
 
     def _layerwise_optimizer_in_backward(self) -> None:
         """``optim="galore_adamw_layerwise"`` (and the other ``_layerwise`` names) steps each parameter inside backward,

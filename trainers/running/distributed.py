@@ -289,7 +289,7 @@ class DistributedMixin:
     ranks), and reductions over the data-parallel ranks."""
 
     # what transformers' Trainer says of its layout, for code that reads it
-    is_deepspeed_enabled = False  # DeepSpeed is refused (trainers/running/settings_check.py)
+    is_deepspeed_enabled = False  # a DeepSpeed config runs as its FSDP2 layout: no DeepSpeed engine (parallel_plan.py)
     # no accelerate FSDP plugin: hfnative shards with FSDP2 itself, and save_model() gathers the whole model
     is_fsdp_enabled = False
     is_model_parallel = False  # no device_map spreading one model over devices

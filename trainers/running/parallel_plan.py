@@ -9,9 +9,9 @@ in transformers' precedence:
 - ``TrainingArguments.fsdp`` / ``fsdp_config`` (as its ``__post_init__`` left them in ``fsdp_plugin_args``),
   else the ``FSDP_*`` environment of an ``accelerate launch`` FSDP config; both through accelerate's
   ``FullyShardedDataParallelPlugin``, as transformers' Trainer builds it.
-- A DeepSpeed ZeRO config (``TrainingArguments.deepspeed`` or ``accelerate launch`` with a DeepSpeed config):
-  transformers' ``args.deepspeed_plugin``, else accelerate's ``DeepSpeedPlugin`` from the environment;
-  run as its FSDP2 equivalent (needs deepspeed installed, as accelerate's launcher does).
+- A DeepSpeed ZeRO config: ``TrainingArguments.deepspeed`` (read here, DeepSpeed never imported:
+  ``deepspeed_config.py``), else ``accelerate launch`` with a DeepSpeed config (accelerate's ``DeepSpeedPlugin`` from
+  the environment; needs deepspeed installed, as accelerate's launcher does); run as its FSDP2 equivalent.
 - Nothing of the above on several processes: data parallel with replicated weights, as transformers' Trainer
   runs DDP under torchrun.
 
@@ -134,7 +134,7 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         raise ValueError(f"world_size={world_size!r}: expected a positive integer (the number of processes)")
     _refuse_unsupported_launch()
     fsdp = _fsdp_plugin(args)
-    deepspeed = _deepspeed_plugin(args)
+    deepspeed = _deepspeed_plugin(args, world_size)
     if fsdp is not None and deepspeed is not None:
         raise ValueError(
             "both FSDP (fsdp / an accelerate FSDP config) and DeepSpeed (deepspeed / an accelerate DeepSpeed config) "
@@ -309,17 +309,21 @@ def _hybrid_layout(source: str, world_size: int, strategy: str) -> _Layout:
     return _Layout(f"{source} (FSDP1 {strategy})", world_size // local, local)
 
 
-def _deepspeed_plugin(args):
-    """transformers' DeepSpeedPlugin (from ``args.deepspeed`` or accelerate's DeepSpeed environment), or the one
-    accelerate builds from that environment; None when DeepSpeed is off."""
+def _deepspeed_plugin(args, world_size: int):
+    """``args.deepspeed`` read for ``world_size`` processes (``deepspeed_config.py``), else transformers' DeepSpeedPlugin
+    or the one accelerate builds from its DeepSpeed environment; None when DeepSpeed is off."""
     from accelerate.utils import DeepSpeedPlugin, is_deepspeed_available, parse_flag_from_env
 
+    if getattr(args, "deepspeed", None):
+        from .deepspeed_config import deepspeed_config
+
+        return deepspeed_config(args, world_size)
     plugin = getattr(args, "deepspeed_plugin", None)
     if plugin is None and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return None
     if not is_deepspeed_available():
         raise ValueError(
-            "this run is configured for DeepSpeed (accelerate launch with a zero1/zero2/zero3 config, or deepspeed=...) "
+            "this run is configured for DeepSpeed (accelerate launch with a zero1/zero2/zero3 config) "
             "and deepspeed is not installed: pip install deepspeed (hfnative then runs the ZeRO stage as its FSDP2 "
             "equivalent), or use the FSDP2 config instead (--accelerate_config fsdp2)"
         )
@@ -330,11 +334,13 @@ def _deepspeed_layout(plugin, world_size: int) -> _Layout:
     config = plugin.deepspeed_config
     source = f"DeepSpeed ZeRO-{plugin.zero_stage}"
     for section in ("optimizer", "scheduler"):
-        if section in config:
+        if section in config and not (section == "optimizer" and getattr(plugin, "optimizer_is_arguments", False)):
+            instead = ("optim" if section == "optimizer" else "lr_scheduler_type and warmup_steps (DeepSpeed's "
+                       "WarmupDecayLR is close to 'linear', its WarmupLR to 'constant_with_warmup')")
             raise ValueError(
                 f"{source}: the DeepSpeed config's {section!r} section is not supported by hfnative (it would replace "
                 f"the training arguments' {'optim' if section == 'optimizer' else 'lr_scheduler_type'}); remove it "
-                "and set the training arguments instead"
+                f"and set {instead} instead"
             )
     devices = {"offload_param_device": plugin.offload_param_device,
                "offload_optimizer_device": plugin.offload_optimizer_device}

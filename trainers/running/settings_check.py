@@ -54,7 +54,6 @@ REFUSED = {
     "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "tpu_metrics_debug reports TPU metrics, and hfnative runs on CPUs and GPUs; keep underflow_overflow only",
-    "deepspeed": "hfnative shards with FSDP2: use fsdp / parallelism_config instead of deepspeed",
 }
 
 # the TRL configs' own fields (beyond TrainingArguments') that hfnative's code does not read: why each changes nothing
