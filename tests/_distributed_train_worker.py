@@ -131,6 +131,9 @@ def main(output_dir: str, layouts: list[str]) -> None:
         trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset(LAYOUTS[name][1]),
                              eval_dataset=eval_dataset(LAYOUTS[name][1]), **trainer_kwargs)
         trainer.save_model(str(out / "before-training"))  # gathered from the shards, before any step
+        if args.deepspeed:  # the config's ZeRO-3 is what shards the model (the comparison alone would pass plain DDP)
+            plan = trainer.distributed.plan
+            assert (plan.dims.dp_shard, plan.reshard_after_forward) == (4, True) and "DeepSpeed ZeRO-3" in plan.source
         if args.torch_compile:  # the split blocks are the compiled ones
             assert all("_compiled_forward" in vars(block) for block in trainer.native_model.layers)
         accelerator = trainer.accelerator  # rank-aware, as under transformers' Trainer

@@ -328,23 +328,44 @@ def _ds_file(tmp_path, config) -> str:
 
 @pytest.mark.parametrize("stage, expected", [(0, (2, 1, 1, True, False)), (1, (1, 2, 1, False, False)),
                                              (2, (1, 2, 1, False, False)), (3, (1, 2, 1, True, False))])
-@pytest.mark.parametrize("given_as", ["file", "dict", "base64"])
-def test_deepspeed_argument_runs_as_fsdp2_without_deepspeed(stage, expected, given_as, tmp_path):
-    """transformers' ``deepspeed=`` (a JSON file, a dict or base64 JSON, as transformers and accelerate take it):
-    the ZeRO stage's FSDP2 layout, with DeepSpeed not installed; the argument keeps the user's value, and the
-    arguments' device setup (which would start DeepSpeed) runs."""
+@pytest.mark.parametrize("given_as", ["file", "dict", "base64", "json"])
+def test_deepspeed_argument_runs_as_fsdp2_without_deepspeed(stage, expected, given_as, tmp_path, monkeypatch):
+    """transformers' ``deepspeed=`` (a JSON file, a dict, base64 JSON or a JSON string, as transformers and accelerate
+    take it): the ZeRO stage's FSDP2 layout, DeepSpeed never imported (an import of it fails here); the argument
+    keeps the user's value (a JSON string parsed, as transformers parses it)."""
     import base64
-    import importlib.util
+    import sys
 
-    assert importlib.util.find_spec("deepspeed") is None  # the check can fail: this is the run without it
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
     config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto"}
-    value = {"file": lambda: _ds_file(tmp_path, config), "dict": lambda: config,
+    value = {"file": lambda: _ds_file(tmp_path, config), "dict": lambda: config, "json": lambda: json.dumps(config),
              "base64": lambda: base64.urlsafe_b64encode(json.dumps(config).encode()).decode()}[given_as]()
     args = training_args(tmp_path, deepspeed=value)
-    assert args.deepspeed == value and args.world_size == 1 and args.device.type == "cpu"
+    assert args.deepspeed == (config if given_as == "json" else value)
     plan = resolve_parallel_plan(args, 2)
     assert layout(plan) == expected and f"DeepSpeed ZeRO-{stage}" in plan.describe()
     assert layout(resolve_parallel_plan(args, 1))[:3] == (1, 1, 1)  # one process: nothing to shard
+
+
+def test_the_arguments_device_setup_does_not_start_deepspeed(tmp_path, monkeypatch):
+    """transformers' ``_setup_devices`` starts accelerate's state for DeepSpeed when ``deepspeed`` is set (its
+    ACCELERATE_USE_DEEPSPEED while the state is made); the arguments' own does not, whenever it runs."""
+    import transformers
+    from accelerate import PartialState
+
+    seen = []
+    made = PartialState.__init__
+
+    def recording(self, *args, **kwargs):
+        seen.append(os.environ.get("ACCELERATE_USE_DEEPSPEED"))
+        made(self, *args, **kwargs)
+
+    args = training_args(tmp_path, deepspeed={"zero_optimization": {"stage": 3}})
+    monkeypatch.setattr(PartialState, "__init__", recording)
+    args.__dict__.pop("_setup_devices", None)  # the cached device setup, made again
+    assert args.device.type == "cpu" and args.world_size == 1
+    transformers.TrainingArguments._setup_devices.func(args)  # the check can fail: transformers' own asks for it
+    assert seen == [None, "true"]
 
 
 def test_deepspeed_argument_fills_auto_and_refuses_mismatches_as_transformers_does(tmp_path):
@@ -367,7 +388,8 @@ def test_deepspeed_argument_fills_auto_and_refuses_mismatches_as_transformers_do
     assert layout(resolve_parallel_plan(args, 4)) == (1, 4, 1, True, False)
 
     wrong = dict(config, train_batch_size=12, gradient_clipping=1.0, bf16={"enabled": True},
-                 optimizer={"type": "Adam", "params": {"lr": 3e-4}})
+                 optimizer={"type": "Adam", "params": {"lr": 3e-4, "betas": "auto", "eps": "auto",
+                                                       "weight_decay": "auto"}})
     with pytest.raises(ValueError) as error:
         resolve_parallel_plan(training_args(tmp_path, deepspeed=wrong, per_device_train_batch_size=3,
                                             gradient_accumulation_steps=2, learning_rate=1e-4, max_grad_norm=0.5), 4)
@@ -375,16 +397,23 @@ def test_deepspeed_argument_fills_auto_and_refuses_mismatches_as_transformers_do
         "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
         "- ds train_batch_size=12 vs hf train_batch_size (calculated)=24\n"
         "- ds gradient_clipping=1.0 vs hf max_grad_norm=0.5\n"
-        "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False\n"
         "- ds optimizer.params.lr=0.0003 vs hf learning_rate=0.0001\n"
+        "- ds bf16.enabled=True vs hf bf16|bf16_full_eval=False\n"
         "The easiest method is to set these DeepSpeed config values to 'auto'.")
 
 
 @pytest.mark.parametrize("config, optim, match", [
     ({"optimizer": {"type": "Adam", "params": {"adam_w_mode": False}}}, "adamw_torch", "not the training arguments'"),
     ({"optimizer": {"type": "Lamb"}}, "adamw_torch", "DeepSpeed's Adam / AdamW"),
-    ({"optimizer": {"type": "AdamW"}}, "adafactor", "optim='adafactor'"),
+    ({"optimizer": {"type": "AdamW", "params": dict.fromkeys(["lr", "betas", "eps", "weight_decay"], "auto")}},
+     "adafactor", "optim='adafactor'"),
+    ({"optimizer": {"type": "AdamW", "params": dict.fromkeys(["lr", "betas", "eps", "weight_decay"], "auto")}},
+     "adamw_torch_8bit", "optim='adamw_torch_8bit'"),
     ({"optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, "adamw_torch", r"it sets \['amsgrad'\]"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "adamw_torch",
+     r"it leaves \['betas', 'eps', 'weight_decay'\] to DeepSpeed's defaults"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True}}, "adamw_torch", "cpu_offload=True is not supported"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "adamw_torch", "autotp_size=2 is not supported .* parallelism_config"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}}, "adamw_torch",
      "'scheduler' section is not supported .* set lr_scheduler_type and warmup_steps"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, "adamw_torch",
@@ -416,3 +445,16 @@ def test_bad_deepspeed_arguments_are_refused_when_the_arguments_are_made(value, 
         value = _ds_file(tmp_path, [1, 2])
     with pytest.raises(ValueError, match=match):
         training_args(tmp_path, deepspeed=value)
+
+
+def test_deepspeed_global_batch_counts_the_data_parallel_ranks(tmp_path):
+    """With tensor parallelism from parallelism_config, the global batch is micro-batch x accumulation x the
+    data-parallel ranks (DeepSpeed's own count), not x every process."""
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 3, "train_batch_size": 6}
+    args = training_args(tmp_path, deepspeed=config, per_device_train_batch_size=3,
+                         parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    assert layout(resolve_parallel_plan(args, 4))[:3] == (1, 2, 2)
+    args = training_args(tmp_path, deepspeed=dict(config, train_batch_size=12), per_device_train_batch_size=3,
+                         parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2))
+    with pytest.raises(ValueError, match=r"train_batch_size=12 vs hf train_batch_size \(calculated\)=6"):
+        resolve_parallel_plan(args, 4)

@@ -85,6 +85,12 @@ class TrainingArguments(transformers.TrainingArguments):
         # a DeepSpeed config runs as its FSDP2 layout (trainers/running/deepspeed_config.py): transformers' own
         # processing of it, which starts DeepSpeed and needs the package, is skipped; the field keeps the user's value
         deepspeed, self.deepspeed = self.deepspeed, None
+        if isinstance(deepspeed, str) and deepspeed.startswith("{"):  # a JSON object, as transformers parses it
+            import json
+
+            from transformers.training_args import _convert_str_dict
+
+            deepspeed = _convert_str_dict(json.loads(deepspeed))
         try:
             super().__post_init__()
         finally:

@@ -71,10 +71,18 @@ def read_deepspeed_config(value) -> dict:
     return config
 
 
-def deepspeed_config(args, world_size: int) -> DeepSpeedConfig:
-    """``args.deepspeed`` read, its "auto" values filled from ``args`` for ``world_size`` processes and the rest checked
-    against them (transformers' ``trainer_config_process`` rules)."""
+def deepspeed_config(args, data_parallel_size: int) -> DeepSpeedConfig:
+    """``args.deepspeed`` read, its "auto" values filled from ``args`` and the rest checked against them (transformers'
+    ``trainer_config_process`` rules, in its order); the global batch counted over ``data_parallel_size`` ranks (the
+    world size, less what tensor / context / pipeline parallelism take)."""
     config = read_deepspeed_config(args.deepspeed)
+    for key, (harmless, why) in _REFUSED_KEYS.items():
+        *parents, leaf = key.split(".")
+        node = config
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) is not None and not harmless(node[leaf]):
+            raise ValueError(f"deepspeed: {key}={node[leaf]!r} is not supported by hfnative: {why}")
     mismatches: list[str] = []
     batch_must_match = not getattr(args, "auto_find_batch_size", False)
 
@@ -93,10 +101,9 @@ def deepspeed_config(args, world_size: int) -> DeepSpeedConfig:
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fill_match("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", batch_must_match)
     fill_match("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
-    fill_match("train_batch_size", world_size * micro * accumulation, "train_batch_size (calculated)", batch_must_match)
+    fill_match("train_batch_size", data_parallel_size * micro * accumulation, "train_batch_size (calculated)",
+               batch_must_match)
     fill_match("gradient_clipping", args.max_grad_norm, "max_grad_norm")
-    fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
-    fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     optimizer = config.get("optimizer")
     if optimizer is not None:
         _check_adamw(optimizer, args)
@@ -104,6 +111,8 @@ def deepspeed_config(args, world_size: int) -> DeepSpeedConfig:
         fill_match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
         fill_match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
         fill_match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
+    fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
     if mismatches:
         raise ValueError(
             "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
@@ -111,24 +120,37 @@ def deepspeed_config(args, world_size: int) -> DeepSpeedConfig:
     return DeepSpeedConfig(config, optimizer_is_arguments=optimizer is not None)
 
 
-_ADAMW_PARAMS = {"lr", "betas", "eps", "weight_decay", "adam_w_mode", "torch_adam"}
+# what a config may hold that would change the run beyond its layout: (the values that change nothing, why the others
+# are refused)
+_REFUSED_KEYS = {
+    "zero_optimization.cpu_offload": (lambda value: value is False, "it is DeepSpeed's old name for offload_optimizer; "
+                                      "use \"offload_optimizer\": {\"device\": \"cpu\"}"),
+    "tensor_parallel.autotp_size": (lambda value: type(value) is int and value <= 1,
+                                    "tensor parallelism comes from parallelism_config (tp_size)"),
+}
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")  # each "auto" or equal to the training arguments'
+_ADAMW_PARAMS = {*_HYPERPARAMETERS, "adam_w_mode", "torch_adam"}
+_PLAIN_ADAMW = ("adamw_torch", "adamw_torch_fused")  # a 32-bit AdamW, as DeepSpeed's is
 
 
 def _check_adamw(optimizer, args) -> None:
-    """An optimizer section hfnative can honour: DeepSpeed's Adam / AdamW with decoupled weight decay, over training
-    arguments whose optimizer is AdamW too (their lr, betas, eps and weight decay are then checked like the rest)."""
+    """An optimizer section hfnative can honour: DeepSpeed's Adam / AdamW with decoupled weight decay and its four
+    hyperparameters given ("auto" or values, checked like the rest: a missing one is DeepSpeed's default, not the
+    arguments'), over training arguments whose optimizer is the same plain 32-bit AdamW."""
     kind = str(optimizer.get("type", "")) if isinstance(optimizer, dict) else ""
-    params = optimizer.get("params") or {} if isinstance(optimizer, dict) else {}
+    params = (optimizer.get("params") or {}) if isinstance(optimizer, dict) else {}
     decoupled = kind.lower() == "adamw" or (kind.lower() == "adam" and params.get("adam_w_mode", True) is True)
     optim = str(getattr(args.optim, "value", args.optim))
-    if not decoupled or not optim.startswith("adamw") or set(params) - _ADAMW_PARAMS:
-        extra = sorted(set(params) - _ADAMW_PARAMS)
+    extra, missing = sorted(set(params) - _ADAMW_PARAMS), [key for key in _HYPERPARAMETERS if key not in params]
+    if not decoupled or optim not in _PLAIN_ADAMW or extra or missing:
+        details = "".join([f"; it sets {extra}" if extra else "",
+                           f"; it leaves {missing} to DeepSpeed's defaults" if missing else ""])
         raise ValueError(
             f"deepspeed: the config's optimizer section ({optimizer!r}) is not the training arguments' optimizer "
-            f"(optim={optim!r}){f'; it sets {extra}' if extra else ''}: hfnative runs the training arguments' optimizer, "
-            "and reads an optimizer section only when it is DeepSpeed's Adam / AdamW with decoupled weight decay over "
-            "optim='adamw_*'; remove the section and set optim, learning_rate, adam_beta1/2, adam_epsilon and "
-            "weight_decay instead")
+            f"(optim={optim!r}){details}: hfnative runs the training arguments' optimizer, and reads an optimizer "
+            "section only when it is DeepSpeed's Adam / AdamW with decoupled weight decay and lr, betas, eps and "
+            f"weight_decay given (\"auto\" takes the arguments'), over optim in {list(_PLAIN_ADAMW)}; remove the "
+            "section and set optim, learning_rate, adam_beta1/2, adam_epsilon and weight_decay instead")
 
 
 __all__ = ["DeepSpeedConfig", "deepspeed_config", "read_deepspeed_config"]

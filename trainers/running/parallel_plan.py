@@ -134,7 +134,8 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         raise ValueError(f"world_size={world_size!r}: expected a positive integer (the number of processes)")
     _refuse_unsupported_launch()
     fsdp = _fsdp_plugin(args)
-    deepspeed = _deepspeed_plugin(args, world_size)
+    sizes = _parallelism_config(args, world_size)
+    deepspeed = _deepspeed_plugin(args, world_size if sizes is None else sizes[0] * sizes[1])
     if fsdp is not None and deepspeed is not None:
         raise ValueError(
             "both FSDP (fsdp / an accelerate FSDP config) and DeepSpeed (deepspeed / an accelerate DeepSpeed config) "
@@ -146,7 +147,6 @@ def resolve_parallel_plan(args, world_size: int) -> ParallelPlan:
         layout = _deepspeed_layout(deepspeed, world_size)
     else:
         layout = _Layout(_DEFAULT_SOURCE, world_size, 1)
-    sizes = _parallelism_config(args, world_size)
     if sizes is not None:
         layout.replicate, layout.shard, layout.tp, layout.cp, layout.ep, layout.pp = sizes
         layout.source = "parallelism_config" + ("" if layout.source == _DEFAULT_SOURCE else f" with {layout.source}")
@@ -309,15 +309,16 @@ def _hybrid_layout(source: str, world_size: int, strategy: str) -> _Layout:
     return _Layout(f"{source} (FSDP1 {strategy})", world_size // local, local)
 
 
-def _deepspeed_plugin(args, world_size: int):
-    """``args.deepspeed`` read for ``world_size`` processes (``deepspeed_config.py``), else transformers' DeepSpeedPlugin
-    or the one accelerate builds from its DeepSpeed environment; None when DeepSpeed is off."""
+def _deepspeed_plugin(args, data_parallel_size: int):
+    """``args.deepspeed`` read for ``data_parallel_size`` data-parallel ranks (``deepspeed_config.py``), else
+    transformers' DeepSpeedPlugin or the one accelerate builds from its DeepSpeed environment; None when DeepSpeed is
+    off."""
     from accelerate.utils import DeepSpeedPlugin, is_deepspeed_available, parse_flag_from_env
 
     if getattr(args, "deepspeed", None):
         from .deepspeed_config import deepspeed_config
 
-        return deepspeed_config(args, world_size)
+        return deepspeed_config(args, data_parallel_size)
     plugin = getattr(args, "deepspeed_plugin", None)
     if plugin is None and not parse_flag_from_env("ACCELERATE_USE_DEEPSPEED"):
         return None
