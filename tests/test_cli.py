@@ -344,14 +344,49 @@ def test_launch_exit_status_is_the_runs(monkeypatch):
         assert status == expected
 
 
+@pytest.mark.parametrize("name, stage", [("zero1", 1), ("zero2", 2), ("zero3", 3)])
+def test_trls_deepspeed_configs_without_deepspeed_start_torchrun_processes(name, stage, monkeypatch, tmp_path):
+    """TRL's zero1/2/3 configs where deepspeed is not installed (accelerate's launcher would stop with an ImportError):
+    the same accelerate settings as torchrun processes (MULTI_GPU), each given the config's ZeRO settings as
+    --deepspeed, which the processes' arguments run as its FSDP2 layout."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    from hfnative.trainers.running.parallel_plan import resolve_parallel_plan
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
+    seen = []
+    monkeypatch.setattr("accelerate.commands.launch.launch_command",
+                        lambda launch: seen.append((load_config_from_file(launch.config_file).to_dict(), launch)))
+    training = ["--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out"), "--bf16", "false"]
+    assert cli.main(["sft", *training, "--num_processes", "2", "--accelerate_config", name,
+                     "--mixed_precision", "no"]) == 0
+    [(config, launch)] = seen
+    trl_config = load_config_from_file(str(importlib.resources.files("trl.accelerate_configs").joinpath(f"{name}.yaml")))
+    expected = {key: value for key, value in trl_config.to_dict().items() if key != "deepspeed_config"}
+    assert config == dict(expected, distributed_type="MULTI_GPU")  # the rest of TRL's settings as they were
+    assert (launch.num_processes, launch.mixed_precision, launch.use_deepspeed) == (2, "no", False)
+    command, *args = launch.training_script_args
+    assert command == "sft" and args[:-2] == training and args[-2] == "--deepspeed"
+    assert json.loads(args[-1])["zero_optimization"] == {"stage": stage, "offload_optimizer": {"device": "none"},
+                                                         "offload_param": {"device": "none"}}
+    parsed = cli.COMMANDS["sft"].parser("sft").parse(args)[1]  # what each process makes of its command line
+    plan = resolve_parallel_plan(parsed, 2)
+    assert (plan.dims.dp_shard, plan.reshard_after_forward) == (2, stage == 3)
+    assert f"DeepSpeed ZeRO-{stage}" in plan.source
+
+
 def test_launch_usage_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: pytest.fail("launched"))
     monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
     run = ["--model_name_or_path", TINY]
     assert "not one of TRL's configs (fsdp1, fsdp2, multi_gpu, single_gpu, zero1, zero2, zero3) (did you mean 'fsdp2'?)" \
         in _usage_error(capsys, [*run, "--accelerate_config", "fsdp3"])
-    assert "runs DeepSpeed, and deepspeed is not installed: pip install deepspeed" \
-        in _usage_error(capsys, [*run, "--accelerate_config", "zero3"])
+    assert "--use_deepspeed runs DeepSpeed, and deepspeed is not installed: pip install deepspeed, or give" \
+        in _usage_error(capsys, [*run, "--use_deepspeed", "--num_processes", "2"])
+    assert "runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "zero3", "--deepspeed", "ds.json"])
     assert "distributed_type is NO (one process): use --accelerate_config multi_gpu or fsdp2" \
         in _usage_error(capsys, [*run, "--accelerate_config", "single_gpu", "--num_processes", "2"])
     assert "accelerate starts several CPU processes only through MPI" in _usage_error(capsys, [*run, "--cpu", "--num_processes", "2"])

@@ -1,7 +1,9 @@
 """Starting the processes of a run, as ``trl`` does: ``--num_processes N``, ``--accelerate_config NAME|PATH`` (TRL's
 shipped configs or an accelerate config file) and any other ``accelerate launch`` flag given to ``hfnative-train``
-start it through accelerate's launcher with the same command (minus those flags) in every process. Also the usage
-error every part of the command line raises.
+start it through accelerate's launcher with the same command (minus those flags) in every process. An accelerate
+DeepSpeed config (TRL's zero1 / zero2 / zero3) with deepspeed not installed starts torchrun processes instead, each
+given the config's ZeRO settings as ``--deepspeed`` (run as their FSDP2 equivalent: ``deepspeed_config.py``). Also the
+usage error every part of the command line raises.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
+import json
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterable
 
 class UsageError(Exception):
@@ -138,23 +142,66 @@ def _shipped_config(name: str) -> str:
     return str(shipped.joinpath(f"{name}.yaml"))
 
 
-def _check_launch(launch: argparse.Namespace) -> None:
-    """Refuse a launch that would not start what it asks for: a DeepSpeed config without deepspeed (accelerate's
-    launcher would stop with an ImportError), several processes where accelerate would start one. On a machine
-    with fewer GPUs than processes and no accelerate config, accelerate's multi-process launcher (torchrun) is
-    chosen, as it is on a multi-GPU machine: the processes then use gloo on the CPU."""
+def _launch_config(launch: argparse.Namespace):
+    """(the config file accelerate launch reads: the given one, else `accelerate config`'s default, not with --cpu;
+    its ClusterConfig), or (None, None)."""
     from accelerate.commands.config.config_args import default_config_file, load_config_from_file
-    from accelerate.utils import DistributedType, is_deepspeed_available
 
-    # the config file accelerate launch reads: the given one, else `accelerate config`'s default (not with --cpu)
     path = launch.config_file or (default_config_file if os.path.isfile(default_config_file) and not launch.cpu else None)
     try:
-        distributed = load_config_from_file(path).distributed_type if path else None
+        return path, (load_config_from_file(path) if path else None)
     except (OSError, ValueError, TypeError) as err:
         raise UsageError(f"accelerate config {path}: {_one_line(err)}") from err
+
+
+def _deepspeed_as_torchrun(launch: argparse.Namespace, args: list[str], folder: str) -> tuple[str, list[str]] | None:
+    """For an accelerate DeepSpeed config with deepspeed not installed (accelerate's launcher would stop with an
+    ImportError): (the same config with torchrun's distributed type, written in ``folder``; ``args`` with
+    ``--deepspeed`` holding the config's ZeRO settings, or its deepspeed_config_file). None for any other launch."""
+    from accelerate.utils import DistributedType, is_deepspeed_available
+
+    path, config = _launch_config(launch)
+    if config is None or config.distributed_type != DistributedType.DEEPSPEED or is_deepspeed_available():
+        return None
+    if any(arg.split("=")[0] == "--deepspeed" for arg in args):
+        raise UsageError(f"accelerate config {path} runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one")
+    plugin = dict(config.deepspeed_config or {})
+    if plugin.get("deepspeed_config_file"):
+        zero = plugin["deepspeed_config_file"]
+    else:  # accelerate's DeepSpeedPlugin defaults: ZeRO-2, nothing offloaded
+        settings = {"zero_optimization": {
+            "stage": plugin.get("zero_stage", 2),
+            "offload_optimizer": {"device": plugin.get("offload_optimizer_device", "none")},
+            "offload_param": {"device": plugin.get("offload_param_device", "none")}}}
+        for key in ("gradient_accumulation_steps", "gradient_clipping"):
+            if plugin.get(key) not in (None, "auto"):
+                settings[key] = plugin[key]
+        zero = json.dumps(settings)
+    as_torchrun = {key: value for key, value in config.to_dict().items() if key != "deepspeed_config"}
+    as_torchrun["distributed_type"] = DistributedType.MULTI_GPU.value
+    converted = os.path.join(folder, "accelerate_config.json")
+    with open(converted, "w") as file:
+        json.dump(as_torchrun, file)
+    print(f"accelerate config {path} runs DeepSpeed, which is not installed: hfnative starts the processes with torchrun "
+          f"and runs the config's ZeRO settings as their FSDP2 equivalent (--deepspeed {zero})", flush=True)
+    return converted, [*args, "--deepspeed", zero]
+
+
+def _check_launch(launch: argparse.Namespace) -> None:
+    """Refuse a launch that would not start what it asks for: DeepSpeed launcher flags without deepspeed
+    (accelerate's launcher would stop with an ImportError; a DeepSpeed config file is run as torchrun processes:
+    ``_deepspeed_as_torchrun``), several processes where accelerate would start one. On a machine with fewer GPUs
+    than processes and no accelerate config, accelerate's multi-process launcher (torchrun) is chosen, as it is on a
+    multi-GPU machine: the processes then use gloo on the CPU."""
+    from accelerate.utils import DistributedType, is_deepspeed_available
+
+    path, config = _launch_config(launch)
+    distributed = config.distributed_type if config is not None else None
     if (launch.use_deepspeed or distributed == DistributedType.DEEPSPEED) and not is_deepspeed_available():
-        raise UsageError(f"accelerate config {path or '(--use_deepspeed)'} runs DeepSpeed, and deepspeed is not installed: "
-                         "pip install deepspeed (hfnative runs its ZeRO stage as FSDP2), or use --accelerate_config fsdp2")
+        raise UsageError(f"accelerate launch --use_deepspeed runs DeepSpeed, and deepspeed is not installed: "
+                         "pip install deepspeed, or give the ZeRO settings as a config: --accelerate_config zero3 (or "
+                         "an accelerate config file with distributed_type DEEPSPEED), or --deepspeed ds_config.json, "
+                         "run as their FSDP2 equivalent")
     processes = launch.num_processes
     if processes is None or processes <= 1 or launch.mpirun_hostfile:
         return
@@ -181,15 +228,40 @@ def launch_processes(command_name: str, launch_args: list[str], args: list[str],
     own = [arg for arg in launch_args if arg.split("=")[0] in ("-m", "--module", "--no_python", "--no-python")]
     if own:
         raise UsageError(f"{own[0]} is not for hfnative-train, which starts its own module in every process")
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from accelerate.utils import patch_environment
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from accelerate.commands.launch import launch_command_parser
 
     launch_parser = launch_command_parser()
     launch_parser.error = _accelerate_usage_error
-    launch = launch_parser.parse_args(
-        [*_accelerate_config_path(launch_args), "--module", "hfnative.trainers.running.cli", command_name, *args]
-    )
+    launch_args = _accelerate_config_path(launch_args)
+    module = ["--module", "hfnative.trainers.running.cli", command_name]
+    launch = launch_parser.parse_args([*launch_args, *module, *args])
+    with tempfile.TemporaryDirectory(prefix="hfnative-launch-") as folder:
+        converted = _deepspeed_as_torchrun(launch, args, folder)
+        if converted is not None:
+            config, args = converted
+            launch = launch_parser.parse_args([*_without_config_file(launch_args), "--config_file", config, *module, *args])
+        return _launch(launch, args, parser)
+
+
+def _without_config_file(launch_args: list[str]) -> list[str]:
+    """``launch_args`` less any ``--config_file PATH``."""
+    kept, skip = [], False
+    for arg in launch_args:
+        if skip:
+            skip = False
+        elif arg.split("=")[0] in ("--config_file", "--config-file"):
+            skip = "=" not in arg
+        else:
+            kept.append(arg)
+    return kept
+
+
+def _launch(launch: argparse.Namespace, args: list[str], parser) -> int:
+    """``launch`` checked and run; the run's exit status."""
+    from accelerate.commands.launch import launch_command
+    from accelerate.utils import patch_environment
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
     _check_launch(launch)
     with patch_environment(**{LAUNCHED_BY_CLI: "1"}):
         parser.parse_namespace(args)  # a usage mistake is reported once, here, rather than by every process
