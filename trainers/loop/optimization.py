@@ -145,6 +145,11 @@ class OptimizationMixin:
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         if self.lr_scheduler is None:
             a = self.args
+            from ..running.deepspeed_config import deepspeed_scheduler
+
+            self.lr_scheduler = deepspeed_scheduler(a, optimizer or self.optimizer, num_training_steps)
+            if self.lr_scheduler is not None:  # a DeepSpeed config's schedule replaces the arguments', as in transformers
+                return self.lr_scheduler
             if a.lr_scheduler_type in ("reduce_lr_on_plateau", "greedy"):
                 raise ValueError(f"lr_scheduler_type={a.lr_scheduler_type.value!r} steps on an evaluation metric, "
                                  "which hfnative's loop does not pass; choose a schedule that follows the step count")

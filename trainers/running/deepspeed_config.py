@@ -6,8 +6,10 @@ As transformers' ``HfTrainerDeepSpeedConfig`` does, the config's ``"auto"`` valu
 arguments (the micro-batch, gradient accumulation, the global batch, gradient clipping, fp16 / bf16, an AdamW
 section's hyperparameters), and a value given that differs from them is refused, all such values listed in one
 message. An ``optimizer`` section is read when it is the training arguments' AdamW (DeepSpeed's ``Adam`` and ``AdamW``
-decouple the weight decay by default); what else the config would change beyond the layout (another optimizer, a
-``scheduler`` section, NVMe offload) is refused by ``parallel_plan._deepspeed_layout`` or here.
+decouple the weight decay by default). A ``scheduler`` section (DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR)
+replaces the arguments' schedule, as under transformers' Trainer with DeepSpeed: ``deepspeed_scheduler`` computes
+DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py) in a LambdaLR. What else the config would change beyond the
+layout (another optimizer or schedule, NVMe offload) is refused by ``parallel_plan._deepspeed_layout`` or here.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import base64
 import binascii
 import copy
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import torch
 
 
 @dataclass
@@ -26,7 +31,8 @@ class DeepSpeedConfig:
     """A ZeRO config as ``parallel_plan`` reads it (the attributes it reads of accelerate's ``DeepSpeedPlugin``)."""
 
     deepspeed_config: dict
-    optimizer_is_arguments: bool = False  # an optimizer section checked equal to the training arguments' AdamW
+    # the sections hfnative reads (checked here): an optimizer equal to the arguments' AdamW, a DeepSpeed schedule
+    sections_read: frozenset = frozenset()
 
     @property
     def zero_stage(self):
@@ -111,13 +117,116 @@ def deepspeed_config(args, data_parallel_size: int) -> DeepSpeedConfig:
         fill_match("optimizer.params.betas", [args.adam_beta1, args.adam_beta2], "adam_beta1+adam_beta2")
         fill_match("optimizer.params.eps", args.adam_epsilon, "adam_epsilon")
         fill_match("optimizer.params.weight_decay", args.weight_decay, "weight_decay")
+    scheduler = config.get("scheduler")
+    if scheduler is not None:
+        _check_schedule(scheduler)
+        fill_match("scheduler.params.warmup_min_lr", 0, "", must_match=False)  # not a training argument
+        fill_match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
+    _raise_mismatches(mismatches)
+    read = {name for name, section in (("optimizer", optimizer), ("scheduler", scheduler)) if section is not None}
+    return DeepSpeedConfig(config, frozenset(read))
+
+
+def _raise_mismatches(mismatches: list[str]) -> None:
     if mismatches:
         raise ValueError(
             "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
             + "\n".join(mismatches) + "\nThe easiest method is to set these DeepSpeed config values to 'auto'.")
-    return DeepSpeedConfig(config, optimizer_is_arguments=optimizer is not None)
+
+
+# DeepSpeed's schedules and the parameters each takes (deepspeed/runtime/lr_schedules.py)
+_SCHEDULES = {
+    "WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"},
+    "WarmupCosineLR": {"warmup_min_ratio", "warmup_num_steps", "warmup_type", "cos_min_ratio", "total_num_steps"},
+}
+
+
+def _check_schedule(scheduler) -> None:
+    kind = scheduler.get("type") if isinstance(scheduler, dict) else None
+    params = (scheduler.get("params") or {}) if isinstance(scheduler, dict) else {}
+    extra = sorted(set(params) - _SCHEDULES.get(kind, set()))
+    needs_total = kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in params
+    if kind not in _SCHEDULES or extra or needs_total or params.get("warmup_type", "log") not in ("log", "linear"):
+        raise ValueError(
+            f"deepspeed: the config's scheduler section ({scheduler!r}) is not one hfnative runs"
+            f"{f' (it sets {extra})' if kind in _SCHEDULES and extra else ''}: DeepSpeed's {', '.join(_SCHEDULES)} "
+            "with their own parameters (total_num_steps given to the last two: \"auto\" is the run's steps) and "
+            "warmup_type 'log' or 'linear' are; or remove the section and set lr_scheduler_type and warmup_steps")
+
+
+def deepspeed_scheduler(args, optimizer: torch.optim.Optimizer,
+                        num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+    """The schedule of ``args.deepspeed``'s scheduler section over ``optimizer`` (None without one), as DeepSpeed's
+    engine runs it under transformers' Trainer: made before the first step (which then runs at the schedule's start,
+    ``warmup_min_lr``) and stepped after every optimizer step. ``total_num_steps`` and ``warmup_num_steps`` "auto"
+    are the run's steps and ``max(1, args.get_warmup_steps(...))``, as transformers fills them; a value given must
+    equal them."""
+    config = read_deepspeed_config(args.deepspeed) if args.deepspeed else {}
+    scheduler = config.get("scheduler")
+    if scheduler is None:
+        return None
+    _check_schedule(scheduler)
+    kind, params = scheduler["type"], dict(scheduler.get("params") or {})
+    mismatches = []
+    for key, value, name in (("total_num_steps", num_training_steps, "num_training_steps (calculated)"),
+                             ("warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps"),
+                             ("warmup_max_lr", args.learning_rate, "learning_rate")):
+        if params.get(key) == "auto":
+            params[key] = value
+        elif params.get(key) is not None and params[key] != value:
+            mismatches.append(f"- ds scheduler.params.{key}={params[key]} vs hf {name}={value}")
+    _raise_mismatches(mismatches)
+    if params.get("warmup_min_lr") == "auto":
+        params["warmup_min_lr"] = 0
+    rates = _deepspeed_rates(kind, params, [group["lr"] for group in optimizer.param_groups])
+    # LambdaLR's step e is DeepSpeed's iteration e - 1 (its constructor's lr is DeepSpeed's before any step)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [
+        (lambda e, group=group, base=group_lr: rates(e - 1, group) / base if base else 0.0)
+        for group, group_lr in enumerate(group["lr"] for group in optimizer.param_groups)])
+
+
+def _deepspeed_rates(kind: str, params: dict, base_lrs: list[float]):
+    """``rate(iteration, group)``: the learning rate DeepSpeed's ``kind`` gives a parameter group at an iteration
+    (-1: before the first step), with DeepSpeed's defaults for what ``params`` leaves out."""
+    warmup = max(2, params.get("warmup_num_steps", 1000))
+    linear = params.get("warmup_type", "log") == "linear"
+
+    def warming(iteration: int) -> float:  # 0 -> 1 over the warm-up
+        return iteration / warmup if linear else math.log(iteration + 1) / math.log(warmup)
+
+    if kind == "WarmupCosineLR":
+        total, min_ratio = params["total_num_steps"], params.get("warmup_min_ratio", 0.0)
+        cos_min = params.get("cos_min_ratio", 0.0001)
+
+        def rate(iteration: int, group: int) -> float:
+            if iteration < 0:  # DeepSpeed sets the first group's rate to 0 before the first step, the others' not
+                return 0.0 if group == 0 else base_lrs[group]
+            if iteration < warmup:
+                ratio = min_ratio + warming(iteration) * (1.0 - min_ratio)
+            else:
+                ratio = (1 + math.cos(math.pi * (iteration - warmup + 1) / (total - warmup))) / 2
+                ratio = max(0.0, cos_min + (1.0 - cos_min) * ratio)
+            return base_lrs[group] * ratio
+
+        return rate
+    low, high = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
+    total = params.get("total_num_steps")
+
+    def rate(iteration: int, group: int) -> float:
+        if iteration < 0:
+            return low
+        if iteration < warmup:
+            gamma = warming(iteration)
+        elif kind == "WarmupDecayLR":
+            gamma = max(0.0, (total - iteration) / max(1.0, total - warmup))
+        else:
+            gamma = 1.0
+        return low + (high - low) * gamma
+
+    return rate
 
 
 # what a config may hold that would change the run beyond its layout: (the values that change nothing, why the others

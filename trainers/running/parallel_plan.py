@@ -335,9 +335,8 @@ def _deepspeed_layout(plugin, world_size: int) -> _Layout:
     config = plugin.deepspeed_config
     source = f"DeepSpeed ZeRO-{plugin.zero_stage}"
     for section in ("optimizer", "scheduler"):
-        if section in config and not (section == "optimizer" and getattr(plugin, "optimizer_is_arguments", False)):
-            instead = ("optim" if section == "optimizer" else "lr_scheduler_type and warmup_steps (DeepSpeed's "
-                       "WarmupDecayLR is close to 'linear', its WarmupLR to 'constant_with_warmup')")
+        if section in config and section not in getattr(plugin, "sections_read", ()):
+            instead = "optim" if section == "optimizer" else "lr_scheduler_type and warmup_steps"
             raise ValueError(
                 f"{source}: the DeepSpeed config's {section!r} section is not supported by hfnative (it would replace "
                 f"the training arguments' {'optim' if section == 'optimizer' else 'lr_scheduler_type'}); remove it "
