@@ -355,18 +355,16 @@ def test_trls_deepspeed_configs_without_deepspeed_start_torchrun_processes(name,
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
-    seen = []
-    monkeypatch.setattr("accelerate.commands.launch.launch_command",
-                        lambda launch: seen.append((load_config_from_file(launch.config_file).to_dict(), launch)))
+    seen = _deepspeed_launches(monkeypatch)
     training = ["--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out"), "--bf16", "false"]
     assert cli.main(["sft", *training, "--num_processes", "2", "--accelerate_config", name,
                      "--mixed_precision", "no"]) == 0
-    [(config, launch)] = seen
+    [(config, launch, validated)] = seen
     trl_config = load_config_from_file(str(importlib.resources.files("trl.accelerate_configs").joinpath(f"{name}.yaml")))
     expected = {key: value for key, value in trl_config.to_dict().items() if key != "deepspeed_config"}
     assert config == dict(expected, distributed_type="MULTI_GPU")  # the rest of TRL's settings as they were
-    assert (launch.num_processes, launch.mixed_precision, launch.use_deepspeed) == (2, "no", False)
+    assert (launch.num_processes, launch.mixed_precision) == (2, "no")
+    assert validated.multi_gpu and not validated.use_deepspeed  # accelerate then starts torchrun's processes
     command, *args = launch.training_script_args
     assert command == "sft" and args[:-2] == training and args[-2] == "--deepspeed"
     assert json.loads(args[-1])["zero_optimization"] == {"stage": stage, "offload_optimizer": {"device": "none"},
@@ -377,13 +375,61 @@ def test_trls_deepspeed_configs_without_deepspeed_start_torchrun_processes(name,
     assert f"DeepSpeed ZeRO-{stage}" in plan.source
 
 
+def _deepspeed_launches(monkeypatch) -> list:
+    """Launches recorded with deepspeed not installed: (the accelerate config each reads, its arguments, and the
+    arguments accelerate's own validation makes of them: which launcher it picks)."""
+    import copy
+
+    from accelerate.commands import launch as accelerate_launch
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
+    seen = []
+
+    def record(launch):
+        validated, *_ = accelerate_launch._validate_launch_command(copy.deepcopy(launch))
+        seen.append((load_config_from_file(launch.config_file).to_dict(), launch, validated))
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", record)
+    return seen
+
+
+def test_deepspeed_launch_flags_one_process_and_conflicts(capsys, monkeypatch, tmp_path):
+    """accelerate's DeepSpeed flags take priority over the config's (as accelerate gives them); one process runs as
+    one process; what cannot run without DeepSpeed's own launcher, or names two DeepSpeed configs, is refused."""
+    seen = _deepspeed_launches(monkeypatch)
+    run = ["sft", "--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out")]
+    assert cli.main([*run, "--num_processes", "2", "--accelerate_config", "zero2", "--zero_stage", "3",
+                     "--offload_param_device", "cpu"]) == 0
+    assert json.loads(seen[-1][1].training_script_args[-1])["zero_optimization"] == {
+        "stage": 3, "offload_optimizer": {"device": "none"}, "offload_param": {"device": "cpu"}}
+    assert cli.main([*run, "--num_processes", "1", "--accelerate_config", "zero3"]) == 0
+    config, _, validated = seen[-1]
+    assert config["distributed_type"] == "NO" and not validated.multi_gpu and not validated.use_deepspeed
+    many = tmp_path / "two_nodes.yaml"
+    many.write_text(Path(importlib.resources.files("trl.accelerate_configs").joinpath("zero3.yaml")).read_text()
+                    .replace("deepspeed_multinode_launcher: standard", "deepspeed_multinode_launcher: pdsh")
+                    .replace("num_machines: 1", "num_machines: 2"))
+    assert "2 machines with deepspeed_multinode_launcher 'pdsh' start every node from this one" \
+        in _usage_error(capsys, [*run, "--accelerate_config", str(many)])
+    yaml_config = tmp_path / "sft.yaml"
+    yaml_config.write_text(f"model_name_or_path: {TINY}\ndeepspeed: mine.json\n")
+    assert "runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one" \
+        in _usage_error(capsys, ["sft", "--config", str(yaml_config), "--accelerate_config", "zero3"])
+    assert "with --multi_gpu / --use_fsdp asks for DeepSpeed's own launcher" \
+        in _usage_error(capsys, [*run, "--accelerate_config", "zero3", "--multi_gpu", "--num_processes", "2"])
+    assert len(seen) == 2
+
+
 def test_launch_usage_errors(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr("accelerate.commands.launch.launch_command", lambda args: pytest.fail("launched"))
     monkeypatch.setattr("accelerate.utils.is_deepspeed_available", lambda: False)
     run = ["--model_name_or_path", TINY]
     assert "not one of TRL's configs (fsdp1, fsdp2, multi_gpu, single_gpu, zero1, zero2, zero3) (did you mean 'fsdp2'?)" \
         in _usage_error(capsys, [*run, "--accelerate_config", "fsdp3"])
-    assert "--use_deepspeed runs DeepSpeed, and deepspeed is not installed: pip install deepspeed, or give" \
+    assert "--use_deepspeed asks for DeepSpeed's own launcher, and deepspeed is not installed: pip install deepspeed" \
         in _usage_error(capsys, [*run, "--use_deepspeed", "--num_processes", "2"])
     assert "runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one" \
         in _usage_error(capsys, [*run, "--accelerate_config", "zero3", "--deepspeed", "ds.json"])

@@ -154,18 +154,37 @@ def _launch_config(launch: argparse.Namespace):
         raise UsageError(f"accelerate config {path}: {_one_line(err)}") from err
 
 
-def _deepspeed_as_torchrun(launch: argparse.Namespace, args: list[str], folder: str) -> tuple[str, list[str]] | None:
+# accelerate launch's DeepSpeed flags, which take priority over its config's deepspeed_config
+_DEEPSPEED_FLAGS = ("zero_stage", "offload_optimizer_device", "offload_param_device", "gradient_accumulation_steps",
+                    "gradient_clipping", "deepspeed_config_file", "zero3_init_flag", "zero3_save_16bit_model",
+                    "deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_exclusion_filter",
+                    "deepspeed_inclusion_filter")
+
+
+def _deepspeed_as_torchrun(launch: argparse.Namespace, args: list[str], folder: str,
+                           parser) -> tuple[str, list[str]] | None:
     """For an accelerate DeepSpeed config with deepspeed not installed (accelerate's launcher would stop with an
-    ImportError): (the same config with torchrun's distributed type, written in ``folder``; ``args`` with
-    ``--deepspeed`` holding the config's ZeRO settings, or its deepspeed_config_file). None for any other launch."""
+    ImportError): (the same config with torchrun's distributed type, or one process's, written in ``folder``; ``args``
+    with ``--deepspeed`` holding the config's ZeRO settings, accelerate's DeepSpeed flags over them, or its
+    deepspeed_config_file). None for any other launch, and where the launch flags choose another launcher
+    (--use_deepspeed, --multi_gpu, --use_fsdp: ``_check_launch`` says what then)."""
     from accelerate.utils import DistributedType, is_deepspeed_available
 
     path, config = _launch_config(launch)
-    if config is None or config.distributed_type != DistributedType.DEEPSPEED or is_deepspeed_available():
+    if (config is None or config.distributed_type != DistributedType.DEEPSPEED or is_deepspeed_available()
+            or launch.use_deepspeed or launch.multi_gpu or launch.use_fsdp):
         return None
-    if any(arg.split("=")[0] == "--deepspeed" for arg in args):
-        raise UsageError(f"accelerate config {path} runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one")
     plugin = dict(config.deepspeed_config or {})
+    plugin.update({key: getattr(launch, key) for key in _DEEPSPEED_FLAGS if getattr(launch, key, None) is not None})
+    machines = launch.num_machines or config.num_machines or 1
+    if machines > 1 and plugin.get("deepspeed_multinode_launcher", "pdsh") != "standard":
+        raise UsageError(
+            f"accelerate config {path}: {machines} machines with deepspeed_multinode_launcher "
+            f"{plugin.get('deepspeed_multinode_launcher', 'pdsh')!r} start every node from this one through DeepSpeed, "
+            "which is not installed; set deepspeed_multinode_launcher: standard and run the command on every node "
+            "(with its machine_rank), or pip install deepspeed")
+    if parser.parse_namespace(args)[0].deepspeed:
+        raise UsageError(f"accelerate config {path} runs DeepSpeed and --deepspeed names a DeepSpeed config too; keep one")
     if plugin.get("deepspeed_config_file"):
         zero = plugin["deepspeed_config_file"]
     else:  # accelerate's DeepSpeedPlugin defaults: ZeRO-2, nothing offloaded
@@ -178,7 +197,8 @@ def _deepspeed_as_torchrun(launch: argparse.Namespace, args: list[str], folder: 
                 settings[key] = plugin[key]
         zero = json.dumps(settings)
     as_torchrun = {key: value for key, value in config.to_dict().items() if key != "deepspeed_config"}
-    as_torchrun["distributed_type"] = DistributedType.MULTI_GPU.value
+    one_process = machines == 1 and (launch.num_processes or config.num_processes or 1) == 1
+    as_torchrun["distributed_type"] = (DistributedType.NO if one_process else DistributedType.MULTI_GPU).value
     converted = os.path.join(folder, "accelerate_config.json")
     with open(converted, "w") as file:
         json.dump(as_torchrun, file)
@@ -198,10 +218,11 @@ def _check_launch(launch: argparse.Namespace) -> None:
     path, config = _launch_config(launch)
     distributed = config.distributed_type if config is not None else None
     if (launch.use_deepspeed or distributed == DistributedType.DEEPSPEED) and not is_deepspeed_available():
-        raise UsageError(f"accelerate launch --use_deepspeed runs DeepSpeed, and deepspeed is not installed: "
-                         "pip install deepspeed, or give the ZeRO settings as a config: --accelerate_config zero3 (or "
-                         "an accelerate config file with distributed_type DEEPSPEED), or --deepspeed ds_config.json, "
-                         "run as their FSDP2 equivalent")
+        what = "--use_deepspeed" if launch.use_deepspeed else f"accelerate config {path} with --multi_gpu / --use_fsdp"
+        raise UsageError(f"{what} asks for DeepSpeed's own launcher, and deepspeed is not installed: pip install "
+                         "deepspeed, or give the ZeRO settings without those flags: --accelerate_config zero3 (or an "
+                         "accelerate config file with distributed_type DEEPSPEED), or --deepspeed ds_config.json, run as "
+                         "their FSDP2 equivalent")
     processes = launch.num_processes
     if processes is None or processes <= 1 or launch.mpirun_hostfile:
         return
@@ -236,7 +257,7 @@ def launch_processes(command_name: str, launch_args: list[str], args: list[str],
     module = ["--module", "hfnative.trainers.running.cli", command_name]
     launch = launch_parser.parse_args([*launch_args, *module, *args])
     with tempfile.TemporaryDirectory(prefix="hfnative-launch-") as folder:
-        converted = _deepspeed_as_torchrun(launch, args, folder)
+        converted = _deepspeed_as_torchrun(launch, args, folder, parser)
         if converted is not None:
             config, args = converted
             launch = launch_parser.parse_args([*_without_config_file(launch_args), "--config_file", config, *module, *args])
