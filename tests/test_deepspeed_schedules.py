@@ -69,6 +69,58 @@ def test_warmup_cosine_lr(tmp_path):
     assert rates == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"])
+def test_every_parameter_group_and_a_resume(kind, tmp_path):
+    """DeepSpeed's per-group rates: WarmupLR and WarmupDecayLR set the same absolute rate on every group (one whose
+    own rate is 0 included), WarmupCosineLR scales each group's own (the first group alone at 0 before the first step,
+    as DeepSpeed sets it); and a schedule rebuilt from its state_dict (JSON, as checkpoints keep it) goes on alike."""
+    import json
+
+    import torch
+
+    params = dict(warmup_num_steps=3, total_num_steps=10, warmup_type="linear")
+    if kind != "WarmupCosineLR":
+        params.update(warmup_min_lr=1e-5, warmup_max_lr=LR)
+    if kind == "WarmupLR":
+        del params["total_num_steps"]
+    args = SFTConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", learning_rate=LR,
+                     warmup_steps=3, deepspeed={"scheduler": {"type": kind, "params": params}})
+
+    def optimizer():
+        return torch.optim.AdamW([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": LR},
+                                  {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 0.0},
+                                  {"params": [torch.nn.Parameter(torch.zeros(1))], "lr": LR / 2}])
+
+    def expected(iteration: int) -> list[float]:
+        own = [LR, 0.0, LR / 2]
+        if kind == "WarmupCosineLR":
+            if iteration < 0:
+                return [0.0, *own[1:]]
+            ratio = iteration / 3 if iteration < 3 else (1 + math.cos(math.pi * (iteration - 2) / 7)) / 2 * 0.9999 + 1e-4
+            return [lr * ratio for lr in own]
+        gamma = -1.0 if iteration < 0 else min(iteration / 3, 1.0)
+        if kind == "WarmupDecayLR" and iteration >= 3:
+            gamma = (10 - iteration) / 7
+        return [1e-5 if gamma < 0 else 1e-5 + (LR - 1e-5) * gamma] * 3
+
+    first = optimizer()
+    schedule = deepspeed_scheduler(args, first, 10)
+    for iteration in range(-1, 5):
+        if iteration >= 0:
+            schedule.step()
+        assert [group["lr"] for group in first.param_groups] == pytest.approx(expected(iteration), rel=1e-9, abs=1e-15)
+    state = json.loads(json.dumps(schedule.state_dict()))
+    again = optimizer()
+    again.load_state_dict(first.state_dict())
+    resumed = deepspeed_scheduler(args, again, 10)
+    resumed.load_state_dict(state)
+    for iteration in range(5, 9):
+        schedule.step()
+        resumed.step()
+        assert [g["lr"] for g in again.param_groups] == [g["lr"] for g in first.param_groups]
+        assert [g["lr"] for g in first.param_groups] == pytest.approx(expected(iteration), rel=1e-9, abs=1e-15)
+
+
 def test_a_schedule_value_that_differs_from_the_run_is_refused(tmp_path):
     """Given (not "auto"), total_num_steps and warmup_num_steps must be the run's, as transformers checks them."""
     import torch

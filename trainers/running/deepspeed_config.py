@@ -8,7 +8,7 @@ section's hyperparameters), and a value given that differs from them is refused,
 message. An ``optimizer`` section is read when it is the training arguments' AdamW (DeepSpeed's ``Adam`` and ``AdamW``
 decouple the weight decay by default). A ``scheduler`` section (DeepSpeed's WarmupLR, WarmupDecayLR or WarmupCosineLR)
 replaces the arguments' schedule, as under transformers' Trainer with DeepSpeed: ``deepspeed_scheduler`` computes
-DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py) in a LambdaLR. What else the config would change beyond the
+DeepSpeed's formulas (deepspeed/runtime/lr_schedules.py) in a torch scheduler. What else the config would change beyond the
 layout (another optimizer or schedule, NVMe offload) is refused by ``parallel_plan._deepspeed_layout`` or here.
 """
 
@@ -142,23 +142,53 @@ _SCHEDULES = {
     "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"},
     "WarmupCosineLR": {"warmup_min_ratio", "warmup_num_steps", "warmup_type", "cos_min_ratio", "total_num_steps"},
 }
+_AUTO_SCHEDULE_PARAMS = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"}  # transformers fills
 
 
 def _check_schedule(scheduler) -> None:
+    """A scheduler section hfnative runs, or a ValueError saying what in it is not."""
     kind = scheduler.get("type") if isinstance(scheduler, dict) else None
     params = (scheduler.get("params") or {}) if isinstance(scheduler, dict) else {}
-    extra = sorted(set(params) - _SCHEDULES.get(kind, set()))
-    needs_total = kind in ("WarmupDecayLR", "WarmupCosineLR") and "total_num_steps" not in params
-    if kind not in _SCHEDULES or extra or needs_total or params.get("warmup_type", "log") not in ("log", "linear"):
+    problems = []
+    if kind not in _SCHEDULES:
+        problems.append(f"type {kind!r}")
+    else:
+        extra = sorted(set(params) - _SCHEDULES[kind])
+        if extra:
+            problems.append(f"it sets {extra}")
+        if kind != "WarmupLR" and "total_num_steps" not in params:
+            problems.append("it leaves out total_num_steps (\"auto\": the run's steps)")
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        problems.append(f"warmup_type={params['warmup_type']!r}")
+    for key, value in params.items():
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key != "warmup_type" and not number and not (value == "auto" and key in _AUTO_SCHEDULE_PARAMS):
+            wanted = 'a number, or "auto"' if key in _AUTO_SCHEDULE_PARAMS else "a number"
+            problems.append(f"{key}={value!r} ({wanted})")
+    if problems:
         raise ValueError(
-            f"deepspeed: the config's scheduler section ({scheduler!r}) is not one hfnative runs"
-            f"{f' (it sets {extra})' if kind in _SCHEDULES and extra else ''}: DeepSpeed's {', '.join(_SCHEDULES)} "
-            "with their own parameters (total_num_steps given to the last two: \"auto\" is the run's steps) and "
-            "warmup_type 'log' or 'linear' are; or remove the section and set lr_scheduler_type and warmup_steps")
+            f"deepspeed: the config's scheduler section ({scheduler!r}) is not one hfnative runs: {'; '.join(problems)}. "
+            f"It runs DeepSpeed's {', '.join(_SCHEDULES)} with their own parameters and warmup_type 'log' or "
+            "'linear'; or remove the section and set lr_scheduler_type and warmup_steps")
 
 
-def deepspeed_scheduler(args, optimizer: torch.optim.Optimizer,
-                        num_training_steps: int) -> torch.optim.lr_scheduler.LambdaLR | None:
+class DeepSpeedSchedule(torch.optim.lr_scheduler.LRScheduler):
+    """A DeepSpeed schedule: each parameter group's learning rate set to ``rate(iteration, group)`` (DeepSpeed's
+    absolute rates, whatever the group's own), the scheduler's step e being DeepSpeed's iteration e - 1 (its
+    constructor's rate is DeepSpeed's before any step). Its state is the step count."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, rate):
+        self._rate = rate
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [self._rate(self.last_epoch - 1, group) for group in range(len(self.optimizer.param_groups))]
+
+    def state_dict(self) -> dict:
+        return {key: value for key, value in self.__dict__.items() if key not in ("optimizer", "_rate")}
+
+
+def deepspeed_scheduler(args, optimizer: torch.optim.Optimizer, num_training_steps: int) -> DeepSpeedSchedule | None:
     """The schedule of ``args.deepspeed``'s scheduler section over ``optimizer`` (None without one), as DeepSpeed's
     engine runs it under transformers' Trainer: made before the first step (which then runs at the schedule's start,
     ``warmup_min_lr``) and stepped after every optimizer step. ``total_num_steps`` and ``warmup_num_steps`` "auto"
@@ -181,11 +211,8 @@ def deepspeed_scheduler(args, optimizer: torch.optim.Optimizer,
     _raise_mismatches(mismatches)
     if params.get("warmup_min_lr") == "auto":
         params["warmup_min_lr"] = 0
-    rates = _deepspeed_rates(kind, params, [group["lr"] for group in optimizer.param_groups])
-    # LambdaLR's step e is DeepSpeed's iteration e - 1 (its constructor's lr is DeepSpeed's before any step)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [
-        (lambda e, group=group, base=group_lr: rates(e - 1, group) / base if base else 0.0)
-        for group, group_lr in enumerate(group["lr"] for group in optimizer.param_groups)])
+    original = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]  # the cosine's ratios' base
+    return DeepSpeedSchedule(optimizer, _deepspeed_rates(kind, params, original))
 
 
 def _deepspeed_rates(kind: str, params: dict, base_lrs: list[float]):
