@@ -23,7 +23,6 @@ CONFIGS = ["TrainingArguments", "SFTConfig", "DPOConfig", "GRPOConfig", "RLOOCon
 
 # a value away from the default for each refused field
 AWAY_FROM_DEFAULT = {
-    "save_on_each_node": True,
     "label_names": ["targets"], "debug": ["tpu_metrics_debug"],
 }
 
@@ -103,9 +102,24 @@ def test_every_config_s_defaults_pass(config_class):
 
 
 def test_the_trainer_refuses_before_loading_anything(tmp_path):
-    with pytest.raises(ValueError, match="save_on_each_node=True: rank 0 writes"):
+    with pytest.raises(ValueError, match="label_names=\\['targets'\\]: the objectives read their own columns"):
         SFTTrainer(model=str(tmp_path / "never-loaded"), train_dataset=[{"text": "a row"}],
-                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, save_on_each_node=True))
+                   args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, label_names=["targets"]))
+
+
+def test_save_on_each_node_is_refused_only_over_several_nodes(monkeypatch):
+    """On one node, each node's first process (transformers' rule with save_on_each_node) is rank 0, which writes
+    anyway: the setting changes nothing there. Over several nodes rank 0 alone writes: refused, naming the nodes."""
+    args = TrainingArguments(output_dir="unused", use_cpu=True, save_on_each_node=True)
+    default = TrainingArguments(output_dir="unused", use_cpu=True)  # made before torchrun's variables are set
+    check_settings(args)  # one process
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    check_settings(args)  # four processes on one node
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="save_on_each_node=True: this run spans 2 nodes, and rank 0 writes"):
+        check_settings(args)
+    check_settings(default)  # the default, over two nodes
 
 
 @pytest.mark.parametrize("options, match", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import transformers
 from transformers.debug_utils import DebugOption
@@ -51,7 +52,6 @@ NO_EFFECT = {
 
 # field -> what to do instead; refused when the value is neither the class's default nor in ALSO_ACCEPTED
 REFUSED = {
-    "save_on_each_node": "rank 0 writes the checkpoints of every node (a filesystem all nodes see); leave it False",
     "label_names": "the objectives read their own columns (labels; chosen / rejected; prompts); unset it",
     "debug": "tpu_metrics_debug reports TPU metrics, and hfnative runs on CPUs and GPUs; keep underflow_overflow only",
 }
@@ -162,11 +162,23 @@ def refused_settings(args) -> list[str]:
         if any(value == accepted for accepted in defaults):
             continue
         found.append(f"{name}={value!r}: {what_to_do}")
+    nodes = _nodes()
+    if args.save_on_each_node and nodes > 1:  # on one node it is the default's behaviour
+        found.append(f"save_on_each_node=True: this run spans {nodes} nodes, and rank 0 writes the checkpoints of every "
+                     "node (a filesystem all nodes see); leave it False")
     if getattr(args, "vllm_structured_outputs_regex", None) is not None and not getattr(args, "use_vllm", False):
         found.append(f"vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r}: completions constrained to "
                      "a regex are decoded by vLLM only (GRPO and RLOO with use_vllm=True; TRL drops the regex "
                      "without vLLM); generate with vLLM, or unset it")
     return found + accelerator_config_refusals(args)
+
+
+def _nodes() -> int:
+    """The nodes the run spans, from torchrun's environment (1 for a single process)."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if not world or not local or int(local) < 1:
+        return 1
+    return max(1, int(world) // int(local))
 
 
 def seed_everything(args) -> None:
