@@ -94,13 +94,14 @@ class ReplacedRows:
         """W with the rows in place (a new [V, D] tensor): for the paths that materialise the logits."""
         return weight_VD.index_copy(0, self.indices_K, self.rows_KD.to(weight_VD.dtype))
 
-    def put_columns(self, h_CD: torch.Tensor, product_CV: torch.Tensor, scale: float = 1.0) -> None:
-        """In place: the replaced columns of ``product_CV`` (h @ W.T times ``scale``) from h @ rows.T times ``scale``,
-        the product formed in h's dtype (the rows' values cast to it, as a copy of W would hold them)."""
+    def put_columns(self, h_CD: torch.Tensor, product_CV: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """In place, and returned: the replaced columns of ``product_CV`` (h @ W.T times ``scale``; any leading
+        dimensions) from h @ rows.T times ``scale``, the product formed in h's dtype (the rows' values cast to it, as a
+        copy of W would hold them)."""
         columns_CK = h_CD @ self.rows_KD.to(h_CD.dtype).T
         if scale != 1.0:
             columns_CK = columns_CK.mul_(scale)
-        product_CV.index_copy_(1, self.indices_K, columns_CK.to(product_CV.dtype))
+        return product_CV.index_copy_(-1, self.indices_K, columns_CK.to(product_CV.dtype))
 
     def take_columns(self, grad_CV: torch.Tensor) -> torch.Tensor:
         """The replaced columns of a logit gradient, in float32 [C, K], zeroed in ``grad_CV`` (W's rows there do not
@@ -396,23 +397,20 @@ class HeadGradients:
 
     def finish(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """dL/dh, dL/dW and dL/drows (None where not wanted)."""
+        grad_weight = self.grad_weight
         if self.block_rows is not None:
             self._flush()
             self._held = None
-        grad_rows = None if self.grad_rows is None else self.grad_rows.to(self.replaced.rows_KD.dtype)
-        if self.block_rows is not None:
+            grad_weight = self.grad_weight
             if self.need_weight:
-                if self.grad_weight is None:  # no tokens
-                    self.grad_weight = torch.zeros_like(self.weight_VD)
+                if grad_weight is None:  # no tokens
+                    grad_weight = torch.zeros_like(self.weight_VD)
                 elif self.scale != 1.0:
-                    self.grad_weight.mul_(self.scale)
-                return self.grad_hidden, self.grad_weight.to(self.weight_VD.dtype), grad_rows
-            return self.grad_hidden, None, grad_rows
-        grad_weight = self.grad_weight
-        if grad_weight is not None:
-            if not self._weight_started:  # no tokens
-                grad_weight.zero_()
-            grad_weight = grad_weight.to(self.weight_VD.dtype)
+                    grad_weight.mul_(self.scale)
+        elif grad_weight is not None and not self._weight_started:  # no tokens
+            grad_weight.zero_()
+        grad_weight = None if grad_weight is None else grad_weight.to(self.weight_VD.dtype)
+        grad_rows = None if self.grad_rows is None else self.grad_rows.to(self.replaced.rows_KD.dtype)
         return self.grad_hidden, grad_weight, grad_rows
 
 

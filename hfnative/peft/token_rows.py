@@ -60,8 +60,7 @@ class TokenRows(nn.Module):
         columns put in, without a copy of the matrix."""
         if not self.adapter_enabled:
             return logits
-        trained = hidden @ self.values.to(hidden.dtype).T
-        return logits.index_copy_(-1, self.indices, trained.to(logits.dtype))
+        return self.replaced_rows(hidden.dtype).put_columns(hidden, logits)
 
     def extra_repr(self) -> str:
         return f"rows={self.values.shape[0]}, dim={self.values.shape[1]}"

@@ -8,6 +8,7 @@ transformers'. hfnative's own fields are listed in ``HFNATIVE_FIELDS`` and docum
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -84,21 +85,18 @@ class TrainingArguments(transformers.TrainingArguments):
                 raise ValueError(f"{name}={getattr(self, name)}; it must be at least 1")
         # a DeepSpeed config runs as its FSDP2 layout (trainers/running/deepspeed_config.py): transformers' own
         # processing of it, which starts DeepSpeed and needs the package, is skipped; the field keeps the user's value
-        deepspeed, self.deepspeed = self.deepspeed, None
-        if isinstance(deepspeed, str) and deepspeed.startswith("{"):  # a JSON object, as transformers parses it
+        if isinstance(self.deepspeed, str) and self.deepspeed.startswith("{"):  # a JSON object, as transformers parses it
             import json
 
             from transformers.training_args import _convert_str_dict
 
-            deepspeed = _convert_str_dict(json.loads(deepspeed))
-        try:
+            self.deepspeed = _convert_str_dict(json.loads(self.deepspeed))
+        with self._deepspeed_hidden():
             super().__post_init__()
-        finally:
-            self.deepspeed = deepspeed
-        if deepspeed:
+        if self.deepspeed:
             from ..running.deepspeed_config import read_deepspeed_config
 
-            read_deepspeed_config(deepspeed)  # a bad value is refused here, not when the trainer is built
+            read_deepspeed_config(self.deepspeed)  # a bad value is refused here, not when the trainer is built
         self._layerwise_optimizer_in_backward()
         if self.peak_tflops is not None and not self.peak_tflops > 0:
             raise ValueError(f"peak_tflops={self.peak_tflops!r}; it must be a positive number of TFLOP/s, or None")
@@ -114,9 +112,16 @@ class TrainingArguments(transformers.TrainingArguments):
     @cached_property
     def _setup_devices(self) -> torch.device:
         """transformers' device setup, without the DeepSpeed engine a ``deepspeed`` config would make it start."""
+        with self._deepspeed_hidden():
+            return transformers.TrainingArguments._setup_devices.func(self)
+
+    @contextmanager
+    def _deepspeed_hidden(self):
+        """``deepspeed`` unset while transformers' own code runs (it would need the package and start DeepSpeed),
+        the user's value back after it."""
         deepspeed, self.deepspeed = self.deepspeed, None
         try:
-            return transformers.TrainingArguments._setup_devices.func(self)
+            yield
         finally:
             self.deepspeed = deepspeed
 

@@ -83,27 +83,12 @@ def deepspeed_config(args, data_parallel_size: int) -> DeepSpeedConfig:
     world size, less what tensor / context / pipeline parallelism take)."""
     config = read_deepspeed_config(args.deepspeed)
     for key, (harmless, why) in _REFUSED_KEYS.items():
-        *parents, leaf = key.split(".")
-        node = config
-        for parent in parents:
-            node = node.get(parent) if isinstance(node, dict) else None
-        if isinstance(node, dict) and node.get(leaf) is not None and not harmless(node[leaf]):
+        node, leaf = _node(config, key)
+        if node is not None and node.get(leaf) is not None and not harmless(node[leaf]):
             raise ValueError(f"deepspeed: {key}={node[leaf]!r} is not supported by hfnative: {why}")
-    mismatches: list[str] = []
+    filled = _AutoValues(config)
+    fill_match = filled.fill_match
     batch_must_match = not getattr(args, "auto_find_batch_size", False)
-
-    def fill_match(key: str, value, name: str, must_match: bool = True) -> None:
-        *parents, leaf = key.split(".")
-        node = config
-        for parent in parents:
-            node = node.get(parent)
-            if not isinstance(node, dict):
-                return
-        if node.get(leaf) == "auto":
-            node[leaf] = value
-        elif must_match and node.get(leaf) is not None and node[leaf] != value:
-            mismatches.append(f"- ds {key}={node[leaf]} vs hf {name}={value}")
-
     micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     fill_match("train_micro_batch_size_per_gpu", micro, "per_device_train_batch_size", batch_must_match)
     fill_match("gradient_accumulation_steps", accumulation, "gradient_accumulation_steps")
@@ -124,16 +109,41 @@ def deepspeed_config(args, data_parallel_size: int) -> DeepSpeedConfig:
         fill_match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
     fill_match("fp16.enabled", bool(args.fp16 or args.fp16_full_eval), "fp16|fp16_full_eval")
     fill_match("bf16.enabled", bool(args.bf16 or args.bf16_full_eval), "bf16|bf16_full_eval")
-    _raise_mismatches(mismatches)
+    filled.check()
     read = {name for name, section in (("optimizer", optimizer), ("scheduler", scheduler)) if section is not None}
     return DeepSpeedConfig(config, frozenset(read))
 
 
-def _raise_mismatches(mismatches: list[str]) -> None:
-    if mismatches:
-        raise ValueError(
-            "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
-            + "\n".join(mismatches) + "\nThe easiest method is to set these DeepSpeed config values to 'auto'.")
+def _node(config: dict, key: str) -> tuple[dict | None, str]:
+    """(the dict holding a dotted ``key``'s last part, or None where a part is missing; that last part)."""
+    *parents, leaf = key.split(".")
+    node = config
+    for parent in parents:
+        node = node.get(parent) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
+class _AutoValues:
+    """transformers' ``fill_match`` over a config: an "auto" value takes the training arguments', another value must
+    equal it (``check`` raises, listing every mismatch in transformers' words)."""
+
+    def __init__(self, config: dict):
+        self.config, self.mismatches = config, []
+
+    def fill_match(self, key: str, value, name: str, must_match: bool = True) -> None:
+        node, leaf = _node(self.config, key)
+        if node is None:
+            return
+        if node.get(leaf) == "auto":
+            node[leaf] = value
+        elif must_match and node.get(leaf) is not None and node[leaf] != value:
+            self.mismatches.append(f"- ds {key}={node[leaf]} vs hf {name}={value}")
+
+    def check(self) -> None:
+        if self.mismatches:
+            raise ValueError(
+                "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+                + "\n".join(self.mismatches) + "\nThe easiest method is to set these DeepSpeed config values to 'auto'.")
 
 
 # DeepSpeed's schedules and the parameters each takes (deepspeed/runtime/lr_schedules.py)
@@ -199,18 +209,14 @@ def deepspeed_scheduler(args, optimizer: torch.optim.Optimizer, num_training_ste
     if scheduler is None:
         return None
     _check_schedule(scheduler)
-    kind, params = scheduler["type"], dict(scheduler.get("params") or {})
-    mismatches = []
-    for key, value, name in (("total_num_steps", num_training_steps, "num_training_steps (calculated)"),
-                             ("warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)), "warmup_steps"),
-                             ("warmup_max_lr", args.learning_rate, "learning_rate")):
-        if params.get(key) == "auto":
-            params[key] = value
-        elif params.get(key) is not None and params[key] != value:
-            mismatches.append(f"- ds scheduler.params.{key}={params[key]} vs hf {name}={value}")
-    _raise_mismatches(mismatches)
-    if params.get("warmup_min_lr") == "auto":
-        params["warmup_min_lr"] = 0
+    filled = _AutoValues(config)  # transformers' trainer_config_finalize, and warmup_*_lr as at the config's reading
+    filled.fill_match("scheduler.params.total_num_steps", num_training_steps, "num_training_steps (calculated)")
+    filled.fill_match("scheduler.params.warmup_num_steps", max(1, args.get_warmup_steps(num_training_steps)),
+                      "warmup_steps")
+    filled.fill_match("scheduler.params.warmup_max_lr", args.learning_rate, "learning_rate")
+    filled.fill_match("scheduler.params.warmup_min_lr", 0, "", must_match=False)
+    filled.check()
+    kind, params = scheduler["type"], scheduler.get("params") or {}
     original = [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups]  # the cosine's ratios' base
     return DeepSpeedSchedule(optimizer, _deepspeed_rates(kind, params, original))
 
@@ -289,4 +295,4 @@ def _check_adamw(optimizer, args) -> None:
             "section and set optim, learning_rate, adam_beta1/2, adam_epsilon and weight_decay instead")
 
 
-__all__ = ["DeepSpeedConfig", "deepspeed_config", "read_deepspeed_config"]
+__all__ = ["DeepSpeedConfig", "DeepSpeedSchedule", "deepspeed_config", "deepspeed_scheduler", "read_deepspeed_config"]

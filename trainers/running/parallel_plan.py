@@ -336,11 +336,11 @@ def _deepspeed_layout(plugin, world_size: int) -> _Layout:
     source = f"DeepSpeed ZeRO-{plugin.zero_stage}"
     for section in ("optimizer", "scheduler"):
         if section in config and section not in getattr(plugin, "sections_read", ()):
+            replaced = "optim" if section == "optimizer" else "lr_scheduler_type"
             instead = "optim" if section == "optimizer" else "lr_scheduler_type and warmup_steps"
             raise ValueError(
                 f"{source}: the DeepSpeed config's {section!r} section is not supported by hfnative (it would replace "
-                f"the training arguments' {'optim' if section == 'optimizer' else 'lr_scheduler_type'}); remove it "
-                f"and set {instead} instead"
+                f"the training arguments' {replaced}); remove it and set {instead} instead"
             )
     devices = {"offload_param_device": plugin.offload_param_device,
                "offload_optimizer_device": plugin.offload_optimizer_device}
