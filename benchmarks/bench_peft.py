@@ -1,10 +1,11 @@
-"""Full fine-tuning vs LoRA vs QLoRA: peak memory, tokens/s and loss, TRL + PEFT beside hfnative.
+"""Full fine-tuning vs LoRA vs QLoRA vs LoRA on an 8-bit base: peak memory, tokens/s and loss, TRL + PEFT beside
+hfnative.
 
-Six runners train the same saved model on the same token rows with the same SFTConfig; the PEFT
-runners get the same ``peft.LoraConfig`` (and the QLoRA runners the same 4-bit quantization config):
+Eight runners train the same saved model on the same token rows with the same SFTConfig; the PEFT
+runners get the same ``peft.LoraConfig`` (and the quantized runners the same quantization config):
 
-    trl-full   trl-lora   trl-qlora (bitsandbytes; reported unavailable where it cannot run)
-    ours-full  ours-lora  ours-qlora (NF4 base via torchao)
+    trl-full   trl-lora   trl-qlora (bitsandbytes; reported unavailable where it cannot run)   trl-int8 (bitsandbytes)
+    ours-full  ours-lora  ours-qlora (NF4 base via torchao)                                     ours-int8 (int8 rows)
 
 Every run is its own child process (peak RSS is that runner's alone, VmHWM), runners alternate over
 --rounds, and the setup, training arguments, timing and the results file are the shared harness's (harness.py).
@@ -13,6 +14,7 @@ Every run is its own child process (peak RSS is that runner's alone, VmHWM), run
     python benchmarks/bench_peft.py --preset 100m --write-results
     python benchmarks/bench_peft.py --preset 100m --clone-template --runners trl-lora,ours-lora --rounds 2
     python benchmarks/bench_peft.py --preset 100m --token-rows 8 --runners trl-lora,ours-lora --rounds 2
+    python benchmarks/bench_peft.py --preset 100m --runners trl-lora,trl-int8,ours-lora,ours-int8 --rounds 2
 
 --clone-template: the model untied, its tokenizer grown to one token short of its rows, and both runners given
 ``chat_template_path`` naming a tokenizer folder with one special token more, as a user adding a chat template to a
@@ -24,7 +26,8 @@ vocabulary's last N tokens (tokens a user added and trains): their rows train in
 in the output head.
 
 LoRA's B starts at zero, so the first step's loss is the base model's and every runner's step-1 loss
-must agree (QLoRA's up to the NF4 rounding of the base). peft and hfnative draw A from their own
+must agree (QLoRA's up to the NF4 rounding of the base, int8's up to its rows' rounding and bitsandbytes' int8
+activations). peft and hfnative draw A from their own
 random streams, so LoRA losses part after step 1; full fine-tuning must agree at every step.
 """
 
@@ -65,7 +68,7 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     work_folder,
 )
 
-RUNNERS = ("trl-full", "trl-lora", "trl-qlora", "ours-full", "ours-lora", "ours-qlora")
+RUNNERS = ("trl-full", "trl-lora", "trl-qlora", "trl-int8", "ours-full", "ours-lora", "ours-qlora", "ours-int8")
 PEFT_PRESETS = {
     "smoke": dataclasses.replace(PRESETS["smoke"], batch=4, steps=4, warmup=2),
     # 24.6M embedding + 12 x 6.29M blocks = 100.1M parameters
@@ -79,7 +82,8 @@ NF4 = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_qua
 
 
 def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
-    """One SFT run: full fine-tuning, LoRA or QLoRA (``method``) with TRL or hfnative (``library``)."""
+    """One SFT run: full fine-tuning, LoRA, QLoRA or LoRA on an 8-bit base (``method``) with TRL or hfnative
+    (``library``)."""
     rss_after_imports = rss_mib()
     shape = Shape(**spec["shape"])
     library, method = runner.split("-")
@@ -90,6 +94,8 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
         arguments["chat_template_path"] = spec["template_dir"]
     if method == "qlora":  # the TRL user's QLoRA recipe, unchanged for both
         arguments["model_init_kwargs"] = {"quantization_config": transformers.BitsAndBytesConfig(**NF4)}
+    if method == "int8":  # TRL's --load_in_8bit
+        arguments["model_init_kwargs"] = {"quantization_config": transformers.BitsAndBytesConfig(load_in_8bit=True)}
     peft_config = None
     if method != "full":
         import peft
@@ -103,9 +109,9 @@ def train_peft(runner: str, spec: dict, notes: list[str]) -> dict:
             trainer = trl.SFTTrainer(model=spec["model_dir"], args=trl.SFTConfig(**arguments), train_dataset=dataset,
                                      processing_class=tokenizer, peft_config=peft_config)
         except ImportError as error:  # bitsandbytes missing or without a backend for this device
-            if method != "qlora":
+            if method not in ("qlora", "int8"):
                 raise
-            raise Unavailable(f"TRL 4-bit needs bitsandbytes: {type(error).__name__}: {error}") from error
+            raise Unavailable(f"TRL's quantized base needs bitsandbytes: {type(error).__name__}: {error}") from error
     else:
         import hfnative
 
@@ -155,7 +161,8 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
 
     lines.append("")
     for ours, other in (("ours-full", "trl-full"), ("ours-lora", "trl-lora"), ("ours-qlora", "trl-qlora"),
-                        ("ours-lora", "ours-full"), ("ours-qlora", "ours-lora"), ("trl-lora", "trl-full")):
+                        ("ours-int8", "trl-int8"), ("ours-lora", "ours-full"), ("ours-qlora", "ours-lora"),
+                        ("ours-int8", "ours-lora"), ("trl-lora", "trl-full")):
         if ours in summary and other in summary:
             a, b = summary[ours], summary[other]
             lines.append(f"{ours + ' / ' + other:<24} peak RSS x{a['peak'] / b['peak']:.2f}, "
@@ -166,7 +173,7 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
         reference = names[0]
         first = summary[reference]["losses"][0]
         lines += ["", "step-1 loss (LoRA's B starts at 0, so before the first update every runner computes the base "
-                      "model's loss;", "QLoRA's differs by the NF4 rounding of the base weights):"]
+                      "model's loss;", "QLoRA's and int8's differ by the rounding of the base weights):"]
         for name in names:
             loss = summary[name]["losses"][0]
             lines.append(f"  {name:<12}{loss:>12.6f}   rel. diff to {reference} {abs(loss - first) / abs(first):.2e}")
@@ -182,7 +189,7 @@ def summarize(results: list[dict], runners: list[str], total_params: int) -> str
             if peers.get(n) in summary else f"{'':>{w}}" for n, w in zip(names, widths)))
 
     notes = sorted(run_notes(results))
-    for ours in ("ours-full", "ours-lora", "ours-qlora"):
+    for ours in ("ours-full", "ours-lora", "ours-qlora", "ours-int8"):
         peer = ours.replace("ours-", "trl-")
         if ours in summary and peer in summary and summary[ours]["trainable"] != summary[peer]["trainable"]:
             notes.append(f"{ours} trains {summary[ours]['trainable']:,} parameters, {peer} {summary[peer]['trainable']:,}")
@@ -213,6 +220,8 @@ def describe_setup(cli, shape: Shape, total_params: int, data: dict) -> str:
         + ")",
         "QLoRA: SFTConfig(model_init_kwargs={'quantization_config': BitsAndBytesConfig("
         + ", ".join(f"{k}={v!r}" for k, v in NF4.items()) + ")}) + the LoRA config",
+        "int8: SFTConfig(model_init_kwargs={'quantization_config': BitsAndBytesConfig(load_in_8bit=True)}) + the LoRA "
+        "config",
     ])
 
 

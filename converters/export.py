@@ -23,7 +23,7 @@ from hfnative.checkpoint import atomic_files
 from hfnative.peft.adapters import folded_expert_weights
 from hfnative.peft.token_rows import rows_weights
 from hfnative.peft.lora import LoraLinear
-from hfnative.peft.quantize import dequantize, is_nf4
+from hfnative.peft.quantize import dequantize, is_quantized
 
 from .families import Piece, model_pieces
 from .loading import SAFETENSORS_INDEX, ConvertedModel
@@ -59,14 +59,14 @@ def hub_tensor(pieces: list[Piece], native: dict[str, torch.Tensor]) -> torch.Te
 
 
 def merged_native_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The native state dict of ``model`` with every LoRA adapter folded into its base weight and NF4 weights
-    dequantized (the adapters' own tensors left out): what a model without adapters holds."""
+    """The native state dict of ``model`` with every LoRA adapter folded into its base weight and quantized (NF4,
+    int8) weights dequantized (the adapters' own tensors left out): what a model without adapters holds."""
     state = {name: tensor for name, tensor in model.state_dict().items()
              if ".lora_" not in name and ".token_rows." not in name}
     for name, module in model.named_modules():
         if isinstance(module, LoraLinear):
             state[f"{name}.weight"] = module.merged_weight()
-        elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_nf4(module.weight):
+        elif isinstance(getattr(module, "weight", None), torch.Tensor) and is_quantized(module.weight):
             state[f"{name}.weight"] = dequantize(module.weight)
     state.update(folded_expert_weights(model))
     state.update(rows_weights(model))

@@ -27,13 +27,14 @@ from hfnative.peft import (
     lora_modules,
     lora_settings,
     mark_trainable,
-    nf4_settings,
-    quantize_base_nf4,
+    quantization_settings,
+    quantize_base,
     trainable_copies,
     untie_output_head,
 )
 
 from hfnative.peft.adapters import ORIGINAL_PREFIX
+from hfnative.peft.quantize import quantizable_linears
 from hfnative.peft.token_rows import TokenRowsEmbedding
 
 from .export import write_atomically, hub_tensor
@@ -62,13 +63,16 @@ def apply_lora(
     *,
     load_in_4bit: bool = False,
     quantization_config=None,
+    load_in_8bit: bool = False,
 ) -> list[str]:
     """Put LoRA (or DoRA) adapters on ``converted.model`` in place; returns the Hub paths adapted.
 
     settings: a peft.LoraConfig, a dict of its fields, or LoraSettings.
-    load_in_4bit / quantization_config (BitsAndBytesConfig-shaped): QLoRA - every linear except the
-    output head, MoE routers and modules_to_save copies is stored as NF4 before the adapters go on
-    (so DoRA's magnitude starts from the quantized weight, as peft does with bitsandbytes).
+    load_in_4bit / load_in_8bit / quantization_config (BitsAndBytesConfig-shaped): a quantized frozen base (QLoRA's
+    NF4, or int8 rows) - every linear except the output head, MoE routers and modules_to_save copies (or, with
+    ``llm_int8_skip_modules``, every linear its patterns do not name, as transformers chooses) is stored in 4 or 8
+    bits before the adapters go on (so DoRA's magnitude starts from the quantized weight, as peft does with
+    bitsandbytes).
     Afterwards only the adapters, modules_to_save copies and (per ``bias``) biases require grad.
     """
     settings = lora_settings(settings)
@@ -76,12 +80,12 @@ def apply_lora(
     if has_adapters(model):
         raise ValueError("the model already has LoRA adapters; merge_lora() it first or start from the base model")
     plan = plan_lora(converted, settings)
-    nf4 = nf4_settings(load_in_4bit, quantization_config)  # refuses a bad quantization before anything changes
+    quantization = quantization_settings(load_in_4bit, quantization_config, load_in_8bit)  # refused before any change
     if plan.untie:
         untie_output_head(model)
     add_trainable_copies(model, plan.copies)
-    if nf4 is not None:
-        quantize_base_nf4(model, nf4.compute_dtype)
+    if quantization is not None:
+        quantize_base(model, quantization, quantized_linears(converted, quantization.skip_modules))
     add_lora(model, plan.targets, settings)
     if plan.token_rows is not None:
         add_token_rows(model, plan.token_rows.embedding, plan.token_rows.head, plan.token_rows.head_shares,
@@ -92,6 +96,21 @@ def apply_lora(
                             for t in plan.expert_targets], settings)
     mark_trainable(model, settings.bias, trainable=not settings.inference_mode)
     return plan.adapted + [t.parameter.key for t in plan.expert_targets]
+
+
+def quantized_linears(converted: ConvertedModel, skip_modules: tuple[str, ...] | None) -> list[str] | None:
+    """The native linears a quantized base stores in 4 or 8 bits when ``llm_int8_skip_modules`` names transformers'
+    modules to leave alone: those whose Hub modules transformers' rule (``should_convert_module``) would convert (a
+    native linear made of several Hub modules stays unquantized when any of them does); None (the default rule,
+    ``quantizable_linears``) without them. The output head stays in full precision either way (the losses read its
+    weight; transformers quantizes an untied lm_head that the list leaves out)."""
+    if skip_modules is None:
+        return None
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skipped = {native for path, module in hub_modules(converted).items()
+               if not should_convert_module(path, list(skip_modules)) for native in module.native}
+    return [name for name in quantizable_linears(converted.model) if name not in skipped]
 
 
 def expert_adapter_keys(converted: ConvertedModel) -> dict[str, str]:
@@ -520,6 +539,7 @@ def load_adapter(
     is_trainable: bool = True,
     load_in_4bit: bool = False,
     quantization_config=None,
+    load_in_8bit: bool = False,
 ) -> LoraSettings:
     """Apply the adapter described by a PEFT folder's adapter_config.json and load its weights; returns
     its settings (to continue training with, and to save with). is_trainable=False freezes it (peft's
@@ -533,7 +553,8 @@ def load_adapter(
 
         resize_vocabulary(converted.model, rows)
         converted.config.get_text_config().vocab_size = rows
-    apply_lora(converted, settings, load_in_4bit=load_in_4bit, quantization_config=quantization_config)
+    apply_lora(converted, settings, load_in_4bit=load_in_4bit, quantization_config=quantization_config,
+               load_in_8bit=load_in_8bit)
     load_adapter_weights(converted, adapter_dir)
     return settings
 

@@ -28,7 +28,8 @@ logging.getLogger("torchao").addFilter(_DropImportNoise("Failed to load "))
 logging.getLogger("torch.utils._pytree").addFilter(_DropImportNoise("%s is an Enum subclass and is now natively supported"))
 # peft imports bitsandbytes where it is installed (galore-torch needs it); on a CPU with AVX512-BF16 its CPU backend
 # then fetches a 4-bit GEMM kernel through the kernels package and logs when it cannot (offline, say). hfnative runs
-# no bitsandbytes kernel (its QLoRA is torchao's NF4, its bitsandbytes-named optimizers are PyTorch): both dropped.
+# no bitsandbytes kernel (its QLoRA is torchao's NF4, its 8-bit base and bitsandbytes-named optimizers are
+# PyTorch): both dropped.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropImportNoise("Failed to load CPU gemm_4bit_forward"))
 logging.getLogger("kernels._internals.hf_hub").addFilter(
     _DropImportNoise("Skipping publisher trust check for 'kernels-community/quantization-bitsandbytes'"))

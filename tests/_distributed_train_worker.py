@@ -67,6 +67,9 @@ LAYOUTS = {
     # QLoRA: the NF4 base kept whole on every rank, the adapters (and norms, embedding) sharded
     "fsdp4-qlora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]),
                                                model_init_kwargs=dict(load_in_4bit=True))),
+    # an 8-bit base (load_in_8bit: int8 rows) kept whole on every rank in the same way
+    "fsdp4-int8-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]),
+                                                   model_init_kwargs=dict(load_in_8bit=True))),
     "fallback-fsdp4": (dict(dp_shard_size=4), dict(model="FALLBACK_MODEL", optim="sgd", learning_rate=0.3)),
     # bitsandbytes' AdEMAMix with 8-bit states: each shard's rows quantized in the blocks one process gives them
     "fsdp4-ademamix-8bit": (dict(dp_shard_size=4), dict(optim="ademamix_8bit")),

@@ -120,7 +120,7 @@ def test_usage_errors_are_one_line_and_exit_2(capsys, tmp_path):
     assert "no split 'trian' (available: train)" in _usage_error(capsys, run + jsonl + ["--dataset_train_split", "trian"])
     assert "no split 'test' (available: train)" in _usage_error(capsys, run + jsonl + ["--eval_strategy", "steps"])
     assert "no such file or folder" in _usage_error(capsys, run + ["--dataset_name", str(tmp_path / "absent.jsonl")])
-    assert "load_in_8bit is not supported" in _usage_error(capsys, run + jsonl + ["--load_in_8bit"])
+    assert "cannot both be set" in _usage_error(capsys, run + jsonl + ["--load_in_8bit", "--load_in_4bit"])
     if not torch.cuda.is_available():  # TRL's bf16 default on a CPU-only machine
         cpu_run = ["--model_name_or_path", TINY, "--output_dir", str(tmp_path / "out"), *jsonl]
         assert "pass --bf16 false" in _usage_error(capsys, cpu_run)
@@ -245,6 +245,21 @@ def test_lora_config_trains_an_adapter(tmp_path, monkeypatch):
     assert {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} <= adapted
     assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
     assert "library_name: peft" in (out / "README.md").read_text()
+
+
+def test_load_in_8bit_trains_an_adapter_on_an_int8_base(tmp_path, monkeypatch):
+    """TRL's --load_in_8bit with --use_peft: the base's linears stored as int8 rows, the adapter trained and saved."""
+    from hfnative.peft import quantize
+
+    made = []
+    real = quantize.to_int8_parameter
+    monkeypatch.setattr(quantize, "to_int8_parameter", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    out = tmp_path / "int8"
+    cli.main(["--model_name_or_path", TINY, "--dataset_name", str(DATA / "sft_text.jsonl"), "--output_dir", str(out),
+              *QUICK, "--max_steps", "2", "--use_peft", "--lora_target_modules", "q_proj", "v_proj", "--load_in_8bit"])
+    assert len(made) == 2 * 7 and all(p.data_int8.dtype == torch.int8 for p in made)  # 2 layers x 7 projections
+    assert (out / "adapter_model.safetensors").exists() and not (out / "model.safetensors").exists()
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 16
 
 
 # --- examples/sft.py, on hfnative and on TRL -----------------------------------------------------

@@ -33,7 +33,7 @@ from hfnative.peft import (  # noqa: E402
     lora_settings,
     lora_state_dict,
     merge_lora,
-    nf4_settings,
+    quantization_settings,
 )
 
 TOLERANCE = 1e-5  # fp32 logits, max abs difference
@@ -369,7 +369,7 @@ def _logits_and_adapter_grads(model, ids, bf16: bool):
     (logits * weights).sum().backward()
     grads = {}
     for name, param in model.named_parameters():
-        if param.grad is None or "lora_" not in name:
+        if param.grad is None or "lora_A" not in name and "lora_B" not in name:  # A and B (not DoRA's magnitudes)
             continue
         parts = name.split(".")
         layer = int(parts[parts.index("layers") + 1])
@@ -515,14 +515,28 @@ def test_unsupported_targets_raise_clear_errors(checkpoint_dir):
 
 
 def test_quantization_config_shapes():
-    assert nf4_settings() is None
-    assert nf4_settings(load_in_4bit=True).compute_dtype == torch.float32
+    from transformers import BitsAndBytesConfig, GPTQConfig
+
+    from hfnative.peft import Int8Settings, NF4Settings
+
+    assert quantization_settings() is None
+    assert quantization_settings(load_in_4bit=True).compute_dtype == torch.float32
     bnb = dict(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype="bfloat16", bnb_4bit_use_double_quant=True)
-    assert nf4_settings(quantization_config=bnb).compute_dtype == torch.bfloat16
+    assert quantization_settings(quantization_config=bnb).compute_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="nf4"):
-        nf4_settings(quantization_config=dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"))
-    with pytest.raises(ValueError, match="4-bit"):
-        nf4_settings(quantization_config=dict(load_in_8bit=True))
+        quantization_settings(quantization_config=dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"))
+    assert quantization_settings(load_in_8bit=True) == Int8Settings()
+    assert quantization_settings(quantization_config=dict(load_in_8bit=True, llm_int8_skip_modules=["mlp"])) \
+        == Int8Settings(("mlp",))
+    four_bits = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", llm_int8_skip_modules=["lm_head"])
+    assert quantization_settings(quantization_config=four_bits) \
+        == NF4Settings(torch.float32, ("lm_head",))
+    with pytest.raises(ValueError, match="both set"):
+        quantization_settings(load_in_4bit=True, quantization_config=dict(load_in_8bit=True))
+    with pytest.raises(ValueError, match="llm_int8_has_fp16_weight=True"):
+        quantization_settings(quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True))
+    with pytest.raises(ValueError, match="quant_method='gptq'"):
+        quantization_settings(quantization_config=GPTQConfig(bits=4))
 
 
 # --- (f) QLoRA ---------------------------------------------------------------------------------------------
@@ -571,3 +585,102 @@ def test_qlora_nf4_base_trains_the_adapter_only(compute_dtype, checkpoint_dir, t
     assert not any(type(p).__name__ == "NF4Tensor" for p in model.parameters())
     export_hf(converted, tmp_path / "merged")
     assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")) is not None
+
+
+# --- (g) an 8-bit base (load_in_8bit) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("skip", [None, ["down_proj", "self_attn.o_proj"]])
+def test_int8_base_is_what_bitsandbytes_stores(skip, checkpoint_dir):
+    """load_in_8bit quantizes the linears transformers' bitsandbytes integration quantizes (its default, or what
+    llm_int8_skip_modules leaves, but for the output head, which stays in full precision), each into bitsandbytes'
+    own int8 rows and row maxima, value for value."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from hfnative.converters.lora_targets import hub_modules
+    from hfnative.peft import Int8Weight
+
+    base_dir = checkpoint_dir("llama-gqa")
+    config = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    theirs = AutoModelForCausalLM.from_pretrained(str(base_dir), quantization_config=config, dtype=torch.float32)
+    quantized = {name: m for name, m in theirs.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+    # a list replaces transformers' default (which skips lm_head): it quantizes the head, which stays full here
+    assert ("lm_head" in quantized) == (skip is not None)
+    quantized.pop("lm_head", None)
+    assert len(quantized) == (2 * 5 if skip else 2 * 7)
+
+    converted = load_pretrained(base_dir)
+    apply_lora(converted, dict(r=4, target_modules=["q_proj", "down_proj"]), quantization_config=config)
+    modules = hub_modules(converted)
+    ours = {path for path, module in modules.items()
+            if all(isinstance(converted.model.get_submodule(n).weight, Int8Weight) for n in module.native)}
+    assert ours == set(quantized)
+    for path, module in quantized.items():
+        (native,) = modules[path].native
+        weight = converted.model.get_submodule(native).weight
+        assert weight.data_int8.dtype == torch.int8 and torch.equal(weight.data_int8, module.weight.data), path
+        assert torch.equal(weight.absmax, module.weight.SCB), path
+
+
+def _bitsandbytes_dequantized(model) -> None:
+    """Every nn.Linear of a peft model but the head and the adapters given the values of bitsandbytes' int8 rows
+    (``CB * SCB / 127`` from its own quantization of the fp16 weight): the 8-bit base's oracle in float32."""
+    bnb = pytest.importorskip("bitsandbytes")
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if type(module) is torch.nn.Linear and not name.endswith("lm_head") and ".lora_" not in name:
+                rows, maxima, _ = bnb.functional.int8_vectorwise_quant(module.weight.to(torch.float16).contiguous())
+                module.weight.copy_(rows.float() * (maxima / 127).unsqueeze(1))
+
+
+@pytest.mark.parametrize("fields", [dict(r=4, target_modules="all-linear"),
+                                    dict(r=4, use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"])],
+                         ids=["lora", "dora"])
+def test_int8_base_computes_peft_over_the_dequantized_rows(fields, checkpoint_dir, tmp_path):
+    """An adapter on the 8-bit base: logits and the adapters' gradients are peft's over bitsandbytes' dequantized
+    weights (fp32, to round-off; under bf16 autocast as close as peft's own bf16 run); backward keeps only the int8
+    rows of a base weight, which gets no gradient and does not change; the merged export is a plain checkpoint of
+    the dequantized weights plus the adapters."""
+    from hfnative.peft import Int8Weight
+    from hfnative.peft.quantize import int8_linear
+
+    base_dir = checkpoint_dir("llama-gqa")
+    peft_model = _peft_model(base_dir, fields)
+    peft_model.save_pretrained(str(tmp_path / "peft"))
+    _bitsandbytes_dequantized(peft_model)
+    converted = load_pretrained(base_dir)
+    load_adapter(converted, tmp_path / "peft", load_in_8bit=True)
+    model = converted.model
+    quantized = {n: p for n, p in model.named_parameters() if isinstance(p, Int8Weight)}
+    assert len(quantized) == 2 * 7 and {p.dtype for p in quantized.values()} == {torch.float32}
+    before = {n: p.data_int8.clone() for n, p in quantized.items()}
+
+    ids = _input_ids()
+    results = {name: {bf16: _logits_and_adapter_grads(m, ids, bf16) for bf16 in (False, True)}
+               for name, m in (("peft", peft_model), ("ours", model))}
+    (exact_logits, exact_grads), (logits, grads) = results["peft"][False], results["ours"][False]
+    assert _max_diff(logits, exact_logits) <= TOLERANCE
+    assert grads.keys() == exact_grads.keys() and grads
+    for key, grad in grads.items():
+        torch.testing.assert_close(grad, exact_grads[key], rtol=1e-4, atol=1e-5, msg=str(key))
+    for name in ("ours", "peft"):  # bf16: ours within 1.5x peft's own distance from the fp32 logits
+        results[name] = ((results[name][True][0] - exact_logits).norm() / exact_logits.norm()).item()
+    assert 0 < results["ours"] <= 1.5 * results["peft"], results
+    assert all(not p.requires_grad and p.grad is None for p in quantized.values())
+    assert all(torch.equal(p.data_int8, before[n]) for n, p in dict(model.named_parameters()).items() if n in before)
+
+    # backward keeps the int8 rows and their maxima of a base weight, not a float copy of it
+    weight = next(iter(quantized.values()))
+    kept = []
+    x = torch.randn(3, weight.shape[1], requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        int8_linear(x, weight, None).sum().backward()
+    assert [t.dtype for t in kept] == [torch.int8, torch.float32] and kept[1].shape == weight.shape[:1]
+
+    merge_lora(model)
+    assert not any(isinstance(p, Int8Weight) for p in model.parameters())
+    export_hf(converted, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
+    with torch.no_grad():
+        assert _max_diff(_logits(merged, ids), _logits(peft_model.eval(), ids)) <= TOLERANCE

@@ -121,6 +121,42 @@ def test_qlora_trains_adapters_on_an_nf4_base(tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
+def test_lora_on_an_8bit_base_matches_trl_with_bitsandbytes(tmp_path):
+    """load_in_8bit: TRL quantizes the base with bitsandbytes' LLM.int8 (its int8 activations, fp16 gradients);
+    hfnative stores the same int8 rows and computes on their values in fp32. Losses agree to bitsandbytes' own
+    rounding, the base stays int8 and unchanged, and the saved adapter has TRL's tensors."""
+    trl = pytest.importorskip("trl")
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from hfnative.peft import Int8Weight
+
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    quantized = {"quantization_config": BitsAndBytesConfig(load_in_8bit=True), "dtype": torch.float32}
+    theirs = trl.SFTTrainer(model=MODEL, args=_config(trl, tmp_path / "trl", model_init_kwargs=quantized),
+                            train_dataset=Dataset.from_list(_rows()), processing_class=tokenizer, peft_config=_lora())
+    theirs.model.save_pretrained(str(tmp_path / "initial-adapter"))
+    theirs.train()
+    theirs.save_model()
+
+    ours = hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path / "ours", model_init_kwargs={"load_in_8bit": True}),
+                               train_dataset=Dataset.from_list(_rows()), processing_class=tokenizer, peft_config=_lora())
+    load_adapter_weights(ours.converted, tmp_path / "initial-adapter")
+    frozen = {n: p.data_int8.clone() for n, p in ours.model.named_parameters() if isinstance(p, Int8Weight)}
+    assert len(frozen) == 2 * 7  # every projection of both layers
+    ours.train()
+    ours.save_model()
+
+    for mine, reference in zip(_losses(ours), _losses(theirs), strict=True):
+        assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-4), reference["step"]
+        assert mine["grad_norm"] == pytest.approx(reference["grad_norm"], rel=2e-2), reference["step"]  # fp16 there
+    after = dict(ours.model.named_parameters())
+    assert all(isinstance(after[n], Int8Weight) and torch.equal(after[n].data_int8, rows) for n, rows in frozen.items())
+    mine, reference = (load_file(str(tmp_path / run / "adapter_model.safetensors")) for run in ("ours", "trl"))
+    assert mine.keys() == reference.keys()
+    assert not (tmp_path / "ours" / "model.safetensors").exists()
+
+
 def test_qlora_without_peft_config_is_refused(tmp_path):
     with pytest.raises(ValueError, match="peft_config"):
         hfnative.SFTTrainer(model=MODEL, args=_config(hfnative, tmp_path, model_init_kwargs={"load_in_4bit": True}),

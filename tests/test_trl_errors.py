@@ -221,7 +221,7 @@ def test_quantization_config_argument_reaches_model_loading(tmp_path):
     """TRL 1.16's `quantization_config=` trainer argument: merged into model_init_kwargs (a quantized base then
     needs a peft_config, as QLoRA does)."""
     build = _build(hfnative, tmp_path, quantization_config={"load_in_4bit": True})
-    with pytest.raises(ValueError, match=r"quantization_config \(QLoRA\) quantizes a frozen base: pass a peft_config"):
+    with pytest.raises(ValueError, match=r"quantization_config quantizes a frozen base for LoRA: pass a peft_config"):
         build()
 
 

@@ -11,8 +11,8 @@ grouped with ``fully_shard([...])``: the decoder calls the norm inside its forwa
 Parameters that are already DTensors on a tensor-parallel mesh (after ``apply_tensor_parallel``) are
 sharded further over the data-parallel mesh (both meshes must be slices of one root mesh).
 
-A 4-bit (NF4) frozen base, QLoRA's, is not sharded: every rank keeps the whole quantized base (an eighth of
-its fp32 size), FSDP2 leaves those parameters out of its units (``ignored_params``: no all-gather, no gradient),
+A quantized frozen base (QLoRA's 4-bit NF4, or ``load_in_8bit``'s int8 rows) is not sharded: every rank keeps the
+whole quantized base (an eighth or a quarter of its fp32 size), FSDP2 leaves those parameters out of its units (``ignored_params``: no all-gather, no gradient),
 and shards everything else — the adapters, norms, embedding and head.
 
 Gradients are summed over the data-parallel ranks, not averaged: each rank's loss is its share of the sum
@@ -117,10 +117,10 @@ def apply_fsdp_per_layer(
 
 
 def quantized_parameters(model: nn.Module) -> set[nn.Parameter]:
-    """The frozen NF4 (4-bit) parameters: kept whole on every rank, outside FSDP2's units."""
-    from hfnative.peft.quantize import is_nf4
+    """The frozen quantized (NF4, int8) parameters: kept whole on every rank, outside FSDP2's units."""
+    from hfnative.peft.quantize import is_quantized
 
-    return {p for p in model.parameters() if is_nf4(p)}
+    return {p for p in model.parameters() if is_quantized(p)}
 
 
 def _sum_gradients(model: nn.Module) -> None:

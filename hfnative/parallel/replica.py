@@ -2,8 +2,8 @@
 
 ``whole_tensor`` gathers one tensor (a DTensor's full tensor: a collective every rank of its mesh calls, in step);
 ``plain_tensors`` walks a native model's tensors as a plain ``Transformer`` of its args holds them, whole: LoRA / DoRA
-adapters folded into their base weights and NF4 weights dequantized (a copy only decodes), a tensor held under two
-names (an untied view of a tied head) once. Its users:
+adapters folded into their base weights and quantized (NF4, int8) weights dequantized (a copy only decodes), a tensor
+held under two names (an untied view of a tied head) once. Its users:
   - ``gather_replica``: the KV-cache decoder (hfnative.generation) runs the blocks' submodules one by one, outside the
     module calls that FSDP2's hooks gather the shards in, so it decodes a plain replica on each rank, refreshed from
     the policy once per weight version, each rank then decoding its own prompts without further communication;
@@ -25,7 +25,7 @@ from hfnative.models.decoder import Transformer
 from hfnative.peft.adapters import LORA_PARAMETERS, adapted_experts, folded_expert_weights, lora_modules
 from hfnative.peft.token_rows import rows_weights
 from hfnative.peft.lora import LoraLinear
-from hfnative.peft.quantize import NF4Linear, dequantize, is_nf4
+from hfnative.peft.quantize import QuantizedLinear, dequantize, is_quantized
 
 from .float8 import plain_weight
 
@@ -46,14 +46,14 @@ def whole_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 def plain_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype of ``model``'s unquantized floating-point parameters."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)), None)
+    return next((p.dtype for p in model.parameters() if p.is_floating_point() and not is_quantized(p)), None)
 
 
 def folded_weight(module: nn.Module, dtype: torch.dtype | None) -> torch.Tensor:
-    """An adapted (LoRA / DoRA) or NF4 linear's weight as a plain linear holds it (``dtype``: the unquantized
-    parameters', for a dequantized weight)."""
+    """An adapted (LoRA / DoRA) or quantized (NF4, int8) linear's weight as a plain linear holds it (``dtype``: the
+    unquantized parameters', for a dequantized weight)."""
     weight = module.merged_weight() if isinstance(module, LoraLinear) else dequantize(module.weight)
-    if is_nf4(module.weight) and dtype is not None:
+    if is_quantized(module.weight) and dtype is not None:
         weight = weight.to(dtype)
     return weight
 
@@ -62,7 +62,7 @@ def folded_weight(module: nn.Module, dtype: torch.dtype | None) -> torch.Tensor:
 def plain_tensors(model: Transformer) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, whole tensor) of each tensor of a plain ``Transformer(model.args)`` computing what ``model`` computes,
     one at a time (each gathered as it is reached: every rank of the model's mesh iterates in step)."""
-    special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, NF4Linear))}
+    special = {name: m for name, m in model.named_modules() if isinstance(m, (LoraLinear, QuantizedLinear))}
     experts = _expert_adapter_names(model)
     rows = rows_weights(model, gather=whole_tensor)
     dtype = plain_dtype(model)

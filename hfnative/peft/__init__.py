@@ -26,18 +26,20 @@ from .adapters import (
 )
 from .expert_lora import ExpertLora
 from .lora import LoraLinear
-from .quantize import NF4Linear, quantize_base_nf4
-from .settings import LoraSettings, NF4Settings, lora_settings, nf4_settings
+from .quantize import Int8Weight, QuantizedLinear, quantize_base
+from .settings import Int8Settings, LoraSettings, NF4Settings, lora_settings, quantization_settings
 from .token_rows import TokenRows, add_token_rows, has_token_rows, rows_weights, token_rows_modules
 
 __all__ = [
     "ExpertLora",
     "ExpertLoraTarget",
     "LoraLinear",
+    "Int8Settings",
+    "Int8Weight",
     "LoraSettings",
     "LoraTarget",
-    "NF4Linear",
     "NF4Settings",
+    "QuantizedLinear",
     "TokenRows",
     "adapted_experts",
     "adapter_parameters",
@@ -56,8 +58,8 @@ __all__ = [
     "lora_state_dict",
     "mark_trainable",
     "merge_lora",
-    "nf4_settings",
-    "quantize_base_nf4",
+    "quantization_settings",
+    "quantize_base",
     "rows_weights",
     "token_rows_modules",
     "trainable_copies",

@@ -21,7 +21,7 @@ from hfnative.models.moe import adapted_experts
 
 from .expert_lora import ExpertLora
 from .lora import LoraLinear
-from .quantize import NF4Linear, dequantize, is_nf4
+from .quantize import QuantizedLinear, dequantize, is_quantized
 from .settings import LoraSettings, lora_settings
 from .token_rows import TokenRows, remove_token_rows, token_rows_modules
 
@@ -123,8 +123,8 @@ def add_trainable_copies(model: nn.Module, parameter_names: list[str]) -> None:
         if hasattr(module, ORIGINAL_PREFIX + attr):
             continue
         original = getattr(module, attr)
-        if is_nf4(original):
-            raise ValueError(f"{name} is NF4-quantized; a trainable copy needs the full-precision weight")
+        if is_quantized(original):
+            raise ValueError(f"{name} is quantized; a trainable copy needs the full-precision weight")
         module.register_buffer(ORIGINAL_PREFIX + attr, original.detach(), persistent=False)
         setattr(module, attr, nn.Parameter(original.detach().clone(), requires_grad=True))
 
@@ -259,8 +259,8 @@ def _tied_head_diverged(model: nn.Module) -> bool:
 
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every adapter into its base weight (peft's merge_and_unload), dequantize NF4 weights, keep
-    trained copies as the weights, and make every parameter trainable again; returns the plain model."""
+    """Fold every adapter into its base weight (peft's merge_and_unload), dequantize quantized (NF4, int8) weights,
+    keep trained copies as the weights, and make every parameter trainable again; returns the plain model."""
     if _tied_head_diverged(model):
         raise ValueError(
             "the model ties its output head to the embedding, but modules_to_save trained the two apart "
@@ -268,11 +268,11 @@ def merge_lora(model: nn.Module) -> nn.Module:
             "tie_word_embeddings=False before training, or do not list them in modules_to_save"
         )
     remove_token_rows(model)  # refuses a tied head trained apart from the embedding (token_rows.TIED_HEAD_APART)
-    plain_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and not is_nf4(p)]
+    plain_dtypes = [p.dtype for p in model.parameters() if p.is_floating_point() and not is_quantized(p)]
     for name, module in list(model.named_modules()):
-        if isinstance(module, (LoraLinear, NF4Linear)):
+        if isinstance(module, (LoraLinear, QuantizedLinear)):
             weight = module.merged_weight() if isinstance(module, LoraLinear) else dequantize(module.weight)
-            if is_nf4(module.weight) and plain_dtypes:  # back to the dtype of the unquantized parameters
+            if is_quantized(module.weight) and plain_dtypes:  # back to the dtype of the unquantized parameters
                 weight = weight.to(plain_dtypes[0])
             plain = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
             plain.weight = nn.Parameter(weight.detach().clone())

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .quantize import FrozenLinear, dequantize, is_nf4
+from .quantize import FrozenLinear, dequantize, is_quantized
 
 
 class LoraLinear(FrozenLinear):
@@ -79,7 +79,7 @@ class LoraLinear(FrozenLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.adapter_enabled:
-            return super().forward(x)  # the frozen base, plain or NF4
+            return super().forward(x)  # the frozen base, plain or quantized
         if self.lora_magnitude_vector is not None:
             result = super().forward(x)
             return (result + self._dora_extra(x.to(self.lora_A.dtype), result)).to(result.dtype)
@@ -117,10 +117,10 @@ class LoraLinear(FrozenLinear):
 
     def sums_in_matmul(self, autocast: bool) -> bool:
         """Whether ``forward`` adds the update inside its up-projection's matmul (its base product that matmul's
-        addend), told before it runs, under ``autocast`` or not: a LoRA (not DoRA) layer over a plain (not NF4) base,
+        addend), told before it runs, under ``autocast`` or not: a LoRA (not DoRA) layer over a plain (not quantized) base,
         under autocast or with the base weight in the adapter's dtype (where the two products come out in one dtype;
-        an NF4 base's may too, which this does not count on)."""
-        return (self.adapter_enabled and self.lora_magnitude_vector is None and not is_nf4(self.weight)
+        a quantized base's may too, which this does not count on)."""
+        return (self.adapter_enabled and self.lora_magnitude_vector is None and not is_quantized(self.weight)
                 and (autocast or self.weight.dtype == self.lora_A.dtype))
 
     @property

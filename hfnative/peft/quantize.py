@@ -1,7 +1,13 @@
-"""QLoRA's frozen base: linear weights stored as torchao NF4 tensors, computed in a chosen dtype.
+"""A quantized frozen base for LoRA: linear weights stored in 4 or 8 bits, computed in a floating dtype.
 
-torchao (>= 0.14) is imported only when quantizing. NF4 runs on CPU as well as GPU: the weight is
-dequantized block by block for each matmul and never receives a gradient.
+- 4 bits (QLoRA, ``load_in_4bit``): torchao's NF4 tensors, computed in a chosen dtype. torchao (>= 0.14) is imported
+  only when quantizing. NF4 runs on CPU as well as GPU: the weight is dequantized block by block for each matmul.
+- 8 bits (``load_in_8bit``): ``Int8Weight``, bitsandbytes' LLM.int8 storage (each row as int8 values and the row's
+  absolute maximum, quantized from the fp16 weight exactly as bitsandbytes does). Each matmul dequantizes the rows to
+  the activations' dtype (autocast's, under autocast) and multiplies in full: the activations are not quantized, so
+  every input column is computed as LLM.int8 computes its outlier columns.
+
+A quantized weight never receives a gradient.
 """
 
 from __future__ import annotations
@@ -31,8 +37,16 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor"
 
 
+def is_quantized(tensor: torch.Tensor) -> bool:
+    """An NF4 or an int8 (``Int8Weight``) frozen weight."""
+    return is_nf4(tensor) or isinstance(tensor, Int8Weight)
+
+
 def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, except that an NF4 weight is applied in its own (compute) dtype and the result cast back."""
+    """F.linear, except that an NF4 weight is applied in its own (compute) dtype and the result cast back, and an
+    int8 weight is applied in the activations' dtype (``int8_linear``)."""
+    if isinstance(weight, Int8Weight):
+        return int8_linear(x, weight, bias)
     if not is_nf4(weight):
         return F.linear(x, weight, bias)
     _, _, linear_nf4 = _torchao_nf4()
@@ -43,8 +57,143 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def dequantize(weight: torch.Tensor) -> torch.Tensor:
-    """A plain tensor of the weight's values (NF4 -> its compute dtype)."""
+    """A plain tensor of the weight's values (NF4 -> its compute dtype; int8 -> the dtype it was quantized from)."""
+    if isinstance(weight, Int8Weight):
+        return weight.dequantize()
     return weight.get_original_weight() if is_nf4(weight) else weight
+
+
+# --- 8 bits: LLM.int8's storage ------------------------------------------------------------------------
+
+_INT8_MAX = 127.0
+
+
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bitsandbytes' ``int8_vectorwise_quant`` of a weight (how ``Int8Params`` stores it): the weight in fp16, each
+    row's absolute maximum in fp32, each value rounded to ``round(w * 127 / absmax)``. A row of zeros stays zeros."""
+    half = weight.detach().to(torch.float16)
+    absmax = half.abs().amax(dim=1).float()
+    scale = _INT8_MAX / absmax.masked_fill(absmax == 0, 1.0)
+    return torch.round(half * scale.unsqueeze(1)).to(torch.int8), absmax
+
+
+def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight int8 rows stand for, in ``dtype`` (bitsandbytes' ``CB * SCB / 127``, in that dtype)."""
+    return data.to(dtype) * (absmax * (1.0 / _INT8_MAX)).to(dtype).unsqueeze(1)
+
+
+class Int8Weight(torch.Tensor):
+    """A frozen 2-D weight held as int8 rows (``data``, one byte a value) and each row's absolute maximum
+    (``absmax``, fp32). Its ``dtype`` is the floating dtype it stands for (``dequantize``'s); any operation other
+    than moving, detaching or cloning it runs on its dequantized values (a new plain tensor), and operations that
+    would write into it are refused (the weight is frozen)."""
+
+    data_int8: torch.Tensor
+    absmax: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data_int8: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, data_int8.shape, dtype=dtype, device=data_int8.device,
+                                                   requires_grad=False)
+
+    def __init__(self, data_int8: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype):
+        if data_int8.dtype != torch.int8 or data_int8.dim() != 2 or absmax.shape != data_int8.shape[:1]:
+            raise ValueError(f"Int8Weight takes int8 rows [out, in] and one absmax per row; got {data_int8.dtype} "
+                             f"{list(data_int8.shape)} and absmax {list(absmax.shape)}")
+        self.data_int8 = data_int8
+        self.absmax = absmax
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> "Int8Weight":
+        data, absmax = int8_rows(weight)
+        return cls(data, absmax, weight.dtype)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return int8_values(self.data_int8, self.absmax, dtype or self.dtype)
+
+    def __repr__(self) -> str:
+        return f"Int8Weight(shape={list(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    def __tensor_flatten__(self):
+        return ["data_int8", "absmax"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Int8Weight(inner["data_int8"], inner["absmax"], dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func in (aten.detach.default, aten.alias.default, aten.clone.default):
+            this = args[0]
+            make = (lambda t: t.clone()) if func is aten.clone.default else (lambda t: t.detach())
+            return Int8Weight(make(this.data_int8), make(this.absmax), this.dtype)
+        if func is aten._to_copy.default:  # .to(device) moves the int8 rows; .to(float dtype) changes what they stand for
+            this = args[0]
+            device = kwargs.get("device") or this.device
+            dtype = kwargs.get("dtype") or this.dtype
+            if not dtype.is_floating_point:
+                return func(this.dequantize(), **kwargs)
+            return Int8Weight(this.data_int8.to(device), this.absmax.to(device), dtype)
+        if func._schema.is_mutable:
+            named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+            if any(isinstance(named.get(a.name), Int8Weight) for a in func._schema.arguments
+                   if a.alias_info is not None and a.alias_info.is_write):
+                raise RuntimeError(f"{func}: an int8 (load_in_8bit) base weight is frozen and cannot be written to")
+        unwrap = (lambda a: a.dequantize() if isinstance(a, Int8Weight) else a)
+        return func(*[_map(unwrap, a) for a in args], **{k: _map(unwrap, v) for k, v in kwargs.items()})
+
+
+def _map(fn, value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    return fn(value)
+
+
+@torch.library.custom_op("hfnative::int8_linear", mutates_args=())
+def _int8_linear_op(x: torch.Tensor, data: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with W made from int8 rows in x's dtype (one op to autograd and to torch.compile: backward keeps
+    only the int8 rows and their maxima, never a float copy of W)."""
+    return F.linear(x, int8_values(data, absmax, x.dtype))
+
+
+@_int8_linear_op.register_fake
+def _(x, data, absmax):
+    return x.new_empty(*x.shape[:-1], data.shape[0])
+
+
+def _int8_linear_context(ctx, inputs, output):
+    _, data, absmax = inputs
+    ctx.save_for_backward(data, absmax)
+
+
+def _int8_linear_backward(ctx, grad):
+    data, absmax = ctx.saved_tensors
+    return grad @ int8_values(data, absmax, grad.dtype), None, None
+
+
+_int8_linear_op.register_autograd(_int8_linear_backward, setup_context=_int8_linear_context)
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear over an int8 weight: computed in autocast's dtype under autocast (as F.linear would), else in x's;
+    W takes no gradient."""
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    with torch.autocast(device, enabled=False):
+        out = _int8_linear_op(x.to(dtype), weight.data_int8, weight.absmax)
+        if bias is not None:
+            out = out + bias.to(dtype)
+    return out
+
+
+def to_int8_parameter(weight: torch.Tensor, name: str = "weight") -> nn.Parameter:
+    """A frozen ``Int8Weight`` copy of a 2-D ``weight``."""
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: shape {list(weight.shape)} cannot be stored as int8 rows (needs a 2-D weight); "
+                         "leave this layer unquantized")
+    return nn.Parameter(Int8Weight.quantize(weight), requires_grad=False)
 
 
 def _scaler_block_size(n_blocks: int) -> int:
@@ -69,61 +218,67 @@ def to_nf4_parameter(weight: torch.Tensor, compute_dtype: torch.dtype, name: str
 
 
 class FrozenLinear(nn.Linear):
-    """An nn.Linear computed through ``frozen_linear``, so its weight may be plain or NF4.
+    """An nn.Linear computed through ``frozen_linear``, so its weight may be plain or quantized (NF4, int8).
 
-    quantize_base_nf4 swaps the weight of such a layer in place (a LoraLinear keeps its adapter) and
-    replaces any other nn.Linear by an NF4Linear.
+    quantize_base swaps the weight of such a layer in place (a LoraLinear keeps its adapter) and
+    replaces any other nn.Linear by a QuantizedLinear.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.weight, self.bias)
 
 
-class NF4Linear(FrozenLinear):
-    """A frozen nn.Linear whose weight is NF4 (the same ``weight``/``bias`` names, so key maps still apply)."""
+class QuantizedLinear(FrozenLinear):
+    """A frozen nn.Linear whose weight is quantized, NF4 or int8 (the same ``weight``/``bias`` names, so key maps
+    still apply)."""
 
-    def __init__(self, base: nn.Linear, compute_dtype: torch.dtype, name: str = "weight"):
+    def __init__(self, base: nn.Linear, weight: nn.Parameter):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
-        self.weight = to_nf4_parameter(base.weight, compute_dtype, name)
+        self.weight = weight
         self.bias = base.bias
 
 
-def quantize_base_nf4(
-    model: nn.Module,
-    compute_dtype: torch.dtype = torch.bfloat16,
-    module_names: list[str] | None = None,
-    skip: tuple[str, ...] = ("output",),
-) -> list[str]:
-    """Store frozen nn.Linear weights as NF4 in place; returns the native module names quantized.
+def quantized_parameter(settings, weight: torch.Tensor, name: str = "weight") -> nn.Parameter:
+    """``weight`` stored as ``settings`` ask: ``NF4Settings`` (4 bits) or ``Int8Settings`` (8 bits)."""
+    from .settings import Int8Settings
 
-    module_names: which linears (native names); None -> every nn.Linear except those named in ``skip``
-    (the output head, as bitsandbytes skips lm_head), MoE routers (transformers 5 does not implement them
-    as nn.Linear, so bitsandbytes never quantizes them either) and linears whose weight is a trainable
-    copy (modules_to_save). A LoRA layer keeps its adapter and gets an NF4 base. Stacked expert weights
-    ([E, ...]) are not quantized. A quantized weight is frozen.
+    if isinstance(settings, Int8Settings):
+        return to_int8_parameter(weight, name)
+    return to_nf4_parameter(weight, settings.compute_dtype, name)
+
+
+def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ("output",)) -> list[str]:
+    """The native names of the linears a quantized base stores in 4 or 8 bits when nothing else is asked: every
+    nn.Linear except those named in ``skip`` (the output head, as bitsandbytes skips lm_head), MoE routers
+    (transformers 5 does not implement them as nn.Linear, so bitsandbytes never quantizes them either) and linears
+    whose weight is a trainable copy (modules_to_save)."""
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and name not in skip and not name.endswith(".router")
+            and not hasattr(module, "original_weight")]  # a trainable copy (adapters.ORIGINAL_PREFIX)
+
+
+def quantize_base(model: nn.Module, settings, module_names: list[str] | None = None) -> list[str]:
+    """Store frozen nn.Linear weights in 4 or 8 bits (``settings``: NF4Settings or Int8Settings) in place; returns
+    the native module names quantized.
+
+    module_names: which linears (native names); None -> ``quantizable_linears``. A LoRA layer keeps its adapter and
+    gets a quantized base; any other nn.Linear becomes a QuantizedLinear. Stacked expert weights ([E, ...]) are not
+    quantized. A quantized weight is frozen.
     """
-    if module_names is None:
-        module_names = [
-            name
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)
-            and name not in skip
-            and not name.endswith(".router")
-            and not hasattr(module, "original_weight")  # a trainable copy (adapters.ORIGINAL_PREFIX)
-        ]
     done = []
-    for name in module_names:
+    for name in quantizable_linears(model) if module_names is None else module_names:
         module = model.get_submodule(name)
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: it cannot be quantized to NF4")
-        if is_nf4(module.weight):
+            raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: it cannot be quantized")
+        if is_quantized(module.weight):
             continue
+        weight = quantized_parameter(settings, module.weight, f"{name}.weight")
         if isinstance(module, FrozenLinear):
-            module.weight = to_nf4_parameter(module.weight, compute_dtype, f"{name}.weight")
+            module.weight = weight
         else:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, NF4Linear(module, compute_dtype, f"{name}.weight"))
+            setattr(parent, child, QuantizedLinear(module, weight))
         done.append(name)
     return done

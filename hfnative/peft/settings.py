@@ -1,8 +1,9 @@
-"""LoRA and 4-bit settings under the names peft and transformers users already pass.
+"""LoRA and quantized-base settings under the names peft and transformers users already pass.
 
 ``lora_settings`` accepts a ``peft.LoraConfig`` (read field by field, so peft stays optional), a dict of
-the same fields (e.g. a loaded ``adapter_config.json``) or a ``LoraSettings``. ``nf4_settings`` reads
-``load_in_4bit=True`` or a ``quantization_config`` shaped like transformers' ``BitsAndBytesConfig``.
+the same fields (e.g. a loaded ``adapter_config.json``) or a ``LoraSettings``. ``quantization_settings`` reads
+``load_in_4bit=True``, ``load_in_8bit=True`` or a ``quantization_config`` shaped like transformers'
+``BitsAndBytesConfig``.
 """
 
 from __future__ import annotations
@@ -154,9 +155,22 @@ class NF4Settings:
 
     torchao always quantizes the per-block scales a second time (bitsandbytes' double quantization),
     so ``bnb_4bit_use_double_quant=False`` cannot be honoured; it is accepted and has no effect.
+    ``skip_modules``: transformers' module names (or patterns) left unquantized instead of the default (the output
+    head), ``llm_int8_skip_modules``.
     """
 
     compute_dtype: torch.dtype = torch.float32
+    skip_modules: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Int8Settings:
+    """LLM.int8 base weights (``hfnative.peft.quantize.Int8Weight``): int8 rows and their absolute maxima, as
+    bitsandbytes stores them; matmuls run in the activations' dtype on the dequantized rows. bitsandbytes' outlier
+    threshold (``llm_int8_threshold``) chooses which input columns it computes from unquantized activations; here
+    every column is, so the threshold has no effect. ``skip_modules`` as in ``NF4Settings``."""
+
+    skip_modules: tuple[str, ...] | None = None
 
 
 def _dtype(value) -> torch.dtype:
@@ -167,21 +181,49 @@ def _dtype(value) -> torch.dtype:
     raise ValueError(f"bnb_4bit_compute_dtype={value!r}: expected a torch dtype or its name, e.g. 'bfloat16'")
 
 
-def nf4_settings(load_in_4bit: bool = False, quantization_config=None) -> NF4Settings | None:
-    """``load_in_4bit`` / a BitsAndBytesConfig (or a dict of its fields) -> NF4Settings, or None for no quantization."""
-    if quantization_config is None:
-        return NF4Settings() if load_in_4bit else None
+QUANTIZATION_KWARGS = ("load_in_4bit", "load_in_8bit", "quantization_config")
+
+
+def quantization_request(kwargs: dict) -> dict:
+    """The quantization keys of ``model_init_kwargs`` (``QUANTIZATION_KWARGS``), as ``quantization_settings``
+    takes them."""
+    return dict(load_in_4bit=bool(kwargs.get("load_in_4bit", False)), load_in_8bit=bool(kwargs.get("load_in_8bit", False)),
+                quantization_config=kwargs.get("quantization_config"))
+
+
+def is_quantization_requested(kwargs: dict) -> bool:
+    request = quantization_request(kwargs)
+    return request["load_in_4bit"] or request["load_in_8bit"] or request["quantization_config"] is not None
+
+
+def quantization_settings(load_in_4bit: bool = False, quantization_config=None,
+                          load_in_8bit: bool = False) -> NF4Settings | Int8Settings | None:
+    """``load_in_4bit`` / ``load_in_8bit`` / a BitsAndBytesConfig (or a dict of its fields) -> NF4Settings (4 bits),
+    Int8Settings (8 bits), or None for no quantization."""
     get = (
-        quantization_config.get
-        if isinstance(quantization_config, dict)
+        (lambda name, default=None: default) if quantization_config is None
+        else quantization_config.get if isinstance(quantization_config, dict)
         else (lambda name, default=None: getattr(quantization_config, name, default))
     )
-    if get("load_in_8bit", False):
-        raise ValueError("quantization_config.load_in_8bit=True: hfnative's QLoRA supports 4-bit NF4 only (load_in_4bit=True)")
-    if not (get("load_in_4bit", False) or load_in_4bit):
+    method = get("quant_method", "bitsandbytes")
+    if str(getattr(method, "value", method)) != "bitsandbytes":
+        raise ValueError(f"quantization_config with quant_method={str(getattr(method, 'value', method))!r}: hfnative "
+                         "quantizes a frozen base with BitsAndBytesConfig's settings only (load_in_4bit or load_in_8bit)")
+    four = bool(get("load_in_4bit", False) or load_in_4bit)
+    eight = bool(get("load_in_8bit", False) or load_in_8bit)
+    if four and eight:
+        raise ValueError("load_in_4bit and load_in_8bit are both set: choose one")
+    skip = get("llm_int8_skip_modules", None)
+    skip = None if skip is None else (tuple([skip] if isinstance(skip, str) else skip))
+    if eight:
+        if get("llm_int8_has_fp16_weight", False):
+            raise ValueError("llm_int8_has_fp16_weight=True trains the 8-bit base's weights in fp16; hfnative's 8-bit "
+                             "base is frozen (LoRA trains beside it): leave it False")
+        return Int8Settings(skip)
+    if not four:
         return None
     quant_type = get("bnb_4bit_quant_type", "nf4")
     if quant_type != "nf4":
         raise ValueError(f"bnb_4bit_quant_type={quant_type!r}: hfnative quantizes with torchao's NF4 only; use 'nf4'")
     compute_dtype = get("bnb_4bit_compute_dtype", None)
-    return NF4Settings(torch.float32 if compute_dtype is None else _dtype(compute_dtype))
+    return NF4Settings(torch.float32 if compute_dtype is None else _dtype(compute_dtype), skip)

@@ -2,8 +2,8 @@
 as a plain ``Transformer``. Ray carries the copy, a dataclass of numbers and bytes; no module object travels and
 nothing is read back with ``torch.load``.
 
-A plain model computes what the policy computes: LoRA / DoRA adapters are folded into their base weights and NF4
-weights dequantized (the generator only decodes), so a weight sync sends each adapted linear's folded weight.
+A plain model computes what the policy computes: LoRA / DoRA adapters are folded into their base weights and quantized
+(NF4, int8) weights dequantized (the generator only decodes), so a weight sync sends each adapted linear's folded weight.
 
 A parallelized policy (DTensor parameters: FSDP2, TP, EP) is gathered whole: ``plain_state_dict``, ``policy_copy`` and
 ``trainable_weights`` are then collectives every rank of the model's mesh calls, in step, each getting the whole tensors.

@@ -191,8 +191,9 @@ class ModelMixin:
         if (name != "ref_model" or policy is None or not isinstance(source, (str, os.PathLike))
                 or os.fspath(source) != os.fspath(policy)):
             return {}
-        return {key: value for key, value in self._model_init_kwargs.items()
-                if key not in ("load_in_4bit", "quantization_config")}
+        from hfnative.peft.settings import QUANTIZATION_KWARGS
+
+        return {key: value for key, value in self._model_init_kwargs.items() if key not in QUANTIZATION_KWARGS}
 
     def _adapter_route(self) -> str | None:
         """Where ``peft_config``'s adapters go ("native", "peft": peft itself on transformers' module; None without
@@ -200,11 +201,14 @@ class ModelMixin:
         cloned, the model resized). A native config is planned on the model as it is (its target modules,
         modules_to_save, token rows; not their ids, which may name tokens the template adds); ``apply_lora`` plans
         it again on the model the adapters go on."""
+        from hfnative.peft.settings import is_quantization_requested, quantization_request
+
         kwargs = self._model_init_kwargs
-        quantized = bool(kwargs.get("load_in_4bit")) or kwargs.get("quantization_config") is not None
+        quantized = is_quantization_requested(kwargs)
         if self.peft_config is None:
             if self.lora_settings is None and quantized:
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) quantizes a frozen base: pass a peft_config too")
+                raise ValueError("load_in_4bit / load_in_8bit / quantization_config quantizes a frozen base for LoRA: "
+                                 "pass a peft_config too")
             return None
         if self.lora_settings is not None:
             raise ValueError("model is already a PEFT adapter folder (its adapter keeps training); drop peft_config")
@@ -214,18 +218,19 @@ class ModelMixin:
 
         if peft_route_reason(self.converted, self.peft_config) is not None:
             if quantized:
-                raise ValueError("load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native LoRA "
-                                 "only; this peft_config trains through peft: drop the quantization")
+                raise ValueError("load_in_4bit / load_in_8bit / quantization_config (a quantized base) is implemented "
+                                 "for hfnative's native LoRA only; this peft_config trains through peft: drop the "
+                                 "quantization")
             return "peft"
         from hfnative.converters.lora_targets import plan_lora
-        from hfnative.peft import lora_settings, nf4_settings
+        from hfnative.peft import lora_settings, quantization_settings
 
-        nf4_settings(bool(kwargs.get("load_in_4bit")), kwargs.get("quantization_config"))
+        quantization_settings(**quantization_request(kwargs))
         plan_lora(self.converted, lora_settings(self.peft_config), check_token_ids=False)
         return "native"
 
     def _add_adapters(self, route: str | None) -> None:
-        """LoRA / DoRA (and QLoRA's NF4 base) from ``peft_config`` by ``route`` (``_adapter_route``): only adapter
+        """LoRA / DoRA (and a quantized base: QLoRA's NF4, or int8) from ``peft_config`` by ``route`` (``_adapter_route``): only adapter
         parameters train."""
         if route is None:
             return
@@ -237,11 +242,10 @@ class ModelMixin:
             return
         from hfnative.converters.peft import apply_lora
         from hfnative.peft import lora_settings
+        from hfnative.peft.settings import quantization_request
 
-        kwargs = self._model_init_kwargs
         self.lora_settings = lora_settings(self.peft_config)
-        apply_lora(self.converted, self.lora_settings, load_in_4bit=bool(kwargs.get("load_in_4bit")),
-                   quantization_config=kwargs.get("quantization_config"))
+        apply_lora(self.converted, self.lora_settings, **quantization_request(self._model_init_kwargs))
 
     def _resize_vocabulary(self, rows: int) -> None:
         """The policy's token rows resized to ``rows``, as TRL's clone_chat_template resizes its model

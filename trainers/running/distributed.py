@@ -32,6 +32,7 @@ from transformers.trainer_callback import TrainerState
 from hfnative.losses import IGNORE_INDEX
 from hfnative.parallel.groups import ContextParallelGroup
 from hfnative.parallel.teardown import end_process_group
+from hfnative.peft.settings import is_quantization_requested
 
 from ..loop.normalizers import MEAN_UNIT, PER_MICRO_BATCH_UNIT, SUM_UNIT
 
@@ -374,20 +375,20 @@ class DistributedMixin:
         if template is not None and os.path.isdir(template):  # cloning it may resize the token rows, before sharding
             return False
         return (isinstance(model, (str, os.PathLike)) and getattr(self, "peft_config", None) is None
-                and not kwargs.get("load_in_4bit") and kwargs.get("quantization_config") is None)
+                and not is_quantization_requested(kwargs))
 
     def _parallelize(self, model) -> None:
         from hfnative.parallel import parallelize
-        from hfnative.peft.quantize import is_nf4
+        from hfnative.peft.quantize import is_quantized
 
         from .float8_plan import float8_training
 
         run, args = self.distributed, self.args
-        if run.dims.tp_enabled and any(is_nf4(p) for p in model.parameters()):
+        if run.dims.tp_enabled and any(is_quantized(p) for p in model.parameters()):
             raise ValueError(
-                f"QLoRA (load_in_4bit / an NF4 base) cannot be split by tensor parallelism ({run.plan.describe()}): "
-                "its 4-bit weights are kept whole on every rank; use data parallelism (FSDP2 / DDP) for QLoRA, "
-                "or LoRA without quantization with tp_size > 1"
+                f"a quantized base (load_in_4bit's NF4, load_in_8bit's int8) cannot be split by tensor parallelism "
+                f"({run.plan.describe()}): its weights are kept whole on every rank; use data parallelism (FSDP2 / "
+                "DDP) with a quantized base, or LoRA without quantization with tp_size > 1"
             )
         if not any(p.is_meta for p in model.parameters()):
             model.to(self.device)

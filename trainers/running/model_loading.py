@@ -18,6 +18,7 @@ from hfnative.converters.fallback_loading import TransformersModel, load_transfo
 from hfnative.converters.hub import resolve_model_dir
 from hfnative.converters.loading import ConvertedModel, UnsupportedModelError, load_pretrained
 from hfnative.models.decoder import Transformer
+from hfnative.peft.settings import is_quantization_requested, quantization_request
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,7 +59,7 @@ def _check_fallback(config, error: UnsupportedModelError, model_class_name: str 
 # model_init_kwargs keys hfnative reads itself, and those that change nothing here (how transformers would place the
 # model or which code it would run); every other key is a field of the model's config, set as from_pretrained sets it
 LOADING_KEYS = frozenset({"dtype", "torch_dtype", "num_labels", "score_seed", "revision", "cache_dir", "token",
-                          "load_in_4bit", "quantization_config", "attn_implementation"})
+                          "load_in_4bit", "load_in_8bit", "quantization_config", "attn_implementation"})
 NO_EFFECT_KEYS = frozenset({
     "device_map", "trust_remote_code", "low_cpu_mem_usage", "use_safetensors", "use_kernels", "max_memory",
     "offload_folder", "offload_buffers", "offload_state_dict", "tp_plan", "tp_size", "distributed_config",
@@ -139,7 +140,7 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict, dropout_
             f"an hfnative Transformer; got {type(model).__name__}"
         )
     hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
-    quantization = dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config"))
+    quantization = quantization_request(kwargs)
     overrides = config_overrides(kwargs)
     if _is_adapter_folder(model):
         if overrides:
@@ -168,7 +169,7 @@ def _sequence_classifier(model, device, dtype, kwargs: dict, num_labels: int, sc
         return _adapter_sequence_classifier(model, device, dtype, kwargs, num_labels, score_seed)
     if not isinstance(model, (str, os.PathLike, transformers.PreTrainedModel)):
         raise TypeError(f"a sequence classifier is loaded from a path, Hub id or transformers model; got {type(model).__name__}")
-    _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
+    _refuse_quantization(quantization_request(kwargs))
     if isinstance(model, transformers.PreTrainedModel):
         name = model.config._name_or_path
         source, options = model, dict(dtype=dtype or next(model.parameters()).dtype)
@@ -211,7 +212,7 @@ def _adapter_sequence_classifier(model, device, dtype, kwargs: dict, num_labels:
     from hfnative.converters.peft import load_adapter
 
     hub = dict(revision=kwargs.get("revision"), cache_dir=kwargs.get("cache_dir"), token=kwargs.get("token"))
-    _refuse_quantization(dict(load_in_4bit=kwargs.get("load_in_4bit", False), quantization_config=kwargs.get("quantization_config")))
+    _refuse_quantization(quantization_request(kwargs))
     is_object = fallback._is_peft_model(model)
     if is_object:  # its base: a transformers classifier with the adapters injected (loaded without them)
         peft_config, base = model.active_peft_config, model.get_base_model()
@@ -260,10 +261,11 @@ def _config_of(name_or_path, hub: dict):
 
 
 def _refuse_quantization(quantization: dict) -> None:
-    if quantization["load_in_4bit"] or quantization["quantization_config"]:
+    if is_quantization_requested(quantization):
         raise ValueError(
-            "load_in_4bit / quantization_config (QLoRA) is implemented for hfnative's native models only; this model "
-            "trains through transformers' modeling code: drop the quantization"
+            "load_in_4bit / load_in_8bit / quantization_config (a quantized base for LoRA) is implemented for "
+            "hfnative's native models only; this model trains through transformers' modeling code: drop the "
+            "quantization"
         )
 
 

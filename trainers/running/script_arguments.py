@@ -73,7 +73,8 @@ class ModelArguments:
     lora_task_type: str = field(default="CAUSAL_LM", metadata={"help": "PEFT task type."})
     use_rslora: bool = field(default=False, metadata={"help": "Rank-stabilised LoRA: scale by alpha / sqrt(r)."})
     use_dora: bool = field(default=False, metadata={"help": "Weight-decomposed LoRA (DoRA)."})
-    load_in_8bit: bool = field(default=False, metadata={"help": "Not supported by hfnative; use --load_in_4bit."})
+    load_in_8bit: bool = field(default=False, metadata={"help": "Keep the frozen base in 8 bits (int8 rows, as "
+                                                                "bitsandbytes' LLM.int8 stores them) under LoRA."})
     load_in_4bit: bool = field(default=False, metadata={"help": "Keep the frozen base in 4 bits (QLoRA)."})
     bnb_4bit_quant_type: str = field(
         default="nf4", metadata={"help": "4-bit quantization type.", "choices": ["fp4", "nf4"]}
@@ -86,8 +87,6 @@ class ModelArguments:
     def __post_init__(self):
         if self.load_in_8bit and self.load_in_4bit:
             raise ValueError("load_in_8bit and load_in_4bit cannot both be set")
-        if self.load_in_8bit:
-            raise ValueError("load_in_8bit is not supported by hfnative; use load_in_4bit (an NF4 base for QLoRA)")
         if self.load_in_4bit and self.bnb_4bit_quant_type != "nf4":
             raise ValueError(f"bnb_4bit_quant_type={self.bnb_4bit_quant_type!r}: hfnative's 4-bit base is NF4; use 'nf4'")
         # as TRL: one module name (e.g. "all-linear") is passed on as a string
@@ -129,6 +128,8 @@ def model_init_kwargs_from(model_args: ModelArguments, training_args) -> dict:
     kwargs = {"revision": model_args.model_revision, "dtype": model_args.dtype}
     if model_args.load_in_4bit:
         kwargs["load_in_4bit"] = True
+    if model_args.load_in_8bit:
+        kwargs["load_in_8bit"] = True
     own = training_args.model_init_kwargs
     if isinstance(own, dict):
         kwargs.update(own)
