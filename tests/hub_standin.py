@@ -1,5 +1,5 @@
 """A loopback stand-in for the Hub's upload API, enough for huggingface_hub's create_repo,
-create_branch and upload_folder (HTTP uploads, no Xet/LFS).
+create_branch, upload_folder and create_commit (HTTP uploads, no Xet/LFS), for model and dataset repositories.
 
 Every request is recorded (method, path, headers, body); each repository keeps the files its
 commits wrote, decoded, per revision, so a test can assert exactly what a push left there.
@@ -46,6 +46,7 @@ class Commit:
 @dataclass
 class Repo:
     private: bool | None
+    kind: str = "model"  # create_repo's type: model or dataset
     revisions: dict[str, dict[str, bytes]] = field(default_factory=lambda: {"main": {}})
 
 
@@ -54,9 +55,9 @@ _ROUTES = [
     ("GET", re.compile(r"^/api/agent-harnesses$"), "agent_harnesses"),
     ("POST", re.compile(r"^/api/repos/create$"), "create_repo"),
     ("POST", re.compile(r"^/api/validate-yaml$"), "validate_yaml"),
-    ("POST", re.compile(rf"^/api/models/{_REPO}/preupload/(?P<revision>.+)$"), "preupload"),
-    ("POST", re.compile(rf"^/api/models/{_REPO}/commit/(?P<revision>.+)$"), "commit"),
-    ("POST", re.compile(rf"^/api/models/{_REPO}/branch/(?P<branch>.+)$"), "create_branch"),
+    ("POST", re.compile(rf"^/api/(?:models|datasets)/{_REPO}/preupload/(?P<revision>.+)$"), "preupload"),
+    ("POST", re.compile(rf"^/api/(?:models|datasets)/{_REPO}/commit/(?P<revision>.+)$"), "commit"),
+    ("POST", re.compile(rf"^/api/(?:models|datasets)/{_REPO}/branch/(?P<branch>.+)$"), "create_branch"),
 ]
 
 
@@ -102,7 +103,8 @@ class HubStandIn:
         url = f"{self.url}/{repo_id}"
         if repo_id in self.repos:
             return 409, {"error": "You already created this model repo", "url": url}
-        self.repos[repo_id] = Repo(private=body.get("visibility") == "private" if "visibility" in body else body.get("private"))
+        self.repos[repo_id] = Repo(private=body.get("visibility") == "private" if "visibility" in body else body.get("private"),
+                                   kind=body.get("type") or "model")
         return 200, {"url": url, "name": repo_id}
 
     def validate_yaml(self, body: dict) -> tuple[int, dict]:

@@ -218,6 +218,30 @@ def test_distillation_with_fixed_completions_matches_trl_per_step(monkeypatch, t
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (b["step"], key)
 
 
+def test_log_completions_writes_trls_tables(monkeypatch, tmp_path):
+    """log_completions=True: each log's latest prompts and completions (as text, without special tokens) written to
+    output_dir/completions/completions_{step:05d}.parquet, equal to TRL's on the same completions."""
+    import pandas as pd
+
+    fixed = _fixed_completions()
+    monkeypatch.setattr(trl.DistillationTrainer, "_generate_single_turn",
+                        lambda self, prompt_ids, *args, **kwargs: [fixed[tuple(p)] for p in prompt_ids])
+    monkeypatch.setattr(kd._DistillationObjective, "generate", lambda self, model, prompts, sampling: [fixed[tuple(p)] for p in prompts])
+    rows = _rows("sft_prompt_completion.jsonl", 12)
+    extra = dict(max_steps=2, per_device_train_batch_size=3, gradient_accumulation_steps=2, log_completions=True,
+                 num_completions_to_print=2)
+    for module in (trl, hfnative):
+        _distill(module, tmp_path, rows, **extra).train()
+    folders = {name: tmp_path / name / "completions" for name in ("trl", "hfnative")}
+    names = sorted(p.name for p in folders["trl"].iterdir())
+    assert names == sorted(p.name for p in folders["hfnative"].iterdir()) == ["completions_00001.parquet",
+                                                                               "completions_00002.parquet"]
+    for name in names:
+        mine, theirs = (pd.read_parquet(folders[run] / name) for run in ("hfnative", "trl"))
+        assert list(theirs.columns) == ["step", "prompt", "completion"] and len(theirs) == 6
+        pd.testing.assert_frame_equal(mine, theirs)
+
+
 # --- on-policy runs -------------------------------------------------------------------------------------
 
 

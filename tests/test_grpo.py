@@ -389,6 +389,61 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     assert_two_steps_equal(ours, theirs)
 
 
+def test_log_completions_writes_trls_tables(tmp_path, monkeypatch):
+    """log_completions=True: at each log the completions table (step, prompt, completion, each reward, advantage) is
+    written to output_dir/completions/completions_{step:05d}.parquet, file for file and value for value TRL's on the
+    same rollouts."""
+    import pandas as pd
+
+    _run_trl(tmp_path, monkeypatch, log_completions=True)
+    _run_ours(tmp_path, log_completions=True)
+    files = {name: sorted(p.name for p in (tmp_path / name / "completions").iterdir()) for name in ("trl", "ours")}
+    assert files["ours"] == files["trl"] == ["completions_00001.parquet", "completions_00002.parquet"]
+    for name in files["trl"]:
+        mine, theirs = (pd.read_parquet(tmp_path / run / "completions" / name) for run in ("ours", "trl"))
+        assert list(mine.columns) == list(theirs.columns) == ["step", "prompt", "completion", "even_fraction",
+                                                               "near_target_length", "advantage"]
+        assert len(mine) == len(theirs) == 16  # the generation batch
+        pd.testing.assert_frame_equal(mine, theirs, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def test_completions_table_reaches_wandb_and_trackio(tmp_path, monkeypatch):
+    """With report_to naming W&B (a run started) or trackio, the table is logged to each as ``completions``, one row
+    per prompt under log_unique_prompts, as TRL logs it."""
+    import sys
+    import types
+
+    from hfnative.trainers.rollout.completion_log import publish_completions
+
+    received = {}
+
+    def backend(name, run=True):
+        module = types.ModuleType(name)
+        module.run = object() if run else None
+        module.Table = lambda dataframe: dataframe
+        module.log = lambda data: received.setdefault(name, []).append(data["completions"])
+        return module
+
+    monkeypatch.setitem(sys.modules, "wandb", backend("wandb"))
+    monkeypatch.setitem(sys.modules, "trackio", backend("trackio"))
+    logged = {"prompt": ["a", "a", "b"], "completion": ["x", "y", "z"], "rewards": {"f": [1.0, 0.0, 0.5]},
+              "extra": {"note": ["n"]}, "advantages": [0.5, -0.5, 0.0]}
+    args = types.SimpleNamespace(report_to=["wandb", "trackio"], output_dir=str(tmp_path), num_completions_to_print=1,
+                                 log_unique_prompts=True)
+    publish_completions(logged, 3, args)
+    for name in ("wandb", "trackio"):
+        (table,) = received[name]
+        assert table.drop(columns="note").to_dict("list") == {"step": [3, 3], "prompt": ["a", "b"], "completion": ["x", "z"],
+                                                              "f": [1.0, 0.5], "advantage": [0.5, 0.0]}
+        assert table["note"].isna().tolist() == [True, False] and table["note"].iloc[1] == "n"  # logged from row 3 on
+    assert len(__import__("pandas").read_parquet(tmp_path / "completions" / "completions_00003.parquet")) == 3
+    monkeypatch.setitem(sys.modules, "wandb", backend("wandb", run=False))  # report_to wandb, no run: nothing logged
+    received.clear()
+    args.report_to = ["wandb"]
+    publish_completions(logged, 4, args, write_file=False)
+    assert not received and not (tmp_path / "completions" / "completions_00004.parquet").exists()
+
+
 @pytest.mark.parametrize("extra", [dict(loss_type="dapo", steps_per_generation=4), dict(loss_type="grpo", shuffle_dataset=False)],
                          ids=["shuffled-one-generation-two-steps", "in-order"])
 def test_streaming_dataset_equals_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):

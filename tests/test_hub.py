@@ -183,3 +183,29 @@ def test_model_push_to_hub_uploads_a_loadable_folder(hub, tmp_path):
 
     weights = load_safetensors(files["model.safetensors"])
     assert torch.equal(weights["model.embed_tokens.weight"], trainer.model.get_input_embeddings().weight.detach())
+
+
+def test_grpo_pushes_its_completions_tables_to_a_dataset_repository(hub, tmp_path):
+    """log_completions_hub_repo (with log_completions): a dataset repository made (private as hub_private_repo asks)
+    with a card, and every log's completions table uploaded by the time train() returns, byte for byte the local
+    file; the token goes as the Authorization header."""
+    from hfnative import GRPOConfig, GRPOTrainer
+
+    out = tmp_path / "grpo"
+    args = GRPOConfig(output_dir=str(out), use_cpu=True, bf16=False, report_to="none", disable_tqdm=True, max_steps=2,
+                      logging_steps=1, save_strategy="no", per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, log_completions=True, log_completions_hub_repo="org/completions",
+                      hub_private_repo=True, hub_token=TOKEN)
+    trainer = GRPOTrainer(model=str(TINY), reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                          args=args, train_dataset=Dataset.from_list([{"prompt": f"Say {i}"} for i in range(4)]))
+    trainer.train()
+    repo = hub.repos["org/completions"]
+    assert (repo.kind, repo.private) == ("dataset", True)
+    files = hub.files("org/completions")
+    tables = sorted(name for name in files if name.endswith(".parquet"))
+    assert tables == ["completions_00001.parquet", "completions_00002.parquet"]
+    assert all(files[name] == (out / "completions" / name).read_bytes() for name in tables)
+    assert "tags:" in files["README.md"].decode() and "# Completion logs" in files["README.md"].decode()
+    assert not hub.unserved()
+    posts = [(r.path, r.headers.get("authorization")) for r in hub.requests if r.method == "POST"]
+    assert all(auth == f"Bearer {TOKEN}" for _, auth in posts), posts

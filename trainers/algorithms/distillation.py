@@ -14,6 +14,7 @@ on the student's live weights (LoRA included), seeded, so a run is reproducible.
 from __future__ import annotations
 
 import inspect
+import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,7 @@ from .sft import mirror_pad_token
 from ..rollout.prompts import sampling_params, stop_token_ids, tokenize_prompts
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_batch, completion_length_metrics
+from ..rollout.completion_log import TextCompletionLog, publish_completions
 from ..rollout.tool_calling import tool_calling_for
 from ..loop.trainer import Trainer
 
@@ -218,6 +220,14 @@ class OnPolicyDistillationObjective(_DistillationObjective):
                                tool_calling=self.tool_calling)
         self._tokens_seen = torch.zeros((), dtype=torch.float64, device=context.device)
         self._pending: dict[str, torch.Tensor] = {}
+        # log_completions (TRL's): the last generation batch's prompts and completions as text, every rank's
+        self.completion_log = None
+        if args.log_completions:
+            processes = context.world_size
+            self.completion_log = TextCompletionLog(
+                args.per_device_train_batch_size * processes * args.gradient_accumulation_steps)
+            if context.rank == 0:
+                os.makedirs(os.path.join(args.output_dir, "completions"), exist_ok=True)  # made with the trainer
 
     # the collated batches are prompts; the completion batches built from them are split under context parallel
     split_collated_batches = False
@@ -276,7 +286,16 @@ class OnPolicyDistillationObjective(_DistillationObjective):
             done = self.complete(self.context.model, prompts)
             completions, tool_masks = done.completion_ids, done.tool_mask
         self._pending = completion_length_metrics(*self.rollout.lengths(completions, tool_masks))
+        if self.completion_log is not None:  # TRL's text: each prompt and completion decoded without special tokens
+            decode = self.rollout.tokenizer.batch_decode
+            self.completion_log.add(decode(prompts, skip_special_tokens=True),
+                                    decode(completions, skip_special_tokens=True), self.context.data_parallel)
         return completions, tool_masks
+
+    def on_log(self, logs: dict, mode: str) -> None:
+        state = self.context.state
+        if self.completion_log is not None and state.is_world_process_zero and "train_runtime" not in logs:
+            publish_completions(self.completion_log.logged, state.global_step, self.args)
 
     def metrics(self, inputs, out) -> dict:
         # the completion lengths once per generation; entropy as a ratio of sums over the data-parallel ranks

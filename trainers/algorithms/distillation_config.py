@@ -105,9 +105,11 @@ class DistillationConfig(TRLBaseConfig):
     )
     max_tool_calling_iterations: int | None = field(default=None, metadata={"help": "Tool-calling turns per rollout (None: until no tool is called); needs tools."})
     tool_call_timeout: float | None = field(default=None, metadata={"help": "hfnative: seconds one tool call may take before it gets an error result (None: no limit, as TRL)."})
-    log_completions: bool = field(default=False, metadata={"help": "Print a sample of prompts and completions when logging."})
+    log_completions: bool = field(default=False, metadata={"help": "At each log, print the latest prompts and completions, "
+                                                                   "write them to output_dir/completions/ (parquet) and log "
+                                                                   "them to W&B / trackio as a table."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many completions to print."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Accepted for TRL compatibility."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Print and log each prompt once."})
 
     _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
         "teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs",

@@ -40,7 +40,7 @@ from hfnative.losses.policy import (
     weighted_rewards,
 )
 from ..loop.arguments import LIGER_DEPRECATION
-from ..rollout.completion_log import CompletionLog
+from ..rollout.completion_log import CompletionLog, CompletionsUpload, publish_completions
 from ..running.construction import config_dict, is_model_name
 from .entropy_control import EntropyBonus
 from .grpo_config import GRPOConfig, check_run_settings
@@ -109,6 +109,7 @@ class GRPOObjective(GenerationBatches, Objective):
     # buffer outlives an optimizer step, as TRL), "rollout" (the engine's sampling log-probs) or "forward"
     old_logprobs_source = "rollout"
     split_collated_batches = False  # prompts are collated; the rollouts' model inputs are split in _split
+    writes_completion_files = True  # log_completions: output_dir/completions/completions_{step:05d}.parquet, as TRL
 
     def __init__(self, context, reward_funcs, reward_processing_classes=None, reference=None, rollout_func=None,
                  tools=None, environment_factory=None):
@@ -151,6 +152,17 @@ class GRPOObjective(GenerationBatches, Objective):
         self._buffer: list[dict] | None = None
         self._step_started = None
         self.completion_log = CompletionLog(self.rewards.names, args.generation_batch_size)
+        self.completions_upload = None
+        if getattr(args, "log_completions_hub_repo", None) and not args.log_completions and context.rank == 0:
+            logger.warning("log_completions_hub_repo=%r pushes the completions tables that log_completions=True "
+                           "writes; with log_completions=False nothing is pushed", args.log_completions_hub_repo)
+        if args.log_completions and self.writes_completion_files and context.rank == 0:
+            folder = os.path.join(args.output_dir, "completions")
+            os.makedirs(folder, exist_ok=True)  # made with the trainer, as TRL
+            if getattr(args, "log_completions_hub_repo", None):
+                self.completions_upload = CompletionsUpload(
+                    args.log_completions_hub_repo, folder, args.hub_private_repo, args.hub_token,
+                    args.hub_model_id or os.path.basename(os.path.normpath(args.output_dir)))
 
     def auxiliary_models_ready(self) -> None:
         if self.reference is not None:
@@ -225,10 +237,16 @@ class GRPOObjective(GenerationBatches, Objective):
         if self._step_started is not None:
             self.context.metrics().add("step_time", torch.tensor(time.perf_counter() - self._step_started))
 
+    def end_training(self) -> None:
+        super().end_training()
+        if self.completions_upload is not None:
+            self.completions_upload.finish()
+            self.completions_upload = None
+
     def on_log(self, logs: dict, mode: str) -> None:
         args, state = self.args, self.context.state
         if args.log_completions and state.is_world_process_zero and "train_runtime" not in logs:
-            self.completion_log.print(state.global_step, args.num_completions_to_print, args.log_unique_prompts)
+            publish_completions(self.completion_log.logged, state.global_step, args, self.writes_completion_files)
 
     # --- generation and scoring ------------------------------------------------------------------------------------
     @torch.no_grad()

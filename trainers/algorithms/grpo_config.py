@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 
 from ..loop.arguments import TRLBaseConfig
 
-# TRL 1.16 fields that select features hfnative does not run (continuous batching, the Hub completion log):
-# accepted at their defaults, refused otherwise
-_UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged",
-                               "log_completions_hub_repo")
+# TRL 1.16 fields that select features hfnative does not run (transformers' continuous batching): accepted at their
+# defaults, refused otherwise
+_UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged")
 
 
 @dataclass(repr=False)
@@ -123,7 +122,10 @@ class GRPOConfig(OnlineRLConfig):
     vllm_importance_sampling_clip_min: float | None = field(default=None, metadata={"help": "vLLM importance floor."})
     off_policy_mask_threshold: float | None = field(default=None, metadata={"help": "Drop negative-advantage sequences whose mean KL(sampler || policy) exceeds this."})
     use_bias_correction_kl: bool = field(default=True, metadata={"help": "Weight the KL by the importance ratio."})
-    log_completions_hub_repo: str | None = field(default=None, metadata={"help": "Hub dataset for completions (not available)."})
+    log_completions_hub_repo: str | None = field(default=None, metadata={
+        "help": "With log_completions: a Hub dataset repository ('user/name', or 'name' in your namespace) the "
+                "completions tables are pushed to every 2 minutes and when training ends (private with "
+                "hub_private_repo)."})
     vllm_importance_sampling_cap: float | None = field(default=None, metadata={"help": "Deprecated: vllm_importance_sampling_clip_max."})
 
     def __post_init__(self):

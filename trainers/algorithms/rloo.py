@@ -20,6 +20,8 @@ from .rloo_config import RLOOConfig
 class RLOOObjective(GRPOObjective):
     """Leave-one-out advantages with the KL in the reward; the sequence-level clipped loss."""
 
+    writes_completion_files = False  # TRL's RLOO logs its completions table to W&B / trackio only
+
     # TRL computes the old log-probs at every generation (the KL penalty needs them); by default they are the
     # engine's sampling log-probs of the same weights, with no forward pass
     def _needs_old_logprobs(self) -> bool:

@@ -1,9 +1,12 @@
-"""TRL's completions table for the online RL trainers (``log_completions``): the latest prompts, completions, rewards
-and advantages of every data-parallel rank, the reward functions' own columns (``log_extra``) and metrics
-(``log_metric``), and the table printed at each log."""
+"""TRL's completions table for the online RL trainers and on-policy distillation (``log_completions``): the latest
+prompts, completions, rewards and advantages of every data-parallel rank, the reward functions' own columns
+(``log_extra``) and metrics (``log_metric``); at each log the table printed, written to
+``output_dir/completions/completions_{step:05d}.parquet`` and logged as ``completions`` to W&B and trackio, as TRL
+does (``publish_completions``)."""
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 
@@ -53,10 +56,102 @@ class CompletionLog:
         print_completions(self.logged, step, limit, unique_prompts)
 
 
+class TextCompletionLog:
+    """On-policy distillation's log (TRL's DistillationTrainer): the last ``maxlen`` prompts and completions as text,
+    every data-parallel rank's in rank order, training's and evaluation's generations alike."""
+
+    def __init__(self, maxlen: int):
+        self.logged = {"prompt": deque(maxlen=maxlen), "completion": deque(maxlen=maxlen)}
+
+    def add(self, prompts: list[str], completions: list[str], data_parallel) -> None:
+        for part in data_parallel.gather_objects((prompts, completions)):
+            self.logged["prompt"].extend(part[0])
+            self.logged["completion"].extend(part[1])
+
+    def print(self, step: int, limit: int | None, unique_prompts: bool = False) -> None:
+        print_completions(self.logged, step, limit, unique_prompts)
+
+
+class CompletionsUpload:
+    """``log_completions_hub_repo`` (GRPO): the completions tables (``output_dir/completions/*.parquet``) pushed to a
+    Hub dataset repository, as TRL pushes them: the repository made (private with ``hub_private_repo``) with a
+    dataset card, then huggingface_hub's ``CommitScheduler`` uploading new tables every 2 minutes in the background,
+    and once more when training ends (``finish``), so the last tables are there when ``train()`` returns."""
+
+    EVERY_MINUTES = 2
+
+    def __init__(self, repo_id: str, folder: str, private: bool | None, token: str | None, model_name: str):
+        from huggingface_hub import CommitScheduler, DatasetCard, DatasetCardData, HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id, private=private, repo_type="dataset", exist_ok=True).repo_id
+        data = DatasetCardData(pretty_name="Completion logs", tags=["hfnative", "completions"])
+        card = DatasetCard(f"---\n{data.to_yaml()}\n---\n\n# Completion logs\n\nThe prompts, completions, rewards and "
+                           f"advantages that GRPO training of `{model_name}` logged: one parquet table per log "
+                           "(`completions_{step:05d}.parquet`: step, prompt, completion, each reward function's reward, "
+                           "the reward functions' own columns, advantage).\n")
+        api.upload_file(path_or_fileobj=str(card).encode(), path_in_repo="README.md", repo_id=repo_id,
+                        repo_type="dataset", commit_message="Dataset card")
+        self.scheduler = CommitScheduler(repo_id=repo_id, repo_type="dataset", folder_path=folder,
+                                         every=self.EVERY_MINUTES, allow_patterns=["*.parquet"], private=private,
+                                         hf_api=api)
+
+    def finish(self) -> None:
+        """The tables written since the last upload pushed now; the background uploads stopped."""
+        self.scheduler.trigger().result()
+        self.scheduler.stop()
+
+
+def completions_table(logged: dict, step: int) -> dict[str, list]:
+    """TRL's columns: step, prompt, completion, then (where logged) each reward function's reward, the reward
+    functions' own columns (None where a row has no value) and the advantage."""
+    count = len(logged["prompt"])
+    table = {"step": [step] * count, "prompt": list(logged["prompt"]), "completion": list(logged["completion"])}
+    for name, values in logged.get("rewards", {}).items():
+        table[name] = list(values)
+    for column, values in logged.get("extra", {}).items():  # a column first logged later lacks the older rows
+        table[column] = [None] * (count - len(values)) + list(values)
+    if "advantages" in logged:
+        table["advantage"] = list(logged["advantages"])
+    return table
+
+
+def publish_completions(logged: dict, step: int, args, write_file: bool = True) -> None:
+    """At a log, on the main process: the table printed (``num_completions_to_print`` rows, unique prompts as
+    ``log_unique_prompts`` asks), written to ``output_dir/completions/completions_{step:05d}.parquet``
+    (``write_file``: TRL's GRPO and distillation write it, its RLOO does not), and logged as ``completions`` to W&B
+    (with ``report_to`` naming it and a run started) and trackio (with ``report_to`` naming it)."""
+    import pandas as pd
+
+    unique = bool(getattr(args, "log_unique_prompts", False))
+    print_completions(logged, step, args.num_completions_to_print, unique)
+    frame = pd.DataFrame(completions_table(logged, step))
+    if write_file:
+        folder = os.path.join(args.output_dir, "completions")
+        os.makedirs(folder, exist_ok=True)
+        frame.to_parquet(os.path.join(folder, f"completions_{step:05d}.parquet"))
+    backends = []
+    if args.report_to and "wandb" in args.report_to:
+        import wandb
+
+        if wandb.run is not None:
+            backends.append(wandb)
+    if args.report_to and "trackio" in args.report_to:
+        import trackio
+
+        backends.append(trackio)
+    if unique:  # prompts may be conversations (lists of messages): compared by their text
+        frame = frame[~frame["prompt"].astype(str).duplicated()]
+    for backend in backends:
+        backend.log({"completions": backend.Table(dataframe=frame)})
+
+
 def print_completions(logged: dict, step: int, limit: int | None, unique_prompts: bool = False) -> None:
-    """The latest prompts, completions, rewards and advantages as a table (rich's when installed)."""
-    names = list(logged["rewards"])
-    extra = list(logged["extra"])
+    """The latest prompts, completions and (where logged) rewards and advantages as a table (rich's when
+    installed)."""
+    names = list(logged.get("rewards", {}))
+    extra = list(logged.get("extra", {}))
+    advantages = logged.get("advantages")
     rows = []
     seen = set()
     for index, (prompt, completion) in enumerate(zip(logged["prompt"], logged["completion"])):
@@ -66,11 +161,12 @@ def print_completions(logged: dict, step: int, limit: int | None, unique_prompts
         prompt_text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
         completion_text = completion if isinstance(completion, str) else completion[-1]["content"]
         values = [f"{logged['rewards'][n][index]:.2f}" for n in names]
-        extras = [str(logged["extra"][c][index]) if index < len(logged["extra"][c]) else "" for c in extra]
-        rows.append([prompt_text, completion_text, *values, *extras, f"{logged['advantages'][index]:.2f}"])
+        extras = [_entry(logged["extra"][c], index, len(logged["prompt"])) for c in extra]
+        advantage = [] if advantages is None else [f"{advantages[index]:.2f}"]
+        rows.append([prompt_text, completion_text, *values, *extras, *advantage])
     if limit is not None:
         rows = rows[:limit]
-    header = ["Prompt", "Completion", *names, *extra, "Advantage"]
+    header = ["Prompt", "Completion", *names, *extra, *([] if advantages is None else ["Advantage"])]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -84,3 +180,9 @@ def print_completions(logged: dict, step: int, limit: int | None, unique_prompts
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def _entry(values, index: int, count: int) -> str:
+    """Row ``index`` of a reward function's own column, which lacks the rows logged before it first appeared."""
+    offset = count - len(values)
+    return str(values[index - offset]) if index >= offset else ""
