@@ -12,11 +12,6 @@ from dataclasses import dataclass, field
 
 from ..loop.arguments import TRLBaseConfig
 
-# TRL 1.16 fields that select features hfnative does not run (transformers' continuous batching): accepted at their
-# defaults, refused otherwise
-_UNSUPPORTED_UNLESS_DEFAULT = ("use_transformers_continuous_batching", "use_transformers_paged")
-
-
 @dataclass(repr=False)
 class OnlineRLConfig(TRLBaseConfig):
     """The fields TRL 1.16's GRPOConfig and RLOOConfig share, with their defaults (learning_rate 1e-6,
@@ -75,9 +70,12 @@ class OnlineRLConfig(TRLBaseConfig):
     log_multimodal: bool = field(default=True, metadata={"help": "Log images (multimodal)."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "Completions printed (None: all)."})
     log_unique_prompts: bool = field(default=False, metadata={"help": "Print each prompt once."})
-    use_transformers_continuous_batching: bool = field(default=False, metadata={"help": "transformers' continuous batching."})
-    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={"help": "Continuous batching config."})
-    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of continuous batching."})
+    use_transformers_continuous_batching: bool = field(default=False, metadata={
+        "help": "Accepted: transformers' continuous-batching engine for use_vllm=False; the native engine generates "
+                "then, dropping finished rows from its batch."})
+    transformers_continuous_batching_config: dict | str | None = field(default=None, metadata={
+        "help": "Accepted: transformers' continuous-batching settings (see use_transformers_continuous_batching)."})
+    use_transformers_paged: bool = field(default=False, metadata={"help": "Deprecated alias of use_transformers_continuous_batching."})
 
     _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
         "generation_kwargs", "chat_template_kwargs", "transformers_continuous_batching_config",
@@ -85,6 +83,10 @@ class OnlineRLConfig(TRLBaseConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.use_transformers_paged:  # TRL's deprecated alias
+            warnings.warn("`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
+                          "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=3)
+            self.use_transformers_continuous_batching = True
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.lower()
             self.pad_to_multiple_of = None if text in ("auto", "none", "null") else int(text)
@@ -185,8 +187,4 @@ def check_run_settings(args, layout) -> None:
     loss_type = getattr(args, "loss_type", None)
     if loss_type is not None and loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type={loss_type!r}: expected one of {LOSS_TYPES}")
-    for name in _UNSUPPORTED_UNLESS_DEFAULT:
-        if getattr(args, name, None) not in (None, False, 0.0):
-            raise ValueError(f"{name}={getattr(args, name)!r} is not available in hfnative's trainer: leave it at "
-                             "its default (generation runs on the native engine)")
 
