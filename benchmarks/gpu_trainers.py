@@ -5,8 +5,8 @@
     python benchmarks/gpu_trainers.py --device cpu --precision bf16   # the GPU's autocast path, rehearsed on the CPU
     python benchmarks/gpu_trainers.py --only SFT,GRPO
 
-Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO, and SFT with a LoRA config that also trains
-two token rows: ``SFT-lora-tokens``) is built from its config exactly as a user's script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
+Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO, SFT with a LoRA config that also trains
+two token rows: ``SFT-lora-tokens``, and LoRA on an 8-bit base: ``SFT-lora-int8``) is built from its config exactly as a user's script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
 model. One line per trainer: PASS when every logged loss is finite, the model's parameters moved and sit on the
 device, the saved folder loads with transformers, and the perf/ metrics the README lists for that device were
 logged (on CUDA: cuda_max_allocated_gib, and mfu_wall_clock where the GPU is in hfnative.metrics.PEAK_FLOPS);
@@ -68,6 +68,10 @@ SETUPS = {
                         dict(max_length=128, per_device_train_batch_size=8),
                         dict(peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear",
                                               trainable_token_indices=[1, 2]))),
+    # load_in_8bit: LoRA over int8 rows (hfnative.peft.Int8Weight), the custom op hfnative::int8_linear on the device
+    "SFT-lora-int8": ("SFTConfig", "SFTTrainer", "sft_messages.jsonl", 64,
+                      dict(max_length=128, per_device_train_batch_size=8, model_init_kwargs={"load_in_8bit": True}),
+                      dict(peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear"))),
 }
 
 

@@ -6,6 +6,8 @@ usage: torchrun ... _distributed_resume_worker.py OUTPUT_DIR LAYOUT MODE
           resume  resume_from_checkpoint=True; rank 0 writes OUTPUT_DIR/resumed-LAYOUT.json (the log history)
           oib     train with optimizer_in_backward, saving every 2 steps; rank 0 writes OUTPUT_DIR/oib-LAYOUT.json
           sf      the same with the schedule-free AdamW (its optimizer-in-backward form); OUTPUT_DIR/sf-LAYOUT.json
+          int8    LoRA on an 8-bit base (load_in_8bit), saving every 2 steps; OUTPUT_DIR/int8-LAYOUT.json
+          int8-resume  the same resumed from OUTPUT_DIR/checkpoint-4; OUTPUT_DIR/int8-resume-LAYOUT.json
 """
 
 import json
@@ -38,15 +40,21 @@ def run_config(output_dir: str, per_device: int, **extra):
 OPTIMIZER_IN_BACKWARD = dict(optimizer_in_backward=True, max_grad_norm=0.0)
 SCHEDULE_FREE = dict(OPTIMIZER_IN_BACKWARD, optim="schedule_free_adamw", lr_scheduler_type="constant")
 MODES = {"oib": OPTIMIZER_IN_BACKWARD, "sf": SCHEDULE_FREE}
+QUANTIZED = dict(model_init_kwargs=dict(load_in_8bit=True))
+QUANTIZED_MODES = {"int8": QUANTIZED, "int8-resume": QUANTIZED}
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
 
 
 def main(output_dir: str, layout: str, mode: str) -> None:
-    extra = MODES.get(mode, {})
+    extra = {**MODES, **QUANTIZED_MODES}.get(mode, {})
     args = run_config(output_dir, PER_DEVICE, parallelism_config=ParallelismConfig(**LAYOUTS[layout]), **extra)
     callbacks = [KillRankOneInStepFive()] if mode == "kill" else []
-    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()), callbacks=callbacks)
-    trainer.train(resume_from_checkpoint=mode == "resume")
-    if mode in ("resume", *MODES) and int(os.environ["RANK"]) == 0:
+    adapters = dict(peft_config=LORA) if mode in QUANTIZED_MODES else {}
+    trainer = SFTTrainer(model=MODEL, args=args, train_dataset=Dataset.from_list(rows()), callbacks=callbacks,
+                         **adapters)
+    resume = str(Path(output_dir, "checkpoint-4")) if mode == "int8-resume" else mode == "resume"
+    trainer.train(resume_from_checkpoint=resume)
+    if mode in ("resume", *MODES, *QUANTIZED_MODES) and int(os.environ["RANK"]) == 0:
         name = "resumed" if mode == "resume" else mode
         Path(output_dir, f"{name}-{layout}.json").write_text(json.dumps(trainer.state.log_history))
 

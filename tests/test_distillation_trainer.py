@@ -242,6 +242,33 @@ def test_log_completions_writes_trls_tables(monkeypatch, tmp_path):
         pd.testing.assert_frame_equal(mine, theirs)
 
 
+def test_an_8bit_teacher_matches_trls_bitsandbytes_teacher(monkeypatch, tmp_path):
+    """teacher_model_init_kwargs with BitsAndBytesConfig(load_in_8bit=True): the teacher's linears stored as
+    bitsandbytes' int8 rows (hfnative.peft.Int8Weight), and the losses TRL's with bitsandbytes' 8-bit teacher on the
+    same completions (to bitsandbytes' int8 activations)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import BitsAndBytesConfig
+
+    from hfnative.peft import Int8Weight
+
+    fixed = _fixed_completions()
+    monkeypatch.setattr(trl.DistillationTrainer, "_generate_single_turn",
+                        lambda self, prompt_ids, *args, **kwargs: [fixed[tuple(p)] for p in prompt_ids])
+    monkeypatch.setattr(kd._DistillationObjective, "generate", lambda self, model, prompts, sampling: [fixed[tuple(p)] for p in prompts])
+    rows = _rows("sft_prompt_completion.jsonl", 6)
+    extra = dict(max_steps=2, per_device_train_batch_size=3, beta=0.5,
+                 teacher_model_init_kwargs={"quantization_config": BitsAndBytesConfig(load_in_8bit=True),
+                                            "dtype": "float32"})
+    theirs = _distill(trl, tmp_path, rows, **extra)
+    theirs.train()
+    ours = _distill(hfnative, tmp_path, rows, **extra)
+    teacher = ours.objective.auxiliary_models["teacher"]
+    assert sum(isinstance(p, Int8Weight) for p in teacher.parameters()) == 7 * len(teacher.layers)  # every projection
+    ours.train()
+    for a, b in zip(_losses(ours), _losses(theirs), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), b["step"]
+
+
 # --- on-policy runs -------------------------------------------------------------------------------------
 
 

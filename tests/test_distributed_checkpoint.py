@@ -231,6 +231,39 @@ def test_tied_weight_is_saved_once(tmp_path):
         assert torch.equal(other_optimizer.state[other.embedding.weight][field], value), field
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_base_is_left_out_of_the_training_state(tmp_path, bits):
+    """A frozen quantized base weight (int8 rows, NF4) is not written (it never changes; a resumed run loads it with
+    the model), and loading the state into a model with the same base restores the rest and leaves the base as is."""
+    from hfnative.peft.quantize import QuantizedLinear, dequantize, quantized_parameter
+    from hfnative.peft.settings import Int8Settings, NF4Settings
+
+    if bits == 4:
+        pytest.importorskip("torchao")
+    settings = Int8Settings() if bits == 8 else NF4Settings()
+
+    def trained(seed: int):
+        torch.manual_seed(0)
+        base = nn.Linear(64, 64)
+        model = nn.Sequential(QuantizedLinear(base, quantized_parameter(settings, base.weight)), nn.Linear(64, 3))
+        torch.manual_seed(seed)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        model(torch.randn(5, 64)).square().mean().backward()
+        optimizer.step()
+        return model, optimizer
+
+    model, optimizer = trained(0)
+    save_training_state(tmp_path / "state", model, optimizer)
+    (shard,) = (tmp_path / "state").glob("*.safetensors")
+    with safe_open(str(shard), "pt") as saved:
+        assert "model.0.weight" not in saved.keys() and "model.1.weight" in saved.keys()
+    other, other_optimizer = trained(1)
+    load_training_state(tmp_path / "state", other, other_optimizer)
+    assert torch.equal(other[1].weight, model[1].weight) and torch.equal(other[0].bias, model[0].bias)
+    assert torch.equal(dequantize(other[0].weight), dequantize(model[0].weight))
+    assert type(other[0].weight) is type(model[0].weight)
+
+
 def test_mismatches_and_unsaveable_values_are_named(tmp_path):
     model, optimizer = trained_tied(0)
     with pytest.raises(TrainingStateError, match=r"extra\['sampler'\] is a object"):

@@ -246,6 +246,26 @@ def test_optimizer_in_backward_checkpoints_resume_on_one_process(tmp_path, mode)
             assert entry[key] == pytest.approx(logged[step][key], rel=1e-5), (step, key)
 
 
+def test_checkpoints_with_an_8bit_base_resume_under_fsdp2(tmp_path):
+    """LoRA on a quantized base under FSDP2 (the base kept whole on every rank) saves distributed checkpoints without
+    the frozen base (loaded again with the model), and checkpoint-4 resumed on 2 processes trains steps 5 and 6 as
+    the uninterrupted run did."""
+    import _distributed_resume_worker as resume
+
+    out = tmp_path / "int8"
+    _torchrun(2, out, "fsdp2", "int8")
+    logged = {e["step"]: e for e in json.loads((out / "int8-fsdp2.json").read_text()) if "loss" in e}
+    state = out / "checkpoint-4" / "training_state"
+    assert state.is_dir() and (out / "checkpoint-4" / "adapter_model.safetensors").is_file()
+    _torchrun(2, out, "fsdp2", "int8-resume")
+    resumed = json.loads((out / "int8-resume-fsdp2.json").read_text())
+    steps = {e["step"]: e for e in resumed if "loss" in e and e["step"] > 4}
+    assert sorted(steps) == [5, 6]
+    for step, entry in steps.items():
+        for key in ("loss", "grad_norm", "learning_rate"):
+            assert entry[key] == pytest.approx(logged[step][key], rel=1e-5), (step, key)
+
+
 def test_killed_rank_run_resumes_under_other_layouts(tmp_path):
     import shutil
 

@@ -389,6 +389,27 @@ def test_trainer_logs_equal_trl_on_fixed_rollouts(tmp_path, monkeypatch, extra):
     assert_two_steps_equal(ours, theirs)
 
 
+def test_a_reward_model_loads_quantized_with_the_policys_8bit_request(tmp_path):
+    """TRL loads reward models with the policy's model_init_kwargs: with load_in_8bit the native reward model's
+    linears are int8 rows, and its scores are transformers' classifier's over bitsandbytes' 8-bit weights (to its
+    int8 activations)."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+
+    from hfnative.peft import Int8Weight
+    from hfnative.trainers.rollout.rewards import load_reward_model
+
+    folder = save_reward_model(tmp_path / "reward-model")
+    ours = load_reward_model(folder, {"load_in_8bit": True})
+    assert sum(isinstance(p, Int8Weight) for p in ours.parameters()) == 7  # one layer's projections
+    theirs = AutoModelForSequenceClassification.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(load_in_8bit=True), dtype=torch.float32)
+    ids = AutoTokenizer.from_pretrained(folder)(["Tell me about the sky", "A fox"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        mine, reference = ours(**ids).logits, theirs(**ids).logits
+    torch.testing.assert_close(mine, reference, rtol=2e-2, atol=2e-3)
+
+
 def test_log_completions_writes_trls_tables(tmp_path, monkeypatch):
     """log_completions=True: at each log the completions table (step, prompt, completion, each reward, advantage) is
     written to output_dir/completions/completions_{step:05d}.parquet, file for file and value for value TRL's on the

@@ -537,6 +537,11 @@ def test_quantization_config_shapes():
         quantization_settings(quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_has_fp16_weight=True))
     with pytest.raises(ValueError, match="quant_method='gptq'"):
         quantization_settings(quantization_config=GPTQConfig(bits=4))
+    from transformers import Mxfp4Config  # GPT-OSS's recipe: an MXFP4 checkpoint loads dequantized, as it does anyway
+
+    assert quantization_settings(quantization_config=Mxfp4Config(dequantize=True)) is None
+    with pytest.raises(ValueError, match="set dequantize=True"):
+        quantization_settings(quantization_config=Mxfp4Config())
 
 
 # --- (f) QLoRA ---------------------------------------------------------------------------------------------

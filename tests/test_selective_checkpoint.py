@@ -389,3 +389,33 @@ def test_dora_projections_leave_the_default_keeping_the_attention(tmp_path):
     blocks = list(converted.model.layers)
     assert selective_checkpoint.kept_bytes_per_token(blocks[0], "attention_and_projections", 4) is None
     assert selective_checkpoint.affordable_keep(blocks, 60, 4, 10**12) == "attention"
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+def test_an_8bit_bases_products_are_kept_as_matmuls(tmp_path, monkeypatch, bf16):
+    """LoRA on an 8-bit base (load_in_8bit: the base product is one custom op, hfnative::int8_linear): a block that
+    keeps its projections keeps that product as it keeps a matmul's (the bytes the estimate counts), and its
+    gradients are bit-identical to the un-checkpointed model's."""
+    from hfnative.converters.peft import apply_lora
+
+    save_hf_model("qwen3-gqa", tmp_path)
+
+    def adapted(checkpointed: bool):
+        converted = load_pretrained(tmp_path)
+        torch.manual_seed(0)  # the same adapters in both models
+        apply_lora(converted, dict(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights="gaussian"),
+                   load_in_8bit=True)
+        model = converted.model.train()
+        return apply_activation_checkpointing(model, "full", keep="attention_and_projections") if checkpointed else model
+
+    ids, mask = _batch(adapted(False).args.vocab_size, padded=False)
+    expected_loss, expected = _loss_and_grads(adapted(False), ids, None, bf16)
+    model = adapted(True)
+    counted = _KeptBytes(monkeypatch)
+    loss, grads = _loss_and_grads(model, ids, None, bf16)
+    assert torch.equal(loss, expected_loss) and grads.keys() == expected.keys() and grads
+    assert all(torch.equal(grads[name], expected[name]) for name in grads), "gradients differ"
+    element_size = 2 if bf16 else 4
+    estimate = ids.numel() * sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections",
+                                                                           element_size) for block in model.layers)
+    assert counted.bytes == estimate

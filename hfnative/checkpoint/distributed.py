@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from hfnative.optim.in_backward import OptimizerInBackward
 from hfnative.optim.state_optimizers import dequantized
+from hfnative.peft.quantize import is_quantized
 
 from .atomic import atomic_directory
 from .rng import set_cuda_rng_states
@@ -164,11 +165,14 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 def _split_state(model_state: dict, optimizer_state: dict) -> tuple[dict, dict]:
     """(flat tensors for DCP, JSON-ready rest). A tensor that is another key's tensor (a tied weight) is kept once,
-    under the first name, and the other name recorded in ``aliases``."""
+    under the first name, and the other name recorded in ``aliases``. A quantized frozen base weight (NF4, int8) is
+    left out: it never changes, and a resumed run loads it again with the model."""
     tensors, aliases, first_name = {}, {}, {}
     for name, value in model_state.items():
         if not isinstance(value, torch.Tensor):
             raise TrainingStateError(f"the model's state_dict holds {name!r}, a {type(value).__name__}, not a tensor")
+        if is_quantized(value.to_local() if isinstance(value, DTensor) else value):
+            continue
         key = _storage_key(value)
         if key in first_name:
             aliases[MODEL_PREFIX + name] = first_name[key]

@@ -299,6 +299,13 @@ _annotate = getattr(fx_traceback, "annotate", None)
 COMPILED_KEPT_OPS = KEPT_OPS | ({aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set())
 
 
+def keep_as_matmul(op) -> None:
+    """Count ``op`` (a custom op that computes a linear layer's product, e.g. ``hfnative::int8_linear``) as a matmul:
+    a selective checkpoint that keeps projections keeps its result, eager or compiled."""
+    for ops in (MATMULS, KEPT_OPS, COMPILED_KEPT_OPS):
+        ops.add(op)
+
+
 def compiled_keeping_supported() -> bool:
     """Whether a compiled block can keep results through its own checkpoint (``compiled_checkpoint_context``)."""
     return _annotate is not None
@@ -416,5 +423,5 @@ class _KeptProduct(torch.autograd.Function):
 
 
 __all__ = ["ATTENTION", "CHECKPOINT_KEEPS", "DEFAULT_KEEPS", "MATMULS", "affordable_keep", "available_device_bytes",
-           "compiled_checkpoint_context", "compiled_keeping_supported", "kept_bytes_per_token", "kept_in_checkpoint",
-           "selective_checkpoint_context"]
+           "compiled_checkpoint_context", "compiled_keeping_supported", "keep_as_matmul", "kept_bytes_per_token",
+           "kept_in_checkpoint", "selective_checkpoint_context"]

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .quantize import FrozenLinear, dequantize, is_quantized
+from .quantize import FrozenLinear, dequantize, is_nf4
 
 
 class LoraLinear(FrozenLinear):
@@ -117,10 +117,11 @@ class LoraLinear(FrozenLinear):
 
     def sums_in_matmul(self, autocast: bool) -> bool:
         """Whether ``forward`` adds the update inside its up-projection's matmul (its base product that matmul's
-        addend), told before it runs, under ``autocast`` or not: a LoRA (not DoRA) layer over a plain (not quantized) base,
-        under autocast or with the base weight in the adapter's dtype (where the two products come out in one dtype;
-        a quantized base's may too, which this does not count on)."""
-        return (self.adapter_enabled and self.lora_magnitude_vector is None and not is_quantized(self.weight)
+        addend), told before it runs, under ``autocast`` or not: a LoRA (not DoRA) layer over a plain or int8 base (whose
+        product comes out in the activations' dtype, as a plain one's), under autocast or with the base weight in the
+        adapter's dtype (where the two products come out in one dtype; an NF4 base's may too, which this does not count
+        on)."""
+        return (self.adapter_enabled and self.lora_magnitude_vector is None and not is_nf4(self.weight)
                 and (autocast or self.weight.dtype == self.lora_A.dtype))
 
     @property

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hfnative.models.selective_checkpoint import keep_as_matmul
+
 NF4_BLOCK_SIZE = 64  # weights per absmax scale (QLoRA's value)
 NF4_SCALER_BLOCK_SIZE = 256  # scales per second-level (double-quantization) scale
 
@@ -83,10 +85,11 @@ def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) ->
 
 
 class Int8Weight(torch.Tensor):
-    """A frozen 2-D weight held as int8 rows (``data``, one byte a value) and each row's absolute maximum
-    (``absmax``, fp32). Its ``dtype`` is the floating dtype it stands for (``dequantize``'s); any operation other
-    than moving, detaching or cloning it runs on its dequantized values (a new plain tensor), and operations that
-    would write into it are refused (the weight is frozen)."""
+    """A frozen 2-D weight held as int8 rows (``data_int8``, one byte a value) and each row's absolute maximum
+    (``absmax``, fp32). Its ``dtype`` is the floating dtype it stands for (``dequantize``'s). Moving, detaching and
+    cloning keep it int8; ``copy_`` into it takes another int8 weight's rows, or quantizes a plain tensor's values
+    (``load_state_dict``, as NF4 tensors do); any other operation runs on its dequantized values (a new plain tensor:
+    a view of it is a view of that copy), and any other operation that would write into it is refused."""
 
     data_int8: torch.Tensor
     absmax: torch.Tensor
@@ -136,10 +139,19 @@ class Int8Weight(torch.Tensor):
             if not dtype.is_floating_point:
                 return func(this.dequantize(), **kwargs)
             return Int8Weight(this.data_int8.to(device), this.absmax.to(device), dtype)
+        if func is aten.copy_.default and isinstance(args[0], Int8Weight):
+            this, source = args[0], args[1]
+            data, absmax = ((source.data_int8, source.absmax) if isinstance(source, Int8Weight)
+                            else int8_rows(source))
+            this.data_int8.copy_(data)
+            this.absmax.copy_(absmax)
+            return this
         if func._schema.is_mutable:
             named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
-            if any(isinstance(named.get(a.name), Int8Weight) for a in func._schema.arguments
-                   if a.alias_info is not None and a.alias_info.is_write):
+            written = [named.get(a.name) for a in func._schema.arguments
+                       if a.alias_info is not None and a.alias_info.is_write]
+            if any(isinstance(t, Int8Weight) for value in written
+                   for t in (value if isinstance(value, (list, tuple)) else [value])):
                 raise RuntimeError(f"{func}: an int8 (load_in_8bit) base weight is frozen and cannot be written to")
         unwrap = (lambda a: a.dequantize() if isinstance(a, Int8Weight) else a)
         return func(*[_map(unwrap, a) for a in args], **{k: _map(unwrap, v) for k, v in kwargs.items()})
@@ -174,6 +186,7 @@ def _int8_linear_backward(ctx, grad):
 
 
 _int8_linear_op.register_autograd(_int8_linear_backward, setup_context=_int8_linear_context)
+keep_as_matmul(torch.ops.hfnative.int8_linear.default)  # a selectively checkpointed block keeps the product
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) -> torch.Tensor:

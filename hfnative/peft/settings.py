@@ -192,8 +192,9 @@ def quantization_request(kwargs: dict) -> dict:
 
 
 def is_quantization_requested(kwargs: dict) -> bool:
-    request = quantization_request(kwargs)
-    return request["load_in_4bit"] or request["load_in_8bit"] or request["quantization_config"] is not None
+    """Whether ``model_init_kwargs`` ask for a quantized base (``quantization_settings`` not None; a bad request
+    raises its error)."""
+    return quantization_settings(**quantization_request(kwargs)) is not None
 
 
 def quantization_settings(load_in_4bit: bool = False, quantization_config=None,
@@ -205,10 +206,16 @@ def quantization_settings(load_in_4bit: bool = False, quantization_config=None,
         else quantization_config.get if isinstance(quantization_config, dict)
         else (lambda name, default=None: getattr(quantization_config, name, default))
     )
-    method = get("quant_method", "bitsandbytes")
-    if str(getattr(method, "value", method)) != "bitsandbytes":
-        raise ValueError(f"quantization_config with quant_method={str(getattr(method, 'value', method))!r}: hfnative "
-                         "quantizes a frozen base with BitsAndBytesConfig's settings only (load_in_4bit or load_in_8bit)")
+    method = str(getattr(get("quant_method", "bitsandbytes"), "value", get("quant_method", "bitsandbytes")))
+    if method == "mxfp4":  # GPT-OSS's recipe: Mxfp4Config(dequantize=True), what loading an MXFP4 checkpoint does here
+        if not get("dequantize", False):
+            raise ValueError("quantization_config Mxfp4Config(dequantize=False) keeps MXFP4 weights for inference; "
+                             "training reads them dequantized (as hfnative loads an MXFP4 checkpoint): set "
+                             "dequantize=True, or drop the quantization_config")
+        return None
+    if method != "bitsandbytes":
+        raise ValueError(f"quantization_config with quant_method={method!r}: hfnative quantizes a frozen base with "
+                         "BitsAndBytesConfig's settings only (load_in_4bit or load_in_8bit)")
     four = bool(get("load_in_4bit", False) or load_in_4bit)
     eight = bool(get("load_in_8bit", False) or load_in_8bit)
     if four and eight:

@@ -30,7 +30,7 @@ from hfnative.models.head import GeneralizedJSD
 from ..running.construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
 from .reference_model import frozen_for_autocast
-from ..running.model_loading import resolve_model
+from ..running.model_loading import quantize_frozen_model, resolve_model
 from ..loop.objective import LanguageModelingObjective
 from .sft import mirror_pad_token
 from ..rollout.prompts import sampling_params, stop_token_ids, tokenize_prompts
@@ -321,7 +321,9 @@ class _TeacherMixin:
         if revision is not None:
             kwargs.setdefault("revision", revision)
         if kwargs and is_model_name(source):
-            self.objective.auxiliary_models["teacher"] = resolve_model(source, self.device, kwargs).converted
+            loaded = resolve_model(source, self.device, kwargs)
+            quantize_frozen_model(loaded, kwargs, "teacher")  # teacher_model_init_kwargs' load_in_4bit / load_in_8bit
+            self.objective.auxiliary_models["teacher"] = loaded.converted
         super()._build_auxiliary_models()
 
     @property

@@ -143,11 +143,13 @@ def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) 
     """A reward model folder or Hub id with one score: hfnative's native sequence classifier where the architecture
     has one (a causal LM gets a new score head, as AutoModelForSequenceClassification gives it), else transformers'
     ``AutoModelForSequenceClassification``; ``model_init_kwargs`` (the policy's, which TRL loads reward models with):
-    its dtype ("auto" or none: the checkpoint's), revision, cache_dir and token, all of it on the fallback."""
+    its dtype ("auto" or none: the checkpoint's), revision, cache_dir and token, and a quantized base's request
+    (``load_in_4bit`` / ``load_in_8bit`` / ``quantization_config``: the native model's linears stored in 4 or 8 bits);
+    all of it on the fallback."""
     from hfnative.converters.hub_model import attach_hub_surface
     from hfnative.converters.loading import UnsupportedModelError, load_pretrained
 
-    from ..running.model_loading import config_overrides
+    from ..running.model_loading import config_overrides, quantize_frozen_model
 
     kwargs = dict(model_init_kwargs or {})
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
@@ -156,10 +158,14 @@ def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) 
         converted = load_pretrained(name_or_path, num_labels=1, dtype=None if dtype in (None, "auto") else dtype,
                                     config_overrides=config_overrides(kwargs), **hub)
     except UnsupportedModelError:
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForSequenceClassification, BitsAndBytesConfig
 
         kwargs["trust_remote_code"] = False  # hfnative runs no code a checkpoint brings
+        bits = {name: kwargs.pop(name) for name in ("load_in_4bit", "load_in_8bit") if kwargs.get(name)}
+        if bits and kwargs.get("quantization_config") is None:  # transformers 5 takes them as a BitsAndBytesConfig
+            kwargs["quantization_config"] = BitsAndBytesConfig(**bits)
         return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, **kwargs)
+    quantize_frozen_model(converted, kwargs, "reward model")  # the policy's load_in_4bit / load_in_8bit, as TRL's
     return attach_hub_surface(converted.model, converted, base_model_name_or_path=str(name_or_path))
 
 

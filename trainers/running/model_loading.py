@@ -18,7 +18,7 @@ from hfnative.converters.fallback_loading import TransformersModel, load_transfo
 from hfnative.converters.hub import resolve_model_dir
 from hfnative.converters.loading import ConvertedModel, UnsupportedModelError, load_pretrained
 from hfnative.models.decoder import Transformer
-from hfnative.peft.settings import is_quantization_requested, quantization_request
+from hfnative.peft.settings import is_quantization_requested, quantization_request, quantization_settings
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -258,6 +258,25 @@ def _causal(converted: ConvertedModel) -> ConvertedModel:
 
 def _config_of(name_or_path, hub: dict):
     return transformers.AutoConfig.from_pretrained(str(resolve_model_dir(name_or_path, **hub)), trust_remote_code=False)
+
+
+def quantize_frozen_model(loaded, kwargs: dict, role: str) -> None:
+    """A frozen model (a teacher, a reward model) loaded with ``load_in_4bit`` / ``load_in_8bit`` /
+    ``quantization_config`` in its kwargs: its linears stored in 4 or 8 bits as a LoRA policy's base would be (TRL loads
+    such a model quantized by bitsandbytes), in place. ``loaded``: its ConvertedModel (or anything with
+    ``converted``); a model on transformers' modeling code is refused, naming ``role``."""
+    settings = quantization_settings(**quantization_request(kwargs))
+    if settings is None:
+        return
+    converted = getattr(loaded, "converted", loaded)
+    if not isinstance(converted, ConvertedModel):
+        raise ValueError(f"the {role}'s model_init_kwargs ask for a quantized model (load_in_4bit / load_in_8bit / "
+                         "quantization_config), which is implemented for hfnative's native models only; this one runs "
+                         "through transformers' modeling code: drop the quantization")
+    from hfnative.converters.peft import quantized_linears
+    from hfnative.peft.quantize import quantize_base
+
+    quantize_base(converted.model, settings, quantized_linears(converted, settings.skip_modules))
 
 
 def _refuse_quantization(quantization: dict) -> None:
