@@ -411,21 +411,43 @@ def test_a_reward_model_loads_quantized_with_the_policys_8bit_request(tmp_path):
 
 
 def test_log_completions_writes_trls_tables(tmp_path, monkeypatch):
-    """log_completions=True: at each log the completions table (step, prompt, completion, each reward, advantage) is
-    written to output_dir/completions/completions_{step:05d}.parquet, file for file and value for value TRL's on the
-    same rollouts."""
+    """log_completions=True: at each log (the run's last one included, where the last step logs nothing of its own)
+    the completions table (step, prompt, completion, each reward, advantage) is written to
+    output_dir/completions/completions_{step:05d}.parquet, file for file and value for value TRL's on the same
+    rollouts; the table reaches the callbacks' loggers after the log's metrics, as TRL's."""
     import pandas as pd
+    from transformers import TrainerCallback
 
-    _run_trl(tmp_path, monkeypatch, log_completions=True)
-    _run_ours(tmp_path, log_completions=True)
+    import hfnative.trainers.algorithms.grpo as grpo
+
+    order = []
+
+    class Metrics(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            order.append("metrics")
+
+    publish = grpo.publish_completions
+    monkeypatch.setattr(grpo, "publish_completions", lambda *a, **k: order.append("table") or publish(*a, **k))
+    extra = dict(log_completions=True, max_steps=3, logging_steps=2)
+    _run_trl(tmp_path, monkeypatch, **extra)
+    monkeypatch.setattr(grpo.GRPOTrainer, "__init__", _with_callback(grpo.GRPOTrainer.__init__, Metrics()))
+    _run_ours(tmp_path, **extra)
+    assert order == ["metrics", "table"] * 2  # step 2's log, then the last (train_runtime) one at step 3
     files = {name: sorted(p.name for p in (tmp_path / name / "completions").iterdir()) for name in ("trl", "ours")}
-    assert files["ours"] == files["trl"] == ["completions_00001.parquet", "completions_00002.parquet"]
+    assert files["ours"] == files["trl"] == ["completions_00002.parquet", "completions_00003.parquet"]
     for name in files["trl"]:
         mine, theirs = (pd.read_parquet(tmp_path / run / "completions" / name) for run in ("ours", "trl"))
         assert list(mine.columns) == list(theirs.columns) == ["step", "prompt", "completion", "even_fraction",
                                                                "near_target_length", "advantage"]
         assert len(mine) == len(theirs) == 16  # the generation batch
         pd.testing.assert_frame_equal(mine, theirs, check_exact=False, rtol=1e-5, atol=1e-6)
+
+
+def _with_callback(init, callback):
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.add_callback(callback)
+    return wrapped
 
 
 def test_completions_table_reaches_wandb_and_trackio(tmp_path, monkeypatch):
@@ -458,6 +480,11 @@ def test_completions_table_reaches_wandb_and_trackio(tmp_path, monkeypatch):
                                                               "f": [1.0, 0.5], "advantage": [0.5, 0.0]}
         assert table["note"].isna().tolist() == [True, False] and table["note"].iloc[1] == "n"  # logged from row 3 on
     assert len(__import__("pandas").read_parquet(tmp_path / "completions" / "completions_00003.parquet")) == 3
+    logged["extra"]["mixed"] = [2, "two", None]  # parquet holds one type a column: this one is written as text
+    publish_completions(logged, 5, types.SimpleNamespace(report_to=[], output_dir=str(tmp_path), num_completions_to_print=0))
+    written = __import__("pandas").read_parquet(tmp_path / "completions" / "completions_00005.parquet")
+    assert written["mixed"].tolist()[:2] == ["2", "two"] and written["mixed"].isna().tolist() == [False, False, True]
+    assert written["f"].tolist() == [1.0, 0.0, 0.5]
     monkeypatch.setitem(sys.modules, "wandb", backend("wandb", run=False))  # report_to wandb, no run: nothing logged
     received.clear()
     args.report_to = ["wandb"]

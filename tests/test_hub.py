@@ -209,3 +209,25 @@ def test_grpo_pushes_its_completions_tables_to_a_dataset_repository(hub, tmp_pat
     assert not hub.unserved()
     posts = [(r.path, r.headers.get("authorization")) for r in hub.requests if r.method == "POST"]
     assert all(auth == f"Bearer {TOKEN}" for _, auth in posts), posts
+
+
+def test_a_failed_last_completions_push_is_logged_not_raised(caplog):
+    """The push when training ends waits a bounded time and never raises: a Hub error (or a timeout) is logged, and
+    training's own result or error stands."""
+    from concurrent.futures import Future
+
+    from hfnative.trainers.rollout.completion_log import CompletionsUpload
+
+    class Scheduler:
+        repo_id = "org/completions"
+
+        def trigger(self):
+            future = Future()
+            future.set_exception(ConnectionError("the Hub is unreachable"))
+            return future
+
+    upload = object.__new__(CompletionsUpload)
+    upload.scheduler = Scheduler()
+    with caplog.at_level(logging.WARNING):
+        upload.finish()
+    assert "not pushed to the Hub dataset org/completions: ConnectionError: the Hub is unreachable" in caplog.text

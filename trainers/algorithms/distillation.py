@@ -222,10 +222,9 @@ class OnPolicyDistillationObjective(_DistillationObjective):
         self._pending: dict[str, torch.Tensor] = {}
         # log_completions (TRL's): the last generation batch's prompts and completions as text, every rank's
         self.completion_log = None
-        if args.log_completions:
-            processes = context.world_size
+        if args.log_completions:  # one generation batch: every data-parallel rank's rows (TRL's processes)
             self.completion_log = TextCompletionLog(
-                args.per_device_train_batch_size * processes * args.gradient_accumulation_steps)
+                args.per_device_train_batch_size * context.data_parallel.size * args.gradient_accumulation_steps)
             if context.rank == 0:
                 os.makedirs(os.path.join(args.output_dir, "completions"), exist_ok=True)  # made with the trainer
 
@@ -292,9 +291,9 @@ class OnPolicyDistillationObjective(_DistillationObjective):
                                     decode(completions, skip_special_tokens=True), self.context.data_parallel)
         return completions, tool_masks
 
-    def on_log(self, logs: dict, mode: str) -> None:
+    def after_log(self, logs: dict, mode: str) -> None:
         state = self.context.state
-        if self.completion_log is not None and state.is_world_process_zero and "train_runtime" not in logs:
+        if self.completion_log is not None and state.is_world_process_zero:  # every log, as TRL
             publish_completions(self.completion_log.logged, state.global_step, self.args)
 
     def metrics(self, inputs, out) -> dict:

@@ -109,7 +109,7 @@ class DistillationConfig(TRLBaseConfig):
                                                                    "write them to output_dir/completions/ (parquet) and log "
                                                                    "them to W&B / trackio as a table."})
     num_completions_to_print: int | None = field(default=None, metadata={"help": "How many completions to print."})
-    log_unique_prompts: bool = field(default=False, metadata={"help": "Print and log each prompt once."})
+    log_unique_prompts: bool = field(default=False, metadata={"help": "Log each prompt once in the W&B / trackio table."})
 
     _VALID_DICT_FIELDS = TRLBaseConfig._VALID_DICT_FIELDS + [
         "teacher_model_init_kwargs", "generation_kwargs", "chat_template_kwargs",

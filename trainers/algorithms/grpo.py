@@ -241,11 +241,10 @@ class GRPOObjective(GenerationBatches, Objective):
         super().end_training()
         if self.completions_upload is not None:
             self.completions_upload.finish()
-            self.completions_upload = None
 
-    def on_log(self, logs: dict, mode: str) -> None:
+    def after_log(self, logs: dict, mode: str) -> None:
         args, state = self.args, self.context.state
-        if args.log_completions and state.is_world_process_zero and "train_runtime" not in logs:
+        if args.log_completions and state.is_world_process_zero:  # every log, the run's last one included, as TRL
             publish_completions(self.completion_log.logged, state.global_step, args, self.writes_completion_files)
 
     # --- generation and scoring ------------------------------------------------------------------------------------

@@ -84,8 +84,10 @@ class OnlineRLConfig(TRLBaseConfig):
     def __post_init__(self):
         super().__post_init__()
         if self.use_transformers_paged:  # TRL's deprecated alias
+            own_post_init = type(self).__post_init__ is not OnlineRLConfig.__post_init__  # GRPOConfig's calls this
             warnings.warn("`use_transformers_paged` is deprecated and will be removed in v2.0.0. Use "
-                          "`use_transformers_continuous_batching` instead.", FutureWarning, stacklevel=3)
+                          "`use_transformers_continuous_batching` instead.", FutureWarning,
+                          stacklevel=4 if own_post_init else 3)
             self.use_transformers_continuous_batching = True
         if isinstance(self.pad_to_multiple_of, str):
             text = self.pad_to_multiple_of.lower()

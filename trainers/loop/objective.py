@@ -27,6 +27,8 @@ and in evaluation and logging:
   has_eval_loss(inputs) / eval_outputs(...)      whether a batch has a loss; logits and labels for compute_metrics
   samples_in_batch(inputs)                       dataset rows in a batch (a preference row is two sequences)
   on_log(logs, mode)                             add to (or act on) each log, e.g. a rollout queue's metrics
+  after_log(logs, mode)                          after the log reached the callbacks (W&B, trackio: their runs
+                                                 started), e.g. log a table beside the metrics
 
 The loop owns every cross-rank step: it all-reduces the normalizer over the ranks that hold different items (and
 divides a micro-batch mean by the number of micro-batches of the step over every rank), sums the logged losses,
@@ -243,6 +245,9 @@ class Objective(ABC):
         return inputs["input_ids"].shape[0]
 
     def on_log(self, logs: dict, mode: str) -> None:
+        pass
+
+    def after_log(self, logs: dict, mode: str) -> None:
         pass
 
     # --- helpers ------------------------------------------------------------------------------------------------

@@ -619,6 +619,7 @@ class Trainer(ModelMixin, DataMixin, DistributedMixin, PipelineMixin, Optimizati
                 logs.update(speed_metrics("train", start_time, num_tokens=seen))
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
+        self.objective.after_log(logs, mode)
 
     # --- callbacks -------------------------------------------------------------------------------
 

@@ -6,8 +6,12 @@ does (``publish_completions``)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import random
 from collections import deque
+
+logger = logging.getLogger(__name__)
 
 
 class CompletionLog:
@@ -52,9 +56,6 @@ class CompletionLog:
             metrics[name] = total / count
         return metrics
 
-    def print(self, step: int, limit: int | None, unique_prompts: bool = False) -> None:
-        print_completions(self.logged, step, limit, unique_prompts)
-
 
 class TextCompletionLog:
     """On-policy distillation's log (TRL's DistillationTrainer): the last ``maxlen`` prompts and completions as text,
@@ -68,9 +69,6 @@ class TextCompletionLog:
             self.logged["prompt"].extend(part[0])
             self.logged["completion"].extend(part[1])
 
-    def print(self, step: int, limit: int | None, unique_prompts: bool = False) -> None:
-        print_completions(self.logged, step, limit, unique_prompts)
-
 
 class CompletionsUpload:
     """``log_completions_hub_repo`` (GRPO): the completions tables (``output_dir/completions/*.parquet``) pushed to a
@@ -79,6 +77,7 @@ class CompletionsUpload:
     and once more when training ends (``finish``), so the last tables are there when ``train()`` returns."""
 
     EVERY_MINUTES = 2
+    FINAL_PUSH_SECONDS = 300  # how long the end of training waits for the last upload
 
     def __init__(self, repo_id: str, folder: str, private: bool | None, token: str | None, model_name: str):
         from huggingface_hub import CommitScheduler, DatasetCard, DatasetCardData, HfApi
@@ -97,9 +96,14 @@ class CompletionsUpload:
                                          hf_api=api)
 
     def finish(self) -> None:
-        """The tables written since the last upload pushed now; the background uploads stopped."""
-        self.scheduler.trigger().result()
-        self.scheduler.stop()
+        """The tables written since the last upload pushed now (waiting at most ``FINAL_PUSH_SECONDS``). A failed or
+        late push is logged, never raised: training's own result or error stands (huggingface_hub's scheduler tries
+        again when the process exits)."""
+        try:
+            self.scheduler.trigger().result(timeout=self.FINAL_PUSH_SECONDS)
+        except Exception as error:  # noqa: BLE001  (a Hub or network error, or the wait's timeout)
+            logger.warning("the last completions tables were not pushed to the Hub dataset %s: %s: %s",
+                           self.scheduler.repo_id, type(error).__name__, error)
 
 
 def completions_table(logged: dict, step: int) -> dict[str, list]:
@@ -123,13 +127,12 @@ def publish_completions(logged: dict, step: int, args, write_file: bool = True) 
     (with ``report_to`` naming it and a run started) and trackio (with ``report_to`` naming it)."""
     import pandas as pd
 
-    unique = bool(getattr(args, "log_unique_prompts", False))
-    print_completions(logged, step, args.num_completions_to_print, unique)
+    print_completions(logged, step, args.num_completions_to_print)
     frame = pd.DataFrame(completions_table(logged, step))
     if write_file:
         folder = os.path.join(args.output_dir, "completions")
         os.makedirs(folder, exist_ok=True)
-        frame.to_parquet(os.path.join(folder, f"completions_{step:05d}.parquet"))
+        _write_parquet(frame, os.path.join(folder, f"completions_{step:05d}.parquet"))
     backends = []
     if args.report_to and "wandb" in args.report_to:
         import wandb
@@ -140,33 +143,33 @@ def publish_completions(logged: dict, step: int, args, write_file: bool = True) 
         import trackio
 
         backends.append(trackio)
-    if unique:  # prompts may be conversations (lists of messages): compared by their text
+    if getattr(args, "log_unique_prompts", False):  # prompts may be conversations (lists of messages): by their text
         frame = frame[~frame["prompt"].astype(str).duplicated()]
     for backend in backends:
         backend.log({"completions": backend.Table(dataframe=frame)})
 
 
-def print_completions(logged: dict, step: int, limit: int | None, unique_prompts: bool = False) -> None:
-    """The latest prompts, completions and (where logged) rewards and advantages as a table (rich's when
-    installed)."""
+def print_completions(logged: dict, step: int, limit: int | None) -> None:
+    """TRL's printout of the latest completions: ``limit`` rows drawn at random (all when None or as many; nothing
+    when 0 or less), the prompt, the completion, each reward, the advantage (where logged), then the reward functions'
+    own columns; rich's table when rich is installed, plain text otherwise."""
+    count = len(logged["prompt"])
+    if limit is not None and limit <= 0:
+        return
+    indices = list(range(count)) if limit is None or limit >= count else random.sample(range(count), limit)
     names = list(logged.get("rewards", {}))
     extra = list(logged.get("extra", {}))
     advantages = logged.get("advantages")
     rows = []
-    seen = set()
-    for index, (prompt, completion) in enumerate(zip(logged["prompt"], logged["completion"])):
-        if unique_prompts and str(prompt) in seen:
-            continue
-        seen.add(str(prompt))
+    for index in indices:
+        prompt, completion = logged["prompt"][index], logged["completion"][index]
         prompt_text = prompt if isinstance(prompt, str) else "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
         completion_text = completion if isinstance(completion, str) else completion[-1]["content"]
         values = [f"{logged['rewards'][n][index]:.2f}" for n in names]
-        extras = [_entry(logged["extra"][c], index, len(logged["prompt"])) for c in extra]
         advantage = [] if advantages is None else [f"{advantages[index]:.2f}"]
-        rows.append([prompt_text, completion_text, *values, *extras, *advantage])
-    if limit is not None:
-        rows = rows[:limit]
-    header = ["Prompt", "Completion", *names, *extra, *([] if advantages is None else ["Advantage"])]
+        extras = [_entry(logged["extra"][c], index, count) for c in extra]
+        rows.append([prompt_text, completion_text, *values, *advantage, *extras])
+    header = ["Prompt", "Completion", *names, *([] if advantages is None else ["Advantage"]), *extra]
     try:
         from rich.console import Console
         from rich.table import Table
@@ -180,6 +183,20 @@ def print_completions(logged: dict, step: int, limit: int | None, unique_prompts
     for row in rows:
         table.add_row(*row)
     Console().print(table)
+
+
+def _write_parquet(frame, path: str) -> None:
+    """The table as parquet; a column whose values parquet cannot hold as one type (a reward function's own column
+    mixing numbers and text, say) is written as their text."""
+    import pandas as pd
+    import pyarrow
+
+    try:
+        frame.to_parquet(path)
+    except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError, pyarrow.ArrowTypeError):
+        mixed = {column: frame[column].map(lambda v: None if pd.api.types.is_scalar(v) and pd.isna(v) else str(v))
+                 for column in frame.columns if frame[column].dtype == object and column not in ("prompt", "completion")}
+        frame.assign(**mixed).to_parquet(path)
 
 
 def _entry(values, index: int, count: int) -> str:
