@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers
 import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
@@ -192,7 +193,6 @@ def test_config_has_trls_fields_and_defaults(name):
 @pytest.mark.parametrize("settings, message", [
     (dict(loss_type="kto_pair"), "kto_pair has been removed"),
     (dict(loss_type="robust"), "Unknown loss type: robust"),
-    (dict(generate_during_eval=True), "generate_during_eval"),
     (dict(is_encoder_decoder=True), r"is_encoder_decoder=True: encoder-decoder \(seq2seq\) models are out of scope"),
 ])
 def test_bad_settings_are_refused(settings, message, tmp_path):
@@ -206,7 +206,48 @@ def test_declared_layouts():
     from hfnative.trainers.algorithms.cpo import CPOObjective
     from hfnative.trainers.algorithms.orpo import ORPOObjective
 
-    assert ORPOObjective.supports == CPOObjective.supports == {"multi_process", "evaluation"}
+    assert ORPOObjective.supports == CPOObjective.supports == {"multi_process", "multi_process_generation", "evaluation"}
+
+
+@pytest.mark.parametrize("name", ["ORPO", "CPO"])
+def test_generate_during_eval_logs_trls_game_log(name, tmp_path, monkeypatch):
+    """generate_during_eval=True: at each evaluation eval_batch_size prompts of the eval set are completed by the
+    policy with sampling (up to max_length tokens in all, the same rows for the same seed and step) and logged to W&B
+    as TRL's table game_log (Prompt, Policy); without wandb or comet installed it is refused with TRL's message."""
+    import wandb
+
+    from hfnative.trainers.rollout.component import Rollout
+
+    tables = []  # the tables made for W&B (wandb.init, which the W&B callback calls, rebinds wandb.log)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setattr(wandb, "Table", lambda dataframe: tables.append(dataframe) or dataframe)
+    calls, sample = [], Rollout.sample
+    monkeypatch.setattr(Rollout, "sample", lambda self, prompts, sampling, model=None: calls.append((prompts, sampling))
+                        or sample(self, prompts, sampling, model))
+    rows = _text_rows(6)
+    settings = {**_settings(tmp_path, generate_during_eval=True, eval_strategy="steps", eval_steps=1,
+                            per_device_eval_batch_size=3), "report_to": ["wandb"], "max_length": 48}
+    trainer = getattr(hfnative, f"{name}Trainer")(model=MODEL, args=getattr(hfnative, f"{name}Config")(**settings),
+                                                  train_dataset=Dataset.from_list(rows),
+                                                  eval_dataset=Dataset.from_list(rows[:4]))
+    trainer.train()
+    assert len(tables) == len(calls) == STEPS  # one evaluation a step
+    prompts = {r["prompt"] for r in rows[:4]}
+    tokenized = {tuple(trainer.processing_class(p, add_special_tokens=False)["input_ids"]) for p in prompts}
+    generation = trainer.model.generation_config
+    defaults = transformers.GenerationConfig._get_default_generation_params()  # what generate() fills in
+    expected = [defaults[name] if getattr(generation, name) is None else getattr(generation, name)
+                for name in ("top_k", "top_p", "temperature")]
+    for frame, (prompt_ids, sampling) in zip(tables, calls):
+        assert list(frame.columns) == ["Prompt", "Policy"] and len(frame) == len(prompt_ids) == 3
+        assert set(frame["Prompt"]) <= prompts and frame["Prompt"].is_unique
+        assert {tuple(ids) for ids in prompt_ids} <= tokenized
+        assert sampling.max_new_tokens == 48 - max(len(ids) for ids in prompt_ids)  # max_length in all, as generate's
+        assert [sampling.top_k, sampling.top_p, sampling.temperature] == expected and sampling.do_sample
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *args: None)
+    with pytest.raises(ValueError, match="requires Weights and Biases or Comet to be installed"):
+        getattr(hfnative, f"{name}Trainer")(model=MODEL, args=getattr(hfnative, f"{name}Config")(**settings),
+                                            train_dataset=Dataset.from_list(rows))
 
 
 def test_mixed_row_kinds_name_the_row(tmp_path):

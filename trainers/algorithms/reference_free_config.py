@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 from hfnative.losses.preference import CPO_LOSS_TYPES
@@ -23,7 +24,8 @@ class _ReferenceFreeConfig(TRLBaseConfig):
     beta: float = field(default=0.1, metadata={"help": "Weight of the preference term."})
     disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout in the model."})
     generate_during_eval: bool = field(
-        default=False, metadata={"help": "Generate and log completions to W&B / Comet during evaluation (refused)."}
+        default=False, metadata={"help": "At each evaluation, sample completions of eval_batch_size prompts of the eval "
+                                         "set and log them to W&B / Comet as the table game_log."}
     )
     is_encoder_decoder: bool | None = field(
         default=None, metadata={"help": "Whether the model is an encoder-decoder (hfnative trains decoders only)."}
@@ -32,9 +34,9 @@ class _ReferenceFreeConfig(TRLBaseConfig):
 
     def check_for_trainer(self, algorithm: str) -> None:
         """What TRL's trainers need that hfnative does not do, refused when the trainer is built."""
-        if self.generate_during_eval:
-            raise ValueError(f"{algorithm}: generate_during_eval=True (completions logged to W&B / Comet during "
-                             "evaluation) is not supported by hfnative: set generate_during_eval=False")
+        if self.generate_during_eval and not any(importlib.util.find_spec(name) for name in ("wandb", "comet_ml")):
+            raise ValueError("`generate_during_eval=True` requires Weights and Biases or Comet to be installed. Please "
+                             "install `wandb` or `comet-ml` to resolve.")  # TRL's
         if self.is_encoder_decoder:
             raise ValueError(
                 f"{algorithm}: is_encoder_decoder=True: encoder-decoder (seq2seq) models are out of scope for hfnative, "

@@ -8,19 +8,24 @@ Shapes: B pairs, S positions; position t's target is token t + 1 (the last posit
 from __future__ import annotations
 
 import logging
+import random
 from abc import abstractmethod
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 import transformers
 
 from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
+from hfnative.generation.sampling import SamplingParams
 from hfnative.losses.preference import sft_loss
 from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenLogprobs
 
 from ..loop.objective import Objective, enable_router_loss
 from ..loop.trainer import Trainer
+from ..rollout.component import Rollout
+from ..rollout.prompts import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -82,12 +87,13 @@ class ReferenceFreePreferenceObjective(Objective):
 
     # the logged mean logit runs over every position of the padded batch (pads included, as TRL's): a layout that
     # pads or splits the sequences (tensor, context parallel) would change it
-    supports = frozenset({"multi_process", "evaluation"})
+    supports = frozenset({"multi_process", "multi_process_generation", "evaluation"})
     pads_with_eos = False  # CPO sets a missing pad token to EOS; ORPO requires one
 
     def __init__(self, context):
         super().__init__(context)
         model = context.model
+        self.rollout = None  # generate_during_eval's sampler, made at the first evaluation
         # TRL adds the router's load-balancing loss when the model config asks for router logits
         wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
         if wants_router_loss and getattr(model.config, "router_aux_loss_coef", 0.0) == 0.0:
@@ -98,6 +104,63 @@ class ReferenceFreePreferenceObjective(Objective):
                 "loss."
             )
         self.aux_loss_coef = enable_router_loss(model, None if wants_router_loss else 0.0)
+
+    def generates(self) -> bool:
+        return bool(self.args.generate_during_eval)
+
+    # --- generate_during_eval -----------------------------------------------------------------------------
+    def evaluation_starts(self, dataset) -> None:
+        """TRL's generate_during_eval: ``eval_batch_size`` rows drawn from the evaluated ``dataset`` (the same rows on
+        every rank: drawn from the run's seed and step), each prompt completed by the policy with sampling (its
+        generation config's temperature, top-k and top-p, as transformers' ``generate(do_sample=True)`` reads them,
+        up to ``max_length`` tokens with the longest prompt), and the table ``game_log`` (Prompt, Policy: the texts
+        without special tokens) logged to W&B and Comet when ``report_to`` names them (by the first rank)."""
+        args, context = self.args, self.context
+        if not args.generate_during_eval or dataset is None or len(dataset) == 0:
+            return
+        step = context.state.global_step
+        indices = random.Random(args.seed * 1_000_003 + step).sample(range(len(dataset)), min(args.eval_batch_size,
+                                                                                             len(dataset)))
+        rows = [dataset[i] for i in indices]
+        prompts = [list(row["chosen_input_ids"][: row["chosen_prompt_length"]]) for row in rows]
+        new_tokens = max(1, args.sequence_length_limit - max(len(p) for p in prompts))
+        if self.rollout is None:
+            self.rollout = Rollout(context, self._sampling())
+        sampling = replace(self.rollout.sampling, max_new_tokens=new_tokens,
+                           **self.rollout.row_streams((1 << 42) + step, len(prompts)))
+        completions = self.rollout.sample(prompts, sampling).completion_ids
+        if not context.state.is_world_process_zero:
+            return
+        import pandas as pd
+
+        decode = context.tokenizer.decode
+        table = pd.DataFrame({"Prompt": [decode(p, skip_special_tokens=True) for p in prompts],
+                              "Policy": [decode(c, skip_special_tokens=True) for c in completions]})
+        report_to = args.report_to or []
+        if "wandb" in report_to:
+            import wandb
+
+            wandb.log({"game_log": wandb.Table(dataframe=table)})
+        if "comet_ml" in report_to:
+            import comet_ml
+
+            experiment = comet_ml.get_running_experiment()
+            if experiment is not None:
+                experiment.log_table(tabular_data=table, filename="game_log.csv")
+
+    def _sampling(self) -> SamplingParams:
+        """transformers' sampling settings for ``generate(do_sample=True)``: the policy's generation config (its
+        defaults where it has none), stopping at the tokenizer's and the config's EOS tokens."""
+        config = getattr(self.context.model, "generation_config", None) or transformers.GenerationConfig()
+        defaults = transformers.GenerationConfig._get_default_generation_params()  # what generate() fills in
+
+        def setting(name):
+            value = getattr(config, name, None)
+            return defaults[name] if value is None else value
+
+        return SamplingParams(max_new_tokens=1, do_sample=True, temperature=setting("temperature"),
+                              top_k=setting("top_k"), top_p=setting("top_p"),
+                              eos_token_id=stop_token_ids(self.context.tokenizer, self.context.model))
 
     # --- data -------------------------------------------------------------------------------------------
     def prepare_datasets(self, train_dataset, eval_dataset):

@@ -84,7 +84,9 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(dataset if given else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._memory_tracker.start()
-        dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
+        dataset = self._dataset_to_evaluate(eval_dataset)
+        self.objective.evaluation_starts(dataset)
+        dataloader = self.get_eval_dataloader(dataset)
         self.callback_handler.eval_dataloader = dataloader
         # prediction_loss_only: the loss alone, compute_metrics not called (as transformers' evaluation loop)
         want_predictions = self.compute_metrics is not None and not self.args.prediction_loss_only

@@ -26,6 +26,7 @@ and in evaluation and logging:
   eval_batch(batch)                              an evaluation batch before the loss (e.g. generate completions)
   has_eval_loss(inputs) / eval_outputs(...)      whether a batch has a loss; logits and labels for compute_metrics
   samples_in_batch(inputs)                       dataset rows in a batch (a preference row is two sequences)
+  evaluation_starts(dataset)                     before an evaluate() pass over ``dataset`` (prepared)
   on_log(logs, mode)                             add to (or act on) each log, e.g. a rollout queue's metrics
   after_log(logs, mode)                          after the log reached the callbacks (W&B, trackio: their runs
                                                  started), e.g. log a table beside the metrics
@@ -243,6 +244,9 @@ class Objective(ABC):
 
     def samples_in_batch(self, inputs: dict) -> int:
         return inputs["input_ids"].shape[0]
+
+    def evaluation_starts(self, dataset) -> None:
+        pass
 
     def on_log(self, logs: dict, mode: str) -> None:
         pass
