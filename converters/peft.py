@@ -64,6 +64,7 @@ def apply_lora(
     load_in_4bit: bool = False,
     quantization_config=None,
     load_in_8bit: bool = False,
+    quantize_on: torch.device | None = None,
 ) -> list[str]:
     """Put LoRA (or DoRA) adapters on ``converted.model`` in place; returns the Hub paths adapted.
 
@@ -72,7 +73,8 @@ def apply_lora(
     NF4, or int8 rows) - every linear except the output head, MoE routers and modules_to_save copies (or, with
     ``llm_int8_skip_modules``, every linear its patterns do not name, as transformers chooses) is stored in 4 or 8
     bits before the adapters go on (so DoRA's magnitude starts from the quantized weight, as peft does with
-    bitsandbytes).
+    bitsandbytes); ``quantize_on``: the device the quantized weights go to, each quantized there (None: where the
+    model is).
     Afterwards only the adapters, modules_to_save copies and (per ``bias``) biases require grad.
     """
     settings = lora_settings(settings)
@@ -85,7 +87,7 @@ def apply_lora(
         untie_output_head(model)
     add_trainable_copies(model, plan.copies)
     if quantization is not None:
-        quantize_base(model, quantization, quantized_linears(converted, quantization.skip_modules))
+        quantize_base(model, quantization, quantized_linears(converted, quantization.skip_modules), quantize_on)
     add_lora(model, plan.targets, settings)
     if plan.token_rows is not None:
         add_token_rows(model, plan.token_rows.embedding, plan.token_rows.head, plan.token_rows.head_shares,

@@ -689,3 +689,21 @@ def test_int8_base_computes_peft_over_the_dequantized_rows(fields, checkpoint_di
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32)
     with torch.no_grad():
         assert _max_diff(_logits(merged, ids), _logits(peft_model.eval(), ids)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_host_model_is_quantized_weight_by_weight_on_the_device(bits, checkpoint_dir):
+    """quantize_base(device=...): each weight of a model loaded on the host is moved to the device and quantized
+    there (the meta device stands in for a GPU here), the rest left where it is: the device never holds the
+    full-precision model."""
+    from hfnative.peft import Int8Settings, NF4Settings, quantize_base
+    from hfnative.peft.quantize import is_quantized
+
+    if bits == 4:
+        pytest.importorskip("torchao")
+    converted = load_pretrained(checkpoint_dir("llama-gqa"))
+    done = quantize_base(converted.model, Int8Settings() if bits == 8 else NF4Settings(), device=torch.device("meta"))
+    assert len(done) == 2 * 7
+    quantized = [p for p in converted.model.parameters() if is_quantized(p)]
+    assert len(quantized) == len(done) and all(p.device.type == "meta" for p in quantized)
+    assert all(p.device.type == "cpu" for p in converted.model.parameters() if not is_quantized(p))

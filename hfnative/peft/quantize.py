@@ -271,13 +271,16 @@ def quantizable_linears(model: nn.Module, skip: tuple[str, ...] = ("output",)) -
             and not hasattr(module, "original_weight")]  # a trainable copy (adapters.ORIGINAL_PREFIX)
 
 
-def quantize_base(model: nn.Module, settings, module_names: list[str] | None = None) -> list[str]:
+def quantize_base(model: nn.Module, settings, module_names: list[str] | None = None,
+                  device: torch.device | None = None) -> list[str]:
     """Store frozen nn.Linear weights in 4 or 8 bits (``settings``: NF4Settings or Int8Settings) in place; returns
     the native module names quantized.
 
     module_names: which linears (native names); None -> ``quantizable_linears``. A LoRA layer keeps its adapter and
     gets a quantized base; any other nn.Linear becomes a QuantizedLinear. Stacked expert weights ([E, ...]) are not
-    quantized. A quantized weight is frozen.
+    quantized. A quantized weight is frozen. ``device``: where the quantized weights go, each moved there whole
+    and quantized there one at a time (a model loaded on the host then holds at most one full-precision weight on the
+    device); None: where they are.
     """
     done = []
     for name in quantizable_linears(model) if module_names is None else module_names:
@@ -286,7 +289,9 @@ def quantize_base(model: nn.Module, settings, module_names: list[str] | None = N
             raise ValueError(f"{name} is a {type(module).__name__}, not an nn.Linear: it cannot be quantized")
         if is_quantized(module.weight):
             continue
-        weight = quantized_parameter(settings, module.weight, f"{name}.weight")
+        source = module.weight if device is None else module.weight.to(device)
+        weight = quantized_parameter(settings, source, f"{name}.weight")
+        del source
         if isinstance(module, FrozenLinear):
             module.weight = weight
         else:

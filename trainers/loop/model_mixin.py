@@ -68,7 +68,12 @@ class ModelMixin:
             loaded = load_meta_model(model, self._model_init_kwargs, dropout)
         sharded = loaded is not None
         if loaded is None:
-            loaded = resolve_model(model, self.device, self._model_init_kwargs, dropout)
+            # a base to quantize loads on the host; each weight is quantized on the device (``_add_adapters``), so the
+            # device never holds the full-precision model (what a quantized base is for)
+            from hfnative.peft.settings import is_quantization_requested
+
+            device = torch.device("cpu") if is_quantization_requested(self._model_init_kwargs) else self.device
+            loaded = resolve_model(model, device, self._model_init_kwargs, dropout)
         self.converted: ConvertedModel | None = loaded.converted
         self.native_model: Transformer = loaded.model
         given = isinstance(model, transformers.PreTrainedModel) or fallback._is_peft_model(model)
@@ -245,7 +250,8 @@ class ModelMixin:
         from hfnative.peft.settings import quantization_request
 
         self.lora_settings = lora_settings(self.peft_config)
-        apply_lora(self.converted, self.lora_settings, **quantization_request(self._model_init_kwargs))
+        apply_lora(self.converted, self.lora_settings, **quantization_request(self._model_init_kwargs),
+                   quantize_on=self.device)
 
     def _resize_vocabulary(self, rows: int) -> None:
         """The policy's token rows resized to ``rows``, as TRL's clone_chat_template resizes its model
