@@ -542,6 +542,7 @@ def load_adapter(
     load_in_4bit: bool = False,
     quantization_config=None,
     load_in_8bit: bool = False,
+    quantize_on: torch.device | None = None,
 ) -> LoraSettings:
     """Apply the adapter described by a PEFT folder's adapter_config.json and load its weights; returns
     its settings (to continue training with, and to save with). is_trainable=False freezes it (peft's
@@ -556,7 +557,7 @@ def load_adapter(
         resize_vocabulary(converted.model, rows)
         converted.config.get_text_config().vocab_size = rows
     apply_lora(converted, settings, load_in_4bit=load_in_4bit, quantization_config=quantization_config,
-               load_in_8bit=load_in_8bit)
+               load_in_8bit=load_in_8bit, quantize_on=quantize_on)
     load_adapter_weights(converted, adapter_dir)
     return settings
 

@@ -26,6 +26,7 @@ from hfnative.data import pad_token_id_for
 from hfnative.data.collate import pad_right
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD
+from hfnative.peft.settings import is_quantization_requested
 
 from ..running.construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
@@ -320,8 +321,9 @@ class _TeacherMixin:
         if revision is not None:
             kwargs.setdefault("revision", revision)
         if kwargs and is_model_name(source):
-            loaded = resolve_model(source, self.device, kwargs)
-            quantize_frozen_model(loaded, kwargs, "teacher")  # teacher_model_init_kwargs' load_in_4bit / load_in_8bit
+            quantizing = is_quantization_requested(kwargs)  # then loaded on the host, each weight quantized on the device
+            loaded = resolve_model(source, torch.device("cpu") if quantizing else self.device, kwargs)
+            quantize_frozen_model(loaded, kwargs, "teacher", self.device)  # teacher_model_init_kwargs' load_in_Nbit
             self.objective.auxiliary_models["teacher"] = loaded.converted
         super()._build_auxiliary_models()
 

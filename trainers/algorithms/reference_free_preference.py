@@ -29,6 +29,9 @@ from ..rollout.prompts import stop_token_ids
 
 logger = logging.getLogger(__name__)
 
+# transformers 5's generate() values for sampling settings a generation config leaves unset
+GENERATE_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None, "repetition_penalty": 1.0}
+
 
 class ReferenceFreePreferenceTrainer(Trainer):
     """TRL's experimental ORPOTrainer / CPOTrainer constructor on the one loop (a subclass names its config and
@@ -93,7 +96,6 @@ class ReferenceFreePreferenceObjective(Objective):
     def __init__(self, context):
         super().__init__(context)
         model = context.model
-        self.rollout = None  # generate_during_eval's sampler, made at the first evaluation
         # TRL adds the router's load-balancing loss when the model config asks for router logits
         wants_router_loss = getattr(getattr(model, "config", None), "output_router_logits", False)
         if wants_router_loss and getattr(model.config, "router_aux_loss_coef", 0.0) == 0.0:
@@ -124,11 +126,13 @@ class ReferenceFreePreferenceObjective(Objective):
         rows = [dataset[i] for i in indices]
         prompts = [list(row["chosen_input_ids"][: row["chosen_prompt_length"]]) for row in rows]
         new_tokens = max(1, args.sequence_length_limit - max(len(p) for p in prompts))
-        if self.rollout is None:
-            self.rollout = Rollout(context, self._sampling())
-        sampling = replace(self.rollout.sampling, max_new_tokens=new_tokens,
-                           **self.rollout.row_streams((1 << 42) + step, len(prompts)))
-        completions = self.rollout.sample(prompts, sampling).completion_ids
+        # a sampler for this table alone: its engine, caches and (for a sharded policy) whole replica are let go with
+        # it, not kept through training as a trainer that generates every step keeps them
+        rollout = Rollout(context, self._sampling())
+        sampling = replace(rollout.sampling, max_new_tokens=new_tokens,
+                           **rollout.row_streams((1 << 42) + step, len(prompts)))
+        completions = rollout.sample(prompts, sampling).completion_ids
+        del rollout
         if not context.state.is_world_process_zero:
             return
         import pandas as pd
@@ -152,14 +156,16 @@ class ReferenceFreePreferenceObjective(Objective):
         """transformers' sampling settings for ``generate(do_sample=True)``: the policy's generation config (its
         defaults where it has none), stopping at the tokenizer's and the config's EOS tokens."""
         config = getattr(self.context.model, "generation_config", None) or transformers.GenerationConfig()
-        defaults = transformers.GenerationConfig._get_default_generation_params()  # what generate() fills in
+        defaults = {**GENERATE_DEFAULTS, **getattr(transformers.GenerationConfig, "_get_default_generation_params",
+                                                     dict)()}  # what generate() fills in
 
         def setting(name):
             value = getattr(config, name, None)
-            return defaults[name] if value is None else value
+            return defaults.get(name) if value is None else value
 
         return SamplingParams(max_new_tokens=1, do_sample=True, temperature=setting("temperature"),
-                              top_k=setting("top_k"), top_p=setting("top_p"),
+                              top_k=setting("top_k"), top_p=setting("top_p"), min_p=setting("min_p") or 0.0,
+                              repetition_penalty=setting("repetition_penalty"),
                               eos_token_id=stop_token_ids(self.context.tokenizer, self.context.model))
 
     # --- data -------------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ class ModelMixin:
             from hfnative.peft.settings import is_quantization_requested
 
             device = torch.device("cpu") if is_quantization_requested(self._model_init_kwargs) else self.device
-            loaded = resolve_model(model, device, self._model_init_kwargs, dropout)
+            loaded = resolve_model(model, device, self._model_init_kwargs, dropout, quantize_on=self.device)
         self.converted: ConvertedModel | None = loaded.converted
         self.native_model: Transformer = loaded.model
         given = isinstance(model, transformers.PreTrainedModel) or fallback._is_peft_model(model)
@@ -290,8 +290,9 @@ class ModelMixin:
                 head = self.native_model.get_output_embeddings()
                 if head is not None and head.weight is not tables[0]:
                     tables.append(head.weight)
-                for table in tables:
-                    self.distributed.broadcast(table.data)
+                for table in tables:  # through the run's device (NCCL takes no host tensor: a base to quantize is
+                    # still on the host here)
+                    table.data.copy_(self.distributed.broadcast(table.data.to(self.device)))
         given = self._given_model() if self._given_model is not None else None
         if given is not None:  # the object given as `model` holds the same rows now (the trained ones after train())
             given.resize_token_embeddings(rows, mean_resizing=False)

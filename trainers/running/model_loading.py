@@ -100,10 +100,12 @@ def _trainable_natively(converted: ConvertedModel, dropout_fields: tuple[str, ..
     return converted
 
 
-def resolve_model(model, device: torch.device, model_init_kwargs: dict, dropout_fields: tuple[str, ...] = ()) -> LoadedModel:
+def resolve_model(model, device: torch.device, model_init_kwargs: dict, dropout_fields: tuple[str, ...] = (),
+                  quantize_on: torch.device | None = None) -> LoadedModel:
     """A path / Hub id / PEFT adapter folder / transformers model / peft PeftModel / ConvertedModel /
     Transformer -> the model the trainer runs. An architecture without a native implementation (or a
-    PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``."""
+    PEFT method other than LoRA) runs transformers' own module in a ``TransformersCausalLM``. ``quantize_on``: where an
+    adapter folder's quantized base goes, each weight quantized there (None: ``device``)."""
     from hfnative.converters.peft_surface import PeftSurface
 
     if isinstance(model, PeftSurface):  # a LoRA trainer's trainer.model: the native model under peft's names
@@ -146,7 +148,8 @@ def resolve_model(model, device: torch.device, model_init_kwargs: dict, dropout_
         if overrides:
             raise ValueError(f"model_init_kwargs {sorted(overrides)} with an adapter folder as the model: its base loads "
                              "as the adapter was trained on it; load the base with them and pass a peft_config")
-        return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"))
+        return _from_adapter_folder(model, device, dtype, hub, quantization, kwargs.get("attn_implementation"),
+                                    quantize_on)
     try:
         converted = _trainable_natively(_causal(load_pretrained(model, dtype=dtype, device=device,
                                                                 config_overrides=overrides, **hub)), dropout_fields)
@@ -260,11 +263,12 @@ def _config_of(name_or_path, hub: dict):
     return transformers.AutoConfig.from_pretrained(str(resolve_model_dir(name_or_path, **hub)), trust_remote_code=False)
 
 
-def quantize_frozen_model(loaded, kwargs: dict, role: str) -> None:
+def quantize_frozen_model(loaded, kwargs: dict, role: str, device: torch.device | None = None) -> None:
     """A frozen model (a teacher, a reward model) loaded with ``load_in_4bit`` / ``load_in_8bit`` /
     ``quantization_config`` in its kwargs: its linears stored in 4 or 8 bits as a LoRA policy's base would be (TRL loads
-    such a model quantized by bitsandbytes), in place. ``loaded``: its ConvertedModel (or anything with
-    ``converted``); a model on transformers' modeling code is refused, naming ``role``."""
+    such a model quantized by bitsandbytes), in place, each weight quantized on ``device`` (None: where it is).
+    ``loaded``: its ConvertedModel (or anything with ``converted``); a model on transformers' modeling code is
+    refused, naming ``role``."""
     settings = quantization_settings(**quantization_request(kwargs))
     if settings is None:
         return
@@ -276,7 +280,7 @@ def quantize_frozen_model(loaded, kwargs: dict, role: str) -> None:
     from hfnative.converters.peft import quantized_linears
     from hfnative.peft.quantize import quantize_base
 
-    quantize_base(converted.model, settings, quantized_linears(converted, settings.skip_modules))
+    quantize_base(converted.model, settings, quantized_linears(converted, settings.skip_modules), device)
 
 
 def _refuse_quantization(quantization: dict) -> None:
@@ -288,7 +292,8 @@ def _refuse_quantization(quantization: dict) -> None:
         )
 
 
-def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: dict, attn_implementation) -> LoadedModel:
+def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: dict, attn_implementation,
+                         quantize_on: torch.device | None = None) -> LoadedModel:
     """A PEFT adapter folder: native LoRA when hfnative implements the adapter on a native base, else peft's
     ``PeftModel.from_pretrained`` on transformers' base model. Its adapter keeps training."""
     from hfnative.converters.peft import load_adapter
@@ -304,7 +309,7 @@ def _from_adapter_folder(adapter_dir, device, dtype, hub: dict, quantization: di
         except UnsupportedModelError as error:
             reason = str(error)
         else:
-            settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization)
+            settings = load_adapter(converted, adapter_dir, is_trainable=True, **quantization, quantize_on=quantize_on)
             return LoadedModel(converted.model, converted, settings, base)
     _refuse_quantization(quantization)
     refusal = fallback_loading.fallback_refusal(_config_of(base, hub))
