@@ -232,6 +232,8 @@ def test_generate_during_eval_logs_trls_game_log(name, tmp_path, monkeypatch):
                                                   eval_dataset=Dataset.from_list(rows[:4]))
     trainer.train()
     assert len(tables) == len(calls) == STEPS  # one evaluation a step
+    trainer.predict(Dataset.from_list(rows[:4]))  # predict() logs one too, as TRL's (its evaluation loop)
+    assert len(tables) == len(calls) == STEPS + 1
     prompts = {r["prompt"] for r in rows[:4]}
     tokenized = {tuple(trainer.processing_class(p, add_special_tokens=False)["input_ids"]) for p in prompts}
     generation = trainer.model.generation_config

@@ -18,6 +18,7 @@ import transformers
 
 from hfnative.data.paired_preference import PairedPreferenceCollator, prepare_paired_preference_dataset
 from hfnative.generation.sampling import SamplingParams
+from hfnative.log_once import warn_once
 from hfnative.losses.preference import sft_loss
 from hfnative.models.attention import transformers_padding_plan
 from hfnative.models.head import TokenLogprobs
@@ -118,7 +119,14 @@ class ReferenceFreePreferenceObjective(Objective):
         up to ``max_length`` tokens with the longest prompt), and the table ``game_log`` (Prompt, Policy: the texts
         without special tokens) logged to W&B and Comet when ``report_to`` names them (by the first rank)."""
         args, context = self.args, self.context
-        if not args.generate_during_eval or dataset is None or len(dataset) == 0:
+        if not args.generate_during_eval or dataset is None:
+            return
+        if not hasattr(dataset, "__len__") or "chosen_prompt_length" not in (getattr(dataset, "column_names", None) or []):
+            warn_once(logger, "generate_during_eval: this evaluation's dataset is not the prepared rows the trainer "
+                             f"draws prompts from ({type(dataset).__name__}: a stream, or a loader of your own); "
+                             "game_log is logged for prepared map-style eval datasets only")
+            return
+        if len(dataset) == 0:
             return
         step = context.state.global_step
         indices = random.Random(args.seed * 1_000_003 + step).sample(range(len(dataset)), min(args.eval_batch_size,

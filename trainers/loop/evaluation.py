@@ -84,9 +84,8 @@ class EvaluationMixin:
                 metrics.update(self.evaluate(dataset if given else name, ignore_keys, f"{metric_key_prefix}_{name}"))
             return metrics
         self._memory_tracker.start()
-        dataset = self._dataset_to_evaluate(eval_dataset)
-        self.objective.evaluation_starts(dataset)
-        dataloader = self.get_eval_dataloader(dataset)
+        dataloader = self.get_eval_dataloader(self._dataset_to_evaluate(eval_dataset))
+        self.objective.evaluation_starts(getattr(dataloader, "dataset", None))
         self.callback_handler.eval_dataloader = dataloader
         # prediction_loss_only: the loss alone, compute_metrics not called (as transformers' evaluation loop)
         want_predictions = self.compute_metrics is not None and not self.args.prediction_loss_only
@@ -113,6 +112,7 @@ class EvaluationMixin:
                              "every sequence's logits; set prediction_loss_only=True for the loss alone, or cp_size=1")
         self._memory_tracker.start()
         dataloader = self.get_test_dataloader(test_dataset)
+        self.objective.evaluation_starts(getattr(dataloader, "dataset", None))
         predictions, label_ids, metrics = self._prediction_loop(dataloader, not self.args.prediction_loss_only,
                                                                  predicting=True)
         self._metrics["eval"].pop(self._reduce_metrics)  # the objective's evaluation metrics belong to evaluate()

@@ -26,7 +26,8 @@ and in evaluation and logging:
   eval_batch(batch)                              an evaluation batch before the loss (e.g. generate completions)
   has_eval_loss(inputs) / eval_outputs(...)      whether a batch has a loss; logits and labels for compute_metrics
   samples_in_batch(inputs)                       dataset rows in a batch (a preference row is two sequences)
-  evaluation_starts(dataset)                     before an evaluate() pass over ``dataset`` (prepared)
+  evaluation_starts(dataset)                     before an evaluate() / predict() pass over ``dataset`` (the
+                                                 evaluation loader's, prepared; None where it has none)
   on_log(logs, mode)                             add to (or act on) each log, e.g. a rollout queue's metrics
   after_log(logs, mode)                          after the log reached the callbacks (W&B, trackio: their runs
                                                  started), e.g. log a table beside the metrics
