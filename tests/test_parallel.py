@@ -202,3 +202,29 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
     check_tensor_parallel(_meta_model(moe=MoEArgs(num_experts=4, top_k=2, intermediate_size=16)), 2)
     with pytest.raises(ValueError, match=r"qk_norm_scope='projection'"):
         check_tensor_parallel(_meta_model(qk_norm=True, qk_norm_scope="projection"), 2)
+
+
+@pytest.mark.parametrize("adapter, message", [
+    (dict(), None),  # LoRA is split with its weights (tests/_distributed_train_worker.py's fsdp2xtp2-lora)
+    (dict(use_dora=True), "a DoRA layer"),
+    (dict(quantized=True), "a LoRA layer over a quantized base"),
+    (dict(shared=True), "whose lora_A other layers share"),
+])
+def test_tensor_parallel_splits_lora_and_refuses_what_it_cannot(adapter, message):
+    from hfnative.parallel import check_tensor_parallel
+    from hfnative.peft import Int8Settings, quantize_base
+    from hfnative.peft.adapters import LoraTarget, add_lora
+    from hfnative.peft.settings import LoraSettings
+
+    model = Transformer(ModelArgs(**{**dict(vars(_meta_model().args))}))  # on the host: DoRA's norm reads the weight
+    if adapter.get("quantized"):
+        quantize_base(model, Int8Settings(), ["layers.0.attention.wq"])
+    add_lora(model, [LoraTarget(("layers.0.attention.wq",), 2, 4), LoraTarget(("layers.0.attention.wo",), 2, 4)],
+             LoraSettings(r=2, lora_alpha=4, use_dora=adapter.get("use_dora", False)))
+    if adapter.get("shared"):
+        model.layers[0].attention.wo.lora_A = model.layers[0].attention.wq.lora_A
+    if message is None:
+        check_tensor_parallel(model, 2)
+        return
+    with pytest.raises(ValueError, match=message):
+        check_tensor_parallel(model, 2)

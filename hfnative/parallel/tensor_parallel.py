@@ -10,7 +10,8 @@ share of the heads / hidden units, and reduce-scatters back to the sequence spli
                      over the sequence
     *_norm, norm     sequence parallel (weights replicated, as DTensors, so their gradients are summed)
     attention        wq, wk, wv column-split (H/P query and K/P key/value heads per rank), wo row-split;
-                     q/k norms over head_dim run on the local heads
+                     q/k norms over head_dim run on the local heads; a LoRA layer's adapter is split with its
+                     weight (ColwiseParallelLora, RowwiseParallelLora)
     feed_forward     w1, w3 column-split, w2 row-split
     output           rows (vocabulary) split: the losses run vocabulary-parallel (hfnative.losses.vocab_parallel)
                      on the gathered hidden states, so no rank holds full-vocabulary logits; plain logits
@@ -42,6 +43,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from hfnative.peft.lora import LoraLinear
+from hfnative.peft.quantize import is_quantized
 from hfnative.peft.token_rows import has_token_rows
 from hfnative.losses import IGNORE_INDEX
 from hfnative.losses.vocab_parallel import (
@@ -68,11 +71,22 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
         )
     if args.attention_sinks:
         problems.append("attention sinks are not split by tensor parallelism yet")
+    shared_lora_A = _shared_lora_A(model)
     for name, module in model.named_modules():
-        if (name.rsplit(".", 1)[-1] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") and type(module) is not nn.Linear
-                and not is_float8_linear(module)):
+        if name.rsplit(".", 1)[-1] not in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            continue
+        if isinstance(module, LoraLinear):
+            why = ("a DoRA layer (its weight norm would need the whole rows across ranks)"
+                   if module.lora_magnitude_vector is not None else
+                   "a LoRA layer over a quantized base (kept whole on every rank)" if is_quantized(module.weight) else
+                   "a LoRA layer whose lora_A other layers share (a fused Hub projection's)"
+                   if id(module.lora_A) in shared_lora_A else None)
+            if why is not None:
+                problems.append(f"{name} is {why}: not split by tensor parallelism")
+                break
+        elif type(module) is not nn.Linear and not is_float8_linear(module):
             problems.append(
-                f"{name} is a {type(module).__name__}, not an nn.Linear (adapters and quantized layers are not split)"
+                f"{name} is a {type(module).__name__}, not an nn.Linear (quantized layers are not split)"
             )
             break
     if any(getattr(module, "lora", None) is not None for module in model.modules() if hasattr(module, "w1")):
@@ -81,6 +95,55 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
         problems.append("trained token rows (trainable_token_indices) are not split with the vocabulary")
     if problems:
         raise ValueError(f"tensor parallelism over tp={tp} ranks cannot split this model: " + "; ".join(problems))
+
+
+def _shared_lora_A(model: nn.Module) -> set[int]:
+    """ids of the lora_A matrices more than one LoRA layer holds."""
+    seen, shared = set(), set()
+    for module in model.modules():
+        if isinstance(module, LoraLinear):
+            key = id(module.lora_A)
+            (shared if key in seen else seen).add(key)
+    return shared
+
+
+def _split_parameters(module: nn.Module, device_mesh: DeviceMesh, placements: dict, src_data_rank) -> None:
+    """Each of ``module``'s own parameters named in ``placements`` made a DTensor with that placement, in place."""
+    for name, placement in placements.items():
+        param = getattr(module, name, None)
+        if param is None:
+            continue
+        module.register_parameter(name, nn.Parameter(
+            distribute_tensor(param, device_mesh, [placement], src_data_rank=src_data_rank),
+            requires_grad=param.requires_grad))
+
+
+class ColwiseParallelLora(ColwiseParallel):
+    """torch's ColwiseParallel, and for a LoRA layer (hfnative.peft.LoraLinear) the adapter split with it: lora_A
+    [r, in] replicated (every rank reads the whole input), lora_B [out, r] split by rows like the weight, so the
+    update lands on this rank's output columns."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if not isinstance(module, nn.Linear):  # a LoRA layer's own submodules (its dropout): nothing to split
+            return None
+        if not isinstance(module, LoraLinear):
+            return super()._partition_linear_fn(name, module, device_mesh)
+        _split_parameters(module, device_mesh, {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
+                                                "lora_B": Shard(0)}, self.src_data_rank)
+
+
+class RowwiseParallelLora(RowwiseParallel):
+    """torch's RowwiseParallel, and for a LoRA layer the adapter split with it: lora_A [r, in] split by columns like
+    the weight (each rank's share of the input gives a partial [tokens, r], summed with the base's partial output),
+    lora_B [out, r] replicated."""
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        if not isinstance(module, nn.Linear):  # a LoRA layer's own submodules (its dropout): nothing to split
+            return None
+        if not isinstance(module, LoraLinear):
+            return super()._partition_linear_fn(name, module, device_mesh)
+        _split_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
+                                                "lora_B": Replicate()}, self.src_data_rank)
 
 
 class _GatherSequence(ParallelStyle):
@@ -268,19 +331,19 @@ def _local_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {
         "attention": _GatherSequence(),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wq": ColwiseParallelLora(),
+        "attention.wk": ColwiseParallelLora(),
+        "attention.wv": ColwiseParallelLora(),
+        "attention.wo": RowwiseParallelLora(output_layouts=Shard(1)),
     }
     if block.moe is not None:
         plan["moe"] = RoutedOnLocalTokens()
     else:
         plan.update({
             "feed_forward": _GatherSequence(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w1": ColwiseParallelLora(),
+            "feed_forward.w2": RowwiseParallelLora(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallelLora(),
         })
     for norm in ("attention_norm", "post_attention_norm", "ffn_norm", "post_ffn_norm"):
         if getattr(block, norm) is not None:
@@ -301,6 +364,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     over the sequence, and ``model.output`` runs the losses vocabulary-parallel."""
     tp = tp_mesh.size()
     check_tensor_parallel(model, tp)
+    # the styles make new parameters (torch's SequenceParallel, the embedding's and head's here) trainable; a frozen
+    # one (a LoRA run's norms, embedding, base weights) stays frozen
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     tied_head = model.output.base_projection() is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": VocabParallelEmbedding(),
@@ -315,6 +381,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         # the attention reshapes its projections by its head counts: each rank now holds 1/tp of the heads
         block.attention.n_heads //= tp
         block.attention.n_kv_heads //= tp
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     return model
 
 
