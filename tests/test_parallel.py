@@ -209,6 +209,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
     (dict(use_dora=True), "a DoRA layer"),
     (dict(quantized=True), "a LoRA layer over a quantized base"),
     (dict(shared=True), "whose lora_A other layers share"),
+    (dict(copy=True), r"modules_to_save \['embed_tokens'\]"),
 ])
 def test_tensor_parallel_splits_lora_and_refuses_what_it_cannot(adapter, message):
     from hfnative.parallel import check_tensor_parallel
@@ -223,6 +224,10 @@ def test_tensor_parallel_splits_lora_and_refuses_what_it_cannot(adapter, message
              LoraSettings(r=2, lora_alpha=4, use_dora=adapter.get("use_dora", False)))
     if adapter.get("shared"):
         model.layers[0].attention.wo.lora_A = model.layers[0].attention.wq.lora_A
+    if adapter.get("copy"):
+        from hfnative.peft.adapters import add_trainable_copies
+
+        add_trainable_copies(model, ["tok_embeddings.weight"])
     if message is None:
         check_tensor_parallel(model, 2)
         return

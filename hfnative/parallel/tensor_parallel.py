@@ -76,7 +76,7 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
         if name.rsplit(".", 1)[-1] not in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
             continue
         if isinstance(module, LoraLinear):
-            why = ("a DoRA layer (its weight norm would need the whole rows across ranks)"
+            why = ("a DoRA layer (its weight norm is not split with the weight)"
                    if module.lora_magnitude_vector is not None else
                    "a LoRA layer over a quantized base (kept whole on every rank)" if is_quantized(module.weight) else
                    "a LoRA layer whose lora_A other layers share (a fused Hub projection's)"
@@ -89,6 +89,11 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
                 f"{name} is a {type(module).__name__}, not an nn.Linear (quantized layers are not split)"
             )
             break
+    copies = [name for name, module in (("embed_tokens", model.tok_embeddings), ("lm_head", model.output))
+              if hasattr(module, "original_weight")]  # modules_to_save: a trained copy beside the original
+    if copies:
+        problems.append(f"modules_to_save {copies} (a trained copy of the vocabulary matrix beside its original, which "
+                        "turning the adapters off reads) is not split by tensor parallelism")
     if any(getattr(module, "lora", None) is not None for module in model.modules() if hasattr(module, "w1")):
         problems.append("LoRA on stacked MoE experts (target_parameters) is not replicated over the ranks")
     if has_token_rows(model):
@@ -387,5 +392,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-__all__ = ["LossParallelHead", "ReplicatedScoreHead", "RoutedOnLocalTokens", "VocabParallelEmbedding", "apply_tensor_parallel",
-           "check_tensor_parallel"]
+__all__ = ["ColwiseParallelLora", "LossParallelHead", "ReplicatedScoreHead", "RoutedOnLocalTokens", "RowwiseParallelLora",
+           "VocabParallelEmbedding", "apply_tensor_parallel", "check_tensor_parallel"]

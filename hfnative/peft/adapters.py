@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from hfnative.models.moe import adapted_experts
 
@@ -261,6 +262,9 @@ def _tied_head_diverged(model: nn.Module) -> bool:
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight (peft's merge_and_unload), dequantize quantized (NF4, int8) weights,
     keep trained copies as the weights, and make every parameter trainable again; returns the plain model."""
+    if any(isinstance(p, DTensor) for module in lora_modules(model).values() for p in module.parameters(recurse=False)):
+        raise ValueError("merge_lora on a parallelized model (its adapters are split over ranks): merge on a model "
+                         "gathered to one process, e.g. save_model() then merge the saved adapter into the base")
     if _tied_head_diverged(model):
         raise ValueError(
             "the model ties its output head to the embedding, but modules_to_save trained the two apart "
