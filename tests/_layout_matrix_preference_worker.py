@@ -42,6 +42,9 @@ CELLS = {
     "dpo-tp2": ("dpo", "tp2", "dense", dict(loss_type=["sigmoid", "sft"], use_weighting=True, eval_strategy="steps",
                                              eval_steps=3)),
     "dpo-fsdp2xtp2": ("dpo", "fsdp2xtp2", "dense", {}),
+    # LoRA under TP: the adapters split with their weights, the reference the base with the adapters off
+    "dpo-lora-tp2": ("dpo", "tp2", "dense", dict(peft=dict(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]))),
     "dpo-cp2": ("dpo", "cp2", "dense", dict(loss_type=["sigmoid", "sft", "ipo"], loss_weights=[1.0, 0.5, 0.1],
                                              ld_alpha=0.5, use_weighting=True, eval_strategy="steps", eval_steps=3)),
     # the shipped model as the reference: rewards at the first step are not fp32 noise around 0 (policy = reference)
@@ -104,9 +107,10 @@ def trainer_for(cell: str, output_dir: str, models_dir: str, ranks: int, layout:
     evaluating = settings.get("eval_strategy", "no") != "no"
     if algorithm == "dpo":
         ref_model = DENSE["student"] if settings.pop("ref_model", None) == "shipped" else None
+        peft = settings.pop("peft", None)
         args = hfnative.DPOConfig(**common, max_length=settings.pop("max_length", 48), beta=0.1, **settings)
         data = rows("preference.jsonl", 40)
-        return hfnative.DPOTrainer(model=student, ref_model=ref_model, args=args,
+        return hfnative.DPOTrainer(model=student, ref_model=ref_model, args=args, peft_config=peft,
                                    train_dataset=Dataset.from_list(data[:32]),
                                    eval_dataset=Dataset.from_list(data[32:]) if evaluating else None)
     if algorithm == "gkd":
