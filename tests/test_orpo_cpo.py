@@ -220,7 +220,12 @@ def test_generate_during_eval_logs_trls_game_log(name, tmp_path, monkeypatch):
 
     tables = []  # the tables made for W&B (wandb.init, which the W&B callback calls, rebinds wandb.log)
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    monkeypatch.setattr(wandb, "Table", lambda dataframe: tables.append(dataframe) or dataframe)
+    class RecordedTable(wandb.Table):  # a wandb.Table still (W&B's own code checks the type of what it logs)
+        def __init__(self, *args, dataframe=None, **kwargs):
+            tables.append(dataframe)
+            super().__init__(*args, dataframe=dataframe, **kwargs)
+
+    monkeypatch.setattr(wandb, "Table", RecordedTable)
     calls, sample = [], Rollout.sample
     monkeypatch.setattr(Rollout, "sample", lambda self, prompts, sampling, model=None: calls.append((prompts, sampling))
                         or sample(self, prompts, sampling, model))
