@@ -273,8 +273,10 @@ def test_an_8bit_teacher_matches_trls_bitsandbytes_teacher(monkeypatch, tmp_path
 
 
 def _on_policy_logs(tmp_path, seed: int) -> list[dict]:
+    # log_completions on the real sampled path too (its tables are compared with TRL's on fixed completions above)
     trainer = _distill(hfnative, tmp_path, _rows("sft_prompt_completion.jsonl", 8), max_steps=2, seed=seed,
-                       per_device_train_batch_size=2, gradient_accumulation_steps=2, max_completion_length=6)
+                       per_device_train_batch_size=2, gradient_accumulation_steps=2, max_completion_length=6,
+                       log_completions=True, num_completions_to_print=0)
     trainer.train()
     return _losses(trainer)
 

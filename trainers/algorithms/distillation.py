@@ -14,7 +14,6 @@ on the student's live weights (LoRA included), seeded, so a run is reproducible.
 from __future__ import annotations
 
 import inspect
-import os
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,18 +25,17 @@ from hfnative.data import pad_token_id_for
 from hfnative.data.collate import pad_right
 from hfnative.models.decoder import Transformer
 from hfnative.models.head import GeneralizedJSD
-from hfnative.peft.settings import is_quantization_requested
 
 from ..running.construction import config_dict, is_model_name
 from .distillation_config import DistillationConfig
 from .reference_model import frozen_for_autocast
-from ..running.model_loading import quantize_frozen_model, resolve_model
+from ..running.model_loading import loading_device, quantize_frozen_model, resolve_model
 from ..loop.objective import LanguageModelingObjective
 from .sft import mirror_pad_token
 from ..rollout.prompts import sampling_params, stop_token_ids, tokenize_prompts
 from ..rollout.component import Rollout
 from ..rollout.batches import completion_batch, completion_length_metrics
-from ..rollout.completion_log import TextCompletionLog, publish_completions
+from ..rollout.completion_log import TextCompletionLog, completions_folder, publish_completions
 from ..rollout.tool_calling import tool_calling_for
 from ..loop.trainer import Trainer
 
@@ -227,7 +225,7 @@ class OnPolicyDistillationObjective(_DistillationObjective):
             self.completion_log = TextCompletionLog(
                 args.per_device_train_batch_size * context.data_parallel.size * args.gradient_accumulation_steps)
             if context.rank == 0:
-                os.makedirs(os.path.join(args.output_dir, "completions"), exist_ok=True)  # made with the trainer
+                completions_folder(args.output_dir)  # made with the trainer, as TRL
 
     # the collated batches are prompts; the completion batches built from them are split under context parallel
     split_collated_batches = False
@@ -321,8 +319,7 @@ class _TeacherMixin:
         if revision is not None:
             kwargs.setdefault("revision", revision)
         if kwargs and is_model_name(source):
-            quantizing = is_quantization_requested(kwargs)  # then loaded on the host, each weight quantized on the device
-            loaded = resolve_model(source, torch.device("cpu") if quantizing else self.device, kwargs)
+            loaded = resolve_model(source, loading_device(kwargs, self.device), kwargs)
             quantize_frozen_model(loaded, kwargs, "teacher", self.device)  # teacher_model_init_kwargs' load_in_Nbit
             self.objective.auxiliary_models["teacher"] = loaded.converted
         super()._build_auxiliary_models()

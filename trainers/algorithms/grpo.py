@@ -40,7 +40,7 @@ from hfnative.losses.policy import (
     weighted_rewards,
 )
 from ..loop.arguments import LIGER_DEPRECATION
-from ..rollout.completion_log import CompletionLog, CompletionsUpload, publish_completions
+from ..rollout.completion_log import CompletionLog, CompletionsUpload, completions_folder, publish_completions
 from ..running.construction import config_dict, is_model_name
 from .entropy_control import EntropyBonus
 from .grpo_config import GRPOConfig, check_run_settings
@@ -157,8 +157,7 @@ class GRPOObjective(GenerationBatches, Objective):
             logger.warning("log_completions_hub_repo=%r pushes the completions tables that log_completions=True "
                            "writes; with log_completions=False nothing is pushed", args.log_completions_hub_repo)
         if args.log_completions and self.writes_completion_files and context.rank == 0:
-            folder = os.path.join(args.output_dir, "completions")
-            os.makedirs(folder, exist_ok=True)  # made with the trainer, as TRL
+            folder = completions_folder(args.output_dir)  # made with the trainer, as TRL
             if getattr(args, "log_completions_hub_repo", None):
                 self.completions_upload = CompletionsUpload(
                     args.log_completions_hub_repo, folder, args.hub_private_repo, args.hub_token,

@@ -27,7 +27,7 @@ from hfnative.parallel import apply_activation_checkpointing, apply_compile
 from hfnative.parallel.float8 import apply_float8_training
 
 from ..running.float8_plan import float8_training
-from ..running.model_loading import load_meta_model, load_sharded, resolve_model
+from ..running.model_loading import load_meta_model, load_sharded, loading_device, resolve_model
 from ..running.parallel_plan import compile_settings
 
 logger = logging.getLogger(__name__)
@@ -68,12 +68,9 @@ class ModelMixin:
             loaded = load_meta_model(model, self._model_init_kwargs, dropout)
         sharded = loaded is not None
         if loaded is None:
-            # a base to quantize loads on the host; each weight is quantized on the device (``_add_adapters``), so the
-            # device never holds the full-precision model (what a quantized base is for)
-            from hfnative.peft.settings import is_quantization_requested
-
-            device = torch.device("cpu") if is_quantization_requested(self._model_init_kwargs) else self.device
-            loaded = resolve_model(model, device, self._model_init_kwargs, dropout, quantize_on=self.device)
+            # a base to quantize loads on the host, each weight quantized on the device (``_add_adapters``)
+            loaded = resolve_model(model, loading_device(self._model_init_kwargs, self.device), self._model_init_kwargs,
+                                   dropout, quantize_on=self.device)
         self.converted: ConvertedModel | None = loaded.converted
         self.native_model: Transformer = loaded.model
         given = isinstance(model, transformers.PreTrainedModel) or fallback._is_peft_model(model)

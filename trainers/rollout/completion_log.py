@@ -106,6 +106,13 @@ class CompletionsUpload:
                            self.scheduler.repo_id, type(error).__name__, error)
 
 
+def completions_folder(output_dir: str) -> str:
+    """``output_dir/completions``, made if need be: where the tables are written (TRL makes it with the trainer)."""
+    folder = os.path.join(output_dir, "completions")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
 def completions_table(logged: dict, step: int) -> dict[str, list]:
     """TRL's columns: step, prompt, completion, then (where logged) each reward function's reward, the reward
     functions' own columns (None where a row has no value) and the advantage."""
@@ -130,9 +137,7 @@ def publish_completions(logged: dict, step: int, args, write_file: bool = True) 
     print_completions(logged, step, args.num_completions_to_print)
     frame = pd.DataFrame(completions_table(logged, step))
     if write_file:
-        folder = os.path.join(args.output_dir, "completions")
-        os.makedirs(folder, exist_ok=True)
-        _write_parquet(frame, os.path.join(folder, f"completions_{step:05d}.parquet"))
+        _write_parquet(frame, os.path.join(completions_folder(args.output_dir), f"completions_{step:05d}.parquet"))
     backends = []
     if args.report_to and "wandb" in args.report_to:
         import wandb

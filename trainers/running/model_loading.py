@@ -263,6 +263,12 @@ def _config_of(name_or_path, hub: dict):
     return transformers.AutoConfig.from_pretrained(str(resolve_model_dir(name_or_path, **hub)), trust_remote_code=False)
 
 
+def loading_device(kwargs: dict, device: torch.device) -> torch.device:
+    """Where a model with ``kwargs`` loads before it is placed on ``device``: the host when they ask for a quantized
+    base (each weight is then quantized on ``device``, which never holds the full-precision model), else ``device``."""
+    return torch.device("cpu") if is_quantization_requested(kwargs) else device
+
+
 def quantize_frozen_model(loaded, kwargs: dict, role: str, device: torch.device | None = None) -> None:
     """A frozen model (a teacher, a reward model) loaded with ``load_in_4bit`` / ``load_in_8bit`` /
     ``quantization_config`` in its kwargs: its linears stored in 4 or 8 bits as a LoRA policy's base would be (TRL loads
