@@ -35,11 +35,14 @@ LAYOUTS = {
 }
 
 # name -> (layout, model ("dense": MODELS_DIR/policy against MODELS_DIR/reference as ref_model; "moe": MODELS_DIR/moe
-# against a frozen copy of itself), settings)
+# against a frozen copy of itself; "lora": MODELS_DIR/policy with new LoRA adapters against its base, the adapters
+# off), settings)
 CELLS = {
     "kto-fsdp2": ("fsdp2", "dense", dict(loss_type="kto", gradient_accumulation_steps=2)),
     "apo-zero-ddp-moe": ("ddp", "moe", dict(loss_type="apo_zero_unpaired", undesirable_weight=1.5)),
     "kto-tp2": ("tp2", "dense", dict(loss_type="kto")),
+    # the adapters split with their weights (both splits), the reference read through the same split modules
+    "kto-lora-tp2": ("tp2", "lora", dict(loss_type="kto")),
 }
 
 
@@ -68,8 +71,14 @@ def trainer_for(cell: str, output_dir: str, models_dir: str, ranks: int, layout:
     else:
         data = Dataset.from_list(data)
     model, ref_model = (str(Path(models_dir) / "policy"), str(Path(models_dir) / "reference")) if kind == "dense" else (str(Path(models_dir) / "moe"), None)
+    peft_config = None
+    if kind == "lora":
+        from peft import LoraConfig
+
+        model, ref_model = str(Path(models_dir) / "policy"), None
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
     return hfnative.KTOTrainer(model=model, ref_model=ref_model, args=hfnative.KTOConfig(**common, **settings),
-                               train_dataset=data, processing_class=tokenizer)
+                               train_dataset=data, processing_class=tokenizer, peft_config=peft_config)
 
 
 def main(output_dir: str, models_dir: str, cells: list[str]) -> None:

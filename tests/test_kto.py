@@ -345,7 +345,7 @@ def layout_logs(models, tmp_path_factory):
     return worker, out, models_dir
 
 
-@pytest.mark.parametrize("cell", ["kto-fsdp2", "apo-zero-ddp-moe", "kto-tp2"])
+@pytest.mark.parametrize("cell", ["kto-fsdp2", "apo-zero-ddp-moe", "kto-tp2", "kto-lora-tp2"])
 def test_layout_trains_like_one_process(layout_logs, cell, tmp_path):
     worker, out, models_dir = layout_logs
     layout, _, _ = worker.CELLS[cell]

@@ -205,7 +205,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
 
 
 @pytest.mark.parametrize("adapter, message", [
-    (dict(), None),  # LoRA is split with its weights (tests/_distributed_train_worker.py's fsdp2xtp2-lora)
+    (dict(), None),  # LoRA is split with its weights (tests/_distributed_train_worker.py's fsdp2xtp2-lora-compiled)
     (dict(use_dora=True), "a DoRA layer"),
     (dict(quantized=True), "a LoRA layer over a quantized base"),
     (dict(shared=True), "whose lora_A other layers share"),

@@ -41,6 +41,8 @@ TWO_PROCESS_RUNS = [
     # a LoRA policy: each rank decodes a replica with the adapters folded in (on a MoE policy: the stacked experts'
     # adapters too, their sharded factors gathered)
     "grpo-fsdp2-lora", "grpo-fsdp2-moelora",
+    # LoRA under TP: the adapters split with their weights, the reference the base with the adapters off
+    "grpo-tp2-lora",
 ]
 FOUR_PROCESS_RUNS = ["grpo-fsdp2xtp2-dense", "rloo-fsdp2xtp2-dense"]
 
