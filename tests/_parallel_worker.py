@@ -512,6 +512,53 @@ def refusals_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
     return messages
 
 
+def kept_bytes_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
+    """A TP2 model with LoRA on its query and value projections, checkpointed keeping the attention and the query,
+    value and gate projections' results: the bytes one forward keeps on this rank (local tensors) against
+    ``kept_bytes_per_token``'s estimate for a rank (its sequence shard's tokens times the whole widths), and how many
+    LoRA base products (their ``addmm``'s addends only) were let go."""
+    from hfnative.models import selective_checkpoint
+
+    converted = meta_model(refs.model_dirs["untied"])
+    add_adapters(converted.model)
+    parallelize(converted.model, dims, mesh, activation_checkpointing="full",
+                checkpoint_keeps="attention_and_projections")
+    load_sharded(converted, "cpu")
+    init_adapters(converted.model)
+    model = converted.model.train()
+
+    def local_bytes(value) -> int:
+        return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * t.element_size()
+                   for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+    counted = {"bytes": 0, "let_go": 0}
+    keep, unread = selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread
+
+    def recording(mode, func, out):
+        keep(mode, func, out)
+        counted["bytes"] += local_bytes(mode.kept[-1][1])
+
+    def letting_go(mode, addend):
+        before = [kept for _, kept, _ in mode.kept]
+        unread(mode, addend)
+        for was, (_, now, _) in zip(before, mode.kept):
+            if now is not was:
+                counted["bytes"] -= local_bytes(was)
+                counted["let_go"] += 1
+
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(3))
+    selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread = recording, letting_go
+    try:
+        out = model(input_ids=ids, labels=ids)
+    finally:
+        selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread = keep, unread
+    out.loss.backward()
+    estimate = ids.numel() // dims.tp * sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections", 4)
+                                            for block in model.layers)
+    return {**counted, "estimate": estimate, "lora_layers": sum("lora_B" in name for name, _ in model.named_parameters()),
+            "finite_loss": bool(torch.isfinite(out.loss.detach()).item())}
+
+
 def record(results: dict, name: str, fn) -> None:
     started = time.perf_counter()
     try:
@@ -573,6 +620,7 @@ def main(output_dir: str, models_dir: str) -> None:
         tp2_mesh = tp2.build_mesh("cpu")
         record(results, "refusals under TP2", lambda: refusals_under_tp(refs, tp2, tp2_mesh))
         record(results, "head losses through the TP2 head", lambda: head_losses_under_tp(refs, tp2, tp2_mesh))
+        record(results, "kept bytes under TP2 with LoRA", lambda: kept_bytes_under_tp(refs, tp2, tp2_mesh))
     Path(output_dir, f"world{world}-rank{rank}.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
     end_process_group()

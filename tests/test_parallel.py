@@ -166,6 +166,17 @@ def test_head_losses_through_the_tensor_parallel_head_match_one_process(measured
                 _assert_matches(rank, case, numbers)
 
 
+def test_the_kept_bytes_estimate_is_what_a_tensor_parallel_lora_block_keeps(measured):
+    """Selectively checkpointed under TP2 with LoRA on the query and value projections: each LoRA layer's base product
+    (its up-projection ``addmm``'s addend only, a DTensor) is let go, and ``kept_bytes_per_token`` (which the GPU
+    policy's default weighs against the free memory) equals the bytes a rank keeps, the adapter products whole on
+    every rank."""
+    for rank, result in enumerate(_per_rank(measured, 2, "kept bytes under TP2 with LoRA")):
+        assert result["finite_loss"], rank
+        assert result["let_go"] == result["lora_layers"] == 4, (rank, result)
+        assert result["bytes"] == result["estimate"], (rank, result)
+
+
 # --- without processes: sizes and refusals ---------------------------------------------------------
 
 

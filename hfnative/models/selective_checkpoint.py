@@ -52,6 +52,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as _module_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
@@ -109,14 +110,33 @@ class _KeptResults(TorchDispatchMode):
 
 class _Unread:
     """In place of a kept result that the recompute hands on to no op it runs (the addend of a kept ``addmm``, which
-    the recompute is handed back too): its layout, for an uninitialized tensor of it there."""
+    the recompute is handed back too): its layout, for an uninitialized tensor of it there (a tensor-parallel
+    layer's: a DTensor of the same placements over an uninitialized local tensor)."""
 
     def __init__(self, tensor: torch.Tensor):
-        self.shape, self.stride = tensor.shape, tensor.stride()
-        self.dtype, self.device = tensor.dtype, tensor.device
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        self.shape, self.stride = local.shape, local.stride()
+        self.dtype, self.device = local.dtype, local.device
+        self.spec = (tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()) if isinstance(
+            tensor, DTensor) else None
 
     def tensor(self) -> torch.Tensor:
-        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        local = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        if self.spec is None:
+            return local
+        mesh, placements, shape, stride = self.spec
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _same_memory(kept, addend) -> bool:
+    """Whether ``kept`` (a kept result) is ``addend``: the same memory and layout (for DTensors, their local tensors',
+    and the same placements)."""
+    if isinstance(kept, DTensor) and isinstance(addend, DTensor):
+        if kept.placements != addend.placements or kept.shape != addend.shape:
+            return False
+        kept, addend = kept._local_tensor, addend._local_tensor
+    return (type(kept) is torch.Tensor and type(addend) is torch.Tensor and kept.data_ptr() == addend.data_ptr()
+            and kept.shape == addend.shape and kept.stride() == addend.stride())
 
 
 class _Keep(_KeptResults):
@@ -144,8 +164,7 @@ class _Keep(_KeptResults):
         """The result kept in this call that is ``addend`` (the same memory and layout), if any, kept as its layout."""
         for index in range(len(self.kept) - 1, self.addends_from - 1, -1):
             func, kept, _ = self.kept[index]
-            if (type(kept) is torch.Tensor and kept.data_ptr() == addend.data_ptr()
-                    and kept.shape == addend.shape and kept.stride() == addend.stride()):
+            if _same_memory(kept, addend):
                 self.kept[index] = (func, _Unread(kept), [])
                 return
 
@@ -228,14 +247,27 @@ def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
     base product is then that matmul's addend, not kept), else its base product and up-projection's output too; None for a DoRA layer (it also keeps
     weight-sized products, whatever the token count). Widths are the layers' whole ones: under tensor parallelism a
     rank keeps its share of heads or columns over the whole sequence, which its tokens (a sequence shard) times the
-    whole width gives."""
+    whole width gives; a column-split LoRA layer's adapter product is whole on every rank (``lora_A`` replicated, the
+    whole sequence's input), so it counts once a rank of the split."""
     if getattr(module, "lora_magnitude_vector", None) is not None:
         return None
     lora_B = getattr(module, "lora_B", None)
     if lora_B is None:
         return module.out_features * element_size
     full_width = 1 if module.sums_in_matmul(autocast) else 2
-    return (full_width * module.out_features + lora_B.shape[1]) * element_size
+    return (full_width * module.out_features + _tensor_parallel_copies(module.lora_A) * lora_B.shape[1]) * element_size
+
+
+def _tensor_parallel_copies(weight: torch.Tensor) -> int:
+    """How many ranks of a tensor-parallel split hold ``weight`` whole (its mesh's "tp" dims where it is replicated;
+    1 for a plain tensor)."""
+    if not isinstance(weight, DTensor):
+        return 1
+    mesh, copies = weight.device_mesh, 1
+    for dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), weight.placements)):
+        if name == "tp" and placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
 
 
 def kept_bytes_per_token(block, keep: str, element_size: int, autocast: bool = False) -> int | None:
