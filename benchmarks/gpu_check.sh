@@ -46,7 +46,7 @@
 #                  bench-odpo: bench_reward.py --trainer online_dpo --on-policy, OnlineDPOTrainer, 2 x 256 sampled
 #                    tokens a prompt
 #   checks         correctness (CHECKS_BUDGET s, 400 by default)
-#                  trainers: gpu_trainers.py, 3 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
+#                  trainers: gpu_trainers.py, 4 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
 #                    GRPO, RLOO, SFT with LoRA training two token rows, SFT with LoRA on an 8-bit base) on the
 #                    shipped tiny model: finite losses,
 #                    parameters moved, perf/ metrics, the saved folder loads

@@ -10,9 +10,11 @@ two token rows: ``SFT-lora-tokens``, and LoRA on an 8-bit base: ``SFT-lora-int8`
 model. One line per trainer: PASS when every logged loss is finite, the model's parameters moved and sit on the
 device, the saved folder loads with transformers, and the perf/ metrics the README lists for that device were
 logged (on CUDA: cuda_max_allocated_gib, and mfu_wall_clock where the GPU is in hfnative.metrics.PEAK_FLOPS);
-the line shows the last loss, tokens/s, MFU and peak memory, and on CUDA how many variants of hfnative's Triton
-kernels were compiled after the first step (each a stall in the middle of training). The exit status is 1 when
-any trainer failed.
+the line shows the last loss, tokens/s, MFU and peak memory, each step's seconds and their median after the first
+(the steady state; a later step of 0.1 s or more is named with the Triton variants compiled in it), and on CUDA how
+many variants of hfnative's Triton kernels were compiled after the first step (each a stall in the middle of
+training). A last line gives the generating trainers' (distillation, GKD, GRPO, RLOO) steady steps. The exit status
+is 1 when any trainer failed.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ SETUPS = {
 }
 
 
+ON_POLICY = ("distillation", "GKD", "GRPO", "RLOO")  # the setups that generate in their steps
+
+
 def triton_variants(device: torch.device) -> dict[str, int]:
     """Each of hfnative's Triton kernels: how many variants Triton holds for it in this process, compiled or read
     from its disk cache (on CUDA; an empty dict where the kernels are not in use or run interpreted). A variant
@@ -88,16 +93,47 @@ def triton_variants(device: torch.device) -> dict[str, int]:
             for name in triton_kernels.KERNEL_NAMES}
 
 
-def _after_first_step(snapshot: dict, device: torch.device):
-    """A callback that records ``triton_variants(device)`` into ``snapshot`` at the end of the first optimizer step."""
+def _after_each_step(snapshots: list, device: torch.device):
+    """A callback that appends ``triton_variants(device)`` to ``snapshots`` at the end of every optimizer step."""
     from transformers import TrainerCallback
 
-    class AfterFirstStep(TrainerCallback):
+    class AfterEachStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            if state.global_step == 1:
-                snapshot.update(triton_variants(device))
+            snapshots.append(triton_variants(device))
 
-    return AfterFirstStep()
+    return AfterEachStep()
+
+
+def steady_step_seconds(logs: list[dict]) -> float | None:
+    """The median ``perf/step_s`` of the steps after the first (the upper one of an even count); None without them."""
+    later = sorted(entry["perf/step_s"] for entry in logs[1:] if "perf/step_s" in entry)
+    return later[len(later) // 2] if later else None
+
+
+def step_times(logs: list[dict], snapshots: list[dict]) -> str:
+    """Each step's seconds (``perf/step_s``), the median of the steps after the first (the steady state the device
+    check reads), and each later step of 0.1 s or more with the Triton variants compiled in it (a one-off: a kernel
+    path first taken then), where the kernels are counted."""
+    seconds = [entry.get("perf/step_s") for entry in logs]
+    if not seconds or None in seconds:
+        return "step s -"
+    text = "step s " + " ".join(f"{value:.3g}" for value in seconds)
+    steady = steady_step_seconds(logs)
+    if steady is not None:
+        text += f", median after the first {steady:.3g}"
+    slow = []
+    for index, value in enumerate(seconds[1:], start=1):
+        if value < 0.1:
+            continue
+        compiled = ""
+        if len(snapshots) == len(seconds) and snapshots[index]:
+            new = {kernel: count - snapshots[index - 1].get(kernel, 0) for kernel, count in snapshots[index].items()}
+            compiled = ", ".join(f"{kernel} {count}" for kernel, count in sorted(new.items()) if count > 0) or "none"
+            compiled = f" (Triton variants compiled in it: {compiled})"
+        slow.append(f"step {index + 1} {value:.3g} s{compiled}")
+    if slow:
+        text += "; 0.1 s or more after the first: " + "; ".join(slow)
+    return text
 
 
 def _build(name: str, common: dict):
@@ -113,7 +149,7 @@ def _build(name: str, common: dict):
     return getattr(hfnative, trainer_class)(model=str(TINY), args=args, train_dataset=_dataset(data, rows), **keywords)
 
 
-def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: bool) -> tuple[bool, str]:
+def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: bool) -> tuple[bool, str, float | None]:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     on_cuda = device.type == "cuda"
@@ -124,8 +160,8 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
     trainer = _build(name, common)
     module = trainer.model
     before = {key: value.detach().float().cpu().clone() for key, value in module.named_parameters()}
-    first_step_variants: dict[str, int] = {}
-    trainer.add_callback(_after_first_step(first_step_variants, device))
+    snapshots: list[dict[str, int]] = []
+    trainer.add_callback(_after_each_step(snapshots, device))
     trainer.train()
     variants = triton_variants(device)
     trainer.save_model(str(folder / name))
@@ -167,22 +203,24 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
 
     detail = (f"loss {losses[-1] if losses else float('nan'):.4g}, {moved}/{len(parameters)} parameters moved, "
               f"tok/s {shown('perf/trained_tok_s_wall_clock')}, MFU% {shown('perf/mfu_wall_clock')}, "
-              f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, step s {shown('perf/step_s')}, "
+              f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, {step_times(logs, snapshots)}, "
               f"{seconds:.1f} s")
-    if first_step_variants:  # informational: a kernel path first taken after step 1 compiles then, legitimately
-        compiled = ", ".join(f"{kernel} {count - first_step_variants[kernel]}"
-                             for kernel, count in sorted(variants.items()) if count > first_step_variants[kernel])
+    if snapshots and snapshots[0]:  # informational: a kernel path first taken after step 1 compiles then, legitimately
+        compiled = ", ".join(f"{kernel} {count - snapshots[0].get(kernel, 0)}"
+                             for kernel, count in sorted(variants.items()) if count > snapshots[0].get(kernel, 0))
         compiled = compiled or "none"
         detail += f"; Triton variants compiled after step 1: {compiled}"
+    steady = steady_step_seconds(logs)
     if problems:
-        return False, "; ".join(problems) + " | " + detail
-    return True, detail
+        return False, "; ".join(problems) + " | " + detail, steady
+    return True, detail, steady
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4,
+                        help="optimizer steps of each trainer (the line reads the steps after the first as the steady state)")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default=None,
                         help="bf16 (autocast over fp32 weights, the default on cuda) or fp32 (the default on cpu)")
     parser.add_argument("--only", default=",".join(SETUPS), help="comma-separated trainer names")
@@ -205,14 +243,19 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for name in names:
             try:
-                ok, detail = run_one(name, device, args.steps, Path(folder), bf16)
+                ok, detail, steady = run_one(name, device, args.steps, Path(folder), bf16)
             except Exception as error:  # noqa: BLE001  (one trainer's failure must not hide the next's)
-                ok = False
+                ok, steady = False, None
                 detail = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
                 traceback.print_exc()
             failures += not ok
-            results[name] = {"ok": ok, "detail": detail}
+            results[name] = {"ok": ok, "detail": detail, "steady_step_s": steady}
             print(f"{'PASS' if ok else 'FAIL':<5} trainer {name:<14} {detail}", flush=True)
+    on_policy = {name: results[name]["steady_step_s"] for name in ON_POLICY if name in results}
+    if on_policy:  # the generating trainers' steady state (a bar of the rollout issue: under 0.1 s a step)
+        print("on-policy steps, median after the first (s): "
+              + ", ".join(f"{name} {'-' if value is None else f'{value:.3g}'}" for name, value in on_policy.items()),
+              flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(f"{failures} failed" if failures else "all passed")
