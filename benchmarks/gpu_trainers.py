@@ -93,21 +93,24 @@ def triton_variants(device: torch.device) -> dict[str, int]:
             for name in triton_kernels.KERNEL_NAMES}
 
 
-def _after_each_step(snapshots: list, device: torch.device):
-    """A callback that appends ``triton_variants(device)`` to ``snapshots`` at the end of every optimizer step."""
+def _before_each_step(snapshots: list, device: torch.device):
+    """A callback that appends ``triton_variants(device)`` to ``snapshots`` as every optimizer step begins (the caller
+    appends one more after training): what step k compiled, its logging included, is snapshots[k] - snapshots[k-1]
+    counted from 1."""
     from transformers import TrainerCallback
 
-    class AfterEachStep(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
+    class BeforeEachStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
             snapshots.append(triton_variants(device))
 
-    return AfterEachStep()
+    return BeforeEachStep()
 
 
 def steady_step_seconds(logs: list[dict]) -> float | None:
-    """The median ``perf/step_s`` of the steps after the first (the upper one of an even count); None without them."""
+    """The median ``perf/step_s`` of the steps after the first (the lower one of an even count, so that of two steps
+    a one-off in either is not the figure); None without them."""
     later = sorted(entry["perf/step_s"] for entry in logs[1:] if "perf/step_s" in entry)
-    return later[len(later) // 2] if later else None
+    return later[(len(later) - 1) // 2] if later else None
 
 
 def step_times(logs: list[dict], snapshots: list[dict]) -> str:
@@ -126,8 +129,8 @@ def step_times(logs: list[dict], snapshots: list[dict]) -> str:
         if value < 0.1:
             continue
         compiled = ""
-        if len(snapshots) == len(seconds) and snapshots[index]:
-            new = {kernel: count - snapshots[index - 1].get(kernel, 0) for kernel, count in snapshots[index].items()}
+        if len(snapshots) == len(seconds) + 1 and snapshots[index + 1]:
+            new = {kernel: count - snapshots[index].get(kernel, 0) for kernel, count in snapshots[index + 1].items()}
             compiled = ", ".join(f"{kernel} {count}" for kernel, count in sorted(new.items()) if count > 0) or "none"
             compiled = f" (Triton variants compiled in it: {compiled})"
         slow.append(f"step {index + 1} {value:.3g} s{compiled}")
@@ -161,9 +164,10 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
     module = trainer.model
     before = {key: value.detach().float().cpu().clone() for key, value in module.named_parameters()}
     snapshots: list[dict[str, int]] = []
-    trainer.add_callback(_after_each_step(snapshots, device))
+    trainer.add_callback(_before_each_step(snapshots, device))
     trainer.train()
     variants = triton_variants(device)
+    snapshots.append(variants)
     trainer.save_model(str(folder / name))
     seconds = time.perf_counter() - begin
 
@@ -205,9 +209,9 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
               f"tok/s {shown('perf/trained_tok_s_wall_clock')}, MFU% {shown('perf/mfu_wall_clock')}, "
               f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, {step_times(logs, snapshots)}, "
               f"{seconds:.1f} s")
-    if snapshots and snapshots[0]:  # informational: a kernel path first taken after step 1 compiles then, legitimately
-        compiled = ", ".join(f"{kernel} {count - snapshots[0].get(kernel, 0)}"
-                             for kernel, count in sorted(variants.items()) if count > snapshots[0].get(kernel, 0))
+    if len(snapshots) > 2 and snapshots[1]:  # informational: a kernel path first taken after step 1 compiles then
+        compiled = ", ".join(f"{kernel} {count - snapshots[1].get(kernel, 0)}"
+                             for kernel, count in sorted(variants.items()) if count > snapshots[1].get(kernel, 0))
         compiled = compiled or "none"
         detail += f"; Triton variants compiled after step 1: {compiled}"
     steady = steady_step_seconds(logs)

@@ -50,7 +50,9 @@ LAYOUTS = {
     # LoRA: the frozen base and the adapters sharded alike by FSDP2; the adapter saved from its gathered tensors
     "fsdp4-lora": (dict(dp_shard_size=4), dict(peft=dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))),
     # LoRA under tensor parallel: each adapter split with its weight (column-split layers: lora_B by rows; row-split
-    # o_proj / down_proj: lora_A by columns), compiled (eager: the DPO, KTO and GRPO layout tests' LoRA TP2 cells)
+    # o_proj / down_proj: lora_A by columns), eager and compiled
+    "fsdp2xtp2-lora": (dict(dp_shard_size=2, tp_size=2), dict(peft=dict(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]))),
     "fsdp2xtp2-lora-compiled": (dict(dp_shard_size=2, tp_size=2), dict(peft=dict(r=4, lora_alpha=8, target_modules=[
         "q_proj", "v_proj", "o_proj", "up_proj", "down_proj"]), torch_compile=True, pad_to_multiple_of=64)),
     # LoRA with trainable token rows (peft's trainable_token_indices): the rows sharded with the embedding's group

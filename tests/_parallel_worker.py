@@ -12,7 +12,8 @@ rows (position_ids restarting: one document after another), so both attention pa
 
 On 4 processes: HSDP 2x2, FSDP2 x TP2 (eager and compiled) and the vocabulary-parallel losses over 4 ranks; on 2
 processes: FSDP2 (with micro-batches, optimizer-in-backward, mixture of experts, LoRA, bf16 mixed precision,
-compile), TP2 (eager and compiled) and plain replication (LAYOUTS), then the head losses through a TP2 model's head.
+compile), TP2 (eager, compiled, and with LoRA under selective checkpointing) and plain replication (LAYOUTS), then the
+head losses through a TP2 model's head and what a TP2 LoRA model's checkpointed blocks keep.
 """
 
 from __future__ import annotations
@@ -553,9 +554,30 @@ def kept_bytes_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
     finally:
         selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread = keep, unread
     out.loss.backward()
-    estimate = ids.numel() // dims.tp * sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections", 4)
-                                            for block in model.layers)
-    return {**counted, "estimate": estimate, "lora_layers": sum("lora_B" in name for name, _ in model.named_parameters()),
+    per_token = sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections", 4)
+                    for block in model.layers)
+    tokens = ids.numel() // dims.tp  # a rank's sequence shard
+    # the GPU policy's default keep (no keep set): the most that fits in half the free memory once the rank's own
+    # gradients (local shares of the split parameters) and the blocks' inputs are set aside; given exactly enough for
+    # the attention and projections, it keeps them
+    from hfnative.models import decoder
+
+    model.zero_grad(set_to_none=True)
+    model.checkpoint_keeps = None
+    gradients = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                    for p in model.parameters() if p.requires_grad)
+    available = gradients + len(model.layers) * tokens * model.args.dim * 4 + 2 * tokens * per_token
+    chosen, real = [], decoder.selective_checkpoint_context
+    saved = decoder.available_device_bytes, decoder.selective_checkpoint_context
+    decoder.available_device_bytes = lambda device: available
+    decoder.selective_checkpoint_context = lambda keep: chosen.append(keep) or real(keep)
+    try:
+        with use_device_policy("gpu"):
+            model(input_ids=ids, labels=ids)
+    finally:
+        decoder.available_device_bytes, decoder.selective_checkpoint_context = saved
+    return {**counted, "estimate": tokens * per_token, "default_keeps": sorted(set(chosen)),
+            "lora_layers": sum("lora_B" in name for name, _ in model.named_parameters()),
             "finite_loss": bool(torch.isfinite(out.loss.detach()).item())}
 
 
@@ -598,6 +620,10 @@ LAYOUTS = {
         ("TP2 (untied, qk-norm), the GPU policy", "untied", dict(dp_shard=1, tp=2), {"device_policy": "gpu"}),
         ("TP2 (untied, qk-norm), compiled blocks", "untied", dict(dp_shard=1, tp=2),
          {"compile": True}),
+        # the adapters split with their weights, the blocks checkpointed keeping the attention and the query, value and
+        # gate projections' results: the LoRA base products (DTensors) let go and rebuilt in the recompute
+        ("TP2 + LoRA, selective checkpoints", "untied", dict(dp_shard=1, tp=2),
+         {"lora": True, "activation_checkpointing": "full", "checkpoint_keeps": "attention_and_projections"}),
     ],
 }
 

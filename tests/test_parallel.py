@@ -170,11 +170,13 @@ def test_the_kept_bytes_estimate_is_what_a_tensor_parallel_lora_block_keeps(meas
     """Selectively checkpointed under TP2 with LoRA on the query and value projections: each LoRA layer's base product
     (its up-projection ``addmm``'s addend only, a DTensor) is let go, and ``kept_bytes_per_token`` (which the GPU
     policy's default weighs against the free memory) equals the bytes a rank keeps, the adapter products whole on
-    every rank."""
+    every rank; that default, given just enough memory beside the rank's own gradients (the split parameters' local
+    shares) and the blocks' inputs, keeps the attention and projections."""
     for rank, result in enumerate(_per_rank(measured, 2, "kept bytes under TP2 with LoRA")):
         assert result["finite_loss"], rank
         assert result["let_go"] == result["lora_layers"] == 4, (rank, result)
         assert result["bytes"] == result["estimate"], (rank, result)
+        assert result["default_keeps"] == ["attention_and_projections"], (rank, result)
 
 
 # --- without processes: sizes and refusals ---------------------------------------------------------
@@ -216,7 +218,7 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
 
 
 @pytest.mark.parametrize("adapter, message", [
-    (dict(), None),  # LoRA is split with its weights (tests/_distributed_train_worker.py's fsdp2xtp2-lora-compiled)
+    (dict(), None),  # LoRA is split with its weights (tests/_distributed_train_worker.py's fsdp2xtp2-lora)
     (dict(use_dora=True), "a DoRA layer"),
     (dict(quantized=True), "a LoRA layer over a quantized base"),
     (dict(shared=True), "whose lora_A other layers share"),

@@ -335,7 +335,9 @@ class Transformer(nn.Module):
         if available is None:  # the GPU policy forced on a CPU
             return affordable_keep([], 0, 0, None)
         blocks = [self.layers[i] for i in sorted(self.checkpointed_layers) if i < len(self.layers)]
-        gradients = sum(p.numel() * p.element_size() for p in self.parameters() if p.requires_grad and p.grad is None)
+        # (a sharded or split parameter's gradient on this rank: its local share)
+        gradients = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+                        for p in self.parameters() if p.requires_grad and p.grad is None)
         inputs = len(blocks) * local.numel() * local.element_size()
         compute_dtype = autocast_dtype(local.device.type)
         element_size = (compute_dtype or local.dtype).itemsize

@@ -132,7 +132,8 @@ def _same_memory(kept, addend) -> bool:
     """Whether ``kept`` (a kept result) is ``addend``: the same memory and layout (for DTensors, their local tensors',
     and the same placements)."""
     if isinstance(kept, DTensor) and isinstance(addend, DTensor):
-        if kept.placements != addend.placements or kept.shape != addend.shape:
+        if (kept.device_mesh != addend.device_mesh or kept.placements != addend.placements
+                or kept.shape != addend.shape):
             return False
         kept, addend = kept._local_tensor, addend._local_tensor
     return (type(kept) is torch.Tensor and type(addend) is torch.Tensor and kept.data_ptr() == addend.data_ptr()
@@ -247,8 +248,9 @@ def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
     base product is then that matmul's addend, not kept), else its base product and up-projection's output too; None for a DoRA layer (it also keeps
     weight-sized products, whatever the token count). Widths are the layers' whole ones: under tensor parallelism a
     rank keeps its share of heads or columns over the whole sequence, which its tokens (a sequence shard) times the
-    whole width gives; a column-split LoRA layer's adapter product is whole on every rank (``lora_A`` replicated, the
-    whole sequence's input), so it counts once a rank of the split."""
+    whole width gives; a LoRA layer's adapter product is the whole sequence's on every rank of the split (a
+    column-split layer's from the whole input and a replicated ``lora_A``; a row-split one's a partial sum), so it
+    counts once a rank."""
     if getattr(module, "lora_magnitude_vector", None) is not None:
         return None
     lora_B = getattr(module, "lora_B", None)
@@ -259,13 +261,13 @@ def _projection_bytes(module, element_size: int, autocast: bool) -> int | None:
 
 
 def _tensor_parallel_copies(weight: torch.Tensor) -> int:
-    """How many ranks of a tensor-parallel split hold ``weight`` whole (its mesh's "tp" dims where it is replicated;
-    1 for a plain tensor)."""
+    """The ranks of the tensor-parallel split ``weight`` (a parameter of a parallelized layer) is placed over: the size
+    of its mesh's "tp" dim (1 for a plain tensor, or one not placed over such a dim)."""
     if not isinstance(weight, DTensor):
         return 1
     mesh, copies = weight.device_mesh, 1
-    for dim, (name, placement) in enumerate(zip(mesh.mesh_dim_names or (), weight.placements)):
-        if name == "tp" and placement.is_replicate():
+    for dim, name in enumerate(mesh.mesh_dim_names or ()):
+        if name == "tp":
             copies *= mesh.size(dim)
     return copies
 
