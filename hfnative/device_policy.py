@@ -25,6 +25,11 @@
   (``hfnative.models.triton_kernels``) instead of a chain of elementwise kernels, each a pass over the activation. On
   a GPU those passes are most of an eager step's device time; a CPU keeps torch's ops (Triton does not compile for
   it).
+- ``experts_in_autocast_dtype``: under autocast a mixture of experts' grouped matmuls run in its dtype, inputs and
+  weights cast as autocast casts a linear layer's (torch's grouped matmul is not an autocast op: left alone, float32
+  master weights keep it in float32, where a GPU takes a fallback that reads the groups' sizes on the host and runs
+  an expert at a time; its bfloat16 kernel runs on compute capability 9.0 and 10.x). A CPU keeps float32 there, what
+  transformers computes (it turns autocast off around the grouped matmul).
 
 ``HFNATIVE_DEVICE_POLICY=cpu|gpu`` (or ``use_device_policy``) forces one policy on every device, so the CPU tests run
 the GPU policy's code paths and a GPU run can try the CPU's trades.
@@ -51,16 +56,17 @@ class DevicePolicy:
     selective_checkpointing: bool
     compile_dynamic: bool | None
     triton_kernels: bool
+    experts_in_autocast_dtype: bool
 
 
 CPU_POLICY = DevicePolicy("cpu", recompute_in_backward=True, host_reads=True, head_chunk_elements=None,
                           head_gradient_block_elements=None, selective_checkpointing=False, compile_dynamic=True,
-                          triton_kernels=False)
+                          triton_kernels=False, experts_in_autocast_dtype=False)
 # 2^27 fp32 logits: 512 MiB per [C, V] buffer (883 tokens at Qwen3's 151,936 entries); 2^29 gradient entries: 1 GiB
 # in bf16 (3,533 tokens), so a batch of 8,192 label tokens makes the head's weight gradient in 3 GEMMs, not 19 passes
 GPU_POLICY = DevicePolicy("gpu", recompute_in_backward=False, host_reads=False, head_chunk_elements=1 << 27,
                           head_gradient_block_elements=1 << 29, selective_checkpointing=True, compile_dynamic=None,
-                          triton_kernels=True)
+                          triton_kernels=True, experts_in_autocast_dtype=True)
 POLICIES = {policy.name: policy for policy in (CPU_POLICY, GPU_POLICY)}
 
 _forced: list[DevicePolicy] = []

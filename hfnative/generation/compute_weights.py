@@ -3,8 +3,8 @@
 Under autocast a model with fp32 (master) weights has every matmul weight cast to the autocast dtype at every use:
 in a compiled decode step, at every token (reading 4 bytes a parameter and writing 2 before the matmul reads them),
 and in eager decoding of a frozen model (autocast keeps its casts only of weights that require grad).
-``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's)
-are copies in the autocast dtype — what autocast's cast makes — and every other parameter
+``DecodingWeights`` keeps a replica of the model whose matmul weights (nn.Linear's, LoRA's A and B, the output head's,
+and on a GPU the stacked experts') are copies in the autocast dtype — what autocast's cast makes — and every other parameter
 and buffer shared with the model. The copies are refreshed in place at every call (one cast pass over the weights, not
 one a token), so their addresses stay fixed for a CUDA graph; a model whose parameters were replaced gets a new
 replica. Every call, not when a weight's version counter moves: torch's fused AdamW (the default optimizer) and writes
@@ -21,16 +21,22 @@ import copy
 import torch
 from torch import nn
 
+from hfnative.device_policy import device_policy
 from hfnative.models.compute_dtype import linear_weights
 from hfnative.models.decoder import Transformer
+from hfnative.models.moe import GroupedExperts
 
 
 def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
-    """The linear layers' weights (``hfnative.models.compute_dtype.linear_weights``) and the untied output head's
-    matrix."""
+    """The linear layers' weights (``hfnative.models.compute_dtype.linear_weights``), the untied output head's matrix,
+    and the stacked experts' weights where their grouped matmuls run in the autocast dtype on the model's device
+    (``hfnative.device_policy``'s ``experts_in_autocast_dtype``: a copy in it, not a cast at every token)."""
     found = linear_weights(model)
     if not model.output.is_tied:
         found.append(model.output.weight)
+    if device_policy(model.tok_embeddings.weight.device).experts_in_autocast_dtype:
+        found += [w for module in model.modules() if isinstance(module, GroupedExperts)
+                  for w in (module.w1, module.w2, module.w3) if type(w.data) is torch.Tensor and w.is_floating_point()]
     return found
 
 

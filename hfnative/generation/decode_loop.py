@@ -164,25 +164,47 @@ def advance(model: Transformer, batch: DecodeBatch, sampling: SamplingParams, se
     choose(batch, logits_BV, sampling, seeded)
 
 
+class GraphCapture:
+    """What an engine's captured steps share: the memory pool of their CUDA graphs (a step's temporaries are dead once
+    it has run, and the graphs replay one at a time on one stream: what one graph keeps it keeps in the batch's
+    buffers, allocated outside every graph), made at the first capture, so a graph per read length, batch shape and
+    sampling kind does not each hold a step's temporaries; and whether a capture failed (``failed``: its error), after
+    which no step of the engine tries again."""
+
+    def __init__(self):
+        self._pool, self.failed = None, None
+
+    @property
+    def pool(self):
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def fail(self, error: Exception) -> None:
+        if self.failed is None:
+            warnings.warn(f"the decode step could not be captured in a CUDA graph ({error}); this engine's steps run "
+                          "uncaptured from now on (NativeRolloutEngine(cuda_graph=False) says so without trying)",
+                          stacklevel=3)
+        self.failed = str(error)
+
+
 class StepRunner:
     """Runs one batch shape's step, ``step()``, for one sampling kind: as it is (eager or compiled) or, with
-    ``cuda_graph``, replayed from a CUDA graph captured at its third call (the first two, real steps, compile and
-    warm up on a side stream, as capture asks). The graph holds the addresses the step read at capture: the batch's
-    buffers and the model's parameters. pool: a memory pool the graph shares with the engine's other graphs (a
-    step's temporaries are dead once it has run, and the graphs replay one at a time on one stream: what one graph
-    keeps it keeps in the batch's buffers, allocated outside every graph), so a graph per read length, batch shape
-    and sampling kind does not each hold a step's temporaries."""
+    ``capture`` (a ``GraphCapture``), replayed from a CUDA graph captured at its third call (the first two, real steps,
+    compile and warm up on a side stream, as capture asks), in the capture's memory pool. The graph holds the
+    addresses the step read at capture: the batch's buffers and the model's parameters. A capture that fails (an op
+    that cannot be captured) leaves the step running as it is, and the engine's other steps too."""
 
     WARMUP_CALLS = 2
 
-    def __init__(self, step, cuda_graph: bool = False, pool=None):
-        self.step, self.cuda_graph, self.pool = step, cuda_graph, pool
+    def __init__(self, step, capture: GraphCapture | None = None):
+        self.step, self.capture = step, capture
         self.calls, self.graph = 0, None
 
     def __call__(self, *args) -> None:
         if self.graph is not None:
             self.graph.replay()
-        elif not self.cuda_graph:
+        elif self.capture is None or self.capture.failed is not None:
             self.step(*args)
         elif self.calls < self.WARMUP_CALLS:
             side = torch.cuda.Stream()
@@ -192,15 +214,15 @@ class StepRunner:
             torch.cuda.current_stream().wait_stream(side)
             self.calls += 1
         else:
-            graph = torch.cuda.CUDAGraph()
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.capture.pool):
                     self.step(*args)
-            except RuntimeError as err:  # an op that cannot be captured: this step runs as it is from now on
-                warnings.warn(f"the decode step could not be captured in a CUDA graph ({err}); it runs uncaptured "
-                              "(NativeRolloutEngine(cuda_graph=False) says so without trying)", stacklevel=2)
+            except RuntimeError as err:  # an op that cannot be captured: the step runs as it is from now on
+                # (torch.cuda.graph ends a failed capture without restoring the stream it made current)
+                torch.cuda.set_stream(stream)
                 torch.cuda.synchronize()
-                self.cuda_graph = False
+                self.capture.fail(err)
                 self.step(*args)
                 return
             graph.replay()  # capture records the step without running it

@@ -18,12 +18,12 @@ import torch
 
 from hfnative.models.compute_dtype import autocast_for_weights
 from hfnative.models.decoder import Transformer
-from hfnative.models.moe import adapted_experts, adapters_folded, folded_copy_bytes
+from hfnative.models.moe import GroupedExperts, adapted_experts, adapters_folded, experts_compute_dtype, folded_copy_bytes
 from hfnative.precision import autocast_dtype
 
 from .cached_decoder import attends_by_kernel
 from .compute_weights import DecodingWeights, stacked_copy_bytes
-from .decode_loop import DecodeBatch, LiveRows, StepRunner, advance, choose, compact_rows
+from .decode_loop import DecodeBatch, GraphCapture, LiveRows, StepRunner, advance, choose, compact_rows
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
 
@@ -55,6 +55,26 @@ def _autocast_cache_off(off: bool):
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+# the compute capabilities whose bfloat16 grouped matmul (a mixture of experts') runs without reading the groups'
+# sizes on the host (torch's CUTLASS kernel: Hopper and Blackwell); elsewhere, or in another dtype, torch runs it an
+# expert at a time after copying the sizes to the host, which a CUDA graph cannot capture
+GROUPED_MM_CAPTURABLE_MAJORS = (9, 10)
+
+
+def graph_capturable(model: Transformer, device: torch.device) -> bool:
+    """Whether a decode step of ``model`` can be captured in a CUDA graph on ``device``, as far as is known before
+    trying: a model without a mixture of experts; with one, where its grouped matmuls run in bfloat16 (autocast's
+    dtype where the device policy casts them, else the decoded weights') on a GPU whose kernel for them reads nothing
+    on the host (``GROUPED_MM_CAPTURABLE_MAJORS``). Asked under the decoding's autocast."""
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+    if not experts:
+        return True
+    if torch.cuda.get_device_capability(device)[0] not in GROUPED_MM_CAPTURABLE_MAJORS:
+        return False
+    cast = experts_compute_dtype(device)
+    return all((cast or w.dtype) == torch.bfloat16 for m in experts for w in (m.w1, m.w2, m.w3))
 
 
 class NativeRolloutEngine(RolloutEngine):
@@ -122,7 +142,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._folds: tuple[tuple[int, ...], bool] | None = None  # likewise for fold_expert_adapters
         self._folded: dict[tuple[int, str], torch.Tensor] = {}  # the folded expert weights (adapters_folded)
         self._folded_for: tuple[int, ...] = ()  # the decoded model's adapted experts they were made for
-        self._graph_pool = None  # the memory pool this engine's CUDA graphs share (made at the first capture's need)
+        self._capture = GraphCapture()  # the memory pool this engine's CUDA graphs share, and a failed capture
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors into the model by native state-dict name (``layers.0.attention.wq.weight``,
@@ -152,9 +172,12 @@ class NativeRolloutEngine(RolloutEngine):
         step = self.max_batch_size or len(prompts)
         was_training = self.model.training
         self.model.eval()
+        # (the model's GPU current while decoding: the streams a captured step is warmed up and captured on are the
+        # current device's)
+        on_device = torch.cuda.device(self._device) if self._device.type == "cuda" else contextlib.nullcontext()
         try:
             # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
-            with autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
+            with on_device, autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
                 model = self._weights.model_for(self.model, autocast_dtype(self._device.type), self._stacked())
                 with self._experts_folded(model):
                     parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
@@ -251,14 +274,17 @@ class NativeRolloutEngine(RolloutEngine):
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
                id(model), read_upto, by_kernel)
         if self.cuda_graph:
+            # what a graph bakes in: the parameters' addresses, the adapters switched on or off
             key += tuple(p.data_ptr() for p in model.parameters())
+            key += tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
+            key += tuple(w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts)
+                         and m.decode_weights is not None for w in m.decode_weights)  # folded experts' copies
         if key not in batch.runners:
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
                                          read_upto, by_kernel)
-                if self.cuda_graph and self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                batch.runners[key] = StepRunner(step, self.cuda_graph, self._graph_pool)
+                capture = self._capture if self.cuda_graph and graph_capturable(model, self._device) else None
+                batch.runners[key] = StepRunner(step, capture)
             else:
                 batch.runners[key] = StepRunner(functools.partial(advance, model, batch, sampling, seeded,
                                                                   by_kernel=by_kernel))

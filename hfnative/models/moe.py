@@ -13,6 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import Partial
 
+from hfnative.device_policy import device_policy
+from hfnative.precision import autocast_dtype
+
 from .args import MoEArgs
 from .layers import clamped_swiglu, gated_activation
 from .selective_checkpoint import kept_in_checkpoint
@@ -73,6 +76,14 @@ def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.T
     return F.grouped_mm(x, w, offs=offs)
 
 
+def experts_compute_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype a mixture of experts' grouped matmuls run in on ``device``: autocast's where autocast is on there and
+    the device policy asks it (``experts_in_autocast_dtype``: torch's grouped matmul is not an autocast op), else None
+    (the operands' own)."""
+    dtype = autocast_dtype(device.type)
+    return dtype if dtype is not None and device_policy(device).experts_in_autocast_dtype else None
+
+
 class GroupedExperts(nn.Module):
     """E gated MLPs held as three stacked weights (plus stacked biases when ``moe.expert_bias``), run as
     grouped matmuls over the tokens sorted by expert."""
@@ -113,8 +124,11 @@ class GroupedExperts(nn.Module):
             w1, w2, w3 = self.decode_weights
         elif self.lora is not None:
             w1, w2, w3 = (self.adapted(name, w) for name, w in (("w1", w1), ("w2", w2), ("w3", w3)))
+        cast = experts_compute_dtype(x_TD.device)
 
         def grouped(x, w_EOI, b_EO):  # x [T, I] @ w[e].T (+ b[e]) for each expert's rows
+            if cast is not None:  # as autocast casts a linear layer's input and weight (a no-op where they are in it)
+                x, w_EOI = x.to(cast), w_EOI.to(cast)
             out = _ContiguousGrad.apply(_grouped_mm(x, w_EOI.transpose(-2, -1), offsets_E))
             return out if b_EO is None else out + b_EO[expert_of_row_T]
 

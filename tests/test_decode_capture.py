@@ -1,0 +1,184 @@
+"""What a GPU's captured decode steps rely on, checked on the CPU: a mixture of experts' grouped matmuls run in the
+autocast dtype under the GPU policy (torch's grouped matmul is not an autocast op, and in float32 a GPU runs it an
+expert at a time after reading the group sizes on the host, which a CUDA graph cannot capture), the decoded replica
+holds the experts in that dtype, which models a graph can capture is known before trying, and a capture that fails
+leaves the stream it found current and the engine's later steps uncaptured."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+from hf_configs import VOCAB, make_hf_model
+
+from hfnative.converters.loading import load_pretrained
+from hfnative.device_policy import use_device_policy
+from hfnative.generation import NativeRolloutEngine, SamplingParams
+from hfnative.generation import decode_loop, native
+from hfnative.generation.decode_loop import GraphCapture, StepRunner
+from hfnative.models.moe import GroupedExperts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+
+def _experts(model) -> list[GroupedExperts]:
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5)]
+
+
+def test_experts_run_in_the_autocast_dtype_under_the_gpu_policy():
+    """fp32 master weights under bf16 autocast: with the GPU policy the experts compute what the same experts in bf16
+    compute from bf16 inputs (casts are exact copies), to the bit, and their gradients reach the fp32 weights; the CPU
+    policy keeps them in fp32 (transformers' choice: autocast off around the grouped matmul)."""
+    model = load_pretrained(make_hf_model("qwen3moe-topk-norm")).model
+    experts = _experts(model)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, model.args.dim, generator=g)
+    counts = torch.zeros(experts.w1.shape[0], dtype=torch.long)  # the rows sorted by expert: 3, none, 5, 4 of them
+    counts[:4] = torch.tensor([3, 0, 5, 4])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with use_device_policy("cpu"):
+            kept = experts(x, counts)
+        with use_device_policy("gpu"):
+            cast = experts(x, counts)
+    assert kept.dtype == torch.float32 and cast.dtype == torch.bfloat16
+    bf16 = GroupedExperts(model.args.dim, model.args.moe, experts.activation)
+    bf16.load_state_dict(experts.state_dict())
+    with torch.no_grad():
+        expected = bf16.to(torch.bfloat16)(x.to(torch.bfloat16), counts)
+    assert torch.equal(cast.detach(), expected)
+    assert (cast.float() - kept).abs().max() < 0.05 * kept.abs().max()  # the same function, in bf16
+    cast.float().square().sum().backward()
+    assert all(w.grad is not None and w.grad.dtype == torch.float32 and w.grad.abs().sum() > 0
+               for w in (experts.w1, experts.w2, experts.w3))
+
+
+def test_the_decoded_replica_holds_the_experts_in_the_autocast_dtype():
+    """Under autocast and the GPU policy the engine decodes a replica whose stacked experts are copies in bf16, made
+    once per call, not cast at every token: its rollouts equal those of the model whose experts are cast at every use
+    (its matmul weights stacked alike)."""
+    converted = load_pretrained(make_hf_model("qwen3moe-topk-norm"))
+    model, prompts = converted.model, _prompts()
+    sampling = SamplingParams(max_new_tokens=6, seed=3)
+    with use_device_policy("gpu"), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        engine = NativeRolloutEngine(converted)
+        ours = engine.generate(prompts, sampling)
+        replica = engine._weights.replica
+        for copy_, source in zip(_experts(replica), _experts(model)):
+            for name in ("w1", "w2", "w3"):
+                assert getattr(copy_, name).dtype == torch.bfloat16
+                assert torch.equal(getattr(copy_, name), getattr(source, name).to(torch.bfloat16))
+        cast_at_use = NativeRolloutEngine(converted)
+        make = cast_at_use._weights._make
+
+        def experts_left_alone(model, weights, head, dtype, stack):  # the replica without the experts' copies
+            return make(model, [w for w in weights if w.dim() == 2], head, dtype, stack)
+
+        cast_at_use._weights._make = experts_left_alone
+        theirs = cast_at_use.generate(prompts, sampling)
+        assert all(e.w1.dtype == torch.float32 for e in _experts(cast_at_use._weights.replica))
+    assert ours.completion_ids == theirs.completion_ids
+    for mine, their in zip(ours.logprobs, theirs.logprobs):
+        assert torch.equal(torch.tensor(mine), torch.tensor(their))
+
+
+def test_which_models_a_cuda_graph_can_capture_is_known_before_trying(monkeypatch):
+    """A dense model always; a mixture of experts only where its grouped matmuls run in bf16 on a GPU whose kernel for
+    them reads nothing on the host (compute capability 9.x or 10.x)."""
+    dense = load_pretrained(make_hf_model("qwen3-gqa")).model
+    moe = load_pretrained(make_hf_model("qwen3moe-topk-norm")).model
+    device = torch.device("cpu")
+    for major, expected in ((9, True), (10, True), (8, False), (12, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, major=major: (major, 0))
+        assert native.graph_capturable(dense, device)
+        with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert native.graph_capturable(moe, device) is expected  # cast to bf16
+        with use_device_policy("cpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not native.graph_capturable(moe, device)  # fp32 under autocast: the host reads the sizes
+        assert not native.graph_capturable(moe, device)  # fp32 weights, no autocast
+        assert native.graph_capturable(moe.to(torch.bfloat16), device) is expected
+        moe.float()
+
+
+class _FakeCuda:
+    """Enough of torch.cuda for a StepRunner: streams are names, a capture runs the step (whose capture may fail)."""
+
+    def __init__(self):
+        self.current, self.made, self.set_to, self.synchronized = "default", 0, [], 0
+
+    def Stream(self):  # noqa: N802 - torch's name
+        self.made += 1
+        return types.SimpleNamespace(wait_stream=lambda other: None, name=f"side{self.made}")
+
+    def current_stream(self):
+        return types.SimpleNamespace(wait_stream=lambda other: None, name=self.current)
+
+    def stream(self, stream):
+        fake = self
+
+        class Switch:
+            def __enter__(self):
+                self.saved, fake.current = fake.current, stream.name
+
+            def __exit__(self, *exc):
+                fake.current = self.saved
+
+        return Switch()
+
+    def set_stream(self, stream):
+        self.set_to.append(stream.name)
+        self.current = stream.name
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def graph_pool_handle(self):
+        return "pool"
+
+    def CUDAGraph(self):  # noqa: N802
+        return types.SimpleNamespace(replay=lambda: None)
+
+    def graph(self, graph, pool=None):
+        fake = self
+
+        class Capture:  # as torch.cuda.graph: a capture stream made current, not restored when the capture fails
+            def __enter__(self):
+                fake.current = "capture"
+
+            def __exit__(self, kind, error, trace):
+                if kind is None:
+                    fake.current = "default"
+                return False
+
+        return Capture()
+
+
+def test_a_failed_capture_restores_the_stream_and_stops_the_engine_capturing(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(decode_loop.torch, "cuda", fake)
+    runs = []
+
+    def step():
+        runs.append(fake.current)
+        if fake.current == "capture":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    capture = GraphCapture()
+    runner = StepRunner(step, capture)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            runner()
+        other = StepRunner(step, capture)  # another shape's step of the same engine
+        other()
+    # two warm-ups on side streams, the failed capture, then every step as it is on the stream found current
+    assert runs == ["side1", "side2", "capture", "default", "default", "default"]
+    assert fake.set_to == ["default"] and fake.current == "default" and fake.made == 2
+    assert capture.failed and "capturing" in capture.failed
+    assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
