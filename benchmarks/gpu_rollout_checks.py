@@ -5,6 +5,8 @@ a CUDA graph (the default on CUDA; static shapes), compiled and captured — on 
 (capture, then replay): the same greedy tokens and seeded samples as the uncaptured engine, and log-probs within 1e-4
 of transformers' uncached forward on the same tokens.
 
+MoE rollouts: a mixture of experts under bf16 autocast, captured where its grouped matmuls can be (``moe_rollouts``).
+
 rollouts between steps: as a trainer with ``bf16=True`` uses it, under bf16 autocast over fp32 weights (the engine
 decodes a bf16 replica of the matmul weights, refreshed every call; a DoRA policy's adapter weights stay fp32, cast by
 autocast inside the captured step), with a fused AdamW step (the default optimizer) between calls: each call's tokens
@@ -127,6 +129,38 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
             tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
         tally.check(ok, label, "; ".join(detail))
+
+
+def moe_rollouts(tally, device: torch.device, config: str = "qwen3moe-topk-norm") -> None:
+    """A mixture of experts decoded as a trainer with ``bf16=True`` decodes it (fp32 weights, bf16 autocast): the
+    replica's experts in bf16, their grouped matmuls in bf16; on a GPU whose bf16 grouped matmul reads nothing on the
+    host (compute capability 9.x, 10.x) the step is captured in a CUDA graph, elsewhere it runs uncaptured (known
+    before trying). The same greedy tokens as an uncaptured engine, over two calls; a capture that was tried and
+    failed is a FAIL (the engine's prediction was wrong)."""
+    from hfnative.generation import NativeRolloutEngine, SamplingParams, native
+
+    prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
+    sampling = SamplingParams(max_new_tokens=16, do_sample=False)
+    label = f"MoE rollouts, bf16 autocast, {config}"
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_model(config, folder)
+            model = load_pretrained(folder, dtype=torch.float32, device=device).model
+        engine = NativeRolloutEngine(model)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            ours = [engine.generate(prompts, sampling).completion_ids for _ in range(2)]
+            theirs = NativeRolloutEngine(model, cuda_graph=False).generate(prompts, sampling).completion_ids
+            expected = device.type == "cuda" and native.graph_capturable(engine._weights.replica or model, device)
+    except Exception as err:  # reported; the other checks still run
+        tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        return
+    captured = any(runner.graph is not None for batch in engine._batches.values() for runner in batch.runners.values())
+    failed = engine._capture.failed
+    same = all(tokens == theirs for tokens in ours)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    tally.check(same and failed is None and captured == expected, label,
+                f"tokens {'equal' if same else 'DIFFER'} to uncaptured; captured {captured} (expected {expected}, "
+                f"compute capability {capability})" + (f"; capture FAILED: {failed[:120]}" if failed else ""))
 
 
 def _add_dora(model, add_lora) -> None:
