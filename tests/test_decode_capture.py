@@ -182,3 +182,33 @@ def test_a_failed_capture_restores_the_stream_and_stops_the_engine_capturing(mon
     assert fake.set_to == ["default"] and fake.current == "default" and fake.made == 2
     assert capture.failed and "capturing" in capture.failed
     assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
+
+
+def test_a_captured_steps_key_holds_what_its_graph_bakes_in():
+    """A graph replays the parameters' addresses and the adapters' switches it was captured with: switching the
+    adapters off gives another step (a graph of its own); weights at new addresses give another, and the steps of the
+    old addresses are let go (their graphs would never replay)."""
+    from hfnative.converters.peft import apply_lora
+
+    converted = load_pretrained(make_hf_model("qwen3-gqa"))
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    model = converted.model
+    engine = NativeRolloutEngine(model)
+    engine.cuda_graph = True  # the key a GPU's engine makes (nothing below captures: the steps are not called)
+    batch = engine._batch(model, 2, 8, 4)
+    sampling = SamplingParams(max_new_tokens=4, do_sample=False)
+    first = engine._runner(model, batch, sampling, None, False)
+    assert first.capture is engine._capture  # a dense model: captured on a GPU
+    assert engine._runner(model, batch, sampling, None, False) is first
+    layers = [m for m in model.modules() if hasattr(m, "adapter_enabled")]
+    for layer in layers:
+        layer.adapter_enabled = False
+    off = engine._runner(model, batch, sampling, None, False)
+    assert off is not first and len(batch.runners) == 2
+    for layer in layers:
+        layer.adapter_enabled = True
+    assert engine._runner(model, batch, sampling, None, False) is first
+    weight = model.layers[0].attention.wo.weight
+    weight.data = weight.data.clone()  # the same values at a new address
+    moved = engine._runner(model, batch, sampling, None, False)
+    assert moved is not first and list(batch.runners.values()) == [moved]

@@ -274,11 +274,15 @@ class NativeRolloutEngine(RolloutEngine):
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
                id(model), read_upto, by_kernel)
         if self.cuda_graph:
-            # what a graph bakes in: the parameters' addresses, the adapters switched on or off
-            key += tuple(p.data_ptr() for p in model.parameters())
-            key += tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
-            key += tuple(w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts)
-                         and m.decode_weights is not None for w in m.decode_weights)  # folded experts' copies
+            # what a graph bakes in: the weights' addresses (the folded experts' copies too), the adapters switched on
+            # or off
+            weights = tuple(p.data_ptr() for p in model.parameters()) + tuple(
+                w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts) and m.decode_weights is not None
+                for w in m.decode_weights)
+            if batch.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory)
+                batch.runners.clear()
+                batch.graph_weights = weights
+            key += weights + tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
         if key not in batch.runners:
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,
