@@ -84,7 +84,7 @@ def _from_environment() -> DevicePolicy | None:
 def device_policy(device: torch.device | str) -> DevicePolicy:
     """The policy for tensors on ``device``: a forced one (``use_device_policy``, then ``HFNATIVE_DEVICE_POLICY``),
     else the CPU's on a CPU and the GPU's on every accelerator."""
-    if _forced:
+    if _forced and _forced[-1] is not None:
         return _forced[-1]
     forced = _from_environment()
     if forced is not None:
@@ -101,9 +101,15 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
     return tensor.to(device)
 
 
+def forced_device_policy() -> DevicePolicy | None:
+    """The policy ``use_device_policy`` forces here, None where none is (each device's own, or the environment's)."""
+    return _forced[-1] if _forced else None
+
+
 @contextlib.contextmanager
-def use_device_policy(policy: DevicePolicy | str):
-    """Run the block under ``policy`` (a DevicePolicy or its name) on every device."""
+def use_device_policy(policy: DevicePolicy | str | None):
+    """Run the block under ``policy`` (a DevicePolicy or its name) on every device; None: under none forced (each
+    device's own, or ``HFNATIVE_DEVICE_POLICY``'s), whatever an enclosing block forces."""
     _forced.append(POLICIES[policy] if isinstance(policy, str) else policy)
     try:
         yield
@@ -111,4 +117,5 @@ def use_device_policy(policy: DevicePolicy | str):
         _forced.pop()
 
 
-__all__ = ["CPU_POLICY", "GPU_POLICY", "DevicePolicy", "device_policy", "host_to_device", "use_device_policy"]
+__all__ = ["CPU_POLICY", "GPU_POLICY", "DevicePolicy", "device_policy", "forced_device_policy", "host_to_device",
+           "use_device_policy"]

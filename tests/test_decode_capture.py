@@ -147,13 +147,15 @@ class _FakeCuda:
     def graph(self, graph, pool=None):
         fake = self
 
-        class Capture:  # as torch.cuda.graph: a capture stream made current, not restored when the capture fails
+        class Capture:  # as torch.cuda.graph: a capture stream made current; ending a failed capture raises again,
+            # before the stream is restored
             def __enter__(self):
                 fake.current = "capture"
 
             def __exit__(self, kind, error, trace):
-                if kind is None:
-                    fake.current = "default"
+                if kind is not None:
+                    raise RuntimeError("operation failed due to a previous error during capture")
+                fake.current = "default"
                 return False
 
         return Capture()
@@ -180,7 +182,7 @@ def test_a_failed_capture_restores_the_stream_and_stops_the_engine_capturing(mon
     # two warm-ups on side streams, the failed capture, then every step as it is on the stream found current
     assert runs == ["side1", "side2", "capture", "default", "default", "default"]
     assert fake.set_to == ["default"] and fake.current == "default" and fake.made == 2
-    assert capture.failed and "capturing" in capture.failed
+    assert capture.failed and "capturing" in capture.failed  # the op that broke the capture, not its ending
     assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
 
 
@@ -212,3 +214,54 @@ def test_a_captured_steps_key_holds_what_its_graph_bakes_in():
     weight.data = weight.data.clone()  # the same values at a new address
     moved = engine._runner(model, batch, sampling, None, False)
     assert moved is not first and list(batch.runners.values()) == [moved]
+
+
+def test_a_checkpointed_recompute_runs_under_the_policy_its_forward_forced():
+    """A forward forced onto the GPU policy (``use_device_policy``) whose backward runs outside that block: the
+    checkpointed blocks' recompute computes what the forward did (the experts in bf16 under autocast), and the
+    gradients equal those of the same forward kept whole."""
+    from hfnative.parallel import apply_activation_checkpointing
+
+    ids = torch.randint(3, VOCAB, (2, 24), generator=torch.Generator().manual_seed(2))
+    grads = []
+    for checkpointed in (False, True):
+        model = load_pretrained(make_hf_model("qwen3moe-topk-norm")).model.train()
+        if checkpointed:
+            apply_activation_checkpointing(model, "full")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with use_device_policy("gpu"):
+                loss = model(input_ids=ids, labels=ids).loss
+            with use_device_policy("cpu"):  # backward (and the recompute) under another policy than the forward's
+                loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert torch.equal(grad, grads[1][name]), name
+
+
+def test_experts_with_adapters_decode_from_their_float32_weights():
+    """LoRA on the stacked experts (peft's target_parameters), under autocast and the GPU policy: the replica keeps
+    those experts' float32 weights (the adapters folded in float32, then cast, as training computes them), so the
+    rollouts equal those of the model itself decoded with autocast's casts at every use."""
+    from hfnative.converters.peft import apply_lora
+
+    converted = load_pretrained(make_hf_model("qwen3moe-topk-norm"))
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules=["q_proj"],
+                               target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    model = converted.model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_b" in name.lower():
+                p.normal_(0, 0.05, generator=torch.Generator().manual_seed(7))
+    sampling = SamplingParams(max_new_tokens=6, seed=3)
+    with use_device_policy("gpu"), torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        engine = NativeRolloutEngine(model, fold_expert_adapters=False)
+        ours = engine.generate(_prompts(), sampling)
+        assert all(e.w1.dtype == torch.float32 for e in _experts(engine._weights.replica))
+        itself = NativeRolloutEngine(model, fold_expert_adapters=False)
+        make = itself._weights._make
+        itself._weights._make = lambda model, weights, head, dtype, stack: make(
+            model, [w for w in weights if w.dim() == 2], head, dtype, stack)
+        theirs = itself.generate(_prompts(), sampling)
+    assert ours.completion_ids == theirs.completion_ids
+    assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(ours.logprobs, theirs.logprobs))

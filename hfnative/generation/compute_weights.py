@@ -30,12 +30,14 @@ from hfnative.models.moe import GroupedExperts
 def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
     """The linear layers' weights (``hfnative.models.compute_dtype.linear_weights``), the untied output head's matrix,
     and the stacked experts' weights where their grouped matmuls run in the autocast dtype on the model's device
-    (``hfnative.device_policy``'s ``experts_in_autocast_dtype``: a copy in it, not a cast at every token)."""
+    (``hfnative.device_policy``'s ``experts_in_autocast_dtype``: a copy in it, not a cast at every token). Not the
+    experts that carry adapters: training folds their adapters into the float32 weights, then casts, and so must the
+    rollouts (a fold into a bf16 copy rounds twice)."""
     found = linear_weights(model)
     if not model.output.is_tied:
         found.append(model.output.weight)
     if device_policy(model.tok_embeddings.weight.device).experts_in_autocast_dtype:
-        found += [w for module in model.modules() if isinstance(module, GroupedExperts)
+        found += [w for module in model.modules() if isinstance(module, GroupedExperts) and module.lora is None
                   for w in (module.w1, module.w2, module.w3) if type(w.data) is torch.Tensor and w.is_floating_point()]
     return found
 

@@ -182,11 +182,13 @@ class GraphCapture:
         return self._pool
 
     def fail(self, error: Exception) -> None:
+        # (a failed capture raises again as it ends: the op that broke it is the first error, its context)
+        first = error.__context__ if isinstance(error.__context__, RuntimeError) else error
         if self.failed is None:
-            warnings.warn(f"the decode step could not be captured in a CUDA graph ({error}); this engine's steps run "
+            warnings.warn(f"the decode step could not be captured in a CUDA graph ({first}); this engine's steps run "
                           "uncaptured from now on (NativeRolloutEngine(cuda_graph=False) says so without trying)",
                           stacklevel=3)
-        self.failed = str(error)
+        self.failed = str(first)
 
 
 class StepRunner:

@@ -71,8 +71,8 @@ def graph_capturable(model: Transformer, device: torch.device) -> bool:
     experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     if not experts:
         return True
-    if torch.cuda.get_device_capability(device)[0] not in GROUPED_MM_CAPTURABLE_MAJORS:
-        return False
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device)[0] not in GROUPED_MM_CAPTURABLE_MAJORS:
+        return False  # (ROCm's capabilities are not NVIDIA's)
     cast = experts_compute_dtype(device)
     return all((cast or w.dtype) == torch.bfloat16 for m in experts for w in (m.w1, m.w2, m.w3))
 
@@ -276,13 +276,13 @@ class NativeRolloutEngine(RolloutEngine):
         if self.cuda_graph:
             # what a graph bakes in: the weights' addresses (the folded experts' copies too), the adapters switched on
             # or off
-            weights = tuple(p.data_ptr() for p in model.parameters()) + tuple(
-                w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts) and m.decode_weights is not None
-                for w in m.decode_weights)
+            weights = tuple(p.data_ptr() for p in model.parameters())
             if batch.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory)
                 batch.runners.clear()
                 batch.graph_weights = weights
             key += weights + tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
+            key += tuple(w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts)
+                         and m.decode_weights is not None for w in m.decode_weights)  # folded experts' copies
         if key not in batch.runners:
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,

@@ -28,6 +28,8 @@ import contextlib
 
 import torch
 
+from hfnative.device_policy import forced_device_policy, use_device_policy
+
 
 class CheckpointError(RuntimeError):
     """The recompute did not save what the forward saved."""
@@ -51,12 +53,14 @@ def _tensor_inputs(args) -> list[torch.Tensor]:
 
 class _ForwardState:
     """What the recompute must run under that backward would not: the forward's autocast settings (the block's device
-    and the CPU's) and its RNG states (a LoRA layer's dropout draws the same mask again)."""
+    and the CPU's), its RNG states (a LoRA layer's dropout draws the same mask again) and the device policy it forced
+    (``use_device_policy``: the policy chooses kernels and dtypes, e.g. the experts' under autocast)."""
 
-    __slots__ = ("device_type", "autocast", "cpu_autocast", "cpu_rng", "devices", "device_rngs")
+    __slots__ = ("device_type", "autocast", "cpu_autocast", "cpu_rng", "devices", "device_rngs", "policy")
 
     def __init__(self, device_type: str, inputs: list[torch.Tensor]):
         self.device_type = device_type
+        self.policy = forced_device_policy()
         cache = torch.is_autocast_cache_enabled()
         self.autocast = None
         if device_type != "cpu" and torch.amp.is_autocast_available(device_type):
@@ -82,7 +86,7 @@ class _ForwardState:
                     module.set_rng_state(state, index)
             device_autocast = (torch.autocast(self.device_type, **self.autocast) if self.autocast is not None
                                else contextlib.nullcontext())
-            with device_autocast, torch.autocast("cpu", **self.cpu_autocast):
+            with device_autocast, torch.autocast("cpu", **self.cpu_autocast), use_device_policy(self.policy):
                 yield
 
 
