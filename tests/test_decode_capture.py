@@ -144,8 +144,9 @@ class _FakeCuda:
     def CUDAGraph(self):  # noqa: N802
         return types.SimpleNamespace(replay=lambda: None)
 
-    def graph(self, graph, pool=None):
+    def graph(self, graph, pool=None, capture_error_mode="global"):
         fake = self
+        self.modes = getattr(self, "modes", []) + [capture_error_mode]
 
         class Capture:  # as torch.cuda.graph: a capture stream made current; ending a failed capture raises again,
             # before the stream is restored
@@ -182,6 +183,7 @@ def test_a_failed_capture_restores_the_stream_and_stops_the_engine_capturing(mon
     # two warm-ups on side streams, the failed capture, then every step as it is on the stream found current
     assert runs == ["side1", "side2", "capture", "default", "default", "default"]
     assert fake.set_to == ["default"] and fake.current == "default" and fake.made == 2
+    assert fake.modes == ["thread_local"]  # another thread's CUDA calls do not fail while a step is captured
     assert capture.failed and "capturing" in capture.failed  # the op that broke the capture, not its ending
     assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
 

@@ -219,7 +219,9 @@ class StepRunner:
         else:
             graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
             try:
-                with torch.cuda.graph(graph, pool=self.capture.pool):
+                # thread_local: only this thread is barred from calls a capture cannot take (with torch's "global",
+                # another thread's, e.g. a DataLoader pinning memory, would fail while the step is captured)
+                with torch.cuda.graph(graph, pool=self.capture.pool, capture_error_mode="thread_local"):
                     self.step(*args)
             except RuntimeError as err:  # an op that cannot be captured: the step runs as it is from now on
                 # (torch.cuda.graph ends a failed capture without restoring the stream it made current)
