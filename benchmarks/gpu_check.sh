@@ -32,7 +32,8 @@
 #                  bench-grpo: bench_grpo.py, s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same model,
 #                    bf16, 8 generations x 256 tokens
 #                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
-#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32); a MoE
+#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32); unseeded
+#                    sampling captured (torch's generator); a MoE
 #                    under bf16 autocast captured where its grouped matmuls can be (sm90/sm100); and rollouts
 #                    between fused AdamW steps under bf16 autocast (a DoRA policy too) as an eager engine makes them
 #   rollout_more   the rest of generation (ROLLOUT_MORE_BUDGET s, 420 by default; not run unless named)

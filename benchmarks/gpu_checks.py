@@ -676,11 +676,12 @@ def main(argv=None) -> int:
     if args.check == "parity":
         parity(tally, device, DTYPES[args.dtype or "fp32"], sorted(CONFIGS) if args.all else ONE_PER_FAMILY)
     elif args.check == "generation":
-        from gpu_rollout_checks import generation, moe_rollouts, rollouts_between_steps
+        from gpu_rollout_checks import generation, moe_rollouts, rollouts_between_steps, unseeded_sampling
 
         generation(tally, device)
-        moe_rollouts(tally, device)
         rollouts_between_steps(tally, device)
+        unseeded_sampling(tally, device)
+        moe_rollouts(tally, device)
     elif args.check == "kernels":
         kernels(tally, device)
     elif args.check == "compile":

@@ -5,7 +5,8 @@ a CUDA graph (the default on CUDA; static shapes), compiled and captured — on 
 (capture, then replay): the same greedy tokens and seeded samples as the uncaptured engine, and log-probs within 1e-4
 of transformers' uncached forward on the same tokens.
 
-MoE rollouts: a mixture of experts under bf16 autocast, captured where its grouped matmuls can be (``moe_rollouts``).
+unseeded sampling: torch's global generator in a captured step (``unseeded_sampling``). MoE rollouts: a mixture of
+experts under bf16 autocast, captured where its grouped matmuls can be (``moe_rollouts``).
 
 rollouts between steps: as a trainer with ``bf16=True`` uses it, under bf16 autocast over fp32 weights (the engine
 decodes a bf16 replica of the matmul weights, refreshed every call; a DoRA policy's adapter weights stay fp32, cast by
@@ -129,6 +130,41 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
             tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
         tally.check(ok, label, "; ".join(detail))
+
+
+def unseeded_sampling(tally, device: torch.device, config: str = "qwen3-gqa") -> None:
+    """Sampling from torch's global generator (no seed: ``torch.multinomial``) in the engine's default way (on CUDA
+    captured: the default CUDA generator's offsets advance at every replay, and multinomial's checks must not read the
+    device on the host): the step is captured with no failed capture, two calls draw different completions, and the
+    log-probs equal transformers' on the tokens drawn (fp32, within 1e-4)."""
+    from hfnative.generation import NativeRolloutEngine, SamplingParams
+
+    prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
+    sampling = SamplingParams(max_new_tokens=16, temperature=0.9)
+    label = f"unseeded sampling, {config}"
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            save_hf_model(config, folder)
+            reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+            converted = load_pretrained(folder, dtype=torch.float32, device=device)
+        engine = NativeRolloutEngine(converted)
+        results = [engine.generate(prompts, sampling) for _ in range(3)]
+    except Exception as err:  # reported; the other checks still run
+        tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
+        return
+    captured = any(runner.graph is not None for batch in engine._batches.values() for runner in batch.runners.values())
+    failed = engine._capture.failed
+    differ = results[1].completion_ids != results[2].completion_ids  # replays draw afresh
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, completion, logprobs in zip(prompts, results[-1].completion_ids, results[-1].logprobs):
+            logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
+            logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
+            theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
+            worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
+    tally.check(failed is None and captured == (device.type == "cuda") and differ and worst <= 1e-4, label,
+                f"captured {captured}; calls {'differ' if differ else 'REPEAT'}; max|Δ log-prob| vs transformers "
+                f"{worst:.1e}" + (f"; capture FAILED: {failed[:120]}" if failed else ""))
 
 
 def moe_rollouts(tally, device: torch.device, config: str = "qwen3moe-topk-norm") -> None:
