@@ -191,7 +191,7 @@ def test_a_failed_capture_restores_the_stream_and_stops_the_engine_capturing(mon
 def test_a_captured_steps_key_holds_what_its_graph_bakes_in():
     """A graph replays the parameters' addresses and the adapters' switches it was captured with: switching the
     adapters off gives another step (a graph of its own); weights at new addresses give another, and the steps of the
-    old addresses are let go (their graphs would never replay)."""
+    old addresses are let go, the batch's fronts' too (their graphs would never replay)."""
     from hfnative.converters.peft import apply_lora
 
     converted = load_pretrained(make_hf_model("qwen3-gqa"))
@@ -203,6 +203,9 @@ def test_a_captured_steps_key_holds_what_its_graph_bakes_in():
     sampling = SamplingParams(max_new_tokens=4, do_sample=False)
     first = engine._runner(model, batch, sampling, None, False)
     assert first.capture is engine._capture  # a dense model: captured on a GPU
+    front = batch.front(1)  # the batch's first row alone (rows moved to the front): steps of its own
+    in_front = engine._runner(model, front, sampling, None, False)
+    assert in_front is not first and front.runners == {next(iter(front.runners)): in_front}
     assert engine._runner(model, batch, sampling, None, False) is first
     layers = [m for m in model.modules() if hasattr(m, "adapter_enabled")]
     for layer in layers:
@@ -216,6 +219,7 @@ def test_a_captured_steps_key_holds_what_its_graph_bakes_in():
     weight.data = weight.data.clone()  # the same values at a new address
     moved = engine._runner(model, batch, sampling, None, False)
     assert moved is not first and list(batch.runners.values()) == [moved]
+    assert not front.runners  # the front's graph of the old addresses let go too
 
 
 def test_a_checkpointed_recompute_runs_under_the_policy_its_forward_forced():

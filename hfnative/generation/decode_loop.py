@@ -64,7 +64,7 @@ class DecodeBatch:
         self.stop_ids = torch.zeros(0, dtype=torch.long, device=device)
         self._stop_ids: dict[int, torch.Tensor] = {}  # one buffer per count of stop ids: a captured step keeps its own
         self.runners: dict[tuple, StepRunner] = {}  # this shape's steps by sampling kind (NativeRolloutEngine's)
-        self.graph_weights: tuple | None = None  # the weights' addresses its captured steps read (the engine's)
+        self.graph_weights: tuple | None = None  # the weights' addresses its (and its fronts') captured steps read
         self.vocab_size, self.device = args.vocab_size, device
         self.root, self._fronts = self, {}  # the batch whose buffers these are; its fronts by row count
 
@@ -106,7 +106,7 @@ class DecodeBatch:
             view.cache, view.tables, view.step = root.cache.front(rows), root.tables, root.step
             for name in ROW_STATE:
                 setattr(view, name, getattr(root, name)[:rows])
-            view._stop_ids, view.runners, view.graph_weights = root._stop_ids, {}, None
+            view._stop_ids, view.runners = root._stop_ids, {}
             view.vocab_size, view.device = root.vocab_size, root.device
             root._fronts[rows] = view
         view.stop_ids = root.stop_ids  # this call's (one buffer per count of ids)

@@ -277,9 +277,11 @@ class NativeRolloutEngine(RolloutEngine):
             # what a graph bakes in: the weights' addresses (the folded experts' copies too), the adapters switched on
             # or off
             weights = tuple(p.data_ptr() for p in model.parameters())
-            if batch.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory)
-                batch.runners.clear()
-                batch.graph_weights = weights
+            root = batch.root
+            if root.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory),
+                for each in (root, *root._fronts.values()):  # the fronts' too
+                    each.runners.clear()
+                root.graph_weights = weights
             key += weights + tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
             key += tuple(w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts)
                          and m.decode_weights is not None for w in m.decode_weights)  # folded experts' copies
