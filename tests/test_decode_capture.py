@@ -271,3 +271,22 @@ def test_experts_with_adapters_decode_from_their_float32_weights():
         theirs = itself.generate(_prompts(), sampling)
     assert ours.completion_ids == theirs.completion_ids
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(ours.logprobs, theirs.logprobs))
+
+
+def test_a_captured_steps_key_reads_a_quantized_bases_rows():
+    """An int8 base's weight is a wrapper without storage (its data_ptr is 0): the key holds its rows' and scales'
+    addresses, so rows replaced at new addresses give another step."""
+    from hfnative.converters.peft import apply_lora
+
+    converted = load_pretrained(make_hf_model("qwen3-gqa"))
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), load_in_8bit=True)
+    model = converted.model
+    engine = NativeRolloutEngine(model)
+    engine.cuda_graph = True
+    batch = engine._batch(model, 2, 8, 4)
+    sampling = SamplingParams(max_new_tokens=4, do_sample=False)
+    first = engine._runner(model, batch, sampling, None, False)
+    weight = model.layers[0].attention.wq.weight
+    assert weight.data_ptr() == 0 and native._addresses(weight) == (weight.data_int8.data_ptr(), weight.absmax.data_ptr())
+    weight.data_int8 = weight.data_int8.clone()  # the same rows at a new address
+    assert engine._runner(model, batch, sampling, None, False) is not first

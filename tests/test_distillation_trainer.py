@@ -269,6 +269,17 @@ def test_an_8bit_teacher_matches_trls_bitsandbytes_teacher(monkeypatch, tmp_path
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-3), b["step"]
 
 
+def test_a_quantized_teacher_is_quantized_on_the_trainers_device(monkeypatch, tmp_path):
+    """teacher_model_init_kwargs asking for an 8-bit base: the teacher loads on the host and its weights are quantized
+    on the trainer's device (an adapter folder's base too: ``quantize_on``)."""
+    seen, real = [], kd.resolve_model
+    monkeypatch.setattr(kd, "resolve_model", lambda source, device, kwargs, **extra: seen.append(
+        (device, extra.get("quantize_on"))) or real(source, device, kwargs, **extra))
+    trainer = _distill(hfnative, tmp_path, _rows("sft_prompt_completion.jsonl", 3), max_steps=1,
+                       teacher_model_init_kwargs={"load_in_8bit": True})
+    assert seen == [(torch.device("cpu"), trainer.device)]
+
+
 # --- on-policy runs -------------------------------------------------------------------------------------
 
 

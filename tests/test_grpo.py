@@ -410,6 +410,21 @@ def test_a_reward_model_loads_quantized_with_the_policys_8bit_request(tmp_path):
     torch.testing.assert_close(mine, reference, rtol=2e-2, atol=2e-3)
 
 
+def test_a_reward_models_base_is_quantized_on_the_trainers_device(tmp_path, monkeypatch):
+    """The reward model loads on the host; its linears are quantized on the trainer's device, each weight moved there
+    first (on a GPU the host never quantizes a whole model)."""
+    from hfnative.peft import quantize
+    from hfnative.trainers.rollout.rewards import RewardFunctions
+
+    seen, real = [], quantize.quantize_base
+    monkeypatch.setattr(quantize, "quantize_base",
+                        lambda model, settings, names, device=None: seen.append(device) or real(model, settings, names,
+                                                                                                device))
+    RewardFunctions([str(save_reward_model(tmp_path / "reward-model"))], device="cpu",
+                    model_init_kwargs={"load_in_8bit": True})
+    assert seen == [torch.device("cpu")]
+
+
 def test_log_completions_writes_trls_tables(tmp_path, monkeypatch):
     """log_completions=True: at each log (the run's last one included, where the last step logs nothing of its own)
     the completions table (step, prompt, completion, each reward, advantage) is written to

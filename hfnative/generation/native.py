@@ -77,6 +77,15 @@ def graph_capturable(model: Transformer, device: torch.device) -> bool:
     return all((cast or w.dtype) == torch.bfloat16 for m in experts for w in (m.w1, m.w2, m.w3))
 
 
+def _addresses(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The addresses a kernel reads ``tensor`` at: its own, or a wrapper subclass's inner tensors' (an int8 or NF4
+    base's rows and scales; the wrapper itself has no storage)."""
+    if type(tensor.data) is torch.Tensor or not hasattr(tensor, "__tensor_flatten__"):
+        return (tensor.data_ptr(),)
+    names, _ = tensor.__tensor_flatten__()
+    return tuple(address for name in names for address in _addresses(getattr(tensor, name)))
+
+
 class NativeRolloutEngine(RolloutEngine):
     """Rollouts from a native ``Transformer`` (or a model holding one as ``.model``, e.g. a ConvertedModel).
 
@@ -276,7 +285,7 @@ class NativeRolloutEngine(RolloutEngine):
         if self.cuda_graph:
             # what a graph bakes in: the weights' addresses (the folded experts' copies too), the adapters switched on
             # or off
-            weights = tuple(p.data_ptr() for p in model.parameters())
+            weights = tuple(address for p in model.parameters() for address in _addresses(p))
             root = batch.root
             if root.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory),
                 for each in (root, *root._fronts.values()):  # the fronts' too

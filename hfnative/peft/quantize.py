@@ -80,8 +80,10 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight int8 rows stand for, in ``dtype`` (bitsandbytes' ``CB * SCB / 127``, in that dtype)."""
-    return data.to(dtype) * (absmax * (1.0 / _INT8_MAX)).to(dtype).unsqueeze(1)
+    """The weight int8 rows stand for, in ``dtype``: bitsandbytes' ``CB * SCB / 127`` (``int8_vectorwise_dequant``)
+    computed in float32 and rounded once to ``dtype`` (a row scale rounded to bf16 first would bias the whole row)."""
+    values = data * (absmax * (1.0 / _INT8_MAX)).unsqueeze(1)  # int8 x float32: one kernel, float32
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
 class Int8Weight(torch.Tensor):

@@ -319,7 +319,7 @@ class _TeacherMixin:
         if revision is not None:
             kwargs.setdefault("revision", revision)
         if kwargs and is_model_name(source):
-            loaded = resolve_model(source, loading_device(kwargs, self.device), kwargs)
+            loaded = resolve_model(source, loading_device(kwargs, self.device), kwargs, quantize_on=self.device)
             quantize_frozen_model(loaded, kwargs, "teacher", self.device)  # teacher_model_init_kwargs' load_in_Nbit
             self.objective.auxiliary_models["teacher"] = loaded.converted
         super()._build_auxiliary_models()

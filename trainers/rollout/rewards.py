@@ -124,10 +124,11 @@ def _looks_like_model(spec: str) -> bool:
     return os.path.isdir(spec) or "/" in spec
 
 
-def resolve_reward_function(spec, model_init_kwargs: dict | None = None) -> Callable | torch.nn.Module:
+def resolve_reward_function(spec, model_init_kwargs: dict | None = None,
+                            device: torch.device | None = None) -> Callable | torch.nn.Module:
     """A callable, a built-in name, a dotted import path, or a reward model (a folder, a Hub id or a
     transformers model) -> the callable or the sequence-classification model (a folder or Hub id loaded with
-    ``model_init_kwargs``, the policy's, as TRL loads it)."""
+    ``model_init_kwargs``, the policy's, as TRL loads it; a quantized base's weights quantized on ``device``)."""
     if isinstance(spec, torch.nn.Module) or (callable(spec) and not isinstance(spec, str)):
         return spec
     if not isinstance(spec, str):
@@ -135,17 +136,19 @@ def resolve_reward_function(spec, model_init_kwargs: dict | None = None) -> Call
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
     if _looks_like_model(spec):
-        return load_reward_model(spec, model_init_kwargs)
+        return load_reward_model(spec, model_init_kwargs, device)
     return import_reward_function(spec)
 
 
-def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) -> torch.nn.Module:
+def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None,
+                      device: torch.device | None = None) -> torch.nn.Module:
     """A reward model folder or Hub id with one score: hfnative's native sequence classifier where the architecture
     has one (a causal LM gets a new score head, as AutoModelForSequenceClassification gives it), else transformers'
     ``AutoModelForSequenceClassification``; ``model_init_kwargs`` (the policy's, which TRL loads reward models with):
     its dtype ("auto" or none: the checkpoint's), revision, cache_dir and token, and a quantized base's request
     (``load_in_4bit`` / ``load_in_8bit`` / ``quantization_config``: the native model's linears stored in 4 or 8 bits);
-    all of it on the fallback."""
+    all of it on the fallback. ``device``: where a quantized base's weights are quantized, each moved there first (the
+    model loads on the host; None: there)."""
     from hfnative.converters.hub_model import attach_hub_surface
     from hfnative.converters.loading import UnsupportedModelError, load_pretrained
 
@@ -165,7 +168,7 @@ def load_reward_model(name_or_path: str, model_init_kwargs: dict | None = None) 
         if bits and kwargs.get("quantization_config") is None:  # transformers 5 takes them as a BitsAndBytesConfig
             kwargs["quantization_config"] = BitsAndBytesConfig(**bits)
         return AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, **kwargs)
-    quantize_frozen_model(converted, kwargs, "reward model")  # the policy's load_in_4bit / load_in_8bit, as TRL's
+    quantize_frozen_model(converted, kwargs, "reward model", device)  # the policy's load_in_Nbit, as TRL's
     return attach_hub_surface(converted.model, converted, base_model_name_or_path=str(name_or_path))
 
 
@@ -207,7 +210,7 @@ class RewardFunctions:
         if not specs and not episode_rewards:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
-        self.functions = [resolve_reward_function(spec, model_init_kwargs) for spec in specs]
+        self.functions = [resolve_reward_function(spec, model_init_kwargs, torch.device(device)) for spec in specs]
         self.names = [reward_function_name(f) for f in self.functions]
         if reward_weights is None:
             reward_weights = [1.0] * len(self.functions)
