@@ -628,6 +628,22 @@ def test_int8_base_is_what_bitsandbytes_stores(skip, checkpoint_dir):
         assert torch.equal(weight.absmax, module.weight.SCB), path
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_rows_dequantize_as_bitsandbytes_in_float32(dtype):
+    """The values an int8 weight stands for are bitsandbytes' own dequantization (``int8_vectorwise_dequant``, in
+    float32) rounded once to the compute dtype, rows of tiny and zero maxima included (a row scale rounded to bf16 or
+    fp16 first would bias whole rows)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from hfnative.peft.quantize import int8_rows, int8_values
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=g) * torch.logspace(-5, 0, 64)[:, None]
+    weight[3] = 0.0
+    rows, maxima = int8_rows(weight)
+    expected = bnb.functional.int8_vectorwise_dequant(rows, maxima).to(dtype)
+    assert torch.equal(int8_values(rows, maxima, dtype), expected)
+
+
 def _bitsandbytes_dequantized(model) -> None:
     """Every nn.Linear of a peft model but the head and the adapters given the values of bitsandbytes' int8 rows
     (``CB * SCB / 127`` from its own quantization of the fp16 weight): the 8-bit base's oracle in float32."""

@@ -80,9 +80,11 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight int8 rows stand for, in ``dtype``: bitsandbytes' ``CB * SCB / 127`` (``int8_vectorwise_dequant``)
-    computed in float32 and rounded once to ``dtype`` (a row scale rounded to bf16 first would bias the whole row)."""
-    values = data * (absmax * (1.0 / _INT8_MAX)).unsqueeze(1)  # int8 x float32: one kernel, float32
+    """The weight int8 rows stand for, in ``dtype``: bitsandbytes' ``CB * SCB * (1 / 127)`` (``int8_vectorwise_dequant``,
+    its products in its order) in float32, rounded once to ``dtype`` (a row scale rounded to bf16 first would bias the
+    whole row)."""
+    values = data * absmax.unsqueeze(1)  # int8 x float32: float32
+    values.mul_(1.0 / _INT8_MAX)
     return values if dtype == torch.float32 else values.to(dtype)
 
 
