@@ -31,6 +31,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from hf_configs import save_hf_model  # noqa: E402  (the parity tests' models)
 
 
+def _logprob_gap(reference, prompts: list[list[int]], rollouts, sampling, device: torch.device) -> float:
+    """The largest |log-prob| difference between ``rollouts`` (the engine's, for ``prompts``) and transformers'
+    ``reference`` model's uncached forward over the same tokens, at the sampling's log-prob temperature."""
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, completion, logprobs in zip(prompts, rollouts.completion_ids, rollouts.logprobs):
+            logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
+            logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
+            theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
+            worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
+    return worst
+
+
 def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> None:
     import contextlib
     import functools
@@ -81,13 +94,7 @@ def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> 
                 if every_step and not fronts:
                     tally("FAIL", label, "no rows were compacted")
                     continue
-                worst = 0.0
-                with torch.no_grad():
-                    for prompt, completion, logprobs in zip(rows, results[-1].completion_ids, results[-1].logprobs):
-                        logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
-                        logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
-                        theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
-                        worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
+                worst = _logprob_gap(reference, rows, results[-1], sampling, device)
                 tally.check(same and worst <= 1e-4, label,
                             f"tokens {'equal' if same else 'DIFFER'} to uncaptured, uncompacted; max|Δ log-prob| vs "
                             f"transformers {worst:.1e}; two calls {seconds:.2f} s"
@@ -155,13 +162,7 @@ def unseeded_sampling(tally, device: torch.device, config: str = "qwen3-gqa") ->
     captured = any(runner.graph is not None for batch in engine._batches.values() for runner in batch.runners.values())
     failed = engine._capture.failed
     differ = results[1].completion_ids != results[2].completion_ids  # replays draw afresh
-    worst = 0.0
-    with torch.no_grad():
-        for prompt, completion, logprobs in zip(prompts, results[-1].completion_ids, results[-1].logprobs):
-            logits = reference(input_ids=torch.tensor([prompt + completion], device=device)).logits[0]
-            logits = logits[len(prompt) - 1 : -1].float() / sampling.logprob_temperature
-            theirs = F.log_softmax(logits, -1).gather(-1, torch.tensor(completion, device=device)[:, None])
-            worst = max(worst, (theirs[:, 0].cpu() - torch.tensor(logprobs)).abs().max().item())
+    worst = _logprob_gap(reference, prompts, results[-1], sampling, device)
     tally.check(failed is None and captured == (device.type == "cuda") and differ and worst <= 1e-4, label,
                 f"captured {captured}; calls {'differ' if differ else 'REPEAT'}; max|Δ log-prob| vs transformers "
                 f"{worst:.1e}" + (f"; capture FAILED: {failed[:120]}" if failed else ""))

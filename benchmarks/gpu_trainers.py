@@ -106,6 +106,12 @@ def _before_each_step(snapshots: list, device: torch.device):
     return BeforeEachStep()
 
 
+def compiled_between(before: dict[str, int], after: dict[str, int]) -> str:
+    """The Triton variants each kernel gained from ``before`` to ``after`` (``triton_variants`` snapshots), or "none"."""
+    gained = {kernel: count - before.get(kernel, 0) for kernel, count in after.items()}
+    return ", ".join(f"{kernel} {count}" for kernel, count in sorted(gained.items()) if count > 0) or "none"
+
+
 def steady_step_seconds(logs: list[dict]) -> float | None:
     """The median ``perf/step_s`` of the steps after the first (the lower one of an even count, so that of two steps
     a one-off in either is not the figure); None without them."""
@@ -130,9 +136,7 @@ def step_times(logs: list[dict], snapshots: list[dict]) -> str:
             continue
         compiled = ""
         if len(snapshots) == len(seconds) + 1 and snapshots[index + 1]:
-            new = {kernel: count - snapshots[index].get(kernel, 0) for kernel, count in snapshots[index + 1].items()}
-            compiled = ", ".join(f"{kernel} {count}" for kernel, count in sorted(new.items()) if count > 0) or "none"
-            compiled = f" (Triton variants compiled in it: {compiled})"
+            compiled = f" (Triton variants compiled in it: {compiled_between(snapshots[index], snapshots[index + 1])})"
         slow.append(f"step {index + 1} {value:.3g} s{compiled}")
     if slow:
         text += "; 0.1 s or more after the first: " + "; ".join(slow)
@@ -210,10 +214,7 @@ def run_one(name: str, device: torch.device, steps: int, folder: Path, bf16: boo
               f"cuda max alloc GiB {shown('perf/cuda_max_allocated_gib')}, {step_times(logs, snapshots)}, "
               f"{seconds:.1f} s")
     if len(snapshots) > 2 and snapshots[1]:  # informational: a kernel path first taken after step 1 compiles then
-        compiled = ", ".join(f"{kernel} {count - snapshots[1].get(kernel, 0)}"
-                             for kernel, count in sorted(variants.items()) if count > snapshots[1].get(kernel, 0))
-        compiled = compiled or "none"
-        detail += f"; Triton variants compiled after step 1: {compiled}"
+        detail += f"; Triton variants compiled after step 1: {compiled_between(snapshots[1], variants)}"
     steady = steady_step_seconds(logs)
     if problems:
         return False, "; ".join(problems) + " | " + detail, steady

@@ -56,6 +56,7 @@ from hfnative.parallel.grad_norm import replicate_partial_gradients
 from hfnative.parallel.tensor_parallel import _rows_like
 from hfnative.peft.adapters import ExpertLoraTarget, LoraTarget, add_expert_lora, add_lora, mark_trainable
 from hfnative.peft.settings import LoraSettings
+from test_selective_checkpoint import _KeptBytes
 
 STEPS, ROWS, SEQ = 5, 4, 16
 VOCAB = 95  # the tied model's vocabulary (the others have 96): split unevenly over 2 or 4 ranks
@@ -528,31 +529,10 @@ def kept_bytes_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
     init_adapters(converted.model)
     model = converted.model.train()
 
-    def local_bytes(value) -> int:
-        return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * t.element_size()
-                   for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-
-    counted = {"bytes": 0, "let_go": 0}
-    keep, unread = selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread
-
-    def recording(mode, func, out):
-        keep(mode, func, out)
-        counted["bytes"] += local_bytes(mode.kept[-1][1])
-
-    def letting_go(mode, addend):
-        before = [kept for _, kept, _ in mode.kept]
-        unread(mode, addend)
-        for was, (_, now, _) in zip(before, mode.kept):
-            if now is not was:
-                counted["bytes"] -= local_bytes(was)
-                counted["let_go"] += 1
-
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(3))
-    selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread = recording, letting_go
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        counted = _KeptBytes(patch)  # test_selective_checkpoint's count (a DTensor's local bytes)
         out = model(input_ids=ids, labels=ids)
-    finally:
-        selective_checkpoint._Keep.keep, selective_checkpoint._Keep.unread = keep, unread
     out.loss.backward()
     per_token = sum(selective_checkpoint.kept_bytes_per_token(block, "attention_and_projections", 4)
                     for block in model.layers)
@@ -568,15 +548,12 @@ def kept_bytes_under_tp(refs: References, dims: ParallelDims, mesh) -> dict:
                     for p in model.parameters() if p.requires_grad)
     available = gradients + len(model.layers) * tokens * model.args.dim * 4 + 2 * tokens * per_token
     chosen, real = [], decoder.selective_checkpoint_context
-    saved = decoder.available_device_bytes, decoder.selective_checkpoint_context
-    decoder.available_device_bytes = lambda device: available
-    decoder.selective_checkpoint_context = lambda keep: chosen.append(keep) or real(keep)
-    try:
-        with use_device_policy("gpu"):
-            model(input_ids=ids, labels=ids)
-    finally:
-        decoder.available_device_bytes, decoder.selective_checkpoint_context = saved
-    return {**counted, "estimate": tokens * per_token, "default_keeps": sorted(set(chosen)),
+    with pytest.MonkeyPatch.context() as patch, use_device_policy("gpu"):
+        patch.setattr(decoder, "available_device_bytes", lambda device: available)
+        patch.setattr(decoder, "selective_checkpoint_context", lambda keep: chosen.append(keep) or real(keep))
+        model(input_ids=ids, labels=ids)
+    return {"bytes": counted.bytes, "let_go": counted.let_go, "estimate": tokens * per_token,
+            "default_keeps": sorted(set(chosen)),
             "lora_layers": sum("lora_B" in name for name, _ in model.named_parameters()),
             "finite_loss": bool(torch.isfinite(out.loss.detach()).item())}
 

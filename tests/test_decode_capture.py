@@ -32,6 +32,15 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (3, 7, 5)]
 
 
+def _experts_cast_at_use(engine: NativeRolloutEngine) -> NativeRolloutEngine:
+    """``engine`` with a replica that copies no expert weights (its matmul weights' copies only): autocast's cast of
+    the experts at every use, the oracle the replica's copies are held to."""
+    make = engine._weights._make
+    engine._weights._make = lambda model, weights, head, dtype, stack: make(
+        model, [w for w in weights if w.dim() == 2], head, dtype, stack)
+    return engine
+
+
 def test_experts_run_in_the_autocast_dtype_under_the_gpu_policy():
     """fp32 master weights under bf16 autocast: with the GPU policy the experts compute what the same experts in bf16
     compute from bf16 inputs (casts are exact copies), to the bit, and their gradients reach the fp32 weights; the CPU
@@ -74,13 +83,7 @@ def test_the_decoded_replica_holds_the_experts_in_the_autocast_dtype():
             for name in ("w1", "w2", "w3"):
                 assert getattr(copy_, name).dtype == torch.bfloat16
                 assert torch.equal(getattr(copy_, name), getattr(source, name).to(torch.bfloat16))
-        cast_at_use = NativeRolloutEngine(converted)
-        make = cast_at_use._weights._make
-
-        def experts_left_alone(model, weights, head, dtype, stack):  # the replica without the experts' copies
-            return make(model, [w for w in weights if w.dim() == 2], head, dtype, stack)
-
-        cast_at_use._weights._make = experts_left_alone
+        cast_at_use = _experts_cast_at_use(NativeRolloutEngine(converted))
         theirs = cast_at_use.generate(prompts, sampling)
         assert all(e.w1.dtype == torch.float32 for e in _experts(cast_at_use._weights.replica))
     assert ours.completion_ids == theirs.completion_ids
@@ -264,11 +267,7 @@ def test_experts_with_adapters_decode_from_their_float32_weights():
         engine = NativeRolloutEngine(model, fold_expert_adapters=False)
         ours = engine.generate(_prompts(), sampling)
         assert all(e.w1.dtype == torch.float32 for e in _experts(engine._weights.replica))
-        itself = NativeRolloutEngine(model, fold_expert_adapters=False)
-        make = itself._weights._make
-        itself._weights._make = lambda model, weights, head, dtype, stack: make(
-            model, [w for w in weights if w.dim() == 2], head, dtype, stack)
-        theirs = itself.generate(_prompts(), sampling)
+        theirs = _experts_cast_at_use(NativeRolloutEngine(model, fold_expert_adapters=False)).generate(_prompts(), sampling)
     assert ours.completion_ids == theirs.completion_ids
     assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(ours.logprobs, theirs.logprobs))
 

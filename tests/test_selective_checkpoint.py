@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_configs import ONE_PER_FAMILY, save_hf_model
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfnative.converters.loading import load_pretrained
@@ -284,8 +285,9 @@ def test_torchs_variable_length_attention_is_kept_as_attention():
 
 
 def _tensor_bytes(value) -> int:
-    return sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(value)
-               if isinstance(t, torch.Tensor))
+    """The bytes ``value``'s tensors take here (a DTensor's: its local tensor's, this rank's)."""
+    return sum((t._local_tensor if isinstance(t, DTensor) else t).numel() * t.element_size()
+               for t in torch.utils._pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 class _KeptBytes:

@@ -283,17 +283,18 @@ class NativeRolloutEngine(RolloutEngine):
                sampling.repetition_penalty, len(sampling.stop_ids), torch.is_autocast_enabled(self._device.type),
                id(model), read_upto, by_kernel)
         if self.cuda_graph:
-            # what a graph bakes in: the weights' addresses (the folded experts' copies too), the adapters switched on
-            # or off
+            # what a graph bakes in: the weights' addresses (every runner kept has the batch's: the graphs of other
+            # addresses are let go, and their memory, the fronts' too), the adapters switched on or off, the folded
+            # experts' copies
             weights = tuple(address for p in model.parameters() for address in _addresses(p))
             root = batch.root
-            if root.graph_weights != weights:  # the graphs of other weights' addresses are let go (and their memory),
-                for each in (root, *root._fronts.values()):  # the fronts' too
+            if root.graph_weights != weights:
+                for each in (root, *root._fronts.values()):
                     each.runners.clear()
                 root.graph_weights = weights
-            key += weights + tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
+            key += tuple(bool(m.adapter_enabled) for m in model.modules() if hasattr(m, "adapter_enabled"))
             key += tuple(w.data_ptr() for m in model.modules() if isinstance(m, GroupedExperts)
-                         and m.decode_weights is not None for w in m.decode_weights)  # folded experts' copies
+                         and m.decode_weights is not None for w in m.decode_weights)
         if key not in batch.runners:
             if self.static_shapes:
                 step = functools.partial(_compiled_advance if self.compile else advance, model, batch, sampling, seeded,

@@ -210,7 +210,8 @@ class RewardFunctions:
         if not specs and not episode_rewards:
             raise ValueError("No reward source provided. Pass `reward_funcs`, or an `environment_factory` whose "
                              "environment defines a `get_reward` method.")
-        self.functions = [resolve_reward_function(spec, model_init_kwargs, torch.device(device)) for spec in specs]
+        self.device = torch.device(device)
+        self.functions = [resolve_reward_function(spec, model_init_kwargs, self.device) for spec in specs]
         self.names = [reward_function_name(f) for f in self.functions]
         if reward_weights is None:
             reward_weights = [1.0] * len(self.functions)
@@ -220,7 +221,6 @@ class RewardFunctions:
                 f"({len(self.functions)})"
             )
         self.weights_F = torch.tensor(reward_weights, dtype=torch.float32)
-        self.device = torch.device(device)
         self.chat_template_kwargs = chat_template_kwargs or {}
         # TRL's rules: None for every function, one tokenizer for a single function, else one entry per function
         processing = reward_processing_classes
