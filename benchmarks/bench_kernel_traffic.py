@@ -17,7 +17,10 @@ counts once with the bytes of its tensor arguments. With ``--checkpointing`` eve
 policy's selective checkpointing; transformers' full checkpointing, TRL's default). With ``--lora`` every linear layer
 of the blocks carries a LoRA adapter (``harness.LORA``: peft's ``get_peft_model`` on transformers' model, hfnative's
 ``apply_lora`` on ours) and only the adapters train; ``--weights bf16`` loads the frozen weights in bf16, as a Hub
-checkpoint stored in bf16 loads (the adapters stay float32, as peft makes them). "kept MB" is what a forward
+checkpoint stored in bf16 loads (the adapters stay float32, as peft makes them); ``--quantize int8|nf4`` stores the
+frozen base as ``load_in_8bit`` / ``load_in_4bit`` do (NF4 computed in ``--weights``' dtype; hfnative's runners only:
+transformers' quantized base is bitsandbytes', whose kernels are CUDA's), and adds ``ours:torch_dequantize``: the
+Triton kernels except the quantized weights', made whole by torch's ops. "kept MB" is what a forward
 leaves allocated for its backward (the activations, a step's memory beyond the weights and optimizer), per block
 (the head's included), from glibc's allocation counters in a step run without the counting mode.
 
@@ -190,9 +193,12 @@ def main(argv=None) -> None:
     parser.add_argument("--lora", action="store_true",
                         help="LoRA adapters on every linear layer (harness.LORA), the rest frozen")
     parser.add_argument("--weights", choices=("fp32", "bf16"), default="fp32", help="the dtype the weights load in")
+    parser.add_argument("--quantize", choices=("int8", "nf4"), default=None,
+                        help="with --lora: the frozen base quantized as load_in_8bit / load_in_4bit quantize it "
+                             "(NF4 in --weights' dtype, bnb_4bit_compute_dtype); hfnative's runners only")
     parser.add_argument("--top", type=int, default=8, help="the most frequent other kernels of each runner")
-    parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours",
-                        help="comma-separated from transformers, ours:torch_kernels, ours")
+    parser.add_argument("--runners", default="transformers,ours:torch_kernels,ours:torch_dequantize,ours",
+                        help="comma-separated from transformers, ours:torch_kernels, ours:torch_dequantize (with --quantize), ours")
     parser.add_argument("--decode", action="store_true", help="one decode step of the native engine (see above)")
     parser.add_argument("--stack_projections", action="store_true",
                         help="--decode: the engine's stack_projections=True, what it does by default on a GPU with "
@@ -205,7 +211,7 @@ def main(argv=None) -> None:
     from hfnative.allocator import heap_stats
     from hfnative.converters.loading import load_pretrained
     from hfnative.device_policy import use_device_policy
-    from hfnative.models import triton_kernels
+    from hfnative.models import triton_dequant, triton_kernels
     from hfnative.parallel.activation_checkpoint import apply_activation_checkpointing
 
     reference = transformers.AutoModelForCausalLM.from_config(_shape_config(cli), attn_implementation="sdpa")
@@ -221,7 +227,11 @@ def main(argv=None) -> None:
         from hfnative.converters.peft import apply_lora
 
         reference = peft.get_peft_model(reference, peft.LoraConfig(**LORA))
-        apply_lora(converted, LORA)
+        quantized = {"int8": {"load_in_8bit": True},
+                     "nf4": {"load_in_4bit": True, "quantization_config": {"bnb_4bit_compute_dtype": dtype}}}
+        apply_lora(converted, LORA, **quantized.get(cli.quantize, {}))
+    elif cli.quantize:
+        parser.error("--quantize needs --lora (a quantized base trains through its adapters)")
     native = converted.model
     if cli.decode:
         return decode_main(cli, native, traffic_stack_for_kernels())
@@ -234,11 +244,14 @@ def main(argv=None) -> None:
 
     traffic_stack = traffic_stack_for_kernels()
     kernels = triton_kernels._kernels()
+    supported = triton_dequant.int8_supported, triton_dequant.nf4_supported
 
-    def step(model, triton: bool = False):
+    def step(model, triton: bool = False, dequantize_kernels: bool = True):
         def run(kept: list | None = None):
             """One step; with ``kept``, appends the bytes the forward left allocated for backward."""
             os.environ[triton_kernels.ENV_SWITCH] = "1" if triton else "0"
+            triton_dequant.int8_supported, triton_dequant.nf4_supported = (
+                supported if dequantize_kernels else (lambda *args: False,) * 2)
             model.zero_grad(set_to_none=True)
             before = heap_stats() if kept is not None else None
             with use_device_policy("gpu"):
@@ -249,13 +262,18 @@ def main(argv=None) -> None:
                 loss.backward()
         return run
 
+    # transformers' quantized base is bitsandbytes', whose kernels are CUDA's: with --quantize only hfnative's run
     runners = {"transformers": step(reference), "ours:torch_kernels": step(native)}
+    if cli.quantize:
+        del runners["transformers"]
     skipped = None
     if kernels is None:
         skipped = "Triton cannot be imported here"
     elif os.environ.get("TRITON_INTERPRET") != "1":
         skipped = "Triton's kernels run on a CPU only under its interpreter: set TRITON_INTERPRET=1"
     else:
+        if cli.quantize:  # the block's kernels, the quantized weights made whole by torch's ops
+            runners["ours:torch_dequantize"] = step(native, triton=True, dequantize_kernels=False)
         runners["ours"] = step(native, triton=True)
 
     chosen = cli.runners.split(",")
@@ -263,6 +281,7 @@ def main(argv=None) -> None:
     tokens = cli.batch * cli.seq
     print(f"# one forward + backward, {cli.layers} Qwen3-0.6B-wide blocks, {cli.batch} x {cli.seq} tokens, vocab "
           f"{cli.vocab}, {cli.weights} weights, bf16 autocast{', LoRA on every linear layer' if cli.lora else ''}"
+          f"{f', the base in {cli.quantize}' if cli.quantize else ''}"
           f"{', every block checkpointed' if cli.checkpointing else ''}")
     print(f"{'runner':<20} {'other kernels':>13} {'other MB':>10} {'matmul kernels':>14} {'matmul MB':>10} "
           f"{'attention':>9}  per block: other kernels, MB; kept MB")

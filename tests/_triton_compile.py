@@ -15,10 +15,12 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import torch
 
-TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32"}
+TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64", torch.int32: "i32",
+         torch.int8: "i8", torch.uint8: "u8"}
 
 
 class _Recorder:
@@ -131,8 +133,8 @@ def qwen3_launches(tokens: int = 8192) -> list:
     the rotation alone as Llama's heads take it; a pre-norm's bf16 output for two and three projections; the rotated
     q/k norm written in bf16 for attention; the MLP's pre-norm with the residual add before it; with bf16 weights,
     the rotations with bf16 tables (rounded as torch rotates in bf16); a decode step's heads (``decode_qkv``) in
-    both, and its attention (``decode_attention``)."""
-    from hfnative.models import triton_decode
+    both, and its attention (``decode_attention``); a quantized base's int8 and NF4 weights made whole."""
+    from hfnative.models import triton_decode, triton_dequant
     from hfnative.models.triton_decode import decode_attention, decode_qkv
     from hfnative.models.triton_kernels import (TritonResidualRMSNorm, TritonRMSNorm, TritonRope, TritonSiluGated,
                                                cross_entropy_rows)
@@ -194,6 +196,18 @@ def qwen3_launches(tokens: int = 8192) -> list:
             # at batch 8 each row's cache read in 4 parts, then joined
             query = torch.zeros(8, 16, 1, 128, dtype=torch.bfloat16)
             triton_decode._decode_attention(query, cache[:8], cache[:8], pad[:8], entry, None, 0.088, 4)
+            # a quantized base's weight made whole at the MLP's shape (3,072 x 1,024): int8 rows in the matmul's
+            # dtype, NF4 in float32 (bitsandbytes' default compute dtype) and bf16 to bf16 and float32
+            rows = torch.zeros(3072, 1024, dtype=torch.int8)
+            triton_dequant.int8_values(rows, torch.ones(3072), x_dtype, 1 / 127)
+            for table in (torch.float32, torch.bfloat16):
+                nf4 = types.SimpleNamespace(
+                    shape=rows.shape, block_size=64, scaler_block_size=256,
+                    quantized_data=torch.zeros(rows.numel() // 2, dtype=torch.uint8),
+                    quantized_scalers=torch.zeros(rows.numel() // 64, dtype=torch.int8),
+                    quantization_factor=torch.ones(rows.numel() // 64 // 256, dtype=table),
+                    scaler_mean=torch.zeros((), dtype=table), nf4=torch.zeros(16, dtype=table))
+                triton_dequant.nf4_values(nf4, x_dtype)
 
     return recorded_launches(run)
 

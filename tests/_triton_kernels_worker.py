@@ -509,6 +509,87 @@ def check_silu_gated():
         _close(grad, want_grad, dtype == torch.bfloat16, f"silu_gated {dtype} on halves of one product: grad")
 
 
+def check_dequantize():
+    """A quantized base's weights made whole in one kernel (``hfnative.models.triton_dequant``) equal the op sequences
+    they replace to the bit: int8 rows as bitsandbytes' ``int8_vectorwise_dequant`` computes them (float32 products,
+    rounded once), a row of zeros included; torchao's NF4 ``get_original_weight`` then a cast, for NF4 tensors in
+    float32, bf16 and fp16 (the scalers' own blocks of 256 and, for a small layer, of 8), in float32, bf16 and fp16;
+    sizes that leave the last program part-filled. Then LoRA layers over an int8 and an NF4 base, forward and
+    backward in float32 and under bf16 autocast, give the same outputs and gradients with the kernels as without."""
+    from hfnative.models import triton_dequant
+    from hfnative.peft import quantize
+    from hfnative.peft.lora import LoraLinear
+
+    generator = torch.Generator().manual_seed(3)
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    with use_device_policy("gpu"):
+        rows = torch.randint(-127, 128, (37, 100), generator=generator, dtype=torch.int8)
+        absmax = torch.rand(37, generator=generator) * 3
+        absmax[5] = 0.0
+        for dtype in floats:
+            assert triton_dequant.int8_supported(rows, absmax, dtype), dtype
+            got = triton_dequant.int8_values(rows, absmax, dtype, 1 / 127)
+            want = ((rows.float() * absmax[:, None]) * torch.tensor(1 / 127)).to(dtype)
+            assert torch.equal(got, want), f"int8 rows in {dtype}: {(got.float() - want.float()).abs().max()}"
+        for shape in ((96, 512), (24, 64)):
+            weight = torch.randn(shape, generator=generator) * 0.05
+            weight[3, 7] = 1.5  # a block with an outlier
+            for table in floats:
+                nf4 = quantize.to_nf4_parameter(weight, table)
+                for dtype in floats:
+                    assert triton_dequant.nf4_supported(nf4, dtype), (shape, table, dtype)
+                    got = triton_dequant.nf4_values(nf4, dtype)
+                    want = nf4.get_original_weight().to(dtype)
+                    assert torch.equal(got, want), \
+                        f"NF4 {shape} {table} to {dtype}: {(got.float() - want.float()).abs().max()}"
+        assert not triton_dequant.nf4_supported(quantize.to_nf4_parameter(weight, torch.float32).t(), torch.float32)
+
+        launched = {"int8": 0, "nf4": 0}
+        kernels = (triton_dequant.int8_values, triton_dequant.nf4_values)
+
+        def counted(name, kernel):
+            def run(*args):
+                launched[name] += 1
+                return kernel(*args)
+            return run
+
+        base = torch.nn.Linear(128, 64, bias=True)
+        x0 = torch.randn(2, 5, 128, generator=generator)
+        for bits, bf16 in itertools.product(("int8", "nf4"), (False, True)):
+            results = []
+            for use_kernel in (False, True):
+                torch.manual_seed(0)
+                layer = torch.nn.Linear(128, 64, bias=True)
+                layer.load_state_dict(base.state_dict())
+                weight = (quantize.to_int8_parameter(layer.weight) if bits == "int8"
+                          else quantize.to_nf4_parameter(layer.weight, torch.float32))
+                lora = LoraLinear(quantize.QuantizedLinear(layer, weight), r=4, scaling=2.0)
+                torch.nn.init.normal_(lora.lora_B, generator=torch.Generator().manual_seed(1))
+                x = x0.clone().requires_grad_()
+                if use_kernel:
+                    triton_dequant.int8_values, triton_dequant.nf4_values = (counted("int8", kernels[0]),
+                                                                             counted("nf4", kernels[1]))
+                else:
+                    supported = (triton_dequant.int8_supported, triton_dequant.nf4_supported)
+                    triton_dequant.int8_supported = triton_dequant.nf4_supported = lambda *args: False
+                try:
+                    before = dict(launched)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                        out = lora(x)
+                    out.float().square().mean().backward()
+                finally:
+                    if use_kernel:
+                        triton_dequant.int8_values, triton_dequant.nf4_values = kernels
+                    else:
+                        triton_dequant.int8_supported, triton_dequant.nf4_supported = supported
+                if use_kernel:  # forward and backward each made the weight whole in the kernel
+                    assert launched[bits] - before[bits] == 2, (bits, bf16, launched, before)
+                results.append((out, x.grad, lora.lora_A.grad, lora.lora_B.grad))
+            for name, got, want in zip(("output", "x grad", "lora_A grad", "lora_B grad"), results[1], results[0]):
+                assert got.dtype == want.dtype and torch.equal(got, want), \
+                    f"LoRA over {bits} (bf16 autocast {bf16}): {name} differs by {(got - want).abs().max()}"
+
+
 class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 

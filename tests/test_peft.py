@@ -644,6 +644,40 @@ def test_int8_rows_dequantize_as_bitsandbytes_in_float32(dtype):
     assert torch.equal(int8_values(rows, maxima, dtype), expected)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "bf16-autocast"])
+def test_nf4_linear_is_torchaos_linear_nf4(weight_dtype, x_dtype, autocast):
+    """An NF4 base's matmul (``frozen_linear``) gives torchao's ``linear_nf4`` on the input cast to the weight's
+    dtype, the bias added in the product's dtype, the result cast back, to the bit: output, the input's gradient, and
+    the bias's, under bf16 autocast (where
+    the input is not cast to a float32 weight's dtype and back, and the weight is made whole in autocast's dtype) and
+    without."""
+    pytest.importorskip("torchao")
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    from hfnative.peft.quantize import frozen_linear, to_nf4_parameter
+
+    g = torch.Generator().manual_seed(0)
+    weight = to_nf4_parameter(torch.randn(48, 128, generator=g) * 0.1, weight_dtype)
+    x0 = torch.randn(3, 5, 128, generator=g).to(x_dtype)
+    grad = torch.randn(3, 5, 48, generator=g)
+    results = []
+    def torchao(x, w, b):
+        out = linear_nf4(x.to(w.dtype), w)
+        return (out + b.to(out.dtype)).to(x.dtype)
+
+    for function in (frozen_linear, torchao):
+        x = x0.clone().requires_grad_()
+        bias = torch.zeros(48, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = function(x, weight, bias)
+        out.backward(grad.to(out.dtype))
+        results.append((out, x.grad, bias.grad))
+    for name, got, want in zip(("output", "input grad", "bias grad"), *results):
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: {(got - want).abs().max()}"
+
+
 def _bitsandbytes_dequantized(model) -> None:
     """Every nn.Linear of a peft model but the head and the adapters given the values of bitsandbytes' int8 rows
     (``CB * SCB / 127`` from its own quantization of the fp16 weight): the 8-bit base's oracle in float32."""

@@ -397,3 +397,39 @@ def cross_entropy_rows(Z, TARGETS, VALID, GRAD, LOSS, ENTROPY, CORRECT, n_cols, 
             grad = tl.exp(z - log_z) - tl.where(cols == target, 1.0, 0.0)
             grad = tl.where(valid > 0, grad * valid, 0.0)
             tl.store(GRAD + row * stride_grad + cols, grad.to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def int8_dequantize(DATA, ABSMAX, OUT, n_cols, inv_max, BLOCK: tl.constexpr):
+    """A quantized base's int8 rows as the weight they stand for: ``DATA * ABSMAX[row]`` then ``* inv_max`` (1/127),
+    each product rounded in float32 as torch's two multiplies are, the result rounded once to OUT's dtype. A program
+    a row (axis 0) and block of its columns (axis 1)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    values = tl.load(DATA + row * n_cols + cols, mask=mask, other=0).to(tl.float32) * tl.load(ABSMAX + row)
+    tl.store(OUT + row * n_cols + cols, (values * inv_max).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def nf4_dequantize(DATA, SCALERS, FACTORS, MEAN, TABLE, OUT, n_pairs, HALF_BLOCK: tl.constexpr,
+                   SCALER_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """An NF4 weight (torchao's ``NF4Tensor``) as its values: each byte of DATA holds two 4-bit indices into TABLE (the
+    first element in the high bits), a block of ``2 * HALF_BLOCK`` elements shares one double-quantized scale,
+    ``SCALERS[block] / FACTORS[block // SCALER_BLOCK] + MEAN``. Every step rounds to the table's dtype where torchao's
+    ``get_original_weight`` rounds (the quotient, the sum, the product), then to OUT's dtype; the division is IEEE's
+    (``div_rn``: a GPU's plain ``/`` may be a faster approximation)."""
+    pairs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = pairs < n_pairs
+    byte = tl.load(DATA + pairs, mask=mask, other=0).to(tl.int32)
+    block = pairs // HALF_BLOCK
+    scale = tl.math.div_rn(tl.load(SCALERS + block, mask=mask, other=0).to(tl.float32),
+                           tl.load(FACTORS + block // SCALER_BLOCK, mask=mask, other=1.0).to(tl.float32))
+    scale = scale.to(TABLE.dtype.element_ty).to(tl.float32)
+    scale = (scale + tl.load(MEAN).to(tl.float32)).to(TABLE.dtype.element_ty).to(tl.float32)
+    first = tl.load(TABLE + (byte >> 4), mask=mask, other=0.0).to(tl.float32) * scale
+    second = tl.load(TABLE + (byte & 15), mask=mask, other=0.0).to(tl.float32) * scale
+    first = first.to(TABLE.dtype.element_ty).to(OUT.dtype.element_ty)
+    second = second.to(TABLE.dtype.element_ty).to(OUT.dtype.element_ty)
+    at = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
+    tl.store(OUT + at, tl.interleave(first, second), mask=at < 2 * n_pairs)

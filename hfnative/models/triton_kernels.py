@@ -25,6 +25,8 @@ outputs once:
   gradient: about 48 bytes an entry against 6.
 - the decode step's kernels of the native rollout engine, ``decode_qkv`` and ``decode_attention``: their wrappers are
   in ``hfnative.models.triton_decode``, which says what they compute.
+- a quantized base's weights made whole (int8 rows, NF4) for each matmul, ``int8_dequantize`` and ``nf4_dequantize``:
+  their wrappers are in ``hfnative.models.triton_dequant``.
 
 Each gives the values of the op sequence it replaces (``hfnative.models.layers``), cast where that sequence casts, so
 bf16 results round at the same points; sums run in another order (a float32 round-off apart) and the norm's weight
@@ -69,7 +71,7 @@ def _interpreting() -> bool:
 
 KERNEL_NAMES = ("rms_norm_forward", "rms_norm_backward", "rope_forward", "rope_backward", "silu_gated_forward",
                 "silu_gated_backward", "cross_entropy_rows", "decode_qkv", "decode_attention",
-                "decode_attention_combine")
+                "decode_attention_combine", "int8_dequantize", "nf4_dequantize")
 Kernels = collections.namedtuple("Kernels", KERNEL_NAMES)
 
 

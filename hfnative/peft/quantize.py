@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hfnative.models import triton_dequant
 from hfnative.models.selective_checkpoint import keep_as_matmul
 
 NF4_BLOCK_SIZE = 64  # weights per absmax scale (QLoRA's value)
@@ -25,13 +26,12 @@ NF4_SCALER_BLOCK_SIZE = 256  # scales per second-level (double-quantization) sca
 def _torchao_nf4():
     try:
         from torchao.quantization import NF4Tensor, to_nf4
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
     except ImportError:
         try:  # torchao < 0.15 kept NF4 under dtypes
-            from torchao.dtypes.nf4tensor import NF4Tensor, linear_nf4, to_nf4
+            from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
         except ImportError as err:
             raise ImportError("QLoRA (load_in_4bit) needs torchao: pip install 'hfnative[quant]'") from err
-    return NF4Tensor, to_nf4, linear_nf4
+    return NF4Tensor, to_nf4
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
@@ -51,8 +51,12 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return int8_linear(x, weight, bias)
     if not is_nf4(weight):
         return F.linear(x, weight, bias)
-    _, _, linear_nf4 = _torchao_nf4()
-    out = linear_nf4(x.to(weight.dtype), weight)  # saves only the NF4 weight for backward
+    # x in the weight's dtype, as torchao's linear_nf4 takes it; under autocast, where autocast's own cast undoes that
+    # one (a weight's dtype that holds x exactly, or the autocast dtype itself), x as it is: the same values, two
+    # casts of the activations fewer each way
+    narrow = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+    as_is = narrow is not None and weight.dtype in (torch.float32, x.dtype, narrow)
+    out = _NF4Linear.apply(x if as_is else x.to(weight.dtype), weight)  # saves only the NF4 weight for backward
     if bias is not None:
         out = out + bias.to(out.dtype)
     return out.to(x.dtype)
@@ -62,7 +66,39 @@ def dequantize(weight: torch.Tensor) -> torch.Tensor:
     """A plain tensor of the weight's values (NF4 -> its compute dtype; int8 -> the dtype it was quantized from)."""
     if isinstance(weight, Int8Weight):
         return weight.dequantize()
-    return weight.get_original_weight() if is_nf4(weight) else weight
+    return nf4_values(weight, weight.dtype) if is_nf4(weight) else weight
+
+
+# --- 4 bits: torchao's NF4 -----------------------------------------------------------------------------
+
+
+def nf4_values(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An NF4 weight's values in ``dtype``: torchao's ``weight.to(dtype)`` (``get_original_weight``, then a cast), in
+    one kernel where the block's Triton kernels run (``hfnative.models.triton_dequant``, the same values)."""
+    if triton_dequant.nf4_supported(weight, dtype):
+        return triton_dequant.nf4_values(weight, dtype)
+    return weight.to(dtype)  # torchao's to(dtype) dequantizes, the same dtype included
+
+
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+class _NF4Linear(torch.autograd.Function):
+    """torchao's ``linear_nf4``: ``x @ W.T`` saving only the NF4 weight, W made whole for each matmul, forward and
+    backward, by ``nf4_values``. Forward makes it in the matmul's dtype (autocast's, under autocast, where torchao makes
+    it in its own and autocast casts it again: the same values, rounded once)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, nf4_values(weight, _matmul_dtype(x)))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (weight,) = ctx.saved_tensors
+        return grad @ nf4_values(weight, grad.dtype), None
 
 
 # --- 8 bits: LLM.int8's storage ------------------------------------------------------------------------
@@ -83,6 +119,8 @@ def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) ->
     """The weight int8 rows stand for, in ``dtype``: bitsandbytes' ``CB * SCB * (1 / 127)`` (``int8_vectorwise_dequant``,
     its products in its order) in float32, rounded once to ``dtype`` (a row scale rounded to bf16 first would bias the
     whole row)."""
+    if triton_dequant.int8_supported(data, absmax, dtype):  # one kernel, the same values
+        return triton_dequant.int8_values(data, absmax, dtype, 1.0 / _INT8_MAX)
     values = data * absmax.unsqueeze(1)  # int8 x float32: float32
     values.mul_(1.0 / _INT8_MAX)
     return values if dtype == torch.float32 else values.to(dtype)
@@ -223,7 +261,7 @@ def _scaler_block_size(n_blocks: int) -> int:
 
 def to_nf4_parameter(weight: torch.Tensor, compute_dtype: torch.dtype, name: str = "weight") -> nn.Parameter:
     """A frozen NF4 copy of ``weight`` (cast to ``compute_dtype`` first, which is then its matmul dtype)."""
-    _, to_nf4, _ = _torchao_nf4()
+    _, to_nf4 = _torchao_nf4()
     if weight.dim() != 2 or weight.numel() % NF4_BLOCK_SIZE:
         raise ValueError(
             f"{name}: shape {list(weight.shape)} cannot be stored as NF4 (needs a 2-D weight whose size is a multiple "
