@@ -11,7 +11,10 @@ final and per-step losses side by side, and MFU against a matmul peak measured o
     python benchmarks/bench_sft.py --preset smoke_depth28 --lora --activation_checkpointing --runners trl,ours
 
 --lora trains LoRA adapters on every linear layer (the same peft.LoraConfig for TRL and hfnative, harness.LORA) instead
-of the whole model; transformers' Trainer is skipped.
+of the whole model; transformers' Trainer is skipped. With it, the hfnative variants ``qlora`` (the frozen base in NF4,
+computed in bf16: ``quantization_config={"load_in_4bit": True, "bnb_4bit_compute_dtype": "bfloat16"}``) and
+``qlora_torch_dequantize`` (the same, its weights made whole by torchao's op sequence instead of the Triton kernel) time
+QLoRA against LoRA; their losses part from the others' by the NF4 rounding of the base.
 
 FLOPs per trained token (PaLM appendix B convention, causal masking not discounted):
     F = 6 * (N_body + V * D) + 12 * L * H * d_head * S
@@ -69,7 +72,7 @@ BASE_RUNNERS = ("trl", "hf", "ours")
 # keep_attention / keep_nothing: with --activation_checkpointing, TRL's gradient_checkpointing_kwargs={"selective":
 # True / False} (checkpointed blocks keep the attention's output / nothing), against the device policy's choice
 OURS_VARIANTS = ("default", "optimizer_in_backward", "compile", "cpu_policy", "torch_kernels", "keep_attention",
-                 "keep_nothing")
+                 "keep_nothing", "qlora", "qlora_torch_dequantize")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,6 +157,16 @@ def train_once(runner: str, spec: dict, notes: list[str]) -> dict:
             os.environ["HFNATIVE_DEVICE_POLICY"] = "cpu"  # this child process only
         elif variant == "torch_kernels":
             os.environ["HFNATIVE_TRITON_KERNELS"] = "0"  # this child process only
+        elif variant in ("qlora", "qlora_torch_dequantize"):
+            if peft_config is None:
+                raise Unavailable(f"{variant} needs --lora")
+            # QLoRA as TRL's scripts ask for it: the base in NF4, its matmuls in bf16
+            extra["model_init_kwargs"] = {"quantization_config": {
+                "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}}
+            if variant == "qlora_torch_dequantize":  # this child process only: the NF4 weights made whole by
+                from hfnative.models import triton_dequant  # torchao's op sequence, every other kernel kept
+
+                triton_dequant.nf4_supported = lambda *args: False
         elif variant in ("keep_attention", "keep_nothing"):
             if not common.get("gradient_checkpointing"):
                 raise Unavailable(f"{variant} needs --activation_checkpointing")

@@ -26,6 +26,8 @@
 #                    on every linear layer (r 16) with TRL's default checkpointing
 #                  moe-lora: bench_expert_lora.py, TRL + peft vs hfnative on LoRA over the stacked experts
 #                    (target_parameters, the gpt-oss recipe) at gpt-oss-20b's layer shape, 2 layers, bf16 autocast
+#                  qlora: bench_sft.py --lora --activation_checkpointing, hfnative's LoRA vs QLoRA (NF4 base in
+#                    bf16) with its weights made whole by the Triton kernel vs by torchao's op sequence
 #   rollout        generation's bars (ROLLOUT_BUDGET s, 420 by default)
 #                  bench-gen: bench_generate.py, native engine vs transformers' generate, Qwen3-0.6B shape, bf16,
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
@@ -324,6 +326,8 @@ if start_section step_more "${STEP_MORE_BUDGET:-520}"; then
   run_check lora 120 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --lora \
     --activation_checkpointing --runners trl,ours "${SFT_BENCH[@]}"
   run_check moe-lora 200 bench_verdict "$PYTHON" benchmarks/bench_expert_lora.py --device "$DEVICE" --rounds 1 "${MOE_LORA[@]}"
+  run_check qlora 150 bench_verdict "$PYTHON" benchmarks/bench_sft.py --device "$DEVICE" --rounds 1 --lora \
+    --activation_checkpointing --runners ours --ours_variants default,qlora,qlora_torch_dequantize "${SFT_BENCH[@]}"
 fi
 
 if start_section rollout "${ROLLOUT_BUDGET:-420}"; then
