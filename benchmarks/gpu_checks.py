@@ -585,30 +585,35 @@ def kernels(tally: Tally, device: torch.device) -> None:
 
 
 def dequantization(tally: Tally, device: torch.device) -> None:
-    """A quantized base's weight made whole for a matmul (``hfnative.models.triton_dequant``) at Qwen3-8B's MLP shape
-    (12,288 x 4,096; small on CPU): int8 rows and NF4 (float32 and bf16 tables) to bf16, the kernel against the op
-    sequence it replaces (int8: bitsandbytes' float32 formula then a cast; NF4: torchao's ``get_original_weight``
-    then a cast), equal to the bit, and each one's time; the kernel's GB/s over the bytes it must move."""
+    """A quantized base's weight made whole for a matmul (``hfnative.models.triton_dequant``) at about Qwen3-8B's MLP
+    shape (12,290 x 4,096: the last program part-filled, NF4's scales in blocks of 128; small on CPU): int8 rows to bf16
+    and float32, NF4 in float32 to bf16 and float32, NF4 in bf16 to bf16; the kernel against the op sequence it
+    replaces (int8: bitsandbytes' float32 formula then a cast; NF4: torchao's ``get_original_weight`` then a cast),
+    equal to the bit, and each one's time; the kernel's GB/s over the bytes it must move."""
     from hfnative.device_policy import use_device_policy
     from hfnative.models import triton_dequant
     from hfnative.peft.quantize import to_nf4_parameter
 
-    rows, cols = (12288, 4096) if device.type == "cuda" else (96, 256)
+    rows, cols = (12290, 4096) if device.type == "cuda" else (97, 256)
     generator = torch.Generator(device=device).manual_seed(0)
     weight = torch.randn(rows, cols, device=device, generator=generator) * 0.02
     data = torch.randint(-127, 128, (rows, cols), device=device, generator=generator, dtype=torch.int8)
     absmax = torch.rand(rows, device=device, generator=generator)
-    cases = [("int8 rows", lambda: triton_dequant.int8_supported(data, absmax, torch.bfloat16),
-              lambda: triton_dequant.int8_values(data, absmax, torch.bfloat16, 1 / 127),
-              lambda: ((data * absmax[:, None]) * (1 / 127)).to(torch.bfloat16), rows * cols * 3)]
-    for table in (torch.float32, torch.bfloat16):
+    cases = []
+    for out in (torch.bfloat16, torch.float32):
+        cases.append((f"int8 rows to {str(out)[6:]}", lambda out=out: triton_dequant.int8_supported(data, absmax, out),
+                      lambda out=out: triton_dequant.int8_values(data, absmax, out, 1 / 127),
+                      lambda out=out: ((data * absmax[:, None]) * (1 / 127)).to(out),
+                      rows * cols * (1 + out.itemsize)))
+    for table, out in ((torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
         nf4 = to_nf4_parameter(weight, table)
-        cases.append((f"NF4 in {str(table)[6:]}", lambda nf4=nf4: triton_dequant.nf4_supported(nf4, torch.bfloat16),
-                      lambda nf4=nf4: triton_dequant.nf4_values(nf4, torch.bfloat16),
-                      lambda nf4=nf4: nf4.get_original_weight().to(torch.bfloat16), rows * cols * 5 // 2))
+        cases.append((f"NF4 in {str(table)[6:]} to {str(out)[6:]}",
+                      lambda nf4=nf4, out=out: triton_dequant.nf4_supported(nf4, out),
+                      lambda nf4=nf4, out=out: triton_dequant.nf4_values(nf4, out),
+                      lambda nf4=nf4, out=out: nf4.get_original_weight().to(out), rows * cols * (0.5 + out.itemsize)))
     with use_device_policy("gpu"):
         for name, supported, fused, reference, moved in cases:  # moved: bytes read and written at the fewest
-            label = f"triton dequantize {name} to bf16 [{rows}, {cols}]"
+            label = f"triton dequantize {name} [{rows}, {cols}]"
             if not supported():
                 tally.check(False, label, "the kernel does not take this weight here")
                 continue

@@ -77,7 +77,8 @@ def _signature(kernel, args, kwargs):
 
 
 def compile_for_sm90(launches) -> list[dict]:
-    """Compiles each distinct launch to a cubin for sm_90; returns name, constexprs, registers and spill bytes."""
+    """Compiles each distinct launch to a cubin for sm_90; returns name, constexprs, registers, spill bytes and the
+    PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -95,7 +96,7 @@ def compile_for_sm90(launches) -> list[dict]:
                                   target=GPUTarget("cuda", 90, 32), options=options)
         assert "cubin" in compiled.asm, f"{kernel.__name__}: no cubin"
         report = {"kernel": kernel.__name__, "constexprs": constexprs, "num_warps": options.get("num_warps", 4),
-                  "types": {k: v for k, v in signature.items() if v.startswith("*")}}
+                  "types": {k: v for k, v in signature.items() if v.startswith("*")}, "ptx": compiled.asm["ptx"]}
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as ptx:
             ptx.write(compiled.asm["ptx"])
         try:

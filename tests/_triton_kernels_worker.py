@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -1058,8 +1059,9 @@ def check_compiled_blocks_leave_them_to_the_compiler():
 
 def check_compiles_for_sm90():
     """Every launch a forward and backward make at the Qwen3-0.6B shape (each norm variant, the rotated q/k norm,
-    the gated unit; fp32, bf16 activations over fp32 weights, bf16 weights) compiles for sm_90 (H100/H200) to a cubin
-    with no register spill."""
+    the gated unit; fp32, bf16 activations over fp32 weights, bf16 weights; a quantized base's weights made whole)
+    compiles for sm_90 (H100/H200) to a cubin with no register spill, the dequantization kernels with every rounding
+    their own (no fused multiply-add, an IEEE division, no flush to zero)."""
     from _triton_compile import compile_for_sm90, qwen3_launches
 
     assert os.environ.get("TRITON_INTERPRET") != "1", "the compile check runs without the interpreter"
@@ -1070,8 +1072,15 @@ def check_compiles_for_sm90():
     assert {report["kernel"] for report in reports if report["constexprs"].get("ROUNDED")} == {
         "rms_norm_forward", "rms_norm_backward", "rope_forward", "decode_qkv"}, \
         "the rotations with bf16 tables were not compiled"
-    spilled = [report for report in reports if report["spill_bytes"]]
+    spilled = [{k: v for k, v in report.items() if k != "ptx"} for report in reports if report["spill_bytes"]]
     assert not spilled, f"register spills: {spilled}"
+    # the dequantization kernels give torch's values to the bit only if each operation rounds on its own: an IEEE
+    # division, no multiply fused into an add, no flush of subnormals
+    for report in reports:
+        if report["kernel"] in ("int8_dequantize", "nf4_dequantize"):
+            ptx = report["ptx"]
+            assert not re.search(r"\bfma\.|\.ftz\b|div\.full|div\.approx", ptx), f"{report['kernel']}: inexact PTX"
+            assert report["kernel"] == "int8_dequantize" or "div.rn.f32" in ptx, "nf4_dequantize: no div.rn.f32"
 
 
 def check_one_variant_for_any_token_count():

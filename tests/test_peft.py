@@ -644,17 +644,17 @@ def test_int8_rows_dequantize_as_bitsandbytes_in_float32(dtype):
     assert torch.equal(int8_values(rows, maxima, dtype), expected)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("autocast", [False, True], ids=["plain", "bf16-autocast"])
-def test_nf4_linear_is_torchaos_linear_nf4(weight_dtype, x_dtype, autocast):
-    """An NF4 base's matmul (``frozen_linear``) gives torchao's ``linear_nf4`` on the input cast to the weight's
-    dtype, the bias added in the product's dtype, the result cast back, to the bit: output, the input's gradient, and
-    the bias's, under bf16 autocast (where
-    the input is not cast to a float32 weight's dtype and back, and the weight is made whole in autocast's dtype) and
-    without."""
+def test_nf4_linear_is_linear_over_the_dequantized_weight(weight_dtype, x_dtype, autocast):
+    """An NF4 base's matmul (``frozen_linear``) is torchao's ``linear_nf4`` on the input cast to the weight's dtype,
+    the bias added in the product's dtype and the result cast back, written out with explicit casts outside autocast:
+    the weight's values torchao's ``get_original_weight``, cast where autocast casts (an input autocast leaves alone,
+    float64, stays the weight's dtype). Output, the input's gradient and the bias's equal it to the bit, under bf16
+    autocast and without, for weights of another half dtype than autocast's too."""
     pytest.importorskip("torchao")
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+    import torch.nn.functional as F
 
     from hfnative.peft.quantize import frozen_linear, to_nf4_parameter
 
@@ -662,15 +662,19 @@ def test_nf4_linear_is_torchaos_linear_nf4(weight_dtype, x_dtype, autocast):
     weight = to_nf4_parameter(torch.randn(48, 128, generator=g) * 0.1, weight_dtype)
     x0 = torch.randn(3, 5, 128, generator=g).to(x_dtype)
     grad = torch.randn(3, 5, 48, generator=g)
-    results = []
-    def torchao(x, w, b):
-        out = linear_nf4(x.to(w.dtype), w)
+
+    def explicit(x, w, b):
+        x_w, values = x.to(w.dtype), w.get_original_weight()
+        if autocast:  # autocast narrows both operands of the matmul to bf16
+            x_w, values = x_w.to(torch.bfloat16), values.to(torch.bfloat16)
+        out = F.linear(x_w, values)
         return (out + b.to(out.dtype)).to(x.dtype)
 
-    for function in (frozen_linear, torchao):
+    results = []
+    for function, autocast_on in ((frozen_linear, autocast), (explicit, False)):
         x = x0.clone().requires_grad_()
         bias = torch.zeros(48, requires_grad=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_on):
             out = function(x, weight, bias)
         out.backward(grad.to(out.dtype))
         results.append((out, x.grad, bias.grad))

@@ -3,8 +3,8 @@
 interpreter), sources in ``triton_kernel_sources``:
 
 - ``int8_values``: LLM.int8's rows (``hfnative.peft.quantize.Int8Weight``) as the weight they stand for. torch's op
-  sequence writes a float32 product, multiplies it in place and casts it: about 15 bytes an element where the kernel
-  reads one and the row's scale and writes the result (2 bytes in bf16).
+  sequence writes a float32 product, multiplies it in place and casts it: about 19 bytes an element (to bf16) where
+  the kernel reads one and the row's scale and writes the result (2 bytes in bf16).
 - ``nf4_values``: torchao's NF4 tensor as its values. Its ``get_original_weight`` runs a dozen kernels over the
   weight, two of them writing 64-bit indices (about 30 bytes an element); the kernel reads half a byte and writes the
   result.
@@ -26,11 +26,13 @@ MAX_COLUMN_BLOCKS = 65535  # a grid's second axis
 
 
 def int8_supported(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Rows [out, in] laid out whole, float32 maxima, a floating dtype asked for."""
-    if torch.compiler.is_compiling() or not use_triton_kernels(data, absmax):  # compiled: the compiler fuses them
+    """int8 rows [out, in] laid out whole, one float32 maximum a row, a floating dtype asked for; not while compiling
+    (the compiler fuses the op sequence; inside ``hfnative::int8_linear``, opaque to it, the kernel still runs)."""
+    if torch.compiler.is_compiling() or not use_triton_kernels(data, absmax):
         return False
-    return (dtype in _FLOATS and data.dim() == 2 and data.numel() > 0 and data.shape[1] <= MAX_COLUMN_BLOCKS * BLOCK
-            and data.is_contiguous() and absmax.is_contiguous() and absmax.dtype == torch.float32)
+    return (dtype in _FLOATS and data.dtype == torch.int8 and data.dim() == 2 and data.numel() > 0
+            and data.shape[1] <= MAX_COLUMN_BLOCKS * BLOCK and data.is_contiguous() and absmax.is_contiguous()
+            and absmax.dtype == torch.float32 and absmax.shape == data.shape[:1])
 
 
 def int8_values(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype, inv_max: float) -> torch.Tensor:
@@ -59,8 +61,10 @@ def nf4_supported(weight, dtype: torch.dtype) -> bool:
         return False
     if not weight.is_contiguous() or weight.storage_offset() or not all(t.is_contiguous() for t in parts):
         return False
-    if (data.dtype != torch.uint8 or data.numel() * 2 != weight.numel() or scalers.numel() != weight.n_blocks
-            or table.numel() != 16 or mean.numel() != 1 or scalers.numel() % weight.scaler_block_size):
+    if (data.dtype != torch.uint8 or scalers.dtype != torch.int8 or data.numel() * 2 != weight.numel()
+            or scalers.numel() != weight.n_blocks or weight.n_blocks * weight.block_size != weight.numel()
+            or factors.numel() * weight.scaler_block_size != scalers.numel() or table.numel() != 16
+            or mean.numel() != 1):
         return False
     return all(t.dtype == weight.dtype for t in (factors, mean, table))
 

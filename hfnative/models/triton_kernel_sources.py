@@ -432,4 +432,4 @@ def nf4_dequantize(DATA, SCALERS, FACTORS, MEAN, TABLE, OUT, n_pairs, HALF_BLOCK
     first = first.to(TABLE.dtype.element_ty).to(OUT.dtype.element_ty)
     second = second.to(TABLE.dtype.element_ty).to(OUT.dtype.element_ty)
     at = tl.program_id(0).to(tl.int64) * (2 * BLOCK) + tl.arange(0, 2 * BLOCK)
-    tl.store(OUT + at, tl.interleave(first, second), mask=at < 2 * n_pairs)
+    tl.store(OUT + at, tl.interleave(first, second), mask=at < 2 * n_pairs.to(tl.int64))

@@ -54,7 +54,7 @@ def frozen_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     # x in the weight's dtype, as torchao's linear_nf4 takes it; under autocast, where autocast's own cast undoes that
     # one (a weight's dtype that holds x exactly, or the autocast dtype itself), x as it is: the same values, two
     # casts of the activations fewer each way
-    narrow = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+    narrow = _autocast_dtype(x)
     as_is = narrow is not None and weight.dtype in (torch.float32, x.dtype, narrow)
     out = _NF4Linear.apply(x if as_is else x.to(weight.dtype), weight)  # saves only the NF4 weight for backward
     if bias is not None:
@@ -77,12 +77,22 @@ def nf4_values(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     one kernel where the block's Triton kernels run (``hfnative.models.triton_dequant``, the same values)."""
     if triton_dequant.nf4_supported(weight, dtype):
         return triton_dequant.nf4_values(weight, dtype)
-    return weight.to(dtype)  # torchao's to(dtype) dequantizes, the same dtype included
+    # torchao's to(dtype) dequantizes (the same dtype included); outside autocast, whose promotion of torch.stack
+    # refuses a weight of another half dtype than autocast's (its own ops are none that autocast narrows)
+    with torch.autocast(weight.device.type, enabled=False):
+        return weight.to(dtype)
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast computes a matmul of ``x`` in, or None where it leaves x as it is (off; float64)."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return torch.get_autocast_dtype(device)
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    return _autocast_dtype(x) or x.dtype
 
 
 class _NF4Linear(torch.autograd.Function):
