@@ -51,8 +51,8 @@
 #                    tokens a prompt
 #   checks         correctness (CHECKS_BUDGET s, 400 by default)
 #                  trainers: gpu_trainers.py, 4 bf16 steps of each trainer (SFT, DPO, KTO, reward, distillation, GKD,
-#                    GRPO, RLOO, SFT with LoRA training two token rows, SFT with LoRA on an 8-bit base) on the
-#                    shipped tiny model: finite losses,
+#                    GRPO, RLOO, SFT with LoRA training two token rows, SFT with LoRA on an 8-bit base, QLoRA) on
+#                    the shipped tiny model: finite losses,
 #                    parameters moved, perf/ metrics, the saved folder loads
 #                  parity-fp32 / parity-bf16: logits vs transformers on CUDA (fp32: max |Δ| <= 1e-5, KL <= 1e-9;
 #                    bf16: error vs fp32 at most 2x transformers' own); attention: SDPA backends, a packed batch

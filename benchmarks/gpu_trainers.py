@@ -6,7 +6,7 @@
     python benchmarks/gpu_trainers.py --only SFT,GRPO
 
 Each trainer (SFT, DPO, KTO, reward, distillation, GKD, GRPO, RLOO, SFT with a LoRA config that also trains
-two token rows: ``SFT-lora-tokens``, and LoRA on an 8-bit base: ``SFT-lora-int8``) is built from its config exactly as a user's script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
+two token rows: ``SFT-lora-tokens``, LoRA on an 8-bit base: ``SFT-lora-int8``, and QLoRA: ``SFT-qlora``) is built from its config exactly as a user's script builds it, trains ``--steps`` optimizer steps on examples/tiny-qwen3 with examples/data, and saves its
 model. One line per trainer: PASS when every logged loss is finite, the model's parameters moved and sit on the
 device, the saved folder loads with transformers, and the perf/ metrics the README lists for that device were
 logged (on CUDA: cuda_max_allocated_gib, and mfu_wall_clock where the GPU is in hfnative.metrics.PEAK_FLOPS);
@@ -74,6 +74,12 @@ SETUPS = {
     "SFT-lora-int8": ("SFTConfig", "SFTTrainer", "sft_messages.jsonl", 64,
                       dict(max_length=128, per_device_train_batch_size=8, model_init_kwargs={"load_in_8bit": True}),
                       dict(peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear"))),
+    # QLoRA as TRL's scripts ask for it: an NF4 base computed in bf16, each weight made whole by hfnative's Triton
+    # kernel on the device (hfnative.models.triton_dequant)
+    "SFT-qlora": ("SFTConfig", "SFTTrainer", "sft_messages.jsonl", 64,
+                  dict(max_length=128, per_device_train_batch_size=8, model_init_kwargs={"quantization_config": {
+                      "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"}}),
+                  dict(peft_config=dict(r=8, lora_alpha=16, target_modules="all-linear"))),
 }
 
 
