@@ -591,6 +591,43 @@ def check_dequantize():
                     f"LoRA over {bits} (bf16 autocast {bf16}): {name} differs by {(got - want).abs().max()}"
 
 
+def check_dequantize_rollouts():
+    """The native engine's rollouts of a QLoRA policy (an NF4 base computed in bf16, LoRA on every linear layer) under
+    the GPU policy and bf16 autocast, as GRPO's run: each decode step makes every NF4 weight whole in the kernel, and
+    the greedy completions and their log-probs equal, to the bit, those made with torchao's op sequence."""
+    from hfnative.converters.peft import apply_lora
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+    from hfnative.models import triton_dequant
+
+    with tempfile.TemporaryDirectory() as directory:
+        make_hf_model("qwen3-gqa").save_pretrained(directory)
+        converted = load_pretrained(directory)
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"), quantization_config={
+        "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "bfloat16"})
+    with torch.no_grad():  # adapters that change the completions
+        for name, parameter in converted.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
+    prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
+    kernel, supported = triton_dequant.nf4_values, triton_dequant.nf4_supported
+    launched = []
+    runs = {}
+    for use_kernel in (True, False):
+        if use_kernel:
+            triton_dequant.nf4_values = lambda *args: launched.append(1) or kernel(*args)
+        else:
+            triton_dequant.nf4_supported = lambda *args: False
+        try:
+            with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+                runs[use_kernel] = NativeRolloutEngine(converted.model).generate(
+                    prompts, SamplingParams(max_new_tokens=5, do_sample=False))
+        finally:
+            triton_dequant.nf4_values, triton_dequant.nf4_supported = kernel, supported
+    assert len(launched) >= 5 * 2 * 7, f"{len(launched)} NF4 weights made whole by the kernel in 5 steps of 2 blocks"
+    _same_rollouts(runs[True], runs[False], 0.0, "a QLoRA policy's rollouts")
+
+
 class _Launches:
     """Counts the kernels' autograd functions as they are applied."""
 

@@ -26,7 +26,7 @@ TRITON_DIR = ROOT / ".triton-cpu"
 TRITON_REQUIREMENT = "triton==3.6.0"  # the GPU image's; its interpreter runs the kernels on CPU tensors
 INTERPRETED = ["rms_norm", "rms_norm_fanned_out", "residual_rms_norm", "norm_rope", "rope", "cross_entropy",
                "cross_entropy_replaced_rows", "silu_gated", "models", "decoding_bf16_weights", "decode_qkv",
-               "decode_attention", "dequantize", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler", "bf16_as_close_to_exact_as_torch"]
+               "decode_attention", "dequantize", "dequantize_rollouts", "bf16_autocast", "compiled_blocks_leave_them_to_the_compiler", "bf16_as_close_to_exact_as_torch"]
 # Triton's compiler and launcher, without the interpreter: a cubin for sm_90, the variants launches compile; no GPU
 COMPILED = ["compiles_for_sm90", "one_variant_for_any_token_count"]
 
