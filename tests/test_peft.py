@@ -682,6 +682,42 @@ def test_nf4_linear_is_linear_over_the_dequantized_weight(weight_dtype, x_dtype,
         assert got.dtype == want.dtype and torch.equal(got, want), f"{name}: {(got - want).abs().max()}"
 
 
+@pytest.mark.parametrize("base", ["plain", "int8"])
+def test_lora_without_a_gradient_casts_its_input_once_under_autocast(base):
+    """Under autocast, a LoRA layer run without a gradient (rollouts, a reference's forward) casts a float32 input to
+    bf16 once for its base's matmul and its adapter's, where autocast casts it for each: the same output to the bit as
+    the forward that keeps autocast's two casts (which a gradient needs), one cast of the input fewer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hfnative.peft.lora import LoraLinear
+    from hfnative.peft.quantize import QuantizedLinear, to_int8_parameter
+
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    if base == "int8":
+        linear = QuantizedLinear(linear, to_int8_parameter(linear.weight))
+    layer = LoraLinear(linear, r=4, scaling=2.0)
+    torch.nn.init.normal_(layer.lora_B, generator=g)
+    x = torch.randn(5, 64, generator=g)
+
+    class InputCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape == x.shape:
+                InputCasts.count += 1
+            return func(*args, **(kwargs or {}))
+
+    outputs, casts = [], []
+    for grad in (True, False):
+        InputCasts.count = 0
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), InputCasts():
+            outputs.append(layer(x.clone().requires_grad_(grad)))
+        casts.append(InputCasts.count)
+    assert outputs[0].dtype == outputs[1].dtype and torch.equal(outputs[0].detach(), outputs[1])
+    assert casts == [2, 1], casts
+
+
 def _bitsandbytes_dequantized(model) -> None:
     """Every nn.Linear of a peft model but the head and the adapters given the values of bitsandbytes' int8 rows
     (``CB * SCB / 127`` from its own quantization of the fp16 weight): the 8-bit base's oracle in float32."""

@@ -85,9 +85,16 @@ class LoraLinear(FrozenLinear):
             return (result + self._dora_extra(x.to(self.lora_A.dtype), result)).to(result.dtype)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if (autocast and isinstance(self.lora_dropout, nn.Identity) and x.dtype == torch.float32
+                and not (x.requires_grad and torch.is_grad_enabled()) and not is_nf4(self.weight)):
+            # without a gradient (rollouts, a reference's forward): x cast once for the base's matmul and the adapter's,
+            # which autocast casts it for each (a gradient keeps autocast's two casts: their gradients summed in float32;
+            # an NF4 base's product comes back in x's dtype, as bitsandbytes' does)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         result = super().forward(x)
         result_dtype = result.dtype
-        if isinstance(self.lora_dropout, nn.Identity) and torch.is_autocast_enabled(x.device.type):
+        if isinstance(self.lora_dropout, nn.Identity) and autocast:
             adapter_input = x  # autocast casts it for the matmul, as it would cast x in the adapter's dtype
         else:
             adapter_input = self.lora_dropout(x.to(self.lora_A.dtype))
