@@ -718,6 +718,44 @@ def test_lora_without_a_gradient_casts_its_input_once_under_autocast(base):
     assert casts == [2, 1], casts
 
 
+@pytest.mark.parametrize("name", ["qwen3-gqa", "llama-gqa"])
+def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, checkpoint_dir):
+    """A LoRA model's forward without a gradient under bf16 autocast (rollouts, a reference's log-probs): each pre-norm
+    writes its output once in bf16 for the LoRA projections reading it (as it does for plain ones) and each layer casts
+    no input of its own; the logits equal the forward with a gradient (autocast's casts, layer by layer) to the bit,
+    with fewer casts of [tokens, hidden] activations."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    converted = load_pretrained(checkpoint_dir(name))
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = converted.model
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(generator=torch.Generator().manual_seed(len(parameter_name)))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    hidden = model.args.dim
+
+    class ActivationCasts(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape[-1] == hidden and args[0].numel() == 18 * hidden:
+                ActivationCasts.count += 1
+            return func(*args, **(kwargs or {}))
+
+    logits, casts = [], []
+    for grad in (True, False):
+        ActivationCasts.count = 0
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), ActivationCasts():
+            logits.append(model(ids).logits.detach())
+        casts.append(ActivationCasts.count)
+    assert torch.equal(logits[0], logits[1])
+    blocks = len(model.layers)
+    # without a gradient at most one cast a pre-norm (two a block) and the final norm's: none a layer
+    assert casts[1] <= 2 * blocks + 1 < casts[0], casts
+
+
 def _bitsandbytes_dequantized(model) -> None:
     """Every nn.Linear of a peft model but the head and the adapters given the values of bitsandbytes' int8 rows
     (``CB * SCB / 127`` from its own quantization of the fp16 weight): the 8-bit base's oracle in float32."""

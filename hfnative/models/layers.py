@@ -75,8 +75,11 @@ def plain_linears(*modules: nn.Module) -> bool:
     """Whether each module is a plain ``nn.Linear``, which autocast casts a float32 input for and which reads it once:
     an input made for them in bf16 (``RMSNorm.for_linears``, ``cast_for_linears``) gives the same values. A LoRA layer
     reads its input twice (base and adapter: autograd would sum their gradients in bf16), a QLoRA or float8 layer
-    chooses its own dtypes."""
-    return all(type(module) is nn.Linear for module in modules)
+    chooses its own dtypes; without a gradient (rollouts, a reference's forward) a LoRA layer that casts a float32
+    input once itself (``LoraLinear.narrow_input_without_grad``) takes one made in bf16 too."""
+    no_grad = not torch.is_grad_enabled()
+    return all(type(module) is nn.Linear or (no_grad and getattr(module, "narrow_input_without_grad", False))
+               for module in modules)
 
 
 def cast_for_linears(x: torch.Tensor, consumers: int) -> tuple[torch.Tensor, ...]:

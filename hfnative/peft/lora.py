@@ -86,11 +86,10 @@ class LoraLinear(FrozenLinear):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         autocast = torch.is_autocast_enabled(x.device.type)
-        if (autocast and isinstance(self.lora_dropout, nn.Identity) and x.dtype == torch.float32
-                and not (x.requires_grad and torch.is_grad_enabled()) and not is_nf4(self.weight)):
+        if (autocast and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+                and self.narrow_input_without_grad):
             # without a gradient (rollouts, a reference's forward): x cast once for the base's matmul and the adapter's,
-            # which autocast casts it for each (a gradient keeps autocast's two casts: their gradients summed in float32;
-            # an NF4 base's product comes back in x's dtype, as bitsandbytes' does)
+            # which autocast casts it for each (a gradient keeps autocast's two casts: their gradients summed in float32)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         result = super().forward(x)
         result_dtype = result.dtype
@@ -121,6 +120,14 @@ class LoraLinear(FrozenLinear):
         mag_norm_scale = (self.lora_magnitude_vector / weight_norm).view(1, -1)
         lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
+
+    @property
+    def narrow_input_without_grad(self) -> bool:
+        """Whether, without a gradient under autocast, this layer's output is the same from its input in the autocast
+        dtype as from the input in float32 (which ``forward`` then casts once for the base and the adapter): a LoRA
+        layer (not DoRA) without dropout over a plain or int8 base (an NF4 base's product comes back in the input's
+        dtype, as bitsandbytes' does)."""
+        return self.lora_magnitude_vector is None and isinstance(self.lora_dropout, nn.Identity) and not is_nf4(self.weight)
 
     def sums_in_matmul(self, autocast: bool) -> bool:
         """Whether ``forward`` adds the update inside its up-projection's matmul (its base product that matmul's
