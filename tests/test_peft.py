@@ -683,10 +683,11 @@ def test_nf4_linear_is_linear_over_the_dequantized_weight(weight_dtype, x_dtype,
 
 
 @pytest.mark.parametrize("base", ["plain", "int8"])
-def test_lora_without_a_gradient_casts_its_input_once_under_autocast(base):
-    """Under autocast, a LoRA layer run without a gradient (rollouts, a reference's forward) casts a float32 input to
-    bf16 once for its base's matmul and its adapter's, where autocast casts it for each: the same output to the bit as
-    the forward that keeps autocast's two casts (which a gradient needs), one cast of the input fewer."""
+def test_lora_casts_an_input_without_a_gradient_once_under_autocast(base):
+    """Under autocast, a LoRA layer whose float32 input needs no gradient (rollouts, a reference's forward, the first
+    block's projections in training) casts it to bf16 once for its base's matmul and its adapter's, where autocast
+    casts it for each: the same output to the bit as for an input that needs a gradient (which keeps autocast's two
+    casts), the same adapter gradients, one cast of the input fewer; with dropout in eval mode too."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from hfnative.peft.lora import LoraLinear
@@ -696,9 +697,8 @@ def test_lora_without_a_gradient_casts_its_input_once_under_autocast(base):
     linear = torch.nn.Linear(64, 48)
     if base == "int8":
         linear = QuantizedLinear(linear, to_int8_parameter(linear.weight))
-    layer = LoraLinear(linear, r=4, scaling=2.0)
-    torch.nn.init.normal_(layer.lora_B, generator=g)
     x = torch.randn(5, 64, generator=g)
+    grad_out = torch.randn(5, 48, generator=g).bfloat16()
 
     class InputCasts(TorchDispatchMode):
         count = 0
@@ -708,33 +708,53 @@ def test_lora_without_a_gradient_casts_its_input_once_under_autocast(base):
                 InputCasts.count += 1
             return func(*args, **(kwargs or {}))
 
-    outputs, casts = [], []
-    for grad in (True, False):
-        InputCasts.count = 0
-        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), InputCasts():
-            outputs.append(layer(x.clone().requires_grad_(grad)))
-        casts.append(InputCasts.count)
-    assert outputs[0].dtype == outputs[1].dtype and torch.equal(outputs[0].detach(), outputs[1])
-    assert casts == [2, 1], casts
+    for dropout in (0.0, 0.05):
+        layer = LoraLinear(linear, r=4, scaling=2.0, dropout=dropout).eval()
+        torch.nn.init.normal_(layer.lora_B, generator=g)
+        results = []
+        for grad, input_grad in ((True, True), (True, False), (False, False)):
+            InputCasts.count = 0
+            layer.zero_grad(set_to_none=True)
+            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), InputCasts():
+                out = layer(x.clone().requires_grad_(input_grad))
+            casts = InputCasts.count
+            if grad:
+                out.backward(grad_out)
+            results.append((out.detach(), casts, layer.lora_A.grad, layer.lora_B.grad))
+        (want, want_casts, want_a, want_b), *others = results
+        assert want_casts == 2, (dropout, want_casts)
+        for out, casts, a, b in others:
+            assert out.dtype == want.dtype and torch.equal(out, want) and casts == 1, (dropout, casts)
+        _, _, a, b = others[0]
+        assert torch.equal(a, want_a) and torch.equal(b, want_b), dropout
 
 
-@pytest.mark.parametrize("name", ["qwen3-gqa", "llama-gqa"])
-def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, checkpoint_dir):
+@pytest.mark.parametrize("name", ["qwen3-gqa", "olmo3-sliding-gqa"])
+@pytest.mark.parametrize("base", ["plain", "int8"])
+def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, base, checkpoint_dir, monkeypatch):
     """A LoRA model's forward without a gradient under bf16 autocast (rollouts, a reference's log-probs): each pre-norm
-    writes its output once in bf16 for the LoRA projections reading it (as it does for plain ones) and each layer casts
-    no input of its own; the logits equal the forward with a gradient (autocast's casts, layer by layer) to the bit,
-    with fewer casts of [tokens, hidden] activations."""
+    (or a post-norm block's sublayer input) is made once in bf16 for the LoRA projections reading it, as for plain
+    ones, and no layer casts an input of its own. Against the same model with that switched off (every layer's input
+    cast by autocast, layer by layer): the logits to the bit with adapters on and off, with lora_dropout (in eval
+    mode) and without, and the native engine's greedy rollouts and log-probs; fewer casts of activations."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from hfnative.generation.native import NativeRolloutEngine
+    from hfnative.generation.sampling import SamplingParams
+    from hfnative.peft.lora import LoraLinear
+    from hfnative.peft.quantize import FrozenLinear
+
     converted = load_pretrained(checkpoint_dir(name))
-    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear"))
-    model = converted.model
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.05),
+               load_in_8bit=base == "int8")
+    model = converted.model.eval()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             if "lora_B" in parameter_name:
                 parameter.normal_(generator=torch.Generator().manual_seed(len(parameter_name)))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
     hidden = model.args.dim
+    adapters = [module for module in model.modules() if isinstance(module, LoraLinear)]
 
     class ActivationCasts(TorchDispatchMode):
         count = 0
@@ -744,16 +764,30 @@ def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, chec
                 ActivationCasts.count += 1
             return func(*args, **(kwargs or {}))
 
-    logits, casts = [], []
-    for grad in (True, False):
-        ActivationCasts.count = 0
-        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), ActivationCasts():
-            logits.append(model(ids).logits.detach())
-        casts.append(ActivationCasts.count)
-    assert torch.equal(logits[0], logits[1])
-    blocks = len(model.layers)
-    # without a gradient at most one cast a pre-norm (two a block) and the final norm's: none a layer
-    assert casts[1] <= 2 * blocks + 1 < casts[0], casts
+    def run():
+        results = []
+        for enabled in (True, False):
+            for adapter in adapters:
+                adapter.adapter_enabled = enabled
+            ActivationCasts.count = 0
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ActivationCasts():
+                results.append((model(ids).logits, ActivationCasts.count))
+        for adapter in adapters:
+            adapter.adapter_enabled = True
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            rollouts = NativeRolloutEngine(model).generate([[5, 9, 11, 3], [7, 2]],
+                                                           SamplingParams(max_new_tokens=4, do_sample=False))
+        return results, rollouts
+
+    (fanned, fanned_rollouts) = run()
+    for cls in (LoraLinear, FrozenLinear):  # the oracle: every layer's input cast by autocast
+        monkeypatch.setattr(cls, "narrow_input_without_grad", property(lambda self: False))
+    (cast_per_layer, rollouts) = run()
+    for (logits, casts), (want, want_casts) in zip(fanned, cast_per_layer):
+        assert torch.equal(logits, want)
+        assert casts < want_casts, (casts, want_casts)
+    assert fanned_rollouts.completion_ids == rollouts.completion_ids
+    assert fanned_rollouts.logprobs == rollouts.logprobs
 
 
 def _bitsandbytes_dequantized(model) -> None:

@@ -88,12 +88,13 @@ class LoraLinear(FrozenLinear):
         autocast = torch.is_autocast_enabled(x.device.type)
         if (autocast and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
                 and self.narrow_input_without_grad):
-            # without a gradient (rollouts, a reference's forward): x cast once for the base's matmul and the adapter's,
-            # which autocast casts it for each (a gradient keeps autocast's two casts: their gradients summed in float32)
+            # an input that needs no gradient (rollouts, a reference's forward, the first block's projections in
+            # training): cast once for the base's matmul and the adapter's, which autocast casts it for each (an input
+            # that needs one keeps autocast's two casts: their gradients summed in float32)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         result = super().forward(x)
         result_dtype = result.dtype
-        if isinstance(self.lora_dropout, nn.Identity) and autocast:
+        if self._no_dropout() and autocast:
             adapter_input = x  # autocast casts it for the matmul, as it would cast x in the adapter's dtype
         else:
             adapter_input = self.lora_dropout(x.to(self.lora_A.dtype))
@@ -121,13 +122,18 @@ class LoraLinear(FrozenLinear):
         lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
         return (mag_norm_scale - 1) * base_result + mag_norm_scale * lora_result * self.scaling
 
+    def _no_dropout(self) -> bool:
+        return isinstance(self.lora_dropout, nn.Identity) or not self.lora_dropout.training
+
     @property
     def narrow_input_without_grad(self) -> bool:
         """Whether, without a gradient under autocast, this layer's output is the same from its input in the autocast
-        dtype as from the input in float32 (which ``forward`` then casts once for the base and the adapter): a LoRA
-        layer (not DoRA) without dropout over a plain or int8 base (an NF4 base's product comes back in the input's
-        dtype, as bitsandbytes' does)."""
-        return self.lora_magnitude_vector is None and isinstance(self.lora_dropout, nn.Identity) and not is_nf4(self.weight)
+        dtype as from the input in float32 (``FrozenLinear.narrow_input_without_grad``): its base alone where the
+        adapter is switched off; else a LoRA layer (not DoRA) without dropout or with it in eval mode, which casts a
+        float32 input once itself for the base and the adapter."""
+        if not super().narrow_input_without_grad:
+            return False
+        return not self.adapter_enabled or (self.lora_magnitude_vector is None and self._no_dropout())
 
     def sums_in_matmul(self, autocast: bool) -> bool:
         """Whether ``forward`` adds the update inside its up-projection's matmul (its base product that matmul's

@@ -292,6 +292,14 @@ class FrozenLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return frozen_linear(x, self.weight, self.bias)
 
+    @property
+    def narrow_input_without_grad(self) -> bool:
+        """Whether, without a gradient under autocast, the output is the same from the input in the autocast dtype as
+        from it in float32 (``hfnative.models.layers.plain_linears``): a plain or int8 weight, which autocast (or
+        ``int8_linear``) computes in the autocast dtype whatever the input's; not NF4, whose product comes back in the
+        input's dtype, as bitsandbytes' does."""
+        return not is_nf4(self.weight)
+
 
 class QuantizedLinear(FrozenLinear):
     """A frozen nn.Linear whose weight is quantized, NF4 or int8 (the same ``weight``/``bias`` names, so key maps
