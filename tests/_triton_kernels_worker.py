@@ -13,6 +13,8 @@ exact arithmetic as torch's. The GPU script's check compares the compiled kernel
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import json
 import os
@@ -510,6 +512,32 @@ def check_silu_gated():
         _close(grad, want_grad, dtype == torch.bfloat16, f"silu_gated {dtype} on halves of one product: grad")
 
 
+@contextlib.contextmanager
+def _dequantizing(use_kernel: bool, launched: collections.Counter):
+    """The quantized weights made whole by the kernels (each launch counted in ``launched["int8"]`` or
+    ``launched["nf4"]``), or with ``use_kernel`` False by the op sequences they replace."""
+    from hfnative.models import triton_dequant
+
+    kernels = triton_dequant.int8_values, triton_dequant.nf4_values
+    supported = triton_dequant.int8_supported, triton_dequant.nf4_supported
+
+    def counted(name, kernel):
+        def run(*args):
+            launched[name] += 1
+            return kernel(*args)
+        return run
+
+    if use_kernel:
+        triton_dequant.int8_values, triton_dequant.nf4_values = counted("int8", kernels[0]), counted("nf4", kernels[1])
+    else:
+        triton_dequant.int8_supported = triton_dequant.nf4_supported = lambda *args: False
+    try:
+        yield
+    finally:
+        triton_dequant.int8_values, triton_dequant.nf4_values = kernels
+        triton_dequant.int8_supported, triton_dequant.nf4_supported = supported
+
+
 def check_dequantize():
     """A quantized base's weights made whole in one kernel (``hfnative.models.triton_dequant``) equal the op sequences
     they replace to the bit: int8 rows as bitsandbytes' ``int8_vectorwise_dequant`` computes them (float32 products,
@@ -545,15 +573,7 @@ def check_dequantize():
                         f"NF4 {shape} {table} to {dtype}: {(got.float() - want.float()).abs().max()}"
         assert not triton_dequant.nf4_supported(quantize.to_nf4_parameter(weight, torch.float32).t(), torch.float32)
 
-        launched = {"int8": 0, "nf4": 0}
-        kernels = (triton_dequant.int8_values, triton_dequant.nf4_values)
-
-        def counted(name, kernel):
-            def run(*args):
-                launched[name] += 1
-                return kernel(*args)
-            return run
-
+        launched = collections.Counter()
         base = torch.nn.Linear(128, 64, bias=True)
         x0 = torch.randn(2, 5, 128, generator=generator)
         for bits, bf16 in itertools.product(("int8", "nf4"), (False, True)):
@@ -567,24 +587,13 @@ def check_dequantize():
                 lora = LoraLinear(quantize.QuantizedLinear(layer, weight), r=4, scaling=2.0)
                 torch.nn.init.normal_(lora.lora_B, generator=torch.Generator().manual_seed(1))
                 x = x0.clone().requires_grad_()
-                if use_kernel:
-                    triton_dequant.int8_values, triton_dequant.nf4_values = (counted("int8", kernels[0]),
-                                                                             counted("nf4", kernels[1]))
-                else:
-                    supported = (triton_dequant.int8_supported, triton_dequant.nf4_supported)
-                    triton_dequant.int8_supported = triton_dequant.nf4_supported = lambda *args: False
-                try:
-                    before = dict(launched)
+                before = dict(launched)
+                with _dequantizing(use_kernel, launched):
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                         out = lora(x)
                     out.float().square().mean().backward()
-                finally:
-                    if use_kernel:
-                        triton_dequant.int8_values, triton_dequant.nf4_values = kernels
-                    else:
-                        triton_dequant.int8_supported, triton_dequant.nf4_supported = supported
                 if use_kernel:  # forward and backward each made the weight whole in the kernel
-                    assert launched[bits] - before[bits] == 2, (bits, bf16, launched, before)
+                    assert launched[bits] - before.get(bits, 0) == 2, (bits, bf16, launched, before)
                 results.append((out, x.grad, lora.lora_A.grad, lora.lora_B.grad))
             for name, got, want in zip(("output", "x grad", "lora_A grad", "lora_B grad"), results[1], results[0]):
                 assert got.dtype == want.dtype and torch.equal(got, want), \
@@ -598,7 +607,6 @@ def check_dequantize_rollouts():
     from hfnative.converters.peft import apply_lora
     from hfnative.generation.native import NativeRolloutEngine
     from hfnative.generation.sampling import SamplingParams
-    from hfnative.models import triton_dequant
 
     with tempfile.TemporaryDirectory() as directory:
         make_hf_model("qwen3-gqa").save_pretrained(directory)
@@ -610,21 +618,13 @@ def check_dequantize_rollouts():
             if "lora_B" in name:
                 parameter.normal_(generator=torch.Generator().manual_seed(len(name)))
     prompts = [[5, 9, 11, 3], [7, 2], [4, 4, 8, 1, 6, 2]]
-    kernel, supported = triton_dequant.nf4_values, triton_dequant.nf4_supported
-    launched = []
+    launched = collections.Counter()
     runs = {}
     for use_kernel in (True, False):
-        if use_kernel:
-            triton_dequant.nf4_values = lambda *args: launched.append(1) or kernel(*args)
-        else:
-            triton_dequant.nf4_supported = lambda *args: False
-        try:
-            with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
-                runs[use_kernel] = NativeRolloutEngine(converted.model).generate(
-                    prompts, SamplingParams(max_new_tokens=5, do_sample=False))
-        finally:
-            triton_dequant.nf4_values, triton_dequant.nf4_supported = kernel, supported
-    assert len(launched) >= 5 * 2 * 7, f"{len(launched)} NF4 weights made whole by the kernel in 5 steps of 2 blocks"
+        with _dequantizing(use_kernel, launched), use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16):
+            runs[use_kernel] = NativeRolloutEngine(converted.model).generate(
+                prompts, SamplingParams(max_new_tokens=5, do_sample=False))
+    assert launched["nf4"] >= 5 * 2 * 7, f"{launched['nf4']} NF4 weights made whole by the kernel in 5 steps of 2 blocks"
     _same_rollouts(runs[True], runs[False], 0.0, "a QLoRA policy's rollouts")
 
 

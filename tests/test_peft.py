@@ -9,6 +9,7 @@ into the native adapters; then logits, saved folders, merges and training steps 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 peft = pytest.importorskip("peft")
 from hf_configs import VOCAB, save_hf_model  # noqa: E402
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from hfnative.converters.export import export_hf  # noqa: E402
@@ -411,32 +413,37 @@ def test_lora_under_bf16_autocast_is_as_close_to_fp32_as_peft(checkpoint_dir, tm
         assert 0 < ours <= 1.5 * theirs, (what, ours, theirs)
 
 
+class _Ops(TorchDispatchMode):
+    """Records each op that makes a tensor: (its name, the output's shape, its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.seen.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
+        return out
+
+    def casts(self, shape_matches) -> int:
+        """How many dtype casts made a tensor whose shape ``shape_matches``."""
+        return sum(name == "_to_copy" and shape_matches(shape) for name, shape, _ in self.seen)
+
+
 def test_a_lora_layer_writes_no_extra_activation_sized_tensors():
     """The update's scale and sum run inside the matmul, and under autocast the adapter reads the input as the base
     does: forward and backward make no elementwise pass over a [tokens, out] tensor and no float32 copy of a bf16
     input (the separate ops ran a scale and a sum over [tokens, out] forward and a scale backward, and under autocast
     copied a bf16 input to float32 for autocast to cast back)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     tokens, features_in, features_out = 24, 32, 48
     base = torch.nn.Linear(features_in, features_out, bias=False).requires_grad_(False)
     layer = LoraLinear(base, r=4, scaling=2.0)
     torch.nn.init.normal_(layer.lora_B)
 
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor):
-                self.seen.append((func.overloadpacket.__name__, tuple(out.shape), out.dtype))
-            return out
-
     for bf16, dtype in ((False, torch.float32), (True, torch.bfloat16)):
         x = torch.randn(2, tokens // 2, features_in, dtype=dtype, requires_grad=True)
-        with Ops() as ops:
+        with _Ops() as ops:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 out = layer(x)
             out.float().sum().backward()
@@ -688,8 +695,6 @@ def test_lora_casts_an_input_without_a_gradient_once_under_autocast(base):
     block's projections in training) casts it to bf16 once for its base's matmul and its adapter's, where autocast
     casts it for each: the same output to the bit as for an input that needs a gradient (which keeps autocast's two
     casts), the same adapter gradients, one cast of the input fewer; with dropout in eval mode too."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from hfnative.peft.lora import LoraLinear
     from hfnative.peft.quantize import QuantizedLinear, to_int8_parameter
 
@@ -700,24 +705,15 @@ def test_lora_casts_an_input_without_a_gradient_once_under_autocast(base):
     x = torch.randn(5, 64, generator=g)
     grad_out = torch.randn(5, 48, generator=g).bfloat16()
 
-    class InputCasts(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].shape == x.shape:
-                InputCasts.count += 1
-            return func(*args, **(kwargs or {}))
-
     for dropout in (0.0, 0.05):
         layer = LoraLinear(linear, r=4, scaling=2.0, dropout=dropout).eval()
         torch.nn.init.normal_(layer.lora_B, generator=g)
         results = []
         for grad, input_grad in ((True, True), (True, False), (False, False)):
-            InputCasts.count = 0
             layer.zero_grad(set_to_none=True)
-            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), InputCasts():
+            with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
                 out = layer(x.clone().requires_grad_(input_grad))
-            casts = InputCasts.count
+            casts = ops.casts(lambda shape: shape == x.shape)
             if grad:
                 out.backward(grad_out)
             results.append((out.detach(), casts, layer.lora_A.grad, layer.lora_B.grad))
@@ -737,8 +733,6 @@ def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, base
     ones, and no layer casts an input of its own. Against the same model with that switched off (every layer's input
     cast by autocast, layer by layer): the logits to the bit with adapters on and off, with lora_dropout (in eval
     mode) and without, and the native engine's greedy rollouts and log-probs; fewer casts of activations."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from hfnative.generation.native import NativeRolloutEngine
     from hfnative.generation.sampling import SamplingParams
     from hfnative.peft.lora import LoraLinear
@@ -756,22 +750,17 @@ def test_lora_model_without_a_gradient_fans_its_pre_norms_out_in_bf16(name, base
     hidden = model.args.dim
     adapters = [module for module in model.modules() if isinstance(module, LoraLinear)]
 
-    class ActivationCasts(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].shape[-1] == hidden and args[0].numel() == 18 * hidden:
-                ActivationCasts.count += 1
-            return func(*args, **(kwargs or {}))
+    def activations(shape):
+        return shape[-1] == hidden and math.prod(shape) == ids.numel() * hidden
 
     def run():
         results = []
         for enabled in (True, False):
             for adapter in adapters:
                 adapter.adapter_enabled = enabled
-            ActivationCasts.count = 0
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), ActivationCasts():
-                results.append((model(ids).logits, ActivationCasts.count))
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _Ops() as ops:
+                logits = model(ids).logits
+            results.append((logits, ops.casts(activations)))
         for adapter in adapters:
             adapter.adapter_enabled = True
         with torch.autocast("cpu", dtype=torch.bfloat16):

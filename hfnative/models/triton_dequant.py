@@ -28,7 +28,7 @@ MAX_COLUMN_BLOCKS = 65535  # a grid's second axis
 def int8_supported(data: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype) -> bool:
     """int8 rows [out, in] laid out whole, one float32 maximum a row, a floating dtype asked for; not while compiling
     (the compiler fuses the op sequence; inside ``hfnative::int8_linear``, opaque to it, the kernel still runs)."""
-    if torch.compiler.is_compiling() or not use_triton_kernels(data, absmax):
+    if not use_triton_kernels(data, absmax):  # (False while compiling)
         return False
     return (dtype in _FLOATS and data.dtype == torch.int8 and data.dim() == 2 and data.numel() > 0
             and data.shape[1] <= MAX_COLUMN_BLOCKS * BLOCK and data.is_contiguous() and absmax.is_contiguous()
@@ -52,10 +52,8 @@ def _nf4_parts(weight) -> tuple[torch.Tensor, ...]:
 
 def nf4_supported(weight, dtype: torch.dtype) -> bool:
     """A whole NF4 tensor laid out as torchao makes it (not a view of one), blocks of an even size."""
-    if torch.compiler.is_compiling():  # the compiler fuses torchao's op sequence itself
-        return False
     parts = data, scalers, factors, mean, table = _nf4_parts(weight)
-    if not use_triton_kernels(*parts):
+    if not use_triton_kernels(*parts):  # (False while compiling: the compiler fuses torchao's op sequence itself)
         return False
     if dtype not in _FLOATS or weight.dtype not in _FLOATS or weight.block_size % 2:
         return False

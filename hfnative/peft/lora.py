@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from hfnative.precision import autocast_dtype
+
 from .quantize import FrozenLinear, dequantize, is_nf4
 
 
@@ -85,16 +87,16 @@ class LoraLinear(FrozenLinear):
             return (result + self._dora_extra(x.to(self.lora_A.dtype), result)).to(result.dtype)
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        autocast = torch.is_autocast_enabled(x.device.type)
-        if (autocast and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
+        narrow = autocast_dtype(x.device.type)
+        if (narrow is not None and x.dtype == torch.float32 and not (x.requires_grad and torch.is_grad_enabled())
                 and self.narrow_input_without_grad):
             # an input that needs no gradient (rollouts, a reference's forward, the first block's projections in
             # training): cast once for the base's matmul and the adapter's, which autocast casts it for each (an input
             # that needs one keeps autocast's two casts: their gradients summed in float32)
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+            x = x.to(narrow)
         result = super().forward(x)
         result_dtype = result.dtype
-        if self._no_dropout() and autocast:
+        if self._no_dropout() and narrow is not None:
             adapter_input = x  # autocast casts it for the matmul, as it would cast x in the adapter's dtype
         else:
             adapter_input = self.lora_dropout(x.to(self.lora_A.dtype))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from hfnative.models import triton_dequant
 from hfnative.models.selective_checkpoint import keep_as_matmul
+from hfnative.precision import autocast_dtype
 
 NF4_BLOCK_SIZE = 64  # weights per absmax scale (QLoRA's value)
 NF4_SCALER_BLOCK_SIZE = 256  # scales per second-level (double-quantization) scale
@@ -85,10 +86,9 @@ def nf4_values(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype autocast computes a matmul of ``x`` in, or None where it leaves x as it is (off; float64)."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    return torch.get_autocast_dtype(device)
+    return autocast_dtype(x.device.type)
 
 
 def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
@@ -245,7 +245,7 @@ def int8_linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None) 
     """F.linear over an int8 weight: computed in autocast's dtype under autocast (as F.linear would), else in x's;
     W takes no gradient."""
     device = x.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    dtype = autocast_dtype(device) or x.dtype
     with torch.autocast(device, enabled=False):
         out = _int8_linear_op(x.to(dtype), weight.data_int8, weight.absmax)
         if bias is not None:
