@@ -9,6 +9,7 @@ native projections' parts; their lora_A is one shared tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -163,12 +164,14 @@ def _json_list(value):
 
 
 def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path: str | None = None) -> dict:
-    """adapter_config.json's fields, keys and values as peft 0.21's save_pretrained writes them."""
+    """adapter_config.json's fields, keys and values as peft's save_pretrained writes them: peft 0.22's keys, less
+    those the installed peft's LoraConfig does not know (an older peft warns of keys it does not know)."""
     settings = lora_settings(settings)
     config = {
         "alora_invocation_tokens": None,
         "alpha_pattern": dict(settings.alpha_pattern),
         "arrow_config": None,
+        "astra_config": None,
         "auto_mapping": _auto_mapping(converted, settings),
         "base_model_name_or_path": base_model_name_or_path,
         "bias": settings.bias,
@@ -210,7 +213,19 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
     }
     if config["peft_version"] is None:
         del config["peft_version"]
+    known = _lora_config_fields()
+    if known is not None:
+        config = {key: value for key, value in config.items() if key in known}
     return config
+
+
+def _lora_config_fields() -> frozenset[str] | None:
+    """The fields of the installed peft's LoraConfig; None without peft."""
+    try:
+        from peft import LoraConfig
+    except ImportError:
+        return None
+    return frozenset(f.name for f in dataclasses.fields(LoraConfig))
 
 
 TOKEN_ADAPTER = ".token_adapter"  # peft's TrainableTokensWrapper: the layer whose token rows train

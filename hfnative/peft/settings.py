@@ -9,6 +9,8 @@ the same fields (e.g. a loaded ``adapter_config.json``) or a ``LoraSettings``. `
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -141,12 +143,24 @@ def lora_settings(config) -> LoraSettings:
     for name in ("rank_pattern", "alpha_pattern"):
         values[name] = dict(values[name] or {})
     if values["task_type"] == "SEQ_CLS":  # peft trains a classifier's head in full: it adds these to modules_to_save
-        values["modules_to_save"] = list(values["modules_to_save"] or []) + list(SEQ_CLS_HEADS)
+        existing = list(values["modules_to_save"] or [])
+        values["modules_to_save"] = existing + [name for name in seq_cls_heads() if name not in existing]
     return LoraSettings(**values)
 
 
-# the module names peft's PeftModelForSequenceClassification adds to modules_to_save
-SEQ_CLS_HEADS = ("classifier", "score")
+# the module names peft's PeftModelForSequenceClassification adds to modules_to_save (peft 0.22 on)
+SEQ_CLS_HEADS = ("classifier", "score", "pre_classifier")
+
+
+@functools.cache
+def seq_cls_heads() -> tuple[str, ...]:
+    """The names the installed peft adds to a classifier's modules_to_save: SEQ_CLS_HEADS, or ('classifier',
+    'score') before peft 0.22; SEQ_CLS_HEADS without peft."""
+    try:
+        from peft.peft_model import CLASSIFIER_MODULE_NAMES
+    except ImportError:
+        return SEQ_CLS_HEADS if importlib.util.find_spec("peft") is None else SEQ_CLS_HEADS[:2]
+    return tuple(CLASSIFIER_MODULE_NAMES)
 
 
 @dataclass(frozen=True)
