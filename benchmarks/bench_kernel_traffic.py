@@ -30,7 +30,9 @@ kernel it launches (a CUDA graph replays them all; at batch 64 a GPU spends a fe
 size, so their count, not their bytes, sets the step's time). ``--weights bf16``: a model loaded in bf16 (its norms and
 rotary tables too); ``fp32``: fp32 weights decoded under bf16 autocast, as the trainers' rollouts run.
 ``--stack_projections``: bf16 weights decoded as a CUDA device with the memory decodes them by default (the q/k/v and
-gate/up weights copied into one stack each, one matmul each).
+gate/up weights copied into one stack each, one matmul each). ``--fold_adapters`` (with ``--lora``): the LoRA layers
+decoded over their folded weights (``W + s B A`` made once a call), what the engine does by default on a GPU with the
+memory (with fp32 weights at no memory cost).
 
     TRITON_INTERPRET=1 PYTHONPATH=.triton-cpu python benchmarks/bench_kernel_traffic.py --decode --weights bf16 --batch 8
 """
@@ -164,7 +166,8 @@ def decode_main(cli, native, traffic_stack: list) -> None:
     print(f"{'runner':<20} {'kernels':>8} {'matmul':>7} {'attention':>10} {'other':>6} {'other MB':>9}")
     for name, switch in [(n, s) for n, s in runners.items() if n in cli.runners.split(",")]:
         os.environ[triton_kernels.ENV_SWITCH] = switch
-        engine = NativeRolloutEngine(native, stack_projections=cli.stack_projections or None)
+        engine = NativeRolloutEngine(native, stack_projections=cli.stack_projections or None,
+                                     fold_adapters=cli.fold_adapters or None)
 
         def generate(tokens: int, engine=engine):
             with use_device_policy("gpu"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -203,7 +206,12 @@ def main(argv=None) -> None:
     parser.add_argument("--stack_projections", action="store_true",
                         help="--decode: the engine's stack_projections=True, what it does by default on a GPU with "
                              "the memory (bf16 weights: q/k/v and gate/up stacked into one matmul each)")
+    parser.add_argument("--fold_adapters", action="store_true",
+                        help="--decode --lora: the engine's fold_adapters=True, what it does by default on a GPU with "
+                             "the memory (each LoRA layer one matmul over W + s B A)")
     cli = parser.parse_args(argv)
+    if cli.fold_adapters and not (cli.decode and cli.lora):
+        parser.error("--fold_adapters needs --decode and --lora")
     torch.manual_seed(0)
 
     import transformers

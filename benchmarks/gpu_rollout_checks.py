@@ -9,9 +9,10 @@ unseeded sampling: torch's global generator in a captured step (``unseeded_sampl
 experts under bf16 autocast, captured where its grouped matmuls can be (``moe_rollouts``).
 
 rollouts between steps: as a trainer with ``bf16=True`` uses it, under bf16 autocast over fp32 weights (the engine
-decodes a bf16 replica of the matmul weights, refreshed every call; a DoRA policy's adapter weights stay fp32, cast by
-autocast inside the captured step), with a fused AdamW step (the default optimizer) between calls: each call's tokens
-are those of an engine that decodes the model itself, eagerly, autocast casting every weight at every use.
+decodes a bf16 replica of the matmul weights, refreshed every call; a LoRA or DoRA policy's layers folded into bf16
+copies of ``W + s B A``, the engine's default on CUDA), with a fused AdamW step (the default optimizer) between calls:
+each call's tokens are those of an uncaptured engine made afresh, of the plain model or, for adapters, of the model
+with its adapters merged (``merge_lora``: the same bf16 weights).
 """
 
 from __future__ import annotations
@@ -102,28 +103,36 @@ def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> 
 
 
 def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa", steps: int = 2) -> None:
+    import copy
+
     from hfnative.generation import NativeRolloutEngine, SamplingParams
-    from hfnative.peft.adapters import add_lora
+    from hfnative.peft.adapters import add_lora, merge_lora
 
     prompts = [list(range(3, 3 + n)) for n in (3, 9, 6, 1)]
     sampling = SamplingParams(max_new_tokens=12, do_sample=False)
-    for dora in (False, True):
+    for adapters in (None, "LoRA", "DoRA"):
         with tempfile.TemporaryDirectory() as folder:
             save_hf_model(config, folder)
             model = load_pretrained(folder, dtype=torch.float32, device=device).model
-        if dora:
-            _add_dora(model, add_lora)
+        if adapters:
+            _add_adapters(model, add_lora, dora=adapters == "DoRA")
         trained = [p for p in model.parameters() if p.requires_grad]
         engine = NativeRolloutEngine(model)  # on CUDA: captured, its replica refreshed in place at every call
+        if device.type != "cuda":
+            engine.fold_adapters = True  # the default on CUDA (fp32 weights: the fold costs no memory)
         optimizer = torch.optim.AdamW(trained, lr=0.05, fused=True)
-        label = f"rollouts between fused AdamW steps, bf16 autocast, {config}{' + DoRA' if dora else ''}"
+        label = f"rollouts between fused AdamW steps, bf16 autocast, {config}{f' + {adapters}' if adapters else ''}"
         detail, ok, previous = [], True, None
         try:
             for step in range(steps + 1):
                 with torch.autocast(device.type, dtype=torch.bfloat16):  # a trainer's bf16=True, one region a step
                     ours = engine.generate(prompts, sampling).completion_ids
                     # an uncaptured engine of its own: a replica made afresh from the weights as they are now
-                    theirs = NativeRolloutEngine(model, cuda_graph=False).generate(prompts, sampling).completion_ids
+                    decoded = model
+                    if adapters:
+                        with torch.autocast(device.type, enabled=False):  # merged in float32, as the engine folds
+                            decoded = merge_lora(copy.deepcopy(model))
+                    theirs = NativeRolloutEngine(decoded, cuda_graph=False).generate(prompts, sampling).completion_ids
                 same = ours == theirs
                 moved = previous is None or ours != previous
                 ok &= same and moved
@@ -136,6 +145,10 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
         except Exception as err:  # reported; the other model still runs
             tally("FAIL", label, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
+        if adapters:
+            folded = len(engine._weights.folds)
+            ok &= folded > 0
+            detail.append(f"{folded} layers folded")
         tally.check(ok, label, "; ".join(detail))
 
 
@@ -200,8 +213,9 @@ def moe_rollouts(tally, device: torch.device, config: str = "qwen3moe-topk-norm"
                 f"compute capability {capability})" + (f"; capture FAILED: {failed[:120]}" if failed else ""))
 
 
-def _add_dora(model, add_lora) -> None:
-    """DoRA adapters on every block's projections, trainable, the base frozen (B starts at zero: the steps move it)."""
+def _add_adapters(model, add_lora, dora: bool) -> None:
+    """LoRA (DoRA) adapters on every block's projections, trainable, the base frozen (B starts at zero: the steps move
+    it)."""
     from torch import nn
 
     from hfnative.peft.adapters import LoraTarget
@@ -209,4 +223,4 @@ def _add_dora(model, add_lora) -> None:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     names = [name for name, module in model.named_modules() if name.startswith("layers.") and isinstance(module, nn.Linear)]
-    add_lora(model, [LoraTarget((name,), r=4, lora_alpha=8) for name in names], {"r": 4, "lora_alpha": 8, "use_dora": True})
+    add_lora(model, [LoraTarget((name,), r=4, lora_alpha=8) for name in names], {"r": 4, "lora_alpha": 8, "use_dora": dora})

@@ -36,8 +36,8 @@ def _experts_cast_at_use(engine: NativeRolloutEngine) -> NativeRolloutEngine:
     """``engine`` with a replica that copies no expert weights (its matmul weights' copies only): autocast's cast of
     the experts at every use, the oracle the replica's copies are held to."""
     make = engine._weights._make
-    engine._weights._make = lambda model, weights, head, dtype, stack: make(
-        model, [w for w in weights if w.dim() == 2], head, dtype, stack)
+    engine._weights._make = lambda model, weights, head, dtype, *rest: make(
+        model, [w for w in weights if w.dim() == 2], head, dtype, *rest)
     return engine
 
 

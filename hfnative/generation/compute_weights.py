@@ -12,6 +12,12 @@ through ``.data`` change a weight without moving its counter, and rollouts after
 The copies of a block's query, key and value weights are rows of one tensor, and so are those of its gate and up
 weights (``fused_projections``): the decoder multiplies each stack once, one matmul where the model runs three (two),
 at no memory cost over separate copies (the same bf16 operands; the products summed in another order).
+With ``fold`` a LoRA layer (``foldable_adapters``) decodes as a plain linear layer whose weight is the adapter folded
+into the base weight, ``W + s B A`` (DoRA's rescaled sum), made once per call in the layer's base dtype and rounded
+once to the copy's, as a merged model (``merge_lora``) decodes and as TRL merges adapters for vLLM: a decode step
+multiplies each weight once (its stack with the others'), where an unfolded layer multiplies its base's and its
+adapter's A and B at every token. Where the base weight is copied anyway (float32 under autocast) the fold costs no
+memory (the adapter's own copies go); else it is a copy of every adapted weight.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from hfnative.device_policy import device_policy
 from hfnative.models.compute_dtype import linear_weights
 from hfnative.models.decoder import Transformer
 from hfnative.models.moe import GroupedExperts
+from hfnative.peft.lora import LoraLinear
+from hfnative.peft.quantize import dequantize, is_quantized
 
 
 def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
@@ -45,10 +53,35 @@ def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
 FUSED = "fused_weight"  # a replica's attention or MLP: its input projections' weights as rows of one tensor
 
 
-def fused_projections(model: Transformer) -> list[tuple[str, tuple[nn.Linear, ...]]]:
+def foldable_adapters(model: Transformer) -> list[LoraLinear]:
+    """The LoRA layers a decoding replica can run as plain linear layers over their folded weights: those without
+    hooks whose adapter is a plain tensor and whose base weight is one or a quantized one (not a sharded DTensor)."""
+    return [m for m in model.modules()
+            if isinstance(m, LoraLinear) and not (m._forward_hooks or m._forward_pre_hooks)
+            and all(type(p.data) is torch.Tensor for p in (m.lora_A, m.lora_B))
+            and (type(m.weight.data) is torch.Tensor or is_quantized(m.weight))]
+
+
+def folded_weight(layer: LoraLinear) -> torch.Tensor:
+    """What a folded layer's weight holds: ``W + s B A`` (``merged_weight``) with its adapter on, W without; computed
+    outside autocast (as ``merge_lora`` computes it: the generation call runs under autocast)."""
+    with torch.autocast(layer.lora_A.device.type, enabled=False):
+        return layer.merged_weight() if layer.adapter_enabled else dequantize(layer.weight)
+
+
+def fold_copy_bytes(model: Transformer, dtype: torch.dtype | None) -> int:
+    """The bytes folding a model's adapters takes over the replica without it: a copy of each adapted weight the
+    replica would not copy anyway (a weight already in ``dtype``, a quantized one; dtype None: every one)."""
+    return sum(m.out_features * m.in_features * torch.finfo(dtype or m.weight.dtype).bits // 8
+               for m in foldable_adapters(model)
+               if dtype is None or is_quantized(m.weight) or m.weight.dtype == dtype)
+
+
+def fused_projections(model: Transformer, folded: frozenset[int] = frozenset()) -> list[tuple[str, tuple[nn.Linear, ...]]]:
     """(module name, its linear layers) for each attention's query, key and value projections and each gated MLP's
-    gate and up projections: plain ``nn.Linear`` layers without a bias or hooks, which read one input (the pre-norm's
-    output), so one matmul over their weights stacked gives their three (two) outputs side by side."""
+    gate and up projections: plain ``nn.Linear`` layers (or LoRA layers whose id() is in ``folded``) without a bias or
+    hooks, which read one input (the pre-norm's output), so one matmul over their weights stacked gives their three
+    (two) outputs side by side."""
     found = []
     for index, layer in enumerate(model.layers):
         for name, module, linears in (("attention", layer.attention, ("wq", "wk", "wv")),
@@ -56,8 +89,8 @@ def fused_projections(model: Transformer) -> list[tuple[str, tuple[nn.Linear, ..
             if module is None or module._forward_pre_hooks or module._forward_hooks:
                 continue
             modules = tuple(getattr(module, n) for n in linears)
-            if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks)
-                   for m in modules):
+            if all((type(m) is nn.Linear or id(m) in folded) and m.bias is None
+                   and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
                 found.append((f"layers.{index}.{name}", modules))
     return found
 
@@ -72,66 +105,96 @@ def fused_outputs(module: nn.Module, x: torch.Tensor | tuple[torch.Tensor, ...],
 
 
 class DecodingWeights:
-    """``model_for(model, dtype, stack)``: the model to decode under autocast to ``dtype`` (None: autocast off): a
-    replica whose matmul weights are copies in ``dtype``, their stackable projections stacked; with ``stack``, also
+    """``model_for(model, dtype, stack, fold)``: the model to decode under autocast to ``dtype`` (None: autocast off):
+    a replica whose matmul weights are copies in ``dtype``, their stackable projections stacked; with ``stack``, also
     where no weight needs a cast (a model already in the decoding dtype), a replica whose stackable projections are
-    stacked copies (a second copy of those weights, which the engine makes only where the device can afford it); else
-    the model itself."""
+    stacked copies (a second copy of those weights, which the engine makes only where the device can afford it); with
+    ``fold``, a replica whose LoRA layers are plain linear layers over their folded weights; else the model itself."""
 
     def __init__(self):
-        self.key: tuple = ()  # what the replica was made for: the model's parameters (their id()), dtype, stack
+        self.key: tuple = ()  # what the replica was made for: the model's parameters (their id()), dtype, stack, fold
         self.replica: Transformer | None = None
         self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (the model's weight, its copy)
+        self.folds: list[tuple[LoraLinear, torch.Tensor]] = []  # (the model's LoRA layer, its folded weight's copy)
         self.switches: list[tuple[nn.Module, nn.Module]] = []  # (the model's adapter, the replica's)
 
-    def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False) -> Transformer:
+    def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False,
+                  fold: bool = False) -> Transformer:
+        folded = foldable_adapters(model) if fold else []
         weights = _matmul_weights(model)
         head = model.output.base_projection()  # trained token rows: the replica applies them
         if dtype is not None and all(p.dtype == dtype for p in weights + [head]):
             dtype = None  # nothing to cast
-        if dtype is None and not (stack and fused_projections(model)):
+        if dtype is None and not folded and not (stack and fused_projections(model)):
             return model
-        key = (tuple(id(p) for p in model.parameters()), dtype, stack)
+        key = (tuple(id(p) for p in model.parameters()), dtype, stack, fold)
         if self.replica is None or key != self.key:
-            self._make(model, weights, head, dtype, stack)
+            self._make(model, weights, head, dtype, stack, folded)
             self.key = key
         with torch.no_grad():
-            torch._foreach_copy_([copy for _, copy in self.pairs], [weight for weight, _ in self.pairs])
+            if self.pairs:
+                torch._foreach_copy_([copy for _, copy in self.pairs], [weight for weight, _ in self.pairs])
+            for layer, copy in self.folds:  # one layer at a time: a float32 sum at most alive
+                copy.copy_(folded_weight(layer))
         for source, copy in self.switches:  # adapters switched on or off since (disable_adapters) are so here too
             copy.adapter_enabled = source.adapter_enabled
         return self.replica
 
     def _make(self, model: Transformer, weights: list[nn.Parameter], head: torch.Tensor, dtype: torch.dtype | None,
-              stack: bool) -> None:
+              stack: bool, folded: list[LoraLinear] = ()) -> None:
         """A replica sharing every parameter and buffer but the matmul weights, which get copies in ``dtype`` (one
         already in ``dtype``, a frozen model's kept so, is shared too; dtype None: none). The copies of the projections
         that read one input (``fused_projections``) are rows of one tensor, which the replica's module holds as
         ``FUSED`` and the decoder multiplies once; with ``stack`` those projections are copied so even where they
-        need no cast (in their own dtype)."""
+        need no cast (in their own dtype). The LoRA layers in ``folded`` become plain linear layers over a copy (in
+        ``dtype``, else their base's) that ``model_for`` fills with the folded weight; their adapters get no copies
+        (but one that a layer left unfolded shares)."""
         self.replica = None  # the old copies are freed before the new are made
         memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
-        self.pairs = []
+        by_id = {id(layer): layer for layer in folded}
+        fold_copies: dict[int, nn.Parameter] = {}  # id(LoRA layer) -> the copy its folded weight goes in
+        self.pairs, self.folds = [], []
         fused = {}
-        for name, linears in fused_projections(model):
+        for name, linears in fused_projections(model, frozenset(by_id)):
             target = dtype or linears[0].weight.dtype
-            if not stack and any(linear.weight.dtype == target for linear in linears):
+            if not stack and any(linear.weight.dtype == target and id(linear) not in by_id for linear in linears):
                 continue
             rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=target,
                                device=linears[0].weight.device)
             for linear, part in zip(linears, rows.split([linear.out_features for linear in linears])):
-                memo[id(linear.weight)] = nn.Parameter(part, requires_grad=False)
-                self.pairs.append((linear.weight, memo[id(linear.weight)]))
+                if id(linear) in by_id:
+                    fold_copies[id(linear)] = nn.Parameter(part, requires_grad=False)
+                else:
+                    memo[id(linear.weight)] = nn.Parameter(part, requires_grad=False)
+                    self.pairs.append((linear.weight, memo[id(linear.weight)]))
             fused[name] = rows
+        for layer in folded:
+            if id(layer) not in fold_copies:
+                fold_copies[id(layer)] = nn.Parameter(
+                    torch.empty(layer.out_features, layer.in_features, dtype=dtype or layer.weight.dtype,
+                                device=layer.lora_A.device), requires_grad=False)
+            self.folds.append((layer, fold_copies[id(layer)]))
+        # the weights only folded layers read get no copies of their own
+        unfolded = {id(p) for m in model.modules() if id(m) not in by_id for p in m.parameters(recurse=False)}
+        fold_only = {id(p) for layer in folded for p in layer.parameters(recurse=False)} - unfolded
         for weight in weights:
-            if dtype is None or weight.dtype == dtype or memo[id(weight)] is not weight:
+            if dtype is None or weight.dtype == dtype or memo[id(weight)] is not weight or id(weight) in fold_only:
                 continue
             memo[id(weight)] = nn.Parameter(torch.empty_like(weight, dtype=dtype), requires_grad=False)
             self.pairs.append((weight, memo[id(weight)]))
         replica = copy.deepcopy(model, memo)
         for name, rows in fused.items():
             setattr(replica.get_submodule(name), FUSED, rows)
-        self.switches = [(source, copy) for source, copy in zip(model.modules(), replica.modules())
-                         if hasattr(source, "adapter_enabled")]
+        for name, module in model.named_modules():
+            if id(module) in by_id:
+                linear = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+                linear.weight = fold_copies[id(module)]
+                linear.bias = module.bias  # shared, as every other parameter
+                parent, _, child = name.rpartition(".")
+                setattr(replica.get_submodule(parent), child, linear)
+        copies = dict(replica.named_modules())
+        self.switches = [(source, copies[name]) for name, source in model.named_modules()
+                         if hasattr(source, "adapter_enabled") and id(source) not in by_id]
         if dtype is not None and model.output.is_tied:  # the head gets a copy of its own; the embedding lookup keeps
             # reading the table
             replica.output.untie()

@@ -22,7 +22,7 @@ from hfnative.models.moe import GroupedExperts, adapted_experts, adapters_folded
 from hfnative.precision import autocast_dtype
 
 from .cached_decoder import attends_by_kernel
-from .compute_weights import DecodingWeights, stacked_copy_bytes
+from .compute_weights import DecodingWeights, fold_copy_bytes, foldable_adapters, stacked_copy_bytes
 from .decode_loop import DecodeBatch, GraphCapture, LiveRows, StepRunner, advance, choose, compact_rows
 from .rollouts import RolloutEngine, Rollouts, check_prompts
 from .sampling import SamplingParams, call_row_keys
@@ -120,6 +120,12 @@ class NativeRolloutEngine(RolloutEngine):
     copies of the expert weights once per call (a copy of every adapted expert weight, kept between calls) instead of
     at every token's forward; default: on a CUDA device when the copies take at most STACK_FREE_MEMORY_SHARE of its
     free memory (decided at the model's first call), elsewhere not.
+    fold_adapters: whether the LoRA layers decode as plain linear layers over their folded weights (``W + s B A``,
+    made once per call, as a merged model decodes and as TRL merges adapters for vLLM; ``compute_weights``): a decode
+    step multiplies each weight once instead of the base's and the adapter's A and B. Where the replica copies the base
+    weights anyway (float32 under autocast) that costs no memory, else a copy of every adapted weight; default: on a
+    CUDA device when that copy takes at most STACK_FREE_MEMORY_SHARE of its free memory (decided at the model's first
+    call), elsewhere not.
     """
 
     reads_live_weights = True
@@ -127,7 +133,7 @@ class NativeRolloutEngine(RolloutEngine):
 
     def __init__(self, model: Transformer, *, compile: bool = False, cuda_graph: bool | None = None,
                  max_batch_size: int | None = None, compact: bool = True, stack_projections: bool | None = None,
-                 fold_expert_adapters: bool | None = None):
+                 fold_expert_adapters: bool | None = None, fold_adapters: bool | None = None):
         model = getattr(model, "model", model) if not isinstance(model, Transformer) else model
         if not isinstance(model, Transformer):
             raise ValueError(
@@ -151,6 +157,8 @@ class NativeRolloutEngine(RolloutEngine):
         self._folds: tuple[tuple[int, ...], bool] | None = None  # likewise for fold_expert_adapters
         self._folded: dict[tuple[int, str], torch.Tensor] = {}  # the folded expert weights (adapters_folded)
         self._folded_for: tuple[int, ...] = ()  # the decoded model's adapted experts they were made for
+        self.fold_adapters = fold_adapters
+        self._adapter_folds: tuple[tuple[int, ...], bool] | None = None  # likewise for fold_adapters
         self._capture = GraphCapture()  # the memory pool this engine's CUDA graphs share, and a failed capture
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -187,7 +195,8 @@ class NativeRolloutEngine(RolloutEngine):
         try:
             # a frozen model whose linear weights are kept in the autocast dtype decodes under autocast to it
             with on_device, autocast_for_weights(self.model, self._device.type), _autocast_cache_off(self.cuda_graph):
-                model = self._weights.model_for(self.model, autocast_dtype(self._device.type), self._stacked())
+                dtype = autocast_dtype(self._device.type)
+                model = self._weights.model_for(self.model, dtype, self._stacked(), self._fold(dtype))
                 with self._experts_folded(model):
                     parts = [self._generate_batch(model, prompts[i : i + step], sampling, i)
                              for i in range(0, len(prompts), step)]
@@ -208,6 +217,15 @@ class NativeRolloutEngine(RolloutEngine):
         # decided once per set of parameters: a new answer would make a new replica
         self._stacks = self._fits_in_free_memory(self._stacks, stacked_copy_bytes)
         return self._stacks[1]
+
+    def _fold(self, dtype: torch.dtype | None) -> bool:
+        """Whether the LoRA layers decode over their folded weights (``fold_adapters``)."""
+        if self.fold_adapters is not None:
+            return self.fold_adapters
+        if self._device.type != "cuda" or not foldable_adapters(self.model):
+            return False
+        self._adapter_folds = self._fits_in_free_memory(self._adapter_folds, lambda m: fold_copy_bytes(m, dtype))
+        return self._adapter_folds[1]
 
     def _fits_in_free_memory(self, decided: tuple[tuple[int, ...], bool] | None, copy_bytes):
         """(the model's parameters, whether ``copy_bytes(model)`` takes at most STACK_FREE_MEMORY_SHARE of the device's
