@@ -713,6 +713,35 @@ def test_lora_reference_is_the_base(tmp_path):
 
 
 
+def test_lora_policy_rollouts_from_folded_weights(tmp_path, monkeypatch):
+    """A LoRA policy with bf16=True decoded as on a GPU (the engine folds the adapters, ``fold_adapters``): the
+    replica's layers are folded, the reference is still the base (KL 0 at the first step), and after two steps the
+    rollouts' log-probs are the trained policy's own (its forward through the unfolded LoRA layers, within bf16)."""
+    import hfnative
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from hfnative.generation import NativeRolloutEngine
+
+    monkeypatch.setattr(NativeRolloutEngine, "_fold", lambda self, dtype: True)  # CUDA's default
+    rows = Dataset.from_list([{"prompt": f"Write note {i}:"} for i in range(32)])
+    settings = dict(LEARN_SETTINGS, bf16=True, per_device_train_batch_size=8, num_generations=4)
+    args = hfnative.GRPOConfig(output_dir=str(tmp_path / "fold"), max_steps=2, learning_rate=5e-2, beta=0.1, **settings)
+    trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows,
+                                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    trainer.train()
+    kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 1e-6
+    objective = trainer.objective
+    assert len(objective.rollout.engine._weights.folds) == 7 * len(trainer.native_model.layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        micro_batches = objective.generate_and_score([{"prompt": "Write about the sea."}] * 2)
+        for micro_batch in micro_batches:
+            forward = objective.rollout.completion_logprobs(trainer.model, micro_batch, len(micro_batch["prompt_ids"]))
+            mask = micro_batch["completion_mask"].bool()
+            torch.testing.assert_close(micro_batch["sampling_logprobs"][mask], forward[mask], atol=0.1, rtol=0)
+
+
 def test_trained_token_rows_in_grpo(tmp_path):
     """LoRA with trainable_token_indices, the tied head given rows of its own: rollouts from the native engine on the
     model itself, the reference the base with the rows off (KL 0 before the first update, > 0 after). A plain copy of
