@@ -32,6 +32,15 @@ lengths, some run to the limit, as a policy's do in RL. Every runner stops a row
 made (each row up to its EOS); the per-step time and floor columns are then left out.
 
     python benchmarks/bench_generate.py --stopping --runners hf,native,native-uncompacted --batch 64 --presets 100m
+
+``--lora``: a LoRA policy, as GRPO with a ``peft_config`` decodes one: an adapter (r 16 on every linear layer, B drawn
+so that it changes the tokens) saved as a PEFT folder that every runner loads over the model (``hf``: peft's
+``PeftModel.from_pretrained``, its adapters unmerged, as TRL generates without vLLM; native: hfnative's
+``load_adapter``). ``native`` folds the adapters into bf16 copies of the weights once per call on CUDA (the engine's
+default where the copies fit; on a CPU not), ``native-folded`` / ``native-unfolded`` (fold_adapters=True / False)
+fold them or multiply the base and the adapter at every token whatever the device; the floor counts the base weights.
+
+    python benchmarks/bench_generate.py --device cuda --lora --runners hf,native,native-unfolded --batch 64
 """
 
 from __future__ import annotations
@@ -63,7 +72,8 @@ from harness import (  # noqa: E402  (benchmarks/ is not a package)
     work_folder,
 )
 
-RUNNERS = ("hf", "native", "native-compiled", "native-uncaptured", "native-uncompacted", "linear-floor")
+RUNNERS = ("hf", "native", "native-compiled", "native-uncaptured", "native-uncompacted", "native-folded",
+           "native-unfolded", "linear-floor")
 DEFAULT_RUNNERS = {"cpu": "hf,native,native-compiled,linear-floor", "cuda": "hf,native,native-compiled,native-uncaptured"}
 WARMUP_NEW_TOKENS = 8
 EOS = 2  # harness.build_model's eos_token_id
@@ -96,6 +106,10 @@ def _hf_generator(spec: dict):
 
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=dtype, attn_implementation="sdpa")
+    if spec.get("adapter_dir"):
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, spec["adapter_dir"])
     model.to(spec["device"]).eval()
     eos = EOS if spec["stopping"] else None
     model.generation_config.eos_token_id = eos  # without --stopping every row generates all its tokens
@@ -121,9 +135,14 @@ def _native_generator(spec: dict, runner: str):
     from hfnative.generation import NativeRolloutEngine, SamplingParams
 
     dtype = torch.bfloat16 if spec["device"] == "cuda" else torch.float32
-    model = load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"]).model
+    converted = load_pretrained(spec["model_dir"], dtype=dtype, device=spec["device"])
+    if spec.get("adapter_dir"):
+        from hfnative.converters.peft import load_adapter
+
+        load_adapter(converted, spec["adapter_dir"], is_trainable=False)
+    model = converted.model
     options = {"native": {}, "native-compiled": {"compile": True}, "native-uncaptured": {"cuda_graph": False},
-               "native-uncompacted": {"compact": False}}[runner]
+               "native-uncompacted": {"compact": False}, "native-folded": {"fold_adapters": True}, "native-unfolded": {"fold_adapters": False}}[runner]
     engine = NativeRolloutEngine(model, **options)
     eos = EOS if spec["stopping"] else None
 
@@ -190,6 +209,22 @@ def make_rows_stop(model_dir: Path, prompts: list[list[int]], new_tokens: int, s
     model.save_pretrained(str(model_dir))
 
 
+def make_adapter(model_dir: Path, adapter_dir: Path, seed: int) -> None:
+    """``--lora``: a PEFT adapter folder for the saved model, r 16 on every linear layer, its B drawn (not peft's
+    zeros) at a scale that moves the logits without drowning them."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    peft_model.save_pretrained(str(adapter_dir))
+
+
 def copy_bandwidth(device: str) -> float:
     """The device's memory bandwidth in bytes/s as a copy measures it: (bytes read + bytes written) / seconds, the
     best of a few copies of 1 GiB (256 MiB on a CPU)."""
@@ -216,7 +251,8 @@ def bytes_per_step(model, prompts: list[list[int]], new_tokens: int, slot_multip
     captured step reads each row's entries: ``kv_cache``)."""
 
     args = model.args
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+                  if ".lora_" not in name)  # the base's weights (a folded LoRA layer reads a copy of its size)
     if not model.output.is_tied:
         weights -= model.tok_embeddings.weight.numel() * model.tok_embeddings.weight.element_size()
     per_entry = 2 * args.n_kv_heads * args.head_dim * model.tok_embeddings.weight.element_size() * len(model.layers)
@@ -384,6 +420,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", "--new_tokens", type=int, default=None, help="default: 128 on cpu, 256 on cuda")
     parser.add_argument("--stopping", action="store_true",
                         help="rows stop at EOS at many lengths (the model's EOS head row is set for it)")
+    parser.add_argument("--lora", action="store_true", help="a LoRA policy: every runner decodes one adapter (see above)")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per child process")
     parser.add_argument("--rounds", type=int, default=2, help="each round runs every runner once, in turn")
     parser.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, the reference preset only")
@@ -407,10 +444,12 @@ def main() -> None:
         cli.new_tokens, cli.rounds = 32, 1
     default_presets = "reference" if cli.quick else "qwen3_0.6b" if on_cuda else "reference,100m"
     presets = (cli.presets or default_presets).split(",")
-    runners = (cli.runners or DEFAULT_RUNNERS[cli.device]).split(",")
+    runners = (cli.runners or DEFAULT_RUNNERS[cli.device] + (",native-unfolded" if cli.lora else "")).split(",")
     unknown = sorted(set(runners) - set(RUNNERS))
     if unknown:
         sys.exit(f"--runners: unknown {', '.join(unknown)}; expected a subset of {','.join(RUNNERS)}")
+    if {"native-folded", "native-unfolded"} & set(runners) and not cli.lora:
+        sys.exit("--runners native-folded / native-unfolded decode adapters: add --lora")
     batches = [int(b) for b in (cli.batch or ("64,8" if on_cuda else "32")).split(",")]
     if cli.threads:
         torch.set_num_threads(cli.threads)
@@ -426,7 +465,8 @@ def main() -> None:
         + (f"up to {cli.new_tokens} new tokens, stopping at EOS (--stopping), " if cli.stopping else
            f"{cli.new_tokens} new tokens each (no EOS), ")
         + f"{'bf16 on cuda' if cli.device == 'cuda' else 'fp32 on cpu'}; "
-        f"{cli.rounds} round(s) x {cli.repeats} timed call(s) per runner"
+        + ("a LoRA policy (r 16 on every linear layer, --lora); " if cli.lora else "")
+        + f"{cli.rounds} round(s) x {cli.repeats} timed call(s) per runner"
     )
     print(setup, flush=True)
     reports = []
@@ -435,9 +475,11 @@ def main() -> None:
             parameters = build_model(PRESETS[preset], work / "model", cli.seed)
             if cli.stopping:
                 make_rows_stop(work / "model", prompts, cli.new_tokens, cli.seed, cli.device)
+            if cli.lora:
+                make_adapter(work / "model", work / "adapter", cli.seed)
             spec = {"device": cli.device, "model_dir": str(work / "model"), "prompts": prompts, "batches": batches,
                     "new_tokens": cli.new_tokens, "repeats": cli.repeats, "threads": cli.threads,
-                    "stopping": cli.stopping}
+                    "stopping": cli.stopping, "adapter_dir": str(work / "adapter") if cli.lora else None}
             spec_path = work / "spec.json"
             spec_path.write_text(json.dumps(spec))
             results = run_rounds(runners, Workload(parameters, {}, spec_path), cli, __file__, shown=_shown)
@@ -445,7 +487,8 @@ def main() -> None:
     report = "\n\n".join(reports)
     print("\n" + report)
     if cli.write_results:
-        title = f"## {machine['date'][:10]} — generation: native KV-cache engine vs transformers' generate"
+        title = (f"## {machine['date'][:10]} — generation{' of a LoRA policy' if cli.lora else ''}: native KV-cache "
+                 "engine vs transformers' generate")
         append_results(title, setup, report, __file__)
         print("\nappended to benchmarks/RESULTS.md")
 
