@@ -119,7 +119,7 @@ def rollouts_between_steps(tally, device: torch.device, config: str = "qwen3-gqa
         trained = [p for p in model.parameters() if p.requires_grad]
         engine = NativeRolloutEngine(model)  # on CUDA: captured, its replica refreshed in place at every call
         if device.type != "cuda":
-            engine.fold_adapters = True  # the default on CUDA (fp32 weights: the fold costs no memory)
+            engine.fold_adapters = True  # the default on CUDA where the copies fit (a tiny model's do)
         optimizer = torch.optim.AdamW(trained, lr=0.05, fused=True)
         label = f"rollouts between fused AdamW steps, bf16 autocast, {config}{f' + {adapters}' if adapters else ''}"
         detail, ok, previous = [], True, None

@@ -223,7 +223,7 @@ def _lora_config_fields() -> frozenset[str] | None:
     """The fields of the installed peft's LoraConfig; None without peft."""
     try:
         from peft import LoraConfig
-    except ImportError:
+    except Exception:  # peft is optional (and one that fails to import is no peft): every key is written
         return None
     return frozenset(f.name for f in dataclasses.fields(LoraConfig))
 

@@ -858,3 +858,19 @@ def test_a_host_model_is_quantized_weight_by_weight_on_the_device(bits, checkpoi
     quantized = [p for p in converted.model.parameters() if is_quantized(p)]
     assert len(quantized) == len(done) and all(p.device.type == "meta" for p in quantized)
     assert all(p.device.type == "cpu" for p in converted.model.parameters() if not is_quantized(p))
+
+
+@pytest.mark.parametrize("modules_to_save", [None, ["score"], ["norm", "classifier"]])
+def test_a_classifiers_modules_to_save_are_what_peft_adds(modules_to_save):
+    """task_type='SEQ_CLS': the names peft's PeftModelForSequenceClassification adds to modules_to_save (the installed
+    peft's, without repeating one already there), read off peft wrapping a classifier with the same config."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    from hfnative.peft import lora_settings
+
+    config = dict(r=4, target_modules=["q_proj"], task_type="SEQ_CLS", modules_to_save=modules_to_save)
+    classifier = Qwen3ForSequenceClassification(Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=0))
+    peft_model = get_peft_model(classifier, LoraConfig(**config))
+    assert lora_settings(config).modules_to_save == list(peft_model.peft_config["default"].modules_to_save)

@@ -16,8 +16,8 @@ With ``fold`` a LoRA layer (``foldable_adapters``) decodes as a plain linear lay
 into the base weight, ``W + s B A`` (DoRA's rescaled sum), made once per call in the layer's base dtype and rounded
 once to the copy's, as a merged model (``merge_lora``) decodes and as TRL merges adapters for vLLM: a decode step
 multiplies each weight once (its stack with the others'), where an unfolded layer multiplies its base's and its
-adapter's A and B at every token. Where the base weight is copied anyway (float32 under autocast) the fold costs no
-memory (the adapter's own copies go); else it is a copy of every adapted weight.
+adapter's A and B at every token. Where the base weight is copied anyway (float32 under autocast, not DoRA's) the
+fold costs no memory (the adapter's own copies go); else it is a copy of every adapted weight (``fold_copy_bytes``).
 """
 
 from __future__ import annotations
@@ -53,13 +53,17 @@ def _matmul_weights(model: Transformer) -> list[nn.Parameter]:
 FUSED = "fused_weight"  # a replica's attention or MLP: its input projections' weights as rows of one tensor
 
 
-def foldable_adapters(model: Transformer) -> list[LoraLinear]:
-    """The LoRA layers a decoding replica can run as plain linear layers over their folded weights: those without
-    hooks whose adapter is a plain tensor and whose base weight is one or a quantized one (not a sharded DTensor)."""
+def foldable_adapters(model: Transformer, dtype: torch.dtype | None) -> list[LoraLinear]:
+    """The LoRA layers a replica decoding under autocast to ``dtype`` (None: autocast off) can run as plain linear
+    layers over their folded weights: those without hooks whose adapter is a plain tensor and whose base weight is one
+    or a quantized one (not a sharded DTensor); without autocast, only those whose weight is in the activations' dtype
+    (the embedding's: a quantized layer computing in another dtype casts its input and output, which a plain one
+    does not)."""
     return [m for m in model.modules()
             if isinstance(m, LoraLinear) and not (m._forward_hooks or m._forward_pre_hooks)
             and all(type(p.data) is torch.Tensor for p in (m.lora_A, m.lora_B))
-            and (type(m.weight.data) is torch.Tensor or is_quantized(m.weight))]
+            and (type(m.weight.data) is torch.Tensor or is_quantized(m.weight))
+            and (dtype is not None or m.weight.dtype == model.tok_embeddings.weight.dtype)]
 
 
 def folded_weight(layer: LoraLinear) -> torch.Tensor:
@@ -70,11 +74,12 @@ def folded_weight(layer: LoraLinear) -> torch.Tensor:
 
 
 def fold_copy_bytes(model: Transformer, dtype: torch.dtype | None) -> int:
-    """The bytes folding a model's adapters takes over the replica without it: a copy of each adapted weight the
-    replica would not copy anyway (a weight already in ``dtype``, a quantized one; dtype None: every one)."""
+    """The bytes folding a model's adapters takes over the replica without it, under autocast to ``dtype`` (None:
+    off): a copy of each adapted weight the replica would not copy anyway (one already in ``dtype``, a quantized one,
+    a DoRA layer's; dtype None: every one)."""
+    copied = {id(w) for w in _matmul_weights(model) if dtype is not None and w.dtype != dtype}
     return sum(m.out_features * m.in_features * torch.finfo(dtype or m.weight.dtype).bits // 8
-               for m in foldable_adapters(model)
-               if dtype is None or is_quantized(m.weight) or m.weight.dtype == dtype)
+               for m in foldable_adapters(model, dtype) if id(m.weight) not in copied)
 
 
 def fused_projections(model: Transformer, folded: frozenset[int] = frozenset()) -> list[tuple[str, tuple[nn.Linear, ...]]]:
@@ -120,7 +125,7 @@ class DecodingWeights:
 
     def model_for(self, model: Transformer, dtype: torch.dtype | None, stack: bool = False,
                   fold: bool = False) -> Transformer:
-        folded = foldable_adapters(model) if fold else []
+        folded = foldable_adapters(model, dtype) if fold else []
         weights = _matmul_weights(model)
         head = model.output.base_projection()  # trained token rows: the replica applies them
         if dtype is not None and all(p.dtype == dtype for p in weights + [head]):
@@ -157,7 +162,10 @@ class DecodingWeights:
         fused = {}
         for name, linears in fused_projections(model, frozenset(by_id)):
             target = dtype or linears[0].weight.dtype
-            if not stack and any(linear.weight.dtype == target and id(linear) not in by_id for linear in linears):
+            uncast = [linear for linear in linears if linear.weight.dtype == target and id(linear) not in by_id]
+            # a copy only for the stacking: made with stack, for a stack of plain layers only (what the engine's
+            # stacked_copy_bytes counts), not for the plain layers beside folded ones
+            if uncast and not (stack and len(uncast) == len(linears)):
                 continue
             rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=target,
                                device=linears[0].weight.device)

@@ -123,7 +123,8 @@ class NativeRolloutEngine(RolloutEngine):
     fold_adapters: whether the LoRA layers decode as plain linear layers over their folded weights (``W + s B A``,
     made once per call, as a merged model decodes and as TRL merges adapters for vLLM; ``compute_weights``): a decode
     step multiplies each weight once instead of the base's and the adapter's A and B. Where the replica copies the base
-    weights anyway (float32 under autocast) that costs no memory, else a copy of every adapted weight; default: on a
+    weights anyway (float32 under autocast, not DoRA's) that costs no memory, else a copy of every adapted weight
+    (``fold_copy_bytes``); without autocast a quantized layer computing in another dtype stays unfolded; default: on a
     CUDA device when that copy takes at most STACK_FREE_MEMORY_SHARE of its free memory (decided at the model's first
     call), elsewhere not.
     """
@@ -158,7 +159,7 @@ class NativeRolloutEngine(RolloutEngine):
         self._folded: dict[tuple[int, str], torch.Tensor] = {}  # the folded expert weights (adapters_folded)
         self._folded_for: tuple[int, ...] = ()  # the decoded model's adapted experts they were made for
         self.fold_adapters = fold_adapters
-        self._adapter_folds: tuple[tuple[int, ...], bool] | None = None  # likewise for fold_adapters
+        self._adapter_folds: dict[torch.dtype | None, tuple[tuple[int, ...], bool]] = {}  # likewise, per dtype
         self._capture = GraphCapture()  # the memory pool this engine's CUDA graphs share, and a failed capture
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -222,10 +223,12 @@ class NativeRolloutEngine(RolloutEngine):
         """Whether the LoRA layers decode over their folded weights (``fold_adapters``)."""
         if self.fold_adapters is not None:
             return self.fold_adapters
-        if self._device.type != "cuda" or not foldable_adapters(self.model):
+        if self._device.type != "cuda" or not foldable_adapters(self.model, dtype):
             return False
-        self._adapter_folds = self._fits_in_free_memory(self._adapter_folds, lambda m: fold_copy_bytes(m, dtype))
-        return self._adapter_folds[1]
+        # decided per autocast dtype (what the fold costs depends on it)
+        self._adapter_folds[dtype] = self._fits_in_free_memory(self._adapter_folds.get(dtype),
+                                                               lambda m: fold_copy_bytes(m, dtype))
+        return self._adapter_folds[dtype][1]
 
     def _fits_in_free_memory(self, decided: tuple[tuple[int, ...], bool] | None, copy_bytes):
         """(the model's parameters, whether ``copy_bytes(model)`` takes at most STACK_FREE_MEMORY_SHARE of the device's

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
@@ -155,12 +154,16 @@ SEQ_CLS_HEADS = ("classifier", "score", "pre_classifier")
 @functools.cache
 def seq_cls_heads() -> tuple[str, ...]:
     """The names the installed peft adds to a classifier's modules_to_save: SEQ_CLS_HEADS, or ('classifier',
-    'score') before peft 0.22; SEQ_CLS_HEADS without peft."""
+    'score') before peft 0.22; SEQ_CLS_HEADS without peft. Read from peft's version (peft is not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import InvalidVersion, Version
+
     try:
-        from peft.peft_model import CLASSIFIER_MODULE_NAMES
-    except ImportError:
-        return SEQ_CLS_HEADS if importlib.util.find_spec("peft") is None else SEQ_CLS_HEADS[:2]
-    return tuple(CLASSIFIER_MODULE_NAMES)
+        installed = Version(version("peft"))
+    except (PackageNotFoundError, InvalidVersion):
+        return SEQ_CLS_HEADS
+    return SEQ_CLS_HEADS if installed >= Version("0.22.0.dev0") else SEQ_CLS_HEADS[:2]
 
 
 @dataclass(frozen=True)
