@@ -43,6 +43,8 @@
 #                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
 #                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
 #                    with its finished rows compacted away vs kept vs transformers' generate, batch 64
+#                  gen-lora: bench_generate.py --lora, a LoRA policy (r 16, every linear layer) at batch 64: the native
+#                    engine folding the adapters (its default on CUDA) and not, vs peft's model in transformers' generate
 #   rollout_trainers  the other on-policy trainers' steps against TRL's (ROLLOUT_TRAINERS_BUDGET s, 420 by default;
 #                  not run unless named), each generating with its own engine (TRL use_vllm=False), Qwen3-0.6B, bf16
 #                  bench-rloo: bench_grpo.py --trainer rloo, s/step of RLOOTrainer, 8 generations x 256 tokens
@@ -270,6 +272,7 @@ if [[ $DEVICE == cuda ]]; then
   GENERATE_HEAD=(--rounds 1 --runners hf,native --batch 64 --timeout 100)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --batch 64 --timeout 170)
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --batch 64 --timeout 100)
+  GENERATE_LORA=(--lora --rounds 1 --runners hf,native,native-unfolded --batch 64 --timeout 100)
   GRPO=(--steps 3 --timeout 100)
   KD=(--preset qwen3_0.6b --seq 320 --completion 256 --batch 8 --steps 3 --warmup 1 --rounds 1 --timeout 100)
   ONLINE_DPO=(--trainer online_dpo --on-policy --preset qwen3_0.6b --seq 320 --completion 256 --batch 16 --steps 3
@@ -285,6 +288,7 @@ else
   GENERATE_HEAD=(--rounds 1 --runners hf,native --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GENERATE_COMPILED=(--rounds 1 --runners native-compiled --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 120)
   GENERATE_STOPPING=(--rounds 1 --runners hf,native,native-uncompacted --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
+  GENERATE_LORA=(--lora --rounds 1 --runners hf,native-folded,native-unfolded --presets smoke --batch 8 --new-tokens 32 --threads 1 --timeout 60)
   GRPO=(--what speed --preset smoke --lengths 16 --steps 2 --threads 1 --timeout 60)
   KD=(--preset smoke --seq 48 --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1 --threads 1 --timeout 60)
   ONLINE_DPO=(--trainer online_dpo --on-policy --preset smoke --completion 16 --batch 4 --steps 3 --warmup 1 --rounds 1
@@ -342,6 +346,7 @@ if start_section rollout_more "${ROLLOUT_MORE_BUDGET:-420}"; then
   run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"
   run_check gen-stopping 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" --stopping \
     "${GENERATE_STOPPING[@]}"
+  run_check gen-lora 120 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" "${GENERATE_LORA[@]}"
 fi
 
 if start_section rollout_trainers "${ROLLOUT_TRAINERS_BUDGET:-420}"; then
