@@ -686,6 +686,12 @@ def test_bf16_rollouts_come_from_the_updated_policy(tmp_path):
     args = hfnative.GRPOConfig(output_dir=str(tmp_path / "bf16"), max_steps=2, learning_rate=5e-2, **settings)
     trainer = hfnative.GRPOTrainer(model=MODEL, reward_funcs=letter_e, args=args, train_dataset=rows)
     trainer.train()
+    _assert_rollouts_are_the_policys(trainer)
+
+
+def _assert_rollouts_are_the_policys(trainer) -> None:
+    """Under bf16 autocast, the sampling log-probs of fresh rollouts equal the trained policy's forward on them (within
+    bf16)."""
     objective = trainer.objective
     with torch.autocast("cpu", dtype=torch.bfloat16):
         micro_batches = objective.generate_and_score([{"prompt": "Write about the sea."}] * 2)
@@ -732,14 +738,8 @@ def test_lora_policy_rollouts_from_folded_weights(tmp_path, monkeypatch):
     trainer.train()
     kl = [entry["kl"] for entry in trainer.state.log_history if "kl" in entry]
     assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[1] > 1e-6
-    objective = trainer.objective
-    assert len(objective.rollout.engine._weights.folds) == 7 * len(trainer.native_model.layers)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        micro_batches = objective.generate_and_score([{"prompt": "Write about the sea."}] * 2)
-        for micro_batch in micro_batches:
-            forward = objective.rollout.completion_logprobs(trainer.model, micro_batch, len(micro_batch["prompt_ids"]))
-            mask = micro_batch["completion_mask"].bool()
-            torch.testing.assert_close(micro_batch["sampling_logprobs"][mask], forward[mask], atol=0.1, rtol=0)
+    assert len(trainer.objective.rollout.engine._weights.folds) == 7 * len(trainer.native_model.layers)
+    _assert_rollouts_are_the_policys(trainer)
 
 
 def test_trained_token_rows_in_grpo(tmp_path):
