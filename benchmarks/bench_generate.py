@@ -448,6 +448,9 @@ def main() -> None:
     unknown = sorted(set(runners) - set(RUNNERS))
     if unknown:
         sys.exit(f"--runners: unknown {', '.join(unknown)}; expected a subset of {','.join(RUNNERS)}")
+    if cli.stopping and cli.lora:
+        sys.exit("--stopping with --lora: the EOS row is scaled on the base model's completions, not the policy's; "
+                 "run them apart")
     if {"native-folded", "native-unfolded"} & set(runners) and not cli.lora:
         sys.exit("--runners native-folded / native-unfolded decode adapters: add --lora")
     batches = [int(b) for b in (cli.batch or ("64,8" if on_cuda else "32")).split(",")]

@@ -38,7 +38,7 @@
 #                    sampling captured (torch's generator); a MoE
 #                    under bf16 autocast captured where its grouped matmuls can be (sm90/sm100); and rollouts
 #                    between fused AdamW steps under bf16 autocast (a DoRA policy too) as an eager engine makes them
-#   rollout_more   the rest of generation (ROLLOUT_MORE_BUDGET s, 420 by default; not run unless named)
+#   rollout_more   the rest of generation (ROLLOUT_MORE_BUDGET s, 560 by default; not run unless named)
 #                  gen-compiled: the compiled and captured decode step at batch 64 beside its bandwidth floor
 #                  bench-kd: bench_kd.py --on-policy, on-policy distillation, hfnative vs TRL, 8 x 256 sampled tokens
 #                  gen-stopping: bench_generate.py --stopping, rows ending at many lengths (EOS): the native engine
@@ -72,7 +72,7 @@
 #   bash benchmarks/gpu_check.sh                          # step, rollout, checks (about 24 minutes at most)
 #   GPU_CHECK_SECTIONS=step bash benchmarks/gpu_check.sh  # the sections named, in this order (one a call where a
 #                                                         # call may run 10 minutes: step ~9, rollout ~8, checks ~7;
-#                                                         # then step_more ~9, rollout_more ~8, rollout_trainers
+#                                                         # then step_more ~9, rollout_more ~9, rollout_trainers
 #                                                         # ~7, low_precision ~8)
 #   bash benchmarks/gpu_check.sh --device cpu             # a rehearsal without a GPU: the same steps, CPU-sized
 #   GPU_CHECK_SECTIONS=rollout,checks GPU_CHECK_ONLY=bench-gen,trainers bash benchmarks/gpu_check.sh
@@ -340,7 +340,7 @@ if start_section rollout "${ROLLOUT_BUDGET:-420}"; then
   run_check generation 110 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --device "$DEVICE"
 fi
 
-if start_section rollout_more "${ROLLOUT_MORE_BUDGET:-420}"; then
+if start_section rollout_more "${ROLLOUT_MORE_BUDGET:-560}"; then
   run_check gen-compiled 180 generate_verdict "$PYTHON" benchmarks/bench_generate.py --device "$DEVICE" \
     "${GENERATE_COMPILED[@]}"
   run_check bench-kd 150 bench_verdict "$PYTHON" benchmarks/bench_kd.py --device "$DEVICE" --on-policy "${KD[@]}"

@@ -194,3 +194,26 @@ def test_what_folding_costs_and_the_default():
         engine = NativeRolloutEngine(model)
         engine.generate(_prompts(), SAMPLING)
     assert any(isinstance(m, LoraLinear) for m in engine._weights.replica.modules())
+
+
+def test_folded_copies_stay_in_the_autocast_dtype_where_nothing_else_is_cast():
+    """A frozen QLoRA policy whose other matmul weights are kept in bf16 (``keep_linear_weights_in``) and whose NF4
+    layers compute in float32: the replica casts nothing else, yet its folded copies are bf16 (not the NF4 layers'
+    float32), the bytes ``fold_copy_bytes`` counts."""
+    from hfnative.generation.compute_weights import DecodingWeights
+    from hfnative.models.compute_dtype import keep_linear_weights_in
+
+    converted = load_pretrained(make_hf_model("qwen3-mha-tied-bias", dtype=torch.bfloat16))
+    apply_lora(converted, dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]), load_in_4bit=True,
+               quantization_config={"bnb_4bit_compute_dtype": "float32"})
+    model = converted.model
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    keep_linear_weights_in(model, torch.bfloat16)
+    folded = foldable_adapters(model, torch.bfloat16)
+    assert folded and all(m.weight.dtype == torch.float32 for m in folded)
+    weights = DecodingWeights()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        weights.model_for(model, torch.bfloat16, fold=True)
+    assert {copy.dtype for _, copy in weights.folds} == {torch.bfloat16}
+    assert sum(copy.numel() * copy.element_size() for _, copy in weights.folds) == fold_copy_bytes(model, torch.bfloat16)

@@ -874,3 +874,26 @@ def test_a_classifiers_modules_to_save_are_what_peft_adds(modules_to_save):
         num_key_value_heads=1, head_dim=16, num_labels=1, pad_token_id=0))
     peft_model = get_peft_model(classifier, LoraConfig(**config))
     assert lora_settings(config).modules_to_save == list(peft_model.peft_config["default"].modules_to_save)
+
+
+@pytest.mark.parametrize("installed, expected", [("0.21.2", 2), ("0.22.0", 3), ("0.23.1", 3), ("0.22.0rc1", None),
+                                                 ("0.21.1.dev0", None)])
+def test_the_names_a_classifier_adds_follow_peft_s_version(monkeypatch, installed, expected):
+    """seq_cls_heads: a release's names from its version (peft not imported: sys.modules without it); a
+    development or pre-release build's (whose version may name the previous release) from its own list."""
+    import importlib.metadata
+    import sys
+
+    from peft.peft_model import CLASSIFIER_MODULE_NAMES
+
+    from hfnative.peft.settings import SEQ_CLS_HEADS, seq_cls_heads
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: installed)
+    if expected is not None:
+        monkeypatch.delitem(sys.modules, "peft")
+    seq_cls_heads.cache_clear()
+    try:
+        heads = seq_cls_heads()
+    finally:
+        seq_cls_heads.cache_clear()
+    assert heads == (SEQ_CLS_HEADS[:expected] if expected is not None else tuple(CLASSIFIER_MODULE_NAMES))

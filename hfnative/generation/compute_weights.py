@@ -128,8 +128,9 @@ class DecodingWeights:
         folded = foldable_adapters(model, dtype) if fold else []
         weights = _matmul_weights(model)
         head = model.output.base_projection()  # trained token rows: the replica applies them
-        if dtype is not None and all(p.dtype == dtype for p in weights + [head]):
-            dtype = None  # nothing to cast
+        if dtype is not None and all(p.dtype == dtype for p in weights + [head] + [m.weight for m in folded]):
+            dtype = None  # nothing to cast (a folded layer's weight in another dtype, e.g. NF4 computing in float32,
+            # keeps its copy in the autocast dtype)
         if dtype is None and not folded and not (stack and fused_projections(model)):
             return model
         key = (tuple(id(p) for p in model.parameters()), dtype, stack, fold)
@@ -165,7 +166,7 @@ class DecodingWeights:
             uncast = [linear for linear in linears if linear.weight.dtype == target and id(linear) not in by_id]
             # a copy only for the stacking: made with stack, for a stack of plain layers only (what the engine's
             # stacked_copy_bytes counts), not for the plain layers beside folded ones
-            if uncast and not (stack and len(uncast) == len(linears)):
+            if uncast and not (stack and not any(id(linear) in by_id for linear in linears)):
                 continue
             rows = torch.empty(sum(linear.out_features for linear in linears), linears[0].in_features, dtype=target,
                                device=linears[0].weight.device)

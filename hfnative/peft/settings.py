@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -153,8 +154,9 @@ SEQ_CLS_HEADS = ("classifier", "score", "pre_classifier")
 
 @functools.cache
 def seq_cls_heads() -> tuple[str, ...]:
-    """The names the installed peft adds to a classifier's modules_to_save: SEQ_CLS_HEADS, or ('classifier',
-    'score') before peft 0.22; SEQ_CLS_HEADS without peft. Read from peft's version (peft is not imported)."""
+    """The names the installed peft adds to a classifier's modules_to_save: SEQ_CLS_HEADS from peft 0.22 on,
+    ('classifier', 'score') before; SEQ_CLS_HEADS without peft. A release is told by its version (peft is not
+    imported for it); a development or pre-release build, or a peft already imported, by its own list."""
     from importlib.metadata import PackageNotFoundError, version
 
     from packaging.version import InvalidVersion, Version
@@ -163,7 +165,13 @@ def seq_cls_heads() -> tuple[str, ...]:
         installed = Version(version("peft"))
     except (PackageNotFoundError, InvalidVersion):
         return SEQ_CLS_HEADS
-    return SEQ_CLS_HEADS if installed >= Version("0.22.0.dev0") else SEQ_CLS_HEADS[:2]
+    if installed.is_devrelease or installed.is_prerelease or "peft" in sys.modules:
+        try:
+            from peft.peft_model import CLASSIFIER_MODULE_NAMES
+        except ImportError:  # a peft before the list was named: the two names it added
+            return SEQ_CLS_HEADS[:2]
+        return tuple(CLASSIFIER_MODULE_NAMES)
+    return SEQ_CLS_HEADS if installed >= Version("0.22.0") else SEQ_CLS_HEADS[:2]
 
 
 @dataclass(frozen=True)
