@@ -9,7 +9,6 @@ native projections' parts; their lora_A is one shared tensor.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -164,8 +163,9 @@ def _json_list(value):
 
 
 def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path: str | None = None) -> dict:
-    """adapter_config.json's fields, keys and values as peft's save_pretrained writes them: peft 0.22's keys, less
-    those the installed peft's LoraConfig does not know (an older peft warns of keys it does not know)."""
+    """adapter_config.json's fields, keys and values as peft's save_pretrained writes them: the installed peft's keys
+    (an older peft warns of keys it does not know; a newer one's own keys get its defaults), peft 0.22's without
+    peft."""
     settings = lora_settings(settings)
     config = {
         "alora_invocation_tokens": None,
@@ -213,19 +213,24 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
     }
     if config["peft_version"] is None:
         del config["peft_version"]
-    known = _lora_config_fields()
-    if known is not None:
-        config = {key: value for key, value in config.items() if key in known}
+    defaults = _peft_lora_defaults()
+    if defaults is not None:  # the installed peft's key set: a key it does not know dropped, one hfnative does not
+        # know (a LoRA variant it does not implement, so not used) written with peft's default
+        config = {key: value for key, value in config.items() if key in defaults}
+        for key, value in defaults.items():
+            value = getattr(value, "value", value)  # an enum as its value, a set as a list (as peft's JSON)
+            config.setdefault(key, sorted(value) if isinstance(value, (set, frozenset)) else value)
     return config
 
 
-def _lora_config_fields() -> frozenset[str] | None:
-    """The fields of the installed peft's LoraConfig; None without peft."""
+def _peft_lora_defaults() -> dict | None:
+    """What the installed peft writes for a default ``LoraConfig`` (its ``to_dict``); None without peft."""
     try:
         from peft import LoraConfig
-    except Exception:  # peft is optional (and one that fails to import is no peft): every key is written
+
+        return LoraConfig().to_dict()
+    except Exception:  # peft is optional (and one that fails to import is no peft): hfnative's own keys are written
         return None
-    return frozenset(f.name for f in dataclasses.fields(LoraConfig))
 
 
 TOKEN_ADAPTER = ".token_adapter"  # peft's TrainableTokensWrapper: the layer whose token rows train

@@ -897,3 +897,25 @@ def test_the_names_a_classifier_adds_follow_peft_s_version(monkeypatch, installe
     finally:
         seq_cls_heads.cache_clear()
     assert heads == (SEQ_CLS_HEADS[:expected] if expected is not None else tuple(CLASSIFIER_MODULE_NAMES))
+
+
+def test_adapter_config_follows_the_installed_peft_s_keys(checkpoint_dir, monkeypatch):
+    """adapter_config.json has the installed peft's keys: one a newer peft adds (a LoRA variant hfnative does not
+    implement) is written with peft's default, one an older peft does not know is left out, hfnative's values stay."""
+    import hfnative.converters.peft as peft_folders
+
+    converted = load_pretrained(checkpoint_dir("qwen3-gqa"))
+    fields = dict(r=4, lora_alpha=8, target_modules=["q_proj"])
+    apply_lora(converted, fields)
+    defaults = LoraConfig().to_dict()
+    newer = dict(defaults, future_config=None, future_modes={"b", "a"})
+    monkeypatch.setattr(peft_folders, "_peft_lora_defaults", lambda: newer)
+    config = peft_folders.adapter_config(converted, fields)
+    assert set(config) == set(newer) and config["future_config"] is None and config["future_modes"] == ["a", "b"]
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["target_modules"] == ["q_proj"]
+    json.dumps(config)
+    older = {key: value for key, value in defaults.items() if key not in ("astra_config", "kasa_config")}
+    monkeypatch.setattr(peft_folders, "_peft_lora_defaults", lambda: older)
+    assert set(peft_folders.adapter_config(converted, fields)) == set(older)
+    monkeypatch.setattr(peft_folders, "_peft_lora_defaults", lambda: None)  # no peft: hfnative's own keys
+    assert set(peft_folders.adapter_config(converted, fields)) == set(defaults)
