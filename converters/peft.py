@@ -34,6 +34,7 @@ from hfnative.peft import (
 )
 
 from hfnative.peft.adapters import ORIGINAL_PREFIX
+from hfnative.peft.settings import _enum_value
 from hfnative.peft.quantize import quantizable_linears
 from hfnative.peft.token_rows import TokenRowsEmbedding
 
@@ -218,8 +219,7 @@ def adapter_config(converted: ConvertedModel, settings, base_model_name_or_path:
         # know (a LoRA variant it does not implement, so not used) written with peft's default
         config = {key: value for key, value in config.items() if key in defaults}
         for key, value in defaults.items():
-            value = getattr(value, "value", value)  # an enum as its value, a set as a list (as peft's JSON)
-            config.setdefault(key, sorted(value) if isinstance(value, (set, frozenset)) else value)
+            config.setdefault(key, _json_list(_enum_value(value)))  # an enum as its value, a set as a list
     return config
 
 

@@ -47,10 +47,9 @@ def _policy(case: str):
     return converted.model
 
 
-def _rollouts(model, **engine) -> tuple[list, list]:
+def _rollouts(model, **engine):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        out = NativeRolloutEngine(model, **engine).generate(_prompts(), SAMPLING)
-    return out.completion_ids, out.logprobs
+        return NativeRolloutEngine(model, **engine).generate(_prompts(), SAMPLING)
 
 
 def _merged(model):
@@ -58,8 +57,14 @@ def _merged(model):
 
 
 def _same(ours, theirs):
-    assert ours[0] == theirs[0]
-    assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(ours[1], theirs[1]))
+    assert ours.completion_ids == theirs.completion_ids
+    assert all(torch.equal(torch.tensor(a), torch.tensor(b)) for a, b in zip(ours.logprobs, theirs.logprobs))
+
+
+def _close(ours, theirs, atol: float):
+    assert ours.completion_ids == theirs.completion_ids
+    for a, b in zip(ours.logprobs, theirs.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=atol)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -68,7 +73,7 @@ def test_folded_rollouts_equal_the_merged_models(case):
     engine = NativeRolloutEngine(model, fold_adapters=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = engine.generate(_prompts(), SAMPLING)
-    _same((out.completion_ids, out.logprobs), _rollouts(_merged(model)))
+    _same(out, _rollouts(_merged(model)))
     # the unfolded layers decode the same function, computed another way (in bf16: log-probs compared where the
     # greedy tokens so far agree)
     greedy = SamplingParams(max_new_tokens=6, do_sample=False)
@@ -113,9 +118,9 @@ def test_folded_adapters_follow_switches_and_in_place_updates():
         replica = engine._weights.replica
         again = engine.generate(_prompts(), SAMPLING)
     assert engine._weights.replica is replica  # one replica, its copies refilled
-    _same((off.completion_ids, off.logprobs), _rollouts(base))
-    _same((changed.completion_ids, changed.logprobs), _rollouts(_merged(model)))
-    _same((again.completion_ids, again.logprobs), (changed.completion_ids, changed.logprobs))
+    _same(off, _rollouts(base))
+    _same(changed, _rollouts(_merged(model)))
+    _same(again, changed)
     assert changed.logprobs != first.logprobs
 
 
@@ -130,9 +135,7 @@ def test_folding_without_autocast_decodes_in_the_weights_dtype():
     assert engine._weights.replica is not None and not any(
         isinstance(m, LoraLinear) for m in engine._weights.replica.modules())
     assert engine._weights.folds and all(copy.dtype == torch.float32 for _, copy in engine._weights.folds)
-    assert ours.completion_ids == theirs.completion_ids
-    for a, b in zip(ours.logprobs, theirs.logprobs):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+    _close(ours, theirs, atol=1e-4)
 
 
 def test_a_quantized_base_computing_in_another_dtype_stays_unfolded_without_autocast():
@@ -166,9 +169,7 @@ def test_a_layer_left_unfolded_keeps_the_shared_adapter():
     replica = engine._weights.replica.layers[0].attention
     assert type(replica.wq) is torch.nn.Linear and isinstance(replica.wk, LoraLinear)
     assert replica.wk.lora_A.dtype == torch.bfloat16 and replica.wk.lora_A is not attention.wk.lora_A
-    assert ours.completion_ids == theirs.completion_ids
-    for a, b in zip(ours.logprobs, theirs.logprobs):
-        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=0.05)
+    _close(ours, theirs, atol=0.05)
 
 
 def test_what_folding_costs_and_the_default():

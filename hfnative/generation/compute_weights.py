@@ -78,7 +78,7 @@ def fold_copy_bytes(model: Transformer, dtype: torch.dtype | None) -> int:
     off): a copy of each adapted weight the replica would not copy anyway (one already in ``dtype``, a quantized one,
     a DoRA layer's; dtype None: every one)."""
     copied = {id(w) for w in _matmul_weights(model) if dtype is not None and w.dtype != dtype}
-    return sum(m.out_features * m.in_features * torch.finfo(dtype or m.weight.dtype).bits // 8
+    return sum(m.out_features * m.in_features * (dtype or m.weight.dtype).itemsize
                for m in foldable_adapters(model, dtype) if id(m.weight) not in copied)
 
 
