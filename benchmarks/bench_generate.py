@@ -142,7 +142,8 @@ def _native_generator(spec: dict, runner: str):
         load_adapter(converted, spec["adapter_dir"], is_trainable=False)
     model = converted.model
     options = {"native": {}, "native-compiled": {"compile": True}, "native-uncaptured": {"cuda_graph": False},
-               "native-uncompacted": {"compact": False}, "native-folded": {"fold_adapters": True}, "native-unfolded": {"fold_adapters": False}}[runner]
+               "native-uncompacted": {"compact": False}, "native-folded": {"fold_adapters": True},
+               "native-unfolded": {"fold_adapters": False}}[runner]
     engine = NativeRolloutEngine(model, **options)
     eos = EOS if spec["stopping"] else None
 
