@@ -33,8 +33,8 @@
 #                    batch 64 and 8 x 256 new tokens; a decode step's time beside its memory-bandwidth floor
 #                  bench-grpo: bench_grpo.py, s/step of hfnative's GRPOTrainer vs TRL's (use_vllm=False), same model,
 #                    bf16, 8 generations x 256 tokens
-#                  generation: gpu_checks.py generation, the native decode step uncaptured, in a CUDA graph, compiled
-#                    and captured: the same tokens, log-probs as transformers' forward (tiny models, fp32); unseeded
+#                  generation: gpu_checks.py generation, the native decode step uncaptured and in a CUDA graph:
+#                    the same tokens, log-probs as transformers' forward (tiny models, fp32); unseeded
 #                    sampling captured (torch's generator); a MoE
 #                    under bf16 autocast captured where its grouped matmuls can be (sm90/sm100); and rollouts
 #                    between fused AdamW steps under bf16 autocast (a DoRA policy too) as an eager engine makes them
@@ -62,6 +62,9 @@
 #                  compile: gpu_checks.py compile, a compiled block's checkpoint inside its graph keeps the attention
 #                    and projections' results on this torch (backward recomputes 3 matmuls a block, not 6); packed
 #                    batches compile into one graph a block around varlen_attn (no graph break, no recompile);
+#                  generation-compiled: gpu_checks.py generation --compiled, the native decode step compiled and
+#                    captured: the uncaptured engine's tokens, transformers' log-probs (its compiles, from a cold
+#                    cache, are why it is not in the rollout section's generation check)
 #                  distributed: bench_distributed.py, 1 process vs FSDP2, TP2 and PP2 on 2 NCCL ranks (skipped on
 #                    one GPU)
 #   low_precision  float8 and bigger models (LOW_PRECISION_BUDGET s, 420 by default; not run unless named)
@@ -364,6 +367,8 @@ if start_section checks "${CHECKS_BUDGET:-400}"; then
   run_check parity-bf16 60 checks_verdict "$PYTHON" benchmarks/gpu_checks.py parity --device "$DEVICE" --dtype bf16
   run_check attention 75 checks_verdict "$PYTHON" benchmarks/gpu_checks.py attention --device "$DEVICE"
   run_check compile 120 checks_verdict "$PYTHON" benchmarks/gpu_checks.py compile --device "$DEVICE"
+  run_check generation-compiled 150 checks_verdict "$PYTHON" benchmarks/gpu_checks.py generation --compiled \
+    --device "$DEVICE"
   # the 2-rank layouts need a GPU per NCCL rank: on one GPU only the 1-process baseline would run, so skip the time
   GPUS=$([[ $DEVICE == cuda ]] && "$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 2)
   if [[ $DEVICE == cuda && ${GPUS:-0} -lt 2 ]]; then
@@ -382,9 +387,9 @@ fi
 {
   echo
   echo "=== summary ($((SECONDS - RUN_START)) s in all)"
-  printf '%-12s %-8s %8s  %s\n' check status seconds note
+  printf '%-19s %-8s %8s  %s\n' check status seconds note
   for i in "${!NAMES[@]}"; do
-    printf '%-12s %-8s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${DURATIONS[$i]}" "${NOTES[$i]}"
+    printf '%-19s %-8s %8s  %s\n' "${NAMES[$i]}" "${STATUSES[$i]}" "${DURATIONS[$i]}" "${NOTES[$i]}"
   done
 } | tee -a "$RESULT"
 if [[ -d $PROFILES ]]; then

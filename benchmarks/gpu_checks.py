@@ -4,6 +4,7 @@
     python benchmarks/gpu_checks.py parity --device cuda --dtype bf16
     python benchmarks/gpu_checks.py attention --device cuda
     python benchmarks/gpu_checks.py generation --device cuda
+    python benchmarks/gpu_checks.py generation --device cuda --compiled
     python benchmarks/gpu_checks.py kernels --device cuda
     python benchmarks/gpu_checks.py compile --device cuda
 
@@ -25,7 +26,8 @@ variable-length path (when the model offers ``attention_implementation = "varlen
 path on packed and padded batches. Low-precision results follow the bf16 rule above.
 
 generation: the native rollout engine (``gpu_rollout_checks.py``) as each way runs its decode step, and as a trainer
-uses it between optimizer steps.
+uses it between optimizer steps; ``--compiled``: the compiled decode step alone (its compiles from a cold cache take
+minutes, so it is a check of its own).
 
 compile: a compiled block's activation checkpoint inside its graph keeps what it is told to on this torch, and packed
 batches compile into one graph a block around ``varlen_attn`` (``gpu_compile_checks.py``).
@@ -709,6 +711,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="parity: fp32 by default; attention: bf16 on cuda, fp32 on cpu by default")
     parser.add_argument("--all", action="store_true", help="parity: every tiny config, not one per family")
+    parser.add_argument("--compiled", action="store_true",
+                        help="generation: only the compiled (and, on CUDA, captured) decode step")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -721,10 +725,13 @@ def main(argv=None) -> int:
     elif args.check == "generation":
         from gpu_rollout_checks import generation, moe_rollouts, rollouts_between_steps, unseeded_sampling
 
-        generation(tally, device)
-        rollouts_between_steps(tally, device)
-        unseeded_sampling(tally, device)
-        moe_rollouts(tally, device)
+        if args.compiled:
+            generation(tally, device, compiled=True)
+        else:
+            generation(tally, device)
+            rollouts_between_steps(tally, device)
+            unseeded_sampling(tally, device)
+            moe_rollouts(tally, device)
     elif args.check == "kernels":
         kernels(tally, device)
     elif args.check == "compile":

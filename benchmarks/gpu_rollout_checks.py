@@ -1,9 +1,10 @@
 """The native rollout engine on a device (``gpu_checks.py generation`` runs both checks):
 
 generation: its decode step as each way runs it — uncaptured (eager, the cache read up to the current slot), captured in
-a CUDA graph (the default on CUDA; static shapes), compiled and captured — on tiny models in fp32, called twice each
-(capture, then replay): the same greedy tokens and seeded samples as the uncaptured engine, and log-probs within 1e-4
-of transformers' uncached forward on the same tokens.
+a CUDA graph (the default on CUDA; static shapes), compiled and captured (``--compiled``: that way alone, a check of
+its own, since its compiles from a cold cache take minutes) — on tiny models in fp32, called twice each (capture, then
+replay): the same greedy tokens and seeded samples as the uncaptured engine, and log-probs within 1e-4 of transformers'
+uncached forward on the same tokens.
 
 unseeded sampling: torch's global generator in a captured step (``unseeded_sampling``). MoE rollouts: a mixture of
 experts under bf16 autocast, captured where its grouped matmuls can be (``moe_rollouts``).
@@ -45,7 +46,10 @@ def _logprob_gap(reference, prompts: list[list[int]], rollouts, sampling, device
     return worst
 
 
-def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> None:
+def generation(tally, device: torch.device, configs=("gemma3-alternating",), compiled: bool = False) -> None:
+    """Each way's decode step against the uncaptured engine's tokens and transformers' log-probs: uncaptured and (on
+    CUDA) captured, or with ``compiled`` the compiled (and captured) way alone, whose compiles from a cold cache take
+    minutes on a fresh machine (``gpu_checks.py generation --compiled``, a check of its own)."""
     import contextlib
     import functools
     from unittest import mock
@@ -62,7 +66,8 @@ def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> 
         ways = {"uncaptured": dict(cuda_graph=False)}
         if device.type == "cuda":
             ways["cuda graph"] = dict(cuda_graph=True)
-        ways["compiled" + (" + cuda graph" if device.type == "cuda" else "")] = dict(compile=True)
+        if compiled:
+            ways = {"compiled" + (" + cuda graph" if device.type == "cuda" else ""): dict(compile=True)}
         engines = {way: NativeRolloutEngine(converted, **kwargs) for way, kwargs in ways.items()}
         kept = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
         # 16 rows that end at many lengths (stop ids: tokens rows 0, 1, 2, ... make at steps 0, 3, 6, ... without
@@ -75,8 +80,8 @@ def generation(tally, device: torch.device, configs=("gemma3-alternating",)) -> 
                  ("sampled", prompts, SamplingParams(max_new_tokens=16, seed=3, temperature=0.9)),
                  ("stopping, rows compacted", many,
                   SamplingParams(max_new_tokens=24, seed=5, temperature=0.9, eos_token_id=stops))]
-        # a CPU rehearsal: not the sampled kind (its compiles)
-        for kind, rows, sampling in kinds if device.type == "cuda" else [kinds[0], kinds[2]]:
+        # a CPU rehearsal of the compiled way: not the sampled kind (its compiles)
+        for kind, rows, sampling in kinds if device.type == "cuda" or not compiled else [kinds[0], kinds[2]]:
             expected = kept.generate(rows, sampling)
             for way, engine in engines.items():
                 label = f"generation {config} {kind}, {way}"
