@@ -140,6 +140,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZ
 # transformers (5.25 here) depends on `kernels` and, on CUDA, resolves hub kernels (kernels-community/rotary, ...) when a
 # model is built; with no network that raises, so the peers run with their built-in torch code
 export USE_HUB_KERNELS=NO
+# a CPU rehearsal compiles into a cache of its own: a check killed at its timeout while the C++ compiler writes a
+# kernel's library leaves it cut short in the cache, and every later compile of that kernel fails to load it
+# ("file too short"), in this run and the next (on CUDA inductor's Python and Triton's kernels are written whole)
+[[ $DEVICE == cpu ]] && export TORCHINDUCTOR_CACHE_DIR=$WORK/inductor
 
 NAMES=() STATUSES=() DURATIONS=() NOTES=()
 

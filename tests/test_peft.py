@@ -387,29 +387,33 @@ def test_lora_under_bf16_autocast_is_as_close_to_fp32_as_peft(checkpoint_dir, tm
     where peft rounds the product, its scaled copy and the sum) and hands the adapter its input without a round trip
     through float32: logits and adapter gradients stay as close to the fp32 computation as peft's own."""
     fields = dict(r=4, lora_alpha=8, target_modules="all-linear")
-    peft_model, converted = _native_pair(checkpoint_dir("qwen3-gqa"), fields, tmp_path)
     ids = _input_ids()
-    results = {}
-    for name, model in (("peft", peft_model), ("ours", converted.model)):
-        results[name] = {bf16: _logits_and_adapter_grads(model, ids, bf16) for bf16 in (False, True)}
-    exact_logits, exact_grads = results["peft"][False]
-    assert _max_diff(results["ours"][False][0], exact_logits) <= TOLERANCE
-    assert results["ours"][True][1].keys() == results["peft"][True][1].keys() == exact_grads.keys()
-    assert len(exact_grads) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+    # squared distances of the bf16 runs to the fp32 one and the fp32 run's squared norms, summed over adapters drawn
+    # from 4 seeds (peft draws lora_A from torch's global generator): one adapter's ratio of two bf16 round-off errors
+    # is a noisy draw (0.85x to 1.35x over 8 seeds, 1.7x once), their sum over several is not
+    squared = {(name, what): 0.0 for name in ("peft", "ours", "exact") for what in ("logits", "adapter gradients")}
+    for seed in range(4):
+        torch.manual_seed(seed)
+        peft_model, converted = _native_pair(checkpoint_dir("qwen3-gqa"), fields, tmp_path / str(seed))
+        results = {name: {bf16: _logits_and_adapter_grads(model, ids, bf16) for bf16 in (False, True)}
+                   for name, model in (("peft", peft_model), ("ours", converted.model))}
+        exact_logits, exact_grads = results["peft"][False]
+        assert _max_diff(results["ours"][False][0], exact_logits) <= TOLERANCE
+        assert results["ours"][True][1].keys() == results["peft"][True][1].keys() == exact_grads.keys()
+        assert len(exact_grads) == 2 * 7 * 2  # 2 layers x 7 projections x (A, B)
+        exact = {"logits": exact_logits,
+                 "adapter gradients": torch.cat([exact_grads[key].flatten() for key in sorted(exact_grads)])}
+        for what in exact:
+            squared["exact", what] += exact[what].norm().item() ** 2
+        for name in ("peft", "ours"):
+            logits, grads = results[name][True]
+            got = {"logits": logits,
+                   "adapter gradients": torch.cat([grads[key].flatten() for key in sorted(exact_grads)])}
+            for what in exact:
+                squared[name, what] += (got[what] - exact[what]).norm().item() ** 2
 
-    def relative_error(name: str, what: str) -> float:
-        """The bf16 run's distance to the fp32 one, over all logits or all adapter gradients at once (one number,
-        well-conditioned, where an entry's largest difference is a noisy draw of bf16 round-off)."""
-        logits, grads = results[name][True]
-        if what == "logits":
-            got, exact = logits, exact_logits
-        else:
-            got = torch.cat([grads[key].flatten() for key in sorted(exact_grads)])
-            exact = torch.cat([exact_grads[key].flatten() for key in sorted(exact_grads)])
-        return ((got - exact).norm() / exact.norm()).item()
-
-    for what in ("logits", "adapter gradients"):
-        ours, theirs = relative_error("ours", what), relative_error("peft", what)
+    for what in ("logits", "adapter gradients"):  # each run's relative distance to fp32 over the 4 adapters
+        ours, theirs = ((squared[name, what] / squared["exact", what]) ** 0.5 for name in ("ours", "peft"))
         assert 0 < ours <= 1.5 * theirs, (what, ours, theirs)
 
 

@@ -109,6 +109,9 @@ def test_layout_equals_one_process(launched, one_process, run):
         logs = {row["step"]: row for row in json.loads((launched / f"{run}-rank{rank}.json").read_text())
                 if "objective/kl" in row}
         assert sorted(logs) == list(range(1, UPDATES + 1)), (run, rank, sorted(logs))
+        # tensor parallelism sums its matmuls' partial products in another order, and two updates later that shows:
+        # at update 3, 1.7e-5 relative in the gradient norm (torch 2.13) and 2.1e-5 in policy/approxkl_avg (torch 2.11)
+        tolerance = 5e-5 if "tp2" in run else 1e-5
         for want in expected[first - 1 :]:
             got, where = logs[want["step"]], (run, rank, want["step"])
             for key in SAME:
@@ -116,12 +119,10 @@ def test_layout_equals_one_process(launched, one_process, run):
             for key in CLOSE:
                 if key == "policy/entropy_avg" and run == "cp2":
                     continue  # TRL's mean over the padded positions too, whose queries attend themselves under cp
-                assert _relative(got[key], want[key]) <= 1e-5 or abs(got[key] - want[key]) <= 1e-6, \
+                assert _relative(got[key], want[key]) <= tolerance or abs(got[key] - want[key]) <= 1e-6, \
                     (where, key, got[key], want[key])
             # the gradient norm, the well-conditioned check that each rank's gradient was its share of one process's
-            # (tensor parallelism sums in another order: 1.7e-5 relative measured at update 3)
-            grad_tolerance = 5e-5 if "tp2" in run else 1e-5
-            assert _relative(got["grad_norm"], want["grad_norm"]) <= grad_tolerance, (where, got, want)
+            assert _relative(got["grad_norm"], want["grad_norm"]) <= tolerance, (where, got, want)
     # the updates trained something, and some rows stopped early (the per-token means were over unequal rows)
     assert expected[-1]["objective/kl"] != 0
     assert any(row["val/num_eos_tokens"] > 0 for row in expected)

@@ -6,6 +6,7 @@ optimizer per parameter with the same class, kwargs and weight decay.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import warnings
@@ -337,7 +338,19 @@ def optimizer_parts(
     optimizer_cls, kwargs = _with_bf16_weight_updates(settings, optimizer_cls, kwargs, groups)
     if optimizer_cls is torch.optim.AdamW:
         kwargs = with_fused_kernel(settings.optim, kwargs, groups)
+    if settings.optim == "stable_adamw":
+        kwargs = _optimi_kernels_for(optimizer_cls, kwargs, groups)
     return optimizer_cls, groups, kwargs
+
+
+def _optimi_kernels_for(optimizer_cls, kwargs: dict, groups: list[dict]) -> dict:
+    """torch-optimi's kwargs with its Triton kernels off where a parameter is in CPU memory. Left to itself it takes
+    them whenever Triton imports (it decides before it has seen a parameter), and they cannot read CPU tensors: a
+    CPU run on a machine with Triton installed (a CUDA build of torch) failed at its first step."""
+    on_cpu = any(p.device.type == "cpu" for group in groups for p in group["params"])
+    if on_cpu and "triton" in inspect.signature(optimizer_cls).parameters:
+        return {**kwargs, "triton": False}
+    return kwargs
 
 
 def _with_bf16_weight_updates(settings: OptimizerSettings, optimizer_cls, kwargs: dict, groups: list[dict]):
