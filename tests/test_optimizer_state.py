@@ -63,9 +63,10 @@ def _train_steps(model, optimizer, steps=6):
 @pytest.mark.parametrize("optim, optim_args, class_name", BNB_32BIT_CASES)
 def test_bitsandbytes_32bit_names_make_bitsandbytes_updates(optim, optim_args, class_name, tmp_path):
     """Each step's parameters equal bitsandbytes' (Lion's signs, AdEMAMix's schedules of alpha and beta3, RMSprop's
-    alpha and eps from optim_args, the decay groups) to within 1% of one step's update (lr 1e-3): fp32 round-off,
+    alpha and eps from optim_args, the decay groups) to within 3% of one step's update (lr 1e-3): fp32 round-off,
     which Adam-like updates amplify where a gradient is round-off itself (the scheduled AdEMAMix case: 3e-6 after 6
-    steps; the others 1e-7 or less). A wrong term moves them by a step's order (1e-4 and more)."""
+    steps on an Intel CPU, 1.4e-5 on an AMD one; the others 1e-7 or less). A wrong term moves them by a step's order
+    (1e-4 and more)."""
     hf_model, ours_model = _bnb_model(), _bnb_model()
     hf = _bnb_reference(hf_model, optim, optim_args, tmp_path)
     ours = build_optimizer(ours_model, OptimizerSettings(optim, optim_args=optim_args, **BNB_HYPERPARAMETERS))
@@ -74,7 +75,7 @@ def test_bitsandbytes_32bit_names_make_bitsandbytes_updates(optim, optim_args, c
     for _ in range(6):
         _step_each(((hf_model, hf), (ours_model, ours)), torch.randint(0, 256, (4, 32)))
         for (name, a), b in zip(ours_model.named_parameters(), hf_model.parameters()):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5, msg=name)
+            torch.testing.assert_close(a, b, rtol=0, atol=3e-5, msg=name)
 
 
 def _distance(model, other, start) -> float:
