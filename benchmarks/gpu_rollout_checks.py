@@ -63,11 +63,12 @@ def generation(tally, device: torch.device, configs=("gemma3-alternating",), com
             save_hf_model(config, folder)
             reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
             converted = load_pretrained(folder, dtype=torch.float32, device=device)
-        ways = {"uncaptured": dict(cuda_graph=False)}
-        if device.type == "cuda":
-            ways["cuda graph"] = dict(cuda_graph=True)
         if compiled:
             ways = {"compiled" + (" + cuda graph" if device.type == "cuda" else ""): dict(compile=True)}
+        else:
+            ways = {"uncaptured": dict(cuda_graph=False)}
+            if device.type == "cuda":
+                ways["cuda graph"] = dict(cuda_graph=True)
         engines = {way: NativeRolloutEngine(converted, **kwargs) for way, kwargs in ways.items()}
         kept = NativeRolloutEngine(converted, cuda_graph=False, compact=False)
         # 16 rows that end at many lengths (stop ids: tokens rows 0, 1, 2, ... make at steps 0, 3, 6, ... without
