@@ -21,6 +21,30 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+
+def _ray_before_the_imports(output_dir: str) -> None:
+    """The first rank starts the launch's local Ray instance while the other ranks wait, before any rank imports torch:
+    Ray gives its node a fixed 30 s to register, and on 2 cores shared with the other test worker, four ranks'
+    imports made it miss that once ("The current node timed out during startup")."""
+    import time
+
+    ready = Path(output_dir) / f".ray-started-{os.environ['TORCHELASTIC_RUN_ID']}"  # one launch's, not an earlier one's
+    if os.environ["RANK"] == "0":
+        import ray
+
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ready.touch()
+        return
+    deadline = time.monotonic() + 600  # the launch fails sooner if the first rank does (torchrun stops the others)
+    while not ready.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the first rank did not start Ray within 600 s ({ready} missing)")
+        time.sleep(0.2)
+
+
+if __name__ == "__main__":
+    _ray_before_the_imports(sys.argv[1])
+
 from _rl_layouts_worker import LAYOUTS, prompts  # noqa: E402
 from _tool_calling_worker import double, fail, steered_episodes, tool_results  # noqa: E402
 
@@ -66,10 +90,6 @@ def train(model: str, output_dir: str, per_device: int, **extra) -> list[dict]:
 
 def main(output_dir: str, models_dir: str, runs: list[str]) -> None:
     rank = int(os.environ["RANK"])
-    if rank == 0:
-        import ray
-
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     for run in runs:
         layout, model = run.split("-")
         sizes, dp = LAYOUTS[layout]
