@@ -35,10 +35,7 @@ def _ray_before_the_imports(output_dir: str) -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         ready.touch()
         return
-    deadline = time.monotonic() + 600  # the launch fails sooner if the first rank does (torchrun stops the others)
-    while not ready.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the first rank did not start Ray within 600 s ({ready} missing)")
+    while not ready.exists():  # torchrun stops the others if the first rank fails; the test's timeout bounds a hang
         time.sleep(0.2)
 
 
